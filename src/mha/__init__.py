@@ -1,0 +1,22 @@
+"""mha: exact multi-head attention as a first-class NumPy citizen.
+
+>>> import numpy as np, mha
+>>> X = np.random.default_rng(0).standard_normal((2, 4, 8))
+>>> mha.MultiHeadAttention(8, 2, seed=0)(X, mask=True).shape
+(2, 4, 8)
+"""
+
+from .errors import AttentionError, AttentionTypeError, AttentionValueError, ShapeError
+from .functional import multi_head_attention, scaled_dot_product_attention
+from .module import MultiHeadAttention
+
+__all__ = [
+    "AttentionError",
+    "AttentionTypeError",
+    "AttentionValueError",
+    "MultiHeadAttention",
+    "ShapeError",
+    "multi_head_attention",
+    "scaled_dot_product_attention",
+]
+__version__ = "0.1.0"

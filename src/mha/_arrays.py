@@ -1,0 +1,88 @@
+"""Turning what the caller gave into arrays, and the dtype policy.
+
+float64 in gives float64 out. Lists and integer arrays become float64. float32 is computed
+in float32; float16 is computed in float32 and returned as float16. Mixed float inputs
+follow ``np.result_type``. Complex, object, string and boolean data are refused.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import numpy as np
+
+from .errors import AttentionTypeError, AttentionValueError, ShapeError
+
+
+def as_float_array(name: str, x: Any) -> np.ndarray:
+    """``x`` as a real floating array (never a copy of a float array, never modified)."""
+    array = as_array(name, x)
+    kind = array.dtype.kind
+    if kind == "f":
+        return array
+    if kind in "iu":
+        return array.astype(np.float64)
+    if kind == "b":
+        raise AttentionTypeError(
+            f"{name} has boolean dtype; attention data must be real numbers "
+            "(float16, float32 or float64). A boolean array belongs in mask="
+        )
+    raise AttentionTypeError(
+        f"{name} has dtype {array.dtype}; attention data must be real numbers "
+        "(float16, float32 or float64; integers are read as float64)"
+    )
+
+
+def as_array(name: str, x: Any) -> np.ndarray:
+    """``np.asarray(x)``, with a failure (a ragged list, say) reported under ``name``."""
+    try:
+        return np.asarray(x)
+    except (ValueError, TypeError) as error:
+        raise AttentionTypeError(f"{name} could not be read as an array: {error}") from None
+
+
+def result_and_compute_dtypes(*arrays: np.ndarray | None) -> tuple[np.dtype, np.dtype]:
+    """The dtype returned to the caller and the dtype the arithmetic runs in."""
+    result = np.result_type(*(a for a in arrays if a is not None))
+    compute = np.dtype(np.float32) if result == np.float16 else result
+    return result, compute
+
+
+def check_rank(name: str, array: np.ndarray, layout: str, ranks: tuple[int, ...]) -> None:
+    if array.ndim not in ranks:
+        raise ShapeError(f"{name} must have shape {layout}; got shape {array.shape}")
+
+
+def positive_int(name: str, value: Any) -> int:
+    """A positive Python int from an int-like value (bools and floats are refused)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise AttentionTypeError(f"{name} must be a positive integer; got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise AttentionTypeError(
+            f"{name} must be a positive integer; got {value!r} of type {type(value).__name__}"
+        ) from None
+    if number <= 0:
+        raise AttentionValueError(f"{name} must be a positive integer; got {number}")
+    return number
+
+
+def resolve_scale(scale: Any, d_k: int) -> float:
+    """The softmax scale as a Python float: ``1/sqrt(d_k)`` unless the caller gave one."""
+    if scale is None:
+        if d_k == 0:
+            raise AttentionValueError(
+                "the query/key head width d_k is 0, so the default scale 1/sqrt(d_k) "
+                "is undefined; pass scale= explicitly"
+            )
+        return 1.0 / float(np.sqrt(d_k))
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.number)):
+        raise AttentionTypeError(f"scale must be a positive real number; got {scale!r}")
+    if isinstance(scale, np.number) and np.dtype(type(scale)).kind not in "iuf":
+        raise AttentionTypeError(f"scale must be a positive real number; got {scale!r}")
+    value = float(scale)
+    if not (value > 0.0 and np.isfinite(value)):
+        raise AttentionValueError(f"scale must be a positive, finite number; got {value!r}")
+    return value

@@ -1,0 +1,193 @@
+"""``MultiHeadAttention``: configuration and weights around :func:`mha.multi_head_attention`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._arrays import as_float_array, positive_int
+from .errors import AttentionTypeError, AttentionValueError, ShapeError
+from .functional import multi_head_attention
+
+__all__ = ["MultiHeadAttention"]
+
+
+class MultiHeadAttention:
+    """Multi-head attention that owns its weights; ``forward`` calls the function.
+
+    The weights are attributes in the function's "x @ W" layout: ``W_q (d_model, d_model)``,
+    ``W_k (kdim, d_model)``, ``W_v (vdim, d_model)``, ``W_o (d_model, d_model)``, and with
+    ``bias=True`` also ``b_q``, ``b_k``, ``b_v``, ``b_o`` (``None`` otherwise). They are
+    initialised as ``torch.nn.MultiheadAttention`` does: Xavier/Glorot uniform over the
+    packed ``(3*d_model, d_model)`` in-projection (or over each of W_q, W_k, W_v when
+    ``kdim``/``vdim`` differ from ``d_model``), ``U(-1/sqrt(d_model), 1/sqrt(d_model))`` for
+    ``W_o`` (``nn.Linear``'s default) and zero biases. ``seed`` (an int or a
+    ``np.random.Generator``) makes them reproducible.
+
+    >>> import numpy as np
+    >>> from mha import MultiHeadAttention
+    >>> attention = MultiHeadAttention(d_model=8, num_heads=2, seed=0)
+    >>> attention
+    MultiHeadAttention(d_model=8, num_heads=2, bias=False, dtype=float64)
+    >>> X = np.random.default_rng(1).standard_normal((2, 5, 8))
+    >>> attention.forward(X, mask=True).shape            # causal self-attention
+    (2, 5, 8)
+    >>> memory = np.random.default_rng(2).standard_normal((2, 7, 8))
+    >>> attention(X, memory, key_lengths=[7, 3]).shape   # cross-attention with padding
+    (2, 5, 8)
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        bias: bool = False,
+        dtype: Any = np.float64,
+        seed: int | np.random.Generator | None = None,
+    ) -> None:
+        self.d_model = positive_int("d_model", d_model)
+        self.num_heads = positive_int("num_heads", num_heads)
+        if self.d_model % self.num_heads:
+            raise AttentionValueError(
+                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
+                "each head needs an equal share of the width"
+            )
+        self.kdim = self.d_model if kdim is None else positive_int("kdim", kdim)
+        self.vdim = self.d_model if vdim is None else positive_int("vdim", vdim)
+        if not isinstance(bias, (bool, np.bool_)):
+            raise AttentionTypeError(f"bias must be True or False; got {bias!r}")
+        self.has_bias = bool(bias)
+        self.dtype = _float_dtype(dtype)
+        rng = np.random.default_rng(seed)
+
+        E = self.d_model
+        if self.kdim == E and self.vdim == E:
+            in_proj = _uniform(rng, (3 * E, E), _xavier_bound(E, 3 * E), self.dtype)
+            self.W_q, self.W_k, self.W_v = (part.T.copy() for part in np.split(in_proj, 3))
+        else:
+            self.W_q, self.W_k, self.W_v = (
+                _uniform(rng, (E, d_in), _xavier_bound(d_in, E), self.dtype).T.copy()
+                for d_in in (E, self.kdim, self.vdim)
+            )
+        self.W_o = _uniform(rng, (E, E), 1.0 / float(np.sqrt(E)), self.dtype).T.copy()
+        biases: list[np.ndarray | None] = [
+            np.zeros(E, dtype=self.dtype) if self.has_bias else None for _ in range(4)
+        ]
+        self.b_q, self.b_k, self.b_v, self.b_o = biases
+
+    @property
+    def head_dim(self) -> int:
+        """The per-head width ``d_model // num_heads``."""
+        return self.d_model // self.num_heads
+
+    def forward(
+        self,
+        query: Any,
+        key: Any = None,
+        value: Any = None,
+        *,
+        mask: Any = None,
+        causal: bool = False,
+        causal_alignment: str = "bottom_right",
+        key_lengths: Any = None,
+        query_lengths: Any = None,
+        bias: Any = None,
+        scale: float | None = None,
+        return_weights: bool = False,
+    ) -> Any:
+        """Attention of ``query (B, L, d_model)`` over ``key``/``value`` (default: self-attention).
+
+        ``forward(X, mask)`` is the specification's form: ``mask=None`` attends
+        everywhere, ``mask=True`` is causal, a boolean array marks where attention is
+        allowed (True = may attend). For cross-attention pass ``key (B, S, kdim)`` and
+        ``value (B, S, vdim)`` (``value`` defaults to ``key``). The keywords are those of
+        :func:`mha.multi_head_attention`.
+        """
+        if _looks_like_mask(key) and value is None:
+            if mask is not None:
+                raise AttentionTypeError(
+                    "forward got a boolean second argument and mask=; the second positional "
+                    "argument is the mask in forward(X, mask), so give the mask only once"
+                )
+            key, mask = None, key
+        query = as_float_array("query", query)
+        key = query if key is None else as_float_array("key", key)
+        value = key if value is None else as_float_array("value", value)
+        for name, array, width, label in (
+            ("query", query, self.d_model, "d_model"),
+            ("key", key, self.kdim, "kdim"),
+            ("value", value, self.vdim, "vdim"),
+        ):
+            if array.ndim in (2, 3) and array.shape[-1] != width:
+                raise ShapeError(
+                    f"{name} has width {array.shape[-1]} but this MultiHeadAttention has "
+                    f"{label}={width} ({name} {array.shape})"
+                )
+        return multi_head_attention(
+            query,
+            key,
+            value,
+            self.W_q,
+            self.W_k,
+            self.W_v,
+            self.W_o,
+            self.num_heads,
+            mask=mask,
+            causal=causal,
+            causal_alignment=causal_alignment,
+            key_lengths=key_lengths,
+            query_lengths=query_lengths,
+            bias=bias,
+            b_q=self.b_q,
+            b_k=self.b_k,
+            b_v=self.b_v,
+            b_o=self.b_o,
+            scale=scale,
+            return_weights=return_weights,
+        )
+
+    __call__ = forward
+
+    def __repr__(self) -> str:
+        dims = "".join(
+            f", {name}={value}"
+            for name, value in (("kdim", self.kdim), ("vdim", self.vdim))
+            if value != self.d_model
+        )
+        return (
+            f"MultiHeadAttention(d_model={self.d_model}, num_heads={self.num_heads}{dims}, "
+            f"bias={self.has_bias}, dtype={self.dtype.name})"
+        )
+
+
+def _looks_like_mask(x: Any) -> bool:
+    """A bool or boolean array in the key slot is the spec's ``forward(X, mask)``."""
+    if isinstance(x, (bool, np.bool_)):
+        return True
+    return isinstance(x, np.ndarray) and x.dtype.kind == "b"
+
+
+def _float_dtype(dtype: Any) -> np.dtype:
+    try:
+        result: np.dtype = np.dtype(dtype)
+    except TypeError:
+        raise AttentionTypeError(f"dtype must be a floating dtype; got {dtype!r}") from None
+    if result.kind != "f":
+        raise AttentionTypeError(
+            f"dtype must be a floating dtype (float16, float32, float64); got {result}"
+        )
+    return result
+
+
+def _xavier_bound(fan_in: int, fan_out: int) -> float:
+    return float(np.sqrt(6.0 / (fan_in + fan_out)))
+
+
+def _uniform(
+    rng: np.random.Generator, shape: tuple[int, int], bound: float, dtype: np.dtype
+) -> np.ndarray:
+    return rng.uniform(-bound, bound, size=shape).astype(dtype)

@@ -1,0 +1,40 @@
+"""The README stays true: its Python blocks run, and the error it quotes is the one raised."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mha
+
+README = (Path(__file__).parent.parent / "README.md").read_text()
+
+
+def blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.DOTALL)
+
+
+@pytest.mark.parametrize("code", blocks("python"))
+def test_python_blocks_run(code):
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["out"].shape == (2, 5, 8)
+    assert namespace["weights"].shape == (2, 2, 5, 5)
+
+
+def test_quoted_error_is_real():
+    quoted = [line for block in blocks("text") for line in block.splitlines() if "Error" in line]
+    assert quoted == ["mha.ShapeError: K has 6 positions but V has 5 (K (2, 6, 8), V (2, 5, 8))"]
+    K, V = np.zeros((2, 6, 8)), np.zeros((2, 5, 8))
+    with pytest.raises(mha.ShapeError) as caught:
+        mha.multi_head_attention(np.zeros((2, 3, 8)), K, V, *np.zeros((4, 8, 8)), 2)
+    assert f"mha.ShapeError: {caught.value}" == quoted[0]
+
+
+def test_both_commands_are_there():
+    shell = blocks("bash")
+    assert any("pip install ." in block and "examples/quickstart.py" in block for block in shell)
+    assert any('".[test,torch]"' in block and "pytest" in block for block in shell)
