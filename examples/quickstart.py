@@ -1,6 +1,6 @@
 """A first run: the specification's example, causal masking, padding, and the oracle check.
 
-    python examples/quickstart.py
+python examples/quickstart.py
 """
 
 import numpy as np
