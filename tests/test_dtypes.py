@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import tracemalloc
+import sys
+import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,19 +91,69 @@ def test_float64_bias_does_not_promote_float32_work():
     assert mha.multi_head_attention(*args, 2, bias=bias).dtype == np.float32
 
 
-def peak_bytes(dtype) -> int:
-    args = [a.astype(dtype) for a in inputs(B=1, L=256, S=256, d=64)]
-    tracemalloc.start()
-    tracemalloc.reset_peak()
-    mha.multi_head_attention(*args, 4, causal=True, return_weights=True)
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    return peak
+def float64_arrays_seen_inside_mha(call, given=()) -> list[str]:
+    """Run ``call`` tracing every frame of mha's source: the float64 arrays its locals hold,
+    other than the caller's own arrays ``given`` and views of them."""
+    source = str(Path(mha.__file__).parent)
+    theirs = {id(array) for array in given}
+    seen = []
+
+    def is_theirs(array):
+        while array is not None:
+            if id(array) in theirs:
+                return True
+            array = array.base
+        return False
+
+    def tracer(frame, event, arg):
+        if not frame.f_code.co_filename.startswith(source):
+            return tracer
+        for name, value in frame.f_locals.items():
+            if isinstance(value, np.ndarray) and value.dtype == np.float64 and not is_theirs(value):
+                seen.append(f"{frame.f_code.co_name}: {name} {value.shape}")
+        return tracer
+
+    threading.settrace(tracer)
+    sys.settrace(tracer)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+        threading.settrace(None)
+    return seen
 
 
-def test_float32_work_makes_no_float64_temporaries():
-    """A float64 temporary of the (B, H, L, S) scores would push float32's peak past half."""
-    assert peak_bytes(np.float32) <= 0.55 * peak_bytes(np.float64)
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_float32_work_makes_no_float64_temporaries(dtype, workers):
+    args = inputs(dtype, B=2, L=64, S=80, d=16)
+    bias = np.zeros((64, 80))  # float64 on purpose: it is cast to the compute dtype
+    mask = r.random((2, 64, 80)) < 0.9
+
+    def calls():
+        mha.multi_head_attention(
+            *args,
+            2,
+            causal=True,
+            bias=bias,
+            mask=mask,
+            key_lengths=[80, 50],
+            workers=workers,
+            max_memory=2**14,
+            return_weights=True,
+        )
+        mha.multi_head_attention(*args, 2, causal=True, workers=workers, max_memory=2**14)
+        q = args[0].reshape(2, 2, 64, 8)
+        mha.scaled_dot_product_attention(
+            q, q, q, bias=bias[:, :64], return_lse=True, workers=workers, max_memory=2**13
+        )
+
+    assert float64_arrays_seen_inside_mha(calls, given=[bias]) == []
+
+
+def test_the_float64_tracer_can_see_float64_work():
+    args = inputs(np.float64)
+    assert float64_arrays_seen_inside_mha(lambda: mha.multi_head_attention(*args, 2))
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])

@@ -219,7 +219,7 @@ CASES = [
         "zero scale",
         lambda: call(scale=0),
         AttentionValueError,
-        r"scale must be a positive, finite number; got 0.0",
+        r"scale must be a positive number that float64 can hold; got 0",
     ),
     ("negative scale", lambda: call(scale=-0.5), AttentionValueError, r"got -0.5"),
     ("nan scale", lambda: call(scale=float("nan")), AttentionValueError, r"got nan"),

@@ -7,7 +7,7 @@
 """
 
 from .errors import AttentionError, AttentionTypeError, AttentionValueError, ShapeError
-from .functional import multi_head_attention, scaled_dot_product_attention
+from .functional import merge_attention, multi_head_attention, scaled_dot_product_attention
 from .module import MultiHeadAttention
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "AttentionValueError",
     "MultiHeadAttention",
     "ShapeError",
+    "merge_attention",
     "multi_head_attention",
     "scaled_dot_product_attention",
 ]

@@ -8,6 +8,7 @@ follow ``np.result_type``. Complex, object, string and boolean data are refused.
 from __future__ import annotations
 
 import operator
+import reprlib
 from typing import Any
 
 import numpy as np
@@ -69,20 +70,34 @@ def positive_int(name: str, value: Any) -> int:
     return number
 
 
-def resolve_scale(scale: Any, d_k: int) -> float:
-    """The softmax scale as a Python float: ``1/sqrt(d_k)`` unless the caller gave one."""
+def flag(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise AttentionTypeError(f"{name} must be True or False; got {value!r}")
+    return bool(value)
+
+
+def resolve_scale(scale: Any, d_k: int, dtype: np.dtype, source: str = "q") -> float:
+    """The softmax scale as a Python float: ``1/sqrt(d_k)`` unless the caller gave one.
+
+    A Python float keeps float32 work in float32 (NumPy 2 promotes ``np.float64`` scalars).
+    """
     if scale is None:
         if d_k == 0:
             raise AttentionValueError(
-                "the query/key head width d_k is 0, so the default scale 1/sqrt(d_k) "
-                "is undefined; pass scale= explicitly"
+                f"the query/key head width d_k is 0 ({source}), so the default scale "
+                "1/sqrt(d_k) is undefined; pass scale= explicitly"
             )
         return 1.0 / float(np.sqrt(d_k))
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.number)):
+    real = isinstance(scale, (int, float, np.integer, np.floating))
+    if isinstance(scale, (bool, np.bool_)) or not real:
         raise AttentionTypeError(f"scale must be a positive real number; got {scale!r}")
-    if isinstance(scale, np.number) and np.dtype(type(scale)).kind not in "iuf":
-        raise AttentionTypeError(f"scale must be a positive real number; got {scale!r}")
-    value = float(scale)
-    if not (value > 0.0 and np.isfinite(value)):
-        raise AttentionValueError(f"scale must be a positive, finite number; got {value!r}")
+    try:
+        value = float(scale)
+    except OverflowError:
+        value = float("inf")
+    if not (0.0 < value <= float(np.finfo(dtype).max)):
+        raise AttentionValueError(
+            f"scale must be a positive number that {np.dtype(dtype).name} can hold; "
+            f"got {reprlib.repr(scale)}"
+        )
     return value

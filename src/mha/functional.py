@@ -18,11 +18,14 @@ from ._arrays import (
     resolve_scale,
     result_and_compute_dtypes,
 )
-from .errors import ShapeError
-from .kernel import attend
+from ._arrays import (
+    flag as _flag,
+)
+from .errors import AttentionTypeError, AttentionValueError, ShapeError
+from .kernel import DEFAULT_MAX_MEMORY, attend
 from .masks import Visibility
 
-__all__ = ["multi_head_attention", "scaled_dot_product_attention"]
+__all__ = ["merge_attention", "multi_head_attention", "scaled_dot_product_attention"]
 
 
 def scaled_dot_product_attention(
@@ -38,13 +41,20 @@ def scaled_dot_product_attention(
     bias: Any = None,
     scale: float | None = None,
     return_weights: bool = False,
+    return_lse: bool = False,
+    max_memory: int | None = None,
+    workers: int | None = None,
 ) -> Any:
     """Attention over already split heads: ``softmax(q k^T * scale + bias) v`` per head.
 
     ``q (..., H, L, d_k)``, ``k (..., H, S, d_k)``, ``v (..., H, S, d_v)`` with the same
-    leading axes. Returns ``(..., H, L, d_v)``, or ``(out, weights)`` with weights
-    ``(..., H, L, S)`` when ``return_weights=True``. ``scale`` defaults to ``1/sqrt(d_k)``.
-    The masking keywords follow the contract in :mod:`mha.masks` (True = may attend).
+    leading axes. Returns ``out (..., H, L, d_v)``; ``return_weights=True`` adds the weights
+    ``(..., H, L, S)`` and ``return_lse=True`` the log-sum-exp of each row's logits
+    ``(..., H, L)`` (``-inf`` for a row that sees no key; float32 for float16 inputs), in
+    that order, for :func:`merge_attention`. ``scale`` defaults to ``1/sqrt(d_k)``. The
+    masking keywords follow the contract in :mod:`mha.masks` (True = may attend).
+    ``max_memory`` bounds each worker's scratch in bytes (default 4 MiB) and ``workers``
+    the threads (default: the cores); neither changes the result beyond rounding.
 
     >>> import numpy as np
     >>> from mha import scaled_dot_product_attention
@@ -68,30 +78,37 @@ def scaled_dot_product_attention(
     _same("q", q, "k", k, "head width {}", q.shape[-1], k.shape[-1])
     _same("k", k, "v", v, "{} positions", k.shape[-2], v.shape[-2])
     result_dtype, compute_dtype = result_and_compute_dtypes(q, k, v)
+    masking = {
+        "mask": mask,
+        "causal": causal,
+        "causal_alignment": causal_alignment,
+        "key_lengths": key_lengths,
+        "query_lengths": query_lengths,
+        "bias": bias,
+    }
     visibility = Visibility.build(
-        batch_shape=q.shape[:-3],
-        H=q.shape[-3],
-        L=q.shape[-2],
-        S=k.shape[-2],
-        mask=mask,
-        causal=causal,
-        causal_alignment=causal_alignment,
-        key_lengths=key_lengths,
-        query_lengths=query_lengths,
-        bias=bias,
-        dtype=compute_dtype,
-    )
-    scale = resolve_scale(scale, q.shape[-1])
+        batch_shape=q.shape[:-3], H=q.shape[-3], L=q.shape[-2], S=k.shape[-2],
+        dtype=compute_dtype, **masking,
+    )  # fmt: skip
+    scale = resolve_scale(scale, q.shape[-1], compute_dtype)
+    budget, threads = _kernel_options(return_weights, max_memory, workers)
+    want_lse = _flag("return_lse", return_lse)
+    out = np.zeros((*q.shape[:-1], v.shape[-1]), dtype=compute_dtype)
+    weights = None
+    if return_weights:
+        weights = np.zeros((*q.shape[:-1], k.shape[-2]), dtype=compute_dtype)
+    lse = np.full(q.shape[:-1], -np.inf, dtype=compute_dtype) if want_lse else None
     with np.errstate(invalid="ignore", over="ignore"):
-        out, weights = attend(
-            q.astype(compute_dtype, copy=False),
-            k.astype(compute_dtype, copy=False),
-            v.astype(compute_dtype, copy=False),
-            visibility,
-            scale,
-            return_weights,
-        )
-    return _finish(out, weights, result_dtype)
+        attend(
+            q, k, v, visibility, scale, out, weights=weights, lse=lse, max_memory=budget,
+            workers=threads,
+        )  # fmt: skip
+    results = [_cast(out, result_dtype)]
+    if weights is not None:
+        results.append(_cast(weights, result_dtype))
+    if lse is not None:
+        results.append(lse)
+    return results[0] if len(results) == 1 else tuple(results)
 
 
 def multi_head_attention(
@@ -116,6 +133,8 @@ def multi_head_attention(
     b_o: Any = None,
     scale: float | None = None,
     return_weights: bool = False,
+    max_memory: int | None = None,
+    workers: int | None = None,
 ) -> Any:
     """Multi-head attention (Vaswani et al., 2017) with "x @ W" weights.
 
@@ -125,7 +144,9 @@ def multi_head_attention(
     runs :func:`scaled_dot_product_attention` per head (scale ``1/sqrt(d_k)``), joins the
     heads and applies ``W_o``. Returns ``(B, L, d_out)``, or ``(out, weights)`` with
     per-head weights ``(B, H, L, S)`` when ``return_weights=True``. The optional
-    ``b_q``, ``b_k``, ``b_v``, ``b_o`` are added after their projections.
+    ``b_q``, ``b_k``, ``b_v``, ``b_o`` are added after their projections. When ``Q``, ``K``
+    and ``V`` are one array, one GEMM projects all three. ``max_memory`` and ``workers`` are
+    those of :func:`scaled_dot_product_attention`.
 
     >>> import numpy as np
     >>> from mha import multi_head_attention
@@ -184,34 +205,134 @@ def multi_head_attention(
         Q, K, V, W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o
     )
     B, L, S = Q.shape[:-2], Q.shape[-2], K.shape[-2]  # B is () for unbatched input
-    visibility = Visibility.build(
-        batch_shape=B,
-        H=H,
-        L=L,
-        S=S,
-        mask=mask,
-        causal=causal,
-        causal_alignment=causal_alignment,
-        key_lengths=key_lengths,
-        query_lengths=query_lengths,
-        bias=bias,
-        dtype=compute_dtype,
-    )
-    scale = resolve_scale(scale, W_q.shape[1] // H)
+    masking = {
+        "mask": mask,
+        "causal": causal,
+        "causal_alignment": causal_alignment,
+        "key_lengths": key_lengths,
+        "query_lengths": query_lengths,
+        "bias": bias,
+    }
+    visibility = Visibility.build(batch_shape=B, H=H, L=L, S=S, dtype=compute_dtype, **masking)
+    scale = resolve_scale(scale, W_q.shape[1] // H, compute_dtype, f"W_q {W_q.shape}")
+    budget, threads = _kernel_options(return_weights, max_memory, workers)
 
     def cast(array: np.ndarray | None) -> np.ndarray | None:
         return None if array is None else array.astype(compute_dtype, copy=False)
 
     with np.errstate(invalid="ignore", over="ignore"):
-        q = _split_heads(_project(cast(Q), cast(W_q), cast(b_q)), H)  # (*B, H, L, d_k)
-        k = _split_heads(_project(cast(K), cast(W_k), cast(b_k)), H)  # (*B, H, S, d_k)
-        v = _split_heads(_project(cast(V), cast(W_v), cast(b_v)), H)  # (*B, H, S, d_v)
-        heads, weights = attend(q, k, v, visibility, scale, return_weights)
-        out = _project(_merge_heads(heads), cast(W_o), cast(b_o))  # (*B, L, d_out)
-    return _finish(out, weights, result_dtype)
+        q, k, v = _project_heads(
+            cast(Q), cast(K), cast(V), cast(W_q), cast(W_k), cast(W_v), cast(b_q), cast(b_k),
+            cast(b_v), H, self_attention=Q is K is V,
+        )  # fmt: skip
+        joined = np.zeros((*B, L, W_v.shape[1]), dtype=compute_dtype)  # (*B, L, H*d_v)
+        weights = np.zeros((*B, H, L, S), dtype=compute_dtype) if return_weights else None
+        attend(
+            q, k, v, visibility, scale, _split_heads(joined, H), weights=weights,
+            max_memory=budget, workers=threads,
+        )  # fmt: skip
+        del q, k, v  # the projections are not needed for the output projection
+        out = _project(joined, cast(W_o), cast(b_o))  # (*B, L, d_out)
+    if weights is None:
+        return _cast(out, result_dtype)
+    return _cast(out, result_dtype), _cast(weights, result_dtype)
+
+
+def merge_attention(outputs: Any, lses: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Merge attention computed over disjoint key ranges into the attention over all of them.
+
+    ``outputs[p] (..., L, d_v)`` and ``lses[p] (..., L)`` are the results of
+    :func:`scaled_dot_product_attention` with ``return_lse=True`` for the same queries over
+    part ``p`` of the keys (split-key decoding, sequence-parallel attention). Returns the
+    merged ``(out, lse)``. A part in which a row sees no key (``lse = -inf``) adds nothing;
+    a row that sees no key in any part stays zero with ``lse = -inf``.
+
+    >>> import numpy as np
+    >>> from mha import merge_attention, scaled_dot_product_attention as sdpa
+    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 1, 4, 8))
+    >>> left = sdpa(q, k[:, :3], v[:, :3], return_lse=True)
+    >>> right = sdpa(q, k[:, 3:], v[:, 3:], return_lse=True)
+    >>> out, lse = merge_attention([left[0], right[0]], [left[1], right[1]])
+    >>> bool(np.allclose(out, sdpa(q, k, v), rtol=1e-14, atol=0))
+    True
+    """
+    outs = [as_float_array(f"outputs[{p}]", x) for p, x in enumerate(_sequence("outputs", outputs))]
+    logs = [as_float_array(f"lses[{p}]", x) for p, x in enumerate(_sequence("lses", lses))]
+    if len(outs) != len(logs) or not outs:
+        raise AttentionValueError(
+            f"merge_attention needs one lse per output and at least one of each; "
+            f"got {len(outs)} outputs and {len(logs)} lses"
+        )
+    for p, (out, lse) in enumerate(zip(outs, logs, strict=True)):
+        if out.ndim < 2 or lse.shape != out.shape[:-1]:
+            raise ShapeError(
+                f"lses[{p}] must have the shape of outputs[{p}] without its last axis "
+                f"(outputs[{p}] {out.shape}, lses[{p}] {lse.shape})"
+            )
+        _same("outputs[0]", outs[0], f"outputs[{p}]", out, "shape {}", outs[0].shape, out.shape)
+    result_dtype, compute_dtype = result_and_compute_dtypes(*outs)
+    _, lse_dtype = result_and_compute_dtypes(*outs, *logs)
+    with np.errstate(invalid="ignore", over="ignore"):
+        stacked = np.stack([lse.astype(lse_dtype, copy=False) for lse in logs])  # (P, ..., L)
+        top = stacked.max(axis=0)
+        top[top == -np.inf] = 0.0  # rows that see no key in any part
+        share = np.exp(stacked - top)  # each part's sum of exp, relative to the top
+        total = share.sum(axis=0)
+        merged = np.zeros(outs[0].shape, dtype=compute_dtype)
+        for out, part in zip(outs, share, strict=True):
+            merged += part[..., None].astype(compute_dtype, copy=False) * out
+        empty = total == 0.0
+        total[empty] = 1.0
+        merged /= total[..., None].astype(compute_dtype, copy=False)
+        lse_merged = top + np.log(total)
+        lse_merged[empty] = -np.inf
+    return _cast(merged, result_dtype), lse_merged
+
+
+def _sequence(name: str, value: Any) -> list[Any]:
+    if isinstance(value, np.ndarray) or not isinstance(value, (list, tuple)):
+        raise AttentionTypeError(f"{name} must be a list or tuple of arrays, one per key range")
+    return list(value)
 
 
 _WEIGHTS = ("W_q", "W_k", "W_v", "W_o")
+
+
+def _project_heads(
+    Q: Any,
+    K: Any,
+    V: Any,
+    W_q: Any,
+    W_k: Any,
+    W_v: Any,
+    b_q: Any,
+    b_k: Any,
+    b_v: Any,
+    H: int,
+    *,
+    self_attention: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The projected ``q (*B, H, L, d_k)``, ``k``, ``v`` as views into the projections.
+
+    For self-attention one GEMM against ``[W_q | W_k | W_v]`` projects all three.
+    """  # fmt: skip
+    if not self_attention:
+        return (
+            _split_heads(_project(Q, W_q, b_q), H),
+            _split_heads(_project(K, W_k, b_k), H),
+            _split_heads(_project(V, W_v, b_v), H),
+        )
+    W_qkv = np.concatenate([W_q, W_k, W_v], axis=1)
+    b_qkv = None
+    if b_q is not None or b_k is not None or b_v is not None:
+        b_qkv = np.concatenate([
+            np.zeros(W.shape[1], W.dtype) if b is None else b
+            for b, W in ((b_q, W_q), (b_k, W_k), (b_v, W_v))
+        ])  # fmt: skip
+    qkv = _project(Q, W_qkv, b_qkv)
+    widths = [W_q.shape[1], W_q.shape[1] + W_k.shape[1]]
+    q, k, v = (_split_heads(x, H) for x in np.split(qkv, widths, axis=-1))
+    return q, k, v
 
 
 def _project(x: Any, W: Any, b: np.ndarray | None) -> np.ndarray:
@@ -226,18 +347,16 @@ def _split_heads(x: np.ndarray, H: int) -> np.ndarray:
     return np.moveaxis(x.reshape((*x.shape[:-1], H, x.shape[-1] // H)), -2, -3)
 
 
-def _merge_heads(x: np.ndarray) -> np.ndarray:
-    """``(*B, H, L, d)`` to ``(*B, L, H*d)``."""
-    x = np.moveaxis(x, -3, -2)
-    return x.reshape((*x.shape[:-2], x.shape[-2] * x.shape[-1]))
-
-
-def _finish(out: np.ndarray, weights: np.ndarray | None, dtype: np.dtype) -> Any:
+def _cast(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     with np.errstate(over="ignore"):
-        out = out.astype(dtype, copy=False)
-        if weights is None:
-            return out
-        return out, weights.astype(dtype, copy=False)
+        return array.astype(dtype, copy=False)
+
+
+def _kernel_options(return_weights: Any, max_memory: Any, workers: Any) -> tuple[int, int | None]:
+    """Check the kernel's keywords: ``(max_memory, workers)``."""
+    _flag("return_weights", return_weights)
+    budget = DEFAULT_MAX_MEMORY if max_memory is None else positive_int("max_memory", max_memory)
+    return budget, None if workers is None else positive_int("workers", workers)
 
 
 def _same(

@@ -1,24 +1,84 @@
-"""The attention kernel: softmax(q k^T * scale + bias, masked) v, for already split heads.
+"""The attention kernel: FlashAttention-2's forward pass, written for NumPy.
 
-Every public entry point ends here, so every path computes the same function. The softmax
-is the stable one: subtract the row maximum, exponentiate, and divide the weighted sum of
-values by the row's sum once at the end (``out = (e @ v) / l``), which is also the form a
-tiled, online-softmax kernel accumulates.
+Every public entry point ends here, so every path computes the same function. The work is
+cut into independent items, one per ``(*batch, head)`` index and tile of query rows. Each
+item walks the key tiles its rows can see, keeping per row a running maximum ``m``, a
+running sum ``l`` and an unnormalised accumulator ``acc``::
 
-Rows with no visible key have maximum ``-inf``; their maximum is taken as 0 so that every
-``exp`` is ``exp(-inf) = 0``, their sum is 0, and their output and weights are 0 -- never
-NaN. Non-finite values stored at hidden key positions cannot reach a visible output: hidden
-scores are overwritten (not added to) with ``-inf``, and non-finite values are taken out of
-``v`` before the product, then added back only where a query actually attends.
+    s     = (q * scale) @ k_tile.T + bias_tile        hidden pairs overwritten with -inf
+    m_new = max(m, rowmax(s));  ref = m_new, or 0 where m_new is -inf (no visible key yet)
+    e     = exp(s - ref)                              computed in place in s
+    l     = l * exp(ref_old - ref) + rowsum(e)
+    acc   = acc * exp(ref_old - ref) + e @ v_tile
+
+and divides once at the end: ``out = acc / l``. With a single key tile this is the plain
+stable softmax, so tile sizes change results only by rounding. Rows that see no key keep
+``l = 0`` and get a zero output, never NaN. The full score matrix exists only when weights
+are asked for; otherwise memory beyond the inputs and outputs is a fixed scratch per worker.
+
+Masks are cut per tile: causal skips every tile above the diagonal and masks only tiles that
+cross it; ``key_lengths`` and ``query_lengths`` bound the loops; boolean masks and bias are
+sliced. Items run on a thread pool (NumPy releases the GIL in BLAS calls and ufuncs), with
+BLAS limited to one thread inside the workers when threadpoolctl is installed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
-from .masks import Visibility
+from .masks import ItemVisibility, Visibility
 
-__all__ = ["attend"]
+__all__ = ["DEFAULT_MAX_MEMORY", "Tiles", "attend", "default_workers", "plan_tiles"]
+
+DEFAULT_MAX_MEMORY = 4 * 2**20
+"""Bytes of scratch each worker may use for its tiles, unless the caller says otherwise."""
+
+KEY_TILE = 512
+"""Keys per tile when the memory budget allows it."""
+
+SERIAL_BELOW = 2**22
+"""Multiply-adds under which a thread pool costs more than it saves."""
+
+
+@dataclass(frozen=True)
+class Tiles:
+    rows: int  # queries per tile
+    cols: int  # keys per tile
+
+
+def plan_tiles(
+    L: int, S: int, d_k: int, d_v: int, itemsize: int, max_memory: int, whole_rows: bool = False
+) -> Tiles:
+    """Tile sizes whose scratch fits in ``max_memory`` bytes.
+
+    A tile of ``rows x cols`` scores needs the scores themselves, a few boolean masks of the
+    same size, the scaled query rows and two accumulators of width ``d_v``. ``whole_rows``
+    keeps every key in one tile (used when the weights are returned).
+    """
+    per_pair = itemsize + 3
+    per_row = (d_k + 2 * d_v + 6) * itemsize
+    cols = max(1, S if whole_rows else min(S, KEY_TILE))
+    rows = max_memory // (cols * per_pair + per_row)
+    if rows < 16 and not whole_rows:  # a small budget: narrower key tiles keep rows useful
+        rows = min(max(L, 1), 16)
+        cols = max(1, min(cols, (max_memory // rows - per_row) // per_pair))
+    return Tiles(rows=int(max(1, min(max(L, 1), rows))), cols=int(cols))
+
+
+def default_workers() -> int:
+    """The number of cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def attend(
@@ -27,66 +87,189 @@ def attend(
     v: np.ndarray,
     visibility: Visibility,
     scale: float,
-    return_weights: bool = False,
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """Attention of queries over keys and values, per head.
+    out: np.ndarray,
+    *,
+    weights: np.ndarray | None = None,
+    lse: np.ndarray | None = None,
+    max_memory: int = DEFAULT_MAX_MEMORY,
+    workers: int | None = None,
+) -> None:
+    """Fill ``out`` with attention of ``q`` over ``k`` and ``v``, per ``(*batch, head)``.
 
-    ``q (*batch, H, L, d_k)``, ``k (*batch, H, S, d_k)``, ``v (*batch, H, S, d_v)`` share
-    one floating dtype, which every temporary keeps; ``scale`` is a Python float so that it
-    never promotes float32 work to float64. Returns ``(out, weights)`` with
-    ``out (*batch, H, L, d_v)`` and ``weights (*batch, H, L, S)`` or ``None``. Call it under
-    ``np.errstate(invalid="ignore")``: NaN or Inf at visible positions propagates silently,
-    as the IEEE rules say.
+    ``q (*batch, H, L, d_k)``, ``k (*batch, H, S, d_k)``, ``v (*batch, H, S, d_v)`` may be
+    strided views of any floating dtype; tiles are computed in ``out.dtype``, which must be
+    float32 or wider. ``out (*batch, H, L, d_v)``, ``weights (*batch, H, L, S)`` and
+    ``lse (*batch, H, L)`` (log-sum-exp of each row's logits) must arrive filled with 0, 0
+    and ``-inf``: rows and items that see no key are not visited. ``scale`` is a Python
+    float, so it never promotes float32 work to float64.
     """
-    L, S = q.shape[-2], k.shape[-2]
-    if L == 0 or S == 0:
-        out = np.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
-        weights = np.zeros((*q.shape[:-1], S), dtype=q.dtype) if return_weights else None
-        return out, weights
+    L, S, d_k, d_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    dtype = out.dtype
+    tiles = plan_tiles(L, S, d_k, d_v, dtype.itemsize, max_memory, whole_rows=weights is not None)
+    tasks = []
+    for index in np.ndindex(q.shape[:-2]):
+        item = visibility.item(index)
+        for r0 in range(0, min(L, item.query_end), tiles.rows):
+            r1 = min(r0 + tiles.rows, item.query_end)
+            stop = item.key_stop(r0, r1)
+            if stop > 0:
+                tasks.append((index, item, r0, r1, stop))
+    if not tasks:
+        return
+    tasks.sort(key=lambda task: (task[3] - task[2]) * task[4], reverse=True)  # longest first
 
-    scores = (q * scale) @ np.swapaxes(k, -1, -2)  # (*batch, H, L, S)
-    bias = visibility.bias_block()
-    if bias is not None:
-        scores += bias
-    allowed = visibility.allowed()
-    if allowed is not None:
-        np.copyto(scores, -np.inf, where=~allowed)
+    def work(next_task: Callable[[], Any]) -> None:
+        scratch = _Scratch(tiles, d_k, d_v, dtype)
+        while (task := next_task()) is not None:
+            index, item, r0, r1, stop = task
+            _query_tile(
+                q[index], k[index], v[index], item, scale, r0, r1, stop, tiles.cols, scratch,
+                out[index], None if weights is None else weights[index],
+                None if lse is None else lse[index],
+            )  # fmt: skip
 
-    v_finite = bool(np.isfinite(v).all())
-    attended = None if v_finite else scores != -np.inf
-
-    row_max = scores.max(axis=-1, keepdims=True)
-    row_max[row_max == -np.inf] = 0.0  # rows with no visible key
-    scores -= row_max
-    exp_scores = np.exp(scores, out=scores)
-    row_sum = exp_scores.sum(axis=-1, keepdims=True)
-
-    if attended is None:
-        out = exp_scores @ v
-    else:
-        out = _product_isolating_non_finite(exp_scores, v, attended)
-
-    row_sum[row_sum == 0.0] = 1.0  # rows with no visible key: 0 / 1 = 0
-    out /= row_sum
-    weights = exp_scores / row_sum if return_weights else None
-    return out, weights
+    cost = sum((r1 - r0) * stop for _, _, r0, r1, stop in tasks) * (d_k + d_v)
+    workers = default_workers() if workers is None else workers
+    if workers <= 1 or len(tasks) == 1 or cost < SERIAL_BELOW:
+        work(_taker(iter(tasks)))
+        return
+    take = _taker(iter(tasks), threading.Lock())
+    with _single_threaded_blas(), ThreadPoolExecutor(min(workers, len(tasks))) as pool:
+        for future in [pool.submit(work, take) for _ in range(min(workers, len(tasks)))]:
+            future.result()
 
 
-def _product_isolating_non_finite(
-    exp_scores: np.ndarray, v: np.ndarray, attended: np.ndarray
+def _taker(tasks: Iterator[Any], lock: Any = None) -> Callable[[], Any]:
+    """A function that hands out the next task, or ``None`` when there are no more."""
+    guard = lock or contextlib.nullcontext()
+
+    def take() -> Any:
+        with guard:
+            return next(tasks, None)
+
+    return take
+
+
+class _Scratch:
+    """One worker's preallocated buffers, sized for the largest tile."""
+
+    def __init__(self, tiles: Tiles, d_k: int, d_v: int, dtype: np.dtype) -> None:
+        rows = tiles.rows
+        self.scores = np.empty(rows * tiles.cols, dtype=dtype)
+        self.q = np.empty((rows, d_k), dtype=dtype)
+        self.acc = np.empty((rows, d_v), dtype=dtype)
+        self.pv = np.empty((rows, d_v), dtype=dtype)
+        self.m = np.empty(rows, dtype=dtype)  # running maximum (-inf: no visible key yet)
+        self.ref = np.empty(rows, dtype=dtype)  # the maximum used for exp, never -inf
+        self.ref_new = np.empty(rows, dtype=dtype)
+        self.total = np.empty(rows, dtype=dtype)  # running sum of exp(s - ref)
+
+
+def _query_tile(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    item: ItemVisibility,
+    scale: float,
+    r0: int,
+    r1: int,
+    stop: int,
+    key_tile: int,
+    scratch: _Scratch,
+    out: np.ndarray,
+    weights: np.ndarray | None,
+    lse: np.ndarray | None,
+) -> None:
+    """Rows ``[r0, r1)`` of one head against keys ``[0, stop)``: the online softmax."""
+    n = r1 - r0
+    dtype = out.dtype
+    q_tile = np.multiply(q[r0:r1], scale, out=scratch.q[:n])
+    m, ref, ref_new = scratch.m[:n], scratch.ref[:n], scratch.ref_new[:n]
+    total = scratch.total[:n]
+    acc, pv = scratch.acc[:n], scratch.pv[:n]
+    s = scratch.scores[:0].reshape(n, 0)
+    first = True
+    for c0 in range(0, stop, key_tile):
+        c1 = min(c0 + key_tile, stop)
+        hidden = item.hidden(r0, r1, c0, c1)
+        if hidden is not None and hidden.all():
+            continue
+        s = scratch.scores[: n * (c1 - c0)].reshape(n, c1 - c0)
+        np.matmul(q_tile, _cast(k[c0:c1], dtype).T, out=s)
+        bias = item.bias_block(r0, r1, c0, c1)
+        if bias is not None:
+            s += bias
+        if hidden is not None:
+            np.copyto(s, -np.inf, where=hidden)
+        v_tile = _cast(v[c0:c1], dtype)
+        v_finite = bool(np.isfinite(v_tile).all())
+        attended = None if v_finite else s != -np.inf
+
+        tile_max = s.max(axis=1)
+        if first:
+            np.copyto(m, tile_max)
+        else:
+            np.maximum(m, tile_max, out=m)
+        np.copyto(ref_new, m)
+        ref_new[m == -np.inf] = 0.0  # rows with no visible key so far
+        s -= ref_new[:, None]
+        np.exp(s, out=s)
+        if first:
+            np.sum(s, axis=1, out=total)
+            _product(s, v_tile, attended, out=acc)
+            first = False
+        else:
+            alpha = np.exp(ref - ref_new)  # rescales what earlier tiles accumulated
+            total *= alpha
+            total += s.sum(axis=1)
+            acc *= alpha[:, None]
+            acc += _product(s, v_tile, attended, out=pv)
+        ref, ref_new = ref_new, ref
+
+    if first:  # every tile was hidden: the rows stay zero
+        return
+    empty = total == 0.0
+    total[empty] = 1.0
+    np.divide(acc, total[:, None], out=out[r0:r1])
+    if weights is not None:  # whole rows: s holds every key's exp(s - ref)
+        np.divide(s, total[:, None], out=weights[r0:r1, : s.shape[1]])
+    if lse is not None:
+        row_lse = ref + np.log(total)
+        row_lse[empty] = -np.inf
+        lse[r0:r1] = row_lse
+
+
+def _cast(tile: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    return tile if tile.dtype == dtype else tile.astype(dtype)
+
+
+def _product(
+    e: np.ndarray, v: np.ndarray, attended: np.ndarray | None, out: np.ndarray
 ) -> np.ndarray:
-    """``exp_scores @ v`` where ``0 * inf`` and ``0 * nan`` from hidden keys count as 0.
+    """``e @ v`` into ``out``, where ``0 * inf`` and ``0 * nan`` from hidden keys count as 0.
 
-    BLAS would turn a zero weight times a NaN value into NaN. Multiply by ``v`` with its
-    non-finite entries zeroed, then add each non-finite entry's product back only for the
-    rows that attend to its key. The extra work is proportional to the number of key
-    positions holding a non-finite value, usually none.
+    BLAS would turn a zero weight times a NaN value into NaN. When ``v`` holds non-finite
+    values, multiply by ``v`` with them zeroed, then add each one's product back only for
+    the rows that attend to its key (``attended``). Extra work is proportional to the number
+    of keys holding a non-finite value, usually none.
     """
+    if attended is None:
+        return np.matmul(e, v, out=out)
     non_finite = ~np.isfinite(v)
-    out = exp_scores @ np.where(non_finite, 0.0, v)
-    other_axes = (*tuple(range(v.ndim - 2)), v.ndim - 1)
-    for j in np.flatnonzero(non_finite.any(axis=other_axes)):
-        v_j = np.where(non_finite[..., j, :], v[..., j, :], 0.0)  # (*batch, H, d_v)
-        term = exp_scores[..., :, j, None] * v_j[..., None, :]  # (*batch, H, L, d_v)
-        out += np.where(attended[..., :, j, None], term, 0.0)
+    np.matmul(e, np.where(non_finite, 0.0, v), out=out)
+    for j in np.flatnonzero(non_finite.any(axis=1)):
+        v_j = np.where(non_finite[j], v[j], 0.0)  # only the non-finite entries
+        out += np.where(attended[:, j, None], e[:, j, None] * v_j, 0.0)
     return out
+
+
+@contextlib.contextmanager
+def _single_threaded_blas() -> Iterator[None]:
+    """Limit BLAS to one thread while the workers run, when threadpoolctl is installed."""
+    try:
+        from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield

@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import reprlib
 from dataclasses import dataclass
-from functools import reduce
 from typing import Any
 
 import numpy as np
 
-from ._arrays import as_array, as_float_array
+from ._arrays import as_array, as_float_array, flag
 from .errors import AttentionTypeError, AttentionValueError, ShapeError
 
 __all__ = ["CAUSAL_ALIGNMENTS", "Visibility"]
@@ -45,11 +44,11 @@ CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
 class Visibility:
     """Which keys each query may see, kept as its parts so any block can be cut from it.
 
-    ``allowed(rows, cols)`` gives the combined boolean for a block of queries and keys,
-    broadcastable to ``(*batch, H, rows, cols)``, without building the full-size mask when
-    the caller asks for a block. ``None`` means everything in the block is visible.
+    ``item(index)`` gives what one ``(*batch, head)`` index may see, from which the kernel
+    cuts each tile's mask without ever building the full-size combined mask.
     """
 
+    index_shape: tuple[int, ...]  # (*batch, H)
     L: int
     S: int
     mask: np.ndarray | None = None
@@ -78,7 +77,7 @@ class Visibility:
         """Check every masking argument against the scores' shape and keep the parts."""
         full = (*batch_shape, H, L, S)
         mask_is_causal, mask_array = _split_mask(mask)
-        causal = _flag("causal", causal) or mask_is_causal
+        causal = flag("causal", causal) or mask_is_causal
         if causal_alignment not in CAUSAL_ALIGNMENTS:
             raise AttentionValueError(
                 f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}; got {causal_alignment!r}"
@@ -97,6 +96,7 @@ class Visibility:
                 bias_array = bias_array.astype(dtype, copy=False)
             hides = bool(np.isneginf(bias_array).any())
         return cls(
+            index_shape=(*batch_shape, H),
             L=L,
             S=S,
             mask=mask_array,
@@ -107,32 +107,85 @@ class Visibility:
             bias_hides_keys=hides,
         )
 
-    def allowed(self, rows: slice | None = None, cols: slice | None = None) -> np.ndarray | None:
-        """The AND of every part over a block of queries ``rows`` and keys ``cols``."""
-        rows = rows or slice(0, self.L)
-        cols = cols or slice(0, self.S)
-        i = np.arange(rows.start, rows.stop)[:, None]
-        j = np.arange(cols.start, cols.stop)[None, :]
-        parts = []
-        if self.causal_offset is not None:
-            parts.append(j <= i + self.causal_offset)
-        if self.key_lengths is not None:
-            parts.append(j < self.key_lengths[..., None, None, None])
-        if self.query_lengths is not None:
-            parts.append(i < self.query_lengths[..., None, None, None])
-        if self.mask is not None:
-            parts.append(_block(self.mask, rows, cols))
-        if self.bias_hides_keys and self.bias is not None:
-            parts.append(~np.isneginf(_block(self.bias, rows, cols)))
-        if not parts:
-            return None
-        return reduce(np.logical_and, parts)
+    def item(self, index: tuple[int, ...]) -> ItemVisibility:
+        """The parts that apply to one ``(*batch, head)`` index of the scores."""
+        batch = index[:-1]
+        return ItemVisibility(
+            key_end=self.S if self.key_lengths is None else int(self.key_lengths[batch]),
+            query_end=self.L if self.query_lengths is None else int(self.query_lengths[batch]),
+            causal_offset=self.causal_offset,
+            mask=_select(self.mask, index),
+            bias=_select(self.bias, index),
+            bias_hides_keys=self.bias_hides_keys,
+        )
 
-    def bias_block(self, rows: slice | None = None, cols: slice | None = None) -> np.ndarray | None:
-        """The additive bias over a block, or ``None``."""
-        if self.bias is None:
-            return None
-        return _block(self.bias, rows or slice(0, self.L), cols or slice(0, self.S))
+    def allowed(self) -> np.ndarray:
+        """The full boolean ``(*batch, H, L, S)`` visibility, for inspection and plots."""
+        allowed = np.ones((*self.index_shape, self.L, self.S), dtype=bool)
+        for index in np.ndindex(self.index_shape):
+            item = self.item(index)
+            hidden = item.hidden(0, self.L, 0, self.S)
+            if hidden is not None:
+                allowed[index] = ~hidden
+            allowed[index][:, item.key_end :] = False
+            allowed[index][item.query_end :] = False
+        return allowed
+
+
+@dataclass(frozen=True)
+class ItemVisibility:
+    """What one ``(*batch, head)`` index may see: limits, and 2-D views cut into tiles.
+
+    Keys at or after ``key_end`` and queries at or after ``query_end`` are padding; the
+    kernel bounds its loops with them instead of masking.
+    """
+
+    key_end: int
+    query_end: int
+    causal_offset: int | None
+    mask: np.ndarray | None  # (L or 1, S or 1), True = may attend
+    bias: np.ndarray | None  # (L or 1, S or 1)
+    bias_hides_keys: bool
+
+    def key_stop(self, r0: int, r1: int) -> int:
+        """One past the last key that any query in rows ``[r0, r1)`` may see."""
+        stop = self.key_end
+        if self.causal_offset is not None:
+            stop = min(stop, r1 + self.causal_offset)
+        return max(stop, 0)
+
+    def bias_block(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray | None:
+        return None if self.bias is None else _block(self.bias, r0, r1, c0, c1)
+
+    def hidden(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray | None:
+        """Boolean ``(r1 - r0, c1 - c0)``: True where the causal mask, the boolean mask or a
+        ``-inf`` bias hides the key; ``None`` when they hide nothing in the block. Padding
+        limits are not included: the kernel's loops stop at them."""
+        hidden = None
+        offset = self.causal_offset
+        if offset is not None and c1 - 1 > r0 + offset:  # the block crosses the diagonal
+            hidden = np.arange(c0, c1)[None, :] > np.arange(r0 + offset, r1 + offset)[:, None]
+        if self.mask is not None:
+            hidden = _or(hidden, ~_block(self.mask, r0, r1, c0, c1))
+        if self.bias_hides_keys and self.bias is not None:
+            hidden = _or(hidden, np.isneginf(_block(self.bias, r0, r1, c0, c1)))
+        return hidden
+
+
+def _or(a: np.ndarray | None, b: np.ndarray) -> np.ndarray:
+    return b if a is None else a | b
+
+
+def _select(array: np.ndarray | None, index: tuple[int, ...]) -> np.ndarray | None:
+    """The 2-D ``(L, S)`` slice of a broadcastable array for one ``(*batch, head)`` index."""
+    if array is None:
+        return None
+    lead = array.ndim - 2  # the array's axes before (L, S) match the last ``lead`` indices
+    sub = index[len(index) - lead :] if lead else ()
+    picked: np.ndarray = array[
+        tuple(0 if size == 1 else i for size, i in zip(array.shape[:lead], sub, strict=True))
+    ]
+    return picked
 
 
 def _split_mask(mask: Any) -> tuple[bool, np.ndarray | None]:
@@ -155,12 +208,6 @@ def _split_mask(mask: Any) -> tuple[bool, np.ndarray | None]:
     if array.ndim == 0:
         return bool(array), None
     return False, array
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise AttentionTypeError(f"{name} must be True or False; got {value!r}")
-    return bool(value)
 
 
 def _describe(full: tuple[int, ...], batch_shape: tuple[int, ...]) -> str:
@@ -221,8 +268,8 @@ def _lengths(
     return array
 
 
-def _block(array: np.ndarray, rows: slice, cols: slice) -> np.ndarray:
-    """Cut a block of query rows and key columns, leaving broadcast (size-1) axes whole."""
-    row_index = rows if array.shape[-2] != 1 else slice(None)
-    col_index = cols if array.shape[-1] != 1 else slice(None)
-    return array[..., row_index, col_index]
+def _block(array: np.ndarray, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
+    """Cut rows ``[r0, r1)`` and columns ``[c0, c1)``, broadcasting size-1 axes to the block."""
+    rows = slice(r0, r1) if array.shape[-2] != 1 else slice(None)
+    cols = slice(c0, c1) if array.shape[-1] != 1 else slice(None)
+    return np.broadcast_to(array[..., rows, cols], (r1 - r0, c1 - c0))

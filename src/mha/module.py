@@ -98,6 +98,8 @@ class MultiHeadAttention:
         bias: Any = None,
         scale: float | None = None,
         return_weights: bool = False,
+        max_memory: int | None = None,
+        workers: int | None = None,
     ) -> Any:
         """Attention of ``query (B, L, d_model)`` over ``key``/``value`` (default: self-attention).
 
@@ -148,6 +150,8 @@ class MultiHeadAttention:
             b_o=self.b_o,
             scale=scale,
             return_weights=return_weights,
+            max_memory=max_memory,
+            workers=workers,
         )
 
     __call__ = forward

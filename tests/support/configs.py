@@ -15,12 +15,13 @@ MASK_SHAPES = ("L,S", "B,L,S", "B,H,L,S", "1,H,L,S", "B,1,1,S", "S")
 
 
 def random_config(
-    seed: int, *, torch_module_layout: bool = False, tiny: bool = False
+    seed: int, *, torch_module_layout: bool = False, tiny: bool = False, long: bool = False
 ) -> dict[str, Any]:
     """One random configuration.
 
     ``torch_module_layout`` keeps to what nn.MultiheadAttention takes (one width E for the
-    query, the heads and the output); ``tiny`` keeps sizes small enough for plain loops.
+    query, the heads and the output); ``tiny`` keeps sizes small enough for plain loops;
+    ``long`` draws sequences up to 48 positions, for tiling.
     """
     rng = np.random.default_rng(seed)
     top = (
@@ -30,6 +31,8 @@ def random_config(
     )
     if torch_module_layout:
         top["H"] = min(top["H"], 9)
+    if long:  # many tiles: longer sequences, fewer heads
+        top.update({"L": 49, "H": 5, "B": 4})
     B = int(rng.integers(1, top["B"]))
     H = int(rng.integers(1, top["H"]))
     d_k = int(rng.integers(1, top["d"]))

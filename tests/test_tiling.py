@@ -1,0 +1,183 @@
+"""One kernel, one answer: tile sizes, ragged tiles and workers change results only by
+rounding; the log-sum-exp is right; partial results merge exactly; memory stays linear."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import tracemalloc
+
+import numpy as np
+import pytest
+from support.configs import call_args, random_config, relative_error
+
+import mha
+from mha import kernel
+
+# (keys per tile, scratch budget in bytes, workers): from one-key tiles to uneven ones
+TILINGS = [
+    (1, 2**12, 1),
+    (3, 2**13, 2),
+    (7, 2**14, 3),
+    (16, 2**12, 3),
+    (16, 2**15, 2),
+    (512, 2**16, 2),
+]
+
+
+@pytest.fixture
+def tiny_tiles(monkeypatch):
+    """Make small problems use the thread pool and the requested key tile."""
+    monkeypatch.setattr(kernel, "SERIAL_BELOW", 0)
+
+    def set_key_tile(cols):
+        monkeypatch.setattr(kernel, "KEY_TILE", cols)
+
+    return set_key_tile
+
+
+@pytest.mark.parametrize("seed", range(3000, 3040))
+def test_tiles_and_workers_change_results_only_by_rounding(seed, tiny_tiles, record_error):
+    config = random_config(seed, long=True)
+    positional, keywords = call_args(config)
+    layout = config["layout"]
+    d_k, d_v = layout["d_k"], layout["d_v"]
+    one_tile = kernel.plan_tiles(layout["L"], layout["S"], d_k, d_v, 8, 2**30)
+    assert one_tile == kernel.Tiles(rows=layout["L"], cols=layout["S"])
+    heads = config["num_heads"]
+    expected = mha.multi_head_attention(*positional, heads, **keywords, max_memory=2**30, workers=1)
+    expected_weights = mha.multi_head_attention(
+        *positional, heads, **keywords, max_memory=2**30, workers=1, return_weights=True
+    )[1]
+    for cols, budget, workers in TILINGS:
+        tiny_tiles(cols)
+        tiles = kernel.plan_tiles(layout["L"], layout["S"], d_k, d_v, 8, budget)
+        assert tiles.cols <= cols
+        out = mha.multi_head_attention(
+            *positional, heads, **keywords, max_memory=budget, workers=workers
+        )
+        assert record_error(
+            "tiled vs one tile, output, float64", relative_error(out, expected)
+        ) <= (1e-12)
+        _, weights = mha.multi_head_attention(
+            *positional, heads, **keywords, max_memory=budget, workers=workers, return_weights=True
+        )
+        assert relative_error(weights, expected_weights) <= 1e-12
+
+
+def test_tilings_really_are_ragged_and_many():
+    plans = [kernel.plan_tiles(37, 45, 4, 4, 8, budget) for _, budget, _ in TILINGS]
+    assert any(37 % plan.rows and 45 % plan.cols for plan in plans)
+    assert min(plan.rows for plan in plans) < 37 and min(plan.cols for plan in plans) < 45
+
+
+def logsumexp_oracle(config, torch):
+    """log sum_j exp(logit_ij) over visible keys, by torch, from the explicit mask."""
+    from support.torch_oracle import allowed_mask
+
+    q, k = (torch.from_numpy(config[name]) for name in ("q", "k"))
+    logits = q @ k.transpose(-1, -2) * config["scale"] + torch.from_numpy(config["bias"])
+    visible = allowed_mask(config["as_config"], torch)[:, : q.shape[1]]
+    return torch.logsumexp(torch.where(visible, logits, -math.inf), dim=-1).numpy()
+
+
+def split_heads_config(seed):
+    rng = np.random.default_rng(seed)
+    B, H, L, S, d = 2, 3, int(rng.integers(1, 30)), int(rng.integers(1, 40)), 5
+    q, k, v = (rng.standard_normal((B, H, n, d)) for n in (L, S, S))
+    bias = rng.standard_normal((B, H, L, S))
+    bias[rng.random(bias.shape) < 0.1] = -np.inf
+    mask = rng.random((B, L, S)) < 0.8
+    mask &= np.tril(np.ones((L, S), dtype=bool), k=S - L)  # causal, as an explicit mask
+    key_lengths = rng.integers(0, S + 1, size=B)
+    as_config = {
+        "layout": {"B": B, "H": H, "L": L, "S": S, "unbatched": False},
+        "kwargs": {"mask": mask, "key_lengths": key_lengths, "bias": bias},
+    }
+    return {"q": q, "k": k, "v": v, "bias": bias, "mask": mask, "key_lengths": key_lengths,
+            "scale": 1 / math.sqrt(d), "as_config": as_config, "rng": rng}  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_log_sum_exp_matches_torch(seed, torch, record_error):
+    c = split_heads_config(seed)
+    _out, lse = mha.scaled_dot_product_attention(
+        c["q"], c["k"], c["v"], mask=c["mask"], bias=c["bias"], key_lengths=c["key_lengths"],
+        return_lse=True, max_memory=2**13,
+    )  # fmt: skip
+    expected = logsumexp_oracle(c, torch)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(expected))
+    finite = np.isfinite(expected)
+    assert record_error("log-sum-exp vs torch", relative_error(lse[finite], expected[finite])) <= (
+        1e-12
+    )
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_partials_over_disjoint_key_ranges_merge_exactly(seed, record_error):
+    c = split_heads_config(seed)
+    S = c["k"].shape[-2]
+    cuts = (
+        sorted(c["rng"].choice(np.arange(1, S), size=min(S - 1, 3), replace=False)) if S > 1 else []
+    )
+    edges = [0, *cuts, S]
+    full, full_lse = mha.scaled_dot_product_attention(
+        c["q"], c["k"], c["v"], mask=c["mask"], bias=c["bias"], key_lengths=c["key_lengths"],
+        return_lse=True,
+    )  # fmt: skip
+    outs, lses = [], []
+    for a, b in itertools.pairwise(edges):
+        out, lse = mha.scaled_dot_product_attention(
+            c["q"], c["k"][..., a:b, :], c["v"][..., a:b, :], mask=c["mask"][..., a:b],
+            bias=c["bias"][..., a:b], key_lengths=np.clip(c["key_lengths"] - a, 0, b - a),
+            return_lse=True, max_memory=2**12,
+        )  # fmt: skip
+        outs.append(out)
+        lses.append(lse)
+    merged, merged_lse = mha.merge_attention(outs, lses)
+    assert record_error("merged partials vs whole", relative_error(merged, full)) <= 1e-12
+    assert np.array_equal(np.isneginf(merged_lse), np.isneginf(full_lse))
+    finite = np.isfinite(full_lse)
+    assert relative_error(merged_lse[finite], full_lse[finite]) <= 1e-12
+    assert np.all(merged[~finite] == 0)
+
+
+def test_merging_fully_masked_partials():
+    out = np.zeros((1, 2, 3))
+    lse = np.full((1, 2), -np.inf)
+    merged, merged_lse = mha.merge_attention([out, out], [lse, lse])
+    assert np.all(merged == 0) and np.all(np.isneginf(merged_lse))
+    seen = np.ones((1, 2, 3))
+    merged, merged_lse = mha.merge_attention([out, seen], [lse, np.zeros((1, 2))])
+    np.testing.assert_array_equal(merged, seen)
+    np.testing.assert_array_equal(merged_lse, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("outputs", "lses", "kind", "message"),
+    [
+        ([np.zeros((2, 3))], [], mha.AttentionValueError, r"one lse per output .* 1 outputs and 0"),
+        ([np.zeros((2, 3))], [np.zeros(3)], mha.ShapeError,
+         r"lses\[0\] must have the shape of outputs\[0\] without its last axis"),
+        ([np.zeros((2, 3)), np.zeros((2, 4))], [np.zeros(2)] * 2, mha.ShapeError,
+         r"outputs\[0\] has shape \(2, 3\) but outputs\[1\] has \(2, 4\)"),
+        (np.zeros((2, 2, 3)), [np.zeros(2)] * 2, mha.AttentionTypeError, r"list or tuple"),
+    ],
+)  # fmt: skip
+def test_merge_errors(outputs, lses, kind, message):
+    with pytest.raises(kind, match=message):
+        mha.merge_attention(outputs, lses)
+
+
+def test_memory_is_linear_in_sequence_length():
+    """Causal attention over 4096 positions in float32: the dense scores would be 128 MiB."""
+    rng = np.random.default_rng(0)
+    H, L, d = 2, 4096, 32
+    q, k, v = (rng.standard_normal((H, L, d), dtype=np.float32) for _ in range(3))
+    budget = 2**20
+    tracemalloc.start()
+    out = mha.scaled_dot_product_attention(q, k, v, causal=True, max_memory=budget, workers=2)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    dense = H * L * L * 4
+    assert peak <= out.nbytes + 2 * 2 * budget, (peak, dense)
