@@ -42,8 +42,8 @@ def test_tiles_and_workers_change_results_only_by_rounding(seed, tiny_tiles, rec
     positional, keywords = call_args(config)
     layout = config["layout"]
     d_k, d_v = layout["d_k"], layout["d_v"]
-    one_tile = kernel.plan_tiles(layout["L"], layout["S"], d_k, d_v, 8, 2**30)
-    assert one_tile == kernel.Tiles(rows=layout["L"], cols=layout["S"])
+    one_tile = kernel.plan_tiles(layout["L"], layout["S"], 1, d_k, d_v, 8, 2**30)
+    assert one_tile == kernel.Tiles(rows=layout["L"], cols=layout["S"], heads=1)
     heads = config["num_heads"]
     expected = mha.multi_head_attention(*positional, heads, **keywords, max_memory=2**30, workers=1)
     expected_weights = mha.multi_head_attention(
@@ -51,7 +51,7 @@ def test_tiles_and_workers_change_results_only_by_rounding(seed, tiny_tiles, rec
     )[1]
     for cols, budget, workers in TILINGS:
         tiny_tiles(cols)
-        tiles = kernel.plan_tiles(layout["L"], layout["S"], d_k, d_v, 8, budget)
+        tiles = kernel.plan_tiles(layout["L"], layout["S"], heads, d_k, d_v, 8, budget)
         assert tiles.cols <= cols
         out = mha.multi_head_attention(
             *positional, heads, **keywords, max_memory=budget, workers=workers
@@ -66,7 +66,7 @@ def test_tiles_and_workers_change_results_only_by_rounding(seed, tiny_tiles, rec
 
 
 def test_tilings_really_are_ragged_and_many():
-    plans = [kernel.plan_tiles(37, 45, 4, 4, 8, budget) for _, budget, _ in TILINGS]
+    plans = [kernel.plan_tiles(37, 45, 1, 4, 4, 8, budget) for _, budget, _ in TILINGS]
     assert any(37 % plan.rows and 45 % plan.cols for plan in plans)
     assert min(plan.rows for plan in plans) < 37 and min(plan.cols for plan in plans) < 45
 

@@ -52,16 +52,25 @@ SERIAL_BELOW = 2**22
 class Tiles:
     rows: int  # queries per tile
     cols: int  # keys per tile
+    heads: int  # heads per work item (more than one only when a head's rows fit in a tile)
 
 
 def plan_tiles(
-    L: int, S: int, d_k: int, d_v: int, itemsize: int, max_memory: int, whole_rows: bool = False
+    L: int,
+    S: int,
+    H: int,
+    d_k: int,
+    d_v: int,
+    itemsize: int,
+    max_memory: int,
+    whole_rows: bool = False,
 ) -> Tiles:
     """Tile sizes whose scratch fits in ``max_memory`` bytes.
 
     A tile of ``rows x cols`` scores needs the scores themselves, a few boolean masks of the
     same size, the scaled query rows and two accumulators of width ``d_v``. ``whole_rows``
-    keeps every key in one tile (used when the weights are returned).
+    keeps every key in one tile (used when the weights are returned). When all of a head's
+    rows fit, several heads share a work item, which keeps Python's per-tile cost small.
     """
     per_pair = itemsize + 3
     per_row = (d_k + 2 * d_v + 6) * itemsize
@@ -70,7 +79,11 @@ def plan_tiles(
     if rows < 16 and not whole_rows:  # a small budget: narrower key tiles keep rows useful
         rows = min(max(L, 1), 16)
         cols = max(1, min(cols, (max_memory // rows - per_row) // per_pair))
-    return Tiles(rows=int(max(1, min(max(L, 1), rows))), cols=int(cols))
+    rows = int(max(1, min(max(L, 1), rows)))
+    heads = 1
+    if rows >= L:
+        heads = int(max(1, min(H, max_memory // (rows * (cols * per_pair + per_row)))))
+    return Tiles(rows=rows, cols=int(cols), heads=heads)
 
 
 def default_workers() -> int:
@@ -103,32 +116,38 @@ def attend(
     and ``-inf``: rows and items that see no key are not visited. ``scale`` is a Python
     float, so it never promotes float32 work to float64.
     """
-    L, S, d_k, d_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    H, L, S, d_k, d_v = q.shape[-3], q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     dtype = out.dtype
-    tiles = plan_tiles(L, S, d_k, d_v, dtype.itemsize, max_memory, whole_rows=weights is not None)
+    tiles = plan_tiles(
+        L, S, H, d_k, d_v, dtype.itemsize, max_memory, whole_rows=weights is not None
+    )
     tasks = []
-    for index in np.ndindex(q.shape[:-2]):
-        item = visibility.item(index)
-        for r0 in range(0, min(L, item.query_end), tiles.rows):
-            r1 = min(r0 + tiles.rows, item.query_end)
-            stop = item.key_stop(r0, r1)
-            if stop > 0:
-                tasks.append((index, item, r0, r1, stop))
+    for batch in np.ndindex(q.shape[:-3]):
+        for h0 in range(0, H, tiles.heads):
+            heads = slice(h0, min(h0 + tiles.heads, H))
+            item = visibility.item(batch, heads)
+            for r0 in range(0, min(L, item.query_end), tiles.rows):
+                r1 = min(r0 + tiles.rows, item.query_end)
+                stop = item.key_stop(r0, r1)
+                if stop > 0:
+                    cost = (heads.stop - heads.start) * (r1 - r0) * stop
+                    tasks.append((cost, batch, heads, item, r0, r1, stop))
     if not tasks:
         return
-    tasks.sort(key=lambda task: (task[3] - task[2]) * task[4], reverse=True)  # longest first
+    tasks.sort(key=lambda task: task[0], reverse=True)  # longest first
 
     def work(next_task: Callable[[], Any]) -> None:
         scratch = _Scratch(tiles, d_k, d_v, dtype)
         while (task := next_task()) is not None:
-            index, item, r0, r1, stop = task
+            _, batch, heads, item, r0, r1, stop = task
             _query_tile(
-                q[index], k[index], v[index], item, scale, r0, r1, stop, tiles.cols, scratch,
-                out[index], None if weights is None else weights[index],
-                None if lse is None else lse[index],
+                q[batch][heads], k[batch][heads], v[batch][heads], item, scale, r0, r1, stop,
+                tiles.cols, scratch, out[batch][heads],
+                None if weights is None else weights[batch][heads],
+                None if lse is None else lse[batch][heads],
             )  # fmt: skip
 
-    cost = sum((r1 - r0) * stop for _, _, r0, r1, stop in tasks) * (d_k + d_v)
+    cost = sum(task[0] for task in tasks) * (d_k + d_v)
     workers = default_workers() if workers is None else workers
     if workers <= 1 or len(tasks) == 1 or cost < SERIAL_BELOW:
         work(_taker(iter(tasks)))
@@ -154,15 +173,15 @@ class _Scratch:
     """One worker's preallocated buffers, sized for the largest tile."""
 
     def __init__(self, tiles: Tiles, d_k: int, d_v: int, dtype: np.dtype) -> None:
-        rows = tiles.rows
-        self.scores = np.empty(rows * tiles.cols, dtype=dtype)
-        self.q = np.empty((rows, d_k), dtype=dtype)
-        self.acc = np.empty((rows, d_v), dtype=dtype)
-        self.pv = np.empty((rows, d_v), dtype=dtype)
-        self.m = np.empty(rows, dtype=dtype)  # running maximum (-inf: no visible key yet)
-        self.ref = np.empty(rows, dtype=dtype)  # the maximum used for exp, never -inf
-        self.ref_new = np.empty(rows, dtype=dtype)
-        self.total = np.empty(rows, dtype=dtype)  # running sum of exp(s - ref)
+        G, rows = tiles.heads, tiles.rows
+        self.scores = np.empty(G * rows * tiles.cols, dtype=dtype)
+        self.q = np.empty((G, rows, d_k), dtype=dtype)
+        self.acc = np.empty((G, rows, d_v), dtype=dtype)
+        self.pv = np.empty((G, rows, d_v), dtype=dtype)
+        self.m = np.empty((G, rows), dtype=dtype)  # running maximum (-inf: no key seen yet)
+        self.ref = np.empty((G, rows), dtype=dtype)  # the maximum used for exp, never -inf
+        self.ref_new = np.empty((G, rows), dtype=dtype)
+        self.total = np.empty((G, rows), dtype=dtype)  # running sum of exp(s - ref)
 
 
 def _query_tile(
@@ -180,49 +199,47 @@ def _query_tile(
     weights: np.ndarray | None,
     lse: np.ndarray | None,
 ) -> None:
-    """Rows ``[r0, r1)`` of one head against keys ``[0, stop)``: the online softmax."""
-    n = r1 - r0
+    """Rows ``[r0, r1)`` of ``G`` heads (``q (G, L, d_k)``) against keys ``[0, stop)``."""
+    G, n = q.shape[0], r1 - r0
     dtype = out.dtype
-    q_tile = np.multiply(q[r0:r1], scale, out=scratch.q[:n])
-    m, ref, ref_new = scratch.m[:n], scratch.ref[:n], scratch.ref_new[:n]
-    total = scratch.total[:n]
-    acc, pv = scratch.acc[:n], scratch.pv[:n]
-    s = scratch.scores[:0].reshape(n, 0)
+    q_tile = np.multiply(q[:, r0:r1], scale, out=scratch.q[:G, :n])
+    m, ref, ref_new = scratch.m[:G, :n], scratch.ref[:G, :n], scratch.ref_new[:G, :n]
+    total, acc, pv = scratch.total[:G, :n], scratch.acc[:G, :n], scratch.pv[:G, :n]
+    s = scratch.scores[:0].reshape(G, n, 0)
     first = True
     for c0 in range(0, stop, key_tile):
         c1 = min(c0 + key_tile, stop)
         hidden = item.hidden(r0, r1, c0, c1)
         if hidden is not None and hidden.all():
             continue
-        s = scratch.scores[: n * (c1 - c0)].reshape(n, c1 - c0)
-        np.matmul(q_tile, _cast(k[c0:c1], dtype).T, out=s)
+        s = scratch.scores[: G * n * (c1 - c0)].reshape(G, n, c1 - c0)
+        np.matmul(q_tile, _cast(k[:, c0:c1], dtype).transpose(0, 2, 1), out=s)
         bias = item.bias_block(r0, r1, c0, c1)
         if bias is not None:
             s += bias
         if hidden is not None:
             np.copyto(s, -np.inf, where=hidden)
-        v_tile = _cast(v[c0:c1], dtype)
-        v_finite = bool(np.isfinite(v_tile).all())
-        attended = None if v_finite else s != -np.inf
+        v_tile = _cast(v[:, c0:c1], dtype)
+        attended = None if np.isfinite(v_tile).all() else s != -np.inf
 
-        tile_max = s.max(axis=1)
+        tile_max = s.max(axis=-1)
         if first:
             np.copyto(m, tile_max)
         else:
             np.maximum(m, tile_max, out=m)
         np.copyto(ref_new, m)
         ref_new[m == -np.inf] = 0.0  # rows with no visible key so far
-        s -= ref_new[:, None]
+        s -= ref_new[..., None]
         np.exp(s, out=s)
         if first:
-            np.sum(s, axis=1, out=total)
+            np.sum(s, axis=-1, out=total)
             _product(s, v_tile, attended, out=acc)
             first = False
         else:
             alpha = np.exp(ref - ref_new)  # rescales what earlier tiles accumulated
             total *= alpha
-            total += s.sum(axis=1)
-            acc *= alpha[:, None]
+            total += s.sum(axis=-1)
+            acc *= alpha[..., None]
             acc += _product(s, v_tile, attended, out=pv)
         ref, ref_new = ref_new, ref
 
@@ -230,13 +247,13 @@ def _query_tile(
         return
     empty = total == 0.0
     total[empty] = 1.0
-    np.divide(acc, total[:, None], out=out[r0:r1])
+    np.divide(acc, total[..., None], out=out[:, r0:r1])
     if weights is not None:  # whole rows: s holds every key's exp(s - ref)
-        np.divide(s, total[:, None], out=weights[r0:r1, : s.shape[1]])
+        np.divide(s, total[..., None], out=weights[:, r0:r1, : s.shape[-1]])
     if lse is not None:
         row_lse = ref + np.log(total)
         row_lse[empty] = -np.inf
-        lse[r0:r1] = row_lse
+        lse[:, r0:r1] = row_lse
 
 
 def _cast(tile: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -248,18 +265,18 @@ def _product(
 ) -> np.ndarray:
     """``e @ v`` into ``out``, where ``0 * inf`` and ``0 * nan`` from hidden keys count as 0.
 
-    BLAS would turn a zero weight times a NaN value into NaN. When ``v`` holds non-finite
-    values, multiply by ``v`` with them zeroed, then add each one's product back only for
-    the rows that attend to its key (``attended``). Extra work is proportional to the number
-    of keys holding a non-finite value, usually none.
+    BLAS would turn a zero weight times a NaN value into NaN. When ``v (G, w, d_v)`` holds
+    non-finite values, multiply by ``v`` with them zeroed, then add each one's product back
+    only for the rows that attend to its key (``attended (G, n, w)``). Extra work is
+    proportional to the number of keys holding a non-finite value, usually none.
     """
     if attended is None:
         return np.matmul(e, v, out=out)
     non_finite = ~np.isfinite(v)
     np.matmul(e, np.where(non_finite, 0.0, v), out=out)
-    for j in np.flatnonzero(non_finite.any(axis=1)):
-        v_j = np.where(non_finite[j], v[j], 0.0)  # only the non-finite entries
-        out += np.where(attended[:, j, None], e[:, j, None] * v_j, 0.0)
+    for j in np.flatnonzero(non_finite.any(axis=(0, 2))):
+        v_j = np.where(non_finite[:, j], v[:, j], 0.0)[:, None, :]  # (G, 1, d_v)
+        out += np.where(attended[:, :, j, None], e[:, :, j, None] * v_j, 0.0)
     return out
 
 

@@ -107,44 +107,44 @@ class Visibility:
             bias_hides_keys=hides,
         )
 
-    def item(self, index: tuple[int, ...]) -> ItemVisibility:
-        """The parts that apply to one ``(*batch, head)`` index of the scores."""
-        batch = index[:-1]
+    def item(self, batch: tuple[int, ...], heads: slice) -> ItemVisibility:
+        """The parts that apply to one batch index and a run of its heads."""
         return ItemVisibility(
             key_end=self.S if self.key_lengths is None else int(self.key_lengths[batch]),
             query_end=self.L if self.query_lengths is None else int(self.query_lengths[batch]),
             causal_offset=self.causal_offset,
-            mask=_select(self.mask, index),
-            bias=_select(self.bias, index),
+            mask=_select(self.mask, batch, heads),
+            bias=_select(self.bias, batch, heads),
             bias_hides_keys=self.bias_hides_keys,
         )
 
     def allowed(self) -> np.ndarray:
         """The full boolean ``(*batch, H, L, S)`` visibility, for inspection and plots."""
         allowed = np.ones((*self.index_shape, self.L, self.S), dtype=bool)
-        for index in np.ndindex(self.index_shape):
-            item = self.item(index)
+        for batch in np.ndindex(self.index_shape[:-1]):
+            item = self.item(batch, slice(0, self.index_shape[-1]))
             hidden = item.hidden(0, self.L, 0, self.S)
             if hidden is not None:
-                allowed[index] = ~hidden
-            allowed[index][:, item.key_end :] = False
-            allowed[index][item.query_end :] = False
+                allowed[batch] = ~hidden
+            allowed[batch][..., item.key_end :] = False
+            allowed[batch][..., item.query_end :, :] = False
         return allowed
 
 
 @dataclass(frozen=True)
 class ItemVisibility:
-    """What one ``(*batch, head)`` index may see: limits, and 2-D views cut into tiles.
+    """What one batch index's run of heads may see: limits, and views cut into tiles.
 
     Keys at or after ``key_end`` and queries at or after ``query_end`` are padding; the
-    kernel bounds its loops with them instead of masking.
+    kernel bounds its loops with them instead of masking. ``mask`` and ``bias`` are
+    ``(G or 1, L or 1, S or 1)`` for the run of ``G`` heads.
     """
 
     key_end: int
     query_end: int
     causal_offset: int | None
-    mask: np.ndarray | None  # (L or 1, S or 1), True = may attend
-    bias: np.ndarray | None  # (L or 1, S or 1)
+    mask: np.ndarray | None  # True = may attend
+    bias: np.ndarray | None
     bias_hides_keys: bool
 
     def key_stop(self, r0: int, r1: int) -> int:
@@ -158,9 +158,9 @@ class ItemVisibility:
         return None if self.bias is None else _block(self.bias, r0, r1, c0, c1)
 
     def hidden(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray | None:
-        """Boolean ``(r1 - r0, c1 - c0)``: True where the causal mask, the boolean mask or a
-        ``-inf`` bias hides the key; ``None`` when they hide nothing in the block. Padding
-        limits are not included: the kernel's loops stop at them."""
+        """Boolean ``(G or 1, r1 - r0, c1 - c0)``: True where the causal mask, the boolean
+        mask or a ``-inf`` bias hides the key; ``None`` when nothing in the block is hidden.
+        Padding is not included: the kernel's loops stop at it."""
         hidden = None
         offset = self.causal_offset
         if offset is not None and c1 - 1 > r0 + offset:  # the block crosses the diagonal
@@ -176,15 +176,14 @@ def _or(a: np.ndarray | None, b: np.ndarray) -> np.ndarray:
     return b if a is None else a | b
 
 
-def _select(array: np.ndarray | None, index: tuple[int, ...]) -> np.ndarray | None:
-    """The 2-D ``(L, S)`` slice of a broadcastable array for one ``(*batch, head)`` index."""
+def _select(array: np.ndarray | None, batch: tuple[int, ...], heads: slice) -> np.ndarray | None:
+    """The ``(G or 1, L or 1, S or 1)`` part of a full-rank array for one batch index."""
     if array is None:
         return None
-    lead = array.ndim - 2  # the array's axes before (L, S) match the last ``lead`` indices
-    sub = index[len(index) - lead :] if lead else ()
-    picked: np.ndarray = array[
-        tuple(0 if size == 1 else i for size, i in zip(array.shape[:lead], sub, strict=True))
-    ]
+    index: tuple[Any, ...] = tuple(
+        0 if size == 1 else i for size, i in zip(array.shape, batch, strict=False)
+    )
+    picked: np.ndarray = array[(*index, heads if array.shape[-3] != 1 else slice(None))]
     return picked
 
 
@@ -239,9 +238,7 @@ def _fit_to_scores(
             f"{name} of shape {given} does not broadcast to the scores' shape "
             f"{_describe(full, batch_shape)}{hint}"
         )
-    if array.ndim < 2:  # (S,) or a scalar: give it the (L, S) axes that blocks are cut from
-        array = array.reshape((1,) * (2 - array.ndim) + array.shape)
-    return array
+    return array.reshape((1,) * (len(full) - array.ndim) + array.shape)  # full rank, a view
 
 
 def _lengths(
@@ -269,7 +266,7 @@ def _lengths(
 
 
 def _block(array: np.ndarray, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
-    """Cut rows ``[r0, r1)`` and columns ``[c0, c1)``, broadcasting size-1 axes to the block."""
+    """Cut rows ``[r0, r1)`` and columns ``[c0, c1)``, leaving broadcast (size-1) axes whole."""
     rows = slice(r0, r1) if array.shape[-2] != 1 else slice(None)
     cols = slice(c0, c1) if array.shape[-1] != 1 else slice(None)
-    return np.broadcast_to(array[..., rows, cols], (r1 - r0, c1 - c0))
+    return array[..., rows, cols]
