@@ -172,3 +172,13 @@ def test_inputs_are_never_modified(dtype):
     mha.scaled_dot_product_attention(q, q, q, bias=bias[:, :4], return_weights=True)
     for before, after in zip(frozen, (*args, mask, bias, key_lengths), strict=True):
         np.testing.assert_array_equal(before, after)
+
+
+def test_the_module_modifies_neither_inputs_nor_weights():
+    attention = mha.MultiHeadAttention(8, 2, bias=True, seed=0)
+    weights = [attention.W_q, attention.W_k, attention.W_v, attention.W_o, attention.b_o]
+    X = r.standard_normal((2, 4, 8))
+    for a in (*weights, X):
+        a.flags.writeable = False
+    attention(X, mask=True, key_lengths=[4, 2])
+    attention(X, X + 1.0, return_weights=True)

@@ -102,7 +102,7 @@ CASES = [
         "K rank unlike Q",
         lambda: call(K=K[0]),
         ShapeError,
-        r"K must have shape \(B, S, d_kin\), like Q; got shape \(6, 8\)",
+        r"K must have shape \(B, S, d_kin\), like Q \(2, 5, 8\); got shape \(6, 8\)",
     ),
     (
         "weight rank",
@@ -164,7 +164,8 @@ CASES = [
         "key_lengths too long",
         lambda: call(key_lengths=[7, 1]),
         AttentionValueError,
-        r"key_lengths must be <= 6, the number of key positions; got 7",
+        r"key_lengths must be <= 6, the number of key positions "
+        r"\(Q \(2, 5, 8\), K \(2, 6, 8\)\); got 7",
     ),
     (
         "key_lengths negative",
@@ -194,7 +195,8 @@ CASES = [
         "query_lengths too long",
         lambda: call(query_lengths=[6, 1]),
         AttentionValueError,
-        r"query_lengths must be <= 5, the number of query positions; got 6",
+        r"query_lengths must be <= 5, the number of query positions "
+        r"\(Q \(2, 5, 8\), K \(2, 6, 8\)\); got 6",
     ),
     (
         "query_lengths negative",
@@ -254,7 +256,7 @@ CASES = [
         "zero head width",
         lambda: call(W_q=np.zeros((8, 0)), W_k=np.zeros((8, 0))),
         AttentionValueError,
-        r"head width d_k is 0.*pass scale=",
+        r"head width d_k is 0 \(W_q \(8, 0\)\).*pass scale=",
     ),
     (
         "sdpa missing head axis",
@@ -333,6 +335,96 @@ CASES = [
         lambda: mha.MultiHeadAttention(8, 2)(Q, True, mask=True),
         AttentionTypeError,
         r"give the mask only once",
+    ),
+    (
+        "V rank unlike Q",
+        lambda: call(V=V[0]),
+        ShapeError,
+        r"V must have shape \(B, S, d_vin\), like Q \(2, 5, 8\); got shape \(6, 8\)",
+    ),
+    (
+        "query_lengths float",
+        lambda: call(query_lengths=np.array([1.5, 2.0])),
+        AttentionTypeError,
+        r"query_lengths must hold integers; got dtype float64",
+    ),
+    (
+        "key_lengths uint64 beyond S",
+        lambda: call(key_lengths=np.array([2**64 - 1, 5], dtype=np.uint64)),
+        AttentionValueError,
+        r"key_lengths must be <= 6, the number of key positions .*got 18446744073709551615",
+    ),
+    (
+        "huge integer scale",
+        lambda: call(scale=10**400),
+        AttentionValueError,
+        r"scale must be a positive number that float64 can hold",
+    ),
+    (
+        "scale beyond float32",
+        lambda: call(*[a.astype(np.float32) for a in (Q, K, V, *W)], scale=1e300),
+        AttentionValueError,
+        r"scale must be a positive number that float32 can hold; got 1e\+300",
+    ),
+    (
+        "array causal_alignment",
+        lambda: call(causal=True, causal_alignment=np.array(["top_left", "x"])),
+        AttentionValueError,
+        r"causal_alignment must be one of",
+    ),
+    (
+        "return_weights not a bool",
+        lambda: call(return_weights="no"),
+        AttentionTypeError,
+        r"return_weights must be True or False; got 'no'",
+    ),
+    (
+        "workers zero",
+        lambda: call(workers=0),
+        AttentionValueError,
+        r"workers must be a positive integer; got 0",
+    ),
+    (
+        "max_memory float",
+        lambda: call(max_memory=1.5e6),
+        AttentionTypeError,
+        r"max_memory must be a positive integer; got 1500000.0",
+    ),
+    (
+        "module scale type",
+        lambda: mha.MultiHeadAttention(8, 2)(Q, scale="big"),
+        AttentionTypeError,
+        r"scale must be a positive real number; got 'big'",
+    ),
+    (
+        "module rank",
+        lambda: mha.MultiHeadAttention(8, 2)(Q[None]),
+        ShapeError,
+        r"query must have shape \(B, L, d_model\) or \(L, d_model\); got shape \(1, 2, 5, 8\)",
+    ),
+    (
+        "module positional integer mask",
+        lambda: mha.MultiHeadAttention(8, 2)(Q, np.tril(np.ones((5, 5), int))),
+        AttentionTypeError,
+        r"second argument of forward\(X, mask\) must be None, True \(causal\) or a boolean",
+    ),
+    (
+        "module positional scalar mask",
+        lambda: mha.MultiHeadAttention(8, 2)(Q, 1),
+        AttentionTypeError,
+        r"second argument of forward\(X, mask\).*got 1\. For an additive mask",
+    ),
+    (
+        "module seed",
+        lambda: mha.MultiHeadAttention(8, 2, seed=-1),
+        AttentionTypeError,
+        r"seed must be None, a non-negative integer or a np.random.Generator; got -1",
+    ),
+    (
+        "module seed type",
+        lambda: mha.MultiHeadAttention(8, 2, seed="a"),
+        AttentionTypeError,
+        r"seed must be .* got 'a'",
     ),
     (
         "module dtype",

@@ -223,3 +223,56 @@ def test_unbatched_masks_use_head_query_key_axes():
     batched = mha.multi_head_attention(*args, 2, mask=mask[None], key_lengths=[5], **biases)
     assert out.shape == (5, 6)
     np.testing.assert_array_equal(out, batched[0])
+
+
+def test_zero_dimensional_boolean_arrays_are_masks_and_scalars_are_the_causal_flag():
+    q, k, v = heads(L=4, S=4)
+    plain = mha.scaled_dot_product_attention(q, k, v)
+    causal = mha.scaled_dot_product_attention(q, k, v, causal=True)
+    np.testing.assert_array_equal(
+        mha.scaled_dot_product_attention(q, k, v, mask=np.array(True)), plain
+    )
+    assert np.all(mha.scaled_dot_product_attention(q, k, v, mask=np.array(False)) == 0)
+    np.testing.assert_array_equal(mha.scaled_dot_product_attention(q, k, v, mask=np.True_), causal)
+    np.testing.assert_array_equal(mha.scaled_dot_product_attention(q, k, v, mask=True), causal)
+
+
+def test_masks_with_two_batch_axes():
+    r = np.random.default_rng(5)
+    q, k, v = (r.standard_normal((2, 3, 4, n, 5)) for n in (6, 7, 7))  # (B1, B2, H, L/S, d)
+    mask = r.random((2, 3, 1, 6, 7)) < 0.7
+    per_entry = np.stack([
+        np.stack([mha.scaled_dot_product_attention(q[i, j], k[i, j], v[i, j], mask=mask[i, j])
+                  for j in range(3)])
+        for i in range(2)
+    ])  # fmt: skip
+    np.testing.assert_array_equal(mha.scaled_dot_product_attention(q, k, v, mask=mask), per_entry)
+    no_head_axis = mask[:, :, 0]  # (B1, B2, L, S): applies to every head
+    np.testing.assert_array_equal(
+        mha.scaled_dot_product_attention(q, k, v, mask=no_head_axis), per_entry
+    )
+
+
+def test_empty_batch():
+    args, biases = project_inputs(B=0)
+    out, weights = mha.multi_head_attention(
+        *args, 2, **biases, key_lengths=[], causal=True, return_weights=True
+    )
+    assert out.shape == (0, 5, 6) and weights.shape == (0, 2, 5, 7)
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_non_finite_bias_at_hidden_positions_never_reaches_a_visible_output(poison):
+    args, biases = project_inputs()
+    bias = np.zeros((2, 1, 5, 7))
+    mask = np.ones((2, 5, 7), dtype=bool)
+    mask[:, :, 5:] = False
+    clean = mha.multi_head_attention(*args, 2, bias=bias, mask=mask, **biases)
+    dirty_bias = bias.copy()
+    dirty_bias[..., 5:] = poison  # hidden by the mask
+    dirty_bias[1, ..., 3:] = poison  # hidden by the key lengths below
+    dirty = mha.multi_head_attention(
+        *args, 2, bias=dirty_bias, mask=mask, key_lengths=[7, 3], **biases
+    )
+    np.testing.assert_array_equal(dirty[0], clean[0])
+    assert np.isfinite(dirty).all()

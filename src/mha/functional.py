@@ -88,7 +88,7 @@ def scaled_dot_product_attention(
     }
     visibility = Visibility.build(
         batch_shape=q.shape[:-3], H=q.shape[-3], L=q.shape[-2], S=k.shape[-2],
-        dtype=compute_dtype, **masking,
+        dtype=compute_dtype, context=f"q {q.shape}, k {k.shape}", **masking,
     )  # fmt: skip
     scale = resolve_scale(scale, q.shape[-1], compute_dtype)
     budget, threads = _kernel_options(return_weights, max_memory, workers)
@@ -167,8 +167,9 @@ def multi_head_attention(
     K = as_float_array("K", K)
     V = as_float_array("V", V)
     check_rank("Q", Q, "(B, L, d_q) or (L, d_q)", (2, 3))
-    check_rank("K", K, f"{'(B, S, d_kin)' if Q.ndim == 3 else '(S, d_kin)'}, like Q", (Q.ndim,))
-    check_rank("V", V, f"{'(B, S, d_vin)' if Q.ndim == 3 else '(S, d_vin)'}, like Q", (Q.ndim,))
+    for name, X, width in (("K", K, "d_kin"), ("V", V, "d_vin")):
+        layout = f"{'(B, S, ' if Q.ndim == 3 else '(S, '}{width}), like Q {Q.shape}"
+        check_rank(name, X, layout, (Q.ndim,))
     _same("Q", Q, "K", K, "batch shape {}", Q.shape[:-2], K.shape[:-2])
     _same("K", K, "V", V, "batch shape {}", K.shape[:-2], V.shape[:-2])
     _same("K", K, "V", V, "{} positions", K.shape[-2], V.shape[-2])
@@ -213,7 +214,10 @@ def multi_head_attention(
         "query_lengths": query_lengths,
         "bias": bias,
     }
-    visibility = Visibility.build(batch_shape=B, H=H, L=L, S=S, dtype=compute_dtype, **masking)
+    visibility = Visibility.build(
+        batch_shape=B, H=H, L=L, S=S, dtype=compute_dtype, context=f"Q {Q.shape}, K {K.shape}",
+        **masking,
+    )  # fmt: skip
     scale = resolve_scale(scale, W_q.shape[1] // H, compute_dtype, f"W_q {W_q.shape}")
     budget, threads = _kernel_options(return_weights, max_memory, workers)
 

@@ -73,12 +73,15 @@ class Visibility:
         query_lengths: Any = None,
         bias: Any = None,
         dtype: Any = np.float64,
+        context: str = "",
     ) -> Visibility:
-        """Check every masking argument against the scores' shape and keep the parts."""
+        """Check every masking argument against the scores' shape and keep the parts.
+
+        ``context`` (such as "Q (2, 5, 8), K (2, 6, 8)") is added to length errors."""
         full = (*batch_shape, H, L, S)
         mask_is_causal, mask_array = _split_mask(mask)
         causal = flag("causal", causal) or mask_is_causal
-        if causal_alignment not in CAUSAL_ALIGNMENTS:
+        if not isinstance(causal_alignment, str) or causal_alignment not in CAUSAL_ALIGNMENTS:
             raise AttentionValueError(
                 f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}; got {causal_alignment!r}"
             )
@@ -102,8 +105,10 @@ class Visibility:
             mask=mask_array,
             bias=bias_array,
             causal_offset=offset,
-            key_lengths=_lengths("key_lengths", key_lengths, batch_shape, S, "key"),
-            query_lengths=_lengths("query_lengths", query_lengths, batch_shape, L, "query"),
+            key_lengths=_lengths("key_lengths", key_lengths, batch_shape, S, "key", context),
+            query_lengths=_lengths(
+                "query_lengths", query_lengths, batch_shape, L, "query", context
+            ),
             bias_hides_keys=hides,
         )
 
@@ -188,7 +193,8 @@ def _select(array: np.ndarray | None, batch: tuple[int, ...], heads: slice) -> n
 
 
 def _split_mask(mask: Any) -> tuple[bool, np.ndarray | None]:
-    """``mask=True``/``False`` is the causal flag; an array is a visibility mask."""
+    """A Python or NumPy bool (``mask=True``) is the causal flag; an array, even a 0-d one,
+    is a visibility mask."""
     if mask is None:
         return False, None
     if isinstance(mask, (bool, np.bool_)):
@@ -204,8 +210,6 @@ def _split_mask(mask: Any) -> tuple[bool, np.ndarray | None]:
             f"mask must be None, True/False (causal) or a boolean array with True = may "
             f"attend; got {given}. For an additive mask of 0 and -inf, pass it as bias= instead."
         )
-    if array.ndim == 0:
-        return bool(array), None
     return False, array
 
 
@@ -242,27 +246,29 @@ def _fit_to_scores(
 
 
 def _lengths(
-    name: str, lengths: Any, batch_shape: tuple[int, ...], limit: int, axis: str
+    name: str, lengths: Any, batch_shape: tuple[int, ...], limit: int, axis: str, context: str
 ) -> np.ndarray | None:
     if lengths is None:
         return None
     array = as_array(name, lengths)
-    if array.dtype.kind not in "iu":
+    if array.dtype.kind not in "iu" and array.size:  # an empty list reads as float: allow it
         raise AttentionTypeError(f"{name} must hold integers; got dtype {array.dtype}")
+    where = f" ({context})" if context else ""
     if array.shape != batch_shape:
         raise ShapeError(
             f"{name} must hold one length per sequence, shape {batch_shape}; "
-            f"got shape {array.shape}"
+            f"got shape {array.shape}{where}"
         )
-    array = array.astype(np.int64)
     if array.size and array.min() < 0:
-        raise AttentionValueError(f"{name} must be >= 0; got {array.min()} (in {array.tolist()})")
+        raise AttentionValueError(
+            f"{name} must be >= 0; got {array.min()} (in {reprlib.repr(array.tolist())})"
+        )
     if array.size and array.max() > limit:
         raise AttentionValueError(
-            f"{name} must be <= {limit}, the number of {axis} positions; "
-            f"got {array.max()} (in {array.tolist()})"
+            f"{name} must be <= {limit}, the number of {axis} positions{where}; "
+            f"got {array.max()} (in {reprlib.repr(array.tolist())})"
         )
-    return array
+    return array.astype(np.int64)
 
 
 def _block(array: np.ndarray, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 import numpy as np
@@ -62,7 +63,7 @@ class MultiHeadAttention:
             raise AttentionTypeError(f"bias must be True or False; got {bias!r}")
         self.has_bias = bool(bias)
         self.dtype = _float_dtype(dtype)
-        rng = np.random.default_rng(seed)
+        rng = _random_generator(seed)
 
         E = self.d_model
         if self.kdim == E and self.vdim == E:
@@ -109,13 +110,15 @@ class MultiHeadAttention:
         ``value (B, S, vdim)`` (``value`` defaults to ``key``). The keywords are those of
         :func:`mha.multi_head_attention`.
         """
-        if _looks_like_mask(key) and value is None:
+        if value is None and _looks_like_mask(key):
             if mask is not None:
                 raise AttentionTypeError(
                     "forward got a boolean second argument and mask=; the second positional "
                     "argument is the mask in forward(X, mask), so give the mask only once"
                 )
             key, mask = None, key
+        elif value is None and key is not None:
+            _refuse_ambiguous_key(key)
         query = as_float_array("query", query)
         key = query if key is None else as_float_array("key", key)
         value = key if value is None else as_float_array("value", value)
@@ -124,7 +127,12 @@ class MultiHeadAttention:
             ("key", key, self.kdim, "kdim"),
             ("value", value, self.vdim, "vdim"),
         ):
-            if array.ndim in (2, 3) and array.shape[-1] != width:
+            if array.ndim not in (2, 3):
+                raise ShapeError(
+                    f"{name} must have shape (B, L, {label}) or (L, {label}); "
+                    f"got shape {array.shape}"
+                )
+            if array.shape[-1] != width:
                 raise ShapeError(
                     f"{name} has width {array.shape[-1]} but this MultiHeadAttention has "
                     f"{label}={width} ({name} {array.shape})"
@@ -173,6 +181,28 @@ def _looks_like_mask(x: Any) -> bool:
     if isinstance(x, (bool, np.bool_)):
         return True
     return isinstance(x, np.ndarray) and x.dtype.kind == "b"
+
+
+def _refuse_ambiguous_key(key: Any) -> None:
+    """In ``forward(X, second)`` a scalar or an integer array is a mask given wrongly, not
+    a key: say so instead of attending over it."""
+    kind = np.asarray(key).dtype.kind if isinstance(key, (np.ndarray, list, tuple)) else None
+    if np.ndim(key) == 0 or kind in ("i", "u"):
+        raise AttentionTypeError(
+            "the second argument of forward(X, mask) must be None, True (causal) or a boolean "
+            f"array with True = may attend; got {reprlib.repr(key)}. For an additive mask of "
+            "0 and -inf pass bias=; for cross-attention pass a float key array"
+        )
+
+
+def _random_generator(seed: Any) -> np.random.Generator:
+    try:
+        return np.random.default_rng(seed)
+    except (TypeError, ValueError) as error:
+        raise AttentionTypeError(
+            f"seed must be None, a non-negative integer or a np.random.Generator; "
+            f"got {reprlib.repr(seed)} ({error})"
+        ) from None
 
 
 def _float_dtype(dtype: Any) -> np.dtype:
