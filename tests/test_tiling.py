@@ -12,7 +12,7 @@ import pytest
 from support.configs import call_args, random_config, relative_error
 
 import mha
-from mha import kernel
+from mha import kernel, parallel
 
 # (keys per tile, scratch budget in bytes, workers): from one-key tiles to uneven ones
 TILINGS = [
@@ -28,7 +28,7 @@ TILINGS = [
 @pytest.fixture
 def tiny_tiles(monkeypatch):
     """Make small problems use the thread pool and the requested key tile."""
-    monkeypatch.setattr(kernel, "SERIAL_BELOW", 0)
+    monkeypatch.setattr(parallel, "SERIAL_BELOW", 0)
 
     def set_key_tile(cols):
         monkeypatch.setattr(kernel, "KEY_TILE", cols)

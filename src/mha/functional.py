@@ -24,6 +24,7 @@ from ._arrays import (
 from .errors import AttentionTypeError, AttentionValueError, ShapeError
 from .kernel import DEFAULT_MAX_MEMORY, attend
 from .masks import Visibility
+from .parallel import Team, workers_for
 
 __all__ = ["merge_attention", "multi_head_attention", "scaled_dot_product_attention"]
 
@@ -98,10 +99,11 @@ def scaled_dot_product_attention(
     if return_weights:
         weights = np.zeros((*q.shape[:-1], k.shape[-2]), dtype=compute_dtype)
     lse = np.full(q.shape[:-1], -np.inf, dtype=compute_dtype) if want_lse else None
-    with np.errstate(invalid="ignore", over="ignore"):
+    cost = float(np.prod(q.shape[:-1])) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+    with np.errstate(invalid="ignore", over="ignore"), Team(workers_for(cost, threads)) as team:
         attend(
             q, k, v, visibility, scale, out, weights=weights, lse=lse, max_memory=budget,
-            workers=threads,
+            team=team,
         )  # fmt: skip
     results = [_cast(out, result_dtype)]
     if weights is not None:
@@ -224,19 +226,27 @@ def multi_head_attention(
     def cast(array: np.ndarray | None) -> np.ndarray | None:
         return None if array is None else array.astype(compute_dtype, copy=False)
 
-    with np.errstate(invalid="ignore", over="ignore"):
+    batch = float(np.prod(B))
+    cost = batch * (  # multiply-adds of the projections and of attention
+        L * W_q.size + S * (W_k.size + W_v.size) + L * W_o.size
+        + H * L * S * (W_q.shape[1] + W_v.shape[1]) // H
+    )  # fmt: skip
+    with np.errstate(invalid="ignore", over="ignore"), Team(workers_for(cost, threads)) as team:
+        # The softmax scale is folded into W_q and b_q: the kernel then reads q as it is.
+        W_q_scaled = W_q.astype(compute_dtype) * scale
+        b_q_scaled = None if b_q is None else b_q.astype(compute_dtype) * scale
         q, k, v = _project_heads(
-            cast(Q), cast(K), cast(V), cast(W_q), cast(W_k), cast(W_v), cast(b_q), cast(b_k),
-            cast(b_v), H, self_attention=Q is K is V,
+            cast(Q), cast(K), cast(V), W_q_scaled, cast(W_k), cast(W_v), b_q_scaled, cast(b_k),
+            cast(b_v), H, team, self_attention=Q is K is V,
         )  # fmt: skip
         joined = np.zeros((*B, L, W_v.shape[1]), dtype=compute_dtype)  # (*B, L, H*d_v)
         weights = np.zeros((*B, H, L, S), dtype=compute_dtype) if return_weights else None
         attend(
-            q, k, v, visibility, scale, _split_heads(joined, H), weights=weights,
-            max_memory=budget, workers=threads,
+            q, k, v, visibility, 1.0, _split_heads(joined, H), weights=weights,
+            max_memory=budget, team=team,
         )  # fmt: skip
         del q, k, v  # the projections are not needed for the output projection
-        out = _project(joined, cast(W_o), cast(b_o))  # (*B, L, d_out)
+        out = team.matmul(joined, W_o.astype(compute_dtype, copy=False), cast(b_o))
     if weights is None:
         return _cast(out, result_dtype)
     return _cast(out, result_dtype), _cast(weights, result_dtype)
@@ -313,6 +323,7 @@ def _project_heads(
     b_k: Any,
     b_v: Any,
     H: int,
+    team: Team,
     *,
     self_attention: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -322,9 +333,9 @@ def _project_heads(
     """  # fmt: skip
     if not self_attention:
         return (
-            _split_heads(_project(Q, W_q, b_q), H),
-            _split_heads(_project(K, W_k, b_k), H),
-            _split_heads(_project(V, W_v, b_v), H),
+            _split_heads(team.matmul(Q, W_q, b_q), H),
+            _split_heads(team.matmul(K, W_k, b_k), H),
+            _split_heads(team.matmul(V, W_v, b_v), H),
         )
     W_qkv = np.concatenate([W_q, W_k, W_v], axis=1)
     b_qkv = None
@@ -333,17 +344,10 @@ def _project_heads(
             np.zeros(W.shape[1], W.dtype) if b is None else b
             for b, W in ((b_q, W_q), (b_k, W_k), (b_v, W_v))
         ])  # fmt: skip
-    qkv = _project(Q, W_qkv, b_qkv)
+    qkv = team.matmul(Q, W_qkv, b_qkv)
     widths = [W_q.shape[1], W_q.shape[1] + W_k.shape[1]]
     q, k, v = (_split_heads(x, H) for x in np.split(qkv, widths, axis=-1))
     return q, k, v
-
-
-def _project(x: Any, W: Any, b: np.ndarray | None) -> np.ndarray:
-    out: np.ndarray = x @ W
-    if b is not None:
-        out += b
-    return out
 
 
 def _split_heads(x: np.ndarray, H: int) -> np.ndarray:

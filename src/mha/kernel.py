@@ -24,28 +24,22 @@ BLAS limited to one thread inside the workers when threadpoolctl is installed.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .masks import ItemVisibility, Visibility
+from .parallel import Team
 
-__all__ = ["DEFAULT_MAX_MEMORY", "Tiles", "attend", "default_workers", "plan_tiles"]
+__all__ = ["DEFAULT_MAX_MEMORY", "Tiles", "attend", "plan_tiles"]
 
 DEFAULT_MAX_MEMORY = 4 * 2**20
 """Bytes of scratch each worker may use for its tiles, unless the caller says otherwise."""
 
 KEY_TILE = 512
 """Keys per tile when the memory budget allows it."""
-
-SERIAL_BELOW = 2**22
-"""Multiply-adds under which a thread pool costs more than it saves."""
 
 
 @dataclass(frozen=True)
@@ -86,14 +80,6 @@ def plan_tiles(
     return Tiles(rows=rows, cols=int(cols), heads=heads)
 
 
-def default_workers() -> int:
-    """The number of cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def attend(
     q: np.ndarray,
     k: np.ndarray,
@@ -105,7 +91,7 @@ def attend(
     weights: np.ndarray | None = None,
     lse: np.ndarray | None = None,
     max_memory: int = DEFAULT_MAX_MEMORY,
-    workers: int | None = None,
+    team: Team | None = None,
 ) -> None:
     """Fill ``out`` with attention of ``q`` over ``k`` and ``v``, per ``(*batch, head)``.
 
@@ -114,7 +100,8 @@ def attend(
     float32 or wider. ``out (*batch, H, L, d_v)``, ``weights (*batch, H, L, S)`` and
     ``lse (*batch, H, L)`` (log-sum-exp of each row's logits) must arrive filled with 0, 0
     and ``-inf``: rows and items that see no key are not visited. ``scale`` is a Python
-    float, so it never promotes float32 work to float64.
+    float, so it never promotes float32 work to float64. Work items run on ``team``
+    (serially without one).
     """
     H, L, S, d_k, d_v = q.shape[-3], q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     dtype = out.dtype
@@ -132,13 +119,12 @@ def attend(
                 if stop > 0:
                     cost = (heads.stop - heads.start) * (r1 - r0) * stop
                     tasks.append((cost, batch, heads, item, r0, r1, stop))
-    if not tasks:
-        return
     tasks.sort(key=lambda task: task[0], reverse=True)  # longest first
 
-    def work(next_task: Callable[[], Any]) -> None:
+    def make_worker() -> Callable[[Any], None]:
         scratch = _Scratch(tiles, d_k, d_v, dtype)
-        while (task := next_task()) is not None:
+
+        def run(task: Any) -> None:
             _, batch, heads, item, r0, r1, stop = task
             _query_tile(
                 q[batch][heads], k[batch][heads], v[batch][heads], item, scale, r0, r1, stop,
@@ -147,26 +133,9 @@ def attend(
                 None if lse is None else lse[batch][heads],
             )  # fmt: skip
 
-    cost = sum(task[0] for task in tasks) * (d_k + d_v)
-    workers = default_workers() if workers is None else workers
-    if workers <= 1 or len(tasks) == 1 or cost < SERIAL_BELOW:
-        work(_taker(iter(tasks)))
-        return
-    take = _taker(iter(tasks), threading.Lock())
-    with _single_threaded_blas(), ThreadPoolExecutor(min(workers, len(tasks))) as pool:
-        for future in [pool.submit(work, take) for _ in range(min(workers, len(tasks)))]:
-            future.result()
+        return run
 
-
-def _taker(tasks: Iterator[Any], lock: Any = None) -> Callable[[], Any]:
-    """A function that hands out the next task, or ``None`` when there are no more."""
-    guard = lock or contextlib.nullcontext()
-
-    def take() -> Any:
-        with guard:
-            return next(tasks, None)
-
-    return take
+    (team or Team(1)).run(tasks, make_worker)
 
 
 class _Scratch:
@@ -202,7 +171,9 @@ def _query_tile(
     """Rows ``[r0, r1)`` of ``G`` heads (``q (G, L, d_k)``) against keys ``[0, stop)``."""
     G, n = q.shape[0], r1 - r0
     dtype = out.dtype
-    q_tile = np.multiply(q[:, r0:r1], scale, out=scratch.q[:G, :n])
+    q_tile = q[:, r0:r1]
+    if scale != 1.0 or q_tile.dtype != dtype:
+        q_tile = np.multiply(q_tile, scale, out=scratch.q[:G, :n])
     m, ref, ref_new = scratch.m[:G, :n], scratch.ref[:G, :n], scratch.ref_new[:G, :n]
     total, acc, pv = scratch.total[:G, :n], scratch.acc[:G, :n], scratch.pv[:G, :n]
     s = scratch.scores[:0].reshape(G, n, 0)
@@ -247,9 +218,10 @@ def _query_tile(
         return
     empty = total == 0.0
     total[empty] = 1.0
-    np.divide(acc, total[..., None], out=out[:, r0:r1])
+    inverse = np.reciprocal(total, out=m)[..., None]  # multiplying is cheaper than dividing
+    np.multiply(acc, inverse, out=out[:, r0:r1])
     if weights is not None:  # whole rows: s holds every key's exp(s - ref)
-        np.divide(s, total[..., None], out=weights[:, r0:r1, : s.shape[-1]])
+        np.multiply(s, inverse, out=weights[:, r0:r1, : s.shape[-1]])
     if lse is not None:
         row_lse = ref + np.log(total)
         row_lse[empty] = -np.inf
@@ -278,15 +250,3 @@ def _product(
         v_j = np.where(non_finite[:, j], v[:, j], 0.0)[:, None, :]  # (G, 1, d_v)
         out += np.where(attended[:, :, j, None], e[:, :, j, None] * v_j, 0.0)
     return out
-
-
-@contextlib.contextmanager
-def _single_threaded_blas() -> Iterator[None]:
-    """Limit BLAS to one thread while the workers run, when threadpoolctl is installed."""
-    try:
-        from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
-    except ImportError:
-        yield
-        return
-    with threadpool_limits(limits=1, user_api="blas"):
-        yield

@@ -1,0 +1,391 @@
+"""Speed and memory, measured: mha beside the textbook NumPy version and PyTorch.
+
+    python -m mha.bench                         # everything, results under benchmarks/results
+    python -m mha.bench --quick                 # fewer repeats, no 32768-token memory run
+
+Speed: each shape runs every implementation in one process, interleaved (the order rotates
+every round), and reports medians, GFLOP/s (useful FLOPs: projections plus the visible
+query-key pairs), the share of this machine's square-matmul rate, and ratios. Memory: the
+peak traced by ``tracemalloc`` during one call, inputs already allocated, beside the size
+of the dense score matrix. torch and threadpoolctl are used when installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .functional import multi_head_attention
+from .parallel import cores
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    B: int
+    L: int
+    d_model: int
+    H: int
+    causal: bool
+
+    def flops(self) -> float:
+        """Useful multiply-adds x 2: four projections and the visible query-key pairs."""
+        pairs = self.L * (self.L + 1) / 2 if self.causal else self.L * self.L
+        d_k = self.d_model // self.H
+        return 8.0 * self.B * self.L * self.d_model**2 + 4.0 * self.B * self.H * pairs * d_k
+
+
+SHAPES = [
+    Shape("S1", B=8, L=512, d_model=512, H=8, causal=False),
+    Shape("S2", B=1, L=2048, d_model=768, H=12, causal=False),
+    Shape("S3", B=32, L=128, d_model=256, H=4, causal=False),
+    Shape("S4", B=1, L=4096, d_model=512, H=8, causal=True),
+]
+MEMORY_LENGTHS = [1024, 4096, 16384, 32768]
+TEXTBOOK_MEMORY_LENGTHS = [1024, 2048, 4096]
+MACHINE_MEMORY = 24 * 2**30
+
+
+def textbook_attention(
+    X: np.ndarray, W: list[np.ndarray], b: list[np.ndarray], H: int, causal: bool
+) -> np.ndarray:
+    """Multi-head attention as the specification's hints describe it: materialised scores."""
+    B, L, E = X.shape
+    d_k = E // H
+
+    def heads(x: np.ndarray) -> np.ndarray:
+        return x.reshape(B, L, H, d_k).transpose(0, 2, 1, 3)
+
+    q, k, v = heads(X @ W[0] + b[0]), heads(X @ W[1] + b[1]), heads(X @ W[2] + b[2])
+    scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d_k)
+    if causal:
+        scores = np.where(np.triu(np.ones((L, L), dtype=bool), k=1), -np.inf, scores)
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores)
+    weights /= weights.sum(axis=-1, keepdims=True)
+    joined = (weights @ v).transpose(0, 2, 1, 3).reshape(B, L, E)
+    out: np.ndarray = joined @ W[3] + b[3]
+    return out
+
+
+class Case:
+    """One shape in one dtype: the same inputs and weights for every implementation."""
+
+    def __init__(self, shape: Shape, dtype: Any, torch: Any) -> None:
+        rng = np.random.default_rng(0)
+        E = shape.d_model
+        self.shape, self.dtype = shape, np.dtype(dtype)
+        self.X = rng.standard_normal((shape.B, shape.L, E)).astype(dtype)
+        bound = math.sqrt(6 / (4 * E))
+        self.W = [rng.uniform(-bound, bound, (E, E)).astype(dtype) for _ in range(4)]
+        self.b = [rng.uniform(-0.1, 0.1, E).astype(dtype) for _ in range(4)]
+        self.torch, self.module = torch, None
+        if torch is not None:
+            tdtype = {np.float64: torch.float64, np.float32: torch.float32}[self.dtype.type]
+            module = torch.nn.MultiheadAttention(E, shape.H, batch_first=True, dtype=tdtype)
+            with torch.no_grad():
+                module.in_proj_weight.copy_(torch.from_numpy(np.concatenate(self.W[:3], 1).T))
+                module.in_proj_bias.copy_(torch.from_numpy(np.concatenate(self.b[:3])))
+                module.out_proj.weight.copy_(torch.from_numpy(self.W[3].T))
+                module.out_proj.bias.copy_(torch.from_numpy(self.b[3]))
+            self.module = module.eval()
+            self.X_torch = torch.from_numpy(self.X)
+            L = shape.L
+            self.torch_mask = (
+                torch.triu(torch.ones(L, L, dtype=torch.bool), 1) if shape.causal else None
+            )
+
+    def mha(self) -> np.ndarray:
+        (W_q, W_k, W_v, W_o), (b_q, b_k, b_v, b_o) = self.W, self.b
+        out: np.ndarray = multi_head_attention(
+            self.X, self.X, self.X, W_q, W_k, W_v, W_o, self.shape.H, causal=self.shape.causal,
+            b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
+        )  # fmt: skip
+        return out
+
+    def textbook(self) -> np.ndarray:
+        return textbook_attention(self.X, self.W, self.b, self.shape.H, self.shape.causal)
+
+    def torch_mha(self) -> np.ndarray:
+        assert self.module is not None
+        with self.torch.inference_mode():
+            out = self.module(
+                self.X_torch, self.X_torch, self.X_torch, attn_mask=self.torch_mask,
+                need_weights=False, is_causal=self.shape.causal,
+            )[0]  # fmt: skip
+        result: np.ndarray = out.numpy()
+        return result
+
+    def implementations(self) -> dict[str, Callable[[], np.ndarray]]:
+        found = {"mha": self.mha, "textbook": self.textbook}
+        if self.module is not None:
+            found["torch"] = self.torch_mha
+        return found
+
+
+def interleaved_medians(
+    functions: dict[str, Callable[[], Any]], repeats: int, pause: float = 0.3
+) -> dict[str, list[float]]:
+    """Run each function ``repeats`` times, interleaved, rotating the order every round."""
+    times: dict[str, list[float]] = {name: [] for name in functions}
+    names = list(functions)
+    for function in functions.values():
+        function()  # warm-up
+    for round_ in range(repeats):
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
+        for name in order:
+            time.sleep(pause)  # OpenBLAS and OpenMP threads spin ~0.2 s after a call: let them rest
+            start = time.perf_counter()
+            functions[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def matmul_ceiling(dtype: Any, n: int = 2048, repeats: int = 5) -> float:
+    """This machine's square-matmul rate in GFLOP/s for ``dtype`` (the BLAS ceiling)."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((2, n, n)).astype(dtype)
+    times = interleaved_medians({"matmul": lambda: a @ b}, repeats)["matmul"]
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def speed(repeats: int, torch: Any, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    rows = []
+    for dtype in (np.float64, np.float32):
+        ceiling = matmul_ceiling(dtype)
+        for shape in SHAPES:
+            case = Case(shape, dtype, torch)
+            functions = case.implementations()
+            reference = functions["torch" if "torch" in functions else "textbook"]()
+            ours = case.mha()
+            error = float(np.abs(ours - reference).max() / np.abs(reference).max())
+            times = interleaved_medians(functions, repeats)
+            medians = {name: statistics.median(t) for name, t in times.items()}
+            row: dict[str, Any] = {
+                "shape": shape.name, "dtype": np.dtype(dtype).name, "B": shape.B,
+                "L": shape.L, "d_model": shape.d_model, "H": shape.H, "causal": shape.causal,
+                "gflop": shape.flops() / 1e9, "matmul_gflops": ceiling,
+                "seconds": medians, "all_seconds": times,
+                "gflops": {name: shape.flops() / t / 1e9 for name, t in medians.items()},
+                "mha_vs_textbook": medians["mha"] / medians["textbook"],
+                "relative_error_vs_reference": error,
+            }  # fmt: skip
+            if "torch" in medians:
+                row["mha_vs_torch"] = medians["mha"] / medians["torch"]
+            rows.append(row)
+            log(_speed_line(row))
+    return rows
+
+
+def peak_traced_bytes(function: Callable[[], Any]) -> tuple[int, float]:
+    """Peak bytes ``tracemalloc`` sees during one call, and the call's seconds."""
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    start = time.perf_counter()
+    function()
+    seconds = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak, seconds
+
+
+def memory(lengths: list[int], log: Callable[[str], None]) -> dict[str, Any]:
+    """Causal self-attention, B=1, d_model=512, 8 heads, float32, at growing lengths."""
+    E, H, itemsize = 512, 8, 4
+    rows = []
+    for L in lengths + [n for n in TEXTBOOK_MEMORY_LENGTHS if n not in lengths]:
+        shape = Shape(f"L={L}", B=1, L=L, d_model=E, H=H, causal=True)
+        case = Case(shape, np.float32, None)
+        row: dict[str, Any] = {
+            "L": L,
+            "dense_scores_bytes": H * L * L * itemsize,
+            "qkv_and_output_bytes": 4 * L * E * itemsize,
+        }
+        if L in lengths:
+            row["mha_peak_bytes"], row["mha_seconds"] = peak_traced_bytes(case.mha)
+        if L in TEXTBOOK_MEMORY_LENGTHS:
+            row["textbook_peak_bytes"], row["textbook_seconds"] = peak_traced_bytes(case.textbook)
+        rows.append(row)
+        log(_memory_line(row))
+    rows.sort(key=lambda row: row["L"])
+    textbook = [(r["L"], r["textbook_peak_bytes"]) for r in rows if "textbook_peak_bytes" in r]
+    per_square = max(peak / L**2 for L, peak in textbook)  # bytes per L^2, largest seen
+    return {
+        "rows": rows,
+        "textbook_bytes_per_L2": per_square,
+        "textbook_out_of_memory_at_L": int(math.sqrt(MACHINE_MEMORY / per_square)),
+    }
+
+
+def environment(torch: Any) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": None if torch is None else torch.__version__,
+        "torch_threads": None if torch is None else torch.get_num_threads(),
+        "cores": cores(),
+        "machine": platform.machine(),
+        "processor": _cpu_name(),
+        "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"),
+    }
+    try:
+        from threadpoolctl import threadpool_info  # type: ignore[import-untyped]
+    except ImportError:
+        return info
+    info["blas"] = [
+        {key: pool.get(key) for key in ("internal_api", "version", "architecture", "num_threads")}
+        for pool in threadpool_info()
+        if pool.get("user_api") == "blas"
+    ]
+    return info
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The tables the README quotes."""
+    env = results["environment"]
+    blas = ", ".join(
+        f"{b['internal_api']} {b['version']} ({b['architecture']}, {b['num_threads']} threads)"
+        for b in env.get("blas", [])
+    )
+    lines = [
+        f"Measured {env['date'][:10]} on {env['cores']} cores ({env['processor']}), "
+        f"NumPy {env['numpy']} with {blas or 'unknown BLAS'}, torch {env['torch']}. "
+        "Medians of interleaved runs; ratios below 1 mean mha is faster.",
+        "",
+        "| shape | dtype | mha ms | torch ms | textbook ms | mha GFLOP/s | % of matmul "
+        "| mha / torch | mha / textbook |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in results["speed"]:
+        s, g = row["seconds"], row["gflops"]
+        torch_ms = f"{s['torch'] * 1e3:.1f}" if "torch" in s else "n/a"
+        vs_torch = f"{row['mha_vs_torch']:.2f}" if "mha_vs_torch" in row else "n/a"
+        lines.append(
+            f"| {row['shape']}{' causal' if row['causal'] else ''} (B={row['B']}, L={row['L']}, "
+            f"d={row['d_model']}, H={row['H']}) | {row['dtype']} | {s['mha'] * 1e3:.1f} "
+            f"| {torch_ms} | {s['textbook'] * 1e3:.1f} | {g['mha']:.0f} "
+            f"| {100 * g['mha'] / row['matmul_gflops']:.0f}% | {vs_torch} "
+            f"| {row['mha_vs_textbook']:.2f} |"
+        )
+    mem = results["memory"]
+    lines += [
+        "",
+        "Peak traced memory of one causal call (B=1, d_model=512, 8 heads, float32), inputs "
+        "already allocated:",
+        "",
+        "| L = S | mha peak | q, k, v + output | dense scores alone | textbook peak |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for row in mem["rows"]:
+        mha_peak = _mib(row["mha_peak_bytes"]) if "mha_peak_bytes" in row else "not run"
+        textbook = _mib(row["textbook_peak_bytes"]) if "textbook_peak_bytes" in row else "not run"
+        lines.append(
+            f"| {row['L']} | {mha_peak} | {_mib(row['qkv_and_output_bytes'])} "
+            f"| {_mib(row['dense_scores_bytes'])} | {textbook} |"
+        )
+    lines += [
+        "",
+        f"The textbook version's peak grows as {mem['textbook_bytes_per_L2']:.0f} bytes x L^2 "
+        f"here, so it runs out of this machine's 24 GiB at about L = "
+        f"{mem['textbook_out_of_memory_at_L']:,}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mha.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs per implementation")
+    parser.add_argument("--quick", action="store_true", help="3 repeats, lengths up to 16384")
+    parser.add_argument("--output", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--readme", type=Path, help="rewrite this README's benchmark section")
+    args = parser.parse_args(argv)
+    torch: Any
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    else:
+        torch.set_num_threads(cores())
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    repeats = 3 if args.quick else args.repeats
+    lengths = [L for L in MEMORY_LENGTHS if not (args.quick and L > 16384)]
+    results = {
+        "environment": environment(torch),
+        "speed": speed(repeats, torch, log),
+        "memory": memory(lengths, log),
+    }
+    table = markdown(results)
+    args.output.mkdir(parents=True, exist_ok=True)
+    _write(args.output / "benchmark.json", json.dumps(results, indent=2) + "\n")
+    _write(args.output / "benchmark.md", table)
+    if args.readme:
+        _splice(args.readme, table)
+    print(table)
+    return 0
+
+
+def _speed_line(row: dict[str, Any]) -> str:
+    ms = ", ".join(f"{name} {t * 1e3:.1f} ms" for name, t in row["seconds"].items())
+    vs = f"{row['mha_vs_torch']:.2f}" if "mha_vs_torch" in row else "n/a"
+    textbook = row["mha_vs_textbook"]
+    return f"{row['shape']} {row['dtype']}: {ms}; mha/torch {vs}, mha/textbook {textbook:.2f}"
+
+
+def _memory_line(row: dict[str, Any]) -> str:
+    parts = [f"{key} {_mib(value)}" for key, value in row.items() if key.endswith("_bytes")]
+    return f"L={row['L']}: " + ", ".join(parts)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _write(path: Path, text: str) -> None:
+    """Write atomically: a temporary file in the same folder, renamed into place."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+BEGIN, END = "<!-- benchmark: begin -->", "<!-- benchmark: end -->"
+
+
+def _splice(readme: Path, table: str) -> None:
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{readme} has no {BEGIN} ... {END} section to rewrite")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    _write(readme, f"{head}{BEGIN}\n{table}{END}{tail}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

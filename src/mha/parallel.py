@@ -1,0 +1,135 @@
+"""Worker threads for one call, with BLAS held to one thread inside them.
+
+NumPy releases the GIL in BLAS calls and ufuncs, so threads run tiles truly in parallel.
+BLAS must then run single-threaded: its own threads would compete with ours, and after a
+multi-threaded call OpenBLAS keeps its threads spinning for a while, stealing cores from the
+next step. So a call's projections, attention and output projection all run inside one
+:class:`Team`, which limits BLAS through threadpoolctl (the ``fast`` extra). Without
+threadpoolctl the default is one worker, and BLAS keeps its own threads.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from types import TracebackType
+from typing import Any, TypeVar
+
+import numpy as np
+
+__all__ = ["Team", "cores", "default_workers", "workers_for"]
+
+Task = TypeVar("Task")
+
+MATMUL_ROWS = 256
+"""Rows of the left operand per parallel GEMM task."""
+
+SERIAL_BELOW = 2**22
+"""Multiply-adds under which a thread pool costs more than it saves."""
+
+
+def cores() -> int:
+    """The number of cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def default_workers() -> int:
+    """All cores when BLAS can be held to one thread per worker, otherwise one."""
+    return cores() if _blas_controller() is not None else 1
+
+
+def workers_for(cost: float, requested: int | None) -> int:
+    """The caller's choice, or the default for a call of ``cost`` multiply-adds."""
+    if requested is not None:
+        return requested
+    return 1 if cost < SERIAL_BELOW else default_workers()
+
+
+@functools.cache
+def _blas_controller() -> Any:
+    try:
+        from threadpoolctl import ThreadpoolController  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    return ThreadpoolController()
+
+
+class Team:
+    """``workers`` threads for the length of a ``with`` block (none when ``workers`` is 1)."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._stack = ExitStack()
+
+    def __enter__(self) -> Team:
+        if self.workers > 1:
+            controller = _blas_controller()
+            if controller is not None:
+                self._stack.enter_context(controller.limit(limits=1, user_api="blas"))
+            self._pool = self._stack.enter_context(ThreadPoolExecutor(self.workers))
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self._pool = None
+        self._stack.close()
+
+    def run(self, tasks: Sequence[Task], make_worker: Callable[[], Callable[[Task], None]]) -> None:
+        """Run every task. Each thread calls ``make_worker()`` once (for its own buffers) and
+        then takes tasks in order, so put the longest first."""
+        if self._pool is None or len(tasks) <= 1:
+            worker = make_worker()
+            for task in tasks:
+                worker(task)
+            return
+        take = _taker(iter(tasks))
+
+        def loop() -> None:
+            worker = make_worker()
+            while (task := take()) is not None:
+                worker(task)
+
+        threads = min(self.workers, len(tasks))
+        for future in [self._pool.submit(loop) for _ in range(threads)]:
+            future.result()  # re-raises a worker's exception
+
+    def matmul(self, x: np.ndarray, W: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+        """``x @ W (+ b)`` for ``x (..., n)``, its rows shared among the workers."""
+        rows = x.reshape(-1, x.shape[-1])
+        out = np.empty((rows.shape[0], W.shape[1]), dtype=np.result_type(x, W))
+        spans = [(i, min(i + MATMUL_ROWS, len(rows))) for i in range(0, len(rows), MATMUL_ROWS)]
+
+        def make_worker() -> Callable[[tuple[int, int]], None]:
+            def multiply(span: tuple[int, int]) -> None:
+                lo, hi = span
+                np.matmul(rows[lo:hi], W, out=out[lo:hi])
+                if b is not None:
+                    out[lo:hi] += b
+
+            return multiply
+
+        self.run(spans, make_worker)
+        return out.reshape((*x.shape[:-1], W.shape[1]))
+
+
+def _taker(tasks: Iterator[Task]) -> Callable[[], Task | None]:
+    """A thread-safe function handing out the next task, or ``None`` when there are none."""
+    lock = threading.Lock()
+
+    def take() -> Task | None:
+        with lock:
+            return next(tasks, None)
+
+    return take
