@@ -427,6 +427,24 @@ CASES = [
         r"seed must be .* got 'a'",
     ),
     (
+        "bias_k without bias_v",
+        lambda: call(bias_k=np.zeros(8)),
+        AttentionValueError,
+        r"bias_k and bias_v go together",
+    ),
+    (
+        "bias_k shape",
+        lambda: call(bias_k=np.zeros(7), bias_v=np.zeros(8)),
+        ShapeError,
+        r"bias_k must have shape \(8,\) to match the columns of its weight \(8, 8\)",
+    ),
+    (
+        "add_zero_attn not a bool",
+        lambda: call(add_zero_attn=1),
+        AttentionTypeError,
+        r"add_zero_attn must be True or False",
+    ),
+    (
         "module dtype",
         lambda: mha.MultiHeadAttention(8, 2, dtype=int),
         AttentionTypeError,

@@ -6,7 +6,13 @@
 (2, 4, 8)
 """
 
-from .errors import AttentionError, AttentionTypeError, AttentionValueError, ShapeError
+from .errors import (
+    AttentionError,
+    AttentionTypeError,
+    AttentionValueError,
+    ShapeError,
+    WeightsFileError,
+)
 from .functional import merge_attention, multi_head_attention, scaled_dot_product_attention
 from .module import MultiHeadAttention
 
@@ -16,6 +22,7 @@ __all__ = [
     "AttentionValueError",
     "MultiHeadAttention",
     "ShapeError",
+    "WeightsFileError",
     "merge_attention",
     "multi_head_attention",
     "scaled_dot_product_attention",

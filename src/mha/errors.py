@@ -13,7 +13,13 @@ k has 3 positions but v has 5 (k (1, 3, 4), v (1, 5, 4))
 
 from __future__ import annotations
 
-__all__ = ["AttentionError", "AttentionTypeError", "AttentionValueError", "ShapeError"]
+__all__ = [
+    "AttentionError",
+    "AttentionTypeError",
+    "AttentionValueError",
+    "ShapeError",
+    "WeightsFileError",
+]
 
 
 class AttentionError(Exception):
@@ -30,3 +36,7 @@ class ShapeError(AttentionValueError):
 
 class AttentionTypeError(AttentionError, TypeError):
     """An argument has an unusable type or dtype (complex data, an integer mask, ...)."""
+
+
+class WeightsFileError(AttentionError, OSError):
+    """A weights file that is missing, truncated, or does not hold what it should."""

@@ -137,6 +137,9 @@ def multi_head_attention(
     return_weights: bool = False,
     max_memory: int | None = None,
     workers: int | None = None,
+    bias_k: Any = None,
+    bias_v: Any = None,
+    add_zero_attn: bool = False,
 ) -> Any:
     """Multi-head attention (Vaswani et al., 2017) with "x @ W" weights.
 
@@ -149,6 +152,11 @@ def multi_head_attention(
     ``b_q``, ``b_k``, ``b_v``, ``b_o`` are added after their projections. When ``Q``, ``K``
     and ``V`` are one array, one GEMM projects all three. ``max_memory`` and ``workers`` are
     those of :func:`scaled_dot_product_attention`.
+
+    ``bias_k (H*d_k,)`` with ``bias_v (H*d_v,)``, and ``add_zero_attn``, are PyTorch's extra
+    keys: a learned key/value pair and a zero key/value pair appended after the projections
+    (in that order), visible to every query whatever the masks say, which refer to the ``S``
+    given keys. The weights then have ``S`` plus one column per extra key.
 
     >>> import numpy as np
     >>> from mha import multi_head_attention
@@ -204,8 +212,10 @@ def multi_head_attention(
         )
     )
 
+    bias_k, bias_v = _extra_key_biases(bias_k, bias_v, W_k, W_v)
+    extra = (bias_k is not None) + _flag("add_zero_attn", add_zero_attn)
     result_dtype, compute_dtype = result_and_compute_dtypes(
-        Q, K, V, W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o
+        Q, K, V, W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v
     )
     B, L, S = Q.shape[:-2], Q.shape[-2], K.shape[-2]  # B is () for unbatched input
     masking = {
@@ -220,6 +230,8 @@ def multi_head_attention(
         batch_shape=B, H=H, L=L, S=S, dtype=compute_dtype, context=f"Q {Q.shape}, K {K.shape}",
         **masking,
     )  # fmt: skip
+    if extra:
+        visibility = _with_extra_keys(visibility, extra, compute_dtype)
     scale = resolve_scale(scale, W_q.shape[1] // H, compute_dtype, f"W_q {W_q.shape}")
     budget, threads = _kernel_options(return_weights, max_memory, workers)
 
@@ -239,8 +251,13 @@ def multi_head_attention(
             cast(Q), cast(K), cast(V), W_q_scaled, cast(W_k), cast(W_v), b_q_scaled, cast(b_k),
             cast(b_v), H, team, self_attention=Q is K is V,
         )  # fmt: skip
+        if extra:
+            k = _append_keys(k, cast(bias_k), add_zero_attn, H)
+            v = _append_keys(v, cast(bias_v), add_zero_attn, H)
         joined = np.zeros((*B, L, W_v.shape[1]), dtype=compute_dtype)  # (*B, L, H*d_v)
-        weights = np.zeros((*B, H, L, S), dtype=compute_dtype) if return_weights else None
+        weights = None
+        if return_weights:
+            weights = np.zeros((*B, H, L, S + extra), dtype=compute_dtype)
         attend(
             q, k, v, visibility, 1.0, _split_heads(joined, H), weights=weights,
             max_memory=budget, team=team,
@@ -250,6 +267,48 @@ def multi_head_attention(
     if weights is None:
         return _cast(out, result_dtype)
     return _cast(out, result_dtype), _cast(weights, result_dtype)
+
+
+def _extra_key_biases(
+    bias_k: Any, bias_v: Any, W_k: np.ndarray, W_v: np.ndarray
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    if (bias_k is None) != (bias_v is None):
+        raise AttentionValueError("bias_k and bias_v go together: give both or neither")
+    if bias_k is None:
+        return None, None
+    return (
+        _projection_bias("bias_k", bias_k, W_k.shape[1], W_k),
+        _projection_bias("bias_v", bias_v, W_v.shape[1], W_v),
+    )
+
+
+def _with_extra_keys(visibility: Visibility, extra: int, dtype: np.dtype) -> Visibility:
+    """The visibility over ``S + extra`` keys: the extra keys are seen by every query."""
+    allowed = visibility.allowed()  # (*B, H, L, S), query padding included
+    rows = np.ones(allowed.shape[-2], dtype=bool)
+    if visibility.query_lengths is not None:
+        rows = np.arange(visibility.L) < visibility.query_lengths[..., None]
+    seen = np.broadcast_to(rows[..., None, :, None], (*allowed.shape[:-1], extra))
+    bias = None
+    if visibility.bias is not None:
+        bias = np.broadcast_to(visibility.bias, allowed.shape)
+        bias = np.concatenate([bias, np.zeros((*allowed.shape[:-1], extra), dtype)], axis=-1)
+    return Visibility.build(
+        batch_shape=visibility.index_shape[:-1], H=visibility.index_shape[-1], L=visibility.L,
+        S=visibility.S + extra, mask=np.concatenate([allowed, seen], axis=-1), bias=bias,
+        dtype=dtype,
+    )  # fmt: skip
+
+
+def _append_keys(x: np.ndarray, bias: np.ndarray | None, zero: bool, H: int) -> np.ndarray:
+    """``x (*B, H, S, d)`` with the learned row ``bias (H*d,)`` and a zero row appended."""
+    rows = [x]
+    lead = x.shape[:-2]
+    if bias is not None:
+        rows.append(np.broadcast_to(bias.reshape(H, 1, -1), (*lead, 1, x.shape[-1])))
+    if zero:
+        rows.append(np.zeros((*lead, 1, x.shape[-1]), dtype=x.dtype))
+    return np.concatenate(rows, axis=-2)
 
 
 def merge_attention(outputs: Any, lses: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ._arrays import as_float_array, positive_int
+from ._arrays import as_float_array, flag, positive_int
 from .errors import AttentionTypeError, AttentionValueError, ShapeError
 from .functional import multi_head_attention
 
@@ -47,6 +47,8 @@ class MultiHeadAttention:
         kdim: int | None = None,
         vdim: int | None = None,
         bias: bool = False,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
     ) -> None:
@@ -79,6 +81,13 @@ class MultiHeadAttention:
             np.zeros(E, dtype=self.dtype) if self.has_bias else None for _ in range(4)
         ]
         self.b_q, self.b_k, self.b_v, self.b_o = biases
+        self.bias_k: np.ndarray | None = None
+        self.bias_v: np.ndarray | None = None
+        if flag("add_bias_kv", add_bias_kv):  # torch: xavier_normal_ on (1, 1, E)
+            self.bias_k, self.bias_v = (
+                rng.normal(0.0, 1.0 / float(np.sqrt(E)), E).astype(self.dtype) for _ in range(2)
+            )
+        self.add_zero_attn = flag("add_zero_attn", add_zero_attn)
 
     @property
     def head_dim(self) -> int:
@@ -160,6 +169,9 @@ class MultiHeadAttention:
             return_weights=return_weights,
             max_memory=max_memory,
             workers=workers,
+            bias_k=self.bias_k,
+            bias_v=self.bias_v,
+            add_zero_attn=self.add_zero_attn,
         )
 
     __call__ = forward
@@ -170,10 +182,130 @@ class MultiHeadAttention:
             for name, value in (("kdim", self.kdim), ("vdim", self.vdim))
             if value != self.d_model
         )
+        extras = "".join(
+            f", {name}=True"
+            for name, on in (
+                ("add_bias_kv", self.bias_k is not None),
+                ("add_zero_attn", self.add_zero_attn),
+            )
+            if on
+        )
         return (
             f"MultiHeadAttention(d_model={self.d_model}, num_heads={self.num_heads}{dims}, "
-            f"bias={self.has_bias}, dtype={self.dtype.name})"
+            f"bias={self.has_bias}{extras}, dtype={self.dtype.name})"
         )
+
+    # Weights trained elsewhere, and files. The work is done in mha.interop.
+
+    @classmethod
+    def from_torch(
+        cls, source: Any, *, num_heads: int | None = None, add_zero_attn: bool | None = None
+    ) -> MultiHeadAttention:
+        """Load a ``torch.nn.MultiheadAttention``, or its ``state_dict`` (then ``num_heads``
+        is needed; ``add_zero_attn`` is a module setting that a state dict does not hold).
+
+        Every key and shape is checked. The result's ``forward`` takes batch-first arrays
+        whatever the module's ``batch_first``; dropout is not carried over (inference).
+        """
+        from .interop import from_torch
+
+        return from_torch(cls, source, num_heads, add_zero_attn)
+
+    def to_torch_state_dict(self) -> dict[str, np.ndarray]:
+        """The weights as a ``torch.nn.MultiheadAttention`` state dict of NumPy arrays.
+
+        ``module.load_state_dict({k: torch.as_tensor(v) for k, v in d.items()})`` restores
+        them exactly into ``nn.MultiheadAttention(d_model, num_heads, bias=..., kdim=...,
+        vdim=..., add_bias_kv=...)``.
+        """
+        from .interop import to_torch_state_dict
+
+        return to_torch_state_dict(self)
+
+    @classmethod
+    def from_gpt2(
+        cls, c_attn_weight: Any, c_attn_bias: Any, c_proj_weight: Any, c_proj_bias: Any,
+        num_heads: int,
+    ) -> MultiHeadAttention:  # fmt: skip
+        """GPT-2's attention: fused ``c_attn`` ``(E, 3E)`` and ``c_proj`` ``(E, E)`` Conv1D
+        weights ("x @ W" already) with their biases. GPT-2 is causal: call
+        ``forward(X, mask=True)``."""
+        from .interop import from_gpt2
+
+        return from_gpt2(cls, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, num_heads)
+
+    def save(self, path: Any) -> None:
+        """Write configuration and weights to ``path`` as ``.npz``, atomically: a complete
+        file replaces any existing one, or nothing changes."""
+        from .interop import save
+
+        save(self, path)
+
+    @classmethod
+    def load(cls, path: Any) -> MultiHeadAttention:
+        """Read a file written by :meth:`save` (no pickles), checking every key and shape."""
+        from .interop import load
+
+        return load(cls, path)
+
+    @classmethod
+    def _from_weights(
+        cls,
+        weights: dict[str, np.ndarray | None],
+        num_heads: int,
+        add_zero_attn: bool = False,
+        source: str = "weights",
+    ) -> MultiHeadAttention:
+        """A module holding ``weights`` (keys W_q, ..., b_o, bias_k, bias_v), checked."""
+        W_q, W_k, W_v, W_o = (weights[name] for name in ("W_q", "W_k", "W_v", "W_o"))
+        if W_q is None or W_k is None or W_v is None or W_o is None:
+            raise AttentionValueError(f"{source}: W_q, W_k, W_v and W_o are all needed")
+        E = W_q.shape[1] if W_q.ndim == 2 else -1
+        expected: dict[str, tuple[int | None, ...]] = {
+            "W_q": (E, E), "W_k": (None, E), "W_v": (None, E), "W_o": (E, E),
+        }  # fmt: skip
+        for name in ("b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v"):
+            expected[name] = (E,)
+        for name, shape in expected.items():
+            array = weights.get(name)
+            if array is None:
+                continue
+            fits = array.ndim == len(shape) and all(
+                want is None or got == want for got, want in zip(array.shape, shape, strict=True)
+            )
+            if not fits or E <= 0:
+                raise ShapeError(
+                    f"{source}: {name} has shape {array.shape}, which does not fit d_model={E} "
+                    f"(W_q {W_q.shape})"
+                )
+        biases = [weights.get(name) for name in ("b_q", "b_k", "b_v", "b_o")]
+        if any(b is None for b in biases) and any(b is not None for b in biases):
+            raise AttentionValueError(f"{source}: b_q, b_k, b_v and b_o go together")
+        if (weights.get("bias_k") is None) != (weights.get("bias_v") is None):
+            raise AttentionValueError(f"{source}: bias_k and bias_v go together")
+        self = cls.__new__(cls)
+        self.d_model = E
+        self.num_heads = positive_int("num_heads", num_heads)
+        if E % self.num_heads:
+            raise AttentionValueError(
+                f"{source}: d_model={E} is not divisible by num_heads={self.num_heads}"
+            )
+        self.kdim, self.vdim = W_k.shape[0], W_v.shape[0]
+        self.has_bias = biases[0] is not None
+        present = [a for a in weights.values() if a is not None]
+        self.dtype = _float_dtype(np.result_type(*present))
+        self.W_q, self.W_k, self.W_v, self.W_o = (
+            np.array(W, dtype=self.dtype) for W in (W_q, W_k, W_v, W_o)
+        )
+        self.b_q, self.b_k, self.b_v, self.b_o = (
+            None if b is None else np.array(b, dtype=self.dtype) for b in biases
+        )
+        self.bias_k, self.bias_v = (
+            None if weights.get(name) is None else np.array(weights[name], dtype=self.dtype)
+            for name in ("bias_k", "bias_v")
+        )
+        self.add_zero_attn = flag("add_zero_attn", add_zero_attn)
+        return self
 
 
 def _looks_like_mask(x: Any) -> bool:
