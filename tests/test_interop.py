@@ -164,16 +164,24 @@ def gpt2_attention_in_torch(torch, x, c_attn_w, c_attn_b, c_proj_w, c_proj_b, H)
     return (out @ torch.from_numpy(c_proj_w) + torch.from_numpy(c_proj_b)).numpy()
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("seed", range(5))
-def test_gpt2_layout_matches_a_torch_gpt2_attention(seed, torch):
+def test_gpt2_layout_matches_a_torch_gpt2_attention(seed, dtype, torch, record_error):
     rng = np.random.default_rng(seed)
     H, E, T = 4, 32, 9
-    weights = (rng.standard_normal((E, 3 * E)) * 0.2, rng.standard_normal(3 * E) * 0.2,
-               rng.standard_normal((E, E)) * 0.2, rng.standard_normal(E) * 0.2)  # fmt: skip
-    x = rng.standard_normal((2, T, E))
+    weights = tuple(a.astype(dtype) for a in (
+        rng.standard_normal((E, 3 * E)) * 0.2, rng.standard_normal(3 * E) * 0.2,
+        rng.standard_normal((E, E)) * 0.2, rng.standard_normal(E) * 0.2,
+    ))  # fmt: skip
+    x = rng.standard_normal((2, T, E)).astype(dtype)
     ours = MultiHeadAttention.from_gpt2(*weights, num_heads=H)
-    expected = gpt2_attention_in_torch(torch, x, *weights, H)
-    assert relative_error(ours(x, mask=True), expected) <= 1e-12
+    assert ours.dtype == dtype
+    expected = gpt2_attention_in_torch(
+        torch, x.astype(np.float64), *(w.astype(np.float64) for w in weights), H
+    )
+    tolerance = 1e-12 if dtype == np.float64 else 2e-5
+    error = relative_error(ours(x, mask=True), expected)
+    assert record_error(f"GPT-2 layout vs torch, {np.dtype(dtype).name}", error) <= tolerance
 
 
 def test_gpt2_shape_errors():

@@ -17,12 +17,21 @@ def blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", README, flags=re.DOTALL)
 
 
-@pytest.mark.parametrize("code", blocks("python"))
-def test_python_blocks_run(code):
+def test_the_tour_runs():
     namespace: dict = {}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(blocks("python")[0], "README.md", "exec"), namespace)
     assert namespace["out"].shape == (2, 5, 8)
     assert namespace["weights"].shape == (2, 2, 5, 5)
+
+
+def test_the_interop_example_runs(torch, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(blocks("python")[1], "README.md", "exec"), namespace)
+    np.testing.assert_allclose(namespace["out2"].transpose(1, 0, 2), namespace["attention"](
+        namespace["x"]), rtol=1e-5, atol=1e-6)  # fmt: skip
+    assert namespace["weights"].shape == (2, 5, 5)
+    assert len(blocks("python")) == 2
 
 
 def test_quoted_error_is_real():
