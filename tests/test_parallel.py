@@ -66,3 +66,71 @@ def test_results_do_not_depend_on_workers():
             X, X, X, *W, 4, causal=True, workers=workers, max_memory=2**16
         )
         np.testing.assert_allclose(many, one, rtol=1e-13, atol=1e-13)
+
+
+def test_overlapping_calls_from_two_threads_restore_the_blas_threads():
+    import threading
+
+    before = blas_threads()
+    r = np.random.default_rng(2)
+    big, small = r.standard_normal((2, 700, 64)), r.standard_normal((2, 300, 64))
+    errors = []
+
+    def call(x, pause):
+        try:
+            for _ in range(3):
+                mha.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None], workers=2)
+        except Exception as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=call, args=(x, 0)) for x in (big, small, big)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert blas_threads() == before
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_no_warning_from_worker_threads_when_hidden_keys_hold_inf(workers):
+    """np.errstate is per thread; the workers must carry the caller's settings over."""
+    r = np.random.default_rng(3)
+    q, k, v = (r.standard_normal((1, 2, 64, 16)) for _ in range(3))
+    k[..., 5, :] = np.inf
+    k[..., 5, 0] = -np.inf
+    v[..., 5, :] = np.nan
+    mask = np.ones(64, dtype=bool)
+    mask[5] = False
+    out = mha.scaled_dot_product_attention(q, k, v, mask=mask, workers=workers, max_memory=5000)
+    assert np.isfinite(out).all()
+    X = r.standard_normal((1, 600, 64))
+    M = X.copy()
+    M[0, 500:] = np.inf
+    W = list(r.standard_normal((4, 64, 64)) / 8)
+    out = mha.multi_head_attention(X, M, M, *W, 4, key_lengths=[500], workers=workers)
+    assert np.isfinite(out).all()
+
+
+def test_a_failing_task_stops_the_others():
+    taken = []
+
+    def make_worker():
+        def work(task):
+            taken.append(task)
+            if task == 0:
+                raise RuntimeError("first task failed")
+
+        return work
+
+    with parallel.Team(2) as team, pytest.raises(RuntimeError, match="first task failed"):
+        team.run(list(range(1000)), make_worker)
+    assert len(taken) < 1000
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_team_matmul_splits_columns_when_rows_are_few(workers):
+    r = np.random.default_rng(4)
+    x, W, b = r.standard_normal((5, 40)), r.standard_normal((40, 300)), r.standard_normal(300)
+    with parallel.Team(workers) as team:
+        np.testing.assert_allclose(team.matmul(x, W, b), x @ W + b, rtol=1e-13, atol=1e-13)

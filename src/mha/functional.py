@@ -244,12 +244,9 @@ def multi_head_attention(
         + H * L * S * (W_q.shape[1] + W_v.shape[1]) // H
     )  # fmt: skip
     with np.errstate(invalid="ignore", over="ignore"), Team(workers_for(cost, threads)) as team:
-        # The softmax scale is folded into W_q and b_q: the kernel then reads q as it is.
-        W_q_scaled = W_q.astype(compute_dtype) * scale
-        b_q_scaled = None if b_q is None else b_q.astype(compute_dtype) * scale
         q, k, v = _project_heads(
-            cast(Q), cast(K), cast(V), W_q_scaled, cast(W_k), cast(W_v), b_q_scaled, cast(b_k),
-            cast(b_v), H, team, self_attention=Q is K is V,
+            cast(Q), cast(K), cast(V), cast(W_q), cast(W_k), cast(W_v), cast(b_q), cast(b_k),
+            cast(b_v), H, scale, team, self_attention=Q is K is V,
         )  # fmt: skip
         if extra:
             k = _append_keys(k, cast(bias_k), add_zero_attn, H)
@@ -353,7 +350,8 @@ def merge_attention(outputs: Any, lses: Any) -> tuple[np.ndarray, np.ndarray]:
         total = share.sum(axis=0)
         merged = np.zeros(outs[0].shape, dtype=compute_dtype)
         for out, part in zip(outs, share, strict=True):
-            merged += part[..., None].astype(compute_dtype, copy=False) * out
+            weight = part[..., None].astype(compute_dtype, copy=False)
+            merged += np.where(weight > 0, weight * out, 0.0)  # a part that saw no key adds 0
         empty = total == 0.0
         total[empty] = 1.0
         merged /= total[..., None].astype(compute_dtype, copy=False)
@@ -382,31 +380,40 @@ def _project_heads(
     b_k: Any,
     b_v: Any,
     H: int,
+    scale: float,
     team: Team,
     *,
     self_attention: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The projected ``q (*B, H, L, d_k)``, ``k``, ``v`` as views into the projections.
+    """The projected ``q (*B, H, L, d_k)`` (already times ``scale``), ``k``, ``v``.
 
-    For self-attention one GEMM against ``[W_q | W_k | W_v]`` projects all three.
+    The scale goes where it costs least: into ``W_q`` when there are more query rows than
+    input features, into the projected ``q`` otherwise. For self-attention with enough rows
+    to pay for copying the weights, one GEMM against ``[W_q | W_k | W_v]`` projects all three.
     """  # fmt: skip
-    if not self_attention:
-        return (
-            _split_heads(team.matmul(Q, W_q, b_q), H),
-            _split_heads(team.matmul(K, W_k, b_k), H),
-            _split_heads(team.matmul(V, W_v, b_v), H),
-        )
-    W_qkv = np.concatenate([W_q, W_k, W_v], axis=1)
-    b_qkv = None
-    if b_q is not None or b_k is not None or b_v is not None:
-        b_qkv = np.concatenate([
-            np.zeros(W.shape[1], W.dtype) if b is None else b
-            for b, W in ((b_q, W_q), (b_k, W_k), (b_v, W_v))
-        ])  # fmt: skip
-    qkv = team.matmul(Q, W_qkv, b_qkv)
-    widths = [W_q.shape[1], W_q.shape[1] + W_k.shape[1]]
-    q, k, v = (_split_heads(x, H) for x in np.split(qkv, widths, axis=-1))
-    return q, k, v
+    rows = int(np.prod(Q.shape[:-1]))
+    if rows >= Q.shape[-1]:
+        W_q, b_q = W_q * scale, None if b_q is None else b_q * scale
+    if self_attention and rows >= Q.shape[-1]:
+        W_qkv = np.concatenate([W_q, W_k, W_v], axis=1)
+        b_qkv = None
+        if b_q is not None or b_k is not None or b_v is not None:
+            b_qkv = np.concatenate([
+                np.zeros(W.shape[1], W.dtype) if b is None else b
+                for b, W in ((b_q, W_q), (b_k, W_k), (b_v, W_v))
+            ])  # fmt: skip
+        qkv = team.matmul(Q, W_qkv, b_qkv)
+        widths = [W_q.shape[1], W_q.shape[1] + W_k.shape[1]]
+        q, k, v = (_split_heads(x, H) for x in np.split(qkv, widths, axis=-1))
+        return q, k, v
+    q = team.matmul(Q, W_q, b_q)
+    if rows < Q.shape[-1]:
+        q *= scale
+    return (
+        _split_heads(q, H),
+        _split_heads(team.matmul(K, W_k, b_k), H),
+        _split_heads(team.matmul(V, W_v, b_v), H),
+    )
 
 
 def _split_heads(x: np.ndarray, H: int) -> np.ndarray:

@@ -197,6 +197,7 @@ def _query_tile(
         if first:
             np.copyto(m, tile_max)
         else:
+            unseen = m == -np.inf  # rows that saw no key before this tile: nothing to rescale
             np.maximum(m, tile_max, out=m)
         np.copyto(ref_new, m)
         ref_new[m == -np.inf] = 0.0  # rows with no visible key so far
@@ -208,6 +209,7 @@ def _query_tile(
             first = False
         else:
             alpha = np.exp(ref - ref_new)  # rescales what earlier tiles accumulated
+            alpha[unseen] = 0.0  # their ref was a stand-in 0: exp(0 - ref_new) may overflow
             total *= alpha
             total += s.sum(axis=-1)
             acc *= alpha[..., None]

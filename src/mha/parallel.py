@@ -61,8 +61,40 @@ def _blas_controller() -> Any:
     return ThreadpoolController()
 
 
+class _BlasLimit:
+    """BLAS held to one thread while any team runs. The setting is process-wide, so teams
+    running at once in several threads share one limit: the first applies it and the last
+    restores what was there before."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._restore: Any = None
+
+    def __enter__(self) -> None:
+        with self._lock:
+            controller = _blas_controller()
+            if self._holders == 0 and controller is not None:
+                self._restore = controller.limit(limits=1, user_api="blas")
+            self._holders += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0 and self._restore is not None:
+                self._restore.restore_original_limits()
+                self._restore = None
+
+
+_BLAS_LIMIT = _BlasLimit()
+
+
 class Team:
-    """``workers`` threads for the length of a ``with`` block (none when ``workers`` is 1)."""
+    """``workers`` threads for the length of a ``with`` block (none when ``workers`` is 1).
+
+    While a team runs, BLAS is held to one thread in the whole process, so another thread's
+    large NumPy matmul runs single-threaded for that time too.
+    """
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
@@ -71,9 +103,7 @@ class Team:
 
     def __enter__(self) -> Team:
         if self.workers > 1:
-            controller = _blas_controller()
-            if controller is not None:
-                self._stack.enter_context(controller.limit(limits=1, user_api="blas"))
+            self._stack.enter_context(_BLAS_LIMIT)
             self._pool = self._stack.enter_context(ThreadPoolExecutor(self.workers))
         return self
 
@@ -95,33 +125,53 @@ class Team:
                 worker(task)
             return
         take = _taker(iter(tasks))
+        failed = threading.Event()
+        floating_point = np.geterr()  # np.errstate is per thread: carry the caller's over
 
         def loop() -> None:
-            worker = make_worker()
-            while (task := take()) is not None:
-                worker(task)
+            with np.errstate(**floating_point):
+                worker = make_worker()
+                while not failed.is_set() and (task := take()) is not None:
+                    try:
+                        worker(task)
+                    except BaseException:
+                        failed.set()  # the other workers stop taking tasks
+                        raise
 
         threads = min(self.workers, len(tasks))
-        for future in [self._pool.submit(loop) for _ in range(threads)]:
-            future.result()  # re-raises a worker's exception
+        futures = [self._pool.submit(loop) for _ in range(threads)]
+        try:
+            for future in futures:
+                future.result()  # re-raises a worker's exception
+        except BaseException:  # an error, or Ctrl-C in the caller: stop the rest
+            failed.set()
+            raise
 
     def matmul(self, x: np.ndarray, W: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
-        """``x @ W (+ b)`` for ``x (..., n)``, its rows shared among the workers."""
+        """``x @ W (+ b)`` for ``x (..., n)``, shared among the workers by blocks of rows, or
+        by blocks of ``W``'s columns when there are too few rows to go round."""
         rows = x.reshape(-1, x.shape[-1])
-        out = np.empty((rows.shape[0], W.shape[1]), dtype=np.result_type(x, W))
-        spans = [(i, min(i + MATMUL_ROWS, len(rows))) for i in range(0, len(rows), MATMUL_ROWS)]
+        n, m = rows.shape[0], W.shape[1]
+        out = np.empty((n, m), dtype=np.result_type(x, W))
+        if n >= self.workers * MATMUL_ROWS or self.workers == 1:
+            spans = [
+                (slice(i, min(i + MATMUL_ROWS, n)), slice(None)) for i in range(0, n, MATMUL_ROWS)
+            ]
+        else:
+            width = max(64, -(-m // (2 * self.workers)))
+            spans = [(slice(None), slice(j, min(j + width, m))) for j in range(0, m, width)]
 
-        def make_worker() -> Callable[[tuple[int, int]], None]:
-            def multiply(span: tuple[int, int]) -> None:
-                lo, hi = span
-                np.matmul(rows[lo:hi], W, out=out[lo:hi])
+        def make_worker() -> Callable[[tuple[slice, slice]], None]:
+            def multiply(span: tuple[slice, slice]) -> None:
+                lo, cols = span
+                np.matmul(rows[lo], W[:, cols], out=out[lo, cols])
                 if b is not None:
-                    out[lo:hi] += b
+                    out[lo, cols] += b[cols]
 
             return multiply
 
         self.run(spans, make_worker)
-        return out.reshape((*x.shape[:-1], W.shape[1]))
+        return out.reshape((*x.shape[:-1], m))
 
 
 def _taker(tasks: Iterator[Task]) -> Callable[[], Task | None]:

@@ -1,0 +1,5 @@
+"""``python -m mha``: the same as the ``mha`` command."""
+
+from .cli import entry
+
+entry()

@@ -1,0 +1,76 @@
+"""``mha check``: mha against PyTorch on random configurations, for a user's own machine.
+
+The oracle is torch's own computation: its matmuls for the projections and
+``F.scaled_dot_product_attention`` with a boolean mask built here from ``torch.tril`` and
+``arange`` comparisons. A query row that sees no key is compared with the contract's answer,
+a zero attention output, since torch gives NaN or zeros there depending on the path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from .functional import multi_head_attention
+
+TOLERANCE = {"float64": 1e-12, "float32": 2e-5}
+
+
+def compare(torch: Any, count: int, seed: int) -> Iterator[dict[str, Any]]:
+    """One row per random configuration: its shape, masks and worst relative errors."""
+    for index in range(count):
+        rng = np.random.default_rng([seed, index])
+        B, H = int(rng.integers(1, 5)), int(rng.integers(1, 9))
+        L, S, d = int(rng.integers(1, 33)), int(rng.integers(1, 33)), int(rng.integers(1, 17))
+        E = H * d
+        X = rng.standard_normal((B, L, E))
+        M = rng.standard_normal((B, S, E))
+        W = [rng.standard_normal((E, E)) / math.sqrt(E) for _ in range(4)]
+        keywords: dict[str, Any] = {}
+        if rng.random() < 0.5:
+            keywords["causal"] = True
+        if rng.random() < 0.5:
+            keywords["key_lengths"] = rng.integers(0, S + 1, size=B)
+        if rng.random() < 0.5:
+            keywords["mask"] = rng.random((B, L, S)) < 0.8
+        errors = {}
+        for dtype in ("float64", "float32"):
+            arrays = [a.astype(dtype) for a in (X, M, M, *W)]
+            Q, K, V, W_q, W_k, W_v, W_o = arrays
+            ours = multi_head_attention(Q, K, V, W_q, W_k, W_v, W_o, H, **keywords)
+            expected = _torch_attention(torch, [a.astype(np.float64) for a in arrays], H, keywords)
+            scale = float(np.abs(expected).max()) or 1.0
+            errors[dtype] = float(np.abs(ours - expected).max()) / scale
+        yield {
+            "seed": index,
+            "shape": f"({B}, {H}, {L}, {S}, {d})",
+            "masks": ", ".join(sorted(keywords)) or "none",
+            **errors,
+            "ok": all(errors[k] <= TOLERANCE[k] for k in TOLERANCE),
+        }
+
+
+def _torch_attention(torch: Any, arrays: list[np.ndarray], H: int, kw: dict[str, Any]) -> Any:
+    X, K, V, W_q, W_k, W_v, W_o = (torch.from_numpy(a) for a in arrays)
+    B, L, E = X.shape
+    S = K.shape[1]
+
+    def heads(x: Any) -> Any:
+        return x.reshape(x.shape[0], x.shape[1], H, E // H).transpose(1, 2)
+
+    allowed = torch.ones(B, 1, L, S, dtype=torch.bool)
+    if kw.get("causal"):
+        allowed = allowed & torch.tril(torch.ones(L, S, dtype=torch.bool), diagonal=S - L)
+    if "key_lengths" in kw:
+        lengths = torch.as_tensor(kw["key_lengths"])
+        allowed = allowed & (torch.arange(S) < lengths[:, None])[:, None, None, :]
+    if "mask" in kw:
+        allowed = allowed & torch.from_numpy(kw["mask"])[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        heads(X @ W_q), heads(K @ W_k), heads(V @ W_v), attn_mask=allowed
+    )
+    out = torch.where(allowed.any(dim=-1, keepdim=True), out, 0.0)
+    return (out.transpose(1, 2).reshape(B, L, E) @ W_o).numpy()

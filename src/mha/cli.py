@@ -1,0 +1,411 @@
+"""The ``mha`` command: ``demo``, ``run``, ``plot``, ``bench`` and ``check``.
+
+Every mistake a user can make on the command line ends in one line on standard error and
+exit code 2; outputs are written atomically and never over an input file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import numpy as np
+
+from .errors import AttentionError
+from .functional import multi_head_attention
+from .module import MultiHeadAttention
+
+EXIT_USAGE = 2
+DATA_KEYS = ("Q", "K", "V", "W_q", "W_k", "W_v", "W_o")
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for: reported in one line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line on stderr, not the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if not hasattr(args, "command"):
+            parser.print_help()
+            return EXIT_USAGE
+        result: int = args.command(args)
+        return result
+    except UsageError as error:
+        message = str(error)
+        print(message if message.startswith("mha") else f"mha: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except (AttentionError, ValueError) as error:  # the library's word on the user's arrays
+        print(f"mha: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except ImportError as error:
+        print(f"mha: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("mha: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="mha",
+        description="Exact multi-head attention in NumPy: a worked example, attention on your "
+        "arrays, attention maps, benchmarks and a parity check against PyTorch.",
+    )
+    commands = parser.add_subparsers(title="commands", parser_class=Parser)
+
+    demo = commands.add_parser(
+        "demo", help="the specification's example, step by step, and an attention map",
+        description="Q, K, V of shape (1, 3, 4), four (4, 4) weights and 2 heads, seeded: "
+        "every step with its shape, then the same with a causal mask, and an attention-map PNG.",
+    )  # fmt: skip
+    demo.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
+    demo.add_argument("-o", "--output", type=Path, default=Path("attention_demo.png"),
+                      help="the attention map to write (default attention_demo.png)")  # fmt: skip
+    demo.set_defaults(command=run_demo)
+
+    run = commands.add_parser(
+        "run", help="attention on arrays from an .npz file",
+        description="Reads Q, K, V, W_q, W_k, W_v and W_o (x @ W layout) from INPUT.npz, or X "
+        "with --module (a file written by MultiHeadAttention.save), and writes the output.",
+    )  # fmt: skip
+    run.add_argument("input", type=Path, metavar="INPUT.npz")
+    run.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.npy")
+    run.add_argument("--heads", type=int, help="number of heads (needed without --module)")
+    run.add_argument("--module", type=Path, help="a saved MultiHeadAttention to apply to X")
+    _masking_arguments(run)
+    run.add_argument("--weights", type=Path, metavar="W.npy", help="also write the weights")
+    run.set_defaults(command=run_run)
+
+    plot = commands.add_parser(
+        "plot", help="per-head heat maps of attention weights",
+        description="Plots weights saved by 'mha run --weights', or runs attention on "
+        "--input first. One panel per head and their average; masked cells in hatched grey.",
+    )  # fmt: skip
+    source = plot.add_mutually_exclusive_group(required=True)
+    source.add_argument("--weights", type=Path, metavar="W.npy", help="saved weights")
+    source.add_argument("--input", type=Path, metavar="INPUT.npz", help="arrays to run first")
+    plot.add_argument("--heads", type=int, help="number of heads, with --input")
+    plot.add_argument("--module", type=Path, help="a saved MultiHeadAttention, with --input")
+    _masking_arguments(plot)
+    plot.add_argument("--batch", type=int, default=0, help="which sequence to plot (default 0)")
+    plot.add_argument("--tokens", help='query labels, for example "the cat sat"')
+    plot.add_argument("--key-tokens", help="key labels when keys differ from queries")
+    plot.add_argument("-o", "--output", type=Path, default=Path("attention.png"),
+                      help="a .png or .svg file (default attention.png)")  # fmt: skip
+    plot.set_defaults(command=run_plot)
+
+    bench = commands.add_parser(
+        "bench", help="speed and memory beside textbook NumPy and PyTorch",
+        description="Runs the benchmark (minutes), prints the table and writes JSON, a "
+        "markdown table and a chart of time and peak memory against sequence length.",
+    )  # fmt: skip
+    bench.add_argument("--quick", action="store_true", help="fewer repeats and lengths")
+    bench.add_argument("--output", type=Path, default=Path("benchmarks/results"))
+    bench.add_argument("--readme", type=Path, help="rewrite this README's benchmark section")
+    bench.set_defaults(command=run_bench)
+
+    check = commands.add_parser(
+        "check", help="compare with PyTorch on random configurations",
+        description="Runs mha and torch on random configurations (every mask kind, float64 "
+        "and float32) and prints the worst relative error of each. Needs torch installed.",
+    )  # fmt: skip
+    check.add_argument("--configs", type=int, default=24, help="how many (default 24)")
+    check.add_argument("--seed", type=int, default=0)
+    check.set_defaults(command=run_check)
+    return parser
+
+
+def _masking_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--causal", action="store_true", help="causal (look-ahead) mask")
+    parser.add_argument(
+        "--top-left", action="store_true",
+        help="align the causal mask top-left (j <= i) instead of bottom-right",
+    )  # fmt: skip
+    parser.add_argument("--key-lengths", type=_lengths, metavar="N,N,...",
+                        help="valid keys per sequence; later keys are padding")  # fmt: skip
+    parser.add_argument("--query-lengths", type=_lengths, metavar="N,N,...",
+                        help="valid queries per sequence; later rows are padding")  # fmt: skip
+
+
+def _lengths(text: str) -> np.ndarray:
+    try:
+        return np.array([int(part) for part in text.split(",")], dtype=np.int64)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected whole numbers separated by commas, got {text!r}"
+        ) from None
+
+
+# ----------------------------------------------------------------------------- mha run
+
+
+def run_run(args: argparse.Namespace) -> int:
+    inputs = [args.input] + ([args.module] if args.module else [])
+    _refuse_overwrite(args.output, inputs, "--output")
+    if args.weights is not None:
+        _refuse_overwrite(args.weights, [*inputs, args.output], "--weights")
+    out, weights = _attend(args, want_weights=args.weights is not None)
+    _save_npy(args.output, out)
+    if args.weights is not None:
+        _save_npy(args.weights, weights)
+    also = f" and {args.weights} {weights.shape}" if args.weights is not None else ""
+    print(f"wrote {args.output} {out.shape} {out.dtype}{also}")
+    return 0
+
+
+def _attend(args: argparse.Namespace, want_weights: bool) -> tuple[np.ndarray, Any]:
+    """Attention on the arrays of ``args.input``, as ``mha run`` and ``mha plot`` read it."""
+    arrays = _read_npz(args.input)
+    keywords: dict[str, Any] = {"causal": args.causal, "return_weights": want_weights}
+    if args.top_left:
+        keywords["causal_alignment"] = "top_left"
+    for name in ("key_lengths", "query_lengths"):
+        if getattr(args, name) is not None:
+            keywords[name] = getattr(args, name)
+    if args.module is not None:
+        if "X" not in arrays:
+            raise UsageError(
+                f"{args.input} has no 'X' to give --module (it holds {_listing(arrays)})"
+            )
+        module = MultiHeadAttention.load(args.module)
+        result = module(arrays["X"], **keywords)
+    else:
+        missing = [key for key in DATA_KEYS if key not in arrays]
+        if missing:
+            raise UsageError(
+                f"{args.input} has no {', '.join(repr(k) for k in missing)} "
+                f"(it holds {_listing(arrays)}); it needs {', '.join(DATA_KEYS)}, "
+                "or X with --module"
+            )
+        if args.heads is None:
+            raise UsageError("--heads is required unless --module gives a saved module")
+        for name in ("b_q", "b_k", "b_v", "b_o"):
+            if name in arrays:
+                keywords[name] = arrays[name]
+        Q, K, V, W_q, W_k, W_v, W_o = (arrays[key] for key in DATA_KEYS)
+        result = multi_head_attention(Q, K, V, W_q, W_k, W_v, W_o, args.heads, **keywords)
+    return result if want_weights else (result, None)
+
+
+def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    try:
+        with open(path, "rb") as handle:
+            data = np.load(handle, allow_pickle=False)
+            if not isinstance(data, np.lib.npyio.NpzFile):
+                raise UsageError(f"{path} holds one array; mha run reads an .npz of named arrays")
+            with data:
+                return {name: data[name] for name in data.files}
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file") from None
+    except (OSError, ValueError, EOFError) as error:
+        raise UsageError(f"{path} is not a readable .npz file ({error})") from None
+
+
+def _listing(arrays: dict[str, np.ndarray]) -> str:
+    return ", ".join(f"{name} {array.shape}" for name, array in arrays.items()) or "nothing"
+
+
+def _refuse_overwrite(target: Path, inputs: list[Path], option: str) -> None:
+    for source in inputs:
+        if source is not None and _same_file(target, source):
+            raise UsageError(f"{option} {target} is an input file; choose another name")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except OSError:
+        return False
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    """``np.save`` into a temporary file beside ``path``, then rename it into place."""
+    directory = path.parent if str(path.parent) else Path(".")
+    if not directory.is_dir():
+        raise UsageError(f"cannot write {path}: no directory {directory}")
+    handle = tempfile.NamedTemporaryFile(  # noqa: SIM115  closed below, renamed or removed
+        dir=directory, prefix=f".{path.name}.", suffix=".tmp", delete=False
+    )
+    try:
+        with handle:
+            np.save(handle, array, allow_pickle=False)
+        os.replace(handle.name, path)
+    except BaseException:
+        Path(handle.name).unlink(missing_ok=True)
+        raise
+
+
+# ----------------------------------------------------------------------------- mha plot
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    from .plotting import plot_attention
+
+    inputs = [p for p in (args.weights, args.input, args.module) if p is not None]
+    _refuse_overwrite(args.output, inputs, "--output")
+    visible = None
+    if args.weights is not None:
+        weights = _read_npy(args.weights)
+    else:
+        _, weights = _attend(args, want_weights=True)
+        visible = weights != 0
+    if weights.ndim == 4:  # (B, H, L, S): one sequence
+        if not 0 <= args.batch < weights.shape[0]:
+            raise UsageError(
+                f"--batch {args.batch} is out of range for {weights.shape[0]} sequences"
+            )
+        weights = weights[args.batch]
+        visible = None if visible is None else visible[args.batch]
+    tokens = args.tokens.split() if args.tokens else None
+    key_tokens = args.key_tokens.split() if args.key_tokens else None
+    path = plot_attention(weights, args.output, visible=visible, query_tokens=tokens,
+                          key_tokens=key_tokens)  # fmt: skip
+    print(f"wrote {path}")
+    return 0
+
+
+def _read_npy(path: Path) -> np.ndarray:
+    try:
+        array = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file") from None
+    except (OSError, ValueError, EOFError) as error:
+        raise UsageError(f"{path} is not a readable .npy file ({error})") from None
+    if not isinstance(array, np.ndarray) or array.ndim not in (2, 3, 4):
+        raise UsageError(f"{path} must hold weights (B, H, L, S), (H, L, S) or (L, S)")
+    return array
+
+
+# ----------------------------------------------------------------------------- mha demo
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .plotting import plot_attention
+
+    console = Console(highlight=False)
+    rng = np.random.default_rng(args.seed)
+    Q = K = V = rng.standard_normal((1, 3, 4))
+    W_q, W_k, W_v, W_o = rng.standard_normal((4, 4, 4))
+    H, d_k = 2, 2
+
+    def show(step: str, array: np.ndarray) -> None:
+        console.print(f"[bold]{step}[/bold]  shape {array.shape}")
+        console.print(np.array2string(array, precision=4, suppress_small=True), "\n")
+
+    console.rule(f"mha demo: the specification's example (seed {args.seed})")
+    console.print(
+        "Self-attention: Q = K = V, of shape (B=1, L=3, d_model=4); 2 heads of width 2.\n"
+    )
+    show("Q = K = V", Q)
+    for name, W in (("W_q", W_q), ("W_k", W_k), ("W_v", W_v), ("W_o", W_o)):
+        show(name, W)
+    for causal in (False, True):
+        console.rule("causal mask: key j is hidden from query i when j > i" if causal else
+                     "no mask")  # fmt: skip
+        q, k, v = Q @ W_q, K @ W_k, V @ W_v
+        show("1. project: q = Q @ W_q", q)
+        heads = [x.reshape(1, 3, H, d_k).transpose(0, 2, 1, 3) for x in (q, k, v)]
+        show("2. split into heads: q (B, H, L, d_k)", heads[0])
+        scores = heads[0] @ heads[1].transpose(0, 1, 3, 2) / math.sqrt(d_k)
+        if causal:
+            scores = np.where(np.tril(np.ones((3, 3), dtype=bool)), scores, -np.inf)
+        show("3. scores = q k^T / sqrt(d_k), per head", scores)
+        exp = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        weights = exp / exp.sum(axis=-1, keepdims=True)
+        show("4. weights = softmax over keys (max subtracted first)", weights)
+        joined = (weights @ heads[2]).transpose(0, 2, 1, 3).reshape(1, 3, H * d_k)
+        show("5. weights @ v, heads joined: (B, L, H*d_v)", joined)
+        out = joined @ W_o
+        show("6. output = joined @ W_o", out)
+        library, library_weights = multi_head_attention(
+            Q, K, V, W_q, W_k, W_v, W_o, H, causal=causal, return_weights=True
+        )
+        difference = float(np.abs(library - out).max())
+        console.print(f"mha.multi_head_attention gives the same output: max difference "
+                      f"{difference:.1e}\n")  # fmt: skip
+    path = plot_attention(library_weights[0], args.output, title="causal attention, 2 heads")
+    console.print(f"wrote the causal attention map to [bold]{path}[/bold]")
+    return 0
+
+
+# ----------------------------------------------------------------------------- mha bench
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from . import bench
+
+    _refuse_overwrite(args.output / "benchmark.json", [], "--output")
+    console = Console(stderr=True)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("benchmark", total=bench.steps(args.quick))
+
+        def log(line: str) -> None:
+            progress.console.print(line)
+            progress.advance(task)
+
+        results = bench.run(args.quick, args.output, args.readme, log)
+    print(bench.markdown(results))
+    chart = args.output / "benchmark.png"
+    bench.chart(results, chart)
+    print(f"wrote {args.output / 'benchmark.json'}, {args.output / 'benchmark.md'} and {chart}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- mha check
+
+
+def run_check(args: argparse.Namespace) -> int:
+    if args.configs < 1:
+        raise UsageError(f"--configs must be at least 1; got {args.configs}")
+    try:
+        import torch
+    except ImportError:
+        print("mha check: torch is not installed, so there is nothing to compare against. "
+              "Install the CPU build with: pip install torch==2.13.0", file=sys.stderr)  # fmt: skip
+        return 1
+    from rich.console import Console
+    from rich.table import Table
+
+    from .check import compare
+
+    table = Table(title=f"mha against torch {torch.__version__}: worst relative error")
+    for column in ("config", "shape (B, H, L, S, d)", "masks", "float64", "float32", "ok"):
+        table.add_column(column)
+    failures = 0
+    for row in compare(torch, args.configs, args.seed):
+        failures += not row["ok"]
+        table.add_row(str(row["seed"]), row["shape"], row["masks"], f"{row['float64']:.1e}",
+                      f"{row['float32']:.1e}", "yes" if row["ok"] else "NO")  # fmt: skip
+    Console().print(table)
+    print(f"{args.configs - failures} of {args.configs} configurations within 1e-12 (float64) "
+          "and 2e-5 (float32)")  # fmt: skip
+    return 1 if failures else 0
+
+
+def entry() -> None:
+    """The console script."""
+    raise SystemExit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,138 @@
+"""Attention maps: one heat map per head and their average, masked cells drawn apart.
+
+matplotlib is an optional extra (``pip install "mha[cli]"``), imported only when a plot is
+made.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import AttentionTypeError, ShapeError
+
+__all__ = ["plot_attention"]
+
+MASKED_COLOR = "#d9d9d9"
+
+
+def plot_attention(
+    weights: Any,
+    path: Any,
+    *,
+    visible: Any = None,
+    query_tokens: list[str] | None = None,
+    key_tokens: list[str] | None = None,
+    title: str | None = None,
+    dpi: int = 100,
+) -> Path:
+    """Save a grid of heat maps of ``weights (H, L, S)`` (or ``(L, S)``) to ``path``.
+
+    The last panel is the average over heads. Cells where ``visible (…, L, S)`` is False (by
+    default: cells whose weight is exactly 0 in every head) are drawn in light grey with a
+    hatch, so masked keys stand apart from keys that merely got little weight. The format
+    follows the file name (``.png`` or ``.svg``); the file is written atomically.
+
+    >>> import numpy as np, tempfile, os
+    >>> from mha.plotting import plot_attention
+    >>> weights = np.tril(np.ones((2, 3, 3))) / np.arange(1, 4)[:, None]  # causal, uniform
+    >>> path = plot_attention(weights, os.path.join(tempfile.mkdtemp(), "map.png"),
+    ...                       query_tokens=["the", "cat", "sat"])
+    >>> path.name, path.stat().st_size > 0
+    ('map.png', True)
+    """
+    matplotlib = _matplotlib()
+    array = np.asarray(weights)
+    if array.dtype.kind not in "fiu":
+        raise AttentionTypeError(f"weights must be numbers; got dtype {array.dtype}")
+    if array.ndim == 2:
+        array = array[None]
+    if array.ndim != 3:
+        raise ShapeError(f"weights must have shape (H, L, S) or (L, S); got {array.shape}")
+    H, L, S = array.shape
+    if visible is None:
+        seen = (array != 0).any(axis=0)
+    else:
+        seen = np.broadcast_to(np.asarray(visible, dtype=bool), array.shape).any(axis=0)
+    for name, tokens, n in (("query_tokens", query_tokens, L), ("key_tokens", key_tokens, S)):
+        if tokens is not None and len(tokens) != n:
+            raise ShapeError(f"{name} has {len(tokens)} tokens but the weights have {n} positions")
+    key_tokens = key_tokens if key_tokens is not None else query_tokens if S == L else None
+
+    panels = [(f"head {h}", array[h]) for h in range(H)]
+    if H > 1:
+        panels.append(("average", array.mean(axis=0)))
+    columns = min(len(panels), 4)
+    rows = -(-len(panels) // columns)
+    cell = 0.45 if max(L, S) <= 12 else 5.0 / max(L, S)
+    width, height = columns * (1.6 + S * cell), rows * (1.2 + L * cell)
+    # A bare Figure, not pyplot: no global state, no change to the caller's backend.
+    figure = matplotlib.figure.Figure(figsize=(width, height), layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False)
+    colormap = matplotlib.colormaps["viridis"].copy()
+    colormap.set_bad(MASKED_COLOR)
+    image = None
+    for ax, (label, panel) in zip(axes.flat, panels, strict=False):
+        shown = np.ma.masked_where(~seen, panel)
+        image = ax.imshow(shown, cmap=colormap, vmin=0.0, vmax=1.0, interpolation="nearest")
+        if L * S <= 4096:  # hatch the masked cells (large maps keep the grey alone)
+            for i, j in zip(*np.nonzero(~seen), strict=True):
+                ax.add_patch(matplotlib.patches.Rectangle(
+                    (j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///", edgecolor="#8c8c8c",
+                    linewidth=0,
+                ))  # fmt: skip
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("key", fontsize=8)
+        ax.set_ylabel("query", fontsize=8)
+        _ticks(ax.set_xticks, ax.set_xticklabels, S, key_tokens, rotation=90)
+        _ticks(ax.set_yticks, ax.set_yticklabels, L, query_tokens)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
+    if image is not None:
+        figure.colorbar(image, ax=list(axes.flat), shrink=0.8, label="attention weight")
+    if title:
+        figure.suptitle(title)
+    return _save(figure, path, dpi)
+
+
+def _ticks(set_ticks: Any, set_labels: Any, n: int, tokens: list[str] | None, **style: Any) -> None:
+    if tokens is not None:
+        set_ticks(range(n))
+        set_labels(tokens, fontsize=8, **style)
+    elif n <= 16:
+        set_ticks(range(n))
+        set_labels([str(i) for i in range(n)], fontsize=7)
+
+
+def _save(figure: Any, path: Any, dpi: int) -> Path:
+    target = Path(os.fspath(path))
+    suffix = target.suffix.lower()
+    if suffix not in (".png", ".svg"):
+        raise ValueError(f"plots are written as .png or .svg; got {target.name!r}")
+    handle = tempfile.NamedTemporaryFile(  # noqa: SIM115  closed below, renamed or removed
+        dir=target.parent if str(target.parent) else ".", suffix=suffix, delete=False
+    )
+    try:
+        with handle:
+            figure.savefig(handle, format=suffix[1:], dpi=dpi)
+        os.replace(handle.name, target)
+    except BaseException:
+        Path(handle.name).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def _matplotlib() -> Any:
+    try:
+        import matplotlib
+        import matplotlib.figure
+        import matplotlib.patches
+    except ImportError:
+        raise ImportError(
+            'plots need matplotlib: pip install "mha[cli]" (or pip install matplotlib)'
+        ) from None
+    return matplotlib

@@ -1,0 +1,174 @@
+"""The mha command end to end, in a subprocess: exit codes, files, one-line errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import mha
+from mha import bench, cli
+
+COMMANDS = ["demo", "run", "plot", "bench", "check"]
+
+
+def mha_command(*args, cwd, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "mha", *map(str, args)], cwd=cwd, capture_output=True,
+        text=True, timeout=120, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def one_line_error(result, *fragments):
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+@pytest.fixture
+def arrays(tmp_path):
+    r = np.random.default_rng(0)
+    data = {
+        "Q": r.standard_normal((2, 3, 8)), "K": r.standard_normal((2, 5, 6)),
+        "V": r.standard_normal((2, 5, 6)), "W_q": r.standard_normal((8, 8)),
+        "W_k": r.standard_normal((6, 8)), "W_v": r.standard_normal((6, 8)),
+        "W_o": r.standard_normal((8, 4)), "b_o": r.standard_normal(4),
+    }  # fmt: skip
+    path = tmp_path / "inputs.npz"
+    np.savez(path, **data)
+    return path, data
+
+
+def test_demo_prints_every_step_and_writes_the_map(tmp_path):
+    result = mha_command("demo", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for step in ("1. project", "2. split into heads", "3. scores", "4. weights = softmax",
+                 "5. weights @ v", "6. output", "causal mask", "max difference"):  # fmt: skip
+        assert step in result.stdout
+    assert "shape (1, 2, 3, 3)" in result.stdout
+    with Image.open(tmp_path / "attention_demo.png") as image:
+        assert image.format == "PNG" and image.size == (885, 255)
+
+
+def test_run_equals_the_library_call(tmp_path, arrays):
+    path, data = arrays
+    result = mha_command("run", path, "-o", "out.npy", "--heads", 2, "--causal",
+                         "--key-lengths", "5,2", "--weights", "w.npy", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    expected, weights = mha.multi_head_attention(
+        *(data[k] for k in cli.DATA_KEYS), 2, causal=True, key_lengths=[5, 2],
+        b_o=data["b_o"], return_weights=True,
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), expected)
+    np.testing.assert_array_equal(np.load(tmp_path / "w.npy"), weights)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["inputs.npz", "out.npy", "w.npy"]
+
+
+def test_run_with_a_saved_module(tmp_path):
+    module = mha.MultiHeadAttention(8, 2, bias=True, seed=3)
+    module.save(tmp_path / "module.npz")
+    X = np.random.default_rng(1).standard_normal((2, 4, 8))
+    np.savez(tmp_path / "x.npz", X=X)
+    result = mha_command("run", "x.npz", "--module", "module.npz", "-o", "out.npy", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), module(X))
+
+
+def test_run_errors_are_one_line_and_inputs_survive(tmp_path, arrays):
+    path, data = arrays
+    before = path.read_bytes()
+    one_line_error(mha_command("run", path, "-o", path, "--heads", 2, cwd=tmp_path),
+                   "--output", "is an input file")  # fmt: skip
+    assert path.read_bytes() == before
+    np.savez(tmp_path / "partial.npz", **{k: v for k, v in data.items() if k != "W_o"})
+    one_line_error(mha_command("run", "partial.npz", "-o", "o.npy", "--heads", 2, cwd=tmp_path),
+                   "has no 'W_o'", "Q (2, 3, 8)")  # fmt: skip
+    np.savez(tmp_path / "bad.npz", **data | {"V": data["V"][:, :4]})
+    one_line_error(mha_command("run", "bad.npz", "-o", "o.npy", "--heads", 2, cwd=tmp_path),
+                   "K has 5 positions but V has 4", "(K (2, 5, 6), V (2, 4, 6))")  # fmt: skip
+    one_line_error(mha_command("run", path, "-o", "o.npy", "--heads", 3, cwd=tmp_path),
+                   "num_heads=3 does not divide")  # fmt: skip
+    one_line_error(mha_command("run", path, "-o", "o.npy", "--heads", 2, "--key-lengths",
+                               "a,b", cwd=tmp_path), "--key-lengths", "whole numbers")  # fmt: skip
+    one_line_error(mha_command("run", path, "-o", "o.npy", "--heads", 2, "--key-lengths",
+                               "9,9", cwd=tmp_path), "key_lengths must be <= 5")  # fmt: skip
+    one_line_error(mha_command("run", "missing.npz", "-o", "o.npy", "--heads", 2, cwd=tmp_path),
+                   "missing.npz: no such file")  # fmt: skip
+    one_line_error(mha_command("run", path, "-o", "o.npy", cwd=tmp_path), "--heads is required")
+    one_line_error(mha_command("run", path, "-o", "nodir/o.npy", "--heads", 2, cwd=tmp_path),
+                   "no directory nodir")  # fmt: skip
+    (tmp_path / "junk.npz").write_bytes(b"not a zip file")
+    one_line_error(mha_command("run", "junk.npz", "-o", "o.npy", "--heads", 2, cwd=tmp_path),
+                   "junk.npz is not a readable .npz file")  # fmt: skip
+    assert not (tmp_path / "o.npy").exists()
+
+
+def test_plot_from_saved_weights_and_straight_from_a_run(tmp_path, arrays):
+    path, _ = arrays
+    assert mha_command("run", path, "-o", "o.npy", "--heads", 2, "--weights", "w.npy",
+                       "--causal", cwd=tmp_path).returncode == 0  # fmt: skip
+    result = mha_command("plot", "--weights", "w.npy", "--batch", 1, "--tokens", "the cat sat",
+                         "--key-tokens", "a b c d e", "-o", "map.png", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    with Image.open(tmp_path / "map.png") as image:
+        assert image.format == "PNG" and image.size == (1155, 255)  # 3 panels of 3 x 5 cells
+    result = mha_command("plot", "--input", path, "--heads", 2, "--key-lengths", "5,2",
+                         "-o", "map.svg", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "map.svg").read_text().lstrip().startswith("<?xml")
+    too_few = mha_command("plot", "--weights", "w.npy", "--tokens", "too few", "-o", "x.png",
+                          cwd=tmp_path)  # fmt: skip
+    one_line_error(too_few, "query_tokens has 2 tokens")
+    one_line_error(mha_command("plot", "--weights", "w.npy", "-o", "w.npy", cwd=tmp_path),
+                   "is an input file")  # fmt: skip
+    one_line_error(mha_command("plot", "--weights", "w.npy", "-o", "x.jpg", cwd=tmp_path),
+                   ".png or .svg")  # fmt: skip
+    one_line_error(mha_command("plot", "-o", "x.png", cwd=tmp_path), "--weights", "--input")
+
+
+def test_check_compares_with_torch_and_says_when_torch_is_absent(tmp_path, torch):
+    result = mha_command("check", "--configs", 4, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "4 of 4 configurations within 1e-12 (float64) and 2e-5 (float32)" in result.stdout
+    (tmp_path / "blocker").mkdir()
+    (tmp_path / "blocker" / "torch.py").write_text("raise ImportError('no torch here')\n")
+    result = mha_command("check", cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "blocker")})
+    assert result.returncode == 1
+    assert "torch is not installed" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bench_through_the_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(
+        bench, "SHAPES", [bench.Shape("T", B=1, L=16, d_model=16, H=2, causal=True)]
+    )
+    monkeypatch.setattr(bench, "SWEEP_LENGTHS", [16, 32])
+    monkeypatch.setattr(bench, "MEMORY_LENGTHS", [32])
+    monkeypatch.setattr(bench, "TEXTBOOK_MEMORY_LENGTHS", [16, 32])
+    monkeypatch.setattr(bench, "matmul_ceiling", lambda dtype: 1.0)
+    monkeypatch.setattr(bench, "interleaved_medians", lambda f, r: {n: [1e-3] for n in f})
+    assert cli.main(["bench", "--quick", "--output", str(tmp_path)]) == 0
+    assert "| T causal (B=1, L=16, d=16, H=2) |" in capsys.readouterr().out
+    with Image.open(tmp_path / "benchmark.png") as image:
+        assert image.size == (1000, 400)
+    assert (tmp_path / "benchmark.json").exists() and (tmp_path / "benchmark.md").exists()
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_describes_each_command(command, tmp_path):
+    result = mha_command(command, "--help", cwd=tmp_path)
+    assert result.returncode == 0 and "usage: mha " + command in result.stdout
+    assert len(result.stdout.splitlines()) > 4
+
+
+def test_unknown_commands_and_options(tmp_path):
+    one_line_error(mha_command("bogus", cwd=tmp_path), "invalid choice: 'bogus'")
+    one_line_error(mha_command("demo", "--nope", cwd=tmp_path), "unrecognized arguments: --nope")
+    one_line_error(mha_command("check", "--configs", 0, cwd=tmp_path), "--configs must be")
+    assert mha_command(cwd=tmp_path).returncode == 2
