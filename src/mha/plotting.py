@@ -73,8 +73,7 @@ def plot_attention(
     # A bare Figure, not pyplot: no global state, no change to the caller's backend.
     figure = matplotlib.figure.Figure(figsize=(width, height), layout="constrained")
     axes = figure.subplots(rows, columns, squeeze=False)
-    colormap = matplotlib.colormaps["viridis"].copy()
-    colormap.set_bad(MASKED_COLOR)
+    colormap = matplotlib.colormaps["viridis"].with_extremes(bad=MASKED_COLOR)
     image = None
     for ax, (label, panel) in zip(axes.flat, panels, strict=False):
         shown = np.ma.masked_where(~seen, panel)
