@@ -413,8 +413,10 @@ def chart(results: dict[str, Any], path: Path) -> Path:
                   label="this machine's memory")  # fmt: skip
     right.set(xscale="log", yscale="log", xlabel="sequence length L = S",
               ylabel="peak traced MiB", title="peak memory of one call")  # fmt: skip
-    for ax in (left, right):
-        ax.grid(True, which="both", alpha=0.3)
+    for ax, ticks in ((left, [r["L"] for r in results["sweep"]]), (right, lengths)):
+        ax.set_xticks(ticks, labels=[str(L) for L in ticks])
+        ax.minorticks_off()
+        ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=8)
     return _save(figure, path, dpi=100)
 

@@ -91,7 +91,11 @@ class MultiHeadAttention:
 
     @property
     def head_dim(self) -> int:
-        """The per-head width ``d_model // num_heads``."""
+        """The per-head width ``d_model // num_heads``.
+
+        >>> MultiHeadAttention(8, 2).head_dim
+        4
+        """
         return self.d_model // self.num_heads
 
     def forward(
@@ -118,6 +122,13 @@ class MultiHeadAttention:
         allowed (True = may attend). For cross-attention pass ``key (B, S, kdim)`` and
         ``value (B, S, vdim)`` (``value`` defaults to ``key``). The keywords are those of
         :func:`mha.multi_head_attention`.
+
+        >>> import numpy as np
+        >>> attention = MultiHeadAttention(4, 2, seed=0)
+        >>> X = np.random.default_rng(0).standard_normal((1, 3, 4))
+        >>> causal = attention.forward(X, True)       # the specification's forward(X, mask)
+        >>> bool((causal == attention(X, causal=True)).all())
+        True
         """
         if value is None and _looks_like_mask(key):
             if mask is not None:
@@ -206,6 +217,11 @@ class MultiHeadAttention:
 
         Every key and shape is checked. The result's ``forward`` takes batch-first arrays
         whatever the module's ``batch_first``; dropout is not carried over (inference).
+
+        >>> import numpy as np
+        >>> state = {"in_proj_weight": np.eye(12, 4), "out_proj.weight": np.eye(4)}
+        >>> MultiHeadAttention.from_torch(state, num_heads=2)
+        MultiHeadAttention(d_model=4, num_heads=2, bias=False, dtype=float64)
         """
         from .interop import from_torch
 
@@ -217,6 +233,9 @@ class MultiHeadAttention:
         ``module.load_state_dict({k: torch.as_tensor(v) for k, v in d.items()})`` restores
         them exactly into ``nn.MultiheadAttention(d_model, num_heads, bias=..., kdim=...,
         vdim=..., add_bias_kv=...)``.
+
+        >>> sorted(MultiHeadAttention(4, 2, bias=True).to_torch_state_dict())
+        ['in_proj_bias', 'in_proj_weight', 'out_proj.bias', 'out_proj.weight']
         """
         from .interop import to_torch_state_dict
 
@@ -229,21 +248,44 @@ class MultiHeadAttention:
     ) -> MultiHeadAttention:  # fmt: skip
         """GPT-2's attention: fused ``c_attn`` ``(E, 3E)`` and ``c_proj`` ``(E, E)`` Conv1D
         weights ("x @ W" already) with their biases. GPT-2 is causal: call
-        ``forward(X, mask=True)``."""
+        ``forward(X, mask=True)``.
+
+        >>> import numpy as np
+        >>> E = 4
+        >>> MultiHeadAttention.from_gpt2(np.ones((E, 3 * E)), np.zeros(3 * E), np.eye(E),
+        ...                              np.zeros(E), num_heads=2)
+        MultiHeadAttention(d_model=4, num_heads=2, bias=True, dtype=float64)
+        """
         from .interop import from_gpt2
 
         return from_gpt2(cls, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, num_heads)
 
     def save(self, path: Any) -> None:
         """Write configuration and weights to ``path`` as ``.npz``, atomically: a complete
-        file replaces any existing one, or nothing changes."""
+        file replaces any existing one, or nothing changes.
+
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "attention.npz")
+        >>> MultiHeadAttention(8, 2, seed=0).save(path)
+        >>> os.listdir(os.path.dirname(path))
+        ['attention.npz']
+        """
         from .interop import save
 
         save(self, path)
 
     @classmethod
     def load(cls, path: Any) -> MultiHeadAttention:
-        """Read a file written by :meth:`save` (no pickles), checking every key and shape."""
+        """Read a file written by :meth:`save` (no pickles), checking every key and shape.
+
+        >>> import os, tempfile, numpy as np
+        >>> path = os.path.join(tempfile.mkdtemp(), "attention.npz")
+        >>> saved = MultiHeadAttention(8, 2, bias=True, seed=0)
+        >>> saved.save(path)
+        >>> loaded = MultiHeadAttention.load(path)
+        >>> loaded, bool(np.array_equal(loaded.W_q, saved.W_q))
+        (MultiHeadAttention(d_model=8, num_heads=2, bias=True, dtype=float64), True)
+        """
         from .interop import load
 
         return load(cls, path)

@@ -69,6 +69,15 @@ def multi_head_attention_forward(
     ``need_weights``. Dropout on the attention weights applies when ``training`` and
     ``dropout_p > 0`` (torch's default ``training=True``), drawing from ``generator``
     (a ``np.random.Generator``; a fresh one when ``None``).
+
+    >>> import numpy as np
+    >>> x = np.random.default_rng(0).standard_normal((3, 1, 4))   # (L, N, E)
+    >>> padding = np.array([[False, False, True]])                # torch: True = padding
+    >>> out, weights = multi_head_attention_forward(
+    ...     x, x, x, 4, 2, np.eye(12, 4), None, None, None, False, 0.0, np.eye(4), None,
+    ...     key_padding_mask=padding)
+    >>> weights[0, :, 2]                                          # no query sees key 2
+    array([0., 0., 0.])
     """
     query = as_float_array("query", query)
     key = as_float_array("key", key)
