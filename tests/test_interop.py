@@ -288,3 +288,13 @@ def test_an_interrupted_save_leaves_the_old_file_intact(failure, tmp_path, monke
     np.testing.assert_array_equal(
         MultiHeadAttention.load(path).W_q, MultiHeadAttention(8, 2, seed=0).W_q
     )
+
+
+def test_saved_files_get_the_usual_permissions(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        path = tmp_path / "weights.npz"
+        MultiHeadAttention(8, 2, seed=0).save(path)
+        assert path.stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(umask)

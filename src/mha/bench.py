@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ._files import atomic_write
 from .functional import multi_head_attention
 from .parallel import cores
 
@@ -471,10 +472,7 @@ def _cpu_name() -> str:
 
 
 def _write(path: Path, text: str) -> None:
-    """Write atomically: a temporary file in the same folder, renamed into place."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
+    atomic_write(path, lambda handle: handle.write(text.encode()))
 
 
 BEGIN, END = "<!-- benchmark: begin -->", "<!-- benchmark: end -->"

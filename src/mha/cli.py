@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
 
+from ._files import atomic_write
 from .errors import AttentionError
 from .functional import multi_head_attention
 from .module import MultiHeadAttention
@@ -234,20 +233,10 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
-    """``np.save`` into a temporary file beside ``path``, then rename it into place."""
     directory = path.parent if str(path.parent) else Path(".")
     if not directory.is_dir():
         raise UsageError(f"cannot write {path}: no directory {directory}")
-    handle = tempfile.NamedTemporaryFile(  # noqa: SIM115  closed below, renamed or removed
-        dir=directory, prefix=f".{path.name}.", suffix=".tmp", delete=False
-    )
-    try:
-        with handle:
-            np.save(handle, array, allow_pickle=False)
-        os.replace(handle.name, path)
-    except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda handle: np.save(handle, array, allow_pickle=False))
 
 
 # ----------------------------------------------------------------------------- mha plot

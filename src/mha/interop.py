@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._arrays import as_float_array, positive_int
+from ._files import atomic_write
 from .errors import AttentionValueError, ShapeError, WeightsFileError
 
 if TYPE_CHECKING:
@@ -166,7 +166,7 @@ def from_gpt2(
 
 
 def save(module: MultiHeadAttention, path: Any) -> None:
-    """Write to a temporary file beside ``path``, flush it to disk, then rename it into place."""
+    """Configuration and weights as ``.npz``, written atomically."""
     target = Path(os.fspath(path))
     config = {
         "format": FORMAT, "version": FORMAT_VERSION, "d_model": module.d_model,
@@ -175,19 +175,9 @@ def save(module: MultiHeadAttention, path: Any) -> None:
     }  # fmt: skip
     arrays = {name: getattr(module, name) for name in WEIGHT_NAMES}
     present = {name: array for name, array in arrays.items() if array is not None}
-    directory = target.parent if str(target.parent) else Path(".")
-    handle = tempfile.NamedTemporaryFile(  # noqa: SIM115  closed below, renamed or removed
-        dir=directory, prefix=f".{target.name}.", suffix=".tmp", delete=False
+    atomic_write(
+        target, lambda handle: np.savez(handle, config=np.array(json.dumps(config)), **present)
     )
-    try:
-        with handle:
-            np.savez(handle, config=np.array(json.dumps(config)), **present)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(handle.name, target)
-    except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
-        raise
 
 
 def load(cls: type[MultiHeadAttention], path: Any) -> MultiHeadAttention:

@@ -7,12 +7,12 @@ made.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ._files import atomic_write
 from .errors import AttentionTypeError, ShapeError
 
 __all__ = ["plot_attention"]
@@ -112,17 +112,7 @@ def _save(figure: Any, path: Any, dpi: int) -> Path:
     suffix = target.suffix.lower()
     if suffix not in (".png", ".svg"):
         raise ValueError(f"plots are written as .png or .svg; got {target.name!r}")
-    handle = tempfile.NamedTemporaryFile(  # noqa: SIM115  closed below, renamed or removed
-        dir=target.parent if str(target.parent) else ".", suffix=suffix, delete=False
-    )
-    try:
-        with handle:
-            figure.savefig(handle, format=suffix[1:], dpi=dpi)
-        os.replace(handle.name, target)
-    except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
-        raise
-    return target
+    return atomic_write(target, lambda handle: figure.savefig(handle, format=suffix[1:], dpi=dpi))
 
 
 def _matplotlib() -> Any:
