@@ -30,22 +30,25 @@ def test_flops_count_only_visible_pairs():
     assert causal.flops() == 8 * 4 * 64 + 4 * 2 * 10 * 4
 
 
-def test_main_writes_json_markdown_and_the_readme_section(tmp_path, monkeypatch):
-    monkeypatch.setattr(
-        bench, "SHAPES", [bench.Shape("T", B=1, L=16, d_model=16, H=2, causal=True)]
-    )
-    monkeypatch.setattr(bench, "MEMORY_LENGTHS", [32])
-    monkeypatch.setattr(bench, "TEXTBOOK_MEMORY_LENGTHS", [16, 32])
-    monkeypatch.setattr(bench, "matmul_ceiling", lambda dtype: 1.0)
-    monkeypatch.setattr(bench, "interleaved_medians", lambda f, r: {n: [1e-3] for n in f})
+def test_main_writes_json_markdown_and_the_readme_section(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{bench.BEGIN}\nold table\n{bench.END}\noutro\n")
-    assert bench.main(["--quick", "--output", str(tmp_path / "out"), "--readme", str(readme)]) == 0
+    assert bench.main(["--smoke", "--output", str(tmp_path / "out"), "--readme", str(readme)]) == 0
     results = json.loads((tmp_path / "out" / "benchmark.json").read_text())
-    assert [row["shape"] for row in results["speed"]] == ["T", "T"]
-    assert {row["L"] for row in results["memory"]["rows"]} == {16, 32}
+    assert [row["shape"] for row in results["speed"]] == ["tiny"] * 4
+    assert {row["L"] for row in results["memory"]["rows"]} == {128, 256}
+    assert all(row["relative_error_vs_reference"] < 1e-5 for row in results["speed"])
     table = (tmp_path / "out" / "benchmark.md").read_text()
-    assert "| T causal (B=1, L=16, d=16, H=2) | float64 |" in table
+    assert "| tiny causal (B=1, L=128, d=32, H=4) | float64 |" in table
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith("outro\n") and "old table" not in text
     assert table in text
+    assert (tmp_path / "out" / "benchmark.png").stat().st_size > 0
+
+
+def test_plans():
+    full, quick, smoke = bench.plan("full"), bench.plan("quick"), bench.plan("smoke")
+    assert full.memory == [1024, 4096, 16384, 32768] and max(quick.memory) == 16384
+    assert [shape.name for shape in full.shapes] == ["S1", "S2", "S3", "S4"]
+    assert bench.steps(full) == 8 + 5 + 5
+    assert smoke.repeats == 1 and full.repeats == 7 and quick.repeats == 3

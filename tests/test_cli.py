@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 import mha
-from mha import bench, cli
+from mha import cli
 
 COMMANDS = ["demo", "run", "plot", "bench", "check"]
 
@@ -144,20 +144,16 @@ def test_check_compares_with_torch_and_says_when_torch_is_absent(tmp_path, torch
     assert "torch is not installed" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_bench_through_the_command(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(
-        bench, "SHAPES", [bench.Shape("T", B=1, L=16, d_model=16, H=2, causal=True)]
-    )
-    monkeypatch.setattr(bench, "SWEEP_LENGTHS", [16, 32])
-    monkeypatch.setattr(bench, "MEMORY_LENGTHS", [32])
-    monkeypatch.setattr(bench, "TEXTBOOK_MEMORY_LENGTHS", [16, 32])
-    monkeypatch.setattr(bench, "matmul_ceiling", lambda dtype: 1.0)
-    monkeypatch.setattr(bench, "interleaved_medians", lambda f, r: {n: [1e-3] for n in f})
-    assert cli.main(["bench", "--quick", "--output", str(tmp_path)]) == 0
-    assert "| T causal (B=1, L=16, d=16, H=2) |" in capsys.readouterr().out
-    with Image.open(tmp_path / "benchmark.png") as image:
+def test_bench_through_the_command(tmp_path):
+    result = mha_command("bench", "--smoke", "--output", "out", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "| tiny (B=2, L=64, d=32, H=4) | float32 |" in result.stdout
+    with Image.open(tmp_path / "out" / "benchmark.png") as image:
         assert image.size == (1000, 400)
-    assert (tmp_path / "benchmark.json").exists() and (tmp_path / "benchmark.md").exists()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "benchmark.json", "benchmark.md", "benchmark.png",
+    ]  # fmt: skip
+    one_line_error(mha_command("bench", "--quick", "--smoke", cwd=tmp_path), "not allowed with")
 
 
 @pytest.mark.parametrize("command", COMMANDS)

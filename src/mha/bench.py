@@ -2,6 +2,7 @@
 
     python -m mha.bench                         # everything, results under benchmarks/results
     python -m mha.bench --quick                 # fewer repeats, no 32768-token memory run
+    python -m mha.bench --smoke                 # tiny sizes in seconds: checks the set-up
 
 Speed: each shape runs every implementation in one process, interleaved (the order rotates
 every round), and reports medians, GFLOP/s (useful FLOPs: projections plus the visible
@@ -59,6 +60,30 @@ SHAPES = [
 MEMORY_LENGTHS = [1024, 4096, 16384, 32768]
 TEXTBOOK_MEMORY_LENGTHS = [1024, 2048, 4096]
 SWEEP_LENGTHS = [256, 512, 1024, 2048, 4096]  # causal, B=1, d_model=512, 8 heads, float32
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a benchmark run measures."""
+
+    shapes: list[Shape]
+    sweep: list[int]  # causal lengths timed for the chart
+    memory: list[int]  # lengths at which mha's peak memory is traced
+    textbook_memory: list[int]  # lengths at which the textbook version's is traced
+    repeats: int
+    pause: float  # seconds between timed calls
+
+
+def plan(size: str, repeats: int = 7) -> Plan:
+    """``full`` (the README's numbers), ``quick`` or ``smoke`` (seconds, for set-up checks)."""
+    if size == "smoke":
+        tiny = [Shape("tiny", B=2, L=64, d_model=32, H=4, causal=False),
+                Shape("tiny", B=1, L=128, d_model=32, H=4, causal=True)]  # fmt: skip
+        return Plan(tiny, [64, 128], [256], [128, 256], repeats=1, pause=0.0)
+    if size == "quick":
+        return Plan(SHAPES, SWEEP_LENGTHS, [n for n in MEMORY_LENGTHS if n <= 16384],
+                    TEXTBOOK_MEMORY_LENGTHS, repeats=3, pause=0.3)  # fmt: skip
+    return Plan(SHAPES, SWEEP_LENGTHS, MEMORY_LENGTHS, TEXTBOOK_MEMORY_LENGTHS, repeats, 0.3)
 
 
 def machine_memory() -> int:
@@ -182,17 +207,17 @@ def matmul_ceiling(dtype: Any, n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / statistics.median(times) / 1e9
 
 
-def speed(repeats: int, torch: Any, log: Callable[[str], None]) -> list[dict[str, Any]]:
+def speed(plan: Plan, torch: Any, log: Callable[[str], None]) -> list[dict[str, Any]]:
     rows = []
     for dtype in (np.float64, np.float32):
-        ceiling = matmul_ceiling(dtype)
-        for shape in SHAPES:
+        ceiling = matmul_ceiling(dtype, repeats=max(1, plan.repeats))
+        for shape in plan.shapes:
             case = Case(shape, dtype, torch)
             functions = case.implementations()
             reference = functions["torch" if "torch" in functions else "textbook"]()
             ours = case.mha()
             error = float(np.abs(ours - reference).max() / np.abs(reference).max())
-            times = interleaved_medians(functions, repeats)
+            times = interleaved_medians(functions, plan.repeats, plan.pause)
             medians = _best_torch({name: statistics.median(t) for name, t in times.items()})
             row: dict[str, Any] = {
                 "shape": shape.name, "dtype": np.dtype(dtype).name, "B": shape.B,
@@ -218,14 +243,12 @@ def _best_torch(medians: dict[str, float]) -> dict[str, float]:
     return medians
 
 
-def sweep(
-    lengths: list[int], repeats: int, torch: Any, log: Callable[[str], None]
-) -> list[dict[str, Any]]:
+def sweep(plan: Plan, torch: Any, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Seconds per causal call against sequence length, every implementation interleaved."""
     rows = []
-    for L in lengths:
+    for L in plan.sweep:
         case = Case(Shape(f"L={L}", B=1, L=L, d_model=512, H=8, causal=True), np.float32, torch)
-        times = interleaved_medians(case.implementations(), repeats)
+        times = interleaved_medians(case.implementations(), plan.repeats, plan.pause)
         seconds = _best_torch({n: statistics.median(t) for n, t in times.items()})
         row: dict[str, Any] = {"L": L, "seconds": seconds}
         rows.append(row)
@@ -245,11 +268,12 @@ def peak_traced_bytes(function: Callable[[], Any]) -> tuple[int, float]:
     return peak, seconds
 
 
-def memory(lengths: list[int], log: Callable[[str], None]) -> dict[str, Any]:
+def memory(plan: Plan, log: Callable[[str], None]) -> dict[str, Any]:
     """Causal self-attention, B=1, d_model=512, 8 heads, float32, at growing lengths."""
     E, H, itemsize = 512, 8, 4
     rows = []
-    for L in lengths + [n for n in TEXTBOOK_MEMORY_LENGTHS if n not in lengths]:
+    lengths = plan.memory
+    for L in lengths + [n for n in plan.textbook_memory if n not in lengths]:
         shape = Shape(f"L={L}", B=1, L=L, d_model=E, H=H, causal=True)
         case = Case(shape, np.float32, None)
         row: dict[str, Any] = {
@@ -259,7 +283,7 @@ def memory(lengths: list[int], log: Callable[[str], None]) -> dict[str, Any]:
         }
         if L in lengths:
             row["mha_peak_bytes"], row["mha_seconds"] = peak_traced_bytes(case.mha)
-        if L in TEXTBOOK_MEMORY_LENGTHS:
+        if L in plan.textbook_memory:
             row["textbook_peak_bytes"], row["textbook_seconds"] = peak_traced_bytes(case.textbook)
         rows.append(row)
         log(_memory_line(row))
@@ -269,6 +293,7 @@ def memory(lengths: list[int], log: Callable[[str], None]) -> dict[str, Any]:
     total = machine_memory()
     return {
         "rows": rows,
+        "textbook_measured_up_to_L": max(L for L, _ in textbook),
         "machine_memory_bytes": total,
         "textbook_bytes_per_L2": per_square,
         "textbook_out_of_memory_at_L": int(math.sqrt(total / per_square)),
@@ -345,23 +370,21 @@ def markdown(results: dict[str, Any]) -> str:
     lines += [
         "",
         f"The textbook version's peak grows as {mem['textbook_bytes_per_L2']:.0f} bytes x L^2 "
-        f"here (measured up to L = {max(TEXTBOOK_MEMORY_LENGTHS)}), so it would run out of "
+        f"here (measured up to L = {mem['textbook_measured_up_to_L']}), so it would run out of "
         f"this machine's {mem['machine_memory_bytes'] / 2**30:.1f} GiB at about L = "
         f"{mem['textbook_out_of_memory_at_L']:,}.",
     ]
     return "\n".join(lines) + "\n"
 
 
-def steps(quick: bool) -> int:
+def steps(plan: Plan) -> int:
     """How many lines :func:`run` logs, for a progress bar."""
-    memory_rows = len(_memory_lengths(quick)) + len(
-        [n for n in TEXTBOOK_MEMORY_LENGTHS if n not in _memory_lengths(quick)]
-    )
-    return 2 * len(SHAPES) + len(SWEEP_LENGTHS) + memory_rows
+    lengths = set(plan.memory) | set(plan.textbook_memory)
+    return 2 * len(plan.shapes) + len(plan.sweep) + len(lengths)
 
 
 def run(
-    quick: bool, output: Path, readme: Path | None, log: Callable[[str], None], repeats: int = 7
+    plan: Plan, output: Path, readme: Path | None, log: Callable[[str], None]
 ) -> dict[str, Any]:
     """Measure everything, write ``benchmark.json`` and ``benchmark.md`` under ``output``
     (and the README's section), and return the results."""
@@ -372,12 +395,11 @@ def run(
         torch = None
     else:
         torch.set_num_threads(cores())
-    repeats = 3 if quick else repeats
     results = {
         "environment": environment(torch),
-        "speed": speed(repeats, torch, log),
-        "sweep": sweep(SWEEP_LENGTHS, repeats, torch, log),
-        "memory": memory(_memory_lengths(quick), log),
+        "speed": speed(plan, torch, log),
+        "sweep": sweep(plan, torch, log),
+        "memory": memory(plan, log),
     }
     table = markdown(results)
     output.mkdir(parents=True, exist_ok=True)
@@ -425,7 +447,9 @@ def chart(results: dict[str, Any], path: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mha.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per implementation")
-    parser.add_argument("--quick", action="store_true", help="3 repeats, lengths up to 16384")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="3 repeats, lengths up to 16384")
+    size.add_argument("--smoke", action="store_true", help="tiny sizes: checks the set-up")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--readme", type=Path, help="rewrite this README's benchmark section")
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG (no matplotlib)")
@@ -434,15 +458,12 @@ def main(argv: list[str] | None = None) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    results = run(args.quick, args.output, args.readme, log, args.repeats)
+    chosen = plan("smoke" if args.smoke else "quick" if args.quick else "full", args.repeats)
+    results = run(chosen, args.output, args.readme, log)
     if not args.no_chart:
         chart(results, args.output / "benchmark.png")
     print(markdown(results))
     return 0
-
-
-def _memory_lengths(quick: bool) -> list[int]:
-    return [L for L in MEMORY_LENGTHS if not (quick and L > 16384)]
 
 
 def _speed_line(row: dict[str, Any]) -> str:

@@ -113,7 +113,9 @@ def build_parser() -> Parser:
         description="Runs the benchmark (minutes), prints the table and writes JSON, a "
         "markdown table and a chart of time and peak memory against sequence length.",
     )  # fmt: skip
-    bench.add_argument("--quick", action="store_true", help="fewer repeats and lengths")
+    size = bench.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer repeats and lengths")
+    size.add_argument("--smoke", action="store_true", help="tiny sizes in seconds: checks set-up")
     bench.add_argument("--output", type=Path, default=Path("benchmarks/results"))
     bench.add_argument("--readme", type=Path, help="rewrite this README's benchmark section")
     bench.set_defaults(command=run_bench)
@@ -346,13 +348,14 @@ def run_bench(args: argparse.Namespace) -> int:
     _refuse_overwrite(args.output / "benchmark.json", [], "--output")
     console = Console(stderr=True)
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("benchmark", total=bench.steps(args.quick))
+        chosen = bench.plan("smoke" if args.smoke else "quick" if args.quick else "full")
+        task = progress.add_task("benchmark", total=bench.steps(chosen))
 
         def log(line: str) -> None:
             progress.console.print(line)
             progress.advance(task)
 
-        results = bench.run(args.quick, args.output, args.readme, log)
+        results = bench.run(chosen, args.output, args.readme, log)
     print(bench.markdown(results))
     chart = args.output / "benchmark.png"
     bench.chart(results, chart)
