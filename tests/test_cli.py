@@ -168,3 +168,46 @@ def test_unknown_commands_and_options(tmp_path):
     one_line_error(mha_command("demo", "--nope", cwd=tmp_path), "unrecognized arguments: --nope")
     one_line_error(mha_command("check", "--configs", 0, cwd=tmp_path), "--configs must be")
     assert mha_command(cwd=tmp_path).returncode == 2
+
+
+def test_paths_that_cannot_be_written_are_one_line_errors(tmp_path, arrays):
+    path, _ = arrays
+    (tmp_path / "folder").mkdir()
+    one_line_error(mha_command("run", path, "-o", "folder", "--heads", 2, cwd=tmp_path),
+                   "--output folder is a directory")  # fmt: skip
+    one_line_error(mha_command("demo", "-o", "nodir/x.png", cwd=tmp_path), "no directory nodir")
+    one_line_error(mha_command("demo", "-o", "x.jpg", cwd=tmp_path), ".png or .svg")
+    assert mha_command("run", path, "-o", "o.npy", "--heads", 2, "--weights", "w.npy",
+                       cwd=tmp_path).returncode == 0  # fmt: skip
+    one_line_error(mha_command("plot", "--weights", "w.npy", "-o", "nodir/p.png", cwd=tmp_path),
+                   "no directory nodir")  # fmt: skip
+    one_line_error(mha_command("bench", "--smoke", "--output", "o.npy", cwd=tmp_path),
+                   "--output o.npy is a file")  # fmt: skip
+    one_line_error(mha_command("bench", "--smoke", "--readme", "missing.md", cwd=tmp_path),
+                   "cannot read missing.md")  # fmt: skip
+    (tmp_path / "plain.md").write_text("no markers\n")
+    one_line_error(mha_command("bench", "--smoke", "--readme", "plain.md", cwd=tmp_path),
+                   "has no <!-- benchmark: begin -->")  # fmt: skip
+    assert not (tmp_path / "benchmarks").exists()  # refused before measuring anything
+
+
+def test_inconsistent_options_are_refused(tmp_path):
+    mha.MultiHeadAttention(8, 2, seed=3).save(tmp_path / "module.npz")
+    np.savez(tmp_path / "x.npz", X=np.ones((1, 3, 8)))
+    mismatch = mha_command("run", "x.npz", "--module", "module.npz", "--heads", 4, "-o", "o.npy",
+                           cwd=tmp_path)  # fmt: skip
+    one_line_error(mismatch, "--heads 4 but module.npz has 2 heads")
+    np.save(tmp_path / "w3.npy", np.full((2, 3, 5), 0.2))
+    one_line_error(mha_command("plot", "--weights", "w3.npy", "--batch", 1, "-o", "p.png",
+                               cwd=tmp_path), "--batch 1, but the weights (2, 3, 5)")  # fmt: skip
+
+
+def test_masked_cells_are_drawn_apart(tmp_path):
+    from mha.plotting import plot_attention
+
+    causal = np.tril(np.ones((2, 4, 4))) / np.arange(1, 5)[:, None]
+    text = plot_attention(causal, tmp_path / "masked.svg").read_text()
+    full = plot_attention(np.full((2, 4, 4), 0.25), tmp_path / "full.svg").read_text()
+    assert text.count("<pattern") >= 1 and "<pattern" not in full  # the hatch
+    shown = plot_attention(causal, tmp_path / "told.svg", visible=np.ones((4, 4), bool))
+    assert "<pattern" not in shown.read_text()  # visible= overrides "exactly zero"

@@ -298,3 +298,45 @@ def test_saved_files_get_the_usual_permissions(tmp_path):
         assert path.stat().st_mode & 0o777 == 0o644
     finally:
         os.umask(umask)
+
+
+def test_save_errors_name_the_target(tmp_path):
+    module = MultiHeadAttention(8, 2, seed=0)
+    with pytest.raises(WeightsFileError, match=r"cannot save to .*nodir/x.npz: no directory"):
+        module.save(tmp_path / "nodir" / "x.npz")
+    with pytest.raises(WeightsFileError, match=r"cannot save to .*: it is a directory"):
+        module.save(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_damaged_byte_is_caught_or_harmless(tmp_path):
+    """Flip bits all through a saved file: loading either fails with WeightsFileError or
+    gives back exactly the saved module (a flip in padding or an unused header field)."""
+    module = MultiHeadAttention(8, 2, bias=True, add_bias_kv=True, seed=0)
+    path = tmp_path / "weights.npz"
+    module.save(path)
+    content = bytearray(path.read_bytes())
+    damaged = tmp_path / "damaged.npz"
+    outcomes = {"refused": 0, "identical": 0}
+    for offset in range(0, len(content), 3):
+        for bit in (0x01, 0x80):
+            copy = bytearray(content)
+            copy[offset] ^= bit
+            damaged.write_bytes(bytes(copy))
+            try:
+                loaded = MultiHeadAttention.load(damaged)
+            except WeightsFileError:
+                outcomes["refused"] += 1
+                continue
+            for name in interop.WEIGHT_NAMES:
+                np.testing.assert_array_equal(getattr(loaded, name), getattr(module, name))
+            assert repr(loaded) == repr(module)
+            outcomes["identical"] += 1
+    assert outcomes["refused"] > 0
+
+
+def test_from_torch_reads_bfloat16_weights(torch):
+    module = torch.nn.MultiheadAttention(8, 2, dtype=torch.bfloat16)
+    ours = MultiHeadAttention.from_torch(module)
+    assert ours.dtype == np.float32
+    np.testing.assert_array_equal(ours.W_o, module.out_proj.weight.detach().float().numpy().T)

@@ -49,16 +49,18 @@ def compat_case(seed):
         args["q_proj_weight"] = rng.standard_normal((E, E)) / np.sqrt(E)
         args["k_proj_weight"] = rng.standard_normal((E, kdim)) / np.sqrt(kdim)
         args["v_proj_weight"] = rng.standard_normal((E, vdim)) / np.sqrt(vdim)
+    S_keys = S  # static keys may be longer or shorter than the projected ones (a cache)
     if static:
-        args["static_k"] = rng.standard_normal((N * H, S, head_dim))
-        args["static_v"] = rng.standard_normal((N * H, S, head_dim))
+        S_keys = S if rng.random() < 0.5 else int(rng.integers(1, 10))
+        args["static_k"] = rng.standard_normal((N * H, S_keys, head_dim))
+        args["static_v"] = rng.standard_normal((N * H, S_keys, head_dim))
     if rng.random() < 0.4:
-        padded = rng.random((N, S)) < 0.3
+        padded = rng.random((N, S_keys)) < 0.3
         if rng.random() < 0.5:
             args["key_padding_mask"] = padded  # torch polarity: True = padding
         else:
-            args["key_padding_mask"] = np.where(padded, -np.inf, rng.standard_normal((N, S)))
-    if rng.random() < 0.5:
+            args["key_padding_mask"] = np.where(padded, -np.inf, rng.standard_normal((N, S_keys)))
+    if rng.random() < 0.5 and S_keys == S:  # torch checks attn_mask against the key's S
         kind = int(rng.integers(4))
         if kind == 0:
             args["attn_mask"] = rng.random((L, S)) < 0.3  # True = may not attend
@@ -129,6 +131,9 @@ def test_the_cases_cover_every_option():
     cases = [compat_case(seed) for seed in range(200)]
     for name in ("static_k", "key_padding_mask", "attn_mask", "is_causal", "q_proj_weight"):
         assert any(name in case for case in cases), name
+    assert any(
+        "static_k" in case and case["static_k"].shape[1] != case["key"].shape[0] for case in cases
+    )
     assert any(case["bias_k"] is not None for case in cases)
     assert any(case["add_zero_attn"] for case in cases)
     assert any(case["query"].ndim == 2 for case in cases)
@@ -159,7 +164,7 @@ def test_dropout_uses_the_generator_and_keeps_the_output_consistent():
 
 
 def test_fully_masked_rows_are_zero_where_torch_gives_nan(torch):
-    args = compat_case(11)
+    args = next(case for case in map(compat_case, range(100)) if "static_k" not in case)
     L, S = args["query"].shape[0], args["key"].shape[0]
     args.pop("is_causal", None)
     mask = np.zeros((L, S), dtype=bool)

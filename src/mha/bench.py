@@ -451,10 +451,10 @@ def chart(results: dict[str, Any], path: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mha.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per implementation")
-    size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="3 repeats, lengths up to 16384")
-    size.add_argument("--smoke", action="store_true", help="tiny sizes: checks the set-up")
-    parser.add_argument("--output", type=Path, default=Path("benchmarks/results"))
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--quick", action="store_true", help="3 repeats, lengths up to 16384")
+    sizes.add_argument("--smoke", action="store_true", help="tiny sizes: checks the set-up")
+    parser.add_argument("--output", type=Path, help="default: benchmarks/results[-quick|-smoke]")
     parser.add_argument("--readme", type=Path, help="rewrite this README's benchmark section")
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG (no matplotlib)")
     args = parser.parse_args(argv)
@@ -462,10 +462,13 @@ def main(argv: list[str] | None = None) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    chosen = plan("smoke" if args.smoke else "quick" if args.quick else "full", args.repeats)
-    results = run(chosen, args.output, args.readme, log)
+    size = "smoke" if args.smoke else "quick" if args.quick else "full"
+    output = args.output or default_output(size)
+    if args.readme:
+        check_readme(args.readme)
+    results = run(plan(size, args.repeats), output, args.readme, log)
     if not args.no_chart:
-        chart(results, args.output / "benchmark.png")
+        chart(results, output / "benchmark.png")
     print(markdown(results))
     return 0
 
@@ -508,10 +511,24 @@ def _write(path: Path, text: str) -> None:
 BEGIN, END = "<!-- benchmark: begin -->", "<!-- benchmark: end -->"
 
 
-def _splice(readme: Path, table: str) -> None:
-    text = readme.read_text()
+def default_output(size: str) -> Path:
+    """Where a run writes: the README's results only come from full runs."""
+    return Path("benchmarks/results" if size == "full" else f"benchmarks/results-{size}")
+
+
+def check_readme(readme: Path) -> None:
+    """Refuse, before measuring anything, a README with no section to rewrite."""
+    try:
+        text = readme.read_text()
+    except OSError as error:
+        raise ValueError(f"cannot read {readme}: {error.strerror or error}") from None
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"{readme} has no {BEGIN} ... {END} section to rewrite")
+        raise ValueError(f"{readme} has no {BEGIN} ... {END} section to rewrite")
+
+
+def _splice(readme: Path, table: str) -> None:
+    check_readme(readme)
+    text = readme.read_text()
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     _write(readme, f"{head}{BEGIN}\n{table}{END}{tail}")

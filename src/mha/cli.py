@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,6 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (AttentionError, ValueError) as error:  # the library's word on the user's arrays
         print(f"mha: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as error:  # a path that cannot be read or written
+        where = f" {error.filename}" if error.filename else ""
+        print(f"mha: cannot use{where}: {error.strerror or error}", file=sys.stderr)
+        return EXIT_USAGE
     except ImportError as error:
         print(f"mha: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -73,8 +78,10 @@ def build_parser() -> Parser:
         "every step with its shape, then the same with a causal mask, and an attention-map PNG.",
     )  # fmt: skip
     demo.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
-    demo.add_argument("-o", "--output", type=Path, default=Path("attention_demo.png"),
-                      help="the attention map to write (default attention_demo.png)")  # fmt: skip
+    demo.add_argument(
+        "-o", "--output", type=Path, default=Path("attention_demo.png"),
+        help="the attention map to write, .png or .svg (default attention_demo.png)",
+    )  # fmt: skip
     demo.set_defaults(command=run_demo)
 
     run = commands.add_parser(
@@ -83,7 +90,8 @@ def build_parser() -> Parser:
         "with --module (a file written by MultiHeadAttention.save), and writes the output.",
     )  # fmt: skip
     run.add_argument("input", type=Path, metavar="INPUT.npz")
-    run.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.npy")
+    run.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.npy",
+                     help="where to write the output (B, L, d_out) as .npy")  # fmt: skip
     run.add_argument("--heads", type=int, help="number of heads (needed without --module)")
     run.add_argument("--module", type=Path, help="a saved MultiHeadAttention to apply to X")
     _masking_arguments(run)
@@ -116,7 +124,10 @@ def build_parser() -> Parser:
     size = bench.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="fewer repeats and lengths")
     size.add_argument("--smoke", action="store_true", help="tiny sizes in seconds: checks set-up")
-    bench.add_argument("--output", type=Path, default=Path("benchmarks/results"))
+    bench.add_argument(
+        "--output", type=Path, help="folder for benchmark.json, .md and .png "
+        "(default benchmarks/results, or benchmarks/results-quick/-smoke)",
+    )  # fmt: skip
     bench.add_argument("--readme", type=Path, help="rewrite this README's benchmark section")
     bench.set_defaults(command=run_bench)
 
@@ -126,7 +137,7 @@ def build_parser() -> Parser:
         "and float32) and prints the worst relative error of each. Needs torch installed.",
     )  # fmt: skip
     check.add_argument("--configs", type=int, default=24, help="how many (default 24)")
-    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--seed", type=int, default=0, help="seed of the configurations")
     check.set_defaults(command=run_check)
     return parser
 
@@ -158,8 +169,10 @@ def _lengths(text: str) -> np.ndarray:
 def run_run(args: argparse.Namespace) -> int:
     inputs = [args.input] + ([args.module] if args.module else [])
     _refuse_overwrite(args.output, inputs, "--output")
+    _check_writable(args.output, "--output")
     if args.weights is not None:
         _refuse_overwrite(args.weights, [*inputs, args.output], "--weights")
+        _check_writable(args.weights, "--weights")
     out, weights = _attend(args, want_weights=args.weights is not None)
     _save_npy(args.output, out)
     if args.weights is not None:
@@ -184,6 +197,8 @@ def _attend(args: argparse.Namespace, want_weights: bool) -> tuple[np.ndarray, A
                 f"{args.input} has no 'X' to give --module (it holds {_listing(arrays)})"
             )
         module = MultiHeadAttention.load(args.module)
+        if args.heads is not None and args.heads != module.num_heads:
+            raise UsageError(f"--heads {args.heads} but {args.module} has {module.num_heads} heads")
         result = module(arrays["X"], **keywords)
     else:
         missing = [key for key in DATA_KEYS if key not in arrays]
@@ -235,10 +250,18 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
+    atomic_write(path, lambda handle: np.save(handle, array, allow_pickle=False))
+
+
+def _check_writable(path: Path, option: str) -> None:
+    """Refuse before any work a file that cannot be written where it was asked for."""
     directory = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise UsageError(f"{option} {path} is a directory; give a file name")
     if not directory.is_dir():
         raise UsageError(f"cannot write {path}: no directory {directory}")
-    atomic_write(path, lambda handle: np.save(handle, array, allow_pickle=False))
+    if not os.access(directory, os.W_OK):
+        raise UsageError(f"cannot write {path}: {directory} is not writable")
 
 
 # ----------------------------------------------------------------------------- mha plot
@@ -249,12 +272,15 @@ def run_plot(args: argparse.Namespace) -> int:
 
     inputs = [p for p in (args.weights, args.input, args.module) if p is not None]
     _refuse_overwrite(args.output, inputs, "--output")
+    _check_writable(args.output, "--output")
     visible = None
     if args.weights is not None:
         weights = _read_npy(args.weights)
     else:
         _, weights = _attend(args, want_weights=True)
         visible = weights != 0
+    if weights.ndim != 4 and args.batch != 0:
+        raise UsageError(f"--batch {args.batch}, but the weights {weights.shape} hold one sequence")
     if weights.ndim == 4:  # (B, H, L, S): one sequence
         if not 0 <= args.batch < weights.shape[0]:
             raise UsageError(
@@ -290,6 +316,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from .plotting import plot_attention
 
+    _check_writable(args.output, "--output")
+    if args.output.suffix.lower() not in (".png", ".svg"):
+        raise UsageError(f"--output {args.output}: plots are written as .png or .svg")
     console = Console(highlight=False)
     rng = np.random.default_rng(args.seed)
     Q = K = V = rng.standard_normal((1, 3, 4))
@@ -312,6 +341,8 @@ def run_demo(args: argparse.Namespace) -> int:
                      "no mask")  # fmt: skip
         q, k, v = Q @ W_q, K @ W_k, V @ W_v
         show("1. project: q = Q @ W_q", q)
+        show("   k = K @ W_k", k)
+        show("   v = V @ W_v", v)
         heads = [x.reshape(1, 3, H, d_k).transpose(0, 2, 1, 3) for x in (q, k, v)]
         show("2. split into heads: q (B, H, L, d_k)", heads[0])
         scores = heads[0] @ heads[1].transpose(0, 1, 3, 2) / math.sqrt(d_k)
@@ -345,21 +376,26 @@ def run_bench(args: argparse.Namespace) -> int:
 
     from . import bench
 
-    _refuse_overwrite(args.output / "benchmark.json", [], "--output")
+    size = "smoke" if args.smoke else "quick" if args.quick else "full"
+    output = args.output or bench.default_output(size)
+    if output.exists() and not output.is_dir():
+        raise UsageError(f"--output {output} is a file; give a folder")
+    if args.readme is not None:
+        bench.check_readme(args.readme)
     console = Console(stderr=True)
     with Progress(console=console, transient=True) as progress:
-        chosen = bench.plan("smoke" if args.smoke else "quick" if args.quick else "full")
+        chosen = bench.plan(size)
         task = progress.add_task("benchmark", total=bench.steps(chosen))
 
         def log(line: str) -> None:
             progress.console.print(line)
             progress.advance(task)
 
-        results = bench.run(chosen, args.output, args.readme, log)
+        results = bench.run(chosen, output, args.readme, log)
     print(bench.markdown(results))
-    chart = args.output / "benchmark.png"
+    chart = output / "benchmark.png"
     bench.chart(results, chart)
-    print(f"wrote {args.output / 'benchmark.json'}, {args.output / 'benchmark.md'} and {chart}")
+    print(f"wrote {output / 'benchmark.json'}, {output / 'benchmark.md'} and {chart}")
     return 0
 
 

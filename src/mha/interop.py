@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -168,16 +167,29 @@ def from_gpt2(
 def save(module: MultiHeadAttention, path: Any) -> None:
     """Configuration and weights as ``.npz``, written atomically."""
     target = Path(os.fspath(path))
-    config = {
-        "format": FORMAT, "version": FORMAT_VERSION, "d_model": module.d_model,
-        "num_heads": module.num_heads, "add_zero_attn": module.add_zero_attn,
-        "dtype": module.dtype.name,
-    }  # fmt: skip
+    config = _config(module)
     arrays = {name: getattr(module, name) for name in WEIGHT_NAMES}
     present = {name: array for name, array in arrays.items() if array is not None}
-    atomic_write(
-        target, lambda handle: np.savez(handle, config=np.array(json.dumps(config)), **present)
-    )
+    if target.is_dir():
+        raise WeightsFileError(f"cannot save to {target}: it is a directory")
+    if not (target.parent if str(target.parent) else Path(".")).is_dir():
+        raise WeightsFileError(f"cannot save to {target}: no directory {target.parent}")
+    try:
+        atomic_write(
+            target, lambda handle: np.savez(handle, config=np.array(json.dumps(config)), **present)
+        )
+    except OSError as error:
+        raise WeightsFileError(f"cannot save to {target}: {error.strerror or error}") from None
+
+
+def _config(module: MultiHeadAttention) -> dict[str, Any]:
+    """What a file records besides the weights, checked again when it is loaded."""
+    return {
+        "format": FORMAT, "version": FORMAT_VERSION, "d_model": module.d_model,
+        "num_heads": module.num_heads, "kdim": module.kdim, "vdim": module.vdim,
+        "bias": module.has_bias, "add_bias_kv": module.bias_k is not None,
+        "add_zero_attn": module.add_zero_attn, "dtype": module.dtype.name,
+    }  # fmt: skip
 
 
 def load(cls: type[MultiHeadAttention], path: Any) -> MultiHeadAttention:
@@ -193,9 +205,10 @@ def load(cls: type[MultiHeadAttention], path: Any) -> MultiHeadAttention:
         raise WeightsFileError(f"cannot load {target}: no such file") from None
     except IsADirectoryError:
         raise WeightsFileError(f"cannot load {target}: it is a directory") from None
-    except (zipfile.BadZipFile, EOFError, ValueError, OSError) as error:
+    except Exception as error:  # a damaged archive can fail in many ways (zip, npy, CRC)
         raise WeightsFileError(
-            f"cannot load {target}: not a complete .npz file written by save() ({error})"
+            f"cannot load {target}: not a complete .npz file written by save() "
+            f"({type(error).__name__}: {error})"
         ) from None
     if "config" not in contents:
         raise WeightsFileError(f"cannot load {target}: it has no 'config' entry")
@@ -216,18 +229,24 @@ def load(cls: type[MultiHeadAttention], path: Any) -> MultiHeadAttention:
         module = cls._from_weights(weights, num_heads, add_zero_attn, source=str(target))
     except (AttentionValueError, TypeError) as error:
         raise WeightsFileError(f"cannot load {target}: {error}") from None
-    if module.d_model != config.get("d_model") or module.dtype.name != config.get("dtype"):
-        raise WeightsFileError(
-            f"cannot load {target}: its config says d_model={config.get('d_model')}, "
-            f"dtype={config.get('dtype')} but the weights are d_model={module.d_model}, "
-            f"dtype={module.dtype.name}"
-        )
+    found = _config(module)
+    differences = [
+        f"{key}={config.get(key)!r} but the weights give {found[key]!r}"
+        for key in found
+        if config.get(key) != found[key]
+    ]
+    if differences:
+        raise WeightsFileError(f"cannot load {target}: its config says " + "; ".join(differences))
     return module
 
 
 def _numpy(name: str, value: Any) -> np.ndarray:
     if hasattr(value, "detach"):  # a torch tensor
-        value = value.detach().cpu().numpy()
+        tensor = value.detach().cpu()
+        try:
+            value = tensor.numpy()
+        except TypeError:  # bfloat16 and other dtypes NumPy lacks: read them as float32
+            value = tensor.float().numpy()
     return as_float_array(f"state dict entry {name!r}", value)
 
 

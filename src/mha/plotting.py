@@ -6,6 +6,7 @@ made.
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -69,21 +70,27 @@ def plot_attention(
     columns = min(len(panels), 4)
     rows = -(-len(panels) // columns)
     cell = 0.45 if max(L, S) <= 12 else 5.0 / max(L, S)
-    width, height = columns * (1.6 + S * cell), rows * (1.2 + L * cell)
+    width = columns * (1.6 + max(S * cell, 1.2))  # a panel is at least 1.2 inches a side
+    height = rows * (1.2 + max(L * cell, 1.2))
     # A bare Figure, not pyplot: no global state, no change to the caller's backend.
     figure = matplotlib.figure.Figure(figsize=(width, height), layout="constrained")
     axes = figure.subplots(rows, columns, squeeze=False)
     colormap = matplotlib.colormaps["viridis"].with_extremes(bad=MASKED_COLOR)
+    hatches = None  # masked cells: one hatched collection, copied into every panel
+    if (~seen).any() and L * S <= 16384:  # large maps keep the grey alone
+        hatches = matplotlib.collections.PatchCollection(
+            [matplotlib.patches.Rectangle((j - 0.5, i - 0.5), 1, 1)
+             for i, j in zip(*np.nonzero(~seen), strict=True)],
+            facecolor="none", edgecolor="#8c8c8c", hatch="///", linewidth=0,
+        )  # fmt: skip
     image = None
     for ax, (label, panel) in zip(axes.flat, panels, strict=False):
         shown = np.ma.masked_where(~seen, panel)
-        image = ax.imshow(shown, cmap=colormap, vmin=0.0, vmax=1.0, interpolation="nearest")
-        if L * S <= 4096:  # hatch the masked cells (large maps keep the grey alone)
-            for i, j in zip(*np.nonzero(~seen), strict=True):
-                ax.add_patch(matplotlib.patches.Rectangle(
-                    (j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///", edgecolor="#8c8c8c",
-                    linewidth=0,
-                ))  # fmt: skip
+        image = ax.imshow(
+            shown, cmap=colormap, vmin=0.0, vmax=1.0, interpolation="nearest", aspect="auto"
+        )
+        if hatches is not None:
+            ax.add_collection(copy.copy(hatches))
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("key", fontsize=8)
         ax.set_ylabel("query", fontsize=8)
@@ -118,6 +125,7 @@ def _save(figure: Any, path: Any, dpi: int) -> Path:
 def _matplotlib() -> Any:
     try:
         import matplotlib
+        import matplotlib.collections
         import matplotlib.figure
         import matplotlib.patches
     except ImportError:

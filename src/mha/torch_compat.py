@@ -94,9 +94,14 @@ def multi_head_attention_forward(
     if not batched:  # work batched, as torch does
         query, key, value = query[:, None], key[:, None], value[:, None]
         if key_padding_mask is not None:
-            key_padding_mask = as_array("key_padding_mask", key_padding_mask)[None]
+            key_padding_mask = as_array("key_padding_mask", key_padding_mask)
+            if key_padding_mask.ndim != 1:
+                raise ShapeError(
+                    f"for unbatched input key_padding_mask must have shape (S,); "
+                    f"got {key_padding_mask.shape}"
+                )
+            key_padding_mask = key_padding_mask[None]
     L, N, E = query.shape
-    S = key.shape[0]
     H = positive_int("num_heads", num_heads)
     if embed_dim_to_check != E:
         raise ShapeError(f"query has width {E} but embed_dim_to_check is {embed_dim_to_check}")
@@ -144,7 +149,12 @@ def multi_head_attention_forward(
         else _static("static_v", static_v, N, H, head_dim)
     )
 
-    masks = _TorchMasks(attn_mask, key_padding_mask, L, S, N, H, dtype)
+    if k.shape[2] != v.shape[2]:
+        raise ShapeError(
+            f"keys and values have different lengths ({k.shape[2]} and {v.shape[2]}): "
+            "static_k and static_v must match each other and the projected keys"
+        )
+    masks = _TorchMasks(attn_mask, key_padding_mask, L, k.shape[2], N, H, dtype)  # S of k
     if (bias_k is None) != (bias_v is None):
         raise AttentionValueError("bias_k and bias_v go together: give both or neither")
     if bias_k is not None:
@@ -157,10 +167,6 @@ def multi_head_attention_forward(
         k = _append(k, np.zeros((H, 1, head_dim), dtype))
         v = _append(v, np.zeros((H, 1, head_dim), dtype))
         masks.pad()
-    if k.shape[2] != masks.S or v.shape[2] != masks.S:
-        raise ShapeError(
-            f"static keys/values have {k.shape[2]} positions but the masks expect {masks.S}"
-        )
 
     causal = flag("is_causal", is_causal)
     if causal and attn_mask is None:
