@@ -85,7 +85,7 @@ def test_run_errors_are_one_line_and_inputs_survive(tmp_path, arrays):
     path, data = arrays
     before = path.read_bytes()
     one_line_error(mha_command("run", path, "-o", path, "--heads", 2, cwd=tmp_path),
-                   "--output", "is an input file")  # fmt: skip
+                   "--output", "is the same file as the input")  # fmt: skip
     assert path.read_bytes() == before
     np.savez(tmp_path / "partial.npz", **{k: v for k, v in data.items() if k != "W_o"})
     one_line_error(mha_command("run", "partial.npz", "-o", "o.npy", "--heads", 2, cwd=tmp_path),
@@ -94,19 +94,19 @@ def test_run_errors_are_one_line_and_inputs_survive(tmp_path, arrays):
     one_line_error(mha_command("run", "bad.npz", "-o", "o.npy", "--heads", 2, cwd=tmp_path),
                    "K has 5 positions but V has 4", "(K (2, 5, 6), V (2, 4, 6))")  # fmt: skip
     one_line_error(mha_command("run", path, "-o", "o.npy", "--heads", 3, cwd=tmp_path),
-                   "num_heads=3 does not divide")  # fmt: skip
+                   "--heads 3 does not divide")  # fmt: skip
     one_line_error(mha_command("run", path, "-o", "o.npy", "--heads", 2, "--key-lengths",
                                "a,b", cwd=tmp_path), "--key-lengths", "whole numbers")  # fmt: skip
     one_line_error(mha_command("run", path, "-o", "o.npy", "--heads", 2, "--key-lengths",
-                               "9,9", cwd=tmp_path), "key_lengths must be <= 5")  # fmt: skip
+                               "9,9", cwd=tmp_path), "--key-lengths must be <= 5")  # fmt: skip
     one_line_error(mha_command("run", "missing.npz", "-o", "o.npy", "--heads", 2, cwd=tmp_path),
                    "missing.npz: no such file")  # fmt: skip
     one_line_error(mha_command("run", path, "-o", "o.npy", cwd=tmp_path), "--heads is required")
     one_line_error(mha_command("run", path, "-o", "nodir/o.npy", "--heads", 2, cwd=tmp_path),
-                   "no directory nodir")  # fmt: skip
+                   "there is no folder nodir")  # fmt: skip
     (tmp_path / "junk.npz").write_bytes(b"not a zip file")
     one_line_error(mha_command("run", "junk.npz", "-o", "o.npy", "--heads", 2, cwd=tmp_path),
-                   "junk.npz is not a readable .npz file")  # fmt: skip
+                   "junk.npz is not an .npz file of named arrays (it is neither")  # fmt: skip
     assert not (tmp_path / "o.npy").exists()
 
 
@@ -125,9 +125,9 @@ def test_plot_from_saved_weights_and_straight_from_a_run(tmp_path, arrays):
     assert (tmp_path / "map.svg").read_text().lstrip().startswith("<?xml")
     too_few = mha_command("plot", "--weights", "w.npy", "--tokens", "too few", "-o", "x.png",
                           cwd=tmp_path)  # fmt: skip
-    one_line_error(too_few, "query_tokens has 2 tokens")
+    one_line_error(too_few, "--tokens has 2 tokens")
     one_line_error(mha_command("plot", "--weights", "w.npy", "-o", "w.npy", cwd=tmp_path),
-                   "is an input file")  # fmt: skip
+                   "is the same file as --weights")  # fmt: skip
     one_line_error(mha_command("plot", "--weights", "w.npy", "-o", "x.jpg", cwd=tmp_path),
                    ".png or .svg")  # fmt: skip
     one_line_error(mha_command("plot", "-o", "x.png", cwd=tmp_path), "--weights", "--input")
@@ -166,7 +166,10 @@ def test_help_describes_each_command(command, tmp_path):
 def test_unknown_commands_and_options(tmp_path):
     one_line_error(mha_command("bogus", cwd=tmp_path), "invalid choice: 'bogus'")
     one_line_error(mha_command("demo", "--nope", cwd=tmp_path), "unrecognized arguments: --nope")
-    one_line_error(mha_command("check", "--configs", 0, cwd=tmp_path), "--configs must be")
+    one_line_error(
+        mha_command("check", "--configs", 0, cwd=tmp_path),
+        "argument --configs: expected a whole number >= 1",
+    )
     assert mha_command(cwd=tmp_path).returncode == 2
 
 
@@ -174,19 +177,19 @@ def test_paths_that_cannot_be_written_are_one_line_errors(tmp_path, arrays):
     path, _ = arrays
     (tmp_path / "folder").mkdir()
     one_line_error(mha_command("run", path, "-o", "folder", "--heads", 2, cwd=tmp_path),
-                   "--output folder is a directory")  # fmt: skip
-    one_line_error(mha_command("demo", "-o", "nodir/x.png", cwd=tmp_path), "no directory nodir")
+                   "folder is a folder; give a file name")  # fmt: skip
+    one_line_error(mha_command("demo", "-o", "nodir/x.png", cwd=tmp_path), "no folder nodir")
     one_line_error(mha_command("demo", "-o", "x.jpg", cwd=tmp_path), ".png or .svg")
     assert mha_command("run", path, "-o", "o.npy", "--heads", 2, "--weights", "w.npy",
                        cwd=tmp_path).returncode == 0  # fmt: skip
     one_line_error(mha_command("plot", "--weights", "w.npy", "-o", "nodir/p.png", cwd=tmp_path),
-                   "no directory nodir")  # fmt: skip
+                   "no folder nodir")  # fmt: skip
     one_line_error(mha_command("bench", "--smoke", "--output", "o.npy", cwd=tmp_path),
-                   "--output o.npy is a file")  # fmt: skip
-    one_line_error(mha_command("bench", "--smoke", "--readme", "missing.md", cwd=tmp_path),
+                   "o.npy is a file, not a folder")  # fmt: skip
+    one_line_error(mha_command("bench", "--readme", "missing.md", cwd=tmp_path),
                    "cannot read missing.md")  # fmt: skip
     (tmp_path / "plain.md").write_text("no markers\n")
-    one_line_error(mha_command("bench", "--smoke", "--readme", "plain.md", cwd=tmp_path),
+    one_line_error(mha_command("bench", "--readme", "plain.md", cwd=tmp_path),
                    "has no <!-- benchmark: begin -->")  # fmt: skip
     assert not (tmp_path / "benchmarks").exists()  # refused before measuring anything
 

@@ -181,4 +181,4 @@ def test_the_module_modifies_neither_inputs_nor_weights():
     for a in (*weights, X):
         a.flags.writeable = False
     attention(X, mask=True, key_lengths=[4, 2])
-    attention(X, X + 1.0, return_weights=True)
+    attention(X, key=X + 1.0, return_weights=True)

@@ -59,7 +59,7 @@ def test_from_torch_module_matches_torch(seed, dtype, batch_first, torch, record
             *(torch.from_numpy(np.ascontiguousarray(layout(a))) for a in (X, K, V)),
             key_padding_mask=padding, attn_mask=causal, average_attn_weights=False,
         )  # fmt: skip
-    out, weights = ours(X, K, V, key_lengths=lengths, causal=True, return_weights=True)
+    out, weights = ours(X, key=K, value=V, key_lengths=lengths, causal=True, return_weights=True)
     expected = layout(expected.numpy())
     rows = np.isfinite(expected).all(axis=-1)  # torch: NaN where a row sees no key
     tolerance = 1e-12 if dtype == "float64" else 2e-5
@@ -109,7 +109,7 @@ def test_our_own_module_exports_to_torch(torch):
     X, K, V = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 4, 5)), np.ones((2, 4, 8))
     with torch.no_grad():
         expected = module(*(torch.from_numpy(a) for a in (X, K, V)))[0]
-    assert relative_error(ours(X, K, V), expected.numpy()) <= 1e-12
+    assert relative_error(ours(X, key=K, value=V), expected.numpy()) <= 1e-12
 
 
 STATE = {
@@ -215,7 +215,9 @@ def test_save_and_load_round_trip_exactly(make, tmp_path):
     X = np.random.default_rng(0).standard_normal((2, 3, 8 if module.d_model == 8 else 12))
     K = np.random.default_rng(1).standard_normal((2, 4, module.kdim))
     V = np.random.default_rng(2).standard_normal((2, 4, module.vdim))
-    np.testing.assert_array_equal(loaded(X, K, V, causal=True), module(X, K, V, causal=True))
+    np.testing.assert_array_equal(
+        loaded(X, key=K, value=V, causal=True), module(X, key=K, value=V, causal=True)
+    )
     assert [p.name for p in tmp_path.iterdir()] == ["attention.npz"]  # no temporary left
 
 
@@ -232,23 +234,25 @@ def test_load_refuses_pickles_and_names_what_is_wrong(tmp_path):
 
     cases = {
         write("pickled.npz", **data | {"W_q": np.array([object()], dtype=object)}):
-            r"pickled.npz: not a complete .npz file",
+            r"pickled.npz is not an .npz file written by .*save\(\) "
+            r"\(it holds Python objects, which mha never unpickles\)",
         write("noconfig.npz", **{k: v for k, v in data.items() if k != "config"}):
             r"noconfig.npz: it has no 'config' entry",
         write("badshape.npz", **data | {"W_o": np.zeros((8, 3))}):
-            r"badshape.npz: .*W_o has shape \(8, 3\)",
+            r"badshape.npz: W_o has shape \(8, 3\) but its config "
+            r"\(d_model=8, kdim=8, vdim=8\) calls for \(8, 8\)$",
         write("extra.npz", **data | {"surprise": np.zeros(2)}):
             r"extra.npz: unexpected entries \['surprise'\]",
         write("format.npz", **data | {"config": np.array('{"format": "other", "version": 1}')}):
             r"format.npz: bad config entry \(format is 'other'",
         write("missing.npz", **{k: v for k, v in data.items() if k != "W_k"}):
-            r"missing.npz: W_q, W_k, W_v and W_o are all needed",
+            r"missing.npz: it lacks W_k, which its config .* calls for",
         tmp_path / "absent.npz": r"absent.npz: no such file",
-        tmp_path: r"it is a directory",
+        tmp_path: r"is a folder, not an .npz file",
     }  # fmt: skip
     single = tmp_path / "single.npy"
     np.save(single, np.zeros(3))
-    cases[single] = r"single.npy: .*single array, not an \.npz archive"
+    cases[single] = r"single.npy: it holds a single array, not an \.npz file"
     for path, message in cases.items():
         with pytest.raises(WeightsFileError, match=message):
             MultiHeadAttention.load(path)
@@ -260,10 +264,12 @@ def test_truncated_and_garbled_files_are_reported(tmp_path):
     content = path.read_bytes()
     for cut in (10, len(content) // 2, len(content) - 5):
         path.write_bytes(content[:cut])
-        with pytest.raises(WeightsFileError, match=r"weights.npz: not a complete .npz file"):
+        damaged = r"weights.npz is not an .npz file written by .* \(it is damaged or truncated"
+        with pytest.raises(WeightsFileError, match=damaged):
             MultiHeadAttention.load(path)
     path.write_bytes(os.urandom(300))
-    with pytest.raises(WeightsFileError, match=r"not a complete \.npz file"):
+    garbage = r"is not an .npz file written by .* \(it is neither an .npz nor an .npy file\)"
+    with pytest.raises(WeightsFileError, match=garbage):
         MultiHeadAttention.load(path)
     assert issubclass(WeightsFileError, OSError)
 
@@ -302,9 +308,9 @@ def test_saved_files_get_the_usual_permissions(tmp_path):
 
 def test_save_errors_name_the_target(tmp_path):
     module = MultiHeadAttention(8, 2, seed=0)
-    with pytest.raises(WeightsFileError, match=r"cannot save to .*nodir/x.npz: no directory"):
+    with pytest.raises(WeightsFileError, match=r"cannot save to .*nodir/x.npz: there is no folder"):
         module.save(tmp_path / "nodir" / "x.npz")
-    with pytest.raises(WeightsFileError, match=r"cannot save to .*: it is a directory"):
+    with pytest.raises(WeightsFileError, match=r"cannot save to .*: .* is a folder; give a file"):
         module.save(tmp_path)
     assert list(tmp_path.iterdir()) == []
 

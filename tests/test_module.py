@@ -86,7 +86,7 @@ def test_forward_equals_the_function_bit_for_bit():
         "causal": True,
         "return_weights": True,
     }
-    out, weights = attention.forward(X, Km, Vm, **keywords)
+    out, weights = attention.forward(X, key=Km, value=Vm, **keywords)
     expected_out, expected_weights = mha.multi_head_attention(
         X,
         Km,
@@ -104,7 +104,7 @@ def test_forward_equals_the_function_bit_for_bit():
     )
     np.testing.assert_array_equal(out, expected_out)
     np.testing.assert_array_equal(weights, expected_weights)
-    np.testing.assert_array_equal(attention(X, Km, Vm, **keywords)[0], out)
+    np.testing.assert_array_equal(attention(X, key=Km, value=Vm, **keywords)[0], out)
 
 
 def test_specification_form_forward_x_mask():
@@ -125,8 +125,8 @@ def test_specification_form_forward_x_mask():
 def test_value_defaults_to_key_and_key_to_query():
     attention = MultiHeadAttention(8, 2, seed=4)
     X, M = r.standard_normal((2, 3, 8)), r.standard_normal((2, 6, 8))
-    np.testing.assert_array_equal(attention(X, M), attention(X, M, M))
-    np.testing.assert_array_equal(attention(X), attention(X, X, X))
+    np.testing.assert_array_equal(attention(X, key=M), attention(X, key=M, value=M))
+    np.testing.assert_array_equal(attention(X), attention(X, key=X, value=X))
 
 
 def test_unbatched_input():

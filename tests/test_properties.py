@@ -42,7 +42,9 @@ def draw_heads(s):
 
 
 def draw_masking(rng, s, m):
-    kw = {"causal": m["causal"], "causal_alignment": m["alignment"]}
+    kw = {"causal": m["causal"]}
+    if m["causal"]:
+        kw["causal_alignment"] = m["alignment"]
     if m["mask"]:
         kw["mask"] = rng.random((s["B"], s["L"], s["S"])) < 0.6
     if m["key_lengths"]:
@@ -73,7 +75,8 @@ def test_weight_rows_sum_to_one_or_zero(s, m):
 def test_permuting_keys_and_values_together_changes_nothing(s, m):
     rng, q, k, v = draw_heads(s)
     kw = draw_masking(rng, s, m)
-    kw.pop("causal"), kw.pop("key_lengths", None)  # position-dependent: not permutation invariant
+    for name in ("causal", "causal_alignment", "key_lengths"):
+        kw.pop(name, None)  # position-dependent: not permutation invariant
     out = mha.scaled_dot_product_attention(q, k, v, **kw)
     perm = rng.permutation(s["S"])
     permuted = {
@@ -139,4 +142,4 @@ def test_the_class_equals_the_function(s, m, bias):
         b_o=attention.b_o,
         **kw,
     )
-    np.testing.assert_array_equal(attention(X, Km, Vm, **kw), expected)
+    np.testing.assert_array_equal(attention(X, key=Km, value=Vm, **kw), expected)

@@ -306,6 +306,7 @@ def environment(torch: Any) -> dict[str, Any]:
         "numpy": np.__version__,
         "torch": None if torch is None else torch.__version__,
         "torch_threads": None if torch is None else torch.get_num_threads(),
+        "torch_cpu_capability": None if torch is None else torch.backends.cpu.get_cpu_capability(),
         "cores": cores(),
         "machine": platform.machine(),
         "processor": _cpu_name(),
@@ -327,12 +328,17 @@ def markdown(results: dict[str, Any]) -> str:
     """The tables the README quotes."""
     env = results["environment"]
     blas = ", ".join(
-        f"{b['internal_api']} {b['version']} ({b['architecture']}, {b['num_threads']} threads)"
+        f"{b['internal_api']} {b['version']} using its {b['architecture']} kernel "
+        f"({b['num_threads']} threads)"
         for b in env.get("blas", [])
     )
+    coretype = env.get("OPENBLAS_CORETYPE")
+    forced = f", held there by OPENBLAS_CORETYPE={coretype}" if coretype else ""
+    capability = env.get("torch_cpu_capability") or "not recorded"
     lines = [
-        f"Measured {env['date'][:10]} on {env['cores']} cores ({env['processor']}), "
-        f"NumPy {env['numpy']} with {blas or 'unknown BLAS'}, torch {env['torch']}. "
+        f"Measured {env['date'][:10]} on {env['cores']} cores of an {env['processor']}: "
+        f"NumPy {env['numpy']} with {blas or 'an unknown BLAS'}{forced}; torch {env['torch']} "
+        f"(CPU capability {capability}). "
         "Medians of interleaved runs; ratios below 1 mean mha is faster.",
         "",
         "| shape | dtype | mha ms | torch ms | textbook ms | mha GFLOP/s | % of matmul "

@@ -7,8 +7,10 @@ exit code 2; outputs are written atomically and never over an input file.
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib
 import math
-import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,13 +18,28 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from ._files import atomic_write
+from . import __version__
+from ._files import UnreadableFileError, atomic_write, read_arrays, writable_problem
 from .errors import AttentionError
 from .functional import multi_head_attention
+from .masks import Visibility
 from .module import MultiHeadAttention
 
 EXIT_USAGE = 2
 DATA_KEYS = ("Q", "K", "V", "W_q", "W_k", "W_v", "W_o")
+BIAS_KEYS = ("b_q", "b_k", "b_v", "b_o")
+INSTALL_CLI = 'pip install ".[cli]" in the mha checkout, or pip install matplotlib rich'
+TORCH_CPU = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+INPUT_ONLY = ("heads", "module", "causal", "top_left", "key_lengths", "query_lengths")
+
+# The library's keyword names, as the options a user types on the command line.
+_OPTIONS = {
+    "num_heads": "--heads",
+    "key_lengths": "--key-lengths",
+    "query_lengths": "--query-lengths",
+    "query_tokens": "--tokens",
+    "key_tokens": "--key-tokens",
+}
 
 
 class UsageError(Exception):
@@ -45,19 +62,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
         result: int = args.command(args)
         return result
-    except UsageError as error:
+    except (UsageError, UnreadableFileError) as error:
         message = str(error)
         print(message if message.startswith("mha") else f"mha: {message}", file=sys.stderr)
         return EXIT_USAGE
     except (AttentionError, ValueError) as error:  # the library's word on the user's arrays
-        print(f"mha: {error}", file=sys.stderr)
+        print(f"mha: {as_options(str(error))}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as error:  # a path that cannot be read or written
         where = f" {error.filename}" if error.filename else ""
         print(f"mha: cannot use{where}: {error.strerror or error}", file=sys.stderr)
         return EXIT_USAGE
     except ImportError as error:
-        print(f"mha: {error}", file=sys.stderr)
+        print(f"mha: {error.name or error} is not installed: {INSTALL_CLI}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("mha: interrupted", file=sys.stderr)
@@ -70,14 +87,16 @@ def build_parser() -> Parser:
         description="Exact multi-head attention in NumPy: a worked example, attention on your "
         "arrays, attention maps, benchmarks and a parity check against PyTorch.",
     )
+    parser.add_argument("--version", action="version", version=f"mha {__version__}")
     commands = parser.add_subparsers(title="commands", parser_class=Parser)
 
     demo = commands.add_parser(
-        "demo", help="the specification's example, step by step, and an attention map",
-        description="Q, K, V of shape (1, 3, 4), four (4, 4) weights and 2 heads, seeded: "
-        "every step with its shape, then the same with a causal mask, and an attention-map PNG.",
+        "demo", help="a small worked example, step by step, and an attention map",
+        description="Self-attention on random Q = K = V of shape (1, 3, 4) with four (4, 4) "
+        "weights and 2 heads: every step with its shape, then the same with a causal mask, "
+        "and an attention-map PNG.",
     )  # fmt: skip
-    demo.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
+    demo.add_argument("--seed", type=_count(0), default=0, help="seed of the inputs (default 0)")
     demo.add_argument(
         "-o", "--output", type=Path, default=Path("attention_demo.png"),
         help="the attention map to write, .png or .svg (default attention_demo.png)",
@@ -92,7 +111,7 @@ def build_parser() -> Parser:
     run.add_argument("input", type=Path, metavar="INPUT.npz")
     run.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.npy",
                      help="where to write the output (B, L, d_out) as .npy")  # fmt: skip
-    run.add_argument("--heads", type=int, help="number of heads (needed without --module)")
+    run.add_argument("--heads", type=_count(1), help="number of heads (needed without --module)")
     run.add_argument("--module", type=Path, help="a saved MultiHeadAttention to apply to X")
     _masking_arguments(run)
     run.add_argument("--weights", type=Path, metavar="W.npy", help="also write the weights")
@@ -106,10 +125,11 @@ def build_parser() -> Parser:
     source = plot.add_mutually_exclusive_group(required=True)
     source.add_argument("--weights", type=Path, metavar="W.npy", help="saved weights")
     source.add_argument("--input", type=Path, metavar="INPUT.npz", help="arrays to run first")
-    plot.add_argument("--heads", type=int, help="number of heads, with --input")
+    plot.add_argument("--heads", type=_count(1), help="number of heads, with --input")
     plot.add_argument("--module", type=Path, help="a saved MultiHeadAttention, with --input")
     _masking_arguments(plot)
-    plot.add_argument("--batch", type=int, default=0, help="which sequence to plot (default 0)")
+    plot.add_argument("--batch", type=_count(0), default=0,
+                      help="which sequence to plot (default 0)")  # fmt: skip
     plot.add_argument("--tokens", help='query labels, for example "the cat sat"')
     plot.add_argument("--key-tokens", help="key labels when keys differ from queries")
     plot.add_argument("-o", "--output", type=Path, default=Path("attention.png"),
@@ -136,8 +156,8 @@ def build_parser() -> Parser:
         description="Runs mha and torch on random configurations (every mask kind, float64 "
         "and float32) and prints the worst relative error of each. Needs torch installed.",
     )  # fmt: skip
-    check.add_argument("--configs", type=int, default=24, help="how many (default 24)")
-    check.add_argument("--seed", type=int, default=0, help="seed of the configurations")
+    check.add_argument("--configs", type=_count(1), default=24, help="how many (default 24)")
+    check.add_argument("--seed", type=_count(0), default=0, help="seed of the configurations")
     check.set_defaults(command=run_check)
     return parser
 
@@ -146,12 +166,36 @@ def _masking_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--causal", action="store_true", help="causal (look-ahead) mask")
     parser.add_argument(
         "--top-left", action="store_true",
-        help="align the causal mask top-left (j <= i) instead of bottom-right",
+        help="with --causal: align the mask top-left (j <= i) instead of bottom-right",
     )  # fmt: skip
     parser.add_argument("--key-lengths", type=_lengths, metavar="N,N,...",
                         help="valid keys per sequence; later keys are padding")  # fmt: skip
     parser.add_argument("--query-lengths", type=_lengths, metavar="N,N,...",
                         help="valid queries per sequence; later rows are padding")  # fmt: skip
+
+
+def _count(least: int) -> Any:
+    """An argparse type: a whole number of at least ``least``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}")
+        return value
+
+    return parse
+
+
+def as_options(message: str) -> str:
+    """A library message with its keyword names turned into the options typed here."""
+
+    def option(match: re.Match[str]) -> str:
+        return _OPTIONS[match.group(1)] + (" " if match.group(2) else "")
+
+    return re.sub(r"\b(" + "|".join(_OPTIONS) + r")\b(=)?", option, message)
 
 
 def _lengths(text: str) -> np.ndarray:
@@ -167,13 +211,11 @@ def _lengths(text: str) -> np.ndarray:
 
 
 def run_run(args: argparse.Namespace) -> int:
-    inputs = [args.input] + ([args.module] if args.module else [])
-    _refuse_overwrite(args.output, inputs, "--output")
-    _check_writable(args.output, "--output")
+    inputs = {"the input": args.input, "--module": args.module}
+    _check_output(args.output, "--output", inputs)
     if args.weights is not None:
-        _refuse_overwrite(args.weights, [*inputs, args.output], "--weights")
-        _check_writable(args.weights, "--weights")
-    out, weights = _attend(args, want_weights=args.weights is not None)
+        _check_output(args.weights, "--weights", {**inputs, "--output": args.output})
+    out, weights, _ = _attend(args, want_weights=args.weights is not None)
     _save_npy(args.output, out)
     if args.weights is not None:
         _save_npy(args.weights, weights)
@@ -182,16 +224,14 @@ def run_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _attend(args: argparse.Namespace, want_weights: bool) -> tuple[np.ndarray, Any]:
-    """Attention on the arrays of ``args.input``, as ``mha run`` and ``mha plot`` read it."""
+def _attend(args: argparse.Namespace, want_weights: bool) -> tuple[np.ndarray, Any, Any]:
+    """Attention on the arrays of ``args.input``, as ``mha run`` and ``mha plot`` read it:
+    ``(out, weights or None, visible or None)``, ``visible`` being where the masks let each
+    query see each key, shaped like the weights."""
     arrays = _read_npz(args.input)
-    keywords: dict[str, Any] = {"causal": args.causal, "return_weights": want_weights}
-    if args.top_left:
-        keywords["causal_alignment"] = "top_left"
-    for name in ("key_lengths", "query_lengths"):
-        if getattr(args, name) is not None:
-            keywords[name] = getattr(args, name)
+    module = None
     if args.module is not None:
+        _refuse_unknown(args.input, arrays, ("X",), "with --module")
         if "X" not in arrays:
             raise UsageError(
                 f"{args.input} has no 'X' to give --module (it holds {_listing(arrays)})"
@@ -199,8 +239,10 @@ def _attend(args: argparse.Namespace, want_weights: bool) -> tuple[np.ndarray, A
         module = MultiHeadAttention.load(args.module)
         if args.heads is not None and args.heads != module.num_heads:
             raise UsageError(f"--heads {args.heads} but {args.module} has {module.num_heads} heads")
-        result = module(arrays["X"], **keywords)
+        Q = K = arrays["X"]
+        heads = module.num_heads
     else:
+        _refuse_unknown(args.input, arrays, DATA_KEYS + BIAS_KEYS, "")
         missing = [key for key in DATA_KEYS if key not in arrays]
         if missing:
             raise UsageError(
@@ -210,36 +252,102 @@ def _attend(args: argparse.Namespace, want_weights: bool) -> tuple[np.ndarray, A
             )
         if args.heads is None:
             raise UsageError("--heads is required unless --module gives a saved module")
-        for name in ("b_q", "b_k", "b_v", "b_o"):
+        Q, K, W_q = arrays["Q"], arrays["K"], arrays["W_q"]
+        if W_q.ndim == 2 and W_q.shape[1] == 0:
+            raise UsageError(
+                f"W_q in {args.input} has no columns (W_q {W_q.shape}): each head needs "
+                "queries and keys at least 1 wide"
+            )
+        heads = args.heads
+    if args.top_left and not args.causal:
+        raise UsageError("--top-left aligns the causal mask: use it with --causal")
+    keywords: dict[str, Any] = {"causal": args.causal, "return_weights": want_weights}
+    if args.top_left:
+        keywords["causal_alignment"] = "top_left"
+    for name in ("key_lengths", "query_lengths"):
+        keywords[name] = _lengths_for(getattr(args, name), name, np.shape(Q))
+    if module is not None:
+        result = module(arrays["X"], **keywords)
+    else:
+        for name in BIAS_KEYS:
             if name in arrays:
                 keywords[name] = arrays[name]
         Q, K, V, W_q, W_k, W_v, W_o = (arrays[key] for key in DATA_KEYS)
-        result = multi_head_attention(Q, K, V, W_q, W_k, W_v, W_o, args.heads, **keywords)
-    return result if want_weights else (result, None)
+        result = multi_head_attention(Q, K, V, W_q, W_k, W_v, W_o, heads, **keywords)
+    out, weights = result if want_weights else (result, None)
+    visible = None
+    if weights is not None:
+        shape = np.shape(Q)
+        allowed = Visibility.build(
+            batch_shape=shape[:-2], H=heads, L=shape[-2], S=np.shape(K)[-2],
+            causal=args.causal, causal_alignment=keywords.get("causal_alignment"),
+            key_lengths=keywords["key_lengths"], query_lengths=keywords["query_lengths"],
+        ).allowed()  # fmt: skip
+        extra = weights.shape[-1] - allowed.shape[-1]  # the module's bias_k / zero key
+        rows = np.ones(shape[-2], dtype=bool)  # every query row sees the extra keys ...
+        if keywords["query_lengths"] is not None:  # ... unless it is padding
+            rows = np.arange(shape[-2]) < np.asarray(keywords["query_lengths"])[..., None]
+        extra_columns = np.broadcast_to(rows[..., None, :, None], (*allowed.shape[:-1], extra))
+        visible = np.concatenate([allowed, extra_columns], axis=-1)
+    return out, weights, visible
+
+
+def _lengths_for(lengths: np.ndarray | None, name: str, shape: tuple[int, ...]) -> Any:
+    """``--key-lengths``/``--query-lengths`` as the library takes them: one length per
+    sequence, or a single number for unbatched ``(L, d)`` inputs."""
+    if lengths is None:
+        return None
+    option = _OPTIONS[name]
+    given = f"{len(lengths)} length{'s' if len(lengths) != 1 else ''}"
+    if len(shape) == 2:
+        if len(lengths) != 1:
+            raise UsageError(
+                f"{option} gives {given} but the inputs are one unbatched sequence "
+                f"(shape {shape}): give one length"
+            )
+        return int(lengths[0])
+    if len(shape) == 3 and len(lengths) != shape[0]:
+        raise UsageError(
+            f"{option} gives {given} but the inputs hold {shape[0]} sequences "
+            f"(shape {shape}): give one length per sequence"
+        )
+    return lengths
+
+
+def _refuse_unknown(
+    path: Path, arrays: dict[str, np.ndarray], known: Sequence[str], how: str
+) -> None:
+    """An entry mha would not use is a mistake (a misspelt bias, say): never ignore it."""
+    for name in arrays:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise UsageError(
+                f"{path} has an entry {name!r} that mha run {how + ' ' if how else ''}does not "
+                f"use (it reads {', '.join(known)}){hint}"
+            )
 
 
 def _read_npz(path: Path) -> dict[str, np.ndarray]:
-    try:
-        with open(path, "rb") as handle:
-            data = np.load(handle, allow_pickle=False)
-            if not isinstance(data, np.lib.npyio.NpzFile):
-                raise UsageError(f"{path} holds one array; mha run reads an .npz of named arrays")
-            with data:
-                return {name: data[name] for name in data.files}
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such file") from None
-    except (OSError, ValueError, EOFError) as error:
-        raise UsageError(f"{path} is not a readable .npz file ({error})") from None
+    arrays = read_arrays(path, "an .npz file of named arrays")
+    if not isinstance(arrays, dict):
+        raise UsageError(f"{path} holds one array; mha reads an .npz file of named arrays")
+    return arrays
 
 
 def _listing(arrays: dict[str, np.ndarray]) -> str:
     return ", ".join(f"{name} {array.shape}" for name, array in arrays.items()) or "nothing"
 
 
-def _refuse_overwrite(target: Path, inputs: list[Path], option: str) -> None:
-    for source in inputs:
+def _check_output(target: Path, option: str, inputs: dict[str, Path | None]) -> None:
+    """Before any work: ``target`` is writable and is none of the files named in ``inputs``
+    (``{option or role: path}``)."""
+    for role, source in inputs.items():
         if source is not None and _same_file(target, source):
-            raise UsageError(f"{option} {target} is an input file; choose another name")
+            raise UsageError(f"{option} {target} is the same file as {role}; choose another name")
+    problem = writable_problem(target)
+    if problem:
+        raise UsageError(f"cannot write {option} {target}: {problem}")
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -253,36 +361,41 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
     atomic_write(path, lambda handle: np.save(handle, array, allow_pickle=False))
 
 
-def _check_writable(path: Path, option: str) -> None:
-    """Refuse before any work a file that cannot be written where it was asked for."""
-    directory = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        raise UsageError(f"{option} {path} is a directory; give a file name")
-    if not directory.is_dir():
-        raise UsageError(f"cannot write {path}: no directory {directory}")
-    if not os.access(directory, os.W_OK):
-        raise UsageError(f"cannot write {path}: {directory} is not writable")
+def _plot_format(path: Path, option: str) -> None:
+    if path.suffix.lower() not in (".png", ".svg"):
+        raise UsageError(f"{option} {path}: plots are written as .png or .svg")
 
 
 # ----------------------------------------------------------------------------- mha plot
 
 
 def run_plot(args: argparse.Namespace) -> int:
-    from .plotting import plot_attention
-
-    inputs = [p for p in (args.weights, args.input, args.module) if p is not None]
-    _refuse_overwrite(args.output, inputs, "--output")
-    _check_writable(args.output, "--output")
-    visible = None
+    plotting = _needs("mha.plotting", "matplotlib")
+    _check_output(
+        args.output, "--output",
+        {"--weights": args.weights, "--input": args.input, "--module": args.module},
+    )  # fmt: skip
+    _plot_format(args.output, "--output")
     if args.weights is not None:
+        for name in INPUT_ONLY:
+            if getattr(args, name) is not None and getattr(args, name) is not False:
+                option = "--" + name.replace("_", "-")
+                raise UsageError(
+                    f"{option} is used only with --input: the weights in {args.weights} are "
+                    "already computed"
+                )
         weights = _read_npy(args.weights)
+        visible = None
+        try:
+            plotting.check_weights(weights, f"--weights {args.weights}")
+        except AttentionError as error:
+            raise UsageError(str(error)) from None
     else:
-        _, weights = _attend(args, want_weights=True)
-        visible = weights != 0
+        _, weights, visible = _attend(args, want_weights=True)
     if weights.ndim != 4 and args.batch != 0:
         raise UsageError(f"--batch {args.batch}, but the weights {weights.shape} hold one sequence")
     if weights.ndim == 4:  # (B, H, L, S): one sequence
-        if not 0 <= args.batch < weights.shape[0]:
+        if args.batch >= weights.shape[0]:
             raise UsageError(
                 f"--batch {args.batch} is out of range for {weights.shape[0]} sequences"
             )
@@ -290,35 +403,44 @@ def run_plot(args: argparse.Namespace) -> int:
         visible = None if visible is None else visible[args.batch]
     tokens = args.tokens.split() if args.tokens else None
     key_tokens = args.key_tokens.split() if args.key_tokens else None
-    path = plot_attention(weights, args.output, visible=visible, query_tokens=tokens,
-                          key_tokens=key_tokens)  # fmt: skip
+    path = plotting.plot_attention(weights, args.output, visible=visible, query_tokens=tokens,
+                                   key_tokens=key_tokens)  # fmt: skip
     print(f"wrote {path}")
     return 0
 
 
 def _read_npy(path: Path) -> np.ndarray:
-    try:
-        array = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such file") from None
-    except (OSError, ValueError, EOFError) as error:
-        raise UsageError(f"{path} is not a readable .npy file ({error})") from None
-    if not isinstance(array, np.ndarray) or array.ndim not in (2, 3, 4):
-        raise UsageError(f"{path} must hold weights (B, H, L, S), (H, L, S) or (L, S)")
+    array = read_arrays(path, "an .npy file of attention weights")
+    if isinstance(array, dict) or array.ndim not in (2, 3, 4):
+        held = "named arrays" if isinstance(array, dict) else f"an array of shape {array.shape}"
+        raise UsageError(
+            f"--weights {path} holds {held}; it must hold weights (B, H, L, S), (H, L, S) or "
+            "(L, S) as written by mha run --weights"
+        )
     return array
+
+
+def _needs(module: str, *requirements: str) -> Any:
+    """Import an optional dependency of a command, or say how to install it."""
+    for requirement in requirements:
+        try:
+            importlib.import_module(requirement)
+        except ImportError:
+            raise UsageError(
+                f"this command needs {requirement}, which is not installed: {INSTALL_CLI}"
+            ) from None
+    return importlib.import_module(module)
 
 
 # ----------------------------------------------------------------------------- mha demo
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    plot_attention = _needs("mha.plotting", "matplotlib", "rich").plot_attention
     from rich.console import Console
 
-    from .plotting import plot_attention
-
-    _check_writable(args.output, "--output")
-    if args.output.suffix.lower() not in (".png", ".svg"):
-        raise UsageError(f"--output {args.output}: plots are written as .png or .svg")
+    _plot_format(args.output, "--output")
+    _check_output(args.output, "--output", {})
     console = Console(highlight=False)
     rng = np.random.default_rng(args.seed)
     Q = K = V = rng.standard_normal((1, 3, 4))
@@ -329,7 +451,7 @@ def run_demo(args: argparse.Namespace) -> int:
         console.print(f"[bold]{step}[/bold]  shape {array.shape}")
         console.print(np.array2string(array, precision=4, suppress_small=True), "\n")
 
-    console.rule(f"mha demo: the specification's example (seed {args.seed})")
+    console.rule(f"mha demo: a worked example (seed {args.seed})")
     console.print(
         "Self-attention: Q = K = V, of shape (B=1, L=3, d_model=4); 2 heads of width 2.\n"
     )
@@ -371,17 +493,22 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    bench = _needs("mha.bench", "matplotlib", "rich")
     from rich.console import Console
     from rich.progress import Progress
 
-    from . import bench
-
     size = "smoke" if args.smoke else "quick" if args.quick else "full"
     output = args.output or bench.default_output(size)
-    if output.exists() and not output.is_dir():
-        raise UsageError(f"--output {output} is a file; give a folder")
+    problem = writable_problem(output, folder=True)
+    if problem:
+        raise UsageError(f"cannot write --output {output}: {problem}")
     if args.readme is not None:
+        if size != "full":
+            raise UsageError(f"--readme takes a full run's results only; drop --{size}")
         bench.check_readme(args.readme)
+        problem = writable_problem(args.readme)
+        if problem:
+            raise UsageError(f"cannot rewrite --readme {args.readme}: {problem}")
     console = Console(stderr=True)
     with Progress(console=console, transient=True) as progress:
         chosen = bench.plan(size)
@@ -403,13 +530,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    if args.configs < 1:
-        raise UsageError(f"--configs must be at least 1; got {args.configs}")
+    _needs("rich", "rich")
     try:
         import torch
     except ImportError:
         print("mha check: torch is not installed, so there is nothing to compare against. "
-              "Install the CPU build with: pip install torch==2.13.0", file=sys.stderr)  # fmt: skip
+              f"Install its CPU build with: {TORCH_CPU}", file=sys.stderr)  # fmt: skip
         return 1
     from rich.console import Console
     from rich.table import Table

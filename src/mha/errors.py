@@ -40,3 +40,11 @@ class AttentionTypeError(AttentionError, TypeError):
 
 class WeightsFileError(AttentionError, OSError):
     """A weights file that is missing, truncated, or does not hold what it should."""
+
+
+# The public names are mha.ShapeError and so on (re-exported by the package): tracebacks and
+# reprs show those, not this module's path.
+for _error in (AttentionError, AttentionValueError, ShapeError, AttentionTypeError,
+               WeightsFileError):  # fmt: skip
+    _error.__module__ = "mha"
+del _error

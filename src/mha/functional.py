@@ -36,7 +36,7 @@ def scaled_dot_product_attention(
     *,
     mask: Any = None,
     causal: bool = False,
-    causal_alignment: str = "bottom_right",
+    causal_alignment: str | None = None,
     key_lengths: Any = None,
     query_lengths: Any = None,
     bias: Any = None,
@@ -48,14 +48,36 @@ def scaled_dot_product_attention(
 ) -> Any:
     """Attention over already split heads: ``softmax(q k^T * scale + bias) v`` per head.
 
-    ``q (..., H, L, d_k)``, ``k (..., H, S, d_k)``, ``v (..., H, S, d_v)`` with the same
-    leading axes. Returns ``out (..., H, L, d_v)``; ``return_weights=True`` adds the weights
-    ``(..., H, L, S)`` and ``return_lse=True`` the log-sum-exp of each row's logits
-    ``(..., H, L)`` (``-inf`` for a row that sees no key; float32 for float16 inputs), in
-    that order, for :func:`merge_attention`. ``scale`` defaults to ``1/sqrt(d_k)``. The
-    masking keywords follow the contract in :mod:`mha.masks` (True = may attend).
-    ``max_memory`` bounds each worker's scratch in bytes (default 4 MiB) and ``workers``
-    the threads (default: the cores); neither changes the result beyond rounding.
+    Arguments (every mask argument combines with the others by AND; True = may attend):
+
+    * ``q (..., H, L, d_k)``, ``k (..., H, S, d_k)``, ``v (..., H, S, d_v)``: queries, keys
+      and values with the same leading axes (batch axes, then heads). float64 in gives
+      float64 out; float32 is computed in float32; float16 in float32.
+    * ``mask``: a boolean array, **True = may attend**, broadcastable to the scores
+      ``(..., H, L, S)``; with batch axes, ``(B, L, S)`` applies to every head. ``mask=True``
+      is the causal mask (as ``causal=True``). Integer or float arrays are refused: an
+      additive mask of 0 and ``-inf`` goes in ``bias``.
+    * ``causal``: hide key ``j`` from query ``i`` when ``j > i + (S - L)``: the last query
+      sees every key ("bottom_right" alignment, what cached decoding needs).
+    * ``causal_alignment``: ``"top_left"`` for ``j > i`` instead (PyTorch's ``is_causal``);
+      only with a causal mask.
+    * ``key_lengths``: one integer per sequence (shape of the batch axes, or a single number
+      without them): keys at index ``>= length`` are padding.
+    * ``query_lengths``: likewise for query rows: padding rows see no key and get zeros.
+    * ``bias``: an additive float array broadcastable like ``mask``, added to the scaled
+      scores; ``-inf`` hides a key.
+    * ``scale``: the factor on ``q k^T``; default ``1/sqrt(d_k)``.
+    * ``return_weights``: also return the weights ``(..., H, L, S)`` (this builds the full
+      score matrix, which the default path never does).
+    * ``return_lse``: also return the log-sum-exp of each row's logits ``(..., H, L)``
+      (``-inf`` for a row that sees no key; float32 for float16 inputs), for
+      :func:`merge_attention`.
+    * ``max_memory``: bytes of scratch per worker (default 4 MiB); sets the tile sizes.
+    * ``workers``: threads (default: every core when threadpoolctl is installed, else 1).
+      Results are bitwise reproducible for fixed inputs, ``max_memory`` and ``workers``.
+
+    Returns ``out (..., H, L, d_v)``, then the weights and the log-sum-exp if asked for, in
+    that order. A query row that sees no key gets zero weights and a zero output.
 
     >>> import numpy as np
     >>> from mha import scaled_dot_product_attention
@@ -125,7 +147,7 @@ def multi_head_attention(
     *,
     mask: Any = None,
     causal: bool = False,
-    causal_alignment: str = "bottom_right",
+    causal_alignment: str | None = None,
     key_lengths: Any = None,
     query_lengths: Any = None,
     bias: Any = None,
@@ -143,20 +165,42 @@ def multi_head_attention(
 ) -> Any:
     """Multi-head attention (Vaswani et al., 2017) with "x @ W" weights.
 
-    ``Q (B, L, d_q)``, ``K (B, S, d_kin)``, ``V (B, S, d_vin)`` (or unbatched ``(L, d)``),
-    ``W_q (d_q, H*d_k)``, ``W_k (d_kin, H*d_k)``, ``W_v (d_vin, H*d_v)``,
-    ``W_o (H*d_v, d_out)``. Projects, splits the width evenly across ``num_heads`` heads,
-    runs :func:`scaled_dot_product_attention` per head (scale ``1/sqrt(d_k)``), joins the
-    heads and applies ``W_o``. Returns ``(B, L, d_out)``, or ``(out, weights)`` with
-    per-head weights ``(B, H, L, S)`` when ``return_weights=True``. The optional
-    ``b_q``, ``b_k``, ``b_v``, ``b_o`` are added after their projections. When ``Q``, ``K``
-    and ``V`` are one array, one GEMM projects all three. ``max_memory`` and ``workers`` are
-    those of :func:`scaled_dot_product_attention`.
+    Projects, splits the width evenly across ``num_heads`` heads, runs
+    :func:`scaled_dot_product_attention` per head, joins the heads and applies ``W_o``.
 
-    ``bias_k (H*d_k,)`` with ``bias_v (H*d_v,)``, and ``add_zero_attn``, are PyTorch's extra
-    keys: a learned key/value pair and a zero key/value pair appended after the projections
-    (in that order), visible to every query whatever the masks say, which refer to the ``S``
-    given keys. The weights then have ``S`` plus one column per extra key.
+    * ``Q (B, L, d_q)``, ``K (B, S, d_kin)``, ``V (B, S, d_vin)``: queries, keys and values,
+      or unbatched ``(L, d)``. When ``Q``, ``K`` and ``V`` are one array, one GEMM
+      projects all three.
+    * ``W_q (d_q, H*d_k)``, ``W_k (d_kin, H*d_k)``, ``W_v (d_vin, H*d_v)``,
+      ``W_o (H*d_v, d_out)``: the projections, applied as ``x @ W``. PyTorch stores the
+      transpose: see :meth:`MultiHeadAttention.from_torch`.
+    * ``num_heads``: ``H``; it must divide the columns of ``W_q`` and ``W_v``.
+    * ``mask``: a boolean array, **True = may attend**, broadcastable to the scores
+      ``(B, H, L, S)``; ``(L, S)`` and ``(B, L, S)`` apply to every head. ``mask=True`` is
+      the causal mask. Integer or float arrays are refused (an additive mask goes in
+      ``bias``). Every mask argument combines with the others by AND.
+    * ``causal``: hide key ``j`` from query ``i`` when ``j > i + (S - L)`` (the last query
+      sees every key); for ``L == S`` the usual lower triangle.
+    * ``causal_alignment``: ``"top_left"`` for ``j > i`` instead (PyTorch's
+      ``is_causal``); only with a causal mask.
+    * ``key_lengths``: ``(B,)`` integers (one number for unbatched input): keys at index
+      ``>= length`` are padding.
+    * ``query_lengths``: ``(B,)`` integers: rows at index ``>= length`` are padding; their
+      attention output is zero, so their final output is ``b_o`` (zero without it).
+    * ``bias``: an additive float array broadcastable like ``mask``; ``-inf`` hides a key.
+    * ``b_q``, ``b_k``, ``b_v``, ``b_o``: biases added after their projections.
+    * ``scale``: the factor on ``q k^T``; default ``1/sqrt(d_k)``.
+    * ``return_weights``: also return the per-head weights ``(B, H, L, S)``.
+    * ``max_memory``, ``workers``: scratch bytes per worker and threads, as in
+      :func:`scaled_dot_product_attention`; they never change results beyond rounding.
+    * ``bias_k (H*d_k,)`` with ``bias_v (H*d_v,)``, and ``add_zero_attn``: PyTorch's extra
+      keys, a learned key/value pair and a zero key/value pair appended after the
+      projections (in that order), visible to every query whatever the masks say, which
+      refer to the ``S`` given keys. The weights then have ``S`` plus one column per extra
+      key.
+
+    Returns ``(B, L, d_out)`` (``(L, d_out)`` unbatched) in the inputs' dtype, or
+    ``(out, weights)`` with ``return_weights=True``.
 
     >>> import numpy as np
     >>> from mha import multi_head_attention
@@ -311,7 +355,8 @@ def _append_keys(x: np.ndarray, bias: np.ndarray | None, zero: bool, H: int) -> 
 def merge_attention(outputs: Any, lses: Any) -> tuple[np.ndarray, np.ndarray]:
     """Merge attention computed over disjoint key ranges into the attention over all of them.
 
-    ``outputs[p] (..., L, d_v)`` and ``lses[p] (..., L)`` are the results of
+    ``outputs`` and ``lses`` are lists: ``outputs[p] (..., L, d_v)`` and ``lses[p] (..., L)``
+    are the results of
     :func:`scaled_dot_product_attention` with ``return_lse=True`` for the same queries over
     part ``p`` of the keys (split-key decoding, sequence-parallel attention). Returns the
     merged ``(out, lse)``. A part in which a row sees no key (``lse = -inf``) adds nothing;

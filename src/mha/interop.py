@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._arrays import as_float_array, positive_int
-from ._files import atomic_write
+from ._files import UnreadableFileError, atomic_write, read_arrays, writable_problem
 from .errors import AttentionValueError, ShapeError, WeightsFileError
 
 if TYPE_CHECKING:
@@ -134,6 +134,21 @@ def to_torch_state_dict(module: MultiHeadAttention) -> dict[str, np.ndarray]:
     return state
 
 
+def to_torch(module: MultiHeadAttention, batch_first: bool) -> Any:
+    import torch
+
+    dtype = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32}.get(
+        module.dtype, torch.float64
+    )
+    target = torch.nn.MultiheadAttention(
+        module.d_model, module.num_heads, bias=module.has_bias,
+        add_bias_kv=module.bias_k is not None, add_zero_attn=module.add_zero_attn,
+        kdim=module.kdim, vdim=module.vdim, batch_first=batch_first, dtype=dtype,
+    )  # fmt: skip
+    target.load_state_dict(module.to_torch_state_dict(tensors=True))
+    return target.eval()
+
+
 def from_gpt2(
     cls: type[MultiHeadAttention],
     c_attn_weight: Any,
@@ -170,10 +185,9 @@ def save(module: MultiHeadAttention, path: Any) -> None:
     config = _config(module)
     arrays = {name: getattr(module, name) for name in WEIGHT_NAMES}
     present = {name: array for name, array in arrays.items() if array is not None}
-    if target.is_dir():
-        raise WeightsFileError(f"cannot save to {target}: it is a directory")
-    if not (target.parent if str(target.parent) else Path(".")).is_dir():
-        raise WeightsFileError(f"cannot save to {target}: no directory {target.parent}")
+    problem = writable_problem(target)
+    if problem:
+        raise WeightsFileError(f"cannot save to {target}: {problem}")
     try:
         atomic_write(
             target, lambda handle: np.savez(handle, config=np.array(json.dumps(config)), **present)
@@ -195,21 +209,13 @@ def _config(module: MultiHeadAttention) -> dict[str, Any]:
 def load(cls: type[MultiHeadAttention], path: Any) -> MultiHeadAttention:
     target = Path(os.fspath(path))
     try:
-        with open(target, "rb") as handle:  # ours to close, whatever np.load makes of it
-            data = np.load(handle, allow_pickle=False)
-            if not isinstance(data, np.lib.npyio.NpzFile):
-                raise ValueError("it holds a single array, not an .npz archive")
-            with data:
-                contents = {name: data[name] for name in data.files}
-    except FileNotFoundError:
-        raise WeightsFileError(f"cannot load {target}: no such file") from None
-    except IsADirectoryError:
-        raise WeightsFileError(f"cannot load {target}: it is a directory") from None
-    except Exception as error:  # a damaged archive can fail in many ways (zip, npy, CRC)
+        contents = read_arrays(target, "an .npz file written by MultiHeadAttention.save()")
+    except UnreadableFileError as error:
+        raise WeightsFileError(f"cannot load {error}") from None
+    if not isinstance(contents, dict):
         raise WeightsFileError(
-            f"cannot load {target}: not a complete .npz file written by save() "
-            f"({type(error).__name__}: {error})"
-        ) from None
+            f"cannot load {target}: it holds a single array, not an .npz file written by save()"
+        )
     if "config" not in contents:
         raise WeightsFileError(f"cannot load {target}: it has no 'config' entry")
     try:
@@ -218,15 +224,32 @@ def load(cls: type[MultiHeadAttention], path: Any) -> MultiHeadAttention:
             raise ValueError(f"format is {config.get('format')!r}, not {FORMAT!r}")
         if config.get("version") != FORMAT_VERSION:
             raise ValueError(f"format version {config.get('version')} is not {FORMAT_VERSION}")
-        num_heads, add_zero_attn = config["num_heads"], config["add_zero_attn"]
+        expected = _expected_shapes(config)
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise WeightsFileError(f"cannot load {target}: bad config entry ({error})") from None
     unknown = sorted(set(contents) - set(WEIGHT_NAMES))
     if unknown:
         raise WeightsFileError(f"cannot load {target}: unexpected entries {unknown}")
+    summary = ", ".join(f"{key}={config[key]}" for key in ("d_model", "kdim", "vdim"))
+    for name in WEIGHT_NAMES:  # against the config, which a damaged array cannot change
+        shape = expected.get(name)
+        if (name in contents) != (shape is not None):
+            state = "has" if name in contents else "lacks"
+            raise WeightsFileError(
+                f"cannot load {target}: it {state} {name}, which its config "
+                f"(bias={config['bias']}, add_bias_kv={config['add_bias_kv']}) "
+                f"{'does not call for' if name in contents else 'calls for'}"
+            )
+        if shape is not None and contents[name].shape != shape:
+            raise WeightsFileError(
+                f"cannot load {target}: {name} has shape {contents[name].shape} but its config "
+                f"({summary}) calls for {shape}"
+            )
     weights: dict[str, np.ndarray | None] = {name: contents.get(name) for name in WEIGHT_NAMES}
     try:
-        module = cls._from_weights(weights, num_heads, add_zero_attn, source=str(target))
+        module = cls._from_weights(
+            weights, config["num_heads"], config["add_zero_attn"], source="the weights"
+        )
     except (AttentionValueError, TypeError) as error:
         raise WeightsFileError(f"cannot load {target}: {error}") from None
     found = _config(module)
@@ -238,6 +261,15 @@ def load(cls: type[MultiHeadAttention], path: Any) -> MultiHeadAttention:
     if differences:
         raise WeightsFileError(f"cannot load {target}: its config says " + "; ".join(differences))
     return module
+
+
+def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The shape of every weight a file with this config holds."""
+    E, kdim, vdim = (int(config[key]) for key in ("d_model", "kdim", "vdim"))
+    shapes = {"W_q": (E, E), "W_k": (kdim, E), "W_v": (vdim, E), "W_o": (E, E)}
+    vectors = [*("b_q", "b_k", "b_v", "b_o")] if config["bias"] else []
+    vectors += ["bias_k", "bias_v"] if config["add_bias_kv"] else []
+    return {**shapes, **{name: (E,) for name in vectors}}
 
 
 def _numpy(name: str, value: Any) -> np.ndarray:

@@ -7,14 +7,16 @@ every one of these that was given allows it:
 * ``mask``: a boolean array, **True = may attend**, broadcastable to ``(*batch, H, L, S)``.
   An array with the batch axes and ``(L, S)`` but no head axis (``(B, L, S)``) is accepted
   and applies to every head.
-* ``causal``: ``j <= i + (S - L)`` ("bottom_right", the last query sees every key) or
-  ``j <= i`` ("top_left", PyTorch's ``is_causal``).
+* ``causal``: ``j <= i + (S - L)`` (``causal_alignment="bottom_right"``, the default: the
+  last query sees every key) or ``j <= i`` (``"top_left"``, PyTorch's ``is_causal``).
+  ``causal_alignment`` without a causal mask is refused: it would change nothing.
 * ``key_lengths``: integers of the batch shape; keys at index ``>= length`` are padding.
 * ``query_lengths``: integers of the batch shape; query rows at index ``>= length`` are
-  padding, see no key, and get zero output.
+  padding, see no key, and get a zero attention output (after the output projection of
+  :func:`mha.multi_head_attention` that row is ``b_o``, or zero without a bias).
 * ``bias``: an additive float array broadcastable like ``mask``; ``-inf`` hides a key.
 
-A query row that can see no key gets all-zero weights and a zero output.
+A query row that can see no key gets all-zero weights and a zero attention output.
 
 >>> import numpy as np
 >>> from mha.masks import Visibility
@@ -68,7 +70,7 @@ class Visibility:
         S: int,
         mask: Any = None,
         causal: Any = False,
-        causal_alignment: Any = "bottom_right",
+        causal_alignment: Any = None,
         key_lengths: Any = None,
         query_lengths: Any = None,
         bias: Any = None,
@@ -81,13 +83,20 @@ class Visibility:
         full = (*batch_shape, H, L, S)
         mask_is_causal, mask_array = _split_mask(mask)
         causal = flag("causal", causal) or mask_is_causal
-        if not isinstance(causal_alignment, str) or causal_alignment not in CAUSAL_ALIGNMENTS:
+        if causal_alignment is not None and (
+            not isinstance(causal_alignment, str) or causal_alignment not in CAUSAL_ALIGNMENTS
+        ):
             raise AttentionValueError(
                 f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}; got {causal_alignment!r}"
             )
+        if causal_alignment is not None and not causal:
+            raise AttentionValueError(
+                f"causal_alignment={causal_alignment!r} has no effect without a causal mask: "
+                "pass causal=True (or mask=True) with it, or leave it out"
+            )
         offset = None
         if causal:
-            offset = S - L if causal_alignment == "bottom_right" else 0
+            offset = 0 if causal_alignment == "top_left" else S - L
         if mask_array is not None:
             mask_array = _fit_to_scores("mask", mask_array, full, batch_shape)
         bias_array = None

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ._arrays import as_float_array, flag, positive_int
+from ._arrays import as_array, as_float_array, flag, positive_int
 from .errors import AttentionTypeError, AttentionValueError, ShapeError
 from .functional import multi_head_attention
 
@@ -17,14 +17,20 @@ __all__ = ["MultiHeadAttention"]
 class MultiHeadAttention:
     """Multi-head attention that owns its weights; ``forward`` calls the function.
 
-    The weights are attributes in the function's "x @ W" layout: ``W_q (d_model, d_model)``,
-    ``W_k (kdim, d_model)``, ``W_v (vdim, d_model)``, ``W_o (d_model, d_model)``, and with
-    ``bias=True`` also ``b_q``, ``b_k``, ``b_v``, ``b_o`` (``None`` otherwise). They are
-    initialised as ``torch.nn.MultiheadAttention`` does: Xavier/Glorot uniform over the
-    packed ``(3*d_model, d_model)`` in-projection (or over each of W_q, W_k, W_v when
-    ``kdim``/``vdim`` differ from ``d_model``), ``U(-1/sqrt(d_model), 1/sqrt(d_model))`` for
-    ``W_o`` (``nn.Linear``'s default) and zero biases. ``seed`` (an int or a
-    ``np.random.Generator``) makes them reproducible.
+    ``d_model`` is the model width and ``num_heads`` divides it. The weights are attributes
+    in the function's "x @ W" layout: ``W_q (d_model, d_model)``, ``W_k (kdim, d_model)``,
+    ``W_v (vdim, d_model)``, ``W_o (d_model, d_model)``, and with ``bias=True`` also
+    ``b_q``, ``b_k``, ``b_v``, ``b_o`` (``None`` otherwise).
+
+    **bias defaults to False** (the specification's weights-only layer), where
+    ``torch.nn.MultiheadAttention`` defaults to ``bias=True``: pass ``bias=True`` for
+    torch's layout. ``kdim``/``vdim`` are the key and value input widths (default
+    ``d_model``); ``add_bias_kv`` and ``add_zero_attn`` are torch's extra keys; ``dtype``
+    is the weights' floating dtype (default float64). The random initialisation follows
+    torch's: Xavier/Glorot uniform over the packed ``(3*d_model, d_model)`` in-projection
+    (or over each of W_q, W_k, W_v when ``kdim``/``vdim`` differ), ``U(-1/sqrt(d_model),
+    1/sqrt(d_model))`` for ``W_o`` and zero biases; ``seed`` (an int or a
+    ``np.random.Generator``) makes it reproducible.
 
     >>> import numpy as np
     >>> from mha import MultiHeadAttention
@@ -35,7 +41,7 @@ class MultiHeadAttention:
     >>> attention.forward(X, mask=True).shape            # causal self-attention
     (2, 5, 8)
     >>> memory = np.random.default_rng(2).standard_normal((2, 7, 8))
-    >>> attention(X, memory, key_lengths=[7, 3]).shape   # cross-attention with padding
+    >>> attention(X, key=memory, key_lengths=[7, 3]).shape   # cross-attention, padding
     (2, 5, 8)
     """
 
@@ -101,12 +107,12 @@ class MultiHeadAttention:
     def forward(
         self,
         query: Any,
+        mask: Any = None,
+        *misplaced: Any,
         key: Any = None,
         value: Any = None,
-        *,
-        mask: Any = None,
         causal: bool = False,
-        causal_alignment: str = "bottom_right",
+        causal_alignment: str | None = None,
         key_lengths: Any = None,
         query_lengths: Any = None,
         bias: Any = None,
@@ -115,13 +121,19 @@ class MultiHeadAttention:
         max_memory: int | None = None,
         workers: int | None = None,
     ) -> Any:
-        """Attention of ``query (B, L, d_model)`` over ``key``/``value`` (default: self-attention).
+        """Attention of ``query (B, L, d_model)`` (or ``(L, d_model)``) over itself, or over
+        ``key``/``value`` given by name.
 
-        ``forward(X, mask)`` is the specification's form: ``mask=None`` attends
-        everywhere, ``mask=True`` is causal, a boolean array marks where attention is
-        allowed (True = may attend). For cross-attention pass ``key (B, S, kdim)`` and
-        ``value (B, S, vdim)`` (``value`` defaults to ``key``). The keywords are those of
-        :func:`mha.multi_head_attention`.
+        The rule for arguments: **the second positional argument is always the mask**, as
+        in the specification's ``forward(X, mask)``. ``mask`` (positional or by name):
+        ``None`` attends everywhere, ``True``
+        is causal, a boolean array marks where attention is allowed (True = may attend).
+        Anything else there (a float array, say) is refused, never guessed at. For
+        cross-attention pass ``key=`` (``(B, S, kdim)``) and ``value=`` (``(B, S, vdim)``,
+        default: ``key``) by name. The other keywords are those of
+        :func:`mha.multi_head_attention`: ``causal``, ``causal_alignment``,
+        ``key_lengths``, ``query_lengths``, ``bias``, ``scale``, ``return_weights``,
+        ``max_memory`` and ``workers``. ``attention(...)`` is ``attention.forward(...)``.
 
         >>> import numpy as np
         >>> attention = MultiHeadAttention(4, 2, seed=0)
@@ -129,17 +141,21 @@ class MultiHeadAttention:
         >>> causal = attention.forward(X, True)       # the specification's forward(X, mask)
         >>> bool((causal == attention(X, causal=True)).all())
         True
+        >>> memory = np.random.default_rng(1).standard_normal((1, 6, 4))
+        >>> attention(X, key=memory).shape                # cross-attention: key= by name
+        (1, 3, 4)
         """
-        if value is None and _looks_like_mask(key):
-            if mask is not None:
-                raise AttentionTypeError(
-                    "forward got a boolean second argument and mask=; the second positional "
-                    "argument is the mask in forward(X, mask), so give the mask only once"
-                )
-            key, mask = None, key
-        elif value is None and key is not None:
-            _refuse_ambiguous_key(key)
+        if misplaced:
+            raise AttentionTypeError(
+                f"forward takes at most two positional arguments, the query and the mask; "
+                f"got {2 + len(misplaced)}. For cross-attention pass key= and value= by name"
+            )
+        _check_mask_argument(mask)
         query = as_float_array("query", query)
+        if key is None and value is not None:
+            raise AttentionValueError(
+                "forward got value= without key=: give key= too (value defaults to key)"
+            )
         key = query if key is None else as_float_array("key", key)
         value = key if value is None else as_float_array("value", value)
         for name, array, width, label in (
@@ -212,8 +228,9 @@ class MultiHeadAttention:
     def from_torch(
         cls, source: Any, *, num_heads: int | None = None, add_zero_attn: bool | None = None
     ) -> MultiHeadAttention:
-        """Load a ``torch.nn.MultiheadAttention``, or its ``state_dict`` (then ``num_heads``
-        is needed; ``add_zero_attn`` is a module setting that a state dict does not hold).
+        """Load ``source``: a ``torch.nn.MultiheadAttention``, or its ``state_dict`` (then
+        ``num_heads`` is needed; ``add_zero_attn``, a module setting that a state dict does
+        not hold, defaults to False there and to the module's setting for a module).
 
         Every key and shape is checked. The result's ``forward`` takes batch-first arrays
         whatever the module's ``batch_first``; dropout is not carried over (inference).
@@ -227,28 +244,50 @@ class MultiHeadAttention:
 
         return from_torch(cls, source, num_heads, add_zero_attn)
 
-    def to_torch_state_dict(self) -> dict[str, np.ndarray]:
-        """The weights as a ``torch.nn.MultiheadAttention`` state dict of NumPy arrays.
+    def to_torch_state_dict(self, *, tensors: bool = False) -> dict[str, Any]:
+        """The weights as a ``torch.nn.MultiheadAttention`` state dict: NumPy arrays, or with
+        ``tensors=True`` torch tensors, ready for ``load_state_dict`` in one line::
 
-        ``module.load_state_dict({k: torch.as_tensor(v) for k, v in d.items()})`` restores
-        them exactly into ``nn.MultiheadAttention(d_model, num_heads, bias=..., kdim=...,
-        vdim=..., add_bias_kv=...)``.
+            torch_module.load_state_dict(attention.to_torch_state_dict(tensors=True))
+
+        The torch module must be built with the same ``bias`` (torch's default is True,
+        mha's False), ``kdim``, ``vdim`` and ``add_bias_kv``; :meth:`to_torch` builds it.
 
         >>> sorted(MultiHeadAttention(4, 2, bias=True).to_torch_state_dict())
         ['in_proj_bias', 'in_proj_weight', 'out_proj.bias', 'out_proj.weight']
         """
         from .interop import to_torch_state_dict
 
-        return to_torch_state_dict(self)
+        state = to_torch_state_dict(self)
+        if not flag("tensors", tensors):
+            return dict(state)
+        import torch
+
+        return {name: torch.from_numpy(array.copy()) for name, array in state.items()}
+
+    def to_torch(self, *, batch_first: bool = True) -> Any:
+        """A ``torch.nn.MultiheadAttention`` in eval mode holding these weights, built with
+        the matching ``bias``, ``kdim``, ``vdim``, ``add_bias_kv``, ``add_zero_attn`` and
+        dtype, and ``batch_first`` as given (default True, like mha's arrays). Needs torch.
+
+        >>> attention = MultiHeadAttention(8, 2, seed=0)
+        >>> module = attention.to_torch()                  # doctest: +SKIP
+        >>> module.bias_k is None, module.in_proj_bias is None   # doctest: +SKIP
+        (True, True)
+        """
+        from .interop import to_torch
+
+        return to_torch(self, flag("batch_first", batch_first))
 
     @classmethod
     def from_gpt2(
         cls, c_attn_weight: Any, c_attn_bias: Any, c_proj_weight: Any, c_proj_bias: Any,
         num_heads: int,
     ) -> MultiHeadAttention:  # fmt: skip
-        """GPT-2's attention: fused ``c_attn`` ``(E, 3E)`` and ``c_proj`` ``(E, E)`` Conv1D
-        weights ("x @ W" already) with their biases. GPT-2 is causal: call
-        ``forward(X, mask=True)``.
+        """GPT-2's attention from its Conv1D weights, which are "x @ W" already:
+        ``c_attn_weight (E, 3E)`` and ``c_attn_bias (3E,)`` (q, k, v fused), and
+        ``c_proj_weight (E, E)`` with ``c_proj_bias (E,)``; ``num_heads`` is the model's
+        ``n_head``. GPT-2 is causal: call ``forward(X, mask=True)``.
 
         >>> import numpy as np
         >>> E = 4
@@ -262,7 +301,8 @@ class MultiHeadAttention:
 
     def save(self, path: Any) -> None:
         """Write configuration and weights to ``path`` as ``.npz``, atomically: a complete
-        file replaces any existing one, or nothing changes.
+        file replaces any existing one, or nothing changes. A path that cannot be written
+        is refused before anything is written.
 
         >>> import os, tempfile
         >>> path = os.path.join(tempfile.mkdtemp(), "attention.npz")
@@ -276,7 +316,8 @@ class MultiHeadAttention:
 
     @classmethod
     def load(cls, path: Any) -> MultiHeadAttention:
-        """Read a file written by :meth:`save` (no pickles), checking every key and shape.
+        """Read ``path``, a file written by :meth:`save` (never unpickling anything),
+        checking every entry and shape against the configuration it records.
 
         >>> import os, tempfile, numpy as np
         >>> path = os.path.join(tempfile.mkdtemp(), "attention.npz")
@@ -350,23 +391,22 @@ class MultiHeadAttention:
         return self
 
 
-def _looks_like_mask(x: Any) -> bool:
-    """A bool or boolean array in the key slot is the spec's ``forward(X, mask)``."""
-    if isinstance(x, (bool, np.bool_)):
-        return True
-    return isinstance(x, np.ndarray) and x.dtype.kind == "b"
-
-
-def _refuse_ambiguous_key(key: Any) -> None:
-    """In ``forward(X, second)`` a scalar or an integer array is a mask given wrongly, not
-    a key: say so instead of attending over it."""
-    kind = np.asarray(key).dtype.kind if isinstance(key, (np.ndarray, list, tuple)) else None
-    if np.ndim(key) == 0 or kind in ("i", "u"):
-        raise AttentionTypeError(
-            "the second argument of forward(X, mask) must be None, True (causal) or a boolean "
-            f"array with True = may attend; got {reprlib.repr(key)}. For an additive mask of "
-            "0 and -inf pass bias=; for cross-attention pass a float key array"
-        )
+def _check_mask_argument(mask: Any) -> None:
+    """The mask slot takes None, True/False or a boolean array; a float array there is a key
+    or an additive mask given in the wrong place, so say which keyword it belongs to."""
+    if mask is None or isinstance(mask, (bool, np.bool_)):
+        return
+    given = reprlib.repr(mask)
+    if isinstance(mask, (np.ndarray, list, tuple)):
+        array = as_array("mask", mask)
+        if array.dtype.kind == "b":
+            return
+        given = f"an array of dtype {array.dtype} and shape {array.shape}"
+    raise AttentionTypeError(
+        f"the mask (forward's second argument, or mask=) must be None, True/False (causal) "
+        f"or a boolean array with True = may attend; got {given}. For cross-attention pass "
+        "key= (and value=) by name; for an additive mask of 0 and -inf pass bias="
+    )
 
 
 def _random_generator(seed: Any) -> np.random.Generator:

@@ -150,8 +150,8 @@ class Team:
     def matmul(self, x: np.ndarray, W: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
         """``x @ W (+ b)`` for ``x (..., n)``, shared among the workers by blocks of rows, or
         by blocks of ``W``'s columns when there are too few rows to go round."""
-        rows = x.reshape(-1, x.shape[-1])
-        n, m = rows.shape[0], W.shape[1]
+        n, m = int(np.prod(x.shape[:-1])), W.shape[1]
+        rows = x.reshape(n, x.shape[-1])  # not (-1, width): the width may be 0
         out = np.empty((n, m), dtype=np.result_type(x, W))
         if n >= self.workers * MATMUL_ROWS or self.workers == 1:
             spans = [

@@ -1,7 +1,7 @@
 """Attention maps: one heat map per head and their average, masked cells drawn apart.
 
-matplotlib is an optional extra (``pip install "mha[cli]"``), imported only when a plot is
-made.
+matplotlib is an optional extra (``pip install ".[cli]"`` in the mha checkout, or
+``pip install matplotlib``), imported only when a plot is made.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from ._files import atomic_write
-from .errors import AttentionTypeError, ShapeError
+from .errors import AttentionTypeError, AttentionValueError, ShapeError
 
-__all__ = ["plot_attention"]
+__all__ = ["check_weights", "plot_attention"]
 
 MASKED_COLOR = "#d9d9d9"
 
@@ -33,10 +33,15 @@ def plot_attention(
 ) -> Path:
     """Save a grid of heat maps of ``weights (H, L, S)`` (or ``(L, S)``) to ``path``.
 
-    The last panel is the average over heads. Cells where ``visible (…, L, S)`` is False (by
-    default: cells whose weight is exactly 0 in every head) are drawn in light grey with a
-    hatch, so masked keys stand apart from keys that merely got little weight. The format
-    follows the file name (``.png`` or ``.svg``); the file is written atomically.
+    ``weights`` must be attention weights (:func:`check_weights`). The last panel is the
+    average over heads. Cells where ``visible (…, L, S)`` (where the masks let each query
+    see each key) is False are drawn in light grey with a hatch, so masked keys stand apart
+    from keys that merely got little weight. Without ``visible`` the hatch marks cells whose
+    weight is exactly 0 in every head (masked, or so small it underflowed), and the figure
+    says so. ``query_tokens`` and ``key_tokens`` label the axes (``key_tokens`` defaults to
+    ``query_tokens`` when ``L == S``), ``title`` heads the figure and ``dpi`` sets a PNG's
+    resolution. The format follows the file name (``.png`` or ``.svg``); the file is
+    written atomically.
 
     >>> import numpy as np, tempfile, os
     >>> from mha.plotting import plot_attention
@@ -46,19 +51,21 @@ def plot_attention(
     >>> path.name, path.stat().st_size > 0
     ('map.png', True)
     """
-    matplotlib = _matplotlib()
+    _save_format(path)
     array = np.asarray(weights)
-    if array.dtype.kind not in "fiu":
-        raise AttentionTypeError(f"weights must be numbers; got dtype {array.dtype}")
     if array.ndim == 2:
         array = array[None]
     if array.ndim != 3:
         raise ShapeError(f"weights must have shape (H, L, S) or (L, S); got {array.shape}")
+    check_weights(array)
+    matplotlib = _matplotlib()
     H, L, S = array.shape
     if visible is None:
         seen = (array != 0).any(axis=0)
+        note = "hatched: weight exactly 0 in every head (masked, or underflowed)"
     else:
         seen = np.broadcast_to(np.asarray(visible, dtype=bool), array.shape).any(axis=0)
+        note = "hatched: masked"
     for name, tokens, n in (("query_tokens", query_tokens, L), ("key_tokens", key_tokens, S)):
         if tokens is not None and len(tokens) != n:
             raise ShapeError(f"{name} has {len(tokens)} tokens but the weights have {n} positions")
@@ -102,7 +109,45 @@ def plot_attention(
         figure.colorbar(image, ax=list(axes.flat), shrink=0.8, label="attention weight")
     if title:
         figure.suptitle(title)
+    if hatches is not None:
+        figure.supxlabel(note, fontsize=8)
     return _save(figure, path, dpi)
+
+
+def check_weights(weights: Any, name: str = "weights") -> None:
+    """Refuse ``weights`` that cannot be attention weights: those are finite numbers in
+    ``[0, 1]`` and each row (last axis) sums to 1, or to 0 for a query that sees no key.
+    ``name`` is how messages refer to the array.
+
+    >>> import numpy as np
+    >>> check_weights(np.array([[0.25, 0.75], [0.0, 0.0]]))       # fine: returns None
+    >>> check_weights(np.array([[-1.0, 2.0]]), "x")
+    Traceback (most recent call last):
+    mha.AttentionValueError: x cannot be attention weights: they hold -1 (weights lie in [0, 1])
+    """
+    array = np.asarray(weights)
+    if array.dtype.kind not in "fiu":
+        raise AttentionTypeError(f"{name} must be numbers; got dtype {array.dtype}")
+    if array.size == 0:
+        return
+    if array.ndim < 1 or not np.isfinite(array).all():
+        raise AttentionValueError(f"{name} cannot be attention weights: they hold NaN or inf")
+    low, high = float(array.min()), float(array.max())
+    tolerance = 1e-3 if array.dtype.kind != "f" else 64 * float(np.finfo(array.dtype).eps)
+    if low < -tolerance or high > 1 + tolerance:
+        value = low if low < -tolerance else high
+        raise AttentionValueError(
+            f"{name} cannot be attention weights: they hold {value:.4g} (weights lie in [0, 1])"
+        )
+    sums = array.sum(axis=-1, dtype=np.float64)
+    bad = ~((np.abs(sums - 1) <= array.shape[-1] * tolerance) | (sums == 0))
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise AttentionValueError(
+            f"{name} cannot be attention weights: row {index} sums to {sums[index]:.4g}, "
+            f"not 1 or 0 (shape {array.shape}; is it the attention output rather than the "
+            "weights?)"
+        )
 
 
 def _ticks(set_ticks: Any, set_labels: Any, n: int, tokens: list[str] | None, **style: Any) -> None:
@@ -114,12 +159,17 @@ def _ticks(set_ticks: Any, set_labels: Any, n: int, tokens: list[str] | None, **
         set_labels([str(i) for i in range(n)], fontsize=7)
 
 
+def _save_format(path: Any) -> str:
+    suffix = Path(os.fspath(path)).suffix.lower()
+    if suffix not in (".png", ".svg"):
+        raise AttentionValueError(f"plots are written as .png or .svg; got {os.fspath(path)!r}")
+    return suffix[1:]
+
+
 def _save(figure: Any, path: Any, dpi: int) -> Path:
     target = Path(os.fspath(path))
-    suffix = target.suffix.lower()
-    if suffix not in (".png", ".svg"):
-        raise ValueError(f"plots are written as .png or .svg; got {target.name!r}")
-    return atomic_write(target, lambda handle: figure.savefig(handle, format=suffix[1:], dpi=dpi))
+    kind = _save_format(target)
+    return atomic_write(target, lambda handle: figure.savefig(handle, format=kind, dpi=dpi))
 
 
 def _matplotlib() -> Any:
@@ -130,6 +180,7 @@ def _matplotlib() -> Any:
         import matplotlib.patches
     except ImportError:
         raise ImportError(
-            'plots need matplotlib: pip install "mha[cli]" (or pip install matplotlib)'
+            'plots need matplotlib: pip install ".[cli]" in the mha checkout, '
+            "or pip install matplotlib"
         ) from None
     return matplotlib

@@ -62,13 +62,30 @@ def multi_head_attention_forward(
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """``torch.nn.functional.multi_head_attention_forward`` for NumPy arrays.
 
-    ``query (L, N, E)``, ``key (S, N, kdim)``, ``value (S, N, vdim)`` (sequence first), or
-    unbatched ``(L, E)``; weights in torch's ``(out, in)`` layout. Returns
-    ``(output (L, N, E), weights)`` where the weights are ``(N, L, S)`` averaged over heads,
-    ``(N, H, L, S)`` with ``average_attn_weights=False``, or ``None`` without
-    ``need_weights``. Dropout on the attention weights applies when ``training`` and
-    ``dropout_p > 0`` (torch's default ``training=True``), drawing from ``generator``
-    (a ``np.random.Generator``; a fresh one when ``None``).
+    The parameters, their order, defaults and meaning are torch's, including its mask
+    polarity (True = **may not** attend), which lives only in this module:
+
+    * ``query (L, N, E)``, ``key (S, N, kdim)``, ``value (S, N, vdim)``: sequence first, or
+      unbatched ``(L, E)``/``(S, kdim)``.
+    * ``embed_dim_to_check``: must equal ``E``; ``num_heads``: ``H``, dividing ``E``.
+    * ``in_proj_weight (3E, E)`` and ``in_proj_bias (3E,)``: the packed q, k, v projections
+      in torch's ``(out, in)`` layout; or, with ``use_separate_proj_weight=True``,
+      ``q_proj_weight (E, E)``, ``k_proj_weight (E, kdim)``, ``v_proj_weight (E, vdim)``.
+      Weights of the layout not chosen are refused rather than ignored.
+    * ``bias_k``, ``bias_v (1, 1, E)`` and ``add_zero_attn``: extra key/value pairs.
+    * ``dropout_p`` and ``training``: dropout on the weights, when ``training`` (torch's
+      default True) and ``dropout_p > 0``, drawing from ``generator`` (a
+      ``np.random.Generator``; a fresh one when ``None``).
+    * ``out_proj_weight (E_out, E)``, ``out_proj_bias (E_out,)``: the output projection.
+    * ``key_padding_mask (N, S)``: True (or a float ``-inf``) marks padding.
+    * ``attn_mask (L, S)`` or ``(N*H, L, S)``: True (or a float ``-inf``) hides a key;
+      ``is_causal`` is torch's hint that ``attn_mask`` is causal.
+    * ``static_k``, ``static_v (N*H, S, E/H)``: already projected keys and values.
+    * ``need_weights`` and ``average_attn_weights``: return the weights ``(N, L, S)``
+      averaged over heads, ``(N, H, L, S)`` with ``average_attn_weights=False``, or
+      ``None`` without ``need_weights``.
+
+    Returns ``(output (L, N, E_out), weights)``.
 
     >>> import numpy as np
     >>> x = np.random.default_rng(0).standard_normal((3, 1, 4))   # (L, N, E)
@@ -260,6 +277,18 @@ class _TorchMasks:
 def _in_projection_weights(
     E: int, kdim: int, vdim: int, separate: bool, packed: Any, W_q: Any, W_k: Any, W_v: Any
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    given = [name for name, W in (("q_proj_weight", W_q), ("k_proj_weight", W_k),
+                                  ("v_proj_weight", W_v)) if W is not None]  # fmt: skip
+    if not separate and given:
+        raise AttentionValueError(
+            f"{', '.join(given)} given with use_separate_proj_weight=False, where torch would "
+            "ignore them: pass use_separate_proj_weight=True to use them, or leave them out"
+        )
+    if separate and packed is not None:
+        raise AttentionValueError(
+            "in_proj_weight given with use_separate_proj_weight=True, where torch would ignore "
+            "it: pass in_proj_weight=None, or use_separate_proj_weight=False to use it"
+        )
     if not separate:
         if packed is None:
             raise AttentionValueError(
