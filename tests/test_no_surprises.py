@@ -6,6 +6,7 @@ code. (Reproducibility, the sixth class, is in test_reproducibility.py.)"""
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import subprocess
 import sys
@@ -246,8 +247,8 @@ def test_a_missing_extra_names_the_install_command(tmp_path, command):
         (blocker / f"{module}.py").write_text(f"raise ImportError('no {module} here')\n")
     np.save(tmp_path / "w.npy", np.full((3, 3), 1 / 3))
     output = ["--output", "out"] if command[0] == "bench" else ["-o", "out.png"]
-    result = mha_command(*command, *output,
-                         cwd=tmp_path, env={"PYTHONPATH": str(blocker)})  # fmt: skip
+    path = os.pathsep.join([str(blocker), *sys.path])  # the blockers first
+    result = mha_command(*command, *output, cwd=tmp_path, env={"PYTHONPATH": path})
     one_line_error(result, "is not installed", 'pip install ".[cli]" in the mha checkout')
     assert "No module named" not in result.stderr
     assert not (tmp_path / "out").exists()
