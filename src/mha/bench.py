@@ -404,13 +404,18 @@ def run(
     except ImportError:
         torch = None
     else:
+        threads = torch.get_num_threads()
         torch.set_num_threads(cores())
-    results = {
-        "environment": environment(torch),
-        "speed": speed(plan, torch, log),
-        "sweep": sweep(plan, torch, log),
-        "memory": memory(plan, log),
-    }
+    try:
+        results = {
+            "environment": environment(torch),
+            "speed": speed(plan, torch, log),
+            "sweep": sweep(plan, torch, log),
+            "memory": memory(plan, log),
+        }
+    finally:
+        if torch is not None:  # the caller's process, as it was
+            torch.set_num_threads(threads)
     table = markdown(results)
     output.mkdir(parents=True, exist_ok=True)
     _write(output / "benchmark.json", json.dumps(results, indent=2) + "\n")

@@ -6,10 +6,16 @@ multi-threaded call OpenBLAS keeps its threads spinning for a while, stealing co
 next step. So a call's projections, attention and output projection all run inside one
 :class:`Team`, which limits BLAS through threadpoolctl (the ``fast`` extra). Without
 threadpoolctl the default is one worker, and BLAS keeps its own threads.
+
+Every team holds BLAS to one thread, a team of one worker too. That makes each GEMM's
+rounding independent of the BLAS thread setting and of other calls running at the same time
+(OpenBLAS rounds some shapes differently on one thread and on two), so a call's result
+depends only on its inputs, ``max_memory`` and ``workers``: the reproducibility promise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -75,15 +81,40 @@ class _BlasLimit:
         with self._lock:
             controller = _blas_controller()
             if self._holders == 0 and controller is not None:
-                self._restore = controller.limit(limits=1, user_api="blas")
+                with _blas_control():
+                    self._restore = controller.limit(limits=1, user_api="blas")
             self._holders += 1
 
     def __exit__(self, *exc: object) -> None:
         with self._lock:
             self._holders -= 1
             if self._holders == 0 and self._restore is not None:
-                self._restore.restore_original_limits()
+                with _blas_control():
+                    self._restore.restore_original_limits()
                 self._restore = None
+
+
+@contextlib.contextmanager
+def _blas_control() -> Iterator[None]:
+    """Let this thread change OpenBLAS's thread count, and give the right up afterwards.
+
+    threadpoolctl 3.6 and later let only one thread (the first to ask, usually the main
+    thread) change the thread count of an OpenBLAS built on pthreads, and silently ignore
+    every other thread. mha is called from any thread, and the first and the last holder of
+    the limit may be different threads, so without this a call from a worker thread of the
+    caller's ran BLAS multi-threaded inside its team (and rounded differently). The holder
+    count above already keeps mha's own changes from fighting each other.
+    """
+    try:
+        from threadpoolctl import OpenBLASController
+    except ImportError:  # older threadpoolctl: any thread may change the limits
+        yield
+        return
+    OpenBLASController.clear_controlling_thread(force=True)
+    try:
+        yield
+    finally:
+        OpenBLASController.clear_controlling_thread(force=True)
 
 
 _BLAS_LIMIT = _BlasLimit()
@@ -92,8 +123,9 @@ _BLAS_LIMIT = _BlasLimit()
 class Team:
     """``workers`` threads for the length of a ``with`` block (none when ``workers`` is 1).
 
-    While a team runs, BLAS is held to one thread in the whole process, so another thread's
-    large NumPy matmul runs single-threaded for that time too.
+    While a team runs, BLAS is held to one thread in the whole process (when threadpoolctl
+    is installed), so another thread's large NumPy matmul runs single-threaded for that time
+    too.
     """
 
     def __init__(self, workers: int) -> None:
@@ -102,8 +134,8 @@ class Team:
         self._stack = ExitStack()
 
     def __enter__(self) -> Team:
+        self._stack.enter_context(_BLAS_LIMIT)
         if self.workers > 1:
-            self._stack.enter_context(_BLAS_LIMIT)
             self._pool = self._stack.enter_context(ThreadPoolExecutor(self.workers))
         return self
 

@@ -101,3 +101,24 @@ def _lookup(array: np.ndarray, layout: dict[str, Any], b: int, h: int, i: int, j
         array = array[:, None]
     full = np.broadcast_to(array, (layout["B"], layout["H"], layout["L"], layout["S"]))
     return full[b, h, i, j]
+
+
+def loop_log_sum_exp(
+    q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray, config: dict[str, Any]
+) -> np.ndarray:
+    """``log sum_j exp(logit_ij)`` over the visible keys of split heads ``q (B, H, L, d)``,
+    ``k (B, H, S, d)``, in Python floats with ``math.fsum``; ``-inf`` where none is visible."""
+    B, H, L, S = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    out = np.full((B, H, L), -math.inf)
+    for b, h, i in np.ndindex(B, H, L):
+        logits = [
+            math.fsum(float(x) * float(y) for x, y in zip(q[b, h, i], k[b, h, j], strict=True))
+            * scale
+            + float(bias[b, h, i, j])
+            for j in range(S)
+            if visible(config, b, h, i, j)
+        ]
+        if logits:
+            top = max(logits)
+            out[b, h, i] = top + math.log(math.fsum(math.exp(x - top) for x in logits))
+    return out
