@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from support.configs import relative_error
 
-from mha import bench
+from mha.cli import bench
 
 
 @pytest.mark.parametrize("causal", [False, True])

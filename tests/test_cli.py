@@ -139,7 +139,8 @@ def test_check_compares_with_torch_and_says_when_torch_is_absent(tmp_path, torch
     assert "4 of 4 configurations within 1e-12 (float64) and 2e-5 (float32)" in result.stdout
     (tmp_path / "blocker").mkdir()
     (tmp_path / "blocker" / "torch.py").write_text("raise ImportError('no torch here')\n")
-    result = mha_command("check", cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "blocker")})
+    path = os.pathsep.join([str(tmp_path / "blocker"), *sys.path])  # the blocker first
+    result = mha_command("check", cwd=tmp_path, env={"PYTHONPATH": path})
     assert result.returncode == 1
     assert "torch is not installed" in result.stderr and "Traceback" not in result.stderr
 
@@ -206,7 +207,7 @@ def test_inconsistent_options_are_refused(tmp_path):
 
 
 def test_masked_cells_are_drawn_apart(tmp_path):
-    from mha.plotting import plot_attention
+    from mha.cli.plots import plot_attention
 
     causal = np.tril(np.ones((2, 4, 4))) / np.arange(1, 5)[:, None]
     text = plot_attention(causal, tmp_path / "masked.svg").read_text()

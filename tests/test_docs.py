@@ -7,7 +7,8 @@ import inspect
 import pytest
 
 import mha
-from mha import plotting, torch_compat
+from mha import torch_compat
+from mha.cli import plots as plotting
 
 
 def public_objects():

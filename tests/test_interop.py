@@ -11,7 +11,8 @@ import pytest
 from support.configs import relative_error
 
 import mha
-from mha import MultiHeadAttention, WeightsFileError, interop
+from mha import MultiHeadAttention, WeightsFileError
+from mha.integrations import npz
 
 
 def torch_module(torch, seed, *, dtype="float64", batch_first=True):
@@ -93,7 +94,7 @@ def test_state_dict_round_trips_are_exact(seed, torch):
     fresh.load_state_dict({name: torch.as_tensor(value) for name, value in state.items()})
     for name, value in fresh.state_dict().items():
         np.testing.assert_array_equal(value.numpy(), module.state_dict()[name].numpy())
-    for name in interop.WEIGHT_NAMES:
+    for name in npz.WEIGHT_NAMES:
         a, b = getattr(from_state, name), getattr(from_module, name)
         assert (a is None and b is None) or np.array_equal(a, b)
     again = MultiHeadAttention.from_torch(state, num_heads=from_module.num_heads)
@@ -209,7 +210,7 @@ def test_save_and_load_round_trip_exactly(make, tmp_path):
     module.save(path)
     loaded = MultiHeadAttention.load(path)
     assert repr(loaded) == repr(module)
-    for name in interop.WEIGHT_NAMES:
+    for name in npz.WEIGHT_NAMES:
         a, b = getattr(module, name), getattr(loaded, name)
         assert (a is None and b is None) or (np.array_equal(a, b) and a.dtype == b.dtype)
     X = np.random.default_rng(0).standard_normal((2, 3, 8 if module.d_model == 8 else 12))
@@ -285,7 +286,7 @@ def test_an_interrupted_save_leaves_the_old_file_intact(failure, tmp_path, monke
             archive.writestr("W_q.npy", b"\x93NUMPY partial")
         raise failure
 
-    monkeypatch.setattr(interop.np, "savez", savez_that_fails)
+    monkeypatch.setattr(npz.np, "savez", savez_that_fails)
     with pytest.raises(type(failure)):
         MultiHeadAttention(8, 2, seed=1).save(path)
     assert path.read_bytes() == before
@@ -334,7 +335,7 @@ def test_every_damaged_byte_is_caught_or_harmless(tmp_path):
             except WeightsFileError:
                 outcomes["refused"] += 1
                 continue
-            for name in interop.WEIGHT_NAMES:
+            for name in npz.WEIGHT_NAMES:
                 np.testing.assert_array_equal(getattr(loaded, name), getattr(module, name))
             assert repr(loaded) == repr(module)
             outcomes["identical"] += 1

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import mha
-from mha import parallel
+from mha._kernel import team as parallel
 
 
 def blas_threads():

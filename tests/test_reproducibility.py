@@ -12,7 +12,7 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 import mha
-from mha import bench
+from mha.cli import bench
 
 r = np.random.default_rng(11)
 X = r.standard_normal((2, 300, 64))
@@ -108,7 +108,7 @@ def test_every_call_holds_blas_to_one_thread_while_it_runs(workers, caller, monk
     others; a call made from any thread must still run its GEMMs on one BLAS thread."""
     from threadpoolctl import threadpool_info
 
-    from mha import parallel
+    from mha._kernel import team as parallel
 
     seen = []
     original = parallel.Team.matmul

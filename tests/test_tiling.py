@@ -13,7 +13,8 @@ from support.configs import call_args, random_config, relative_error
 from support.reference import loop_log_sum_exp
 
 import mha
-from mha import kernel, parallel
+from mha._kernel import forward as kernel
+from mha._kernel import team as parallel
 
 # (keys per tile, scratch budget in bytes, workers): from one-key tiles to uneven ones
 TILINGS = [

@@ -21,10 +21,10 @@ from ._arrays import (
 from ._arrays import (
     flag as _flag,
 )
+from ._kernel.contract import Visibility
+from ._kernel.forward import DEFAULT_MAX_MEMORY, attend
+from ._kernel.team import Team, workers_for
 from .errors import AttentionTypeError, AttentionValueError, ShapeError
-from .kernel import DEFAULT_MAX_MEMORY, attend
-from .masks import Visibility
-from .parallel import Team, workers_for
 
 __all__ = ["merge_attention", "multi_head_attention", "scaled_dot_product_attention"]
 

@@ -8,10 +8,12 @@ from typing import Any
 import numpy as np
 
 from ._arrays import as_array, as_float_array, flag, positive_int
-from .errors import AttentionTypeError, AttentionValueError, ShapeError
+from .errors import AttentionTypeError, AttentionValueError, ShapeError, WeightsFileError
 from .functional import multi_head_attention
 
 __all__ = ["MultiHeadAttention"]
+
+_WEIGHT_NAMES = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v")
 
 
 class MultiHeadAttention:
@@ -222,7 +224,17 @@ class MultiHeadAttention:
             f"bias={self.has_bias}{extras}, dtype={self.dtype.name})"
         )
 
-    # Weights trained elsewhere, and files. The work is done in mha.interop.
+    # Weights trained elsewhere, and files. The layouts are converted in mha.integrations,
+    # which works on plain dicts of weights and never imports this module.
+
+    def weights(self) -> dict[str, np.ndarray | None]:
+        """The weights by attribute name (``W_q``, ..., ``b_o``, ``bias_k``, ``bias_v``;
+        ``None`` where absent): the arrays themselves, not copies.
+
+        >>> sorted(name for name, W in MultiHeadAttention(4, 2).weights().items() if W is not None)
+        ['W_k', 'W_o', 'W_q', 'W_v']
+        """
+        return {name: getattr(self, name) for name in _WEIGHT_NAMES}
 
     @classmethod
     def from_torch(
@@ -240,9 +252,10 @@ class MultiHeadAttention:
         >>> MultiHeadAttention.from_torch(state, num_heads=2)
         MultiHeadAttention(d_model=4, num_heads=2, bias=False, dtype=float64)
         """
-        from .interop import from_torch
+        from .integrations.pytorch import weights_from_torch
 
-        return from_torch(cls, source, num_heads, add_zero_attn)
+        weights, heads, zero = weights_from_torch(source, num_heads, add_zero_attn)
+        return cls._from_weights(weights, heads, zero, "state dict")
 
     def to_torch_state_dict(self, *, tensors: bool = False) -> dict[str, Any]:
         """The weights as a ``torch.nn.MultiheadAttention`` state dict: NumPy arrays, or with
@@ -256,14 +269,10 @@ class MultiHeadAttention:
         >>> sorted(MultiHeadAttention(4, 2, bias=True).to_torch_state_dict())
         ['in_proj_bias', 'in_proj_weight', 'out_proj.bias', 'out_proj.weight']
         """
-        from .interop import to_torch_state_dict
+        from .integrations.pytorch import as_tensors, torch_state_dict
 
-        state = to_torch_state_dict(self)
-        if not flag("tensors", tensors):
-            return dict(state)
-        import torch
-
-        return {name: torch.from_numpy(array.copy()) for name, array in state.items()}
+        state = torch_state_dict(self.weights())
+        return as_tensors(state) if flag("tensors", tensors) else dict(state)
 
     def to_torch(self, *, batch_first: bool = True) -> Any:
         """A ``torch.nn.MultiheadAttention`` in eval mode holding these weights, built with
@@ -275,9 +284,10 @@ class MultiHeadAttention:
         >>> module.bias_k is None, module.in_proj_bias is None   # doctest: +SKIP
         (True, True)
         """
-        from .interop import to_torch
+        from .integrations.pytorch import torch_module
 
-        return to_torch(self, flag("batch_first", batch_first))
+        first = flag("batch_first", batch_first)
+        return torch_module(self.weights(), self.num_heads, self.add_zero_attn, first)
 
     @classmethod
     def from_gpt2(
@@ -295,9 +305,10 @@ class MultiHeadAttention:
         ...                              np.zeros(E), num_heads=2)
         MultiHeadAttention(d_model=4, num_heads=2, bias=True, dtype=float64)
         """
-        from .interop import from_gpt2
+        from .integrations.transformers import weights_from_gpt2
 
-        return from_gpt2(cls, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, num_heads)
+        weights = weights_from_gpt2(c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias)
+        return cls._from_weights(weights, positive_int("num_heads", num_heads), False, "GPT-2")
 
     def save(self, path: Any) -> None:
         """Write configuration and weights to ``path`` as ``.npz``, atomically: a complete
@@ -310,9 +321,9 @@ class MultiHeadAttention:
         >>> os.listdir(os.path.dirname(path))
         ['attention.npz']
         """
-        from .interop import save
+        from .integrations import npz
 
-        save(self, path)
+        npz.save(path, self._config(), self.weights())
 
     @classmethod
     def load(cls, path: Any) -> MultiHeadAttention:
@@ -327,9 +338,32 @@ class MultiHeadAttention:
         >>> loaded, bool(np.array_equal(loaded.W_q, saved.W_q))
         (MultiHeadAttention(d_model=8, num_heads=2, bias=True, dtype=float64), True)
         """
-        from .interop import load
+        from .integrations import npz
 
-        return load(cls, path)
+        config, weights = npz.load(path)
+        try:
+            module = cls._from_weights(
+                weights, config["num_heads"], config["add_zero_attn"], "the weights"
+            )
+        except (AttentionValueError, TypeError) as error:
+            raise WeightsFileError(f"cannot load {path}: {error}") from None
+        found = module._config()
+        differences = [
+            f"{key}={config.get(key)!r} but the weights give {found[key]!r}"
+            for key in found
+            if config.get(key) != found[key]
+        ]
+        if differences:
+            raise WeightsFileError(f"cannot load {path}: its config says " + "; ".join(differences))
+        return module
+
+    def _config(self) -> dict[str, Any]:
+        """What a saved file records besides the weights, checked again when it is loaded."""
+        return {
+            "d_model": self.d_model, "num_heads": self.num_heads, "kdim": self.kdim,
+            "vdim": self.vdim, "bias": self.has_bias, "add_bias_kv": self.bias_k is not None,
+            "add_zero_attn": self.add_zero_attn, "dtype": self.dtype.name,
+        }  # fmt: skip
 
     @classmethod
     def _from_weights(

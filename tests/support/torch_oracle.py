@@ -1,8 +1,8 @@
 """PyTorch as the oracle: the same computation done by torch, from the configuration alone.
 
 The visibility mask is rebuilt here with torch operations (``tril`` for causality, ``arange``
-comparisons for lengths), independently of ``mha.masks``. Rows that can see no key are set
-to the contract's answer (zero attention output) because torch gives NaN there.
+comparisons for lengths), independently of ``mha._kernel.contract``. Rows that can see no
+key are set to the contract's answer (zero attention output) because torch gives NaN there.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Speed and memory, measured: mha beside the textbook NumPy version and PyTorch.
 
-    python -m mha.bench                         # everything, results under benchmarks/results
-    python -m mha.bench --quick                 # fewer repeats, no 32768-token memory run
-    python -m mha.bench --smoke                 # tiny sizes in seconds: checks the set-up
+    python -m mha.cli.bench                         # everything, results under benchmarks/results
+    python -m mha.cli.bench --quick                 # fewer repeats, no 32768-token memory run
+    python -m mha.cli.bench --smoke                 # tiny sizes in seconds: checks the set-up
 
 Speed: each shape runs every implementation in one process, interleaved (the order rotates
 every round), and reports medians, GFLOP/s (useful FLOPs: projections plus the visible
@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from ._files import atomic_write
-from .functional import multi_head_attention
-from .parallel import cores
+from .._files import atomic_write
+from .._kernel.team import cores
+from ..functional import multi_head_attention
 
 
 @dataclass(frozen=True)
@@ -427,7 +427,7 @@ def run(
 
 def chart(results: dict[str, Any], path: Path) -> Path:
     """Time and peak memory against sequence length: mha beside textbook NumPy and torch."""
-    from .plotting import _matplotlib, _save
+    from .plots import _matplotlib, _save
 
     matplotlib = _matplotlib()
     figure = matplotlib.figure.Figure(figsize=(10, 4), layout="constrained")
@@ -460,7 +460,9 @@ def chart(results: dict[str, Any], path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mha.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m mha.cli.bench", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per implementation")
     sizes = parser.add_mutually_exclusive_group()
     sizes.add_argument("--quick", action="store_true", help="3 repeats, lengths up to 16384")

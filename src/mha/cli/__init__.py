@@ -18,12 +18,12 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from . import __version__
-from ._files import UnreadableFileError, atomic_write, read_arrays, writable_problem
-from .errors import AttentionError
-from .functional import multi_head_attention
-from .masks import Visibility
-from .module import MultiHeadAttention
+from .. import __version__
+from .._files import UnreadableFileError, atomic_write, read_arrays, writable_problem
+from .._kernel.contract import Visibility
+from ..errors import AttentionError
+from ..functional import multi_head_attention
+from ..module import MultiHeadAttention
 
 EXIT_USAGE = 2
 DATA_KEYS = ("Q", "K", "V", "W_q", "W_k", "W_v", "W_o")
@@ -370,7 +370,7 @@ def _plot_format(path: Path, option: str) -> None:
 
 
 def run_plot(args: argparse.Namespace) -> int:
-    plotting = _needs("mha.plotting", "matplotlib")
+    plotting = _needs("mha.cli.plots", "matplotlib")
     _check_output(
         args.output, "--output",
         {"--weights": args.weights, "--input": args.input, "--module": args.module},
@@ -436,7 +436,7 @@ def _needs(module: str, *requirements: str) -> Any:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    plot_attention = _needs("mha.plotting", "matplotlib", "rich").plot_attention
+    plot_attention = _needs("mha.cli.plots", "matplotlib", "rich").plot_attention
     from rich.console import Console
 
     _plot_format(args.output, "--output")
@@ -493,7 +493,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    bench = _needs("mha.bench", "matplotlib", "rich")
+    bench = _needs("mha.cli.bench", "matplotlib", "rich")
     from rich.console import Console
     from rich.progress import Progress
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ._files import atomic_write
-from .errors import AttentionTypeError, AttentionValueError, ShapeError
+from .._files import atomic_write
+from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 
 __all__ = ["check_weights", "plot_attention"]
 
@@ -44,7 +44,7 @@ def plot_attention(
     written atomically.
 
     >>> import numpy as np, tempfile, os
-    >>> from mha.plotting import plot_attention
+    >>> from mha.cli.plots import plot_attention
     >>> weights = np.tril(np.ones((2, 3, 3))) / np.arange(1, 4)[:, None]  # causal, uniform
     >>> path = plot_attention(weights, os.path.join(tempfile.mkdtemp(), "map.png"),
     ...                       query_tokens=["the", "cat", "sat"])

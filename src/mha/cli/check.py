@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .functional import multi_head_attention
+from ..functional import multi_head_attention
 
 TOLERANCE = {"float64": 1e-12, "float32": 2e-5}
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from .masks import ItemVisibility, Visibility
-from .parallel import Team
+from .contract import ItemVisibility, Visibility
+from .team import Team
 
 __all__ = ["DEFAULT_MAX_MEMORY", "Tiles", "attend", "plan_tiles"]
 

@@ -19,7 +19,7 @@ every one of these that was given allows it:
 A query row that can see no key gets all-zero weights and a zero attention output.
 
 >>> import numpy as np
->>> from mha.masks import Visibility
+>>> from mha._kernel.contract import Visibility
 >>> vis = Visibility.build(batch_shape=(1,), H=1, L=2, S=3, causal=True, key_lengths=[2])
 >>> vis.allowed()[0, 0]
 array([[ True,  True, False],
@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from ._arrays import as_array, as_float_array, flag
-from .errors import AttentionTypeError, AttentionValueError, ShapeError
+from .._arrays import as_array, as_float_array, flag
+from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 
 __all__ = ["CAUSAL_ALIGNMENTS", "Visibility"]
 

@@ -1,0 +1,93 @@
+"""mha's own weights file: an ``.npz`` of named arrays and a JSON config, never a pickle.
+
+Written atomically; read back with every entry and shape checked against the config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._files import UnreadableFileError, atomic_write, read_arrays, writable_problem
+from ..errors import WeightsFileError
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "WEIGHT_NAMES", "load", "save"]
+
+FORMAT = "mha.MultiHeadAttention"
+FORMAT_VERSION = 1
+WEIGHT_NAMES = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v")
+
+
+def save(path: Any, config: dict[str, Any], weights: dict[str, np.ndarray | None]) -> None:
+    """``config`` and the ``weights`` that are not ``None`` as ``.npz``, written atomically."""
+    target = Path(os.fspath(path))
+    config = {"format": FORMAT, "version": FORMAT_VERSION, **config}
+    entries: dict[str, Any] = {name: W for name, W in weights.items() if W is not None}
+    entries["config"] = np.array(json.dumps(config))
+    problem = writable_problem(target)
+    if problem:
+        raise WeightsFileError(f"cannot save to {target}: {problem}")
+    try:
+        atomic_write(target, lambda handle: np.savez(handle, **entries))
+    except OSError as error:
+        raise WeightsFileError(f"cannot save to {target}: {error.strerror or error}") from None
+
+
+def load(path: Any) -> tuple[dict[str, Any], dict[str, np.ndarray | None]]:
+    """The config and weights of a file written by :func:`save`, each entry's presence and
+    shape checked against the config, which a damaged array cannot change."""
+    target = Path(os.fspath(path))
+    try:
+        contents = read_arrays(target, "an .npz file written by MultiHeadAttention.save()")
+    except UnreadableFileError as error:
+        raise WeightsFileError(f"cannot load {error}") from None
+    if not isinstance(contents, dict):
+        raise WeightsFileError(
+            f"cannot load {target}: it holds a single array, not an .npz file written by save()"
+        )
+    if "config" not in contents:
+        raise WeightsFileError(f"cannot load {target}: it has no 'config' entry")
+    try:
+        config = json.loads(str(contents.pop("config")))
+        if config.get("format") != FORMAT:
+            raise ValueError(f"format is {config.get('format')!r}, not {FORMAT!r}")
+        if config.get("version") != FORMAT_VERSION:
+            raise ValueError(f"format version {config.get('version')} is not {FORMAT_VERSION}")
+        expected = _expected_shapes(config)
+        missing = [key for key in ("num_heads", "add_zero_attn") if key not in config]
+        if missing:
+            raise KeyError(f"no {', '.join(missing)}")
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise WeightsFileError(f"cannot load {target}: bad config entry ({error})") from None
+    unknown = sorted(set(contents) - set(WEIGHT_NAMES))
+    if unknown:
+        raise WeightsFileError(f"cannot load {target}: unexpected entries {unknown}")
+    summary = ", ".join(f"{key}={config[key]}" for key in ("d_model", "kdim", "vdim"))
+    for name in WEIGHT_NAMES:  # against the config, which a damaged array cannot change
+        shape = expected.get(name)
+        if (name in contents) != (shape is not None):
+            state = "has" if name in contents else "lacks"
+            raise WeightsFileError(
+                f"cannot load {target}: it {state} {name}, which its config "
+                f"(bias={config['bias']}, add_bias_kv={config['add_bias_kv']}) "
+                f"{'does not call for' if name in contents else 'calls for'}"
+            )
+        if shape is not None and contents[name].shape != shape:
+            raise WeightsFileError(
+                f"cannot load {target}: {name} has shape {contents[name].shape} but its config "
+                f"({summary}) calls for {shape}"
+            )
+    return config, {name: contents.get(name) for name in WEIGHT_NAMES}
+
+
+def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The shape of every weight a file with this config holds."""
+    E, kdim, vdim = (int(config[key]) for key in ("d_model", "kdim", "vdim"))
+    shapes = {"W_q": (E, E), "W_k": (kdim, E), "W_v": (vdim, E), "W_o": (E, E)}
+    vectors = [*("b_q", "b_k", "b_v", "b_o")] if config["bias"] else []
+    vectors += ["bias_k", "bias_v"] if config["add_bias_kv"] else []
+    return {**shapes, **{name: (E,) for name in vectors}}
