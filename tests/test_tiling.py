@@ -34,6 +34,7 @@ def tiny_tiles(monkeypatch):
 
     def set_key_tile(cols):
         monkeypatch.setattr(kernel, "KEY_TILE", cols)
+        monkeypatch.setattr(kernel, "WIDE_KEY_TILE", cols)
 
     return set_key_tile
 
@@ -67,8 +68,11 @@ def test_tiles_and_workers_change_results_only_by_rounding(seed, tiny_tiles, rec
         assert relative_error(weights, expected_weights) <= 1e-12
 
 
-def test_tilings_really_are_ragged_and_many():
-    plans = [kernel.plan_tiles(37, 45, 1, 4, 4, 8, budget) for _, budget, _ in TILINGS]
+def test_tilings_really_are_ragged_and_many(tiny_tiles):
+    plans = []
+    for cols, budget, _ in TILINGS:
+        tiny_tiles(cols)
+        plans.append(kernel.plan_tiles(37, 45, 1, 4, 4, 8, budget))
     assert any(37 % plan.rows and 45 % plan.cols for plan in plans)
     assert min(plan.rows for plan in plans) < 37 and min(plan.cols for plan in plans) < 45
 

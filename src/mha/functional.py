@@ -22,7 +22,7 @@ from ._arrays import (
     flag as _flag,
 )
 from ._kernel.contract import Visibility
-from ._kernel.forward import DEFAULT_MAX_MEMORY, attend
+from ._kernel.forward import DEFAULT_MAX_MEMORY, attend, merge_partials
 from ._kernel.team import Team, workers_for
 from .errors import AttentionTypeError, AttentionValueError, ShapeError
 
@@ -388,20 +388,10 @@ def merge_attention(outputs: Any, lses: Any) -> tuple[np.ndarray, np.ndarray]:
     result_dtype, compute_dtype = result_and_compute_dtypes(*outs)
     _, lse_dtype = result_and_compute_dtypes(*outs, *logs)
     with np.errstate(invalid="ignore", over="ignore"):
-        stacked = np.stack([lse.astype(lse_dtype, copy=False) for lse in logs])  # (P, ..., L)
-        top = stacked.max(axis=0)
-        top[top == -np.inf] = 0.0  # rows that see no key in any part
-        share = np.exp(stacked - top)  # each part's sum of exp, relative to the top
-        total = share.sum(axis=0)
-        merged = np.zeros(outs[0].shape, dtype=compute_dtype)
-        for out, part in zip(outs, share, strict=True):
-            weight = part[..., None].astype(compute_dtype, copy=False)
-            merged += np.where(weight > 0, weight * out, 0.0)  # a part that saw no key adds 0
-        empty = total == 0.0
-        total[empty] = 1.0
-        merged /= total[..., None].astype(compute_dtype, copy=False)
-        lse_merged = top + np.log(total)
-        lse_merged[empty] = -np.inf
+        merged, lse_merged = merge_partials(
+            [out.astype(compute_dtype, copy=False) for out in outs],
+            [lse.astype(lse_dtype, copy=False) for lse in logs],
+        )
     return _cast(merged, result_dtype), lse_merged
 
 

@@ -7,9 +7,12 @@ every one of these that was given allows it:
 * ``mask``: a boolean array, **True = may attend**, broadcastable to ``(*batch, H, L, S)``.
   An array with the batch axes and ``(L, S)`` but no head axis (``(B, L, S)``) is accepted
   and applies to every head.
-* ``causal``: ``j <= i + (S - L)`` (``causal_alignment="bottom_right"``, the default: the
-  last query sees every key) or ``j <= i`` (``"top_left"``, PyTorch's ``is_causal``).
-  ``causal_alignment`` without a causal mask is refused: it would change nothing.
+* ``causal``: ``j <= i + offset`` with ``offset = S - L`` (``causal_alignment=
+  "bottom_right"``, the default: the last query sees every key) or ``offset = 0``
+  (``"top_left"``, PyTorch's ``is_causal``). ``causal_alignment`` without a causal mask or a
+  window is refused: it would change nothing.
+* ``window``: a sliding window, ``(i + offset) - j < window`` (transformers'
+  ``sliding_window``): each query sees at most ``window`` keys, itself included.
 * ``key_lengths``: integers of the batch shape; keys at index ``>= length`` are padding.
 * ``query_lengths``: integers of the batch shape; query rows at index ``>= length`` are
   padding, see no key, and get a zero attention output (after the output projection of
@@ -34,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import as_array, as_float_array, flag
+from .._arrays import as_array, as_float_array, flag, positive_int
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 
 __all__ = ["CAUSAL_ALIGNMENTS", "Visibility"]
@@ -55,10 +58,13 @@ class Visibility:
     S: int
     mask: np.ndarray | None = None
     bias: np.ndarray | None = None
-    causal_offset: int | None = None
+    causal_offset: int = 0  # the alignment's offset: S - L, or 0 for top-left
     key_lengths: np.ndarray | None = None
     query_lengths: np.ndarray | None = None
     bias_hides_keys: bool = False
+    causal: bool = False
+    window: int | None = None
+    offsets: np.ndarray | None = None  # per sequence, overriding causal_offset (the KV cache)
 
     @classmethod
     def build(
@@ -74,12 +80,16 @@ class Visibility:
         key_lengths: Any = None,
         query_lengths: Any = None,
         bias: Any = None,
+        window: Any = None,
+        offsets: np.ndarray | None = None,
         dtype: Any = np.float64,
         context: str = "",
     ) -> Visibility:
         """Check every masking argument against the scores' shape and keep the parts.
 
-        ``context`` (such as "Q (2, 5, 8), K (2, 6, 8)") is added to length errors."""
+        ``context`` (such as "Q (2, 5, 8), K (2, 6, 8)") is added to length errors.
+        ``offsets`` (internal, for the KV cache) gives each sequence its own alignment
+        offset ``i + offset`` for the causal mask and the window."""
         full = (*batch_shape, H, L, S)
         mask_is_causal, mask_array = _split_mask(mask)
         causal = flag("causal", causal) or mask_is_causal
@@ -89,14 +99,13 @@ class Visibility:
             raise AttentionValueError(
                 f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}; got {causal_alignment!r}"
             )
-        if causal_alignment is not None and not causal:
+        window = None if window is None else positive_int("window", window)
+        if causal_alignment is not None and not causal and window is None:
             raise AttentionValueError(
                 f"causal_alignment={causal_alignment!r} has no effect without a causal mask: "
                 "pass causal=True (or mask=True) with it, or leave it out"
             )
-        offset = None
-        if causal:
-            offset = 0 if causal_alignment == "top_left" else S - L
+        offset = 0 if causal_alignment == "top_left" else S - L
         if mask_array is not None:
             mask_array = _fit_to_scores("mask", mask_array, full, batch_shape)
         bias_array = None
@@ -119,14 +128,20 @@ class Visibility:
                 "query_lengths", query_lengths, batch_shape, L, "query", context
             ),
             bias_hides_keys=hides,
+            causal=causal,
+            window=window,
+            offsets=offsets,
         )
 
     def item(self, batch: tuple[int, ...], heads: slice) -> ItemVisibility:
         """The parts that apply to one batch index and a run of its heads."""
+        offset = self.causal_offset if self.offsets is None else int(self.offsets[batch])
         return ItemVisibility(
             key_end=self.S if self.key_lengths is None else int(self.key_lengths[batch]),
             query_end=self.L if self.query_lengths is None else int(self.query_lengths[batch]),
-            causal_offset=self.causal_offset,
+            offset=offset,
+            causal=self.causal,
+            window=self.window,
             mask=_select(self.mask, batch, heads),
             bias=_select(self.bias, batch, heads),
             bias_hides_keys=self.bias_hides_keys,
@@ -156,7 +171,9 @@ class ItemVisibility:
 
     key_end: int
     query_end: int
-    causal_offset: int | None
+    offset: int  # query i is aligned with key i + offset (causal mask and window)
+    causal: bool
+    window: int | None
     mask: np.ndarray | None  # True = may attend
     bias: np.ndarray | None
     bias_hides_keys: bool
@@ -164,21 +181,32 @@ class ItemVisibility:
     def key_stop(self, r0: int, r1: int) -> int:
         """One past the last key that any query in rows ``[r0, r1)`` may see."""
         stop = self.key_end
-        if self.causal_offset is not None:
-            stop = min(stop, r1 + self.causal_offset)
+        if self.causal:
+            stop = min(stop, r1 + self.offset)
         return max(stop, 0)
+
+    def key_start(self, r0: int, r1: int) -> int:
+        """The first key that any query in rows ``[r0, r1)`` may see (the window's edge)."""
+        if self.window is None:
+            return 0
+        return max(0, r0 + self.offset - self.window + 1)
 
     def bias_block(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray | None:
         return None if self.bias is None else _block(self.bias, r0, r1, c0, c1)
 
     def hidden(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray | None:
-        """Boolean ``(G or 1, r1 - r0, c1 - c0)``: True where the causal mask, the boolean
-        mask or a ``-inf`` bias hides the key; ``None`` when nothing in the block is hidden.
-        Padding is not included: the kernel's loops stop at it."""
+        """Boolean ``(G or 1, r1 - r0, c1 - c0)``: True where the causal mask, the window,
+        the boolean mask or a ``-inf`` bias hides the key; ``None`` when nothing in the
+        block is hidden. Padding is not included: the kernel's loops stop at it."""
         hidden = None
-        offset = self.causal_offset
-        if offset is not None and c1 - 1 > r0 + offset:  # the block crosses the diagonal
+        offset = self.offset
+        if self.causal and c1 - 1 > r0 + offset:  # the block crosses the diagonal
             hidden = np.arange(c0, c1)[None, :] > np.arange(r0 + offset, r1 + offset)[:, None]
+        if self.window is not None and c0 <= r1 - 1 + offset - self.window:  # the band's edge
+            below = np.arange(c0, c1)[None, :] <= np.arange(r0, r1)[:, None] + (
+                offset - self.window
+            )
+            hidden = below if hidden is None else hidden | below
         if self.mask is not None:
             hidden = _or(hidden, ~_block(self.mask, r0, r1, c0, c1))
         if self.bias_hides_keys and self.bias is not None:

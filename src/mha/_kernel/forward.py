@@ -17,13 +17,22 @@ stable softmax, so tile sizes change results only by rounding. Rows that see no 
 are asked for; otherwise memory beyond the inputs and outputs is a fixed scratch per worker.
 
 Masks are cut per tile: causal skips every tile above the diagonal and masks only tiles that
-cross it; ``key_lengths`` and ``query_lengths`` bound the loops; boolean masks and bias are
-sliced. Items run on a thread pool (NumPy releases the GIL in BLAS calls and ufuncs), with
-BLAS limited to one thread inside the workers when threadpoolctl is installed.
+cross it, a sliding window skips every tile below its band; ``key_lengths`` and
+``query_lengths`` bound the loops; boolean masks and bias are sliced. Items run on a thread
+pool (NumPy releases the GIL in BLAS calls and ufuncs), with BLAS limited to one thread
+inside the workers when threadpoolctl is installed.
+
+Grouped-query attention: with ``H`` query heads and ``H_kv`` key/value heads, the
+``H / H_kv`` query heads of one group are stacked into one tile of rows that shares the
+group's key and value tiles, so the repeated keys are never built. When a call has fewer
+work items than workers (decoding one token against a long cache), each item's keys are
+split into chunks that run on different workers, and the partial results are combined with
+the log-sum-exp merge (flash-decoding).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +42,7 @@ import numpy as np
 from .contract import ItemVisibility, Visibility
 from .team import Team
 
-__all__ = ["DEFAULT_MAX_MEMORY", "Tiles", "attend", "plan_tiles"]
+__all__ = ["DEFAULT_MAX_MEMORY", "Tiles", "attend", "merge_partials", "plan_tiles"]
 
 DEFAULT_MAX_MEMORY = 4 * 2**20
 """Bytes of scratch each worker may use for its tiles, unless the caller says otherwise."""
@@ -41,12 +50,21 @@ DEFAULT_MAX_MEMORY = 4 * 2**20
 KEY_TILE = 512
 """Keys per tile when the memory budget allows it."""
 
+WIDE_KEY_TILE = 8192
+"""Keys per tile for tiles of few rows (decoding), where Python's per-tile cost dominates."""
+
+WIDE_BELOW_ROWS = 64
+"""Stacked rows under which a tile takes ``WIDE_KEY_TILE`` keys."""
+
+SPLIT_MIN_KEYS = 2048
+"""The fewest keys worth a chunk of their own when keys are split over workers."""
+
 
 @dataclass(frozen=True)
 class Tiles:
-    rows: int  # queries per tile
+    rows: int  # queries per tile, per query head
     cols: int  # keys per tile
-    heads: int  # heads per work item (more than one only when a head's rows fit in a tile)
+    heads: int  # key/value heads per work item (more than one only when all rows fit)
 
 
 def plan_tiles(
@@ -58,25 +76,29 @@ def plan_tiles(
     itemsize: int,
     max_memory: int,
     whole_rows: bool = False,
+    group: int = 1,
 ) -> Tiles:
     """Tile sizes whose scratch fits in ``max_memory`` bytes.
 
-    A tile of ``rows x cols`` scores needs the scores themselves, a few boolean masks of the
-    same size, the scaled query rows and two accumulators of width ``d_v``. ``whole_rows``
-    keeps every key in one tile (used when the weights are returned). When all of a head's
-    rows fit, several heads share a work item, which keeps Python's per-tile cost small.
+    ``H`` counts key/value heads, each serving ``group`` query heads whose rows are stacked
+    in one tile. A tile of ``R x cols`` scores (``R = group * rows``) needs the scores, a few
+    boolean masks of the same size, the scaled query rows and two accumulators of width
+    ``d_v``. ``whole_rows`` keeps every key in one tile (used when the weights are
+    returned). When all of a head's rows fit, several heads share a work item, which keeps
+    Python's per-tile cost small.
     """
     per_pair = itemsize + 3
     per_row = (d_k + 2 * d_v + 6) * itemsize
-    cols = max(1, S if whole_rows else min(S, KEY_TILE))
-    rows = max_memory // (cols * per_pair + per_row)
-    if rows < 16 and not whole_rows:  # a small budget: narrower key tiles keep rows useful
+    wide = group * max(L, 1) < WIDE_BELOW_ROWS
+    cols = max(1, S if whole_rows else min(S, WIDE_KEY_TILE if wide else KEY_TILE))
+    rows = max_memory // (group * (cols * per_pair + per_row))
+    if rows < 16 and not whole_rows and not wide:  # a small budget: narrower key tiles
         rows = min(max(L, 1), 16)
-        cols = max(1, min(cols, (max_memory // rows - per_row) // per_pair))
+        cols = max(1, min(cols, (max_memory // (group * rows) - per_row) // per_pair))
     rows = int(max(1, min(max(L, 1), rows)))
     heads = 1
     if rows >= L:
-        heads = int(max(1, min(H, max_memory // (rows * (cols * per_pair + per_row)))))
+        heads = int(max(1, min(H, max_memory // (group * rows * (cols * per_pair + per_row)))))
     return Tiles(rows=rows, cols=int(cols), heads=heads)
 
 
@@ -95,62 +117,169 @@ def attend(
 ) -> None:
     """Fill ``out`` with attention of ``q`` over ``k`` and ``v``, per ``(*batch, head)``.
 
-    ``q (*batch, H, L, d_k)``, ``k (*batch, H, S, d_k)``, ``v (*batch, H, S, d_v)`` may be
-    strided views of any floating dtype; tiles are computed in ``out.dtype``, which must be
-    float32 or wider. ``out (*batch, H, L, d_v)``, ``weights (*batch, H, L, S)`` and
-    ``lse (*batch, H, L)`` (log-sum-exp of each row's logits) must arrive filled with 0, 0
-    and ``-inf``: rows and items that see no key are not visited. ``scale`` is a Python
+    ``q (*batch, H, L, d_k)``, ``k (*batch, H_kv, S, d_k)``, ``v (*batch, H_kv, S, d_v)``
+    may be strided views of any floating dtype; ``H_kv`` divides ``H`` and query head ``h``
+    uses key/value head ``h // (H // H_kv)``. Tiles are computed in ``out.dtype``, which
+    must be float32 or wider. ``out (*batch, H, L, d_v)``, ``weights (*batch, H, L, S)``
+    and ``lse (*batch, H, L)`` (log-sum-exp of each row's logits) must arrive filled with
+    0, 0 and ``-inf``: rows and items that see no key are not visited. ``scale`` is a Python
     float, so it never promotes float32 work to float64. Work items run on ``team``
     (serially without one).
     """
-    H, L, S, d_k, d_v = q.shape[-3], q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    H, L, d_k = q.shape[-3], q.shape[-2], q.shape[-1]
+    H_kv, S, d_v = k.shape[-3], k.shape[-2], v.shape[-1]
+    group = H // H_kv
     dtype = out.dtype
-    tiles = plan_tiles(
-        L, S, H, d_k, d_v, dtype.itemsize, max_memory, whole_rows=weights is not None
-    )
-    tasks = []
+    tiles = plan_tiles(L, S, H_kv, d_k, d_v, dtype.itemsize, max_memory, weights is not None, group)
+    team = team or Team(1)
+    tasks: list[_Task] = []
     for batch in np.ndindex(q.shape[:-3]):
-        for h0 in range(0, H, tiles.heads):
-            heads = slice(h0, min(h0 + tiles.heads, H))
-            item = visibility.item(batch, heads)
+        for g0 in range(0, H_kv, tiles.heads):
+            kv = slice(g0, min(g0 + tiles.heads, H_kv))
+            item = visibility.item(batch, slice(kv.start * group, kv.stop * group))
             for r0 in range(0, min(L, item.query_end), tiles.rows):
                 r1 = min(r0 + tiles.rows, item.query_end)
-                stop = item.key_stop(r0, r1)
-                if stop > 0:
-                    cost = (heads.stop - heads.start) * (r1 - r0) * stop
-                    tasks.append((cost, batch, heads, item, r0, r1, stop))
-    tasks.sort(key=lambda task: task[0], reverse=True)  # longest first
+                start, stop = item.key_start(r0, r1), item.key_stop(r0, r1)
+                if stop > start:
+                    tasks.append(_Task(batch, kv, item, r0, r1, start, stop))
+    parts = None
+    if weights is None:
+        parts = _split_keys(tasks, team.workers, tiles.cols, group, L, d_v, dtype)
+    work = parts.tasks if parts is not None else tasks
+    work.sort(key=lambda task: task.cost, reverse=True)  # longest first
 
-    def make_worker() -> Callable[[Any], None]:
-        scratch = _Scratch(tiles, d_k, d_v, dtype)
+    def make_worker() -> Callable[[_Task], None]:
+        scratch = _Scratch(tiles, group, d_k, d_v, dtype)
 
-        def run(task: Any) -> None:
-            _, batch, heads, item, r0, r1, stop = task
+        def run(task: _Task) -> None:
+            batch, kv = task.batch, task.kv
+            heads = slice(kv.start * group, kv.stop * group)
+            target_out, target_lse = out[batch][heads], None if lse is None else lse[batch][heads]
+            if task.part is not None and parts is not None:
+                target_out, target_lse = parts.out[task.part], parts.lse[task.part]
             _query_tile(
-                q[batch][heads], k[batch][heads], v[batch][heads], item, scale, r0, r1, stop,
-                tiles.cols, scratch, out[batch][heads],
-                None if weights is None else weights[batch][heads],
-                None if lse is None else lse[batch][heads],
+                q[batch][heads], k[batch][kv], v[batch][kv], task.item, scale, task.r0,
+                task.r1, task.start, task.stop, tiles.cols, scratch, target_out,
+                None if weights is None else weights[batch][heads], target_lse,
             )  # fmt: skip
 
         return run
 
-    (team or Team(1)).run(tasks, make_worker)
+    team.run(work, make_worker)
+    if parts is not None:
+        parts.merge_into(out, lse)
+
+
+@dataclass
+class _Task:
+    batch: tuple[int, ...]
+    kv: slice  # key/value heads
+    item: ItemVisibility
+    r0: int
+    r1: int
+    start: int  # keys [start, stop)
+    stop: int
+    part: int | None = None  # index into the split partial buffers
+
+    @property
+    def cost(self) -> int:
+        heads: int = self.kv.stop - self.kv.start
+        return heads * (self.r1 - self.r0) * (self.stop - self.start)
+
+
+class _Parts:
+    """Tasks whose keys were split into chunks, each chunk's result in buffers of its own,
+    merged into the caller's ``out`` and ``lse`` once every chunk is done."""
+
+    def __init__(self, whole: list[_Task], chunks: list[list[_Task]], group: int, L: int,
+                 d_v: int, dtype: Any) -> None:  # fmt: skip
+        self.whole, self.chunks, self.group = whole, chunks, group
+        self.tasks: list[_Task] = []
+        self.out: list[np.ndarray] = []
+        self.lse: list[np.ndarray] = []
+        for pieces in chunks:
+            for piece in pieces:
+                piece.part = len(self.tasks)
+                self.tasks.append(piece)
+                G = (piece.kv.stop - piece.kv.start) * group
+                self.out.append(np.zeros((G, L, d_v), dtype))
+                self.lse.append(np.full((G, L), -np.inf, dtype))
+
+    def merge_into(self, out: np.ndarray, lse: np.ndarray | None) -> None:
+        for task, pieces in zip(self.whole, self.chunks, strict=True):
+            rows = slice(task.r0, task.r1)
+            merged, merged_lse = merge_partials(
+                [self.out[p.part][:, rows] for p in pieces if p.part is not None],
+                [self.lse[p.part][:, rows] for p in pieces if p.part is not None],
+            )
+            heads = slice(task.kv.start * self.group, task.kv.stop * self.group)
+            out[task.batch][heads, rows] = merged
+            if lse is not None:
+                lse[task.batch][heads, rows] = merged_lse
+
+
+def _split_keys(
+    tasks: list[_Task], workers: int, key_tile: int, group: int, L: int, d_v: int, dtype: Any
+) -> _Parts | None:
+    """When there are fewer tasks than workers, split each task's keys into chunks (whole
+    key tiles, at least ``SPLIT_MIN_KEYS`` keys each) so that every worker gets work."""
+    if not tasks or len(tasks) >= workers:
+        return None
+    wanted = _ceil(workers, len(tasks))
+    chunks = []
+    for task in tasks:
+        keys = task.stop - task.start
+        count = max(1, min(wanted, keys // SPLIT_MIN_KEYS))
+        width = _ceil(_ceil(keys, count), key_tile) * key_tile  # whole key tiles
+        edges = [*range(task.start, task.stop, width), task.stop]
+        chunks.append([
+            _Task(task.batch, task.kv, task.item, task.r0, task.r1, a, b)
+            for a, b in itertools.pairwise(edges)
+        ])  # fmt: skip
+    if all(len(pieces) == 1 for pieces in chunks):
+        return None
+    return _Parts(tasks, chunks, group, L, d_v, dtype)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def merge_partials(outs: list[np.ndarray], lses: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Attention over disjoint key ranges merged into the attention over all of them:
+    ``outs[p] (..., d_v)`` and ``lses[p] (...)`` in one floating dtype. A part in which a
+    row sees no key (``lse = -inf``) adds nothing; a row that sees no key in any part stays
+    zero with ``lse = -inf``."""
+    stacked = np.stack(lses)  # (P, ...)
+    top = stacked.max(axis=0)
+    top[top == -np.inf] = 0.0  # rows that see no key in any part
+    share = np.exp(stacked - top)  # each part's sum of exp, relative to the top
+    total = share.sum(axis=0)
+    merged = np.zeros(outs[0].shape, dtype=outs[0].dtype)
+    for out, part in zip(outs, share, strict=True):
+        weight = part[..., None].astype(merged.dtype, copy=False)
+        merged += np.where(weight > 0, weight * out, 0.0)  # a part that saw no key adds 0
+    empty = total == 0.0
+    total[empty] = 1.0
+    merged /= total[..., None].astype(merged.dtype, copy=False)
+    merged_lse = top + np.log(total)
+    merged_lse[empty] = -np.inf
+    return merged, merged_lse
 
 
 class _Scratch:
     """One worker's preallocated buffers, sized for the largest tile."""
 
-    def __init__(self, tiles: Tiles, d_k: int, d_v: int, dtype: np.dtype) -> None:
-        G, rows = tiles.heads, tiles.rows
-        self.scores = np.empty(G * rows * tiles.cols, dtype=dtype)
-        self.q = np.empty((G, rows, d_k), dtype=dtype)
-        self.acc = np.empty((G, rows, d_v), dtype=dtype)
-        self.pv = np.empty((G, rows, d_v), dtype=dtype)
-        self.m = np.empty((G, rows), dtype=dtype)  # running maximum (-inf: no key seen yet)
-        self.ref = np.empty((G, rows), dtype=dtype)  # the maximum used for exp, never -inf
-        self.ref_new = np.empty((G, rows), dtype=dtype)
-        self.total = np.empty((G, rows), dtype=dtype)  # running sum of exp(s - ref)
+    def __init__(self, tiles: Tiles, group: int, d_k: int, d_v: int, dtype: np.dtype) -> None:
+        G, R = tiles.heads, group * tiles.rows
+        self.scores = np.empty(G * R * tiles.cols, dtype=dtype)
+        self.q = np.empty((G, R, d_k), dtype=dtype)
+        self.acc = np.empty((G, R, d_v), dtype=dtype)
+        self.pv = np.empty((G, R, d_v), dtype=dtype)
+        self.m = np.empty((G, R), dtype=dtype)  # running maximum (-inf: no key seen yet)
+        self.ref = np.empty((G, R), dtype=dtype)  # the maximum used for exp, never -inf
+        self.ref_new = np.empty((G, R), dtype=dtype)
+        self.total = np.empty((G, R), dtype=dtype)  # running sum of exp(s - ref)
 
 
 def _query_tile(
@@ -161,6 +290,7 @@ def _query_tile(
     scale: float,
     r0: int,
     r1: int,
+    start: int,
     stop: int,
     key_tile: int,
     scratch: _Scratch,
@@ -168,24 +298,29 @@ def _query_tile(
     weights: np.ndarray | None,
     lse: np.ndarray | None,
 ) -> None:
-    """Rows ``[r0, r1)`` of ``G`` heads (``q (G, L, d_k)``) against keys ``[0, stop)``."""
-    G, n = q.shape[0], r1 - r0
-    dtype = out.dtype
+    """Rows ``[r0, r1)`` of the query heads ``q (G * group, L, d_k)`` against keys
+    ``[start, stop)`` of the ``G`` key/value heads ``k (G, S, d_k)``: the rows of each
+    group's query heads are stacked into one tile of ``R = group * n`` rows."""
+    G, n = k.shape[0], r1 - r0
+    group = q.shape[0] // G
+    R, dtype = group * n, out.dtype
     q_tile = q[:, r0:r1]
-    if scale != 1.0 or q_tile.dtype != dtype:
-        q_tile = np.multiply(q_tile, scale, out=scratch.q[:G, :n])
-    m, ref, ref_new = scratch.m[:G, :n], scratch.ref[:G, :n], scratch.ref_new[:G, :n]
-    total, acc, pv = scratch.total[:G, :n], scratch.acc[:G, :n], scratch.pv[:G, :n]
-    s = scratch.scores[:0].reshape(G, n, 0)
+    if group > 1 or scale != 1.0 or q_tile.dtype != dtype:
+        stacked = scratch.q[:G, :R]
+        np.multiply(q_tile.reshape(G, group, n, -1), scale, out=stacked.reshape(G, group, n, -1))
+        q_tile = stacked
+    m, ref, ref_new = scratch.m[:G, :R], scratch.ref[:G, :R], scratch.ref_new[:G, :R]
+    total, acc, pv = scratch.total[:G, :R], scratch.acc[:G, :R], scratch.pv[:G, :R]
+    s = scratch.scores[:0].reshape(G, R, 0)
     first = True
-    for c0 in range(0, stop, key_tile):
+    for c0 in range(start, stop, key_tile):
         c1 = min(c0 + key_tile, stop)
-        hidden = item.hidden(r0, r1, c0, c1)
+        hidden = _stack(item.hidden(r0, r1, c0, c1), G, group, n, c1 - c0)
         if hidden is not None and hidden.all():
             continue
-        s = scratch.scores[: G * n * (c1 - c0)].reshape(G, n, c1 - c0)
+        s = scratch.scores[: G * R * (c1 - c0)].reshape(G, R, c1 - c0)
         np.matmul(q_tile, _cast(k[:, c0:c1], dtype).transpose(0, 2, 1), out=s)
-        bias = item.bias_block(r0, r1, c0, c1)
+        bias = _stack(item.bias_block(r0, r1, c0, c1), G, group, n, c1 - c0)
         if bias is not None:
             s += bias
         if hidden is not None:
@@ -221,13 +356,29 @@ def _query_tile(
     empty = total == 0.0
     total[empty] = 1.0
     inverse = np.reciprocal(total, out=m)[..., None]  # multiplying is cheaper than dividing
-    np.multiply(acc, inverse, out=out[:, r0:r1])
-    if weights is not None:  # whole rows: s holds every key's exp(s - ref)
-        np.multiply(s, inverse, out=weights[:, r0:r1, : s.shape[-1]])
+    rows = slice(r0, r1)
+    if group == 1:
+        np.multiply(acc, inverse, out=out[:, rows])
+    else:
+        out[:, rows] = np.multiply(acc, inverse, out=acc).reshape(G * group, n, -1)
+    if weights is not None:  # whole rows: s holds every visible key's exp(s - ref)
+        keys = slice(start, start + s.shape[-1])
+        if group == 1:
+            np.multiply(s, inverse, out=weights[:, rows, keys])
+        else:
+            weights[:, rows, keys] = (s * inverse).reshape(G * group, n, -1)
     if lse is not None:
         row_lse = ref + np.log(total)
         row_lse[empty] = -np.inf
-        lse[:, r0:r1] = row_lse
+        lse[:, rows] = row_lse.reshape(G * group, n)
+
+
+def _stack(block: np.ndarray | None, G: int, group: int, n: int, w: int) -> np.ndarray | None:
+    """A mask or bias block for the query heads ``(G * group or 1, n or 1, w or 1)``, as the
+    stacked tile's ``(G, group * n, w)``; unchanged without grouping."""
+    if block is None or group == 1:
+        return block
+    return np.broadcast_to(block, (G * group, n, w)).reshape(G, group * n, w)
 
 
 def _cast(tile: np.ndarray, dtype: np.dtype) -> np.ndarray:
