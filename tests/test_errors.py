@@ -90,7 +90,7 @@ CASES = [
         "W_v vs W_o",
         lambda: call(W_o=W[3][:6]),
         ShapeError,
-        r"W_o has 6 rows but W_v has 8 columns \(W_v \(8, 8\), W_o \(6, 8\)\)",
+        r"W_o has 6 rows but the 2 joined heads of width 4 \(from W_v \(8, 8\)\) are 8 wide",
     ),
     (
         "Q rank",
@@ -274,7 +274,7 @@ CASES = [
         "sdpa leading axes",
         lambda: mha.scaled_dot_product_attention(q, k[:1], v[:1]),
         ShapeError,
-        r"q has leading \(batch..., H\) axes \(2, 1\) but k has \(1, 1\)",
+        r"q has batch axes \(2,\) but k has \(1,\) \(q \(2, 1, 5, 8\), k \(1, 1, 6, 8\)\)",
     ),
     (
         "sdpa positions",

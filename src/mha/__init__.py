@@ -13,16 +13,20 @@ from .errors import (
     ShapeError,
     WeightsFileError,
 )
+from .cache import KVCache
 from .functional import merge_attention, multi_head_attention, scaled_dot_product_attention
 from .module import MultiHeadAttention
+from .rotary import apply_rotary
 
 __all__ = [
     "AttentionError",
     "AttentionTypeError",
     "AttentionValueError",
+    "KVCache",
     "MultiHeadAttention",
     "ShapeError",
     "WeightsFileError",
+    "apply_rotary",
     "merge_attention",
     "multi_head_attention",
     "scaled_dot_product_attention",

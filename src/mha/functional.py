@@ -7,6 +7,7 @@ heads, ``L`` query positions, ``S`` key positions, ``d_k``/``d_v`` per-head widt
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -21,10 +22,12 @@ from ._arrays import (
 from ._arrays import (
     flag as _flag,
 )
-from ._kernel.contract import Visibility
+from ._kernel.contract import Visibility, check_lengths
 from ._kernel.forward import DEFAULT_MAX_MEMORY, attend, merge_partials
 from ._kernel.team import Team, workers_for
+from .cache import KVCache
 from .errors import AttentionTypeError, AttentionValueError, ShapeError
+from .rotary import apply_rotary
 
 __all__ = ["merge_attention", "multi_head_attention", "scaled_dot_product_attention"]
 
@@ -40,9 +43,11 @@ def scaled_dot_product_attention(
     key_lengths: Any = None,
     query_lengths: Any = None,
     bias: Any = None,
+    window: int | None = None,
     scale: float | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
+    cache: KVCache | None = None,
     max_memory: int | None = None,
     workers: int | None = None,
 ) -> Any:
@@ -50,9 +55,11 @@ def scaled_dot_product_attention(
 
     Arguments (every mask argument combines with the others by AND; True = may attend):
 
-    * ``q (..., H, L, d_k)``, ``k (..., H, S, d_k)``, ``v (..., H, S, d_v)``: queries, keys
-      and values with the same leading axes (batch axes, then heads). float64 in gives
-      float64 out; float32 is computed in float32; float16 in float32.
+    * ``q (..., H, L, d_k)``, ``k (..., H_kv, S, d_k)``, ``v (..., H_kv, S, d_v)``: queries,
+      keys and values with the same batch axes. ``H_kv`` divides ``H``: with fewer key/value
+      heads (grouped-query or multi-query attention) query head ``h`` uses key/value head
+      ``h // (H // H_kv)``, without the keys ever being repeated. float64 in gives float64
+      out; float32 is computed in float32; float16 in float32.
     * ``mask``: a boolean array, **True = may attend**, broadcastable to the scores
       ``(..., H, L, S)``; with batch axes, ``(B, L, S)`` applies to every head. ``mask=True``
       is the causal mask (as ``causal=True``). Integer or float arrays are refused: an
@@ -66,12 +73,21 @@ def scaled_dot_product_attention(
     * ``query_lengths``: likewise for query rows: padding rows see no key and get zeros.
     * ``bias``: an additive float array broadcastable like ``mask``, added to the scaled
       scores; ``-inf`` hides a key.
+    * ``window``: a sliding window: query ``i`` sees key ``j`` only if
+      ``(i + offset) - j < window``, ``offset`` being the causal alignment's (``S - L``, or
+      0 for top-left). Tiles outside the band are skipped: time O(L·window), not O(L·S).
     * ``scale``: the factor on ``q k^T``; default ``1/sqrt(d_k)``.
     * ``return_weights``: also return the weights ``(..., H, L, S)`` (this builds the full
       score matrix, which the default path never does).
     * ``return_lse``: also return the log-sum-exp of each row's logits ``(..., H, L)``
       (``-inf`` for a row that sees no key; float32 for float16 inputs), for
       :func:`merge_attention`.
+    * ``cache``: a :class:`mha.KVCache`. Then ``k`` and ``v`` are the new tokens'
+      ``(B, H_kv, L, d)``: they are appended to the cache after each sequence's length (only
+      the first ``query_lengths[b]`` rows of sequence ``b``, when given) and ``q`` attends
+      causally over everything cached, each sequence aligned to its own length, within the
+      cache's window. ``mask``, ``bias``, ``key_lengths``, ``return_weights`` and a top-left
+      alignment are refused with a cache, and a refused call leaves it unchanged.
     * ``max_memory``: bytes of scratch per worker (default 4 MiB); sets the tile sizes.
     * ``workers``: threads (default: every core when threadpoolctl is installed, else 1).
       Results are bitwise reproducible for fixed inputs, ``max_memory`` and ``workers``.
@@ -96,11 +112,14 @@ def scaled_dot_product_attention(
                 f"{name} must have shape (..., H, {'L' if name == 'q' else 'S'}, d) with a "
                 f"head axis; got shape {array.shape}"
             )
-    _same("q", q, "k", k, "leading (batch..., H) axes {}", q.shape[:-2], k.shape[:-2])
-    _same("k", k, "v", v, "leading (batch..., H) axes {}", k.shape[:-2], v.shape[:-2])
+    _same("q", q, "k", k, "batch axes {}", q.shape[:-3], k.shape[:-3])
+    _same("k", k, "v", v, "leading (batch..., H_kv) axes {}", k.shape[:-2], v.shape[:-2])
+    _kv_heads(q.shape[-3], k.shape[-3], f"q {q.shape}, k {k.shape}")
     _same("q", q, "k", k, "head width {}", q.shape[-1], k.shape[-1])
     _same("k", k, "v", v, "{} positions", k.shape[-2], v.shape[-2])
     result_dtype, compute_dtype = result_and_compute_dtypes(q, k, v)
+    scale = resolve_scale(scale, q.shape[-1], compute_dtype)
+    budget, threads = _kernel_options(return_weights, max_memory, workers)
     masking = {
         "mask": mask,
         "causal": causal,
@@ -108,13 +127,21 @@ def scaled_dot_product_attention(
         "key_lengths": key_lengths,
         "query_lengths": query_lengths,
         "bias": bias,
+        "window": window,
     }
+    if cache is not None:
+        if return_weights:
+            raise AttentionValueError(
+                "return_weights is not available with cache=: call without the cache"
+            )
+        return _with_cache(
+            q, k, v, cache, masking, scale, _flag("return_lse", return_lse), budget, threads,
+            result_dtype, compute_dtype,
+        )  # fmt: skip
     visibility = Visibility.build(
         batch_shape=q.shape[:-3], H=q.shape[-3], L=q.shape[-2], S=k.shape[-2],
         dtype=compute_dtype, context=f"q {q.shape}, k {k.shape}", **masking,
     )  # fmt: skip
-    scale = resolve_scale(scale, q.shape[-1], compute_dtype)
-    budget, threads = _kernel_options(return_weights, max_memory, workers)
     want_lse = _flag("return_lse", return_lse)
     out = np.zeros((*q.shape[:-1], v.shape[-1]), dtype=compute_dtype)
     weights = None
@@ -133,6 +160,90 @@ def scaled_dot_product_attention(
     if lse is not None:
         results.append(lse)
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def _kv_heads(H: int, H_kv: int, shapes: str) -> int:
+    """The query heads per key/value head; ``H_kv`` must divide ``H``."""
+    if H_kv == 0 or H % H_kv:
+        raise ShapeError(
+            f"{H_kv} key/value heads do not divide {H} query heads ({shapes}); grouped-query "
+            "attention needs H to be a multiple of H_kv"
+        )
+    return H // H_kv
+
+
+def _with_cache(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cache: KVCache,
+    masking: dict[str, Any],
+    scale: float,
+    want_lse: bool,
+    budget: int,
+    threads: int | None,
+    result_dtype: np.dtype,
+    compute_dtype: np.dtype,
+    team: Team | None = None,
+) -> Any:
+    """Append the new keys and values to ``cache`` and attend over everything it holds.
+
+    Everything is checked before the cache changes; its lengths advance only once the
+    attention is computed."""
+    if not isinstance(cache, KVCache):
+        raise AttentionTypeError(f"cache must be an mha.KVCache; got {type(cache).__name__}")
+    where = f" (q {q.shape}, k {k.shape}, v {v.shape})"
+    cache.check(k, v, where)
+    if compute_dtype != cache.dtype:
+        raise AttentionTypeError(
+            f"the cache holds {cache.dtype} but this call computes in {compute_dtype}: "
+            f"make the cache with dtype={compute_dtype.name}, or cast the inputs{where}"
+        )
+    explicit = [name for name in ("key_lengths", "bias") if masking[name] is not None]
+    mask = masking["mask"]
+    if mask is not None and not (isinstance(mask, (bool, np.bool_)) and mask):
+        explicit.append("mask")
+    if explicit:
+        raise AttentionValueError(
+            f"cache= attends causally over the cached tokens; {', '.join(explicit)} cannot be "
+            "combined with it (the cache's lengths say which keys each sequence has)"
+        )
+    if masking["causal_alignment"] not in (None, "bottom_right"):
+        raise AttentionValueError(
+            f"causal_alignment={masking['causal_alignment']!r} cannot be used with cache=: "
+            "new tokens are the last of their sequence (bottom-right)"
+        )
+    window = masking["window"]
+    if window is not None and window != cache.window:
+        raise AttentionValueError(
+            f"window={window} but the cache was made for window={cache.window}: {cache!r}"
+        )
+    B, L = q.shape[0], q.shape[-2]
+    counts = check_lengths(
+        "query_lengths", masking["query_lengths"], (B,), L, "query", f"q {q.shape}"
+    )
+    if counts is None:
+        counts = np.full(B, L, np.int64)
+    filled = cache.append(k, v, counts)
+    S = int(filled.max(initial=0))
+    visibility = Visibility.build(
+        batch_shape=(B,), H=q.shape[-3], L=L, S=S, causal=True, key_lengths=filled,
+        query_lengths=counts, window=cache.window, offsets=filled - counts, dtype=compute_dtype,
+    )  # fmt: skip
+    out = np.zeros((*q.shape[:-1], cache.v.shape[-1]), dtype=compute_dtype)
+    lse = np.full(q.shape[:-1], -np.inf, dtype=compute_dtype) if want_lse else None
+    cost = float(B * q.shape[-3] * L) * S * (q.shape[-1] + cache.v.shape[-1])
+    with np.errstate(invalid="ignore", over="ignore"), ExitStack() as stack:
+        if team is None:
+            team = stack.enter_context(Team(workers_for(cost, threads)))
+        attend(
+            q, cache.k[:, :, :S], cache.v[:, :, :S], visibility, scale, out, lse=lse,
+            max_memory=budget, team=team,
+        )  # fmt: skip
+    cache.commit(counts)
+    if lse is not None:
+        return _cast(out, result_dtype), lse
+    return _cast(out, result_dtype)
 
 
 def multi_head_attention(
@@ -162,6 +273,13 @@ def multi_head_attention(
     bias_k: Any = None,
     bias_v: Any = None,
     add_zero_attn: bool = False,
+    num_kv_heads: int | None = None,
+    window: int | None = None,
+    rope_theta: float | None = None,
+    rotary_dim: int | None = None,
+    rotary_interleaved: bool = False,
+    positions: Any = None,
+    cache: KVCache | None = None,
 ) -> Any:
     """Multi-head attention (Vaswani et al., 2017) with "x @ W" weights.
 
@@ -193,6 +311,21 @@ def multi_head_attention(
     * ``return_weights``: also return the per-head weights ``(B, H, L, S)``.
     * ``max_memory``, ``workers``: scratch bytes per worker and threads, as in
       :func:`scaled_dot_product_attention`; they never change results beyond rounding.
+    * ``num_kv_heads``: ``H_kv`` key/value heads for grouped-query (or, with 1, multi-query)
+      attention; ``W_k`` and ``W_v`` are then ``H_kv*d_k`` and ``H_kv*d_v`` wide, and query
+      head ``h`` uses key/value head ``h // (H // H_kv)``. Default ``num_heads``.
+    * ``window``: a sliding window (transformers' ``sliding_window``): query ``i`` sees key
+      ``j`` only if ``(i + offset) - j < window``, ``offset`` the causal alignment's.
+    * ``rope_theta``: rotate q and k after projection with rotary position embeddings of
+      this base (:func:`mha.apply_rotary`), at ``positions`` (``(L,)`` or ``(B, L)``;
+      default ``0..S-1`` for keys, the last ``L`` of them for queries) or at the cache's
+      positions. ``rotary_dim`` and ``rotary_interleaved`` are :func:`mha.apply_rotary`'s
+      ``rotary_dim`` and ``interleaved``.
+    * ``cache``: a :class:`mha.KVCache`: ``Q``, ``K``, ``V`` are the next tokens
+      ``(B, L, d)`` of each sequence (with ``query_lengths``, only the first
+      ``query_lengths[b]`` rows of sequence ``b`` are real). Their keys and values are
+      appended and the queries attend causally over everything cached, as in
+      :func:`scaled_dot_product_attention`.
     * ``bias_k (H*d_k,)`` with ``bias_v (H*d_v,)``, and ``add_zero_attn``: PyTorch's extra
       keys, a learned key/value pair and a zero key/value pair appended after the
       projections (in that order), visible to every query whatever the masks say, which
@@ -236,19 +369,30 @@ def multi_head_attention(
     _chain("Q", Q, "W_q", W_q)
     _chain("K", K, "W_k", W_k)
     _chain("V", V, "W_v", W_v)
-    _same("W_q", W_q, "W_k", W_k, "{} columns", W_q.shape[1], W_k.shape[1])
-    if W_o.shape[0] != W_v.shape[1]:
-        raise ShapeError(
-            f"W_o has {W_o.shape[0]} rows but W_v has {W_v.shape[1]} columns "
-            f"(W_v {W_v.shape}, W_o {W_o.shape}); the joined heads of width H*d_v feed W_o"
-        )
     H = positive_int("num_heads", num_heads)
-    for name, W in (("W_q", W_q), ("W_v", W_v)):
-        if W.shape[1] % H:
+    H_kv = H if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
+    _kv_heads(H, H_kv, f"num_heads={H}, num_kv_heads={H_kv}")
+    kv_label = "num_heads" if num_kv_heads is None else "num_kv_heads"
+    for name, W, heads, label in (("W_q", W_q, H, "num_heads"), ("W_k", W_k, H_kv, kv_label),
+                                  ("W_v", W_v, H_kv, kv_label)):  # fmt: skip
+        if W.shape[1] % heads:
             raise ShapeError(
-                f"num_heads={H} does not divide the {W.shape[1]} columns of {name} "
+                f"{label}={heads} does not divide the {W.shape[1]} columns of {name} "
                 f"({name} {W.shape}); each head needs an equal share of the width"
             )
+    d_k, d_v = W_q.shape[1] // H, W_v.shape[1] // H_kv
+    if num_kv_heads is None:
+        _same("W_q", W_q, "W_k", W_k, "{} columns", W_q.shape[1], W_k.shape[1])
+    if W_k.shape[1] != H_kv * d_k:
+        raise ShapeError(
+            f"W_k has {W_k.shape[1]} columns but {H_kv} key heads of width {d_k} (from W_q "
+            f"{W_q.shape} and num_heads={H}) need {H_kv * d_k} (W_k {W_k.shape})"
+        )
+    if W_o.shape[0] != H * d_v:
+        raise ShapeError(
+            f"W_o has {W_o.shape[0]} rows but the {H} joined heads of width {d_v} (from W_v "
+            f"{W_v.shape}) are {H * d_v} wide (W_v {W_v.shape}, W_o {W_o.shape}); they feed W_o"
+        )
     b_q, b_k, b_v, b_o = (
         _projection_bias(name, b, W.shape[1], W)
         for name, b, W in zip(
@@ -262,6 +406,7 @@ def multi_head_attention(
         Q, K, V, W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v
     )
     B, L, S = Q.shape[:-2], Q.shape[-2], K.shape[-2]  # B is () for unbatched input
+    rotary = _rotary_options(rope_theta, rotary_dim, rotary_interleaved, d_k)
     masking = {
         "mask": mask,
         "causal": causal,
@@ -269,45 +414,120 @@ def multi_head_attention(
         "key_lengths": key_lengths,
         "query_lengths": query_lengths,
         "bias": bias,
+        "window": window,
     }
-    visibility = Visibility.build(
-        batch_shape=B, H=H, L=L, S=S, dtype=compute_dtype, context=f"Q {Q.shape}, K {K.shape}",
-        **masking,
-    )  # fmt: skip
-    if extra:
-        visibility = _with_extra_keys(visibility, extra, compute_dtype)
-    scale = resolve_scale(scale, W_q.shape[1] // H, compute_dtype, f"W_q {W_q.shape}")
+    visibility = None
+    if cache is not None:
+        _check_cache_call(cache, Q, K, extra, return_weights, positions)
+    else:
+        visibility = Visibility.build(
+            batch_shape=B, H=H, L=L, S=S, dtype=compute_dtype,
+            context=f"Q {Q.shape}, K {K.shape}", **masking,
+        )  # fmt: skip
+        if extra:
+            visibility = _with_extra_keys(visibility, extra, compute_dtype)
+    scale = resolve_scale(scale, d_k, compute_dtype, f"W_q {W_q.shape}")
     budget, threads = _kernel_options(return_weights, max_memory, workers)
+    q_positions, k_positions = None, None
+    if rotary is not None:
+        q_positions, k_positions = _rotary_positions(positions, cache, B, L, S)
+    elif positions is not None:
+        raise AttentionValueError("positions= has no effect without rope_theta=: give both")
 
     def cast(array: np.ndarray | None) -> np.ndarray | None:
         return None if array is None else array.astype(compute_dtype, copy=False)
 
     batch = float(np.prod(B))
     cost = batch * (  # multiply-adds of the projections and of attention
-        L * W_q.size + S * (W_k.size + W_v.size) + L * W_o.size
-        + H * L * S * (W_q.shape[1] + W_v.shape[1]) // H
-    )  # fmt: skip
+        L * W_q.size + S * (W_k.size + W_v.size) + L * W_o.size + H * L * S * (d_k + d_v)
+    )
     with np.errstate(invalid="ignore", over="ignore"), Team(workers_for(cost, threads)) as team:
         q, k, v = _project_heads(
             cast(Q), cast(K), cast(V), cast(W_q), cast(W_k), cast(W_v), cast(b_q), cast(b_k),
-            cast(b_v), H, scale, team, self_attention=Q is K is V,
+            cast(b_v), H, H_kv, scale, team, self_attention=Q is K is V,
         )  # fmt: skip
+        if rotary is not None:
+            q = apply_rotary(q, q_positions, **rotary)
+            k = apply_rotary(k, k_positions, **rotary)
         if extra:
-            k = _append_keys(k, cast(bias_k), add_zero_attn, H)
-            v = _append_keys(v, cast(bias_v), add_zero_attn, H)
-        joined = np.zeros((*B, L, W_v.shape[1]), dtype=compute_dtype)  # (*B, L, H*d_v)
+            k = _append_keys(k, cast(bias_k), add_zero_attn, H_kv)
+            v = _append_keys(v, cast(bias_v), add_zero_attn, H_kv)
         weights = None
-        if return_weights:
-            weights = np.zeros((*B, H, L, S + extra), dtype=compute_dtype)
-        attend(
-            q, k, v, visibility, 1.0, _split_heads(joined, H), weights=weights,
-            max_memory=budget, team=team,
-        )  # fmt: skip
+        if cache is not None:
+            heads = _with_cache(
+                q, k, v, cache, masking, 1.0, False, budget, threads, compute_dtype,
+                compute_dtype, team,
+            )  # fmt: skip
+            joined = np.moveaxis(heads, -3, -2).reshape((*B, L, H * d_v))
+        else:
+            assert visibility is not None
+            joined = np.zeros((*B, L, H * d_v), dtype=compute_dtype)  # (*B, L, H*d_v)
+            if return_weights:
+                weights = np.zeros((*B, H, L, S + extra), dtype=compute_dtype)
+            attend(
+                q, k, v, visibility, 1.0, _split_heads(joined, H), weights=weights,
+                max_memory=budget, team=team,
+            )  # fmt: skip
         del q, k, v  # the projections are not needed for the output projection
         out = team.matmul(joined, W_o.astype(compute_dtype, copy=False), cast(b_o))
     if weights is None:
         return _cast(out, result_dtype)
     return _cast(out, result_dtype), _cast(weights, result_dtype)
+
+
+def _rotary_options(
+    theta: Any, rotary_dim: Any, interleaved: Any, d_k: int
+) -> dict[str, Any] | None:
+    """The keywords of :func:`apply_rotary`, or ``None`` without ``rope_theta``."""
+    if theta is None:
+        given = [name for name, value in (("rotary_dim", rotary_dim),
+                                          ("rotary_interleaved", interleaved))
+                 if value is not None and value is not False]  # fmt: skip
+        if given:
+            raise AttentionValueError(
+                f"{', '.join(given)} has no effect without rope_theta=: give rope_theta too"
+            )
+        return None
+    return {"theta": theta, "rotary_dim": rotary_dim, "interleaved": interleaved}
+
+
+def _rotary_positions(
+    positions: Any, cache: KVCache | None, B: tuple[int, ...], L: int, S: int
+) -> tuple[Any, Any]:
+    """Where the queries and keys sit: the cache's next positions, ``positions``, or
+    ``0..S-1`` for the keys with the queries as the last ``L`` of them."""
+    if cache is not None:
+        at = cache.lengths[:, None] + np.arange(L)  # each sequence's own next positions
+        return at, at
+    if positions is not None:
+        if L != S:
+            raise ShapeError(
+                f"positions= places the queries and the keys together, so it needs as many "
+                f"queries as keys; got L={L}, S={S}: leave positions out for 0..S-1"
+            )
+        return positions, positions
+    return np.arange(S - L, S), np.arange(S)
+
+
+def _check_cache_call(
+    cache: Any, Q: np.ndarray, K: np.ndarray, extra: int, return_weights: Any, positions: Any
+) -> None:
+    """What a call with ``cache=`` cannot also have, refused before the cache changes."""
+    if not isinstance(cache, KVCache):
+        raise AttentionTypeError(f"cache must be an mha.KVCache; got {type(cache).__name__}")
+    refused = []
+    if Q.ndim != 3:
+        refused.append(f"unbatched inputs (Q {Q.shape}; give (B, L, d))")
+    if Q.ndim == K.ndim and Q.shape[-2] != K.shape[-2]:
+        refused.append(f"keys that are not the new tokens' own (Q {Q.shape}, K {K.shape})")
+    if extra:
+        refused.append("bias_k/bias_v or add_zero_attn")
+    if _flag("return_weights", return_weights):
+        refused.append("return_weights")
+    if positions is not None:
+        refused.append("positions= (the cache's lengths give the positions)")
+    if refused:
+        raise AttentionValueError(f"cache= cannot be combined with {'; '.join(refused)}")
 
 
 def _extra_key_biases(
@@ -415,6 +635,7 @@ def _project_heads(
     b_k: Any,
     b_v: Any,
     H: int,
+    H_kv: int,
     scale: float,
     team: Team,
     *,
@@ -439,15 +660,15 @@ def _project_heads(
             ])  # fmt: skip
         qkv = team.matmul(Q, W_qkv, b_qkv)
         widths = [W_q.shape[1], W_q.shape[1] + W_k.shape[1]]
-        q, k, v = (_split_heads(x, H) for x in np.split(qkv, widths, axis=-1))
-        return q, k, v
+        q, k, v = np.split(qkv, widths, axis=-1)
+        return _split_heads(q, H), _split_heads(k, H_kv), _split_heads(v, H_kv)
     q = team.matmul(Q, W_q, b_q)
     if rows < Q.shape[-1]:
         q *= scale
     return (
         _split_heads(q, H),
-        _split_heads(team.matmul(K, W_k, b_k), H),
-        _split_heads(team.matmul(V, W_v, b_v), H),
+        _split_heads(team.matmul(K, W_k, b_k), H_kv),
+        _split_heads(team.matmul(V, W_v, b_v), H_kv),
     )
 
 

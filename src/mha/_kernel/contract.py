@@ -123,8 +123,8 @@ class Visibility:
             mask=mask_array,
             bias=bias_array,
             causal_offset=offset,
-            key_lengths=_lengths("key_lengths", key_lengths, batch_shape, S, "key", context),
-            query_lengths=_lengths(
+            key_lengths=check_lengths("key_lengths", key_lengths, batch_shape, S, "key", context),
+            query_lengths=check_lengths(
                 "query_lengths", query_lengths, batch_shape, L, "query", context
             ),
             bias_hides_keys=hides,
@@ -282,7 +282,7 @@ def _fit_to_scores(
     return array.reshape((1,) * (len(full) - array.ndim) + array.shape)  # full rank, a view
 
 
-def _lengths(
+def check_lengths(
     name: str, lengths: Any, batch_shape: tuple[int, ...], limit: int, axis: str, context: str
 ) -> np.ndarray | None:
     if lengths is None:

@@ -1,0 +1,219 @@
+"""``KVCache``: the keys and values of earlier tokens, so each new token costs O(S·d).
+
+One cache serves one attention layer: preallocated ``(B, H_kv, capacity, d)`` buffers for
+keys and values, and ``lengths (B,)``, how many tokens each sequence has seen (the position
+of its next token). Calls that append (``scaled_dot_product_attention(..., cache=)``,
+``MultiHeadAttention.forward(x, cache=)``) write the new tokens' keys and values after each
+sequence's own length and attend causally over everything cached: the last new token sees
+every cached key. Appending past the capacity grows the buffers (doubling, so appends cost
+amortised O(1) copies per token). With ``window`` only the last ``window - 1`` positions are
+needed by the next token; older ones are dropped when room is needed, so memory stays
+within about twice the window. A call that is refused leaves the cache unchanged.
+"""
+
+from __future__ import annotations
+
+import operator
+import reprlib
+from typing import Any
+
+import numpy as np
+
+from ._arrays import as_array, positive_int
+from .errors import AttentionTypeError, AttentionValueError, ShapeError
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """Keys and values of ``batch_size`` sequences for one attention layer.
+
+    * ``batch_size``, ``num_kv_heads``, ``head_dim``: the buffers' ``(B, H_kv, ., d)``;
+      ``value_dim`` is the values' width (default ``head_dim``).
+    * ``capacity``: positions preallocated per sequence (default 256); more are added
+      when needed. With ``window``, at most about ``2 * window`` are ever held.
+    * ``dtype``: the compute dtype of the calls that use it (float32 or float64).
+    * ``window``: the sliding window of the attention that uses it, if any.
+
+    ``lengths`` holds each sequence's filled length. ``truncate`` rolls every sequence back
+    (rejected speculative tokens); ``reorder`` picks sequences (beam search).
+
+    >>> import numpy as np, mha
+    >>> cache = mha.KVCache(batch_size=1, num_kv_heads=1, head_dim=4, capacity=8)
+    >>> rng = np.random.default_rng(0)
+    >>> for step in range(3):                               # one token at a time
+    ...     q, k, v = rng.standard_normal((3, 1, 1, 1, 4))
+    ...     out = mha.scaled_dot_product_attention(q, k, v, cache=cache)
+    >>> cache.lengths, out.shape
+    (array([3]), (1, 1, 1, 4))
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        value_dim: int | None = None,
+        capacity: int = 256,
+        dtype: Any = np.float64,
+        window: int | None = None,
+    ) -> None:
+        B = positive_int("batch_size", batch_size)
+        H_kv = positive_int("num_kv_heads", num_kv_heads)
+        d_k = positive_int("head_dim", head_dim)
+        d_v = d_k if value_dim is None else positive_int("value_dim", value_dim)
+        self.window = None if window is None else positive_int("window", window)
+        room = positive_int("capacity", capacity)
+        if self.window is not None:
+            room = min(room, 2 * self.window)
+        try:
+            self.dtype = np.dtype(dtype)
+        except TypeError:
+            raise AttentionTypeError(f"dtype must be float32 or float64; got {dtype!r}") from None
+        if self.dtype not in (np.float32, np.float64):
+            raise AttentionTypeError(f"dtype must be float32 or float64; got {self.dtype}")
+        self.k = np.zeros((B, H_kv, room, d_k), self.dtype)
+        self.v = np.zeros((B, H_kv, room, d_v), self.dtype)
+        self.lengths = np.zeros(B, np.int64)  # tokens seen: the next token's position
+        self.first = np.zeros(B, np.int64)  # the position held in slot 0
+
+    @property
+    def batch_size(self) -> int:
+        """``B``, the number of sequences.
+
+        >>> KVCache(3, 2, 4).batch_size
+        3
+        """
+        return int(self.k.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        """Positions the buffers hold per sequence now.
+
+        >>> KVCache(1, 1, 4, capacity=16).capacity
+        16
+        """
+        return int(self.k.shape[2])
+
+    def __repr__(self) -> str:
+        B, H_kv, _, d_k = self.k.shape
+        window = "" if self.window is None else f", window={self.window}"
+        return (
+            f"KVCache(batch_size={B}, num_kv_heads={H_kv}, head_dim={d_k}, "
+            f"lengths={reprlib.repr(self.lengths.tolist())}, capacity={self.capacity}, "
+            f"dtype={self.dtype.name}{window})"
+        )
+
+    def truncate(self, length: int) -> None:
+        """Set every sequence's length back to ``length`` (at most its current length), as
+        if the later tokens had never been appended.
+
+        >>> cache = KVCache(2, 1, 4)
+        >>> cache.lengths[:] = 5                             # as after five tokens
+        >>> cache.truncate(3); cache.lengths
+        array([3, 3])
+        """
+        try:
+            target = operator.index(length)
+        except TypeError:
+            raise AttentionTypeError(f"length must be an integer; got {length!r}") from None
+        if isinstance(length, (bool, np.bool_)) or target < 0:
+            raise AttentionValueError(f"length must be an integer >= 0; got {length!r}")
+        if target > self.lengths.min():
+            raise AttentionValueError(
+                f"cannot truncate to {target}: it is past a sequence's length "
+                f"(lengths {reprlib.repr(self.lengths.tolist())})"
+            )
+        need = target if self.window is None else max(0, target - (self.window - 1))
+        if (self.first > need).any():
+            raise AttentionValueError(
+                f"cannot truncate to {target}: the window's cache dropped positions before "
+                f"{int(self.first.max())}, which the next token at {target} would see"
+            )
+        self.lengths[:] = target
+
+    def reorder(self, indices: Any) -> None:
+        """Keep the sequences ``indices`` (a 1-D integer array; repeats allowed), in that
+        order: beam search's reordering. The batch size becomes ``len(indices)``.
+
+        >>> cache = KVCache(3, 1, 4)
+        >>> cache.lengths[:] = [1, 2, 3]
+        >>> cache.reorder([2, 2, 0]); cache.lengths
+        array([3, 3, 1])
+        """
+        picked = as_array("indices", indices)
+        if picked.dtype.kind not in "iu" or picked.ndim != 1 or picked.size == 0:
+            raise AttentionTypeError(
+                "indices must be a non-empty 1-D array of integers; got "
+                f"{reprlib.repr(indices)} (dtype {picked.dtype}, shape {picked.shape})"
+            )
+        B = self.batch_size
+        if picked.min() < -B or picked.max() >= B:
+            raise AttentionValueError(
+                f"indices must lie in [0, {B}) for a cache of {B} sequences; "
+                f"got {reprlib.repr(picked.tolist())}"
+            )
+        self.k, self.v = self.k[picked], self.v[picked]
+        self.lengths, self.first = self.lengths[picked], self.first[picked]
+
+    # Used by the attention calls ------------------------------------------------------
+
+    def check(self, k: np.ndarray, v: np.ndarray, where: str) -> None:
+        """Refuse new keys and values that do not fit this cache, naming both sides."""
+        B, H_kv, _, d_k = self.k.shape
+        d_v = self.v.shape[-1]
+        if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+            raise ShapeError(
+                f"with cache=, k and v must be the new tokens' (B, H_kv, L_new, d): "
+                f"got k {k.shape}, v {v.shape}{where}"
+            )
+        given = (k.shape[0], k.shape[1], k.shape[3], v.shape[3])
+        if given != (B, H_kv, d_k, d_v):
+            raise ShapeError(
+                f"the new keys and values (batch {k.shape[0]}, {k.shape[1]} key/value heads, "
+                f"widths {k.shape[3]} and {v.shape[3]}) do not fit the cache (batch {B}, "
+                f"{H_kv} key/value heads, widths {d_k} and {d_v}): {self!r}{where}"
+            )
+
+    def append(self, k: np.ndarray, v: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Write the first ``counts[b]`` new rows of sequence ``b`` after what it holds, and
+        return each sequence's filled slots. ``lengths`` is not advanced: :meth:`commit`
+        does that once the attention is computed, so a failure leaves the cache as it was."""
+        held = self.lengths - self.first
+        if (held + counts).max(initial=0) > self.capacity and self.window is not None:
+            self._drop_outside_window()
+            held = self.lengths - self.first
+        need = int((held + counts).max(initial=0))
+        if need > self.capacity:
+            self._grow(need)
+        for b in range(self.batch_size):
+            n, at = int(counts[b]), int(held[b])
+            self.k[b, :, at : at + n] = k[b, :, :n]
+            self.v[b, :, at : at + n] = v[b, :, :n]
+        filled: np.ndarray = held + counts
+        return filled
+
+    def commit(self, counts: np.ndarray) -> None:
+        self.lengths += counts
+
+    def _grow(self, need: int) -> None:
+        room = max(need, 2 * self.capacity)
+        if self.window is not None:
+            room = max(need, min(room, 2 * self.window))
+        B, H_kv, held, d_k = self.k.shape
+        k = np.zeros((B, H_kv, room, d_k), self.dtype)
+        v = np.zeros((B, H_kv, room, self.v.shape[-1]), self.dtype)
+        k[:, :, :held], v[:, :, :held] = self.k, self.v
+        self.k, self.v = k, v
+
+    def _drop_outside_window(self) -> None:
+        """Move each sequence's last ``window - 1`` positions to the front of its slots."""
+        window = self.window or 1
+        for b in range(self.batch_size):
+            held = int(self.lengths[b] - self.first[b])
+            keep = min(held, window - 1)
+            if keep < held:
+                self.k[b, :, :keep] = self.k[b, :, held - keep : held].copy()
+                self.v[b, :, :keep] = self.v[b, :, held - keep : held].copy()
+                self.first[b] = self.lengths[b] - keep
