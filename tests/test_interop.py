@@ -241,7 +241,8 @@ def test_load_refuses_pickles_and_names_what_is_wrong(tmp_path):
             r"noconfig.npz: it has no 'config' entry",
         write("badshape.npz", **data | {"W_o": np.zeros((8, 3))}):
             r"badshape.npz: W_o has shape \(8, 3\) but its config "
-            r"\(d_model=8, kdim=8, vdim=8\) calls for \(8, 8\)$",
+            r"\(d_model=8, num_heads=2, num_kv_heads=2, head_dim=4, kdim=8, vdim=8\) "
+            r"calls for \(8, 8\)$",
         write("extra.npz", **data | {"surprise": np.zeros(2)}):
             r"extra.npz: unexpected entries \['surprise'\]",
         write("format.npz", **data | {"config": np.array('{"format": "other", "version": 1}')}):

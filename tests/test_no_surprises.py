@@ -273,9 +273,10 @@ def test_a_damaged_save_is_reported_against_its_config_and_names_the_path_once(t
         mha.MultiHeadAttention.load(path)
     message = str(caught.value)
     assert message.count(str(path)) == 1, message
-    assert "W_q has shape (8, 6) but its config (d_model=8, kdim=8, vdim=8) calls for (8, 8)" in (
-        message
-    )
+    assert (
+        "W_q has shape (8, 6) but its config (d_model=8, num_heads=2, num_kv_heads=2, "
+        "head_dim=4, kdim=8, vdim=8) calls for (8, 8)"
+    ) in message
 
 
 @pytest.mark.parametrize("zero", ["d_q", "d_kin", "d_vin", "d_v", "d_out"])

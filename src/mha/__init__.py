@@ -6,6 +6,7 @@
 (2, 4, 8)
 """
 
+from .cache import KVCache
 from .errors import (
     AttentionError,
     AttentionTypeError,
@@ -13,7 +14,6 @@ from .errors import (
     ShapeError,
     WeightsFileError,
 )
-from .cache import KVCache
 from .functional import merge_attention, multi_head_attention, scaled_dot_product_attention
 from .module import MultiHeadAttention
 from .rotary import apply_rotary

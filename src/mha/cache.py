@@ -159,7 +159,7 @@ class KVCache:
 
     # Used by the attention calls ------------------------------------------------------
 
-    def check(self, k: np.ndarray, v: np.ndarray, where: str) -> None:
+    def _check(self, k: np.ndarray, v: np.ndarray, where: str) -> None:
         """Refuse new keys and values that do not fit this cache, naming both sides."""
         B, H_kv, _, d_k = self.k.shape
         d_v = self.v.shape[-1]
@@ -176,9 +176,9 @@ class KVCache:
                 f"{H_kv} key/value heads, widths {d_k} and {d_v}): {self!r}{where}"
             )
 
-    def append(self, k: np.ndarray, v: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    def _append(self, k: np.ndarray, v: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Write the first ``counts[b]`` new rows of sequence ``b`` after what it holds, and
-        return each sequence's filled slots. ``lengths`` is not advanced: :meth:`commit`
+        return each sequence's filled slots. ``lengths`` is not advanced: :meth:`_commit`
         does that once the attention is computed, so a failure leaves the cache as it was."""
         held = self.lengths - self.first
         if (held + counts).max(initial=0) > self.capacity and self.window is not None:
@@ -194,7 +194,7 @@ class KVCache:
         filled: np.ndarray = held + counts
         return filled
 
-    def commit(self, counts: np.ndarray) -> None:
+    def _commit(self, counts: np.ndarray) -> None:
         self.lengths += counts
 
     def _grow(self, need: int) -> None:

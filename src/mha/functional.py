@@ -193,7 +193,7 @@ def _with_cache(
     if not isinstance(cache, KVCache):
         raise AttentionTypeError(f"cache must be an mha.KVCache; got {type(cache).__name__}")
     where = f" (q {q.shape}, k {k.shape}, v {v.shape})"
-    cache.check(k, v, where)
+    cache._check(k, v, where)
     if compute_dtype != cache.dtype:
         raise AttentionTypeError(
             f"the cache holds {cache.dtype} but this call computes in {compute_dtype}: "
@@ -224,7 +224,7 @@ def _with_cache(
     )
     if counts is None:
         counts = np.full(B, L, np.int64)
-    filled = cache.append(k, v, counts)
+    filled = cache._append(k, v, counts)
     S = int(filled.max(initial=0))
     visibility = Visibility.build(
         batch_shape=(B,), H=q.shape[-3], L=L, S=S, causal=True, key_lengths=filled,
@@ -240,7 +240,7 @@ def _with_cache(
             q, cache.k[:, :, :S], cache.v[:, :, :S], visibility, scale, out, lse=lse,
             max_memory=budget, team=team,
         )  # fmt: skip
-    cache.commit(counts)
+    cache._commit(counts)
     if lse is not None:
         return _cast(out, result_dtype), lse
     return _cast(out, result_dtype)

@@ -8,8 +8,10 @@ from typing import Any
 import numpy as np
 
 from ._arrays import as_array, as_float_array, flag, positive_int
+from .cache import KVCache
 from .errors import AttentionTypeError, AttentionValueError, ShapeError, WeightsFileError
 from .functional import multi_head_attention
+from .rotary import apply_rotary
 
 __all__ = ["MultiHeadAttention"]
 
@@ -19,10 +21,12 @@ _WEIGHT_NAMES = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "bias_k
 class MultiHeadAttention:
     """Multi-head attention that owns its weights; ``forward`` calls the function.
 
-    ``d_model`` is the model width and ``num_heads`` divides it. The weights are attributes
-    in the function's "x @ W" layout: ``W_q (d_model, d_model)``, ``W_k (kdim, d_model)``,
-    ``W_v (vdim, d_model)``, ``W_o (d_model, d_model)``, and with ``bias=True`` also
-    ``b_q``, ``b_k``, ``b_v``, ``b_o`` (``None`` otherwise).
+    ``d_model`` is the model width and ``num_heads`` the number of query heads, each
+    ``head_dim`` wide (default ``d_model // num_heads``). The weights are attributes in the
+    function's "x @ W" layout: ``W_q (d_model, H*head_dim)``, ``W_k (kdim, H_kv*head_dim)``,
+    ``W_v (vdim, H_kv*head_dim)``, ``W_o (H*head_dim, d_model)``, and with ``bias=True``
+    also ``b_q``, ``b_k``, ``b_v``, ``b_o`` (``None`` otherwise; weights loaded from a
+    model may have some of them, as Qwen2 has ``b_q``, ``b_k``, ``b_v`` only).
 
     **bias defaults to False** (the specification's weights-only layer), where
     ``torch.nn.MultiheadAttention`` defaults to ``bias=True``: pass ``bias=True`` for
@@ -30,9 +34,15 @@ class MultiHeadAttention:
     ``d_model``); ``add_bias_kv`` and ``add_zero_attn`` are torch's extra keys; ``dtype``
     is the weights' floating dtype (default float64). The random initialisation follows
     torch's: Xavier/Glorot uniform over the packed ``(3*d_model, d_model)`` in-projection
-    (or over each of W_q, W_k, W_v when ``kdim``/``vdim`` differ), ``U(-1/sqrt(d_model),
+    (or over each of W_q, W_k, W_v when their shapes differ), ``U(-1/sqrt(d_model),
     1/sqrt(d_model))`` for ``W_o`` and zero biases; ``seed`` (an int or a
     ``np.random.Generator``) makes it reproducible.
+
+    For decoder models: ``num_kv_heads`` (grouped-query attention, default ``num_heads``),
+    ``rope_theta`` (rotary position embeddings of q and k after projection, with
+    ``rotary_dim`` and ``rotary_interleaved`` as in :func:`mha.apply_rotary`) and
+    ``window`` (a sliding window); :meth:`new_cache` makes a :class:`mha.KVCache` for
+    ``forward(x, cache=...)``, and :meth:`from_llama` reads transformers' layout.
 
     >>> import numpy as np
     >>> from mha import MultiHeadAttention
@@ -52,59 +62,100 @@ class MultiHeadAttention:
         d_model: int,
         num_heads: int,
         *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
         kdim: int | None = None,
         vdim: int | None = None,
         bias: bool = False,
         add_bias_kv: bool = False,
         add_zero_attn: bool = False,
+        rope_theta: float | None = None,
+        rotary_dim: int | None = None,
+        rotary_interleaved: bool = False,
+        window: int | None = None,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
     ) -> None:
-        self.d_model = positive_int("d_model", d_model)
-        self.num_heads = positive_int("num_heads", num_heads)
-        if self.d_model % self.num_heads:
+        E = positive_int("d_model", d_model)
+        H = positive_int("num_heads", num_heads)
+        if head_dim is None and E % H:
             raise AttentionValueError(
-                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
-                "each head needs an equal share of the width"
+                f"d_model={E} is not divisible by num_heads={H}; each head needs an equal "
+                "share of the width (or give head_dim=)"
             )
-        self.kdim = self.d_model if kdim is None else positive_int("kdim", kdim)
-        self.vdim = self.d_model if vdim is None else positive_int("vdim", vdim)
+        self._configure(
+            d_model=E, num_heads=H, num_kv_heads=num_kv_heads,
+            head_dim=E // H if head_dim is None else head_dim,
+            kdim=E if kdim is None else kdim, vdim=E if vdim is None else vdim,
+            add_zero_attn=add_zero_attn, rope_theta=rope_theta, rotary_dim=rotary_dim,
+            rotary_interleaved=rotary_interleaved, window=window,
+        )  # fmt: skip
         if not isinstance(bias, (bool, np.bool_)):
             raise AttentionTypeError(f"bias must be True or False; got {bias!r}")
-        self.has_bias = bool(bias)
         self.dtype = _float_dtype(dtype)
         rng = _random_generator(seed)
 
-        E = self.d_model
-        if self.kdim == E and self.vdim == E:
+        inner, kv_inner = H * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.kdim == E and self.vdim == E and inner == E and kv_inner == E:
             in_proj = _uniform(rng, (3 * E, E), _xavier_bound(E, 3 * E), self.dtype)
             self.W_q, self.W_k, self.W_v = (part.T.copy() for part in np.split(in_proj, 3))
         else:
             self.W_q, self.W_k, self.W_v = (
-                _uniform(rng, (E, d_in), _xavier_bound(d_in, E), self.dtype).T.copy()
-                for d_in in (E, self.kdim, self.vdim)
+                _uniform(rng, (width, d_in), _xavier_bound(d_in, width), self.dtype).T.copy()
+                for d_in, width in ((E, inner), (self.kdim, kv_inner), (self.vdim, kv_inner))
             )
-        self.W_o = _uniform(rng, (E, E), 1.0 / float(np.sqrt(E)), self.dtype).T.copy()
-        biases: list[np.ndarray | None] = [
-            np.zeros(E, dtype=self.dtype) if self.has_bias else None for _ in range(4)
-        ]
-        self.b_q, self.b_k, self.b_v, self.b_o = biases
+        bound = 1.0 / float(np.sqrt(inner))
+        self.W_o = _uniform(rng, (E, inner), bound, self.dtype).T.copy()
+        self.b_q, self.b_k, self.b_v, self.b_o = (
+            np.zeros(width, dtype=self.dtype) if bias else None
+            for width in (inner, kv_inner, kv_inner, E)
+        )
         self.bias_k: np.ndarray | None = None
         self.bias_v: np.ndarray | None = None
         if flag("add_bias_kv", add_bias_kv):  # torch: xavier_normal_ on (1, 1, E)
             self.bias_k, self.bias_v = (
-                rng.normal(0.0, 1.0 / float(np.sqrt(E)), E).astype(self.dtype) for _ in range(2)
+                rng.normal(0.0, 1.0 / float(np.sqrt(E)), kv_inner).astype(self.dtype)
+                for _ in range(2)
             )
+
+    def _configure(
+        self, *, d_model: int, num_heads: int, num_kv_heads: Any, head_dim: Any, kdim: Any,
+        vdim: Any, add_zero_attn: Any, rope_theta: Any, rotary_dim: Any,
+        rotary_interleaved: Any, window: Any,
+    ) -> None:  # fmt: skip
+        """Check and keep the configuration (everything but the weights)."""
+        self.d_model, self.num_heads = d_model, num_heads
+        self.num_kv_heads = (
+            num_heads if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
+        )
+        if num_heads % self.num_kv_heads:
+            raise AttentionValueError(
+                f"num_kv_heads={self.num_kv_heads} does not divide num_heads={num_heads}; "
+                "each key/value head serves an equal group of query heads"
+            )
+        self.head_dim = positive_int("head_dim", head_dim)
+        self.kdim, self.vdim = positive_int("kdim", kdim), positive_int("vdim", vdim)
         self.add_zero_attn = flag("add_zero_attn", add_zero_attn)
+        self.rope_theta = None if rope_theta is None else float(rope_theta)
+        if rope_theta is not None:  # checked by the function that uses them
+            apply_rotary(np.zeros((1, self.head_dim)), [0], theta=rope_theta,
+                         rotary_dim=rotary_dim, interleaved=rotary_interleaved)  # fmt: skip
+        elif rotary_dim is not None or rotary_interleaved:
+            raise AttentionValueError(
+                "rotary_dim and rotary_interleaved have no effect without rope_theta="
+            )
+        self.rotary_dim = None if rotary_dim is None else int(rotary_dim)
+        self.rotary_interleaved = flag("rotary_interleaved", rotary_interleaved)
+        self.window = None if window is None else positive_int("window", window)
 
     @property
-    def head_dim(self) -> int:
-        """The per-head width ``d_model // num_heads``.
+    def has_bias(self) -> bool:
+        """Whether all four projection biases are present (torch's ``bias=True``).
 
-        >>> MultiHeadAttention(8, 2).head_dim
-        4
+        >>> MultiHeadAttention(8, 2, bias=True).has_bias
+        True
         """
-        return self.d_model // self.num_heads
+        return all(b is not None for b in (self.b_q, self.b_k, self.b_v, self.b_o))
 
     def forward(
         self,
@@ -120,6 +171,8 @@ class MultiHeadAttention:
         bias: Any = None,
         scale: float | None = None,
         return_weights: bool = False,
+        positions: Any = None,
+        cache: KVCache | None = None,
         max_memory: int | None = None,
         workers: int | None = None,
     ) -> Any:
@@ -135,7 +188,13 @@ class MultiHeadAttention:
         default: ``key``) by name. The other keywords are those of
         :func:`mha.multi_head_attention`: ``causal``, ``causal_alignment``,
         ``key_lengths``, ``query_lengths``, ``bias``, ``scale``, ``return_weights``,
-        ``max_memory`` and ``workers``. ``attention(...)`` is ``attention.forward(...)``.
+        ``max_memory`` and ``workers``; the module's own ``num_kv_heads``, ``window`` and
+        rotary settings apply. ``positions`` (``(L,)`` or ``(B, L)``) places the tokens for
+        the rotary embedding. ``cache`` (from :meth:`new_cache`) makes ``query`` the next
+        tokens of each sequence: they are projected, rotated at their true positions,
+        appended, and attend causally over everything cached; with ``query_lengths`` only
+        the first ``query_lengths[b]`` rows of sequence ``b`` are real tokens.
+        ``attention(...)`` is ``attention.forward(...)``.
 
         >>> import numpy as np
         >>> attention = MultiHeadAttention(4, 2, seed=0)
@@ -201,15 +260,46 @@ class MultiHeadAttention:
             bias_k=self.bias_k,
             bias_v=self.bias_v,
             add_zero_attn=self.add_zero_attn,
+            num_kv_heads=self.num_kv_heads,
+            window=self.window,
+            rope_theta=self.rope_theta,
+            rotary_dim=self.rotary_dim,
+            rotary_interleaved=self.rotary_interleaved,
+            positions=positions,
+            cache=cache,
         )
+
+    def new_cache(self, batch_size: int, *, capacity: int = 256) -> KVCache:
+        """An empty :class:`mha.KVCache` for ``batch_size`` sequences, made for this
+        attention's key/value heads, head width, window and compute dtype (float32 for
+        float16 weights). ``capacity`` positions are preallocated; more are added as needed.
+
+        >>> attention = MultiHeadAttention(16, 4, num_kv_heads=2, rope_theta=10000.0, seed=0)
+        >>> cache = attention.new_cache(2, capacity=32)
+        >>> x = np.random.default_rng(0).standard_normal((2, 5, 16))
+        >>> attention(x, cache=cache).shape, cache.lengths   # a prompt of 5 tokens
+        ((2, 5, 16), array([5, 5]))
+        >>> attention(x[:, :1], cache=cache).shape, cache.lengths   # then one more
+        ((2, 1, 16), array([6, 6]))
+        """
+        dtype = np.float32 if self.dtype == np.float16 else self.dtype
+        return KVCache(
+            batch_size, self.num_kv_heads, self.head_dim, capacity=capacity, dtype=dtype,
+            window=self.window,
+        )  # fmt: skip
 
     __call__ = forward
 
     def __repr__(self) -> str:
+        defaults = {
+            "num_kv_heads": self.num_heads, "head_dim": self.d_model // self.num_heads,
+            "kdim": self.d_model, "vdim": self.d_model, "rope_theta": None,
+            "rotary_dim": None, "rotary_interleaved": False, "window": None,
+        }  # fmt: skip
         dims = "".join(
-            f", {name}={value}"
-            for name, value in (("kdim", self.kdim), ("vdim", self.vdim))
-            if value != self.d_model
+            f", {name}={getattr(self, name)}"
+            for name, default in defaults.items()
+            if getattr(self, name) != default
         )
         extras = "".join(
             f", {name}=True"
@@ -221,7 +311,7 @@ class MultiHeadAttention:
         )
         return (
             f"MultiHeadAttention(d_model={self.d_model}, num_heads={self.num_heads}{dims}, "
-            f"bias={self.has_bias}{extras}, dtype={self.dtype.name})"
+            f"bias={self.has_bias}{extras}{self._partial_biases()}, dtype={self.dtype.name})"
         )
 
     # Weights trained elsewhere, and files. The layouts are converted in mha.integrations,
@@ -341,10 +431,13 @@ class MultiHeadAttention:
         from .integrations import npz
 
         config, weights = npz.load(path)
+        extras = ("num_kv_heads", "head_dim", "rope_theta", "rotary_dim", "rotary_interleaved",
+                  "window")  # fmt: skip
         try:
             module = cls._from_weights(
-                weights, config["num_heads"], config["add_zero_attn"], "the weights"
-            )
+                weights, config["num_heads"], config["add_zero_attn"], "the weights",
+                **{key: config[key] for key in extras},
+            )  # fmt: skip
         except (AttentionValueError, TypeError) as error:
             raise WeightsFileError(f"cannot load {path}: {error}") from None
         found = module._config()
@@ -360,9 +453,15 @@ class MultiHeadAttention:
     def _config(self) -> dict[str, Any]:
         """What a saved file records besides the weights, checked again when it is loaded."""
         return {
-            "d_model": self.d_model, "num_heads": self.num_heads, "kdim": self.kdim,
-            "vdim": self.vdim, "bias": self.has_bias, "add_bias_kv": self.bias_k is not None,
-            "add_zero_attn": self.add_zero_attn, "dtype": self.dtype.name,
+            "d_model": self.d_model, "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "kdim": self.kdim,
+            "vdim": self.vdim, "bias": self.has_bias,
+            "biases": [name for name in ("b_q", "b_k", "b_v", "b_o")
+                       if getattr(self, name) is not None],
+            "add_bias_kv": self.bias_k is not None, "add_zero_attn": self.add_zero_attn,
+            "rope_theta": self.rope_theta, "rotary_dim": self.rotary_dim,
+            "rotary_interleaved": self.rotary_interleaved, "window": self.window,
+            "dtype": self.dtype.name,
         }  # fmt: skip
 
     @classmethod
@@ -372,57 +471,69 @@ class MultiHeadAttention:
         num_heads: int,
         add_zero_attn: bool = False,
         source: str = "weights",
+        **config: Any,
     ) -> MultiHeadAttention:
-        """A module holding ``weights`` (keys W_q, ..., b_o, bias_k, bias_v), checked."""
-        W_q, W_k, W_v, W_o = (weights[name] for name in ("W_q", "W_k", "W_v", "W_o"))
+        """A module holding ``weights`` (keys W_q, ..., b_o, bias_k, bias_v), checked against
+        each other and ``config`` (``num_kv_heads``, ``head_dim``, rotary settings,
+        ``window``)."""
+        W_q, W_k, W_v, W_o = (weights.get(name) for name in ("W_q", "W_k", "W_v", "W_o"))
         if W_q is None or W_k is None or W_v is None or W_o is None:
             raise AttentionValueError(f"{source}: W_q, W_k, W_v and W_o are all needed")
-        E = W_q.shape[1] if W_q.ndim == 2 else -1
-        expected: dict[str, tuple[int | None, ...]] = {
-            "W_q": (E, E), "W_k": (None, E), "W_v": (None, E), "W_o": (E, E),
-        }  # fmt: skip
-        for name in ("b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v"):
-            expected[name] = (E,)
-        for name, shape in expected.items():
-            array = weights.get(name)
-            if array is None:
-                continue
-            fits = array.ndim == len(shape) and all(
-                want is None or got == want for got, want in zip(array.shape, shape, strict=True)
+        for name, W in (("W_q", W_q), ("W_k", W_k), ("W_v", W_v), ("W_o", W_o)):
+            if W.ndim != 2 or 0 in W.shape:
+                raise ShapeError(f"{source}: {name} must be a non-empty matrix; got {W.shape}")
+        H = positive_int("num_heads", num_heads)
+        H_kv = config.get("num_kv_heads") or H
+        if W_q.shape[1] % H:
+            raise AttentionValueError(
+                f"{source}: num_heads={H} does not divide the {W_q.shape[1]} columns of W_q "
+                f"{W_q.shape}"
             )
-            if not fits or E <= 0:
+        self = cls.__new__(cls)
+        self._configure(
+            d_model=W_q.shape[0], num_heads=H, num_kv_heads=H_kv,
+            head_dim=config.get("head_dim") or W_q.shape[1] // H, kdim=W_k.shape[0],
+            vdim=W_v.shape[0], add_zero_attn=add_zero_attn,
+            rope_theta=config.get("rope_theta"), rotary_dim=config.get("rotary_dim"),
+            rotary_interleaved=config.get("rotary_interleaved", False),
+            window=config.get("window"),
+        )  # fmt: skip
+        for name, shape in self._shapes().items():
+            array = weights.get(name)
+            if array is not None and array.shape != shape:
                 raise ShapeError(
-                    f"{source}: {name} has shape {array.shape}, which does not fit d_model={E} "
-                    f"(W_q {W_q.shape})"
+                    f"{source}: {name} has shape {array.shape} but {self._describe()} calls "
+                    f"for {shape}"
                 )
-        biases = [weights.get(name) for name in ("b_q", "b_k", "b_v", "b_o")]
-        if any(b is None for b in biases) and any(b is not None for b in biases):
-            raise AttentionValueError(f"{source}: b_q, b_k, b_v and b_o go together")
         if (weights.get("bias_k") is None) != (weights.get("bias_v") is None):
             raise AttentionValueError(f"{source}: bias_k and bias_v go together")
-        self = cls.__new__(cls)
-        self.d_model = E
-        self.num_heads = positive_int("num_heads", num_heads)
-        if E % self.num_heads:
-            raise AttentionValueError(
-                f"{source}: d_model={E} is not divisible by num_heads={self.num_heads}"
-            )
-        self.kdim, self.vdim = W_k.shape[0], W_v.shape[0]
-        self.has_bias = biases[0] is not None
         present = [a for a in weights.values() if a is not None]
         self.dtype = _float_dtype(np.result_type(*present))
-        self.W_q, self.W_k, self.W_v, self.W_o = (
-            np.array(W, dtype=self.dtype) for W in (W_q, W_k, W_v, W_o)
-        )
-        self.b_q, self.b_k, self.b_v, self.b_o = (
-            None if b is None else np.array(b, dtype=self.dtype) for b in biases
-        )
-        self.bias_k, self.bias_v = (
-            None if weights.get(name) is None else np.array(weights[name], dtype=self.dtype)
-            for name in ("bias_k", "bias_v")
-        )
-        self.add_zero_attn = flag("add_zero_attn", add_zero_attn)
+        for name in _WEIGHT_NAMES:
+            array = weights.get(name)
+            setattr(self, name, None if array is None else np.array(array, dtype=self.dtype))
         return self
+
+    def _partial_biases(self) -> str:
+        names = [n for n in ("b_q", "b_k", "b_v", "b_o") if getattr(self, n) is not None]
+        return "" if self.has_bias or not names else f", biases=({', '.join(names)})"
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of every weight this configuration holds, present or not."""
+        E, inner = self.d_model, self.num_heads * self.head_dim
+        kv_inner = self.num_kv_heads * self.head_dim
+        return {
+            "W_q": (E, inner), "W_k": (self.kdim, kv_inner), "W_v": (self.vdim, kv_inner),
+            "W_o": (inner, E), "b_q": (inner,), "b_k": (kv_inner,), "b_v": (kv_inner,),
+            "b_o": (E,), "bias_k": (kv_inner,), "bias_v": (kv_inner,),
+        }  # fmt: skip
+
+    def _describe(self) -> str:
+        return (
+            f"d_model={self.d_model}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, kdim={self.kdim}, "
+            f"vdim={self.vdim}"
+        )
 
 
 def _check_mask_argument(mask: Any) -> None:

@@ -18,7 +18,7 @@ from ..errors import WeightsFileError
 __all__ = ["FORMAT", "FORMAT_VERSION", "WEIGHT_NAMES", "load", "save"]
 
 FORMAT = "mha.MultiHeadAttention"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added grouped-query heads, head_dim, rotary, window, single biases
 WEIGHT_NAMES = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v")
 
 
@@ -55,8 +55,9 @@ def load(path: Any) -> tuple[dict[str, Any], dict[str, np.ndarray | None]]:
         config = json.loads(str(contents.pop("config")))
         if config.get("format") != FORMAT:
             raise ValueError(f"format is {config.get('format')!r}, not {FORMAT!r}")
-        if config.get("version") != FORMAT_VERSION:
-            raise ValueError(f"format version {config.get('version')} is not {FORMAT_VERSION}")
+        if config.get("version") not in (1, FORMAT_VERSION):
+            raise ValueError(f"format version {config.get('version')} is not 1 or 2")
+        config = _upgraded(config)
         expected = _expected_shapes(config)
         missing = [key for key in ("num_heads", "add_zero_attn") if key not in config]
         if missing:
@@ -66,14 +67,17 @@ def load(path: Any) -> tuple[dict[str, Any], dict[str, np.ndarray | None]]:
     unknown = sorted(set(contents) - set(WEIGHT_NAMES))
     if unknown:
         raise WeightsFileError(f"cannot load {target}: unexpected entries {unknown}")
-    summary = ", ".join(f"{key}={config[key]}" for key in ("d_model", "kdim", "vdim"))
+    summary = ", ".join(
+        f"{key}={config[key]}"
+        for key in ("d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim")
+    )
     for name in WEIGHT_NAMES:  # against the config, which a damaged array cannot change
         shape = expected.get(name)
         if (name in contents) != (shape is not None):
             state = "has" if name in contents else "lacks"
             raise WeightsFileError(
                 f"cannot load {target}: it {state} {name}, which its config "
-                f"(bias={config['bias']}, add_bias_kv={config['add_bias_kv']}) "
+                f"(biases={config['biases']}, add_bias_kv={config['add_bias_kv']}) "
                 f"{'does not call for' if name in contents else 'calls for'}"
             )
         if shape is not None and contents[name].shape != shape:
@@ -84,10 +88,27 @@ def load(path: Any) -> tuple[dict[str, Any], dict[str, np.ndarray | None]]:
     return config, {name: contents.get(name) for name in WEIGHT_NAMES}
 
 
+def _upgraded(config: dict[str, Any]) -> dict[str, Any]:
+    """A version-1 config with version 2's keys at the values version 1 implied."""
+    if config["version"] != 1:
+        return config
+    heads = int(config["num_heads"])
+    return {
+        **config, "num_kv_heads": heads, "head_dim": int(config["d_model"]) // heads,
+        "biases": ["b_q", "b_k", "b_v", "b_o"] if config["bias"] else [],
+        "rope_theta": None, "rotary_dim": None, "rotary_interleaved": False, "window": None,
+    }  # fmt: skip
+
+
 def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The shape of every weight a file with this config holds."""
     E, kdim, vdim = (int(config[key]) for key in ("d_model", "kdim", "vdim"))
-    shapes = {"W_q": (E, E), "W_k": (kdim, E), "W_v": (vdim, E), "W_o": (E, E)}
-    vectors = [*("b_q", "b_k", "b_v", "b_o")] if config["bias"] else []
-    vectors += ["bias_k", "bias_v"] if config["add_bias_kv"] else []
-    return {**shapes, **{name: (E,) for name in vectors}}
+    inner = int(config["num_heads"]) * int(config["head_dim"])
+    kv_inner = int(config["num_kv_heads"]) * int(config["head_dim"])
+    shapes = {"W_q": (E, inner), "W_k": (kdim, kv_inner), "W_v": (vdim, kv_inner),
+              "W_o": (inner, E)}  # fmt: skip
+    widths = {"b_q": inner, "b_k": kv_inner, "b_v": kv_inner, "b_o": E}
+    vectors = {name: (widths[name],) for name in config["biases"]}
+    if config["add_bias_kv"]:
+        vectors |= {"bias_k": (kv_inner,), "bias_v": (kv_inner,)}
+    return {**shapes, **vectors}
