@@ -361,6 +361,7 @@ class MultiHeadAttention:
         """
         from .integrations.pytorch import as_tensors, torch_state_dict
 
+        self._check_torch_layout()
         state = torch_state_dict(self.weights())
         return as_tensors(state) if flag("tensors", tensors) else dict(state)
 
@@ -376,6 +377,7 @@ class MultiHeadAttention:
         """
         from .integrations.pytorch import torch_module
 
+        self._check_torch_layout()
         first = flag("batch_first", batch_first)
         return torch_module(self.weights(), self.num_heads, self.add_zero_attn, first)
 
@@ -399,6 +401,59 @@ class MultiHeadAttention:
 
         weights = weights_from_gpt2(c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias)
         return cls._from_weights(weights, positive_int("num_heads", num_heads), False, "GPT-2")
+
+    @classmethod
+    def from_llama(
+        cls,
+        state_dict: Any,
+        *,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        rope_theta: float | None = 10000.0,
+        rotary_dim: int | None = None,
+        rotary_interleaved: bool = False,
+        window: int | None = None,
+        prefix: str = "",
+    ) -> MultiHeadAttention:
+        """A Llama-style attention (Llama, Mistral, Qwen2, ...) from transformers' layout:
+        ``{prefix}q_proj.weight``, ``k_proj``, ``v_proj``, ``o_proj`` (``(out, in)``, NumPy
+        arrays or torch tensors) and their ``.bias`` where present. ``num_heads``,
+        ``num_kv_heads`` and ``head_dim`` are the config's ``num_attention_heads``,
+        ``num_key_value_heads`` and ``head_dim`` (default ``hidden_size // num_heads``);
+        ``rope_theta``, ``rotary_dim`` (partial rotary) and ``rotary_interleaved`` set the
+        rotary embedding (``rope_theta=None``: none); ``window`` is Mistral's
+        ``sliding_window``. ``prefix`` selects one layer of a whole model's state dict, such
+        as ``"model.layers.0.self_attn."``. Missing or misshapen keys are refused with the
+        key's name and the expected shape. Llama attention is causal: call
+        ``forward(x, mask=True)``, or use a cache.
+
+        >>> import numpy as np
+        >>> rng = np.random.default_rng(0)
+        >>> state = {"q_proj.weight": rng.standard_normal((8, 8)),
+        ...          "k_proj.weight": rng.standard_normal((4, 8)),
+        ...          "v_proj.weight": rng.standard_normal((4, 8)),
+        ...          "o_proj.weight": rng.standard_normal((8, 8))}
+        >>> attention = MultiHeadAttention.from_llama(state, num_heads=4, num_kv_heads=2)
+        >>> attention.num_kv_heads, attention.head_dim, attention.W_k.shape   # W_k = k_proj.T
+        (2, 2, (8, 4))
+        """
+        from .integrations.transformers import weights_from_llama
+
+        H = positive_int("num_heads", num_heads)
+        H_kv = H if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
+        if head_dim is None:
+            key = f"{prefix}q_proj.weight"
+            width = np.shape(state_dict[key])[-1] if key in state_dict else H
+            head_dim = width // H
+        weights = weights_from_llama(
+            state_dict, prefix, H, H_kv, positive_int("head_dim", head_dim)
+        )
+        return cls._from_weights(
+            weights, H, False, "Llama weights", num_kv_heads=H_kv, head_dim=head_dim,
+            rope_theta=rope_theta, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
+            window=window,
+        )  # fmt: skip
 
     def save(self, path: Any) -> None:
         """Write configuration and weights to ``path`` as ``.npz``, atomically: a complete
@@ -513,6 +568,25 @@ class MultiHeadAttention:
             array = weights.get(name)
             setattr(self, name, None if array is None else np.array(array, dtype=self.dtype))
         return self
+
+    def _check_torch_layout(self) -> None:
+        """Refuse what ``torch.nn.MultiheadAttention`` cannot hold."""
+        beyond = [
+            what
+            for what, present in (
+                ("grouped key/value heads", self.num_kv_heads != self.num_heads),
+                ("head_dim * num_heads != d_model", self.head_dim * self.num_heads != self.d_model),
+                ("rotary embeddings", self.rope_theta is not None),
+                ("a sliding window", self.window is not None),
+                ("only some of the biases", self._partial_biases() != ""),
+            )
+            if present
+        ]
+        if beyond:
+            raise AttentionValueError(
+                f"torch.nn.MultiheadAttention cannot hold this attention ({', '.join(beyond)}): "
+                f"{self!r}"
+            )
 
     def _partial_biases(self) -> str:
         names = [n for n in ("b_q", "b_k", "b_v", "b_o") if getattr(self, n) is not None]

@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import as_float_array, positive_int
+from .._arrays import positive_int
 from ..errors import AttentionValueError, ShapeError
+from ._tensors import as_numpy
 
 __all__ = ["as_tensors", "torch_module", "torch_state_dict", "weights_from_torch"]
 
@@ -54,7 +55,7 @@ def weights_from_torch(
 
 def _weights_from_state(state: dict[str, Any]) -> dict[str, np.ndarray | None]:
     """Check a ``nn.MultiheadAttention`` state dict and turn it into mha's layout."""
-    arrays = {name: _numpy(name, value) for name, value in state.items()}
+    arrays = {name: as_numpy(f"state dict entry {name!r}", value) for name, value in state.items()}
     packed = {"in_proj_weight"}
     separate = {"q_proj_weight", "k_proj_weight", "v_proj_weight"}
     known = packed | separate | {"in_proj_bias", "out_proj.weight", "out_proj.bias"}
@@ -167,16 +168,6 @@ def _present(weights: dict[str, np.ndarray | None], name: str) -> np.ndarray:
     if array is None:
         raise AttentionValueError(f"the weights have no {name}")
     return array
-
-
-def _numpy(name: str, value: Any) -> np.ndarray:
-    if hasattr(value, "detach"):  # a torch tensor
-        tensor = value.detach().cpu()
-        try:
-            value = tensor.numpy()
-        except TypeError:  # bfloat16 and other dtypes NumPy lacks: read them as float32
-            value = tensor.float().numpy()
-    return as_float_array(f"state dict entry {name!r}", value)
 
 
 def _matrix(arrays: dict[str, np.ndarray], name: str, shape: tuple[int | None, ...] | None) -> Any:

@@ -1,4 +1,6 @@
-"""Hugging Face transformers' attention layouts: GPT-2's fused Conv1D weights.
+"""Hugging Face transformers' attention layouts: GPT-2's fused Conv1D weights, and the
+``q_proj``/``k_proj``/``v_proj``/``o_proj`` linear layers of Llama, Mistral, Qwen2 and
+their relatives.
 
 These functions work on dicts of mha's weight names (``W_q``, ..., ``b_o``), which
 ``MultiHeadAttention`` builds itself from; transformers itself is never imported.
@@ -11,9 +13,13 @@ from typing import Any
 import numpy as np
 
 from .._arrays import as_float_array
-from ..errors import ShapeError
+from ..errors import AttentionTypeError, AttentionValueError, ShapeError
+from ._tensors import as_numpy
 
-__all__ = ["weights_from_gpt2"]
+__all__ = ["LLAMA_PROJECTIONS", "weights_from_gpt2", "weights_from_llama"]
+
+LLAMA_PROJECTIONS = {"q_proj": ("W_q", "b_q"), "k_proj": ("W_k", "b_k"),
+                     "v_proj": ("W_v", "b_v"), "o_proj": ("W_o", "b_o")}  # fmt: skip
 
 
 def weights_from_gpt2(
@@ -39,4 +45,64 @@ def weights_from_gpt2(
         "W_q": W[:, :E], "W_k": W[:, E : 2 * E], "W_v": W[:, 2 * E :], "W_o": W_o,
         "b_q": b[:E], "b_k": b[E : 2 * E], "b_v": b[2 * E :], "b_o": b_o,
     }  # fmt: skip
+    return weights
+
+
+def weights_from_llama(
+    state: Any, prefix: str, num_heads: int, num_kv_heads: int, head_dim: int | None
+) -> dict[str, np.ndarray | None]:
+    """mha's weights from a Llama-style attention's state dict (NumPy arrays or torch
+    tensors, ``(out, in)`` as ``nn.Linear`` stores them): ``{prefix}q_proj.weight``,
+    ``k_proj``, ``v_proj``, ``o_proj``, and their ``.bias`` where present (as in Qwen2).
+    Every key under ``prefix`` must be one of those; keys outside it are not read."""
+    if not hasattr(state, "keys") or not hasattr(state, "__getitem__"):
+        raise AttentionTypeError(
+            f"from_llama takes a state dict (a mapping of names to arrays or tensors); "
+            f"got {type(state).__name__}"
+        )
+    if not isinstance(prefix, str):
+        raise AttentionTypeError(f"prefix must be a string; got {prefix!r}")
+    ours = {key for key in state if isinstance(key, str) and key.startswith(prefix)}
+    known = {
+        f"{prefix}{layer}.{part}" for layer in LLAMA_PROJECTIONS for part in ("weight", "bias")
+    }
+    unknown = sorted(ours - known)
+    if unknown:
+        raise AttentionValueError(
+            f"state dict has keys under {prefix!r} that a Llama attention does not: {unknown} "
+            "(their computation would be left out); give the prefix of the attention module"
+        )
+    weight = f"{prefix}q_proj.weight"
+    if weight not in state:
+        raise AttentionValueError(
+            f"state dict has no {weight!r} (it has {len(ours)} keys under {prefix!r}); the "
+            "prefix is the attention module's, e.g. 'model.layers.0.self_attn.'"
+        )
+    hidden = as_numpy(weight, state[weight]).shape[-1]
+    if head_dim is None:  # the config's default: hidden_size // num_attention_heads
+        head_dim = hidden // num_heads
+    inner, kv_inner = num_heads * head_dim, num_kv_heads * head_dim
+    shapes = {"q_proj": (inner, hidden), "k_proj": (kv_inner, hidden),
+              "v_proj": (kv_inner, hidden), "o_proj": (hidden, inner)}  # fmt: skip
+    weights: dict[str, np.ndarray | None] = {}
+    for layer, (W_name, b_name) in LLAMA_PROJECTIONS.items():
+        key = f"{prefix}{layer}.weight"
+        if key not in state:
+            raise AttentionValueError(f"state dict has no {key!r} of shape {shapes[layer]}")
+        W = as_numpy(key, state[key])
+        if W.shape != shapes[layer]:
+            raise ShapeError(
+                f"state dict: {key} has shape {W.shape}; expected {shapes[layer]} for "
+                f"num_heads={num_heads}, num_kv_heads={num_kv_heads}, head_dim={head_dim} and "
+                f"hidden size {hidden}"
+            )
+        weights[W_name] = W.T
+        key = f"{prefix}{layer}.bias"
+        if key in state:
+            b = as_numpy(key, state[key])
+            if b.shape != (shapes[layer][0],):
+                raise ShapeError(
+                    f"state dict: {key} has shape {b.shape}; expected ({shapes[layer][0]},)"
+                )
+            weights[b_name] = b
     return weights
