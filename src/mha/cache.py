@@ -161,19 +161,20 @@ class KVCache:
 
     def _check(self, k: np.ndarray, v: np.ndarray, where: str) -> None:
         """Refuse new keys and values that do not fit this cache, naming both sides."""
-        B, H_kv, _, d_k = self.k.shape
-        d_v = self.v.shape[-1]
         if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
             raise ShapeError(
                 f"with cache=, k and v must be the new tokens' (B, H_kv, L_new, d): "
                 f"got k {k.shape}, v {v.shape}{where}"
             )
-        given = (k.shape[0], k.shape[1], k.shape[3], v.shape[3])
-        if given != (B, H_kv, d_k, d_v):
+        self._check_fit(k.shape[0], k.shape[1], k.shape[3], v.shape[3], where)
+
+    def _check_fit(self, batch: int, heads: int, d_k: int, d_v: int, where: str) -> None:
+        B, H_kv, _, width = self.k.shape
+        if (batch, heads, d_k, d_v) != (B, H_kv, width, self.v.shape[-1]):
             raise ShapeError(
-                f"the new keys and values (batch {k.shape[0]}, {k.shape[1]} key/value heads, "
-                f"widths {k.shape[3]} and {v.shape[3]}) do not fit the cache (batch {B}, "
-                f"{H_kv} key/value heads, widths {d_k} and {d_v}): {self!r}{where}"
+                f"the new keys and values (batch {batch}, {heads} key/value heads, widths "
+                f"{d_k} and {d_v}) do not fit the cache (batch {B}, {H_kv} key/value heads, "
+                f"widths {width} and {self.v.shape[-1]}): {self!r}{where}"
             )
 
     def _append(self, k: np.ndarray, v: np.ndarray, counts: np.ndarray) -> np.ndarray:

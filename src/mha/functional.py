@@ -419,6 +419,7 @@ def multi_head_attention(
     visibility = None
     if cache is not None:
         _check_cache_call(cache, Q, K, extra, return_weights, positions)
+        cache._check_fit(Q.shape[0], H_kv, d_k, d_v, f" (Q {Q.shape}, num_kv_heads={H_kv})")
     else:
         visibility = Visibility.build(
             batch_shape=B, H=H, L=L, S=S, dtype=compute_dtype,

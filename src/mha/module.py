@@ -418,8 +418,8 @@ class MultiHeadAttention:
     ) -> MultiHeadAttention:
         """A Llama-style attention (Llama, Mistral, Qwen2, ...) from transformers' layout:
         ``state_dict`` holds ``{prefix}q_proj.weight``, ``k_proj``, ``v_proj``, ``o_proj``
-        (``(out, in)``, NumPy arrays or torch tensors) and their ``.bias`` where present. ``num_heads``,
-        ``num_kv_heads`` and ``head_dim`` are the config's ``num_attention_heads``,
+        (``(out, in)``, NumPy arrays or torch tensors) and their ``.bias`` where present.
+        ``num_heads``, ``num_kv_heads`` and ``head_dim`` are the config's ``num_attention_heads``,
         ``num_key_value_heads`` and ``head_dim`` (default ``hidden_size // num_heads``);
         ``rope_theta``, ``rotary_dim`` (partial rotary) and ``rotary_interleaved`` set the
         rotary embedding (``rope_theta=None``: none); ``window`` is Mistral's

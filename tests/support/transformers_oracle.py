@@ -1,0 +1,106 @@
+"""Hugging Face transformers as the oracle for decoder attention: tiny random models in
+float64, their attention layers' inputs and outputs recorded call by call.
+
+transformers computes rotary angles in float32 even for float64 models, which would hide
+every error below 1e-7; the models here get a float64 rotary embedding written from
+transformers' own formula (``inv_freq = 1 / theta^(2i/d)``, ``cat(freqs, freqs)``), while
+everything else (``rotate_half``, ``repeat_kv``, the masks, the caches and their sliding
+windows) is transformers' code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def tiny_model(kind: str, seed: int, **overrides: Any) -> Any:
+    """A random ``{kind}ForCausalLM`` (llama, mistral or qwen2) in float64 with the SDPA
+    attention (the eager one computes its softmax in float32, even for float64 models)."""
+    import torch
+    import transformers
+
+    config_class = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+    }[kind]
+    settings = {
+        "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 6, "num_key_value_heads": 2, "vocab_size": 61,
+        "max_position_embeddings": 256, "initializer_range": 0.3,
+        "attn_implementation": "sdpa",
+    }  # fmt: skip
+    settings.update(overrides)
+    config = config_class(**settings)
+    torch.manual_seed(seed)
+    model_class = getattr(transformers, f"{config_class.__name__[:-6]}ForCausalLM")
+    model = model_class(config).double().eval()
+    if kind == "qwen2":  # Qwen2's q/k/v biases start at zero: make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
+                    proj.bias.normal_(0.0, 0.5)
+    _float64_rotary(model)
+    return model
+
+
+def _float64_rotary(model: Any) -> None:
+    import torch
+
+    rotary = model.model.rotary_emb
+    config = model.config
+    theta = config.rope_parameters["rope_theta"]
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+
+    def forward(x: Any, position_ids: Any) -> tuple[Any, Any]:
+        freqs = position_ids[..., None].double() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    rotary.forward = forward
+
+
+def attention_settings(model: Any) -> dict[str, Any]:
+    """``MultiHeadAttention.from_llama``'s keywords for this model's layers."""
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    if not getattr(config, "use_sliding_window", True):
+        window = None
+    return {
+        "num_heads": config.num_attention_heads,
+        "num_kv_heads": config.num_key_value_heads,
+        "head_dim": getattr(config, "head_dim", None),
+        "rope_theta": config.rope_parameters["rope_theta"],
+        "window": window,
+    }
+
+
+class AttentionRecorder:
+    """Records every call of each layer's attention: its input and its output, as NumPy."""
+
+    def __init__(self, model: Any) -> None:
+        self.calls: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in model.model.layers]
+        self._handles = [
+            layer.self_attn.register_forward_hook(self._hook(i), with_kwargs=True)
+            for i, layer in enumerate(model.model.layers)
+        ]
+
+    def _hook(self, index: int) -> Any:
+        def record(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            self.calls[index].append(
+                (hidden.detach().numpy().copy(), output[0].detach().numpy().copy())
+            )
+
+        return record
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()

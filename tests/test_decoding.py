@@ -1,0 +1,479 @@
+"""Decoding: grouped-query attention, rotary positions, sliding windows and the KV cache,
+against Hugging Face transformers (Llama, Qwen2, Mistral) and PyTorch, in float64."""
+
+from __future__ import annotations
+
+import math
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support.configs import relative_error
+from support.transformers_oracle import AttentionRecorder, attention_settings, tiny_model
+
+import mha
+from mha._kernel import forward as kernel
+
+r = np.random.default_rng(9)
+
+
+@pytest.fixture(scope="module")
+def transformers(torch):
+    try:
+        import transformers
+    except ImportError:
+        from conftest import REQUIRE_TORCH
+
+        if REQUIRE_TORCH:
+            pytest.fail("MHA_REQUIRE_TORCH=1 but transformers cannot be imported")
+        pytest.skip("transformers is not installed: its comparisons skipped")
+    return transformers
+
+
+def layers(model):
+    settings_ = attention_settings(model)
+    state = model.state_dict()
+    return [
+        mha.MultiHeadAttention.from_llama(state, prefix=f"model.layers.{i}.self_attn.", **settings_)
+        for i in range(len(model.model.layers))
+    ]
+
+
+MODELS = [
+    ("llama", {}),
+    ("qwen2", {}),
+    ("mistral", {"sliding_window": 4}),
+    ("llama", {"num_key_value_heads": 1}),
+    ("mistral", {"sliding_window": 7}),
+]
+
+
+# ---------------------------------------------------------------- against transformers
+
+
+@pytest.mark.parametrize(("kind", "overrides"), MODELS)
+@pytest.mark.parametrize("seed", range(2))
+def test_whole_sequences_match_transformers(
+    kind, overrides, seed, torch, transformers, record_error
+):
+    model = tiny_model(kind, seed, **overrides)
+    recorder = AttentionRecorder(model)
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(seed)
+    )
+    with torch.no_grad():
+        model(ids)
+    recorder.close()
+    for attention, calls in zip(layers(model), recorder.calls, strict=True):
+        ((x, expected),) = calls
+        error = relative_error(attention(x, mask=True), expected)
+        assert record_error(f"transformers {kind} attention, float64", error) <= 1e-12
+
+
+@pytest.mark.parametrize(("kind", "overrides"), MODELS)
+def test_prefill_then_decoding_matches_transformers_cache(
+    kind, overrides, torch, transformers, record_error
+):
+    """Prefill 6 tokens, then decode 7 one at a time, with transformers' DynamicCache (and
+    its sliding-window layers for Mistral): every step's attention output compared."""
+    model = tiny_model(kind, 3, **overrides)
+    recorder = AttentionRecorder(model)
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(1)
+    )
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :6], cache=cache, use_cache=True)
+        for t in range(6, 13):
+            model(ids[:, t : t + 1], cache=cache, use_cache=True)
+    recorder.close()
+    for attention, calls in zip(layers(model), recorder.calls, strict=True):
+        ours = attention.new_cache(2, capacity=4)  # small: it has to grow
+        assert len(calls) == 8
+        for x, expected in calls:
+            error = relative_error(attention(x, cache=ours), expected)
+            assert record_error(f"transformers {kind} cached decoding, float64", error) <= 1e-12
+        assert ours.lengths.tolist() == [13, 13]
+
+
+def test_rotary_matches_transformers_conventions(torch, transformers, record_error):
+    from transformers.models.gptj.modeling_gptj import apply_rotary_pos_emb as gptj_rotary
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rotary
+
+    for seed in range(10):
+        g = np.random.default_rng(seed)
+        B, H, L, d = 2, 3, int(g.integers(1, 9)), 2 * int(g.integers(2, 9))
+        rotary_dim = 2 * int(g.integers(1, d // 2 + 1))
+        theta = float(g.choice([10000.0, 500000.0, 1e6, 37.5]))
+        x = g.standard_normal((B, H, L, d))
+        positions = g.integers(0, 4000, size=(B, L))
+
+        def angles(dim, theta=theta, positions=positions):
+            inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+            return torch.from_numpy(positions).double()[..., None] * inv  # (B, L, dim/2)
+
+        # Llama / Qwen (rotate_half), and GPT-NeoX's partial rotary: the first rotary_dim
+        # features go through apply_rotary_pos_emb, the rest pass, as GPTNeoXAttention does.
+        for dim in (d, rotary_dim):
+            freqs = angles(dim)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            t = torch.from_numpy(x)
+            rotated, _ = llama_rotary(t[..., :dim], t[..., :dim], emb.cos(), emb.sin())
+            expected = torch.cat((rotated, t[..., dim:]), dim=-1).numpy()
+            ours = mha.apply_rotary(x, positions, theta=theta, rotary_dim=dim)
+            assert (
+                record_error("rotary vs transformers (rotate_half)", relative_error(ours, expected))
+                <= 1e-12
+            )
+        # GPT-J (rotate_every_two), (B, L, H, d) with its own partial rotary.
+        freqs = angles(rotary_dim)
+        t = torch.from_numpy(x.transpose(0, 2, 1, 3).copy())
+        rotated = gptj_rotary(t[..., :rotary_dim], freqs.sin(), freqs.cos())
+        expected = torch.cat((rotated, t[..., rotary_dim:]), dim=-1).numpy().transpose(0, 2, 1, 3)
+        ours = mha.apply_rotary(x, positions, theta=theta, rotary_dim=rotary_dim, interleaved=True)
+        assert record_error("rotary vs transformers (GPT-J)", relative_error(ours, expected)) <= (
+            1e-12
+        )
+    one = mha.apply_rotary(x, positions[0], theta=theta)  # (L,) positions for every sequence
+    np.testing.assert_array_equal(one[1], mha.apply_rotary(x[1], positions[0], theta=theta))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_grouped_query_sdpa_matches_torch_enable_gqa(seed, torch, record_error):
+    g = np.random.default_rng(100 + seed)
+    B, H_kv, group = int(g.integers(1, 3)), int(g.integers(1, 4)), int(g.integers(1, 5))
+    H, L, S, d = H_kv * group, int(g.integers(1, 20)), int(g.integers(1, 30)), int(g.integers(1, 9))
+    q = g.standard_normal((B, H, L, d))
+    k, v = g.standard_normal((2, B, H_kv, S, d))
+    keywords = {}
+    allowed = np.ones((B, 1, L, S), dtype=bool)
+    i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+    if g.random() < 0.6:
+        keywords["causal"] = True
+        allowed &= j <= i + (S - L)
+    if g.random() < 0.5:
+        keywords["window"] = int(g.integers(1, S + 1))
+        allowed &= (i + (S - L)) - j < keywords["window"]
+    if g.random() < 0.5:
+        keywords["key_lengths"] = g.integers(0, S + 1, size=B)
+        allowed &= j < keywords["key_lengths"][:, None, None, None]
+    for dtype, tolerance in (("float64", 1e-12), ("float32", 2e-6)):
+        ours = mha.scaled_dot_product_attention(*(a.astype(dtype) for a in (q, k, v)), **keywords)
+        mask = torch.from_numpy(allowed)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            *(torch.from_numpy(a) for a in (q, k, v)), attn_mask=mask, enable_gqa=True
+        ).numpy()
+        expected = np.where(allowed.any(axis=-1, keepdims=True), expected, 0.0)
+        error = relative_error(ours, expected)
+        assert record_error(f"SDPA GQA vs torch enable_gqa, {dtype}", error) <= tolerance
+
+
+# ---------------------------------------------------------------- the cache's promises
+
+
+def decoder(**overrides):
+    settings_ = {"num_kv_heads": 2, "rope_theta": 10000.0, "seed": 5} | overrides
+    return mha.MultiHeadAttention(24, 6, **settings_)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_ragged_batch_decodes_as_each_sequence_alone(window):
+    attention = decoder(window=window)
+    prompts = [r.standard_normal((5, 24)), r.standard_normal((2, 24)), r.standard_normal((4, 24))]
+    steps = [r.standard_normal((3, 1, 24)) for _ in range(6)]
+    batch = np.zeros((3, 5, 24))
+    for b, prompt in enumerate(prompts):
+        batch[b, : len(prompt)] = prompt
+    batch[1, 2:] = np.nan  # padding rows are never read
+    cache = attention.new_cache(3, capacity=2)
+    together = [attention(batch, cache=cache, query_lengths=[5, 2, 4])]
+    together += [attention(step, cache=cache) for step in steps]
+    assert cache.lengths.tolist() == [11, 8, 10]
+    assert np.all(together[0][1, 2:] == 0.0)  # padding rows: zero attention, no bias
+    for b, prompt in enumerate(prompts):
+        alone = attention.new_cache(1)
+        first = attention(prompt[None], cache=alone)
+        np.testing.assert_allclose(together[0][b, : len(prompt)], first[0], rtol=1e-13, atol=1e-14)
+        for t, step in enumerate(steps):
+            out = attention(step[b : b + 1], cache=alone)
+            np.testing.assert_allclose(together[t + 1][b], out[0], rtol=1e-13, atol=1e-14)
+
+
+def test_truncate_then_decode_equals_never_having_decoded():
+    attention = decoder()
+    prompt, accepted, rejected = (r.standard_normal((2, n, 24)) for n in (6, 2, 3))
+    reference = attention.new_cache(2)
+    attention(prompt, cache=reference)
+    expected = attention(accepted, cache=reference)
+    speculative = attention.new_cache(2)
+    attention(prompt, cache=speculative)
+    attention(rejected, cache=speculative)  # speculative tokens, then rejected
+    speculative.truncate(6)
+    np.testing.assert_array_equal(attention(accepted, cache=speculative), expected)
+    with pytest.raises(mha.AttentionValueError, match="past a sequence's length"):
+        speculative.truncate(9)
+
+
+def test_reorder_equals_decoding_the_reordered_batch():
+    attention = decoder()
+    x = r.standard_normal((3, 4, 24))
+    step = r.standard_normal((3, 1, 24))
+    order = [2, 0, 0]
+    cache = attention.new_cache(3)
+    attention(x, cache=cache)
+    cache.reorder(order)
+    reordered = attention.new_cache(3)
+    attention(x[order], cache=reordered)
+    np.testing.assert_array_equal(attention(step, cache=cache), attention(step, cache=reordered))
+    with pytest.raises(mha.AttentionValueError, match=r"indices must lie in \[0, 3\)"):
+        cache.reorder([0, 3])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(1, 5), min_size=1, max_size=6),
+    st.sampled_from([None, 1, 2, 5]),
+    st.integers(1, 3),
+    st.integers(0, 2**16),
+)
+def test_decoding_in_random_chunks_equals_one_call(chunks, window, group, seed):
+    g = np.random.default_rng(seed)
+    attention = mha.MultiHeadAttention(
+        12, 3 * group, num_kv_heads=3, head_dim=4, rope_theta=100.0, window=window, seed=seed
+    )
+    x = g.standard_normal((2, sum(chunks), 12))
+    whole = attention(x, mask=True)
+    cache = attention.new_cache(2, capacity=1)
+    pieces, at = [], 0
+    for n in chunks:
+        pieces.append(attention(x[:, at : at + n], cache=cache))
+        at += n
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), whole, rtol=1e-12, atol=1e-13)
+
+
+def test_the_window_bounds_the_cache_and_the_work(monkeypatch):
+    attention = decoder(window=8)
+    cache = attention.new_cache(1, capacity=4)
+    x = r.standard_normal((1, 60, 24))
+    outputs = [attention(x[:, t : t + 1], cache=cache) for t in range(60)]
+    assert cache.capacity <= 16 and cache.lengths.tolist() == [60]
+    np.testing.assert_allclose(
+        np.concatenate(outputs, 1), attention(x, mask=True), rtol=1e-12, atol=1e-13
+    )
+    visited = []
+    original = kernel._query_tile
+
+    def counting(q, k, v, item, scale, r0, r1, start, stop, *rest):
+        visited.append((r1 - r0) * (stop - start))
+        return original(q, k, v, item, scale, r0, r1, start, stop, *rest)
+
+    monkeypatch.setattr(kernel, "_query_tile", counting)
+    L, window = 4096, 64
+    q = r.standard_normal((1, 1, L, 8))
+    mha.scaled_dot_product_attention(q, q, q, causal=True, window=window, workers=1)
+    tile = kernel.plan_tiles(L, L, 1, 8, 8, 8, kernel.DEFAULT_MAX_MEMORY).rows
+    assert sum(visited) <= L * (window + tile)  # O(L·window), not O(L²)
+
+
+def test_split_key_decoding_equals_one_worker(torch, record_error):
+    q = r.standard_normal((1, 8, 1, 32))
+    k, v = r.standard_normal((2, 1, 2, 20000, 32))
+    one = mha.scaled_dot_product_attention(q, k, v, workers=1)
+    split = mha.scaled_dot_product_attention(q, k, v, workers=3)
+    assert relative_error(split, one) <= 1e-14
+    tasks = [kernel._Task((0,), slice(0, 1), None, 0, 1, 0, 20000)]
+    parts = kernel._split_keys(tasks, 3, kernel.WIDE_KEY_TILE, 4, 1, 32, np.float64)
+    assert parts is not None and len(parts.tasks) == 3  # the keys really are split
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(a) for a in (q, k, v)), enable_gqa=True
+    ).numpy()
+    assert record_error("split-key decoding vs torch", relative_error(split, expected)) <= 1e-12
+
+
+def test_grouped_queries_never_repeat_the_keys():
+    S, H_kv, group, d = 16384, 4, 8, 64
+    k, v = (np.ones((1, H_kv, S, d), np.float32) for _ in range(2))
+    q = np.ones((1, H_kv * group, 1, d), np.float32)
+    tracemalloc.start()
+    mha.scaled_dot_product_attention(q, k, v, workers=1)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < k.nbytes / 2  # repeating the keys for the 8 query heads would take 8x
+
+
+# ---------------------------------------------------------------- refused calls
+
+
+def snapshot(cache):
+    return [a.copy() for a in (cache.k, cache.v, cache.lengths, cache.first)]
+
+
+def test_refused_calls_name_both_sides_and_leave_the_cache_unchanged():
+    attention = decoder()
+    cache = attention.new_cache(2)
+    attention(r.standard_normal((2, 3, 24)), cache=cache)
+    before = snapshot(cache)
+    other = mha.MultiHeadAttention(24, 6, num_kv_heads=3, rope_theta=1e4)
+    x = r.standard_normal((2, 1, 24))
+    float32 = np.zeros((3, 2, 2, 1, 4), np.float32)
+    cases = [
+        (
+            lambda: attention(r.standard_normal((3, 1, 24)), cache=cache),
+            mha.ShapeError,
+            r"batch 3, 2 key/value heads.*do not fit the cache \(batch 2, 2 key/value heads",
+        ),
+        (lambda: other(x, cache=cache), mha.ShapeError, r"3 key/value heads.*do not fit"),
+        (
+            lambda: mha.scaled_dot_product_attention(*float32, cache=cache),
+            mha.AttentionTypeError,
+            r"the cache holds float64 but this call computes in float32",
+        ),
+        (
+            lambda: attention(x, np.ones((1, 4), bool), cache=cache),
+            mha.AttentionValueError,
+            r"cache= attends causally .*mask cannot be combined",
+        ),
+        (
+            lambda: attention(x, cache=cache, key_lengths=[1, 1]),
+            mha.AttentionValueError,
+            r"key_lengths cannot be combined",
+        ),
+        (
+            lambda: attention(x, cache=cache, return_weights=True),
+            mha.AttentionValueError,
+            r"cache= cannot be combined with return_weights",
+        ),
+        (
+            lambda: attention(x, cache=cache, causal=True, causal_alignment="top_left"),
+            mha.AttentionValueError,
+            r"top_left' cannot be used with cache=",
+        ),
+        (
+            lambda: attention(x, cache=cache, positions=[0]),
+            mha.AttentionValueError,
+            r"positions= \(the cache's lengths give the positions\)",
+        ),
+        (lambda: attention(x[0], cache=cache), mha.AttentionValueError, r"unbatched inputs"),
+        (
+            lambda: attention(x, cache=cache, query_lengths=[2, 1]),
+            mha.AttentionValueError,
+            r"query_lengths must be <= 1",
+        ),
+        (
+            lambda: decoder(window=4)(x, cache=cache),
+            mha.AttentionValueError,
+            r"window=4 but the cache was made for window=None",
+        ),
+        (
+            lambda: attention(x, cache="cache"),
+            mha.AttentionTypeError,
+            r"cache must be an mha.KVCache",
+        ),
+    ]
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
+        for a, b in zip(snapshot(cache), before, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_options_without_their_feature_are_refused():
+    x = r.standard_normal((1, 3, 8))
+    W = r.standard_normal((4, 8, 8))
+    with pytest.raises(mha.AttentionValueError, match="positions= has no effect without rope"):
+        mha.multi_head_attention(x, x, x, *W, 2, positions=[0, 1, 2])
+    with pytest.raises(mha.AttentionValueError, match="rotary_dim has no effect without rope"):
+        mha.multi_head_attention(x, x, x, *W, 2, rotary_dim=2)
+    with pytest.raises(mha.AttentionValueError, match="have no effect without rope_theta"):
+        mha.MultiHeadAttention(8, 2, rotary_interleaved=True)
+    with pytest.raises(mha.ShapeError, match="3 key/value heads do not divide 4 query heads"):
+        mha.scaled_dot_product_attention(np.ones((4, 2, 2)), np.ones((3, 2, 2)), np.ones((3, 2, 2)))
+    with pytest.raises(mha.AttentionValueError, match=r"cannot hold this attention .*grouped"):
+        decoder().to_torch_state_dict()
+
+
+def test_from_llama_refuses_missing_misshapen_and_unknown_keys(torch):
+    state = {
+        f"p.{name}.weight": torch.zeros(shape)
+        for name, shape in (
+            ("q_proj", (8, 8)),
+            ("k_proj", (4, 8)),
+            ("v_proj", (4, 8)),
+            ("o_proj", (8, 8)),
+        )
+    }
+    loaded = mha.MultiHeadAttention.from_llama(state, num_heads=4, num_kv_heads=2, prefix="p.")
+    assert loaded.W_k.shape == (8, 4) and loaded.rope_theta == 10000.0
+    cases = [
+        (
+            {k: v for k, v in state.items() if "v_proj" not in k},
+            r"no 'p.v_proj.weight' of shape \(4, 8\)",
+        ),
+        (
+            state | {"p.k_proj.weight": torch.zeros(8, 8)},
+            r"p.k_proj.weight has shape \(8, 8\); expected \(4, 8\)",
+        ),
+        (
+            state | {"p.q_norm.weight": torch.zeros(8)},
+            r"keys under 'p.' that a Llama attention does not: \['p.q_norm.weight'\]",
+        ),
+        (
+            state | {"p.o_proj.bias": torch.zeros(3)},
+            r"p.o_proj.bias has shape \(3,\); expected \(8,\)",
+        ),
+    ]
+    for bad, message in cases:
+        with pytest.raises(mha.AttentionError, match=message):
+            mha.MultiHeadAttention.from_llama(bad, num_heads=4, num_kv_heads=2, prefix="p.")
+
+
+def test_a_saved_decoder_loads_back_exactly(tmp_path):
+    attention = decoder(window=5, head_dim=3, rotary_dim=2)
+    attention.b_q = r.standard_normal(18)  # Qwen2-like: some biases only
+    path = tmp_path / "decoder.npz"
+    attention.save(path)
+    loaded = mha.MultiHeadAttention.load(path)
+    assert repr(loaded) == repr(attention)
+    x = r.standard_normal((2, 4, 24))
+    np.testing.assert_array_equal(loaded(x, mask=True), attention(x, mask=True))
+
+
+# ---------------------------------------------------------------- the example
+
+
+def test_the_numpy_decoder_generates_what_transformers_generates(torch, transformers, tmp_path):
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    from generate import Decoder
+
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=101,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path)
+    prompt = [5, 17, 42, 3, 99, 7]
+    tokens, logits = Decoder(tmp_path).generate(prompt, 24)
+    with torch.no_grad():
+        generated = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=24,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    assert tokens == generated.sequences[0, len(prompt) :].tolist()
+    for ours, theirs in zip(logits, generated.logits, strict=True):
+        assert relative_error(ours, theirs[0].numpy()) <= 1e-4
+    assert math.isfinite(float(np.sum(logits)))
