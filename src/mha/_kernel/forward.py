@@ -56,6 +56,9 @@ WIDE_KEY_TILE = 8192
 WIDE_BELOW_ROWS = 64
 """Stacked rows under which a tile takes ``WIDE_KEY_TILE`` keys."""
 
+PRODUCT_CHUNK = 1024
+"""Keys per BLAS call of the weights-times-values product when a tile has few rows."""
+
 SPLIT_MIN_KEYS = 2048
 """The fewest keys worth a chunk of their own when keys are split over workers."""
 
@@ -273,6 +276,9 @@ class _Scratch:
     def __init__(self, tiles: Tiles, group: int, d_k: int, d_v: int, dtype: np.dtype) -> None:
         G, R = tiles.heads, group * tiles.rows
         self.scores = np.empty(G * R * tiles.cols, dtype=dtype)
+        # Few rows (decoding): k @ q^T streams the keys faster than q @ k^T (BLAS packs the
+        # wide operand otherwise); its (keys, rows) result is transposed into scores.
+        self.flipped = np.empty(G * R * tiles.cols if R < WIDE_BELOW_ROWS else 0, dtype=dtype)
         self.q = np.empty((G, R, d_k), dtype=dtype)
         self.acc = np.empty((G, R, d_v), dtype=dtype)
         self.pv = np.empty((G, R, d_v), dtype=dtype)
@@ -319,14 +325,22 @@ def _query_tile(
         if hidden is not None and hidden.all():
             continue
         s = scratch.scores[: G * R * (c1 - c0)].reshape(G, R, c1 - c0)
-        np.matmul(q_tile, _cast(k[:, c0:c1], dtype).transpose(0, 2, 1), out=s)
+        k_tile = _cast(k[:, c0:c1], dtype)
+        if scratch.flipped.size:
+            flipped = scratch.flipped[: G * R * (c1 - c0)].reshape(G, c1 - c0, R)
+            np.matmul(k_tile, q_tile.transpose(0, 2, 1), out=flipped)
+            np.copyto(s, flipped.transpose(0, 2, 1))
+        else:
+            np.matmul(q_tile, k_tile.transpose(0, 2, 1), out=s)
         bias = _stack(item.bias_block(r0, r1, c0, c1), G, group, n, c1 - c0)
         if bias is not None:
             s += bias
         if hidden is not None:
             np.copyto(s, -np.inf, where=hidden)
         v_tile = _cast(v[:, c0:c1], dtype)
-        attended = None if np.isfinite(v_tile).all() else s != -np.inf
+        # Hidden keys' values may hold NaN or inf, which 0 * value would spread; a tile with
+        # nothing hidden needs no check (and decoding reads each value once, not twice).
+        attended = None if hidden is None or np.isfinite(v_tile).all() else s != -np.inf
 
         tile_max = s.max(axis=-1)
         if first:
@@ -396,7 +410,16 @@ def _product(
     proportional to the number of keys holding a non-finite value, usually none.
     """
     if attended is None:
-        return np.matmul(e, v, out=out)
+        w = e.shape[-1]
+        if e.shape[-2] >= WIDE_BELOW_ROWS or w <= PRODUCT_CHUNK:
+            return np.matmul(e, v, out=out)
+        # Few rows (decoding): chunks of keys let BLAS skip packing a large panel of v,
+        # which streams v from memory faster.
+        np.matmul(e[..., :PRODUCT_CHUNK], v[:, :PRODUCT_CHUNK], out=out)
+        part = np.empty_like(out)
+        for c in range(PRODUCT_CHUNK, w, PRODUCT_CHUNK):
+            out += np.matmul(e[..., c : c + PRODUCT_CHUNK], v[:, c : c + PRODUCT_CHUNK], out=part)
+        return out
     non_finite = ~np.isfinite(v)
     np.matmul(e, np.where(non_finite, 0.0, v), out=out)
     for j in np.flatnonzero(non_finite.any(axis=(0, 2))):

@@ -136,7 +136,7 @@ class Team:
     def __enter__(self) -> Team:
         self._stack.enter_context(_BLAS_LIMIT)
         if self.workers > 1:
-            self._pool = self._stack.enter_context(ThreadPoolExecutor(self.workers))
+            self._pool = _shared_pool(self.workers - 1)
         return self
 
     def __exit__(
@@ -171,12 +171,15 @@ class Team:
                         raise
 
         threads = min(self.workers, len(tasks))
-        futures = [self._pool.submit(loop) for _ in range(threads)]
+        futures = [self._pool.submit(loop) for _ in range(threads - 1)]
         try:
+            loop()  # the calling thread is one of the workers
             for future in futures:
                 future.result()  # re-raises a worker's exception
         except BaseException:  # an error, or Ctrl-C in the caller: stop the rest
             failed.set()
+            for future in futures:  # nothing of this call may run on after it returns
+                future.cancel() or future.exception()
             raise
 
     def matmul(self, x: np.ndarray, W: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
@@ -204,6 +207,31 @@ class Team:
 
         self.run(spans, make_worker)
         return out.reshape((*x.shape[:-1], m))
+
+
+_POOL_LOCK = threading.Lock()
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _shared_pool(threads: int) -> ThreadPoolExecutor:
+    """A process-wide pool with at least ``threads`` threads, kept between calls: starting
+    threads on every call cost a decoding step milliseconds. Calls running at once share
+    it, so together they never run more worker threads than the largest of them asked for
+    (their tasks queue instead)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL._max_workers < threads:
+            _POOL = ThreadPoolExecutor(threads, thread_name_prefix="mha")
+        return _POOL
+
+
+def _forget_pool_after_fork() -> None:
+    global _POOL
+    _POOL = None  # the child has none of the parent's threads
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 def _taker(tasks: Iterator[Task]) -> Callable[[], Task | None]:
