@@ -31,7 +31,15 @@ def test_the_interop_example_runs(torch, tmp_path, monkeypatch):
     np.testing.assert_allclose(namespace["out2"].transpose(1, 0, 2), namespace["attention"](
         namespace["x"]), rtol=1e-5, atol=1e-6)  # fmt: skip
     assert namespace["weights"].shape == (2, 5, 5)
-    assert len(blocks("python")) == 2
+    assert len(blocks("python")) == 3
+
+
+def test_the_decoding_example_runs(capsys):
+    namespace: dict = {}
+    exec(compile(blocks("python")[2], "README.md", "exec"), namespace)
+    assert capsys.readouterr().out.strip() == "[8 6]"
+    cache = namespace["cache"]
+    assert cache.lengths.tolist() == [6, 6] and namespace["out"].shape == (2, 1, 64)
 
 
 def test_quoted_error_is_real():

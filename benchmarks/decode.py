@@ -1,0 +1,247 @@
+"""Decoding speed: one token against a long KV cache, and a whole generation.
+
+    python benchmarks/decode.py                    # results in benchmarks/results/decode.*
+    python benchmarks/decode.py --readme README.md # and the README's decoding table
+    python benchmarks/decode.py --quick            # fewer repeats and lengths
+
+1. One decoding step (B=1, 32 query heads, 8 key/value heads, head_dim 128, float32)
+   against S cached keys: mha's ``scaled_dot_product_attention`` with every core and with one
+   worker, with ``window=4096``, and PyTorch's ``F.scaled_dot_product_attention(...,
+   enable_gqa=True)`` on the same tensors; beside the memory floor, the bytes of K and V
+   divided by this machine's bandwidth (a large ``np.sum``, on one thread and on every
+   core). Medians of interleaved runs.
+2. The example decoder (``examples/generate.py``) against transformers' ``generate`` on
+   the same random Llama-style model: a 64-token prompt and 256 generated tokens.
+
+Where the environment sets ``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE`` (which hold OpenBLAS
+to an older kernel), the measurement is repeated in a child process without them, and both
+are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import mha
+from mha._kernel.team import cores
+from mha.cli.bench import _write as write_file
+from mha.cli.bench import environment, interleaved_medians
+
+ROOT = Path(__file__).parent.parent
+H, H_KV, D = 32, 8, 128
+LENGTHS = [1024, 4096, 16384, 32768]
+WINDOW = 4096
+DECODE_BEGIN, DECODE_END = "<!-- decode: begin -->", "<!-- decode: end -->"
+
+
+def bandwidth(threads: int, gib: float = 0.5, repeats: int = 5) -> float:
+    """Bytes per second read by ``np.sum`` over a large float32 array, on ``threads``."""
+    data = np.ones(int(gib * 2**30) // 4, np.float32)
+    parts = np.array_split(data, threads)
+    data.sum()
+    best = []
+    for _ in range(repeats):
+        workers = [threading.Thread(target=part.sum) for part in parts]
+        start = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        best.append(data.nbytes / (time.perf_counter() - start))
+    return float(np.median(best))
+
+
+CONSECUTIVE = 8
+
+
+def _consecutive(step: Any, count: int) -> Any:
+    def run() -> None:
+        for _ in range(count):
+            step()
+
+    return run
+
+
+def decode_step(torch: Any, lengths: list[int], repeats: int) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(0)
+    rows = []
+    for S in lengths:
+        q = rng.standard_normal((1, H, 1, D), dtype=np.float32)
+        k, v = (rng.standard_normal((1, H_KV, S, D), dtype=np.float32) for _ in range(2))
+        steps = {
+            "mha": lambda q=q, k=k, v=v: mha.scaled_dot_product_attention(q, k, v),
+            "mha, 1 worker": lambda q=q, k=k, v=v: mha.scaled_dot_product_attention(
+                q, k, v, workers=1
+            ),
+            f"mha, window={WINDOW}": lambda q=q, k=k, v=v: mha.scaled_dot_product_attention(
+                q, k, v, causal=True, window=WINDOW
+            ),
+        }
+        if torch is not None:
+            tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+            steps["torch"] = lambda tq=tq, tk=tk, tv=tv: (
+                torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+            )
+        # Decoding calls come back to back: time a run of consecutive steps, per step.
+        functions = {name: _consecutive(step, CONSECUTIVE) for name, step in steps.items()}
+        times = interleaved_medians(functions, repeats, pause=0.0)
+        times = {name: [t / CONSECUTIVE for t in ts] for name, ts in times.items()}
+        rows.append({
+            "S": S, "kv_bytes": k.nbytes + v.nbytes,
+            "seconds": {name: float(np.median(t)) for name, t in times.items()},
+            "all_seconds": times,
+        })  # fmt: skip
+    return rows
+
+
+def generation(torch: Any, transformers: Any, prompt_length: int, new_tokens: int) -> dict:
+    sys.path.insert(0, str(ROOT / "examples"))
+    from generate import Decoder
+
+    config = transformers.LlamaConfig(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=8000, max_position_embeddings=1024,
+        initializer_range=0.3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    prompt = np.random.default_rng(0).integers(0, 8000, prompt_length).tolist()
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        decoder = Decoder(directory)
+
+    def ours() -> list[int]:
+        return decoder.generate(prompt, new_tokens)[0]
+
+    def theirs() -> list[int]:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+        return list(out[0, prompt_length:].tolist())
+
+    same = ours() == theirs()
+    times = interleaved_medians({"mha": ours, "transformers": theirs}, 3, pause=0.2)
+    return {
+        "prompt": prompt_length, "new_tokens": new_tokens, "same_tokens": same,
+        "seconds": {name: float(np.median(t)) for name, t in times.items()},
+    }  # fmt: skip
+
+
+def measure(quick: bool) -> dict[str, Any]:
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        torch = transformers = None
+    else:
+        torch.set_num_threads(cores())
+    threads = cores()
+    results: dict[str, Any] = {
+        "environment": environment(torch),
+        "bandwidth": {"1 thread": bandwidth(1), f"{threads} threads": bandwidth(threads)},
+        "decode": decode_step(torch, LENGTHS[:3] if quick else LENGTHS, 5 if quick else 15),
+    }
+    if torch is not None:
+        results["generation"] = generation(torch, transformers, 64, 64 if quick else 256)
+    return results
+
+
+def markdown(runs: list[dict[str, Any]]) -> str:
+    lines = []
+    for results in runs:
+        env = results["environment"]
+        blas = env.get("blas", [{}])[0]
+        forced = env.get("OPENBLAS_CORETYPE")
+        bw = results["bandwidth"]
+        best = max(bw.values())
+        lines += [
+            f"Measured {env['date'][:10]} on {env['cores']} cores of an {env['processor']}: "
+            f"NumPy {env['numpy']} with OpenBLAS {blas.get('version')} using its "
+            f"{blas.get('architecture')} kernel"
+            + (f" (held there by OPENBLAS_CORETYPE={forced})" if forced else "")
+            + f"; torch {env['torch']} (CPU capability {env.get('torch_cpu_capability')}). "
+            f"Memory bandwidth from `np.sum`: "
+            + ", ".join(f"{v / 1e9:.1f} GB/s on {k}" for k, v in bw.items())
+            + "; the floor uses the larger. One token, B=1, 32 query heads, 8 key/value "
+            "heads, head_dim 128, float32; medians of interleaved runs of 8 consecutive steps, "
+            "ms per token.",
+            "",
+            "| cached keys S | mha | mha, 1 worker | torch SDPA (GQA) | floor | mha / torch "
+            f"| mha / floor | 2 workers vs 1 | mha, window={WINDOW} |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for row in results["decode"]:
+            s = row["seconds"]
+            floor = row["kv_bytes"] / best
+            torch_ms = f"{s['torch'] * 1e3:.2f}" if "torch" in s else "n/a"
+            vs_torch = f"{s['mha'] / s['torch']:.2f}" if "torch" in s else "n/a"
+            lines.append(
+                f"| {row['S']:,} | {s['mha'] * 1e3:.2f} | {s['mha, 1 worker'] * 1e3:.2f} "
+                f"| {torch_ms} | {floor * 1e3:.2f} | {vs_torch} | {s['mha'] / floor:.2f} "
+                f"| {s['mha, 1 worker'] / s['mha']:.2f}x | {s[f'mha, window={WINDOW}'] * 1e3:.2f} |"
+            )
+        if "generation" in results:
+            g = results["generation"]
+            s = g["seconds"]
+            lines += [
+                "",
+                f"Whole generation with `examples/generate.py` (a random Llama-style model: "
+                f"hidden 512, 4 layers, 8 heads, 2 key/value heads, vocabulary 8000, float32), "
+                f"a {g['prompt']}-token prompt and {g['new_tokens']} greedy tokens: mha "
+                f"{s['mha']:.2f} s, transformers `generate` {s['transformers']:.2f} s "
+                f"(mha / transformers {s['mha'] / s['transformers']:.2f}); the same tokens: "
+                f"{'yes' if g['same_tokens'] else 'NO'}.",
+            ]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--readme", type=Path)
+    parser.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    results = measure(args.quick)
+    if args.json_only:
+        print(json.dumps(results))
+        return 0
+    runs = [results]
+    if "OPENBLAS_CORETYPE" in os.environ or "OPENBLAS_L2_SIZE" in os.environ:
+        forced = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+        env = {k: v for k, v in os.environ.items() if k not in forced}
+        child = subprocess.run(
+            [sys.executable, __file__, "--json-only", *(["--quick"] if args.quick else [])],
+            env=env, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        runs.append(json.loads(child.stdout))
+    name = "decode-quick" if args.quick else "decode"
+    args.output.mkdir(parents=True, exist_ok=True)
+    write_file(args.output / f"{name}.json", json.dumps(runs, indent=2) + "\n")
+    table = markdown(runs)
+    write_file(args.output / f"{name}.md", table)
+    if args.readme:
+        text = args.readme.read_text()
+        head, rest = text.split(DECODE_BEGIN, 1)
+        _, tail = rest.split(DECODE_END, 1)
+        write_file(args.readme, f"{head}{DECODE_BEGIN}\n{table}{DECODE_END}{tail}")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
