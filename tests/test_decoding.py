@@ -170,6 +170,15 @@ def test_grouped_query_sdpa_matches_torch_enable_gqa(seed, torch, record_error):
         expected = np.where(allowed.any(axis=-1, keepdims=True), expected, 0.0)
         error = relative_error(ours, expected)
         assert record_error(f"SDPA GQA vs torch enable_gqa, {dtype}", error) <= tolerance
+    _, weights = mha.scaled_dot_product_attention(q, k, v, return_weights=True, **keywords)
+    repeated = torch.from_numpy(k).repeat_interleave(group, dim=1)  # transformers' repeat_kv
+    logits = torch.from_numpy(q) @ repeated.transpose(-1, -2) / math.sqrt(d)
+    expected = torch.softmax(logits.masked_fill(~torch.from_numpy(allowed), -math.inf), dim=-1)
+    expected = torch.nan_to_num(expected, nan=0.0).numpy()  # rows that see no key: zeros
+    assert weights.shape == (B, H, L, S)  # per query head
+    assert record_error(
+        "SDPA GQA weights vs torch, float64", relative_error(weights, expected)
+    ) <= (1e-12)
 
 
 # ---------------------------------------------------------------- the cache's promises
@@ -443,6 +452,18 @@ def test_a_saved_decoder_loads_back_exactly(tmp_path):
 
 
 # ---------------------------------------------------------------- the example
+
+
+def test_the_command_line_takes_a_window(tmp_path):
+    from test_cli import mha_command
+
+    Q, W = r.standard_normal((2, 6, 8)), r.standard_normal((4, 8, 8))
+    np.savez(tmp_path / "in.npz", Q=Q, K=Q, V=Q, W_q=W[0], W_k=W[1], W_v=W[2], W_o=W[3])
+    result = mha_command("run", "in.npz", "-o", "o.npy", "--heads", 2, "--causal", "--window", 2,
+                         cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    expected = mha.multi_head_attention(Q, Q, Q, *W, 2, causal=True, window=2)
+    np.testing.assert_array_equal(np.load(tmp_path / "o.npy"), expected)
 
 
 def test_the_numpy_decoder_generates_what_transformers_generates(torch, transformers, tmp_path):

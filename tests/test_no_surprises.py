@@ -80,7 +80,7 @@ def test_top_left_without_a_causal_mask_is_refused(tmp_path):
 
 @pytest.mark.parametrize(
     "option", [["--heads", "2"], ["--causal"], ["--top-left"], ["--key-lengths", "1,1"],
-               ["--query-lengths", "1,1"], ["--module", "m.npz"]],
+               ["--query-lengths", "1,1"], ["--module", "m.npz"], ["--window", "2"]],
 )  # fmt: skip
 def test_plot_of_saved_weights_refuses_options_only_input_uses(tmp_path, option):
     np.save(tmp_path / "w.npy", np.full((2, 2, 3, 5), 0.2))

@@ -30,7 +30,7 @@ DATA_KEYS = ("Q", "K", "V", "W_q", "W_k", "W_v", "W_o")
 BIAS_KEYS = ("b_q", "b_k", "b_v", "b_o")
 INSTALL_CLI = 'pip install ".[cli]" in the mha checkout, or pip install matplotlib rich'
 TORCH_CPU = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
-INPUT_ONLY = ("heads", "module", "causal", "top_left", "key_lengths", "query_lengths")
+INPUT_ONLY = ("heads", "module", "causal", "top_left", "window", "key_lengths", "query_lengths")
 
 # The library's keyword names, as the options a user types on the command line.
 _OPTIONS = {
@@ -168,6 +168,8 @@ def _masking_arguments(parser: argparse.ArgumentParser) -> None:
         "--top-left", action="store_true",
         help="with --causal: align the mask top-left (j <= i) instead of bottom-right",
     )  # fmt: skip
+    parser.add_argument("--window", type=_count(1), metavar="N",
+                        help="sliding window: each query sees at most N keys back")  # fmt: skip
     parser.add_argument("--key-lengths", type=_lengths, metavar="N,N,...",
                         help="valid keys per sequence; later keys are padding")  # fmt: skip
     parser.add_argument("--query-lengths", type=_lengths, metavar="N,N,...",
@@ -259,9 +261,16 @@ def _attend(args: argparse.Namespace, want_weights: bool) -> tuple[np.ndarray, A
                 "queries and keys at least 1 wide"
             )
         heads = args.heads
-    if args.top_left and not args.causal:
-        raise UsageError("--top-left aligns the causal mask: use it with --causal")
+    if args.top_left and not (args.causal or args.window):
+        raise UsageError("--top-left aligns the causal mask: use it with --causal or --window")
     keywords: dict[str, Any] = {"causal": args.causal, "return_weights": want_weights}
+    if args.window is not None:
+        if module is not None:
+            raise UsageError(
+                f"--window is for arrays given with their weights; {args.module} records its "
+                f"own window ({module.window})"
+            )
+        keywords["window"] = args.window
     if args.top_left:
         keywords["causal_alignment"] = "top_left"
     for name in ("key_lengths", "query_lengths"):
@@ -281,6 +290,7 @@ def _attend(args: argparse.Namespace, want_weights: bool) -> tuple[np.ndarray, A
         allowed = Visibility.build(
             batch_shape=shape[:-2], H=heads, L=shape[-2], S=np.shape(K)[-2],
             causal=args.causal, causal_alignment=keywords.get("causal_alignment"),
+            window=args.window if module is None else module.window,
             key_lengths=keywords["key_lengths"], query_lengths=keywords["query_lengths"],
         ).allowed()  # fmt: skip
         extra = weights.shape[-1] - allowed.shape[-1]  # the module's bias_k / zero key
