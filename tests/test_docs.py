@@ -36,5 +36,6 @@ def test_the_algorithm_page_covers_its_topics():
 
     text = (Path(__file__).parent.parent / "docs" / "algorithm.md").read_text()
     for heading in ("Projections and heads", "stable softmax", "Masks", "online softmax",
-                    "Threads and BLAS", "Merging partial results"):  # fmt: skip
+                    "Threads and BLAS", "Merging partial results", "Grouped-query attention",
+                    "Sliding windows", "The KV cache", "Split-key decoding"):  # fmt: skip
         assert heading in text
