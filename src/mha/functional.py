@@ -176,7 +176,7 @@ def _with_cache(
     q: np.ndarray,
     k: np.ndarray,
     v: np.ndarray,
-    cache: KVCache,
+    cache: Any,
     masking: dict[str, Any],
     scale: float,
     want_lse: bool,
@@ -454,14 +454,13 @@ def multi_head_attention(
             k = _append_keys(k, cast(bias_k), add_zero_attn, H_kv)
             v = _append_keys(v, cast(bias_v), add_zero_attn, H_kv)
         weights = None
-        if cache is not None:
+        if visibility is None:  # the cache's call
             heads = _with_cache(
                 q, k, v, cache, masking, 1.0, False, budget, threads, compute_dtype,
                 compute_dtype, team,
             )  # fmt: skip
             joined = np.moveaxis(heads, -3, -2).reshape((*B, L, H * d_v))
         else:
-            assert visibility is not None
             joined = np.zeros((*B, L, H * d_v), dtype=compute_dtype)  # (*B, L, H*d_v)
             if return_weights:
                 weights = np.zeros((*B, H, L, S + extra), dtype=compute_dtype)
