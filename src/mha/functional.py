@@ -22,6 +22,7 @@ from ._arrays import (
 from ._arrays import (
     flag as _flag,
 )
+from ._kernel.backward import attend_backward
 from ._kernel.contract import Visibility, check_lengths
 from ._kernel.forward import DEFAULT_MAX_MEMORY, attend, merge_partials
 from ._kernel.team import Team, workers_for
@@ -47,6 +48,7 @@ def scaled_dot_product_attention(
     scale: float | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
+    return_backward: bool = False,
     cache: KVCache | None = None,
     max_memory: int | None = None,
     workers: int | None = None,
@@ -82,6 +84,10 @@ def scaled_dot_product_attention(
     * ``return_lse``: also return the log-sum-exp of each row's logits ``(..., H, L)``
       (``-inf`` for a row that sees no key; float32 for float16 inputs), for
       :func:`merge_attention`.
+    * ``return_backward``: also return ``backward``, a function of the output's gradient
+      ``grad_out`` that returns ``{"q": dq, "k": dk, "v": dv}`` (and ``"bias"`` when a bias
+      was given), each shaped like its input, in its dtype: FlashAttention-2's backward pass,
+      tile by tile from the saved log-sum-exp, never building the score matrix.
     * ``cache``: a :class:`mha.KVCache`. Then ``k`` and ``v`` are the new tokens'
       ``(B, H_kv, L, d)``: they are appended to the cache after each sequence's length (only
       the first ``query_lengths[b]`` rows of sequence ``b``, when given) and ``q`` attends
@@ -92,8 +98,8 @@ def scaled_dot_product_attention(
     * ``workers``: threads (default: every core when threadpoolctl is installed, else 1).
       Results are bitwise reproducible for fixed inputs, ``max_memory`` and ``workers``.
 
-    Returns ``out (..., H, L, d_v)``, then the weights and the log-sum-exp if asked for, in
-    that order. A query row that sees no key gets zero weights and a zero output.
+    Returns ``out (..., H, L, d_v)``, then the weights, the log-sum-exp and ``backward`` if
+    asked for, in that order. A query row that sees no key gets zero weights and a zero output.
 
     >>> import numpy as np
     >>> from mha import scaled_dot_product_attention
@@ -130,9 +136,10 @@ def scaled_dot_product_attention(
         "window": window,
     }
     if cache is not None:
-        if return_weights:
+        if return_weights or return_backward:
             raise AttentionValueError(
-                "return_weights is not available with cache=: call without the cache"
+                "return_weights and return_backward are not available with cache=: "
+                "call without the cache"
             )
         return _with_cache(
             q, k, v, cache, masking, scale, _flag("return_lse", return_lse), budget, threads,
@@ -143,23 +150,94 @@ def scaled_dot_product_attention(
         dtype=compute_dtype, context=f"q {q.shape}, k {k.shape}", **masking,
     )  # fmt: skip
     want_lse = _flag("return_lse", return_lse)
+    want_backward = _flag("return_backward", return_backward)
     out = np.zeros((*q.shape[:-1], v.shape[-1]), dtype=compute_dtype)
     weights = None
     if return_weights:
         weights = np.zeros((*q.shape[:-1], k.shape[-2]), dtype=compute_dtype)
-    lse = np.full(q.shape[:-1], -np.inf, dtype=compute_dtype) if want_lse else None
+    lse = None
+    if want_lse or want_backward:
+        lse = np.full(q.shape[:-1], -np.inf, dtype=compute_dtype)
     cost = float(np.prod(q.shape[:-1])) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
     with np.errstate(invalid="ignore", over="ignore"), Team(workers_for(cost, threads)) as team:
         attend(
             q, k, v, visibility, scale, out, weights=weights, lse=lse, max_memory=budget,
             team=team,
         )  # fmt: skip
-    results = [_cast(out, result_dtype)]
+    results: list[Any] = [_cast(out, result_dtype)]
     if weights is not None:
         results.append(_cast(weights, result_dtype))
-    if lse is not None:
+    if want_lse:
         results.append(lse)
+    if want_backward:
+        assert lse is not None
+        results.append(_SplitHeadsBackward(
+            q, k, v, bias, out, lse, visibility, scale, compute_dtype, budget, threads,
+        ))  # fmt: skip
     return results[0] if len(results) == 1 else tuple(results)
+
+
+class _SplitHeadsBackward:
+    """``backward(grad_out)`` of one :func:`scaled_dot_product_attention` call: the
+    gradients of ``sum(grad_out * out)`` for ``q``, ``k``, ``v`` (and ``bias``), each shaped
+    like its input, in its dtype. It keeps q, k, v, the output and the log-sum-exp (copies
+    in the compute dtype: changing the inputs afterwards does not change the gradients),
+    never the score matrix, and may be called any number of times, from any thread."""
+
+    def __init__(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: Any, out: np.ndarray,
+        lse: np.ndarray, visibility: Visibility, scale: float, dtype: np.dtype, budget: int,
+        threads: int | None,
+    ) -> None:  # fmt: skip
+        self.dtypes = {"q": q.dtype, "k": k.dtype, "v": v.dtype}
+        self.q, self.k, self.v = (np.array(x, dtype=dtype) for x in (q, k, v))
+        self.bias_shape = None if bias is None else np.shape(bias)
+        if bias is not None:
+            self.dtypes["bias"] = as_float_array("bias", bias).dtype
+        self.out, self.lse, self.visibility = out, lse, visibility
+        self.scale, self.dtype, self.budget, self.threads = scale, dtype, budget, threads
+
+    def __call__(self, grad_out: Any) -> dict[str, np.ndarray]:
+        grad = as_float_array("grad_out", grad_out)
+        if grad.shape != self.out.shape:
+            raise ShapeError(
+                f"grad_out must have the output's shape {self.out.shape}; got {grad.shape}"
+            )
+        grad = grad.astype(self.dtype, copy=False)
+        dq, dk, dv = (np.zeros_like(x) for x in (self.q, self.k, self.v))
+        dbias = None
+        if self.bias_shape is not None:
+            dbias = np.zeros((*self.q.shape[:-1], self.k.shape[-2]), self.dtype)
+        cost = (
+            float(np.prod(self.q.shape[:-1]))
+            * self.k.shape[-2]
+            * 2
+            * (self.q.shape[-1] + self.v.shape[-1])
+        )
+        with (
+            np.errstate(invalid="ignore", over="ignore"),
+            Team(workers_for(cost, self.threads)) as team,
+        ):
+            attend_backward(
+                self.q, self.k, self.v, self.out, self.lse, grad, self.visibility, self.scale,
+                dq=dq, dk=dk, dv=dv, dbias=dbias, max_memory=self.budget, team=team,
+            )  # fmt: skip
+        grads = {"q": dq, "k": dk, "v": dv}
+        if dbias is not None and self.bias_shape is not None:
+            grads["bias"] = _sum_to(dbias, self.bias_shape, self.q.shape[:-3])
+        return {name: _cast(g, self.dtypes[name]) for name, g in grads.items()}
+
+
+def _sum_to(full: np.ndarray, shape: tuple[int, ...], batch_shape: tuple[int, ...]) -> np.ndarray:
+    """The gradient of an array of ``shape`` broadcast to ``full``'s shape as the mask
+    contract broadcasts ``bias``: summed over the axes it was broadcast along."""
+    aligned = shape
+    if batch_shape and len(shape) == full.ndim - 1:
+        aligned = (*shape[:-2], 1, *shape[-2:])  # (B, L, S): the same for every head
+    aligned = (1,) * (full.ndim - len(aligned)) + aligned
+    axes = tuple(i for i, (a, b) in enumerate(zip(aligned, full.shape, strict=True)) if a != b)
+    summed: np.ndarray = full.sum(axis=axes, keepdims=True) if axes else full
+    return summed.reshape(shape)
 
 
 def _kv_heads(H: int, H_kv: int, shapes: str) -> int:
@@ -280,6 +358,7 @@ def multi_head_attention(
     rotary_interleaved: bool = False,
     positions: Any = None,
     cache: KVCache | None = None,
+    return_backward: bool = False,
 ) -> Any:
     """Multi-head attention (Vaswani et al., 2017) with "x @ W" weights.
 
@@ -429,6 +508,9 @@ def multi_head_attention(
             visibility = _with_extra_keys(visibility, extra, compute_dtype)
     scale = resolve_scale(scale, d_k, compute_dtype, f"W_q {W_q.shape}")
     budget, threads = _kernel_options(return_weights, max_memory, workers)
+    want_backward = _flag("return_backward", return_backward)
+    if want_backward and cache is not None:
+        raise AttentionValueError("return_backward is not available with cache=")
     q_positions, k_positions = None, None
     if rotary is not None:
         q_positions, k_positions = _rotary_positions(positions, cache, B, L, S)
@@ -454,6 +536,9 @@ def multi_head_attention(
             k = _append_keys(k, cast(bias_k), add_zero_attn, H_kv)
             v = _append_keys(v, cast(bias_v), add_zero_attn, H_kv)
         weights = None
+        lse = None
+        if want_backward:
+            lse = np.full((*B, H, L), -np.inf, dtype=compute_dtype)
         if visibility is None:  # the cache's call
             heads = _with_cache(
                 q, k, v, cache, masking, 1.0, False, budget, threads, compute_dtype,
@@ -465,14 +550,113 @@ def multi_head_attention(
             if return_weights:
                 weights = np.zeros((*B, H, L, S + extra), dtype=compute_dtype)
             attend(
-                q, k, v, visibility, 1.0, _split_heads(joined, H), weights=weights,
+                q, k, v, visibility, 1.0, _split_heads(joined, H), weights=weights, lse=lse,
                 max_memory=budget, team=team,
             )  # fmt: skip
-        del q, k, v  # the projections are not needed for the output projection
         out = team.matmul(joined, W_o.astype(compute_dtype, copy=False), cast(b_o))
-    if weights is None:
-        return _cast(out, result_dtype)
-    return _cast(out, result_dtype), _cast(weights, result_dtype)
+    results: list[Any] = [_cast(out, result_dtype)]
+    if weights is not None:
+        results.append(_cast(weights, result_dtype))
+    if want_backward:
+        given = {
+            "Q": Q, "K": K, "V": V, "W_q": W_q, "W_k": W_k, "W_v": W_v, "W_o": W_o, "b_q": b_q,
+            "b_k": b_k, "b_v": b_v, "b_o": b_o, "bias_k": bias_k, "bias_v": bias_v,
+        }  # fmt: skip
+        results.append(_ProjectedBackward(
+            {name: x for name, x in given.items() if x is not None}, bias, q, k, v, joined, lse,
+            visibility, scale, H, H_kv, S, rotary, q_positions, k_positions, bool(extra),
+            compute_dtype, budget, threads,
+        ))  # fmt: skip
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+class _ProjectedBackward:
+    """``backward(grad_out)`` of one :func:`multi_head_attention` call: the gradients of
+    ``sum(grad_out * out)`` for every input and weight given, keyed by parameter name and
+    shaped like it, in its dtype. It keeps the inputs and weights (copies), the projected
+    q, k, v, the joined heads and the log-sum-exp, never the score matrix; it may be called
+    any number of times, from any thread."""
+
+    def __init__(
+        self, given: dict[str, np.ndarray], bias: Any, q: np.ndarray, k: np.ndarray,
+        v: np.ndarray, joined: np.ndarray, lse: Any, visibility: Any, scale: float, H: int,
+        H_kv: int, S: int, rotary: dict[str, Any] | None, q_positions: Any, k_positions: Any,
+        extra: bool, dtype: np.dtype, budget: int, threads: int | None,
+    ) -> None:  # fmt: skip
+        self.dtypes = {name: x.dtype for name, x in given.items()}
+        self.arrays = {name: np.array(x, dtype=dtype) for name, x in given.items()}
+        self.bias_shape = None if bias is None else np.shape(bias)
+        if bias is not None:
+            self.dtypes["bias"] = as_float_array("bias", bias).dtype
+        self.q, self.k, self.v, self.joined, self.lse = q, k, v, joined, lse
+        self.visibility, self.scale, self.H, self.H_kv, self.S = visibility, scale, H, H_kv, S
+        self.rotary, self.positions = rotary, (q_positions, k_positions)
+        self.extra, self.dtype, self.budget, self.threads = extra, dtype, budget, threads
+
+    def __call__(self, grad_out: Any) -> dict[str, np.ndarray]:
+        a, dtype, H = self.arrays, self.dtype, self.H
+        lead = self.joined.shape[:-1]
+        out_shape = (*lead, a["W_o"].shape[1])
+        grad = as_float_array("grad_out", grad_out)
+        if grad.shape != out_shape:
+            raise ShapeError(f"grad_out must have the output's shape {out_shape}; got {grad.shape}")
+        grad = grad.astype(dtype, copy=False)
+        grads: dict[str, np.ndarray] = {}
+        cost = float(self.q.size) * self.k.shape[-2] * 4
+        with (
+            np.errstate(invalid="ignore", over="ignore"),
+            Team(workers_for(cost, self.threads)) as team,
+        ):
+            grads["W_o"] = _weight_grad(self.joined, grad, team)
+            if "b_o" in a:
+                grads["b_o"] = _rows(grad).sum(axis=0)
+            d_joined = team.matmul(grad, np.ascontiguousarray(a["W_o"].T))
+            heads_out = _split_heads(self.joined, H)
+            dq, dk, dv = (np.zeros_like(x) for x in (self.q, self.k, self.v))
+            dbias = None
+            if self.bias_shape is not None:
+                dbias = np.zeros((*self.q.shape[:-1], self.k.shape[-2]), dtype)
+            attend_backward(
+                self.q, self.k, self.v, heads_out, self.lse, _split_heads(d_joined, H),
+                self.visibility, 1.0, dq=dq, dk=dk, dv=dv, dbias=dbias,
+                max_memory=self.budget, team=team,
+            )  # fmt: skip
+            if self.extra:  # the appended keys: bias_k/bias_v's gradients, then drop them
+                if "bias_k" in a:  # (*B, H_kv, d) at the first appended key, summed over B
+                    for name, d in (("bias_k", dk), ("bias_v", dv)):
+                        at = d[..., self.S, :]
+                        grads[name] = at.reshape(-1, *at.shape[-2:]).sum(axis=0).reshape(-1)
+                dk, dv = dk[..., : self.S, :], dv[..., : self.S, :]
+            if dbias is not None and self.bias_shape is not None:
+                grads["bias"] = _sum_to(dbias[..., : self.S], self.bias_shape, lead[:-1])
+            if self.rotary is not None:  # undo the rotation: rotate back by the same angle
+                q_at, k_at = (-np.asarray(p, dtype=np.float64) for p in self.positions)
+                dq = apply_rotary(dq, q_at, **self.rotary)
+                dk = apply_rotary(dk, k_at, **self.rotary)
+            dq *= self.scale  # q = (Q @ W_q + b_q) * scale
+            for x, W, b, d in (("Q", "W_q", "b_q", dq), ("K", "W_k", "b_k", dk),
+                               ("V", "W_v", "b_v", dv)):  # fmt: skip
+                joined_grad = _join_heads(d)
+                grads[W] = _weight_grad(a[x], joined_grad, team)
+                if b in a:
+                    grads[b] = _rows(joined_grad).sum(axis=0)
+                grads[x] = team.matmul(joined_grad, np.ascontiguousarray(a[W].T))
+        return {name: _cast(g, self.dtypes[name]) for name, g in grads.items()}
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    """``(..., n)`` as ``(rows, n)``."""
+    return x.reshape(int(np.prod(x.shape[:-1])), x.shape[-1])
+
+
+def _weight_grad(x: np.ndarray, grad: np.ndarray, team: Team) -> np.ndarray:
+    """``d(x @ W)/dW`` for ``x (..., m)`` and ``grad (..., n)``: ``x^T @ grad`` over rows."""
+    return team.matmul(np.ascontiguousarray(_rows(x).T), _rows(grad))
+
+
+def _join_heads(x: np.ndarray) -> np.ndarray:
+    """``(*B, H, L, d)`` to ``(*B, L, H*d)``."""
+    return np.moveaxis(x, -3, -2).reshape((*x.shape[:-3], x.shape[-2], -1))
 
 
 def _rotary_options(

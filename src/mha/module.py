@@ -173,6 +173,7 @@ class MultiHeadAttention:
         return_weights: bool = False,
         positions: Any = None,
         cache: KVCache | None = None,
+        return_backward: bool = False,
         max_memory: int | None = None,
         workers: int | None = None,
     ) -> Any:
@@ -194,6 +195,11 @@ class MultiHeadAttention:
         tokens of each sequence: they are projected, rotated at their true positions,
         appended, and attend causally over everything cached; with ``query_lengths`` only
         the first ``query_lengths[b]`` rows of sequence ``b`` are real tokens.
+        ``return_backward=True`` adds ``backward``, a function of the output's gradient that
+        returns the gradients keyed by attribute name for the weights (``W_q``, ...,
+        ``b_o``, ``bias_k``, ``bias_v``: those present) and by argument name for the inputs
+        (``query``, ``key``, ``value``, separately even for self-attention; their sum is the
+        gradient of a shared input), and ``bias`` when given; see :meth:`parameters`.
         ``attention(...)`` is ``attention.forward(...)``.
 
         >>> import numpy as np
@@ -234,7 +240,7 @@ class MultiHeadAttention:
                     f"{name} has width {array.shape[-1]} but this MultiHeadAttention has "
                     f"{label}={width} ({name} {array.shape})"
                 )
-        return multi_head_attention(
+        result = multi_head_attention(
             query,
             key,
             value,
@@ -267,7 +273,27 @@ class MultiHeadAttention:
             rotary_interleaved=self.rotary_interleaved,
             positions=positions,
             cache=cache,
+            return_backward=return_backward,
         )
+        if not return_backward:
+            return result
+        *outputs, backward = result
+        return (*outputs, _Renamed(backward))
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """The weights an optimiser updates, by attribute name: the arrays themselves (update
+        them in place), only those present.
+
+        >>> attention = MultiHeadAttention(8, 2, bias=True, seed=0)
+        >>> X = np.random.default_rng(0).standard_normal((2, 3, 8))
+        >>> out, backward = attention(X, mask=True, return_backward=True)
+        >>> grads = backward(np.ones_like(out))
+        >>> for name, W in attention.parameters().items():   # one step of gradient descent
+        ...     W -= 0.1 * grads[name]
+        >>> sorted(grads)[:4], grads["query"].shape
+        (['W_k', 'W_o', 'W_q', 'W_v'], (2, 3, 8))
+        """
+        return {name: W for name, W in self.weights().items() if W is not None}
 
     def new_cache(self, batch_size: int, *, capacity: int = 256) -> KVCache:
         """An empty :class:`mha.KVCache` for ``batch_size`` sequences, made for this
@@ -608,6 +634,19 @@ class MultiHeadAttention:
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, kdim={self.kdim}, "
             f"vdim={self.vdim}"
         )
+
+
+_INPUT_NAMES = {"Q": "query", "K": "key", "V": "value"}
+
+
+class _Renamed:
+    """A module's ``backward``: the function's gradients under the module's names."""
+
+    def __init__(self, backward: Any) -> None:
+        self.backward = backward
+
+    def __call__(self, grad_out: Any) -> dict[str, np.ndarray]:
+        return {_INPUT_NAMES.get(name, name): g for name, g in self.backward(grad_out).items()}
 
 
 def _check_mask_argument(mask: Any) -> None:

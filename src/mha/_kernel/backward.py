@@ -1,0 +1,138 @@
+"""The backward pass: FlashAttention-2's, written for NumPy beside the forward.
+
+Nothing of size ``L x S`` is kept from the forward pass: only q, k, v, the output and each
+row's log-sum-exp ``lse``. Each tile's probabilities are recomputed from them::
+
+    s  = (q * scale) @ k_tile.T + bias_tile        hidden pairs overwritten with -inf
+    p  = exp(s - lse)                              exactly the forward's weights
+    dv_tile += p.T @ dO
+    dp = dO @ v_tile.T
+    ds = p * (dp - D),   D = rowsum(dO * O)        ds = 0 where the key is hidden
+    dq += ds @ k_tile * scale,   dk_tile += ds.T @ (q * scale),   dbias_tile = ds
+
+A work item is one ``(*batch, key/value head)``: it owns that head's ``dk`` and ``dv`` and
+its query heads' ``dq``, so the workers share no accumulator and need no lock. The tiles an
+item visits are the forward's: causal tiles above the diagonal and window tiles below the
+band are skipped, padded rows and keys are never visited. Grouped query heads are stacked
+into one tile, so their ``dk``/``dv`` contributions sum in the GEMMs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .contract import Visibility
+from .forward import DEFAULT_MAX_MEMORY, _cast, _product, _stack, plan_tiles
+from .team import Team
+
+__all__ = ["attend_backward"]
+
+
+def attend_backward(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    out: np.ndarray,
+    lse: np.ndarray,
+    grad_out: np.ndarray,
+    visibility: Visibility,
+    scale: float,
+    *,
+    dq: np.ndarray,
+    dk: np.ndarray,
+    dv: np.ndarray,
+    dbias: np.ndarray | None = None,
+    max_memory: int = DEFAULT_MAX_MEMORY,
+    team: Team | None = None,
+) -> None:
+    """Fill ``dq``, ``dk``, ``dv`` (and ``dbias (*batch, H, L, S)``), arriving zeroed, with
+    the gradients of ``sum(grad_out * out)`` for the attention :func:`attend` computed.
+
+    Shapes are the forward's: ``q (*batch, H, L, d_k)``, ``k (*batch, H_kv, S, d_k)``,
+    ``v (*batch, H_kv, S, d_v)``, ``out`` and ``grad_out (*batch, H, L, d_v)``,
+    ``lse (*batch, H, L)``; everything in ``dq.dtype`` (float32 or wider).
+    """
+    H, L, d_k = q.shape[-3], q.shape[-2], q.shape[-1]
+    H_kv, S, d_v = k.shape[-3], k.shape[-2], v.shape[-1]
+    group = H // H_kv
+    dtype = dq.dtype
+    tiles = plan_tiles(L, S, 1, d_k, d_v, dtype.itemsize, max_memory // 2, False, group)
+    D = np.einsum("...d,...d->...", grad_out, out, dtype=dtype)  # rowsum(dO * O)
+    items = [(batch, h) for batch in np.ndindex(q.shape[:-3]) for h in range(H_kv)]
+
+    def make_worker() -> Callable[[Any], None]:
+        def run(task: Any) -> None:
+            batch, h = task
+            heads = slice(h * group, (h + 1) * group)
+            item = visibility.item(batch, heads)
+            _item_backward(
+                q[batch][heads], k[batch][h], v[batch][h], lse[batch][heads],
+                D[batch][heads], grad_out[batch][heads], item, scale, tiles, dtype,
+                dq[batch][heads], dk[batch][h], dv[batch][h],
+                None if dbias is None else dbias[batch][heads],
+            )  # fmt: skip
+
+        return run
+
+    (team or Team(1)).run(items, make_worker)
+
+
+def _item_backward(
+    q: np.ndarray,  # (group, L, d_k)
+    k: np.ndarray,  # (S, d_k)
+    v: np.ndarray,  # (S, d_v)
+    lse: np.ndarray,  # (group, L)
+    D: np.ndarray,  # (group, L)
+    grad_out: np.ndarray,  # (group, L, d_v)
+    item: Any,
+    scale: float,
+    tiles: Any,
+    dtype: np.dtype,
+    dq: np.ndarray,  # (group, L, d_k), written
+    dk: np.ndarray,  # (S, d_k), accumulated
+    dv: np.ndarray,  # (S, d_v), accumulated
+    dbias: np.ndarray | None,  # (group, L, S)
+) -> None:
+    group = q.shape[0]
+    for r0 in range(0, item.query_end, tiles.rows):
+        r1 = min(r0 + tiles.rows, item.query_end)
+        n = r1 - r0
+        start, stop = item.key_start(r0, r1), item.key_stop(r0, r1)
+        if stop <= start:
+            continue
+        q_t = np.multiply(q[:, r0:r1], scale, dtype=dtype).reshape(1, group * n, -1)
+        do_t = _cast(grad_out[:, r0:r1], dtype).reshape(1, group * n, -1)
+        lse_t = lse[:, r0:r1].reshape(1, group * n)
+        lse_t = np.where(lse_t == -np.inf, np.inf, lse_t)[..., None]  # rows seeing no key
+        D_t = D[:, r0:r1].reshape(1, group * n)[..., None]
+        dq_t = np.zeros((1, group * n, q.shape[-1]), dtype)
+        for c0 in range(start, stop, tiles.cols):
+            c1 = min(c0 + tiles.cols, stop)
+            hidden = _stack(item.hidden(r0, r1, c0, c1), 1, group, n, c1 - c0)
+            if hidden is not None and hidden.all():
+                continue
+            k_c, v_c = _cast(k[c0:c1], dtype)[None], _cast(v[c0:c1], dtype)[None]
+            s = q_t @ k_c.transpose(0, 2, 1)
+            bias = _stack(item.bias_block(r0, r1, c0, c1), 1, group, n, c1 - c0)
+            if bias is not None:
+                s += bias
+            if hidden is not None:
+                np.copyto(s, -np.inf, where=hidden)
+            p = np.exp(s - lse_t, out=s)  # the forward's weights, recomputed
+            dv[c0:c1] += (p.transpose(0, 2, 1) @ do_t)[0]
+            ds = do_t @ v_c.transpose(0, 2, 1)  # dp
+            ds -= D_t
+            ds *= p
+            attended = None
+            if hidden is not None:
+                np.copyto(ds, 0.0, where=hidden)  # NaN in a hidden value stops here
+                if not (np.isfinite(k_c).all()):
+                    attended = ~hidden
+            dq_t += _product(ds, k_c, attended, out=np.empty_like(dq_t))
+            dk[c0:c1] += (ds.transpose(0, 2, 1) @ q_t)[0]
+            if dbias is not None:
+                dbias[:, r0:r1, c0:c1] = ds.reshape(group, n, c1 - c0)
+        dq[:, r0:r1] = (dq_t * scale).reshape(group, n, -1)
