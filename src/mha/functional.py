@@ -198,12 +198,7 @@ class _SplitHeadsBackward:
         self.scale, self.dtype, self.budget, self.threads = scale, dtype, budget, threads
 
     def __call__(self, grad_out: Any) -> dict[str, np.ndarray]:
-        grad = as_float_array("grad_out", grad_out)
-        if grad.shape != self.out.shape:
-            raise ShapeError(
-                f"grad_out must have the output's shape {self.out.shape}; got {grad.shape}"
-            )
-        grad = grad.astype(self.dtype, copy=False)
+        grad = _gradient("grad_out", grad_out, self.out.shape, self.dtype)
         dq, dk, dv = (np.zeros_like(x) for x in (self.q, self.k, self.v))
         dbias = None
         if self.bias_shape is not None:
@@ -226,6 +221,20 @@ class _SplitHeadsBackward:
         if dbias is not None and self.bias_shape is not None:
             grads["bias"] = _sum_to(dbias, self.bias_shape, self.q.shape[:-3])
         return {name: _cast(g, self.dtypes[name]) for name, g in grads.items()}
+
+
+def _gradient(name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """The upstream gradient: real, finite, of the output's shape, in the compute dtype."""
+    grad = as_float_array(name, value)
+    if grad.shape != shape:
+        raise ShapeError(f"{name} must have the output's shape {shape}; got {grad.shape}")
+    bad = int(np.size(grad) - np.count_nonzero(np.isfinite(grad)))
+    if bad:
+        raise AttentionValueError(
+            f"{name} holds {bad} NaN or infinite value{'s' if bad > 1 else ''} (shape "
+            f"{shape}); gradients are computed from finite upstream gradients only"
+        )
+    return grad.astype(dtype, copy=False)
 
 
 def _sum_to(full: np.ndarray, shape: tuple[int, ...], batch_shape: tuple[int, ...]) -> np.ndarray:
@@ -597,10 +606,7 @@ class _ProjectedBackward:
         a, dtype, H = self.arrays, self.dtype, self.H
         lead = self.joined.shape[:-1]
         out_shape = (*lead, a["W_o"].shape[1])
-        grad = as_float_array("grad_out", grad_out)
-        if grad.shape != out_shape:
-            raise ShapeError(f"grad_out must have the output's shape {out_shape}; got {grad.shape}")
-        grad = grad.astype(dtype, copy=False)
+        grad = _gradient("grad_out", grad_out, out_shape, dtype)
         grads: dict[str, np.ndarray] = {}
         cost = float(self.q.size) * self.k.shape[-2] * 4
         with (

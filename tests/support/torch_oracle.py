@@ -137,3 +137,47 @@ def _with_head_axis(array: Any, layout: dict[str, Any]) -> Any:
     if not layout["unbatched"] and array.ndim == 3:
         return array[:, None]
     return array
+
+
+def gradient_oracle(
+    config: dict[str, Any], torch: Any, grad_out: np.ndarray
+) -> dict[str, np.ndarray]:
+    """The gradients of ``sum(grad_out * out)`` by ``torch.autograd`` for every array of the
+    configuration (and ``bias``), through plain torch operations: projections, scores,
+    ``masked`` softmax, weights @ values, output projection. Rows that see no key have zero
+    weights, as in mha's contract (computed without NaN, so no NaN reaches a gradient)."""
+    layout, kw = config["layout"], config["kwargs"]
+    t = {
+        name: torch.tensor(np.asarray(x, dtype=np.float64), requires_grad=True)
+        for name, x in config["arrays"].items()
+    }
+    bias = None
+    if "bias" in kw:
+        bias = torch.tensor(np.asarray(kw["bias"], dtype=np.float64), requires_grad=True)
+    batched = {n: (t[n][None] if layout["unbatched"] else t[n]) for n in ("Q", "K", "V")}
+    H, d_k = layout["H"], layout["d_k"]
+
+    def heads(x: Any, W: str, b: str) -> Any:
+        y = x @ t[W] + (t[b] if b in t else 0.0)
+        return y.reshape(y.shape[0], y.shape[1], H, -1).transpose(1, 2)
+
+    q, k, v = (heads(batched[x], W, b) for x, W, b in
+               (("Q", "W_q", "b_q"), ("K", "W_k", "b_k"), ("V", "W_v", "b_v")))  # fmt: skip
+    scale = kw.get("scale", 1.0 / math.sqrt(d_k))
+    logits = q @ k.transpose(-1, -2) * scale
+    if bias is not None:
+        logits = logits + _with_head_axis(bias, layout)
+    allowed = allowed_mask(config, torch)
+    sees = allowed.any(dim=-1, keepdim=True)
+    logits = torch.where(allowed, logits, -math.inf)
+    logits = torch.where(sees, logits, 0.0)
+    weights = torch.softmax(logits, dim=-1) * allowed
+    joined = (weights @ v).transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+    out = joined @ t["W_o"] + (t["b_o"] if "b_o" in t else 0.0)
+    if layout["unbatched"]:
+        out = out[0]
+    (out * torch.from_numpy(grad_out)).sum().backward()
+    grads = {name: x.grad.numpy() for name, x in t.items()}
+    if bias is not None:
+        grads["bias"] = bias.grad.numpy()
+    return grads

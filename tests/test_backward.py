@@ -1,0 +1,307 @@
+"""Gradients: the tiled backward pass against torch.autograd, finite differences and itself,
+with every mask kind, and what it promises about hidden positions and bad input."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+from support.configs import call_args, random_config, relative_error, with_dtype
+from support.torch_oracle import gradient_oracle
+
+import mha
+from mha._kernel import forward as kernel
+
+r = np.random.default_rng(21)
+
+
+def gradient_error(ours, expected, name):
+    """Relative error of one gradient. ``b_k`` adds ``q . b_k`` to every key of a row, a
+    shift the softmax ignores: its true gradient is exactly 0, so both sides are rounding
+    noise, measured against the largest gradient of the call instead."""
+    if name == "b_k":
+        scale = max(float(np.abs(g).max(initial=0.0)) for g in expected.values()) or 1.0
+        return float(np.abs(ours[name] - expected[name]).max()) / scale
+    return relative_error(ours[name], expected[name])
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_gradients_match_autograd(seed, torch, record_error):
+    config = random_config(4000 + seed)
+    positional, keywords = call_args(config)
+    out, backward = mha.multi_head_attention(
+        *positional, config["num_heads"], **keywords, return_backward=True
+    )
+    grad = np.random.default_rng(seed).standard_normal(out.shape)
+    expected = gradient_oracle(config, torch, grad)
+    ours = backward(grad)
+    assert set(ours) == set(expected)
+    for name, value in expected.items():
+        assert ours[name].shape == value.shape and ours[name].dtype == np.float64
+        error = gradient_error(ours, expected, name)
+        assert record_error("gradients vs autograd, float64", error) <= 1e-10, name
+    single = with_dtype(config, np.float32)
+    positional, keywords = call_args(single)
+    keywords = {k: v for k, v in keywords.items() if k != "bias"} | (
+        {"bias": config["kwargs"]["bias"]} if "bias" in config["kwargs"] else {}
+    )
+    out32, backward32 = mha.multi_head_attention(
+        *positional, config["num_heads"], **keywords, return_backward=True
+    )
+    ours32 = backward32(grad.astype(np.float32))
+    for name, value in expected.items():
+        if name == "bias":
+            continue  # the bias keeps its float64 dtype: checked above
+        assert ours32[name].dtype == np.float32
+        error = gradient_error(ours32, expected, name)
+        assert record_error("gradients vs autograd, float32", error) <= 1e-4, name
+
+
+def explicit_attention(torch, q, k, v, allowed, scale, bias=None):
+    """Attention with repeated key/value heads and an explicit mask, for autograd."""
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    logits = q @ k.transpose(-1, -2) * scale
+    if bias is not None:
+        logits = logits + bias
+    mask = torch.from_numpy(allowed)
+    logits = torch.where(mask, logits, -math.inf)
+    logits = torch.where(mask.any(-1, keepdim=True), logits, 0.0)
+    return (torch.softmax(logits, -1) * mask) @ v
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_split_head_gradients_with_groups_and_windows_match_autograd(seed, torch, record_error):
+    g = np.random.default_rng(500 + seed)
+    B, H_kv, group = int(g.integers(1, 3)), int(g.integers(1, 3)), int(g.integers(1, 4))
+    H, L, S, d = H_kv * group, int(g.integers(1, 30)), int(g.integers(1, 40)), int(g.integers(1, 9))
+    q = g.standard_normal((B, H, L, d))
+    k, v = g.standard_normal((2, B, H_kv, S, d))
+    kw, allowed = {}, np.ones((B, H, L, S), bool)
+    i, j = np.arange(L)[:, None], np.arange(S)
+    if g.random() < 0.5:
+        kw["causal"] = True
+        allowed &= j <= i + S - L
+    if g.random() < 0.4:
+        kw["window"] = int(g.integers(1, S + 1))
+        allowed &= (i + S - L) - j < kw["window"]
+    if g.random() < 0.4:
+        kw["key_lengths"] = g.integers(0, S + 1, B)
+        allowed &= j < kw["key_lengths"][:, None, None, None]
+    if g.random() < 0.3:
+        kw["query_lengths"] = g.integers(0, L + 1, B)
+        allowed &= i < kw["query_lengths"][:, None, None, None]
+    if g.random() < 0.4:
+        kw["mask"] = g.random((B, L, S)) < 0.8
+        allowed &= kw["mask"][:, None]
+    bias = None
+    if g.random() < 0.5:
+        bias = g.standard_normal((B, 1, L, S) if g.random() < 0.5 else (L, S))
+        kw["bias"] = bias
+    grad = g.standard_normal((B, H, L, d))
+    out, backward = mha.scaled_dot_product_attention(
+        q, k, v, return_backward=True, max_memory=2**13 if seed % 2 else 2**22,
+        workers=1 + seed % 3, **kw,
+    )  # fmt: skip
+    tensors = {name: torch.tensor(x, requires_grad=True) for name, x in (("q", q), ("k", k),
+               ("v", v)) + ((("bias", bias),) if bias is not None else ())}  # fmt: skip
+    expected = explicit_attention(torch, tensors["q"], tensors["k"], tensors["v"], allowed,
+                                  1 / math.sqrt(d), tensors.get("bias"))  # fmt: skip
+    assert relative_error(out, expected.detach().numpy()) <= 1e-12
+    (expected * torch.from_numpy(grad)).sum().backward()
+    ours = backward(grad)
+    assert set(ours) == set(tensors)
+    for name, tensor in tensors.items():
+        error = relative_error(ours[name], tensor.grad.numpy())
+        assert record_error("split-head gradients vs autograd, float64", error) <= 1e-10, name
+
+
+def test_a_decoder_layer_with_rotary_groups_and_a_window_matches_autograd(torch, record_error):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    attention = mha.MultiHeadAttention(24, 6, num_kv_heads=2, rope_theta=500.0, window=5,
+                                       bias=True, seed=3)  # fmt: skip
+    for name in ("b_q", "b_k", "b_v", "b_o"):
+        setattr(attention, name, r.standard_normal(getattr(attention, name).shape))
+    X = r.standard_normal((2, 9, 24))
+    out, backward = attention(X, mask=True, return_backward=True)
+    grad = r.standard_normal(out.shape)
+    t = {name: torch.tensor(W, requires_grad=True) for name, W in attention.parameters().items()}
+    x = torch.tensor(X, requires_grad=True)
+    L, d = 9, 4
+    inv = 1.0 / (500.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    freqs = torch.arange(L, dtype=torch.float64)[:, None] * inv
+    emb = torch.cat((freqs, freqs), -1)[None]  # (1, L, d): every sequence
+
+    def heads(W, b, n):
+        return (x @ t[W] + t[b]).reshape(2, L, n, d).transpose(1, 2)
+
+    q, k = apply_rotary_pos_emb(heads("W_q", "b_q", 6), heads("W_k", "b_k", 2), emb.cos(),
+                                emb.sin())  # fmt: skip
+    i, j = np.arange(L)[:, None], np.arange(L)
+    allowed = np.broadcast_to((j <= i) & (i - j < 5), (2, 6, L, L)).copy()
+    heads_out = explicit_attention(torch, q, k, heads("W_v", "b_v", 2), allowed, 0.5)
+    expected = heads_out.transpose(1, 2).reshape(2, L, 24) @ t["W_o"] + t["b_o"]
+    assert relative_error(out, expected.detach().numpy()) <= 1e-12
+    (expected * torch.from_numpy(grad)).sum().backward()
+    ours = backward(grad)
+    assert set(ours) == {*t, "query", "key", "value"}
+    shared = ours["query"] + ours["key"] + ours["value"]  # one input, three roles
+    assert record_error("decoder layer gradients vs autograd", relative_error(
+        shared, x.grad.numpy())) <= 1e-10  # fmt: skip
+    for name, tensor in t.items():
+        error = gradient_error(ours, {n: v.grad.numpy() for n, v in t.items()}, name)
+        assert record_error("decoder layer gradients vs autograd", error) <= 1e-10, name
+
+
+def test_torch_extra_keys_get_their_gradients(torch, record_error):
+    module = torch.nn.MultiheadAttention(12, 3, add_bias_kv=True, add_zero_attn=True,
+                                         batch_first=True, dtype=torch.float64)  # fmt: skip
+    ours = mha.MultiHeadAttention.from_torch(module)
+    X, M = r.standard_normal((2, 4, 12)), r.standard_normal((2, 6, 12))
+    out, backward = ours(X, key=M, return_backward=True)
+    grad = r.standard_normal(out.shape)
+    x, m = torch.tensor(X, requires_grad=True), torch.tensor(M, requires_grad=True)
+    expected = module(x, m, m, need_weights=False)[0]
+    (expected * torch.from_numpy(grad)).sum().backward()
+    grads = backward(grad)
+    E = 12
+    pairs = {
+        "query": x.grad,
+        "W_q": module.in_proj_weight.grad[:E].T, "W_k": module.in_proj_weight.grad[E : 2 * E].T,
+        "W_v": module.in_proj_weight.grad[2 * E :].T, "W_o": module.out_proj.weight.grad.T,
+        "b_q": module.in_proj_bias.grad[:E], "b_v": module.in_proj_bias.grad[2 * E :],
+        "b_o": module.out_proj.bias.grad, "bias_k": module.bias_k.grad.reshape(-1),
+        "bias_v": module.bias_v.grad.reshape(-1),
+    }  # fmt: skip
+    pairs["key"] = m.grad - torch.from_numpy(grads["value"])  # M was both key and value
+    for name, value in pairs.items():
+        error = relative_error(grads[name], value.numpy())
+        assert record_error("extra keys' gradients vs nn.MultiheadAttention", error) <= 1e-10, name
+
+
+def test_finite_differences_on_a_small_case():
+    config = random_config(7, tiny=True)
+    positional, keywords = call_args(config)
+    names = ["Q", "K", "V", "W_q", "W_k", "W_v", "W_o"]
+    arrays = dict(zip(names, positional, strict=True)) | {
+        n: keywords.pop(n) for n in ("b_q", "b_k", "b_v", "b_o") if n in keywords
+    }
+    H = config["num_heads"]
+    out, backward = mha.multi_head_attention(*positional, H, **keywords, **{
+        n: arrays[n] for n in arrays if n.startswith("b_")}, return_backward=True)  # fmt: skip
+    grad = np.random.default_rng(1).standard_normal(out.shape)
+    grads = backward(grad)
+
+    def loss(values):
+        result = mha.multi_head_attention(*(values[n] for n in names), H, **keywords,
+                                          **{n: values[n] for n in values if n.startswith("b_")})  # fmt: skip
+        return float(np.sum(result * grad))
+
+    for name, array in arrays.items():
+        numeric = np.zeros_like(array)
+        for index in np.ndindex(array.shape):
+            step = 1e-6 * max(1.0, abs(array[index]))
+            plus, minus = array.copy(), array.copy()
+            plus[index] += step
+            minus[index] -= step
+            numeric[index] = (loss(arrays | {name: plus}) - loss(arrays | {name: minus})) / (
+                2 * step
+            )
+        scale = max(float(np.abs(numeric).max()), 1e-3)
+        assert float(np.abs(grads[name] - numeric).max()) / scale <= 1e-6, name
+
+
+TILINGS = [(1, 2**12, 1), (3, 2**13, 2), (7, 2**14, 3), (16, 2**15, 2), (512, 2**30, 1)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_tiles_and_workers_change_gradients_only_by_rounding(seed, monkeypatch):
+    from mha._kernel import team
+
+    monkeypatch.setattr(team, "SERIAL_BELOW", 0)
+    config = random_config(6000 + seed, long=True)
+    positional, keywords = call_args(config)
+    grad = None
+    results = []
+    for cols, budget, workers in TILINGS:
+        monkeypatch.setattr(kernel, "KEY_TILE", cols)
+        monkeypatch.setattr(kernel, "WIDE_KEY_TILE", cols)
+        out, backward = mha.multi_head_attention(
+            *positional, config["num_heads"], **keywords, return_backward=True,
+            max_memory=budget, workers=workers,
+        )  # fmt: skip
+        if grad is None:
+            grad = np.random.default_rng(seed).standard_normal(out.shape)
+        results.append(backward(grad))
+    scale = max(float(np.abs(g).max(initial=0.0)) for g in results[-1].values()) or 1.0
+    for other in results[:-1]:
+        for name, value in results[-1].items():  # against the largest gradient of the call
+            assert float(np.abs(other[name] - value).max(initial=0.0)) / scale <= 1e-12, name
+
+
+def test_hidden_positions_get_exactly_zero_gradient_and_never_nan():
+    q = r.standard_normal((2, 2, 5, 4))
+    k, v = r.standard_normal((2, 2, 2, 7, 4))
+    k[0, :, 5:] = np.nan  # padded keys of sequence 0 (key_lengths 5)
+    v[0, :, 5:] = np.inf
+    mask = np.ones((2, 5, 7), bool)
+    mask[1, :, 2] = False  # a masked key: NaN stored there too
+    k[1, :, 2], v[1, :, 2] = np.nan, np.nan
+    mask[1, 3] = False  # a fully masked row
+    out, backward = mha.scaled_dot_product_attention(
+        q, k, v, key_lengths=[5, 7], mask=mask, return_backward=True
+    )
+    grads = backward(r.standard_normal(out.shape))
+    for name, g in grads.items():
+        assert np.isfinite(g).all(), name
+    assert np.all(grads["k"][0, :, 5:] == 0) and np.all(grads["v"][0, :, 5:] == 0)
+    assert np.all(grads["k"][1, :, 2] == 0) and np.all(grads["v"][1, :, 2] == 0)
+    assert np.all(grads["q"][1, :, 3] == 0)  # the row that sees nothing contributes nothing
+
+
+def test_backward_can_be_called_again_and_from_threads():
+    X = r.standard_normal((2, 6, 8))
+    W = r.standard_normal((4, 8, 8))
+    out, backward = mha.multi_head_attention(X, X, X, *W, 2, causal=True, return_backward=True)
+    grad = r.standard_normal(out.shape)
+    first = backward(grad)
+    X[:] = 0.0  # the caller's arrays may change: the gradients were saved with copies
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(backward(grad))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 4
+    for result in [backward(grad), *results]:
+        for name in first:
+            np.testing.assert_array_equal(result[name], first[name])
+    doubled = backward(2 * grad)
+    np.testing.assert_allclose(doubled["W_q"], 2 * first["W_q"], rtol=1e-13)
+
+
+def test_bad_gradients_are_refused_with_their_shapes():
+    q = r.standard_normal((1, 2, 3, 4))
+    out, backward = mha.scaled_dot_product_attention(q, q, q, return_backward=True)
+    with pytest.raises(
+        mha.ShapeError,
+        match=r"grad_out must have the output's shape \(1, 2, 3, 4\); got \(1, 2, 3\)",
+    ):
+        backward(np.ones((1, 2, 3)))
+    with pytest.raises(mha.AttentionTypeError, match="grad_out has dtype complex128"):
+        backward(np.ones(out.shape, complex))
+    with pytest.raises(mha.AttentionValueError, match=r"grad_out holds 1 NaN or infinite value"):
+        bad = np.ones(out.shape)
+        bad[0, 0, 0, 0] = np.nan
+        backward(bad)
+    X = r.standard_normal((1, 3, 8))
+    W = r.standard_normal((4, 8, 8))
+    out, backward = mha.multi_head_attention(X, X, X, *W, 2, return_backward=True)
+    with pytest.raises(mha.ShapeError, match=r"output's shape \(1, 3, 8\); got \(3, 8\)"):
+        backward(np.ones((3, 8)))
+    with pytest.raises(mha.AttentionValueError, match="return_backward is not available"):
+        attention = mha.MultiHeadAttention(8, 2)
+        attention(X, cache=attention.new_cache(1), return_backward=True)
