@@ -47,11 +47,11 @@ def test_gradients_match_autograd(seed, torch, record_error):
     keywords = {k: v for k, v in keywords.items() if k != "bias"} | (
         {"bias": config["kwargs"]["bias"]} if "bias" in config["kwargs"] else {}
     )
-    out32, backward32 = mha.multi_head_attention(
+    _, backward32 = mha.multi_head_attention(
         *positional, config["num_heads"], **keywords, return_backward=True
     )
     ours32 = backward32(grad.astype(np.float32))
-    for name, value in expected.items():
+    for name in expected:
         if name == "bias":
             continue  # the bias keeps its float64 dtype: checked above
         assert ours32[name].dtype == np.float32
@@ -102,13 +102,28 @@ def test_split_head_gradients_with_groups_and_windows_match_autograd(seed, torch
         kw["bias"] = bias
     grad = g.standard_normal((B, H, L, d))
     out, backward = mha.scaled_dot_product_attention(
-        q, k, v, return_backward=True, max_memory=2**13 if seed % 2 else 2**22,
-        workers=1 + seed % 3, **kw,
-    )  # fmt: skip
-    tensors = {name: torch.tensor(x, requires_grad=True) for name, x in (("q", q), ("k", k),
-               ("v", v)) + ((("bias", bias),) if bias is not None else ())}  # fmt: skip
-    expected = explicit_attention(torch, tensors["q"], tensors["k"], tensors["v"], allowed,
-                                  1 / math.sqrt(d), tensors.get("bias"))  # fmt: skip
+        q,
+        k,
+        v,
+        return_backward=True,
+        max_memory=2**13 if seed % 2 else 2**22,
+        workers=1 + seed % 3,
+        **kw,
+    )
+    tensors = {
+        name: torch.tensor(x, requires_grad=True)
+        for name, x in (("q", q), ("k", k), ("v", v))
+        + ((("bias", bias),) if bias is not None else ())
+    }
+    expected = explicit_attention(
+        torch,
+        tensors["q"],
+        tensors["k"],
+        tensors["v"],
+        allowed,
+        1 / math.sqrt(d),
+        tensors.get("bias"),
+    )
     assert relative_error(out, expected.detach().numpy()) <= 1e-12
     (expected * torch.from_numpy(grad)).sum().backward()
     ours = backward(grad)
@@ -121,8 +136,9 @@ def test_split_head_gradients_with_groups_and_windows_match_autograd(seed, torch
 def test_a_decoder_layer_with_rotary_groups_and_a_window_matches_autograd(torch, record_error):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    attention = mha.MultiHeadAttention(24, 6, num_kv_heads=2, rope_theta=500.0, window=5,
-                                       bias=True, seed=3)  # fmt: skip
+    attention = mha.MultiHeadAttention(
+        24, 6, num_kv_heads=2, rope_theta=500.0, window=5, bias=True, seed=3
+    )
     for name in ("b_q", "b_k", "b_v", "b_o"):
         setattr(attention, name, r.standard_normal(getattr(attention, name).shape))
     X = r.standard_normal((2, 9, 24))
@@ -138,8 +154,9 @@ def test_a_decoder_layer_with_rotary_groups_and_a_window_matches_autograd(torch,
     def heads(W, b, n):
         return (x @ t[W] + t[b]).reshape(2, L, n, d).transpose(1, 2)
 
-    q, k = apply_rotary_pos_emb(heads("W_q", "b_q", 6), heads("W_k", "b_k", 2), emb.cos(),
-                                emb.sin())  # fmt: skip
+    q, k = apply_rotary_pos_emb(
+        heads("W_q", "b_q", 6), heads("W_k", "b_k", 2), emb.cos(), emb.sin()
+    )
     i, j = np.arange(L)[:, None], np.arange(L)
     allowed = np.broadcast_to((j <= i) & (i - j < 5), (2, 6, L, L)).copy()
     heads_out = explicit_attention(torch, q, k, heads("W_v", "b_v", 2), allowed, 0.5)
@@ -149,16 +166,20 @@ def test_a_decoder_layer_with_rotary_groups_and_a_window_matches_autograd(torch,
     ours = backward(grad)
     assert set(ours) == {*t, "query", "key", "value"}
     shared = ours["query"] + ours["key"] + ours["value"]  # one input, three roles
-    assert record_error("decoder layer gradients vs autograd", relative_error(
-        shared, x.grad.numpy())) <= 1e-10  # fmt: skip
-    for name, tensor in t.items():
-        error = gradient_error(ours, {n: v.grad.numpy() for n, v in t.items()}, name)
+    assert (
+        record_error("decoder layer gradients vs autograd", relative_error(shared, x.grad.numpy()))
+        <= 1e-10
+    )
+    autograd = {n: v.grad.numpy() for n, v in t.items()}
+    for name in t:
+        error = gradient_error(ours, autograd, name)
         assert record_error("decoder layer gradients vs autograd", error) <= 1e-10, name
 
 
 def test_torch_extra_keys_get_their_gradients(torch, record_error):
-    module = torch.nn.MultiheadAttention(12, 3, add_bias_kv=True, add_zero_attn=True,
-                                         batch_first=True, dtype=torch.float64)  # fmt: skip
+    module = torch.nn.MultiheadAttention(
+        12, 3, add_bias_kv=True, add_zero_attn=True, batch_first=True, dtype=torch.float64
+    )
     ours = mha.MultiHeadAttention.from_torch(module)
     X, M = r.standard_normal((2, 4, 12)), r.standard_normal((2, 6, 12))
     out, backward = ours(X, key=M, return_backward=True)
@@ -170,12 +191,16 @@ def test_torch_extra_keys_get_their_gradients(torch, record_error):
     E = 12
     pairs = {
         "query": x.grad,
-        "W_q": module.in_proj_weight.grad[:E].T, "W_k": module.in_proj_weight.grad[E : 2 * E].T,
-        "W_v": module.in_proj_weight.grad[2 * E :].T, "W_o": module.out_proj.weight.grad.T,
-        "b_q": module.in_proj_bias.grad[:E], "b_v": module.in_proj_bias.grad[2 * E :],
-        "b_o": module.out_proj.bias.grad, "bias_k": module.bias_k.grad.reshape(-1),
+        "W_q": module.in_proj_weight.grad[:E].T,
+        "W_k": module.in_proj_weight.grad[E : 2 * E].T,
+        "W_v": module.in_proj_weight.grad[2 * E :].T,
+        "W_o": module.out_proj.weight.grad.T,
+        "b_q": module.in_proj_bias.grad[:E],
+        "b_v": module.in_proj_bias.grad[2 * E :],
+        "b_o": module.out_proj.bias.grad,
+        "bias_k": module.bias_k.grad.reshape(-1),
         "bias_v": module.bias_v.grad.reshape(-1),
-    }  # fmt: skip
+    }
     pairs["key"] = m.grad - torch.from_numpy(grads["value"])  # M was both key and value
     for name, value in pairs.items():
         error = relative_error(grads[name], value.numpy())
@@ -190,14 +215,19 @@ def test_finite_differences_on_a_small_case():
         n: keywords.pop(n) for n in ("b_q", "b_k", "b_v", "b_o") if n in keywords
     }
     H = config["num_heads"]
-    out, backward = mha.multi_head_attention(*positional, H, **keywords, **{
-        n: arrays[n] for n in arrays if n.startswith("b_")}, return_backward=True)  # fmt: skip
+    out, backward = mha.multi_head_attention(
+        *positional,
+        H,
+        **keywords,
+        **{n: arrays[n] for n in arrays if n.startswith("b_")},
+        return_backward=True,
+    )
     grad = np.random.default_rng(1).standard_normal(out.shape)
     grads = backward(grad)
 
     def loss(values):
-        result = mha.multi_head_attention(*(values[n] for n in names), H, **keywords,
-                                          **{n: values[n] for n in values if n.startswith("b_")})  # fmt: skip
+        biases = {n: values[n] for n in values if n.startswith("b_")}
+        result = mha.multi_head_attention(*(values[n] for n in names), H, **keywords, **biases)
         return float(np.sum(result * grad))
 
     for name, array in arrays.items():
@@ -230,9 +260,13 @@ def test_tiles_and_workers_change_gradients_only_by_rounding(seed, monkeypatch):
         monkeypatch.setattr(kernel, "KEY_TILE", cols)
         monkeypatch.setattr(kernel, "WIDE_KEY_TILE", cols)
         out, backward = mha.multi_head_attention(
-            *positional, config["num_heads"], **keywords, return_backward=True,
-            max_memory=budget, workers=workers,
-        )  # fmt: skip
+            *positional,
+            config["num_heads"],
+            **keywords,
+            return_backward=True,
+            max_memory=budget,
+            workers=workers,
+        )
         if grad is None:
             grad = np.random.default_rng(seed).standard_normal(out.shape)
         results.append(backward(grad))
@@ -293,15 +327,16 @@ def test_bad_gradients_are_refused_with_their_shapes():
         backward(np.ones((1, 2, 3)))
     with pytest.raises(mha.AttentionTypeError, match="grad_out has dtype complex128"):
         backward(np.ones(out.shape, complex))
+    bad = np.ones(out.shape)
+    bad[0, 0, 0, 0] = np.nan
     with pytest.raises(mha.AttentionValueError, match=r"grad_out holds 1 NaN or infinite value"):
-        bad = np.ones(out.shape)
-        bad[0, 0, 0, 0] = np.nan
         backward(bad)
     X = r.standard_normal((1, 3, 8))
     W = r.standard_normal((4, 8, 8))
     out, backward = mha.multi_head_attention(X, X, X, *W, 2, return_backward=True)
     with pytest.raises(mha.ShapeError, match=r"output's shape \(1, 3, 8\); got \(3, 8\)"):
         backward(np.ones((3, 8)))
+    attention = mha.MultiHeadAttention(8, 2)
+    cache = attention.new_cache(1)
     with pytest.raises(mha.AttentionValueError, match="return_backward is not available"):
-        attention = mha.MultiHeadAttention(8, 2)
-        attention(X, cache=attention.new_cache(1), return_backward=True)
+        attention(X, cache=cache, return_backward=True)

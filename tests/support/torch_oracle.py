@@ -158,7 +158,7 @@ def gradient_oracle(
     H, d_k = layout["H"], layout["d_k"]
 
     def heads(x: Any, W: str, b: str) -> Any:
-        y = x @ t[W] + (t[b] if b in t else 0.0)
+        y = x @ t[W] + t.get(b, 0.0)
         return y.reshape(y.shape[0], y.shape[1], H, -1).transpose(1, 2)
 
     q, k, v = (heads(batched[x], W, b) for x, W, b in
@@ -173,7 +173,7 @@ def gradient_oracle(
     logits = torch.where(sees, logits, 0.0)
     weights = torch.softmax(logits, dim=-1) * allowed
     joined = (weights @ v).transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
-    out = joined @ t["W_o"] + (t["b_o"] if "b_o" in t else 0.0)
+    out = joined @ t["W_o"] + t.get("b_o", 0.0)
     if layout["unbatched"]:
         out = out[0]
     (out * torch.from_numpy(grad_out)).sum().backward()
