@@ -340,3 +340,48 @@ def test_bad_gradients_are_refused_with_their_shapes():
     cache = attention.new_cache(1)
     with pytest.raises(mha.AttentionValueError, match="return_backward is not available"):
         attention(X, cache=cache, return_backward=True)
+
+
+def test_dropout_masks_match_in_both_passes_and_autograd(torch, record_error):
+    from mha._kernel.dropout import Dropout
+
+    B, H, L, S, d, p = 2, 3, 7, 9, 4, 0.3
+    q = r.standard_normal((B, H, L, d))
+    k, v = r.standard_normal((2, B, H, S, d))
+    grad = r.standard_normal((B, H, L, d))
+    outs = []
+    for budget, workers in ((2**12, 1), (2**22, 2)):  # the mask does not depend on tiling
+        out, backward = mha.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            causal=True,
+            dropout_p=p,
+            generator=np.random.default_rng(5),
+            return_backward=True,
+            max_memory=budget,
+            workers=workers,
+        )
+        outs.append((out, backward(grad)))
+    np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-13, atol=1e-14)
+    dropout = Dropout.draw(p, np.random.default_rng(5), H, L)  # the mask the call used
+    keep = np.stack([dropout.scale(b, 0, H, 0, L, 0, S, np.float64) for b in range(B)])
+    assert 0.5 < np.mean(keep > 0) < 0.9  # about 1 - p kept
+    i, j = np.arange(L)[:, None], np.arange(S)
+    allowed = np.broadcast_to(j <= i + S - L, (B, H, L, S)).copy()
+    t = {name: torch.tensor(x, requires_grad=True) for name, x in (("q", q), ("k", k), ("v", v))}
+    logits = (t["q"] @ t["k"].transpose(-1, -2) / 2.0).masked_fill(
+        ~torch.from_numpy(allowed), -math.inf
+    )
+    expected = (torch.softmax(logits, -1) * torch.from_numpy(keep)) @ t["v"]
+    (expected * torch.from_numpy(grad)).sum().backward()
+    assert relative_error(outs[0][0], expected.detach().numpy()) <= 1e-12
+    for name, tensor in t.items():
+        error = relative_error(outs[0][1][name], tensor.grad.numpy())
+        assert record_error("dropout gradients vs autograd", error) <= 1e-10, name
+    with pytest.raises(mha.AttentionTypeError, match=r"dropout_p=0\.3 needs generator="):
+        mha.scaled_dot_product_attention(q, k, v, dropout_p=p)
+    with pytest.raises(mha.AttentionValueError, match="generator= has no effect without"):
+        mha.scaled_dot_product_attention(q, k, v, generator=np.random.default_rng(0))
+    with pytest.raises(mha.AttentionValueError, match=r"dropout_p must be a number in \[0, 1\)"):
+        mha.scaled_dot_product_attention(q, k, v, dropout_p=1.0, generator=np.random.default_rng(0))

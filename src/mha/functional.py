@@ -24,6 +24,7 @@ from ._arrays import (
 )
 from ._kernel.backward import attend_backward
 from ._kernel.contract import Visibility, check_lengths
+from ._kernel.dropout import Dropout
 from ._kernel.forward import DEFAULT_MAX_MEMORY, attend, merge_partials
 from ._kernel.team import Team, workers_for
 from .cache import KVCache
@@ -49,6 +50,8 @@ def scaled_dot_product_attention(
     return_weights: bool = False,
     return_lse: bool = False,
     return_backward: bool = False,
+    dropout_p: float = 0.0,
+    generator: np.random.Generator | None = None,
     cache: KVCache | None = None,
     max_memory: int | None = None,
     workers: int | None = None,
@@ -88,6 +91,10 @@ def scaled_dot_product_attention(
       ``grad_out`` that returns ``{"q": dq, "k": dk, "v": dv}`` (and ``"bias"`` when a bias
       was given), each shaped like its input, in its dtype: FlashAttention-2's backward pass,
       tile by tile from the saved log-sum-exp, never building the score matrix.
+    * ``dropout_p`` with ``generator`` (a ``np.random.Generator``, required with dropout):
+      drop each attention weight with probability ``dropout_p`` and scale the rest by
+      ``1 / (1 - dropout_p)``, in training. The mask depends only on one number drawn from
+      ``generator``, not on the tiling; ``backward`` reuses it.
     * ``cache``: a :class:`mha.KVCache`. Then ``k`` and ``v`` are the new tokens'
       ``(B, H_kv, L, d)``: they are appended to the cache after each sequence's length (only
       the first ``query_lengths[b]`` rows of sequence ``b``, when given) and ``q`` attends
@@ -135,10 +142,11 @@ def scaled_dot_product_attention(
         "bias": bias,
         "window": window,
     }
+    dropout = _dropout(dropout_p, generator, q.shape[-3], q.shape[-2])
     if cache is not None:
-        if return_weights or return_backward:
+        if return_weights or return_backward or dropout is not None:
             raise AttentionValueError(
-                "return_weights and return_backward are not available with cache=: "
+                "return_weights, return_backward and dropout are not available with cache=: "
                 "call without the cache"
             )
         return _with_cache(
@@ -162,7 +170,7 @@ def scaled_dot_product_attention(
     with np.errstate(invalid="ignore", over="ignore"), Team(workers_for(cost, threads)) as team:
         attend(
             q, k, v, visibility, scale, out, weights=weights, lse=lse, max_memory=budget,
-            team=team,
+            team=team, dropout=dropout,
         )  # fmt: skip
     results: list[Any] = [_cast(out, result_dtype)]
     if weights is not None:
@@ -172,7 +180,7 @@ def scaled_dot_product_attention(
     if want_backward:
         assert lse is not None
         results.append(_SplitHeadsBackward(
-            q, k, v, bias, out, lse, visibility, scale, compute_dtype, budget, threads,
+            q, k, v, bias, out, lse, visibility, scale, compute_dtype, budget, threads, dropout,
         ))  # fmt: skip
     return results[0] if len(results) == 1 else tuple(results)
 
@@ -187,7 +195,7 @@ class _SplitHeadsBackward:
     def __init__(
         self, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: Any, out: np.ndarray,
         lse: np.ndarray, visibility: Visibility, scale: float, dtype: np.dtype, budget: int,
-        threads: int | None,
+        threads: int | None, dropout: Dropout | None,
     ) -> None:  # fmt: skip
         self.dtypes = {"q": q.dtype, "k": k.dtype, "v": v.dtype}
         self.q, self.k, self.v = (np.array(x, dtype=dtype) for x in (q, k, v))
@@ -196,6 +204,7 @@ class _SplitHeadsBackward:
             self.dtypes["bias"] = as_float_array("bias", bias).dtype
         self.out, self.lse, self.visibility = out, lse, visibility
         self.scale, self.dtype, self.budget, self.threads = scale, dtype, budget, threads
+        self.dropout = dropout
 
     def __call__(self, grad_out: Any) -> dict[str, np.ndarray]:
         grad = _gradient("grad_out", grad_out, self.out.shape, self.dtype)
@@ -216,11 +225,33 @@ class _SplitHeadsBackward:
             attend_backward(
                 self.q, self.k, self.v, self.out, self.lse, grad, self.visibility, self.scale,
                 dq=dq, dk=dk, dv=dv, dbias=dbias, max_memory=self.budget, team=team,
+                dropout=self.dropout,
             )  # fmt: skip
         grads = {"q": dq, "k": dk, "v": dv}
         if dbias is not None and self.bias_shape is not None:
             grads["bias"] = _sum_to(dbias, self.bias_shape, self.q.shape[:-3])
         return {name: _cast(g, self.dtypes[name]) for name, g in grads.items()}
+
+
+def _dropout(p: Any, generator: Any, H: int, L: int) -> Dropout | None:
+    """Check ``dropout_p`` and ``generator``; a :class:`Dropout` when there is dropout."""
+    real = isinstance(p, (int, float, np.integer, np.floating)) and not isinstance(
+        p, (bool, np.bool_)
+    )
+    if not real or not 0.0 <= float(p) < 1.0:
+        raise AttentionValueError(f"dropout_p must be a number in [0, 1); got {p!r}")
+    if float(p) == 0.0:
+        if generator is not None:
+            raise AttentionValueError(
+                "generator= has no effect without dropout_p > 0: give both, or neither"
+            )
+        return None
+    if not isinstance(generator, np.random.Generator):
+        raise AttentionTypeError(
+            f"dropout_p={p} needs generator=, a np.random.Generator (for example "
+            f"np.random.default_rng(0)), so that runs can be repeated; got {generator!r}"
+        )
+    return Dropout.draw(float(p), generator, H, L)
 
 
 def _gradient(name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -368,6 +399,8 @@ def multi_head_attention(
     positions: Any = None,
     cache: KVCache | None = None,
     return_backward: bool = False,
+    dropout_p: float = 0.0,
+    generator: np.random.Generator | None = None,
 ) -> Any:
     """Multi-head attention (Vaswani et al., 2017) with "x @ W" weights.
 
@@ -409,6 +442,13 @@ def multi_head_attention(
       default ``0..S-1`` for keys, the last ``L`` of them for queries) or at the cache's
       positions. ``rotary_dim`` and ``rotary_interleaved`` are :func:`mha.apply_rotary`'s
       ``rotary_dim`` and ``interleaved``.
+    * ``return_backward``: also return ``backward``, a function of the output's gradient
+      that returns the gradients of every input and weight given, keyed by parameter name
+      (``Q``, ``K``, ``V``, ``W_q``, ..., ``b_o``, ``bias_k``, ``bias_v``, ``bias``), each
+      shaped like it, in its dtype. With ``Q is K is V`` the three are still separate (their
+      sum is the shared input's gradient).
+    * ``dropout_p`` and ``generator``: dropout on the attention weights, as in
+      :func:`scaled_dot_product_attention`.
     * ``cache``: a :class:`mha.KVCache`: ``Q``, ``K``, ``V`` are the next tokens
       ``(B, L, d)`` of each sequence (with ``query_lengths``, only the first
       ``query_lengths[b]`` rows of sequence ``b`` are real). Their keys and values are
@@ -518,8 +558,9 @@ def multi_head_attention(
     scale = resolve_scale(scale, d_k, compute_dtype, f"W_q {W_q.shape}")
     budget, threads = _kernel_options(return_weights, max_memory, workers)
     want_backward = _flag("return_backward", return_backward)
-    if want_backward and cache is not None:
-        raise AttentionValueError("return_backward is not available with cache=")
+    dropout = _dropout(dropout_p, generator, H, L)
+    if (want_backward or dropout is not None) and cache is not None:
+        raise AttentionValueError("return_backward and dropout are not available with cache=")
     q_positions, k_positions = None, None
     if rotary is not None:
         q_positions, k_positions = _rotary_positions(positions, cache, B, L, S)
@@ -560,7 +601,7 @@ def multi_head_attention(
                 weights = np.zeros((*B, H, L, S + extra), dtype=compute_dtype)
             attend(
                 q, k, v, visibility, 1.0, _split_heads(joined, H), weights=weights, lse=lse,
-                max_memory=budget, team=team,
+                max_memory=budget, team=team, dropout=dropout,
             )  # fmt: skip
         out = team.matmul(joined, W_o.astype(compute_dtype, copy=False), cast(b_o))
     results: list[Any] = [_cast(out, result_dtype)]
@@ -574,7 +615,7 @@ def multi_head_attention(
         results.append(_ProjectedBackward(
             {name: x for name, x in given.items() if x is not None}, bias, q, k, v, joined, lse,
             visibility, scale, H, H_kv, S, rotary, q_positions, k_positions, bool(extra),
-            compute_dtype, budget, threads,
+            compute_dtype, budget, threads, dropout,
         ))  # fmt: skip
     return results[0] if len(results) == 1 else tuple(results)
 
@@ -590,7 +631,7 @@ class _ProjectedBackward:
         self, given: dict[str, np.ndarray], bias: Any, q: np.ndarray, k: np.ndarray,
         v: np.ndarray, joined: np.ndarray, lse: Any, visibility: Any, scale: float, H: int,
         H_kv: int, S: int, rotary: dict[str, Any] | None, q_positions: Any, k_positions: Any,
-        extra: bool, dtype: np.dtype, budget: int, threads: int | None,
+        extra: bool, dtype: np.dtype, budget: int, threads: int | None, dropout: Any,
     ) -> None:  # fmt: skip
         self.dtypes = {name: x.dtype for name, x in given.items()}
         self.arrays = {name: np.array(x, dtype=dtype) for name, x in given.items()}
@@ -601,6 +642,7 @@ class _ProjectedBackward:
         self.visibility, self.scale, self.H, self.H_kv, self.S = visibility, scale, H, H_kv, S
         self.rotary, self.positions = rotary, (q_positions, k_positions)
         self.extra, self.dtype, self.budget, self.threads = extra, dtype, budget, threads
+        self.dropout = dropout
 
     def __call__(self, grad_out: Any) -> dict[str, np.ndarray]:
         a, dtype, H = self.arrays, self.dtype, self.H
@@ -625,7 +667,7 @@ class _ProjectedBackward:
             attend_backward(
                 self.q, self.k, self.v, heads_out, self.lse, _split_heads(d_joined, H),
                 self.visibility, 1.0, dq=dq, dk=dk, dv=dv, dbias=dbias,
-                max_memory=self.budget, team=team,
+                max_memory=self.budget, team=team, dropout=self.dropout,
             )  # fmt: skip
             if self.extra:  # the appended keys: bias_k/bias_v's gradients, then drop them
                 if "bias_k" in a:  # (*B, H_kv, d) at the first appended key, summed over B

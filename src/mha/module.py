@@ -174,6 +174,8 @@ class MultiHeadAttention:
         positions: Any = None,
         cache: KVCache | None = None,
         return_backward: bool = False,
+        dropout_p: float = 0.0,
+        generator: np.random.Generator | None = None,
         max_memory: int | None = None,
         workers: int | None = None,
     ) -> Any:
@@ -200,6 +202,8 @@ class MultiHeadAttention:
         ``b_o``, ``bias_k``, ``bias_v``: those present) and by argument name for the inputs
         (``query``, ``key``, ``value``, separately even for self-attention; their sum is the
         gradient of a shared input), and ``bias`` when given; see :meth:`parameters`.
+        ``dropout_p`` with ``generator`` drops attention weights in training, the same mask
+        in ``backward``.
         ``attention(...)`` is ``attention.forward(...)``.
 
         >>> import numpy as np
@@ -274,6 +278,8 @@ class MultiHeadAttention:
             positions=positions,
             cache=cache,
             return_backward=return_backward,
+            dropout_p=dropout_p,
+            generator=generator,
         )
         if not return_backward:
             return result

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .contract import Visibility
+from .dropout import Dropout
 from .forward import DEFAULT_MAX_MEMORY, _cast, _product, _stack, plan_tiles
 from .team import Team
 
@@ -47,13 +48,16 @@ def attend_backward(
     dbias: np.ndarray | None = None,
     max_memory: int = DEFAULT_MAX_MEMORY,
     team: Team | None = None,
+    dropout: Dropout | None = None,
 ) -> None:
     """Fill ``dq``, ``dk``, ``dv`` (and ``dbias (*batch, H, L, S)``), arriving zeroed, with
     the gradients of ``sum(grad_out * out)`` for the attention :func:`attend` computed.
 
     Shapes are the forward's: ``q (*batch, H, L, d_k)``, ``k (*batch, H_kv, S, d_k)``,
     ``v (*batch, H_kv, S, d_v)``, ``out`` and ``grad_out (*batch, H, L, d_v)``,
-    ``lse (*batch, H, L)``; everything in ``dq.dtype`` (float32 or wider).
+    ``lse (*batch, H, L)``; everything in ``dq.dtype`` (float32 or wider). ``dropout`` is
+    the forward's, whose mask is regenerated tile by tile: ``dv`` takes the dropped weights
+    and ``dp`` the mask, while ``D = rowsum(dO * O)`` already includes it.
     """
     H, L, d_k = q.shape[-3], q.shape[-2], q.shape[-1]
     H_kv, S, d_v = k.shape[-3], k.shape[-2], v.shape[-1]
@@ -68,11 +72,19 @@ def attend_backward(
             batch, h = task
             heads = slice(h * group, (h + 1) * group)
             item = visibility.item(batch, heads)
+            drop = None
+            if dropout is not None:
+                index = int(np.ravel_multi_index(batch, q.shape[:-3])) if batch else 0
+
+                def drop(r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
+                    scaled = dropout.scale(index, heads.start, group, r0, r1, c0, c1, dtype)
+                    return scaled.reshape(1, group * (r1 - r0), c1 - c0)
+
             _item_backward(
                 q[batch][heads], k[batch][h], v[batch][h], lse[batch][heads],
                 D[batch][heads], grad_out[batch][heads], item, scale, tiles, dtype,
                 dq[batch][heads], dk[batch][h], dv[batch][h],
-                None if dbias is None else dbias[batch][heads],
+                None if dbias is None else dbias[batch][heads], drop,
             )  # fmt: skip
 
         return run
@@ -95,6 +107,7 @@ def _item_backward(
     dk: np.ndarray,  # (S, d_k), accumulated
     dv: np.ndarray,  # (S, d_v), accumulated
     dbias: np.ndarray | None,  # (group, L, S)
+    drop: Callable[[int, int, int, int], np.ndarray] | None = None,
 ) -> None:
     group = q.shape[0]
     for r0 in range(0, item.query_end, tiles.rows):
@@ -122,8 +135,12 @@ def _item_backward(
             if hidden is not None:
                 np.copyto(s, -np.inf, where=hidden)
             p = np.exp(s - lse_t, out=s)  # the forward's weights, recomputed
-            dv[c0:c1] += (p.transpose(0, 2, 1) @ do_t)[0]
-            ds = do_t @ v_c.transpose(0, 2, 1)  # dp
+            kept = None if drop is None else drop(r0, r1, c0, c1)
+            dropped = p if kept is None else p * kept
+            dv[c0:c1] += (dropped.transpose(0, 2, 1) @ do_t)[0]
+            ds = do_t @ v_c.transpose(0, 2, 1)  # dp (of the dropped weights)
+            if kept is not None:
+                ds *= kept
             ds -= D_t
             ds *= p
             attended = None

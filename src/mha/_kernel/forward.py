@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from .contract import ItemVisibility, Visibility
+from .dropout import Dropout
 from .team import Team
 
 __all__ = ["DEFAULT_MAX_MEMORY", "Tiles", "attend", "merge_partials", "plan_tiles"]
@@ -117,6 +118,7 @@ def attend(
     lse: np.ndarray | None = None,
     max_memory: int = DEFAULT_MAX_MEMORY,
     team: Team | None = None,
+    dropout: Dropout | None = None,
 ) -> None:
     """Fill ``out`` with attention of ``q`` over ``k`` and ``v``, per ``(*batch, head)``.
 
@@ -127,7 +129,8 @@ def attend(
     and ``lse (*batch, H, L)`` (log-sum-exp of each row's logits) must arrive filled with
     0, 0 and ``-inf``: rows and items that see no key are not visited. ``scale`` is a Python
     float, so it never promotes float32 work to float64. Work items run on ``team``
-    (serially without one).
+    (serially without one). ``dropout`` drops weights after the softmax's sums (the
+    log-sum-exp is the undropped one, as the backward pass needs).
     """
     H, L, d_k = q.shape[-3], q.shape[-2], q.shape[-1]
     H_kv, S, d_v = k.shape[-3], k.shape[-2], v.shape[-1]
@@ -146,7 +149,7 @@ def attend(
                 if stop > start:
                     tasks.append(_Task(batch, kv, item, r0, r1, start, stop))
     parts = None
-    if weights is None:
+    if weights is None and dropout is None:
         parts = _split_keys(tasks, team.workers, tiles.cols, group, L, d_v, dtype)
     work = parts.tasks if parts is not None else tasks
     work.sort(key=lambda task: task.cost, reverse=True)  # longest first
@@ -160,10 +163,19 @@ def attend(
             target_out, target_lse = out[batch][heads], None if lse is None else lse[batch][heads]
             if task.part is not None and parts is not None:
                 target_out, target_lse = parts.out[task.part], parts.lse[task.part]
+            drop = None
+            if dropout is not None:
+                index = int(np.ravel_multi_index(batch, q.shape[:-3])) if batch else 0
+                r0, r1, G = task.r0, task.r1, heads.stop - heads.start
+
+                def drop(c0: int, c1: int) -> np.ndarray:
+                    scaled = dropout.scale(index, heads.start, G, r0, r1, c0, c1, dtype)
+                    return scaled.reshape(kv.stop - kv.start, group * (r1 - r0), c1 - c0)
+
             _query_tile(
                 q[batch][heads], k[batch][kv], v[batch][kv], task.item, scale, task.r0,
                 task.r1, task.start, task.stop, tiles.cols, scratch, target_out,
-                None if weights is None else weights[batch][heads], target_lse,
+                None if weights is None else weights[batch][heads], target_lse, drop,
             )  # fmt: skip
 
         return run
@@ -303,6 +315,7 @@ def _query_tile(
     out: np.ndarray,
     weights: np.ndarray | None,
     lse: np.ndarray | None,
+    drop: Callable[[int, int], np.ndarray] | None = None,
 ) -> None:
     """Rows ``[r0, r1)`` of the query heads ``q (G * group, L, d_k)`` against keys
     ``[start, stop)`` of the ``G`` key/value heads ``k (G, S, d_k)``: the rows of each
@@ -354,6 +367,8 @@ def _query_tile(
         np.exp(s, out=s)
         if first:
             np.sum(s, axis=-1, out=total)
+            if drop is not None:
+                s *= drop(c0, c1)  # after the sums: the normaliser is the undropped one
             _product(s, v_tile, attended, out=acc)
             first = False
         else:
@@ -362,6 +377,8 @@ def _query_tile(
             total *= alpha
             total += s.sum(axis=-1)
             acc *= alpha[..., None]
+            if drop is not None:
+                s *= drop(c0, c1)
             acc += _product(s, v_tile, attended, out=pv)
         ref, ref_new = ref_new, ref
 
