@@ -338,7 +338,9 @@ def test_bad_gradients_are_refused_with_their_shapes():
         backward(np.ones((3, 8)))
     attention = mha.MultiHeadAttention(8, 2)
     cache = attention.new_cache(1)
-    with pytest.raises(mha.AttentionValueError, match="return_backward is not available"):
+    with pytest.raises(
+        mha.AttentionValueError, match="return_backward and dropout are not available with cache="
+    ):
         attention(X, cache=cache, return_backward=True)
 
 
