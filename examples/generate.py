@@ -38,6 +38,17 @@ class Decoder:
         self.dtype = np.dtype(dtype)
         self.eps = float(config["rms_norm_eps"])
         rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 1e4)}
+        unsupported = [  # refused rather than computed wrongly
+            f"{key}={value!r}"
+            for key, value, supported in (
+                ("rope_type", rope.get("rope_type", "default"), "default"),
+                ("hidden_act", config.get("hidden_act", "silu"), "silu"),
+                ("mlp_bias", config.get("mlp_bias", False), False),
+            )
+            if value != supported
+        ]
+        if unsupported:
+            raise ValueError(f"this example does not implement {', '.join(unsupported)}")
         heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
         window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
         self.embed = weights["model.embed_tokens.weight"]  # (vocab, hidden)

@@ -498,3 +498,146 @@ def test_the_numpy_decoder_generates_what_transformers_generates(torch, transfor
     for ours, theirs in zip(logits, generated.logits, strict=True):
         assert relative_error(ours, theirs[0].numpy()) <= 1e-4
     assert math.isfinite(float(np.sum(logits)))
+
+
+# ---------------------------------------------------------------- found in review
+
+
+def test_new_keys_must_be_one_per_query_and_the_cache_stays_as_it_was():
+    cache = mha.KVCache(1, 1, 4, window=2, capacity=2)
+    for _ in range(3):
+        t = r.standard_normal((1, 1, 1, 4))
+        mha.scaled_dot_product_attention(t, t, t, cache=cache)
+    before = snapshot(cache)
+    q, k = r.standard_normal((1, 1, 3, 4)), r.standard_normal((1, 1, 2, 4))
+    with pytest.raises(mha.ShapeError, match="q has 3 positions but k has 2"):
+        mha.scaled_dot_product_attention(q, k, k, cache=cache)
+    for a, b in zip(snapshot(cache), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(mha.AttentionTypeError, match="causal must be True or False"):
+        mha.scaled_dot_product_attention(
+            q[..., :1, :], k[..., :1, :], k[..., :1, :], cache=cache, causal="yes"
+        )
+    with pytest.raises(mha.AttentionTypeError, match="window must be a positive integer"):
+        mha.scaled_dot_product_attention(
+            q[..., :1, :], k[..., :1, :], k[..., :1, :], cache=cache, window=True
+        )
+
+
+def test_an_attention_and_its_cache_must_agree_on_the_window():
+    plain = mha.MultiHeadAttention(8, 2, seed=0)
+    windowed = mha.KVCache(1, 2, 4, window=1)
+    with pytest.raises(
+        mha.AttentionValueError, match="window=None but the cache was made for window=1"
+    ):
+        plain(r.standard_normal((1, 3, 8)), cache=windowed)
+    with pytest.raises(mha.AttentionValueError, match="key= and value= cannot be combined"):
+        plain(
+            r.standard_normal((1, 3, 8)), key=r.standard_normal((1, 3, 8)), cache=plain.new_cache(1)
+        )
+
+
+def test_a_windowed_cache_shrinks_back_after_a_long_prompt():
+    attention = decoder(window=16)
+    cache = attention.new_cache(1)
+    attention(r.standard_normal((1, 4000, 24)), cache=cache)
+    assert cache.capacity <= 32
+    steps = [attention(r.standard_normal((1, 1, 24)), cache=cache) for _ in range(5)]
+    assert cache.capacity <= 32 and cache.lengths.tolist() == [4005] and len(steps) == 5
+
+
+def test_decoding_through_the_module_uses_the_workers(monkeypatch):
+    from mha._kernel import team
+
+    sizes = []
+    original = team.Team.__init__
+
+    def spy(self, workers):
+        sizes.append(workers)
+        original(self, workers)
+
+    monkeypatch.setattr(team.Team, "__init__", spy)
+    monkeypatch.setattr(team, "default_workers", lambda: 2)
+    attention = mha.MultiHeadAttention(256, 8, num_kv_heads=2, rope_theta=1e4, seed=0)
+    cache = attention.new_cache(1, capacity=20000)
+    cache.lengths[:] = 19999  # as after a long prompt
+    attention(r.standard_normal((1, 1, 256)), cache=cache)
+    assert sizes and max(sizes) == 2  # the cost counts the cached keys
+
+
+def test_a_small_call_does_not_wait_for_another_calls_queue():
+    import threading
+
+    from mha._kernel import team
+
+    pool = team._shared_pool(1)
+    release = threading.Event()
+    pool.submit(release.wait)  # the pool's one thread is busy elsewhere
+    q = r.standard_normal((2, 4, 300, 16))
+    done = threading.Event()
+
+    def call():
+        mha.scaled_dot_product_attention(q, q, q, workers=2)
+        done.set()
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    finished = done.wait(timeout=30)
+    release.set()
+    thread.join()
+    assert finished  # the caller did the work itself and did not wait for the queue
+
+
+def test_more_one_line_errors_for_decoder_settings(tmp_path):
+    with pytest.raises(mha.AttentionValueError, match="rope_theta must be a positive number"):
+        mha.MultiHeadAttention(8, 2, rope_theta="abc")
+    with pytest.raises(mha.AttentionValueError, match="the head width 3 is odd"):
+        mha.MultiHeadAttention(6, 2, rope_theta=10000.0)
+    state = {
+        f"{n}.weight": np.zeros(s)
+        for n, s in (
+            ("q_proj", (16, 8)),
+            ("k_proj", (16, 8)),
+            ("v_proj", (16, 8)),
+            ("o_proj", (8, 16)),
+        )
+    }
+    with pytest.raises(
+        mha.AttentionValueError, match="num_heads=16 is more than the hidden size 8"
+    ):
+        mha.MultiHeadAttention.from_llama(state, num_heads=16)
+    path = tmp_path / "saved.npz"
+    decoder(window=3).save(path)
+    data = dict(np.load(path))
+    import json
+
+    config = json.loads(str(data["config"]))
+    del config["window"]
+    np.savez(path, **data | {"config": np.array(json.dumps(config))})
+    with pytest.raises(mha.WeightsFileError, match="its config has no 'window'"):
+        mha.MultiHeadAttention.load(path)
+
+
+def test_the_example_refuses_what_it_does_not_implement(torch, transformers, tmp_path):
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    from generate import Decoder
+
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 5e5,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="does not implement rope_type='llama3'"):
+        Decoder(tmp_path)

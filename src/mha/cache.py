@@ -197,6 +197,13 @@ class KVCache:
 
     def _commit(self, counts: np.ndarray) -> None:
         self.lengths += counts
+        if self.window is not None and self.capacity > 2 * self.window:  # after a long prompt
+            self._drop_outside_window()
+            held = int((self.lengths - self.first).max(initial=0))
+            self.k, self.v = (
+                np.ascontiguousarray(x[:, :, : max(held, 2 * self.window)])
+                for x in (self.k, self.v)
+            )
 
     def _grow(self, need: int) -> None:
         room = max(need, 2 * self.capacity)

@@ -312,6 +312,14 @@ def _with_cache(
         raise AttentionTypeError(f"cache must be an mha.KVCache; got {type(cache).__name__}")
     where = f" (q {q.shape}, k {k.shape}, v {v.shape})"
     cache._check(k, v, where)
+    if k.shape[-2] != q.shape[-2]:
+        raise ShapeError(
+            f"with cache=, k and v are the new tokens' own keys and values, one per query: "
+            f"q has {q.shape[-2]} positions but k has {k.shape[-2]}{where}"
+        )
+    _flag("causal", masking["causal"])
+    if masking["window"] is not None:
+        positive_int("window", masking["window"])
     if compute_dtype != cache.dtype:
         raise AttentionTypeError(
             f"the cache holds {cache.dtype} but this call computes in {compute_dtype}: "
@@ -547,6 +555,11 @@ def multi_head_attention(
     visibility = None
     if cache is not None:
         _check_cache_call(cache, Q, K, extra, return_weights, positions)
+        if window != cache.window:
+            raise AttentionValueError(
+                f"window={window} but the cache was made for window={cache.window}: "
+                f"{cache!r}; make the cache with the attention's window (new_cache does)"
+            )
         cache._check_fit(Q.shape[0], H_kv, d_k, d_v, f" (Q {Q.shape}, num_kv_heads={H_kv})")
     else:
         visibility = Visibility.build(
@@ -571,8 +584,9 @@ def multi_head_attention(
         return None if array is None else array.astype(compute_dtype, copy=False)
 
     batch = float(np.prod(B))
+    keys = S if cache is None else int(cache.lengths.max(initial=0)) + L  # what is attended
     cost = batch * (  # multiply-adds of the projections and of attention
-        L * W_q.size + S * (W_k.size + W_v.size) + L * W_o.size + H * L * S * (d_k + d_v)
+        L * W_q.size + S * (W_k.size + W_v.size) + L * W_o.size + H * L * keys * (d_k + d_v)
     )
     with np.errstate(invalid="ignore", over="ignore"), Team(workers_for(cost, threads)) as team:
         q, k, v = _project_heads(

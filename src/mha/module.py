@@ -136,9 +136,15 @@ class MultiHeadAttention:
         self.head_dim = positive_int("head_dim", head_dim)
         self.kdim, self.vdim = positive_int("kdim", kdim), positive_int("vdim", vdim)
         self.add_zero_attn = flag("add_zero_attn", add_zero_attn)
+        if rope_theta is not None and (
+            isinstance(rope_theta, (bool, np.bool_))
+            or not isinstance(rope_theta, (int, float, np.integer, np.floating))
+            or not 0 < float(rope_theta) < float("inf")
+        ):
+            raise AttentionValueError(f"rope_theta must be a positive number; got {rope_theta!r}")
         self.rope_theta = None if rope_theta is None else float(rope_theta)
-        if rope_theta is not None:  # checked by the function that uses them
-            apply_rotary(np.zeros((1, self.head_dim)), [0], theta=rope_theta,
+        if self.rope_theta is not None:  # checked by the function that uses them
+            apply_rotary(np.zeros((1, self.head_dim)), [0], theta=self.rope_theta,
                          rotary_dim=rotary_dim, interleaved=rotary_interleaved)  # fmt: skip
         elif rotary_dim is not None or rotary_interleaved:
             raise AttentionValueError(
@@ -216,6 +222,11 @@ class MultiHeadAttention:
         >>> attention(X, key=memory).shape                # cross-attention: key= by name
         (1, 3, 4)
         """
+        if cache is not None and (key is not None or value is not None):
+            raise AttentionValueError(
+                "cache= appends the query tokens' own keys and values: key= and value= "
+                "cannot be combined with it"
+            )
         if misplaced:
             raise AttentionTypeError(
                 f"forward takes at most two positional arguments, the query and the mask; "
@@ -474,15 +485,13 @@ class MultiHeadAttention:
 
         H = positive_int("num_heads", num_heads)
         H_kv = H if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
-        if head_dim is None:
-            key = f"{prefix}q_proj.weight"
-            width = np.shape(state_dict[key])[-1] if key in state_dict else H
-            head_dim = width // H
-        weights = weights_from_llama(
-            state_dict, prefix, H, H_kv, positive_int("head_dim", head_dim)
-        )
+        if head_dim is not None:
+            head_dim = positive_int("head_dim", head_dim)
+        weights = weights_from_llama(state_dict, prefix, H, H_kv, head_dim)  # checks state_dict
+        W_q = weights["W_q"]
         return cls._from_weights(
-            weights, H, False, "Llama weights", num_kv_heads=H_kv, head_dim=head_dim,
+            weights, H, False, "Llama weights", num_kv_heads=H_kv,
+            head_dim=head_dim or (0 if W_q is None else W_q.shape[1] // H),
             rope_theta=rope_theta, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
             window=window,
         )  # fmt: skip
@@ -525,6 +534,8 @@ class MultiHeadAttention:
                 weights, config["num_heads"], config["add_zero_attn"], "the weights",
                 **{key: config[key] for key in extras},
             )  # fmt: skip
+        except KeyError as error:
+            raise WeightsFileError(f"cannot load {path}: its config has no {error}") from None
         except (AttentionValueError, TypeError) as error:
             raise WeightsFileError(f"cannot load {path}: {error}") from None
         found = module._config()

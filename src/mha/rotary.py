@@ -51,6 +51,11 @@ def apply_rotary(
     d = array.shape[-1]
     result_dtype, dtype = result_and_compute_dtypes(array)
     r = d if rotary_dim is None else positive_int("rotary_dim", rotary_dim)
+    if rotary_dim is None and d % 2:
+        raise AttentionValueError(
+            f"the head width {d} is odd, so its features cannot all pair up for rotary "
+            f"embeddings; give an even rotary_dim (x {array.shape})"
+        )
     if r % 2 or r > d:
         raise AttentionValueError(
             f"rotary_dim must be even and at most the head width {d}; got {r} (x {array.shape})"

@@ -174,8 +174,9 @@ class Team:
         futures = [self._pool.submit(loop) for _ in range(threads - 1)]
         try:
             loop()  # the calling thread is one of the workers
-            for future in futures:
-                future.result()  # re-raises a worker's exception
+            for future in futures:  # every task is taken: helpers still queued (behind
+                if not future.cancel():  # another call's work, say) are not waited for
+                    future.result()  # re-raises a worker's exception
         except BaseException:  # an error, or Ctrl-C in the caller: stop the rest
             failed.set()
             for future in futures:  # nothing of this call may run on after it returns

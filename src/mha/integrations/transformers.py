@@ -81,6 +81,11 @@ def weights_from_llama(
     hidden = as_numpy(weight, state[weight]).shape[-1]
     if head_dim is None:  # the config's default: hidden_size // num_attention_heads
         head_dim = hidden // num_heads
+        if head_dim == 0:
+            raise AttentionValueError(
+                f"num_heads={num_heads} is more than the hidden size {hidden} of "
+                f"{weight!r}; give head_dim= if the heads are wider than hidden // num_heads"
+            )
     inner, kv_inner = num_heads * head_dim, num_kv_heads * head_dim
     shapes = {"q_proj": (inner, hidden), "k_proj": (kv_inner, hidden),
               "v_proj": (kv_inner, hidden), "o_proj": (hidden, inner)}  # fmt: skip
