@@ -302,7 +302,11 @@ def test_backward_can_be_called_again_and_from_threads():
     out, backward = mha.multi_head_attention(X, X, X, *W, 2, causal=True, return_backward=True)
     grad = r.standard_normal(out.shape)
     first = backward(grad)
-    X[:] = 0.0  # the caller's arrays may change: the gradients were saved with copies
+    kept = X.copy()
+    X[0, 0, 0] += 1.0  # the caller changed an input: refused, not silently wrong
+    with pytest.raises(mha.AttentionValueError, match="Q, K, V changed after the forward pass"):
+        backward(grad)
+    X[:] = kept
     results = []
     threads = [threading.Thread(target=lambda: results.append(backward(grad))) for _ in range(4)]
     for thread in threads:

@@ -7,6 +7,7 @@ heads, ``L`` query positions, ``S`` key positions, ``d_k``/``d_v`` per-head widt
 
 from __future__ import annotations
 
+import hashlib
 from contextlib import ExitStack
 from typing import Any
 
@@ -188,9 +189,9 @@ def scaled_dot_product_attention(
 class _SplitHeadsBackward:
     """``backward(grad_out)`` of one :func:`scaled_dot_product_attention` call: the
     gradients of ``sum(grad_out * out)`` for ``q``, ``k``, ``v`` (and ``bias``), each shaped
-    like its input, in its dtype. It keeps q, k, v, the output and the log-sum-exp (copies
-    in the compute dtype: changing the inputs afterwards does not change the gradients),
-    never the score matrix, and may be called any number of times, from any thread."""
+    like its input, in its dtype. It keeps q, k, v (the caller's arrays: a fingerprint
+    refuses a backward after they changed), the output and the log-sum-exp, never the score
+    matrix, and may be called any number of times, from any thread."""
 
     def __init__(
         self, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: Any, out: np.ndarray,
@@ -198,7 +199,10 @@ class _SplitHeadsBackward:
         threads: int | None, dropout: Dropout | None,
     ) -> None:  # fmt: skip
         self.dtypes = {"q": q.dtype, "k": k.dtype, "v": v.dtype}
-        self.q, self.k, self.v = (np.array(x, dtype=dtype) for x in (q, k, v))
+        self.q, self.k, self.v = q, k, v
+        self.unchanged = _Fingerprints(
+            {"q": q, "k": k, "v": v, "mask": visibility.mask, "bias": visibility.bias}
+        )
         self.bias_shape = None if bias is None else np.shape(bias)
         if bias is not None:
             self.dtypes["bias"] = as_float_array("bias", bias).dtype
@@ -208,7 +212,8 @@ class _SplitHeadsBackward:
 
     def __call__(self, grad_out: Any) -> dict[str, np.ndarray]:
         grad = _gradient("grad_out", grad_out, self.out.shape, self.dtype)
-        dq, dk, dv = (np.zeros_like(x) for x in (self.q, self.k, self.v))
+        self.unchanged.check()
+        dq, dk, dv = (np.zeros(x.shape, self.dtype) for x in (self.q, self.k, self.v))
         dbias = None
         if self.bias_shape is not None:
             dbias = np.zeros((*self.q.shape[:-1], self.k.shape[-2]), self.dtype)
@@ -231,6 +236,29 @@ class _SplitHeadsBackward:
         if dbias is not None and self.bias_shape is not None:
             grads["bias"] = _sum_to(dbias, self.bias_shape, self.q.shape[:-3])
         return {name: _cast(g, self.dtypes[name]) for name, g in grads.items()}
+
+
+class _Fingerprints:
+    """Digests of the arrays a backward pass reads again, to refuse one after they changed
+    (torch counts versions of its tensors; NumPy arrays have none)."""
+
+    def __init__(self, arrays: dict[str, Any]) -> None:
+        self.arrays = {
+            name: (x, self._digest(x)) for name, x in arrays.items() if isinstance(x, np.ndarray)
+        }
+
+    @staticmethod
+    def _digest(x: np.ndarray) -> bytes:
+        data = np.ascontiguousarray(x).data.cast("B")
+        return hashlib.blake2b(data, digest_size=16).digest()
+
+    def check(self) -> None:
+        changed = [name for name, (x, digest) in self.arrays.items() if self._digest(x) != digest]
+        if changed:
+            raise AttentionValueError(
+                f"{', '.join(changed)} changed after the forward pass; backward needs them as "
+                "they were (call it before updating them, or run the forward pass again)"
+            )
 
 
 def _dropout(p: Any, generator: Any, H: int, L: int) -> Dropout | None:
@@ -637,9 +665,10 @@ def multi_head_attention(
 class _ProjectedBackward:
     """``backward(grad_out)`` of one :func:`multi_head_attention` call: the gradients of
     ``sum(grad_out * out)`` for every input and weight given, keyed by parameter name and
-    shaped like it, in its dtype. It keeps the inputs and weights (copies), the projected
-    q, k, v, the joined heads and the log-sum-exp, never the score matrix; it may be called
-    any number of times, from any thread."""
+    shaped like it, in its dtype. It keeps the inputs and weights (the caller's arrays: a
+    fingerprint refuses a backward after they changed, as after an optimiser's step), the
+    projected q, k, v, the joined heads and the log-sum-exp, never the score matrix; it may
+    be called any number of times, from any thread."""
 
     def __init__(
         self, given: dict[str, np.ndarray], bias: Any, q: np.ndarray, k: np.ndarray,
@@ -648,7 +677,10 @@ class _ProjectedBackward:
         extra: bool, dtype: np.dtype, budget: int, threads: int | None, dropout: Any,
     ) -> None:  # fmt: skip
         self.dtypes = {name: x.dtype for name, x in given.items()}
-        self.arrays = {name: np.array(x, dtype=dtype) for name, x in given.items()}
+        self.arrays = dict(given)
+        self.unchanged = _Fingerprints(
+            {**given, "mask": getattr(visibility, "mask", None), "bias": bias}
+        )
         self.bias_shape = None if bias is None else np.shape(bias)
         if bias is not None:
             self.dtypes["bias"] = as_float_array("bias", bias).dtype
@@ -659,10 +691,15 @@ class _ProjectedBackward:
         self.dropout = dropout
 
     def __call__(self, grad_out: Any) -> dict[str, np.ndarray]:
-        a, dtype, H = self.arrays, self.dtype, self.H
+        dtype, H = self.dtype, self.H
         lead = self.joined.shape[:-1]
-        out_shape = (*lead, a["W_o"].shape[1])
+        out_shape = (*lead, self.arrays["W_o"].shape[1])
         grad = _gradient("grad_out", grad_out, out_shape, dtype)
+        self.unchanged.check()
+
+        def a(name: str) -> np.ndarray:  # a saved input or weight, in the compute dtype
+            return self.arrays[name].astype(dtype, copy=False)
+
         grads: dict[str, np.ndarray] = {}
         cost = float(self.q.size) * self.k.shape[-2] * 4
         with (
@@ -670,39 +707,42 @@ class _ProjectedBackward:
             Team(workers_for(cost, self.threads)) as team,
         ):
             grads["W_o"] = _weight_grad(self.joined, grad, team)
-            if "b_o" in a:
+            if "b_o" in self.arrays:
                 grads["b_o"] = _rows(grad).sum(axis=0)
-            d_joined = team.matmul(grad, np.ascontiguousarray(a["W_o"].T))
-            heads_out = _split_heads(self.joined, H)
+            d_joined = team.matmul(grad, a("W_o").T)  # BLAS reads the transposes in place
             dq, dk, dv = (np.zeros_like(x) for x in (self.q, self.k, self.v))
             dbias = None
             if self.bias_shape is not None:
                 dbias = np.zeros((*self.q.shape[:-1], self.k.shape[-2]), dtype)
             attend_backward(
-                self.q, self.k, self.v, heads_out, self.lse, _split_heads(d_joined, H),
-                self.visibility, 1.0, dq=dq, dk=dk, dv=dv, dbias=dbias,
-                max_memory=self.budget, team=team, dropout=self.dropout,
+                self.q, self.k, self.v, _split_heads(self.joined, H), self.lse,
+                _split_heads(d_joined, H), self.visibility, 1.0, dq=dq, dk=dk, dv=dv,
+                dbias=dbias, max_memory=self.budget, team=team, dropout=self.dropout,
             )  # fmt: skip
+            del d_joined  # memory: each intermediate goes as soon as it is used
             if self.extra:  # the appended keys: bias_k/bias_v's gradients, then drop them
-                if "bias_k" in a:  # (*B, H_kv, d) at the first appended key, summed over B
+                if "bias_k" in self.arrays:  # (*B, H_kv, d) at the first appended key
                     for name, d in (("bias_k", dk), ("bias_v", dv)):
                         at = d[..., self.S, :]
                         grads[name] = at.reshape(-1, *at.shape[-2:]).sum(axis=0).reshape(-1)
                 dk, dv = dk[..., : self.S, :], dv[..., : self.S, :]
             if dbias is not None and self.bias_shape is not None:
                 grads["bias"] = _sum_to(dbias[..., : self.S], self.bias_shape, lead[:-1])
+            del dbias
             if self.rotary is not None:  # undo the rotation: rotate back by the same angle
                 q_at, k_at = (-np.asarray(p, dtype=np.float64) for p in self.positions)
                 dq = apply_rotary(dq, q_at, **self.rotary)
                 dk = apply_rotary(dk, k_at, **self.rotary)
             dq *= self.scale  # q = (Q @ W_q + b_q) * scale
-            for x, W, b, d in (("Q", "W_q", "b_q", dq), ("K", "W_k", "b_k", dk),
-                               ("V", "W_v", "b_v", dv)):  # fmt: skip
-                joined_grad = _join_heads(d)
-                grads[W] = _weight_grad(a[x], joined_grad, team)
-                if b in a:
+            pending = {"Q": dq, "K": dk, "V": dv}
+            del dq, dk, dv
+            for x, W, b in (("Q", "W_q", "b_q"), ("K", "W_k", "b_k"), ("V", "W_v", "b_v")):
+                joined_grad = _join_heads(pending.pop(x))
+                grads[W] = _weight_grad(a(x), joined_grad, team)
+                if b in self.arrays:
                     grads[b] = _rows(joined_grad).sum(axis=0)
-                grads[x] = team.matmul(joined_grad, np.ascontiguousarray(a[W].T))
+                grads[x] = team.matmul(joined_grad, a(W).T)
+                del joined_grad
         return {name: _cast(g, self.dtypes[name]) for name, g in grads.items()}
 
 
@@ -713,7 +753,7 @@ def _rows(x: np.ndarray) -> np.ndarray:
 
 def _weight_grad(x: np.ndarray, grad: np.ndarray, team: Team) -> np.ndarray:
     """``d(x @ W)/dW`` for ``x (..., m)`` and ``grad (..., n)``: ``x^T @ grad`` over rows."""
-    return team.matmul(np.ascontiguousarray(_rows(x).T), _rows(grad))
+    return team.matmul(_rows(x).T, _rows(grad))
 
 
 def _join_heads(x: np.ndarray) -> np.ndarray:

@@ -68,6 +68,8 @@ def attend_backward(
     items = [(batch, h) for batch in np.ndindex(q.shape[:-3]) for h in range(H_kv)]
 
     def make_worker() -> Callable[[Any], None]:
+        scratch = _Scratch(group * tiles.rows, tiles.cols, d_k, d_v, dtype)
+
         def run(task: Any) -> None:
             batch, h = task
             heads = slice(h * group, (h + 1) * group)
@@ -84,12 +86,24 @@ def attend_backward(
                 q[batch][heads], k[batch][h], v[batch][h], lse[batch][heads],
                 D[batch][heads], grad_out[batch][heads], item, scale, tiles, dtype,
                 dq[batch][heads], dk[batch][h], dv[batch][h],
-                None if dbias is None else dbias[batch][heads], drop,
+                None if dbias is None else dbias[batch][heads], drop, scratch,
             )  # fmt: skip
 
         return run
 
     (team or Team(1)).run(items, make_worker)
+
+
+class _Scratch:
+    """One worker's buffers for the largest tile: ``R`` stacked rows by ``cols`` keys."""
+
+    def __init__(self, R: int, cols: int, d_k: int, d_v: int, dtype: np.dtype) -> None:
+        self.p = np.empty(R * cols, dtype)
+        self.ds = np.empty(R * cols, dtype)
+        self.dv = np.empty(cols * d_v, dtype)
+        self.dk = np.empty(cols * d_k, dtype)
+        self.dq = np.empty((R, d_k), dtype)
+        self.part = np.empty((R, d_k), dtype)
 
 
 def _item_backward(
@@ -107,38 +121,50 @@ def _item_backward(
     dk: np.ndarray,  # (S, d_k), accumulated
     dv: np.ndarray,  # (S, d_v), accumulated
     dbias: np.ndarray | None,  # (group, L, S)
-    drop: Callable[[int, int, int, int], np.ndarray] | None = None,
+    drop: Callable[[int, int, int, int], np.ndarray] | None,
+    scratch: _Scratch,
 ) -> None:
-    group = q.shape[0]
+    group, d_k, d_v = q.shape[0], q.shape[-1], v.shape[-1]
     for r0 in range(0, item.query_end, tiles.rows):
         r1 = min(r0 + tiles.rows, item.query_end)
         n = r1 - r0
+        R = group * n
         start, stop = item.key_start(r0, r1), item.key_stop(r0, r1)
         if stop <= start:
             continue
-        q_t = np.multiply(q[:, r0:r1], scale, dtype=dtype).reshape(1, group * n, -1)
-        do_t = _cast(grad_out[:, r0:r1], dtype).reshape(1, group * n, -1)
-        lse_t = lse[:, r0:r1].reshape(1, group * n)
-        lse_t = np.where(lse_t == -np.inf, np.inf, lse_t)[..., None]  # rows seeing no key
-        D_t = D[:, r0:r1].reshape(1, group * n)[..., None]
-        dq_t = np.zeros((1, group * n, q.shape[-1]), dtype)
+        q_t = np.multiply(q[:, r0:r1], scale, dtype=dtype).reshape(R, d_k)
+        do_t = _cast(grad_out[:, r0:r1], dtype).reshape(R, d_v)
+        lse_t = lse[:, r0:r1].reshape(R)
+        lse_t = np.where(lse_t == -np.inf, np.inf, lse_t)[:, None]  # rows seeing no key
+        D_t = D[:, r0:r1].reshape(R)[:, None]
+        dq_t = scratch.dq[:R]
+        dq_t.fill(0.0)
         for c0 in range(start, stop, tiles.cols):
             c1 = min(c0 + tiles.cols, stop)
-            hidden = _stack(item.hidden(r0, r1, c0, c1), 1, group, n, c1 - c0)
-            if hidden is not None and hidden.all():
-                continue
-            k_c, v_c = _cast(k[c0:c1], dtype)[None], _cast(v[c0:c1], dtype)[None]
-            s = q_t @ k_c.transpose(0, 2, 1)
-            bias = _stack(item.bias_block(r0, r1, c0, c1), 1, group, n, c1 - c0)
-            if bias is not None:
-                s += bias
+            w = c1 - c0
+            hidden = _stack(item.hidden(r0, r1, c0, c1), 1, group, n, w)
             if hidden is not None:
-                np.copyto(s, -np.inf, where=hidden)
-            p = np.exp(s - lse_t, out=s)  # the forward's weights, recomputed
-            kept = None if drop is None else drop(r0, r1, c0, c1)
-            dropped = p if kept is None else p * kept
-            dv[c0:c1] += (dropped.transpose(0, 2, 1) @ do_t)[0]
-            ds = do_t @ v_c.transpose(0, 2, 1)  # dp (of the dropped weights)
+                hidden = hidden.reshape(-1, w) if hidden.ndim == 3 else hidden
+                if hidden.all():
+                    continue
+            k_c, v_c = _cast(k[c0:c1], dtype), _cast(v[c0:c1], dtype)
+            p = scratch.p[: R * w].reshape(R, w)
+            np.matmul(q_t, k_c.T, out=p)  # the scores
+            bias = _stack(item.bias_block(r0, r1, c0, c1), 1, group, n, w)
+            if bias is not None:
+                p += bias.reshape(-1, w) if bias.ndim == 3 else bias
+            if hidden is not None:
+                np.copyto(p, -np.inf, where=hidden)
+            p -= lse_t
+            np.exp(p, out=p)  # the forward's weights, recomputed
+            ds = scratch.ds[: R * w].reshape(R, w)
+            kept = None if drop is None else drop(r0, r1, c0, c1).reshape(R, w)
+            if kept is None:
+                dv[c0:c1] += np.matmul(p.T, do_t, out=scratch.dv[: w * d_v].reshape(w, d_v))
+            else:
+                np.multiply(p, kept, out=ds)  # the dropped weights
+                dv[c0:c1] += np.matmul(ds.T, do_t, out=scratch.dv[: w * d_v].reshape(w, d_v))
+            np.matmul(do_t, v_c.T, out=ds)  # dp (of the dropped weights)
             if kept is not None:
                 ds *= kept
             ds -= D_t
@@ -146,10 +172,10 @@ def _item_backward(
             attended = None
             if hidden is not None:
                 np.copyto(ds, 0.0, where=hidden)  # NaN in a hidden value stops here
-                if not (np.isfinite(k_c).all()):
-                    attended = ~hidden
-            dq_t += _product(ds, k_c, attended, out=np.empty_like(dq_t))
-            dk[c0:c1] += (ds.transpose(0, 2, 1) @ q_t)[0]
+                if not np.isfinite(k_c).all():
+                    attended = ~hidden[None]
+            dq_t += _product(ds[None], k_c[None], attended, out=scratch.part[None, :R])[0]
+            dk[c0:c1] += np.matmul(ds.T, q_t, out=scratch.dk[: w * d_k].reshape(w, d_k))
             if dbias is not None:
-                dbias[:, r0:r1, c0:c1] = ds.reshape(group, n, c1 - c0)
-        dq[:, r0:r1] = (dq_t * scale).reshape(group, n, -1)
+                dbias[:, r0:r1, c0:c1] = ds.reshape(group, n, w)
+        dq[:, r0:r1] = (dq_t * scale).reshape(group, n, d_k)
