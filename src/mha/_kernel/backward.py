@@ -63,6 +63,7 @@ def attend_backward(
     H_kv, S, d_v = k.shape[-3], k.shape[-2], v.shape[-1]
     group = H // H_kv
     dtype = dq.dtype
+    # Two tiles of scores (p and ds) instead of one: half the forward's budget for each.
     tiles = plan_tiles(L, S, 1, d_k, d_v, dtype.itemsize, max_memory // 2, False, group)
     D = np.einsum("...d,...d->...", grad_out, out, dtype=dtype)  # rowsum(dO * O)
     items = [(batch, h) for batch in np.ndindex(q.shape[:-3]) for h in range(H_kv)]
