@@ -7,7 +7,7 @@ heads, ``L`` query positions, ``S`` key positions, ``d_k``/``d_v`` per-head widt
 
 from __future__ import annotations
 
-import hashlib
+import zlib
 from contextlib import ExitStack
 from typing import Any
 
@@ -239,21 +239,27 @@ class _SplitHeadsBackward:
 
 
 class _Fingerprints:
-    """Digests of the arrays a backward pass reads again, to refuse one after they changed
-    (torch counts versions of its tensors; NumPy arrays have none)."""
+    """Checksums (CRC-32) of the arrays a backward pass reads again, to refuse one after they
+    changed: torch counts versions of its tensors; NumPy arrays have none."""
 
     def __init__(self, arrays: dict[str, Any]) -> None:
-        self.arrays = {
-            name: (x, self._digest(x)) for name, x in arrays.items() if isinstance(x, np.ndarray)
-        }
+        self.arrays: dict[str, tuple[np.ndarray, int]] = {}
+        seen: dict[int, int] = {}  # an array given in several roles is read once
+        for name, x in arrays.items():
+            if isinstance(x, np.ndarray):
+                self.arrays[name] = (x, seen.setdefault(id(x), self._checksum(x)))
 
     @staticmethod
-    def _digest(x: np.ndarray) -> bytes:
-        data = np.ascontiguousarray(x).data.cast("B")
-        return hashlib.blake2b(data, digest_size=16).digest()
+    def _checksum(x: np.ndarray) -> int:
+        return zlib.crc32(np.ascontiguousarray(x).data.cast("B"))
 
     def check(self) -> None:
-        changed = [name for name, (x, digest) in self.arrays.items() if self._digest(x) != digest]
+        sums: dict[int, int] = {}
+        changed = [
+            name
+            for name, (x, checksum) in self.arrays.items()
+            if sums.setdefault(id(x), self._checksum(x)) != checksum
+        ]
         if changed:
             raise AttentionValueError(
                 f"{', '.join(changed)} changed after the forward pass; backward needs them as "
@@ -710,7 +716,10 @@ class _ProjectedBackward:
             if "b_o" in self.arrays:
                 grads["b_o"] = _rows(grad).sum(axis=0)
             d_joined = team.matmul(grad, a("W_o").T)  # BLAS reads the transposes in place
-            dq, dk, dv = (np.zeros_like(x) for x in (self.q, self.k, self.v))
+            dk, dv = (_zeros_joined(x, dtype) for x in (self.k, self.v))
+            # dq is written over d_joined's heads tile by tile: one (B, L, H*d) buffer less
+            shared = self.q.shape[-1] == self.joined.shape[-1] // H
+            dq = _split_heads(d_joined, H) if shared else np.zeros_like(self.q)
             dbias = None
             if self.bias_shape is not None:
                 dbias = np.zeros((*self.q.shape[:-1], self.k.shape[-2]), dtype)
@@ -719,7 +728,7 @@ class _ProjectedBackward:
                 _split_heads(d_joined, H), self.visibility, 1.0, dq=dq, dk=dk, dv=dv,
                 dbias=dbias, max_memory=self.budget, team=team, dropout=self.dropout,
             )  # fmt: skip
-            del d_joined  # memory: each intermediate goes as soon as it is used
+            del d_joined  # memory: each intermediate goes as soon as it is used (dq keeps it)
             if self.extra:  # the appended keys: bias_k/bias_v's gradients, then drop them
                 if "bias_k" in self.arrays:  # (*B, H_kv, d) at the first appended key
                     for name, d in (("bias_k", dk), ("bias_v", dv)):
@@ -744,6 +753,13 @@ class _ProjectedBackward:
                 grads[x] = team.matmul(joined_grad, a(W).T)
                 del joined_grad
         return {name: _cast(g, self.dtypes[name]) for name, g in grads.items()}
+
+
+def _zeros_joined(like: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Zeros shaped like the heads ``like (*B, H, L, d)`` but laid out as the joined
+    ``(*B, L, H*d)``, so that joining them again copies nothing."""
+    *B, H, L, d = like.shape
+    return _split_heads(np.zeros((*B, L, H * d), dtype), H)
 
 
 def _rows(x: np.ndarray) -> np.ndarray:

@@ -50,8 +50,10 @@ def attend_backward(
     team: Team | None = None,
     dropout: Dropout | None = None,
 ) -> None:
-    """Fill ``dq``, ``dk``, ``dv`` (and ``dbias (*batch, H, L, S)``), arriving zeroed, with
-    the gradients of ``sum(grad_out * out)`` for the attention :func:`attend` computed.
+    """Fill ``dq`` and ``dk``, ``dv`` (and ``dbias (*batch, H, L, S)``), the last three
+    arriving zeroed, with the gradients of ``sum(grad_out * out)`` for the attention
+    :func:`attend` computed. ``dq`` may be ``grad_out`` itself: each tile of rows reads its
+    rows of ``grad_out`` before it writes them to ``dq``, so the caller needs no buffer.
 
     Shapes are the forward's: ``q (*batch, H, L, d_k)``, ``k (*batch, H_kv, S, d_k)``,
     ``v (*batch, H_kv, S, d_v)``, ``out`` and ``grad_out (*batch, H, L, d_v)``,
@@ -65,7 +67,6 @@ def attend_backward(
     dtype = dq.dtype
     # Two tiles of scores (p and ds) instead of one: half the forward's budget for each.
     tiles = plan_tiles(L, S, 1, d_k, d_v, dtype.itemsize, max_memory // 2, False, group)
-    D = np.einsum("...d,...d->...", grad_out, out, dtype=dtype)  # rowsum(dO * O)
     items = [(batch, h) for batch in np.ndindex(q.shape[:-3]) for h in range(H_kv)]
 
     def make_worker() -> Callable[[Any], None]:
@@ -85,7 +86,7 @@ def attend_backward(
 
             _item_backward(
                 q[batch][heads], k[batch][h], v[batch][h], lse[batch][heads],
-                D[batch][heads], grad_out[batch][heads], item, scale, tiles, dtype,
+                out[batch][heads], grad_out[batch][heads], item, scale, tiles, dtype,
                 dq[batch][heads], dk[batch][h], dv[batch][h],
                 None if dbias is None else dbias[batch][heads], drop, scratch,
             )  # fmt: skip
@@ -112,7 +113,7 @@ def _item_backward(
     k: np.ndarray,  # (S, d_k)
     v: np.ndarray,  # (S, d_v)
     lse: np.ndarray,  # (group, L)
-    D: np.ndarray,  # (group, L)
+    out: np.ndarray,  # (group, L, d_v): the forward's output
     grad_out: np.ndarray,  # (group, L, d_v)
     item: Any,
     scale: float,
@@ -126,18 +127,22 @@ def _item_backward(
     scratch: _Scratch,
 ) -> None:
     group, d_k, d_v = q.shape[0], q.shape[-1], v.shape[-1]
+    dq[:, item.query_end :] = 0.0  # padded rows: no gradient
     for r0 in range(0, item.query_end, tiles.rows):
         r1 = min(r0 + tiles.rows, item.query_end)
         n = r1 - r0
         R = group * n
         start, stop = item.key_start(r0, r1), item.key_stop(r0, r1)
         if stop <= start:
+            dq[:, r0:r1] = 0.0
             continue
         q_t = np.multiply(q[:, r0:r1], scale, dtype=dtype).reshape(R, d_k)
         do_t = _cast(grad_out[:, r0:r1], dtype).reshape(R, d_v)
         lse_t = lse[:, r0:r1].reshape(R)
         lse_t = np.where(lse_t == -np.inf, np.inf, lse_t)[:, None]  # rows seeing no key
-        D_t = D[:, r0:r1].reshape(R)[:, None]
+        o_t = _cast(out[:, r0:r1], dtype).reshape(R, d_v)
+        D_t = np.einsum("rd,rd->r", do_t, o_t)[:, None]  # rowsum(dO * O)
+        do_t = do_t.copy() if np.may_share_memory(do_t, dq) else do_t  # dq may be grad_out
         dq_t = scratch.dq[:R]
         dq_t.fill(0.0)
         for c0 in range(start, stop, tiles.cols):
