@@ -31,7 +31,7 @@ def test_the_interop_example_runs(torch, tmp_path, monkeypatch):
     np.testing.assert_allclose(namespace["out2"].transpose(1, 0, 2), namespace["attention"](
         namespace["x"]), rtol=1e-5, atol=1e-6)  # fmt: skip
     assert namespace["weights"].shape == (2, 5, 5)
-    assert len(blocks("python")) == 3
+    assert len(blocks("python")) == 4
 
 
 def test_the_decoding_example_runs(capsys):
@@ -61,3 +61,11 @@ def test_the_images_it_shows_exist():
     root = Path(__file__).parent.parent
     for target in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README):
         assert (root / target).is_file(), target
+
+
+def test_the_gradients_example_runs():
+    namespace: dict = {}
+    exec(compile(blocks("python")[3], "README.md", "exec"), namespace)
+    attention, grads = namespace["attention"], namespace["grads"]
+    assert set(grads) == {*attention.parameters(), "query", "key", "value"}
+    assert grads["W_q"].shape == attention.W_q.shape
