@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment(torch),
         "speed": [
             case(shape, dtype, torch) for dtype in (np.float32, np.float64) for shape in shapes
-        ],  # fmt: skip
+        ],
         "memory": memory(4096 if args.quick else 16384),
     }
     name = "backward-quick" if args.quick else "backward"
