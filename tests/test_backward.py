@@ -391,3 +391,94 @@ def test_dropout_masks_match_in_both_passes_and_autograd(torch, record_error):
         mha.scaled_dot_product_attention(q, k, v, generator=np.random.default_rng(0))
     with pytest.raises(mha.AttentionValueError, match=r"dropout_p must be a number in \[0, 1\)"):
         mha.scaled_dot_product_attention(q, k, v, dropout_p=1.0, generator=np.random.default_rng(0))
+
+
+# ---------------------------------------------------------------- found in review
+
+
+@pytest.mark.parametrize(
+    "masking",
+    [{"bias": "L,1"}, {"bias": "scalar"}, {"mask": "0-d"}, {"mask": "L,1"}, {"bias": "B,1,L,1"}],
+)
+def test_masks_and_biases_that_broadcast_over_keys(masking, torch):
+    B, H, L, S, d = 2, 2, 5, 5, 4  # L == S: a wrong reshape would go unnoticed by shapes
+    q, k, v = r.standard_normal((3, B, H, L, d))
+    shapes = {"L,1": (L, 1), "B,1,L,1": (B, 1, L, 1)}
+    kw, allowed, bias = {}, np.ones((B, H, L, S), bool), None
+    if "bias" in masking:
+        bias = 0.5 if masking["bias"] == "scalar" else r.standard_normal(shapes[masking["bias"]])
+        kw["bias"] = bias
+    else:
+        mask = np.array(True) if masking["mask"] == "0-d" else r.random((L, 1)) < 0.6
+        kw["mask"] = mask
+        allowed &= np.broadcast_to(mask, allowed.shape)
+    out, backward = mha.scaled_dot_product_attention(q, k, v, return_backward=True, **kw)
+    grad = r.standard_normal(out.shape)
+    t = {name: torch.tensor(x, requires_grad=True) for name, x in (("q", q), ("k", k), ("v", v))}
+    t_bias = None if bias is None else torch.as_tensor(np.broadcast_to(bias, allowed.shape).copy())
+    expected = explicit_attention(torch, t["q"], t["k"], t["v"], allowed.copy(), 0.5, t_bias)
+    (expected * torch.from_numpy(grad)).sum().backward()
+    ours = backward(grad)
+    for name in t:
+        assert relative_error(ours[name], t[name].grad.numpy()) <= 1e-12, name
+    if bias is not None:
+        assert np.shape(ours["bias"]) == np.shape(bias)
+
+
+def test_what_backward_reads_again_is_guarded_and_bounded():
+    import tracemalloc
+
+    empty, backward = mha.scaled_dot_product_attention(
+        np.zeros((1, 2, 0, 4)),
+        np.zeros((1, 2, 3, 4)),
+        np.zeros((1, 2, 3, 4)),
+        return_backward=True,
+    )
+    assert backward(np.zeros(empty.shape))["k"].shape == (1, 2, 3, 4)
+    q = r.standard_normal((1, 2, 4, 8))
+    out, backward = mha.scaled_dot_product_attention(q, q, q, return_backward=True)
+    out += 1.0  # an in-place residual on the returned output
+    with pytest.raises(mha.AttentionValueError, match="the returned output changed"):
+        backward(np.ones(out.shape))
+    H, L = 8, 2048
+    q = r.standard_normal((1, H, L, 16)).astype(np.float32)
+    out, backward = mha.scaled_dot_product_attention(
+        q, q, q, bias=np.zeros((1, 1, 1, L), np.float32), return_backward=True
+    )
+    tracemalloc.start()
+    grads = backward(np.ones_like(out))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert grads["bias"].shape == (1, 1, 1, L)
+    assert peak < 3 * q.nbytes + 16 * 2**20  # never (H, L, S) for the bias gradient (128 MiB)
+
+
+def test_positions_are_kept_and_padded_rows_never_poison_weight_gradients():
+    X = r.standard_normal((2, 6, 8))
+    W = r.standard_normal((4, 8, 8))
+    positions = np.arange(6)
+    out, backward = mha.multi_head_attention(
+        X, X, X, *W, 2, rope_theta=100.0, positions=positions, causal=True, return_backward=True
+    )
+    grad = r.standard_normal(out.shape)
+    first = backward(grad)
+    positions += 7  # the caller reuses its array
+    np.testing.assert_array_equal(backward(grad)["W_q"], first["W_q"])
+    Q, K = r.standard_normal((2, 2, 5, 8))
+    Q[0, 3:], K[1, 4:] = np.nan, np.inf  # padding, beyond query_lengths / key_lengths
+    out, backward = mha.multi_head_attention(
+        Q, K, K, *W, 2, query_lengths=[3, 5], key_lengths=[5, 4], return_backward=True
+    )
+    grads = backward(np.ones(out.shape))
+    for name in ("W_q", "W_k", "W_v", "W_o"):
+        assert np.isfinite(grads[name]).all(), name
+
+
+def test_a_refused_call_does_not_draw_from_the_generator():
+    attention = mha.MultiHeadAttention(8, 2)
+    generator = np.random.default_rng(1)
+    with pytest.raises(mha.AttentionValueError):
+        attention(
+            np.ones((1, 2, 8)), cache=attention.new_cache(1), dropout_p=0.1, generator=generator
+        )
+    assert generator.integers(2**63) == np.random.default_rng(1).integers(2**63)

@@ -143,9 +143,9 @@ def scaled_dot_product_attention(
         "bias": bias,
         "window": window,
     }
-    dropout = _dropout(dropout_p, generator, q.shape[-3], q.shape[-2])
+    drop_p = _dropout_p(dropout_p, generator)
     if cache is not None:
-        if return_weights or return_backward or dropout is not None:
+        if return_weights or return_backward or drop_p:
             raise AttentionValueError(
                 "return_weights, return_backward and dropout are not available with cache=: "
                 "call without the cache"
@@ -158,6 +158,8 @@ def scaled_dot_product_attention(
         batch_shape=q.shape[:-3], H=q.shape[-3], L=q.shape[-2], S=k.shape[-2],
         dtype=compute_dtype, context=f"q {q.shape}, k {k.shape}", **masking,
     )  # fmt: skip
+    # The seed is drawn once everything is checked: a refused call leaves the generator be.
+    dropout = Dropout.draw(drop_p, generator, q.shape[-3], q.shape[-2]) if drop_p else None
     want_lse = _flag("return_lse", return_lse)
     want_backward = _flag("return_backward", return_backward)
     out = np.zeros((*q.shape[:-1], v.shape[-1]), dtype=compute_dtype)
@@ -200,9 +202,10 @@ class _SplitHeadsBackward:
     ) -> None:  # fmt: skip
         self.dtypes = {"q": q.dtype, "k": k.dtype, "v": v.dtype}
         self.q, self.k, self.v = q, k, v
-        self.unchanged = _Fingerprints(
-            {"q": q, "k": k, "v": v, "mask": visibility.mask, "bias": visibility.bias}
-        )
+        self.unchanged = _Fingerprints({
+            "q": q, "k": k, "v": v, "mask": visibility.mask, "bias": visibility.bias,
+            "the returned output": out, "the returned log-sum-exp": lse,
+        })  # fmt: skip
         self.bias_shape = None if bias is None else np.shape(bias)
         if bias is not None:
             self.dtypes["bias"] = as_float_array("bias", bias).dtype
@@ -215,8 +218,8 @@ class _SplitHeadsBackward:
         self.unchanged.check()
         dq, dk, dv = (np.zeros(x.shape, self.dtype) for x in (self.q, self.k, self.v))
         dbias = None
-        if self.bias_shape is not None:
-            dbias = np.zeros((*self.q.shape[:-1], self.k.shape[-2]), self.dtype)
+        if self.bias_shape is not None and self.visibility.bias is not None:
+            dbias = np.zeros(self.visibility.bias.shape, self.dtype)  # the bias's own size
         cost = (
             float(np.prod(self.q.shape[:-1]))
             * self.k.shape[-2]
@@ -251,6 +254,8 @@ class _Fingerprints:
 
     @staticmethod
     def _checksum(x: np.ndarray) -> int:
+        if x.size == 0:
+            return 0
         return zlib.crc32(np.ascontiguousarray(x).data.cast("B"))
 
     def check(self) -> None:
@@ -267,8 +272,8 @@ class _Fingerprints:
             )
 
 
-def _dropout(p: Any, generator: Any, H: int, L: int) -> Dropout | None:
-    """Check ``dropout_p`` and ``generator``; a :class:`Dropout` when there is dropout."""
+def _dropout_p(p: Any, generator: Any) -> float:
+    """``dropout_p`` checked with ``generator`` (required with dropout, refused without)."""
     real = isinstance(p, (int, float, np.integer, np.floating)) and not isinstance(
         p, (bool, np.bool_)
     )
@@ -279,13 +284,13 @@ def _dropout(p: Any, generator: Any, H: int, L: int) -> Dropout | None:
             raise AttentionValueError(
                 "generator= has no effect without dropout_p > 0: give both, or neither"
             )
-        return None
+        return 0.0
     if not isinstance(generator, np.random.Generator):
         raise AttentionTypeError(
             f"dropout_p={p} needs generator=, a np.random.Generator (for example "
             f"np.random.default_rng(0)), so that runs can be repeated; got {generator!r}"
         )
-    return Dropout.draw(float(p), generator, H, L)
+    return float(p)
 
 
 def _gradient(name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -587,6 +592,7 @@ def multi_head_attention(
         "window": window,
     }
     visibility = None
+    lengths: tuple[Any, Any] = (None, None)  # query and key lengths, for the backward pass
     if cache is not None:
         _check_cache_call(cache, Q, K, extra, return_weights, positions)
         if window != cache.window:
@@ -600,19 +606,21 @@ def multi_head_attention(
             batch_shape=B, H=H, L=L, S=S, dtype=compute_dtype,
             context=f"Q {Q.shape}, K {K.shape}", **masking,
         )  # fmt: skip
+        lengths = (visibility.query_lengths, visibility.key_lengths)
         if extra:
             visibility = _with_extra_keys(visibility, extra, compute_dtype)
     scale = resolve_scale(scale, d_k, compute_dtype, f"W_q {W_q.shape}")
     budget, threads = _kernel_options(return_weights, max_memory, workers)
     want_backward = _flag("return_backward", return_backward)
-    dropout = _dropout(dropout_p, generator, H, L)
-    if (want_backward or dropout is not None) and cache is not None:
+    drop_p = _dropout_p(dropout_p, generator)
+    if (want_backward or drop_p) and cache is not None:
         raise AttentionValueError("return_backward and dropout are not available with cache=")
     q_positions, k_positions = None, None
     if rotary is not None:
         q_positions, k_positions = _rotary_positions(positions, cache, B, L, S)
     elif positions is not None:
         raise AttentionValueError("positions= has no effect without rope_theta=: give both")
+    dropout = Dropout.draw(drop_p, generator, H, L) if drop_p else None  # all checked: draw
 
     def cast(array: np.ndarray | None) -> np.ndarray | None:
         return None if array is None else array.astype(compute_dtype, copy=False)
@@ -663,7 +671,7 @@ def multi_head_attention(
         results.append(_ProjectedBackward(
             {name: x for name, x in given.items() if x is not None}, bias, q, k, v, joined, lse,
             visibility, scale, H, H_kv, S, rotary, q_positions, k_positions, bool(extra),
-            compute_dtype, budget, threads, dropout,
+            lengths, compute_dtype, budget, threads, dropout,
         ))  # fmt: skip
     return results[0] if len(results) == 1 else tuple(results)
 
@@ -680,20 +688,26 @@ class _ProjectedBackward:
         self, given: dict[str, np.ndarray], bias: Any, q: np.ndarray, k: np.ndarray,
         v: np.ndarray, joined: np.ndarray, lse: Any, visibility: Any, scale: float, H: int,
         H_kv: int, S: int, rotary: dict[str, Any] | None, q_positions: Any, k_positions: Any,
-        extra: bool, dtype: np.dtype, budget: int, threads: int | None, dropout: Any,
+        extra: bool, lengths: tuple[Any, Any], dtype: np.dtype, budget: int,
+        threads: int | None, dropout: Any,
     ) -> None:  # fmt: skip
         self.dtypes = {name: x.dtype for name, x in given.items()}
         self.arrays = dict(given)
-        self.unchanged = _Fingerprints(
-            {**given, "mask": getattr(visibility, "mask", None), "bias": bias}
-        )
+        self.unchanged = _Fingerprints({
+            **given, "mask": getattr(visibility, "mask", None),
+            "bias": getattr(visibility, "bias", None),
+        })  # fmt: skip
         self.bias_shape = None if bias is None else np.shape(bias)
         if bias is not None:
             self.dtypes["bias"] = as_float_array("bias", bias).dtype
         self.q, self.k, self.v, self.joined, self.lse = q, k, v, joined, lse
         self.visibility, self.scale, self.H, self.H_kv, self.S = visibility, scale, H, H_kv, S
-        self.rotary, self.positions = rotary, (q_positions, k_positions)
+        self.rotary = rotary
+        self.positions = tuple(  # copies: the caller may reuse its positions array
+            None if p is None else np.array(p, dtype=np.float64) for p in (q_positions, k_positions)
+        )
         self.extra, self.dtype, self.budget, self.threads = extra, dtype, budget, threads
+        self.lengths = {"Q": lengths[0], "K": lengths[1], "V": lengths[1]}
         self.dropout = dropout
 
     def __call__(self, grad_out: Any) -> dict[str, np.ndarray]:
@@ -721,8 +735,8 @@ class _ProjectedBackward:
             shared = self.q.shape[-1] == self.joined.shape[-1] // H
             dq = _split_heads(d_joined, H) if shared else np.zeros_like(self.q)
             dbias = None
-            if self.bias_shape is not None:
-                dbias = np.zeros((*self.q.shape[:-1], self.k.shape[-2]), dtype)
+            if self.bias_shape is not None and self.visibility.bias is not None:
+                dbias = np.zeros(self.visibility.bias.shape, dtype)  # the bias's own size
             attend_backward(
                 self.q, self.k, self.v, _split_heads(self.joined, H), self.lse,
                 _split_heads(d_joined, H), self.visibility, 1.0, dq=dq, dk=dk, dv=dv,
@@ -747,12 +761,21 @@ class _ProjectedBackward:
             del dq, dk, dv
             for x, W, b in (("Q", "W_q", "b_q"), ("K", "W_k", "b_k"), ("V", "W_v", "b_v")):
                 joined_grad = _join_heads(pending.pop(x))
-                grads[W] = _weight_grad(a(x), joined_grad, team)
+                grads[W] = _weight_grad(_valid_rows(a(x), self.lengths[x]), joined_grad, team)
                 if b in self.arrays:
                     grads[b] = _rows(joined_grad).sum(axis=0)
                 grads[x] = team.matmul(joined_grad, a(W).T)
                 del joined_grad
         return {name: _cast(g, self.dtypes[name]) for name, g in grads.items()}
+
+
+def _valid_rows(X: np.ndarray, lengths: np.ndarray | None) -> np.ndarray:
+    """``X (*B, N, d)`` with its padded rows (at or after ``lengths``) zeroed when they hold
+    NaN or inf, which would otherwise reach the weight gradients as ``0 * NaN``."""
+    if lengths is None or np.isfinite(X).all():
+        return X
+    valid = np.arange(X.shape[-2]) < np.asarray(lengths)[..., None]  # (*B, N)
+    return np.where(valid[..., None], X, 0.0).astype(X.dtype, copy=False)
 
 
 def _zeros_joined(like: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -26,7 +26,7 @@ import numpy as np
 
 from .contract import Visibility
 from .dropout import Dropout
-from .forward import DEFAULT_MAX_MEMORY, _cast, _product, _stack, plan_tiles
+from .forward import DEFAULT_MAX_MEMORY, _cast, _product, plan_tiles
 from .team import Team
 
 __all__ = ["attend_backward"]
@@ -50,10 +50,11 @@ def attend_backward(
     team: Team | None = None,
     dropout: Dropout | None = None,
 ) -> None:
-    """Fill ``dq`` and ``dk``, ``dv`` (and ``dbias (*batch, H, L, S)``), the last three
-    arriving zeroed, with the gradients of ``sum(grad_out * out)`` for the attention
-    :func:`attend` computed. ``dq`` may be ``grad_out`` itself: each tile of rows reads its
-    rows of ``grad_out`` before it writes them to ``dq``, so the caller needs no buffer.
+    """Fill ``dq`` and ``dk``, ``dv`` (and ``dbias``, shaped like ``visibility.bias``: the
+    bias's own size, never the scores'), the last three arriving zeroed, with the gradients
+    of ``sum(grad_out * out)`` for the attention :func:`attend` computed. ``dq`` may be
+    ``grad_out`` itself: each tile of rows reads its rows of ``grad_out`` before it writes
+    them to ``dq``, so the caller needs no buffer.
 
     Shapes are the forward's: ``q (*batch, H, L, d_k)``, ``k (*batch, H_kv, S, d_k)``,
     ``v (*batch, H_kv, S, d_v)``, ``out`` and ``grad_out (*batch, H, L, d_v)``,
@@ -68,9 +69,14 @@ def attend_backward(
     # Two tiles of scores (p and ds) instead of one: half the forward's budget for each.
     tiles = plan_tiles(L, S, 1, d_k, d_v, dtype.itemsize, max_memory // 2, False, group)
     items = [(batch, h) for batch in np.ndindex(q.shape[:-3]) for h in range(H_kv)]
+    sums: list[np.ndarray] = []  # each worker's bias gradient: items may share its cells
 
     def make_worker() -> Callable[[Any], None]:
         scratch = _Scratch(group * tiles.rows, tiles.cols, d_k, d_v, dtype)
+        own = None
+        if dbias is not None:
+            own = np.zeros(dbias.shape, dtype)
+            sums.append(own)
 
         def run(task: Any) -> None:
             batch, h = task
@@ -88,12 +94,33 @@ def attend_backward(
                 q[batch][heads], k[batch][h], v[batch][h], lse[batch][heads],
                 out[batch][heads], grad_out[batch][heads], item, scale, tiles, dtype,
                 dq[batch][heads], dk[batch][h], dv[batch][h],
-                None if dbias is None else dbias[batch][heads], drop, scratch,
+                None if own is None else _bias_cells(own, batch, heads), drop, scratch,
             )  # fmt: skip
 
         return run
 
     (team or Team(1)).run(items, make_worker)
+    if dbias is not None:
+        for part in sums:
+            dbias += part
+
+
+def _bias_cells(dbias: np.ndarray, batch: tuple[int, ...], heads: slice) -> np.ndarray:
+    """The ``(group or 1, L or 1, S or 1)`` part of a full-rank bias gradient that one batch
+    index and run of heads adds to (broadcast axes have size 1)."""
+    index: tuple[Any, ...] = tuple(
+        0 if size == 1 else i for size, i in zip(dbias.shape, batch, strict=False)
+    )
+    cells: np.ndarray = dbias[(*index, heads if dbias.shape[-3] != 1 else slice(None))]
+    return cells
+
+
+def _rows(block: np.ndarray | None, group: int, n: int, w: int) -> np.ndarray | None:
+    """A mask or bias block for ``group`` query heads, broadcast and stacked as the tile's
+    ``(group * n, w)`` rows (its size-1 axes really broadcast, never reinterpreted)."""
+    if block is None:
+        return None
+    return np.broadcast_to(block, (group, n, w)).reshape(group * n, w)
 
 
 class _Scratch:
@@ -122,7 +149,7 @@ def _item_backward(
     dq: np.ndarray,  # (group, L, d_k), written
     dk: np.ndarray,  # (S, d_k), accumulated
     dv: np.ndarray,  # (S, d_v), accumulated
-    dbias: np.ndarray | None,  # (group, L, S)
+    dbias: np.ndarray | None,  # (group or 1, L or 1, S or 1), accumulated
     drop: Callable[[int, int, int, int], np.ndarray] | None,
     scratch: _Scratch,
 ) -> None:
@@ -148,17 +175,15 @@ def _item_backward(
         for c0 in range(start, stop, tiles.cols):
             c1 = min(c0 + tiles.cols, stop)
             w = c1 - c0
-            hidden = _stack(item.hidden(r0, r1, c0, c1), 1, group, n, w)
-            if hidden is not None:
-                hidden = hidden.reshape(-1, w) if hidden.ndim == 3 else hidden
-                if hidden.all():
-                    continue
+            hidden = _rows(item.hidden(r0, r1, c0, c1), group, n, w)
+            if hidden is not None and hidden.all():
+                continue
             k_c, v_c = _cast(k[c0:c1], dtype), _cast(v[c0:c1], dtype)
             p = scratch.p[: R * w].reshape(R, w)
             np.matmul(q_t, k_c.T, out=p)  # the scores
-            bias = _stack(item.bias_block(r0, r1, c0, c1), 1, group, n, w)
+            bias = _rows(item.bias_block(r0, r1, c0, c1), group, n, w)
             if bias is not None:
-                p += bias.reshape(-1, w) if bias.ndim == 3 else bias
+                p += bias
             if hidden is not None:
                 np.copyto(p, -np.inf, where=hidden)
             p -= lse_t
@@ -182,6 +207,10 @@ def _item_backward(
                     attended = ~hidden[None]
             dq_t += _product(ds[None], k_c[None], attended, out=scratch.part[None, :R])[0]
             dk[c0:c1] += np.matmul(ds.T, q_t, out=scratch.dk[: w * d_k].reshape(w, d_k))
-            if dbias is not None:
-                dbias[:, r0:r1, c0:c1] = ds.reshape(group, n, w)
+            if dbias is not None:  # ds, summed over the axes the bias broadcasts along
+                cell = ds.reshape(group, n, w)
+                axes = tuple(a for a in range(3) if dbias.shape[a] == 1)
+                rows = slice(r0, r1) if dbias.shape[1] != 1 else slice(None)
+                cols = slice(c0, c1) if dbias.shape[2] != 1 else slice(None)
+                dbias[:, rows, cols] += cell.sum(axis=axes, keepdims=True) if axes else cell
         dq[:, r0:r1] = (dq_t * scale).reshape(group, n, d_k)
