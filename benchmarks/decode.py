@@ -121,23 +121,39 @@ def generation(torch: Any, transformers: Any, prompt_length: int, new_tokens: in
         model.save_pretrained(directory)
         decoder = Decoder(directory)
 
-    def ours() -> list[int]:
-        return decoder.generate(prompt, new_tokens)[0]
+    runs: dict[str, list[Any]] = {"mha": [], "transformers": []}
 
-    def theirs() -> list[int]:
+    def ours() -> None:
+        runs["mha"].append(decoder.generate(prompt, new_tokens))
+
+    def theirs() -> None:
         with torch.no_grad():
             out = model.generate(
                 torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                 do_sample=False, pad_token_id=0,
             )  # fmt: skip
-        return list(out[0, prompt_length:].tolist())
+        runs["transformers"].append(list(out[0, prompt_length:].tolist()))
 
-    same = ours() == theirs()
     times = interleaved_medians({"mha": ours, "transformers": theirs}, 3, pause=0.2)
-    return {
-        "prompt": prompt_length, "new_tokens": new_tokens, "same_tokens": same,
+    result: dict[str, Any] = {
+        "prompt": prompt_length, "new_tokens": new_tokens,
         "seconds": {name: float(np.median(t)) for name, t in times.items()},
     }  # fmt: skip
+    # Every run's tokens, compared; where the first pair differs, how close the two best
+    # logits were there (a near tie, which float32 rounding can tip, or a real difference).
+    first = next(
+        (i for i, (a, b) in enumerate(zip(runs["mha"][0][0], runs["transformers"][0],
+                                           strict=True)) if a != b), None,
+    )  # fmt: skip
+    result["same_tokens"] = (
+        first is None
+        and all(run[0] == runs["mha"][0][0] for run in runs["mha"])
+        and all(run == runs["transformers"][0] for run in runs["transformers"])
+    )
+    if first is not None:
+        best = np.sort(runs["mha"][0][1][first])[-2:]
+        result["first_difference"] = {"step": first, "top_two_logits": best.tolist()}
+    return result
 
 
 def measure(quick: bool) -> dict[str, Any]:
@@ -202,8 +218,15 @@ def markdown(runs: list[dict[str, Any]]) -> str:
                 f"hidden 512, 4 layers, 8 heads, 2 key/value heads, vocabulary 8000, float32), "
                 f"a {g['prompt']}-token prompt and {g['new_tokens']} greedy tokens: mha "
                 f"{s['mha']:.2f} s, transformers `generate` {s['transformers']:.2f} s "
-                f"(mha / transformers {s['mha'] / s['transformers']:.2f}); the same tokens: "
-                f"{'yes' if g['same_tokens'] else 'NO'}.",
+                f"(mha / transformers {s['mha'] / s['transformers']:.2f}); the same tokens in "
+                f"every run: {'yes' if g['same_tokens'] else 'NO'}"
+                + (
+                    f", first different at step {g['first_difference']['step']}, where mha's "
+                    f"two best logits were {g['first_difference']['top_two_logits']}"
+                    if "first_difference" in g
+                    else ""
+                )
+                + ".",
             ]
         lines.append("")
     return "\n".join(lines)
