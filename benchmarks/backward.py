@@ -16,7 +16,6 @@ projected q, k, v and the gradients, plus 64 MiB.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tracemalloc
 from pathlib import Path
@@ -26,8 +25,7 @@ import numpy as np
 
 import mha
 from mha._kernel.team import cores
-from mha.cli.bench import SHAPES, environment, interleaved_medians
-from mha.cli.bench import _write as write_file
+from mha.cli.bench import SHAPES, check_readme, environment, interleaved_medians, save_results
 
 ROOT = Path(__file__).parent.parent
 BEGIN, END = "<!-- backward: begin -->", "<!-- backward: end -->"
@@ -156,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--readme", type=Path)
     args = parser.parse_args(argv)
+    if args.readme:
+        check_readme(args.readme, BEGIN, END)  # before measuring anything
     try:
         import torch
     except ImportError:
@@ -171,15 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         "memory": memory(4096 if args.quick else 16384),
     }
     name = "backward-quick" if args.quick else "backward"
-    args.output.mkdir(parents=True, exist_ok=True)
-    write_file(args.output / f"{name}.json", json.dumps(results, indent=2) + "\n")
     table = markdown(results)
-    write_file(args.output / f"{name}.md", table)
-    if args.readme:
-        text = args.readme.read_text()
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        write_file(args.readme, f"{head}{BEGIN}\n{table}{END}{tail}")
+    save_results(args.output, name, results, table, args.readme, (BEGIN, END))
     print(table)
     return 0
 

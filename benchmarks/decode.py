@@ -35,8 +35,7 @@ import numpy as np
 
 import mha
 from mha._kernel.team import cores
-from mha.cli.bench import _write as write_file
-from mha.cli.bench import environment, interleaved_medians
+from mha.cli.bench import check_readme, environment, interleaved_medians, save_results
 
 ROOT = Path(__file__).parent.parent
 H, H_KV, D = 32, 8, 128
@@ -239,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", type=Path)
     parser.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.readme:
+        check_readme(args.readme, DECODE_BEGIN, DECODE_END)  # before measuring anything
     results = measure(args.quick)
     if args.json_only:
         print(json.dumps(results))
@@ -253,15 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         runs.append(json.loads(child.stdout))
     name = "decode-quick" if args.quick else "decode"
-    args.output.mkdir(parents=True, exist_ok=True)
-    write_file(args.output / f"{name}.json", json.dumps(runs, indent=2) + "\n")
     table = markdown(runs)
-    write_file(args.output / f"{name}.md", table)
-    if args.readme:
-        text = args.readme.read_text()
-        head, rest = text.split(DECODE_BEGIN, 1)
-        _, tail = rest.split(DECODE_END, 1)
-        write_file(args.readme, f"{head}{DECODE_BEGIN}\n{table}{DECODE_END}{tail}")
+    save_results(args.output, name, runs, table, args.readme, (DECODE_BEGIN, DECODE_END))
     print(table)
     return 0
 

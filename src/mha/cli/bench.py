@@ -529,22 +529,34 @@ def default_output(size: str) -> Path:
     return Path("benchmarks/results" if size == "full" else f"benchmarks/results-{size}")
 
 
-def check_readme(readme: Path) -> None:
+def check_readme(readme: Path, begin: str = BEGIN, end: str = END) -> None:
     """Refuse, before measuring anything, a README with no section to rewrite."""
     try:
         text = readme.read_text()
     except OSError as error:
         raise ValueError(f"cannot read {readme}: {error.strerror or error}") from None
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{readme} has no {BEGIN} ... {END} section to rewrite")
+    if begin not in text or end not in text:
+        raise ValueError(f"{readme} has no {begin} ... {end} section to rewrite")
 
 
-def _splice(readme: Path, table: str) -> None:
-    check_readme(readme)
+def _splice(readme: Path, table: str, begin: str = BEGIN, end: str = END) -> None:
+    check_readme(readme, begin, end)
     text = readme.read_text()
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    _write(readme, f"{head}{BEGIN}\n{table}{END}{tail}")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    _write(readme, f"{head}{begin}\n{table}{end}{tail}")
+
+
+def save_results(
+    output: Path, name: str, results: Any, table: str, readme: Path | None, markers: tuple[str, str]
+) -> None:
+    """Write ``name.json`` and ``name.md`` under ``output``, and the README's section
+    between ``markers`` (the benchmark scripts under ``benchmarks/`` share this)."""
+    output.mkdir(parents=True, exist_ok=True)
+    _write(output / f"{name}.json", json.dumps(results, indent=2) + "\n")
+    _write(output / f"{name}.md", table)
+    if readme is not None:
+        _splice(readme, table, *markers)
 
 
 if __name__ == "__main__":
