@@ -368,12 +368,18 @@ def test_query_padding_is_documented_as_the_code_behaves():
     b_o = r.standard_normal(8)
     out = mha.multi_head_attention(Q, Q, Q, *W, 2, query_lengths=[1], b_o=b_o)
     np.testing.assert_array_equal(out[0, 1:], np.broadcast_to(b_o, (2, 8)))
-    for text in (README, (ROOT / "docs" / "algorithm.md").read_text(), contract.__doc__):
+    comparison = (ROOT / "docs" / "contract.md").read_text()
+    for text in (
+        README,
+        (ROOT / "docs" / "algorithm.md").read_text(),
+        contract.__doc__,
+        comparison,
+    ):
         for line in text.splitlines():
             if "query_lengths" in line or "query padding" in line.lower():
                 assert "zero output" not in line, line
-    row = next(line for line in README.splitlines() if line.startswith("| query padding"))
-    assert "`b_o`" in row
+    row = next(line for line in comparison.splitlines() if line.startswith("| query padding"))
+    assert "`b_o`" in row and "`b_o`" in README.split("## The mask contract")[1][:900]
 
 
 def test_install_hints_work_from_a_checkout():
