@@ -67,33 +67,40 @@ def attend_backward(
     group = H // H_kv
     dtype = dq.dtype
     # Two tiles of scores (p and ds) instead of one: half the forward's budget for each.
-    tiles = plan_tiles(L, S, 1, d_k, d_v, dtype.itemsize, max_memory // 2, False, group)
-    items = [(batch, h) for batch in np.ndindex(q.shape[:-3]) for h in range(H_kv)]
+    # When all of a head's rows fit, a work item takes several key/value heads (batched
+    # GEMMs), which keeps Python's per-tile cost small for short sequences.
+    tiles = plan_tiles(L, S, H_kv, d_k, d_v, dtype.itemsize, max_memory // 2, False, group)
+    items = [
+        (batch, slice(h, min(h + tiles.heads, H_kv)))
+        for batch in np.ndindex(q.shape[:-3])
+        for h in range(0, H_kv, tiles.heads)
+    ]
     sums: list[np.ndarray] = []  # each worker's bias gradient: items may share its cells
 
     def make_worker() -> Callable[[Any], None]:
-        scratch = _Scratch(group * tiles.rows, tiles.cols, d_k, d_v, dtype)
+        scratch = _Scratch(tiles.heads, group * tiles.rows, tiles.cols, d_k, d_v, dtype)
         own = None
         if dbias is not None:
             own = np.zeros(dbias.shape, dtype)
             sums.append(own)
 
         def run(task: Any) -> None:
-            batch, h = task
-            heads = slice(h * group, (h + 1) * group)
+            batch, kv = task
+            heads = slice(kv.start * group, kv.stop * group)
             item = visibility.item(batch, heads)
             drop = None
             if dropout is not None:
                 index = int(np.ravel_multi_index(batch, q.shape[:-3])) if batch else 0
+                G = kv.stop - kv.start
 
                 def drop(r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
-                    scaled = dropout.scale(index, heads.start, group, r0, r1, c0, c1, dtype)
-                    return scaled.reshape(1, group * (r1 - r0), c1 - c0)
+                    scaled = dropout.scale(index, heads.start, G * group, r0, r1, c0, c1, dtype)
+                    return scaled.reshape(G, group * (r1 - r0), c1 - c0)
 
             _item_backward(
-                q[batch][heads], k[batch][h], v[batch][h], lse[batch][heads],
+                q[batch][heads], k[batch][kv], v[batch][kv], lse[batch][heads],
                 out[batch][heads], grad_out[batch][heads], item, scale, tiles, dtype,
-                dq[batch][heads], dk[batch][h], dv[batch][h],
+                dq[batch][heads], dk[batch][kv], dv[batch][kv],
                 None if own is None else _bias_cells(own, batch, heads), drop, scratch,
             )  # fmt: skip
 
@@ -115,45 +122,41 @@ def _bias_cells(dbias: np.ndarray, batch: tuple[int, ...], heads: slice) -> np.n
     return cells
 
 
-def _rows(block: np.ndarray | None, group: int, n: int, w: int) -> np.ndarray | None:
-    """A mask or bias block for ``group`` query heads, broadcast and stacked as the tile's
-    ``(group * n, w)`` rows (its size-1 axes really broadcast, never reinterpreted)."""
-    if block is None:
-        return None
-    return np.broadcast_to(block, (group, n, w)).reshape(group * n, w)
-
-
 class _Scratch:
-    """One worker's buffers for the largest tile: ``R`` stacked rows by ``cols`` keys."""
+    """One worker's buffers for the largest tile: ``G`` key/value heads, ``R`` stacked rows
+    each, by ``cols`` keys."""
 
-    def __init__(self, R: int, cols: int, d_k: int, d_v: int, dtype: np.dtype) -> None:
-        self.p = np.empty(R * cols, dtype)
-        self.ds = np.empty(R * cols, dtype)
-        self.dv = np.empty(cols * d_v, dtype)
-        self.dk = np.empty(cols * d_k, dtype)
-        self.dq = np.empty((R, d_k), dtype)
-        self.part = np.empty((R, d_k), dtype)
+    def __init__(self, G: int, R: int, cols: int, d_k: int, d_v: int, dtype: np.dtype) -> None:
+        self.p = np.empty(G * R * cols, dtype)
+        self.ds = np.empty(G * R * cols, dtype)
+        self.dv = np.empty(G * cols * d_v, dtype)
+        self.dk = np.empty(G * cols * d_k, dtype)
+        self.dq = np.empty(G * R * d_k, dtype)
+        self.part = np.empty(G * R * d_k, dtype)
 
 
 def _item_backward(
-    q: np.ndarray,  # (group, L, d_k)
-    k: np.ndarray,  # (S, d_k)
-    v: np.ndarray,  # (S, d_v)
-    lse: np.ndarray,  # (group, L)
-    out: np.ndarray,  # (group, L, d_v): the forward's output
-    grad_out: np.ndarray,  # (group, L, d_v)
+    q: np.ndarray,  # (G * group, L, d_k)
+    k: np.ndarray,  # (G, S, d_k)
+    v: np.ndarray,  # (G, S, d_v)
+    lse: np.ndarray,  # (G * group, L)
+    out: np.ndarray,  # (G * group, L, d_v): the forward's output
+    grad_out: np.ndarray,  # (G * group, L, d_v)
     item: Any,
     scale: float,
     tiles: Any,
     dtype: np.dtype,
-    dq: np.ndarray,  # (group, L, d_k), written
-    dk: np.ndarray,  # (S, d_k), accumulated
-    dv: np.ndarray,  # (S, d_v), accumulated
-    dbias: np.ndarray | None,  # (group or 1, L or 1, S or 1), accumulated
+    dq: np.ndarray,  # (G * group, L, d_k), written
+    dk: np.ndarray,  # (G, S, d_k), accumulated
+    dv: np.ndarray,  # (G, S, d_v), accumulated
+    dbias: np.ndarray | None,  # (G * group or 1, L or 1, S or 1), accumulated
     drop: Callable[[int, int, int, int], np.ndarray] | None,
     scratch: _Scratch,
 ) -> None:
-    group, d_k, d_v = q.shape[0], q.shape[-1], v.shape[-1]
+    """The gradients of ``G`` key/value heads and their query heads, whose rows are stacked
+    per key/value head into tiles of ``R = group * n`` rows, as in the forward pass."""
+    G, d_k, d_v = k.shape[0], q.shape[-1], v.shape[-1]
+    group = q.shape[0] // G
     dq[:, item.query_end :] = 0.0  # padded rows: no gradient
     for r0 in range(0, item.query_end, tiles.rows):
         r1 = min(r0 + tiles.rows, item.query_end)
@@ -163,39 +166,37 @@ def _item_backward(
         if stop <= start:
             dq[:, r0:r1] = 0.0
             continue
-        q_t = np.multiply(q[:, r0:r1], scale, dtype=dtype).reshape(R, d_k)
-        do_t = _cast(grad_out[:, r0:r1], dtype).reshape(R, d_v)
-        lse_t = lse[:, r0:r1].reshape(R)
-        lse_t = np.where(lse_t == -np.inf, np.inf, lse_t)[:, None]  # rows seeing no key
-        o_t = _cast(out[:, r0:r1], dtype).reshape(R, d_v)
-        D_t = np.einsum("rd,rd->r", do_t, o_t)[:, None]  # rowsum(dO * O)
+        q_t = np.multiply(q[:, r0:r1], scale, dtype=dtype).reshape(G, R, d_k)
+        do_t = _cast(grad_out[:, r0:r1], dtype).reshape(G, R, d_v)
+        lse_t = lse[:, r0:r1].reshape(G, R)
+        lse_t = np.where(lse_t == -np.inf, np.inf, lse_t)[..., None]  # rows seeing no key
+        o_t = _cast(out[:, r0:r1], dtype).reshape(G, R, d_v)
+        D_t = np.einsum("grd,grd->gr", do_t, o_t)[..., None]  # rowsum(dO * O)
         do_t = do_t.copy() if np.may_share_memory(do_t, dq) else do_t  # dq may be grad_out
-        dq_t = scratch.dq[:R]
+        dq_t = scratch.dq[: G * R * d_k].reshape(G, R, d_k)
         dq_t.fill(0.0)
         for c0 in range(start, stop, tiles.cols):
             c1 = min(c0 + tiles.cols, stop)
             w = c1 - c0
-            hidden = _rows(item.hidden(r0, r1, c0, c1), group, n, w)
+            hidden = _tile(item.hidden(r0, r1, c0, c1), G, group, n, w)
             if hidden is not None and hidden.all():
                 continue
-            k_c, v_c = _cast(k[c0:c1], dtype), _cast(v[c0:c1], dtype)
-            p = scratch.p[: R * w].reshape(R, w)
-            np.matmul(q_t, k_c.T, out=p)  # the scores
-            bias = _rows(item.bias_block(r0, r1, c0, c1), group, n, w)
+            k_c, v_c = _cast(k[:, c0:c1], dtype), _cast(v[:, c0:c1], dtype)
+            p = scratch.p[: G * R * w].reshape(G, R, w)
+            np.matmul(q_t, k_c.transpose(0, 2, 1), out=p)  # the scores
+            bias = _tile(item.bias_block(r0, r1, c0, c1), G, group, n, w)
             if bias is not None:
                 p += bias
             if hidden is not None:
                 np.copyto(p, -np.inf, where=hidden)
             p -= lse_t
             np.exp(p, out=p)  # the forward's weights, recomputed
-            ds = scratch.ds[: R * w].reshape(R, w)
-            kept = None if drop is None else drop(r0, r1, c0, c1).reshape(R, w)
-            if kept is None:
-                dv[c0:c1] += np.matmul(p.T, do_t, out=scratch.dv[: w * d_v].reshape(w, d_v))
-            else:
-                np.multiply(p, kept, out=ds)  # the dropped weights
-                dv[c0:c1] += np.matmul(ds.T, do_t, out=scratch.dv[: w * d_v].reshape(w, d_v))
-            np.matmul(do_t, v_c.T, out=ds)  # dp (of the dropped weights)
+            ds = scratch.ds[: G * R * w].reshape(G, R, w)
+            kept = None if drop is None else drop(r0, r1, c0, c1)
+            dropped = p if kept is None else np.multiply(p, kept, out=ds)
+            part = scratch.dv[: G * w * d_v].reshape(G, w, d_v)
+            dv[:, c0:c1] += np.matmul(dropped.transpose(0, 2, 1), do_t, out=part)
+            np.matmul(do_t, v_c.transpose(0, 2, 1), out=ds)  # dp (of the dropped weights)
             if kept is not None:
                 ds *= kept
             ds -= D_t
@@ -204,13 +205,22 @@ def _item_backward(
             if hidden is not None:
                 np.copyto(ds, 0.0, where=hidden)  # NaN in a hidden value stops here
                 if not np.isfinite(k_c).all():
-                    attended = ~hidden[None]
-            dq_t += _product(ds[None], k_c[None], attended, out=scratch.part[None, :R])[0]
-            dk[c0:c1] += np.matmul(ds.T, q_t, out=scratch.dk[: w * d_k].reshape(w, d_k))
+                    attended = ~hidden
+            dq_t += _product(ds, k_c, attended, out=scratch.part[: G * R * d_k].reshape(G, R, d_k))
+            part = scratch.dk[: G * w * d_k].reshape(G, w, d_k)
+            dk[:, c0:c1] += np.matmul(ds.transpose(0, 2, 1), q_t, out=part)
             if dbias is not None:  # ds, summed over the axes the bias broadcasts along
-                cell = ds.reshape(group, n, w)
+                cell = ds.reshape(G * group, n, w)
                 axes = tuple(a for a in range(3) if dbias.shape[a] == 1)
                 rows = slice(r0, r1) if dbias.shape[1] != 1 else slice(None)
                 cols = slice(c0, c1) if dbias.shape[2] != 1 else slice(None)
                 dbias[:, rows, cols] += cell.sum(axis=axes, keepdims=True) if axes else cell
-        dq[:, r0:r1] = (dq_t * scale).reshape(group, n, d_k)
+        dq[:, r0:r1] = (dq_t * scale).reshape(G * group, n, d_k)
+
+
+def _tile(block: np.ndarray | None, G: int, group: int, n: int, w: int) -> np.ndarray | None:
+    """A mask or bias block for the ``G * group`` query heads, broadcast and stacked as the
+    tile's ``(G, group * n, w)`` (its size-1 axes really broadcast, never reinterpreted)."""
+    if block is None:
+        return None
+    return np.broadcast_to(block, (G * group, n, w)).reshape(G, group * n, w)
