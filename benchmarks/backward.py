@@ -25,7 +25,14 @@ import numpy as np
 
 import mha
 from mha._kernel.team import cores
-from mha.cli.bench import SHAPES, check_readme, environment, interleaved_medians, save_results
+from mha.cli.bench import (
+    SHAPES,
+    check_readme,
+    environment,
+    interleaved_medians,
+    measured_on,
+    save_results,
+)
 
 ROOT = Path(__file__).parent.parent
 BEGIN, END = "<!-- backward: begin -->", "<!-- backward: end -->"
@@ -109,16 +116,9 @@ def memory(L: int = 16384) -> dict[str, Any]:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    env = results["environment"]
-    blas = env.get("blas", [{}])[0]
-    forced = env.get("OPENBLAS_CORETYPE")
     lines = [
-        f"Measured {env['date'][:10]} on {env['cores']} cores of an {env['processor']}: NumPy "
-        f"{env['numpy']} with OpenBLAS {blas.get('version')} using its "
-        f"{blas.get('architecture')} kernel"
-        + (f" (held there by OPENBLAS_CORETYPE={forced})" if forced else "")
-        + f"; torch {env['torch']} (CPU capability {env.get('torch_cpu_capability')}). "
-        "Forward + backward, ms (medians of interleaved runs); ratios below 1 favour mha.",
+        measured_on(results["environment"])
+        + "Forward + backward, ms (medians of interleaved runs); ratios below 1 favour mha.",
         "",
         "| shape | dtype | mha | torch `nn.MultiheadAttention` | mha / torch | mha backward "
         "/ forward | core: mha SDPA | core: torch SDPA | core mha / torch |",

@@ -35,7 +35,13 @@ import numpy as np
 
 import mha
 from mha._kernel.team import cores
-from mha.cli.bench import check_readme, environment, interleaved_medians, save_results
+from mha.cli.bench import (
+    check_readme,
+    environment,
+    interleaved_medians,
+    measured_on,
+    save_results,
+)
 
 ROOT = Path(__file__).parent.parent
 H, H_KV, D = 32, 8, 128
@@ -177,18 +183,11 @@ def measure(quick: bool) -> dict[str, Any]:
 def markdown(runs: list[dict[str, Any]]) -> str:
     lines = []
     for results in runs:
-        env = results["environment"]
-        blas = env.get("blas", [{}])[0]
-        forced = env.get("OPENBLAS_CORETYPE")
         bw = results["bandwidth"]
         best = max(bw.values())
         lines += [
-            f"Measured {env['date'][:10]} on {env['cores']} cores of an {env['processor']}: "
-            f"NumPy {env['numpy']} with OpenBLAS {blas.get('version')} using its "
-            f"{blas.get('architecture')} kernel"
-            + (f" (held there by OPENBLAS_CORETYPE={forced})" if forced else "")
-            + f"; torch {env['torch']} (CPU capability {env.get('torch_cpu_capability')}). "
-            f"Memory bandwidth from `np.sum`: "
+            measured_on(results["environment"])
+            + "Memory bandwidth from `np.sum`: "
             + ", ".join(f"{v / 1e9:.1f} GB/s on {k}" for k, v in bw.items())
             + "; the floor uses the larger. One token, B=1, 32 query heads, 8 key/value "
             "heads, head_dim 128, float32; medians of interleaved runs of 8 consecutive steps, "

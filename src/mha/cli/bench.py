@@ -324,6 +324,19 @@ def environment(torch: Any) -> dict[str, Any]:
     return info
 
 
+def measured_on(env: dict[str, Any]) -> str:
+    """The sentence a results table opens with: when, on what CPU, BLAS kernel and torch."""
+    blas = env.get("blas", [{}])[0]
+    forced = env.get("OPENBLAS_CORETYPE")
+    return (
+        f"Measured {env['date'][:10]} on {env['cores']} cores of an {env['processor']}: NumPy "
+        f"{env['numpy']} with OpenBLAS {blas.get('version')} using its "
+        f"{blas.get('architecture')} kernel"
+        + (f" (held there by OPENBLAS_CORETYPE={forced})" if forced else "")
+        + f"; torch {env['torch']} (CPU capability {env.get('torch_cpu_capability')}). "
+    )
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The tables the README quotes."""
     env = results["environment"]
