@@ -4,9 +4,7 @@ against Hugging Face transformers (Llama, Qwen2, Mistral) and PyTorch, in float6
 from __future__ import annotations
 
 import math
-import sys
 import tracemalloc
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -467,7 +465,6 @@ def test_the_command_line_takes_a_window(tmp_path):
 
 
 def test_the_numpy_decoder_generates_what_transformers_generates(torch, transformers, tmp_path):
-    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
     from generate import Decoder
 
     config = transformers.LlamaConfig(
@@ -619,7 +616,6 @@ def test_more_one_line_errors_for_decoder_settings(tmp_path):
 
 
 def test_the_example_refuses_what_it_does_not_implement(torch, transformers, tmp_path):
-    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
     from generate import Decoder
 
     config = transformers.LlamaConfig(

@@ -4,12 +4,8 @@ train exactly as the same model does in torch, and the task is learnt."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
 import train
 
 
