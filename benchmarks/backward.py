@@ -8,7 +8,9 @@ For the forward benchmark's shapes S1-S4, in float32 and float64, one interleave
 mha's ``multi_head_attention(..., return_backward=True)`` and its ``backward``; the same for
 the attention core alone (``scaled_dot_product_attention`` on split heads); and torch's
 ``nn.MultiheadAttention`` and ``F.scaled_dot_product_attention`` forward + ``.backward()``.
-Medians. Then the peak traced memory of a causal forward + backward at L = S = 16384
+Medians. Where the environment sets ``OPENBLAS_CORETYPE`` or ``OPENBLAS_L2_SIZE`` (holding
+OpenBLAS to an older kernel), the same run is repeated in a child process without them. Then
+the peak traced memory of a causal forward + backward at L = S = 16384
 (B=1, d_model=512, 8 heads, float32), beside what the call must hold: its output, the
 projected q, k, v and the gradients, plus 64 MiB.
 """
@@ -16,6 +18,7 @@ projected q, k, v and the gradients, plus 64 MiB.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tracemalloc
 from pathlib import Path
@@ -31,6 +34,7 @@ from mha.cli.bench import (
     environment,
     interleaved_medians,
     measured_on,
+    runs_with_free_blas,
     save_results,
 )
 
@@ -89,7 +93,7 @@ def case(shape: Any, dtype: Any, torch: Any) -> dict[str, Any]:
             out.backward(torch.from_numpy(grad_heads))
 
         functions |= {"torch": torch_both, "torch core": torch_core}
-    times = interleaved_medians(functions, 5 if shape.L <= 2048 else 3, pause=0.2)
+    times = interleaved_medians(functions, 9 if shape.L <= 2048 else 5, pause=0.2)
     s = {name: float(np.median(t)) for name, t in times.items()}
     return {
         "shape": shape.name, "causal": shape.causal, "B": B, "L": L, "d_model": E, "H": H,
@@ -115,29 +119,33 @@ def memory(L: int = 16384) -> dict[str, Any]:
             "dense_probabilities_bytes": H * L * L * 4}  # fmt: skip
 
 
-def markdown(results: dict[str, Any]) -> str:
-    lines = [
-        measured_on(results["environment"])
-        + "Forward + backward, ms (medians of interleaved runs); ratios below 1 favour mha.",
-        "",
-        "| shape | dtype | mha | torch `nn.MultiheadAttention` | mha / torch | mha backward "
-        "/ forward | core: mha SDPA | core: torch SDPA | core mha / torch |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in results["speed"]:
-        s = row["seconds"]
-        name = f"{row['shape']}{' causal' if row['causal'] else ''} (B={row['B']}, L={row['L']}, d={row['d_model']}, H={row['H']})"  # noqa: E501
-        backward = (s["mha"] - s["mha forward"]) / s["mha forward"]
-        lines.append(
-            f"| {name} | {row['dtype']} | {s['mha'] * 1e3:.0f} | {s['torch'] * 1e3:.0f} "
-            f"| {s['mha'] / s['torch']:.2f} | {backward:.2f} | {s['mha core'] * 1e3:.0f} "
-            f"| {s['torch core'] * 1e3:.0f} | {s['mha core'] / s['torch core']:.2f} |"
-        )
-    m = results["memory"]
+def markdown(runs: list[dict[str, Any]]) -> str:
+    """One table per run (the second, when there is one, with OpenBLAS free to choose its
+    kernel), then the memory line of the first."""
+    lines = []
+    for results in runs:
+        lines += [
+            measured_on(results["environment"])
+            + "Forward + backward, ms (medians of interleaved runs); ratios below 1 favour mha.",
+            "",
+            "| shape | dtype | mha | torch `nn.MultiheadAttention` | mha / torch | mha backward "
+            "/ forward | core: mha SDPA | core: torch SDPA | core mha / torch |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for row in results["speed"]:
+            s = row["seconds"]
+            name = f"{row['shape']}{' causal' if row['causal'] else ''} (B={row['B']}, L={row['L']}, d={row['d_model']}, H={row['H']})"  # noqa: E501
+            backward = (s["mha"] - s["mha forward"]) / s["mha forward"]
+            lines.append(
+                f"| {name} | {row['dtype']} | {s['mha'] * 1e3:.0f} | {s['torch'] * 1e3:.0f} "
+                f"| {s['mha'] / s['torch']:.2f} | {backward:.2f} | {s['mha core'] * 1e3:.0f} "
+                f"| {s['torch core'] * 1e3:.0f} | {s['mha core'] / s['torch core']:.2f} |"
+            )
+        lines.append("")
+    m = runs[0]["memory"]
     mib = 2**20
     held = ", ".join(f"{k} {v / mib:.0f} MiB" for k, v in m["held_bytes"].items())
     lines += [
-        "",
         f"Peak traced memory of a causal forward + backward at L = S = {m['L']:,} (B=1, "
         f"d_model=512, 8 heads, float32; inputs already allocated): "
         f"{m['peak_bytes'] / mib:.0f} MiB, beside what it must hold ({held}) plus 64 MiB = "
@@ -153,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--readme", type=Path)
+    parser.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.readme:
         check_readme(args.readme, BEGIN, END)  # before measuring anything
@@ -170,9 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         ],
         "memory": memory(4096 if args.quick else 16384),
     }
+    if args.json_only:
+        print(json.dumps(results))
+        return 0
+    runs = runs_with_free_blas(__file__, ["--quick"] if args.quick else [], results)
     name = "backward-quick" if args.quick else "backward"
-    table = markdown(results)
-    save_results(args.output, name, results, table, args.readme, (BEGIN, END))
+    table = markdown(runs)
+    save_results(args.output, name, runs, table, args.readme, (BEGIN, END))
     print(table)
     return 0
 

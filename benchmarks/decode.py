@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,6 +38,7 @@ from mha.cli.bench import (
     environment,
     interleaved_medians,
     measured_on,
+    runs_with_free_blas,
     save_results,
 )
 
@@ -243,15 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_only:
         print(json.dumps(results))
         return 0
-    runs = [results]
-    if "OPENBLAS_CORETYPE" in os.environ or "OPENBLAS_L2_SIZE" in os.environ:
-        forced = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-        env = {k: v for k, v in os.environ.items() if k not in forced}
-        child = subprocess.run(
-            [sys.executable, __file__, "--json-only", *(["--quick"] if args.quick else [])],
-            env=env, capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        runs.append(json.loads(child.stdout))
+    runs = runs_with_free_blas(__file__, ["--quick"] if args.quick else [], results)
     name = "decode-quick" if args.quick else "decode"
     table = markdown(runs)
     save_results(args.output, name, runs, table, args.readme, (DECODE_BEGIN, DECODE_END))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -52,3 +53,31 @@ def test_plans():
     assert [shape.name for shape in full.shapes] == ["S1", "S2", "S3", "S4"]
     assert bench.steps(full) == 8 + 5 + 5
     assert smoke.repeats == 1 and full.repeats == 7 and quick.repeats == 3
+
+
+def test_runs_with_free_blas_repeats_the_run_without_the_forcing_variables(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "assert sys.argv[1:] == ['--json-only', '--quick']\n"
+        "print(json.dumps({name: os.environ.get(name) for name in "
+        "('OPENBLAS_CORETYPE', 'OPENBLAS_L2_SIZE', 'KEPT')}))\n"
+    )
+    base = {k: v for k, v in os.environ.items() if k not in bench.FORCED_BLAS}
+    forced = {**base, "OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "1000", "KEPT": "1"}
+    runs = bench.runs_with_free_blas(str(script), ["--quick"], {"run": 1}, environ=forced)
+    assert runs == [
+        {"run": 1},
+        {"OPENBLAS_CORETYPE": None, "OPENBLAS_L2_SIZE": None, "KEPT": "1"},
+    ]
+    assert forced["OPENBLAS_CORETYPE"] == "Haswell"  # only the child's environment changed
+    assert bench.runs_with_free_blas(str(script), [], {"run": 1}, environ=base) == [{"run": 1}]
+
+
+def test_measured_on_names_the_forcing_variables():
+    env = {"date": "2026-11-30", "cores": 2, "processor": "Intel Xeon", "numpy": "2.4",
+           "torch": "2.13.0", "torch_cpu_capability": "AVX512",
+           "blas": [{"version": "0.3.31", "architecture": "Haswell"}]}  # fmt: skip
+    held = bench.measured_on({**env, "OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "1000"})
+    assert "held there by OPENBLAS_CORETYPE=Haswell OPENBLAS_L2_SIZE=1000" in held
+    assert "free to choose it" in bench.measured_on(env)

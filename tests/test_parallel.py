@@ -37,6 +37,7 @@ def test_a_worker_error_reaches_the_caller():
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_team_matmul_equals_numpy(workers, monkeypatch):
     monkeypatch.setattr(parallel, "MATMUL_ROWS", 7)  # many ragged row blocks
+    monkeypatch.setattr(parallel, "MATMUL_MAX_ROWS", 7)
     r = np.random.default_rng(0)
     x, W, b = r.standard_normal((3, 20, 9)), r.standard_normal((9, 5)), r.standard_normal(5)
     with parallel.Team(workers) as team:
@@ -134,3 +135,23 @@ def test_team_matmul_splits_columns_when_rows_are_few(workers):
     x, W, b = r.standard_normal((5, 40)), r.standard_normal((40, 300)), r.standard_normal(300)
     with parallel.Team(workers) as team:
         np.testing.assert_allclose(team.matmul(x, W, b), x @ W + b, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_team_matmul_may_overwrite_its_input(workers):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 700, 48))
+    W = rng.standard_normal((48, 48))
+    expected = x @ W
+    with parallel.Team(workers) as team:
+        kept = x.copy()
+        result = team.matmul(kept, W, overwrite=True)
+        assert np.shares_memory(result, kept)  # the input's buffer now holds the result
+        np.testing.assert_allclose(result, expected, rtol=1e-13)
+        strided = x.transpose(1, 0, 2)  # not contiguous: a new array, the input untouched
+        before = strided.copy()
+        other = team.matmul(strided, W, overwrite=True)
+        assert not np.shares_memory(other, x)
+        np.testing.assert_array_equal(strided, before)
+        wide = team.matmul(x.copy(), rng.standard_normal((48, 20)), overwrite=True)
+        assert wide.shape == (3, 700, 20)  # not square: a new array

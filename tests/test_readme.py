@@ -54,7 +54,7 @@ def test_quoted_error_is_real():
 def test_both_commands_are_there():
     shell = blocks("bash")
     assert any('pip install ".[cli]"' in block and "mha demo" in block for block in shell)
-    assert any('".[test,torch]"' in block and "pytest" in block for block in shell)
+    assert any('".[test,torch,fast]"' in block and "pytest" in block for block in shell)
 
 
 def test_the_images_it_shows_exist():

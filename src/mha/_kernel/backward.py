@@ -3,12 +3,17 @@
 Nothing of size ``L x S`` is kept from the forward pass: only q, k, v, the output and each
 row's log-sum-exp ``lse``. Each tile's probabilities are recomputed from them::
 
-    s  = (q * scale) @ k_tile.T + bias_tile        hidden pairs overwritten with -inf
-    p  = exp(s - lse)                              exactly the forward's weights
+    s - lse = [q * scale, -lse] @ [k_tile, 1].T + bias_tile
+    p  = exp(s - lse)                              exactly the forward's weights, 0 if hidden
     dv_tile += p.T @ dO
-    dp = dO @ v_tile.T
-    ds = p * (dp - D),   D = rowsum(dO * O)        ds = 0 where the key is hidden
+    dp - D = [dO, -D] @ [v_tile, 1].T,   D = rowsum(dO * O)
+    ds = p * (dp - D)                              ds = 0 where the key is hidden
     dq += ds @ k_tile * scale,   dk_tile += ds.T @ (q * scale),   dbias_tile = ds
+
+Both subtractions ride on the GEMMs as one extra column of ones: BLAS does them for about
+1% of a GEMM's time, where a NumPy pass over the tile costs a quarter of one. Hidden pairs
+are zeroed after ``exp`` rather than set to ``-inf`` before it (NumPy's float64 ``exp`` is
+several times slower on ``-inf``).
 
 A work item is one ``(*batch, key/value head)``: it owns that head's ``dk`` and ``dv`` and
 its query heads' ``dq``, so the workers share no accumulator and need no lock. The tiles an
@@ -49,6 +54,7 @@ def attend_backward(
     max_memory: int = DEFAULT_MAX_MEMORY,
     team: Team | None = None,
     dropout: Dropout | None = None,
+    dq_factor: float = 1.0,
 ) -> None:
     """Fill ``dq`` and ``dk``, ``dv`` (and ``dbias``, shaped like ``visibility.bias``: the
     bias's own size, never the scores'), the last three arriving zeroed, with the gradients
@@ -60,7 +66,8 @@ def attend_backward(
     ``v (*batch, H_kv, S, d_v)``, ``out`` and ``grad_out (*batch, H, L, d_v)``,
     ``lse (*batch, H, L)``; everything in ``dq.dtype`` (float32 or wider). ``dropout`` is
     the forward's, whose mask is regenerated tile by tile: ``dv`` takes the dropped weights
-    and ``dp`` the mask, while ``D = rowsum(dO * O)`` already includes it.
+    and ``dp`` the mask, while ``D = rowsum(dO * O)`` already includes it. ``dq`` comes out
+    multiplied by ``dq_factor`` (the chain rule of a scale the caller folded into q).
     """
     H, L, d_k = q.shape[-3], q.shape[-2], q.shape[-1]
     H_kv, S, d_v = k.shape[-3], k.shape[-2], v.shape[-1]
@@ -99,7 +106,8 @@ def attend_backward(
 
             _item_backward(
                 q[batch][heads], k[batch][kv], v[batch][kv], lse[batch][heads],
-                out[batch][heads], grad_out[batch][heads], item, scale, tiles, dtype,
+                out[batch][heads], grad_out[batch][heads], item, scale, scale * dq_factor,
+                tiles, dtype,
                 dq[batch][heads], dk[batch][kv], dv[batch][kv],
                 None if own is None else _bias_cells(own, batch, heads), drop, scratch,
             )  # fmt: skip
@@ -133,6 +141,10 @@ class _Scratch:
         self.dk = np.empty(G * cols * d_k, dtype)
         self.dq = np.empty(G * R * d_k, dtype)
         self.part = np.empty(G * R * d_k, dtype)
+        self.q_aug = np.empty(G * R * (d_k + 1), dtype)  # [q * scale, -lse]
+        self.do_aug = np.empty(G * R * (d_v + 1), dtype)  # [dO, -D]
+        self.k_aug = np.empty(G * cols * (d_k + 1), dtype)  # [k, 1]
+        self.v_aug = np.empty(G * cols * (d_v + 1), dtype)  # [v, 1]
 
 
 def _item_backward(
@@ -144,6 +156,7 @@ def _item_backward(
     grad_out: np.ndarray,  # (G * group, L, d_v)
     item: Any,
     scale: float,
+    dq_scale: float,
     tiles: Any,
     dtype: np.dtype,
     dq: np.ndarray,  # (G * group, L, d_k), written
@@ -158,6 +171,7 @@ def _item_backward(
     G, d_k, d_v = k.shape[0], q.shape[-1], v.shape[-1]
     group = q.shape[0] // G
     dq[:, item.query_end :] = 0.0  # padded rows: no gradient
+    flip = dtype.itemsize == 8  # see _transposed_product
     for r0 in range(0, item.query_end, tiles.rows):
         r1 = min(r0 + tiles.rows, item.query_end)
         n = r1 - r0
@@ -166,56 +180,112 @@ def _item_backward(
         if stop <= start:
             dq[:, r0:r1] = 0.0
             continue
-        q_t = np.multiply(q[:, r0:r1], scale, dtype=dtype).reshape(G, R, d_k)
-        do_t = _cast(grad_out[:, r0:r1], dtype).reshape(G, R, d_v)
+        # Both subtractions ride on GEMMs as one extra column: s - lse = [q, -lse] @ [k, 1]^T
+        # and dp - D = [dO, -D] @ [v, 1]^T, which costs BLAS far less than two passes.
+        q_a = scratch.q_aug[: G * R * (d_k + 1)].reshape(G, R, d_k + 1)
+        np.multiply(q[:, r0:r1].reshape(G, R, d_k), scale, out=q_a[..., :d_k])
         lse_t = lse[:, r0:r1].reshape(G, R)
-        lse_t = np.where(lse_t == -np.inf, np.inf, lse_t)[..., None]  # rows seeing no key
+        np.negative(lse_t, out=q_a[..., d_k])
+        q_a[..., d_k][lse_t == -np.inf] = -np.inf  # rows seeing no key: p = 0
+        do_a = scratch.do_aug[: G * R * (d_v + 1)].reshape(G, R, d_v + 1)
+        np.copyto(do_a[..., :d_v], grad_out[:, r0:r1].reshape(G, R, d_v))
         o_t = _cast(out[:, r0:r1], dtype).reshape(G, R, d_v)
-        D_t = np.einsum("grd,grd->gr", do_t, o_t)[..., None]  # rowsum(dO * O)
-        do_t = do_t.copy() if np.may_share_memory(do_t, dq) else do_t  # dq may be grad_out
+        D = np.einsum("grd,grd->gr", do_a[..., :d_v], o_t)  # rowsum(dO * O)
+        np.negative(D, out=do_a[..., d_v])
         dq_t = scratch.dq[: G * R * d_k].reshape(G, R, d_k)
         dq_t.fill(0.0)
         for c0 in range(start, stop, tiles.cols):
             c1 = min(c0 + tiles.cols, stop)
             w = c1 - c0
-            hidden = _tile(item.hidden(r0, r1, c0, c1), G, group, n, w)
-            if hidden is not None and hidden.all():
+            k_a = scratch.k_aug[: G * w * (d_k + 1)].reshape(G, w, d_k + 1)
+            v_a = scratch.v_aug[: G * w * (d_v + 1)].reshape(G, w, d_v + 1)
+            np.copyto(k_a[..., :d_k], k[:, c0:c1])
+            np.copyto(v_a[..., :d_v], v[:, c0:c1])
+            k_a[..., d_k] = 1.0
+            v_a[..., d_v] = 1.0
+            # only the rows that can see this key tile (the diagonal's, a window's edge)
+            a, b = item.rows_seeing(r0, r1, c0, c1) if group == 1 else (r0, r1)
+            if a == b:
                 continue
-            k_c, v_c = _cast(k[:, c0:c1], dtype), _cast(v[:, c0:c1], dtype)
-            p = scratch.p[: G * R * w].reshape(G, R, w)
-            np.matmul(q_t, k_c.transpose(0, 2, 1), out=p)  # the scores
-            bias = _tile(item.bias_block(r0, r1, c0, c1), G, group, n, w)
-            if bias is not None:
-                p += bias
-            if hidden is not None:
-                np.copyto(p, -np.inf, where=hidden)
-            p -= lse_t
-            np.exp(p, out=p)  # the forward's weights, recomputed
-            ds = scratch.ds[: G * R * w].reshape(G, R, w)
-            kept = None if drop is None else drop(r0, r1, c0, c1)
-            dropped = p if kept is None else np.multiply(p, kept, out=ds)
-            part = scratch.dv[: G * w * d_v].reshape(G, w, d_v)
-            dv[:, c0:c1] += np.matmul(dropped.transpose(0, 2, 1), do_t, out=part)
-            np.matmul(do_t, v_c.transpose(0, 2, 1), out=ds)  # dp (of the dropped weights)
-            if kept is not None:
-                ds *= kept
-            ds -= D_t
-            ds *= p
-            attended = None
-            if hidden is not None:
-                np.copyto(ds, 0.0, where=hidden)  # NaN in a hidden value stops here
-                if not np.isfinite(k_c).all():
-                    attended = ~hidden
-            dq_t += _product(ds, k_c, attended, out=scratch.part[: G * R * d_k].reshape(G, R, d_k))
-            part = scratch.dk[: G * w * d_k].reshape(G, w, d_k)
-            dk[:, c0:c1] += np.matmul(ds.transpose(0, 2, 1), q_t, out=part)
-            if dbias is not None:  # ds, summed over the axes the bias broadcasts along
-                cell = ds.reshape(G * group, n, w)
-                axes = tuple(a for a in range(3) if dbias.shape[a] == 1)
-                rows = slice(r0, r1) if dbias.shape[1] != 1 else slice(None)
-                cols = slice(c0, c1) if dbias.shape[2] != 1 else slice(None)
-                dbias[:, rows, cols] += cell.sum(axis=axes, keepdims=True) if axes else cell
-        dq[:, r0:r1] = (dq_t * scale).reshape(G * group, n, d_k)
+            rows = slice(a - r0, b - r0) if group == 1 else slice(None)
+            _tile_backward(
+                q_a[:, rows], do_a[:, rows], k_a, v_a, dq_t[:, rows], dk[:, c0:c1],
+                dv[:, c0:c1], item, a, b, c0, c1, G, group, dbias, drop, flip, scratch,
+            )  # fmt: skip
+        np.multiply(dq_t.reshape(G * group, n, d_k), dq_scale, out=dq[:, r0:r1])
+
+
+def _tile_backward(
+    q_a: np.ndarray,  # (G, R, d_k + 1): [q * scale, -lse]
+    do_a: np.ndarray,  # (G, R, d_v + 1): [dO, -D]
+    k_a: np.ndarray,  # (G, w, d_k + 1): [k, 1]
+    v_a: np.ndarray,  # (G, w, d_v + 1): [v, 1]
+    dq_t: np.ndarray,  # (G, R, d_k), accumulated (unscaled)
+    dk: np.ndarray,  # (G, w, d_k), accumulated
+    dv: np.ndarray,  # (G, w, d_v), accumulated
+    item: Any,
+    r0: int,
+    r1: int,
+    c0: int,
+    c1: int,
+    G: int,
+    group: int,
+    dbias: np.ndarray | None,
+    drop: Callable[[int, int, int, int], np.ndarray] | None,
+    flip: bool,
+    scratch: _Scratch,
+) -> None:
+    """One tile's share of the gradients: rows ``[r0, r1)`` of the query heads (stacked
+    ``R = group * n`` rows per key/value head) against keys ``[c0, c1)``."""
+    n, w = r1 - r0, c1 - c0
+    R, d_k, d_v = group * n, k_a.shape[-1] - 1, v_a.shape[-1] - 1
+    hidden = _tile(item.hidden(r0, r1, c0, c1), G, group, n, w)
+    if hidden is not None and hidden.all():
+        return
+    k_c, q_t, do_t = k_a[..., :d_k], q_a[..., :d_k], do_a[..., :d_v]
+    p = scratch.p[: G * R * w].reshape(G, R, w)
+    np.matmul(q_a, k_a.transpose(0, 2, 1), out=p)  # the scores less the log-sum-exp
+    bias = _tile(item.bias_block(r0, r1, c0, c1), G, group, n, w)
+    if bias is not None:
+        p += bias
+    np.exp(p, out=p)  # the forward's weights, recomputed
+    if hidden is not None:  # after exp: exp(-inf) is slow in some NumPy builds
+        np.copyto(p, 0.0, where=hidden)
+    ds = scratch.ds[: G * R * w].reshape(G, R, w)
+    kept = None if drop is None else drop(r0, r1, c0, c1)  # kept weights' scale, 0 if dropped
+    dropped = p if kept is None else np.multiply(p, kept, out=ds)
+    dv += _transposed_product(dropped, do_t, scratch.dv, flip)
+    if kept is None:
+        np.matmul(do_a, v_a.transpose(0, 2, 1), out=ds)  # dp - D
+    else:  # dp of the dropped weights: (dp * kept) - D
+        np.matmul(do_t, v_a[..., :d_v].transpose(0, 2, 1), out=ds)
+        ds *= kept
+        ds += do_a[..., d_v:]
+    ds *= p
+    attended = None
+    if hidden is not None:
+        np.copyto(ds, 0.0, where=hidden)  # NaN in a hidden value stops here
+        if not np.isfinite(k_c).all():
+            attended = ~hidden
+    dq_t += _product(ds, k_c, attended, out=scratch.part[: G * R * d_k].reshape(G, R, d_k))
+    dk += _transposed_product(ds, q_t, scratch.dk, flip)
+    if dbias is not None:  # ds, summed over the axes the bias broadcasts along
+        cell = ds.reshape(G * group, n, w)
+        axes = tuple(a for a in range(3) if dbias.shape[a] == 1)
+        rows = slice(r0, r1) if dbias.shape[1] != 1 else slice(None)
+        cols = slice(c0, c1) if dbias.shape[2] != 1 else slice(None)
+        dbias[:, rows, cols] += cell.sum(axis=axes, keepdims=True) if axes else cell
+
+
+def _transposed_product(a: np.ndarray, b: np.ndarray, buffer: np.ndarray, flip: bool) -> np.ndarray:
+    """``a^T @ b`` for ``a (G, R, w)`` and ``b (G, R, d)``, through ``buffer``. With ``flip`` it
+    is computed as ``(b^T @ a)^T``: OpenBLAS's float64 kernels ran that form 2-15% faster at
+    these shapes on an AVX-512 Xeon (its float32 kernels ran both alike or slower)."""
+    G, w, d = a.shape[0], a.shape[-1], b.shape[-1]
+    if flip:
+        part = buffer[: G * d * w].reshape(G, d, w)
+        return np.matmul(b.transpose(0, 2, 1), a, out=part).transpose(0, 2, 1)
+    return np.matmul(a.transpose(0, 2, 1), b, out=buffer[: G * w * d].reshape(G, w, d))
 
 
 def _tile(block: np.ndarray | None, G: int, group: int, n: int, w: int) -> np.ndarray | None:

@@ -194,15 +194,45 @@ class ItemVisibility:
     def bias_block(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray | None:
         return None if self.bias is None else _block(self.bias, r0, r1, c0, c1)
 
-    def hidden(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray | None:
+    def rows_seeing(self, r0: int, r1: int, c0: int, c1: int) -> tuple[int, int]:
+        """The run ``[a, b)`` of rows of ``[r0, r1)`` that the causal mask and the window let
+        see some key of ``[c0, c1)``: rows before it see only earlier keys, rows after it only
+        later ones. ``a == b`` when no row does."""
+        a, b = r0, r1
+        if self.causal:
+            a = max(a, c0 - self.offset)
+        if self.window is not None:
+            b = min(b, c1 - 1 - self.offset + self.window)
+        return a, max(a, b)
+
+    def band(self, r0: int, r1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """For each row of ``[r0, r1)``, the keys ``[lo, hi)`` of the block ``[c0, c1)`` (as
+        offsets from ``c0``) that the causal mask and the window leave visible, as two int64
+        arrays; ``None`` when they hide nothing in the block."""
+        crosses_diagonal = self.causal and c1 - 1 > r0 + self.offset
+        crosses_edge = self.window is not None and c0 <= r1 - 1 + self.offset - self.window
+        if not (crosses_diagonal or crosses_edge):
+            return None
+        rows = np.arange(r0 + self.offset - c0, r1 + self.offset - c0)  # aligned key, from c0
+        w = c1 - c0
+        lo = np.zeros(r1 - r0, np.int64)
+        hi = np.full(r1 - r0, w, np.int64)
+        if crosses_diagonal:
+            hi = np.clip(rows + 1, 0, w)
+        if crosses_edge and self.window is not None:
+            lo = np.clip(rows - self.window + 1, 0, w)
+        return lo, hi
+
+    def hidden(self, r0: int, r1: int, c0: int, c1: int, band: bool = True) -> np.ndarray | None:
         """Boolean ``(G or 1, r1 - r0, c1 - c0)``: True where the causal mask, the window,
         the boolean mask or a ``-inf`` bias hides the key; ``None`` when nothing in the
-        block is hidden. Padding is not included: the kernel's loops stop at it."""
+        block is hidden. Padding is not included: the kernel's loops stop at it. With
+        ``band=False``, the causal mask and the window are left to :meth:`band`."""
         hidden = None
         offset = self.offset
-        if self.causal and c1 - 1 > r0 + offset:  # the block crosses the diagonal
+        if band and self.causal and c1 - 1 > r0 + offset:  # the block crosses the diagonal
             hidden = np.arange(c0, c1)[None, :] > np.arange(r0 + offset, r1 + offset)[:, None]
-        if self.window is not None and c0 <= r1 - 1 + offset - self.window:  # the band's edge
+        if band and self.window is not None and c0 <= r1 - 1 + offset - self.window:
             below = np.arange(c0, c1)[None, :] <= np.arange(r0, r1)[:, None] + (
                 offset - self.window
             )

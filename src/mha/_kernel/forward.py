@@ -16,6 +16,11 @@ stable softmax, so tile sizes change results only by rounding. Rows that see no 
 ``l = 0`` and get a zero output, never NaN. The full score matrix exists only when weights
 are asked for; otherwise memory beyond the inputs and outputs is a fixed scratch per worker.
 
+The softmax lines (maximum, ``exp``, sum, rescaling) are one compiled sweep per row when
+numba is installed (the ``fast`` extra, :mod:`.compiled`), taking the causal mask and the
+window as each row's band of keys instead of a boolean block; otherwise NumPy passes. Both
+give the same function up to rounding and are tested against each other and PyTorch.
+
 Masks are cut per tile: causal skips every tile above the diagonal and masks only tiles that
 cross it, a sliding window skips every tile below its band; ``key_lengths`` and
 ``query_lengths`` bound the loops; boolean masks and bias are sliced. Items run on a thread
@@ -39,13 +44,14 @@ from typing import Any
 
 import numpy as np
 
+from . import compiled
 from .contract import ItemVisibility, Visibility
 from .dropout import Dropout
 from .team import Team
 
 __all__ = ["DEFAULT_MAX_MEMORY", "Tiles", "attend", "merge_partials", "plan_tiles"]
 
-DEFAULT_MAX_MEMORY = 4 * 2**20
+DEFAULT_MAX_MEMORY = 6 * 2**20
 """Bytes of scratch each worker may use for its tiles, unless the caller says otherwise."""
 
 KEY_TILE = 512
@@ -298,6 +304,7 @@ class _Scratch:
         self.ref = np.empty((G, R), dtype=dtype)  # the maximum used for exp, never -inf
         self.ref_new = np.empty((G, R), dtype=dtype)
         self.total = np.empty((G, R), dtype=dtype)  # running sum of exp(s - ref)
+        self.alpha = np.empty((G, R), dtype=dtype)  # rescaling of earlier tiles' sums
 
 
 def _query_tile(
@@ -330,57 +337,73 @@ def _query_tile(
         q_tile = stacked
     m, ref, ref_new = scratch.m[:G, :R], scratch.ref[:G, :R], scratch.ref_new[:G, :R]
     total, acc, pv = scratch.total[:G, :R], scratch.acc[:G, :R], scratch.pv[:G, :R]
+    alpha = scratch.alpha[:G, :R]
+    fused = compiled.available() and dtype in (np.float32, np.float64)
     s = scratch.scores[:0].reshape(G, R, 0)
     first = True
+    # A key tile that only some rows can see (the diagonal's, a window's edge) is computed for
+    # those rows alone: with tiles of ~1000 rows, causal attention otherwise computes up to
+    # half of its last key tiles in vain.
+    narrow = group == 1 and weights is None and drop is None and not scratch.flipped.size
     for c0 in range(start, stop, key_tile):
         c1 = min(c0 + key_tile, stop)
-        hidden = _stack(item.hidden(r0, r1, c0, c1), G, group, n, c1 - c0)
-        if hidden is not None and hidden.all():
+        w = c1 - c0
+        a, b = item.rows_seeing(r0, r1, c0, c1) if narrow else (r0, r1)
+        if a == b:
             continue
-        s = scratch.scores[: G * R * (c1 - c0)].reshape(G, R, c1 - c0)
+        # The compiled step takes the causal mask and the window as each row's band of keys;
+        # NumPy's passes take them, like every other mask, as a boolean block.
+        hidden = _stack(item.hidden(a, b, c0, c1, band=not fused), G, group, b - a, w)
+        edge = item.band(a, b, c0, c1) if fused else None  # None: the band hides nothing
+        if (hidden is not None and hidden.all()) or (edge is not None and _empty(edge)):
+            continue
+        if first and (a, b) != (r0, r1):  # the other rows start from nothing seen
+            m.fill(-np.inf)
+            ref.fill(0.0)
+            total.fill(0.0)
+            acc.fill(0.0)
+            first = False
+        block = slice(a - r0, b - r0) if narrow else slice(None)  # the block's rows
+        s = scratch.scores[: G * group * (b - a) * w].reshape(G, group * (b - a), w)
+        band = None if not fused else _stacked_band(edge, group, b - a, w)
         k_tile = _cast(k[:, c0:c1], dtype)
         if scratch.flipped.size:
-            flipped = scratch.flipped[: G * R * (c1 - c0)].reshape(G, c1 - c0, R)
+            flipped = scratch.flipped[: G * R * w].reshape(G, w, R)
             np.matmul(k_tile, q_tile.transpose(0, 2, 1), out=flipped)
             np.copyto(s, flipped.transpose(0, 2, 1))
         else:
-            np.matmul(q_tile, k_tile.transpose(0, 2, 1), out=s)
-        bias = _stack(item.bias_block(r0, r1, c0, c1), G, group, n, c1 - c0)
+            np.matmul(q_tile[:, block], k_tile.transpose(0, 2, 1), out=s)
+        bias = _stack(item.bias_block(a, b, c0, c1), G, group, b - a, w)
         if bias is not None:
             s += bias
-        if hidden is not None:
+        # Hidden pairs leave the maximum out and get weight 0. NumPy's float64 exp is slow on
+        # -inf (several times its usual cost), so there they are zeroed after exp instead.
+        late = hidden is not None and dtype.itemsize == 8 and not fused
+        if hidden is not None and not late:
             np.copyto(s, -np.inf, where=hidden)
         v_tile = _cast(v[:, c0:c1], dtype)
         # Hidden keys' values may hold NaN or inf, which 0 * value would spread; a tile with
         # nothing hidden needs no check (and decoding reads each value once, not twice).
-        attended = None if hidden is None or np.isfinite(v_tile).all() else s != -np.inf
-
-        tile_max = s.max(axis=-1)
-        if first:
-            np.copyto(m, tile_max)
+        attended = None
+        if (hidden is not None or edge is not None) and not np.isfinite(v_tile).all():
+            every = _stack(item.hidden(a, b, c0, c1), G, group, b - a, w)
+            attended = s != -np.inf
+            if every is not None:
+                attended &= ~every
+        state = (m[:, block], ref[:, block], total[:, block], alpha[:, block])
+        if band is not None:
+            compiled.softmax_step(s, band, *state, first)
         else:
-            unseen = m == -np.inf  # rows that saw no key before this tile: nothing to rescale
-            np.maximum(m, tile_max, out=m)
-        np.copyto(ref_new, m)
-        ref_new[m == -np.inf] = 0.0  # rows with no visible key so far
-        s -= ref_new[..., None]
-        np.exp(s, out=s)
+            _softmax_step(s, hidden if late else None, *state[:2], ref_new[:, block],
+                          *state[2:], first)  # fmt: skip
+        if drop is not None:
+            s *= drop(c0, c1)  # after the sums: the normaliser is the undropped one
         if first:
-            np.sum(s, axis=-1, out=total)
-            if drop is not None:
-                s *= drop(c0, c1)  # after the sums: the normaliser is the undropped one
             _product(s, v_tile, attended, out=acc)
             first = False
         else:
-            alpha = np.exp(ref - ref_new)  # rescales what earlier tiles accumulated
-            alpha[unseen] = 0.0  # their ref was a stand-in 0: exp(0 - ref_new) may overflow
-            total *= alpha
-            total += s.sum(axis=-1)
-            acc *= alpha[..., None]
-            if drop is not None:
-                s *= drop(c0, c1)
-            acc += _product(s, v_tile, attended, out=pv)
-        ref, ref_new = ref_new, ref
+            acc[:, block] *= alpha[:, block, None]
+            acc[:, block] += _product(s, v_tile, attended, out=pv[:, block])
 
     if first:  # every tile was hidden: the rows stay zero
         return
@@ -402,6 +425,58 @@ def _query_tile(
         row_lse = ref + np.log(total)
         row_lse[empty] = -np.inf
         lse[:, rows] = row_lse.reshape(G * group, n)
+
+
+def _softmax_step(
+    s: np.ndarray,
+    hidden: np.ndarray | None,
+    m: np.ndarray,
+    ref: np.ndarray,
+    ref_new: np.ndarray,
+    total: np.ndarray,
+    alpha: np.ndarray,
+    first: bool,
+) -> None:
+    """:func:`compiled.softmax_step` in NumPy passes. ``hidden``, when given, marks pairs
+    that still hold their scores: they are left out of the maximum and zeroed after exp."""
+    if hidden is None:
+        tile_max = s.max(axis=-1)
+    else:
+        tile_max = np.max(s, axis=-1, where=~hidden, initial=-np.inf)
+    unseen = None if first else m == -np.inf  # rows that saw no key before this tile
+    if first:
+        np.copyto(m, tile_max)
+    else:
+        np.maximum(m, tile_max, out=m)
+    np.copyto(ref_new, m)
+    ref_new[m == -np.inf] = 0.0  # rows with no visible key so far
+    s -= ref_new[..., None]
+    np.exp(s, out=s)
+    if hidden is not None:
+        np.copyto(s, 0.0, where=hidden)
+    if first:
+        np.sum(s, axis=-1, out=total)
+    else:
+        np.exp(ref - ref_new, out=alpha)  # rescales what earlier tiles accumulated
+        alpha[unseen] = 0.0  # nothing to rescale; their stand-in ref 0 could overflow exp
+        total *= alpha
+        total += s.sum(axis=-1)
+    np.copyto(ref, ref_new)
+
+
+def _stacked_band(
+    band: tuple[np.ndarray, np.ndarray] | None, group: int, n: int, w: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each stacked row's visible keys ``[lo, hi)`` in a block of ``n`` rows (per query head
+    of the ``group``) by ``w`` keys, from :meth:`ItemVisibility.band` (``None``: all)."""
+    if band is None:
+        return compiled.full_band(group * n, w)
+    lo, hi = band
+    return (np.tile(lo, group), np.tile(hi, group)) if group > 1 else (lo, hi)
+
+
+def _empty(band: tuple[np.ndarray, np.ndarray]) -> bool:
+    return bool((band[1] <= band[0]).all())
 
 
 def _stack(block: np.ndarray | None, G: int, group: int, n: int, w: int) -> np.ndarray | None:
