@@ -93,7 +93,8 @@ def case(shape: Any, dtype: Any, torch: Any) -> dict[str, Any]:
             out.backward(torch.from_numpy(grad_heads))
 
         functions |= {"torch": torch_both, "torch core": torch_core}
-    times = interleaved_medians(functions, 9 if shape.L <= 2048 else 5, pause=0.2)
+    repeats = 15 if shape.L <= 128 else 9 if shape.L <= 2048 else 5  # short calls: more
+    times = interleaved_medians(functions, repeats, pause=0.2)
     s = {name: float(np.median(t)) for name, t in times.items()}
     return {
         "shape": shape.name, "causal": shape.causal, "B": B, "L": L, "d_model": E, "H": H,
