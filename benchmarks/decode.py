@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_only:
         print(json.dumps(results))
         return 0
-    runs = runs_with_free_blas(__file__, ["--quick"] if args.quick else [], results)
+    child = [sys.executable, __file__, "--json-only", *(["--quick"] if args.quick else [])]
+    runs = runs_with_free_blas(child, results)
     name = "decode-quick" if args.quick else "decode"
     table = markdown(runs)
     save_results(args.output, name, runs, table, args.readme, (DECODE_BEGIN, DECODE_END))

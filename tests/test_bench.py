@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -65,13 +66,14 @@ def test_runs_with_free_blas_repeats_the_run_without_the_forcing_variables(tmp_p
     )
     base = {k: v for k, v in os.environ.items() if k not in bench.FORCED_BLAS}
     forced = {**base, "OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "1000", "KEPT": "1"}
-    runs = bench.runs_with_free_blas(str(script), ["--quick"], {"run": 1}, environ=forced)
+    command = [sys.executable, str(script), "--json-only", "--quick"]
+    runs = bench.runs_with_free_blas(command, {"run": 1}, environ=forced)
     assert runs == [
         {"run": 1},
         {"OPENBLAS_CORETYPE": None, "OPENBLAS_L2_SIZE": None, "KEPT": "1"},
     ]
     assert forced["OPENBLAS_CORETYPE"] == "Haswell"  # only the child's environment changed
-    assert bench.runs_with_free_blas(str(script), [], {"run": 1}, environ=base) == [{"run": 1}]
+    assert bench.runs_with_free_blas(command, {"run": 1}, environ=base) == [{"run": 1}]
 
 
 def test_measured_on_names_the_forcing_variables():
@@ -81,3 +83,34 @@ def test_measured_on_names_the_forcing_variables():
     held = bench.measured_on({**env, "OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "1000"})
     assert "held there by OPENBLAS_CORETYPE=Haswell OPENBLAS_L2_SIZE=1000" in held
     assert "free to choose it" in bench.measured_on(env)
+
+
+def test_json_only_prints_the_speed_table_and_the_machine(capsys):
+    assert bench.main(["--json-only", "--smoke"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert set(results) == {"environment", "speed"}
+    assert [row["shape"] for row in results["speed"]] == ["tiny"] * 4
+    env = results["environment"]
+    assert {"instruction_sets", "numba", "compiled_step", "OPENBLAS_CORETYPE"} <= set(env)
+    assert all(flag in bench.SIMD_FLAGS for flag in env["instruction_sets"])
+
+
+def test_markdown_adds_the_free_blas_table(tmp_path):
+    assert bench.main(["--smoke", "--output", str(tmp_path), "--no-chart"]) == 0
+    results = json.loads((tmp_path / "benchmark.json").read_text())
+    held = {**results["environment"], "OPENBLAS_CORETYPE": "Haswell"}
+    free = {**results["environment"], "OPENBLAS_CORETYPE": None, "OPENBLAS_L2_SIZE": None}
+    results["environment"] = held
+    results["free_blas"] = {"environment": free, "speed": results["speed"]}
+    table = bench.markdown(results)
+    assert table.count("| shape | dtype |") == 2
+    assert table.index("held there by OPENBLAS_CORETYPE=Haswell") < table.index("free to choose")
+    assert "core: mha / torch SDPA" in table
+
+
+def test_the_free_blas_child_of_the_benchmark_runs():
+    forced = {**os.environ, "OPENBLAS_CORETYPE": "Haswell"}
+    command = [sys.executable, "-m", "mha.cli.bench", "--json-only", "--smoke"]
+    first, child = bench.runs_with_free_blas(command, {"run": 1}, environ=forced)
+    assert first == {"run": 1} and child["environment"]["OPENBLAS_CORETYPE"] is None
+    assert [row["shape"] for row in child["speed"]] == ["tiny"] * 4

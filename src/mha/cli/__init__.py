@@ -528,7 +528,8 @@ def run_bench(args: argparse.Namespace) -> int:
             progress.console.print(line)
             progress.advance(task)
 
-        results = bench.run(chosen, output, args.readme, log)
+        child = [f"--{size}"] if size != "full" else []
+        results = bench.run(chosen, output, args.readme, log, child)
     print(bench.markdown(results))
     chart = output / "benchmark.png"
     bench.chart(results, chart)

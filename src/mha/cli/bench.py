@@ -32,8 +32,9 @@ from typing import Any
 import numpy as np
 
 from .._files import atomic_write
+from .._kernel import compiled
 from .._kernel.team import cores
-from ..functional import multi_head_attention
+from ..functional import multi_head_attention, scaled_dot_product_attention
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,10 @@ class Case:
             self.torch_mask = (
                 torch.triu(torch.ones(L, L, dtype=torch.bool), 1) if shape.causal else None
             )
+        # The attention core alone, on split heads (B, H, L, d_k).
+        heads = (shape.B, shape.H, shape.L, E // shape.H)
+        self.heads = [rng.standard_normal(heads).astype(dtype) for _ in range(3)]
+        self.heads_torch = None if torch is None else [torch.from_numpy(a) for a in self.heads]
 
     def mha(self) -> np.ndarray:
         (W_q, W_k, W_v, W_o), (b_q, b_k, b_v, b_o) = self.W, self.b
@@ -151,6 +156,19 @@ class Case:
             b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
         )  # fmt: skip
         return out
+
+    def mha_core(self) -> np.ndarray:
+        out: np.ndarray = scaled_dot_product_attention(*self.heads, causal=self.shape.causal)
+        return out
+
+    def torch_core(self) -> np.ndarray:
+        assert self.heads_torch is not None
+        with self.torch.inference_mode():
+            out = self.torch.nn.functional.scaled_dot_product_attention(
+                *self.heads_torch, is_causal=self.shape.causal
+            )
+        result: np.ndarray = out.numpy()
+        return result
 
     def textbook(self) -> np.ndarray:
         return textbook_attention(self.X, self.W, self.b, self.shape.H, self.shape.causal)
@@ -174,11 +192,15 @@ class Case:
         result: np.ndarray = out.numpy()
         return result
 
-    def implementations(self) -> dict[str, Callable[[], np.ndarray]]:
+    def implementations(self, core: bool = False) -> dict[str, Callable[[], np.ndarray]]:
         found: dict[str, Callable[[], np.ndarray]] = {"mha": self.mha, "textbook": self.textbook}
         if self.module is not None:
             found["torch"] = self.torch_mha
             found["torch (fast path off)"] = lambda: self.torch_mha(fast_path=False)
+        if core:
+            found["mha core"] = self.mha_core
+            if self.heads_torch is not None:
+                found["torch core"] = self.torch_core
         return found
 
 
@@ -214,23 +236,25 @@ def speed(plan: Plan, torch: Any, log: Callable[[str], None]) -> list[dict[str, 
         ceiling = matmul_ceiling(dtype, repeats=max(1, plan.repeats))
         for shape in plan.shapes:
             case = Case(shape, dtype, torch)
-            functions = case.implementations()
+            functions = case.implementations(core=True)
             reference = functions["torch" if "torch" in functions else "textbook"]()
             ours = case.mha()
             error = float(np.abs(ours - reference).max() / np.abs(reference).max())
             times = interleaved_medians(functions, plan.repeats, plan.pause)
             medians = _best_torch({name: statistics.median(t) for name, t in times.items()})
+            layer = {name: s for name, s in medians.items() if "core" not in name}
             row: dict[str, Any] = {
                 "shape": shape.name, "dtype": np.dtype(dtype).name, "B": shape.B,
                 "L": shape.L, "d_model": shape.d_model, "H": shape.H, "causal": shape.causal,
                 "gflop": shape.flops() / 1e9, "matmul_gflops": ceiling,
                 "seconds": medians, "all_seconds": times,
-                "gflops": {name: shape.flops() / t / 1e9 for name, t in medians.items()},
+                "gflops": {n: shape.flops() / s / 1e9 for n, s in layer.items()},
                 "mha_vs_textbook": medians["mha"] / medians["textbook"],
                 "relative_error_vs_reference": error,
             }  # fmt: skip
             if "torch" in medians:
                 row["mha_vs_torch"] = medians["mha"] / medians["torch"]
+                row["core_vs_torch"] = medians["mha core"] / medians["torch core"]
             rows.append(row)
             log(_speed_line(row))
     return rows
@@ -313,6 +337,9 @@ def environment(torch: Any) -> dict[str, Any]:
         "processor": _cpu_name(),
         "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"),
         "OPENBLAS_L2_SIZE": os.environ.get("OPENBLAS_L2_SIZE"),
+        "instruction_sets": _instruction_sets(),
+        "numba": _version("numba"),
+        "compiled_step": compiled.available(),
     }
     try:
         from threadpoolctl import threadpool_info  # type: ignore[import-untyped]
@@ -331,20 +358,17 @@ FORCED_BLAS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 
 
 def runs_with_free_blas(
-    script: str, args: list[str], results: Any, environ: Mapping[str, str] | None = None
+    command: list[str], results: Any, environ: Mapping[str, str] | None = None
 ) -> list[Any]:
     """``[results]``, and when the environment (``os.environ`` unless given) sets a
-    :data:`FORCED_BLAS` variable, the same measurement again from ``python script
-    --json-only *args`` in a child process without them (the configuration users have).
-    Only the child's environment changes."""
+    :data:`FORCED_BLAS` variable, the same measurement again from ``command`` (which must
+    print its results as JSON) in a child process without them: the configuration users
+    have. Only the child's environment changes."""
     environ = os.environ if environ is None else environ
     runs = [results]
     if any(name in environ for name in FORCED_BLAS):
         env = {k: v for k, v in environ.items() if k not in FORCED_BLAS}
-        child = subprocess.run(
-            [sys.executable, script, "--json-only", *args],
-            env=env, capture_output=True, text=True, check=True,
-        )  # fmt: skip
+        child = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
         runs.append(json.loads(child.stdout))
     return runs
 
@@ -359,44 +383,51 @@ def measured_on(env: dict[str, Any]) -> str:
         f"{blas.get('architecture')} kernel"
         + (f" (held there by {forced})" if forced else " (free to choose it)")
         + f"; torch {env['torch']} (CPU capability {env.get('torch_cpu_capability')}). "
-    )
+        + (f"Instruction sets: {' '.join(env['instruction_sets'])}. "
+           if env.get("instruction_sets") else "")
+        + ("mha's softmax step compiled by numba "
+           f"{env['numba']}. " if env.get("compiled_step") else "")
+    )  # fmt: skip
 
 
 def markdown(results: dict[str, Any]) -> str:
-    """The tables the README quotes."""
-    env = results["environment"]
-    blas = ", ".join(
-        f"{b['internal_api']} {b['version']} using its {b['architecture']} kernel "
-        f"({b['num_threads']} threads)"
-        for b in env.get("blas", [])
-    )
-    coretype = env.get("OPENBLAS_CORETYPE")
-    forced = f", held there by OPENBLAS_CORETYPE={coretype}" if coretype else ""
-    capability = env.get("torch_cpu_capability") or "not recorded"
+    """The tables the README quotes: speed as measured, speed again with OpenBLAS free to
+    choose its kernel when this environment held it, then memory."""
+    lines = _speed_table(results["environment"], results["speed"])
+    if "free_blas" in results:
+        lines += ["", *_speed_table(results["free_blas"]["environment"],
+                                    results["free_blas"]["speed"])]  # fmt: skip
+    lines += _memory_lines(results)
+    return "\n".join(lines) + "\n"
+
+
+def _speed_table(env: dict[str, Any], speed_rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        f"Measured {env['date'][:10]} on {env['cores']} cores of an {env['processor']}: "
-        f"NumPy {env['numpy']} with {blas or 'an unknown BLAS'}{forced}; torch {env['torch']} "
-        f"(CPU capability {capability}). "
-        "Medians of interleaved runs; ratios below 1 mean mha is faster.",
+        measured_on(env) + "Medians of interleaved runs; ratios below 1 mean mha is faster.",
         "",
         "| shape | dtype | mha ms | torch ms | textbook ms | mha GFLOP/s | % of matmul "
-        "| mha / torch | mha / textbook | floor / textbook |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| mha / torch | core: mha / torch SDPA | mha / textbook | floor / textbook |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for row in results["speed"]:
+    for row in speed_rows:
         s, g = row["seconds"], row["gflops"]
         torch_ms = f"{s['torch'] * 1e3:.1f}" if "torch" in s else "n/a"
         vs_torch = f"{row['mha_vs_torch']:.2f}" if "mha_vs_torch" in row else "n/a"
+        core = f"{row['core_vs_torch']:.2f}" if "core_vs_torch" in row else "n/a"
         lines.append(
             f"| {row['shape']}{' causal' if row['causal'] else ''} (B={row['B']}, L={row['L']}, "
             f"d={row['d_model']}, H={row['H']}) | {row['dtype']} | {s['mha'] * 1e3:.1f} "
             f"| {torch_ms} | {s['textbook'] * 1e3:.1f} | {g['mha']:.0f} "
-            f"| {100 * g['mha'] / row['matmul_gflops']:.0f}% | {vs_torch} "
+            f"| {100 * g['mha'] / row['matmul_gflops']:.0f}% | {vs_torch} | {core} "
             f"| {row['mha_vs_textbook']:.2f} | {_floor(row) / s['textbook']:.2f} |"
         )
+    return lines
+
+
+def _memory_lines(results: dict[str, Any]) -> list[str]:
     mem = results["memory"]
     measured = max(r["L"] for r in mem["rows"] if "textbook_peak_bytes" in r)
-    lines += [
+    lines = [
         "",
         '"floor" is the time the FLOPs would take at this machine\'s square-matmul rate: '
         "no implementation on this BLAS gets below it, so floor / textbook is the best "
@@ -422,7 +453,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"this machine's {mem['machine_memory_bytes'] / 2**30:.1f} GiB at about L = "
         f"{mem['textbook_out_of_memory_at_L']:,}.",
     ]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def steps(plan: Plan) -> int:
@@ -432,10 +463,17 @@ def steps(plan: Plan) -> int:
 
 
 def run(
-    plan: Plan, output: Path, readme: Path | None, log: Callable[[str], None]
+    plan: Plan,
+    output: Path,
+    readme: Path | None,
+    log: Callable[[str], None],
+    child: list[str] | None = None,
 ) -> dict[str, Any]:
     """Measure everything, write ``benchmark.json`` and ``benchmark.md`` under ``output``
-    (and the README's section), and return the results."""
+    (and the README's section), and return the results. ``child``: the arguments with which
+    ``python -m mha.cli.bench --json-only`` measures the speed table again with OpenBLAS
+    free to choose its kernel, when this environment holds it (see
+    :func:`runs_with_free_blas`)."""
     torch: Any
     try:
         import torch
@@ -454,6 +492,12 @@ def run(
     finally:
         if torch is not None:  # the caller's process, as it was
             torch.set_num_threads(threads)
+    results["compile_seconds"] = compiled.compile_seconds()
+    command = [sys.executable, "-m", "mha.cli.bench", "--json-only", *(child or [])]
+    runs = runs_with_free_blas(command, results)
+    if len(runs) > 1:
+        log("measured again with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset")
+        results["free_blas"] = runs[1]
     table = markdown(results)
     output.mkdir(parents=True, exist_ok=True)
     _write(output / "benchmark.json", json.dumps(results, indent=2) + "\n")
@@ -461,6 +505,16 @@ def run(
     if readme:
         _splice(readme, table)
     return results
+
+
+def speed_only(plan: Plan, log: Callable[[str], None]) -> dict[str, Any]:
+    """The environment and the speed table, nothing else."""
+    try:
+        import torch
+    except ImportError:
+        return {"environment": environment(None), "speed": speed(plan, None, log)}
+    torch.set_num_threads(cores())
+    return {"environment": environment(torch), "speed": speed(plan, torch, log)}
 
 
 def chart(results: dict[str, Any], path: Path) -> Path:
@@ -508,16 +562,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, help="default: benchmarks/results[-quick|-smoke]")
     parser.add_argument("--readme", type=Path, help="rewrite this README's benchmark section")
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG (no matplotlib)")
+    parser.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
     size = "smoke" if args.smoke else "quick" if args.quick else "full"
+    if args.json_only:  # the speed table alone, as JSON (the free-BLAS child of run)
+        print(json.dumps(speed_only(plan(size, args.repeats), log)))
+        return 0
     output = args.output or default_output(size)
     if args.readme:
         check_readme(args.readme)
-    results = run(plan(size, args.repeats), output, args.readme, log)
+    child = [*([f"--{size}"] if size != "full" else []), "--repeats", str(args.repeats)]
+    results = run(plan(size, args.repeats), output, args.readme, log, child)
     if not args.no_chart:
         chart(results, output / "benchmark.png")
     print(markdown(results))
@@ -543,6 +602,32 @@ def _memory_line(row: dict[str, Any]) -> str:
 
 def _mib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl",
+              "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "asimd", "sve")  # fmt: skip
+
+
+def _instruction_sets() -> list[str]:
+    """The SIMD instruction sets this CPU reports (Linux's /proc/cpuinfo), in a fixed order."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags |= set(line.split(":", 1)[1].split())
+    return [flag for flag in SIMD_FLAGS if flag in flags]
+
+
+def _version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _cpu_name() -> str:
