@@ -17,7 +17,6 @@ projected q, k, v and the gradients, plus 64 MiB.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tracemalloc
@@ -36,6 +35,7 @@ from mha.cli.bench import (
     measured_on,
     runs_with_free_blas,
     save_results,
+    script_parser,
 )
 
 ROOT = Path(__file__).parent.parent
@@ -158,12 +158,7 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--readme", type=Path)
-    parser.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = script_parser(__doc__, ROOT / "benchmarks" / "results", readme=True).parse_args(argv)
     if args.readme:
         check_readme(args.readme, BEGIN, END)  # before measuring anything
     try:

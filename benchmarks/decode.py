@@ -20,7 +20,6 @@ are reported.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from mha.cli.bench import (
     measured_on,
     runs_with_free_blas,
     save_results,
+    script_parser,
 )
 
 ROOT = Path(__file__).parent.parent
@@ -230,12 +230,7 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--readme", type=Path)
-    parser.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = script_parser(__doc__, ROOT / "benchmarks" / "results", readme=True).parse_args(argv)
     if args.readme:
         check_readme(args.readme, DECODE_BEGIN, DECODE_END)  # before measuring anything
     results = measure(args.quick)

@@ -22,7 +22,6 @@ Three measurements, each in one process, interleaved, medians:
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -43,6 +42,7 @@ from mha.cli.bench import (
     measured_on,
     runs_with_free_blas,
     save_results,
+    script_parser,
 )
 
 ROOT = Path(__file__).parent.parent
@@ -198,11 +198,7 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = script_parser(__doc__, ROOT / "benchmarks" / "results").parse_args(argv)
     try:
         import torch
     except ImportError:

@@ -160,3 +160,37 @@ def test_compile_time_is_recorded(kernels):
     q = rng.standard_normal((1, 64, 8)).astype(np.float32)
     mha.scaled_dot_product_attention(q, q, q)
     assert compiled.compile_seconds()["step float32"] > 0.0
+
+
+@pytest.mark.parametrize("call", CALLS[:4])
+def test_float32_stays_within_2e5_of_torch_in_float64(kernels, torch, record_error, call):
+    rng = np.random.default_rng(6)
+    B, H, L, S, d = 2, 4, 300, 300, 32
+    q, k, v = (rng.standard_normal((B, H, n, d)) for n in (L, S, S))
+    kwargs = {key: value for key, value in call.items() if key != "key_lengths"}
+    ours64 = mha.scaled_dot_product_attention(q, k, v, **kwargs)
+    ours32 = mha.scaled_dot_product_attention(*(x.astype(np.float32) for x in (q, k, v)), **kwargs)
+    mask = _dense_mask(L, S, **kwargs)  # the contract, written out independently
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(x) for x in (q, k, v)), attn_mask=torch.from_numpy(mask)
+    ).numpy()
+    scale = np.abs(expected).max()
+    assert (
+        record_error("compiled step vs torch float64, f64", np.abs(ours64 - expected).max() / scale)
+        <= 1e-12
+    )
+    assert (
+        record_error("compiled step vs torch float64, f32", np.abs(ours32 - expected).max() / scale)
+        <= 2e-5
+    )
+
+
+def _dense_mask(L, S, causal=False, causal_alignment=None, window=None):
+    i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+    offset = 0 if causal_alignment == "top_left" else S - L
+    visible = np.ones((L, S), dtype=bool)
+    if causal:
+        visible &= j <= i + offset
+    if window is not None:
+        visible &= (i + offset) - j < window
+    return visible

@@ -382,7 +382,8 @@ def measured_on(env: dict[str, Any]) -> str:
         f"{env['numpy']} with OpenBLAS {blas.get('version')} using its "
         f"{blas.get('architecture')} kernel"
         + (f" (held there by {forced})" if forced else " (free to choose it)")
-        + f"; torch {env['torch']} (CPU capability {env.get('torch_cpu_capability')}). "
+        + (f"; torch {env['torch']} (CPU capability {env.get('torch_cpu_capability')}). "
+           if env.get("torch") else ". ")
         + (f"Instruction sets: {' '.join(env['instruction_sets'])}. "
            if env.get("instruction_sets") else "")
         + ("mha's softmax step compiled by numba "
@@ -668,6 +669,19 @@ def _splice(readme: Path, table: str, begin: str = BEGIN, end: str = END) -> Non
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
     _write(readme, f"{head}{begin}\n{table}{end}{tail}")
+
+
+def script_parser(doc: str, output: Path, readme: bool = False) -> argparse.ArgumentParser:
+    """The options every script under ``benchmarks/`` takes: ``--quick``, ``--output``
+    (default ``output``), ``--readme`` when it has a README section, and the hidden
+    ``--json-only`` of its free-BLAS child."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--output", type=Path, default=output)
+    if readme:
+        parser.add_argument("--readme", type=Path, help="rewrite this README's section")
+    parser.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
+    return parser
 
 
 def save_results(
