@@ -232,3 +232,64 @@ def test_multi_head_attention_memory_is_the_projections_plus_scratch():
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak <= 4 * L * E * 4 + 64 * 2**20, peak / 2**20
+
+
+NARROWED = [  # (L, S, max_memory, call): tiles of 172 rows (1 MiB) or 1037 (6 MiB)
+    (900, 700, 2**20, {"causal": True}),  # L > S: the first key tile is already narrowed
+    (700, 700, 2**20, {"causal": True, "causal_alignment": "top_left"}),
+    (1400, 1400, 6 * 2**20, {"window": 40}),  # no causal mask: later rows drop out instead
+    (700, 700, 2**20, {"causal": True, "window": 200, "key_lengths": [700, 430]}),
+]
+
+
+@pytest.mark.parametrize("compiled_step", [True, False])
+@pytest.mark.parametrize(("L", "S", "max_memory", "call"), NARROWED)
+def test_rows_narrowed_per_key_tile_match_autograd(
+    L, S, max_memory, call, compiled_step, torch, monkeypatch
+):
+    """Tiles of many rows over key tiles of 512: only the rows that can see a key tile are
+    computed for it, forward and backward, on the compiled and on NumPy's softmax step."""
+    from mha._kernel import compiled, contract
+
+    if not compiled_step:
+        monkeypatch.setattr(compiled, "available", lambda: False)
+    narrowed = []
+    seeing = contract.ItemVisibility.rows_seeing
+
+    def counting(item, r0, r1, c0, c1):
+        rows = seeing(item, r0, r1, c0, c1)
+        narrowed.append(rows != (r0, r1))
+        return rows
+
+    monkeypatch.setattr(contract.ItemVisibility, "rows_seeing", counting)
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((2, 2, n, 16)) for n in (L, S, S))
+    grad = rng.standard_normal((2, 2, L, 16))
+    out, lse, backward = mha.scaled_dot_product_attention(
+        q, k, v, max_memory=max_memory, return_lse=True, return_backward=True, **call
+    )
+    grads = backward(grad)
+    assert any(narrowed)
+
+    i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+    offset = 0 if call.get("causal_alignment") == "top_left" else S - L
+    visible = np.ones((2, 1, L, S), dtype=bool)
+    if call.get("causal"):
+        visible &= j <= i + offset
+    if "window" in call:
+        visible &= (i + offset) - j < call["window"]
+    if "key_lengths" in call:
+        visible &= j < np.array(call["key_lengths"])[:, None, None, None]
+    tq, tk, tv = (torch.from_numpy(x).requires_grad_(True) for x in (q, k, v))
+    scores = tq @ tk.transpose(-1, -2) / 4.0
+    scores = scores.masked_fill(~torch.from_numpy(visible), -torch.inf)
+    expected_lse = torch.logsumexp(scores, -1)
+    weights = torch.nan_to_num(torch.exp(scores - expected_lse[..., None]))  # empty rows: 0
+    expected = weights @ tv
+    expected.backward(torch.from_numpy(grad))
+    assert relative_error(out, expected.detach().numpy()) <= 1e-12
+    seen = np.isfinite(expected_lse.detach().numpy())
+    np.testing.assert_array_equal(np.isfinite(lse), seen)
+    assert relative_error(lse[seen], expected_lse.detach().numpy()[seen]) <= 1e-12
+    for name, tensor in (("q", tq), ("k", tk), ("v", tv)):
+        assert relative_error(grads[name], tensor.grad.numpy()) <= 1e-12, name
