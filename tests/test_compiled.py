@@ -24,6 +24,12 @@ def kernels():
     return _numba_step
 
 
+@pytest.fixture(autouse=True)
+def every_call_compiled(monkeypatch):
+    """Calls of every size take the compiled step here (by default only large ones do)."""
+    monkeypatch.setattr(forward, "COMPILED_ABOVE", 0)
+
+
 def exponentials(kernels, x):
     from numba import njit
 
@@ -153,6 +159,20 @@ def test_nan_in_a_visible_score_spreads_alike_on_both_paths(kernels, monkeypatch
     for out in (ours, theirs):
         assert np.isnan(out[0, 2:]).all() and np.isfinite(out[0, :2]).all()
     np.testing.assert_allclose(ours[0, :2], theirs[0, :2], rtol=1e-15)
+
+
+def test_small_calls_keep_numpys_passes(kernels, monkeypatch):
+    monkeypatch.setattr(forward, "COMPILED_ABOVE", 2**18)
+
+    def refuse(*args):
+        raise AssertionError("the compiled step ran for a small call")
+
+    monkeypatch.setattr(compiled, "softmax_step", refuse)
+    q = np.random.default_rng(7).standard_normal((2, 4, 64, 16))
+    mha.scaled_dot_product_attention(q, q, q, causal=True)  # 32,768 scores: NumPy's passes
+    big = np.random.default_rng(7).standard_normal((2, 4, 200, 16))
+    with pytest.raises(AssertionError, match="small call"):  # 320,000: the compiled step
+        mha.scaled_dot_product_attention(big, big, big)
 
 
 def test_compile_time_is_recorded(kernels):

@@ -69,6 +69,9 @@ PRODUCT_CHUNK = 1024
 SPLIT_MIN_KEYS = 2048
 """The fewest keys worth a chunk of their own when keys are split over workers."""
 
+COMPILED_ABOVE = 2**18
+"""Scores (query-key pairs, all heads) from which a call takes the compiled softmax step."""
+
 
 @dataclass(frozen=True)
 class Tiles:
@@ -159,6 +162,13 @@ def attend(
         parts = _split_keys(tasks, team.workers, tiles.cols, group, L, d_v, dtype)
     work = parts.tasks if parts is not None else tasks
     work.sort(key=lambda task: task.cost, reverse=True)  # longest first
+    # The compiled softmax step for calls large enough to repay loading numba (a third of a
+    # second, once per process); small calls, and float16 or longdouble, take NumPy's passes.
+    fused = (
+        dtype in (np.float32, np.float64)
+        and group * sum(task.cost for task in work) >= COMPILED_ABOVE
+        and compiled.available()
+    )
 
     def make_worker() -> Callable[[_Task], None]:
         scratch = _Scratch(tiles, group, d_k, d_v, dtype)
@@ -181,7 +191,7 @@ def attend(
             _query_tile(
                 q[batch][heads], k[batch][kv], v[batch][kv], task.item, scale, task.r0,
                 task.r1, task.start, task.stop, tiles.cols, scratch, target_out,
-                None if weights is None else weights[batch][heads], target_lse, drop,
+                None if weights is None else weights[batch][heads], target_lse, drop, fused,
             )  # fmt: skip
 
         return run
@@ -323,10 +333,12 @@ def _query_tile(
     weights: np.ndarray | None,
     lse: np.ndarray | None,
     drop: Callable[[int, int], np.ndarray] | None = None,
+    fused: bool = False,
 ) -> None:
     """Rows ``[r0, r1)`` of the query heads ``q (G * group, L, d_k)`` against keys
     ``[start, stop)`` of the ``G`` key/value heads ``k (G, S, d_k)``: the rows of each
-    group's query heads are stacked into one tile of ``R = group * n`` rows."""
+    group's query heads are stacked into one tile of ``R = group * n`` rows. ``fused``: the
+    softmax lines run as the compiled step, otherwise as NumPy's passes."""
     G, n = k.shape[0], r1 - r0
     group = q.shape[0] // G
     R, dtype = group * n, out.dtype
@@ -338,7 +350,6 @@ def _query_tile(
     m, ref, ref_new = scratch.m[:G, :R], scratch.ref[:G, :R], scratch.ref_new[:G, :R]
     total, acc, pv = scratch.total[:G, :R], scratch.acc[:G, :R], scratch.pv[:G, :R]
     alpha = scratch.alpha[:G, :R]
-    fused = compiled.available() and dtype in (np.float32, np.float64)
     s = scratch.scores[:0].reshape(G, R, 0)
     first = True
     # A key tile that only some rows can see (the diagonal's, a window's edge) is computed for
