@@ -17,7 +17,6 @@ projected q, k, v and the gradients, plus 64 MiB.
 
 from __future__ import annotations
 
-import json
 import sys
 import tracemalloc
 from pathlib import Path
@@ -31,10 +30,9 @@ from mha.cli.bench import (
     SHAPES,
     check_readme,
     environment,
+    finish_script,
     interleaved_medians,
     measured_on,
-    runs_with_free_blas,
-    save_results,
     script_parser,
 )
 
@@ -175,16 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         ],
         "memory": memory(4096 if args.quick else 16384),
     }
-    if args.json_only:
-        print(json.dumps(results))
-        return 0
-    child = [sys.executable, __file__, "--json-only", *(["--quick"] if args.quick else [])]
-    runs = runs_with_free_blas(child, results)
-    name = "backward-quick" if args.quick else "backward"
-    table = markdown(runs)
-    save_results(args.output, name, runs, table, args.readme, (BEGIN, END))
-    print(table)
-    return 0
+    return finish_script(__file__, args, results, "backward", markdown, (BEGIN, END))
 
 
 if __name__ == "__main__":

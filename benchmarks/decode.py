@@ -20,7 +20,6 @@ are reported.
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import threading
@@ -35,10 +34,9 @@ from mha._kernel.team import cores
 from mha.cli.bench import (
     check_readme,
     environment,
+    finish_script,
     interleaved_medians,
     measured_on,
-    runs_with_free_blas,
-    save_results,
     script_parser,
 )
 
@@ -234,16 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.readme:
         check_readme(args.readme, DECODE_BEGIN, DECODE_END)  # before measuring anything
     results = measure(args.quick)
-    if args.json_only:
-        print(json.dumps(results))
-        return 0
-    child = [sys.executable, __file__, "--json-only", *(["--quick"] if args.quick else [])]
-    runs = runs_with_free_blas(child, results)
-    name = "decode-quick" if args.quick else "decode"
-    table = markdown(runs)
-    save_results(args.output, name, runs, table, args.readme, (DECODE_BEGIN, DECODE_END))
-    print(table)
-    return 0
+    markers = (DECODE_BEGIN, DECODE_END)
+    return finish_script(__file__, args, results, "decode", markdown, markers)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ Three measurements, each in one process, interleaved, medians:
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -38,10 +37,9 @@ from mha.cli.bench import (
     SHAPES,
     Case,
     environment,
+    finish_script,
     interleaved_medians,
     measured_on,
-    runs_with_free_blas,
-    save_results,
     script_parser,
 )
 
@@ -216,16 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": 0.0,
     }
     results["seconds"] = time.perf_counter() - started
-    if args.json_only:
-        print(json.dumps(results))
-        return 0
-    child = [sys.executable, __file__, "--json-only", *(["--quick"] if args.quick else [])]
-    runs = runs_with_free_blas(child, results)
-    table = markdown(runs)
-    save_results(args.output, "floor-quick" if args.quick else "floor", runs, table, None,
-                  ("", ""))  # fmt: skip
-    print(table)
-    return 0
+    return finish_script(__file__, args, results, "floor", markdown)
 
 
 if __name__ == "__main__":

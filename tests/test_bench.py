@@ -114,3 +114,25 @@ def test_the_free_blas_child_of_the_benchmark_runs():
     first, child = bench.runs_with_free_blas(command, {"run": 1}, environ=forced)
     assert first == {"run": 1} and child["environment"]["OPENBLAS_CORETYPE"] is None
     assert [row["shape"] for row in child["speed"]] == ["tiny"] * 4
+
+
+def test_finish_script_writes_results_or_prints_them_for_the_child(tmp_path, capsys, monkeypatch):
+    import argparse
+
+    def table(runs):
+        return f"{len(runs)} run(s): {runs[0]['value']}\n"
+
+    children = []
+    monkeypatch.setattr(  # the free-BLAS child, without a process
+        bench, "runs_with_free_blas", lambda command, results: children.append(command) or [results]
+    )
+    args = argparse.Namespace(json_only=False, quick=True, output=tmp_path, readme=None)
+    assert bench.finish_script("script.py", args, {"value": 3}, "thing", table) == 0
+    assert children == [[sys.executable, "script.py", "--json-only", "--quick"]]
+    assert json.loads((tmp_path / "thing-quick.json").read_text()) == [{"value": 3}]
+    assert (tmp_path / "thing-quick.md").read_text() == "1 run(s): 3\n"
+    assert capsys.readouterr().out == "1 run(s): 3\n\n"
+    child = argparse.Namespace(json_only=True, quick=False, output=tmp_path / "none")
+    assert bench.finish_script("script.py", child, {"value": 4}, "thing", table) == 0
+    assert json.loads(capsys.readouterr().out) == {"value": 4}
+    assert not (tmp_path / "none").exists() and len(children) == 1

@@ -88,8 +88,9 @@ def _exp32(x: Any) -> Any:
 
 
 def exp(x: Any) -> Any:
-    """``exp`` of a float32 or float64 scalar, in its own type (compiled code only)."""
-    raise NotImplementedError
+    """``exp`` of a float32 or float64 scalar, in its own type. Compiled code calls the
+    implementations below (chosen by type); from Python this is NumPy's ``exp``."""
+    return np.exp(x)
 
 
 @overload(exp)

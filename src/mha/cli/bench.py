@@ -684,6 +684,31 @@ def script_parser(doc: str, output: Path, readme: bool = False) -> argparse.Argu
     return parser
 
 
+def finish_script(
+    script: str,
+    args: argparse.Namespace,
+    results: Any,
+    name: str,
+    markdown: Callable[[list[Any]], str],
+    markers: tuple[str, str] = ("", ""),
+) -> int:
+    """The end of every script under ``benchmarks/``: as the free-BLAS child (``--json-only``)
+    print ``results`` as JSON; otherwise add that child's run where this environment holds
+    OpenBLAS (:func:`runs_with_free_blas`), write ``name[-quick].json`` and ``.md`` under
+    ``--output`` (and the README's section between ``markers`` with ``--readme``), and print
+    the table."""
+    if args.json_only:
+        print(json.dumps(results))
+        return 0
+    child = [sys.executable, script, "--json-only", *(["--quick"] if args.quick else [])]
+    runs = runs_with_free_blas(child, results)
+    table = markdown(runs)
+    readme = getattr(args, "readme", None)
+    save_results(args.output, f"{name}-quick" if args.quick else name, runs, table, readme, markers)
+    print(table)
+    return 0
+
+
 def save_results(
     output: Path, name: str, results: Any, table: str, readme: Path | None, markers: tuple[str, str]
 ) -> None:
