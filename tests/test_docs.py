@@ -7,6 +7,7 @@ import inspect
 import pytest
 
 import mha
+from mha import dask as mha_dask
 from mha import torch_compat
 from mha.cli import plots as plotting
 
@@ -23,6 +24,8 @@ def public_objects():
                     yield f"{name}.{member}", value
     yield "torch_compat.multi_head_attention_forward", torch_compat.multi_head_attention_forward
     yield "plotting.plot_attention", plotting.plot_attention
+    yield "dask.multi_head_attention", mha_dask.multi_head_attention
+    yield "dask.scaled_dot_product_attention", mha_dask.scaled_dot_product_attention
 
 
 @pytest.mark.parametrize(("name", "obj"), list(public_objects()), ids=lambda x: str(x)[:60])

@@ -276,3 +276,34 @@ def test_non_finite_bias_at_hidden_positions_never_reaches_a_visible_output(pois
     )
     np.testing.assert_array_equal(dirty[0], clean[0])
     assert np.isfinite(dirty).all()
+
+
+def test_a_block_of_the_visibility_sees_what_the_whole_sees_there():
+    """Visibility.block, which mha.dask cuts per chunk pair, against the full visibility."""
+    from mha._kernel.contract import Visibility
+
+    r = np.random.default_rng(11)
+    for _ in range(200):
+        B, H, L, S = int(r.integers(1, 4)), 2, int(r.integers(1, 12)), int(r.integers(1, 12))
+        kwargs = {"causal": bool(r.integers(2))}
+        if r.integers(2):
+            kwargs["window"] = int(r.integers(1, 5))
+        if (kwargs["causal"] or "window" in kwargs) and r.integers(2):
+            kwargs["causal_alignment"] = "top_left"
+        if r.integers(2):
+            kwargs["key_lengths"] = r.integers(0, S + 1, B)
+        if r.integers(2):
+            kwargs["query_lengths"] = r.integers(0, L + 1, B)
+        if r.integers(2):
+            kwargs["mask"] = r.random((B, 1, L, S)) < 0.7
+        whole = Visibility.build(batch_shape=(B,), H=H, L=L, S=S, **kwargs)
+        allowed = whole.allowed()
+        for _ in range(4):
+            b0, r0, c0 = int(r.integers(0, B)), int(r.integers(0, L)), int(r.integers(0, S))
+            b1, r1 = int(r.integers(b0 + 1, B + 1)), int(r.integers(r0 + 1, L + 1))
+            c1 = int(r.integers(c0 + 1, S + 1))
+            block = whole.block((slice(b0, b1),), slice(r0, r1), slice(c0, c1))
+            want = allowed[b0:b1, :, r0:r1, c0:c1]
+            assert np.array_equal(block.allowed(), want)
+            if not block.sees_any():  # skipped blocks hide everything
+                assert not want.any()

@@ -31,7 +31,7 @@ def test_the_interop_example_runs(torch, tmp_path, monkeypatch):
     np.testing.assert_allclose(namespace["out2"].transpose(1, 0, 2), namespace["attention"](
         namespace["x"]), rtol=1e-5, atol=1e-6)  # fmt: skip
     assert namespace["weights"].shape == (2, 5, 5)
-    assert len(blocks("python")) == 4
+    assert len(blocks("python")) == 5
 
 
 def test_the_decoding_example_runs(capsys):
@@ -54,7 +54,7 @@ def test_quoted_error_is_real():
 def test_both_commands_are_there():
     shell = blocks("bash")
     assert any('pip install ".[cli]"' in block and "mha demo" in block for block in shell)
-    assert any('".[test,torch,fast]"' in block and "pytest" in block for block in shell)
+    assert any('".[test,torch,fast,dask]"' in block and "pytest" in block for block in shell)
 
 
 def test_the_images_it_shows_exist():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import zlib
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -117,21 +118,7 @@ def scaled_dot_product_attention(
     array([[[1.  , 0.  ],
             [0.33, 0.67]]])
     """
-    q = as_float_array("q", q)
-    k = as_float_array("k", k)
-    v = as_float_array("v", v)
-    for name, array in (("q", q), ("k", k), ("v", v)):
-        if array.ndim < 3:
-            raise ShapeError(
-                f"{name} must have shape (..., H, {'L' if name == 'q' else 'S'}, d) with a "
-                f"head axis; got shape {array.shape}"
-            )
-    _same("q", q, "k", k, "batch axes {}", q.shape[:-3], k.shape[:-3])
-    _same("k", k, "v", v, "leading (batch..., H_kv) axes {}", k.shape[:-2], v.shape[:-2])
-    _kv_heads(q.shape[-3], k.shape[-3], f"q {q.shape}, k {k.shape}")
-    _same("q", q, "k", k, "head width {}", q.shape[-1], k.shape[-1])
-    _same("k", k, "v", v, "{} positions", k.shape[-2], v.shape[-2])
-    result_dtype, compute_dtype = result_and_compute_dtypes(q, k, v)
+    q, k, v, result_dtype, compute_dtype = _checked_heads(q, k, v)
     scale = resolve_scale(scale, q.shape[-1], compute_dtype)
     budget, threads = _kernel_options(return_weights, max_memory, workers)
     masking = {
@@ -186,6 +173,29 @@ def scaled_dot_product_attention(
             q, k, v, bias, out, lse, visibility, scale, compute_dtype, budget, threads, dropout,
         ))  # fmt: skip
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def _checked_heads(
+    q: Any, k: Any, v: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.dtype, np.dtype]:
+    """:func:`scaled_dot_product_attention`'s ``q``, ``k``, ``v`` as arrays whose shapes fit
+    together, with the result and compute dtypes (shared with :mod:`mha.dask`)."""
+    q = as_float_array("q", q)
+    k = as_float_array("k", k)
+    v = as_float_array("v", v)
+    for name, array in (("q", q), ("k", k), ("v", v)):
+        if array.ndim < 3:
+            raise ShapeError(
+                f"{name} must have shape (..., H, {'L' if name == 'q' else 'S'}, d) with a "
+                f"head axis; got shape {array.shape}"
+            )
+    _same("q", q, "k", k, "batch axes {}", q.shape[:-3], k.shape[:-3])
+    _same("k", k, "v", v, "leading (batch..., H_kv) axes {}", k.shape[:-2], v.shape[:-2])
+    _kv_heads(q.shape[-3], k.shape[-3], f"q {q.shape}, k {k.shape}")
+    _same("q", q, "k", k, "head width {}", q.shape[-1], k.shape[-1])
+    _same("k", k, "v", v, "{} positions", k.shape[-2], v.shape[-2])
+    result_dtype, compute_dtype = result_and_compute_dtypes(q, k, v)
+    return q, k, v, result_dtype, compute_dtype
 
 
 class _SplitHeadsBackward:
@@ -541,6 +551,196 @@ def multi_head_attention(
     array([[[1., 1., 1.],
             [1., 1., 1.]]])
     """
+    masking = {
+        "mask": mask,
+        "causal": causal,
+        "causal_alignment": causal_alignment,
+        "key_lengths": key_lengths,
+        "query_lengths": query_lengths,
+        "bias": bias,
+        "window": window,
+    }
+    call = _check_call(
+        Q,
+        K,
+        V,
+        W_q,
+        W_k,
+        W_v,
+        W_o,
+        num_heads,
+        masking,
+        b_q=b_q,
+        b_k=b_k,
+        b_v=b_v,
+        b_o=b_o,
+        scale=scale,
+        return_weights=return_weights,
+        max_memory=max_memory,
+        workers=workers,
+        bias_k=bias_k,
+        bias_v=bias_v,
+        add_zero_attn=add_zero_attn,
+        num_kv_heads=num_kv_heads,
+        rope_theta=rope_theta,
+        rotary_dim=rotary_dim,
+        rotary_interleaved=rotary_interleaved,
+        positions=positions,
+        cache=cache,
+        return_backward=return_backward,
+        dropout_p=dropout_p,
+        generator=generator,
+    )
+    Q, K, V, W_q, W_k, W_v, W_o = call.Q, call.K, call.V, call.W_q, call.W_k, call.W_v, call.W_o
+    b_q, b_k, b_v, b_o, bias_k, bias_v = (
+        call.b_q,
+        call.b_k,
+        call.b_v,
+        call.b_o,
+        call.bias_k,
+        call.bias_v,
+    )
+    H, H_kv, d_k, d_v, B, L, S = call.H, call.H_kv, call.d_k, call.d_v, call.B, call.L, call.S
+    extra, result_dtype, compute_dtype = call.extra, call.result_dtype, call.compute_dtype
+    scale, budget, threads, visibility = call.scale, call.budget, call.threads, call.visibility
+    rotary, q_positions, k_positions = call.rotary, call.q_positions, call.k_positions
+    want_backward, drop_p = call.want_backward, call.drop_p
+    lengths: tuple[Any, Any] = (None, None)  # query and key lengths, for the backward pass
+    if visibility is not None:
+        lengths = (visibility.query_lengths, visibility.key_lengths)
+        if extra:
+            visibility = _with_extra_keys(visibility, extra, compute_dtype)
+    dropout = Dropout.draw(drop_p, generator, H, L) if drop_p else None  # all checked: draw
+
+    def cast(array: np.ndarray | None) -> np.ndarray | None:
+        return None if array is None else array.astype(compute_dtype, copy=False)
+
+    batch = float(np.prod(B))
+    keys = S if cache is None else int(cache.lengths.max(initial=0)) + L  # what is attended
+    cost = batch * (  # multiply-adds of the projections and of attention
+        L * W_q.size + S * (W_k.size + W_v.size) + L * W_o.size + H * L * keys * (d_k + d_v)
+    )
+    with np.errstate(invalid="ignore", over="ignore"), Team(workers_for(cost, threads)) as team:
+        q, k, v = _project_heads(
+            cast(Q), cast(K), cast(V), cast(W_q), cast(W_k), cast(W_v), cast(b_q), cast(b_k),
+            cast(b_v), H, H_kv, scale, team, self_attention=Q is K is V,
+        )  # fmt: skip
+        if rotary is not None:
+            q = apply_rotary(q, q_positions, **rotary)
+            k = apply_rotary(k, k_positions, **rotary)
+        if extra:
+            k = _append_keys(k, cast(bias_k), call.add_zero_attn, H_kv)
+            v = _append_keys(v, cast(bias_v), call.add_zero_attn, H_kv)
+        weights = None
+        lse = None
+        if want_backward:
+            lse = np.full((*B, H, L), -np.inf, dtype=compute_dtype)
+        if visibility is None:  # the cache's call
+            heads = _with_cache(
+                q, k, v, cache, masking, 1.0, False, budget, threads, compute_dtype,
+                compute_dtype, team,
+            )  # fmt: skip
+            joined = np.moveaxis(heads, -3, -2).reshape((*B, L, H * d_v))
+        else:
+            joined = np.zeros((*B, L, H * d_v), dtype=compute_dtype)  # (*B, L, H*d_v)
+            if return_weights:
+                weights = np.zeros((*B, H, L, S + extra), dtype=compute_dtype)
+            attend(
+                q, k, v, visibility, 1.0, _split_heads(joined, H), weights=weights, lse=lse,
+                max_memory=budget, team=team, dropout=dropout,
+            )  # fmt: skip
+        out = team.matmul(joined, W_o.astype(compute_dtype, copy=False), cast(b_o))
+    results: list[Any] = [_cast(out, result_dtype)]
+    if weights is not None:
+        results.append(_cast(weights, result_dtype))
+    if want_backward:
+        given = {
+            "Q": Q, "K": K, "V": V, "W_q": W_q, "W_k": W_k, "W_v": W_v, "W_o": W_o, "b_q": b_q,
+            "b_k": b_k, "b_v": b_v, "b_o": b_o, "bias_k": bias_k, "bias_v": bias_v,
+        }  # fmt: skip
+        results.append(_ProjectedBackward(
+            {name: x for name, x in given.items() if x is not None}, bias, q, k, v, joined, lse,
+            visibility, scale, H, H_kv, S, rotary, q_positions, k_positions, bool(extra),
+            lengths, compute_dtype, budget, threads, dropout,
+        ))  # fmt: skip
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A checked :func:`multi_head_attention` call: its arrays as arrays, its sizes, and its
+    options resolved. ``visibility`` covers the ``S`` given keys (``None`` with a cache)."""
+
+    Q: np.ndarray
+    K: np.ndarray
+    V: np.ndarray
+    W_q: np.ndarray
+    W_k: np.ndarray
+    W_v: np.ndarray
+    W_o: np.ndarray
+    b_q: np.ndarray | None
+    b_k: np.ndarray | None
+    b_v: np.ndarray | None
+    b_o: np.ndarray | None
+    bias_k: np.ndarray | None
+    bias_v: np.ndarray | None
+    add_zero_attn: bool
+    extra: int  # keys appended after the projections: bias_k's and the zero key
+    H: int
+    H_kv: int
+    d_k: int
+    d_v: int
+    B: tuple[int, ...]  # () for unbatched input
+    L: int
+    S: int
+    result_dtype: np.dtype
+    compute_dtype: np.dtype
+    visibility: Visibility | None
+    scale: float
+    budget: int
+    threads: int | None
+    want_backward: bool
+    drop_p: float
+    rotary: dict[str, Any] | None
+    q_positions: Any
+    k_positions: Any
+
+
+def _check_call(
+    Q: Any,
+    K: Any,
+    V: Any,
+    W_q: Any,
+    W_k: Any,
+    W_v: Any,
+    W_o: Any,
+    num_heads: Any,
+    masking: dict[str, Any],
+    *,
+    b_q: Any,
+    b_k: Any,
+    b_v: Any,
+    b_o: Any,
+    scale: Any,
+    return_weights: Any,
+    max_memory: Any,
+    workers: Any,
+    bias_k: Any,
+    bias_v: Any,
+    add_zero_attn: Any,
+    num_kv_heads: Any,
+    rope_theta: Any,
+    rotary_dim: Any,
+    rotary_interleaved: Any,
+    positions: Any,
+    cache: Any,
+    return_backward: Any,
+    dropout_p: Any,
+    generator: Any,
+) -> _Call:
+    """Every check of :func:`multi_head_attention`'s arguments, in the order it makes them
+    (shared with :mod:`mha.dask`, which gives the same errors)."""
+    window = masking["window"]
     Q = as_float_array("Q", Q)
     K = as_float_array("K", K)
     V = as_float_array("V", V)
@@ -598,17 +798,7 @@ def multi_head_attention(
     )
     B, L, S = Q.shape[:-2], Q.shape[-2], K.shape[-2]  # B is () for unbatched input
     rotary = _rotary_options(rope_theta, rotary_dim, rotary_interleaved, d_k)
-    masking = {
-        "mask": mask,
-        "causal": causal,
-        "causal_alignment": causal_alignment,
-        "key_lengths": key_lengths,
-        "query_lengths": query_lengths,
-        "bias": bias,
-        "window": window,
-    }
     visibility = None
-    lengths: tuple[Any, Any] = (None, None)  # query and key lengths, for the backward pass
     if cache is not None:
         _check_cache_call(cache, Q, K, extra, return_weights, positions)
         if window != cache.window:
@@ -622,9 +812,6 @@ def multi_head_attention(
             batch_shape=B, H=H, L=L, S=S, dtype=compute_dtype,
             context=f"Q {Q.shape}, K {K.shape}", **masking,
         )  # fmt: skip
-        lengths = (visibility.query_lengths, visibility.key_lengths)
-        if extra:
-            visibility = _with_extra_keys(visibility, extra, compute_dtype)
     scale = resolve_scale(scale, d_k, compute_dtype, f"W_q {W_q.shape}")
     budget, threads = _kernel_options(return_weights, max_memory, workers)
     want_backward = _flag("return_backward", return_backward)
@@ -636,60 +823,12 @@ def multi_head_attention(
         q_positions, k_positions = _rotary_positions(positions, cache, B, L, S)
     elif positions is not None:
         raise AttentionValueError("positions= has no effect without rope_theta=: give both")
-    dropout = Dropout.draw(drop_p, generator, H, L) if drop_p else None  # all checked: draw
-
-    def cast(array: np.ndarray | None) -> np.ndarray | None:
-        return None if array is None else array.astype(compute_dtype, copy=False)
-
-    batch = float(np.prod(B))
-    keys = S if cache is None else int(cache.lengths.max(initial=0)) + L  # what is attended
-    cost = batch * (  # multiply-adds of the projections and of attention
-        L * W_q.size + S * (W_k.size + W_v.size) + L * W_o.size + H * L * keys * (d_k + d_v)
-    )
-    with np.errstate(invalid="ignore", over="ignore"), Team(workers_for(cost, threads)) as team:
-        q, k, v = _project_heads(
-            cast(Q), cast(K), cast(V), cast(W_q), cast(W_k), cast(W_v), cast(b_q), cast(b_k),
-            cast(b_v), H, H_kv, scale, team, self_attention=Q is K is V,
-        )  # fmt: skip
-        if rotary is not None:
-            q = apply_rotary(q, q_positions, **rotary)
-            k = apply_rotary(k, k_positions, **rotary)
-        if extra:
-            k = _append_keys(k, cast(bias_k), add_zero_attn, H_kv)
-            v = _append_keys(v, cast(bias_v), add_zero_attn, H_kv)
-        weights = None
-        lse = None
-        if want_backward:
-            lse = np.full((*B, H, L), -np.inf, dtype=compute_dtype)
-        if visibility is None:  # the cache's call
-            heads = _with_cache(
-                q, k, v, cache, masking, 1.0, False, budget, threads, compute_dtype,
-                compute_dtype, team,
-            )  # fmt: skip
-            joined = np.moveaxis(heads, -3, -2).reshape((*B, L, H * d_v))
-        else:
-            joined = np.zeros((*B, L, H * d_v), dtype=compute_dtype)  # (*B, L, H*d_v)
-            if return_weights:
-                weights = np.zeros((*B, H, L, S + extra), dtype=compute_dtype)
-            attend(
-                q, k, v, visibility, 1.0, _split_heads(joined, H), weights=weights, lse=lse,
-                max_memory=budget, team=team, dropout=dropout,
-            )  # fmt: skip
-        out = team.matmul(joined, W_o.astype(compute_dtype, copy=False), cast(b_o))
-    results: list[Any] = [_cast(out, result_dtype)]
-    if weights is not None:
-        results.append(_cast(weights, result_dtype))
-    if want_backward:
-        given = {
-            "Q": Q, "K": K, "V": V, "W_q": W_q, "W_k": W_k, "W_v": W_v, "W_o": W_o, "b_q": b_q,
-            "b_k": b_k, "b_v": b_v, "b_o": b_o, "bias_k": bias_k, "bias_v": bias_v,
-        }  # fmt: skip
-        results.append(_ProjectedBackward(
-            {name: x for name, x in given.items() if x is not None}, bias, q, k, v, joined, lse,
-            visibility, scale, H, H_kv, S, rotary, q_positions, k_positions, bool(extra),
-            lengths, compute_dtype, budget, threads, dropout,
-        ))  # fmt: skip
-    return results[0] if len(results) == 1 else tuple(results)
+    return _Call(
+        Q, K, V, W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v,
+        _flag("add_zero_attn", add_zero_attn), extra, H, H_kv, d_k, d_v, B, L, S, result_dtype,
+        compute_dtype, visibility, scale, budget, threads, want_backward, drop_p, rotary,
+        q_positions, k_positions,
+    )  # fmt: skip
 
 
 class _ProjectedBackward:

@@ -17,7 +17,7 @@ import numpy as np
 from ._arrays import as_array, as_float_array, flag, positive_int, result_and_compute_dtypes
 from .errors import AttentionTypeError, AttentionValueError, ShapeError
 
-__all__ = ["apply_rotary"]
+__all__ = ["apply_rotary", "check_rotary"]
 
 
 def apply_rotary(
@@ -46,27 +46,11 @@ def apply_rotary(
            [0.54 , 0.   , 0.841, 0.   ]])
     """
     array = as_float_array("x", x)
-    if array.ndim < 2:
-        raise ShapeError(f"x must have shape (..., L, d); got shape {array.shape}")
-    d = array.shape[-1]
     result_dtype, dtype = result_and_compute_dtypes(array)
-    r = d if rotary_dim is None else positive_int("rotary_dim", rotary_dim)
-    if rotary_dim is None and d % 2:
-        raise AttentionValueError(
-            f"the head width {d} is odd, so its features cannot all pair up for rotary "
-            f"embeddings; give an even rotary_dim (x {array.shape})"
-        )
-    if r % 2 or r > d:
-        raise AttentionValueError(
-            f"rotary_dim must be even and at most the head width {d}; got {r} (x {array.shape})"
-        )
-    base = _positive_real("theta", theta)
-    angles = _positions(positions, array.shape)[..., None] * base ** (
-        -np.arange(0, r, 2, dtype=np.float64) / r
-    )  # (..., L, r/2)
+    r, angles, interleaved = check_rotary(array.shape, positions, theta, rotary_dim, interleaved)
     cos, sin = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
     out = array.astype(dtype, copy=True)
-    if flag("interleaved", interleaved):
+    if interleaved:
         a, b = array[..., 0:r:2].astype(dtype), array[..., 1:r:2].astype(dtype)
         out[..., 0:r:2] = a * cos - b * sin
         out[..., 1:r:2] = b * cos + a * sin
@@ -75,6 +59,32 @@ def apply_rotary(
         out[..., : r // 2] = a * cos - b * sin
         out[..., r // 2 : r] = b * cos + a * sin
     return out.astype(result_dtype, copy=False)
+
+
+def check_rotary(
+    shape: tuple[int, ...], positions: Any, theta: Any, rotary_dim: Any, interleaved: Any
+) -> tuple[int, np.ndarray, bool]:
+    """Every check of :func:`apply_rotary` for an ``x`` of ``shape``: the rotated width,
+    the angles ``(..., L, r/2)`` in float64, and ``interleaved`` (shared with
+    :mod:`mha.dask`, which checks before any data exists)."""
+    if len(shape) < 2:
+        raise ShapeError(f"x must have shape (..., L, d); got shape {shape}")
+    d = shape[-1]
+    r = d if rotary_dim is None else positive_int("rotary_dim", rotary_dim)
+    if rotary_dim is None and d % 2:
+        raise AttentionValueError(
+            f"the head width {d} is odd, so its features cannot all pair up for rotary "
+            f"embeddings; give an even rotary_dim (x {shape})"
+        )
+    if r % 2 or r > d:
+        raise AttentionValueError(
+            f"rotary_dim must be even and at most the head width {d}; got {r} (x {shape})"
+        )
+    base = _positive_real("theta", theta)
+    angles = _positions(positions, shape)[..., None] * base ** (
+        -np.arange(0, r, 2, dtype=np.float64) / r
+    )  # (..., L, r/2)
+    return r, angles, flag("interleaved", interleaved)
 
 
 def _positions(positions: Any, shape: tuple[int, ...]) -> np.ndarray:

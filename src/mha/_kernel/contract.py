@@ -32,7 +32,7 @@ array([[ True,  True, False],
 from __future__ import annotations
 
 import reprlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,7 @@ import numpy as np
 from .._arrays import as_array, as_float_array, flag, positive_int
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 
-__all__ = ["CAUSAL_ALIGNMENTS", "Visibility"]
+__all__ = ["CAUSAL_ALIGNMENTS", "Visibility", "check_lengths", "fit_to_scores", "split_mask"]
 
 CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
 
@@ -91,7 +91,7 @@ class Visibility:
         ``offsets`` (internal, for the KV cache) gives each sequence its own alignment
         offset ``i + offset`` for the causal mask and the window."""
         full = (*batch_shape, H, L, S)
-        mask_is_causal, mask_array = _split_mask(mask)
+        mask_is_causal, mask_array = split_mask(mask)
         causal = flag("causal", causal) or mask_is_causal
         if causal_alignment is not None and (
             not isinstance(causal_alignment, str) or causal_alignment not in CAUSAL_ALIGNMENTS
@@ -107,12 +107,12 @@ class Visibility:
             )
         offset = 0 if causal_alignment == "top_left" else S - L
         if mask_array is not None:
-            mask_array = _fit_to_scores("mask", mask_array, full, batch_shape)
+            mask_array = fit_to_scores("mask", mask_array, full, batch_shape)
         bias_array = None
         hides = False
         if bias is not None:
             bias_array = as_float_array("bias", bias)
-            bias_array = _fit_to_scores("bias", bias_array, full, batch_shape)
+            bias_array = fit_to_scores("bias", bias_array, full, batch_shape)
             with np.errstate(over="ignore"):
                 bias_array = bias_array.astype(dtype, copy=False)
             hides = bool(np.isneginf(bias_array).any())
@@ -146,6 +146,66 @@ class Visibility:
             bias=_select(self.bias, batch, heads),
             bias_hides_keys=self.bias_hides_keys,
         )
+
+    def block(self, batch: tuple[slice, ...], rows: slice, cols: slice) -> Visibility:
+        """The visibility of one block of the scores: the batch indices ``batch`` (one slice
+        per batch axis, every head), query rows ``rows`` and keys ``cols`` (slices with
+        start and stop), as a call over just those queries and keys would see it. The
+        causal mask and the window keep their alignment, lengths count from the block's
+        first row and key, and a mask or bias is cut (:meth:`with_arrays` gives a block its
+        own instead)."""
+        r0, r1, c0, c1 = rows.start, rows.stop, cols.start, cols.stop
+
+        def cut(lengths: np.ndarray | None, start: int, stop: int) -> np.ndarray | None:
+            return None if lengths is None else np.clip(lengths[batch] - start, 0, stop - start)
+
+        def part(array: np.ndarray | None) -> np.ndarray | None:
+            if array is None:
+                return None
+            index = tuple(
+                slice(None) if size == 1 else axis
+                for size, axis in zip(array.shape, (*batch, slice(None)), strict=False)
+            )
+            return _block(array[index], r0, r1, c0, c1)
+
+        return Visibility(
+            index_shape=(*_sizes(batch, self.index_shape[:-1]), self.index_shape[-1]),
+            L=r1 - r0,
+            S=c1 - c0,
+            mask=part(self.mask),
+            bias=part(self.bias),
+            causal_offset=self.causal_offset + r0 - c0,
+            key_lengths=cut(self.key_lengths, c0, c1),
+            query_lengths=cut(self.query_lengths, r0, r1),
+            bias_hides_keys=self.bias_hides_keys,
+            causal=self.causal,
+            window=self.window,
+            offsets=None if self.offsets is None else self.offsets[batch] + r0 - c0,
+        )
+
+    def with_arrays(self, mask: np.ndarray | None, bias: np.ndarray | None) -> Visibility:
+        """This visibility with the given full-rank ``mask`` and ``bias`` blocks (each
+        ``None``, or broadcastable to the scores with as many axes)."""
+        full = (*self.index_shape, self.L, self.S)
+        for name, array in (("mask", mask), ("bias", bias)):
+            if array is not None and np.broadcast_shapes(array.shape, full) != full:
+                raise ShapeError(f"a {name} block {array.shape} does not fit the scores {full}")
+        return replace(
+            self,
+            mask=mask,
+            bias=bias,
+            bias_hides_keys=bias is not None and bool(np.isneginf(bias).any()),
+        )
+
+    def sees_any(self) -> bool:
+        """Whether some query may see some key by the limits alone (lengths, the causal mask,
+        the window); a mask or bias may still hide the rest. Blocks that do not are skipped."""
+        for index in np.ndindex(self.index_shape[:-1]):
+            item = self.item(index, slice(0, self.index_shape[-1]))
+            rows = min(self.L, item.query_end)
+            if rows > 0 and item.key_stop(0, rows) > item.key_start(0, rows):
+                return True
+        return False
 
     def allowed(self) -> np.ndarray:
         """The full boolean ``(*batch, H, L, S)`` visibility, for inspection and plots."""
@@ -259,7 +319,7 @@ def _select(array: np.ndarray | None, batch: tuple[int, ...], heads: slice) -> n
     return picked
 
 
-def _split_mask(mask: Any) -> tuple[bool, np.ndarray | None]:
+def split_mask(mask: Any) -> tuple[bool, np.ndarray | None]:
     """A Python or NumPy bool (``mask=True``) is the causal flag; an array, even a 0-d one,
     is a visibility mask."""
     if mask is None:
@@ -285,7 +345,7 @@ def _describe(full: tuple[int, ...], batch_shape: tuple[int, ...]) -> str:
     return f"{names} = {full}"
 
 
-def _fit_to_scores(
+def fit_to_scores(
     name: str, array: np.ndarray, full: tuple[int, ...], batch_shape: tuple[int, ...]
 ) -> np.ndarray:
     """``array`` as a view that broadcasts against the scores, or a ShapeError."""
@@ -336,6 +396,10 @@ def check_lengths(
             f"got {array.max()} (in {reprlib.repr(array.tolist())})"
         )
     return array.astype(np.int64)
+
+
+def _sizes(batch: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(len(range(*part.indices(size))) for part, size in zip(batch, shape, strict=True))
 
 
 def _block(array: np.ndarray, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
