@@ -90,9 +90,10 @@ def check(got, want, record_error, family="mha.dask vs in-memory, float64", tol=
     assert relative(got, want) <= record_error(family, relative(got, want)) <= tol
 
 
+@pytest.mark.parametrize("scheduler", ["sync", "threads", "distributed"])
 @pytest.mark.parametrize("chunking", CHUNKINGS)
 @pytest.mark.parametrize("name", MASKINGS)
-def test_every_chunking_and_mask_equals_in_memory(chunking, name, record_error):
+def test_every_chunking_and_mask_equals_in_memory(chunking, name, scheduler, request, record_error):
     b, lq, lk = CHUNKINGS[chunking]
     args = {**masking(name), **BIASES}
     want = mha.multi_head_attention(Q, K, V, *WEIGHTS, H, **_computed(args))
@@ -100,7 +101,13 @@ def test_every_chunking_and_mask_equals_in_memory(chunking, name, record_error):
         chunked(Q, (b, lq)), chunked(K, (b, lk)), chunked(V, (b, lk)), *WEIGHTS, H, **args
     )
     assert lazy.chunks[:2] == chunked(Q, (b, lq)).chunks[:2]
-    check(lazy.compute(scheduler="sync"), want, record_error)
+    (got,) = dask_compute(lazy, scheduler=_scheduler(scheduler, request))
+    check(got, want, record_error)
+
+
+def _scheduler(name, request):
+    """ "sync" or "threads", or the two-process LocalCluster's client."""
+    return request.getfixturevalue("client") if name == "distributed" else name
 
 
 @pytest.mark.parametrize("chunking", CHUNKINGS)
@@ -146,6 +153,31 @@ def test_projection_options_equal_in_memory(extra, chunking, record_error):
     Xd = chunked(X, (b, lq))
     lazy = mha.dask.multi_head_attention(Xd, chunked(X, (b, 5)), X, *weights, H, **extra)
     check(lazy.compute(scheduler="sync"), want, record_error)
+
+
+@pytest.mark.parametrize("chunking", ["batch", "all"])
+def test_rotary_cross_attention_with_default_positions(chunking, record_error):
+    b, lq, lk = CHUNKINGS[chunking]
+    want = mha.multi_head_attention(Q, K, V, *WEIGHTS, H, rope_theta=100.0, causal=True)
+    lazy = mha.dask.multi_head_attention(
+        chunked(Q, (b, lq)), chunked(K, (b, lk)), V, *WEIGHTS, H, rope_theta=100.0, causal=True
+    )
+    check(lazy.compute(scheduler="sync"), want, record_error)
+
+
+def test_calls_that_differ_in_any_argument_get_different_graphs(record_error):
+    Xd = chunked(X, (1, 6))
+    calls = [
+        {}, {"add_zero_attn": True}, {"causal": True}, {"causal": True, "window": 3},
+        {"scale": 0.37}, {"b_o": np.ones(D)}, {"rope_theta": 10.0}, {"split_every": 2},
+    ]  # fmt: skip
+    lazies = [mha.dask.multi_head_attention(Xd, Xd, Xd, *WEIGHTS, H, **c) for c in calls]
+    assert len({lazy.name for lazy in lazies[:-1]}) == len(calls) - 1
+    import dask
+
+    for c, got in zip(calls, dask.compute(*lazies, scheduler="sync"), strict=True):
+        c.pop("split_every", None)
+        check(got, mha.multi_head_attention(X, X, X, *WEIGHTS, H, **c), record_error)
 
 
 def test_unbatched_float32_float16_and_integer_inputs(record_error):
@@ -211,19 +243,25 @@ def client():
         yield client
 
 
-@pytest.mark.parametrize("scheduler", ["sync", "threads", "distributed"])
-@pytest.mark.parametrize("name", ["causal", "window top-left", "everything", "dask mask"])
-def test_schedulers_agree(scheduler, name, request, record_error):
-    kwargs = {"scheduler": "threads" if scheduler == "threads" else "sync"}
-    if scheduler == "distributed":
-        kwargs = {"scheduler": request.getfixturevalue("client")}
-    args = {**masking(name), **BIASES}
-    want = mha.multi_head_attention(Q, K, V, *WEIGHTS, H, **_computed(args))
-    lazy = mha.dask.multi_head_attention(
-        chunked(Q, (2, 7)), chunked(K, (2, 6)), chunked(V, (1, 10)), *WEIGHTS, H, **args
-    )
-    (got,) = dask_compute(lazy, **kwargs)
+@pytest.mark.parametrize("scheduler", ["threads", "distributed"])
+@pytest.mark.parametrize("name", ["causal", "window top-left", "everything"])
+def test_sdpa_on_every_scheduler(scheduler, name, request, record_error):
+    r = np.random.default_rng(4)
+    q, k, v = r.standard_normal((3, B, 4, L, 8))[:, :, :, : min(L, S)]
+    args = masking(name, min(L, S), min(L, S))
+    for lengths in ("key_lengths", "query_lengths"):
+        if lengths in args:
+            args[lengths] = np.minimum(args[lengths], min(L, S))
+    out, lse = mha.dask.scaled_dot_product_attention(
+        da.from_array(q, chunks=(2, 4, 6, 8)), da.from_array(k, chunks=(1, 4, 5, 8)), v,
+        return_lse=True, **args,
+    )  # fmt: skip
+    want, want_lse = mha.scaled_dot_product_attention(q, k, v, return_lse=True, **args)
+    got, got_lse = dask_compute(out, lse, scheduler=_scheduler(scheduler, request))
     check(got, want, record_error)
+    seen = np.isfinite(want_lse)
+    assert np.array_equal(seen, np.isfinite(got_lse))
+    check(got_lse[seen], want_lse[seen], record_error, "mha.dask lse vs in-memory")
 
 
 def test_keys_and_values_larger_than_a_workers_memory(record_error):
@@ -264,7 +302,10 @@ def test_a_worker_killed_mid_compute_changes_nothing(record_error):
     r = np.random.default_rng(8)
     x = r.standard_normal((1, 1024, 32))
     W = [r.standard_normal((32, 32)) / 6 for _ in range(4)]
-    slow = da.from_array(x, chunks=(1, 64, 32)).map_blocks(_slowly, dtype=x.dtype)
+    # A lambda travels by value: worker processes cannot import this test module.
+    slow = da.from_array(x, chunks=(1, 64, 32)).map_blocks(
+        lambda block: time.sleep(0.15) or block, dtype=x.dtype
+    )
     want = mha.multi_head_attention(x, x, x, *W, 4, causal=True)
     with distributed.LocalCluster(
         n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
@@ -281,11 +322,6 @@ def test_a_worker_killed_mid_compute_changes_nothing(record_error):
         got = future.result(timeout=120)
         assert victim not in set(client.scheduler_info()["workers"])  # it really was lost
     check(got, want, record_error, "mha.dask, a worker killed")
-
-
-def _slowly(block):
-    time.sleep(0.15)
-    return block
 
 
 def _parts_done(client):
@@ -390,6 +426,11 @@ BAD_CALLS = {
     "positions": lambda: ((Q, K, V, *WEIGHTS, H), {"rope_theta": 10.0, "positions": [0, 1]}),
     "rotary_dim": lambda: ((X, X, X, *WEIGHTS, H), {"rope_theta": 10.0, "rotary_dim": 3}),
     "num_kv_heads": lambda: ((Q, K, V, *WEIGHTS, H), {"num_kv_heads": 3}),
+    "mask not an array": lambda: ((Q, K, V, *WEIGHTS, H), {"mask": 1}),
+    "return_weights type": lambda: ((Q, K, V, *WEIGHTS, H), {"return_weights": 0}),
+    "return_backward type": lambda: ((Q, K, V, *WEIGHTS, H), {"return_backward": "x"}),
+    "dropout_p range": lambda: ((Q, K, V, *WEIGHTS, H), {"dropout_p": 2.0}),
+    "generator alone": lambda: ((Q, K, V, *WEIGHTS, H), {"generator": np.random.default_rng()}),
 }
 
 
@@ -400,7 +441,7 @@ def test_errors_are_the_in_memory_ones_raised_at_graph_build(case):
         mha.multi_head_attention(*args, **kwargs)
     lazy_args = [_exploding(a) if i < 3 else a for i, a in enumerate(args)]
     lazy_kwargs = {
-        name: _exploding(value) if name in ("mask", "bias") else value
+        name: _exploding(value) if name in ("mask", "bias") and hasattr(value, "shape") else value
         for name, value in kwargs.items()
     }
     with pytest.raises(type(expected.value)) as got:
@@ -434,6 +475,10 @@ def test_unknown_chunk_sizes_and_bad_split_every_are_refused():
     unknown = unknown[unknown[:, 0, 0] > -100]  # a boolean index: unknown batch chunks
     with pytest.raises(mha.AttentionValueError, match="compute_chunk_sizes"):
         mha.dask.multi_head_attention(unknown, K, V, *WEIGHTS, H)
+    mask = da.ones((B, L, S), dtype=bool, chunks=(1, L, S))
+    mask = mask[mask[:, 0, 0]]
+    with pytest.raises(mha.AttentionValueError, match="mask has unknown chunk sizes"):
+        mha.dask.multi_head_attention(Q, K, V, *WEIGHTS, H, mask=mask)
     with pytest.raises(mha.AttentionValueError, match="split_every"):
         mha.dask.multi_head_attention(chunked(Q, (1, 7)), K, V, *WEIGHTS, H, split_every=1)
 

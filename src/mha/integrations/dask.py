@@ -91,15 +91,13 @@ def scaled_dot_product_attention(
     >>> bool(np.allclose(lazy.compute(scheduler="sync"), exact, rtol=1e-13, atol=1e-15))
     True
     """
-    da, _ = _dask()
-    _refuse_in_memory_only(return_weights, return_backward, dropout_p, generator, cache)
+    da = _dask()
     lazy = {name: _lazy_or_array(name, x, da) for name, x in (("q", q), ("k", k), ("v", v))}
     standins = [_standin(x) for x in lazy.values()]
     sq, sk, sv, result_dtype, compute_dtype = functional._checked_heads(*standins)
     scale = resolve_scale(scale, sq.shape[-1], compute_dtype)
-    budget, threads = functional._kernel_options(False, max_memory, workers)
-    want_lse = flag("return_lse", return_lse)
-    fan_in = _fan_in(split_every)
+    budget, threads = functional._kernel_options(return_weights, max_memory, workers)
+    functional._dropout_p(dropout_p, generator)
     batch_shape, H, L, S = sq.shape[:-3], sq.shape[-3], sq.shape[-2], sk.shape[-2]
     masks = _Masks.check(mask, bias, da).fit_scores(batch_shape, H, L, S)
     causal = flag("causal", causal)
@@ -109,6 +107,9 @@ def scaled_dot_product_attention(
         query_lengths=_small("query_lengths", query_lengths), window=window,
         dtype=compute_dtype, context=f"q {sq.shape}, k {sk.shape}",
     )  # fmt: skip
+    want_lse = flag("return_lse", return_lse)
+    _refuse_in_memory_only(return_weights, return_backward, dropout_p, generator, cache)
+    fan_in = _fan_in(split_every)
 
     batched = len(batch_shape) > 0
     arrays = {name: x if batched else x[None] for name, x in lazy.items()}
@@ -121,7 +122,8 @@ def scaled_dot_product_attention(
     )
     mask_d, bias_d = masks.fit(grid, batched)
     graph = _Graph("mha-sdpa", (qd, kd, vd, mask_d, bias_d, visibility, scale, budget, threads,
-                                fan_in, want_lse))  # fmt: skip
+                                fan_in, want_lse, causal, causal_alignment, window,
+                                compute_dtype, result_dtype))  # fmt: skip
     d_v = sv.shape[-1]
     for bb, batch in grid.batch_blocks():
         for i, rows in enumerate(grid.rows):
@@ -229,8 +231,7 @@ def multi_head_attention(
     >>> bool(np.allclose(lazy.compute(scheduler="sync"), exact, rtol=1e-13, atol=1e-13))
     True
     """
-    da, _ = _dask()
-    _refuse_in_memory_only(return_weights, return_backward, dropout_p, generator, cache)
+    da = _dask()
     self_attention = Q is K is V
     lazy = {name: _lazy_or_array(name, x, da) for name, x in (("Q", Q), ("K", K), ("V", V))}
     sQ, sK, sV = (_standin(x) for x in lazy.values())
@@ -240,22 +241,23 @@ def multi_head_attention(
                "key_lengths": _small("key_lengths", key_lengths),
                "query_lengths": _small("query_lengths", query_lengths), "bias": None,
                "window": window}  # fmt: skip
-    masks = _Masks.check(mask, bias, da)
-    masking["mask"] = True if masks.causal else None
+    masking["mask"] = True if isinstance(mask, (bool, np.bool_)) and mask else None
     call = functional._check_call(
         sQ, sK, sV, W_q, W_k, W_v, W_o, num_heads, masking, b_q=b_q, b_k=b_k, b_v=b_v,
-        b_o=b_o, scale=scale, return_weights=False, max_memory=max_memory, workers=workers,
+        b_o=b_o, scale=scale, return_weights=return_weights, max_memory=max_memory,
+        workers=workers,
         bias_k=bias_k, bias_v=bias_v, add_zero_attn=add_zero_attn, num_kv_heads=num_kv_heads,
         rope_theta=rope_theta, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
-        positions=_small("positions", positions), cache=None, return_backward=False,
-        dropout_p=0.0, generator=None,
+        positions=_small("positions", positions), cache=cache, return_backward=return_backward,
+        dropout_p=dropout_p, generator=generator,
     )  # fmt: skip
+    _refuse_in_memory_only(return_weights, return_backward, dropout_p, generator, cache)
     H, B, L, S = call.H, call.B, call.L, call.S
-    masks = masks.fit_scores(B, H, L, S)
+    masks = _Masks.check(mask, bias, da).fit_scores(B, H, L, S)
     causal = flag("causal", causal)
     fan_in = _fan_in(split_every)
     assert call.visibility is not None  # no cache
-    rotation = _Rotation.check(call)
+    rotation = _Rotation.check(call, positions)
 
     batched = len(B) > 0
     arrays = {name: x if batched else x[None] for name, x in lazy.items()}
@@ -266,8 +268,11 @@ def multi_head_attention(
     Vd = Qd if self_attention else grid.fit(arrays["V"], "cols", da)
     mask_d, bias_d = masks.fit(grid, batched)
     weights = {name: getattr(call, name) for name in WEIGHT_NAMES}
-    graph = _Graph("mha", (Qd, Kd, Vd, mask_d, bias_d, weights, visibility, call.scale,
-                           call.H_kv, call.budget, call.threads, fan_in, rotation))  # fmt: skip
+    graph = _Graph("mha", (  # everything the graph depends on: equal tokens, equal results
+        Qd, Kd, Vd, mask_d, bias_d, weights, visibility, call.scale, call.H, call.H_kv,
+        call.budget, call.threads, fan_in, rotation, call.add_zero_attn, call.compute_dtype,
+        call.result_dtype, causal, causal_alignment, window, num_kv_heads,
+    ))  # fmt: skip
     w = graph.data("weights", weights)
     d_out = call.W_o.shape[1]
     projected: dict[tuple[str, tuple[int, ...]], Any] = {}
@@ -334,16 +339,15 @@ def multi_head_attention(
 # --- checking the call -------------------------------------------------------------------
 
 
-def _dask() -> tuple[Any, Any]:
+def _dask() -> Any:
     try:
         import dask.array as da
-        from dask.highlevelgraph import HighLevelGraph
     except ImportError:
         raise ImportError(
             'mha.dask needs Dask: pip install ".[dask]" in the mha checkout, or '
             'pip install "dask[array]" distributed'
         ) from None
-    return da, HighLevelGraph
+    return da
 
 
 def _is_dask(x: Any) -> bool:
@@ -355,13 +359,18 @@ def _lazy_or_array(name: str, x: Any, da: Any) -> Any:
     in-memory function reads it."""
     if not _is_dask(x):
         return as_float_array(name, x)
+    if _known(name, x).dtype.kind in "iu":
+        return x.astype(np.float64)
+    return x
+
+
+def _known(name: str, x: Any) -> Any:
+    """``x``, refused if its chunk sizes are unknown (as after boolean indexing)."""
     if any(np.isnan(size) for size in x.shape):
         raise AttentionValueError(
             f"{name} has unknown chunk sizes {x.chunks}; call {name}.compute_chunk_sizes() "
             "first (attention needs every chunk's length to plan the graph)"
         )
-    if x.dtype.kind in "iu":
-        return x.astype(np.float64)
     return x
 
 
@@ -390,14 +399,24 @@ def _fan_in(split_every: Any) -> int:
 def _refuse_in_memory_only(
     return_weights: Any, return_backward: Any, dropout_p: Any, generator: Any, cache: Any
 ) -> None:
-    given = [name for name, value, default in (
-        ("return_weights", return_weights, False), ("return_backward", return_backward, False),
-        ("dropout_p", dropout_p, 0.0), ("generator", generator, None), ("cache", cache, None),
-    ) if not (value is default or (default is not None and value == default))]  # fmt: skip
-    if given:
+    """The in-memory functions' options that mha.dask does not offer: checked as they check
+    them, then refused by name when asked for."""
+    asked = [
+        name
+        for name, value in (
+            ("return_weights", return_weights),
+            ("return_backward", return_backward),
+        )
+        if flag(name, value)
+    ]
+    if functional._dropout_p(dropout_p, generator):
+        asked.append("dropout_p")
+    if cache is not None:
+        asked.append("cache")
+    if asked:
         raise AttentionValueError(
             f"mha.dask computes the attention output (and its log-sum-exp) only; "
-            f"{', '.join(given)} are for the in-memory functions: call mha's on a slice"
+            f"{', '.join(asked)} are for the in-memory functions: call mha's on a slice"
         )
 
 
@@ -432,12 +451,16 @@ class _Masks:
         causal = isinstance(mask, (bool, np.bool_)) and bool(mask)
         if mask is None or isinstance(mask, (bool, np.bool_)):
             mask = None
+        elif _is_dask(mask):
+            split_mask(_standin(_known("mask", mask)))  # a non-boolean mask's error
         else:
-            mask = mask if _is_dask(mask) else da.from_array(as_array("mask", mask))
-            split_mask(_standin(mask))  # a non-boolean mask's error
+            _, mask = split_mask(mask)
+            mask = da.from_array(mask)
         if bias is not None:
-            bias = bias if _is_dask(bias) else da.from_array(as_array("bias", bias))
-            as_float_array("bias", np.zeros((), bias.dtype))  # a non-float bias's error
+            if _is_dask(bias):
+                as_float_array("bias", np.zeros((), _known("bias", bias).dtype))
+            else:
+                bias = da.from_array(as_float_array("bias", bias))
             if bias.dtype.kind in "iu":
                 bias = bias.astype(np.float64)
         return cls(causal, mask, bias)
@@ -486,25 +509,27 @@ class _Masks:
 
 @dataclass(frozen=True)
 class _Rotation:
-    """Rotary embeddings: the keywords and each position, checked once."""
+    """Rotary embeddings: the keywords, the positions of the queries and of the keys, and
+    the caller's own ``positions`` (``None`` for the defaults), checked once."""
 
     options: dict[str, Any] | None
     q_positions: np.ndarray | None
     k_positions: np.ndarray | None
+    given: np.ndarray | None
 
     @classmethod
-    def check(cls, call: functional._Call) -> _Rotation:
+    def check(cls, call: functional._Call, given: Any) -> _Rotation:
         if call.rotary is None:
-            return cls(None, None, None)
+            return cls(None, None, None, None)
         qp, kp = np.asarray(call.q_positions), np.asarray(call.k_positions)
-        if not call.B and qp.ndim != 1:
-            raise AttentionValueError(
-                f"unbatched input takes positions of shape (L,); got shape {qp.shape}"
-            )
         heads = {"q": call.H, "k": call.H_kv}
         for which, at, n in (("q", qp, call.L), ("k", kp, call.S)):
             check_rotary((*call.B, heads[which], n, call.d_k), at, **call.rotary)
-        return cls(call.rotary, qp, kp)
+        if not call.B and qp.ndim != 1:  # accepted in memory, lined up with the heads
+            raise AttentionValueError(
+                f"mha.dask takes positions of shape (L,) for unbatched input; got shape {qp.shape}"
+            )
+        return cls(call.rotary, qp, kp, None if given is None else np.asarray(given))
 
     def at(self, which: str, batch: tuple[slice, ...], at: slice) -> dict[str, Any] | None:
         """apply_rotary's keywords for the queries (``"q"``) or keys (``"kv"``) at ``at``."""
@@ -516,10 +541,10 @@ class _Rotation:
         return {"positions": cut, **self.options}
 
     def block_positions(self, batch: tuple[slice, ...]) -> Any:
-        if self.options is None or self.q_positions is None:
+        """The in-memory call's ``positions`` for one batch block."""
+        if self.given is None:
             return None
-        positions = self.q_positions
-        return positions[batch[:1]] if positions.ndim == 2 else positions
+        return self.given[batch[:1]] if self.given.ndim == 2 else self.given
 
 
 @dataclass(frozen=True)
