@@ -69,8 +69,13 @@ def _trace_stop() -> int:
     return peak
 
 
+def _ours(key: Any) -> bool:
+    """Whether a graph key is one of mha.dask's tasks."""
+    return str(key).startswith(("('mha-", "mha-"))
+
+
 def _count_ours(dask_scheduler: Any) -> int:
-    return sum(1 for key in dask_scheduler.tasks if str(key).startswith(("('mha-", "mha-")))
+    return sum(1 for key in dask_scheduler.tasks if _ours(key))
 
 
 def measure_run(client: Any, name: str, repeats: int) -> dict[str, Any]:
@@ -134,7 +139,7 @@ def measure_run(client: Any, name: str, repeats: int) -> dict[str, Any]:
     other = dict(lazy(not causal).__dask_graph__())
 
     def tasks(g: dict[Any, Any]) -> dict[str, int]:
-        ours = [key for key in g if str(key).startswith(("('mha-", "mha-"))]
+        ours = [key for key in g if _ours(key)]
         kinds = {"part": 0, "merge": 0}
         for key in ours:
             for kind in kinds:

@@ -121,15 +121,7 @@ def scaled_dot_product_attention(
     q, k, v, result_dtype, compute_dtype = _checked_heads(q, k, v)
     scale = resolve_scale(scale, q.shape[-1], compute_dtype)
     budget, threads = _kernel_options(return_weights, max_memory, workers)
-    masking = {
-        "mask": mask,
-        "causal": causal,
-        "causal_alignment": causal_alignment,
-        "key_lengths": key_lengths,
-        "query_lengths": query_lengths,
-        "bias": bias,
-        "window": window,
-    }
+    masking = _masking(mask, causal, causal_alignment, key_lengths, query_lengths, bias, window)
     drop_p = _dropout_p(dropout_p, generator)
     if cache is not None:
         if return_weights or return_backward or drop_p:
@@ -551,55 +543,18 @@ def multi_head_attention(
     array([[[1., 1., 1.],
             [1., 1., 1.]]])
     """
-    masking = {
-        "mask": mask,
-        "causal": causal,
-        "causal_alignment": causal_alignment,
-        "key_lengths": key_lengths,
-        "query_lengths": query_lengths,
-        "bias": bias,
-        "window": window,
-    }
+    masking = _masking(mask, causal, causal_alignment, key_lengths, query_lengths, bias, window)
     call = _check_call(
-        Q,
-        K,
-        V,
-        W_q,
-        W_k,
-        W_v,
-        W_o,
-        num_heads,
-        masking,
-        b_q=b_q,
-        b_k=b_k,
-        b_v=b_v,
-        b_o=b_o,
-        scale=scale,
-        return_weights=return_weights,
-        max_memory=max_memory,
-        workers=workers,
-        bias_k=bias_k,
-        bias_v=bias_v,
-        add_zero_attn=add_zero_attn,
-        num_kv_heads=num_kv_heads,
-        rope_theta=rope_theta,
-        rotary_dim=rotary_dim,
-        rotary_interleaved=rotary_interleaved,
-        positions=positions,
-        cache=cache,
-        return_backward=return_backward,
-        dropout_p=dropout_p,
+        Q, K, V, W_q, W_k, W_v, W_o, num_heads, masking, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
+        scale=scale, return_weights=return_weights, max_memory=max_memory, workers=workers,
+        bias_k=bias_k, bias_v=bias_v, add_zero_attn=add_zero_attn, num_kv_heads=num_kv_heads,
+        rope_theta=rope_theta, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
+        positions=positions, cache=cache, return_backward=return_backward, dropout_p=dropout_p,
         generator=generator,
-    )
+    )  # fmt: skip
     Q, K, V, W_q, W_k, W_v, W_o = call.Q, call.K, call.V, call.W_q, call.W_k, call.W_v, call.W_o
-    b_q, b_k, b_v, b_o, bias_k, bias_v = (
-        call.b_q,
-        call.b_k,
-        call.b_v,
-        call.b_o,
-        call.bias_k,
-        call.bias_v,
-    )
+    b_q, b_k, b_v, b_o = call.b_q, call.b_k, call.b_v, call.b_o
+    bias_k, bias_v = call.bias_k, call.bias_v
     H, H_kv, d_k, d_v, B, L, S = call.H, call.H_kv, call.d_k, call.d_v, call.B, call.L, call.S
     extra, result_dtype, compute_dtype = call.extra, call.result_dtype, call.compute_dtype
     scale, budget, threads, visibility = call.scale, call.budget, call.threads, call.visibility
@@ -685,7 +640,6 @@ class _Call:
     bias_k: np.ndarray | None
     bias_v: np.ndarray | None
     add_zero_attn: bool
-    extra: int  # keys appended after the projections: bias_k's and the zero key
     H: int
     H_kv: int
     d_k: int
@@ -704,6 +658,11 @@ class _Call:
     rotary: dict[str, Any] | None
     q_positions: Any
     k_positions: Any
+
+    @property
+    def extra(self) -> int:
+        """Keys appended after the projections: bias_k's and the zero key."""
+        return (self.bias_k is not None) + self.add_zero_attn
 
 
 def _check_call(
@@ -792,7 +751,8 @@ def _check_call(
     )
 
     bias_k, bias_v = _extra_key_biases(bias_k, bias_v, W_k, W_v)
-    extra = (bias_k is not None) + _flag("add_zero_attn", add_zero_attn)
+    add_zero_attn = _flag("add_zero_attn", add_zero_attn)
+    extra = (bias_k is not None) + add_zero_attn
     result_dtype, compute_dtype = result_and_compute_dtypes(
         Q, K, V, W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v
     )
@@ -825,7 +785,7 @@ def _check_call(
         raise AttentionValueError("positions= has no effect without rope_theta=: give both")
     return _Call(
         Q, K, V, W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v,
-        _flag("add_zero_attn", add_zero_attn), extra, H, H_kv, d_k, d_v, B, L, S, result_dtype,
+        add_zero_attn, H, H_kv, d_k, d_v, B, L, S, result_dtype,
         compute_dtype, visibility, scale, budget, threads, want_backward, drop_p, rotary,
         q_positions, k_positions,
     )  # fmt: skip
@@ -1095,6 +1055,21 @@ def merge_attention(outputs: Any, lses: Any) -> tuple[np.ndarray, np.ndarray]:
             [lse.astype(lse_dtype, copy=False) for lse in logs],
         )
     return _cast(merged, result_dtype), lse_merged
+
+
+def _masking(
+    mask: Any,
+    causal: Any,
+    causal_alignment: Any,
+    key_lengths: Any,
+    query_lengths: Any,
+    bias: Any,
+    window: Any,
+) -> dict[str, Any]:
+    """The mask contract's arguments, as :meth:`Visibility.build` takes them."""
+    return {"mask": mask, "causal": causal, "causal_alignment": causal_alignment,
+            "key_lengths": key_lengths, "query_lengths": query_lengths, "bias": bias,
+            "window": window}  # fmt: skip
 
 
 def _sequence(name: str, value: Any) -> list[Any]:

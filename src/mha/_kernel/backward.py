@@ -31,7 +31,7 @@ import numpy as np
 
 from .contract import Visibility
 from .dropout import Dropout
-from .forward import DEFAULT_MAX_MEMORY, _cast, _product, plan_tiles
+from .forward import DEFAULT_MAX_MEMORY, _cast, _product, _stack, plan_tiles
 from .team import Team
 
 __all__ = ["attend_backward"]
@@ -171,7 +171,6 @@ def _item_backward(
     G, d_k, d_v = k.shape[0], q.shape[-1], v.shape[-1]
     group = q.shape[0] // G
     dq[:, item.query_end :] = 0.0  # padded rows: no gradient
-    flip = dtype.itemsize == 8  # see _transposed_product
     for r0 in range(0, item.query_end, tiles.rows):
         r1 = min(r0 + tiles.rows, item.query_end)
         n = r1 - r0
@@ -197,20 +196,20 @@ def _item_backward(
         for c0 in range(start, stop, tiles.cols):
             c1 = min(c0 + tiles.cols, stop)
             w = c1 - c0
+            # only the rows that can see this key tile (the diagonal's, a window's edge)
+            a, b = item.rows_seeing(r0, r1, c0, c1) if group == 1 else (r0, r1)
+            if a == b:
+                continue
             k_a = scratch.k_aug[: G * w * (d_k + 1)].reshape(G, w, d_k + 1)
             v_a = scratch.v_aug[: G * w * (d_v + 1)].reshape(G, w, d_v + 1)
             np.copyto(k_a[..., :d_k], k[:, c0:c1])
             np.copyto(v_a[..., :d_v], v[:, c0:c1])
             k_a[..., d_k] = 1.0
             v_a[..., d_v] = 1.0
-            # only the rows that can see this key tile (the diagonal's, a window's edge)
-            a, b = item.rows_seeing(r0, r1, c0, c1) if group == 1 else (r0, r1)
-            if a == b:
-                continue
             rows = slice(a - r0, b - r0) if group == 1 else slice(None)
             _tile_backward(
                 q_a[:, rows], do_a[:, rows], k_a, v_a, dq_t[:, rows], dk[:, c0:c1],
-                dv[:, c0:c1], item, a, b, c0, c1, G, group, dbias, drop, flip, scratch,
+                dv[:, c0:c1], item, a, b, c0, c1, G, group, dbias, drop, scratch,
             )  # fmt: skip
         np.multiply(dq_t.reshape(G * group, n, d_k), dq_scale, out=dq[:, r0:r1])
 
@@ -232,20 +231,19 @@ def _tile_backward(
     group: int,
     dbias: np.ndarray | None,
     drop: Callable[[int, int, int, int], np.ndarray] | None,
-    flip: bool,
     scratch: _Scratch,
 ) -> None:
     """One tile's share of the gradients: rows ``[r0, r1)`` of the query heads (stacked
     ``R = group * n`` rows per key/value head) against keys ``[c0, c1)``."""
     n, w = r1 - r0, c1 - c0
     R, d_k, d_v = group * n, k_a.shape[-1] - 1, v_a.shape[-1] - 1
-    hidden = _tile(item.hidden(r0, r1, c0, c1), G, group, n, w)
+    hidden = _stack(item.hidden(r0, r1, c0, c1), G, group, n, w)
     if hidden is not None and hidden.all():
         return
     k_c, q_t, do_t = k_a[..., :d_k], q_a[..., :d_k], do_a[..., :d_v]
     p = scratch.p[: G * R * w].reshape(G, R, w)
     np.matmul(q_a, k_a.transpose(0, 2, 1), out=p)  # the scores less the log-sum-exp
-    bias = _tile(item.bias_block(r0, r1, c0, c1), G, group, n, w)
+    bias = _stack(item.bias_block(r0, r1, c0, c1), G, group, n, w)
     if bias is not None:
         p += bias
     np.exp(p, out=p)  # the forward's weights, recomputed
@@ -254,7 +252,7 @@ def _tile_backward(
     ds = scratch.ds[: G * R * w].reshape(G, R, w)
     kept = None if drop is None else drop(r0, r1, c0, c1)  # kept weights' scale, 0 if dropped
     dropped = p if kept is None else np.multiply(p, kept, out=ds)
-    dv += _transposed_product(dropped, do_t, scratch.dv, flip)
+    dv += _transposed_product(dropped, do_t, scratch.dv)
     if kept is None:
         np.matmul(do_a, v_a.transpose(0, 2, 1), out=ds)  # dp - D
     else:  # dp of the dropped weights: (dp * kept) - D
@@ -266,9 +264,9 @@ def _tile_backward(
     if hidden is not None:
         np.copyto(ds, 0.0, where=hidden)  # NaN in a hidden value stops here
         if not np.isfinite(k_c).all():
-            attended = ~hidden
+            attended = ~np.broadcast_to(hidden, ds.shape)
     dq_t += _product(ds, k_c, attended, out=scratch.part[: G * R * d_k].reshape(G, R, d_k))
-    dk += _transposed_product(ds, q_t, scratch.dk, flip)
+    dk += _transposed_product(ds, q_t, scratch.dk)
     if dbias is not None:  # ds, summed over the axes the bias broadcasts along
         cell = ds.reshape(G * group, n, w)
         axes = tuple(a for a in range(3) if dbias.shape[a] == 1)
@@ -277,20 +275,12 @@ def _tile_backward(
         dbias[:, rows, cols] += cell.sum(axis=axes, keepdims=True) if axes else cell
 
 
-def _transposed_product(a: np.ndarray, b: np.ndarray, buffer: np.ndarray, flip: bool) -> np.ndarray:
-    """``a^T @ b`` for ``a (G, R, w)`` and ``b (G, R, d)``, through ``buffer``. With ``flip`` it
+def _transposed_product(a: np.ndarray, b: np.ndarray, buffer: np.ndarray) -> np.ndarray:
+    """``a^T @ b`` for ``a (G, R, w)`` and ``b (G, R, d)``, through ``buffer``. In float64 it
     is computed as ``(b^T @ a)^T``: OpenBLAS's float64 kernels ran that form 2-15% faster at
     these shapes on an AVX-512 Xeon (its float32 kernels ran both alike or slower)."""
     G, w, d = a.shape[0], a.shape[-1], b.shape[-1]
-    if flip:
+    if a.dtype.itemsize == 8:
         part = buffer[: G * d * w].reshape(G, d, w)
         return np.matmul(b.transpose(0, 2, 1), a, out=part).transpose(0, 2, 1)
     return np.matmul(a.transpose(0, 2, 1), b, out=buffer[: G * w * d].reshape(G, w, d))
-
-
-def _tile(block: np.ndarray | None, G: int, group: int, n: int, w: int) -> np.ndarray | None:
-    """A mask or bias block for the ``G * group`` query heads, broadcast and stacked as the
-    tile's ``(G, group * n, w)`` (its size-1 axes really broadcast, never reinterpreted)."""
-    if block is None:
-        return None
-    return np.broadcast_to(block, (G * group, n, w)).reshape(G, group * n, w)

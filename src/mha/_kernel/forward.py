@@ -359,14 +359,16 @@ def _query_tile(
     for c0 in range(start, stop, key_tile):
         c1 = min(c0 + key_tile, stop)
         w = c1 - c0
-        a, b = item.rows_seeing(r0, r1, c0, c1) if narrow else (r0, r1)
-        if a == b:
+        a, b = item.rows_seeing(r0, r1, c0, c1)
+        if a == b:  # the causal mask and the window hide the whole block
             continue
+        if not narrow:
+            a, b = r0, r1
         # The compiled step takes the causal mask and the window as each row's band of keys;
         # NumPy's passes take them, like every other mask, as a boolean block.
         hidden = _stack(item.hidden(a, b, c0, c1, band=not fused), G, group, b - a, w)
         edge = item.band(a, b, c0, c1) if fused else None  # None: the band hides nothing
-        if (hidden is not None and hidden.all()) or (edge is not None and _empty(edge)):
+        if hidden is not None and hidden.all():
             continue
         if first and (a, b) != (r0, r1):  # the other rows start from nothing seen
             m.fill(-np.inf)
@@ -484,10 +486,6 @@ def _stacked_band(
         return compiled.full_band(group * n, w)
     lo, hi = band
     return (np.tile(lo, group), np.tile(hi, group)) if group > 1 else (lo, hi)
-
-
-def _empty(band: tuple[np.ndarray, np.ndarray]) -> bool:
-    return bool((band[1] <= band[0]).all())
 
 
 def _stack(block: np.ndarray | None, G: int, group: int, n: int, w: int) -> np.ndarray | None:

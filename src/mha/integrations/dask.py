@@ -237,11 +237,10 @@ def multi_head_attention(
     sQ, sK, sV = (_standin(x) for x in lazy.values())
     if self_attention:
         sK = sV = sQ
-    masking = {"mask": None, "causal": causal, "causal_alignment": causal_alignment,
-               "key_lengths": _small("key_lengths", key_lengths),
-               "query_lengths": _small("query_lengths", query_lengths), "bias": None,
-               "window": window}  # fmt: skip
-    masking["mask"] = True if isinstance(mask, (bool, np.bool_)) and mask else None
+    masking = functional._masking(  # the mask and the bias are checked by _Masks, after
+        True if isinstance(mask, (bool, np.bool_)) and mask else None, causal, causal_alignment,
+        _small("key_lengths", key_lengths), _small("query_lengths", query_lengths), None, window,
+    )  # fmt: skip
     call = functional._check_call(
         sQ, sK, sV, W_q, W_k, W_v, W_o, num_heads, masking, b_q=b_q, b_k=b_k, b_v=b_v,
         b_o=b_o, scale=scale, return_weights=return_weights, max_memory=max_memory,
@@ -274,6 +273,13 @@ def multi_head_attention(
         call.result_dtype, causal, causal_alignment, window, num_kv_heads,
     ))  # fmt: skip
     w = graph.data("weights", weights)
+    if call.extra:  # bias_k's key and the zero key, one batch item: parts broadcast them
+        extra_kv = graph.data("extra", tuple(
+            functional._append_keys(
+                np.zeros((1, call.H_kv, 0, d), call.compute_dtype),
+                None if b is None else b.astype(call.compute_dtype), call.add_zero_attn, call.H_kv,
+            ) for b, d in ((call.bias_k, call.d_k), (call.bias_v, call.d_v))
+        ))  # fmt: skip
     d_out = call.W_o.shape[1]
     projected: dict[tuple[str, tuple[int, ...]], Any] = {}
 
@@ -325,8 +331,8 @@ def multi_head_attention(
                     query_lengths=rows_only.query_lengths,
                 )  # fmt: skip
                 plan = _Part(extra, 1.0, call.budget, call.threads, call.compute_dtype)
-                parts.append(graph.task("part", (*bb, i, len(grid.cols)), _extra_part, q, w,
-                                        call.add_zero_attn, plan))  # fmt: skip
+                parts.append(graph.task("part", (*bb, i, len(grid.cols)), _part, q, extra_kv,
+                                        None, None, plan))  # fmt: skip
             shape = (*grid.block_shape(batch), H, rows.stop - rows.start, call.d_v)
             output = _Output(shape, call.compute_dtype, call.result_dtype, call.threads)
             last = graph.reduce(parts, (*bb, i), fan_in)  # the output task merges the last few
@@ -742,9 +748,9 @@ def _part(
     bias: np.ndarray | None,
     plan: _Part,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The ``(out, lse)`` of a query chunk over a key chunk ``kv = (k, v)``, by the
-    in-memory kernel."""
-    k, v = kv
+    """The ``(out, lse)`` of a query chunk over a key chunk ``kv = (k, v)`` (whose batch
+    axes may be 1, broadcast), by the in-memory kernel."""
+    k, v = (np.broadcast_to(x, (*q.shape[:-3], *x.shape[-3:])) for x in kv)
     visibility = plan.visibility
     if mask is not None or bias is not None:
         bias = None if bias is None else bias.astype(plan.dtype, copy=False)
@@ -758,22 +764,6 @@ def _part(
     ):
         attend(q, k, v, visibility, plan.scale, out, lse=lse, max_memory=plan.budget, team=team)
     return out, lse
-
-
-def _extra_part(
-    q: np.ndarray, weights: Weights, zero: bool, plan: _Part
-) -> tuple[np.ndarray, np.ndarray]:
-    """The part over bias_k's key and the zero key (PyTorch's extra keys)."""
-    H_kv = weights["W_k"].shape[1] // q.shape[-1]
-    none = np.zeros((q.shape[0], H_kv, 0, q.shape[-1]), plan.dtype)
-    cast = (
-        None if b is None else b.astype(plan.dtype) for b in (weights["bias_k"], weights["bias_v"])
-    )
-    bias_k, bias_v = cast
-    none_v = np.zeros((q.shape[0], H_kv, 0, weights["W_v"].shape[1] // H_kv), plan.dtype)
-    k = functional._append_keys(none, bias_k, zero, H_kv)
-    v = functional._append_keys(none_v, bias_v, zero, H_kv)
-    return _part(q, (k, v), None, None, plan)
 
 
 @dataclass(frozen=True)
