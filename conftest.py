@@ -1,9 +1,18 @@
-"""Doctests of optional integrations are collected only where their library is installed
-(CI installs every extra and sets MHA_REQUIRE_DASK=1, so there nothing is left out)."""
+"""Doctests of the modules that need an extra are collected only where the extra is
+installed: a module that needs an extra is never imported by collection without it (the
+quick tier, ``pip install -e ".[test]"``, has none). CI installs every extra and sets
+MHA_REQUIRE_NUMBA=1 and MHA_REQUIRE_DASK=1, so there nothing is left out."""
 
 import importlib.util
 import os
 
-collect_ignore = []
-if importlib.util.find_spec("dask") is None and os.environ.get("MHA_REQUIRE_DASK") != "1":
-    collect_ignore.append("src/mha/integrations/dask.py")
+NEEDS_AN_EXTRA = {
+    "src/mha/_kernel/_numba_step.py": ("numba", "MHA_REQUIRE_NUMBA"),  # the fast extra
+    "src/mha/integrations/dask": ("dask", "MHA_REQUIRE_DASK"),  # the dask extra
+}
+
+collect_ignore = [
+    path
+    for path, (package, required) in NEEDS_AN_EXTRA.items()
+    if importlib.util.find_spec(package) is None and os.environ.get(required) != "1"
+]

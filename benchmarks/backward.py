@@ -26,8 +26,8 @@ import numpy as np
 
 import mha
 from mha._kernel.team import cores
-from mha.cli.bench import (
-    SHAPES,
+from mha.cli.bench import SHAPES
+from mha.cli.measure import (
     check_readme,
     environment,
     finish_script,

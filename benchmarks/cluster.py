@@ -34,7 +34,7 @@ import numpy as np
 
 import mha
 import mha.dask
-from mha.cli.bench import (
+from mha.cli.measure import (
     check_readme,
     environment,
     finish_script,

@@ -31,7 +31,7 @@ import numpy as np
 
 import mha
 from mha._kernel.team import cores
-from mha.cli.bench import (
+from mha.cli.measure import (
     check_readme,
     environment,
     finish_script,

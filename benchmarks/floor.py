@@ -33,9 +33,8 @@ import numpy as np
 import mha
 from mha._kernel import compiled, forward
 from mha._kernel.team import cores
-from mha.cli.bench import (
-    SHAPES,
-    Case,
+from mha.cli.bench import SHAPES, Case
+from mha.cli.measure import (
     environment,
     finish_script,
     interleaved_medians,

@@ -26,7 +26,7 @@ import numpy as np
 
 import mha
 from mha._kernel import forward
-from mha.cli.bench import (
+from mha.cli.measure import (
     environment,
     interleaved_medians,
     measured_on,

@@ -387,7 +387,7 @@ def test_dropout_masks_match_in_both_passes_and_autograd(torch, record_error):
         assert record_error("dropout gradients vs autograd", error) <= 1e-10, name
     with pytest.raises(mha.AttentionTypeError, match=r"dropout_p=0\.3 needs generator="):
         mha.scaled_dot_product_attention(q, k, v, dropout_p=p)
-    with pytest.raises(mha.AttentionValueError, match="generator= has no effect without"):
+    with pytest.raises(mha.AttentionValueError, match="generator= is for dropout, but no"):
         mha.scaled_dot_product_attention(q, k, v, generator=np.random.default_rng(0))
     with pytest.raises(mha.AttentionValueError, match=r"dropout_p must be a number in \[0, 1\)"):
         mha.scaled_dot_product_attention(q, k, v, dropout_p=1.0, generator=np.random.default_rng(0))

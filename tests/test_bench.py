@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from support.configs import relative_error
 
-from mha.cli import bench
+from mha.cli import bench, measure
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -64,25 +64,25 @@ def test_runs_with_free_blas_repeats_the_run_without_the_forcing_variables(tmp_p
         "print(json.dumps({name: os.environ.get(name) for name in "
         "('OPENBLAS_CORETYPE', 'OPENBLAS_L2_SIZE', 'KEPT')}))\n"
     )
-    base = {k: v for k, v in os.environ.items() if k not in bench.FORCED_BLAS}
+    base = {k: v for k, v in os.environ.items() if k not in measure.FORCED_BLAS}
     forced = {**base, "OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "1000", "KEPT": "1"}
     command = [sys.executable, str(script), "--json-only", "--quick"]
-    runs = bench.runs_with_free_blas(command, {"run": 1}, environ=forced)
+    runs = measure.runs_with_free_blas(command, {"run": 1}, environ=forced)
     assert runs == [
         {"run": 1},
         {"OPENBLAS_CORETYPE": None, "OPENBLAS_L2_SIZE": None, "KEPT": "1"},
     ]
     assert forced["OPENBLAS_CORETYPE"] == "Haswell"  # only the child's environment changed
-    assert bench.runs_with_free_blas(command, {"run": 1}, environ=base) == [{"run": 1}]
+    assert measure.runs_with_free_blas(command, {"run": 1}, environ=base) == [{"run": 1}]
 
 
 def test_measured_on_names_the_forcing_variables():
     env = {"date": "2026-11-30", "cores": 2, "processor": "Intel Xeon", "numpy": "2.4",
            "torch": "2.13.0", "torch_cpu_capability": "AVX512",
            "blas": [{"version": "0.3.31", "architecture": "Haswell"}]}  # fmt: skip
-    held = bench.measured_on({**env, "OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "1000"})
+    held = measure.measured_on({**env, "OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "1000"})
     assert "held there by OPENBLAS_CORETYPE=Haswell OPENBLAS_L2_SIZE=1000" in held
-    assert "free to choose it" in bench.measured_on(env)
+    assert "free to choose it" in measure.measured_on(env)
 
 
 def test_json_only_prints_the_speed_table_and_the_machine(capsys):
@@ -92,7 +92,7 @@ def test_json_only_prints_the_speed_table_and_the_machine(capsys):
     assert [row["shape"] for row in results["speed"]] == ["tiny"] * 4
     env = results["environment"]
     assert {"instruction_sets", "numba", "compiled_step", "OPENBLAS_CORETYPE"} <= set(env)
-    assert all(flag in bench.SIMD_FLAGS for flag in env["instruction_sets"])
+    assert all(flag in measure.SIMD_FLAGS for flag in env["instruction_sets"])
 
 
 def test_markdown_adds_the_free_blas_table(tmp_path):
@@ -111,7 +111,7 @@ def test_markdown_adds_the_free_blas_table(tmp_path):
 def test_the_free_blas_child_of_the_benchmark_runs():
     forced = {**os.environ, "OPENBLAS_CORETYPE": "Haswell"}
     command = [sys.executable, "-m", "mha.cli.bench", "--json-only", "--smoke"]
-    first, child = bench.runs_with_free_blas(command, {"run": 1}, environ=forced)
+    first, child = measure.runs_with_free_blas(command, {"run": 1}, environ=forced)
     assert first == {"run": 1} and child["environment"]["OPENBLAS_CORETYPE"] is None
     assert [row["shape"] for row in child["speed"]] == ["tiny"] * 4
 
@@ -123,16 +123,19 @@ def test_finish_script_writes_results_or_prints_them_for_the_child(tmp_path, cap
         return f"{len(runs)} run(s): {runs[0]['value']}\n"
 
     children = []
-    monkeypatch.setattr(  # the free-BLAS child, without a process
-        bench, "runs_with_free_blas", lambda command, results: children.append(command) or [results]
-    )
+
+    def no_child(command, results):  # the free-BLAS child, without a process
+        children.append(command)
+        return [results]
+
+    monkeypatch.setattr(measure, "runs_with_free_blas", no_child)
     args = argparse.Namespace(json_only=False, quick=True, output=tmp_path, readme=None)
-    assert bench.finish_script("script.py", args, {"value": 3}, "thing", table) == 0
+    assert measure.finish_script("script.py", args, {"value": 3}, "thing", table) == 0
     assert children == [[sys.executable, "script.py", "--json-only", "--quick"]]
     assert json.loads((tmp_path / "thing-quick.json").read_text()) == [{"value": 3}]
     assert (tmp_path / "thing-quick.md").read_text() == "1 run(s): 3\n"
     assert capsys.readouterr().out == "1 run(s): 3\n\n"
     child = argparse.Namespace(json_only=True, quick=False, output=tmp_path / "none")
-    assert bench.finish_script("script.py", child, {"value": 4}, "thing", table) == 0
+    assert measure.finish_script("script.py", child, {"value": 4}, "thing", table) == 0
     assert json.loads(capsys.readouterr().out) == {"value": 4}
     assert not (tmp_path / "none").exists() and len(children) == 1

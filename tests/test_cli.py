@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 import mha
-from mha import cli
+from mha.cli import _common
 
 COMMANDS = ["demo", "run", "plot", "bench", "check"]
 
@@ -63,7 +63,7 @@ def test_run_equals_the_library_call(tmp_path, arrays):
                          "--key-lengths", "5,2", "--weights", "w.npy", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
     expected, weights = mha.multi_head_attention(
-        *(data[k] for k in cli.DATA_KEYS), 2, causal=True, key_lengths=[5, 2],
+        *(data[k] for k in _common.DATA_KEYS), 2, causal=True, key_lengths=[5, 2],
         b_o=data["b_o"], return_weights=True,
     )  # fmt: skip
     np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), expected)

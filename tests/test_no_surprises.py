@@ -18,9 +18,9 @@ import pytest
 from test_cli import mha_command, one_line_error
 
 import mha
-from mha import _files, cli, torch_compat
+from mha import _files, torch_compat
 from mha._kernel import contract
-from mha.cli import bench
+from mha.cli import _common, bench
 from mha.cli import plots as plotting
 
 ROOT = Path(__file__).parent.parent
@@ -155,7 +155,7 @@ def test_lengths_work_with_unbatched_inputs(tmp_path):
     result = mha_command("run", "in.npz", "-o", "o.npy", "--heads", 2, "--key-lengths", 3,
                          "--query-lengths", 2, "--weights", "w.npy", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
-    expected = mha.multi_head_attention(*(data[k] for k in cli.DATA_KEYS), 2, key_lengths=3,
+    expected = mha.multi_head_attention(*(data[k] for k in _common.DATA_KEYS), 2, key_lengths=3,
                                         query_lengths=2)  # fmt: skip
     np.testing.assert_array_equal(np.load(tmp_path / "o.npy"), expected)
     plot = mha_command("plot", "--input", "in.npz", "--heads", 2, "--key-lengths", 3, "-o",
@@ -385,8 +385,8 @@ def test_query_padding_is_documented_as_the_code_behaves():
 def test_install_hints_work_from_a_checkout():
     sources = [README, *(p.read_text() for p in (ROOT / "src" / "mha").glob("*.py"))]
     assert not any('"mha[' in text or "'mha[" in text for text in sources)
-    assert "--index-url https://download.pytorch.org/whl/cpu" in cli.TORCH_CPU
-    assert cli.TORCH_CPU in README
+    assert "--index-url https://download.pytorch.org/whl/cpu" in _common.TORCH_CPU
+    assert _common.TORCH_CPU in README
 
 
 def test_the_readme_has_a_fast_test_tier_and_the_full_oracle_command():

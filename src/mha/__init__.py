@@ -6,7 +6,11 @@
 (2, 4, 8)
 """
 
-from .cache import KVCache
+from .api.cache import KVCache
+from .api.module import MultiHeadAttention
+from .api.projection import multi_head_attention
+from .api.rotary import apply_rotary
+from .api.split_heads import merge_attention, scaled_dot_product_attention
 from .errors import (
     AttentionError,
     AttentionTypeError,
@@ -14,9 +18,6 @@ from .errors import (
     ShapeError,
     WeightsFileError,
 )
-from .functional import merge_attention, multi_head_attention, scaled_dot_product_attention
-from .module import MultiHeadAttention
-from .rotary import apply_rotary
 
 __all__ = [
     "AttentionError",

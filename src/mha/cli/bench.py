@@ -14,27 +14,35 @@ of the dense score matrix. torch and threadpoolctl are used when installed.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
-import platform
 import statistics
-import subprocess
 import sys
-import time
-import tracemalloc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .._files import atomic_write
+from .._files import writable_problem
 from .._kernel import compiled
 from .._kernel.team import cores
-from ..functional import multi_head_attention, scaled_dot_product_attention
+from ..api.projection import multi_head_attention
+from ..api.split_heads import scaled_dot_product_attention
+from ._common import UsageError, needs
+from .measure import (
+    check_readme,
+    environment,
+    interleaved_medians,
+    machine_memory,
+    matmul_ceiling,
+    measured_on,
+    peak_traced_bytes,
+    runs_with_free_blas,
+    splice,
+    write,
+)
 
 
 @dataclass(frozen=True)
@@ -86,14 +94,6 @@ def plan(size: str, repeats: int = 7) -> Plan:
         return Plan(SHAPES, SWEEP_LENGTHS, [n for n in MEMORY_LENGTHS if n <= 16384],
                     TEXTBOOK_MEMORY_LENGTHS, repeats=3, pause=0.3)  # fmt: skip
     return Plan(SHAPES, SWEEP_LENGTHS, MEMORY_LENGTHS, TEXTBOOK_MEMORY_LENGTHS, repeats, 0.3)
-
-
-def machine_memory() -> int:
-    """This machine's physical memory in bytes."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 24 * 2**30
 
 
 def textbook_attention(
@@ -204,32 +204,6 @@ class Case:
         return found
 
 
-def interleaved_medians(
-    functions: dict[str, Callable[[], Any]], repeats: int, pause: float = 0.3
-) -> dict[str, list[float]]:
-    """Run each function ``repeats`` times, interleaved, rotating the order every round."""
-    times: dict[str, list[float]] = {name: [] for name in functions}
-    names = list(functions)
-    for function in functions.values():
-        function()  # warm-up
-    for round_ in range(repeats):
-        order = names[round_ % len(names) :] + names[: round_ % len(names)]
-        for name in order:
-            time.sleep(pause)  # OpenBLAS and OpenMP threads spin ~0.2 s after a call: let them rest
-            start = time.perf_counter()
-            functions[name]()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
-def matmul_ceiling(dtype: Any, n: int = 2048, repeats: int = 5) -> float:
-    """This machine's square-matmul rate in GFLOP/s for ``dtype`` (the BLAS ceiling)."""
-    rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((2, n, n)).astype(dtype)
-    times = interleaved_medians({"matmul": lambda: a @ b}, repeats)["matmul"]
-    return 2 * n**3 / statistics.median(times) / 1e9
-
-
 def speed(plan: Plan, torch: Any, log: Callable[[str], None]) -> list[dict[str, Any]]:
     rows = []
     for dtype in (np.float64, np.float32):
@@ -281,18 +255,6 @@ def sweep(plan: Plan, torch: Any, log: Callable[[str], None]) -> list[dict[str, 
     return rows
 
 
-def peak_traced_bytes(function: Callable[[], Any]) -> tuple[int, float]:
-    """Peak bytes ``tracemalloc`` sees during one call, and the call's seconds."""
-    tracemalloc.start()
-    tracemalloc.reset_peak()
-    start = time.perf_counter()
-    function()
-    seconds = time.perf_counter() - start
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    return peak, seconds
-
-
 def memory(plan: Plan, log: Callable[[str], None]) -> dict[str, Any]:
     """Causal self-attention, B=1, d_model=512, 8 heads, float32, at growing lengths."""
     E, H, itemsize = 512, 8, 4
@@ -322,73 +284,6 @@ def memory(plan: Plan, log: Callable[[str], None]) -> dict[str, Any]:
         "textbook_bytes_per_L2": per_square,
         "textbook_out_of_memory_at_L": int(math.sqrt(total / per_square)),
     }
-
-
-def environment(torch: Any) -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "torch": None if torch is None else torch.__version__,
-        "torch_threads": None if torch is None else torch.get_num_threads(),
-        "torch_cpu_capability": None if torch is None else torch.backends.cpu.get_cpu_capability(),
-        "cores": cores(),
-        "machine": platform.machine(),
-        "processor": _cpu_name(),
-        "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"),
-        "OPENBLAS_L2_SIZE": os.environ.get("OPENBLAS_L2_SIZE"),
-        "instruction_sets": _instruction_sets(),
-        "numba": _version("numba"),
-        "compiled_step": compiled.available(),
-    }
-    try:
-        from threadpoolctl import threadpool_info  # type: ignore[import-untyped]
-    except ImportError:
-        return info
-    info["blas"] = [
-        {key: pool.get(key) for key in ("internal_api", "version", "architecture", "num_threads")}
-        for pool in threadpool_info()
-        if pool.get("user_api") == "blas"
-    ]
-    return info
-
-
-FORCED_BLAS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-"""Variables some machines set, which hold OpenBLAS to an older kernel; users' machines don't."""
-
-
-def runs_with_free_blas(
-    command: list[str], results: Any, environ: Mapping[str, str] | None = None
-) -> list[Any]:
-    """``[results]``, and when the environment (``os.environ`` unless given) sets a
-    :data:`FORCED_BLAS` variable, the same measurement again from ``command`` (which must
-    print its results as JSON) in a child process without them: the configuration users
-    have. Only the child's environment changes."""
-    environ = os.environ if environ is None else environ
-    runs = [results]
-    if any(name in environ for name in FORCED_BLAS):
-        env = {k: v for k, v in environ.items() if k not in FORCED_BLAS}
-        child = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-        runs.append(json.loads(child.stdout))
-    return runs
-
-
-def measured_on(env: dict[str, Any]) -> str:
-    """The sentence a results table opens with: when, on what CPU, BLAS kernel and torch."""
-    blas = env.get("blas", [{}])[0]
-    forced = " ".join(f"{name}={env[name]}" for name in FORCED_BLAS if env.get(name))
-    return (
-        f"Measured {env['date'][:10]} on {env['cores']} cores of an {env['processor']}: NumPy "
-        f"{env['numpy']} with OpenBLAS {blas.get('version')} using its "
-        f"{blas.get('architecture')} kernel"
-        + (f" (held there by {forced})" if forced else " (free to choose it)")
-        + (f"; torch {env['torch']} (CPU capability {env.get('torch_cpu_capability')}). "
-           if env.get("torch") else ". ")
-        + (f"Instruction sets: {' '.join(env['instruction_sets'])}. "
-           if env.get("instruction_sets") else "")
-        + ("mha's softmax step compiled by numba "
-           f"{env['numba']}. " if env.get("compiled_step") else "")
-    )  # fmt: skip
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -501,10 +396,10 @@ def run(
         results["free_blas"] = runs[1]
     table = markdown(results)
     output.mkdir(parents=True, exist_ok=True)
-    _write(output / "benchmark.json", json.dumps(results, indent=2) + "\n")
-    _write(output / "benchmark.md", table)
+    write(output / "benchmark.json", json.dumps(results, indent=2) + "\n")
+    write(output / "benchmark.md", table)
     if readme:
-        _splice(readme, table)
+        splice(readme, table, BEGIN, END)
     return results
 
 
@@ -575,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     output = args.output or default_output(size)
     if args.readme:
-        check_readme(args.readme)
+        check_readme(args.readme, BEGIN, END)
     child = [*([f"--{size}"] if size != "full" else []), "--repeats", str(args.repeats)]
     results = run(plan(size, args.repeats), output, args.readme, log, child)
     if not args.no_chart:
@@ -605,46 +500,6 @@ def _mib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl",
-              "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "asimd", "sve")  # fmt: skip
-
-
-def _instruction_sets() -> list[str]:
-    """The SIMD instruction sets this CPU reports (Linux's /proc/cpuinfo), in a fixed order."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            flags |= set(line.split(":", 1)[1].split())
-    return [flag for flag in SIMD_FLAGS if flag in flags]
-
-
-def _version(package: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _write(path: Path, text: str) -> None:
-    atomic_write(path, lambda handle: handle.write(text.encode()))
-
-
 BEGIN, END = "<!-- benchmark: begin -->", "<!-- benchmark: end -->"
 
 
@@ -653,72 +508,60 @@ def default_output(size: str) -> Path:
     return Path("benchmarks/results" if size == "full" else f"benchmarks/results-{size}")
 
 
-def check_readme(readme: Path, begin: str = BEGIN, end: str = END) -> None:
-    """Refuse, before measuring anything, a README with no section to rewrite."""
-    try:
-        text = readme.read_text()
-    except OSError as error:
-        raise ValueError(f"cannot read {readme}: {error.strerror or error}") from None
-    if begin not in text or end not in text:
-        raise ValueError(f"{readme} has no {begin} ... {end} section to rewrite")
+# ----------------------------------------------------------------------------- mha bench
 
 
-def _splice(readme: Path, table: str, begin: str = BEGIN, end: str = END) -> None:
-    check_readme(readme, begin, end)
-    text = readme.read_text()
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    _write(readme, f"{head}{begin}\n{table}{end}{tail}")
+def add_parser(commands: Any) -> None:
+    """``mha bench``'s options, on the subcommand parsers ``commands``."""
+    bench = commands.add_parser(
+        "bench", help="speed and memory beside textbook NumPy and PyTorch",
+        description="Runs the benchmark (minutes), prints the table and writes JSON, a "
+        "markdown table and a chart of time and peak memory against sequence length.",
+    )  # fmt: skip
+    size = bench.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer repeats and lengths")
+    size.add_argument("--smoke", action="store_true", help="tiny sizes in seconds: checks set-up")
+    bench.add_argument(
+        "-o", "--output", type=Path, help="folder for benchmark.json, .md and .png "
+        "(default benchmarks/results, or benchmarks/results-quick/-smoke)",
+    )  # fmt: skip
+    bench.add_argument("--readme", type=Path, help="rewrite this README's benchmark section")
+    bench.set_defaults(command=command)
 
 
-def script_parser(doc: str, output: Path, readme: bool = False) -> argparse.ArgumentParser:
-    """The options every script under ``benchmarks/`` takes: ``--quick``, ``--output``
-    (default ``output``), ``--readme`` when it has a README section, and the hidden
-    ``--json-only`` of its free-BLAS child."""
-    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    parser.add_argument("--output", type=Path, default=output)
-    if readme:
-        parser.add_argument("--readme", type=Path, help="rewrite this README's section")
-    parser.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
-    return parser
+def command(args: argparse.Namespace) -> int:
+    """``mha bench``: measure with a progress bar, then print and write the results."""
+    needs("matplotlib", "rich")
+    from rich.console import Console
+    from rich.progress import Progress
 
+    size = "smoke" if args.smoke else "quick" if args.quick else "full"
+    output = args.output or default_output(size)
+    problem = writable_problem(output, folder=True)
+    if problem:
+        raise UsageError(f"cannot write --output {output}: {problem}")
+    if args.readme is not None:
+        if size != "full":
+            raise UsageError(f"--readme takes a full run's results only; drop --{size}")
+        check_readme(args.readme, BEGIN, END)
+        problem = writable_problem(args.readme)
+        if problem:
+            raise UsageError(f"cannot rewrite --readme {args.readme}: {problem}")
+    console = Console(stderr=True)
+    with Progress(console=console, transient=True) as progress:
+        chosen = plan(size)
+        task = progress.add_task("benchmark", total=steps(chosen))
 
-def finish_script(
-    script: str,
-    args: argparse.Namespace,
-    results: Any,
-    name: str,
-    markdown: Callable[[list[Any]], str],
-    markers: tuple[str, str] = ("", ""),
-) -> int:
-    """The end of every script under ``benchmarks/``: as the free-BLAS child (``--json-only``)
-    print ``results`` as JSON; otherwise add that child's run where this environment holds
-    OpenBLAS (:func:`runs_with_free_blas`), write ``name[-quick].json`` and ``.md`` under
-    ``--output`` (and the README's section between ``markers`` with ``--readme``), and print
-    the table."""
-    if args.json_only:
-        print(json.dumps(results))
-        return 0
-    child = [sys.executable, script, "--json-only", *(["--quick"] if args.quick else [])]
-    runs = runs_with_free_blas(child, results)
-    table = markdown(runs)
-    readme = getattr(args, "readme", None)
-    save_results(args.output, f"{name}-quick" if args.quick else name, runs, table, readme, markers)
-    print(table)
+        def log(line: str) -> None:
+            progress.console.print(line)
+            progress.advance(task)
+
+        child = [f"--{size}"] if size != "full" else []
+        results = run(chosen, output, args.readme, log, child)
+    print(markdown(results))
+    picture = chart(results, output / "benchmark.png")
+    print(f"wrote {output / 'benchmark.json'}, {output / 'benchmark.md'} and {picture}")
     return 0
-
-
-def save_results(
-    output: Path, name: str, results: Any, table: str, readme: Path | None, markers: tuple[str, str]
-) -> None:
-    """Write ``name.json`` and ``name.md`` under ``output``, and the README's section
-    between ``markers`` (the benchmark scripts under ``benchmarks/`` share this)."""
-    output.mkdir(parents=True, exist_ok=True)
-    _write(output / f"{name}.json", json.dumps(results, indent=2) + "\n")
-    _write(output / f"{name}.md", table)
-    if readme is not None:
-        _splice(readme, table, *markers)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,16 @@ a zero attention output, since torch gives NaN or zeros there depending on the p
 
 from __future__ import annotations
 
+import argparse
 import math
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from ..functional import multi_head_attention
+from ..api.projection import multi_head_attention
+from ._common import TORCH_CPU, count, needs
 
 TOLERANCE = {"float64": 1e-12, "float32": 2e-5}
 
@@ -74,3 +77,40 @@ def _torch_attention(torch: Any, arrays: list[np.ndarray], H: int, kw: dict[str,
     )
     out = torch.where(allowed.any(dim=-1, keepdim=True), out, 0.0)
     return (out.transpose(1, 2).reshape(B, L, E) @ W_o).numpy()
+
+
+def add_parser(commands: Any) -> None:
+    """``mha check``'s options, on the subcommand parsers ``commands``."""
+    check = commands.add_parser(
+        "check", help="compare with PyTorch on random configurations",
+        description="Runs mha and torch on random configurations (every mask kind, float64 "
+        "and float32) and prints the worst relative error of each. Needs torch installed.",
+    )  # fmt: skip
+    check.add_argument("--configs", type=count(1), default=24, help="how many (default 24)")
+    check.add_argument("--seed", type=count(0), default=0, help="seed of the configurations")
+    check.set_defaults(command=command)
+
+
+def command(args: argparse.Namespace) -> int:
+    needs("rich", "rich")
+    try:
+        import torch
+    except ImportError:
+        print("mha check: torch is not installed, so there is nothing to compare against. "
+              f"Install its CPU build with: {TORCH_CPU}", file=sys.stderr)  # fmt: skip
+        return 1
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"mha against torch {torch.__version__}: worst relative error")
+    for column in ("config", "shape (B, H, L, S, d)", "masks", "float64", "float32", "ok"):
+        table.add_column(column)
+    failures = 0
+    for row in compare(torch, args.configs, args.seed):
+        failures += not row["ok"]
+        table.add_row(str(row["seed"]), row["shape"], row["masks"], f"{row['float64']:.1e}",
+                      f"{row['float32']:.1e}", "yes" if row["ok"] else "NO")  # fmt: skip
+    Console().print(table)
+    print(f"{args.configs - failures} of {args.configs} configurations within 1e-12 (float64) "
+          "and 2e-5 (float32)")  # fmt: skip
+    return 1 if failures else 0

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from .._arrays import as_array, as_float_array, flag, positive_int, result_and_compute_dtypes
+from ..api.split_heads import scaled_dot_product_attention
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
-from ..functional import scaled_dot_product_attention
 
 __all__ = ["multi_head_attention_forward"]
 

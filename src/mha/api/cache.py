@@ -1,0 +1,292 @@
+"""``KVCache``: the keys and values of earlier tokens, so each new token costs O(S·d).
+
+One cache serves one attention layer: preallocated ``(B, H_kv, capacity, d)`` buffers for
+keys and values, and ``lengths (B,)``, how many tokens each sequence has seen (the position
+of its next token). Calls that append (``scaled_dot_product_attention(..., cache=)``,
+``MultiHeadAttention.forward(x, cache=)``) write the new tokens' keys and values after each
+sequence's own length and attend causally over everything cached: the last new token sees
+every cached key. Appending past the capacity grows the buffers (doubling, so appends cost
+amortised O(1) copies per token). With ``window`` only the last ``window - 1`` positions are
+needed by the next token; older ones are dropped when room is needed, so memory stays
+within about twice the window. A call that is refused leaves the cache unchanged.
+"""
+
+from __future__ import annotations
+
+import reprlib
+from typing import Any
+
+import numpy as np
+
+from .._arrays import as_array, positive_int
+from ..errors import AttentionTypeError, AttentionValueError, ShapeError
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """Keys and values of ``batch_size`` sequences for one attention layer.
+
+    * ``batch_size``, ``num_kv_heads``, ``head_dim``: the buffers' ``(B, H_kv, ., d)``;
+      ``value_dim`` is the values' width (default ``head_dim``).
+    * ``capacity``: positions preallocated per sequence (default 256); more are added
+      when needed. With ``window``, at most about ``2 * window`` are ever held.
+    * ``dtype``: the compute dtype of the calls that use it (float32 or float64).
+    * ``window``: the sliding window of the attention that uses it, if any.
+
+    ``lengths`` holds each sequence's filled length. It and the buffers are read-only views:
+    the cache's state changes only through the attention calls and two checked methods,
+    ``truncate`` (roll sequences back: rejected speculative tokens) and ``reorder`` (pick
+    sequences: beam search).
+
+    >>> import numpy as np, mha
+    >>> cache = mha.KVCache(batch_size=1, num_kv_heads=1, head_dim=4, capacity=8)
+    >>> rng = np.random.default_rng(0)
+    >>> for step in range(3):                               # one token at a time
+    ...     q, k, v = rng.standard_normal((3, 1, 1, 1, 4))
+    ...     out = mha.scaled_dot_product_attention(q, k, v, cache=cache)
+    >>> cache.lengths, out.shape
+    (array([3]), (1, 1, 1, 4))
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        value_dim: int | None = None,
+        capacity: int = 256,
+        dtype: Any = np.float64,
+        window: int | None = None,
+    ) -> None:
+        B = positive_int("batch_size", batch_size)
+        H_kv = positive_int("num_kv_heads", num_kv_heads)
+        d_k = positive_int("head_dim", head_dim)
+        d_v = d_k if value_dim is None else positive_int("value_dim", value_dim)
+        self.window = None if window is None else positive_int("window", window)
+        room = positive_int("capacity", capacity)
+        if self.window is not None:
+            room = min(room, 2 * self.window)
+        try:
+            self.dtype = np.dtype(dtype)
+        except TypeError:
+            raise AttentionTypeError(f"dtype must be float32 or float64; got {dtype!r}") from None
+        if self.dtype not in (np.float32, np.float64):
+            raise AttentionTypeError(f"dtype must be float32 or float64; got {self.dtype}")
+        # The state; outside the cache it is seen through read-only views (the properties
+        # below) and changed only by the methods, which check what they are given.
+        self._k = np.zeros((B, H_kv, room, d_k), self.dtype)
+        self._v = np.zeros((B, H_kv, room, d_v), self.dtype)
+        self._lengths = np.zeros(B, np.int64)  # tokens seen: the next token's position
+        self._first = np.zeros(B, np.int64)  # the position held in slot 0
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Each sequence's length: the tokens it has seen, the position of its next token
+        (read-only; :meth:`truncate` and :meth:`reorder` change it).
+
+        >>> KVCache(2, 1, 4).lengths
+        array([0, 0])
+        """
+        return _read_only(self._lengths)
+
+    @property
+    def first(self) -> np.ndarray:
+        """Each sequence's first position still held (after a window dropped older ones;
+        read-only).
+
+        >>> KVCache(2, 1, 4, window=8).first
+        array([0, 0])
+        """
+        return _read_only(self._first)
+
+    @property
+    def k(self) -> np.ndarray:
+        """The key buffer ``(B, H_kv, capacity, d)`` (read-only): sequence ``b`` holds
+        positions ``first[b]`` to ``lengths[b] - 1`` in its first slots.
+
+        >>> cache = KVCache(2, 1, 4, capacity=8)
+        >>> cache.k.shape, cache.k.flags.writeable
+        ((2, 1, 8, 4), False)
+        """
+        return _read_only(self._k)
+
+    @property
+    def v(self) -> np.ndarray:
+        """The value buffer ``(B, H_kv, capacity, d_v)`` (read-only), laid out as :attr:`k`.
+
+        >>> KVCache(2, 1, 4, value_dim=6, capacity=8).v.shape
+        (2, 1, 8, 6)
+        """
+        return _read_only(self._v)
+
+    @property
+    def batch_size(self) -> int:
+        """``B``, the number of sequences.
+
+        >>> KVCache(3, 2, 4).batch_size
+        3
+        """
+        return int(self._k.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        """Positions the buffers hold per sequence now.
+
+        >>> KVCache(1, 1, 4, capacity=16).capacity
+        16
+        """
+        return int(self._k.shape[2])
+
+    def __repr__(self) -> str:
+        B, H_kv, _, d_k = self._k.shape
+        window = "" if self.window is None else f", window={self.window}"
+        return (
+            f"KVCache(batch_size={B}, num_kv_heads={H_kv}, head_dim={d_k}, "
+            f"lengths={reprlib.repr(self._lengths.tolist())}, capacity={self.capacity}, "
+            f"dtype={self.dtype.name}{window})"
+        )
+
+    def truncate(self, lengths: Any) -> None:
+        """Set each sequence's length back, as if its later tokens had never been appended
+        (rejected speculative tokens): ``lengths`` is one integer for every sequence or one
+        per sequence ``(B,)``, each at most that sequence's length. A refused call changes
+        nothing.
+
+        >>> import numpy as np, mha
+        >>> cache = KVCache(2, 1, 4)
+        >>> k = np.ones((2, 1, 5, 4))
+        >>> _ = mha.scaled_dot_product_attention(k, k, k, cache=cache)   # five tokens each
+        >>> cache.truncate(3); cache.lengths
+        array([3, 3])
+        >>> cache.truncate([3, 1]); cache.lengths
+        array([3, 1])
+        """
+        array = as_array("lengths", lengths)
+        B = self.batch_size
+        if array.dtype.kind not in "iu" or array.shape not in ((), (B,)):
+            raise AttentionTypeError(
+                f"lengths must be an integer or {B} integers, one per sequence; got "
+                f"{reprlib.repr(lengths)} (dtype {array.dtype}, shape {array.shape})"
+            )
+        target = np.broadcast_to(array.astype(np.int64), (B,))
+        if (target < 0).any():
+            raise AttentionValueError(f"lengths must be >= 0; got {reprlib.repr(lengths)}")
+        past = np.flatnonzero(target > self._lengths)
+        if past.size:
+            raise AttentionValueError(
+                f"cannot truncate sequence {int(past[0])} to {int(target[past[0]])}: it holds "
+                f"{int(self._lengths[past[0]])} tokens (lengths "
+                f"{reprlib.repr(self._lengths.tolist())}); truncate only shortens"
+            )
+        need = target if self.window is None else np.maximum(0, target - (self.window - 1))
+        dropped = np.flatnonzero(self._first > need)
+        if dropped.size:
+            b = int(dropped[0])
+            raise AttentionValueError(
+                f"cannot truncate sequence {b} to {int(target[b])}: the window's cache dropped "
+                f"its positions before {int(self._first[b])}, which the next token at "
+                f"{int(target[b])} would see"
+            )
+        self._lengths[:] = target
+
+    def reorder(self, indices: Any) -> None:
+        """Keep the sequences ``indices`` (a 1-D array of integers in ``[0, B)``; repeats
+        allowed, negative indices refused), in that order: beam search's reordering. The
+        batch size becomes ``len(indices)``.
+
+        >>> cache = KVCache(3, 1, 4)
+        >>> cache.truncate(0)
+        >>> cache.reorder([2, 2, 0]); cache.batch_size
+        3
+        """
+        picked = as_array("indices", indices)
+        if picked.dtype.kind not in "iu" or picked.ndim != 1 or picked.size == 0:
+            raise AttentionTypeError(
+                "indices must be a non-empty 1-D array of integers; got "
+                f"{reprlib.repr(indices)} (dtype {picked.dtype}, shape {picked.shape})"
+            )
+        B = self.batch_size
+        if picked.min() < 0 or picked.max() >= B:
+            raise AttentionValueError(
+                f"indices must lie in [0, {B}) for a cache of {B} sequences (negative "
+                f"indices are refused); got {reprlib.repr(picked.tolist())}"
+            )
+        self._k, self._v = self._k[picked], self._v[picked]
+        self._lengths, self._first = self._lengths[picked], self._first[picked]
+
+    # Used by the attention calls ------------------------------------------------------
+
+    def _check(self, k: np.ndarray, v: np.ndarray, where: str) -> None:
+        """Refuse new keys and values that do not fit this cache, naming both sides."""
+        if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+            raise ShapeError(
+                f"with cache=, k and v must be the new tokens' (B, H_kv, L_new, d): "
+                f"got k {k.shape}, v {v.shape}{where}"
+            )
+        self._check_fit(k.shape[0], k.shape[1], k.shape[3], v.shape[3], where)
+
+    def _check_fit(self, batch: int, heads: int, d_k: int, d_v: int, where: str) -> None:
+        B, H_kv, _, width = self._k.shape
+        if (batch, heads, d_k, d_v) != (B, H_kv, width, self._v.shape[-1]):
+            raise ShapeError(
+                f"the new keys and values (batch {batch}, {heads} key/value heads, widths "
+                f"{d_k} and {d_v}) do not fit the cache (batch {B}, {H_kv} key/value heads, "
+                f"widths {width} and {self._v.shape[-1]}): {self!r}{where}"
+            )
+
+    def _append(self, k: np.ndarray, v: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Write the first ``counts[b]`` new rows of sequence ``b`` after what it holds, and
+        return each sequence's filled slots. ``lengths`` is not advanced: :meth:`_commit`
+        does that once the attention is computed, so a failure leaves the cache as it was."""
+        held = self._lengths - self._first
+        if (held + counts).max(initial=0) > self.capacity and self.window is not None:
+            self._drop_outside_window()
+            held = self._lengths - self._first
+        need = int((held + counts).max(initial=0))
+        if need > self.capacity:
+            self._grow(need)
+        for b in range(self.batch_size):
+            n, at = int(counts[b]), int(held[b])
+            self._k[b, :, at : at + n] = k[b, :, :n]
+            self._v[b, :, at : at + n] = v[b, :, :n]
+        filled: np.ndarray = held + counts
+        return filled
+
+    def _commit(self, counts: np.ndarray) -> None:
+        self._lengths += counts
+        if self.window is not None and self.capacity > 2 * self.window:  # after a long prompt
+            self._drop_outside_window()
+            held = int((self._lengths - self._first).max(initial=0))
+            self._k, self._v = (
+                np.ascontiguousarray(x[:, :, : max(held, 2 * self.window)])
+                for x in (self._k, self._v)
+            )
+
+    def _grow(self, need: int) -> None:
+        room = max(need, 2 * self.capacity)
+        if self.window is not None:
+            room = max(need, min(room, 2 * self.window))
+        B, H_kv, held, d_k = self._k.shape
+        k = np.zeros((B, H_kv, room, d_k), self.dtype)
+        v = np.zeros((B, H_kv, room, self._v.shape[-1]), self.dtype)
+        k[:, :, :held], v[:, :, :held] = self._k, self._v
+        self._k, self._v = k, v
+
+    def _drop_outside_window(self) -> None:
+        """Move each sequence's last ``window - 1`` positions to the front of its slots."""
+        window = self.window or 1
+        for b in range(self.batch_size):
+            held = int(self._lengths[b] - self._first[b])
+            keep = min(held, window - 1)
+            if keep < held:
+                self._k[b, :, :keep] = self._k[b, :, held - keep : held].copy()
+                self._v[b, :, :keep] = self._v[b, :, held - keep : held].copy()
+                self._first[b] = self._lengths[b] - keep
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view

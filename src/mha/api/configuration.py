@@ -1,0 +1,232 @@
+"""What a :class:`mha.MultiHeadAttention` holds: its configuration, checked once, and its
+weights in the "x @ W" layout, checked against it.
+
+:class:`Configuration` is the base of the layer: it keeps the settings, names and shapes
+the weights, builds a module around weights from elsewhere (:meth:`_from_weights`) and
+writes its ``repr``. The layer's computation is in :mod:`.module`, the other layouts of its
+weights (torch, GPT-2, Llama, files) in :mod:`.layouts`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._arrays import flag, positive_int
+from ..errors import AttentionTypeError, AttentionValueError, ShapeError
+from .checks import WEIGHT_NAMES
+from .rotary import check_rotary_options
+
+if TYPE_CHECKING:
+    from typing import Self
+
+__all__ = ["Configuration", "float_dtype"]
+
+
+class Configuration:
+    """A multi-head attention's settings and weights (see :class:`mha.MultiHeadAttention`)."""
+
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kdim: int
+    vdim: int
+    add_zero_attn: bool
+    rope_theta: float | None
+    rotary_dim: int | None
+    rotary_interleaved: bool
+    window: int | None
+    dtype: np.dtype
+    W_q: np.ndarray
+    W_k: np.ndarray
+    W_v: np.ndarray
+    W_o: np.ndarray
+    b_q: np.ndarray | None
+    b_k: np.ndarray | None
+    b_v: np.ndarray | None
+    b_o: np.ndarray | None
+    bias_k: np.ndarray | None
+    bias_v: np.ndarray | None
+
+    def _configure(
+        self, *, d_model: int, num_heads: int, num_kv_heads: Any, head_dim: Any, kdim: Any,
+        vdim: Any, add_zero_attn: Any, rope_theta: Any, rotary_dim: Any,
+        rotary_interleaved: Any, window: Any,
+    ) -> None:  # fmt: skip
+        """Check and keep the configuration (everything but the weights)."""
+        self.d_model, self.num_heads = d_model, num_heads
+        self.num_kv_heads = (
+            num_heads if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
+        )
+        if num_heads % self.num_kv_heads:
+            raise AttentionValueError(
+                f"num_kv_heads={self.num_kv_heads} does not divide num_heads={num_heads}; "
+                "each key/value head serves an equal group of query heads"
+            )
+        self.head_dim = positive_int("head_dim", head_dim)
+        self.kdim, self.vdim = positive_int("kdim", kdim), positive_int("vdim", vdim)
+        self.add_zero_attn = flag("add_zero_attn", add_zero_attn)
+        if rope_theta is not None and (
+            isinstance(rope_theta, (bool, np.bool_))
+            or not isinstance(rope_theta, (int, float, np.integer, np.floating))
+            or not 0 < float(rope_theta) < float("inf")
+        ):
+            raise AttentionValueError(f"rope_theta must be a positive number; got {rope_theta!r}")
+        self.rope_theta = None if rope_theta is None else float(rope_theta)
+        if self.rope_theta is not None:  # checked as the calls will check them
+            check_rotary_options(
+                self.head_dim, self.rope_theta, rotary_dim, rotary_interleaved,
+                f"head_dim={self.head_dim}",
+            )  # fmt: skip
+        elif rotary_dim is not None or rotary_interleaved:
+            raise AttentionValueError(
+                "rotary_dim and rotary_interleaved have no effect without rope_theta="
+            )
+        self.rotary_dim = None if rotary_dim is None else int(rotary_dim)
+        self.rotary_interleaved = flag("rotary_interleaved", rotary_interleaved)
+        self.window = None if window is None else positive_int("window", window)
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether all four projection biases are present (torch's ``bias=True``).
+
+        >>> import mha
+        >>> mha.MultiHeadAttention(8, 2, bias=True).has_bias
+        True
+        """
+        return all(b is not None for b in (self.b_q, self.b_k, self.b_v, self.b_o))
+
+    def weights(self) -> dict[str, np.ndarray | None]:
+        """The weights by attribute name (``W_q``, ..., ``b_o``, ``bias_k``, ``bias_v``;
+        ``None`` where absent): the arrays themselves, not copies.
+
+        >>> import mha
+        >>> sorted(name for name, W in mha.MultiHeadAttention(4, 2).weights().items()
+        ...        if W is not None)
+        ['W_k', 'W_o', 'W_q', 'W_v']
+        """
+        return {name: getattr(self, name) for name in WEIGHT_NAMES}
+
+    def __repr__(self) -> str:
+        defaults = {
+            "num_kv_heads": self.num_heads, "head_dim": self.d_model // self.num_heads,
+            "kdim": self.d_model, "vdim": self.d_model, "rope_theta": None,
+            "rotary_dim": None, "rotary_interleaved": False, "window": None,
+        }  # fmt: skip
+        dims = "".join(
+            f", {name}={getattr(self, name)}"
+            for name, default in defaults.items()
+            if getattr(self, name) != default
+        )
+        extras = "".join(
+            f", {name}=True"
+            for name, on in (
+                ("add_bias_kv", self.bias_k is not None),
+                ("add_zero_attn", self.add_zero_attn),
+            )
+            if on
+        )
+        return (
+            f"MultiHeadAttention(d_model={self.d_model}, num_heads={self.num_heads}{dims}, "
+            f"bias={self.has_bias}{extras}{self._partial_biases()}, dtype={self.dtype.name})"
+        )
+
+    def _config(self) -> dict[str, Any]:
+        """What a saved file records besides the weights, checked again when it is loaded."""
+        return {
+            "d_model": self.d_model, "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "kdim": self.kdim,
+            "vdim": self.vdim, "bias": self.has_bias,
+            "biases": [name for name in ("b_q", "b_k", "b_v", "b_o")
+                       if getattr(self, name) is not None],
+            "add_bias_kv": self.bias_k is not None, "add_zero_attn": self.add_zero_attn,
+            "rope_theta": self.rope_theta, "rotary_dim": self.rotary_dim,
+            "rotary_interleaved": self.rotary_interleaved, "window": self.window,
+            "dtype": self.dtype.name,
+        }  # fmt: skip
+
+    @classmethod
+    def _from_weights(
+        cls,
+        weights: dict[str, np.ndarray | None],
+        num_heads: int,
+        add_zero_attn: bool = False,
+        source: str = "weights",
+        **config: Any,
+    ) -> Self:
+        """A module holding ``weights`` (keys W_q, ..., b_o, bias_k, bias_v), checked against
+        each other and ``config`` (``num_kv_heads``, ``head_dim``, rotary settings,
+        ``window``)."""
+        W_q, W_k, W_v, W_o = (weights.get(name) for name in ("W_q", "W_k", "W_v", "W_o"))
+        if W_q is None or W_k is None or W_v is None or W_o is None:
+            raise AttentionValueError(f"{source}: W_q, W_k, W_v and W_o are all needed")
+        for name, W in (("W_q", W_q), ("W_k", W_k), ("W_v", W_v), ("W_o", W_o)):
+            if W.ndim != 2 or 0 in W.shape:
+                raise ShapeError(f"{source}: {name} must be a non-empty matrix; got {W.shape}")
+        H = positive_int("num_heads", num_heads)
+        H_kv = config.get("num_kv_heads") or H
+        if W_q.shape[1] % H:
+            raise AttentionValueError(
+                f"{source}: num_heads={H} does not divide the {W_q.shape[1]} columns of W_q "
+                f"{W_q.shape}"
+            )
+        self = cls.__new__(cls)
+        self._configure(
+            d_model=W_q.shape[0], num_heads=H, num_kv_heads=H_kv,
+            head_dim=config.get("head_dim") or W_q.shape[1] // H, kdim=W_k.shape[0],
+            vdim=W_v.shape[0], add_zero_attn=add_zero_attn,
+            rope_theta=config.get("rope_theta"), rotary_dim=config.get("rotary_dim"),
+            rotary_interleaved=config.get("rotary_interleaved", False),
+            window=config.get("window"),
+        )  # fmt: skip
+        for name, shape in self._shapes().items():
+            array = weights.get(name)
+            if array is not None and array.shape != shape:
+                raise ShapeError(
+                    f"{source}: {name} has shape {array.shape} but {self._describe()} calls "
+                    f"for {shape}"
+                )
+        if (weights.get("bias_k") is None) != (weights.get("bias_v") is None):
+            raise AttentionValueError(f"{source}: bias_k and bias_v go together")
+        present = [a for a in weights.values() if a is not None]
+        self.dtype = float_dtype(np.result_type(*present))
+        for name in WEIGHT_NAMES:
+            array = weights.get(name)
+            setattr(self, name, None if array is None else np.array(array, dtype=self.dtype))
+        return self
+
+    def _partial_biases(self) -> str:
+        names = [n for n in ("b_q", "b_k", "b_v", "b_o") if getattr(self, n) is not None]
+        return "" if self.has_bias or not names else f", biases=({', '.join(names)})"
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of every weight this configuration holds, present or not."""
+        E, inner = self.d_model, self.num_heads * self.head_dim
+        kv_inner = self.num_kv_heads * self.head_dim
+        return {
+            "W_q": (E, inner), "W_k": (self.kdim, kv_inner), "W_v": (self.vdim, kv_inner),
+            "W_o": (inner, E), "b_q": (inner,), "b_k": (kv_inner,), "b_v": (kv_inner,),
+            "b_o": (E,), "bias_k": (kv_inner,), "bias_v": (kv_inner,),
+        }  # fmt: skip
+
+    def _describe(self) -> str:
+        return (
+            f"d_model={self.d_model}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, kdim={self.kdim}, "
+            f"vdim={self.vdim}"
+        )
+
+
+def float_dtype(dtype: Any) -> np.dtype:
+    """A floating dtype, or a clear refusal."""
+    try:
+        result: np.dtype = np.dtype(dtype)
+    except TypeError:
+        raise AttentionTypeError(f"dtype must be a floating dtype; got {dtype!r}") from None
+    if result.kind != "f":
+        raise AttentionTypeError(
+            f"dtype must be a floating dtype (float16, float32, float64); got {result}"
+        )
+    return result

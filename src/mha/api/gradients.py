@@ -1,0 +1,290 @@
+"""The backward objects that ``return_backward=True`` returns: ``backward(grad_out)`` of one
+:func:`mha.scaled_dot_product_attention` call (:class:`SplitHeadsBackward`) or one
+:func:`mha.multi_head_attention` call (:class:`ProjectedBackward`), and the checksums that
+refuse a backward pass after its inputs changed.
+
+Each keeps what its forward pass read (the caller's arrays, never copies), the output and
+the log-sum-exp, never the score matrix: the kernel's backward recomputes each tile's
+probabilities. Both may be called any number of times, from any thread. Every gradient has
+its array's shape and dtype, zero-size ones included.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import numpy as np
+
+from .._arrays import as_float_array
+from .._kernel.backward import attend_backward
+from .._kernel.contract import Visibility
+from .._kernel.dropout import Dropout
+from .._kernel.team import Team, default_workers, workers_for
+from ..errors import AttentionValueError, ShapeError
+from .checks import Call
+from .rotary import apply_rotary
+
+__all__ = ["Fingerprints", "ProjectedBackward", "SplitHeadsBackward", "join_heads", "split_heads"]
+
+
+class SplitHeadsBackward:
+    """``backward(grad_out)`` of one :func:`scaled_dot_product_attention` call: the
+    gradients of ``sum(grad_out * out)`` for ``q``, ``k``, ``v`` (and ``bias``), each shaped
+    like its input, in its dtype. It keeps q, k, v (the caller's arrays: a fingerprint
+    refuses a backward after they changed), the output and the log-sum-exp."""
+
+    def __init__(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: Any, out: np.ndarray,
+        lse: np.ndarray, visibility: Visibility, scale: float, dtype: np.dtype, budget: int,
+        threads: int | None, dropout: Dropout | None,
+    ) -> None:  # fmt: skip
+        self.dtypes = {"q": q.dtype, "k": k.dtype, "v": v.dtype}
+        self.q, self.k, self.v = q, k, v
+        self.unchanged = Fingerprints({
+            "q": q, "k": k, "v": v, "mask": visibility.mask, "bias": visibility.bias,
+            "the returned output": out, "the returned log-sum-exp": lse,
+        }, threads)  # fmt: skip
+        self.bias_shape = None if bias is None else np.shape(bias)
+        if bias is not None:
+            self.dtypes["bias"] = as_float_array("bias", bias).dtype
+        self.out, self.lse, self.visibility = out, lse, visibility
+        self.scale, self.dtype, self.budget, self.threads = scale, dtype, budget, threads
+        self.dropout = dropout
+
+    def __call__(self, grad_out: Any) -> dict[str, np.ndarray]:
+        grad = gradient("grad_out", grad_out, self.out.shape, self.dtype)
+        self.unchanged.check()
+        dq, dk, dv = (np.zeros(x.shape, self.dtype) for x in (self.q, self.k, self.v))
+        dbias = None
+        if self.bias_shape is not None and self.visibility.bias is not None:
+            dbias = np.zeros(self.visibility.bias.shape, self.dtype)  # the bias's own size
+        cost = (
+            float(np.prod(self.q.shape[:-1]))
+            * self.k.shape[-2]
+            * 2
+            * (self.q.shape[-1] + self.v.shape[-1])
+        )
+        with (
+            np.errstate(invalid="ignore", over="ignore"),
+            Team(workers_for(cost, self.threads)) as team,
+        ):
+            attend_backward(
+                self.q, self.k, self.v, self.out, self.lse, grad, self.visibility, self.scale,
+                dq=dq, dk=dk, dv=dv, dbias=dbias, max_memory=self.budget, team=team,
+                dropout=self.dropout,
+            )  # fmt: skip
+        grads = {"q": dq, "k": dk, "v": dv}
+        if dbias is not None and self.bias_shape is not None:
+            grads["bias"] = _sum_to(dbias, self.bias_shape, self.q.shape[:-3])
+        return {name: _cast(g, self.dtypes[name]) for name, g in grads.items()}
+
+
+class ProjectedBackward:
+    """``backward(grad_out)`` of one :func:`multi_head_attention` call: the gradients of
+    ``sum(grad_out * out)`` for every input and weight given, keyed by parameter name and
+    shaped like it, in its dtype. It keeps the inputs and weights (the caller's arrays: a
+    fingerprint refuses a backward after they changed, as after an optimiser's step), the
+    projected ``q``, ``k``, ``v`` (the extra keys appended), the joined heads and the
+    log-sum-exp; ``visibility`` covers the keys attended, extra ones included."""
+
+    def __init__(
+        self, call: Call, bias: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+        joined: np.ndarray, lse: np.ndarray, visibility: Visibility, dropout: Dropout | None,
+    ) -> None:  # fmt: skip
+        given = {"Q": call.Q, "K": call.K, "V": call.V, **call.weights.present()}
+        self.call = call
+        self.arrays = given
+        self.dtypes = {name: x.dtype for name, x in given.items()}
+        given_masks = call.visibility
+        self.unchanged = Fingerprints({
+            **given, "mask": getattr(given_masks, "mask", None),
+            "bias": getattr(given_masks, "bias", None),
+        }, call.threads)  # fmt: skip
+        self.bias_shape = None if bias is None else np.shape(bias)
+        if bias is not None:
+            self.dtypes["bias"] = as_float_array("bias", bias).dtype
+        self.q, self.k, self.v, self.joined, self.lse = q, k, v, joined, lse
+        self.visibility, self.dropout = visibility, dropout
+        self.positions = tuple(  # copies: the caller may reuse its positions array
+            None if p is None else np.array(p, dtype=np.float64)
+            for p in (call.q_positions, call.k_positions)
+        )
+        lengths: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
+        if given_masks is not None:
+            lengths = (given_masks.query_lengths, given_masks.key_lengths)
+        self.lengths = {"Q": lengths[0], "K": lengths[1], "V": lengths[1]}
+
+    def __call__(self, grad_out: Any) -> dict[str, np.ndarray]:
+        call, dtype = self.call, self.call.compute_dtype
+        H, S = call.H, call.S
+        lead = self.joined.shape[:-1]
+        grad = gradient("grad_out", grad_out, (*lead, call.weights.W_o.shape[1]), dtype)
+        self.unchanged.check()
+
+        def a(name: str) -> np.ndarray:  # a saved input or weight, in the compute dtype
+            return self.arrays[name].astype(dtype, copy=False)
+
+        grads: dict[str, np.ndarray] = {}
+        cost = float(self.q.size) * self.k.shape[-2] * 4
+        with (
+            np.errstate(invalid="ignore", over="ignore"),
+            Team(workers_for(cost, call.threads)) as team,
+        ):
+            grads["W_o"] = _weight_grad(self.joined, grad, team)
+            if "b_o" in self.arrays:
+                grads["b_o"] = _rows(grad).sum(axis=0)
+            d_joined = team.matmul(grad, a("W_o").T)  # BLAS reads the transposes in place
+            dk, dv = (_zeros_joined(x, dtype) for x in (self.k, self.v))
+            # dq is written over d_joined's heads tile by tile: one (B, L, H*d) buffer less
+            shared = self.q.shape[-1] == self.joined.shape[-1] // H
+            dq = split_heads(d_joined, H) if shared else np.zeros_like(self.q)
+            dbias = None
+            if self.bias_shape is not None and self.visibility.bias is not None:
+                dbias = np.zeros(self.visibility.bias.shape, dtype)  # the bias's own size
+            attend_backward(
+                self.q, self.k, self.v, split_heads(self.joined, H), self.lse,
+                split_heads(d_joined, H), self.visibility, 1.0, dq=dq, dk=dk, dv=dv,
+                dbias=dbias, max_memory=call.budget, team=team, dropout=self.dropout,
+                dq_factor=call.scale,  # q = (Q @ W_q + b_q) * scale
+            )  # fmt: skip
+            del d_joined  # memory: each intermediate goes as soon as it is used (dq keeps it)
+            if call.extra:  # the appended keys: bias_k/bias_v's gradients, then drop them
+                if "bias_k" in self.arrays:  # (*B, H_kv, d) at the first appended key
+                    for name, d in (("bias_k", dk), ("bias_v", dv)):
+                        at = d[..., S, :]
+                        grads[name] = at.sum(axis=tuple(range(at.ndim - 2))).reshape(-1)
+                dk, dv = dk[..., :S, :], dv[..., :S, :]
+            if dbias is not None and self.bias_shape is not None:
+                grads["bias"] = _sum_to(dbias[..., :S], self.bias_shape, lead[:-1])
+            del dbias
+            if call.rotary is not None:  # undo the rotation: rotate back by the same angle
+                q_at, k_at = (-p for p in self.positions if p is not None)
+                dq = apply_rotary(dq, q_at, **call.rotary)
+                dk = apply_rotary(dk, k_at, **call.rotary)
+            pending = {"Q": dq, "K": dk, "V": dv}
+            del dq, dk, dv
+            for x, W, b in (("Q", "W_q", "b_q"), ("K", "W_k", "b_k"), ("V", "W_v", "b_v")):
+                joined_grad = join_heads(pending.pop(x))
+                grads[W] = _weight_grad(_valid_rows(a(x), self.lengths[x]), joined_grad, team)
+                if b in self.arrays:
+                    grads[b] = _rows(joined_grad).sum(axis=0)
+                # the input's gradient takes the buffer of its projection's: 32 MiB less at
+                # L = 16384, d_model = 512 in float32 (nothing else reads it any more)
+                grads[x] = team.matmul(joined_grad, a(W).T, overwrite=True)
+                del joined_grad
+        return {name: _cast(g, self.dtypes[name]) for name, g in grads.items()}
+
+
+class Fingerprints:
+    """Checksums (CRC-32 of each MiB, on the thread team: zlib releases the GIL) of the arrays
+    a backward pass reads again, to refuse one after they changed: torch counts versions of
+    its tensors; NumPy arrays have none."""
+
+    CHUNK = 2**20
+
+    def __init__(self, arrays: dict[str, Any], threads: int | None) -> None:
+        given = {name: x for name, x in arrays.items() if isinstance(x, np.ndarray)}
+        self.threads = threads
+        self.arrays = given
+        self.sums = self._checksums(given)
+
+    def _checksums(self, arrays: dict[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
+        unique = {id(x): np.ascontiguousarray(x) for x in arrays.values()}  # read once each
+        chunks = [
+            (key, start) for key, x in unique.items() for start in range(0, x.nbytes, self.CHUNK)
+        ]
+        sums: dict[tuple[int, int], int] = {}
+
+        def make_worker() -> Any:
+            def crc(chunk: tuple[int, int]) -> None:
+                key, start = chunk
+                data = unique[key].reshape(-1).view(np.uint8)[start : start + self.CHUNK]
+                sums[chunk] = zlib.crc32(data.data)
+
+            return crc
+
+        workers = self.threads or (default_workers() if len(chunks) > 1 else 1)
+        with Team(workers) as team:
+            team.run(chunks, make_worker)
+        by_array = {
+            key: tuple(sums[key, start] for start in range(0, x.nbytes, self.CHUNK))
+            for key, x in unique.items()
+        }
+        return {name: by_array[id(x)] for name, x in arrays.items()}
+
+    def check(self) -> None:
+        now = self._checksums(self.arrays)
+        changed = [name for name in self.arrays if now[name] != self.sums[name]]
+        if changed:
+            raise AttentionValueError(
+                f"{', '.join(changed)} changed after the forward pass; backward needs them as "
+                "they were (call it before updating them, or run the forward pass again)"
+            )
+
+
+def gradient(name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """The upstream gradient: real, finite, of the output's shape, in the compute dtype."""
+    grad = as_float_array(name, value)
+    if grad.shape != shape:
+        raise ShapeError(f"{name} must have the output's shape {shape}; got {grad.shape}")
+    bad = int(np.size(grad) - np.count_nonzero(np.isfinite(grad)))
+    if bad:
+        raise AttentionValueError(
+            f"{name} holds {bad} NaN or infinite value{'s' if bad > 1 else ''} (shape "
+            f"{shape}); gradients are computed from finite upstream gradients only"
+        )
+    return grad.astype(dtype, copy=False)
+
+
+def split_heads(x: np.ndarray, H: int) -> np.ndarray:
+    """``(*B, L, H*d)`` to ``(*B, H, L, d)``, a view."""
+    return np.moveaxis(x.reshape((*x.shape[:-1], H, x.shape[-1] // H)), -2, -3)
+
+
+def join_heads(x: np.ndarray) -> np.ndarray:
+    """``(*B, H, L, d)`` to ``(*B, L, H*d)`` (no ``-1`` in the shape: any size may be 0)."""
+    return np.moveaxis(x, -3, -2).reshape((*x.shape[:-3], x.shape[-2], x.shape[-3] * x.shape[-1]))
+
+
+def _sum_to(full: np.ndarray, shape: tuple[int, ...], batch_shape: tuple[int, ...]) -> np.ndarray:
+    """The gradient of an array of ``shape`` broadcast to ``full``'s shape as the mask
+    contract broadcasts ``bias``: summed over the axes it was broadcast along."""
+    aligned = shape
+    if batch_shape and len(shape) == full.ndim - 1:
+        aligned = (*shape[:-2], 1, *shape[-2:])  # (B, L, S): the same for every head
+    aligned = (1,) * (full.ndim - len(aligned)) + aligned
+    axes = tuple(i for i, (a, b) in enumerate(zip(aligned, full.shape, strict=True)) if a != b)
+    summed: np.ndarray = full.sum(axis=axes, keepdims=True) if axes else full
+    return summed.reshape(shape)
+
+
+def _valid_rows(X: np.ndarray, lengths: np.ndarray | None) -> np.ndarray:
+    """``X (*B, N, d)`` with its padded rows (at or after ``lengths``) zeroed when they hold
+    NaN or inf, which would otherwise reach the weight gradients as ``0 * NaN``."""
+    if lengths is None or np.isfinite(X).all():
+        return X
+    valid = np.arange(X.shape[-2]) < np.asarray(lengths)[..., None]  # (*B, N)
+    return np.where(valid[..., None], X, 0.0).astype(X.dtype, copy=False)
+
+
+def _zeros_joined(like: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Zeros shaped like the heads ``like (*B, H, L, d)`` but laid out as the joined
+    ``(*B, L, H*d)``, so that joining them again copies nothing."""
+    *B, H, L, d = like.shape
+    return split_heads(np.zeros((*B, L, H * d), dtype), H)
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    """``(..., n)`` as ``(rows, n)``."""
+    return x.reshape(int(np.prod(x.shape[:-1])), x.shape[-1])
+
+
+def _weight_grad(x: np.ndarray, grad: np.ndarray, team: Team) -> np.ndarray:
+    """``d(x @ W)/dW`` for ``x (..., m)`` and ``grad (..., n)``: ``x^T @ grad`` over rows."""
+    return team.matmul(_rows(x).T, _rows(grad))
+
+
+def _cast(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return array.astype(dtype, copy=False)

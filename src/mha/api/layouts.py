@@ -1,0 +1,228 @@
+"""The weights of a :class:`mha.MultiHeadAttention` in other layouts: torch's
+``nn.MultiheadAttention`` (module or state dict), GPT-2's fused Conv1D weights, the
+``q_proj``/``k_proj``/``v_proj``/``o_proj`` layers of Llama-style models, and mha's own
+``.npz`` files. The conversions themselves work on plain dicts of weights, in
+:mod:`mha.integrations`; these methods check and wrap them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .._arrays import flag, positive_int
+from ..errors import AttentionValueError, WeightsFileError
+from .configuration import Configuration
+
+if TYPE_CHECKING:
+    from typing import Self
+
+__all__ = ["Layouts"]
+
+
+class Layouts(Configuration):
+    """Loading and exporting weights (see :class:`mha.MultiHeadAttention`)."""
+
+    @classmethod
+    def from_torch(
+        cls, source: Any, *, num_heads: int | None = None, add_zero_attn: bool | None = None
+    ) -> Self:
+        """Load ``source``: a ``torch.nn.MultiheadAttention``, or its ``state_dict`` (then
+        ``num_heads`` is needed; ``add_zero_attn``, a module setting that a state dict does
+        not hold, defaults to False there and to the module's setting for a module).
+
+        Every key and shape is checked. The result's ``forward`` takes batch-first arrays
+        whatever the module's ``batch_first``; dropout is not carried over (inference).
+
+        >>> from mha import MultiHeadAttention
+        >>> import numpy as np
+        >>> state = {"in_proj_weight": np.eye(12, 4), "out_proj.weight": np.eye(4)}
+        >>> MultiHeadAttention.from_torch(state, num_heads=2)
+        MultiHeadAttention(d_model=4, num_heads=2, bias=False, dtype=float64)
+        """
+        from ..integrations.pytorch import weights_from_torch
+
+        weights, heads, zero = weights_from_torch(source, num_heads, add_zero_attn)
+        return cls._from_weights(weights, heads, zero, "state dict")
+
+    def to_torch_state_dict(self, *, tensors: bool = False) -> dict[str, Any]:
+        """The weights as a ``torch.nn.MultiheadAttention`` state dict: NumPy arrays, or with
+        ``tensors=True`` torch tensors, ready for ``load_state_dict`` in one line::
+
+            torch_module.load_state_dict(attention.to_torch_state_dict(tensors=True))
+
+        The torch module must be built with the same ``bias`` (torch's default is True,
+        mha's False), ``kdim``, ``vdim`` and ``add_bias_kv``; :meth:`to_torch` builds it.
+
+        >>> from mha import MultiHeadAttention
+        >>> sorted(MultiHeadAttention(4, 2, bias=True).to_torch_state_dict())
+        ['in_proj_bias', 'in_proj_weight', 'out_proj.bias', 'out_proj.weight']
+        """
+        from ..integrations.pytorch import as_tensors, torch_state_dict
+
+        self._check_torch_layout()
+        state = torch_state_dict(self.weights())
+        return as_tensors(state) if flag("tensors", tensors) else dict(state)
+
+    def to_torch(self, *, batch_first: bool = True) -> Any:
+        """A ``torch.nn.MultiheadAttention`` in eval mode holding these weights, built with
+        the matching ``bias``, ``kdim``, ``vdim``, ``add_bias_kv``, ``add_zero_attn`` and
+        dtype, and ``batch_first`` as given (default True, like mha's arrays). Needs torch.
+
+        >>> from mha import MultiHeadAttention
+        >>> attention = MultiHeadAttention(8, 2, seed=0)
+        >>> module = attention.to_torch()                  # doctest: +SKIP
+        >>> module.bias_k is None, module.in_proj_bias is None   # doctest: +SKIP
+        (True, True)
+        """
+        from ..integrations.pytorch import torch_module
+
+        self._check_torch_layout()
+        first = flag("batch_first", batch_first)
+        return torch_module(self.weights(), self.num_heads, self.add_zero_attn, first)
+
+    @classmethod
+    def from_gpt2(
+        cls, c_attn_weight: Any, c_attn_bias: Any, c_proj_weight: Any, c_proj_bias: Any,
+        num_heads: int,
+    ) -> Self:  # fmt: skip
+        """GPT-2's attention from its Conv1D weights, which are "x @ W" already:
+        ``c_attn_weight (E, 3E)`` and ``c_attn_bias (3E,)`` (q, k, v fused), and
+        ``c_proj_weight (E, E)`` with ``c_proj_bias (E,)``; ``num_heads`` is the model's
+        ``n_head``. GPT-2 is causal: call ``forward(X, mask=True)``.
+
+        >>> from mha import MultiHeadAttention
+        >>> import numpy as np
+        >>> E = 4
+        >>> MultiHeadAttention.from_gpt2(np.ones((E, 3 * E)), np.zeros(3 * E), np.eye(E),
+        ...                              np.zeros(E), num_heads=2)
+        MultiHeadAttention(d_model=4, num_heads=2, bias=True, dtype=float64)
+        """
+        from ..integrations.transformers import weights_from_gpt2
+
+        weights = weights_from_gpt2(c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias)
+        return cls._from_weights(weights, positive_int("num_heads", num_heads), False, "GPT-2")
+
+    @classmethod
+    def from_llama(
+        cls,
+        state_dict: Any,
+        *,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        rope_theta: float | None = 10000.0,
+        rotary_dim: int | None = None,
+        rotary_interleaved: bool = False,
+        window: int | None = None,
+        prefix: str = "",
+    ) -> Self:
+        """A Llama-style attention (Llama, Mistral, Qwen2, ...) from transformers' layout:
+        ``state_dict`` holds ``{prefix}q_proj.weight``, ``k_proj``, ``v_proj``, ``o_proj``
+        (``(out, in)``, NumPy arrays or torch tensors) and their ``.bias`` where present.
+        ``num_heads``, ``num_kv_heads`` and ``head_dim`` are the config's ``num_attention_heads``,
+        ``num_key_value_heads`` and ``head_dim`` (default ``hidden_size // num_heads``);
+        ``rope_theta``, ``rotary_dim`` (partial rotary) and ``rotary_interleaved`` set the
+        rotary embedding (``rope_theta=None``: none); ``window`` is Mistral's
+        ``sliding_window``. ``prefix`` selects one layer of a whole model's state dict, such
+        as ``"model.layers.0.self_attn."``. Missing or misshapen keys are refused with the
+        key's name and the expected shape. Llama attention is causal: call
+        ``forward(x, mask=True)``, or use a cache.
+
+        >>> from mha import MultiHeadAttention
+        >>> import numpy as np
+        >>> rng = np.random.default_rng(0)
+        >>> state = {"q_proj.weight": rng.standard_normal((8, 8)),
+        ...          "k_proj.weight": rng.standard_normal((4, 8)),
+        ...          "v_proj.weight": rng.standard_normal((4, 8)),
+        ...          "o_proj.weight": rng.standard_normal((8, 8))}
+        >>> attention = MultiHeadAttention.from_llama(state, num_heads=4, num_kv_heads=2)
+        >>> attention.num_kv_heads, attention.head_dim, attention.W_k.shape   # W_k = k_proj.T
+        (2, 2, (8, 4))
+        """
+        from ..integrations.transformers import weights_from_llama
+
+        H = positive_int("num_heads", num_heads)
+        H_kv = H if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
+        if head_dim is not None:
+            head_dim = positive_int("head_dim", head_dim)
+        weights = weights_from_llama(state_dict, prefix, H, H_kv, head_dim)  # checks state_dict
+        W_q = weights["W_q"]
+        return cls._from_weights(
+            weights, H, False, "Llama weights", num_kv_heads=H_kv,
+            head_dim=head_dim or (0 if W_q is None else W_q.shape[1] // H),
+            rope_theta=rope_theta, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
+            window=window,
+        )  # fmt: skip
+
+    def save(self, path: Any) -> None:
+        """Write configuration and weights to ``path`` as ``.npz``, atomically: a complete
+        file replaces any existing one, or nothing changes. A path that cannot be written
+        is refused before anything is written.
+
+        >>> from mha import MultiHeadAttention
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "attention.npz")
+        >>> MultiHeadAttention(8, 2, seed=0).save(path)
+        >>> os.listdir(os.path.dirname(path))
+        ['attention.npz']
+        """
+        from ..integrations import npz
+
+        npz.save(path, self._config(), self.weights())
+
+    @classmethod
+    def load(cls, path: Any) -> Self:
+        """Read ``path``, a file written by :meth:`save` (never unpickling anything),
+        checking every entry and shape against the configuration it records.
+
+        >>> from mha import MultiHeadAttention
+        >>> import os, tempfile, numpy as np
+        >>> path = os.path.join(tempfile.mkdtemp(), "attention.npz")
+        >>> saved = MultiHeadAttention(8, 2, bias=True, seed=0)
+        >>> saved.save(path)
+        >>> loaded = MultiHeadAttention.load(path)
+        >>> loaded, bool(np.array_equal(loaded.W_q, saved.W_q))
+        (MultiHeadAttention(d_model=8, num_heads=2, bias=True, dtype=float64), True)
+        """
+        from ..integrations import npz
+
+        config, weights = npz.load(path)
+        extras = ("num_kv_heads", "head_dim", "rope_theta", "rotary_dim", "rotary_interleaved",
+                  "window")  # fmt: skip
+        try:
+            module = cls._from_weights(
+                weights, config["num_heads"], config["add_zero_attn"], "the weights",
+                **{key: config[key] for key in extras},
+            )  # fmt: skip
+        except KeyError as error:
+            raise WeightsFileError(f"cannot load {path}: its config has no {error}") from None
+        except (AttentionValueError, TypeError) as error:
+            raise WeightsFileError(f"cannot load {path}: {error}") from None
+        found = module._config()
+        differences = [
+            f"{key}={config.get(key)!r} but the weights give {found[key]!r}"
+            for key in found
+            if config.get(key) != found[key]
+        ]
+        if differences:
+            raise WeightsFileError(f"cannot load {path}: its config says " + "; ".join(differences))
+        return module
+
+    def _check_torch_layout(self) -> None:
+        """Refuse what ``torch.nn.MultiheadAttention`` cannot hold."""
+        beyond = [
+            what
+            for what, present in (
+                ("grouped key/value heads", self.num_kv_heads != self.num_heads),
+                ("head_dim * num_heads != d_model", self.head_dim * self.num_heads != self.d_model),
+                ("rotary embeddings", self.rope_theta is not None),
+                ("a sliding window", self.window is not None),
+                ("only some of the biases", self._partial_biases() != ""),
+            )
+            if present
+        ]
+        if beyond:
+            raise AttentionValueError(
+                f"torch.nn.MultiheadAttention cannot hold this attention ({', '.join(beyond)}): "
+                f"{self!r}"
+            )

@@ -1,0 +1,372 @@
+"""``MultiHeadAttention``: a layer that owns its weights and calls the function's path.
+
+The constructor draws torch's initialisation; ``forward`` checks its inputs under their own
+names and computes exactly what :func:`mha.multi_head_attention` computes with the module's
+weights and settings.
+"""
+
+from __future__ import annotations
+
+import reprlib
+from typing import TYPE_CHECKING, Any, Literal, overload
+
+import numpy as np
+
+from .._arrays import as_array, as_float_array, flag, positive_int
+from ..errors import AttentionTypeError, AttentionValueError, ShapeError
+from .cache import KVCache
+from .checks import check_call, masking
+from .configuration import float_dtype
+from .layouts import Layouts
+from .projection import compute
+
+if TYPE_CHECKING:
+    from typing import Unpack
+
+    from .signatures import Backward, ForwardOptions
+
+__all__ = ["MultiHeadAttention"]
+
+
+class MultiHeadAttention(Layouts):
+    """Multi-head attention that owns its weights; ``forward`` calls the function.
+
+    ``d_model`` is the model width and ``num_heads`` the number of query heads, each
+    ``head_dim`` wide (default ``d_model // num_heads``). The weights are attributes in the
+    function's "x @ W" layout: ``W_q (d_model, H*head_dim)``, ``W_k (kdim, H_kv*head_dim)``,
+    ``W_v (vdim, H_kv*head_dim)``, ``W_o (H*head_dim, d_model)``, and with ``bias=True``
+    also ``b_q``, ``b_k``, ``b_v``, ``b_o`` (``None`` otherwise; weights loaded from a
+    model may have some of them, as Qwen2 has ``b_q``, ``b_k``, ``b_v`` only).
+
+    **bias defaults to False** (the specification's weights-only layer), where
+    ``torch.nn.MultiheadAttention`` defaults to ``bias=True``: pass ``bias=True`` for
+    torch's layout. ``kdim``/``vdim`` are the key and value input widths (default
+    ``d_model``); ``add_bias_kv`` and ``add_zero_attn`` are torch's extra keys; ``dtype``
+    is the weights' floating dtype (default float64). The random initialisation follows
+    torch's: Xavier/Glorot uniform over the packed ``(3*d_model, d_model)`` in-projection
+    (or over each of W_q, W_k, W_v when their shapes differ), ``U(-1/sqrt(d_model),
+    1/sqrt(d_model))`` for ``W_o`` and zero biases; ``seed`` (an int or a
+    ``np.random.Generator``) makes it reproducible.
+
+    For decoder models: ``num_kv_heads`` (grouped-query attention, default ``num_heads``),
+    ``rope_theta`` (rotary position embeddings of q and k after projection, with
+    ``rotary_dim`` and ``rotary_interleaved`` as in :func:`mha.apply_rotary`) and
+    ``window`` (a sliding window); :meth:`new_cache` makes a :class:`mha.KVCache` for
+    ``forward(x, cache=...)``, and :meth:`from_llama` reads transformers' layout.
+
+    The class holds configuration and weights and delegates to the function's own path (same
+    inputs, same bits): its settings and weights are checked in :mod:`.configuration`, the
+    other layouts of its weights are read and written in :mod:`.layouts`.
+
+    >>> import numpy as np
+    >>> from mha import MultiHeadAttention
+    >>> attention = MultiHeadAttention(d_model=8, num_heads=2, seed=0)
+    >>> attention
+    MultiHeadAttention(d_model=8, num_heads=2, bias=False, dtype=float64)
+    >>> X = np.random.default_rng(1).standard_normal((2, 5, 8))
+    >>> attention.forward(X, mask=True).shape            # causal self-attention
+    (2, 5, 8)
+    >>> memory = np.random.default_rng(2).standard_normal((2, 7, 8))
+    >>> attention(X, key=memory, key_lengths=[7, 3]).shape   # cross-attention, padding
+    (2, 5, 8)
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        bias: bool = False,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        rope_theta: float | None = None,
+        rotary_dim: int | None = None,
+        rotary_interleaved: bool = False,
+        window: int | None = None,
+        dtype: Any = np.float64,
+        seed: int | np.random.Generator | None = None,
+    ) -> None:
+        E = positive_int("d_model", d_model)
+        H = positive_int("num_heads", num_heads)
+        if head_dim is None and E % H:
+            raise AttentionValueError(
+                f"d_model={E} is not divisible by num_heads={H}; each head needs an equal "
+                "share of the width (or give head_dim=)"
+            )
+        self._configure(
+            d_model=E, num_heads=H, num_kv_heads=num_kv_heads,
+            head_dim=E // H if head_dim is None else head_dim,
+            kdim=E if kdim is None else kdim, vdim=E if vdim is None else vdim,
+            add_zero_attn=add_zero_attn, rope_theta=rope_theta, rotary_dim=rotary_dim,
+            rotary_interleaved=rotary_interleaved, window=window,
+        )  # fmt: skip
+        if not isinstance(bias, (bool, np.bool_)):
+            raise AttentionTypeError(f"bias must be True or False; got {bias!r}")
+        self.dtype = float_dtype(dtype)
+        rng = _random_generator(seed)
+
+        inner, kv_inner = H * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.kdim == E and self.vdim == E and inner == E and kv_inner == E:
+            in_proj = _uniform(rng, (3 * E, E), _xavier_bound(E, 3 * E), self.dtype)
+            self.W_q, self.W_k, self.W_v = (part.T.copy() for part in np.split(in_proj, 3))
+        else:
+            self.W_q, self.W_k, self.W_v = (
+                _uniform(rng, (width, d_in), _xavier_bound(d_in, width), self.dtype).T.copy()
+                for d_in, width in ((E, inner), (self.kdim, kv_inner), (self.vdim, kv_inner))
+            )
+        bound = 1.0 / float(np.sqrt(inner))
+        self.W_o = _uniform(rng, (E, inner), bound, self.dtype).T.copy()
+        self.b_q, self.b_k, self.b_v, self.b_o = (
+            np.zeros(width, dtype=self.dtype) if bias else None
+            for width in (inner, kv_inner, kv_inner, E)
+        )
+        self.bias_k: np.ndarray | None = None
+        self.bias_v: np.ndarray | None = None
+        if flag("add_bias_kv", add_bias_kv):  # torch: xavier_normal_ on (1, 1, E)
+            self.bias_k, self.bias_v = (
+                rng.normal(0.0, 1.0 / float(np.sqrt(E)), kv_inner).astype(self.dtype)
+                for _ in range(2)
+            )
+
+    # One overload per combination of the return_* flags; the last for run-time flags.
+    # fmt: off
+    @overload
+    def forward(
+        self, query: Any, mask: Any = ..., *, return_weights: Literal[False] = ...,
+        return_backward: Literal[False] = ..., **options: Unpack[ForwardOptions],
+    ) -> np.ndarray: ...
+    @overload
+    def forward(
+        self, query: Any, mask: Any = ..., *, return_weights: Literal[True],
+        return_backward: Literal[False] = ..., **options: Unpack[ForwardOptions],
+    ) -> tuple[np.ndarray, np.ndarray]: ...
+    @overload
+    def forward(
+        self, query: Any, mask: Any = ..., *, return_weights: Literal[False] = ...,
+        return_backward: Literal[True], **options: Unpack[ForwardOptions],
+    ) -> tuple[np.ndarray, Backward]: ...
+    @overload
+    def forward(
+        self, query: Any, mask: Any = ..., *, return_weights: Literal[True],
+        return_backward: Literal[True], **options: Unpack[ForwardOptions],
+    ) -> tuple[np.ndarray, np.ndarray, Backward]: ...
+    @overload
+    def forward(
+        self, query: Any, mask: Any = ..., *, return_weights: bool = ...,
+        return_backward: bool = ..., **options: Unpack[ForwardOptions],
+    ) -> np.ndarray | tuple[Any, ...]: ...
+    # fmt: on
+
+    def forward(
+        self,
+        query: Any,
+        mask: Any = None,
+        *misplaced: Any,
+        key: Any = None,
+        value: Any = None,
+        causal: bool = False,
+        causal_alignment: str | None = None,
+        key_lengths: Any = None,
+        query_lengths: Any = None,
+        bias: Any = None,
+        window: int | None = None,
+        scale: float | None = None,
+        return_weights: bool = False,
+        positions: Any = None,
+        cache: KVCache | None = None,
+        return_backward: bool = False,
+        dropout_p: float | None = None,
+        generator: np.random.Generator | None = None,
+        max_memory: int | None = None,
+        workers: int | None = None,
+    ) -> np.ndarray | tuple[Any, ...]:
+        """Attention of ``query (B, L, d_model)`` (or ``(L, d_model)``) over itself, or over
+        ``key``/``value`` given by name.
+
+        The rule for arguments: **the second positional argument is always the mask**, as
+        in the specification's ``forward(X, mask)``. ``mask`` (positional or by name):
+        ``None`` attends everywhere, ``True``
+        is causal, a boolean array marks where attention is allowed (True = may attend).
+        Anything else there (a float array, say) is refused, never guessed at. For
+        cross-attention pass ``key=`` (``(B, S, kdim)``) and ``value=`` (``(B, S, vdim)``,
+        default: ``key``) by name. The other keywords are those of
+        :func:`mha.multi_head_attention`: ``causal``, ``causal_alignment``,
+        ``key_lengths``, ``query_lengths``, ``bias``, ``window``, ``scale``,
+        ``return_weights``, ``max_memory`` and ``workers``; the module's own
+        ``num_kv_heads`` and rotary settings apply. A ``window`` given here combines with
+        the module's by AND, as every mask argument does (the narrower one counts).
+        ``positions`` (``(L,)`` or ``(B, L)``) places the tokens for the rotary embedding.
+        ``cache`` (from :meth:`new_cache`) makes ``query`` the next tokens of each sequence:
+        they are projected, rotated at their true positions, appended, and attend causally
+        over everything cached; with ``query_lengths`` only the first ``query_lengths[b]``
+        rows of sequence ``b`` are real tokens.
+        ``return_backward=True`` adds ``backward``, a function of the output's gradient that
+        returns the gradients keyed by attribute name for the weights (``W_q``, ...,
+        ``b_o``, ``bias_k``, ``bias_v``: those present) and by argument name for the inputs
+        (``query``, ``key``, ``value``, separately even for self-attention; their sum is the
+        gradient of a shared input), and ``bias`` when given; see :meth:`parameters`.
+        ``dropout_p`` with ``generator`` drops attention weights in training, the same mask
+        in ``backward`` (``dropout_p=0.0`` turns it off, the generator given or not).
+        Messages name the arguments as given here (``query``, ``key``, ``value``).
+        ``attention(...)`` is ``attention.forward(...)``.
+
+        >>> import numpy as np
+        >>> from mha import MultiHeadAttention
+        >>> attention = MultiHeadAttention(4, 2, seed=0)
+        >>> X = np.random.default_rng(0).standard_normal((1, 3, 4))
+        >>> causal = attention.forward(X, True)       # the specification's forward(X, mask)
+        >>> bool((causal == attention(X, causal=True)).all())
+        True
+        >>> memory = np.random.default_rng(1).standard_normal((1, 6, 4))
+        >>> attention(X, key=memory).shape                # cross-attention: key= by name
+        (1, 3, 4)
+        """
+        if cache is not None and (key is not None or value is not None):
+            raise AttentionValueError(
+                "cache= appends the query tokens' own keys and values: key= and value= "
+                "cannot be combined with it"
+            )
+        if misplaced:
+            raise AttentionTypeError(
+                f"forward takes at most two positional arguments, the query and the mask; "
+                f"got {2 + len(misplaced)}. For cross-attention pass key= and value= by name"
+            )
+        _check_mask_argument(mask)
+        query = as_float_array("query", query)
+        if key is None and value is not None:
+            raise AttentionValueError(
+                "forward got value= without key=: give key= too (value defaults to key)"
+            )
+        key = query if key is None else as_float_array("key", key)
+        value = key if value is None else as_float_array("value", value)
+        for name, array, width, label in (
+            ("query", query, self.d_model, "d_model"),
+            ("key", key, self.kdim, "kdim"),
+            ("value", value, self.vdim, "vdim"),
+        ):
+            if array.ndim not in (2, 3):
+                raise ShapeError(
+                    f"{name} must have shape (B, L, {label}) or (L, {label}); "
+                    f"got shape {array.shape}"
+                )
+            if array.shape[-1] != width:
+                raise ShapeError(
+                    f"{name} has width {array.shape[-1]} but this MultiHeadAttention has "
+                    f"{label}={width} ({name} {array.shape})"
+                )
+        if window is not None:
+            window = positive_int("window", window)
+            if self.window is not None:  # both windows hide keys: the narrower one counts
+                window = min(window, self.window)
+        call = check_call(
+            query, key, value, self.W_q, self.W_k, self.W_v, self.W_o, self.num_heads,
+            masking(mask, causal, causal_alignment, key_lengths, query_lengths, bias,
+                    self.window if window is None else window),
+            b_q=self.b_q, b_k=self.b_k, b_v=self.b_v, b_o=self.b_o, scale=scale,
+            return_weights=return_weights, max_memory=max_memory, workers=workers,
+            bias_k=self.bias_k, bias_v=self.bias_v, add_zero_attn=self.add_zero_attn,
+            num_kv_heads=self.num_kv_heads, rope_theta=self.rope_theta,
+            rotary_dim=self.rotary_dim, rotary_interleaved=self.rotary_interleaved,
+            positions=positions, cache=cache, return_backward=return_backward,
+            dropout_p=dropout_p, generator=generator, names=_INPUT_NAMES,
+        )  # fmt: skip
+        result = compute(call, bias, generator)
+        if not call.want_backward:
+            return result
+        *outputs, backward = result
+        return (*outputs, _Renamed(backward))
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """The weights an optimiser updates, by attribute name: the arrays themselves (update
+        them in place), only those present.
+
+        >>> import numpy as np
+        >>> from mha import MultiHeadAttention
+        >>> attention = MultiHeadAttention(8, 2, bias=True, seed=0)
+        >>> X = np.random.default_rng(0).standard_normal((2, 3, 8))
+        >>> out, backward = attention(X, mask=True, return_backward=True)
+        >>> grads = backward(np.ones_like(out))
+        >>> for name, W in attention.parameters().items():   # one step of gradient descent
+        ...     W -= 0.1 * grads[name]
+        >>> sorted(grads)[:4], grads["query"].shape
+        (['W_k', 'W_o', 'W_q', 'W_v'], (2, 3, 8))
+        """
+        return {name: W for name, W in self.weights().items() if W is not None}
+
+    def new_cache(self, batch_size: int, *, capacity: int = 256) -> KVCache:
+        """An empty :class:`mha.KVCache` for ``batch_size`` sequences, made for this
+        attention's key/value heads, head width, window and compute dtype (float32 for
+        float16 weights). ``capacity`` positions are preallocated; more are added as needed.
+
+        >>> import numpy as np
+        >>> from mha import MultiHeadAttention
+        >>> attention = MultiHeadAttention(16, 4, num_kv_heads=2, rope_theta=10000.0, seed=0)
+        >>> cache = attention.new_cache(2, capacity=32)
+        >>> x = np.random.default_rng(0).standard_normal((2, 5, 16))
+        >>> attention(x, cache=cache).shape, cache.lengths   # a prompt of 5 tokens
+        ((2, 5, 16), array([5, 5]))
+        >>> attention(x[:, :1], cache=cache).shape, cache.lengths   # then one more
+        ((2, 1, 16), array([6, 6]))
+        """
+        dtype = np.float32 if self.dtype == np.float16 else self.dtype
+        return KVCache(
+            batch_size, self.num_kv_heads, self.head_dim, capacity=capacity, dtype=dtype,
+            window=self.window,
+        )  # fmt: skip
+
+    __call__ = forward
+
+
+_INPUT_NAMES = {"Q": "query", "K": "key", "V": "value"}
+
+
+class _Renamed:
+    """A module's ``backward``: the function's gradients under the module's names."""
+
+    def __init__(self, backward: Any) -> None:
+        self.backward = backward
+
+    def __call__(self, grad_out: Any) -> dict[str, np.ndarray]:
+        return {_INPUT_NAMES.get(name, name): g for name, g in self.backward(grad_out).items()}
+
+
+def _check_mask_argument(mask: Any) -> None:
+    """The mask slot takes None, True/False or a boolean array; a float array there is a key
+    or an additive mask given in the wrong place, so say which keyword it belongs to."""
+    if mask is None or isinstance(mask, (bool, np.bool_)):
+        return
+    given = reprlib.repr(mask)
+    if isinstance(mask, (np.ndarray, list, tuple)):
+        array = as_array("mask", mask)
+        if array.dtype.kind == "b":
+            return
+        given = f"an array of dtype {array.dtype} and shape {array.shape}"
+    raise AttentionTypeError(
+        f"the mask (forward's second argument, or mask=) must be None, True/False (causal) "
+        f"or a boolean array with True = may attend; got {given}. For cross-attention pass "
+        "key= (and value=) by name; for an additive mask of 0 and -inf pass bias="
+    )
+
+
+def _random_generator(seed: Any) -> np.random.Generator:
+    try:
+        return np.random.default_rng(seed)
+    except (TypeError, ValueError) as error:
+        raise AttentionTypeError(
+            f"seed must be None, a non-negative integer or a np.random.Generator; "
+            f"got {reprlib.repr(seed)} ({error})"
+        ) from None
+
+
+def _xavier_bound(fan_in: int, fan_out: int) -> float:
+    return float(np.sqrt(6.0 / (fan_in + fan_out)))
+
+
+def _uniform(
+    rng: np.random.Generator, shape: tuple[int, int], bound: float, dtype: np.dtype
+) -> np.ndarray:
+    return rng.uniform(-bound, bound, size=shape).astype(dtype)

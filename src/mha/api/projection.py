@@ -1,0 +1,324 @@
+"""The projection layer: :func:`multi_head_attention` projects the inputs into heads,
+rotates them (rotary positions), appends torch's extra keys, runs the split-head core on the
+kernel (or on a cache), joins the heads and applies the output projection.
+
+Weights use the "x @ W" layout: ``W_q (d_q, H*d_k)`` maps a query of width ``d_q`` to the
+``H`` heads' concatenated queries. Shapes are named as in the paper: ``B`` batch, ``H``
+heads, ``L`` query positions, ``S`` key positions, ``d_k``/``d_v`` per-head widths.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal, overload
+
+import numpy as np
+
+from .._kernel.contract import Visibility
+from .._kernel.dropout import Dropout
+from .._kernel.forward import attend
+from .._kernel.team import Team, workers_for
+from .cache import KVCache
+from .checks import Call, check_call
+from .checks import masking as masking_of
+from .gradients import ProjectedBackward, join_heads, split_heads
+from .rotary import apply_rotary
+from .split_heads import attend_cached, cast
+
+if TYPE_CHECKING:
+    from typing import Unpack
+
+    from .signatures import Backward, MhaOptions
+
+__all__ = ["append_keys", "compute", "multi_head_attention", "project_heads"]
+
+
+# One overload per combination of the return_* flags; the last for flags known at run time.
+# fmt: off
+@overload
+def multi_head_attention(
+    Q: Any, K: Any, V: Any, W_q: Any, W_k: Any, W_v: Any, W_o: Any, num_heads: int, *,
+    return_weights: Literal[False] = ..., return_backward: Literal[False] = ...,
+    **options: Unpack[MhaOptions],
+) -> np.ndarray: ...
+@overload
+def multi_head_attention(
+    Q: Any, K: Any, V: Any, W_q: Any, W_k: Any, W_v: Any, W_o: Any, num_heads: int, *,
+    return_weights: Literal[True], return_backward: Literal[False] = ...,
+    **options: Unpack[MhaOptions],
+) -> tuple[np.ndarray, np.ndarray]: ...
+@overload
+def multi_head_attention(
+    Q: Any, K: Any, V: Any, W_q: Any, W_k: Any, W_v: Any, W_o: Any, num_heads: int, *,
+    return_weights: Literal[False] = ..., return_backward: Literal[True],
+    **options: Unpack[MhaOptions],
+) -> tuple[np.ndarray, Backward]: ...
+@overload
+def multi_head_attention(
+    Q: Any, K: Any, V: Any, W_q: Any, W_k: Any, W_v: Any, W_o: Any, num_heads: int, *,
+    return_weights: Literal[True], return_backward: Literal[True],
+    **options: Unpack[MhaOptions],
+) -> tuple[np.ndarray, np.ndarray, Backward]: ...
+@overload
+def multi_head_attention(
+    Q: Any, K: Any, V: Any, W_q: Any, W_k: Any, W_v: Any, W_o: Any, num_heads: int, *,
+    return_weights: bool = ..., return_backward: bool = ..., **options: Unpack[MhaOptions],
+) -> np.ndarray | tuple[Any, ...]: ...
+# fmt: on
+
+
+def multi_head_attention(
+    Q: Any,
+    K: Any,
+    V: Any,
+    W_q: Any,
+    W_k: Any,
+    W_v: Any,
+    W_o: Any,
+    num_heads: int,
+    *,
+    mask: Any = None,
+    causal: bool = False,
+    causal_alignment: str | None = None,
+    key_lengths: Any = None,
+    query_lengths: Any = None,
+    bias: Any = None,
+    b_q: Any = None,
+    b_k: Any = None,
+    b_v: Any = None,
+    b_o: Any = None,
+    scale: float | None = None,
+    return_weights: bool = False,
+    max_memory: int | None = None,
+    workers: int | None = None,
+    bias_k: Any = None,
+    bias_v: Any = None,
+    add_zero_attn: bool = False,
+    num_kv_heads: int | None = None,
+    window: int | None = None,
+    rope_theta: float | None = None,
+    rotary_dim: int | None = None,
+    rotary_interleaved: bool = False,
+    positions: Any = None,
+    cache: KVCache | None = None,
+    return_backward: bool = False,
+    dropout_p: float | None = None,
+    generator: np.random.Generator | None = None,
+) -> np.ndarray | tuple[Any, ...]:
+    """Multi-head attention (Vaswani et al., 2017) with "x @ W" weights.
+
+    Projects, splits the width evenly across ``num_heads`` heads, runs
+    :func:`scaled_dot_product_attention` per head, joins the heads and applies ``W_o``.
+
+    * ``Q (B, L, d_q)``, ``K (B, S, d_kin)``, ``V (B, S, d_vin)``: queries, keys and values,
+      or unbatched ``(L, d)``. When ``Q``, ``K`` and ``V`` are one array, one GEMM
+      projects all three.
+    * ``W_q (d_q, H*d_k)``, ``W_k (d_kin, H*d_k)``, ``W_v (d_vin, H*d_v)``,
+      ``W_o (H*d_v, d_out)``: the projections, applied as ``x @ W``. PyTorch stores the
+      transpose: see :meth:`MultiHeadAttention.from_torch`.
+    * ``num_heads``: ``H``; it must divide the columns of ``W_q`` and ``W_v``.
+    * ``mask``: a boolean array, **True = may attend**, broadcastable to the scores
+      ``(B, H, L, S)``; ``(L, S)`` and ``(B, L, S)`` apply to every head. ``mask=True`` is
+      the causal mask. Integer or float arrays are refused (an additive mask goes in
+      ``bias``). Every mask argument combines with the others by AND.
+    * ``causal``: hide key ``j`` from query ``i`` when ``j > i + (S - L)`` (the last query
+      sees every key); for ``L == S`` the usual lower triangle.
+    * ``causal_alignment``: ``"top_left"`` for ``j > i`` instead (PyTorch's
+      ``is_causal``); only with a causal mask.
+    * ``key_lengths``: ``(B,)`` integers (one number for unbatched input): keys at index
+      ``>= length`` are padding.
+    * ``query_lengths``: ``(B,)`` integers: rows at index ``>= length`` are padding; their
+      attention output is zero, so their final output is ``b_o`` (zero without it).
+    * ``bias``: an additive float array broadcastable like ``mask``; ``-inf`` hides a key.
+    * ``b_q``, ``b_k``, ``b_v``, ``b_o``: biases added after their projections.
+    * ``scale``: the factor on ``q k^T``; default ``1/sqrt(d_k)``.
+    * ``return_weights``: also return the per-head weights ``(B, H, L, S)``.
+    * ``max_memory``, ``workers``: scratch bytes per worker and threads, as in
+      :func:`scaled_dot_product_attention`; they never change results beyond rounding.
+    * ``num_kv_heads``: ``H_kv`` key/value heads for grouped-query (or, with 1, multi-query)
+      attention; ``W_k`` and ``W_v`` are then ``H_kv*d_k`` and ``H_kv*d_v`` wide, and query
+      head ``h`` uses key/value head ``h // (H // H_kv)``. Default ``num_heads``.
+    * ``window``: a sliding window (transformers' ``sliding_window``): query ``i`` sees key
+      ``j`` only if ``(i + offset) - j < window``, ``offset`` the causal alignment's.
+    * ``rope_theta``: rotate q and k after projection with rotary position embeddings of
+      this base (:func:`mha.apply_rotary`), at ``positions`` (``(L,)`` or ``(B, L)``;
+      default ``0..S-1`` for keys, the last ``L`` of them for queries) or at the cache's
+      positions. ``rotary_dim`` and ``rotary_interleaved`` are :func:`mha.apply_rotary`'s
+      ``rotary_dim`` and ``interleaved``.
+    * ``return_backward``: also return ``backward``, a function of the output's gradient
+      that returns the gradients of every input and weight given, keyed by parameter name
+      (``Q``, ``K``, ``V``, ``W_q``, ..., ``b_o``, ``bias_k``, ``bias_v``, ``bias``), each
+      shaped like it, in its dtype. With ``Q is K is V`` the three are still separate (their
+      sum is the shared input's gradient).
+    * ``dropout_p`` and ``generator``: dropout on the attention weights, as in
+      :func:`scaled_dot_product_attention` (``dropout_p=0.0`` turns it off, a generator
+      given or not).
+    * ``cache``: a :class:`mha.KVCache`: ``Q``, ``K``, ``V`` are the next tokens
+      ``(B, L, d)`` of each sequence (with ``query_lengths``, only the first
+      ``query_lengths[b]`` rows of sequence ``b`` are real). Their keys and values are
+      appended and the queries attend causally over everything cached, as in
+      :func:`scaled_dot_product_attention`.
+    * ``bias_k (H*d_k,)`` with ``bias_v (H*d_v,)``, and ``add_zero_attn``: PyTorch's extra
+      keys, a learned key/value pair and a zero key/value pair appended after the
+      projections (in that order), visible to every query whatever the masks say, which
+      refer to the ``S`` given keys. The weights then have ``S`` plus one column per extra
+      key.
+
+    Returns ``(B, L, d_out)`` (``(L, d_out)`` unbatched) in the inputs' dtype, then the
+    weights and ``backward`` if asked for, in that order. Any size may be zero (no
+    sequences, no queries, no keys): queries that see no key get a zero attention output,
+    and gradients are zeros of the right shapes.
+
+    >>> import numpy as np
+    >>> from mha import multi_head_attention
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.standard_normal((1, 3, 4))
+    >>> W_q, W_k, W_v, W_o = rng.standard_normal((4, 4, 4))
+    >>> out, weights = multi_head_attention(X, X, X, W_q, W_k, W_v, W_o, 2, causal=True,
+    ...                                     return_weights=True)
+    >>> out.shape, out.dtype, weights.shape
+    ((1, 3, 4), dtype('float64'), (1, 2, 3, 3))
+    >>> weights[0, 0, 0]                             # the first query sees only itself
+    array([1., 0., 0.])
+    >>> weights.sum(axis=-1)                         # every row of weights sums to 1
+    array([[[1., 1., 1.],
+            [1., 1., 1.]]])
+    """
+    masking = masking_of(mask, causal, causal_alignment, key_lengths, query_lengths, bias, window)
+    call = check_call(
+        Q, K, V, W_q, W_k, W_v, W_o, num_heads, masking, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
+        scale=scale, return_weights=return_weights, max_memory=max_memory, workers=workers,
+        bias_k=bias_k, bias_v=bias_v, add_zero_attn=add_zero_attn, num_kv_heads=num_kv_heads,
+        rope_theta=rope_theta, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
+        positions=positions, cache=cache, return_backward=return_backward, dropout_p=dropout_p,
+        generator=generator,
+    )  # fmt: skip
+    return compute(call, bias, generator)
+
+
+def compute(
+    call: Call, bias: Any = None, generator: np.random.Generator | None = None
+) -> np.ndarray | tuple[Any, ...]:
+    """A call checked by :func:`check_call`, computed: the output, then the weights and
+    ``backward`` if asked for. ``bias`` is the caller's (its gradient takes its shape) and
+    ``generator`` the dropout's."""
+    H, d_v, B, L, S = call.H, call.d_v, call.B, call.L, call.S
+    dtype, weights_in = call.compute_dtype, call.weights
+    visibility = call.visibility
+    if visibility is not None and call.extra:
+        visibility = with_extra_keys(visibility, call.extra, dtype)
+    # Everything is checked: the dropout's seed may be drawn.
+    dropout = Dropout.draw(call.drop_p, generator, H, L) if call.drop_p else None
+
+    def cast_in(array: np.ndarray | None) -> np.ndarray | None:
+        return None if array is None else array.astype(dtype, copy=False)
+
+    keys = S if call.cache is None else int(call.cache.lengths.max(initial=0)) + L  # attended
+    cost = float(np.prod(B)) * (  # multiply-adds of the projections and of attention
+        L * weights_in.W_q.size + S * (weights_in.W_k.size + weights_in.W_v.size)
+        + L * weights_in.W_o.size + H * L * keys * (call.d_k + d_v)
+    )  # fmt: skip
+    weights = lse = None
+    with (
+        np.errstate(invalid="ignore", over="ignore"),
+        Team(workers_for(cost, call.threads)) as team,
+    ):
+        q, k, v = project_heads(call, team)
+        if call.extra:
+            k = append_keys(k, cast_in(weights_in.bias_k), call.add_zero_attn, call.H_kv)
+            v = append_keys(v, cast_in(weights_in.bias_v), call.add_zero_attn, call.H_kv)
+        if visibility is None:  # the cache's call
+            assert call.cache is not None and call.counts is not None
+            heads, _ = attend_cached(
+                q, k, v, call.cache, call.counts, 1.0, False, call.budget, call.threads, team
+            )
+            joined = join_heads(heads)
+        else:
+            joined = np.zeros((*B, L, H * d_v), dtype=dtype)  # (*B, L, H*d_v)
+            if call.want_weights:
+                weights = np.zeros((*B, H, L, S + call.extra), dtype=dtype)
+            if call.want_backward:
+                lse = np.full((*B, H, L), -np.inf, dtype=dtype)
+            attend(
+                q, k, v, visibility, 1.0, split_heads(joined, H), weights=weights, lse=lse,
+                max_memory=call.budget, team=team, dropout=dropout,
+            )  # fmt: skip
+        out = team.matmul(joined, weights_in.W_o.astype(dtype, copy=False), cast_in(weights_in.b_o))
+    results: list[Any] = [cast(out, call.result_dtype)]
+    if weights is not None:
+        results.append(cast(weights, call.result_dtype))
+    if call.want_backward:
+        assert lse is not None and visibility is not None
+        results.append(ProjectedBackward(call, bias, q, k, v, joined, lse, visibility, dropout))
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def project_heads(call: Call, team: Team) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The projected ``q (*B, H, L, d_k)`` (already times the scale), ``k``, ``v``, rotated
+    at the call's positions when it has rotary embeddings.
+
+    The scale goes where it costs least: into ``W_q`` when there are more query rows than
+    input features, into the projected ``q`` otherwise. For self-attention with enough rows
+    to pay for copying the weights, one GEMM against ``[W_q | W_k | W_v]`` projects all three.
+    """  # fmt: skip
+    dtype, scale, w = call.compute_dtype, call.scale, call.weights
+    H, H_kv = call.H, call.H_kv
+
+    def c(array: np.ndarray | None) -> np.ndarray | None:
+        return None if array is None else array.astype(dtype, copy=False)
+
+    Q, W_q, W_k, W_v = c(call.Q), c(w.W_q), c(w.W_k), c(w.W_v)
+    b_q, b_k, b_v = c(w.b_q), c(w.b_k), c(w.b_v)
+    assert Q is not None and W_q is not None and W_k is not None and W_v is not None
+    rows = int(np.prod(Q.shape[:-1]))
+    if rows >= Q.shape[-1]:
+        W_q, b_q = W_q * scale, None if b_q is None else b_q * scale
+    if call.self_attention and rows >= Q.shape[-1]:
+        W_qkv = np.concatenate([W_q, W_k, W_v], axis=1)
+        b_qkv = None
+        if b_q is not None or b_k is not None or b_v is not None:
+            b_qkv = np.concatenate([
+                np.zeros(W.shape[1], W.dtype) if b is None else b
+                for b, W in ((b_q, W_q), (b_k, W_k), (b_v, W_v))
+            ])  # fmt: skip
+        qkv = team.matmul(Q, W_qkv, b_qkv)
+        q, k, v = np.split(qkv, [W_q.shape[1], W_q.shape[1] + W_k.shape[1]], axis=-1)
+    else:
+        q = team.matmul(Q, W_q, b_q)
+        if rows < Q.shape[-1]:
+            q *= scale
+        K, V = call.K.astype(dtype, copy=False), call.V.astype(dtype, copy=False)
+        k, v = team.matmul(K, W_k, b_k), team.matmul(V, W_v, b_v)
+    q, k, v = split_heads(q, H), split_heads(k, H_kv), split_heads(v, H_kv)
+    if call.rotary is not None:
+        q = apply_rotary(q, call.q_positions, **call.rotary)
+        k = apply_rotary(k, call.k_positions, **call.rotary)
+    return q, k, v
+
+
+def with_extra_keys(visibility: Visibility, extra: int, dtype: np.dtype) -> Visibility:
+    """The visibility over ``S + extra`` keys: the extra keys are seen by every query."""
+    allowed = visibility.allowed()  # (*B, H, L, S), query padding included
+    rows = np.ones(allowed.shape[-2], dtype=bool)
+    if visibility.query_lengths is not None:
+        rows = np.arange(visibility.L) < visibility.query_lengths[..., None]
+    seen = np.broadcast_to(rows[..., None, :, None], (*allowed.shape[:-1], extra))
+    bias = None
+    if visibility.bias is not None:
+        bias = np.broadcast_to(visibility.bias, allowed.shape)
+        bias = np.concatenate([bias, np.zeros((*allowed.shape[:-1], extra), dtype)], axis=-1)
+    return Visibility.build(
+        batch_shape=visibility.index_shape[:-1], H=visibility.index_shape[-1], L=visibility.L,
+        S=visibility.S + extra, mask=np.concatenate([allowed, seen], axis=-1), bias=bias,
+        dtype=dtype,
+    )  # fmt: skip
+
+
+def append_keys(x: np.ndarray, bias: np.ndarray | None, zero: bool, H: int) -> np.ndarray:
+    """``x (*B, H, S, d)`` with the learned row ``bias (H*d,)`` and a zero row appended."""
+    rows = [x]
+    lead = x.shape[:-2]
+    if bias is not None:
+        rows.append(np.broadcast_to(bias.reshape(H, 1, x.shape[-1]), (*lead, 1, x.shape[-1])))
+    if zero:
+        rows.append(np.zeros((*lead, 1, x.shape[-1]), dtype=x.dtype))
+    return np.concatenate(rows, axis=-2)

@@ -1,0 +1,131 @@
+"""Rotary position embeddings (Su et al., 2021), as Llama, Qwen, GPT-NeoX and GPT-J apply them.
+
+Each pair of features ``(x_a, x_b)`` of a head is rotated by the angle ``p * theta^(-2i/r)``
+for position ``p`` and pair ``i`` of the ``r = rotary_dim`` rotated features. Which features
+pair up is the convention: transformers' ``rotate_half`` pairs feature ``i`` with ``i + r/2``
+(Llama, Qwen, GPT-NeoX); GPT-J's ``rotate_every_two`` (``interleaved=True``) pairs ``2i``
+with ``2i + 1``. Features past ``rotary_dim`` pass through unchanged. Angles are computed in
+float64 and their cosines and sines cast to the data's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._arrays import as_array, as_float_array, flag, positive_int, result_and_compute_dtypes
+from ..errors import AttentionTypeError, AttentionValueError, ShapeError
+
+__all__ = ["apply_rotary", "check_positions", "check_rotary", "check_rotary_options"]
+
+
+def apply_rotary(
+    x: Any,
+    positions: Any,
+    *,
+    theta: float = 10000.0,
+    rotary_dim: int | None = None,
+    interleaved: bool = False,
+) -> np.ndarray:
+    """``x (..., L, d)`` rotated at ``positions``: a new array, ``x`` is not modified.
+
+    * ``positions``: ``(L,)`` for every sequence, or ``(B, L)`` with ``x`` of shape
+      ``(B, ..., L, d)``: one row per sequence, lined up with ``x``'s first axis (so with
+      ``x (B, H, L, d)`` every head of sequence ``b`` uses ``positions[b]``, as in
+      transformers). Integers or real numbers.
+    * ``theta``: the base of the frequencies (``rope_theta``; 10000 by default).
+    * ``rotary_dim``: how many leading features of each head are rotated (even, at most
+      ``d``; default all), as GPT-NeoX's and GPT-J's partial rotary.
+    * ``interleaved``: pair features ``(2i, 2i + 1)`` (GPT-J) instead of ``(i, i + r/2)``.
+
+    >>> import numpy as np
+    >>> x = np.array([[1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])   # (L=2, d=4)
+    >>> apply_rotary(x, [0, 1], theta=1.0).round(3)     # position 1 turns pair 0 by 1 rad
+    array([[1.   , 0.   , 0.   , 0.   ],
+           [0.54 , 0.   , 0.841, 0.   ]])
+    """
+    array = as_float_array("x", x)
+    result_dtype, dtype = result_and_compute_dtypes(array)
+    r, angles, interleaved = check_rotary(array.shape, positions, theta, rotary_dim, interleaved)
+    cos, sin = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    out = array.astype(dtype, copy=True)
+    if interleaved:
+        a, b = array[..., 0:r:2].astype(dtype), array[..., 1:r:2].astype(dtype)
+        out[..., 0:r:2] = a * cos - b * sin
+        out[..., 1:r:2] = b * cos + a * sin
+    else:
+        a, b = array[..., : r // 2].astype(dtype), array[..., r // 2 : r].astype(dtype)
+        out[..., : r // 2] = a * cos - b * sin
+        out[..., r // 2 : r] = b * cos + a * sin
+    return out.astype(result_dtype, copy=False)
+
+
+def check_rotary(
+    shape: tuple[int, ...],
+    positions: Any,
+    theta: Any,
+    rotary_dim: Any,
+    interleaved: Any,
+    *,
+    subject: str | None = None,
+) -> tuple[int, np.ndarray, bool]:
+    """Every check of :func:`apply_rotary` for an ``x`` of ``shape``: the rotated width,
+    the angles ``(..., L, r/2)`` in float64, and ``interleaved`` (shared with
+    :mod:`mha.dask`, which checks before any data exists). ``subject`` names what the caller
+    gave in messages (default ``x`` and its shape)."""
+    subject = f"x {shape}" if subject is None else subject
+    if len(shape) < 2:
+        raise ShapeError(f"x must have shape (..., L, d); got shape {shape}")
+    r, base, interleaved = check_rotary_options(shape[-1], theta, rotary_dim, interleaved, subject)
+    angles = check_positions(positions, shape, subject)[..., None] * base ** (
+        -np.arange(0, r, 2, dtype=np.float64) / r
+    )  # (..., L, r/2)
+    return r, angles, interleaved
+
+
+def check_rotary_options(
+    d: int, theta: Any, rotary_dim: Any, interleaved: Any, subject: str
+) -> tuple[int, float, bool]:
+    """The rotated width, the base and ``interleaved`` for heads ``d`` wide."""
+    r = d if rotary_dim is None else positive_int("rotary_dim", rotary_dim)
+    if rotary_dim is None and d % 2:
+        raise AttentionValueError(
+            f"the head width {d} is odd, so its features cannot all pair up for rotary "
+            f"embeddings; give an even rotary_dim ({subject})"
+        )
+    if r % 2 or r > d:
+        raise AttentionValueError(
+            f"rotary_dim must be even and at most the head width {d}; got {r} ({subject})"
+        )
+    return r, _positive_real("theta", theta), flag("interleaved", interleaved)
+
+
+def check_positions(positions: Any, shape: tuple[int, ...], subject: str) -> np.ndarray:
+    """``positions`` as float64, shaped to broadcast against ``shape[:-1]``: ``(L,)``, or
+    ``(B, L)`` lined up with the first axis of an ``x`` with a batch axis."""
+    array = as_array("positions", positions)
+    if array.dtype.kind not in "iuf" or array.dtype.kind == "b":
+        raise AttentionTypeError(
+            f"positions must hold integers or real numbers; got dtype {array.dtype}"
+        )
+    L = shape[-2]
+    if array.ndim == 1 and array.shape == (L,):
+        return array.astype(np.float64)
+    if array.ndim == 2 and len(shape) >= 3 and array.shape == (shape[0], L):
+        return array.astype(np.float64).reshape(shape[0], *(1,) * (len(shape) - 3), L)
+    expected = f"(L,) = ({L},)"
+    if len(shape) >= 3:
+        expected += f" or (B, L) = ({shape[0]}, {L}) lined up with the batch"
+    raise ShapeError(f"positions must have shape {expected}; got shape {array.shape} ({subject})")
+
+
+def _positive_real(name: str, value: Any) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
+        raise AttentionTypeError(f"{name} must be a positive number; got {value!r}")
+    number = float(value)
+    if not number > 0 or not np.isfinite(number):
+        raise AttentionValueError(f"{name} must be a positive number; got {value!r}")
+    return number

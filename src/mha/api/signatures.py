@@ -1,0 +1,70 @@
+"""The entry points' keyword options as ``TypedDict``s, for the overloads that give each
+combination of ``return_*`` flags its own return type.
+
+A type checker then sees ``np.ndarray`` for a plain call and the documented tuple (in the
+order output, weights, log-sum-exp, backward) for the others; a misspelt keyword is still an
+error, since ``**options: Unpack[...]`` accepts only these names. Nothing here runs: the
+functions themselves take these keywords one by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypedDict
+
+import numpy as np
+
+from .cache import KVCache
+
+__all__ = ["Backward", "ForwardOptions", "MhaOptions", "SdpaOptions"]
+
+Backward = Callable[[Any], dict[str, np.ndarray]]
+"""``backward(grad_out)``: the gradients by name, each shaped like what it is the gradient of."""
+
+
+class _Keywords(TypedDict, total=False):
+    causal: bool
+    causal_alignment: str | None
+    key_lengths: Any
+    query_lengths: Any
+    bias: Any
+    window: int | None
+    scale: float | None
+    dropout_p: float | None
+    generator: np.random.Generator | None
+    cache: KVCache | None
+    max_memory: int | None
+    workers: int | None
+
+
+class SdpaOptions(_Keywords, total=False):
+    """:func:`mha.scaled_dot_product_attention`'s keywords besides the ``return_*`` flags."""
+
+    mask: Any
+
+
+class MhaOptions(_Keywords, total=False):
+    """:func:`mha.multi_head_attention`'s keywords besides the ``return_*`` flags."""
+
+    mask: Any
+    b_q: Any
+    b_k: Any
+    b_v: Any
+    b_o: Any
+    bias_k: Any
+    bias_v: Any
+    add_zero_attn: bool
+    num_kv_heads: int | None
+    rope_theta: float | None
+    rotary_dim: int | None
+    rotary_interleaved: bool
+    positions: Any
+
+
+class ForwardOptions(_Keywords, total=False):
+    """``MultiHeadAttention.forward``'s keywords besides the mask (its second positional
+    argument) and the ``return_*`` flags."""
+
+    key: Any
+    value: Any
+    positions: Any

@@ -1,0 +1,335 @@
+"""The split-head core: :func:`scaled_dot_product_attention` on heads already projected,
+its cached call (a :class:`KVCache` appended to, then attended over), and
+:func:`merge_attention` for results computed over disjoint key ranges.
+
+Shapes are named as in the paper: ``H`` heads, ``L`` query positions, ``S`` key positions,
+``d_k``/``d_v`` per-head widths; ``...`` is any batch axes.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any, Literal, overload
+
+import numpy as np
+
+from .._arrays import as_float_array, flag, resolve_scale, result_and_compute_dtypes
+from .._kernel.contract import Visibility
+from .._kernel.dropout import Dropout
+from .._kernel.forward import attend, merge_partials
+from .._kernel.team import Team, workers_for
+from ..errors import AttentionTypeError, AttentionValueError, ShapeError
+from .cache import KVCache
+from .checks import (
+    check_cache,
+    check_dropout,
+    checked_heads,
+    kernel_options,
+    same,
+)
+from .checks import (
+    masking as masking_of,
+)
+from .gradients import SplitHeadsBackward
+
+if TYPE_CHECKING:
+    from typing import Unpack
+
+    from .signatures import Backward, SdpaOptions
+
+__all__ = ["attend_cached", "cast", "merge_attention", "scaled_dot_product_attention"]
+
+
+# One overload per combination of the return_* flags (the output first, then the weights,
+# the log-sum-exp and backward, as asked for); the last one for flags known only at run time.
+# fmt: off
+@overload
+def scaled_dot_product_attention(
+    q: Any, k: Any, v: Any, *, return_weights: Literal[False] = ...,
+    return_lse: Literal[False] = ..., return_backward: Literal[False] = ...,
+    **options: Unpack[SdpaOptions],
+) -> np.ndarray: ...
+@overload
+def scaled_dot_product_attention(
+    q: Any, k: Any, v: Any, *, return_weights: Literal[True],
+    return_lse: Literal[False] = ..., return_backward: Literal[False] = ...,
+    **options: Unpack[SdpaOptions],
+) -> tuple[np.ndarray, np.ndarray]: ...
+@overload
+def scaled_dot_product_attention(
+    q: Any, k: Any, v: Any, *, return_weights: Literal[False] = ...,
+    return_lse: Literal[True], return_backward: Literal[False] = ...,
+    **options: Unpack[SdpaOptions],
+) -> tuple[np.ndarray, np.ndarray]: ...
+@overload
+def scaled_dot_product_attention(
+    q: Any, k: Any, v: Any, *, return_weights: Literal[False] = ...,
+    return_lse: Literal[False] = ..., return_backward: Literal[True],
+    **options: Unpack[SdpaOptions],
+) -> tuple[np.ndarray, Backward]: ...
+@overload
+def scaled_dot_product_attention(
+    q: Any, k: Any, v: Any, *, return_weights: Literal[True], return_lse: Literal[True],
+    return_backward: Literal[False] = ..., **options: Unpack[SdpaOptions],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+@overload
+def scaled_dot_product_attention(
+    q: Any, k: Any, v: Any, *, return_weights: Literal[True],
+    return_lse: Literal[False] = ..., return_backward: Literal[True],
+    **options: Unpack[SdpaOptions],
+) -> tuple[np.ndarray, np.ndarray, Backward]: ...
+@overload
+def scaled_dot_product_attention(
+    q: Any, k: Any, v: Any, *, return_weights: Literal[False] = ...,
+    return_lse: Literal[True], return_backward: Literal[True],
+    **options: Unpack[SdpaOptions],
+) -> tuple[np.ndarray, np.ndarray, Backward]: ...
+@overload
+def scaled_dot_product_attention(
+    q: Any, k: Any, v: Any, *, return_weights: Literal[True], return_lse: Literal[True],
+    return_backward: Literal[True], **options: Unpack[SdpaOptions],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, Backward]: ...
+@overload
+def scaled_dot_product_attention(
+    q: Any, k: Any, v: Any, *, return_weights: bool = ..., return_lse: bool = ...,
+    return_backward: bool = ..., **options: Unpack[SdpaOptions],
+) -> np.ndarray | tuple[Any, ...]: ...
+# fmt: on
+
+
+def scaled_dot_product_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    mask: Any = None,
+    causal: bool = False,
+    causal_alignment: str | None = None,
+    key_lengths: Any = None,
+    query_lengths: Any = None,
+    bias: Any = None,
+    window: int | None = None,
+    scale: float | None = None,
+    return_weights: bool = False,
+    return_lse: bool = False,
+    return_backward: bool = False,
+    dropout_p: float | None = None,
+    generator: np.random.Generator | None = None,
+    cache: KVCache | None = None,
+    max_memory: int | None = None,
+    workers: int | None = None,
+) -> np.ndarray | tuple[Any, ...]:
+    """Attention over already split heads: ``softmax(q k^T * scale + bias) v`` per head.
+
+    Arguments (every mask argument combines with the others by AND; True = may attend):
+
+    * ``q (..., H, L, d_k)``, ``k (..., H_kv, S, d_k)``, ``v (..., H_kv, S, d_v)``: queries,
+      keys and values with the same batch axes. ``H_kv`` divides ``H``: with fewer key/value
+      heads (grouped-query or multi-query attention) query head ``h`` uses key/value head
+      ``h // (H // H_kv)``, without the keys ever being repeated. float64 in gives float64
+      out; float32 is computed in float32; float16 in float32.
+    * ``mask``: a boolean array, **True = may attend**, broadcastable to the scores
+      ``(..., H, L, S)``; with batch axes, ``(B, L, S)`` applies to every head. ``mask=True``
+      is the causal mask (as ``causal=True``). Integer or float arrays are refused: an
+      additive mask of 0 and ``-inf`` goes in ``bias``.
+    * ``causal``: hide key ``j`` from query ``i`` when ``j > i + (S - L)``: the last query
+      sees every key ("bottom_right" alignment, what cached decoding needs).
+    * ``causal_alignment``: ``"top_left"`` for ``j > i`` instead (PyTorch's ``is_causal``);
+      only with a causal mask.
+    * ``key_lengths``: one integer per sequence (shape of the batch axes, or a single number
+      without them): keys at index ``>= length`` are padding.
+    * ``query_lengths``: likewise for query rows: padding rows see no key and get zeros.
+    * ``bias``: an additive float array broadcastable like ``mask``, added to the scaled
+      scores; ``-inf`` hides a key.
+    * ``window``: a sliding window: query ``i`` sees key ``j`` only if
+      ``(i + offset) - j < window``, ``offset`` being the causal alignment's (``S - L``, or
+      0 for top-left). Tiles outside the band are skipped: time O(L·window), not O(L·S).
+    * ``scale``: the factor on ``q k^T``; default ``1/sqrt(d_k)``.
+    * ``return_weights``: also return the weights ``(..., H, L, S)`` (this builds the full
+      score matrix, which the default path never does).
+    * ``return_lse``: also return the log-sum-exp of each row's logits ``(..., H, L)``
+      (``-inf`` for a row that sees no key; float32 for float16 inputs), for
+      :func:`merge_attention`.
+    * ``return_backward``: also return ``backward``, a function of the output's gradient
+      ``grad_out`` that returns ``{"q": dq, "k": dk, "v": dv}`` (and ``"bias"`` when a bias
+      was given), each shaped like its input, in its dtype: FlashAttention-2's backward pass,
+      tile by tile from the saved log-sum-exp, never building the score matrix.
+    * ``dropout_p`` with ``generator`` (a ``np.random.Generator``, required with dropout):
+      drop each attention weight with probability ``dropout_p`` and scale the rest by
+      ``1 / (1 - dropout_p)``, in training. ``dropout_p=0.0`` turns it off, the generator
+      given or not (``p if training else 0.0``); a generator without any ``dropout_p`` is
+      refused. The mask depends only on one number drawn from ``generator``, not on the
+      tiling; ``backward`` reuses it.
+    * ``cache``: a :class:`mha.KVCache`. Then ``k`` and ``v`` are the new tokens'
+      ``(B, H_kv, L, d)``: they are appended to the cache after each sequence's length (only
+      the first ``query_lengths[b]`` rows of sequence ``b``, when given) and ``q`` attends
+      causally over everything cached, each sequence aligned to its own length, within the
+      cache's window. ``mask``, ``bias``, ``key_lengths``, ``return_weights`` and a top-left
+      alignment are refused with a cache, and a refused call leaves it unchanged.
+    * ``max_memory``: bytes of scratch per worker (default 6 MiB); sets the tile sizes.
+    * ``workers``: threads (default: every core when threadpoolctl is installed, else 1).
+      Results are bitwise reproducible for fixed inputs, ``max_memory`` and ``workers``.
+
+    Returns ``out (..., H, L, d_v)``, then the weights, the log-sum-exp and ``backward`` if
+    asked for, in that order. A query row that sees no key gets zero weights and a zero output.
+
+    >>> import numpy as np
+    >>> from mha import scaled_dot_product_attention
+    >>> q = k = np.eye(2)[None]                      # one head, two positions
+    >>> v = np.array([[[1.0, 0.0], [0.0, 1.0]]])
+    >>> scaled_dot_product_attention(q, k, v, causal=True).round(3)  # e^(1/sqrt 2) = 2.028
+    array([[[1.  , 0.  ],
+            [0.33, 0.67]]])
+    """
+    q, k, v, result_dtype, compute_dtype = checked_heads(q, k, v)
+    scale = resolve_scale(scale, q.shape[-1], compute_dtype)
+    budget, threads = kernel_options(return_weights, max_memory, workers)
+    masking = masking_of(mask, causal, causal_alignment, key_lengths, query_lengths, bias, window)
+    drop_p = check_dropout(dropout_p, generator)
+    want_lse = flag("return_lse", return_lse)
+    want_backward = flag("return_backward", return_backward)
+    if cache is not None:
+        if return_weights or want_backward or drop_p:
+            raise AttentionValueError(
+                "return_weights, return_backward and dropout are not available with cache=: "
+                "call without the cache"
+            )
+        if k.ndim != 4 or v.ndim != 4:
+            raise ShapeError(
+                f"with cache=, k and v must be the new tokens' (B, H_kv, L_new, d): "
+                f"got k {k.shape}, v {v.shape}"
+            )
+        if masking["window"] is None:  # the cache's window, unless the call names one
+            masking["window"] = getattr(cache, "window", None)
+        counts = check_cache(
+            cache, masking, B=q.shape[0], H_kv=k.shape[1], d_k=k.shape[-1], d_v=v.shape[-1],
+            L=q.shape[-2], new_keys=k.shape[-2], dtype=compute_dtype,
+            context=f"q {q.shape}, k {k.shape}, v {v.shape}",
+        )  # fmt: skip
+        out, lse = attend_cached(q, k, v, cache, counts, scale, want_lse, budget, threads)
+        out = cast(out, result_dtype)
+        return out if lse is None else (out, lse)
+    visibility = Visibility.build(
+        batch_shape=q.shape[:-3], H=q.shape[-3], L=q.shape[-2], S=k.shape[-2],
+        dtype=compute_dtype, context=f"q {q.shape}, k {k.shape}", **masking,
+    )  # fmt: skip
+    # The seed is drawn once everything is checked: a refused call leaves the generator be.
+    dropout = Dropout.draw(drop_p, generator, q.shape[-3], q.shape[-2]) if drop_p else None
+    out = np.zeros((*q.shape[:-1], v.shape[-1]), dtype=compute_dtype)
+    weights = None
+    if return_weights:
+        weights = np.zeros((*q.shape[:-1], k.shape[-2]), dtype=compute_dtype)
+    lse = None
+    if want_lse or want_backward:
+        lse = np.full(q.shape[:-1], -np.inf, dtype=compute_dtype)
+    cost = float(np.prod(q.shape[:-1])) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+    with np.errstate(invalid="ignore", over="ignore"), Team(workers_for(cost, threads)) as team:
+        attend(
+            q, k, v, visibility, scale, out, weights=weights, lse=lse, max_memory=budget,
+            team=team, dropout=dropout,
+        )  # fmt: skip
+    results: list[Any] = [cast(out, result_dtype)]
+    if weights is not None:
+        results.append(cast(weights, result_dtype))
+    if want_lse:
+        results.append(lse)
+    if want_backward:
+        assert lse is not None
+        results.append(SplitHeadsBackward(
+            q, k, v, bias, out, lse, visibility, scale, compute_dtype, budget, threads, dropout,
+        ))  # fmt: skip
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def attend_cached(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cache: KVCache,
+    counts: np.ndarray,
+    scale: float,
+    want_lse: bool,
+    budget: int,
+    threads: int | None,
+    team: Team | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Append the first ``counts[b]`` new keys and values of each sequence ``b`` to
+    ``cache`` and attend over everything it holds: ``(out, lse or None)`` in the cache's
+    dtype. The call was checked by :func:`check_cache`; the cache's lengths advance only
+    once the attention is computed."""
+    B, L = q.shape[0], q.shape[-2]
+    dtype = cache.dtype
+    filled = cache._append(k, v, counts)
+    S = int(filled.max(initial=0))
+    visibility = Visibility.build(
+        batch_shape=(B,), H=q.shape[-3], L=L, S=S, causal=True, key_lengths=filled,
+        query_lengths=counts, window=cache.window, offsets=filled - counts, dtype=dtype,
+    )  # fmt: skip
+    keys, values = cache.k, cache.v
+    out = np.zeros((*q.shape[:-1], values.shape[-1]), dtype=dtype)
+    lse = np.full(q.shape[:-1], -np.inf, dtype=dtype) if want_lse else None
+    cost = float(B * q.shape[-3] * L) * S * (q.shape[-1] + values.shape[-1])
+    with np.errstate(invalid="ignore", over="ignore"), ExitStack() as stack:
+        if team is None:
+            team = stack.enter_context(Team(workers_for(cost, threads)))
+        attend(
+            q, keys[:, :, :S], values[:, :, :S], visibility, scale, out, lse=lse,
+            max_memory=budget, team=team,
+        )  # fmt: skip
+    cache._commit(counts)
+    return out, lse
+
+
+def merge_attention(outputs: Any, lses: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Merge attention computed over disjoint key ranges into the attention over all of them.
+
+    ``outputs`` and ``lses`` are lists: ``outputs[p] (..., L, d_v)`` and ``lses[p] (..., L)``
+    are the results of
+    :func:`scaled_dot_product_attention` with ``return_lse=True`` for the same queries over
+    part ``p`` of the keys (split-key decoding, sequence-parallel attention). Returns the
+    merged ``(out, lse)``. A part in which a row sees no key (``lse = -inf``) adds nothing;
+    a row that sees no key in any part stays zero with ``lse = -inf``.
+
+    >>> import numpy as np
+    >>> from mha import merge_attention, scaled_dot_product_attention as sdpa
+    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 1, 4, 8))
+    >>> left = sdpa(q, k[:, :3], v[:, :3], return_lse=True)
+    >>> right = sdpa(q, k[:, 3:], v[:, 3:], return_lse=True)
+    >>> out, lse = merge_attention([left[0], right[0]], [left[1], right[1]])
+    >>> bool(np.allclose(out, sdpa(q, k, v), rtol=1e-14, atol=0))
+    True
+    """
+    outs = [as_float_array(f"outputs[{p}]", x) for p, x in enumerate(_sequence("outputs", outputs))]
+    logs = [as_float_array(f"lses[{p}]", x) for p, x in enumerate(_sequence("lses", lses))]
+    if len(outs) != len(logs) or not outs:
+        raise AttentionValueError(
+            f"merge_attention needs one lse per output and at least one of each; "
+            f"got {len(outs)} outputs and {len(logs)} lses"
+        )
+    for p, (out, lse) in enumerate(zip(outs, logs, strict=True)):
+        if out.ndim < 2 or lse.shape != out.shape[:-1]:
+            raise ShapeError(
+                f"lses[{p}] must have the shape of outputs[{p}] without its last axis "
+                f"(outputs[{p}] {out.shape}, lses[{p}] {lse.shape})"
+            )
+        same("outputs[0]", outs[0], f"outputs[{p}]", out, "shape {}", outs[0].shape, out.shape)
+    result_dtype, compute_dtype = result_and_compute_dtypes(*outs)
+    _, lse_dtype = result_and_compute_dtypes(*outs, *logs)
+    with np.errstate(invalid="ignore", over="ignore"):
+        merged, lse_merged = merge_partials(
+            [out.astype(compute_dtype, copy=False) for out in outs],
+            [lse.astype(lse_dtype, copy=False) for lse in logs],
+        )
+    return cast(merged, result_dtype), lse_merged
+
+
+def _sequence(name: str, value: Any) -> list[Any]:
+    if isinstance(value, np.ndarray) or not isinstance(value, (list, tuple)):
+        raise AttentionTypeError(f"{name} must be a list or tuple of arrays, one per key range")
+    return list(value)
+
+
+def cast(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``array`` in the dtype returned to the caller (float16 results overflow to inf)."""
+    with np.errstate(over="ignore"):
+        return array.astype(dtype, copy=False)

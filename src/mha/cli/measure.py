@@ -1,0 +1,266 @@
+"""How every benchmark measures and records: the machine (CPU, BLAS kernel, torch's CPU
+capability), interleaved medians, traced peak memory, the run again with OpenBLAS free to
+choose its kernel, and the results files and README sections they write.
+
+``mha bench`` (:mod:`.bench`) and the scripts under ``benchmarks/`` share these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._files import atomic_write
+from .._kernel import compiled
+from .._kernel.team import cores
+
+__all__ = [
+    "FORCED_BLAS",
+    "check_readme",
+    "environment",
+    "finish_script",
+    "interleaved_medians",
+    "machine_memory",
+    "matmul_ceiling",
+    "measured_on",
+    "peak_traced_bytes",
+    "runs_with_free_blas",
+    "save_results",
+    "script_parser",
+    "splice",
+    "write",
+]
+
+
+def machine_memory() -> int:
+    """This machine's physical memory in bytes."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 24 * 2**30
+
+
+def interleaved_medians(
+    functions: dict[str, Callable[[], Any]], repeats: int, pause: float = 0.3
+) -> dict[str, list[float]]:
+    """Run each function ``repeats`` times, interleaved, rotating the order every round."""
+    times: dict[str, list[float]] = {name: [] for name in functions}
+    names = list(functions)
+    for function in functions.values():
+        function()  # warm-up
+    for round_ in range(repeats):
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
+        for name in order:
+            time.sleep(pause)  # OpenBLAS and OpenMP threads spin ~0.2 s after a call: let them rest
+            start = time.perf_counter()
+            functions[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def matmul_ceiling(dtype: Any, n: int = 2048, repeats: int = 5) -> float:
+    """This machine's square-matmul rate in GFLOP/s for ``dtype`` (the BLAS ceiling)."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((2, n, n)).astype(dtype)
+    times = interleaved_medians({"matmul": lambda: a @ b}, repeats)["matmul"]
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def peak_traced_bytes(function: Callable[[], Any]) -> tuple[int, float]:
+    """Peak bytes ``tracemalloc`` sees during one call, and the call's seconds."""
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    start = time.perf_counter()
+    function()
+    seconds = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak, seconds
+
+
+def environment(torch: Any) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": None if torch is None else torch.__version__,
+        "torch_threads": None if torch is None else torch.get_num_threads(),
+        "torch_cpu_capability": None if torch is None else torch.backends.cpu.get_cpu_capability(),
+        "cores": cores(),
+        "machine": platform.machine(),
+        "processor": _cpu_name(),
+        "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"),
+        "OPENBLAS_L2_SIZE": os.environ.get("OPENBLAS_L2_SIZE"),
+        "instruction_sets": _instruction_sets(),
+        "numba": _version("numba"),
+        "compiled_step": compiled.available(),
+    }
+    try:
+        from threadpoolctl import threadpool_info  # type: ignore[import-untyped]
+    except ImportError:
+        return info
+    info["blas"] = [
+        {key: pool.get(key) for key in ("internal_api", "version", "architecture", "num_threads")}
+        for pool in threadpool_info()
+        if pool.get("user_api") == "blas"
+    ]
+    return info
+
+
+FORCED_BLAS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+"""Variables some machines set, which hold OpenBLAS to an older kernel; users' machines don't."""
+
+
+def runs_with_free_blas(
+    command: list[str], results: Any, environ: Mapping[str, str] | None = None
+) -> list[Any]:
+    """``[results]``, and when the environment (``os.environ`` unless given) sets a
+    :data:`FORCED_BLAS` variable, the same measurement again from ``command`` (which must
+    print its results as JSON) in a child process without them: the configuration users
+    have. Only the child's environment changes."""
+    environ = os.environ if environ is None else environ
+    runs = [results]
+    if any(name in environ for name in FORCED_BLAS):
+        env = {k: v for k, v in environ.items() if k not in FORCED_BLAS}
+        child = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+        runs.append(json.loads(child.stdout))
+    return runs
+
+
+def measured_on(env: dict[str, Any]) -> str:
+    """The sentence a results table opens with: when, on what CPU, BLAS kernel and torch."""
+    blas = env.get("blas", [{}])[0]
+    forced = " ".join(f"{name}={env[name]}" for name in FORCED_BLAS if env.get(name))
+    return (
+        f"Measured {env['date'][:10]} on {env['cores']} cores of an {env['processor']}: NumPy "
+        f"{env['numpy']} with OpenBLAS {blas.get('version')} using its "
+        f"{blas.get('architecture')} kernel"
+        + (f" (held there by {forced})" if forced else " (free to choose it)")
+        + (f"; torch {env['torch']} (CPU capability {env.get('torch_cpu_capability')}). "
+           if env.get("torch") else ". ")
+        + (f"Instruction sets: {' '.join(env['instruction_sets'])}. "
+           if env.get("instruction_sets") else "")
+        + ("mha's softmax step compiled by numba "
+           f"{env['numba']}. " if env.get("compiled_step") else "")
+    )  # fmt: skip
+
+
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl",
+              "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "asimd", "sve")  # fmt: skip
+
+
+def _instruction_sets() -> list[str]:
+    """The SIMD instruction sets this CPU reports (Linux's /proc/cpuinfo), in a fixed order."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags |= set(line.split(":", 1)[1].split())
+    return [flag for flag in SIMD_FLAGS if flag in flags]
+
+
+def _version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def write(path: Path, text: str) -> None:
+    atomic_write(path, lambda handle: handle.write(text.encode()))
+
+
+def check_readme(readme: Path, begin: str, end: str) -> None:
+    """Refuse, before measuring anything, a README with no section to rewrite."""
+    try:
+        text = readme.read_text()
+    except OSError as error:
+        raise ValueError(f"cannot read {readme}: {error.strerror or error}") from None
+    if begin not in text or end not in text:
+        raise ValueError(f"{readme} has no {begin} ... {end} section to rewrite")
+
+
+def splice(readme: Path, table: str, begin: str, end: str) -> None:
+    check_readme(readme, begin, end)
+    text = readme.read_text()
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    write(readme, f"{head}{begin}\n{table}{end}{tail}")
+
+
+def script_parser(doc: str, output: Path, readme: bool = False) -> argparse.ArgumentParser:
+    """The options every script under ``benchmarks/`` takes: ``--quick``, ``--output``
+    (default ``output``), ``--readme`` when it has a README section, and the hidden
+    ``--json-only`` of its free-BLAS child."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--output", type=Path, default=output)
+    if readme:
+        parser.add_argument("--readme", type=Path, help="rewrite this README's section")
+    parser.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def finish_script(
+    script: str,
+    args: argparse.Namespace,
+    results: Any,
+    name: str,
+    markdown: Callable[[list[Any]], str],
+    markers: tuple[str, str] = ("", ""),
+) -> int:
+    """The end of every script under ``benchmarks/``: as the free-BLAS child (``--json-only``)
+    print ``results`` as JSON; otherwise add that child's run where this environment holds
+    OpenBLAS (:func:`runs_with_free_blas`), write ``name[-quick].json`` and ``.md`` under
+    ``--output`` (and the README's section between ``markers`` with ``--readme``), and print
+    the table."""
+    if args.json_only:
+        print(json.dumps(results))
+        return 0
+    child = [sys.executable, script, "--json-only", *(["--quick"] if args.quick else [])]
+    runs = runs_with_free_blas(child, results)
+    table = markdown(runs)
+    readme = getattr(args, "readme", None)
+    save_results(args.output, f"{name}-quick" if args.quick else name, runs, table, readme, markers)
+    print(table)
+    return 0
+
+
+def save_results(
+    output: Path, name: str, results: Any, table: str, readme: Path | None, markers: tuple[str, str]
+) -> None:
+    """Write ``name.json`` and ``name.md`` under ``output``, and the README's section
+    between ``markers`` (the benchmark scripts under ``benchmarks/`` share this)."""
+    output.mkdir(parents=True, exist_ok=True)
+    write(output / f"{name}.json", json.dumps(results, indent=2) + "\n")
+    write(output / f"{name}.md", table)
+    if readme is not None:
+        splice(readme, table, *markers)

@@ -1,0 +1,195 @@
+"""The tasks of :mod:`mha.dask`: module-level functions and plain data, since they travel to
+the workers. Each calls the in-memory kernel or functions on its chunks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..._kernel.contract import Visibility
+from ..._kernel.forward import attend, merge_partials
+from ..._kernel.team import Team, workers_for
+from ...api import checks
+from ...api.gradients import join_heads, split_heads
+from ...api.projection import multi_head_attention as in_memory_mha
+from ...api.rotary import apply_rotary
+from ...api.split_heads import cast
+from ...api.split_heads import scaled_dot_product_attention as in_memory_sdpa
+
+_all__ = ["multi_head_attention", "scaled_dot_product_attention"]
+
+
+WEIGHT_NAMES = checks.WEIGHT_NAMES
+
+
+Weights = dict[str, Any]  # the arrays of WEIGHT_NAMES, as checked (None where not given)
+
+
+@dataclass(frozen=True)
+class Projection:
+    which: str  # "q", or "kv" for the keys and the values
+    H: int
+    H_kv: int
+    scale: float
+    dtype: np.dtype
+    rotary: dict[str, Any] | None  # apply_rotary's positions and keywords for this chunk
+    threads: int | None
+
+
+def project_chunk(inputs: list[np.ndarray], weights: Weights, plan: Projection) -> Any:
+    """One chunk's heads ``(b, heads, n, d)`` in the compute dtype: the queries times the
+    scale, or the keys and the values as a pair."""
+    if plan.which == "q":
+        return heads(inputs[0], weights["W_q"], weights["b_q"], plan.H, plan, plan.scale)
+    return (
+        heads(inputs[0], weights["W_k"], weights["b_k"], plan.H_kv, plan),
+        heads(inputs[1], weights["W_v"], weights["b_v"], plan.H_kv, plan, rotate=False),
+    )
+
+
+def heads(
+    X: np.ndarray,
+    W: np.ndarray,
+    b: np.ndarray | None,
+    heads: int,
+    plan: Projection,
+    scale: float = 1.0,
+    rotate: bool = True,
+) -> np.ndarray:
+    W = W.astype(plan.dtype, copy=False)
+    b = None if b is None else b.astype(plan.dtype, copy=False)
+    if scale != 1.0:
+        W, b = W * scale, None if b is None else b * scale
+    with Team(workers_for(float(X.size) * W.shape[1], plan.threads)) as team:
+        projected = team.matmul(X.astype(plan.dtype, copy=False), W, b)
+    x = split_heads(projected, heads)
+    if rotate and plan.rotary is not None:
+        x = apply_rotary(x, **plan.rotary)
+    return x
+
+
+@dataclass(frozen=True)
+class Part:
+    visibility: Visibility  # the chunk pair's, without its mask and bias
+    scale: float
+    budget: int
+    threads: int | None
+    dtype: np.dtype
+
+
+def part(
+    q: np.ndarray,
+    kv: Any,
+    mask: np.ndarray | None,
+    bias: np.ndarray | None,
+    plan: Part,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``(out, lse)`` of a query chunk over a key chunk ``kv = (k, v)`` (whose batch
+    axes may be 1, broadcast), by the in-memory kernel."""
+    k, v = (np.broadcast_to(x, (*q.shape[:-3], *x.shape[-3:])) for x in kv)
+    visibility = plan.visibility
+    if mask is not None or bias is not None:
+        bias = None if bias is None else bias.astype(plan.dtype, copy=False)
+        visibility = visibility.with_arrays(mask, bias)
+    out = np.zeros((*q.shape[:-1], v.shape[-1]), dtype=plan.dtype)
+    lse = np.full(q.shape[:-1], -np.inf, dtype=plan.dtype)
+    cost = float(np.prod(q.shape[:-1])) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+    with (
+        np.errstate(invalid="ignore", over="ignore"),
+        Team(workers_for(cost, plan.threads)) as team,
+    ):
+        attend(q, k, v, visibility, plan.scale, out, lse=lse, max_memory=plan.budget, team=team)
+    return out, lse
+
+
+@dataclass(frozen=True)
+class Empty:
+    shape: tuple[int, ...]  # (*b, H, n, d_v)
+    dtype: np.dtype
+
+
+def merge(
+    parts: list[tuple[np.ndarray, np.ndarray]], empty: Empty | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Parts over disjoint key ranges merged by their log-sum-exp; with none (a query chunk
+    that sees no key), a zero output and a ``-inf`` log-sum-exp of ``empty``'s shape."""
+    if not parts:
+        assert empty is not None
+        return np.zeros(empty.shape, empty.dtype), np.full(empty.shape[:-1], -np.inf, empty.dtype)
+    if len(parts) == 1:
+        return parts[0]
+    with np.errstate(invalid="ignore", over="ignore"):
+        return merge_partials([out for out, _ in parts], [lse for _, lse in parts])
+
+
+@dataclass(frozen=True)
+class Output:
+    shape: tuple[int, ...]  # the heads' (b, H, n, d_v)
+    dtype: np.dtype
+    result_dtype: np.dtype
+    threads: int | None
+
+
+def mha_out(parts: list[Any], weights: Weights, plan: Output) -> Any:
+    """The last parts merged, the heads joined and projected by ``W_o``: ``(b, n, d_out)``
+    in the result dtype."""
+    heads, _ = merge(parts, Empty(plan.shape, plan.dtype))
+    joined = join_heads(heads)
+    b_o = None if weights["b_o"] is None else weights["b_o"].astype(plan.dtype, copy=False)
+    W_o = weights["W_o"].astype(plan.dtype, copy=False)
+    with Team(workers_for(float(joined.size) * W_o.shape[1], plan.threads)) as team:
+        out = team.matmul(joined, W_o, b_o)
+    return cast(out, plan.result_dtype)
+
+
+def sdpa_out(merged: tuple[np.ndarray, np.ndarray], result_dtype: np.dtype) -> np.ndarray:
+    return cast(merged[0], result_dtype)
+
+
+def lse_out(merged: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    return merged[1]
+
+
+@dataclass(frozen=True)
+class SdpaBlock:
+    masks: dict[str, Any]
+    scale: float
+    budget: int
+    threads: int | None
+
+
+def sdpa_block(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Any, bias: Any, plan: SdpaBlock
+) -> tuple[np.ndarray, np.ndarray]:
+    """One batch block by the in-memory function (one chunk of queries and of keys)."""
+    out, lse = in_memory_sdpa(
+        q, k, v, mask=mask, bias=bias, scale=plan.scale, max_memory=plan.budget,
+        workers=plan.threads, return_lse=True, **plan.masks,
+    )  # fmt: skip
+    return out, lse
+
+
+@dataclass(frozen=True)
+class MhaBlock:
+    num_heads: int
+    scale: float
+    keywords: dict[str, Any]
+
+
+def mha_block(
+    Q: np.ndarray,
+    K: np.ndarray,
+    V: np.ndarray,
+    mask: Any,
+    bias: Any,
+    weights: Weights,
+    plan: MhaBlock,
+) -> np.ndarray:
+    """One batch block by the in-memory function (one chunk of queries and of keys)."""
+    out: np.ndarray = in_memory_mha(
+        Q, K, V, mask=mask, bias=bias, num_heads=plan.num_heads, scale=plan.scale,
+        **weights, **plan.keywords,
+    )  # fmt: skip
+    return out
