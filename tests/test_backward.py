@@ -482,3 +482,74 @@ def test_a_refused_call_does_not_draw_from_the_generator():
             np.ones((1, 2, 8)), cache=attention.new_cache(1), dropout_p=0.1, generator=generator
         )
     assert generator.integers(2**63) == np.random.default_rng(1).integers(2**63)
+
+
+# ---------------------------------------------------------------- zero-size inputs
+
+SIZES = [(B, L, S) for B in (0, 2) for L in (0, 3) for S in (0, 4) if 0 in (B, L, S)]
+
+
+@pytest.mark.parametrize(("B", "L", "S"), SIZES)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_zero_size_gradients_are_zeros_of_the_right_shapes(B, L, S, dtype):
+    """No sequences, no queries or no keys: a query that sees no key has a zero attention
+    output, so the output is ``b_o`` on every row and only ``b_o`` gets a gradient (the sum
+    of the output's gradient); every other gradient is zero, shaped like its array."""
+    attention = mha.MultiHeadAttention(8, 2, bias=True, seed=0, dtype=dtype)
+    for p in attention.parameters().values():
+        p[...] = r.standard_normal(p.shape)  # biases that are not zero
+    query, memory = r.standard_normal((B, L, 8)).astype(dtype), r.standard_normal((B, S, 8))
+    calls = [{"key": memory.astype(dtype)}]
+    if L == S:
+        calls += [{"mask": True}, {"key_lengths": np.zeros(B, int), "query_lengths": [L] * B}]
+    for kwargs in calls:
+        out, backward = attention(query, return_backward=True, **kwargs)
+        assert out.shape == (B, L, 8) and out.dtype == dtype
+        np.testing.assert_array_equal(out, np.broadcast_to(attention.b_o, out.shape))
+        grad = r.standard_normal(out.shape).astype(dtype)
+        grads = backward(grad)
+        given = {"query": query, "key": kwargs.get("key", query), "value": kwargs.get("key", query)}
+        for name, array in {**given, **attention.parameters()}.items():
+            assert grads[name].shape == array.shape and grads[name].dtype == dtype, name
+            if name == "b_o":
+                np.testing.assert_allclose(grads[name], grad.sum(axis=(0, 1)), rtol=1e-6)
+            else:
+                assert not grads[name].any(), name
+
+
+@pytest.mark.parametrize(("B", "L", "S"), SIZES)
+def test_zero_size_split_heads_and_every_projection_option(B, L, S):
+    """The same through scaled_dot_product_attention (grouped heads, a bias) and
+    multi_head_attention with grouped heads, rotary positions, a window, dropout and
+    torch's extra keys: shapes and zeros wherever no query sees a key."""
+    q, k = r.standard_normal((B, 4, L, 6)), r.standard_normal((B, 2, S, 6))
+    bias = r.standard_normal((1, 4, L, S))
+    out, lse, backward = mha.scaled_dot_product_attention(
+        q, k, k, bias=bias, causal=True, return_lse=True, return_backward=True
+    )
+    assert out.shape == (B, 4, L, 6) and lse.shape == (B, 4, L) and not out.any()
+    assert (lse == -np.inf).all()
+    grads = backward(np.ones(out.shape))
+    for name, array in (("q", q), ("k", k), ("v", k), ("bias", bias)):
+        assert grads[name].shape == array.shape and not grads[name].any(), name
+    Q, K = r.standard_normal((B, L, 8)), r.standard_normal((B, S, 8))
+    W_q, W_k, W_v, W_o = (r.standard_normal(shape) for shape in ((8, 8), (8, 4), (8, 4), (8, 8)))
+    bias_k, bias_v = r.standard_normal(4), r.standard_normal(4)
+    options = [
+        {"num_kv_heads": 1, "rope_theta": 10.0, "window": 2},
+        {"num_kv_heads": 1, "dropout_p": 0.5, "generator": np.random.default_rng(0)},
+        {"num_kv_heads": 1, "bias_k": bias_k, "bias_v": bias_v, "add_zero_attn": True},
+    ]
+    for kwargs in options:
+        out, backward = mha.multi_head_attention(
+            Q, K, K, W_q, W_k, W_v, W_o, 2, return_backward=True, **kwargs
+        )
+        assert out.shape == (B, L, 8)
+        grads = backward(np.ones(out.shape))
+        arrays = {"Q": Q, "K": K, "V": K, "W_q": W_q, "W_k": W_k, "W_v": W_v, "W_o": W_o}
+        for name, array in arrays.items():
+            assert grads[name].shape == array.shape, (name, kwargs)
+            if "bias_k" not in kwargs or B * L == 0:  # the extra keys are seen by every query
+                assert not grads[name].any(), (name, kwargs)
+        if "bias_k" in kwargs:
+            assert grads["bias_k"].shape == (4,) and grads["bias_v"].shape == (4,)

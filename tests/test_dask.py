@@ -81,8 +81,8 @@ def chunked(x, chunks):
 
 
 def relative(got, want):
-    scale = np.abs(want).max()
-    return float(np.abs(got - want).max() / (scale if scale else 1.0))
+    scale = np.abs(want).max(initial=0.0)
+    return float(np.abs(got - want).max(initial=0.0) / (scale if scale else 1.0))
 
 
 def check(got, want, record_error, family="mha.dask vs in-memory, float64", tol=1e-12):
@@ -393,6 +393,41 @@ def test_chunks_along_the_features_are_rechunked(record_error):
     assert got.chunks[-1] == (D,)
     want = mha.multi_head_attention(Q, K, V, *WEIGHTS, H, causal=True)
     check(got.compute(scheduler="sync"), want, record_error)
+
+
+@pytest.mark.parametrize(
+    ("B0", "L0", "S0"),
+    [(B, n, s) for B in (0, 2) for n in (0, 5) for s in (0, 6) if 0 in (B, n, s)],
+)
+@pytest.mark.parametrize(
+    "chunking",
+    [(1, 5, 6), (2, 2, 6), (2, 5, 3), (1, 2, 3)],
+    ids=["batch", "queries", "keys", "all"],
+)
+def test_zero_size_inputs_give_what_memory_gives(B0, L0, S0, chunking, record_error):
+    """No sequences, no queries or no keys, chunked every way: the in-memory answer (zeros
+    of the right shape, b_o on rows that see no key), from the graph as from memory."""
+    Qz, Kz = rng.standard_normal((B0, L0, D)), rng.standard_normal((B0, S0, D))
+    b, n, s = chunking
+    Qd, Kd = da.from_array(Qz, chunks=(b, n, D)), da.from_array(Kz, chunks=(b, s, D))
+    grouped = [WEIGHTS[0], WEIGHTS[1][:, :8], WEIGHTS[2][:, :8], WEIGHTS[3]]
+    for weights, kwargs in (
+        (WEIGHTS, {}), (WEIGHTS, {"causal": True, "b_o": BIASES["b_o"]}),
+        (WEIGHTS, {"window": 2, "causal": True, "add_zero_attn": True}),
+        (grouped, {"num_kv_heads": 2, "rope_theta": 10.0}),
+    ):  # fmt: skip
+        want = mha.multi_head_attention(Qz, Kz, Kz, *weights, H, **kwargs)
+        got = mha.dask.multi_head_attention(Qd, Kd, Kd, *weights, H, **kwargs)
+        check(got.compute(scheduler="sync"), want, record_error)
+    q, k = rng.standard_normal((B0, H, L0, 4)), rng.standard_normal((B0, 2, S0, 4))
+    want, want_lse = mha.scaled_dot_product_attention(q, k, k, causal=True, return_lse=True)
+    got, lse = mha.dask.scaled_dot_product_attention(
+        da.from_array(q, chunks=(b, H, n, 4)), da.from_array(k, chunks=(b, 2, s, 4)), k,
+        causal=True, return_lse=True,
+    )  # fmt: skip
+    got, lse = dask_compute(got, lse)
+    check(got, want, record_error)
+    np.testing.assert_array_equal(lse, want_lse)
 
 
 # --- errors: the in-memory function's, raised when the graph is built ---------------------
