@@ -10,11 +10,13 @@ sets MHA_REQUIRE_DASK=1, making its absence a failure.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -560,30 +562,66 @@ def test_the_docs_first_example_runs_and_equals_in_memory(record_error):
 
 def test_the_docs_cluster_commands_and_script_run_as_written(tmp_path, record_error):
     """The scheduler and worker commands of docs/dask.md, started as separate processes
-    (a cluster of one machine), and the client script against them."""
+    (a cluster of one machine) while Dask's default ports 8786 and 8787 are taken, as on a
+    Dask user's machine, and the client script against them. Every wait has a bound: a
+    process that cannot start fails the test with its own last words."""
     (commands,) = [block for block in _blocks("bash") if "dask scheduler" in block]
-    path = str(tmp_path / "scheduler.json")
+    path = tmp_path / "scheduler.json"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    processes = []
-    try:
-        for line in commands.strip().splitlines():
-            argv = shlex.split(line.replace("~/scheduler.json", path))
-            processes.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
-                                              stderr=subprocess.DEVNULL))  # fmt: skip
-            deadline = time.monotonic() + 60
-            while not Path(path).exists() and time.monotonic() < deadline:
-                time.sleep(0.1)
-        script = next(block for block in _blocks("python") if "scheduler_file" in block)
-        with distributed.Client(scheduler_file=path) as client:
-            client.wait_for_workers(2, timeout=60)
-        namespace = {}
-        exec(script.replace("~/scheduler.json", path), namespace)
-        check(namespace["result"], namespace["exact"], record_error)
-    finally:
-        for process in reversed(processes):
-            process.terminate()
-        for process in processes:
-            process.wait(timeout=30)
+    processes: list[tuple[subprocess.Popen, Path]] = []
+    with _taken(8786), _taken(8787):
+        try:
+            for n, line in enumerate(commands.strip().splitlines()):
+                argv = shlex.split(line.replace("~/scheduler.json", str(path)))
+                log = tmp_path / f"command-{n}.log"
+                with log.open("w") as out:
+                    process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+                processes.append((process, log))
+                _wait_for(path.exists, processes, 60, path.name)
+            script = next(block for block in _blocks("python") if "scheduler_file" in block)
+            with distributed.Client(scheduler_file=str(path), timeout=30) as client:
+                client.wait_for_workers(2, timeout=60)
+            namespace = {}
+            exec(script.replace("~/scheduler.json", str(path)), namespace)
+            check(namespace["result"], namespace["exact"], record_error)
+        finally:
+            for process, _ in reversed(processes):
+                process.terminate()
+            for process, _ in processes:
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def _taken(port):
+    """``port`` held by a listening socket while the block runs (already taken by another
+    program: left as it is, which is the state wanted)."""
+    with socket.socket() as holder:
+        try:
+            holder.bind(("", port))
+            holder.listen()
+        except OSError:
+            pass
+        yield
+
+
+def _wait_for(done, processes, seconds, what):
+    """Wait until ``done()``, at most ``seconds``; fail at once if a process has ended."""
+    deadline = time.monotonic() + seconds
+    while not done():
+        ended = [(p, log) for p, log in processes if p.poll() is not None]
+        if ended or time.monotonic() > deadline:
+            process, log = (ended or processes)[-1]
+            last = log.read_text().strip().splitlines()[-5:]
+            pytest.fail(
+                f"no {what} after {seconds} s" if not ended else
+                f"{process.args[:2]} ended with code {process.returncode} before {what} came"
+                + ": " + " | ".join(last)
+            )  # fmt: skip
+        time.sleep(0.1)
 
 
 def test_the_readme_example_builds_its_graph_and_its_first_chunk_is_exact(record_error):

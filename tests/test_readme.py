@@ -51,10 +51,31 @@ def test_quoted_error_is_real():
     assert f"mha.ShapeError: {caught.value}" == quoted[0]
 
 
-def test_both_commands_are_there():
-    shell = blocks("bash")
-    assert any('pip install ".[cli]"' in block and "mha demo" in block for block in shell)
-    assert any('".[test,torch,fast,dask]"' in block and "pytest" in block for block in shell)
+def test_the_main_job_and_every_test_tier_are_there_and_ci_runs_them_all():
+    """The set-up + main job, and set-up + tests for each install tier: the quick one
+    (no torch), the live oracles, everything. CI runs every bash block as written."""
+    shell = [" ".join(block.split()) for block in blocks("bash")]
+    assert any('pip install ".[cli]" && mha demo' in block for block in shell)
+    for tier in ('".[test]" && pytest', '".[test,torch]" && MHA_REQUIRE_TORCH=1 pytest',
+                 '".[test,torch,fast,dask]" && MHA_REQUIRE_TORCH=1 MHA_REQUIRE_NUMBA=1 '
+                 "MHA_REQUIRE_DASK=1 pytest"):  # fmt: skip
+        assert sum(block.endswith(tier) for block in shell) == 1, tier
+    root = Path(__file__).parent.parent
+    assert "python3 .ci/readme_commands.py" in (root / ".ci" / "run").read_text()
+    import subprocess
+    import sys
+
+    listed = subprocess.run(
+        [sys.executable, str(root / ".ci" / "readme_commands.py")], capture_output=True,
+        text=True, check=True, timeout=60,
+    ).stdout.splitlines()  # fmt: skip
+    assert [" ".join(line.split()) for line in listed] == shell
+
+
+def test_every_test_has_a_time_ceiling(pytestconfig):
+    """pytest-timeout is loaded and the ceiling is set, so a hang fails and names its test."""
+    assert pytestconfig.pluginmanager.hasplugin("timeout")
+    assert float(pytestconfig.getini("timeout")) == 120
 
 
 def test_the_images_it_shows_exist():
