@@ -12,7 +12,10 @@ NEEDS_AN_EXTRA = {
 }
 
 collect_ignore = [
-    path
-    for path, (package, required) in NEEDS_AN_EXTRA.items()
-    if importlib.util.find_spec(package) is None and os.environ.get(required) != "1"
+    "tests/typing",  # read by the type checker, never run
+    *(
+        path
+        for path, (package, required) in NEEDS_AN_EXTRA.items()
+        if importlib.util.find_spec(package) is None and os.environ.get(required) != "1"
+    ),
 ]

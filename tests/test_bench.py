@@ -46,6 +46,22 @@ def test_main_writes_json_markdown_and_the_readme_section(tmp_path):
     assert text.startswith("intro\n") and text.endswith("outro\n") and "old table" not in text
     assert table in text
     assert (tmp_path / "out" / "benchmark.png").stat().st_size > 0
+    # tiny runs say nothing they did not measure: every length for both, no 0 MiB, no
+    # memory limit extrapolated from L <= 256, and labelled numbers on every log axis
+    assert all("mha_peak_bytes" in r and "textbook_peak_bytes" in r
+               for r in results["memory"]["rows"])  # fmt: skip
+    assert "not run" not in table and "| 0 MiB" not in table and " 0 KiB" not in table
+    assert "Too short to extrapolate" in table and "would run out" not in table
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    figure = bench.chart_figure(results)
+    FigureCanvasAgg(figure).draw()
+    for ax in figure.axes:
+        low, high = ax.get_ylim()
+        shown = [
+            t for t in ax.get_yticklabels() if t.get_text() and low <= t.get_position()[1] <= high
+        ]
+        assert len(shown) >= 2, [t.get_text() for t in ax.get_yticklabels()]
 
 
 def test_plans():

@@ -133,16 +133,43 @@ def test_plot_from_saved_weights_and_straight_from_a_run(tmp_path, arrays):
     one_line_error(mha_command("plot", "-o", "x.png", cwd=tmp_path), "--weights", "--input")
 
 
-def test_check_compares_with_torch_and_says_when_torch_is_absent(tmp_path, torch):
-    result = mha_command("check", "--configs", 4, cwd=tmp_path)
+CHECKS = ("masks", "grouped-query heads", "rotary positions", "windows", "cached decoding",
+          "gradients")  # fmt: skip
+
+
+def test_check_compares_every_feature_and_says_when_torch_is_absent(tmp_path, torch):
+    result = mha_command("check", "--configs", 3, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "4 of 4 configurations within 1e-12 (float64) and 2e-5 (float32)" in result.stdout
+    for name in CHECKS:
+        assert f"{name}: 3 of 3 within" in result.stdout, name
+    assert "18 of 18 configurations within tolerance" in result.stdout
     (tmp_path / "blocker").mkdir()
     (tmp_path / "blocker" / "torch.py").write_text("raise ImportError('no torch here')\n")
     path = os.pathsep.join([str(tmp_path / "blocker"), *sys.path])  # the blocker first
     result = mha_command("check", cwd=tmp_path, env={"PYTHONPATH": path})
     assert result.returncode == 1
     assert "torch is not installed" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_every_check_fails_when_mha_is_off_by_a_thousandth(torch, monkeypatch):
+    """Each check can fail: the function it checks, made 0.1% wrong, fails every row."""
+    from mha.cli import check
+
+    def off(function):
+        def wrong(*args, **kwargs):
+            result = function(*args, **kwargs)
+            if isinstance(result, tuple):  # (out, backward): both wrong
+                out, backward = result
+                return out * 1.001, lambda g: {k: v * 1.001 for k, v in backward(g).items()}
+            return result * 1.001
+
+        return wrong
+
+    for name in ("multi_head_attention", "scaled_dot_product_attention", "apply_rotary"):
+        monkeypatch.setattr(check, name, off(getattr(check, name)))
+    rows = list(check.compare(torch, 2, 0))
+    assert {row["check"] for row in rows} == set(CHECKS)
+    assert not any(row["ok"] for row in rows), [r["check"] for r in rows if r["ok"]]
 
 
 def test_bench_through_the_command(tmp_path):

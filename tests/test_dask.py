@@ -498,13 +498,22 @@ def test_sdpa_errors_are_the_in_memory_ones():
 @pytest.mark.parametrize(
     "kwargs",
     [{"return_weights": True}, {"return_backward": True},
-     {"cache": mha.KVCache.__new__(mha.KVCache)},
+     {"cache": mha.KVCache(B, H, D // H)},
      {"dropout_p": 0.1, "generator": np.random.default_rng(0)}],
     ids=["weights", "backward", "cache", "dropout"],
 )  # fmt: skip
 def test_in_memory_only_options_are_refused_by_name(kwargs):
-    with pytest.raises(mha.AttentionValueError, match=next(iter(kwargs))):
-        mha.dask.multi_head_attention(chunked(Q, (1, 7)), K, V, *WEIGHTS, H, **kwargs)
+    """Calls the in-memory function takes (self-attention: a cache's new tokens), refused
+    by mha.dask by name, in a sentence that reads right for one option or several."""
+    name = next(iter(kwargs))
+    lengths = kwargs["cache"].lengths.copy() if "cache" in kwargs else None
+    with pytest.raises(mha.AttentionValueError, match=f"; {name} is available in the in-memory"):
+        mha.dask.multi_head_attention(chunked(X, (1, 7)), X, X, *WEIGHTS, H, **kwargs)
+    if lengths is not None:
+        np.testing.assert_array_equal(kwargs["cache"].lengths, lengths)  # nothing appended
+    with pytest.raises(mha.AttentionValueError, match="return_weights and return_backward are"):
+        mha.dask.multi_head_attention(chunked(Q, (1, 7)), K, V, *WEIGHTS, H, return_weights=True,
+                                      return_backward=True)  # fmt: skip
 
 
 def test_unknown_chunk_sizes_and_bad_split_every_are_refused():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -240,6 +241,107 @@ def test_reorder_equals_decoding_the_reordered_batch():
         cache.reorder([0, 3])
 
 
+def _unchanged(cache, before):
+    for was, now in zip(before, snapshot(cache), strict=True):
+        np.testing.assert_array_equal(was, now)
+
+
+def test_the_cache_state_is_read_only_and_changes_only_through_checked_methods():
+    attention = decoder()
+    cache = attention.new_cache(2)
+    attention(r.standard_normal((2, 4, 24)), cache=cache)
+    before = snapshot(cache)
+    for name in ("lengths", "first", "k", "v"):
+        with pytest.raises(ValueError, match="read-only"):
+            getattr(cache, name)[...] = 100
+        with pytest.raises(AttributeError):
+            setattr(cache, name, np.zeros(2, int))
+    _unchanged(cache, before)
+    with pytest.raises(mha.AttentionTypeError, match="lengths must be an integer or 2 integers"):
+        cache.truncate([1, 2, 3])
+    with pytest.raises(mha.AttentionValueError, match="lengths must be >= 0"):
+        cache.truncate([-1, 2])
+    with pytest.raises(mha.AttentionValueError, match="sequence 1 to 5: it holds 4 tokens"):
+        cache.truncate([3, 5])
+    _unchanged(cache, before)
+
+
+def test_truncate_per_sequence_equals_never_having_decoded():
+    """Each sequence rolled back to its own length (speculative decoding accepts a different
+    number of draft tokens per sequence) is the cache that never saw the rejected ones."""
+    attention = decoder(window=5)
+    prompt, drafts, step = (r.standard_normal((2, n, 24)) for n in (6, 3, 1))
+    speculative = attention.new_cache(2)
+    attention(prompt, cache=speculative)
+    attention(drafts, cache=speculative)
+    speculative.truncate([8, 6])  # sequence 0 keeps 2 drafts, sequence 1 none
+    assert speculative.lengths.tolist() == [8, 6]
+    got = attention(step, cache=speculative)
+    for b, keep in enumerate((2, 0)):
+        alone = attention.new_cache(1)
+        attention(prompt[b : b + 1], cache=alone)
+        if keep:
+            attention(drafts[b : b + 1, :keep], cache=alone)
+        np.testing.assert_allclose(got[b], attention(step[b : b + 1], cache=alone)[0],
+                                   rtol=1e-13, atol=1e-14)  # fmt: skip
+
+
+def test_reorder_takes_indices_in_range_only():
+    """One rule, stated and enforced: indices in [0, B); a negative one does not wrap round."""
+    attention = decoder()
+    cache = attention.new_cache(2)
+    attention(r.standard_normal((2, 3, 24)), cache=cache)
+    before = snapshot(cache)
+    for indices in ([-1, 0], [0, 2], [0, -3]):
+        with pytest.raises(mha.AttentionValueError, match=r"indices must lie in \[0, 2\)"):
+            cache.reorder(indices)
+    _unchanged(cache, before)
+
+
+def test_a_window_per_call_combines_with_the_modules():
+    """forward(window=) as on every entry point; with the module's own window both hold
+    (AND), so the narrower one counts."""
+    x = r.standard_normal((2, 9, 24))
+    plain, windowed = decoder(), decoder(window=5)
+    weights = [plain.W_q, plain.W_k, plain.W_v, plain.W_o]
+    options = {"num_kv_heads": 2, "rope_theta": 10000.0, "b_q": plain.b_q, "b_k": plain.b_k,
+               "b_v": plain.b_v, "b_o": plain.b_o}  # fmt: skip
+    for window in (1, 3, 5, 7):
+        expected = mha.multi_head_attention(x, x, x, *weights, 6, causal=True, window=window,
+                                            **options)  # fmt: skip
+        np.testing.assert_array_equal(plain(x, True, window=window), expected)
+        narrower = min(window, 5)
+        expected = mha.multi_head_attention(x, x, x, *weights, 6, causal=True, window=narrower,
+                                            **options)  # fmt: skip
+        np.testing.assert_array_equal(windowed(x, True, window=window), expected)
+    with pytest.raises(mha.AttentionValueError, match="window must be a positive integer"):
+        plain(x, window=0)
+
+
+def test_dropout_p_zero_with_a_generator_is_no_dropout():
+    """``dropout_p=p if training else 0.0`` with one generator, as torch and Flax take it:
+    no dropout, and the generator is not drawn from. A generator without any dropout_p is
+    still refused."""
+    x = r.standard_normal((2, 5, 24))
+    attention = decoder()
+    generator = np.random.default_rng(7)
+    state = generator.bit_generator.state
+    np.testing.assert_array_equal(attention(x, True, dropout_p=0.0, generator=generator),
+                                  attention(x, True))  # fmt: skip
+    q = r.standard_normal((2, 3, 5, 8))
+    np.testing.assert_array_equal(
+        mha.scaled_dot_product_attention(q, q, q, dropout_p=0.0, generator=generator),
+        mha.scaled_dot_product_attention(q, q, q),
+    )
+    assert generator.bit_generator.state == state
+    out, backward = attention(x, True, dropout_p=0.0, generator=generator, return_backward=True)
+    assert set(backward(np.ones_like(out))) >= {"query", "W_q"}
+    with pytest.raises(mha.AttentionValueError, match="generator= is for dropout"):
+        attention(x, generator=generator)
+    with pytest.raises(mha.AttentionTypeError, match=r"generator must be a np\.random\.Generator"):
+        attention(x, dropout_p=0.0, generator=7)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     st.lists(st.integers(1, 5), min_size=1, max_size=6),
@@ -426,7 +528,17 @@ def test_from_llama_refuses_missing_misshapen_and_unknown_keys(torch):
         ),
         (
             state | {"p.q_norm.weight": torch.zeros(8)},
-            r"keys under 'p.' that a Llama attention does not: \['p.q_norm.weight'\]",
+            r"the attention at 'p.' has weights mha's Llama layout does not support: "
+            r"q_norm.weight \(QK-norm, as in Qwen3",
+        ),
+        (
+            state | {"p.sinks": torch.zeros(4), "p.k_norm.weight": torch.zeros(2)},
+            r"does not support: k_norm.weight \(QK-norm.*\), sinks \(attention sinks, as in gpt",
+        ),
+        (
+            state
+            | {"p.rotary_emb.inv_freq": torch.zeros(1), "p.extra.lora.weight": torch.zeros(1)},
+            r"keys under 'p.' that belong to no attention projection, such as 'extra.lora.weight'",
         ),
         (
             state | {"p.o_proj.bias": torch.zeros(3)},
@@ -436,6 +548,21 @@ def test_from_llama_refuses_missing_misshapen_and_unknown_keys(torch):
     for bad, message in cases:
         with pytest.raises(mha.AttentionError, match=message):
             mha.MultiHeadAttention.from_llama(bad, num_heads=4, num_kv_heads=2, prefix="p.")
+    # older checkpoints' rotary buffer is derived from the config: read past, as transformers does
+    with_buffer = state | {"p.rotary_emb.inv_freq": torch.zeros(2)}
+    mha.MultiHeadAttention.from_llama(with_buffer, num_heads=4, num_kv_heads=2, prefix="p.")
+    # a prefix that names no attention module says which one to give
+    model = {f"model.layers.{i}.self_attn.{k[2:]}": v for i in range(3) for k, v in state.items()}
+    for prefix, message in (
+        ("model.layers.0.self_attn", r"give prefix='model.layers.0.self_attn.' \(a prefix ends"),
+        ("", r"it holds 3 attention modules under 'model.layers.0.self_attn.', 'model.layers.1"),
+        ("model.layers.7.self_attn.", r"no 'model.layers.7.self_attn.q_proj.weight'; it holds 3"),
+        ("p.", r"no 'p.q_proj.weight'; it holds 3 attention modules"),
+    ):
+        with pytest.raises(mha.AttentionValueError, match=message):
+            mha.MultiHeadAttention.from_llama(model, num_heads=4, num_kv_heads=2, prefix=prefix)
+    with pytest.raises(mha.AttentionValueError, match=r"no q_proj\.weight under any prefix"):
+        mha.MultiHeadAttention.from_llama({"a.weight": torch.zeros(1)}, num_heads=4)
 
 
 def test_a_saved_decoder_loads_back_exactly(tmp_path):
@@ -495,6 +622,83 @@ def test_the_numpy_decoder_generates_what_transformers_generates(torch, transfor
     for ours, theirs in zip(logits, generated.logits, strict=True):
         assert relative_error(ours, theirs[0].numpy()) <= 1e-4
     assert math.isfinite(float(np.sum(logits)))
+
+
+def test_the_decoder_computes_qwen2s_per_layer_windows(torch, transformers, tmp_path):
+    """Qwen2 with sliding windows from max_window_layers on: the first layer attends to
+    everything, the others to a window shorter than the prompt (as transformers' generate)."""
+    from generate import Decoder
+
+    config = transformers.Qwen2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=97, use_sliding_window=True, sliding_window=4,
+        max_window_layers=1, initializer_range=0.3,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(tmp_path)
+    decoder = Decoder(tmp_path)
+    assert [layer[0].window for layer in decoder.layers] == [None, 4, 4]
+    prompt = [5, 17, 42, 3, 91, 7, 60, 11, 2, 33]
+    tokens, logits = decoder.generate(prompt, 12)
+    with torch.no_grad():
+        generated = model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0,
+            return_dict_in_generate=True, output_logits=True,
+        )  # fmt: skip
+    assert tokens == generated.sequences[0, len(prompt) :].tolist()
+    for ours, theirs in zip(logits, generated.logits, strict=True):
+        assert relative_error(ours, theirs[0].numpy()) <= 1e-4
+
+
+def test_the_decoder_refuses_what_it_cannot_compute_or_read(torch, transformers, tmp_path):
+    """Configs it cannot compute exactly, by the setting's name; in the command line, one
+    line and exit code 2, also for a prompt or a count it cannot take."""
+    import json
+    import subprocess
+    import sys
+
+    from generate import Decoder, UnsupportedModelError, layer_windows
+
+    config = transformers.Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=50, use_sliding_window=True, sliding_window=4,
+    )  # fmt: skip
+    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    refusals = {
+        "model_type='gemma2'": {"model_type": "gemma2"},
+        "['chunked_attention']": {"layer_types": ["full_attention", "chunked_attention"]},
+        "partial_rotary_factor=0.5": {"rope_parameters": {**saved["rope_parameters"],
+                                                          "partial_rotary_factor": 0.5}},
+        "hidden_act='gelu'": {"hidden_act": "gelu"},
+    }  # fmt: skip
+    script = [sys.executable, str(Path(__file__).parent.parent / "examples" / "generate.py")]
+    for words, change in refusals.items():
+        (tmp_path / "config.json").write_text(json.dumps({**saved, **change}))
+        with pytest.raises(UnsupportedModelError) as refused:
+            Decoder(tmp_path)
+        assert words in str(refused.value), (words, str(refused.value))
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert layer_windows({**saved, "use_sliding_window": False}) == [None, None]
+    for argv, words in (
+        (["--new-tokens", "-3", "1"], "--new-tokens must be 0 or more; got -3"),
+        (["50", "1"], "token ids [50] are outside the vocabulary of 50 (ids 0 to 49)"),
+        (["-1"], "token ids [-1] are outside the vocabulary"),
+        (["1", "x"], "argument prompt: invalid int value: 'x'"),
+    ):
+        run = subprocess.run([*script, str(tmp_path), *argv], capture_output=True, text=True,
+                             timeout=120)  # fmt: skip
+        assert run.returncode == 2 and words in run.stderr, run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+    run = subprocess.run([*script, str(tmp_path), "1", "2", "--new-tokens", "3"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0 and len(run.stdout.split()) == 3, run.stderr
+    (tmp_path / "model.safetensors").rename(tmp_path / "model-00001-of-00001.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    run = subprocess.run([*script, str(tmp_path), "1"], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert run.returncode == 2 and "sharded checkpoint" in run.stderr, run.stderr
 
 
 # ---------------------------------------------------------------- found in review

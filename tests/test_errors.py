@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -470,3 +472,67 @@ def test_the_family_is_catchable_the_usual_way():
     assert issubclass(AttentionTypeError, TypeError)
     with pytest.raises(ValueError, match="positions"):
         call(V=V[:, :5])
+
+
+# --------------------------------------------- messages quote what the caller gave
+
+WORDS = {"shape", "batch", "got", "has", "of"}  # English before a parenthesis, not names
+
+
+def _quoted(message):
+    """Every ``name (n, ...)`` a message quotes: the arrays it names, with their shapes."""
+    found = re.findall(r"\b([A-Za-z_]\w*) \((\d+(?:, \d+)*,?)\)", message)
+    return [(name, tuple(int(n) for n in shape.split(",") if n.strip()))
+            for name, shape in found if name not in WORDS]  # fmt: skip
+
+
+def _module_mistakes():
+    """``(what, call, the arrays the caller gave by name)`` through MultiHeadAttention."""
+    m = mha.MultiHeadAttention(16, 4, num_kv_heads=2, rope_theta=1e4, seed=0)
+    m32 = mha.MultiHeadAttention(16, 4, num_kv_heads=2, seed=0, dtype=np.float32)
+    X, memory = r.standard_normal((2, 3, 16)), r.standard_normal((3, 5, 16))
+    weights = {name: getattr(m, name) for name in ("W_q", "W_k", "W_v", "W_o")}
+    own = {"query": X, "key": X, "value": X, **weights}
+    yield "batch", lambda: m(X, key=memory), {**own, "key": memory, "value": memory}
+    yield "positions", lambda: m(X, key=memory[:2], value=memory[:2, :4]), {
+        **own, "key": memory[:2], "value": memory[:2, :4]}  # fmt: skip
+    yield "query_lengths, cached", lambda: m(X, cache=m.new_cache(2), query_lengths=[4, 1]), own
+    yield "key_lengths", lambda: m(X, key_lengths=[1, 9]), own
+    yield "rotary positions", lambda: m(X, positions=np.arange(4)), own
+    unbatched = {**own, "query": X[0], "key": X[0], "value": X[0]}
+    yield "positions of heads", lambda: m(X[0], positions=np.zeros((4, 3))), unbatched
+    yield "cache batch", lambda: m(X, cache=m.new_cache(3)), own
+    yield "cache dtype", lambda: m32(X, cache=m32.new_cache(2)), {**own, **{
+        name: getattr(m32, name) for name in weights}}  # fmt: skip
+    yield "cache window", lambda: m(X, cache=m.new_cache(2), window=2), own
+    yield "bias", lambda: m(X, bias=np.zeros((3, 4))), {**own, "bias": np.zeros((3, 4))}
+    yield "mask", lambda: m(X, mask=np.ones((2, 3, 4), bool)), {**own, "mask": np.ones((2, 3, 4))}
+    yield "constructor rotary_dim", lambda: mha.MultiHeadAttention(4, 1, rope_theta=1.0,
+                                                                   rotary_dim=6), {}  # fmt: skip
+    yield "constructor odd head", lambda: mha.MultiHeadAttention(6, 2, rope_theta=1.0), {}
+    cache = mha.KVCache(2, 2, 4)
+    Q3 = r.standard_normal((2, 3, 8))
+    Wq, Wkv = r.standard_normal((8, 16)), r.standard_normal((8, 8))
+    given = {"Q": Q3, "K": Q3, "V": Q3, "W_q": Wq, "W_k": Wkv, "W_v": Wkv, "W_o": Wq.T}
+    yield "function, cached", lambda: mha.multi_head_attention(
+        Q3, Q3, Q3, Wq, Wkv, Wkv, Wq.T, 4, num_kv_heads=2, cache=cache, query_lengths=[9, 1],
+    ), given  # fmt: skip
+    yield "function, positions", lambda: mha.multi_head_attention(
+        Q3, Q3, Q3, Wq, Wkv, Wkv, Wq.T, 4, num_kv_heads=2, rope_theta=1.0, positions=[[0, 1]]
+    ), given  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "thunk", "given"), list(_module_mistakes()),
+                         ids=[case[0] for case in _module_mistakes()])  # fmt: skip
+def test_messages_quote_the_arguments_as_given(what, thunk, given):
+    """A message names arrays only as the caller named them, with the shapes they gave
+    (``query (2, 3, 16)`` through the module, never the projected ``q (2, 4, 3, 4)``)."""
+    with pytest.raises(AttentionError) as caught:
+        thunk()
+    message = str(caught.value)
+    for name, shape in _quoted(message):
+        assert name in given, f"{name} {shape} is not an argument of this call: {message}"
+        assert shape == np.shape(given[name]), (
+            f"{name} was given {np.shape(given[name])}: {message}"
+        )
+    assert not re.search(r"\b[qkvx] \(", message), message  # the internal heads and rotary x

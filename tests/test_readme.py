@@ -39,7 +39,7 @@ def test_the_decoding_example_runs(capsys):
     exec(compile(blocks("python")[2], "README.md", "exec"), namespace)
     assert capsys.readouterr().out.strip() == "[8 6]"
     cache = namespace["cache"]
-    assert cache.lengths.tolist() == [6, 6] and namespace["out"].shape == (2, 1, 64)
+    assert cache.lengths.tolist() == [6, 7] and namespace["out"].shape == (2, 1, 64)
 
 
 def test_quoted_error_is_real():
@@ -90,3 +90,12 @@ def test_the_gradients_example_runs():
     attention, grads = namespace["attention"], namespace["grads"]
     assert set(grads) == {*attention.parameters(), "query", "key", "value"}
     assert grads["W_q"].shape == attention.W_q.shape
+    # dX, the sum of the three, is the gradient of sum(out) in X: central differences on
+    # the module as it was before the example's step (same seed, same weights)
+    X, before = namespace["X"], mha.MultiHeadAttention(16, 4, bias=True, seed=0)
+    rng = np.random.default_rng(1)
+    for index in zip(*(rng.integers(0, n, 4) for n in X.shape), strict=True):
+        step = np.zeros_like(X)
+        step[index] = 1e-6
+        numeric = (before(X + step, mask=True).sum() - before(X - step, mask=True).sum()) / 2e-6
+        assert abs(numeric - namespace["dX"][index]) <= 1e-6 * max(1.0, abs(numeric))

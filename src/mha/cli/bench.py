@@ -70,6 +70,9 @@ SHAPES = [
 MEMORY_LENGTHS = [1024, 4096, 16384, 32768]
 TEXTBOOK_MEMORY_LENGTHS = [1024, 2048, 4096]
 SWEEP_LENGTHS = [256, 512, 1024, 2048, 4096]  # causal, B=1, d_model=512, 8 heads, float32
+EXTRAPOLATE_FROM = 1024
+"""The longest textbook run must reach this length before a memory limit is extrapolated."""
+BEGIN, END = "<!-- benchmark: begin -->", "<!-- benchmark: end -->"
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ def plan(size: str, repeats: int = 7) -> Plan:
     if size == "smoke":
         tiny = [Shape("tiny", B=2, L=64, d_model=32, H=4, causal=False),
                 Shape("tiny", B=1, L=128, d_model=32, H=4, causal=True)]  # fmt: skip
-        return Plan(tiny, [64, 128], [256], [128, 256], repeats=1, pause=0.0)
+        return Plan(tiny, [64, 128], [128, 256], [128, 256], repeats=1, pause=0.0)
     if size == "quick":
         return Plan(SHAPES, SWEEP_LENGTHS, [n for n in MEMORY_LENGTHS if n <= 16384],
                     TEXTBOOK_MEMORY_LENGTHS, repeats=3, pause=0.3)  # fmt: skip
@@ -259,8 +262,8 @@ def memory(plan: Plan, log: Callable[[str], None]) -> dict[str, Any]:
     """Causal self-attention, B=1, d_model=512, 8 heads, float32, at growing lengths."""
     E, H, itemsize = 512, 8, 4
     rows = []
-    lengths = plan.memory
-    for L in lengths + [n for n in plan.textbook_memory if n not in lengths]:
+    lengths = sorted(set(plan.memory) | set(plan.textbook_memory))  # mha at every length
+    for L in lengths:
         shape = Shape(f"L={L}", B=1, L=L, d_model=E, H=H, causal=True)
         case = Case(shape, np.float32, None)
         row: dict[str, Any] = {
@@ -268,22 +271,24 @@ def memory(plan: Plan, log: Callable[[str], None]) -> dict[str, Any]:
             "dense_scores_bytes": H * L * L * itemsize,
             "qkv_and_output_bytes": 4 * L * E * itemsize,
         }
-        if L in lengths:
-            row["mha_peak_bytes"], row["mha_seconds"] = peak_traced_bytes(case.mha)
+        row["mha_peak_bytes"], row["mha_seconds"] = peak_traced_bytes(case.mha)
         if L in plan.textbook_memory:
             row["textbook_peak_bytes"], row["textbook_seconds"] = peak_traced_bytes(case.textbook)
         rows.append(row)
         log(_memory_line(row))
-    rows.sort(key=lambda row: row["L"])
     textbook = [(r["L"], r["textbook_peak_bytes"]) for r in rows if "textbook_peak_bytes" in r]
     per_square = max(peak / L**2 for L, peak in textbook)  # bytes per L^2, largest seen
     total = machine_memory()
-    return {
+    results: dict[str, Any] = {
         "rows": rows,
         "machine_memory_bytes": total,
         "textbook_bytes_per_L2": per_square,
-        "textbook_out_of_memory_at_L": int(math.sqrt(total / per_square)),
     }
+    # Below this length the textbook peak is mostly fixed costs, not the L^2 scores: no
+    # memory limit is extrapolated from such runs (the smoke run's).
+    if max(L for L, _ in textbook) >= EXTRAPOLATE_FROM:
+        results["textbook_out_of_memory_at_L"] = int(math.sqrt(total / per_square))
+    return results
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -336,12 +341,16 @@ def _memory_lines(results: dict[str, Any]) -> list[str]:
         "|---:|---:|---:|---:|---:|",
     ]
     for row in mem["rows"]:
-        mha_peak = _mib(row["mha_peak_bytes"]) if "mha_peak_bytes" in row else "not run"
-        textbook = _mib(row["textbook_peak_bytes"]) if "textbook_peak_bytes" in row else "not run"
+        textbook = "not run (its scores alone are too large)"
+        if "textbook_peak_bytes" in row:
+            textbook = _mib(row["textbook_peak_bytes"])
         lines.append(
-            f"| {row['L']} | {mha_peak} | {_mib(row['qkv_and_output_bytes'])} "
+            f"| {row['L']} | {_mib(row['mha_peak_bytes'])} | {_mib(row['qkv_and_output_bytes'])} "
             f"| {_mib(row['dense_scores_bytes'])} | {textbook} |"
         )
+    if "textbook_out_of_memory_at_L" not in mem:
+        return [*lines, "", f"(Too short to extrapolate the textbook version's memory limit "
+                            f"from: that needs runs up to L = {EXTRAPOLATE_FROM}.)"]  # fmt: skip
     lines += [
         "",
         f"The textbook version's peak grows as {mem['textbook_bytes_per_L2']:.0f} bytes x L^2 "
@@ -415,7 +424,14 @@ def speed_only(plan: Plan, log: Callable[[str], None]) -> dict[str, Any]:
 
 def chart(results: dict[str, Any], path: Path) -> Path:
     """Time and peak memory against sequence length: mha beside textbook NumPy and torch."""
-    from .plots import _matplotlib, _save
+    from .plots import _save
+
+    return _save(chart_figure(results), path, dpi=100)
+
+
+def chart_figure(results: dict[str, Any]) -> Any:
+    """:func:`chart`'s matplotlib figure."""
+    from .plots import _matplotlib
 
     matplotlib = _matplotlib()
     figure = matplotlib.figure.Figure(figsize=(10, 4), layout="constrained")
@@ -441,10 +457,24 @@ def chart(results: dict[str, Any], path: Path) -> Path:
               ylabel="peak traced MiB", title="peak memory of one call")  # fmt: skip
     for ax, ticks in ((left, [r["L"] for r in results["sweep"]]), (right, lengths)):
         ax.set_xticks(ticks, labels=[str(L) for L in ticks])
+        _labelled_log_axis(ax, matplotlib)
         ax.minorticks_off()
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=8)
-    return _save(figure, path, dpi=100)
+    return figure
+
+
+def _labelled_log_axis(ax: Any, matplotlib: Any) -> None:
+    """A log y axis with labelled ticks at 1, 2 and 5 times each power of ten, its limits
+    widened to the nearest of them, so that a range within one decade (a smoke run's) still
+    shows numbers."""
+    low, high = (float(v) for v in ax.get_ylim())
+    decades = range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1)
+    steps = [m * 10.0**e for e in decades for m in (1, 2, 5)]
+    ax.set_ylim(max(v for v in steps if v <= low), min(v for v in steps if v >= high))
+    ticker = matplotlib.ticker
+    ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -497,10 +527,12 @@ def _memory_line(row: dict[str, Any]) -> str:
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-
-
-BEGIN, END = "<!-- benchmark: begin -->", "<!-- benchmark: end -->"
+    """Bytes as GiB, MiB or KiB, never a small size shown as 0."""
+    if n >= 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    if n >= 10 * 2**20:
+        return f"{n / 2**20:.0f} MiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
 def default_output(size: str) -> Path:

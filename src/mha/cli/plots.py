@@ -178,6 +178,7 @@ def _matplotlib() -> Any:
         import matplotlib.collections
         import matplotlib.figure
         import matplotlib.patches
+        import matplotlib.ticker
     except ImportError:
         raise ImportError(
             'plots need matplotlib: pip install ".[cli]" in the mha checkout, '

@@ -63,6 +63,13 @@ def attend(args: argparse.Namespace, want_weights: bool) -> tuple[np.ndarray, An
     ``(out, weights or None, visible or None)``, ``visible`` being where the masks let each
     query see each key, shaped like the weights."""
     arrays = read_npz(args.input)
+    for name, array in arrays.items():
+        if array.dtype.kind == "b":  # the library's message would point to a mask= keyword
+            raise UsageError(
+                f"{name} in {args.input} holds booleans ({name} {array.shape}); mha run reads "
+                "real numbers (float16, float32 or float64) in every array and takes its masks "
+                "as options: --causal, --window, --key-lengths, --query-lengths"
+            )
     module = None
     if args.module is not None:
         refuse_unknown(args.input, arrays, ("X",), "with --module")

@@ -16,10 +16,17 @@ from .._arrays import as_float_array
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from ._tensors import as_numpy
 
-__all__ = ["LLAMA_PROJECTIONS", "weights_from_gpt2", "weights_from_llama"]
+__all__ = ["LLAMA_PROJECTIONS", "UNSUPPORTED", "weights_from_gpt2", "weights_from_llama"]
 
 LLAMA_PROJECTIONS = {"q_proj": ("W_q", "b_q"), "k_proj": ("W_k", "b_k"),
                      "v_proj": ("W_v", "b_v"), "o_proj": ("W_o", "b_o")}  # fmt: skip
+
+UNSUPPORTED = {
+    "q_norm": "QK-norm, as in Qwen3, Gemma 3 and OLMo 2",
+    "k_norm": "QK-norm, as in Qwen3, Gemma 3 and OLMo 2",
+    "sinks": "attention sinks, as in gpt-oss",
+}
+"""Weights that some Llama-style attention modules hold and mha's layout does not (yet)."""
 
 
 def weights_from_gpt2(
@@ -54,7 +61,10 @@ def weights_from_llama(
     """mha's weights from a Llama-style attention's state dict (NumPy arrays or torch
     tensors, ``(out, in)`` as ``nn.Linear`` stores them): ``{prefix}q_proj.weight``,
     ``k_proj``, ``v_proj``, ``o_proj``, and their ``.bias`` where present (as in Qwen2).
-    Every key under ``prefix`` must be one of those; keys outside it are not read."""
+    Every key under ``prefix`` must be one of those (or the ``rotary_emb.inv_freq`` buffer
+    of older checkpoints, which transformers recomputes from the config too): weights of
+    another computation (QK-norm, sinks) are refused by name. Keys outside the prefix are
+    not read; a prefix that names no attention module is refused with the ones it holds."""
     if not hasattr(state, "keys") or not hasattr(state, "__getitem__"):
         raise AttentionTypeError(
             f"from_llama takes a state dict (a mapping of names to arrays or tensors); "
@@ -62,21 +72,29 @@ def weights_from_llama(
         )
     if not isinstance(prefix, str):
         raise AttentionTypeError(f"prefix must be a string; got {prefix!r}")
-    ours = {key for key in state if isinstance(key, str) and key.startswith(prefix)}
+    keys = [key for key in state if isinstance(key, str)]
+    weight = f"{prefix}q_proj.weight"
+    if weight not in state:
+        raise AttentionValueError(_prefix_problem(keys, prefix))
+    ours = {key for key in keys if key.startswith(prefix)}
     known = {
         f"{prefix}{layer}.{part}" for layer in LLAMA_PROJECTIONS for part in ("weight", "bias")
     }
-    unknown = sorted(ours - known)
+    known.add(f"{prefix}rotary_emb.inv_freq")  # older checkpoints' buffer: derived, not read
+    unknown = sorted(key[len(prefix) :] for key in ours - known)
+    unsupported = [key for key in unknown if key.count(".") <= 1]  # this module's own
+    if unsupported:
+        named = {key: UNSUPPORTED.get(key.split(".")[0]) for key in unsupported}
+        said = ", ".join(f"{key} ({why})" if why else key for key, why in named.items())
+        raise AttentionValueError(
+            f"the attention at {prefix!r} has weights mha's Llama layout does not support: "
+            f"{said}; loading it without them would compute another model"
+        )
     if unknown:
         raise AttentionValueError(
-            f"state dict has keys under {prefix!r} that a Llama attention does not: {unknown} "
-            "(their computation would be left out); give the prefix of the attention module"
-        )
-    weight = f"{prefix}q_proj.weight"
-    if weight not in state:
-        raise AttentionValueError(
-            f"state dict has no {weight!r} (it has {len(ours)} keys under {prefix!r}); the "
-            "prefix is the attention module's, e.g. 'model.layers.0.self_attn.'"
+            f"state dict has keys under {prefix!r} that belong to no attention projection, "
+            f"such as {unknown[0]!r} ({len(unknown)} in all); give the prefix of one "
+            "attention module, such as 'model.layers.0.self_attn.'"
         )
     hidden = as_numpy(weight, state[weight]).shape[-1]
     if head_dim is None:  # the config's default: hidden_size // num_attention_heads
@@ -111,3 +129,26 @@ def weights_from_llama(
                 )
             weights[b_name] = b
     return weights
+
+
+def _prefix_problem(keys: list[str], prefix: str) -> str:
+    """What to change when ``{prefix}q_proj.weight`` is missing: a missing dot, or the
+    prefixes under which the state dict does hold attention modules."""
+    weight = f"{prefix}q_proj.weight"
+    if f"{prefix}.q_proj.weight" in keys:
+        return (
+            f"state dict has no {weight!r}, but it has {prefix + '.q_proj.weight'!r}: "
+            f"give prefix={prefix + '.'!r} (a prefix ends with a dot)"
+        )
+    found = sorted({key[: -len("q_proj.weight")] for key in keys if key.endswith("q_proj.weight")})
+    if found:
+        listed = ", ".join(repr(p) for p in found[:3]) + (", ..." if len(found) > 3 else "")
+        return (
+            f"state dict has no {weight!r}; it holds {len(found)} attention module"
+            f"{'s' if len(found) > 1 else ''} under {listed}: give one of those as prefix="
+        )
+    return (
+        f"state dict has no {weight!r} and no q_proj.weight under any prefix ({len(keys)} "
+        "keys): is it a Llama-style model's? The prefix is the attention module's, such as "
+        "'model.layers.0.self_attn.'"
+    )
