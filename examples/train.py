@@ -1,6 +1,6 @@
 """Train a one-block Transformer in NumPy to reverse digit sequences, with mha's attention.
 
-    python examples/train.py                 # about a minute on two cores, then a PNG
+    python examples/train.py                 # about 5 s on two cores, then a PNG
 
 The model reads ``x1 .. xn SEP`` and writes ``xn .. x1``, one token at a time (causal
 self-attention). Token and position embeddings, layer norms, the MLP, the output head and

@@ -65,3 +65,18 @@ def test_the_first_20_losses_equal_torchs(torch, record_error):
 def test_reversal_is_learnt():
     result = train.train(n=4, steps=600, batch_size=32, target=0.99, report=lambda *a: None)
     assert result["accuracy"] >= 0.99 and result["steps"] <= 600
+
+
+def test_the_readme_and_the_example_give_the_same_run_time():
+    """One figure for how long the example takes, in both places that state it."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    readme = (root / "README.md").read_text()
+    paragraph = readme[readme.index("`examples/train.py` trains") :][:400]
+    stated = {
+        "README": re.findall(r"about (\d+) s on two cores", paragraph),
+        "train.py": re.findall(r"about (\d+) s on two cores", train.__doc__),
+    }
+    assert stated["README"] == stated["train.py"] and len(stated["README"]) == 1, stated

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from .. import __version__
 from .._files import UnreadableFileError
 from ..errors import AttentionError
-from . import bench, check, demo, plot, run
 from ._common import EXIT_USAGE, INSTALL_CLI, Parser, UsageError, as_options
 
 __all__ = ["build_parser", "entry", "main"]
@@ -54,6 +53,10 @@ def build_parser() -> Parser:
     )
     parser.add_argument("--version", action="version", version=f"mha {__version__}")
     commands = parser.add_subparsers(title="commands", parser_class=Parser)
+    # Imported here, not when the package is: ``python -m mha.cli.bench`` then runs a module
+    # that nothing imported before it.
+    from . import bench, check, demo, plot, run
+
     for command in (demo, run, plot, bench, check):
         command.add_parser(commands)
     return parser

@@ -344,8 +344,11 @@ def _memory_lines(results: dict[str, Any]) -> list[str]:
         textbook = "not run (its scores alone are too large)"
         if "textbook_peak_bytes" in row:
             textbook = _mib(row["textbook_peak_bytes"])
+        mha_peak = (
+            _mib(row["mha_peak_bytes"]) if "mha_peak_bytes" in row else "not run"
+        )  # older runs
         lines.append(
-            f"| {row['L']} | {_mib(row['mha_peak_bytes'])} | {_mib(row['qkv_and_output_bytes'])} "
+            f"| {row['L']} | {mha_peak} | {_mib(row['qkv_and_output_bytes'])} "
             f"| {_mib(row['dense_scores_bytes'])} | {textbook} |"
         )
     if "textbook_out_of_memory_at_L" not in mem:
