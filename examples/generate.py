@@ -42,7 +42,6 @@ class Decoder:
         self.dtype = np.dtype(dtype)
         self.eps = float(config["rms_norm_eps"])
         self.vocab_size = int(config["vocab_size"])
-        rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 1e4)}
         heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
         self.embed = weights["model.embed_tokens.weight"]  # (vocab, hidden)
         self.head = weights.get("lm_head.weight", self.embed)  # tied when absent
@@ -53,7 +52,7 @@ class Decoder:
             attention = mha.MultiHeadAttention.from_llama(
                 {k: v for k, v in weights.items() if k.startswith(prefix + "self_attn.")},
                 prefix=prefix + "self_attn.", num_heads=heads, num_kv_heads=kv_heads,
-                head_dim=config.get("head_dim"), rope_theta=rope["rope_theta"], window=window,
+                head_dim=config.get("head_dim"), rope_theta=config["rope_theta"], window=window,
             )  # fmt: skip
             mlp = {name: weights[f"{prefix}mlp.{name}_proj.weight"].T for name in
                    ("gate", "up", "down")}  # fmt: skip
@@ -135,18 +134,25 @@ def layer_windows(config: dict[str, Any]) -> list[int | None]:
 
 def _read_config(directory: Path) -> dict[str, Any]:
     """``config.json``, refused (naming the setting) unless this example computes it exactly."""
+    path = directory / "config.json"
     try:
-        config: dict[str, Any] = json.loads((directory / "config.json").read_text())
+        config: dict[str, Any] = json.loads(path.read_text())
     except OSError as error:
-        raise UnsupportedModelError(
-            f"cannot read {directory / 'config.json'}: {error.strerror}"
-        ) from None
+        raise UnsupportedModelError(f"cannot read {path}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise UnsupportedModelError(f"{path} is not valid JSON: {error}") from None
     if config.get("model_type") not in MODEL_TYPES:
         raise UnsupportedModelError(
             f"this example computes the {', '.join(MODEL_TYPES)} decoders; the config says "
             f"model_type={config.get('model_type')!r}"
         )
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    config["rope_theta"] = rope.get("rope_theta", config.get("rope_theta"))
+    needed = ("rms_norm_eps", "vocab_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "rope_theta")  # fmt: skip
+    missing = [name for name in needed if config.get(name) is None]
+    if missing:
+        raise UnsupportedModelError(f"{path} has no {', '.join(missing)}, which this example needs")
     unsupported = [  # refused rather than computed wrongly
         f"{key}={value!r}"
         for key, value, supported in (

@@ -316,6 +316,22 @@ def test_a_window_per_call_combines_with_the_modules():
         np.testing.assert_array_equal(windowed(x, True, window=window), expected)
     with pytest.raises(mha.AttentionValueError, match="window must be a positive integer"):
         plain(x, window=0)
+    # with a cache: a call attends within the cache's window or a narrower one
+    for module, window in ((plain, 3), (windowed, 3), (windowed, 5), (plain, None)):
+        cache = module.new_cache(2, capacity=2)
+        steps = [module(x[:, :4], cache=cache, window=window)]
+        steps += [module(x[:, t : t + 1], cache=cache, window=window) for t in range(4, 9)]
+        np.testing.assert_allclose(np.concatenate(steps, axis=1), module(x, True, window=window),
+                                   rtol=1e-12, atol=1e-13)  # fmt: skip
+    cache = windowed.new_cache(2)
+    windowed(x[:, :4], cache=cache)
+    before = snapshot(cache)
+    with pytest.raises(mha.AttentionValueError, match="window=5 but the cache keeps only what"):
+        windowed.forward(x[:, 4:5], cache=mha.KVCache(2, 2, 4, window=3), window=None)
+    with pytest.raises(mha.AttentionValueError, match="window=None but the cache keeps only"):
+        mha.multi_head_attention(x[:, 4:5], x[:, 4:5], x[:, 4:5], *weights, 6, cache=cache,
+                                 **options)  # fmt: skip
+    _unchanged(cache, before)
 
 
 def test_dropout_p_zero_with_a_generator_is_no_dropout():
@@ -473,9 +489,9 @@ def test_refused_calls_name_both_sides_and_leave_the_cache_unchanged():
             r"query_lengths must be <= 1",
         ),
         (
-            lambda: decoder(window=4)(x, cache=cache),
+            lambda: decoder(window=4)(x, cache=mha.KVCache(2, 2, 4, window=2)),
             mha.AttentionValueError,
-            r"window=4 but the cache was made for window=None",
+            r"window=4 but the cache keeps only what window=2 needs",
         ),
         (
             lambda: attention(x, cache="cache"),
@@ -537,8 +553,8 @@ def test_from_llama_refuses_missing_misshapen_and_unknown_keys(torch):
         ),
         (
             state
-            | {"p.rotary_emb.inv_freq": torch.zeros(1), "p.extra.lora.weight": torch.zeros(1)},
-            r"keys under 'p.' that belong to no attention projection, such as 'extra.lora.weight'",
+            | {"p.rotary_emb.inv_freq": torch.zeros(1), "p.q_proj.lora_A.weight": torch.zeros(1)},
+            r"does not support: q_proj\.lora_A\.weight \(a LoRA adapter: merge it",
         ),
         (
             state | {"p.o_proj.bias": torch.zeros(3)},
@@ -672,6 +688,8 @@ def test_the_decoder_refuses_what_it_cannot_compute_or_read(torch, transformers,
         "partial_rotary_factor=0.5": {"rope_parameters": {**saved["rope_parameters"],
                                                           "partial_rotary_factor": 0.5}},
         "hidden_act='gelu'": {"hidden_act": "gelu"},
+        "has no rope_theta, which": {"rope_parameters": {"rope_type": "default"}},
+        "has no rms_norm_eps, which": {"rms_norm_eps": None},
     }  # fmt: skip
     script = [sys.executable, str(Path(__file__).parent.parent / "examples" / "generate.py")]
     for words, change in refusals.items():
@@ -679,6 +697,10 @@ def test_the_decoder_refuses_what_it_cannot_compute_or_read(torch, transformers,
         with pytest.raises(UnsupportedModelError) as refused:
             Decoder(tmp_path)
         assert words in str(refused.value), (words, str(refused.value))
+    (tmp_path / "config.json").write_text("{not json")
+    run = subprocess.run([*script, str(tmp_path), "1"], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert run.returncode == 2 and "config.json is not valid JSON" in run.stderr, run.stderr
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert layer_windows({**saved, "use_sliding_window": False}) == [None, None]
     for argv, words in (
@@ -729,7 +751,7 @@ def test_an_attention_and_its_cache_must_agree_on_the_window():
     plain = mha.MultiHeadAttention(8, 2, seed=0)
     windowed = mha.KVCache(1, 2, 4, window=1)
     with pytest.raises(
-        mha.AttentionValueError, match="window=None but the cache was made for window=1"
+        mha.AttentionValueError, match="window=None but the cache keeps only what window=1 needs"
     ):
         plain(r.standard_normal((1, 3, 8)), cache=windowed)
     with pytest.raises(mha.AttentionValueError, match="key= and value= cannot be combined"):
@@ -745,6 +767,14 @@ def test_a_windowed_cache_shrinks_back_after_a_long_prompt():
     assert cache.capacity <= 32
     steps = [attention(r.standard_normal((1, 1, 24)), cache=cache) for _ in range(5)]
     assert cache.capacity <= 32 and cache.lengths.tolist() == [4005] and len(steps) == 5
+    # one sequence and one key/value head: the shrunk buffers are copies, not views that
+    # keep the prompt's 4,000 positions alive
+    single = decoder(window=16, num_kv_heads=1)
+    cache = single.new_cache(1)
+    single(r.standard_normal((1, 4000, 24)), cache=cache)
+    assert cache.capacity <= 32
+    for buffer in (cache._k, cache._v):
+        assert buffer.base is None and buffer.nbytes <= 32 * 4 * 8
 
 
 def test_decoding_through_the_module_uses_the_workers(monkeypatch):
@@ -790,8 +820,10 @@ def test_a_small_call_does_not_wait_for_another_calls_queue():
 
 
 def test_more_one_line_errors_for_decoder_settings(tmp_path):
+    with pytest.raises(mha.AttentionTypeError, match="rope_theta must be a positive number"):
+        mha.MultiHeadAttention(8, 2, rope_theta="abc")  # the type the function raises too
     with pytest.raises(mha.AttentionValueError, match="rope_theta must be a positive number"):
-        mha.MultiHeadAttention(8, 2, rope_theta="abc")
+        mha.MultiHeadAttention(8, 2, rope_theta=-1.0)
     with pytest.raises(mha.AttentionValueError, match="the head width 3 is odd"):
         mha.MultiHeadAttention(6, 2, rope_theta=10000.0)
     state = {

@@ -504,7 +504,7 @@ def _module_mistakes():
     yield "cache batch", lambda: m(X, cache=m.new_cache(3)), own
     yield "cache dtype", lambda: m32(X, cache=m32.new_cache(2)), {**own, **{
         name: getattr(m32, name) for name in weights}}  # fmt: skip
-    yield "cache window", lambda: m(X, cache=m.new_cache(2), window=2), own
+    yield "cache window", lambda: m(X, cache=mha.KVCache(2, 2, 4, window=2)), own
     yield "bias", lambda: m(X, bias=np.zeros((3, 4))), {**own, "bias": np.zeros((3, 4))}
     yield "mask", lambda: m(X, mask=np.ones((2, 3, 4), bool)), {**own, "mask": np.ones((2, 3, 4))}
     yield "constructor rotary_dim", lambda: mha.MultiHeadAttention(4, 1, rope_theta=1.0,

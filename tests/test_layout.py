@@ -110,3 +110,16 @@ def test_public_import_paths_stay(where, names):
     module = importlib.import_module(where)
     for name in names:
         assert callable(getattr(module, name)), f"{where}.{name}"
+
+
+def test_the_public_paths_are_attributes_after_import_mha_alone():
+    """``import mha`` then ``mha.functional...``, as before the API moved under mha/api."""
+    import subprocess
+    import sys
+
+    code = (
+        "import mha; mha.functional.multi_head_attention; mha.module.MultiHeadAttention; "
+        "mha.cache.KVCache; mha.rotary.apply_rotary; from mha.rotary import check_rotary"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr

@@ -468,3 +468,15 @@ def test_torch_compat_refuses_projection_weights_torch_would_ignore():
             x, x, x, in_proj_weight=np.eye(12, 4), use_separate_proj_weight=True,
             q_proj_weight=np.eye(4), k_proj_weight=np.eye(4), v_proj_weight=np.eye(4), **common,
         )  # fmt: skip
+
+
+def test_a_boolean_array_for_mha_run_points_to_its_options_not_a_keyword(tmp_path):
+    """The library's message for a boolean Q points to mask=, which mha run does not have:
+    the command says which entry holds booleans and which options set masks."""
+    X = np.ones((2, 3, 8), dtype=bool)
+    for name, extra in (("Q", {"Q": X}), ("b_o", {"b_o": np.ones(4, dtype=bool)})):
+        write_inputs(tmp_path / "in.npz", **extra)
+        result = mha_command("run", "in.npz", "-o", "o.npy", "--heads", 2, cwd=tmp_path)
+        one_line_error(result, f"{name} in in.npz holds booleans", "--causal, --window")
+        assert "mask=" not in result.stderr
+    assert not (tmp_path / "o.npy").exists()

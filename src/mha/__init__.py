@@ -6,6 +6,11 @@
 (2, 4, 8)
 """
 
+# The public import paths are attributes of the package too, as they always were.
+from . import cache as cache
+from . import functional as functional
+from . import module as module
+from . import rotary as rotary
 from .api.cache import KVCache
 from .api.module import MultiHeadAttention
 from .api.projection import multi_head_attention

@@ -37,6 +37,10 @@ assert_type(
     tuple[np.ndarray, np.ndarray, Backward],
 )
 assert_type(mha.multi_head_attention(x, x, x, W, W, W, W, 2, return_weights=flag), Result)
+assert_type(  # NumPy's integers and bools, as the checks take them at run time
+    mha.multi_head_attention(x, x, x, W, W, W, W, np.int64(2), causal=np.True_, window=np.int32(3)),
+    np.ndarray,
+)
 
 # scaled_dot_product_attention: output, weights, log-sum-exp, backward
 assert_type(mha.scaled_dot_product_attention(q, q, q), np.ndarray)
@@ -72,6 +76,7 @@ assert_type(attention.forward(x, return_backward=True), tuple[np.ndarray, Backwa
 assert_type(attention(x, return_weights=True, return_backward=True),
             tuple[np.ndarray, np.ndarray, Backward])  # fmt: skip
 assert_type(attention(x, return_backward=flag), Result)
+assert_type(attention(x, return_weights=np.True_), Result)
 assert_type(mha.merge_attention([q], [q[..., 0]]), tuple[np.ndarray, np.ndarray])
 
 # Mistakes a type checker catches

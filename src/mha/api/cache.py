@@ -64,22 +64,41 @@ class KVCache:
         H_kv = positive_int("num_kv_heads", num_kv_heads)
         d_k = positive_int("head_dim", head_dim)
         d_v = d_k if value_dim is None else positive_int("value_dim", value_dim)
-        self.window = None if window is None else positive_int("window", window)
+        self._window = None if window is None else positive_int("window", window)
         room = positive_int("capacity", capacity)
-        if self.window is not None:
-            room = min(room, 2 * self.window)
+        if self._window is not None:
+            room = min(room, 2 * self._window)
         try:
-            self.dtype = np.dtype(dtype)
+            self._dtype: np.dtype = np.dtype(dtype)
         except TypeError:
             raise AttentionTypeError(f"dtype must be float32 or float64; got {dtype!r}") from None
-        if self.dtype not in (np.float32, np.float64):
-            raise AttentionTypeError(f"dtype must be float32 or float64; got {self.dtype}")
+        if self._dtype not in (np.float32, np.float64):
+            raise AttentionTypeError(f"dtype must be float32 or float64; got {self._dtype}")
         # The state; outside the cache it is seen through read-only views (the properties
         # below) and changed only by the methods, which check what they are given.
-        self._k = np.zeros((B, H_kv, room, d_k), self.dtype)
-        self._v = np.zeros((B, H_kv, room, d_v), self.dtype)
+        self._k = np.zeros((B, H_kv, room, d_k), self._dtype)
+        self._v = np.zeros((B, H_kv, room, d_v), self._dtype)
         self._lengths = np.zeros(B, np.int64)  # tokens seen: the next token's position
         self._first = np.zeros(B, np.int64)  # the position held in slot 0
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window the cache was made for: it keeps the last ``window - 1``
+        positions of each sequence, so a call may attend within it or a narrower window.
+
+        >>> KVCache(1, 1, 4, window=8).window
+        8
+        """
+        return self._window
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype of the buffers and of the calls that use the cache.
+
+        >>> KVCache(1, 1, 4, dtype=np.float32).dtype
+        dtype('float32')
+        """
+        return self._dtype
 
     @property
     def lengths(self) -> np.ndarray:
@@ -141,11 +160,11 @@ class KVCache:
 
     def __repr__(self) -> str:
         B, H_kv, _, d_k = self._k.shape
-        window = "" if self.window is None else f", window={self.window}"
+        window = "" if self._window is None else f", window={self._window}"
         return (
             f"KVCache(batch_size={B}, num_kv_heads={H_kv}, head_dim={d_k}, "
             f"lengths={reprlib.repr(self._lengths.tolist())}, capacity={self.capacity}, "
-            f"dtype={self.dtype.name}{window})"
+            f"dtype={self._dtype.name}{window})"
         )
 
     def truncate(self, lengths: Any) -> None:
@@ -163,24 +182,30 @@ class KVCache:
         >>> cache.truncate([3, 1]); cache.lengths
         array([3, 1])
         """
-        array = as_array("lengths", lengths)
         B = self.batch_size
-        if array.dtype.kind not in "iu" or array.shape not in ((), (B,)):
+        array = as_array("lengths", lengths)
+        whole = array.dtype.kind in "iu" or (  # Python ints past int64 come as objects
+            array.dtype.kind == "O"
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in array.ravel())
+        )
+        if not whole or array.shape not in ((), (B,)):
             raise AttentionTypeError(
                 f"lengths must be an integer or {B} integers, one per sequence; got "
                 f"{reprlib.repr(lengths)} (dtype {array.dtype}, shape {array.shape})"
             )
-        target = np.broadcast_to(array.astype(np.int64), (B,))
-        if (target < 0).any():
+        wanted = [int(n) for n in np.broadcast_to(array, (B,))]  # Python ints: no wrapping
+        if min(wanted) < 0:
             raise AttentionValueError(f"lengths must be >= 0; got {reprlib.repr(lengths)}")
-        past = np.flatnonzero(target > self._lengths)
-        if past.size:
+        past = [b for b in range(B) if wanted[b] > int(self._lengths[b])]
+        if past:
+            b = past[0]
             raise AttentionValueError(
-                f"cannot truncate sequence {int(past[0])} to {int(target[past[0]])}: it holds "
-                f"{int(self._lengths[past[0]])} tokens (lengths "
+                f"cannot truncate sequence {b} to {wanted[b]}: it holds "
+                f"{int(self._lengths[b])} tokens (lengths "
                 f"{reprlib.repr(self._lengths.tolist())}); truncate only shortens"
             )
-        need = target if self.window is None else np.maximum(0, target - (self.window - 1))
+        target = np.array(wanted, np.int64)
+        need = target if self._window is None else np.maximum(0, target - (self._window - 1))
         dropped = np.flatnonzero(self._first > need)
         if dropped.size:
             b = int(dropped[0])
@@ -218,15 +243,6 @@ class KVCache:
 
     # Used by the attention calls ------------------------------------------------------
 
-    def _check(self, k: np.ndarray, v: np.ndarray, where: str) -> None:
-        """Refuse new keys and values that do not fit this cache, naming both sides."""
-        if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
-            raise ShapeError(
-                f"with cache=, k and v must be the new tokens' (B, H_kv, L_new, d): "
-                f"got k {k.shape}, v {v.shape}{where}"
-            )
-        self._check_fit(k.shape[0], k.shape[1], k.shape[3], v.shape[3], where)
-
     def _check_fit(self, batch: int, heads: int, d_k: int, d_v: int, where: str) -> None:
         B, H_kv, _, width = self._k.shape
         if (batch, heads, d_k, d_v) != (B, H_kv, width, self._v.shape[-1]):
@@ -241,7 +257,7 @@ class KVCache:
         return each sequence's filled slots. ``lengths`` is not advanced: :meth:`_commit`
         does that once the attention is computed, so a failure leaves the cache as it was."""
         held = self._lengths - self._first
-        if (held + counts).max(initial=0) > self.capacity and self.window is not None:
+        if (held + counts).max(initial=0) > self.capacity and self._window is not None:
             self._drop_outside_window()
             held = self._lengths - self._first
         need = int((held + counts).max(initial=0))
@@ -256,27 +272,26 @@ class KVCache:
 
     def _commit(self, counts: np.ndarray) -> None:
         self._lengths += counts
-        if self.window is not None and self.capacity > 2 * self.window:  # after a long prompt
+        if self._window is not None and self.capacity > 2 * self._window:  # after a long prompt
             self._drop_outside_window()
             held = int((self._lengths - self._first).max(initial=0))
-            self._k, self._v = (
-                np.ascontiguousarray(x[:, :, : max(held, 2 * self.window)])
-                for x in (self._k, self._v)
+            self._k, self._v = (  # copies: a view would keep the long prompt's buffer alive
+                x[:, :, : max(held, 2 * self._window)].copy() for x in (self._k, self._v)
             )
 
     def _grow(self, need: int) -> None:
         room = max(need, 2 * self.capacity)
-        if self.window is not None:
-            room = max(need, min(room, 2 * self.window))
+        if self._window is not None:
+            room = max(need, min(room, 2 * self._window))
         B, H_kv, held, d_k = self._k.shape
-        k = np.zeros((B, H_kv, room, d_k), self.dtype)
-        v = np.zeros((B, H_kv, room, self._v.shape[-1]), self.dtype)
+        k = np.zeros((B, H_kv, room, d_k), self._dtype)
+        v = np.zeros((B, H_kv, room, self._v.shape[-1]), self._dtype)
         k[:, :, :held], v[:, :, :held] = self._k, self._v
         self._k, self._v = k, v
 
     def _drop_outside_window(self) -> None:
         """Move each sequence's last ``window - 1`` positions to the front of its slots."""
-        window = self.window or 1
+        window = self._window or 1
         for b in range(self.batch_size):
             held = int(self._lengths[b] - self._first[b])
             keep = min(held, window - 1)
@@ -287,6 +302,6 @@ class KVCache:
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
-    view = array.view()
-    view.flags.writeable = False
+    """A view of ``array`` that cannot be written, nor made writable again."""
+    view: np.ndarray = np.lib.stride_tricks.as_strided(array, writeable=False)
     return view

@@ -46,8 +46,9 @@ __all__ = [
     "same",
 ]
 
-INPUT_NAMES: Mapping[str, str] = {"Q": "Q", "K": "K", "V": "V"}
-"""The function's names for its inputs, as messages quote them."""
+INPUT_NAMES: Mapping[str, str] = {"Q": "Q", "K": "K", "V": "V", "d_q": "d_q", "d_kin": "d_kin",
+                                  "d_vin": "d_vin"}  # fmt: skip
+"""The function's names for its inputs and their widths, as messages quote them."""
 
 WEIGHT_NAMES = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v")
 
@@ -67,9 +68,8 @@ def masking(
             "window": window}  # fmt: skip
 
 
-def kernel_options(return_weights: Any, max_memory: Any, workers: Any) -> tuple[int, int | None]:
+def kernel_options(max_memory: Any, workers: Any) -> tuple[int, int | None]:
     """Check the kernel's keywords: ``(max_memory, workers)``."""
-    flag("return_weights", return_weights)
     budget = DEFAULT_MAX_MEMORY if max_memory is None else positive_int("max_memory", max_memory)
     return budget, None if workers is None else positive_int("workers", workers)
 
@@ -147,11 +147,13 @@ def check_cache(
     new_keys: int,
     dtype: np.dtype,
     context: str,
-) -> np.ndarray:
+) -> tuple[np.ndarray, int | None]:
     """What a call with ``cache=`` appends, checked before the cache changes: ``B``
     sequences of ``L`` queries and ``new_keys`` new keys, ``H_kv`` heads ``d_k`` and ``d_v``
     wide, computed in ``dtype``. Returns how many new tokens each sequence appends (its
-    ``query_lengths``, or ``L``). ``context`` names the caller's arrays."""
+    ``query_lengths``, or ``L``) and the window to attend within: the call's, which may be
+    the cache's or narrower (a cache without a window keeps every position). ``context``
+    names the caller's arrays."""
     if not isinstance(cache, KVCache):
         raise AttentionTypeError(f"cache must be an mha.KVCache; got {type(cache).__name__}")
     where = f" ({context})"
@@ -162,13 +164,12 @@ def check_cache(
             f"{L} queries but {new_keys} keys{where}"
         )
     flag("causal", masking["causal"])
-    window = masking["window"]
-    if window is not None:
-        positive_int("window", window)
-    if window != cache.window:
+    window = None if masking["window"] is None else positive_int("window", masking["window"])
+    if cache.window is not None and (window is None or window > cache.window):
         raise AttentionValueError(
-            f"window={window} but the cache was made for window={cache.window}: {cache!r}; "
-            "make the cache with the attention's window (new_cache does)"
+            f"window={window} but the cache keeps only what window={cache.window} needs: "
+            f"{cache!r}; a call attends within the cache's window or a narrower one (make "
+            "the cache with the attention's window, as new_cache does)"
         )
     if dtype != cache.dtype:
         raise AttentionTypeError(
@@ -190,7 +191,7 @@ def check_cache(
             "new tokens are the last of their sequence (bottom-right)"
         )
     counts = check_lengths("query_lengths", masking["query_lengths"], (B,), L, "query", context)
-    return np.full(B, L, np.int64) if counts is None else counts
+    return (np.full(B, L, np.int64) if counts is None else counts), window
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,8 @@ class Call:
     compute_dtype: np.dtype
     visibility: Visibility | None
     cache: KVCache | None
-    counts: np.ndarray | None
+    counts: np.ndarray | None  # with a cache: each sequence's new tokens
+    window: int | None  # with a cache: the window attended within
     scale: float
     budget: int
     threads: int | None
@@ -292,14 +294,17 @@ def check_call(
     names: Mapping[str, str] = INPUT_NAMES,
 ) -> Call:
     """Every check of :func:`mha.multi_head_attention`'s arguments, in the order it makes
-    them. ``Q is K is V`` stays true of the checked call (one GEMM projects all three)."""
+    them. ``Q is K is V`` stays true of the checked call (one GEMM projects all three).
+    ``names`` gives the caller's names of the inputs and their widths; a key and value named
+    like the query are the query itself (self-attention), quoted once."""
     nq, nk, nv = names["Q"], names["K"], names["V"]
     one = Q is K is V
     Q = as_float_array(nq, Q)
     K = Q if one else as_float_array(nk, K)
     V = Q if one else as_float_array(nv, V)
-    check_rank(nq, Q, "(B, L, d_q) or (L, d_q)", (2, 3))
-    for name, X, width in ((nk, K, "d_kin"), (nv, V, "d_vin")):
+    d_q = names["d_q"]
+    check_rank(nq, Q, f"(B, L, {d_q}) or (L, {d_q})", (2, 3))
+    for name, X, width in ((nk, K, names["d_kin"]), (nv, V, names["d_vin"])):
         layout = f"{'(B, S, ' if Q.ndim == 3 else '(S, '}{width}), like {nq} {Q.shape}"
         check_rank(name, X, layout, (Q.ndim,))
     same(nq, Q, nk, K, "batch shape {}", Q.shape[:-2], K.shape[:-2])
@@ -353,11 +358,12 @@ def check_call(
     extra = (bias_k is not None) + add_zero_attn
     result_dtype, compute_dtype = result_and_compute_dtypes(Q, K, V, *weights.present().values())
     B, L, S = Q.shape[:-2], Q.shape[-2], K.shape[-2]  # B is () for unbatched input
-    context = f"{nq} {Q.shape}, {nk} {K.shape}"
-    visibility, counts = None, None
+    context = f"{nq} {Q.shape}" if nk == nq else f"{nq} {Q.shape}, {nk} {K.shape}"
+    want_weights = flag("return_weights", return_weights)
+    visibility, counts, window = None, None, masking["window"]
     if cache is not None:
-        _refuse_with_cache(cache, Q, K, extra, return_weights, positions, nq, nk)
-        counts = check_cache(
+        _refuse_with_cache(Q, K, extra, want_weights, positions, nq, nk)
+        counts, window = check_cache(
             cache, masking, B=Q.shape[0], H_kv=H_kv, d_k=d_k, d_v=d_v, L=L, new_keys=S,
             dtype=compute_dtype, context=context,
         )  # fmt: skip
@@ -366,7 +372,7 @@ def check_call(
             batch_shape=B, H=H, L=L, S=S, dtype=compute_dtype, context=context, **masking
         )
     scale = resolve_scale(scale, d_k, compute_dtype, f"W_q {W_q.shape}")
-    budget, threads = kernel_options(return_weights, max_memory, workers)
+    budget, threads = kernel_options(max_memory, workers)
     want_backward = flag("return_backward", return_backward)
     drop_p = check_dropout(dropout_p, generator)
     if (want_backward or drop_p) and cache is not None:
@@ -375,7 +381,7 @@ def check_call(
     if rope_theta is not None:
         subject = f"W_q {W_q.shape}, num_heads={H}"
         _, theta, interleaved = check_rotary_options(
-            d_k, rope_theta, rotary_dim, rotary_interleaved, subject
+            d_k, rope_theta, rotary_dim, rotary_interleaved, subject, "rope_theta"
         )
         rotary = {"theta": theta, "rotary_dim": rotary_dim, "interleaved": interleaved}
         q_positions, k_positions = _rotary_positions(positions, cache, Q, S, nq)
@@ -391,9 +397,8 @@ def check_call(
             raise AttentionValueError("positions= has no effect without rope_theta=: give both")
     return Call(
         Q, K, V, weights, add_zero_attn, H, H_kv, d_k, d_v, B, L, S, result_dtype,
-        compute_dtype, visibility, cache, counts, scale, budget, threads,
-        flag("return_weights", return_weights), want_backward, drop_p, rotary, q_positions,
-        k_positions,
+        compute_dtype, visibility, cache, counts, window, scale, budget, threads, want_weights,
+        want_backward, drop_p, rotary, q_positions, k_positions,
     )  # fmt: skip
 
 
@@ -401,12 +406,10 @@ _MATRICES = ("W_q", "W_k", "W_v", "W_o")
 
 
 def _refuse_with_cache(
-    cache: Any, Q: np.ndarray, K: np.ndarray, extra: int, return_weights: Any, positions: Any,
-    nq: str, nk: str,
+    Q: np.ndarray, K: np.ndarray, extra: int, want_weights: bool, positions: Any, nq: str,
+    nk: str,
 ) -> None:  # fmt: skip
     """What a call with ``cache=`` cannot also have, refused before the cache changes."""
-    if not isinstance(cache, KVCache):
-        raise AttentionTypeError(f"cache must be an mha.KVCache; got {type(cache).__name__}")
     refused = []
     if Q.ndim != 3:
         refused.append(f"unbatched inputs ({nq} {Q.shape}; give (B, L, d))")
@@ -414,7 +417,7 @@ def _refuse_with_cache(
         refused.append(f"keys that are not the new tokens' own ({nq} {Q.shape}, {nk} {K.shape})")
     if extra:
         refused.append("bias_k/bias_v or add_zero_attn")
-    if flag("return_weights", return_weights):
+    if want_weights:
         refused.append("return_weights")
     if positions is not None:
         refused.append("positions= (the cache's lengths give the positions)")

@@ -16,7 +16,7 @@ import numpy as np
 from .._arrays import flag, positive_int
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .checks import WEIGHT_NAMES
-from .rotary import check_rotary_options
+from .rotary import check_rotary_options, positive_real
 
 if TYPE_CHECKING:
     from typing import Self
@@ -68,13 +68,7 @@ class Configuration:
         self.head_dim = positive_int("head_dim", head_dim)
         self.kdim, self.vdim = positive_int("kdim", kdim), positive_int("vdim", vdim)
         self.add_zero_attn = flag("add_zero_attn", add_zero_attn)
-        if rope_theta is not None and (
-            isinstance(rope_theta, (bool, np.bool_))
-            or not isinstance(rope_theta, (int, float, np.integer, np.floating))
-            or not 0 < float(rope_theta) < float("inf")
-        ):
-            raise AttentionValueError(f"rope_theta must be a positive number; got {rope_theta!r}")
-        self.rope_theta = None if rope_theta is None else float(rope_theta)
+        self.rope_theta = None if rope_theta is None else positive_real("rope_theta", rope_theta)
         if self.rope_theta is not None:  # checked as the calls will check them
             check_rotary_options(
                 self.head_dim, self.rope_theta, rotary_dim, rotary_interleaved,

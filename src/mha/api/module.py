@@ -8,7 +8,7 @@ weights and settings.
 from __future__ import annotations
 
 import reprlib
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, overload
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from .projection import compute
 if TYPE_CHECKING:
     from typing import Unpack
 
-    from .signatures import Backward, ForwardOptions
+    from .signatures import Backward, Flag, ForwardOptions
 
 __all__ = ["MultiHeadAttention"]
 
@@ -73,20 +73,20 @@ class MultiHeadAttention(Layouts):
 
     def __init__(
         self,
-        d_model: int,
-        num_heads: int,
+        d_model: SupportsIndex,
+        num_heads: SupportsIndex,
         *,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        kdim: int | None = None,
-        vdim: int | None = None,
-        bias: bool = False,
-        add_bias_kv: bool = False,
-        add_zero_attn: bool = False,
+        num_kv_heads: SupportsIndex | None = None,
+        head_dim: SupportsIndex | None = None,
+        kdim: SupportsIndex | None = None,
+        vdim: SupportsIndex | None = None,
+        bias: Flag = False,
+        add_bias_kv: Flag = False,
+        add_zero_attn: Flag = False,
         rope_theta: float | None = None,
-        rotary_dim: int | None = None,
-        rotary_interleaved: bool = False,
-        window: int | None = None,
+        rotary_dim: SupportsIndex | None = None,
+        rotary_interleaved: Flag = False,
+        window: SupportsIndex | None = None,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
     ) -> None:
@@ -156,8 +156,8 @@ class MultiHeadAttention(Layouts):
     ) -> tuple[np.ndarray, np.ndarray, Backward]: ...
     @overload
     def forward(
-        self, query: Any, mask: Any = ..., *, return_weights: bool = ...,
-        return_backward: bool = ..., **options: Unpack[ForwardOptions],
+        self, query: Any, mask: Any = ..., *, return_weights: Flag = ...,
+        return_backward: Flag = ..., **options: Unpack[ForwardOptions],
     ) -> np.ndarray | tuple[Any, ...]: ...
     # fmt: on
 
@@ -168,21 +168,21 @@ class MultiHeadAttention(Layouts):
         *misplaced: Any,
         key: Any = None,
         value: Any = None,
-        causal: bool = False,
+        causal: Flag = False,
         causal_alignment: str | None = None,
         key_lengths: Any = None,
         query_lengths: Any = None,
         bias: Any = None,
-        window: int | None = None,
+        window: SupportsIndex | None = None,
         scale: float | None = None,
-        return_weights: bool = False,
+        return_weights: Flag = False,
         positions: Any = None,
         cache: KVCache | None = None,
-        return_backward: bool = False,
+        return_backward: Flag = False,
         dropout_p: float | None = None,
         generator: np.random.Generator | None = None,
-        max_memory: int | None = None,
-        workers: int | None = None,
+        max_memory: SupportsIndex | None = None,
+        workers: SupportsIndex | None = None,
     ) -> np.ndarray | tuple[Any, ...]:
         """Attention of ``query (B, L, d_model)`` (or ``(L, d_model)``) over itself, or over
         ``key``/``value`` given by name.
@@ -198,7 +198,8 @@ class MultiHeadAttention(Layouts):
         ``key_lengths``, ``query_lengths``, ``bias``, ``window``, ``scale``,
         ``return_weights``, ``max_memory`` and ``workers``; the module's own
         ``num_kv_heads`` and rotary settings apply. A ``window`` given here combines with
-        the module's by AND, as every mask argument does (the narrower one counts).
+        the module's by AND, as every mask argument does (the narrower one counts; with a
+        cache too, which keeps what the module's window needs).
         ``positions`` (``(L,)`` or ``(B, L)``) places the tokens for the rotary embedding.
         ``cache`` (from :meth:`new_cache`) makes ``query`` the next tokens of each sequence:
         they are projected, rotated at their true positions, appended, and attend causally
@@ -241,7 +242,14 @@ class MultiHeadAttention(Layouts):
             raise AttentionValueError(
                 "forward got value= without key=: give key= too (value defaults to key)"
             )
-        key = query if key is None else as_float_array("key", key)
+        itself = key is None  # self-attention: the query is its own key and value
+        if itself and (self.kdim, self.vdim) != (self.d_model, self.d_model):
+            raise AttentionValueError(
+                f"this MultiHeadAttention takes keys {self.kdim} and values {self.vdim} wide "
+                f"(kdim, vdim), not d_model={self.d_model}: it cannot attend over the query "
+                "itself; pass key= (and value=)"
+            )
+        key = query if itself else as_float_array("key", key)
         value = key if value is None else as_float_array("value", value)
         for name, array, width, label in (
             ("query", query, self.d_model, "d_model"),
@@ -272,7 +280,8 @@ class MultiHeadAttention(Layouts):
             num_kv_heads=self.num_kv_heads, rope_theta=self.rope_theta,
             rotary_dim=self.rotary_dim, rotary_interleaved=self.rotary_interleaved,
             positions=positions, cache=cache, return_backward=return_backward,
-            dropout_p=dropout_p, generator=generator, names=_INPUT_NAMES,
+            dropout_p=dropout_p, generator=generator,
+            names=_SELF_NAMES if itself else _INPUT_NAMES,
         )  # fmt: skip
         result = compute(call, bias, generator)
         if not call.want_backward:
@@ -321,7 +330,10 @@ class MultiHeadAttention(Layouts):
     __call__ = forward
 
 
-_INPUT_NAMES = {"Q": "query", "K": "key", "V": "value"}
+_WIDTHS = {"d_q": "d_model", "d_kin": "kdim", "d_vin": "vdim"}
+_INPUT_NAMES = {"Q": "query", "K": "key", "V": "value", **_WIDTHS}
+_SELF_NAMES = {"Q": "query", "K": "query", "V": "query", **_WIDTHS}  # messages name one input
+_GRADIENT_NAMES = {"Q": "query", "K": "key", "V": "value"}  # apart, even for self-attention
 
 
 class _Renamed:
@@ -331,7 +343,7 @@ class _Renamed:
         self.backward = backward
 
     def __call__(self, grad_out: Any) -> dict[str, np.ndarray]:
-        return {_INPUT_NAMES.get(name, name): g for name, g in self.backward(grad_out).items()}
+        return {_GRADIENT_NAMES.get(name, name): g for name, g in self.backward(grad_out).items()}
 
 
 def _check_mask_argument(mask: Any) -> None:

@@ -9,7 +9,7 @@ heads, ``L`` query positions, ``S`` key positions, ``d_k``/``d_v`` per-head widt
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, overload
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from .split_heads import attend_cached, cast
 if TYPE_CHECKING:
     from typing import Unpack
 
-    from .signatures import Backward, MhaOptions
+    from .signatures import Backward, Flag, MhaOptions
 
 __all__ = ["append_keys", "compute", "multi_head_attention", "project_heads"]
 
@@ -36,32 +36,32 @@ __all__ = ["append_keys", "compute", "multi_head_attention", "project_heads"]
 # fmt: off
 @overload
 def multi_head_attention(
-    Q: Any, K: Any, V: Any, W_q: Any, W_k: Any, W_v: Any, W_o: Any, num_heads: int, *,
+    Q: Any, K: Any, V: Any, W_q: Any, W_k: Any, W_v: Any, W_o: Any, num_heads: SupportsIndex, *,
     return_weights: Literal[False] = ..., return_backward: Literal[False] = ...,
     **options: Unpack[MhaOptions],
 ) -> np.ndarray: ...
 @overload
 def multi_head_attention(
-    Q: Any, K: Any, V: Any, W_q: Any, W_k: Any, W_v: Any, W_o: Any, num_heads: int, *,
+    Q: Any, K: Any, V: Any, W_q: Any, W_k: Any, W_v: Any, W_o: Any, num_heads: SupportsIndex, *,
     return_weights: Literal[True], return_backward: Literal[False] = ...,
     **options: Unpack[MhaOptions],
 ) -> tuple[np.ndarray, np.ndarray]: ...
 @overload
 def multi_head_attention(
-    Q: Any, K: Any, V: Any, W_q: Any, W_k: Any, W_v: Any, W_o: Any, num_heads: int, *,
+    Q: Any, K: Any, V: Any, W_q: Any, W_k: Any, W_v: Any, W_o: Any, num_heads: SupportsIndex, *,
     return_weights: Literal[False] = ..., return_backward: Literal[True],
     **options: Unpack[MhaOptions],
 ) -> tuple[np.ndarray, Backward]: ...
 @overload
 def multi_head_attention(
-    Q: Any, K: Any, V: Any, W_q: Any, W_k: Any, W_v: Any, W_o: Any, num_heads: int, *,
+    Q: Any, K: Any, V: Any, W_q: Any, W_k: Any, W_v: Any, W_o: Any, num_heads: SupportsIndex, *,
     return_weights: Literal[True], return_backward: Literal[True],
     **options: Unpack[MhaOptions],
 ) -> tuple[np.ndarray, np.ndarray, Backward]: ...
 @overload
 def multi_head_attention(
-    Q: Any, K: Any, V: Any, W_q: Any, W_k: Any, W_v: Any, W_o: Any, num_heads: int, *,
-    return_weights: bool = ..., return_backward: bool = ..., **options: Unpack[MhaOptions],
+    Q: Any, K: Any, V: Any, W_q: Any, W_k: Any, W_v: Any, W_o: Any, num_heads: SupportsIndex, *,
+    return_weights: Flag = ..., return_backward: Flag = ..., **options: Unpack[MhaOptions],
 ) -> np.ndarray | tuple[Any, ...]: ...
 # fmt: on
 
@@ -74,10 +74,10 @@ def multi_head_attention(
     W_k: Any,
     W_v: Any,
     W_o: Any,
-    num_heads: int,
+    num_heads: SupportsIndex,
     *,
     mask: Any = None,
-    causal: bool = False,
+    causal: Flag = False,
     causal_alignment: str | None = None,
     key_lengths: Any = None,
     query_lengths: Any = None,
@@ -87,20 +87,20 @@ def multi_head_attention(
     b_v: Any = None,
     b_o: Any = None,
     scale: float | None = None,
-    return_weights: bool = False,
-    max_memory: int | None = None,
-    workers: int | None = None,
+    return_weights: Flag = False,
+    max_memory: SupportsIndex | None = None,
+    workers: SupportsIndex | None = None,
     bias_k: Any = None,
     bias_v: Any = None,
-    add_zero_attn: bool = False,
-    num_kv_heads: int | None = None,
-    window: int | None = None,
+    add_zero_attn: Flag = False,
+    num_kv_heads: SupportsIndex | None = None,
+    window: SupportsIndex | None = None,
     rope_theta: float | None = None,
-    rotary_dim: int | None = None,
-    rotary_interleaved: bool = False,
+    rotary_dim: SupportsIndex | None = None,
+    rotary_interleaved: Flag = False,
     positions: Any = None,
     cache: KVCache | None = None,
-    return_backward: bool = False,
+    return_backward: Flag = False,
     dropout_p: float | None = None,
     generator: np.random.Generator | None = None,
 ) -> np.ndarray | tuple[Any, ...]:
@@ -229,8 +229,9 @@ def compute(
         if visibility is None:  # the cache's call
             assert call.cache is not None and call.counts is not None
             heads, _ = attend_cached(
-                q, k, v, call.cache, call.counts, 1.0, False, call.budget, call.threads, team
-            )
+                q, k, v, call.cache, call.counts, call.window, 1.0, False, call.budget,
+                call.threads, team,
+            )  # fmt: skip
             joined = join_heads(heads)
         else:
             joined = np.zeros((*B, L, H * d_v), dtype=dtype)  # (*B, L, H*d_v)

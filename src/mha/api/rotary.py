@@ -17,7 +17,13 @@ import numpy as np
 from .._arrays import as_array, as_float_array, flag, positive_int, result_and_compute_dtypes
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 
-__all__ = ["apply_rotary", "check_positions", "check_rotary", "check_rotary_options"]
+__all__ = [
+    "apply_rotary",
+    "check_positions",
+    "check_rotary",
+    "check_rotary_options",
+    "positive_real",
+]
 
 
 def apply_rotary(
@@ -85,9 +91,10 @@ def check_rotary(
 
 
 def check_rotary_options(
-    d: int, theta: Any, rotary_dim: Any, interleaved: Any, subject: str
+    d: int, theta: Any, rotary_dim: Any, interleaved: Any, subject: str, theta_name: str = "theta"
 ) -> tuple[int, float, bool]:
-    """The rotated width, the base and ``interleaved`` for heads ``d`` wide."""
+    """The rotated width, the base and ``interleaved`` for heads ``d`` wide (``theta_name``:
+    what the caller calls the base)."""
     r = d if rotary_dim is None else positive_int("rotary_dim", rotary_dim)
     if rotary_dim is None and d % 2:
         raise AttentionValueError(
@@ -98,7 +105,7 @@ def check_rotary_options(
         raise AttentionValueError(
             f"rotary_dim must be even and at most the head width {d}; got {r} ({subject})"
         )
-    return r, _positive_real("theta", theta), flag("interleaved", interleaved)
+    return r, positive_real(theta_name, theta), flag("interleaved", interleaved)
 
 
 def check_positions(positions: Any, shape: tuple[int, ...], subject: str) -> np.ndarray:
@@ -120,7 +127,7 @@ def check_positions(positions: Any, shape: tuple[int, ...], subject: str) -> np.
     raise ShapeError(f"positions must have shape {expected}; got shape {array.shape} ({subject})")
 
 
-def _positive_real(name: str, value: Any) -> float:
+def positive_real(name: str, value: Any) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(
         value, (int, float, np.integer, np.floating)
     ):

@@ -10,31 +10,34 @@ functions themselves take these keywords one by one.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypedDict
+from typing import Any, SupportsIndex, TypedDict
 
 import numpy as np
 
 from .cache import KVCache
 
-__all__ = ["Backward", "ForwardOptions", "MhaOptions", "SdpaOptions"]
+__all__ = ["Backward", "Flag", "ForwardOptions", "MhaOptions", "SdpaOptions"]
 
 Backward = Callable[[Any], dict[str, np.ndarray]]
 """``backward(grad_out)``: the gradients by name, each shaped like what it is the gradient of."""
 
+Flag = bool | np.bool_
+"""A switch: Python's or NumPy's bool (an int is refused at run time)."""
+
 
 class _Keywords(TypedDict, total=False):
-    causal: bool
+    causal: Flag
     causal_alignment: str | None
     key_lengths: Any
     query_lengths: Any
     bias: Any
-    window: int | None
+    window: SupportsIndex | None
     scale: float | None
     dropout_p: float | None
     generator: np.random.Generator | None
     cache: KVCache | None
-    max_memory: int | None
-    workers: int | None
+    max_memory: SupportsIndex | None
+    workers: SupportsIndex | None
 
 
 class SdpaOptions(_Keywords, total=False):
@@ -53,11 +56,11 @@ class MhaOptions(_Keywords, total=False):
     b_o: Any
     bias_k: Any
     bias_v: Any
-    add_zero_attn: bool
-    num_kv_heads: int | None
+    add_zero_attn: Flag
+    num_kv_heads: SupportsIndex | None
     rope_theta: float | None
-    rotary_dim: int | None
-    rotary_interleaved: bool
+    rotary_dim: SupportsIndex | None
+    rotary_interleaved: Flag
     positions: Any
 
 

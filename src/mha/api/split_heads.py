@@ -9,7 +9,7 @@ Shapes are named as in the paper: ``H`` heads, ``L`` query positions, ``S`` key 
 from __future__ import annotations
 
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, overload
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from .gradients import SplitHeadsBackward
 if TYPE_CHECKING:
     from typing import Unpack
 
-    from .signatures import Backward, SdpaOptions
+    from .signatures import Backward, Flag, SdpaOptions
 
 __all__ = ["attend_cached", "cast", "merge_attention", "scaled_dot_product_attention"]
 
@@ -91,8 +91,8 @@ def scaled_dot_product_attention(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Backward]: ...
 @overload
 def scaled_dot_product_attention(
-    q: Any, k: Any, v: Any, *, return_weights: bool = ..., return_lse: bool = ...,
-    return_backward: bool = ..., **options: Unpack[SdpaOptions],
+    q: Any, k: Any, v: Any, *, return_weights: Flag = ..., return_lse: Flag = ...,
+    return_backward: Flag = ..., **options: Unpack[SdpaOptions],
 ) -> np.ndarray | tuple[Any, ...]: ...
 # fmt: on
 
@@ -103,21 +103,21 @@ def scaled_dot_product_attention(
     v: Any,
     *,
     mask: Any = None,
-    causal: bool = False,
+    causal: Flag = False,
     causal_alignment: str | None = None,
     key_lengths: Any = None,
     query_lengths: Any = None,
     bias: Any = None,
-    window: int | None = None,
+    window: SupportsIndex | None = None,
     scale: float | None = None,
-    return_weights: bool = False,
-    return_lse: bool = False,
-    return_backward: bool = False,
+    return_weights: Flag = False,
+    return_lse: Flag = False,
+    return_backward: Flag = False,
     dropout_p: float | None = None,
     generator: np.random.Generator | None = None,
     cache: KVCache | None = None,
-    max_memory: int | None = None,
-    workers: int | None = None,
+    max_memory: SupportsIndex | None = None,
+    workers: SupportsIndex | None = None,
 ) -> np.ndarray | tuple[Any, ...]:
     """Attention over already split heads: ``softmax(q k^T * scale + bias) v`` per head.
 
@@ -183,13 +183,14 @@ def scaled_dot_product_attention(
     """
     q, k, v, result_dtype, compute_dtype = checked_heads(q, k, v)
     scale = resolve_scale(scale, q.shape[-1], compute_dtype)
-    budget, threads = kernel_options(return_weights, max_memory, workers)
+    want_weights = flag("return_weights", return_weights)
+    budget, threads = kernel_options(max_memory, workers)
     masking = masking_of(mask, causal, causal_alignment, key_lengths, query_lengths, bias, window)
     drop_p = check_dropout(dropout_p, generator)
     want_lse = flag("return_lse", return_lse)
     want_backward = flag("return_backward", return_backward)
     if cache is not None:
-        if return_weights or want_backward or drop_p:
+        if want_weights or want_backward or drop_p:
             raise AttentionValueError(
                 "return_weights, return_backward and dropout are not available with cache=: "
                 "call without the cache"
@@ -201,12 +202,12 @@ def scaled_dot_product_attention(
             )
         if masking["window"] is None:  # the cache's window, unless the call names one
             masking["window"] = getattr(cache, "window", None)
-        counts = check_cache(
+        counts, window = check_cache(
             cache, masking, B=q.shape[0], H_kv=k.shape[1], d_k=k.shape[-1], d_v=v.shape[-1],
             L=q.shape[-2], new_keys=k.shape[-2], dtype=compute_dtype,
             context=f"q {q.shape}, k {k.shape}, v {v.shape}",
         )  # fmt: skip
-        out, lse = attend_cached(q, k, v, cache, counts, scale, want_lse, budget, threads)
+        out, lse = attend_cached(q, k, v, cache, counts, window, scale, want_lse, budget, threads)
         out = cast(out, result_dtype)
         return out if lse is None else (out, lse)
     visibility = Visibility.build(
@@ -217,7 +218,7 @@ def scaled_dot_product_attention(
     dropout = Dropout.draw(drop_p, generator, q.shape[-3], q.shape[-2]) if drop_p else None
     out = np.zeros((*q.shape[:-1], v.shape[-1]), dtype=compute_dtype)
     weights = None
-    if return_weights:
+    if want_weights:
         weights = np.zeros((*q.shape[:-1], k.shape[-2]), dtype=compute_dtype)
     lse = None
     if want_lse or want_backward:
@@ -247,6 +248,7 @@ def attend_cached(
     v: np.ndarray,
     cache: KVCache,
     counts: np.ndarray,
+    window: SupportsIndex | None,
     scale: float,
     want_lse: bool,
     budget: int,
@@ -254,16 +256,16 @@ def attend_cached(
     team: Team | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Append the first ``counts[b]`` new keys and values of each sequence ``b`` to
-    ``cache`` and attend over everything it holds: ``(out, lse or None)`` in the cache's
-    dtype. The call was checked by :func:`check_cache`; the cache's lengths advance only
-    once the attention is computed."""
+    ``cache`` and attend over everything it holds, within ``window``: ``(out, lse or
+    None)`` in the cache's dtype. The call was checked by :func:`check_cache`; the cache's
+    lengths advance only once the attention is computed."""
     B, L = q.shape[0], q.shape[-2]
     dtype = cache.dtype
     filled = cache._append(k, v, counts)
     S = int(filled.max(initial=0))
     visibility = Visibility.build(
         batch_shape=(B,), H=q.shape[-3], L=L, S=S, causal=True, key_lengths=filled,
-        query_lengths=counts, window=cache.window, offsets=filled - counts, dtype=dtype,
+        query_lengths=counts, window=window, offsets=filled - counts, dtype=dtype,
     )  # fmt: skip
     keys, values = cache.k, cache.v
     out = np.zeros((*q.shape[:-1], values.shape[-1]), dtype=dtype)

@@ -100,7 +100,7 @@ def _grouped(torch: Any, rng: np.random.Generator) -> Row:
                                                    causal=causal, key_lengths=lengths), expected)
         for dtype in DTYPES
     }  # fmt: skip
-    options = f"{H} query heads, {H_kv} key/value heads" + (", causal" if causal else "")
+    options = f"{H} query heads, {_heads(H_kv)}" + (", causal" if causal else "")
     return {"shape": _shape(B, H, L, S, d), "options": options + ", key_lengths", **errors}
 
 
@@ -179,7 +179,7 @@ def _cached(torch: Any, rng: np.random.Generator) -> Row:
                 for a, b in spans
             ]  # fmt: skip
         errors[dtype] = _error(np.concatenate(outs, axis=1), expected)
-    options = f"prompt {prompt} + {T - prompt} tokens, {H_kv} key/value heads, rotary" + (
+    options = f"prompt {prompt} + {T - prompt} tokens, {_heads(H_kv)}, rotary" + (
         f", window {window}" if window else ""
     )
     return {"shape": _shape(B, H, T, T, d), "options": options, **errors}
@@ -312,6 +312,10 @@ def _error(ours: np.ndarray, expected: np.ndarray, scale: float | None = None) -
     if scale is None:
         scale = float(np.abs(expected).max(initial=0.0)) or 1.0
     return float(np.abs(np.asarray(ours, np.float64) - expected).max(initial=0.0)) / scale
+
+
+def _heads(n: int) -> str:
+    return f"{n} key/value head{'s' if n > 1 else ''}"
 
 
 def _shape(B: int, H: int, L: int, S: int, d: int) -> str:

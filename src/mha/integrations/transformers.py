@@ -25,8 +25,10 @@ UNSUPPORTED = {
     "q_norm": "QK-norm, as in Qwen3, Gemma 3 and OLMo 2",
     "k_norm": "QK-norm, as in Qwen3, Gemma 3 and OLMo 2",
     "sinks": "attention sinks, as in gpt-oss",
+    "lora": "a LoRA adapter: merge it into the base weights first, as peft's merge_and_unload",
 }
-"""Weights that some Llama-style attention modules hold and mha's layout does not (yet)."""
+"""Weights that some Llama-style attention modules hold and mha's layout does not (yet), by
+a part of their name."""
 
 
 def weights_from_gpt2(
@@ -81,20 +83,12 @@ def weights_from_llama(
         f"{prefix}{layer}.{part}" for layer in LLAMA_PROJECTIONS for part in ("weight", "bias")
     }
     known.add(f"{prefix}rotary_emb.inv_freq")  # older checkpoints' buffer: derived, not read
-    unknown = sorted(key[len(prefix) :] for key in ours - known)
-    unsupported = [key for key in unknown if key.count(".") <= 1]  # this module's own
-    if unsupported:
-        named = {key: UNSUPPORTED.get(key.split(".")[0]) for key in unsupported}
-        said = ", ".join(f"{key} ({why})" if why else key for key, why in named.items())
+    unknown = sorted(key[len(prefix) :] for key in ours - known)  # the module's, all of them
+    if unknown:
+        said = ", ".join(f"{key} ({_why(key)})" if _why(key) else key for key in unknown)
         raise AttentionValueError(
             f"the attention at {prefix!r} has weights mha's Llama layout does not support: "
             f"{said}; loading it without them would compute another model"
-        )
-    if unknown:
-        raise AttentionValueError(
-            f"state dict has keys under {prefix!r} that belong to no attention projection, "
-            f"such as {unknown[0]!r} ({len(unknown)} in all); give the prefix of one "
-            "attention module, such as 'model.layers.0.self_attn.'"
         )
     hidden = as_numpy(weight, state[weight]).shape[-1]
     if head_dim is None:  # the config's default: hidden_size // num_attention_heads
@@ -152,3 +146,9 @@ def _prefix_problem(keys: list[str], prefix: str) -> str:
         "keys): is it a Llama-style model's? The prefix is the attention module's, such as "
         "'model.layers.0.self_attn.'"
     )
+
+
+def _why(key: str) -> str | None:
+    """What the unsupported weight ``key`` is, when its name says."""
+    parts = [part.split("_")[0] if part.startswith("lora_") else part for part in key.split(".")]
+    return next((UNSUPPORTED[part] for part in parts if part in UNSUPPORTED), None)

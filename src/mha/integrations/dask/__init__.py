@@ -68,8 +68,6 @@ from .tasks import (
 __all__ = ["multi_head_attention", "scaled_dot_product_attention"]
 
 SPLIT_EVERY = 4
-
-
 """Parts merged by one task of the tree reduction."""
 
 
@@ -126,8 +124,9 @@ def scaled_dot_product_attention(
     standins = [standin(x) for x in lazy.values()]
     sq, sk, sv, result_dtype, compute_dtype = checks.checked_heads(*standins)
     scale = resolve_scale(scale, sq.shape[-1], compute_dtype)
-    budget, threads = checks.kernel_options(return_weights, max_memory, workers)
-    checks.check_dropout(dropout_p, generator)
+    budget, threads = checks.kernel_options(max_memory, workers)
+    # what only memory offers, refused by name before the in-memory checks of what it needs
+    refuse_in_memory_only(return_weights, return_backward, dropout_p, generator, cache)
     batch_shape, H, L, S = sq.shape[:-3], sq.shape[-3], sq.shape[-2], sk.shape[-2]
     masks = Masks.check(mask, bias, da).fit_scores(batch_shape, H, L, S)
     causal = flag("causal", causal)
@@ -138,7 +137,6 @@ def scaled_dot_product_attention(
         dtype=compute_dtype, context=f"q {sq.shape}, k {sk.shape}",
     )  # fmt: skip
     want_lse = flag("return_lse", return_lse)
-    refuse_in_memory_only(return_weights, return_backward, dropout_p, generator, cache)
     fan_in = check_fan_in(split_every)
 
     batched = len(batch_shape) > 0
@@ -267,6 +265,8 @@ def multi_head_attention(
     sQ, sK, sV = (standin(x) for x in lazy.values())
     if self_attention:
         sK = sV = sQ
+    # what only memory offers, refused by name before the in-memory checks of what it needs
+    refuse_in_memory_only(return_weights, return_backward, dropout_p, generator, cache)
     masking = checks.masking(  # the mask and the bias are checked by Masks, after
         True if isinstance(mask, (bool, np.bool_)) and mask else None, causal, causal_alignment,
         small("key_lengths", key_lengths), small("query_lengths", query_lengths), None, window,
@@ -280,7 +280,6 @@ def multi_head_attention(
         positions=small("positions", positions), cache=cache, return_backward=return_backward,
         dropout_p=dropout_p, generator=generator,
     )  # fmt: skip
-    refuse_in_memory_only(return_weights, return_backward, dropout_p, generator, cache)
     H, B, L, S = call.H, call.B, call.L, call.S
     masks = Masks.check(mask, bias, da).fit_scores(B, H, L, S)
     causal = flag("causal", causal)
