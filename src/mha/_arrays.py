@@ -43,6 +43,12 @@ def as_array(name: str, x: Any) -> np.ndarray:
         raise AttentionTypeError(f"{name} could not be read as an array: {error}") from None
 
 
+def cast_result(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``array`` in the dtype returned to the caller (float16 results overflow to inf)."""
+    with np.errstate(over="ignore"):
+        return array.astype(dtype, copy=False)
+
+
 def result_and_compute_dtypes(*arrays: np.ndarray | None) -> tuple[np.dtype, np.dtype]:
     """The dtype returned to the caller and the dtype the arithmetic runs in."""
     result = np.result_type(*(a for a in arrays if a is not None))

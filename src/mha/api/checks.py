@@ -12,7 +12,7 @@ the same errors. Messages name the arguments as the caller gave them: ``names`` 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -209,6 +209,11 @@ class Weights:
     b_o: np.ndarray | None = None
     bias_k: np.ndarray | None = None
     bias_v: np.ndarray | None = None
+
+    def in_dtype(self, dtype: np.dtype) -> Weights:
+        """The weights in ``dtype`` (the same arrays where they already are)."""
+        cast = {name: x.astype(dtype, copy=False) for name, x in self.present().items()}
+        return replace(self, **cast)
 
     def present(self) -> dict[str, np.ndarray]:
         """The weights given, by parameter name."""

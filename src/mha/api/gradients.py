@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import as_float_array
+from .._arrays import as_float_array, cast_result
 from .._kernel.backward import attend_backward
 from .._kernel.contract import Visibility
 from .._kernel.dropout import Dropout
@@ -77,7 +77,7 @@ class SplitHeadsBackward:
         grads = {"q": dq, "k": dk, "v": dv}
         if dbias is not None and self.bias_shape is not None:
             grads["bias"] = _sum_to(dbias, self.bias_shape, self.q.shape[:-3])
-        return {name: _cast(g, self.dtypes[name]) for name, g in grads.items()}
+        return {name: cast_result(g, self.dtypes[name]) for name, g in grads.items()}
 
 
 class ProjectedBackward:
@@ -173,7 +173,7 @@ class ProjectedBackward:
                 # L = 16384, d_model = 512 in float32 (nothing else reads it any more)
                 grads[x] = team.matmul(joined_grad, a(W).T, overwrite=True)
                 del joined_grad
-        return {name: _cast(g, self.dtypes[name]) for name, g in grads.items()}
+        return {name: cast_result(g, self.dtypes[name]) for name, g in grads.items()}
 
 
 class Fingerprints:
@@ -283,8 +283,3 @@ def _rows(x: np.ndarray) -> np.ndarray:
 def _weight_grad(x: np.ndarray, grad: np.ndarray, team: Team) -> np.ndarray:
     """``d(x @ W)/dW`` for ``x (..., m)`` and ``grad (..., n)``: ``x^T @ grad`` over rows."""
     return team.matmul(_rows(x).T, _rows(grad))
-
-
-def _cast(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return array.astype(dtype, copy=False)

@@ -13,16 +13,17 @@ from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, overload
 
 import numpy as np
 
+from .._arrays import cast_result
 from .._kernel.contract import Visibility
 from .._kernel.dropout import Dropout
 from .._kernel.forward import attend
 from .._kernel.team import Team, workers_for
 from .cache import KVCache
-from .checks import Call, check_call
+from .checks import Call, Weights, check_call
 from .checks import masking as masking_of
 from .gradients import ProjectedBackward, join_heads, split_heads
 from .rotary import apply_rotary
-from .split_heads import attend_cached, cast
+from .split_heads import attend_cached
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -202,30 +203,28 @@ def compute(
     ``backward`` if asked for. ``bias`` is the caller's (its gradient takes its shape) and
     ``generator`` the dropout's."""
     H, d_v, B, L, S = call.H, call.d_v, call.B, call.L, call.S
-    dtype, weights_in = call.compute_dtype, call.weights
+    dtype, given = call.compute_dtype, call.weights
+    w = given.in_dtype(dtype)
     visibility = call.visibility
     if visibility is not None and call.extra:
         visibility = with_extra_keys(visibility, call.extra, dtype)
     # Everything is checked: the dropout's seed may be drawn.
     dropout = Dropout.draw(call.drop_p, generator, H, L) if call.drop_p else None
 
-    def cast_in(array: np.ndarray | None) -> np.ndarray | None:
-        return None if array is None else array.astype(dtype, copy=False)
-
     keys = S if call.cache is None else int(call.cache.lengths.max(initial=0)) + L  # attended
     cost = float(np.prod(B)) * (  # multiply-adds of the projections and of attention
-        L * weights_in.W_q.size + S * (weights_in.W_k.size + weights_in.W_v.size)
-        + L * weights_in.W_o.size + H * L * keys * (call.d_k + d_v)
+        L * given.W_q.size + S * (given.W_k.size + given.W_v.size)
+        + L * given.W_o.size + H * L * keys * (call.d_k + d_v)
     )  # fmt: skip
     weights = lse = None
     with (
         np.errstate(invalid="ignore", over="ignore"),
         Team(workers_for(cost, call.threads)) as team,
     ):
-        q, k, v = project_heads(call, team)
+        q, k, v = project_heads(call, w, team)
         if call.extra:
-            k = append_keys(k, cast_in(weights_in.bias_k), call.add_zero_attn, call.H_kv)
-            v = append_keys(v, cast_in(weights_in.bias_v), call.add_zero_attn, call.H_kv)
+            k = append_keys(k, w.bias_k, call.add_zero_attn, call.H_kv)
+            v = append_keys(v, w.bias_v, call.add_zero_attn, call.H_kv)
         if visibility is None:  # the cache's call
             assert call.cache is not None and call.counts is not None
             heads, _ = attend_cached(
@@ -243,33 +242,35 @@ def compute(
                 q, k, v, visibility, 1.0, split_heads(joined, H), weights=weights, lse=lse,
                 max_memory=call.budget, team=team, dropout=dropout,
             )  # fmt: skip
-        out = team.matmul(joined, weights_in.W_o.astype(dtype, copy=False), cast_in(weights_in.b_o))
-    results: list[Any] = [cast(out, call.result_dtype)]
+        out = team.matmul(joined, w.W_o, w.b_o)
+    results: list[Any] = [cast_result(out, call.result_dtype)]
     if weights is not None:
-        results.append(cast(weights, call.result_dtype))
+        results.append(cast_result(weights, call.result_dtype))
     if call.want_backward:
         assert lse is not None and visibility is not None
         results.append(ProjectedBackward(call, bias, q, k, v, joined, lse, visibility, dropout))
     return results[0] if len(results) == 1 else tuple(results)
 
 
-def project_heads(call: Call, team: Team) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def project_heads(call: Call, w: Weights, team: Team) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The projected ``q (*B, H, L, d_k)`` (already times the scale), ``k``, ``v``, rotated
-    at the call's positions when it has rotary embeddings.
+    at the call's positions when it has rotary embeddings; ``w`` holds the call's weights in
+    its compute dtype.
 
     The scale goes where it costs least: into ``W_q`` when there are more query rows than
     input features, into the projected ``q`` otherwise. For self-attention with enough rows
     to pay for copying the weights, one GEMM against ``[W_q | W_k | W_v]`` projects all three.
     """  # fmt: skip
-    dtype, scale, w = call.compute_dtype, call.scale, call.weights
-    H, H_kv = call.H, call.H_kv
-
-    def c(array: np.ndarray | None) -> np.ndarray | None:
-        return None if array is None else array.astype(dtype, copy=False)
-
-    Q, W_q, W_k, W_v = c(call.Q), c(w.W_q), c(w.W_k), c(w.W_v)
-    b_q, b_k, b_v = c(w.b_q), c(w.b_k), c(w.b_v)
-    assert Q is not None and W_q is not None and W_k is not None and W_v is not None
+    dtype, scale, H, H_kv = call.compute_dtype, call.scale, call.H, call.H_kv
+    Q, W_q, W_k, W_v, b_q, b_k, b_v = (
+        call.Q.astype(dtype, copy=False),
+        w.W_q,
+        w.W_k,
+        w.W_v,
+        w.b_q,
+        w.b_k,
+        w.b_v,
+    )
     rows = int(np.prod(Q.shape[:-1]))
     if rows >= Q.shape[-1]:
         W_q, b_q = W_q * scale, None if b_q is None else b_q * scale

@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, overload
 
 import numpy as np
 
-from .._arrays import as_float_array, flag, resolve_scale, result_and_compute_dtypes
+from .._arrays import (
+    as_float_array,
+    cast_result,
+    flag,
+    resolve_scale,
+    result_and_compute_dtypes,
+)
 from .._kernel.contract import Visibility
 from .._kernel.dropout import Dropout
 from .._kernel.forward import attend, merge_partials
@@ -37,7 +43,7 @@ if TYPE_CHECKING:
 
     from .signatures import Backward, Flag, SdpaOptions
 
-__all__ = ["attend_cached", "cast", "merge_attention", "scaled_dot_product_attention"]
+__all__ = ["attend_cached", "merge_attention", "scaled_dot_product_attention"]
 
 
 # One overload per combination of the return_* flags (the output first, then the weights,
@@ -208,7 +214,7 @@ def scaled_dot_product_attention(
             context=f"q {q.shape}, k {k.shape}, v {v.shape}",
         )  # fmt: skip
         out, lse = attend_cached(q, k, v, cache, counts, window, scale, want_lse, budget, threads)
-        out = cast(out, result_dtype)
+        out = cast_result(out, result_dtype)
         return out if lse is None else (out, lse)
     visibility = Visibility.build(
         batch_shape=q.shape[:-3], H=q.shape[-3], L=q.shape[-2], S=k.shape[-2],
@@ -229,9 +235,9 @@ def scaled_dot_product_attention(
             q, k, v, visibility, scale, out, weights=weights, lse=lse, max_memory=budget,
             team=team, dropout=dropout,
         )  # fmt: skip
-    results: list[Any] = [cast(out, result_dtype)]
+    results: list[Any] = [cast_result(out, result_dtype)]
     if weights is not None:
-        results.append(cast(weights, result_dtype))
+        results.append(cast_result(weights, result_dtype))
     if want_lse:
         results.append(lse)
     if want_backward:
@@ -322,16 +328,10 @@ def merge_attention(outputs: Any, lses: Any) -> tuple[np.ndarray, np.ndarray]:
             [out.astype(compute_dtype, copy=False) for out in outs],
             [lse.astype(lse_dtype, copy=False) for lse in logs],
         )
-    return cast(merged, result_dtype), lse_merged
+    return cast_result(merged, result_dtype), lse_merged
 
 
 def _sequence(name: str, value: Any) -> list[Any]:
     if isinstance(value, np.ndarray) or not isinstance(value, (list, tuple)):
         raise AttentionTypeError(f"{name} must be a list or tuple of arrays, one per key range")
     return list(value)
-
-
-def cast(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """``array`` in the dtype returned to the caller (float16 results overflow to inf)."""
-    with np.errstate(over="ignore"):
-        return array.astype(dtype, copy=False)

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._arrays import cast_result
 from ..._kernel.contract import Visibility
 from ..._kernel.forward import attend, merge_partials
 from ..._kernel.team import Team, workers_for
@@ -15,7 +16,6 @@ from ...api import checks
 from ...api.gradients import join_heads, split_heads
 from ...api.projection import multi_head_attention as in_memory_mha
 from ...api.rotary import apply_rotary
-from ...api.split_heads import cast
 from ...api.split_heads import scaled_dot_product_attention as in_memory_sdpa
 
 _all__ = ["multi_head_attention", "scaled_dot_product_attention"]
@@ -141,11 +141,11 @@ def mha_out(parts: list[Any], weights: Weights, plan: Output) -> Any:
     W_o = weights["W_o"].astype(plan.dtype, copy=False)
     with Team(workers_for(float(joined.size) * W_o.shape[1], plan.threads)) as team:
         out = team.matmul(joined, W_o, b_o)
-    return cast(out, plan.result_dtype)
+    return cast_result(out, plan.result_dtype)
 
 
 def sdpa_out(merged: tuple[np.ndarray, np.ndarray], result_dtype: np.dtype) -> np.ndarray:
-    return cast(merged[0], result_dtype)
+    return cast_result(merged[0], result_dtype)
 
 
 def lse_out(merged: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
