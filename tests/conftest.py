@@ -28,6 +28,18 @@ def torch() -> Any:
     return torch
 
 
+@pytest.fixture(scope="session")
+def transformers(torch: Any) -> Any:
+    """Hugging Face transformers for the model oracles: required with torch in CI."""
+    try:
+        import transformers
+    except ImportError:
+        if REQUIRE_TORCH:
+            pytest.fail("MHA_REQUIRE_TORCH=1 but transformers cannot be imported")
+        pytest.skip("transformers is not installed: its comparisons skipped")
+    return transformers
+
+
 @pytest.fixture(autouse=True)
 def torch_on_one_thread() -> None:
     """The oracle runs on one thread in every test, whatever an earlier test left behind.

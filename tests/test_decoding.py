@@ -20,19 +20,6 @@ from mha._kernel import forward as kernel
 r = np.random.default_rng(9)
 
 
-@pytest.fixture(scope="module")
-def transformers(torch):
-    try:
-        import transformers
-    except ImportError:
-        from conftest import REQUIRE_TORCH
-
-        if REQUIRE_TORCH:
-            pytest.fail("MHA_REQUIRE_TORCH=1 but transformers cannot be imported")
-        pytest.skip("transformers is not installed: its comparisons skipped")
-    return transformers
-
-
 def layers(model):
     settings_ = attention_settings(model)
     state = model.state_dict()

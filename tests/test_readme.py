@@ -31,7 +31,7 @@ def test_the_interop_example_runs(torch, tmp_path, monkeypatch):
     np.testing.assert_allclose(namespace["out2"].transpose(1, 0, 2), namespace["attention"](
         namespace["x"]), rtol=1e-5, atol=1e-6)  # fmt: skip
     assert namespace["weights"].shape == (2, 5, 5)
-    assert len(blocks("python")) == 5
+    assert len(blocks("python")) == 6
 
 
 def test_the_decoding_example_runs(capsys):
@@ -84,9 +84,27 @@ def test_the_images_it_shows_exist():
         assert (root / target).is_file(), target
 
 
-def test_the_gradients_example_runs():
+def test_the_variants_example_runs(capsys):
+    """The example's sinks gradient is the dense formula's, and its document mask is the
+    boolean mask it stands for."""
     namespace: dict = {}
     exec(compile(blocks("python")[3], "README.md", "exec"), namespace)
+    assert capsys.readouterr().out.strip() == "(8,) (1, 8, 256, 64)"
+    q, k, v, doc = (namespace[name] for name in ("q", "k", "v", "doc"))
+    i, j = np.arange(256)[:, None], np.arange(256)[None]
+    dense = mha.scaled_dot_product_attention(q, k, v, mask=(doc[i] == doc[j]) & (i >= j))
+    np.testing.assert_allclose(namespace["packed"], dense, rtol=1e-13, atol=1e-13)
+    s = np.where((j <= i) & (i - j < 128), q @ k.swapaxes(-1, -2) / 8.0, -np.inf)
+    lse = np.logaddexp(np.logaddexp.reduce(s, axis=-1), 0.0)  # the sinks are 0
+    out = np.exp(s - lse[..., None]) @ v
+    # d out / d sink = -exp(sink - lse) * out; grad_out is ones
+    expected = -(np.exp(0.0 - lse) * out.sum(axis=-1)).sum(axis=(0, 2))
+    np.testing.assert_allclose(namespace["grads"]["sinks"], expected, rtol=1e-11)
+
+
+def test_the_gradients_example_runs():
+    namespace: dict = {}
+    exec(compile(blocks("python")[4], "README.md", "exec"), namespace)
     attention, grads = namespace["attention"], namespace["grads"]
     assert set(grads) == {*attention.parameters(), "query", "key", "value"}
     assert grads["W_q"].shape == attention.W_q.shape

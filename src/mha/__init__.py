@@ -16,6 +16,7 @@ from .api.module import MultiHeadAttention
 from .api.projection import multi_head_attention
 from .api.rotary import apply_rotary
 from .api.split_heads import merge_attention, scaled_dot_product_attention
+from .api.variants import alibi_slopes
 from .errors import (
     AttentionError,
     AttentionTypeError,
@@ -32,6 +33,7 @@ __all__ = [
     "MultiHeadAttention",
     "ShapeError",
     "WeightsFileError",
+    "alibi_slopes",
     "apply_rotary",
     "merge_attention",
     "multi_head_attention",

@@ -56,6 +56,16 @@ def result_and_compute_dtypes(*arrays: np.ndarray | None) -> tuple[np.dtype, np.
     return result, compute
 
 
+def broadcasts_to(shape: tuple[int, ...], full: tuple[int, ...]) -> bool:
+    """Whether an array of ``shape`` broadcasts to ``full`` (with no more axes)."""
+    if len(shape) > len(full):
+        return False
+    try:
+        return np.broadcast_shapes(shape, full) == full
+    except ValueError:
+        return False
+
+
 def check_rank(name: str, array: np.ndarray, layout: str, ranks: tuple[int, ...]) -> None:
     if array.ndim not in ranks:
         raise ShapeError(f"{name} must have shape {layout}; got shape {array.shape}")
@@ -74,6 +84,14 @@ def positive_int(name: str, value: Any) -> int:
     if number <= 0:
         raise AttentionValueError(f"{name} must be a positive integer; got {number}")
     return number
+
+
+def non_negative_int(name: str, value: Any) -> int:
+    """A Python int ``>= 0`` from an int-like value (bools and floats are refused)."""
+    whole = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    if whole and int(value) == 0:
+        return 0
+    return positive_int(name, value)
 
 
 def flag(name: str, value: Any) -> bool:

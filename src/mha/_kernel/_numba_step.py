@@ -110,11 +110,12 @@ LANES = 16  # partial maxima kept apart so that the compiler vectorises the row'
 
 
 @njit(fastmath={"reassoc", "contract"}, boundscheck=False, cache=True, nogil=True)
-def step(s, lo, hi, m, ref, total, alpha, first):  # type: ignore[no-untyped-def]  # pragma: no cover
+def step(s, lo, hi, m, ref, total, alpha, first, slope, base):  # type: ignore[no-untyped-def]  # pragma: no cover
     G, R, _ = s.shape
     zero = s.dtype.type(0)
     minus_inf = s.dtype.type(-np.inf)
     lanes = np.empty(LANES, dtype=s.dtype)
+    biased = slope.shape[1] > 0
     for g in range(G):
         for i in range(R):
             row = s[g, i]
@@ -122,6 +123,10 @@ def step(s, lo, hi, m, ref, total, alpha, first):  # type: ignore[no-untyped-def
             seen = minus_inf if first else m[g, i]
             visible = row[a:b]
             width = visible.shape[0]
+            if biased:  # ALiBi: slope * (key position - query position), a whole number
+                rate, at = slope[g, i], a - base[i]
+                for j in range(width):
+                    visible[j] += rate * s.dtype.type(j + at)
             whole = width - width % LANES
             lanes[:] = minus_inf
             for j in range(0, whole, LANES):

@@ -32,6 +32,7 @@ import numpy as np
 from .contract import Visibility
 from .dropout import Dropout
 from .forward import DEFAULT_MAX_MEMORY, _cast, _product, _stack, plan_tiles
+from .scores import Scores, sink_gradient
 from .team import Team
 
 __all__ = ["attend_backward"]
@@ -55,6 +56,8 @@ def attend_backward(
     team: Team | None = None,
     dropout: Dropout | None = None,
     dq_factor: float = 1.0,
+    scores: Scores | None = None,
+    dsinks: np.ndarray | None = None,
 ) -> None:
     """Fill ``dq`` and ``dk``, ``dv`` (and ``dbias``, shaped like ``visibility.bias``: the
     bias's own size, never the scores'), the last three arriving zeroed, with the gradients
@@ -68,7 +71,12 @@ def attend_backward(
     the forward's, whose mask is regenerated tile by tile: ``dv`` takes the dropped weights
     and ``dp`` the mask, while ``D = rowsum(dO * O)`` already includes it. ``dq`` comes out
     multiplied by ``dq_factor`` (the chain rule of a scale the caller folded into q).
+    ``scores`` are the forward's changes to the scores; ``dsinks (H,)``, when given, gets
+    the sinks' gradient (``lse`` is then the forward's, with the sinks).
     """
+    visibility = visibility.classified(team)
+    if dsinks is not None and scores is not None and scores.sinks is not None:
+        dsinks += sink_gradient(out, lse, grad_out, scores.sinks)
     H, L, d_k = q.shape[-3], q.shape[-2], q.shape[-1]
     H_kv, S, d_v = k.shape[-3], k.shape[-2], v.shape[-1]
     group = H // H_kv
@@ -109,7 +117,7 @@ def attend_backward(
                 out[batch][heads], grad_out[batch][heads], item, scale, scale * dq_factor,
                 tiles, dtype,
                 dq[batch][heads], dk[batch][kv], dv[batch][kv],
-                None if own is None else _bias_cells(own, batch, heads), drop, scratch,
+                None if own is None else _bias_cells(own, batch, heads), drop, scratch, scores,
             )  # fmt: skip
 
         return run
@@ -165,6 +173,7 @@ def _item_backward(
     dbias: np.ndarray | None,  # (G * group or 1, L or 1, S or 1), accumulated
     drop: Callable[[int, int, int, int], np.ndarray] | None,
     scratch: _Scratch,
+    scores: Scores | None = None,
 ) -> None:
     """The gradients of ``G`` key/value heads and their query heads, whose rows are stacked
     per key/value head into tiles of ``R = group * n`` rows, as in the forward pass."""
@@ -175,8 +184,8 @@ def _item_backward(
         r1 = min(r0 + tiles.rows, item.query_end)
         n = r1 - r0
         R = group * n
-        start, stop = item.key_start(r0, r1), item.key_stop(r0, r1)
-        if stop <= start:
+        ranges = item.key_ranges(r0, r1)
+        if not ranges:
             dq[:, r0:r1] = 0.0
             continue
         # Both subtractions ride on GEMMs as one extra column: s - lse = [q, -lse] @ [k, 1]^T
@@ -186,6 +195,10 @@ def _item_backward(
         lse_t = lse[:, r0:r1].reshape(G, R)
         np.negative(lse_t, out=q_a[..., d_k])
         q_a[..., d_k][lse_t == -np.inf] = -np.inf  # rows seeing no key: p = 0
+        shift = None
+        if scores is not None and scores.nonlinear:  # the raw scores first, then - lse
+            shift = q_a[..., d_k].copy()
+            q_a[..., d_k] = 0.0
         do_a = scratch.do_aug[: G * R * (d_v + 1)].reshape(G, R, d_v + 1)
         np.copyto(do_a[..., :d_v], grad_out[:, r0:r1].reshape(G, R, d_v))
         o_t = _cast(out[:, r0:r1], dtype).reshape(G, R, d_v)
@@ -193,8 +206,7 @@ def _item_backward(
         np.negative(D, out=do_a[..., d_v])
         dq_t = scratch.dq[: G * R * d_k].reshape(G, R, d_k)
         dq_t.fill(0.0)
-        for c0 in range(start, stop, tiles.cols):
-            c1 = min(c0 + tiles.cols, stop)
+        for c0, c1 in item.key_tiles(r0, r1, ranges[0][0], ranges[-1][1], tiles.cols):
             w = c1 - c0
             # only the rows that can see this key tile (the diagonal's, a window's edge)
             a, b = item.rows_seeing(r0, r1, c0, c1) if group == 1 else (r0, r1)
@@ -209,7 +221,8 @@ def _item_backward(
             rows = slice(a - r0, b - r0) if group == 1 else slice(None)
             _tile_backward(
                 q_a[:, rows], do_a[:, rows], k_a, v_a, dq_t[:, rows], dk[:, c0:c1],
-                dv[:, c0:c1], item, a, b, c0, c1, G, group, dbias, drop, scratch,
+                dv[:, c0:c1], item, a, b, c0, c1, G, group, dbias, drop, scratch, scores,
+                None if shift is None else shift[:, rows],
             )  # fmt: skip
         np.multiply(dq_t.reshape(G * group, n, d_k), dq_scale, out=dq[:, r0:r1])
 
@@ -232,6 +245,8 @@ def _tile_backward(
     dbias: np.ndarray | None,
     drop: Callable[[int, int, int, int], np.ndarray] | None,
     scratch: _Scratch,
+    scores: Scores | None = None,
+    shift: np.ndarray | None = None,  # (G, R): -lse, when q_a's last column is 0
 ) -> None:
     """One tile's share of the gradients: rows ``[r0, r1)`` of the query heads (stacked
     ``R = group * n`` rows per key/value head) against keys ``[c0, c1)``."""
@@ -243,6 +258,11 @@ def _tile_backward(
     k_c, q_t, do_t = k_a[..., :d_k], q_a[..., :d_k], do_a[..., :d_v]
     p = scratch.p[: G * R * w].reshape(G, R, w)
     np.matmul(q_a, k_a.transpose(0, 2, 1), out=p)  # the scores less the log-sum-exp
+    factor = None
+    if scores is not None and scores.changes_scores:  # the forward's changes, recomputed
+        factor = scores.apply(p, item, r0, r1, c0, c1, derivative=scores.nonlinear)
+        if shift is not None:
+            p += shift[..., None]
     bias = _stack(item.bias_block(r0, r1, c0, c1), G, group, n, w)
     if bias is not None:
         p += bias
@@ -265,14 +285,18 @@ def _tile_backward(
         np.copyto(ds, 0.0, where=hidden)  # NaN in a hidden value stops here
         if not np.isfinite(k_c).all():
             attended = ~np.broadcast_to(hidden, ds.shape)
-    dq_t += _product(ds, k_c, attended, out=scratch.part[: G * R * d_k].reshape(G, R, d_k))
-    dk += _transposed_product(ds, q_t, scratch.dk)
     if dbias is not None:  # ds, summed over the axes the bias broadcasts along
         cell = ds.reshape(G * group, n, w)
         axes = tuple(a for a in range(3) if dbias.shape[a] == 1)
         rows = slice(r0, r1) if dbias.shape[1] != 1 else slice(None)
         cols = slice(c0, c1) if dbias.shape[2] != 1 else slice(None)
         dbias[:, rows, cols] += cell.sum(axis=axes, keepdims=True) if axes else cell
+    if factor is not None:  # through soft-capping and score_mod to the scaled scores
+        ds *= factor
+        if hidden is not None:
+            np.copyto(ds, 0.0, where=hidden)
+    dq_t += _product(ds, k_c, attended, out=scratch.part[: G * R * d_k].reshape(G, R, d_k))
+    dk += _transposed_product(ds, q_t, scratch.dk)
 
 
 def _transposed_product(a: np.ndarray, b: np.ndarray, buffer: np.ndarray) -> np.ndarray:

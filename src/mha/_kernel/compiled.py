@@ -63,6 +63,7 @@ def softmax_step(
     total: np.ndarray,
     alpha: np.ndarray,
     first: bool,
+    alibi: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> None:
     """One key tile of the online softmax for scores ``s (G, R, w)``, in place. Row ``i``
     sees the keys ``band[0][i] <= j < band[1][i]`` (other hidden pairs already ``-inf``).
@@ -70,8 +71,12 @@ def softmax_step(
     no key), ``total`` the running sum, all ``(G, R)``; ``s`` becomes ``exp(s - ref)``
     (0 outside the band) and ``alpha`` the factor by which earlier tiles' sums and
     accumulators are rescaled (0 for rows that saw no key before). ``first``: no earlier
-    tile."""
-    _run("step", s, *band, m, ref, total, alpha, first)
+    tile. ``alibi = (slope (G, R), base (R,))`` adds ALiBi's ``slope * (j - base)`` to the
+    visible scores first, ``base`` being each row's query position less the tile's first
+    key position (int64)."""
+    if alibi is None:
+        alibi = np.empty((1, 0), s.dtype), np.empty(0, np.int64)
+    _run("step", s, *band, m, ref, total, alpha, first, *alibi)
 
 
 def _run(name: str, *args: Any) -> None:

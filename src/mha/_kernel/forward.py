@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,7 @@ import numpy as np
 from . import compiled
 from .contract import ItemVisibility, Visibility
 from .dropout import Dropout
+from .scores import Scores, add_sinks
 from .team import Team
 
 __all__ = ["DEFAULT_MAX_MEMORY", "Tiles", "attend", "merge_partials", "plan_tiles"]
@@ -128,6 +129,7 @@ def attend(
     max_memory: int = DEFAULT_MAX_MEMORY,
     team: Team | None = None,
     dropout: Dropout | None = None,
+    scores: Scores | None = None,
 ) -> None:
     """Fill ``out`` with attention of ``q`` over ``k`` and ``v``, per ``(*batch, head)``.
 
@@ -139,13 +141,23 @@ def attend(
     0, 0 and ``-inf``: rows and items that see no key are not visited. ``scale`` is a Python
     float, so it never promotes float32 work to float64. Work items run on ``team``
     (serially without one). ``dropout`` drops weights after the softmax's sums (the
-    log-sum-exp is the undropped one, as the backward pass needs).
+    log-sum-exp is the undropped one, as the backward pass needs). ``scores`` changes the
+    scores and adds the sinks (:mod:`.scores`).
     """
+    visibility = visibility.classified(team)
+    sinks = None if scores is None else scores.sinks
+    if sinks is not None and lse is None:
+        lse = np.full(out.shape[:-1], -np.inf, dtype=out.dtype)
     H, L, d_k = q.shape[-3], q.shape[-2], q.shape[-1]
     H_kv, S, d_v = k.shape[-3], k.shape[-2], v.shape[-1]
     group = H // H_kv
     dtype = out.dtype
     tiles = plan_tiles(L, S, H_kv, d_k, d_v, dtype.itemsize, max_memory, weights is not None, group)
+    # Rows in whole chunks per tile (or whole key tiles, for a mask_mod, whose documents or
+    # blocks often are): no chunk's keys are then computed for two tiles of rows.
+    align = visibility.chunk or (tiles.cols if visibility.mask_mod is not None else None)
+    if align is not None and tiles.rows > align and tiles.heads == 1:
+        tiles = replace(tiles, rows=tiles.rows // align * align)
     team = team or Team(1)
     tasks: list[_Task] = []
     for batch in np.ndindex(q.shape[:-3]):
@@ -154,9 +166,10 @@ def attend(
             item = visibility.item(batch, slice(kv.start * group, kv.stop * group))
             for r0 in range(0, min(L, item.query_end), tiles.rows):
                 r1 = min(r0 + tiles.rows, item.query_end)
-                start, stop = item.key_start(r0, r1), item.key_stop(r0, r1)
-                if stop > start:
-                    tasks.append(_Task(batch, kv, item, r0, r1, start, stop))
+                ranges = item.key_ranges(r0, r1)
+                if ranges:
+                    tasks.append(_Task(batch, kv, item, r0, r1, ranges[0][0], ranges[-1][1]))
+    key_tile = tiles.cols
     parts = None
     if weights is None and dropout is None:
         parts = _split_keys(tasks, team.workers, tiles.cols, group, L, d_v, dtype)
@@ -190,8 +203,9 @@ def attend(
 
             _query_tile(
                 q[batch][heads], k[batch][kv], v[batch][kv], task.item, scale, task.r0,
-                task.r1, task.start, task.stop, tiles.cols, scratch, target_out,
+                task.r1, task.start, task.stop, key_tile, scratch, target_out,
                 None if weights is None else weights[batch][heads], target_lse, drop, fused,
+                scores,
             )  # fmt: skip
 
         return run
@@ -199,6 +213,11 @@ def attend(
     team.run(work, make_worker)
     if parts is not None:
         parts.merge_into(out, lse)
+    if sinks is not None and lse is not None:
+        before = lse.copy() if weights is not None else None
+        add_sinks(out, lse, sinks)
+        if weights is not None and before is not None:
+            weights *= np.exp(before - lse)[..., None]
 
 
 @dataclass
@@ -334,6 +353,7 @@ def _query_tile(
     lse: np.ndarray | None,
     drop: Callable[[int, int], np.ndarray] | None = None,
     fused: bool = False,
+    scores: Scores | None = None,
 ) -> None:
     """Rows ``[r0, r1)`` of the query heads ``q (G * group, L, d_k)`` against keys
     ``[start, stop)`` of the ``G`` key/value heads ``k (G, S, d_k)``: the rows of each
@@ -356,8 +376,9 @@ def _query_tile(
     # those rows alone: with tiles of ~1000 rows, causal attention otherwise computes up to
     # half of its last key tiles in vain.
     narrow = group == 1 and weights is None and drop is None and not scratch.flipped.size
-    for c0 in range(start, stop, key_tile):
-        c1 = min(c0 + key_tile, stop)
+    changes = scores is not None and scores.changes_scores
+    fused_alibi = fused and scores is not None and scores.alibi is not None
+    for c0, c1 in item.key_tiles(r0, r1, start, stop, key_tile):
         w = c1 - c0
         a, b = item.rows_seeing(r0, r1, c0, c1)
         if a == b:  # the causal mask and the window hide the whole block
@@ -366,8 +387,11 @@ def _query_tile(
             a, b = r0, r1
         # The compiled step takes the causal mask and the window as each row's band of keys;
         # NumPy's passes take them, like every other mask, as a boolean block.
-        hidden = _stack(item.hidden(a, b, c0, c1, band=not fused), G, group, b - a, w)
-        edge = item.band(a, b, c0, c1) if fused else None  # None: the band hides nothing
+        if fused:  # None: the band hides nothing
+            edge, raw = item.band_and_hidden(a, b, c0, c1)
+        else:
+            edge, raw = None, item.hidden(a, b, c0, c1)
+        hidden = _stack(raw, G, group, b - a, w)
         if hidden is not None and hidden.all():
             continue
         if first and (a, b) != (r0, r1):  # the other rows start from nothing seen
@@ -380,12 +404,23 @@ def _query_tile(
         s = scratch.scores[: G * group * (b - a) * w].reshape(G, group * (b - a), w)
         band = None if not fused else _stacked_band(edge, group, b - a, w)
         k_tile = _cast(k[:, c0:c1], dtype)
+        v_tile = _cast(v[:, c0:c1], dtype)
+        # Hidden keys' values may hold NaN or inf, which 0 * value would spread; a tile with
+        # nothing hidden needs no check (and decoding reads each value once, not twice).
+        finite = (hidden is None and edge is None) or bool(np.isfinite(v_tile).all())
+        halves = _halves(edge, w) if narrow and edge is not None and finite else None
         if scratch.flipped.size:
             flipped = scratch.flipped[: G * R * w].reshape(G, w, R)
             np.matmul(k_tile, q_tile.transpose(0, 2, 1), out=flipped)
             np.copyto(s, flipped.transpose(0, 2, 1))
+        elif halves is not None:  # a band's tile: each half of its rows, with its keys only
+            rows_q = q_tile[:, block]
+            for rows, keys in halves:
+                np.matmul(rows_q[:, rows], k_tile[:, keys].transpose(0, 2, 1), out=s[:, rows, keys])
         else:
             np.matmul(q_tile[:, block], k_tile.transpose(0, 2, 1), out=s)
+        if changes and scores is not None:
+            scores.apply(s, item, a, b, c0, c1, alibi=not fused_alibi)
         bias = _stack(item.bias_block(a, b, c0, c1), G, group, b - a, w)
         if bias is not None:
             s += bias
@@ -394,24 +429,32 @@ def _query_tile(
         late = hidden is not None and dtype.itemsize == 8 and not fused
         if hidden is not None and not late:
             np.copyto(s, -np.inf, where=hidden)
-        v_tile = _cast(v[:, c0:c1], dtype)
-        # Hidden keys' values may hold NaN or inf, which 0 * value would spread; a tile with
-        # nothing hidden needs no check (and decoding reads each value once, not twice).
         attended = None
-        if (hidden is not None or edge is not None) and not np.isfinite(v_tile).all():
+        if not finite:
             every = _stack(item.hidden(a, b, c0, c1), G, group, b - a, w)
             attended = s != -np.inf
             if every is not None:
                 attended &= ~every
         state = (m[:, block], ref[:, block], total[:, block], alpha[:, block])
         if band is not None:
-            compiled.softmax_step(s, band, *state, first)
+            alibi = None
+            if fused_alibi and scores is not None:
+                alibi = scores.alibi_rows(item, a, b, c0, G, dtype)
+            compiled.softmax_step(s, band, *state, first, alibi)
         else:
             _softmax_step(s, hidden if late else None, *state[:2], ref_new[:, block],
                           *state[2:], first)  # fmt: skip
         if drop is not None:
             s *= drop(c0, c1)  # after the sums: the normaliser is the undropped one
-        if first:
+        if halves is not None:  # the keys outside each half's are zero weights
+            target = acc if first else pv[:, block]
+            for rows, keys in halves:
+                np.matmul(s[:, rows, keys], v_tile[:, keys], out=target[:, rows])
+            if not first:
+                acc[:, block] *= alpha[:, block, None]
+                acc[:, block] += target
+            first = False
+        elif first:
             _product(s, v_tile, attended, out=acc)
             first = False
         else:
@@ -475,6 +518,27 @@ def _softmax_step(
         total *= alpha
         total += s.sum(axis=-1)
     np.copyto(ref, ref_new)
+
+
+HALF_ROWS = 128
+"""The fewest rows in each half of a band's tile computed by halves."""
+
+
+def _halves(band: tuple[np.ndarray, np.ndarray] | None, w: int) -> list[tuple[slice, slice]] | None:
+    """A tile whose rows see the keys ``band = (lo, hi)`` of its ``w`` (the diagonal's, a
+    window's edge) computed as two halves of its rows, each with only the keys it sees:
+    ``[(rows, keys), (rows, keys)]``, or ``None`` when that saves less than a fifth."""
+    if band is None or len(band[0]) < 2 * HALF_ROWS:
+        return None
+    lo, hi = band
+    n = len(lo)
+    m = n // 2
+    parts = []
+    for rows in (slice(0, m), slice(m, n)):
+        k0, k1 = int(lo[rows].min()), int(hi[rows].max())
+        parts.append((rows, slice(k0, max(k0, k1))))
+    computed = sum((r.stop - r.start) * (k.stop - k.start) for r, k in parts)
+    return parts if computed <= 0.8 * n * w else None
 
 
 def _stacked_band(

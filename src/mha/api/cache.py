@@ -8,7 +8,9 @@ sequence's own length and attend causally over everything cached: the last new t
 every cached key. Appending past the capacity grows the buffers (doubling, so appends cost
 amortised O(1) copies per token). With ``window`` only the last ``window - 1`` positions are
 needed by the next token; older ones are dropped when room is needed, so memory stays
-within about twice the window. A call that is refused leaves the cache unchanged.
+within about twice the window. With ``sink_tokens`` too (StreamingLLM), the first
+``sink_tokens`` positions are kept as well, in the first slots. A call that is refused
+leaves the cache unchanged.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import as_array, positive_int
+from .._arrays import as_array, non_negative_int, positive_int
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 
 __all__ = ["KVCache"]
@@ -33,6 +35,8 @@ class KVCache:
       when needed. With ``window``, at most about ``2 * window`` are ever held.
     * ``dtype``: the compute dtype of the calls that use it (float32 or float64).
     * ``window``: the sliding window of the attention that uses it, if any.
+    * ``sink_tokens``: with ``window``, the first positions that stay visible beside it
+      (StreamingLLM's attention sinks), kept in the first slots.
 
     ``lengths`` holds each sequence's filled length. It and the buffers are read-only views:
     the cache's state changes only through the attention calls and two checked methods,
@@ -59,15 +63,23 @@ class KVCache:
         capacity: int = 256,
         dtype: Any = np.float64,
         window: int | None = None,
+        sink_tokens: int | None = None,
     ) -> None:
         B = positive_int("batch_size", batch_size)
         H_kv = positive_int("num_kv_heads", num_kv_heads)
         d_k = positive_int("head_dim", head_dim)
         d_v = d_k if value_dim is None else positive_int("value_dim", value_dim)
         self._window = None if window is None else positive_int("window", window)
+        self._sinks = 0 if sink_tokens is None else non_negative_int("sink_tokens", sink_tokens)
+        if self._sinks and self._window is None:
+            raise AttentionValueError(
+                f"sink_tokens={sink_tokens} keeps the first positions beside a sliding window, "
+                "but no window= was given: give window= too (a cache without a window keeps "
+                "every position)"
+            )
         room = positive_int("capacity", capacity)
         if self._window is not None:
-            room = min(room, 2 * self._window)
+            room = min(room, self._most())
         try:
             self._dtype: np.dtype = np.dtype(dtype)
         except TypeError:
@@ -79,7 +91,8 @@ class KVCache:
         self._k = np.zeros((B, H_kv, room, d_k), self._dtype)
         self._v = np.zeros((B, H_kv, room, d_v), self._dtype)
         self._lengths = np.zeros(B, np.int64)  # tokens seen: the next token's position
-        self._first = np.zeros(B, np.int64)  # the position held in slot 0
+        # the position held in the first slot after the sink tokens' (slot 0 without them)
+        self._first = np.full(B, self._sinks, np.int64)
 
     @property
     def window(self) -> int | None:
@@ -90,6 +103,15 @@ class KVCache:
         8
         """
         return self._window
+
+    @property
+    def sink_tokens(self) -> int:
+        """The first positions kept beside the window (0: none).
+
+        >>> KVCache(1, 1, 4, window=8, sink_tokens=4).sink_tokens
+        4
+        """
+        return self._sinks
 
     @property
     def dtype(self) -> np.dtype:
@@ -112,8 +134,8 @@ class KVCache:
 
     @property
     def first(self) -> np.ndarray:
-        """Each sequence's first position still held (after a window dropped older ones;
-        read-only).
+        """Each sequence's first position still held after the sink tokens (after a window
+        dropped older ones; read-only).
 
         >>> KVCache(2, 1, 4, window=8).first
         array([0, 0])
@@ -123,7 +145,8 @@ class KVCache:
     @property
     def k(self) -> np.ndarray:
         """The key buffer ``(B, H_kv, capacity, d)`` (read-only): sequence ``b`` holds
-        positions ``first[b]`` to ``lengths[b] - 1`` in its first slots.
+        positions ``first[b]`` to ``lengths[b] - 1`` in its first slots (after the
+        ``sink_tokens`` slots of positions ``0..sink_tokens-1``, when it keeps some).
 
         >>> cache = KVCache(2, 1, 4, capacity=8)
         >>> cache.k.shape, cache.k.flags.writeable
@@ -161,6 +184,8 @@ class KVCache:
     def __repr__(self) -> str:
         B, H_kv, _, d_k = self._k.shape
         window = "" if self._window is None else f", window={self._window}"
+        if self._sinks:
+            window += f", sink_tokens={self._sinks}"
         return (
             f"KVCache(batch_size={B}, num_kv_heads={H_kv}, head_dim={d_k}, "
             f"lengths={reprlib.repr(self._lengths.tolist())}, capacity={self.capacity}, "
@@ -205,7 +230,9 @@ class KVCache:
                 f"{reprlib.repr(self._lengths.tolist())}); truncate only shortens"
             )
         target = np.array(wanted, np.int64)
-        need = target if self._window is None else np.maximum(0, target - (self._window - 1))
+        need = target
+        if self._window is not None:
+            need = np.maximum(self._sinks, target - (self._window - 1))
         dropped = np.flatnonzero(self._first > need)
         if dropped.size:
             b = int(dropped[0])
@@ -252,14 +279,23 @@ class KVCache:
                 f"widths {width} and {self._v.shape[-1]}): {self!r}{where}"
             )
 
+    def _most(self) -> int:
+        """The slots a window's cache needs at most: twice the window, and the sinks."""
+        return 2 * (self._window or 0) + self._sinks
+
+    def _held(self) -> np.ndarray:
+        """Each sequence's filled slots."""
+        held: np.ndarray = self._lengths - self._first + self._sinks
+        return held
+
     def _append(self, k: np.ndarray, v: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Write the first ``counts[b]`` new rows of sequence ``b`` after what it holds, and
         return each sequence's filled slots. ``lengths`` is not advanced: :meth:`_commit`
         does that once the attention is computed, so a failure leaves the cache as it was."""
-        held = self._lengths - self._first
+        held = self._held()
         if (held + counts).max(initial=0) > self.capacity and self._window is not None:
             self._drop_outside_window()
-            held = self._lengths - self._first
+            held = self._held()
         need = int((held + counts).max(initial=0))
         if need > self.capacity:
             self._grow(need)
@@ -272,17 +308,17 @@ class KVCache:
 
     def _commit(self, counts: np.ndarray) -> None:
         self._lengths += counts
-        if self._window is not None and self.capacity > 2 * self._window:  # after a long prompt
+        if self._window is not None and self.capacity > self._most():  # after a long prompt
             self._drop_outside_window()
-            held = int((self._lengths - self._first).max(initial=0))
+            held = int(self._held().max(initial=0))
             self._k, self._v = (  # copies: a view would keep the long prompt's buffer alive
-                x[:, :, : max(held, 2 * self._window)].copy() for x in (self._k, self._v)
+                x[:, :, : max(held, self._most())].copy() for x in (self._k, self._v)
             )
 
     def _grow(self, need: int) -> None:
         room = max(need, 2 * self.capacity)
         if self._window is not None:
-            room = max(need, min(room, 2 * self._window))
+            room = max(need, min(room, self._most()))
         B, H_kv, held, d_k = self._k.shape
         k = np.zeros((B, H_kv, room, d_k), self._dtype)
         v = np.zeros((B, H_kv, room, self._v.shape[-1]), self._dtype)
@@ -290,14 +326,16 @@ class KVCache:
         self._k, self._v = k, v
 
     def _drop_outside_window(self) -> None:
-        """Move each sequence's last ``window - 1`` positions to the front of its slots."""
-        window = self._window or 1
+        """Move each sequence's last ``window - 1`` positions to the front of its slots
+        (after the sink tokens' slots)."""
+        window, n = self._window or 1, self._sinks
         for b in range(self.batch_size):
-            held = int(self._lengths[b] - self._first[b])
+            held = int(self._lengths[b] - self._first[b])  # positions after the sinks
             keep = min(held, window - 1)
-            if keep < held:
-                self._k[b, :, :keep] = self._k[b, :, held - keep : held].copy()
-                self._v[b, :, :keep] = self._v[b, :, held - keep : held].copy()
+            if 0 <= keep < held:
+                at = held + n - keep
+                self._k[b, :, n : n + keep] = self._k[b, :, at : at + keep].copy()
+                self._v[b, :, n : n + keep] = self._v[b, :, at : at + keep].copy()
                 self._first[b] = self._lengths[b] - keep
 
 

@@ -27,9 +27,11 @@ from .._arrays import (
 )
 from .._kernel.contract import Visibility, check_lengths
 from .._kernel.forward import DEFAULT_MAX_MEMORY
+from .._kernel.scores import Scores
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .cache import KVCache
 from .rotary import check_positions, check_rotary_options
+from .variants import check_scores
 
 __all__ = [
     "INPUT_NAMES",
@@ -61,11 +63,15 @@ def masking(
     query_lengths: Any,
     bias: Any,
     window: Any,
+    sink_tokens: Any = None,
+    chunk: Any = None,
+    mask_mod: Any = None,
 ) -> dict[str, Any]:
     """The mask contract's arguments, as :meth:`Visibility.build` takes them."""
     return {"mask": mask, "causal": causal, "causal_alignment": causal_alignment,
             "key_lengths": key_lengths, "query_lengths": query_lengths, "bias": bias,
-            "window": window}  # fmt: skip
+            "window": window, "sink_tokens": sink_tokens, "chunk": chunk,
+            "mask_mod": mask_mod}  # fmt: skip
 
 
 def kernel_options(max_memory: Any, workers: Any) -> tuple[int, int | None]:
@@ -171,6 +177,19 @@ def check_cache(
             f"{cache!r}; a call attends within the cache's window or a narrower one (make "
             "the cache with the attention's window, as new_cache does)"
         )
+    sinks = masking["sink_tokens"]
+    if (
+        cache.window is not None
+        and sinks not in (None, cache.sink_tokens)
+        and (sinks or cache.sink_tokens)
+    ):
+        raise AttentionValueError(
+            f"sink_tokens={sinks} but the cache keeps sink_tokens={cache.sink_tokens}: "
+            f"{cache!r}; a call with a window cache attends to the sink tokens it keeps "
+            "(make the cache with the attention's sink_tokens, as new_cache does)"
+        )
+    if sinks is None and cache.window is not None and cache.sink_tokens:
+        masking["sink_tokens"] = cache.sink_tokens  # the sinks it keeps stay visible
     if dtype != cache.dtype:
         raise AttentionTypeError(
             f"the cache holds {cache.dtype} but this call computes in {dtype}: make the "
@@ -191,6 +210,11 @@ def check_cache(
             "new tokens are the last of their sequence (bottom-right)"
         )
     counts = check_lengths("query_lengths", masking["query_lengths"], (B,), L, "query", context)
+    if masking["mask_mod"] is not None and not callable(masking["mask_mod"]):
+        raise AttentionTypeError(
+            f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool array; got "
+            f"{masking['mask_mod']!r}"
+        )
     return (np.full(B, L, np.int64) if counts is None else counts), window
 
 
@@ -254,6 +278,9 @@ class Call:
     rotary: dict[str, Any] | None  # apply_rotary's keywords
     q_positions: Any
     k_positions: Any
+    scores: Scores | None = None  # sinks, soft-capping, ALiBi, score_mod
+    sinks: np.ndarray | None = None  # as given (its gradient takes its dtype)
+    masking: dict[str, Any] | None = None  # with a cache: the sink tokens, chunk, mask_mod
 
     @property
     def extra(self) -> int:
@@ -297,6 +324,11 @@ def check_call(
     dropout_p: Any,
     generator: Any,
     names: Mapping[str, str] = INPUT_NAMES,
+    sinks: Any = None,
+    softcap: Any = None,
+    alibi: Any = None,
+    score_mod: Any = None,
+    score_mod_grad: Any = None,
 ) -> Call:
     """Every check of :func:`mha.multi_head_attention`'s arguments, in the order it makes
     them. ``Q is K is V`` stays true of the checked call (one GEMM projects all three).
@@ -382,6 +414,20 @@ def check_call(
     drop_p = check_dropout(dropout_p, generator)
     if (want_backward or drop_p) and cache is not None:
         raise AttentionValueError("return_backward and dropout are not available with cache=")
+    scores = check_scores(
+        sinks=sinks, softcap=softcap, alibi=alibi, score_mod=score_mod,
+        score_mod_grad=score_mod_grad, H=H, want_backward=want_backward,
+    )  # fmt: skip
+    positional = [name for name, value in (
+        ("alibi", scores is not None and scores.alibi is not None), ("score_mod", score_mod),
+        ("mask_mod", masking["mask_mod"]), ("chunk", masking["chunk"]),
+        ("sink_tokens", masking["sink_tokens"]),
+    ) if value is not None and value is not False]  # fmt: skip
+    if extra and positional:
+        raise AttentionValueError(
+            f"bias_k/bias_v and add_zero_attn append keys that have no position, so they "
+            f"cannot be combined with {', '.join(positional)}"
+        )
     rotary, q_positions, k_positions = None, None, None
     if rope_theta is not None:
         subject = f"W_q {W_q.shape}, num_heads={H}"
@@ -403,7 +449,8 @@ def check_call(
     return Call(
         Q, K, V, weights, add_zero_attn, H, H_kv, d_k, d_v, B, L, S, result_dtype,
         compute_dtype, visibility, cache, counts, window, scale, budget, threads, want_weights,
-        want_backward, drop_p, rotary, q_positions, k_positions,
+        want_backward, drop_p, rotary, q_positions, k_positions, scores,
+        None if sinks is None else as_float_array("sinks", sinks), masking,
     )  # fmt: skip
 
 

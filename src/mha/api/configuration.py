@@ -17,11 +17,15 @@ from .._arrays import flag, positive_int
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .checks import WEIGHT_NAMES
 from .rotary import check_rotary_options, positive_real
+from .variants import check_scores
 
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["Configuration", "float_dtype"]
+__all__ = ["PARAMETER_NAMES", "Configuration", "float_dtype"]
+
+PARAMETER_NAMES = (*WEIGHT_NAMES, "sinks")
+"""The module's learned arrays: the weights of the function and gpt-oss's sink logits."""
 
 
 class Configuration:
@@ -38,6 +42,10 @@ class Configuration:
     rotary_dim: int | None
     rotary_interleaved: bool
     window: int | None
+    sink_tokens: int | None
+    softcap: float | None
+    alibi: np.ndarray | None  # the slopes
+    chunk: int | None
     dtype: np.dtype
     W_q: np.ndarray
     W_k: np.ndarray
@@ -49,11 +57,13 @@ class Configuration:
     b_o: np.ndarray | None
     bias_k: np.ndarray | None
     bias_v: np.ndarray | None
+    sinks: np.ndarray | None
 
     def _configure(
         self, *, d_model: int, num_heads: int, num_kv_heads: Any, head_dim: Any, kdim: Any,
         vdim: Any, add_zero_attn: Any, rope_theta: Any, rotary_dim: Any,
-        rotary_interleaved: Any, window: Any,
+        rotary_interleaved: Any, window: Any, sink_tokens: Any = None, softcap: Any = None,
+        alibi: Any = None, chunk: Any = None,
     ) -> None:  # fmt: skip
         """Check and keep the configuration (everything but the weights)."""
         self.d_model, self.num_heads = d_model, num_heads
@@ -81,6 +91,16 @@ class Configuration:
         self.rotary_dim = None if rotary_dim is None else int(rotary_dim)
         self.rotary_interleaved = flag("rotary_interleaved", rotary_interleaved)
         self.window = None if window is None else positive_int("window", window)
+        self.sink_tokens = None if sink_tokens is None else positive_int("sink_tokens", sink_tokens)
+        if self.sink_tokens is not None and self.window is None:
+            raise AttentionValueError(
+                "sink_tokens keeps the first positions beside a sliding window: give window= too"
+            )
+        self.chunk = None if chunk is None else positive_int("chunk", chunk)
+        scores = check_scores(sinks=None, softcap=softcap, alibi=alibi, score_mod=None,
+                              score_mod_grad=None, H=num_heads, want_backward=False)  # fmt: skip
+        self.softcap = None if scores is None else scores.softcap
+        self.alibi = None if scores is None else scores.alibi
 
     @property
     def has_bias(self) -> bool:
@@ -93,21 +113,33 @@ class Configuration:
         return all(b is not None for b in (self.b_q, self.b_k, self.b_v, self.b_o))
 
     def weights(self) -> dict[str, np.ndarray | None]:
-        """The weights by attribute name (``W_q``, ..., ``b_o``, ``bias_k``, ``bias_v``;
-        ``None`` where absent): the arrays themselves, not copies.
+        """The weights by attribute name (``W_q``, ..., ``b_o``, ``bias_k``, ``bias_v``,
+        ``sinks``; ``None`` where absent): the arrays themselves, not copies.
 
         >>> import mha
         >>> sorted(name for name, W in mha.MultiHeadAttention(4, 2).weights().items()
         ...        if W is not None)
         ['W_k', 'W_o', 'W_q', 'W_v']
         """
-        return {name: getattr(self, name) for name in WEIGHT_NAMES}
+        return {name: getattr(self, name) for name in PARAMETER_NAMES}
+
+    def variants(self) -> dict[str, Any]:
+        """The keywords of the function that this module's variants set (none by default).
+
+        >>> import mha
+        >>> mha.MultiHeadAttention(8, 2, softcap=50.0, chunk=16).variants()
+        {'softcap': 50.0, 'chunk': 16}
+        """
+        given = {"sinks": self.sinks, "sink_tokens": self.sink_tokens, "softcap": self.softcap,
+                 "alibi": self.alibi, "chunk": self.chunk}  # fmt: skip
+        return {name: value for name, value in given.items() if value is not None}
 
     def __repr__(self) -> str:
         defaults = {
             "num_kv_heads": self.num_heads, "head_dim": self.d_model // self.num_heads,
             "kdim": self.d_model, "vdim": self.d_model, "rope_theta": None,
             "rotary_dim": None, "rotary_interleaved": False, "window": None,
+            "sink_tokens": None, "softcap": None, "chunk": None,
         }  # fmt: skip
         dims = "".join(
             f", {name}={getattr(self, name)}"
@@ -119,6 +151,8 @@ class Configuration:
             for name, on in (
                 ("add_bias_kv", self.bias_k is not None),
                 ("add_zero_attn", self.add_zero_attn),
+                ("sinks", self.sinks is not None),
+                ("alibi", self.alibi is not None),
             )
             if on
         )
@@ -138,6 +172,9 @@ class Configuration:
             "add_bias_kv": self.bias_k is not None, "add_zero_attn": self.add_zero_attn,
             "rope_theta": self.rope_theta, "rotary_dim": self.rotary_dim,
             "rotary_interleaved": self.rotary_interleaved, "window": self.window,
+            "sinks": self.sinks is not None, "sink_tokens": self.sink_tokens,
+            "softcap": self.softcap, "chunk": self.chunk,
+            "alibi": None if self.alibi is None else self.alibi.tolist(),
             "dtype": self.dtype.name,
         }  # fmt: skip
 
@@ -173,7 +210,8 @@ class Configuration:
             vdim=W_v.shape[0], add_zero_attn=add_zero_attn,
             rope_theta=config.get("rope_theta"), rotary_dim=config.get("rotary_dim"),
             rotary_interleaved=config.get("rotary_interleaved", False),
-            window=config.get("window"),
+            window=config.get("window"), sink_tokens=config.get("sink_tokens"),
+            softcap=config.get("softcap"), alibi=config.get("alibi"), chunk=config.get("chunk"),
         )  # fmt: skip
         for name, shape in self._shapes().items():
             array = weights.get(name)
@@ -186,7 +224,7 @@ class Configuration:
             raise AttentionValueError(f"{source}: bias_k and bias_v go together")
         present = [a for a in weights.values() if a is not None]
         self.dtype = float_dtype(np.result_type(*present))
-        for name in WEIGHT_NAMES:
+        for name in PARAMETER_NAMES:
             array = weights.get(name)
             setattr(self, name, None if array is None else np.array(array, dtype=self.dtype))
         return self
@@ -202,7 +240,7 @@ class Configuration:
         return {
             "W_q": (E, inner), "W_k": (self.kdim, kv_inner), "W_v": (self.vdim, kv_inner),
             "W_o": (inner, E), "b_q": (inner,), "b_k": (kv_inner,), "b_v": (kv_inner,),
-            "b_o": (E,), "bias_k": (kv_inner,), "bias_v": (kv_inner,),
+            "b_o": (E,), "bias_k": (kv_inner,), "bias_v": (kv_inner,), "sinks": (self.num_heads,),
         }  # fmt: skip
 
     def _describe(self) -> str:

@@ -20,6 +20,7 @@ from .._arrays import as_float_array, cast_result
 from .._kernel.backward import attend_backward
 from .._kernel.contract import Visibility
 from .._kernel.dropout import Dropout
+from .._kernel.scores import Scores
 from .._kernel.team import Team, default_workers, workers_for
 from ..errors import AttentionValueError, ShapeError
 from .checks import Call
@@ -37,9 +38,13 @@ class SplitHeadsBackward:
     def __init__(
         self, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: Any, out: np.ndarray,
         lse: np.ndarray, visibility: Visibility, scale: float, dtype: np.dtype, budget: int,
-        threads: int | None, dropout: Dropout | None,
+        threads: int | None, dropout: Dropout | None, scores: Scores | None = None,
+        sinks: Any = None,
     ) -> None:  # fmt: skip
         self.dtypes = {"q": q.dtype, "k": k.dtype, "v": v.dtype}
+        self.scores = scores
+        if scores is not None and scores.sinks is not None:
+            self.dtypes["sinks"] = as_float_array("sinks", sinks).dtype
         self.q, self.k, self.v = q, k, v
         self.unchanged = Fingerprints({
             "q": q, "k": k, "v": v, "mask": visibility.mask, "bias": visibility.bias,
@@ -59,6 +64,9 @@ class SplitHeadsBackward:
         dbias = None
         if self.bias_shape is not None and self.visibility.bias is not None:
             dbias = np.zeros(self.visibility.bias.shape, self.dtype)  # the bias's own size
+        dsinks = None
+        if self.scores is not None and self.scores.sinks is not None:
+            dsinks = np.zeros(self.scores.sinks.shape, self.dtype)
         cost = (
             float(np.prod(self.q.shape[:-1]))
             * self.k.shape[-2]
@@ -72,9 +80,11 @@ class SplitHeadsBackward:
             attend_backward(
                 self.q, self.k, self.v, self.out, self.lse, grad, self.visibility, self.scale,
                 dq=dq, dk=dk, dv=dv, dbias=dbias, max_memory=self.budget, team=team,
-                dropout=self.dropout,
+                dropout=self.dropout, scores=self.scores, dsinks=dsinks,
             )  # fmt: skip
         grads = {"q": dq, "k": dk, "v": dv}
+        if dsinks is not None:
+            grads["sinks"] = dsinks
         if dbias is not None and self.bias_shape is not None:
             grads["bias"] = _sum_to(dbias, self.bias_shape, self.q.shape[:-3])
         return {name: cast_result(g, self.dtypes[name]) for name, g in grads.items()}
@@ -106,6 +116,8 @@ class ProjectedBackward:
             self.dtypes["bias"] = as_float_array("bias", bias).dtype
         self.q, self.k, self.v, self.joined, self.lse = q, k, v, joined, lse
         self.visibility, self.dropout = visibility, dropout
+        if call.sinks is not None:
+            self.dtypes["sinks"] = call.sinks.dtype
         self.positions = tuple(  # copies: the caller may reuse its positions array
             None if p is None else np.array(p, dtype=np.float64)
             for p in (call.q_positions, call.k_positions)
@@ -142,12 +154,16 @@ class ProjectedBackward:
             dbias = None
             if self.bias_shape is not None and self.visibility.bias is not None:
                 dbias = np.zeros(self.visibility.bias.shape, dtype)  # the bias's own size
+            dsinks = None if call.sinks is None else np.zeros(call.sinks.shape, dtype)
             attend_backward(
                 self.q, self.k, self.v, split_heads(self.joined, H), self.lse,
                 split_heads(d_joined, H), self.visibility, 1.0, dq=dq, dk=dk, dv=dv,
                 dbias=dbias, max_memory=call.budget, team=team, dropout=self.dropout,
                 dq_factor=call.scale,  # q = (Q @ W_q + b_q) * scale
+                scores=call.scores, dsinks=dsinks,
             )  # fmt: skip
+            if dsinks is not None:
+                grads["sinks"] = dsinks
             del d_joined  # memory: each intermediate goes as soon as it is used (dq keeps it)
             if call.extra:  # the appended keys: bias_k/bias_v's gradients, then drop them
                 if "bias_k" in self.arrays:  # (*B, H_kv, d) at the first appended key

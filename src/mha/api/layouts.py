@@ -189,10 +189,12 @@ class Layouts(Configuration):
         config, weights = npz.load(path)
         extras = ("num_kv_heads", "head_dim", "rope_theta", "rotary_dim", "rotary_interleaved",
                   "window")  # fmt: skip
+        variants = ("sink_tokens", "softcap", "alibi", "chunk")  # later, optional
         try:
             module = cls._from_weights(
                 weights, config["num_heads"], config["add_zero_attn"], "the weights",
                 **{key: config[key] for key in extras},
+                **{key: config.get(key) for key in variants},
             )  # fmt: skip
         except KeyError as error:
             raise WeightsFileError(f"cannot load {path}: its config has no {error}") from None
@@ -202,7 +204,7 @@ class Layouts(Configuration):
         differences = [
             f"{key}={config.get(key)!r} but the weights give {found[key]!r}"
             for key in found
-            if config.get(key) != found[key]
+            if config.get(key, False if key == "sinks" else None) != found[key]
         ]
         if differences:
             raise WeightsFileError(f"cannot load {path}: its config says " + "; ".join(differences))
@@ -217,6 +219,7 @@ class Layouts(Configuration):
                 ("head_dim * num_heads != d_model", self.head_dim * self.num_heads != self.d_model),
                 ("rotary embeddings", self.rope_theta is not None),
                 ("a sliding window", self.window is not None),
+                *((f"{name}=", True) for name in self.variants()),
                 ("only some of the biases", self._partial_biases() != ""),
             )
             if present

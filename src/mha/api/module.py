@@ -23,7 +23,7 @@ from .projection import compute
 if TYPE_CHECKING:
     from typing import Unpack
 
-    from .signatures import Backward, Flag, ForwardOptions
+    from .signatures import Backward, Flag, ForwardOptions, MaskMod, ScoreMod
 
 __all__ = ["MultiHeadAttention"]
 
@@ -52,7 +52,11 @@ class MultiHeadAttention(Layouts):
     ``rope_theta`` (rotary position embeddings of q and k after projection, with
     ``rotary_dim`` and ``rotary_interleaved`` as in :func:`mha.apply_rotary`) and
     ``window`` (a sliding window); :meth:`new_cache` makes a :class:`mha.KVCache` for
-    ``forward(x, cache=...)``, and :meth:`from_llama` reads transformers' layout.
+    ``forward(x, cache=...)``, and :meth:`from_llama` reads transformers' layout. What a
+    model fixes of today's variants (docs/variants.md): ``sinks=True`` (gpt-oss: the
+    module owns ``sinks``, one learned logit per head, zero to start, in :meth:`parameters`),
+    ``sink_tokens`` (StreamingLLM, with ``window``), ``softcap`` (Gemma 2), ``alibi``
+    (True for :func:`mha.alibi_slopes`, or the slopes) and ``chunk`` (Llama 4).
 
     The class holds configuration and weights and delegates to the function's own path (same
     inputs, same bits): its settings and weights are checked in :mod:`.configuration`, the
@@ -87,6 +91,11 @@ class MultiHeadAttention(Layouts):
         rotary_dim: SupportsIndex | None = None,
         rotary_interleaved: Flag = False,
         window: SupportsIndex | None = None,
+        sinks: Flag = False,
+        sink_tokens: SupportsIndex | None = None,
+        softcap: float | None = None,
+        alibi: Any = False,
+        chunk: SupportsIndex | None = None,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
     ) -> None:
@@ -102,7 +111,8 @@ class MultiHeadAttention(Layouts):
             head_dim=E // H if head_dim is None else head_dim,
             kdim=E if kdim is None else kdim, vdim=E if vdim is None else vdim,
             add_zero_attn=add_zero_attn, rope_theta=rope_theta, rotary_dim=rotary_dim,
-            rotary_interleaved=rotary_interleaved, window=window,
+            rotary_interleaved=rotary_interleaved, window=window, sink_tokens=sink_tokens,
+            softcap=softcap, alibi=alibi, chunk=chunk,
         )  # fmt: skip
         if not isinstance(bias, (bool, np.bool_)):
             raise AttentionTypeError(f"bias must be True or False; got {bias!r}")
@@ -131,6 +141,9 @@ class MultiHeadAttention(Layouts):
                 rng.normal(0.0, 1.0 / float(np.sqrt(E)), kv_inner).astype(self.dtype)
                 for _ in range(2)
             )
+        self.sinks: np.ndarray | None = None
+        if flag("sinks", sinks):  # gpt-oss's learned logits, one per head; zero to start
+            self.sinks = np.zeros(H, dtype=self.dtype)
 
     # One overload per combination of the return_* flags; the last for run-time flags.
     # fmt: off
@@ -183,6 +196,9 @@ class MultiHeadAttention(Layouts):
         generator: np.random.Generator | None = None,
         max_memory: SupportsIndex | None = None,
         workers: SupportsIndex | None = None,
+        mask_mod: MaskMod | None = None,
+        score_mod: ScoreMod | None = None,
+        score_mod_grad: ScoreMod | None = None,
     ) -> np.ndarray | tuple[Any, ...]:
         """Attention of ``query (B, L, d_model)`` (or ``(L, d_model)``) over itself, or over
         ``key``/``value`` given by name.
@@ -196,10 +212,11 @@ class MultiHeadAttention(Layouts):
         default: ``key``) by name. The other keywords are those of
         :func:`mha.multi_head_attention`: ``causal``, ``causal_alignment``,
         ``key_lengths``, ``query_lengths``, ``bias``, ``window``, ``scale``,
-        ``return_weights``, ``max_memory`` and ``workers``; the module's own
-        ``num_kv_heads`` and rotary settings apply. A ``window`` given here combines with
-        the module's by AND, as every mask argument does (the narrower one counts; with a
-        cache too, which keeps what the module's window needs).
+        ``return_weights``, ``max_memory``, ``workers``, ``mask_mod``, ``score_mod`` and
+        ``score_mod_grad``; the module's own ``num_kv_heads``, rotary settings and variants
+        (sinks, sink tokens, soft-capping, ALiBi, chunks) apply. A ``window`` given here
+        combines with the module's by AND, as every mask argument does (the narrower one
+        counts; with a cache too, which keeps what the module's window needs).
         ``positions`` (``(L,)`` or ``(B, L)``) places the tokens for the rotary embedding.
         ``cache`` (from :meth:`new_cache`) makes ``query`` the next tokens of each sequence:
         they are projected, rotated at their true positions, appended, and attend causally
@@ -273,7 +290,8 @@ class MultiHeadAttention(Layouts):
         call = check_call(
             query, key, value, self.W_q, self.W_k, self.W_v, self.W_o, self.num_heads,
             masking(mask, causal, causal_alignment, key_lengths, query_lengths, bias,
-                    self.window if window is None else window),
+                    self.window if window is None else window, self.sink_tokens, self.chunk,
+                    mask_mod),
             b_q=self.b_q, b_k=self.b_k, b_v=self.b_v, b_o=self.b_o, scale=scale,
             return_weights=return_weights, max_memory=max_memory, workers=workers,
             bias_k=self.bias_k, bias_v=self.bias_v, add_zero_attn=self.add_zero_attn,
@@ -281,7 +299,9 @@ class MultiHeadAttention(Layouts):
             rotary_dim=self.rotary_dim, rotary_interleaved=self.rotary_interleaved,
             positions=positions, cache=cache, return_backward=return_backward,
             dropout_p=dropout_p, generator=generator,
-            names=_SELF_NAMES if itself else _INPUT_NAMES,
+            names=_SELF_NAMES if itself else _INPUT_NAMES, sinks=self.sinks,
+            softcap=self.softcap, alibi=self.alibi, score_mod=score_mod,
+            score_mod_grad=score_mod_grad,
         )  # fmt: skip
         result = compute(call, bias, generator)
         if not call.want_backward:
@@ -308,7 +328,7 @@ class MultiHeadAttention(Layouts):
 
     def new_cache(self, batch_size: int, *, capacity: int = 256) -> KVCache:
         """An empty :class:`mha.KVCache` for ``batch_size`` sequences, made for this
-        attention's key/value heads, head width, window and compute dtype (float32 for
+        attention's key/value heads, head width, window, sink tokens and compute dtype (float32 for
         float16 weights). ``capacity`` positions are preallocated; more are added as needed.
 
         >>> import numpy as np
@@ -324,7 +344,7 @@ class MultiHeadAttention(Layouts):
         dtype = np.float32 if self.dtype == np.float16 else self.dtype
         return KVCache(
             batch_size, self.num_kv_heads, self.head_dim, capacity=capacity, dtype=dtype,
-            window=self.window,
+            window=self.window, sink_tokens=self.sink_tokens,
         )  # fmt: skip
 
     __call__ = forward

@@ -28,7 +28,7 @@ from .split_heads import attend_cached
 if TYPE_CHECKING:
     from typing import Unpack
 
-    from .signatures import Backward, Flag, MhaOptions
+    from .signatures import Backward, Flag, MaskMod, MhaOptions, ScoreMod
 
 __all__ = ["append_keys", "compute", "multi_head_attention", "project_heads"]
 
@@ -96,6 +96,14 @@ def multi_head_attention(
     add_zero_attn: Flag = False,
     num_kv_heads: SupportsIndex | None = None,
     window: SupportsIndex | None = None,
+    sink_tokens: SupportsIndex | None = None,
+    chunk: SupportsIndex | None = None,
+    mask_mod: MaskMod | None = None,
+    sinks: Any = None,
+    softcap: float | None = None,
+    alibi: Any = None,
+    score_mod: ScoreMod | None = None,
+    score_mod_grad: ScoreMod | None = None,
     rope_theta: float | None = None,
     rotary_dim: SupportsIndex | None = None,
     rotary_interleaved: Flag = False,
@@ -140,6 +148,10 @@ def multi_head_attention(
       head ``h`` uses key/value head ``h // (H // H_kv)``. Default ``num_heads``.
     * ``window``: a sliding window (transformers' ``sliding_window``): query ``i`` sees key
       ``j`` only if ``(i + offset) - j < window``, ``offset`` the causal alignment's.
+    * ``sink_tokens``, ``chunk``, ``mask_mod``, ``sinks``, ``softcap``, ``alibi``,
+      ``score_mod``, ``score_mod_grad``: the variants of today's models, as in
+      :func:`scaled_dot_product_attention` (docs/variants.md); ``backward`` then has a
+      ``sinks`` gradient too.
     * ``rope_theta``: rotate q and k after projection with rotary position embeddings of
       this base (:func:`mha.apply_rotary`), at ``positions`` (``(L,)`` or ``(B, L)``;
       default ``0..S-1`` for keys, the last ``L`` of them for queries) or at the cache's
@@ -184,14 +196,16 @@ def multi_head_attention(
     array([[[1., 1., 1.],
             [1., 1., 1.]]])
     """
-    masking = masking_of(mask, causal, causal_alignment, key_lengths, query_lengths, bias, window)
+    masking = masking_of(mask, causal, causal_alignment, key_lengths, query_lengths, bias, window,
+                         sink_tokens, chunk, mask_mod)  # fmt: skip
     call = check_call(
         Q, K, V, W_q, W_k, W_v, W_o, num_heads, masking, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
         scale=scale, return_weights=return_weights, max_memory=max_memory, workers=workers,
         bias_k=bias_k, bias_v=bias_v, add_zero_attn=add_zero_attn, num_kv_heads=num_kv_heads,
         rope_theta=rope_theta, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
         positions=positions, cache=cache, return_backward=return_backward, dropout_p=dropout_p,
-        generator=generator,
+        generator=generator, sinks=sinks, softcap=softcap, alibi=alibi, score_mod=score_mod,
+        score_mod_grad=score_mod_grad,
     )  # fmt: skip
     return compute(call, bias, generator)
 
@@ -222,6 +236,8 @@ def compute(
         Team(workers_for(cost, call.threads)) as team,
     ):
         q, k, v = project_heads(call, w, team)
+        if visibility is not None:
+            visibility = visibility.classified(team)  # mask_mod's block map, kept for backward
         if call.extra:
             k = append_keys(k, w.bias_k, call.add_zero_attn, call.H_kv)
             v = append_keys(v, w.bias_v, call.add_zero_attn, call.H_kv)
@@ -229,7 +245,7 @@ def compute(
             assert call.cache is not None and call.counts is not None
             heads, _ = attend_cached(
                 q, k, v, call.cache, call.counts, call.window, 1.0, False, call.budget,
-                call.threads, team,
+                call.threads, team, call.masking, call.scores,
             )  # fmt: skip
             joined = join_heads(heads)
         else:
@@ -240,7 +256,7 @@ def compute(
                 lse = np.full((*B, H, L), -np.inf, dtype=dtype)
             attend(
                 q, k, v, visibility, 1.0, split_heads(joined, H), weights=weights, lse=lse,
-                max_memory=call.budget, team=team, dropout=dropout,
+                max_memory=call.budget, team=team, dropout=dropout, scores=call.scores,
             )  # fmt: skip
         out = team.matmul(joined, w.W_o, w.b_o)
     results: list[Any] = [cast_result(out, call.result_dtype)]

@@ -16,13 +16,19 @@ import numpy as np
 
 from .cache import KVCache
 
-__all__ = ["Backward", "Flag", "ForwardOptions", "MhaOptions", "SdpaOptions"]
+__all__ = ["Backward", "Flag", "ForwardOptions", "MaskMod", "MhaOptions", "ScoreMod", "SdpaOptions"]
 
 Backward = Callable[[Any], dict[str, np.ndarray]]
 """``backward(grad_out)``: the gradients by name, each shaped like what it is the gradient of."""
 
 Flag = bool | np.bool_
 """A switch: Python's or NumPy's bool (an int is refused at run time)."""
+
+MaskMod = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], Any]
+"""``mask_mod(b, h, q_idx, kv_idx) -> bool array`` of broadcastable int64 index arrays."""
+
+ScoreMod = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], Any]
+"""``score_mod(score, b, h, q_idx, kv_idx) -> score`` (and its derivative, same signature)."""
 
 
 class _Keywords(TypedDict, total=False):
@@ -32,6 +38,9 @@ class _Keywords(TypedDict, total=False):
     query_lengths: Any
     bias: Any
     window: SupportsIndex | None
+    mask_mod: MaskMod | None
+    score_mod: ScoreMod | None
+    score_mod_grad: ScoreMod | None
     scale: float | None
     dropout_p: float | None
     generator: np.random.Generator | None
@@ -44,6 +53,11 @@ class SdpaOptions(_Keywords, total=False):
     """:func:`mha.scaled_dot_product_attention`'s keywords besides the ``return_*`` flags."""
 
     mask: Any
+    sink_tokens: SupportsIndex | None
+    chunk: SupportsIndex | None
+    sinks: Any
+    softcap: float | None
+    alibi: Any
 
 
 class MhaOptions(_Keywords, total=False):
@@ -62,6 +76,11 @@ class MhaOptions(_Keywords, total=False):
     rotary_dim: SupportsIndex | None
     rotary_interleaved: Flag
     positions: Any
+    sink_tokens: SupportsIndex | None
+    chunk: SupportsIndex | None
+    sinks: Any
+    softcap: float | None
+    alibi: Any
 
 
 class ForwardOptions(_Keywords, total=False):

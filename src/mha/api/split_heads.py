@@ -23,6 +23,7 @@ from .._arrays import (
 from .._kernel.contract import Visibility
 from .._kernel.dropout import Dropout
 from .._kernel.forward import attend, merge_partials
+from .._kernel.scores import Scores, add_sinks
 from .._kernel.team import Team, workers_for
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .cache import KVCache
@@ -37,11 +38,12 @@ from .checks import (
     masking as masking_of,
 )
 from .gradients import SplitHeadsBackward
+from .variants import check_scores
 
 if TYPE_CHECKING:
     from typing import Unpack
 
-    from .signatures import Backward, Flag, SdpaOptions
+    from .signatures import Backward, Flag, MaskMod, ScoreMod, SdpaOptions
 
 __all__ = ["attend_cached", "merge_attention", "scaled_dot_product_attention"]
 
@@ -115,6 +117,14 @@ def scaled_dot_product_attention(
     query_lengths: Any = None,
     bias: Any = None,
     window: SupportsIndex | None = None,
+    sink_tokens: SupportsIndex | None = None,
+    chunk: SupportsIndex | None = None,
+    mask_mod: MaskMod | None = None,
+    sinks: Any = None,
+    softcap: float | None = None,
+    alibi: Any = None,
+    score_mod: ScoreMod | None = None,
+    score_mod_grad: ScoreMod | None = None,
     scale: float | None = None,
     return_weights: Flag = False,
     return_lse: Flag = False,
@@ -150,6 +160,12 @@ def scaled_dot_product_attention(
     * ``window``: a sliding window: query ``i`` sees key ``j`` only if
       ``(i + offset) - j < window``, ``offset`` being the causal alignment's (``S - L``, or
       0 for top-left). Tiles outside the band are skipped: time O(L·window), not O(L·S).
+    * ``sink_tokens``, ``chunk``, ``mask_mod``: StreamingLLM's sink tokens beside the
+      window, Llama 4's chunks and FlexAttention's mask functions, in the mask contract
+      (:mod:`mha._kernel.contract`); ``sinks``, ``softcap``, ``alibi``, ``score_mod`` and
+      ``score_mod_grad``: gpt-oss's sinks, Gemma 2's soft-capping, ALiBi and FlexAttention's
+      score functions (:mod:`mha._kernel.scores`). docs/variants.md says how each is
+      computed and written.
     * ``scale``: the factor on ``q k^T``; default ``1/sqrt(d_k)``.
     * ``return_weights``: also return the weights ``(..., H, L, S)`` (this builds the full
       score matrix, which the default path never does).
@@ -157,8 +173,8 @@ def scaled_dot_product_attention(
       (``-inf`` for a row that sees no key; float32 for float16 inputs), for
       :func:`merge_attention`.
     * ``return_backward``: also return ``backward``, a function of the output's gradient
-      ``grad_out`` that returns ``{"q": dq, "k": dk, "v": dv}`` (and ``"bias"`` when a bias
-      was given), each shaped like its input, in its dtype: FlashAttention-2's backward pass,
+      ``grad_out`` that returns ``{"q": dq, "k": dk, "v": dv}`` (and ``"bias"``, ``"sinks"``
+      when given), each shaped like its input, in its dtype: FlashAttention-2's backward pass,
       tile by tile from the saved log-sum-exp, never building the score matrix.
     * ``dropout_p`` with ``generator`` (a ``np.random.Generator``, required with dropout):
       drop each attention weight with probability ``dropout_p`` and scale the rest by
@@ -191,10 +207,15 @@ def scaled_dot_product_attention(
     scale = resolve_scale(scale, q.shape[-1], compute_dtype)
     want_weights = flag("return_weights", return_weights)
     budget, threads = kernel_options(max_memory, workers)
-    masking = masking_of(mask, causal, causal_alignment, key_lengths, query_lengths, bias, window)
+    masking = masking_of(mask, causal, causal_alignment, key_lengths, query_lengths, bias, window,
+                         sink_tokens, chunk, mask_mod)  # fmt: skip
     drop_p = check_dropout(dropout_p, generator)
     want_lse = flag("return_lse", return_lse)
     want_backward = flag("return_backward", return_backward)
+    scores = check_scores(
+        sinks=sinks, softcap=softcap, alibi=alibi, score_mod=score_mod,
+        score_mod_grad=score_mod_grad, H=q.shape[-3], want_backward=want_backward,
+    )  # fmt: skip
     if cache is not None:
         if want_weights or want_backward or drop_p:
             raise AttentionValueError(
@@ -213,7 +234,10 @@ def scaled_dot_product_attention(
             L=q.shape[-2], new_keys=k.shape[-2], dtype=compute_dtype,
             context=f"q {q.shape}, k {k.shape}, v {v.shape}",
         )  # fmt: skip
-        out, lse = attend_cached(q, k, v, cache, counts, window, scale, want_lse, budget, threads)
+        out, lse = attend_cached(
+            q, k, v, cache, counts, window, scale, want_lse, budget, threads, None, masking,
+            scores,
+        )  # fmt: skip
         out = cast_result(out, result_dtype)
         return out if lse is None else (out, lse)
     visibility = Visibility.build(
@@ -231,9 +255,10 @@ def scaled_dot_product_attention(
         lse = np.full(q.shape[:-1], -np.inf, dtype=compute_dtype)
     cost = float(np.prod(q.shape[:-1])) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
     with np.errstate(invalid="ignore", over="ignore"), Team(workers_for(cost, threads)) as team:
+        visibility = visibility.classified(team)  # mask_mod's block map, kept for backward
         attend(
             q, k, v, visibility, scale, out, weights=weights, lse=lse, max_memory=budget,
-            team=team, dropout=dropout,
+            team=team, dropout=dropout, scores=scores,
         )  # fmt: skip
     results: list[Any] = [cast_result(out, result_dtype)]
     if weights is not None:
@@ -244,6 +269,7 @@ def scaled_dot_product_attention(
         assert lse is not None
         results.append(SplitHeadsBackward(
             q, k, v, bias, out, lse, visibility, scale, compute_dtype, budget, threads, dropout,
+            scores, sinks,
         ))  # fmt: skip
     return results[0] if len(results) == 1 else tuple(results)
 
@@ -260,18 +286,27 @@ def attend_cached(
     budget: int,
     threads: int | None,
     team: Team | None = None,
+    masking: dict[str, Any] | None = None,
+    scores: Scores | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Append the first ``counts[b]`` new keys and values of each sequence ``b`` to
     ``cache`` and attend over everything it holds, within ``window``: ``(out, lse or
     None)`` in the cache's dtype. The call was checked by :func:`check_cache`; the cache's
-    lengths advance only once the attention is computed."""
+    lengths advance only once the attention is computed. ``masking`` gives the call's
+    sink tokens, chunks and ``mask_mod``; ``scores`` its changes to the scores."""
     B, L = q.shape[0], q.shape[-2]
     dtype = cache.dtype
+    masking = masking or {}
+    positions = cache.lengths.copy()  # each sequence's first new token
     filled = cache._append(k, v, counts)
     S = int(filled.max(initial=0))
+    held_sinks = cache.sink_tokens if cache.window is not None else 0
     visibility = Visibility.build(
         batch_shape=(B,), H=q.shape[-3], L=L, S=S, causal=True, key_lengths=filled,
-        query_lengths=counts, window=window, offsets=filled - counts, dtype=dtype,
+        query_lengths=counts, window=window, offsets=filled - counts,
+        sink_tokens=masking.get("sink_tokens"), chunk=masking.get("chunk"),
+        mask_mod=masking.get("mask_mod"), query_index=positions,
+        key_index=cache.first - held_sinks, held_sinks=held_sinks, dtype=dtype,
     )  # fmt: skip
     keys, values = cache.k, cache.v
     out = np.zeros((*q.shape[:-1], values.shape[-1]), dtype=dtype)
@@ -282,13 +317,13 @@ def attend_cached(
             team = stack.enter_context(Team(workers_for(cost, threads)))
         attend(
             q, keys[:, :, :S], values[:, :, :S], visibility, scale, out, lse=lse,
-            max_memory=budget, team=team,
+            max_memory=budget, team=team, scores=scores,
         )  # fmt: skip
     cache._commit(counts)
     return out, lse
 
 
-def merge_attention(outputs: Any, lses: Any) -> tuple[np.ndarray, np.ndarray]:
+def merge_attention(outputs: Any, lses: Any, sinks: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Merge attention computed over disjoint key ranges into the attention over all of them.
 
     ``outputs`` and ``lses`` are lists: ``outputs[p] (..., L, d_v)`` and ``lses[p] (..., L)``
@@ -296,7 +331,9 @@ def merge_attention(outputs: Any, lses: Any) -> tuple[np.ndarray, np.ndarray]:
     :func:`scaled_dot_product_attention` with ``return_lse=True`` for the same queries over
     part ``p`` of the keys (split-key decoding, sequence-parallel attention). Returns the
     merged ``(out, lse)``. A part in which a row sees no key (``lse = -inf``) adds nothing;
-    a row that sees no key in any part stays zero with ``lse = -inf``.
+    a row that sees no key in any part stays zero with ``lse = -inf``. ``sinks (H,)``
+    (gpt-oss's logits, for lses ``(..., H, L)``) are added once to the merged softmax: give
+    the parts computed without them.
 
     >>> import numpy as np
     >>> from mha import merge_attention, scaled_dot_product_attention as sdpa
@@ -323,11 +360,23 @@ def merge_attention(outputs: Any, lses: Any) -> tuple[np.ndarray, np.ndarray]:
         same("outputs[0]", outs[0], f"outputs[{p}]", out, "shape {}", outs[0].shape, out.shape)
     result_dtype, compute_dtype = result_and_compute_dtypes(*outs)
     _, lse_dtype = result_and_compute_dtypes(*outs, *logs)
+    scores = None
+    if sinks is not None:
+        if logs[0].ndim < 2:
+            raise ShapeError(
+                f"sinks= needs lses with a head axis, (..., H, L); got lses[0] {logs[0].shape}"
+            )
+        scores = check_scores(
+            sinks=sinks, softcap=None, alibi=None, score_mod=None, score_mod_grad=None,
+            H=logs[0].shape[-2], want_backward=False,
+        )  # fmt: skip
     with np.errstate(invalid="ignore", over="ignore"):
         merged, lse_merged = merge_partials(
             [out.astype(compute_dtype, copy=False) for out in outs],
             [lse.astype(lse_dtype, copy=False) for lse in logs],
         )
+        if scores is not None and scores.sinks is not None:
+            add_sinks(merged, lse_merged, scores.sinks)
     return cast_result(merged, result_dtype), lse_merged
 
 

@@ -19,7 +19,9 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "WEIGHT_NAMES", "load", "save"]
 
 FORMAT = "mha.MultiHeadAttention"
 FORMAT_VERSION = 2  # 2 added grouped-query heads, head_dim, rotary, window, single biases
-WEIGHT_NAMES = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v")
+# (the variants' settings and sinks came later as optional keys: files without them load)
+WEIGHT_NAMES = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v",
+                "sinks")  # fmt: skip
 
 
 def save(path: Any, config: dict[str, Any], weights: dict[str, np.ndarray | None]) -> None:
@@ -111,4 +113,6 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     vectors = {name: (widths[name],) for name in config["biases"]}
     if config["add_bias_kv"]:
         vectors |= {"bias_k": (kv_inner,), "bias_v": (kv_inner,)}
+    if config.get("sinks"):
+        vectors["sinks"] = (int(config["num_heads"]),)
     return {**shapes, **vectors}

@@ -27,6 +27,7 @@ functions the workers run (plain module-level functions and data, as they travel
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from ..._arrays import flag, resolve_scale
 from ..._kernel.contract import Visibility
 from ...api import checks
 from ...api.projection import append_keys
+from ...api.variants import check_scores
 from .graph import Graph, Grid
 from .inputs import (
     Masks,
@@ -50,6 +52,7 @@ from .inputs import (
 from .tasks import (
     WEIGHT_NAMES,
     Empty,
+    InBlock,
     MhaBlock,
     Output,
     Part,
@@ -83,6 +86,14 @@ def scaled_dot_product_attention(
     query_lengths: Any = None,
     bias: Any = None,
     window: int | None = None,
+    sink_tokens: int | None = None,
+    chunk: int | None = None,
+    mask_mod: Any = None,
+    sinks: Any = None,
+    softcap: float | None = None,
+    alibi: Any = None,
+    score_mod: Any = None,
+    score_mod_grad: Any = None,
     scale: float | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
@@ -101,9 +112,11 @@ def scaled_dot_product_attention(
     positions ``k``'s; the head and width axes are taken whole (rechunked if cut). ``mask``
     and ``bias`` may be Dask arrays, cut like the scores; ``key_lengths`` and
     ``query_lengths`` are small and read when the graph is built. Every other argument is
-    the in-memory function's. ``workers`` counts threads inside each task (default 1: Dask
-    runs tasks in parallel); ``split_every`` is the merge tree's fan-in.
-    ``return_weights``, ``return_backward``, dropout and ``cache`` are in-memory only.
+    the in-memory function's, the variants included (sinks are added once, after the
+    merge; ``mask_mod`` and ``score_mod`` see the call's indices in every chunk).
+    ``workers`` counts threads inside each task (default 1: Dask runs tasks in parallel);
+    ``split_every`` is the merge tree's fan-in. ``return_weights``, ``return_backward``,
+    dropout and ``cache`` are in-memory only.
 
     Returns the lazy output ``(..., H, L, d_v)`` chunked like ``q``, and with
     ``return_lse=True`` the lazy log-sum-exp ``(..., H, L)`` too.
@@ -134,8 +147,15 @@ def scaled_dot_product_attention(
         batch_shape=batch_shape, H=H, L=L, S=S, causal=causal or masks.causal,
         causal_alignment=causal_alignment, key_lengths=small("key_lengths", key_lengths),
         query_lengths=small("query_lengths", query_lengths), window=window,
-        dtype=compute_dtype, context=f"q {sq.shape}, k {sk.shape}",
+        sink_tokens=sink_tokens, chunk=chunk, mask_mod=mask_mod, dtype=compute_dtype,
+        context=f"q {sq.shape}, k {sk.shape}",
     )  # fmt: skip
+    scores = check_scores(
+        sinks=sinks, softcap=softcap, alibi=alibi, score_mod=score_mod,
+        score_mod_grad=score_mod_grad, H=H, want_backward=False,
+    )  # fmt: skip
+    variants = {"sink_tokens": sink_tokens, "chunk": chunk, "mask_mod": mask_mod, "sinks": sinks,
+                "softcap": softcap, "alibi": alibi, "score_mod": score_mod}  # fmt: skip
     want_lse = flag("return_lse", return_lse)
     fan_in = check_fan_in(split_every)
 
@@ -143,6 +163,7 @@ def scaled_dot_product_attention(
     arrays = {name: x if batched else x[None] for name, x in lazy.items()}
     visibility = visibility if batched else with_batch_axis(visibility)
     grid = Grid.of(arrays["q"], arrays["k"], arrays["v"], H, heads_axis=True)
+    parts_scores = None if scores is None else replace(scores, sinks=None)
     qd, kd, vd = (
         grid.fit(arrays["q"], "rows", da),
         grid.fit(arrays["k"], "cols", da),
@@ -151,7 +172,7 @@ def scaled_dot_product_attention(
     mask_d, bias_d = masks.fit(grid, batched)
     graph = Graph("mha-sdpa", (qd, kd, vd, mask_d, bias_d, visibility, scale, budget, threads,
                                 fan_in, want_lse, causal, causal_alignment, window,
-                                compute_dtype, result_dtype))  # fmt: skip
+                                compute_dtype, result_dtype, scores, variants))  # fmt: skip
     d_v = sv.shape[-1]
     for bb, batch in grid.batch_blocks():
         for i, rows in enumerate(grid.rows):
@@ -161,6 +182,7 @@ def scaled_dot_product_attention(
                     masks=masks.block_keywords(causal, causal_alignment, window, visibility,
                                                batch),
                     scale=scale, budget=budget, threads=threads,
+                    variants=in_block(variants, visibility, batch),
                 )  # fmt: skip
                 key = graph.task(
                     "block", (*bb, i), sdpa_block, (qd.name, *index), (kd.name, *bb, 0, 0, 0),
@@ -172,7 +194,7 @@ def scaled_dot_product_attention(
                 for j, cols in enumerate(grid.cols):
                     block = visibility.block(batch, rows, cols)
                     if block.sees_any():
-                        plan = Part(block, scale, budget, threads, compute_dtype)
+                        plan = Part(block, scale, budget, threads, compute_dtype, parts_scores)
                         parts.append(graph.task(
                             "part", (*bb, i, j), part, (qd.name, *index),
                             [(kd.name, *bb, 0, j, 0), (vd.name, *bb, 0, j, 0)],
@@ -180,7 +202,8 @@ def scaled_dot_product_attention(
                         ))  # fmt: skip
                 shape = (*grid.block_shape(batch), H, rows.stop - rows.start, d_v)
                 last = graph.reduce(parts, (*bb, i), fan_in)
-                key = graph.task("merged", (*bb, i), merge, last, Empty(shape, compute_dtype))
+                empty = Empty(shape, compute_dtype, None if scores is None else scores.sinks)
+                key = graph.task("merged", (*bb, i), merge, last, empty)
             graph.task("out", index, sdpa_out, key, result_dtype)
             if want_lse:
                 graph.task("lse", index[:-1], lse_out, key)
@@ -223,6 +246,14 @@ def multi_head_attention(
     add_zero_attn: bool = False,
     num_kv_heads: int | None = None,
     window: int | None = None,
+    sink_tokens: int | None = None,
+    chunk: int | None = None,
+    mask_mod: Any = None,
+    sinks: Any = None,
+    softcap: float | None = None,
+    alibi: Any = None,
+    score_mod: Any = None,
+    score_mod_grad: Any = None,
     rope_theta: float | None = None,
     rotary_dim: int | None = None,
     rotary_interleaved: bool = False,
@@ -270,6 +301,7 @@ def multi_head_attention(
     masking = checks.masking(  # the mask and the bias are checked by Masks, after
         True if isinstance(mask, (bool, np.bool_)) and mask else None, causal, causal_alignment,
         small("key_lengths", key_lengths), small("query_lengths", query_lengths), None, window,
+        sink_tokens, chunk, mask_mod,
     )  # fmt: skip
     call = checks.check_call(
         sQ, sK, sV, W_q, W_k, W_v, W_o, num_heads, masking, b_q=b_q, b_k=b_k, b_v=b_v,
@@ -278,9 +310,13 @@ def multi_head_attention(
         bias_k=bias_k, bias_v=bias_v, add_zero_attn=add_zero_attn, num_kv_heads=num_kv_heads,
         rope_theta=rope_theta, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
         positions=small("positions", positions), cache=cache, return_backward=return_backward,
-        dropout_p=dropout_p, generator=generator,
+        dropout_p=dropout_p, generator=generator, sinks=sinks, softcap=softcap, alibi=alibi,
+        score_mod=score_mod, score_mod_grad=score_mod_grad,
     )  # fmt: skip
     H, B, L, S = call.H, call.B, call.L, call.S
+    variants = {"sink_tokens": sink_tokens, "chunk": chunk, "mask_mod": mask_mod, "sinks": sinks,
+                "softcap": softcap, "alibi": alibi, "score_mod": score_mod}  # fmt: skip
+    parts_scores = None if call.scores is None else replace(call.scores, sinks=None)
     masks = Masks.check(mask, bias, da).fit_scores(B, H, L, S)
     causal = flag("causal", causal)
     fan_in = check_fan_in(split_every)
@@ -299,7 +335,7 @@ def multi_head_attention(
     graph = Graph("mha", (  # everything the graph depends on: equal tokens, equal results
         Qd, Kd, Vd, mask_d, bias_d, weights, visibility, call.scale, call.H, call.H_kv,
         call.budget, call.threads, fan_in, rotation, call.add_zero_attn, call.compute_dtype,
-        call.result_dtype, causal, causal_alignment, window, num_kv_heads,
+        call.result_dtype, causal, causal_alignment, window, num_kv_heads, call.scores, variants,
     ))  # fmt: skip
     w = graph.data("weights", weights)
     if call.extra:  # bias_k's key and the zero key, one batch item: parts broadcast them
@@ -335,7 +371,7 @@ def multi_head_attention(
                         "rotary_dim": rotary_dim, "rotary_interleaved": rotary_interleaved,
                         "positions": rotation.block_positions(batch),
                         "add_zero_attn": call.add_zero_attn, "max_memory": call.budget,
-                        "workers": call.threads,
+                        "workers": call.threads, **in_block(variants, visibility, batch),
                     },
                 )  # fmt: skip
                 graph.task("out", (*bb, i, 0), mha_block, (Qd.name, *bb, 0, 0),
@@ -348,7 +384,8 @@ def multi_head_attention(
             for j, cols in enumerate(grid.cols):
                 block = visibility.block(batch, rows, cols)
                 if block.sees_any():
-                    plan = Part(block, 1.0, call.budget, call.threads, call.compute_dtype)
+                    plan = Part(block, 1.0, call.budget, call.threads, call.compute_dtype,
+                                parts_scores)  # fmt: skip
                     parts.append(graph.task(
                         "part", (*bb, i, j), part, q, project("kv", bb, j, cols, batch),
                         masks.key(mask_d, bb, i, j), masks.key(bias_d, bb, i, j), plan,
@@ -359,13 +396,27 @@ def multi_head_attention(
                     index_shape=rows_only.index_shape, L=rows_only.L, S=call.extra,
                     query_lengths=rows_only.query_lengths,
                 )  # fmt: skip
-                plan = Part(extra, 1.0, call.budget, call.threads, call.compute_dtype)
+                plan = Part(extra, 1.0, call.budget, call.threads, call.compute_dtype,
+                            parts_scores)  # fmt: skip
                 parts.append(graph.task("part", (*bb, i, len(grid.cols)), part, q, extra_kv,
                                         None, None, plan))  # fmt: skip
             shape = (*grid.block_shape(batch), H, rows.stop - rows.start, call.d_v)
-            output = Output(shape, call.compute_dtype, call.result_dtype, call.threads)
+            output = Output(shape, call.compute_dtype, call.result_dtype, call.threads,
+                            None if call.scores is None else call.scores.sinks)  # fmt: skip
             last = graph.reduce(parts, (*bb, i), fan_in)  # the output task merges the last few
             graph.task("out", (*bb, i, 0), mha_out, last, w, output)
     chunks = (*grid.batch_chunks, grid.row_chunks, (d_out,))
     out = graph.array("out", chunks, call.result_dtype, [Qd, Kd, Vd, mask_d, bias_d], da)
     return out if batched else out[0]
+
+
+def in_block(variants: dict[str, Any], visibility: Visibility, batch: Any) -> dict[str, Any]:
+    """The variants' keywords for the in-memory call on one batch block: its ``mask_mod``
+    and ``score_mod`` see the call's sequence numbers, not the block's."""
+    given = {name: value for name, value in variants.items() if value is not None}
+    block = visibility.block(batch, slice(0, 0), slice(0, 0))
+    sequences = None if block.sequences is None else block.sequences.reshape(-1)
+    for name, score in (("mask_mod", False), ("score_mod", True)):
+        if name in given and sequences is not None:
+            given[name] = InBlock(given[name], sequences, score)
+    return given

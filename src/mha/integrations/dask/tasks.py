@@ -11,6 +11,7 @@ import numpy as np
 from ..._arrays import cast_result
 from ..._kernel.contract import Visibility
 from ..._kernel.forward import attend, merge_partials
+from ..._kernel.scores import Scores, add_sinks
 from ..._kernel.team import Team, workers_for
 from ...api import checks
 from ...api.gradients import join_heads, split_heads
@@ -77,6 +78,24 @@ class Part:
     budget: int
     threads: int | None
     dtype: np.dtype
+    scores: Scores | None = None  # without the sinks: the merge adds them once
+
+
+@dataclass(frozen=True)
+class InBlock:
+    """A ``mask_mod`` or ``score_mod`` called by the in-memory function on one batch block,
+    which numbers its sequences from 0: ``b`` is mapped back to the call's numbering."""
+
+    function: Any
+    sequences: np.ndarray  # the block's sequences, flattened, in the call's numbering
+    score: bool  # a score_mod (score first), or a mask_mod
+
+    def __call__(self, *args: Any) -> Any:
+        if self.score:
+            score, b, *rest = args
+            return self.function(score, self.sequences[b], *rest)
+        b, *rest = args
+        return self.function(self.sequences[b], *rest)
 
 
 def part(
@@ -100,7 +119,8 @@ def part(
         np.errstate(invalid="ignore", over="ignore"),
         Team(workers_for(cost, plan.threads)) as team,
     ):
-        attend(q, k, v, visibility, plan.scale, out, lse=lse, max_memory=plan.budget, team=team)
+        attend(q, k, v, visibility, plan.scale, out, lse=lse, max_memory=plan.budget, team=team,
+               scores=plan.scores)  # fmt: skip
     return out, lse
 
 
@@ -108,20 +128,28 @@ def part(
 class Empty:
     shape: tuple[int, ...]  # (*b, H, n, d_v)
     dtype: np.dtype
+    sinks: np.ndarray | None = None  # added once every part is merged
 
 
 def merge(
     parts: list[tuple[np.ndarray, np.ndarray]], empty: Empty | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Parts over disjoint key ranges merged by their log-sum-exp; with none (a query chunk
-    that sees no key), a zero output and a ``-inf`` log-sum-exp of ``empty``'s shape."""
+    that sees no key), a zero output and a ``-inf`` log-sum-exp of ``empty``'s shape. The
+    last merge (the one given ``empty``) adds its sinks."""
     if not parts:
         assert empty is not None
-        return np.zeros(empty.shape, empty.dtype), np.full(empty.shape[:-1], -np.inf, empty.dtype)
-    if len(parts) == 1:
-        return parts[0]
-    with np.errstate(invalid="ignore", over="ignore"):
-        return merge_partials([out for out, _ in parts], [lse for _, lse in parts])
+        out = np.zeros(empty.shape, empty.dtype)
+        lse = np.full(empty.shape[:-1], -np.inf, empty.dtype)
+    elif len(parts) == 1:
+        out, lse = parts[0]
+    else:
+        with np.errstate(invalid="ignore", over="ignore"):
+            out, lse = merge_partials([out for out, _ in parts], [lse for _, lse in parts])
+    if empty is not None and empty.sinks is not None:
+        out, lse = out.copy(), lse.copy()  # a part's own arrays may be shared
+        add_sinks(out, lse, empty.sinks)
+    return out, lse
 
 
 @dataclass(frozen=True)
@@ -130,12 +158,13 @@ class Output:
     dtype: np.dtype
     result_dtype: np.dtype
     threads: int | None
+    sinks: np.ndarray | None = None
 
 
 def mha_out(parts: list[Any], weights: Weights, plan: Output) -> Any:
-    """The last parts merged, the heads joined and projected by ``W_o``: ``(b, n, d_out)``
-    in the result dtype."""
-    heads, _ = merge(parts, Empty(plan.shape, plan.dtype))
+    """The last parts merged (and the sinks added), the heads joined and projected by
+    ``W_o``: ``(b, n, d_out)`` in the result dtype."""
+    heads, _ = merge(parts, Empty(plan.shape, plan.dtype, plan.sinks))
     joined = join_heads(heads)
     b_o = None if weights["b_o"] is None else weights["b_o"].astype(plan.dtype, copy=False)
     W_o = weights["W_o"].astype(plan.dtype, copy=False)
@@ -158,6 +187,7 @@ class SdpaBlock:
     scale: float
     budget: int
     threads: int | None
+    variants: dict[str, Any]
 
 
 def sdpa_block(
@@ -166,7 +196,7 @@ def sdpa_block(
     """One batch block by the in-memory function (one chunk of queries and of keys)."""
     out, lse = in_memory_sdpa(
         q, k, v, mask=mask, bias=bias, scale=plan.scale, max_memory=plan.budget,
-        workers=plan.threads, return_lse=True, **plan.masks,
+        workers=plan.threads, return_lse=True, **plan.masks, **plan.variants,
     )  # fmt: skip
     return out, lse
 

@@ -1,0 +1,220 @@
+"""Attention variants: what sinks, ALiBi, soft-capping, document masks, chunks and windows
+cost beside plain causal attention, and what the ``mask_mod``/``score_mod`` forms cost beside
+the built-in keywords.
+
+    python benchmarks/variants.py                    # results in benchmarks/results/variants.*
+    python benchmarks/variants.py --readme README.md # and the README's variants table
+    python benchmarks/variants.py --quick            # fewer repeats
+
+Causal self-attention, B=1, 8 heads, head dim 64, float32, L=4096, with mha's
+``scaled_dot_product_attention`` on every core. Every call is timed in one set of interleaved
+runs, so the ratios compare like with like. The calls come back to back, as a model's layers
+do: these calls use no BLAS threads of their own (the workers run BLAS on one thread each),
+so nothing spins between them, and a pause before each call (the other benchmarks' 0.3 s)
+measured every call 20-50 ms slower on a 2-core VM as its clock came back up, which
+penalises the short calls most:
+
+1. Each variant, as a ratio to plain causal attention (``causal=True``).
+2. Each ``mask_mod`` or ``score_mod`` form beside the built-in keyword it spells out, after
+   checking that the two give the same output.
+
+Where the environment sets ``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE`` (which hold OpenBLAS
+to an older kernel), the measurement is repeated in a child process without them, and both
+are reported.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import mha
+from mha.cli.measure import (
+    check_readme,
+    environment,
+    finish_script,
+    interleaved_medians,
+    measured_on,
+    script_parser,
+)
+
+ROOT = Path(__file__).parent.parent
+B, H, L, D = 1, 8, 4096, 64
+DOCUMENT, WINDOW, CHUNK, CAP = 512, 512, 512, 50.0
+VARIANTS_BEGIN, VARIANTS_END = "<!-- variants: begin -->", "<!-- variants: end -->"
+
+DOC = np.repeat(np.arange(L // DOCUMENT), DOCUMENT)  # document id of each packed position
+SLOPES = mha.alibi_slopes(H).astype(np.float32)
+
+
+def document_causal(b: Any, h: Any, q: Any, kv: Any) -> Any:
+    return (DOC[q] == DOC[kv]) & (q >= kv)
+
+
+def causal_mask(b: Any, h: Any, q: Any, kv: Any) -> Any:
+    return q >= kv
+
+
+def sliding_mask(b: Any, h: Any, q: Any, kv: Any) -> Any:
+    return (q >= kv) & (q - kv < WINDOW)
+
+
+def chunk_mask(b: Any, h: Any, q: Any, kv: Any) -> Any:
+    return (q >= kv) & (q // CHUNK == kv // CHUNK)
+
+
+def alibi_score(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+    return s + SLOPES[h] * (kv - q).astype(np.float32)
+
+
+def softcap_score(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+    cap = np.float32(CAP)  # keeps the scores float32
+    return cap * np.tanh(s / cap)
+
+
+def variants(sinks: np.ndarray) -> list[tuple[str, str, dict[str, Any], float | None]]:
+    """(name, keywords as shown, keywords, target ratio to plain causal) of every row."""
+    return [
+        ("plain causal", "causal=True", {"causal": True}, None),
+        ("sinks", "causal=True, sinks=(8,) normal", {"causal": True, "sinks": sinks}, 1.15),
+        ("ALiBi", "causal=True, alibi=True", {"causal": True, "alibi": True}, 1.15),
+        ("soft-capping", "causal=True, softcap=50.0", {"causal": True, "softcap": CAP}, None),
+        (f"document mask, {L // DOCUMENT} x {DOCUMENT}",
+         "mask_mod=(doc[q]==doc[kv]) & (q>=kv)", {"mask_mod": document_causal}, 0.3),
+        (f"chunked {CHUNK}", f"causal=True, chunk={CHUNK}", {"causal": True, "chunk": CHUNK}, 0.25),
+        (f"sliding window {WINDOW}", f"causal=True, window={WINDOW}",
+         {"causal": True, "window": WINDOW}, None),
+    ]  # fmt: skip
+
+
+# (form, keywords as shown, keywords, the built-in variant it spells out, target)
+FORMS: list[tuple[str, str, dict[str, Any], str, float | None]] = [
+    ("causal as mask_mod", "mask_mod=q>=kv", {"mask_mod": causal_mask}, "plain causal", 1.5),
+    (f"sliding window {WINDOW} as mask_mod", f"mask_mod=(q>=kv) & (q-kv<{WINDOW})",
+     {"mask_mod": sliding_mask}, f"sliding window {WINDOW}", 1.5),
+    (f"chunk {CHUNK} as mask_mod", f"mask_mod=(q>=kv) & (q//{CHUNK}==kv//{CHUNK})",
+     {"mask_mod": chunk_mask}, f"chunked {CHUNK}", 1.5),
+    ("ALiBi as score_mod", "causal=True, score_mod=s + slopes[h]*(kv-q)",
+     {"causal": True, "score_mod": alibi_score}, "ALiBi", None),
+    ("soft-capping as score_mod", "causal=True, score_mod=50*tanh(s/50)",
+     {"causal": True, "score_mod": softcap_score}, "soft-capping", None),
+]  # fmt: skip
+
+
+def _attention(q: Any, k: Any, v: Any, keywords: dict[str, Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        return mha.scaled_dot_product_attention(q, k, v, **keywords)
+
+    return run
+
+
+def _meets(ratio: float, target: float | None) -> bool | None:
+    return None if target is None else bool(ratio <= target)
+
+
+def measure(quick: bool) -> dict[str, Any]:
+    torch: Any
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((B, H, L, D), dtype=np.float32) for _ in range(3))
+    rows = variants(rng.standard_normal(H).astype(np.float32))
+    keywords = {name: kw for name, _, kw, _ in rows}
+    functions = {name: _attention(q, k, v, kw) for name, kw in keywords.items()}
+    same = {}
+    for form, _, kw, builtin, _ in FORMS:
+        functions[form] = _attention(q, k, v, kw)
+        ours, theirs = functions[form](), functions[builtin]()
+        same[form] = {
+            "same_result": bool(np.allclose(ours, theirs, rtol=1e-4, atol=1e-5)),
+            "max_abs_difference": float(np.max(np.abs(ours - theirs))),
+            "dtype": str(ours.dtype),
+        }
+    repeats = 3 if quick else 15
+    times = interleaved_medians(functions, repeats, pause=0.0)
+    seconds = {name: float(np.median(t)) for name, t in times.items()}
+    base = seconds["plain causal"]
+    return {
+        "environment": environment(torch),
+        "shape": {"B": B, "H": H, "L": L, "D": D, "dtype": "float32"},
+        "repeats": repeats,
+        "variants": [
+            {"name": name, "keywords": shown, "seconds": seconds[name],
+             "all_seconds": times[name], "ratio": seconds[name] / base, "target": target,
+             "meets_target": _meets(seconds[name] / base, target)}
+            for name, shown, _, target in rows
+        ],
+        "forms": [
+            {"name": form, "keywords": shown, "builtin": builtin, "seconds": seconds[form],
+             "all_seconds": times[form], "builtin_seconds": seconds[builtin],
+             "ratio": seconds[form] / seconds[builtin], "target": target,
+             "meets_target": _meets(seconds[form] / seconds[builtin], target), **same[form]}
+            for form, shown, _, builtin, target in FORMS
+        ],
+    }  # fmt: skip
+
+
+def _target(target: float | None) -> str:
+    return "—" if target is None else f"<= {target:g}x"
+
+
+def _meets_text(meets: bool | None) -> str:
+    return "—" if meets is None else ("yes" if meets else "NO")
+
+
+def markdown(runs: list[dict[str, Any]]) -> str:
+    lines = []
+    for results in runs:
+        builtin = {row["name"]: row["keywords"] for row in results["variants"]}
+        lines += [
+            measured_on(results["environment"])
+            + f"B=1, 8 heads, head dim 64, float32, L={L}; medians of {results['repeats']} "
+            "interleaved runs, back to back, default workers.",
+            "",
+            "| variant | keywords | ms | / plain causal | target | meets target |",
+            "|:---|:---|---:|---:|:---:|:---:|",
+        ]
+        for row in results["variants"]:
+            lines.append(
+                f"| {row['name']} | `{row['keywords']}` | {row['seconds'] * 1e3:.1f} "
+                f"| {row['ratio']:.2f}x | {_target(row['target'])} "
+                f"| {_meets_text(row['meets_target'])} |"
+            )
+        lines += [
+            "",
+            "`mask_mod` / `score_mod` forms beside the built-in keywords they spell out "
+            "(same result: `np.allclose` at rtol 1e-4, atol 1e-5, float32):",
+            "",
+            "| form | mha keywords | ms | built-in ms | / built-in | target | meets "
+            "| same result |",
+            "|:---|:---|---:|---:|---:|:---:|:---:|:---:|",
+        ]
+        for row in results["forms"]:
+            lines.append(
+                f"| {row['name']} | `{row['keywords']}` vs `{builtin[row['builtin']]}` "
+                f"| {row['seconds'] * 1e3:.1f} | {row['builtin_seconds'] * 1e3:.1f} "
+                f"| {row['ratio']:.2f}x | {_target(row['target'])} "
+                f"| {_meets_text(row['meets_target'])} "
+                f"| {'yes' if row['same_result'] else 'NO'} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = script_parser(__doc__, ROOT / "benchmarks" / "results", readme=True).parse_args(argv)
+    if args.readme:
+        check_readme(args.readme, VARIANTS_BEGIN, VARIANTS_END)  # before measuring anything
+    results = measure(args.quick)
+    markers = (VARIANTS_BEGIN, VARIANTS_END)
+    return finish_script(__file__, args, results, "variants", markdown, markers)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""User-defined masks: a ``mask_mod`` and its block map, as FlexAttention's block mask.
+
+``mask_mod(b, h, q_idx, kv_idx) -> bool`` says whether query ``q_idx`` of head ``h`` in
+sequence ``b`` may attend to key ``kv_idx``. It is called with int64 arrays that broadcast
+as ``b (B, 1, 1, 1)``, ``h (1, H, 1, 1)``, ``q_idx (1, 1, n, 1)``, ``kv_idx (1, 1, 1, w)``
+(``b`` and the positions take ``B`` rows when they differ by sequence), so that one call
+covers a whole block of scores in NumPy, never one element at a time in Python.
+
+Before the kernel runs, :func:`classify` evaluates the mask once over the scores, block
+by block of ``BLOCK x BLOCK``, in slices of bounded size, and keeps one byte per block:
+``EMPTY`` (the kernel skips it), ``FULL`` (the kernel does not evaluate the mask there) or
+``PARTIAL`` (the kernel evaluates it for that tile). A mask that ignores ``b`` or ``h``
+returns an array without those axes (size 1), and its map is kept, and computed, once for
+every sequence or head: a document mask costs one evaluation, not one per head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._arrays import broadcasts_to
+from ..errors import AttentionTypeError, ShapeError
+from .team import Team
+
+__all__ = ["BLOCK", "EMPTY", "FULL", "PARTIAL", "classify", "evaluate"]
+
+BLOCK = 128
+"""Rows and keys per block of the map (FlexAttention's default block size)."""
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+EVALUATED_AT_ONCE = 2**21
+"""Pairs per call of the mask while the map is built: about 4 MiB of booleans."""
+
+
+def evaluate(
+    mask_mod: Callable[..., Any],
+    b: np.ndarray,
+    h: np.ndarray,
+    q_idx: np.ndarray,
+    kv_idx: np.ndarray,
+    shape: tuple[int, int, int, int],
+) -> np.ndarray:
+    """``mask_mod`` at the given index arrays: a boolean array of four axes that broadcasts
+    to ``shape`` ``(B, H, n, w)``, or a named error."""
+    result = np.asarray(mask_mod(b, h, q_idx, kv_idx))
+    if result.dtype != np.bool_:
+        raise AttentionTypeError(
+            f"mask_mod must return booleans (True = may attend); it returned dtype "
+            f"{result.dtype} for index arrays broadcasting to (B, H, n, w) = {shape}"
+        )
+    if not broadcasts_to(result.shape, shape):
+        raise ShapeError(
+            f"mask_mod returned shape {result.shape}, which does not broadcast to the "
+            f"(B, H, n, w) = {shape} of its index arrays b {b.shape}, h {h.shape}, "
+            f"q_idx {q_idx.shape}, kv_idx {kv_idx.shape}"
+        )
+    return result.reshape((1,) * (4 - result.ndim) + result.shape)
+
+
+def classify(
+    mask_mod: Callable[..., Any],
+    sequences: np.ndarray,
+    H: int,
+    q_positions: np.ndarray,
+    k_positions: np.ndarray,
+    team: Team | None = None,
+) -> np.ndarray:
+    """The block map ``(B or 1, H or 1, ceil(L / BLOCK), ceil(S / BLOCK))`` of ``EMPTY``,
+    ``PARTIAL`` and ``FULL`` for the sequences numbered ``sequences (B,)`` (the mask's
+    ``b``), of ``H`` heads, whose rows
+    have the mask's query indices ``q_positions (B or 1, L)`` and whose keys have
+    ``k_positions (B or 1, S)``. The slices of rows are shared among ``team``'s workers."""
+    L, S = q_positions.shape[-1], k_positions.shape[-1]
+    batch = len(sequences)
+    b = np.asarray(sequences, np.int64).reshape(-1, 1, 1, 1)
+    h = np.arange(H, dtype=np.int64).reshape(1, -1, 1, 1)
+    rows, cols = -(-L // BLOCK), -(-S // BLOCK)
+    if L == 0 or S == 0:
+        return np.zeros((1, 1, rows, cols), np.int8)
+    probe = evaluate(mask_mod, b, h, q_positions[:, None, :1, None],
+                     k_positions[:, None, None, :1], (batch, H, 1, 1))  # fmt: skip
+    B_, H_ = probe.shape[0], probe.shape[1]  # 1 where the mask ignores the sequence or head
+    blocks = np.empty((B_, H_, rows, cols), np.int8)
+    width = min(S, max(BLOCK, EVALUATED_AT_ONCE // (B_ * H_ * BLOCK) // BLOCK * BLOCK))
+    height = max(BLOCK, EVALUATED_AT_ONCE // (B_ * H_ * width) // BLOCK * BLOCK)
+    slices = [(r0, min(r0 + height, L), c0, min(c0 + width, S))
+              for r0 in range(0, L, height) for c0 in range(0, S, width)]  # fmt: skip
+
+    def make_worker() -> Callable[[tuple[int, int, int, int]], None]:
+        def run(piece: tuple[int, int, int, int]) -> None:
+            r0, r1, c0, c1 = piece
+            shape = (B_, H_, r1 - r0, c1 - c0)
+            allowed = evaluate(mask_mod, b[:B_], h[:, :H_], q_positions[:, None, r0:r1, None],
+                               k_positions[:, None, None, c0:c1], shape)  # fmt: skip
+            counts = _block_counts(np.broadcast_to(allowed, shape))
+            sizes = np.outer(_block_sizes(r1 - r0), _block_sizes(c1 - c0))
+            cell = np.where(counts == 0, EMPTY, np.where(counts == sizes, FULL, PARTIAL))
+            blocks[:, :, r0 // BLOCK : -(-r1 // BLOCK), c0 // BLOCK : -(-c1 // BLOCK)] = cell
+
+        return run
+
+    (team or Team(1)).run(slices, make_worker)
+    return blocks
+
+
+def _block_counts(allowed: np.ndarray) -> np.ndarray:
+    """How many pairs of each ``BLOCK x BLOCK`` block of ``allowed (B, H, n, w)`` are True:
+    rows summed first (as bytes, at most ``BLOCK``), then keys; edges padded with False."""
+    B, H, n, w = allowed.shape
+    rows, cols = -(-n // BLOCK), -(-w // BLOCK)
+    bytes_ = allowed.view(np.uint8)
+    if n % BLOCK or w % BLOCK:
+        bytes_ = np.pad(bytes_, ((0, 0), (0, 0), (0, rows * BLOCK - n), (0, cols * BLOCK - w)))
+    per_column = bytes_.reshape(B, H, rows, BLOCK, cols * BLOCK).sum(axis=3, dtype=np.uint8)
+    counts: np.ndarray = per_column.reshape(B, H, rows, cols, BLOCK).sum(axis=4, dtype=np.int32)
+    return counts
+
+
+def _block_sizes(n: int) -> np.ndarray:
+    """The sizes of the blocks that cut ``n`` positions."""
+    sizes = np.full(-(-n // BLOCK), BLOCK, np.int64)
+    if n % BLOCK:
+        sizes[-1] = n % BLOCK
+    return sizes
