@@ -42,3 +42,35 @@ def test_the_algorithm_page_covers_its_topics():
                     "Threads and BLAS", "Merging partial results", "Grouped-query attention",
                     "Sliding windows", "The KV cache", "Split-key decoding"):  # fmt: skip
         assert heading in text
+
+
+def test_the_variants_page_writes_the_built_ins_as_mods():
+    """docs/variants.md's mask_mods and score_mods give what the built-in keywords give."""
+    import re
+    from pathlib import Path
+
+    import numpy as np
+
+    text = (Path(__file__).parent.parent / "docs" / "variants.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+    page: dict = {"mha": mha}
+    exec(compile(block, "docs/variants.md", "exec"), page)
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((3, 1, 8, 4096, 8))
+    i, j = np.arange(4096)[:, None], np.arange(4096)[None]
+
+    def attend(**keywords):
+        return mha.scaled_dot_product_attention(q, k, v, **keywords)
+
+    def close(a, b):
+        return np.abs(a - b).max() <= 1e-13 * np.abs(b).max()
+
+    assert close(attend(mask_mod=page["causal"]), attend(causal=True))
+    assert close(attend(mask_mod=page["sliding"]), attend(causal=True, window=256))
+    assert close(attend(causal=True, score_mod=page["alibi"]), attend(causal=True, alibi=True))
+    capped = attend(causal=True, score_mod=page["softcap"], score_mod_grad=page["softcap_grad"])
+    assert close(capped, attend(causal=True, softcap=30.0))
+    doc = page["doc"]
+    assert close(attend(mask_mod=page["document_causal"]),
+                 attend(mask=(doc[i] == doc[j]) & (i >= j)))  # fmt: skip
+    assert close(attend(mask_mod=page["prefix_lm"]), attend(mask=(j < 128) | (i >= j)))

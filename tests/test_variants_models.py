@@ -263,6 +263,16 @@ def test_whole_sequences_match_transformers(
         )  # fmt: skip
         error = relative_error(layer, call["out"])
         assert record_error(f"transformers {name} layer, float64", error) <= OUT
+        if family == "gpt_oss":  # the layer read by from_llama, its sinks included
+            module = mha.MultiHeadAttention.from_llama(
+                model.state_dict(), prefix=f"model.layers.{index}.self_attn.", num_heads=H,
+                num_kv_heads=call["k"].shape[1], head_dim=call["k"].shape[-1],
+                window=options["window"],
+            )  # fmt: skip
+            assert module.sinks is not None
+            error = relative_error(module(call["x"], mask=True, scale=options["scale"]),
+                                   call["out"])  # fmt: skip
+            assert record_error("transformers gpt-oss layer via from_llama", error) <= OUT
 
 
 def test_sinks_merge_and_log_sum_exp(torch, transformers, record_error):
@@ -486,6 +496,33 @@ def test_chunked_attention_matches_llama4_mask(seed, torch, transformers, record
     assert record_error("Llama 4 chunk vs dense softmax", relative_error(out, dense)) <= OUT
     masked = mha.scaled_dot_product_attention(q, k, v, mask=allowed)
     assert relative_error(out, masked) <= OUT
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chunked_gradients_match_autograd_through_llama4_mask(seed, torch, transformers,
+                                                               record_error):  # fmt: skip
+    """Gradients of chunked attention (grouped heads, L < S) against torch.autograd through
+    torch's SDPA with transformers' own chunked mask."""
+    g = np.random.default_rng(450 + seed)
+    B, H_kv, group, d, S, L = 2, 2, 2, 8, 37, 23
+    chunk = int(g.integers(3, 11))
+    q = g.standard_normal((B, H_kv * group, L, d))
+    k, v = g.standard_normal((2, B, H_kv, S, d))
+    grad_out = g.standard_normal((B, H_kv * group, L, d))
+    allowed = torch.from_numpy(llama4_chunk_mask(B, L, S, chunk, q_offset=S - L))
+    tq, tk, tv = (torch.from_numpy(a).requires_grad_() for a in (q, k, v))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        tq, tk, tv, attn_mask=allowed, enable_gqa=True
+    )
+    expected.backward(torch.from_numpy(grad_out))
+    out, backward = mha.scaled_dot_product_attention(
+        q, k, v, causal=True, chunk=chunk, return_backward=True
+    )
+    assert relative_error(out, expected.detach().numpy()) <= OUT
+    grads = backward(grad_out)
+    for name, tensor in (("q", tq), ("k", tk), ("v", tv)):
+        error = relative_error(grads[name], tensor.grad.numpy())
+        assert record_error(f"Llama 4 chunk d{name}, float64", error) <= GRAD
 
 
 def test_chunked_decoding_matches_llama4_mask(torch, transformers, record_error):

@@ -121,6 +121,7 @@ class Layouts(Configuration):
         (``(out, in)``, NumPy arrays or torch tensors) and their ``.bias`` where present.
         ``num_heads``, ``num_kv_heads`` and ``head_dim`` are the config's ``num_attention_heads``,
         ``num_key_value_heads`` and ``head_dim`` (default ``hidden_size // num_heads``);
+        gpt-oss's ``{prefix}sinks`` become the module's ``sinks`` (``num_heads`` logits);
         ``rope_theta``, ``rotary_dim`` (partial rotary) and ``rotary_interleaved`` set the
         rotary embedding (``rope_theta=None``: none); ``window`` is Mistral's
         ``sliding_window``. ``prefix`` selects one layer of a whole model's state dict, such

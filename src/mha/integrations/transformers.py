@@ -24,7 +24,6 @@ LLAMA_PROJECTIONS = {"q_proj": ("W_q", "b_q"), "k_proj": ("W_k", "b_k"),
 UNSUPPORTED = {
     "q_norm": "QK-norm, as in Qwen3, Gemma 3 and OLMo 2",
     "k_norm": "QK-norm, as in Qwen3, Gemma 3 and OLMo 2",
-    "sinks": "attention sinks, as in gpt-oss",
     "lora": "a LoRA adapter: merge it into the base weights first, as peft's merge_and_unload",
 }
 """Weights that some Llama-style attention modules hold and mha's layout does not (yet), by
@@ -63,9 +62,10 @@ def weights_from_llama(
     """mha's weights from a Llama-style attention's state dict (NumPy arrays or torch
     tensors, ``(out, in)`` as ``nn.Linear`` stores them): ``{prefix}q_proj.weight``,
     ``k_proj``, ``v_proj``, ``o_proj``, and their ``.bias`` where present (as in Qwen2).
+    gpt-oss's ``{prefix}sinks`` (one logit per head) is read as the module's ``sinks``.
     Every key under ``prefix`` must be one of those (or the ``rotary_emb.inv_freq`` buffer
     of older checkpoints, which transformers recomputes from the config too): weights of
-    another computation (QK-norm, sinks) are refused by name. Keys outside the prefix are
+    another computation (QK-norm) are refused by name. Keys outside the prefix are
     not read; a prefix that names no attention module is refused with the ones it holds."""
     if not hasattr(state, "keys") or not hasattr(state, "__getitem__"):
         raise AttentionTypeError(
@@ -83,6 +83,7 @@ def weights_from_llama(
         f"{prefix}{layer}.{part}" for layer in LLAMA_PROJECTIONS for part in ("weight", "bias")
     }
     known.add(f"{prefix}rotary_emb.inv_freq")  # older checkpoints' buffer: derived, not read
+    known.add(f"{prefix}sinks")
     unknown = sorted(key[len(prefix) :] for key in ours - known)  # the module's, all of them
     if unknown:
         said = ", ".join(f"{key} ({_why(key)})" if _why(key) else key for key in unknown)
@@ -122,6 +123,12 @@ def weights_from_llama(
                     f"state dict: {key} has shape {b.shape}; expected ({shapes[layer][0]},)"
                 )
             weights[b_name] = b
+    key = f"{prefix}sinks"
+    if key in state:  # gpt-oss: one learned logit per query head
+        sinks = as_numpy(key, state[key])
+        if sinks.shape != (num_heads,):
+            raise ShapeError(f"state dict: {key} has shape {sinks.shape}; expected ({num_heads},)")
+        weights["sinks"] = sinks
     return weights
 
 
