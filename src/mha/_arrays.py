@@ -89,8 +89,10 @@ def positive_int(name: str, value: Any) -> int:
 def non_negative_int(name: str, value: Any) -> int:
     """A Python int ``>= 0`` from an int-like value (bools and floats are refused)."""
     whole = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-    if whole and int(value) == 0:
-        return 0
+    if whole and int(value) >= 0:
+        return int(value)
+    if whole:
+        raise AttentionValueError(f"{name} must be a non-negative integer; got {value}")
     return positive_int(name, value)
 
 

@@ -193,7 +193,9 @@ def _item_backward(
         q_a = scratch.q_aug[: G * R * (d_k + 1)].reshape(G, R, d_k + 1)
         np.multiply(q[:, r0:r1].reshape(G, R, d_k), scale, out=q_a[..., :d_k])
         lse_t = lse[:, r0:r1].reshape(G, R)
-        np.negative(lse_t, out=q_a[..., d_k])
+        # (not np.negative(..., out=): NumPy 2.4 writes a (G, 1) slice's negation into this
+        # strided column from the wrong elements)
+        q_a[..., d_k] = -lse_t
         q_a[..., d_k][lse_t == -np.inf] = -np.inf  # rows seeing no key: p = 0
         shift = None
         if scores is not None and scores.nonlinear:  # the raw scores first, then - lse
@@ -203,7 +205,7 @@ def _item_backward(
         np.copyto(do_a[..., :d_v], grad_out[:, r0:r1].reshape(G, R, d_v))
         o_t = _cast(out[:, r0:r1], dtype).reshape(G, R, d_v)
         D = np.einsum("grd,grd->gr", do_a[..., :d_v], o_t)  # rowsum(dO * O)
-        np.negative(D, out=do_a[..., d_v])
+        do_a[..., d_v] = -D
         dq_t = scratch.dq[: G * R * d_k].reshape(G, R, d_k)
         dq_t.fill(0.0)
         for c0, c1 in item.key_tiles(r0, r1, ranges[0][0], ranges[-1][1], tiles.cols):

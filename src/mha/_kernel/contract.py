@@ -232,8 +232,18 @@ class Visibility:
             held_sinks=self.held_sinks,
             sequence=sequence,
             memo=self.memo,
+            alike=self._heads_alike(),
             heads=heads,
         )
+
+    def _heads_alike(self) -> bool:
+        """Whether every head sees the same keys (what the memo of a tile may share)."""
+        per_head = [
+            self.mask is not None and self.mask.shape[-3] > 1,
+            self.bias_hides_keys and self.bias is not None and self.bias.shape[-3] > 1,
+            self.blocks is not None and self.blocks.shape[1] > 1,
+        ]
+        return not any(per_head)
 
     def block(self, batch: tuple[slice, ...], rows: slice, cols: slice) -> Visibility:
         """The visibility of one block of the scores: the batch indices ``batch`` (one slice
@@ -241,8 +251,8 @@ class Visibility:
         start and stop), as a call over just those queries and keys would see it. The
         causal mask and the window keep their alignment, lengths count from the block's
         first row and key, and a mask or bias is cut (:meth:`with_arrays` gives a block its
-        own instead). Positions stay the call's, and ``b`` of a ``mask_mod`` counts the
-        block's sequences from 0."""
+        own instead). Positions stay the call's, and so do the sequence numbers (``b``) of a
+        ``mask_mod``."""
         r0, r1, c0, c1 = rows.start, rows.stop, cols.start, cols.stop
         if self.held_sinks or self.offsets is not None:
             raise ValueError("a cached call's visibility is not cut into blocks")
@@ -358,6 +368,7 @@ class ItemVisibility:
     sequence: int = 0  # mask_mod's b
     heads: slice = field(default_factory=lambda: slice(0, 1))  # mask_mod's h
     memo: Memo | None = None
+    alike: bool = True  # every head sees the same keys
 
     def query_positions(self, r0: int, r1: int) -> np.ndarray:
         """The positions of rows ``[r0, r1)``, aligned with the keys' (ALiBi, chunks)."""
@@ -413,10 +424,16 @@ class ItemVisibility:
         return ranges
 
     def key_tiles(
-        self, r0: int, r1: int, start: int, stop: int, width: int
+        self, r0: int, r1: int, start: int, stop: int, width: int, whole: bool = False
     ) -> Iterator[tuple[int, int]]:
         """Tiles ``[c0, c1)`` of at most ``width`` keys over what rows ``[r0, r1)`` may see
-        of ``[start, stop)``: none across the end of the sink tokens or a chunk's edge."""
+        of ``[start, stop)``: none across the end of the sink tokens or a chunk's edge.
+        ``whole``: one tile over everything they may see (the weights are returned)."""
+        if whole:
+            ranges = self.key_ranges(r0, r1)
+            if ranges and max(start, ranges[0][0]) < min(stop, ranges[-1][1]):
+                yield max(start, ranges[0][0]), min(stop, ranges[-1][1])
+            return
         sinks = self.sink_end()
         for a, b in self.key_ranges(r0, r1):
             c0, b = max(a, start), min(b, stop)
@@ -489,7 +506,8 @@ class ItemVisibility:
         window and document masks written as ``mask_mod`` do), and the boolean block of what
         a band cannot say (``None`` when nothing). With a ``mask_mod`` the result is kept
         for the other heads of the call, when it is the same for every head."""
-        key = (self.sequence, self.offset, self.key_index, self.query_index, r0, r1, c0, c1)
+        heads = None if self.alike else (self.heads.start, self.heads.stop)
+        key = (self.sequence, heads, self.offset, self.key_index, self.query_index, r0, r1, c0, c1)
         if self.memo is not None and key in self.memo:
             kept: tuple[tuple[np.ndarray, np.ndarray] | None, np.ndarray | None]
             kept = self.memo[key]
@@ -502,7 +520,7 @@ class ItemVisibility:
                 band = runs if band is None else (np.maximum(band[0], runs[0]),
                                                   np.minimum(band[1], runs[1]))  # fmt: skip
                 hidden = None
-        if self.memo is not None and (hidden is None or hidden.shape[0] == 1):
+        if self.memo is not None:
             self.memo.keep(key, (band, hidden))
         return band, hidden
 

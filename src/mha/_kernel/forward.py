@@ -378,7 +378,7 @@ def _query_tile(
     narrow = group == 1 and weights is None and drop is None and not scratch.flipped.size
     changes = scores is not None and scores.changes_scores
     fused_alibi = fused and scores is not None and scores.alibi is not None
-    for c0, c1 in item.key_tiles(r0, r1, start, stop, key_tile):
+    for c0, c1 in item.key_tiles(r0, r1, start, stop, key_tile, whole=weights is not None):
         w = c1 - c0
         a, b = item.rows_seeing(r0, r1, c0, c1)
         if a == b:  # the causal mask and the window hide the whole block
@@ -408,7 +408,14 @@ def _query_tile(
         # Hidden keys' values may hold NaN or inf, which 0 * value would spread; a tile with
         # nothing hidden needs no check (and decoding reads each value once, not twice).
         finite = (hidden is None and edge is None) or bool(np.isfinite(v_tile).all())
-        halves = _halves(edge, w) if narrow and edge is not None and finite else None
+        halves = None  # score_mod and soft-capping see the whole tile
+        if (
+            narrow
+            and edge is not None
+            and finite
+            and not (changes and scores is not None and scores.nonlinear)
+        ):
+            halves = _halves(edge, w)
         if scratch.flipped.size:
             flipped = scratch.flipped[: G * R * w].reshape(G, w, R)
             np.matmul(k_tile, q_tile.transpose(0, 2, 1), out=flipped)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import AttentionTypeError, ShapeError
+from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .contract import ItemVisibility
 
 __all__ = ["Scores", "add_sinks", "sink_gradient"]
@@ -71,9 +71,10 @@ class Scores:
             b, h, q, k = item.indices(r0, r1, c0, c1)
             if derivative:
                 assert self.score_mod_grad is not None  # checked with the call
-                slope = _result("score_mod_grad", self.score_mod_grad(view, b, h, q, k), view)
+                slope = _result("score_mod_grad", _call(self.score_mod_grad, view, b, h, q, k),
+                                view)  # fmt: skip
                 factor = slope if factor is None else factor * slope.reshape(factor.shape)
-            changed = _result("score_mod", self.score_mod(view, b, h, q, k), view)
+            changed = _result("score_mod", _call(self.score_mod, view, b, h, q, k), view)
             np.copyto(s, changed.reshape(s.shape), casting="same_kind")
         if self.alibi is not None and alibi:
             distance = item.key_positions(c0, c1)[None, :] - item.query_positions(r0, r1)[:, None]
@@ -94,6 +95,19 @@ class Scores:
         slopes = np.repeat(self.alibi[item.heads].astype(dtype), n).reshape(G, -1)
         base = item.query_positions(r0, r1) - int(item.key_positions(c0, c0 + 1)[0])
         return slopes, np.tile(base, slopes.shape[1] // max(n, 1))
+
+
+def _call(function: Callable[..., Any], score: np.ndarray, *indices: np.ndarray) -> Any:
+    """A score function at read-only scores: one that writes into them is told to return."""
+    try:
+        return function(score, *indices)
+    except ValueError as error:
+        if "read-only" not in str(error):
+            raise
+        raise AttentionValueError(
+            f"{getattr(function, '__name__', 'score_mod')} changed the scores it was given in "
+            "place; return the changed scores instead (score + bias, not score += bias)"
+        ) from None
 
 
 def _result(name: str, value: Any, score: np.ndarray) -> np.ndarray:
@@ -129,6 +143,8 @@ def sink_gradient(
     ``d out_i / d sink = -p_i * out_i``."""
     share = np.exp(sinks.astype(lse.dtype)[:, None] - lse)  # (*batch, H, L)
     D = np.einsum("...d,...d->...", grad_out, out.astype(grad_out.dtype, copy=False))
-    total = -(share * D)
-    per_head: np.ndarray = total.reshape(-1, *total.shape[-2:]).sum(axis=(0, 2))
+    total = -(share * D)  # (*batch, H, L)
+    per_head: np.ndarray = total.sum(
+        axis=tuple(a for a in range(total.ndim) if a != total.ndim - 2)
+    )
     return per_head

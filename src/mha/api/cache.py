@@ -231,9 +231,10 @@ class KVCache:
             )
         target = np.array(wanted, np.int64)
         need = target
-        if self._window is not None:
+        if self._window is not None:  # the next token's window, past the sink tokens
             need = np.maximum(self._sinks, target - (self._window - 1))
-        dropped = np.flatnonzero(self._first > need)
+        within_sinks = target <= self._sinks  # it sees the sink tokens alone
+        dropped = np.flatnonzero((self._first > need) & ~within_sinks)
         if dropped.size:
             b = int(dropped[0])
             raise AttentionValueError(
@@ -242,6 +243,7 @@ class KVCache:
                 f"{int(target[b])} would see"
             )
         self._lengths[:] = target
+        self._first[within_sinks] = self._sinks  # nothing held after the sink tokens
 
     def reorder(self, indices: Any) -> None:
         """Keep the sequences ``indices`` (a 1-D array of integers in ``[0, B)``; repeats
@@ -325,10 +327,19 @@ class KVCache:
         k[:, :, :held], v[:, :, :held] = self._k, self._v
         self._k, self._v = k, v
 
+    def _snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The state an append changes: restored by :meth:`_restore` when its call fails
+        (appends write only past each sequence's length, and drop into new buffers)."""
+        return self._k, self._v, self._first.copy()
+
+    def _restore(self, state: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        self._k, self._v, self._first = state
+
     def _drop_outside_window(self) -> None:
         """Move each sequence's last ``window - 1`` positions to the front of its slots
-        (after the sink tokens' slots)."""
+        (after the sink tokens' slots), in new buffers: a failed call restores the old."""
         window, n = self._window or 1, self._sinks
+        self._k, self._v = self._k.copy(), self._v.copy()
         for b in range(self.batch_size):
             held = int(self._lengths[b] - self._first[b])  # positions after the sinks
             keep = min(held, window - 1)

@@ -21,6 +21,7 @@ from .._arrays import (
     as_float_array,
     check_rank,
     flag,
+    non_negative_int,
     positive_int,
     resolve_scale,
     result_and_compute_dtypes,
@@ -178,6 +179,15 @@ def check_cache(
             "the cache with the attention's window, as new_cache does)"
         )
     sinks = masking["sink_tokens"]
+    if sinks is not None:
+        sinks = non_negative_int("sink_tokens", sinks)
+        if sinks and window is None:
+            raise AttentionValueError(
+                f"sink_tokens={sinks} keeps the first keys visible beside a sliding window, "
+                "but this call has none: give window= too, or leave sink_tokens out"
+            )
+    if masking["chunk"] is not None:
+        positive_int("chunk", masking["chunk"])
     if (
         cache.window is not None
         and sinks not in (None, cache.sink_tokens)

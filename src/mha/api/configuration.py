@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._arrays import flag, positive_int
+from .._arrays import flag, non_negative_int, positive_int
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .checks import WEIGHT_NAMES
 from .rotary import check_rotary_options, positive_real
-from .variants import check_scores
+from .variants import alibi_slopes, check_scores
 
 if TYPE_CHECKING:
     from typing import Self
@@ -91,7 +91,8 @@ class Configuration:
         self.rotary_dim = None if rotary_dim is None else int(rotary_dim)
         self.rotary_interleaved = flag("rotary_interleaved", rotary_interleaved)
         self.window = None if window is None else positive_int("window", window)
-        self.sink_tokens = None if sink_tokens is None else positive_int("sink_tokens", sink_tokens)
+        sinks = 0 if sink_tokens is None else non_negative_int("sink_tokens", sink_tokens)
+        self.sink_tokens = sinks or None
         if self.sink_tokens is not None and self.window is None:
             raise AttentionValueError(
                 "sink_tokens keeps the first positions beside a sliding window: give window= too"
@@ -152,10 +153,12 @@ class Configuration:
                 ("add_bias_kv", self.bias_k is not None),
                 ("add_zero_attn", self.add_zero_attn),
                 ("sinks", self.sinks is not None),
-                ("alibi", self.alibi is not None),
+                ("alibi", self.alibi is not None and self._standard_slopes()),
             )
             if on
         )
+        if self.alibi is not None and not self._standard_slopes():
+            extras += f", alibi={self.alibi.tolist()}"
         return (
             f"MultiHeadAttention(d_model={self.d_model}, num_heads={self.num_heads}{dims}, "
             f"bias={self.has_bias}{extras}{self._partial_biases()}, dtype={self.dtype.name})"
@@ -228,6 +231,12 @@ class Configuration:
             array = weights.get(name)
             setattr(self, name, None if array is None else np.array(array, dtype=self.dtype))
         return self
+
+    def _standard_slopes(self) -> bool:
+        """Whether the ALiBi slopes are :func:`mha.alibi_slopes`' for the head count."""
+        return self.alibi is not None and bool(
+            np.array_equal(self.alibi, alibi_slopes(self.num_heads))
+        )
 
     def _partial_biases(self) -> str:
         names = [n for n in ("b_q", "b_k", "b_v", "b_o") if getattr(self, n) is not None]

@@ -294,10 +294,30 @@ def attend_cached(
     None)`` in the cache's dtype. The call was checked by :func:`check_cache`; the cache's
     lengths advance only once the attention is computed. ``masking`` gives the call's
     sink tokens, chunks and ``mask_mod``; ``scores`` its changes to the scores."""
-    B, L = q.shape[0], q.shape[-2]
-    dtype = cache.dtype
     masking = masking or {}
     positions = cache.lengths.copy()  # each sequence's first new token
+    saved = cache._snapshot()
+    try:
+        out, lse = _append_and_attend(
+            q, k, v, cache, counts, window, scale, want_lse, budget, threads, team, masking,
+            scores, positions,
+        )  # fmt: skip
+    except BaseException:  # a mask_mod or score_mod that fails, say: the cache as it was
+        cache._restore(saved)
+        raise
+    cache._commit(counts)
+    return out, lse
+
+
+def _append_and_attend(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache, counts: np.ndarray,
+    window: SupportsIndex | None, scale: float, want_lse: bool, budget: int,
+    threads: int | None, team: Team | None, masking: dict[str, Any], scores: Scores | None,
+    positions: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
+    """:func:`attend_cached`'s work before the commit."""
+    B, L = q.shape[0], q.shape[-2]
+    dtype = cache.dtype
     filled = cache._append(k, v, counts)
     S = int(filled.max(initial=0))
     held_sinks = cache.sink_tokens if cache.window is not None else 0
@@ -319,7 +339,6 @@ def attend_cached(
             q, keys[:, :, :S], values[:, :, :S], visibility, scale, out, lse=lse,
             max_memory=budget, team=team, scores=scores,
         )  # fmt: skip
-    cache._commit(counts)
     return out, lse
 
 
