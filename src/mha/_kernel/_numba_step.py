@@ -123,16 +123,22 @@ def step(s, lo, hi, m, ref, total, alpha, first, slope, base):  # type: ignore[n
             seen = minus_inf if first else m[g, i]
             visible = row[a:b]
             width = visible.shape[0]
-            if biased:  # ALiBi: slope * (key position - query position), a whole number
-                rate, at = slope[g, i], a - base[i]
-                for j in range(width):
-                    visible[j] += rate * s.dtype.type(j + at)
             whole = width - width % LANES
             lanes[:] = minus_inf
-            for j in range(0, whole, LANES):
-                for lane in range(LANES):
-                    x = visible[j + lane]
-                    lanes[lane] = x if x > lanes[lane] else lanes[lane]
+            if biased:  # ALiBi, added in the maximum's sweep: slope * (j - query position)
+                rate, at = slope[g, i], a - base[i]
+                for j in range(0, whole, LANES):
+                    for lane in range(LANES):
+                        x = visible[j + lane] + rate * s.dtype.type(j + lane + at)
+                        visible[j + lane] = x
+                        lanes[lane] = x if x > lanes[lane] else lanes[lane]
+                for j in range(whole, width):
+                    visible[j] += rate * s.dtype.type(j + at)
+            else:
+                for j in range(0, whole, LANES):
+                    for lane in range(LANES):
+                        x = visible[j + lane]
+                        lanes[lane] = x if x > lanes[lane] else lanes[lane]
             top = minus_inf
             for lane in range(LANES):
                 top = lanes[lane] if lanes[lane] > top else top
