@@ -45,8 +45,9 @@ from typing import Any
 import numpy as np
 
 from . import compiled
-from .contract import ItemVisibility, Visibility
+from .contract import Visibility
 from .dropout import Dropout
+from .item import ItemVisibility
 from .scores import Scores, add_sinks
 from .team import Team
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
-from .contract import ItemVisibility
+from .item import ItemVisibility
 
 __all__ = ["Scores", "add_sinks", "sink_gradient"]
 
