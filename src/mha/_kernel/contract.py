@@ -63,7 +63,14 @@ from .block_mask import classify
 from .item import ItemVisibility, Memo, cut_block
 from .team import Team
 
-__all__ = ["CAUSAL_ALIGNMENTS", "Visibility", "check_lengths", "fit_to_scores", "split_mask"]
+__all__ = [
+    "CAUSAL_ALIGNMENTS",
+    "Visibility",
+    "check_lengths",
+    "check_variants",
+    "fit_to_scores",
+    "split_mask",
+]
 
 CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
 
@@ -144,18 +151,7 @@ class Visibility:
                 f"causal_alignment={causal_alignment!r} has no effect without a causal mask: "
                 "pass causal=True (or mask=True) with it, or leave it out"
             )
-        sinks = 0 if sink_tokens is None else non_negative_int("sink_tokens", sink_tokens)
-        if sinks and window is None:
-            raise AttentionValueError(
-                f"sink_tokens={sink_tokens} keeps the first keys visible beside a sliding "
-                "window, but no window= was given: give window= too, or leave sink_tokens out"
-            )
-        chunk = None if chunk is None else positive_int("chunk", chunk)
-        if mask_mod is not None and not callable(mask_mod):
-            raise AttentionTypeError(
-                f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool array; got "
-                f"{reprlib.repr(mask_mod)} of type {type(mask_mod).__name__}"
-            )
+        sinks, chunk = check_variants(sink_tokens, chunk, mask_mod, window)
         offset = 0 if causal_alignment == "top_left" else S - L
         if mask_array is not None:
             mask_array = fit_to_scores("mask", mask_array, full, batch_shape)
@@ -349,6 +345,25 @@ def _select(array: np.ndarray | None, batch: tuple[int, ...], heads: slice) -> n
     )
     picked: np.ndarray = array[(*index, heads if array.shape[-3] != 1 else slice(None))]
     return picked
+
+
+def check_variants(
+    sink_tokens: Any, chunk: Any, mask_mod: Any, window: int | None
+) -> tuple[int, int | None]:
+    """The variants' part of the contract, checked: ``(sink_tokens, chunk)`` (0 and
+    ``None`` when not given); ``window`` is the call's, already checked."""
+    sinks = 0 if sink_tokens is None else non_negative_int("sink_tokens", sink_tokens)
+    if sinks and window is None:
+        raise AttentionValueError(
+            f"sink_tokens={sink_tokens} keeps the first keys visible beside a sliding window, "
+            "but no window= was given: give window= too, or leave sink_tokens out"
+        )
+    if mask_mod is not None and not callable(mask_mod):
+        raise AttentionTypeError(
+            f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool array; got "
+            f"{reprlib.repr(mask_mod)} of type {type(mask_mod).__name__}"
+        )
+    return sinks, None if chunk is None else positive_int("chunk", chunk)
 
 
 def split_mask(mask: Any) -> tuple[bool, np.ndarray | None]:

@@ -170,7 +170,6 @@ def attend(
                 ranges = item.key_ranges(r0, r1)
                 if ranges:
                     tasks.append(_Task(batch, kv, item, r0, r1, ranges[0][0], ranges[-1][1]))
-    key_tile = tiles.cols
     parts = None
     if weights is None and dropout is None:
         parts = _split_keys(tasks, team.workers, tiles.cols, group, L, d_v, dtype)
@@ -204,7 +203,7 @@ def attend(
 
             _query_tile(
                 q[batch][heads], k[batch][kv], v[batch][kv], task.item, scale, task.r0,
-                task.r1, task.start, task.stop, key_tile, scratch, target_out,
+                task.r1, task.start, task.stop, tiles.cols, scratch, target_out,
                 None if weights is None else weights[batch][heads], target_lse, drop, fused,
                 scores,
             )  # fmt: skip

@@ -187,8 +187,11 @@ class ItemVisibility:
         window and document masks written as ``mask_mod`` do), and the boolean block of what
         a band cannot say (``None`` when nothing). With a ``mask_mod`` the result is kept
         for the other heads of the call, when it is the same for every head."""
-        heads = None if self.alike else (self.heads.start, self.heads.stop)
-        key = (self.sequence, heads, self.offset, self.key_index, self.query_index, r0, r1, c0, c1)
+        key = None
+        if self.memo is not None:  # a mask_mod's call: its tiles' masks are kept
+            heads = None if self.alike else (self.heads.start, self.heads.stop)
+            key = (self.sequence, heads, self.offset, self.key_index, self.query_index, r0, r1,
+                   c0, c1)  # fmt: skip
         if self.memo is not None and key in self.memo:
             kept: tuple[tuple[np.ndarray, np.ndarray] | None, np.ndarray | None]
             kept = self.memo[key]

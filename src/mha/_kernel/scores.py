@@ -17,7 +17,7 @@ size add it exactly once.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,11 @@ class Scores:
     @property
     def changes_scores(self) -> bool:
         return self.softcap is not None or self.score_mod is not None or self.alibi is not None
+
+    def without_sinks(self) -> Scores | None:
+        """These changes less the sinks (for parts that a merge adds them to once)."""
+        rest = replace(self, sinks=None)
+        return rest if rest.changes_scores else None
 
     @property
     def nonlinear(self) -> bool:

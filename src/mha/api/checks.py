@@ -21,12 +21,11 @@ from .._arrays import (
     as_float_array,
     check_rank,
     flag,
-    non_negative_int,
     positive_int,
     resolve_scale,
     result_and_compute_dtypes,
 )
-from .._kernel.contract import Visibility, check_lengths
+from .._kernel.contract import Visibility, check_lengths, check_variants
 from .._kernel.forward import DEFAULT_MAX_MEMORY
 from .._kernel.scores import Scores
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
@@ -178,16 +177,9 @@ def check_cache(
             f"{cache!r}; a call attends within the cache's window or a narrower one (make "
             "the cache with the attention's window, as new_cache does)"
         )
-    sinks = masking["sink_tokens"]
-    if sinks is not None:
-        sinks = non_negative_int("sink_tokens", sinks)
-        if sinks and window is None:
-            raise AttentionValueError(
-                f"sink_tokens={sinks} keeps the first keys visible beside a sliding window, "
-                "but this call has none: give window= too, or leave sink_tokens out"
-            )
-    if masking["chunk"] is not None:
-        positive_int("chunk", masking["chunk"])
+    checked, _ = check_variants(masking["sink_tokens"], masking["chunk"], masking["mask_mod"],
+                                window)  # fmt: skip
+    sinks = None if masking["sink_tokens"] is None else checked
     if (
         cache.window is not None
         and sinks not in (None, cache.sink_tokens)
@@ -220,11 +212,6 @@ def check_cache(
             "new tokens are the last of their sequence (bottom-right)"
         )
     counts = check_lengths("query_lengths", masking["query_lengths"], (B,), L, "query", context)
-    if masking["mask_mod"] is not None and not callable(masking["mask_mod"]):
-        raise AttentionTypeError(
-            f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool array; got "
-            f"{masking['mask_mod']!r}"
-        )
     return (np.full(B, L, np.int64) if counts is None else counts), window
 
 

@@ -27,7 +27,6 @@ functions the workers run (plain module-level functions and data, as they travel
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -154,8 +153,7 @@ def scaled_dot_product_attention(
         sinks=sinks, softcap=softcap, alibi=alibi, score_mod=score_mod,
         score_mod_grad=score_mod_grad, H=H, want_backward=False,
     )  # fmt: skip
-    variants = {"sink_tokens": sink_tokens, "chunk": chunk, "mask_mod": mask_mod, "sinks": sinks,
-                "softcap": softcap, "alibi": alibi, "score_mod": score_mod}  # fmt: skip
+    variants = variant_keywords(sink_tokens, chunk, mask_mod, sinks, softcap, alibi, score_mod)
     want_lse = flag("return_lse", return_lse)
     fan_in = check_fan_in(split_every)
 
@@ -163,7 +161,7 @@ def scaled_dot_product_attention(
     arrays = {name: x if batched else x[None] for name, x in lazy.items()}
     visibility = visibility if batched else with_batch_axis(visibility)
     grid = Grid.of(arrays["q"], arrays["k"], arrays["v"], H, heads_axis=True)
-    parts_scores = None if scores is None else replace(scores, sinks=None)
+    parts_scores = None if scores is None else scores.without_sinks()
     qd, kd, vd = (
         grid.fit(arrays["q"], "rows", da),
         grid.fit(arrays["k"], "cols", da),
@@ -314,9 +312,8 @@ def multi_head_attention(
         score_mod=score_mod, score_mod_grad=score_mod_grad,
     )  # fmt: skip
     H, B, L, S = call.H, call.B, call.L, call.S
-    variants = {"sink_tokens": sink_tokens, "chunk": chunk, "mask_mod": mask_mod, "sinks": sinks,
-                "softcap": softcap, "alibi": alibi, "score_mod": score_mod}  # fmt: skip
-    parts_scores = None if call.scores is None else replace(call.scores, sinks=None)
+    variants = variant_keywords(sink_tokens, chunk, mask_mod, sinks, softcap, alibi, score_mod)
+    parts_scores = None if call.scores is None else call.scores.without_sinks()
     masks = Masks.check(mask, bias, da).fit_scores(B, H, L, S)
     causal = flag("causal", causal)
     fan_in = check_fan_in(split_every)
@@ -408,6 +405,15 @@ def multi_head_attention(
     chunks = (*grid.batch_chunks, grid.row_chunks, (d_out,))
     out = graph.array("out", chunks, call.result_dtype, [Qd, Kd, Vd, mask_d, bias_d], da)
     return out if batched else out[0]
+
+
+def variant_keywords(
+    sink_tokens: Any, chunk: Any, mask_mod: Any, sinks: Any, softcap: Any, alibi: Any,
+    score_mod: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """The variants' keywords as a one-chunk call passes them to the in-memory function."""
+    return {"sink_tokens": sink_tokens, "chunk": chunk, "mask_mod": mask_mod, "sinks": sinks,
+            "softcap": softcap, "alibi": alibi, "score_mod": score_mod}  # fmt: skip
 
 
 def in_block(variants: dict[str, Any], visibility: Visibility, batch: Any) -> dict[str, Any]:
