@@ -1,82 +1,403 @@
-"""A Llama-style decoder in NumPy, with mha's attention and KV cache, generating greedily.
+"""Whole decoder-only language models in NumPy, with mha's attention and KV cache, greedily.
 
-It reads a directory written by transformers' ``save_pretrained``: ``config.json`` and
-``model.safetensors`` (read with the ``safetensors`` package's NumPy loader). Llama, Mistral
-(sliding window) and Qwen2 (q/k/v biases, sliding windows on some layers) checkpoints share
-this layout. Everything but attention is a few lines: token embedding, RMSNorm, the SwiGLU
-MLP and the output head. A configuration it cannot compute exactly is refused, naming the
-setting, never approximated.
+It reads a directory written by transformers' ``save_pretrained`` (``config.json`` and
+``model.safetensors``, or the shards of ``model.safetensors.index.json``; bfloat16 or
+float32) through ``mha.integrations.checkpoint.Checkpoint``, one layer's tensors at a time.
+Each layer's attention is ``mha.MultiHeadAttention.from_pretrained(directory, layer=i)``
+(``mha.LatentAttention`` for DeepSeek-V3): heads, grouped keys, biases, the scale, rotary
+positions with their scaling, sliding or full attention, QK-norm, sinks and soft-capping, as
+the config says. Everything else is a few lines below, written from each family's
+``modeling_<family>.py`` in transformers 5.24:
 
-    python examples/generate.py MODEL_DIR 1 2 3 --new-tokens 20
+* Llama, Mistral, Qwen2, Qwen3: RMSNorm before attention and before the SwiGLU MLP.
+* Phi-3: the same, with the MLP's gate and up projections fused in one ``gate_up_proj``.
+* OLMo 2: RMSNorm after attention and after the MLP only, ``(w * x)`` then cast.
+* Gemma 2 and Gemma 3: ``(1 + w)`` RMSNorms before and after both attention and the GELU
+  (tanh) MLP, embeddings times ``sqrt(hidden_size)``, Gemma 2's final soft-capping.
+* gpt-oss: OLMo 2's RMSNorm placed as Llama's; a mixture of experts, a softmax over the top
+  router logits, each expert a clamped SwiGLU.
+* DeepSeek-V3: Llama's norms; dense MLPs in the first layers, then a mixture of experts
+  routed by group-limited sigmoid scores, with a shared expert.
 
-needs ``pip install numpy safetensors`` and mha; nothing else.
+RMSNorm computes in float32 whatever the compute dtype, as transformers does. A config it
+cannot compute exactly is refused, naming the setting, never approximated.
+
+    python examples/generate.py MODEL_DIR 1 2 3 --new-tokens 20 [--dtype float64]
+
+needs NumPy and mha, nothing else: bfloat16 tensors are read as the float32 they are
+exactly, then converted to the compute dtype (``--dtype``, float32 by default).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 import mha
+from mha.integrations.checkpoint import Checkpoint
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
-"""The families whose decoder layer this example writes out; others are refused by name."""
+Function = Callable[[np.ndarray], np.ndarray]
 
 
 class UnsupportedModelError(ValueError):
     """A checkpoint this example cannot compute exactly (or cannot read)."""
 
 
+# ---------------------------------------------------------------- activations and norms
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """``1 / (1 + exp(-x))``, as ``(1 + tanh(x / 2)) / 2`` (no overflow)."""
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x * sigmoid(x)
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh approximation (transformers' ``gelu_pytorch_tanh``)."""
+    return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x**3)))
+
+
+ACTIVATIONS = {"silu": silu, "swish": silu, "gelu_pytorch_tanh": gelu_tanh}
+
+
+def _normalise(x: np.ndarray, eps: float) -> np.ndarray:
+    """``x / rms(x)`` in float32, as every transformers RMSNorm computes it."""
+    x = x.astype(np.float32)
+    return x * (1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + eps))
+
+
+def llama_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Llama's RMSNorm: cast back to ``x``'s dtype, then times the weight."""
+    return weight * _normalise(x, eps).astype(x.dtype)
+
+
+def olmo2_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """OLMo 2's (and gpt-oss's): times the weight, then cast back."""
+    return (weight * _normalise(x, eps)).astype(x.dtype)
+
+
+def gemma_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Gemma's: times ``1 + weight`` in float32 (its weights start at zero), then cast back."""
+    return (_normalise(x, eps) * (1.0 + weight.astype(np.float32))).astype(x.dtype)
+
+
+# ---------------------------------------------------------------- MLPs
+
+
+class Tensors:
+    """One layer's tensors by their names under the layer's prefix; each MLP takes its own,
+    and what no one takes is refused (a tensor this example would not compute)."""
+
+    def __init__(self, prefix: str, arrays: dict[str, np.ndarray]) -> None:
+        self.prefix, self.arrays = prefix, dict(arrays)
+
+    def take(self, name: str) -> np.ndarray:
+        if name not in self.arrays:
+            raise UnsupportedModelError(f"the checkpoint has no {self.prefix}{name}")
+        return self.arrays.pop(name)
+
+    def get(self, name: str) -> np.ndarray | None:
+        return self.arrays.pop(name, None)
+
+    def check_all_taken(self) -> None:
+        if self.arrays:
+            names = ", ".join(self.prefix + name for name in sorted(self.arrays))
+            raise UnsupportedModelError(f"this example does not compute {names}")
+
+
+def linear(tensors: Tensors, name: str) -> Function:
+    """``nn.Linear`` ``name``: ``x @ weight.T + bias``, the bias where the checkpoint has one."""
+    weight, bias = tensors.take(f"{name}.weight"), tensors.get(f"{name}.bias")
+    return lambda x: x @ weight.T if bias is None else x @ weight.T + bias
+
+
+def gated_mlp(tensors: Tensors, act: Function, prefix: str = "mlp.") -> Function:
+    """Llama's SwiGLU (Gemma's GELU): ``down(act(gate(h)) * up(h))``."""
+    gate, up, down = (linear(tensors, f"{prefix}{name}_proj") for name in ("gate", "up", "down"))
+    return lambda h: down(act(gate(h)) * up(h))
+
+
+def fused_mlp(tensors: Tensors, act: Function) -> Function:
+    """Phi-3's: one ``gate_up_proj``, the gate its first half."""
+    gate_up, down = linear(tensors, "mlp.gate_up_proj"), linear(tensors, "mlp.down_proj")
+
+    def mlp(h: np.ndarray) -> np.ndarray:
+        gate, up = np.split(gate_up(h), 2, axis=-1)
+        return down(act(gate) * up)
+
+    return mlp
+
+
+def top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    """The indices of the ``k`` largest scores of each row, largest first (``torch.topk``)."""
+    return np.argsort(-scores, axis=-1, kind="stable")[..., :k]
+
+
+def mixture(experts: list[Function], h: np.ndarray, chosen: np.ndarray, weights: Any) -> Any:
+    """``sum_k weights[t, k] * experts[chosen[t, k]](h[t])`` for each token ``t`` of
+    ``h (N, D)``, expert by expert, as transformers' eager experts add them up."""
+    out = np.zeros_like(h)
+    for e, expert in enumerate(experts):
+        rows, slots = np.nonzero(chosen == e)  # each token picks an expert once at most
+        if rows.size:
+            out[rows] += expert(h[rows]) * weights[rows, slots, None]
+    return out
+
+
+def gpt_oss_mlp(tensors: Tensors, config: dict[str, Any]) -> Function:
+    """gpt-oss's mixture: a softmax over the ``num_experts_per_tok`` largest router logits;
+    experts ``(E, D, 2I)`` in the ``x @ W`` layout, gate and up interleaved, clamped to
+    ``swiglu_limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    router = linear(tensors, "mlp.router")
+    W_gate_up, b_gate_up = (tensors.take(f"mlp.experts.gate_up_proj{s}") for s in ("", "_bias"))
+    W_down, b_down = (tensors.take(f"mlp.experts.down_proj{s}") for s in ("", "_bias"))
+    k, alpha = int(config["num_experts_per_tok"]), float(config["swiglu_alpha"])
+    limit = float(config["swiglu_limit"])
+
+    def expert(e: int) -> Function:
+        def run(x: np.ndarray) -> np.ndarray:
+            gate_up = x @ W_gate_up[e] + b_gate_up[e]
+            gate = np.minimum(gate_up[..., ::2], limit)
+            up = np.clip(gate_up[..., 1::2], -limit, limit)
+            return ((up + 1.0) * (gate * sigmoid(gate * alpha))) @ W_down[e] + b_down[e]
+
+        return run
+
+    experts = [expert(e) for e in range(len(W_gate_up))]
+
+    def mlp(h: np.ndarray) -> np.ndarray:
+        x = h.reshape(-1, h.shape[-1])
+        logits = router(x)
+        chosen = top_k(logits, k)
+        top = np.take_along_axis(logits, chosen, axis=-1)
+        weights = np.exp(top - top[:, :1])
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+        return np.asarray(mixture(experts, x, chosen, weights).reshape(h.shape))
+
+    return mlp
+
+
+def deepseek_mlp(tensors: Tensors, config: dict[str, Any], act: Function, layer: int) -> Function:
+    """DeepSeek-V3's: a dense MLP in the first ``first_k_dense_replace`` layers; then, in
+    float32, sigmoid scores plus ``e_score_correction_bias`` choose the ``topk_group``
+    groups of experts with the largest two-best sums and the ``num_experts_per_tok`` best
+    experts in them, weighted by their scores (normalised with ``norm_topk_prob``) times
+    ``routed_scaling_factor``; a shared expert is added to the mixture."""
+    if layer < int(config.get("first_k_dense_replace") or 0):
+        return gated_mlp(tensors, act)
+    router = tensors.take("mlp.gate.weight").astype(np.float32)
+    bias = tensors.take("mlp.gate.e_score_correction_bias").astype(np.float32)
+    E, groups = len(router), int(config["n_group"])
+    k, k_groups = int(config["num_experts_per_tok"]), int(config["topk_group"])
+    scaling, normalise = float(config["routed_scaling_factor"]), config["norm_topk_prob"]
+    experts = [gated_mlp(tensors, act, f"mlp.experts.{e}.") for e in range(E)]
+    shared = gated_mlp(tensors, act, "mlp.shared_experts.")
+
+    def mlp(h: np.ndarray) -> np.ndarray:
+        x = h.reshape(-1, h.shape[-1])
+        scores = sigmoid(x.astype(np.float32) @ router.T)  # (N, E)
+        choice = (scores + bias).reshape(len(x), groups, E // groups)
+        best_two = np.sort(choice, axis=-1)[..., -2:].sum(axis=-1)  # (N, groups)
+        kept = np.zeros(best_two.shape, dtype=bool)
+        np.put_along_axis(kept, top_k(best_two, k_groups), True, axis=-1)
+        choice = np.where(kept[..., None], choice, -np.inf).reshape(len(x), E)
+        chosen = top_k(choice, k)
+        weights = np.take_along_axis(scores, chosen, axis=-1)
+        if normalise:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        mixed = mixture(experts, x, chosen, weights * scaling)
+        return np.asarray(mixed.reshape(h.shape) + shared(h))
+
+    return mlp
+
+
+# ---------------------------------------------------------------- the families
+
+PRE = ("input_layernorm", None, "post_attention_layernorm", None)
+SANDWICH = ("input_layernorm", "post_attention_layernorm",
+            "pre_feedforward_layernorm", "post_feedforward_layernorm")  # fmt: skip
+POST = (None, "post_attention_layernorm", None, "post_feedforward_layernorm")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a family's decoder layer does around its attention."""
+
+    norms: tuple[str | None, ...]
+    """The layer's RMSNorms before attention, after it, before the MLP and after it."""
+    norm: Callable[[np.ndarray, np.ndarray, float], np.ndarray] = llama_norm
+    mlp: str = "gated"  # or "fused" (Phi-3), "gpt_oss", "deepseek"
+    activation_key: str = "hidden_act"
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+    attention: str = "MultiHeadAttention"  # mha's class: LatentAttention for DeepSeek
+
+
+GEMMA = Family(SANDWICH, gemma_norm, activation_key="hidden_activation", embed_scale=True)
+FAMILIES = {
+    "llama": Family(PRE),
+    "mistral": Family(PRE),
+    "qwen2": Family(PRE),
+    "qwen3": Family(PRE),
+    "phi3": Family(PRE, mlp="fused"),
+    "olmo2": Family(POST, olmo2_norm),
+    "gemma2": GEMMA,
+    "gemma3_text": GEMMA,
+    "gpt_oss": Family(PRE, olmo2_norm, mlp="gpt_oss"),
+    "deepseek_v3": Family(PRE, mlp="deepseek", attention="LatentAttention"),
+}
+"""The families whose decoder layers this example writes out, by ``model_type``; others are
+refused by name."""
+
+
+def attention_layer(directory: str | Path, layer: int, dtype: Any = np.float32) -> Any:
+    """Layer ``layer``'s attention alone, as the decoder builds it: ``attention(x,
+    mask=True)`` on hidden states ``x (B, L, hidden_size)``, or with
+    ``cache=attention.new_cache(B)``."""
+    kind = _open(directory).config.get("model_type")
+    if kind not in FAMILIES:
+        raise _unsupported(kind)
+    module = getattr(mha, FAMILIES[kind].attention)
+    return module.from_pretrained(directory, layer=layer, dtype=dtype)
+
+
+def _unsupported(kind: Any) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"this example computes the {', '.join(FAMILIES)} decoders; the config says "
+        f"model_type={kind!r}"
+    )
+
+
+# ---------------------------------------------------------------- the decoder
+
+
+class Layer(NamedTuple):
+    """One decoder layer: its attention, its RMSNorm weights before attention, after it,
+    before the MLP and after it (``None`` where the family has none), and its MLP."""
+
+    attention: Any
+    norms: tuple[np.ndarray | None, ...]
+    mlp: Function
+
+
 class Decoder:
-    """A causal language model: embeddings, decoder layers of attention and MLP, head."""
+    """A causal language model: embeddings, decoder layers of attention and MLP, head.
+
+    ``Decoder(directory, dtype=np.float32)`` computes in ``dtype`` (float32 or float64),
+    the checkpoint's weights converted once. The tensors are read layer by layer, each
+    layer's own alone; a tensor the family's layer does not compute is refused by name.
+    """
 
     def __init__(self, directory: str | Path, dtype: Any = np.float32) -> None:
-        directory = Path(directory)
-        config = _read_config(directory)
-        weights = {name: array.astype(dtype) for name, array in _read_weights(directory).items()}
         self.dtype = np.dtype(dtype)
-        self.eps = float(config["rms_norm_eps"])
-        self.vocab_size = int(config["vocab_size"])
-        heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+        if self.dtype not in (np.float32, np.float64):
+            raise ValueError(f"dtype must be float32 or float64; got {self.dtype}")
+        checkpoint = _open(directory)
+        config = self.config = checkpoint.config
+        kind = config.get("model_type")
+        if kind not in FAMILIES:
+            raise _unsupported(kind)
+        family = self.family = FAMILIES[kind]
+        activation = config.get(family.activation_key, "silu")
+        if activation not in ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"this example does not implement {family.activation_key}={activation!r}"
+            )
+        self.activation = ACTIVATIONS[activation]
+        self.eps = float(_setting(config, "rms_norm_eps"))
+        self.vocab_size = int(_setting(config, "vocab_size"))
+        count = int(_setting(config, "num_hidden_layers"))
+        self.softcap = config.get("final_logit_softcapping")
+        # transformers' Phi-3 recomputes the cache when the sequence first passes this length
+        # (its longrope switches from the short factors to the long ones there)
+        self.recompute_at = None
+        if kind == "phi3":
+            self.recompute_at = config.get("original_max_position_embeddings")
+        keys = set(checkpoint.keys())
+        top = ["model.embed_tokens.weight", "model.norm.weight"]
+        tied = config.get("tie_word_embeddings", False) or "lm_head.weight" not in keys
+        weights = self._read(checkpoint, top if tied else [*top, "lm_head.weight"])
         self.embed = weights["model.embed_tokens.weight"]  # (vocab, hidden)
-        self.head = weights.get("lm_head.weight", self.embed)  # tied when absent
+        self.embed_scale = None
+        if family.embed_scale:  # a float32 scalar cast to the weights' dtype, as transformers
+            hidden = int(_setting(config, "hidden_size"))
+            self.embed_scale = self.dtype.type(np.float32(hidden**0.5))
+        self.head = self.embed if tied else weights["lm_head.weight"]
         self.norm = weights["model.norm.weight"]
-        self.layers = []
-        for i, window in enumerate(layer_windows(config)):
-            prefix = f"model.layers.{i}."
-            attention = mha.MultiHeadAttention.from_llama(
-                {k: v for k, v in weights.items() if k.startswith(prefix + "self_attn.")},
-                prefix=prefix + "self_attn.", num_heads=heads, num_kv_heads=kv_heads,
-                head_dim=config.get("head_dim"), rope_theta=config["rope_theta"], window=window,
-            )  # fmt: skip
-            mlp = {name: weights[f"{prefix}mlp.{name}_proj.weight"].T for name in
-                   ("gate", "up", "down")}  # fmt: skip
-            norms = (weights[prefix + "input_layernorm.weight"],
-                     weights[prefix + "post_attention_layernorm.weight"])  # fmt: skip
-            self.layers.append((attention, mlp, norms))
+        layer_keys = [{key for key in keys if key.startswith(f"model.layers.{i}.")}
+                      for i in range(count)]  # fmt: skip
+        others = keys.difference(top, ["lm_head.weight"], *layer_keys)
+        if others:
+            raise UnsupportedModelError(
+                f"this example does not compute {', '.join(sorted(others))}"
+            )
+        self.layers = [
+            self._layer(checkpoint, directory, i, held) for i, held in enumerate(layer_keys)
+        ]
 
-    def new_caches(self, batch_size: int, capacity: int = 256) -> list[mha.KVCache]:
+    def _layer(self, checkpoint: Any, directory: Any, i: int, held: set[str]) -> Layer:
+        """Layer ``i``: its attention from mha, its norms and MLP read here."""
+        prefix = f"model.layers.{i}."
+        names = sorted(key for key in held if not key.startswith(f"{prefix}self_attn."))
+        arrays = self._read(checkpoint, names)
+        tensors = Tensors(prefix, {name[len(prefix) :]: arrays[name] for name in names})
+        norms = tuple(tensors.take(f"{name}.weight") if name else None
+                      for name in self.family.norms)  # fmt: skip
+        kind, act = self.family.mlp, self.activation
+        mlp = (
+            gated_mlp(tensors, act) if kind == "gated"
+            else fused_mlp(tensors, act) if kind == "fused"
+            else gpt_oss_mlp(tensors, self.config) if kind == "gpt_oss"
+            else deepseek_mlp(tensors, self.config, act, i)
+        )  # fmt: skip
+        tensors.check_all_taken()
+        module = getattr(mha, self.family.attention)
+        return Layer(module.from_pretrained(directory, layer=i, dtype=self.dtype), norms, mlp)
+
+    def _read(self, checkpoint: Any, names: list[str]) -> dict[str, np.ndarray]:
+        arrays: dict[str, np.ndarray] = checkpoint.read(names, dtype=self.dtype)
+        return arrays
+
+    def new_caches(self, batch_size: int, capacity: int = 256) -> list[Any]:
         """One cache per layer."""
-        return [layer[0].new_cache(batch_size, capacity=capacity) for layer in self.layers]
+        return [layer.attention.new_cache(batch_size, capacity=capacity) for layer in self.layers]
 
-    def forward(
-        self, ids: np.ndarray, caches: list[mha.KVCache], query_lengths: Any = None
-    ) -> np.ndarray:
+    def forward(self, ids: Any, caches: list[Any], query_lengths: Any = None) -> np.ndarray:
         """Logits ``(B, L, vocab)`` for the next tokens ``ids (B, L)`` of each sequence,
         appended to ``caches`` (with ``query_lengths``, only the first ``query_lengths[b]``
         of sequence ``b`` are real)."""
+        ids = np.asarray(ids)
+        if ids.ndim != 2 or ids.dtype.kind not in "iu":
+            raise ValueError(f"ids must be integer token ids (B, L); got {ids.dtype} {ids.shape}")
+        if len(caches) != len(self.layers):
+            raise ValueError(f"one cache per layer: {len(self.layers)}; got {len(caches)}")
         x = self.embed[ids]
-        for (attention, mlp, (norm_1, norm_2)), cache in zip(self.layers, caches, strict=True):
-            x = x + attention(self._rms(x, norm_1), cache=cache, query_lengths=query_lengths)
-            h = self._rms(x, norm_2)
-            gate = h @ mlp["gate"]
-            x = x + (gate / (1.0 + np.exp(-gate)) * (h @ mlp["up"])) @ mlp["down"]
-        return np.asarray(self._rms(x, self.norm) @ self.head.T)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = self._decoder_layer(layer, x, cache, query_lengths)
+        logits = self.family.norm(x, self.norm, self.eps) @ self.head.T
+        if self.softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            logits = np.tanh(logits / float(self.softcap)) * float(self.softcap)
+        return np.asarray(logits)
+
+    def _decoder_layer(self, layer: Layer, x: np.ndarray, cache: Any, lengths: Any) -> np.ndarray:
+        """``x + attention(x)`` then ``x + mlp(x)``, each with the family's norms."""
+        norm, eps = self.family.norm, self.eps
+        before_attention, after_attention, before_mlp, after_mlp = layer.norms
+        h = x if before_attention is None else norm(x, before_attention, eps)
+        h = layer.attention(h, cache=cache, query_lengths=lengths)
+        x = x + (h if after_attention is None else norm(h, after_attention, eps))
+        h = layer.mlp(x if before_mlp is None else norm(x, before_mlp, eps))
+        return x + (h if after_mlp is None else norm(h, after_mlp, eps))
 
     def generate(self, prompt: list[int], new_tokens: int) -> tuple[list[int], list[np.ndarray]]:
         """Greedy decoding: the prompt's continuation and the logits of each chosen token.
@@ -89,100 +410,34 @@ class Decoder:
                 f"token ids {outside} are outside the vocabulary of {self.vocab_size} "
                 f"(ids 0 to {self.vocab_size - 1})"
             )
+        sequence = list(prompt)
         caches = self.new_caches(1, capacity=len(prompt) + new_tokens)
-        logits = self.forward(np.array([prompt]), caches)[0, -1]
+        logits = self.forward(np.array([sequence]), caches)[0, -1]
         tokens, steps = [], []
         for _ in range(new_tokens):
             steps.append(logits)
             tokens.append(int(np.argmax(logits)))
-            logits = self.forward(np.array([[tokens[-1]]]), caches)[0, -1]
+            sequence.append(tokens[-1])
+            if len(sequence) == (self.recompute_at or 0) + 1:  # Phi-3 past its short rope
+                caches = self.new_caches(1, capacity=len(prompt) + new_tokens)
+                logits = self.forward(np.array([sequence]), caches)[0, -1]
+            else:
+                logits = self.forward(np.array([sequence[-1:]]), caches)[0, -1]
         return tokens, steps
 
-    def _rms(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        variance = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
-        return np.asarray(weight * (x / np.sqrt(variance + self.eps)).astype(self.dtype))
 
-
-def layer_windows(config: dict[str, Any]) -> list[int | None]:
-    """Each layer's sliding window (``None``: full attention), as transformers reads the
-    config: none for Llama; Mistral's ``sliding_window`` on every layer; for Qwen2, the
-    ``layer_types`` (from ``max_window_layers`` on when the config has none) with
-    ``sliding_window`` on its ``sliding_attention`` layers, and only when
-    ``use_sliding_window`` is set. Layer types other than these two are refused."""
-    kind, count = config.get("model_type"), int(config["num_hidden_layers"])
-    if kind == "llama":
-        return [None] * count
-    window = config.get("sliding_window")
-    if kind == "qwen2" and not config.get("use_sliding_window", False):
-        window = None
-    if window is not None and not (isinstance(window, int) and window > 0):
-        raise UnsupportedModelError(f"sliding_window must be a positive integer; got {window!r}")
-    if kind == "mistral":
-        return [window] * count
-    types = config.get("layer_types")
-    if types is None:
-        first = int(config.get("max_window_layers", count))
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(count)]
-    unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
-    if unknown or len(types) != count:
-        raise UnsupportedModelError(
-            f"this example computes full_attention and sliding_attention layers; the config's "
-            f"layer_types has {unknown or f'{len(types)} entries for {count} layers'}"
-        )
-    return [window if t == "sliding_attention" else None for t in types]
-
-
-def _read_config(directory: Path) -> dict[str, Any]:
-    """``config.json``, refused (naming the setting) unless this example computes it exactly."""
-    path = directory / "config.json"
+def _open(directory: str | Path) -> Any:
+    """The checkpoint, its failures to read as :class:`UnsupportedModelError`."""
     try:
-        config: dict[str, Any] = json.loads(path.read_text())
-    except OSError as error:
-        raise UnsupportedModelError(f"cannot read {path}: {error.strerror}") from None
-    except json.JSONDecodeError as error:
-        raise UnsupportedModelError(f"{path} is not valid JSON: {error}") from None
-    if config.get("model_type") not in MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"this example computes the {', '.join(MODEL_TYPES)} decoders; the config says "
-            f"model_type={config.get('model_type')!r}"
-        )
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    config["rope_theta"] = rope.get("rope_theta", config.get("rope_theta"))
-    needed = ("rms_norm_eps", "vocab_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "rope_theta")  # fmt: skip
-    missing = [name for name in needed if config.get(name) is None]
-    if missing:
-        raise UnsupportedModelError(f"{path} has no {', '.join(missing)}, which this example needs")
-    unsupported = [  # refused rather than computed wrongly
-        f"{key}={value!r}"
-        for key, value, supported in (
-            ("rope_type", rope.get("rope_type", rope.get("type", "default")), "default"),
-            ("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0), 1.0),
-            ("hidden_act", config.get("hidden_act", "silu"), "silu"),
-            ("mlp_bias", config.get("mlp_bias", False), False),
-        )
-        if value != supported
-    ]
-    if unsupported:
-        raise UnsupportedModelError(f"this example does not implement {', '.join(unsupported)}")
-    layer_windows(config)  # refuses layer types it does not compute
-    return config
+        return Checkpoint(directory)
+    except (OSError, ValueError) as error:
+        raise UnsupportedModelError(str(error)) from None
 
 
-def _read_weights(directory: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    path = directory / "model.safetensors"
-    if not path.exists():
-        sharded = (directory / "model.safetensors.index.json").exists()
-        raise UnsupportedModelError(
-            f"{directory} holds a sharded checkpoint (model.safetensors.index.json), which "
-            "this example does not read yet"
-            if sharded
-            else f"{path} does not exist"
-        )
-    weights: dict[str, np.ndarray] = load_file(path)
-    return weights
+def _setting(config: dict[str, Any], name: str) -> Any:
+    if config.get(name) is None:
+        raise UnsupportedModelError(f"config.json has no {name}, which this example needs")
+    return config[name]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -194,16 +449,18 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(description=__doc__.split("\n")[0])
-    parser.add_argument("model", help="a directory with config.json and model.safetensors")
+    parser.add_argument("model", help="a directory that transformers' save_pretrained wrote")
     parser.add_argument("prompt", type=int, nargs="+", help="prompt token ids")
     parser.add_argument("--new-tokens", type=int, default=20, help="how many (default 20)")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                        help="the compute dtype (default float32)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.new_tokens < 0:
         parser.error(f"--new-tokens must be 0 or more; got {args.new_tokens}")
     try:
-        decoder = Decoder(args.model)
+        decoder = Decoder(args.model, dtype=args.dtype)
         tokens, _ = decoder.generate(args.prompt, args.new_tokens)
-    except ValueError as error:  # a model it cannot compute, or a prompt it cannot read
+    except (ValueError, OSError) as error:  # a model it cannot compute, or cannot read
         print(f"{parser.prog}: {error}", file=sys.stderr)
         return 2
     print(" ".join(map(str, tokens)))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import tracemalloc
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -654,62 +653,6 @@ def test_the_decoder_computes_qwen2s_per_layer_windows(torch, transformers, tmp_
         assert relative_error(ours, theirs[0].numpy()) <= 1e-4
 
 
-def test_the_decoder_refuses_what_it_cannot_compute_or_read(torch, transformers, tmp_path):
-    """Configs it cannot compute exactly, by the setting's name; in the command line, one
-    line and exit code 2, also for a prompt or a count it cannot take."""
-    import json
-    import subprocess
-    import sys
-
-    from generate import Decoder, UnsupportedModelError, layer_windows
-
-    config = transformers.Qwen2Config(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=50, use_sliding_window=True, sliding_window=4,
-    )  # fmt: skip
-    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path)
-    saved = json.loads((tmp_path / "config.json").read_text())
-    refusals = {
-        "model_type='gemma2'": {"model_type": "gemma2"},
-        "['chunked_attention']": {"layer_types": ["full_attention", "chunked_attention"]},
-        "partial_rotary_factor=0.5": {"rope_parameters": {**saved["rope_parameters"],
-                                                          "partial_rotary_factor": 0.5}},
-        "hidden_act='gelu'": {"hidden_act": "gelu"},
-        "has no rope_theta, which": {"rope_parameters": {"rope_type": "default"}},
-        "has no rms_norm_eps, which": {"rms_norm_eps": None},
-    }  # fmt: skip
-    script = [sys.executable, str(Path(__file__).parent.parent / "examples" / "generate.py")]
-    for words, change in refusals.items():
-        (tmp_path / "config.json").write_text(json.dumps({**saved, **change}))
-        with pytest.raises(UnsupportedModelError) as refused:
-            Decoder(tmp_path)
-        assert words in str(refused.value), (words, str(refused.value))
-    (tmp_path / "config.json").write_text("{not json")
-    run = subprocess.run([*script, str(tmp_path), "1"], capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
-    assert run.returncode == 2 and "config.json is not valid JSON" in run.stderr, run.stderr
-    (tmp_path / "config.json").write_text(json.dumps(saved))
-    assert layer_windows({**saved, "use_sliding_window": False}) == [None, None]
-    for argv, words in (
-        (["--new-tokens", "-3", "1"], "--new-tokens must be 0 or more; got -3"),
-        (["50", "1"], "token ids [50] are outside the vocabulary of 50 (ids 0 to 49)"),
-        (["-1"], "token ids [-1] are outside the vocabulary"),
-        (["1", "x"], "argument prompt: invalid int value: 'x'"),
-    ):
-        run = subprocess.run([*script, str(tmp_path), *argv], capture_output=True, text=True,
-                             timeout=120)  # fmt: skip
-        assert run.returncode == 2 and words in run.stderr, run.stderr
-        assert len(run.stderr.strip().splitlines()) == 1, run.stderr
-    run = subprocess.run([*script, str(tmp_path), "1", "2", "--new-tokens", "3"],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert run.returncode == 0 and len(run.stdout.split()) == 3, run.stderr
-    (tmp_path / "model.safetensors").rename(tmp_path / "model-00001-of-00001.safetensors")
-    (tmp_path / "model.safetensors.index.json").write_text("{}")
-    run = subprocess.run([*script, str(tmp_path), "1"], capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
-    assert run.returncode == 2 and "sharded checkpoint" in run.stderr, run.stderr
-
-
 # ---------------------------------------------------------------- found in review
 
 
@@ -836,27 +779,3 @@ def test_more_one_line_errors_for_decoder_settings(tmp_path):
     np.savez(path, **data | {"config": np.array(json.dumps(config))})
     with pytest.raises(mha.WeightsFileError, match="its config has no 'window'"):
         mha.MultiHeadAttention.load(path)
-
-
-def test_the_example_refuses_what_it_does_not_implement(torch, transformers, tmp_path):
-    from generate import Decoder
-
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=50,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 5e5,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="does not implement rope_type='llama3'"):
-        Decoder(tmp_path)

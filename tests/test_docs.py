@@ -28,7 +28,9 @@ def public_objects():
     yield "dask.scaled_dot_product_attention", mha_dask.scaled_dot_product_attention
 
 
-@pytest.mark.parametrize(("name", "obj"), list(public_objects()), ids=lambda x: str(x)[:60])
+@pytest.mark.parametrize(
+    ("name", "obj"), [pytest.param(*pair, id=pair[0]) for pair in public_objects()]
+)
 def test_public_docstrings_have_examples(name, obj):
     target = obj.fget if isinstance(obj, property) else getattr(obj, "__func__", obj)
     assert ">>>" in (inspect.getdoc(target) or ""), f"{name} has no example"

@@ -344,7 +344,11 @@ def test_every_damaged_byte_is_caught_or_harmless(tmp_path):
 
 
 def test_from_torch_reads_bfloat16_weights(torch):
+    """As ml_dtypes.bfloat16, the same numbers (tests/test_bfloat16.py: the same bits, and
+    exact float32 without ml_dtypes)."""
     module = torch.nn.MultiheadAttention(8, 2, dtype=torch.bfloat16)
     ours = MultiHeadAttention.from_torch(module)
-    assert ours.dtype == np.float32
-    np.testing.assert_array_equal(ours.W_o, module.out_proj.weight.detach().float().numpy().T)
+    assert ours.dtype.name == "bfloat16"
+    np.testing.assert_array_equal(
+        ours.W_o.astype(np.float32), module.out_proj.weight.detach().float().numpy().T
+    )

@@ -345,7 +345,9 @@ def public_callables():
     yield "plotting.check_weights", plotting.check_weights
 
 
-@pytest.mark.parametrize(("name", "obj"), list(public_callables()), ids=lambda x: str(x)[:60])
+@pytest.mark.parametrize(
+    ("name", "obj"), [pytest.param(*pair, id=pair[0]) for pair in public_callables()]
+)
 def test_every_public_function_documents_every_argument(name, obj):
     doc = inspect.getdoc(obj) or ""
     if inspect.isclass(obj):

@@ -12,6 +12,7 @@ from . import functional as functional
 from . import module as module
 from . import rotary as rotary
 from .api.cache import KVCache
+from .api.latent import LatentAttention
 from .api.module import MultiHeadAttention
 from .api.projection import multi_head_attention
 from .api.rotary import apply_rotary
@@ -30,6 +31,7 @@ __all__ = [
     "AttentionTypeError",
     "AttentionValueError",
     "KVCache",
+    "LatentAttention",
     "MultiHeadAttention",
     "ShapeError",
     "WeightsFileError",

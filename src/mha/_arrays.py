@@ -1,8 +1,11 @@
 """Turning what the caller gave into arrays, and the dtype policy.
 
 float64 in gives float64 out. Lists and integer arrays become float64. float32 is computed
-in float32; float16 is computed in float32 and returned as float16. Mixed float inputs
-follow ``np.result_type``. Complex, object, string and boolean data are refused.
+in float32. The storage dtypes float16 and bfloat16 (``ml_dtypes.bfloat16``, which NumPy
+lacks; mha never needs ml_dtypes itself, an array of that dtype brings it) are computed in
+float32, tile by tile, and returned in their own dtype. Mixed float inputs follow
+``np.result_type`` (bfloat16 with float16 gives float32). Complex, object, string and
+boolean data are refused.
 """
 
 from __future__ import annotations
@@ -20,18 +23,18 @@ def as_float_array(name: str, x: Any) -> np.ndarray:
     """``x`` as a real floating array (never a copy of a float array, never modified)."""
     array = as_array(name, x)
     kind = array.dtype.kind
-    if kind == "f":
+    if kind == "f" or is_bfloat16(array.dtype):
         return array
     if kind in "iu":
         return array.astype(np.float64)
     if kind == "b":
         raise AttentionTypeError(
             f"{name} has boolean dtype; attention data must be real numbers "
-            "(float16, float32 or float64). A boolean array belongs in mask="
+            "(bfloat16, float16, float32 or float64). A boolean array belongs in mask="
         )
     raise AttentionTypeError(
         f"{name} has dtype {array.dtype}; attention data must be real numbers "
-        "(float16, float32 or float64; integers are read as float64)"
+        "(bfloat16, float16, float32 or float64; integers are read as float64)"
     )
 
 
@@ -49,11 +52,29 @@ def cast_result(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
         return array.astype(dtype, copy=False)
 
 
+def is_bfloat16(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is ``ml_dtypes.bfloat16`` (known by name: ml_dtypes is not imported)."""
+    return dtype.kind == "V" and dtype.name == "bfloat16"
+
+
+def is_storage_dtype(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is one that holds data but is computed in float32 (float16, bfloat16)."""
+    return dtype == np.float16 or is_bfloat16(dtype)
+
+
+def compute_dtype_of(dtype: np.dtype) -> np.dtype:
+    """The dtype the arithmetic on data of ``dtype`` runs in: float32 for the storage dtypes."""
+    return np.dtype(np.float32) if is_storage_dtype(np.dtype(dtype)) else np.dtype(dtype)
+
+
 def result_and_compute_dtypes(*arrays: np.ndarray | None) -> tuple[np.dtype, np.dtype]:
     """The dtype returned to the caller and the dtype the arithmetic runs in."""
-    result = np.result_type(*(a for a in arrays if a is not None))
-    compute = np.dtype(np.float32) if result == np.float16 else result
-    return result, compute
+    dtypes = [a.dtype for a in arrays if a is not None]
+    try:
+        result = np.result_type(*dtypes)
+    except TypeError:  # bfloat16 with float16: no common storage dtype
+        result = np.result_type(np.float32, *(d for d in dtypes if not is_storage_dtype(d)))
+    return result, compute_dtype_of(result)
 
 
 def broadcasts_to(shape: tuple[int, ...], full: tuple[int, ...]) -> bool:

@@ -191,7 +191,7 @@ def _item_backward(
         # Both subtractions ride on GEMMs as one extra column: s - lse = [q, -lse] @ [k, 1]^T
         # and dp - D = [dO, -D] @ [v, 1]^T, which costs BLAS far less than two passes.
         q_a = scratch.q_aug[: G * R * (d_k + 1)].reshape(G, R, d_k + 1)
-        np.multiply(q[:, r0:r1].reshape(G, R, d_k), scale, out=q_a[..., :d_k])
+        np.multiply(q[:, r0:r1].reshape(G, R, d_k), scale, out=q_a[..., :d_k], dtype=dtype)
         lse_t = lse[:, r0:r1].reshape(G, R)
         # (not np.negative(..., out=): NumPy 2.4 writes a (G, 1) slice's negation into this
         # strided column from the wrong elements)

@@ -107,8 +107,8 @@ def plan_tiles(
     wide = group * max(L, 1) < WIDE_BELOW_ROWS
     cols = max(1, S if whole_rows else min(S, WIDE_KEY_TILE if wide else KEY_TILE))
     rows = max_memory // (group * (cols * per_pair + per_row))
-    if rows < 16 and not whole_rows and not wide:  # a small budget: narrower key tiles
-        rows = min(max(L, 1), 16)
+    if group * rows < 16 and not whole_rows and not wide:  # a small budget: narrower key tiles
+        rows = min(max(L, 1), -(-16 // group))  # 16 stacked rows (a wide group's: fewer each)
         cols = max(1, min(cols, (max_memory // (group * rows) - per_row) // per_pair))
     rows = int(max(1, min(max(L, 1), rows)))
     heads = 1
@@ -365,7 +365,12 @@ def _query_tile(
     q_tile = q[:, r0:r1]
     if group > 1 or scale != 1.0 or q_tile.dtype != dtype:
         stacked = scratch.q[:G, :R]
-        np.multiply(q_tile.reshape(G, group, n, -1), scale, out=stacked.reshape(G, group, n, -1))
+        np.multiply(  # in the tile's dtype: a bfloat16 q times the scale rounds otherwise
+            q_tile.reshape(G, group, n, -1),
+            scale,
+            out=stacked.reshape(G, group, n, -1),
+            dtype=dtype,
+        )
         q_tile = stacked
     m, ref, ref_new = scratch.m[:G, :R], scratch.ref[:G, :R], scratch.ref_new[:G, :R]
     total, acc, pv = scratch.total[:G, :R], scratch.acc[:G, :R], scratch.pv[:G, :R]

@@ -9,9 +9,14 @@
 * ``gradients``: the ``backward`` objects of ``return_backward=True``;
 * ``module``, ``configuration``, ``layouts``: :class:`mha.MultiHeadAttention`, its settings
   and weights, and their other layouts (torch, GPT-2, Llama, files);
-* ``cache``: :class:`mha.KVCache`; ``rotary``: :func:`mha.apply_rotary`;
+* ``cache``: :class:`mha.KVCache`; ``rotary``: :func:`mha.apply_rotary`, with
+  ``rope_scaling``: transformers' rope types;
+* ``qk_norm``: the RMSNorm of queries and keys (Qwen3, Gemma 3, OLMo 2), both ways;
+* ``latent``, ``latent_math``: :class:`mha.LatentAttention` (DeepSeek's multi-head latent
+  attention, by the absorbed form on the same kernel);
 * ``signatures``: the keyword options behind the entry points' typed overloads.
 
 Everything here computes through :mod:`mha._kernel`; nothing here imports the command line
-or the integrations that build on this layer (Dask, torch's functional API).
+or the integrations that build on this layer (Dask, torch's functional API); the loaders
+(``from_pretrained``, ``from_llama``) import the file formats they read when called.
 """

@@ -20,7 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import as_array, non_negative_int, positive_int
+from .._arrays import (
+    as_array,
+    compute_dtype_of,
+    flag,
+    is_storage_dtype,
+    non_negative_int,
+    positive_int,
+)
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 
 __all__ = ["KVCache"]
@@ -33,7 +40,13 @@ class KVCache:
       ``value_dim`` is the values' width (default ``head_dim``).
     * ``capacity``: positions preallocated per sequence (default 256); more are added
       when needed. With ``window``, at most about ``2 * window`` are ever held.
-    * ``dtype``: the compute dtype of the calls that use it (float32 or float64).
+    * ``dtype``: the dtype the buffers store: float64 or float32, which the calls that use
+      the cache compute in, or the storage dtypes bfloat16 (``ml_dtypes.bfloat16``) and
+      float16, half the memory of float32, which calls computing in float32 use (each key
+      tile is read in float32 as the kernel reaches it; nothing else is converted).
+    * ``values_in_keys``: the values are the first ``value_dim`` features of each key row,
+      held once (multi-head latent attention's cache of the latent: its keys are the latent
+      and its rotary part, its values the latent); appends then write the keys alone.
     * ``window``: the sliding window of the attention that uses it, if any.
     * ``sink_tokens``: with ``window``, the first positions that stay visible beside it
       (StreamingLLM's attention sinks), kept in the first slots.
@@ -64,6 +77,7 @@ class KVCache:
         dtype: Any = np.float64,
         window: int | None = None,
         sink_tokens: int | None = None,
+        values_in_keys: bool = False,
     ) -> None:
         B = positive_int("batch_size", batch_size)
         H_kv = positive_int("num_kv_heads", num_kv_heads)
@@ -80,16 +94,26 @@ class KVCache:
         room = positive_int("capacity", capacity)
         if self._window is not None:
             room = min(room, self._most())
+        kinds = "float64, float32, bfloat16 or float16"
         try:
             self._dtype: np.dtype = np.dtype(dtype)
         except TypeError:
-            raise AttentionTypeError(f"dtype must be float32 or float64; got {dtype!r}") from None
-        if self._dtype not in (np.float32, np.float64):
-            raise AttentionTypeError(f"dtype must be float32 or float64; got {self._dtype}")
+            raise AttentionTypeError(f"dtype must be {kinds}; got {dtype!r}") from None
+        if self._dtype not in (np.float32, np.float64) and not is_storage_dtype(self._dtype):
+            raise AttentionTypeError(f"dtype must be {kinds}; got {self._dtype}")
+        self._shared = flag("values_in_keys", values_in_keys)
+        if self._shared and d_v > d_k:
+            raise AttentionValueError(
+                f"values_in_keys=True reads the values as the first value_dim features of "
+                f"each key: value_dim={d_v} cannot exceed head_dim={d_k}"
+            )
+        self._d_v = d_v
         # The state; outside the cache it is seen through read-only views (the properties
         # below) and changed only by the methods, which check what they are given.
         self._k = np.zeros((B, H_kv, room, d_k), self._dtype)
-        self._v = np.zeros((B, H_kv, room, d_v), self._dtype)
+        self._v = self._values_of(
+            self._k, None if self._shared else np.zeros((B, H_kv, room, d_v), self._dtype)
+        )
         self._lengths = np.zeros(B, np.int64)  # tokens seen: the next token's position
         # the position held in the first slot after the sink tokens' (slot 0 without them)
         self._first = np.full(B, self._sinks, np.int64)
@@ -115,12 +139,40 @@ class KVCache:
 
     @property
     def dtype(self) -> np.dtype:
-        """The dtype of the buffers and of the calls that use the cache.
+        """The dtype of the buffers.
 
         >>> KVCache(1, 1, 4, dtype=np.float32).dtype
         dtype('float32')
         """
         return self._dtype
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        """The dtype of the calls that use the cache: float32 for a bfloat16 or float16 one.
+
+        >>> KVCache(1, 1, 4, dtype=np.float16).compute_dtype
+        dtype('float32')
+        """
+        return compute_dtype_of(self._dtype)
+
+    @property
+    def values_in_keys(self) -> bool:
+        """Whether the values are the first ``value_dim`` features of the keys, held once.
+
+        >>> cache = KVCache(1, 1, 576, value_dim=512, values_in_keys=True)
+        >>> cache.values_in_keys, cache.v.shape, np.shares_memory(cache.k, cache.v)
+        (True, (1, 1, 256, 512), True)
+        """
+        return self._shared
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the buffers take (the values once when they live in the keys).
+
+        >>> KVCache(1, 2, 64, capacity=128, dtype=np.float32).nbytes   # keys and values
+        131072
+        """
+        return int(self._k.nbytes + (0 if self._shared else self._v.nbytes))
 
     @property
     def lengths(self) -> np.ndarray:
@@ -186,8 +238,11 @@ class KVCache:
         window = "" if self._window is None else f", window={self._window}"
         if self._sinks:
             window += f", sink_tokens={self._sinks}"
+        values = "" if self._d_v == d_k else f", value_dim={self._d_v}"
+        if self._shared:
+            values += ", values_in_keys=True"
         return (
-            f"KVCache(batch_size={B}, num_kv_heads={H_kv}, head_dim={d_k}, "
+            f"KVCache(batch_size={B}, num_kv_heads={H_kv}, head_dim={d_k}{values}, "
             f"lengths={reprlib.repr(self._lengths.tolist())}, capacity={self.capacity}, "
             f"dtype={self._dtype.name}{window})"
         )
@@ -267,7 +322,8 @@ class KVCache:
                 f"indices must lie in [0, {B}) for a cache of {B} sequences (negative "
                 f"indices are refused); got {reprlib.repr(picked.tolist())}"
             )
-        self._k, self._v = self._k[picked], self._v[picked]
+        self._k = self._k[picked]
+        self._v = self._values_of(self._k, None if self._shared else self._v[picked])
         self._lengths, self._first = self._lengths[picked], self._first[picked]
 
     # Used by the attention calls ------------------------------------------------------
@@ -280,6 +336,14 @@ class KVCache:
                 f"{d_k} and {d_v}) do not fit the cache (batch {B}, {H_kv} key/value heads, "
                 f"widths {width} and {self._v.shape[-1]}): {self!r}{where}"
             )
+
+    def _values_of(self, k: np.ndarray, v: np.ndarray | None) -> np.ndarray:
+        """The value buffer that goes with the key buffer ``k``: a view of its first
+        ``value_dim`` features when the values live in the keys, else ``v``."""
+        if self._shared:
+            return k[..., : self._d_v]
+        assert v is not None
+        return v
 
     def _most(self) -> int:
         """The slots a window's cache needs at most: twice the window, and the sinks."""
@@ -304,7 +368,8 @@ class KVCache:
         for b in range(self.batch_size):
             n, at = int(counts[b]), int(held[b])
             self._k[b, :, at : at + n] = k[b, :, :n]
-            self._v[b, :, at : at + n] = v[b, :, :n]
+            if not self._shared:  # a view of the keys otherwise, written with them
+                self._v[b, :, at : at + n] = v[b, :, :n]
         filled: np.ndarray = held + counts
         return filled
 
@@ -313,9 +378,9 @@ class KVCache:
         if self._window is not None and self.capacity > self._most():  # after a long prompt
             self._drop_outside_window()
             held = int(self._held().max(initial=0))
-            self._k, self._v = (  # copies: a view would keep the long prompt's buffer alive
-                x[:, :, : max(held, self._most())].copy() for x in (self._k, self._v)
-            )
+            keep = max(held, self._most())  # copies: a view would keep the long prompt's buffer
+            self._k = self._k[:, :, :keep].copy()
+            self._v = self._values_of(self._k, self._v[:, :, :keep].copy())
 
     def _grow(self, need: int) -> None:
         room = max(need, 2 * self.capacity)
@@ -323,9 +388,12 @@ class KVCache:
             room = max(need, min(room, self._most()))
         B, H_kv, held, d_k = self._k.shape
         k = np.zeros((B, H_kv, room, d_k), self._dtype)
-        v = np.zeros((B, H_kv, room, self._v.shape[-1]), self._dtype)
-        k[:, :, :held], v[:, :, :held] = self._k, self._v
-        self._k, self._v = k, v
+        k[:, :, :held] = self._k
+        v = None
+        if not self._shared:
+            v = np.zeros((B, H_kv, room, self._d_v), self._dtype)
+            v[:, :, :held] = self._v
+        self._k, self._v = k, self._values_of(k, v)
 
     def _snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The state an append changes: restored by :meth:`_restore` when its call fails
@@ -339,14 +407,16 @@ class KVCache:
         """Move each sequence's last ``window - 1`` positions to the front of its slots
         (after the sink tokens' slots), in new buffers: a failed call restores the old."""
         window, n = self._window or 1, self._sinks
-        self._k, self._v = self._k.copy(), self._v.copy()
+        self._k = self._k.copy()
+        self._v = self._values_of(self._k, self._v.copy())
         for b in range(self.batch_size):
             held = int(self._lengths[b] - self._first[b])  # positions after the sinks
             keep = min(held, window - 1)
             if 0 <= keep < held:
                 at = held + n - keep
                 self._k[b, :, n : n + keep] = self._k[b, :, at : at + keep].copy()
-                self._v[b, :, n : n + keep] = self._v[b, :, at : at + keep].copy()
+                if not self._shared:
+                    self._v[b, :, n : n + keep] = self._v[b, :, at : at + keep].copy()
                 self._first[b] = self._lengths[b] - keep
 
 

@@ -30,6 +30,8 @@ from .._kernel.forward import DEFAULT_MAX_MEMORY
 from .._kernel.scores import Scores
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .cache import KVCache
+from .qk_norm import QKNorm, check_qk_norm
+from .rope_scaling import check_rope_scaling
 from .rotary import check_positions, check_rotary_options
 from .variants import check_scores
 
@@ -192,9 +194,12 @@ def check_cache(
         )
     if sinks is None and cache.window is not None and cache.sink_tokens:
         masking["sink_tokens"] = cache.sink_tokens  # the sinks it keeps stay visible
-    if dtype != cache.dtype:
+    if dtype != cache.compute_dtype:
+        held = f"{cache.dtype}" + (
+            "" if cache.dtype == cache.compute_dtype else f", computed in {cache.compute_dtype},"
+        )
         raise AttentionTypeError(
-            f"the cache holds {cache.dtype} but this call computes in {dtype}: make the "
+            f"the cache holds {held} but this call computes in {dtype}: make the "
             f"cache with dtype={dtype.name}, or cast the inputs{where}"
         )
     explicit = [name for name in ("key_lengths", "bias") if masking[name] is not None]
@@ -278,6 +283,7 @@ class Call:
     scores: Scores | None = None  # sinks, soft-capping, ALiBi, score_mod
     sinks: np.ndarray | None = None  # as given (its gradient takes its dtype)
     masking: dict[str, Any] | None = None  # with a cache: the sink tokens, chunk, mask_mod
+    qk_norm: QKNorm | None = None  # RMSNorm of q and k before the rotation
 
     @property
     def extra(self) -> int:
@@ -326,6 +332,12 @@ def check_call(
     alibi: Any = None,
     score_mod: Any = None,
     score_mod_grad: Any = None,
+    rope_scaling: Any = None,
+    q_norm: Any = None,
+    k_norm: Any = None,
+    qk_norm: Any = None,
+    qk_norm_eps: Any = None,
+    qk_norm_offset: Any = None,
 ) -> Call:
     """Every check of :func:`mha.multi_head_attention`'s arguments, in the order it makes
     them. ``Q is K is V`` stays true of the checked call (one GEMM projects all three).
@@ -433,9 +445,15 @@ def check_call(
         )
         rotary = {"theta": theta, "rotary_dim": rotary_dim, "interleaved": interleaved}
         q_positions, k_positions = _rotary_positions(positions, cache, Q, S, nq)
+        if rope_scaling is not None:  # one length for q and k, as transformers' position_ids
+            rotary["scaling"] = check_rope_scaling(rope_scaling, rotary_dim or d_k, subject)
+            rotary["seq_len"] = 1 + max(
+                (float(np.max(p)) for p in (q_positions, k_positions) if np.size(p)), default=0.0
+            )
     else:
         given = [name for name, value in (("rotary_dim", rotary_dim),
-                                          ("rotary_interleaved", rotary_interleaved))
+                                          ("rotary_interleaved", rotary_interleaved),
+                                          ("rope_scaling", rope_scaling))
                  if value is not None and value is not False]  # fmt: skip
         if given:
             raise AttentionValueError(
@@ -448,6 +466,8 @@ def check_call(
         compute_dtype, visibility, cache, counts, window, scale, budget, threads, want_weights,
         want_backward, drop_p, rotary, q_positions, k_positions, scores,
         None if sinks is None else as_float_array("sinks", sinks), masking,
+        check_qk_norm(q_norm, k_norm, qk_norm, qk_norm_eps, qk_norm_offset, H=H, H_kv=H_kv,
+                      d_k=d_k),
     )  # fmt: skip
 
 

@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._arrays import flag, non_negative_int, positive_int
+from .._arrays import flag, is_bfloat16, non_negative_int, positive_int, resolve_scale
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .checks import WEIGHT_NAMES
+from .qk_norm import KINDS as QK_NORM_KINDS
+from .rope_scaling import check_rope_scaling
 from .rotary import check_rotary_options, positive_real
 from .variants import alibi_slopes, check_scores
 
@@ -24,8 +26,9 @@ if TYPE_CHECKING:
 
 __all__ = ["PARAMETER_NAMES", "Configuration", "float_dtype"]
 
-PARAMETER_NAMES = (*WEIGHT_NAMES, "sinks")
-"""The module's learned arrays: the weights of the function and gpt-oss's sink logits."""
+PARAMETER_NAMES = (*WEIGHT_NAMES, "sinks", "q_norm", "k_norm")
+"""The module's learned arrays: the weights of the function, gpt-oss's sink logits and the
+QK-norm's weights."""
 
 
 class Configuration:
@@ -41,6 +44,11 @@ class Configuration:
     rope_theta: float | None
     rotary_dim: int | None
     rotary_interleaved: bool
+    rope_scaling: dict[str, Any] | None  # transformers' rope_parameters
+    scale: float | None  # None: 1/sqrt(head_dim)
+    qk_norm: str | None  # "head" or "all"
+    qk_norm_eps: float
+    qk_norm_offset: float
     window: int | None
     sink_tokens: int | None
     softcap: float | None
@@ -58,12 +66,15 @@ class Configuration:
     bias_k: np.ndarray | None
     bias_v: np.ndarray | None
     sinks: np.ndarray | None
+    q_norm: np.ndarray | None
+    k_norm: np.ndarray | None
 
     def _configure(
         self, *, d_model: int, num_heads: int, num_kv_heads: Any, head_dim: Any, kdim: Any,
         vdim: Any, add_zero_attn: Any, rope_theta: Any, rotary_dim: Any,
         rotary_interleaved: Any, window: Any, sink_tokens: Any = None, softcap: Any = None,
-        alibi: Any = None, chunk: Any = None,
+        alibi: Any = None, chunk: Any = None, rope_scaling: Any = None, scale: Any = None,
+        qk_norm: Any = None, qk_norm_eps: Any = None, qk_norm_offset: Any = None,
     ) -> None:  # fmt: skip
         """Check and keep the configuration (everything but the weights)."""
         self.d_model, self.num_heads = d_model, num_heads
@@ -84,10 +95,29 @@ class Configuration:
                 self.head_dim, self.rope_theta, rotary_dim, rotary_interleaved,
                 f"head_dim={self.head_dim}",
             )  # fmt: skip
-        elif rotary_dim is not None or rotary_interleaved:
+        elif rotary_dim is not None or rotary_interleaved or rope_scaling is not None:
             raise AttentionValueError(
-                "rotary_dim and rotary_interleaved have no effect without rope_theta="
+                "rotary_dim, rotary_interleaved and rope_scaling have no effect without rope_theta="
             )
+        self.rope_scaling = None
+        if rope_scaling is not None:  # checked now as the calls check it, kept as given
+            check_rope_scaling(rope_scaling, rotary_dim or self.head_dim, "rope_scaling")
+            self.rope_scaling = dict(rope_scaling)
+        self.scale = None
+        if scale is not None:
+            self.scale = resolve_scale(scale, self.head_dim, np.dtype(np.float64))
+        if qk_norm is not None and qk_norm not in QK_NORM_KINDS:
+            raise AttentionValueError(
+                f"qk_norm must be None, 'head' (each head's features: Qwen3, Gemma 3) or "
+                f"'all' (every head's, before the split: OLMo 2); got {qk_norm!r}"
+            )
+        self.qk_norm = qk_norm
+        if qk_norm is None and (qk_norm_eps is not None or qk_norm_offset is not None):
+            raise AttentionValueError("qk_norm_eps and qk_norm_offset need qk_norm=")
+        self.qk_norm_eps = 1e-6
+        if qk_norm_eps is not None:
+            self.qk_norm_eps = positive_real("qk_norm_eps", qk_norm_eps)
+        self.qk_norm_offset = 0.0 if qk_norm_offset is None else float(qk_norm_offset)
         self.rotary_dim = None if rotary_dim is None else int(rotary_dim)
         self.rotary_interleaved = flag("rotary_interleaved", rotary_interleaved)
         self.window = None if window is None else positive_int("window", window)
@@ -140,13 +170,21 @@ class Configuration:
             "num_kv_heads": self.num_heads, "head_dim": self.d_model // self.num_heads,
             "kdim": self.d_model, "vdim": self.d_model, "rope_theta": None,
             "rotary_dim": None, "rotary_interleaved": False, "window": None,
-            "sink_tokens": None, "softcap": None, "chunk": None,
+            "sink_tokens": None, "softcap": None, "chunk": None, "rope_scaling": None,
+            "scale": None, "qk_norm": None,
         }  # fmt: skip
         dims = "".join(
-            f", {name}={getattr(self, name)}"
+            f", {name}={getattr(self, name)!r}"
             for name, default in defaults.items()
             if getattr(self, name) != default
         )
+        if self.qk_norm is not None:
+            dims += "".join(
+                f", {name}={value}"
+                for name, value, default in (("qk_norm_eps", self.qk_norm_eps, 1e-6),
+                                             ("qk_norm_offset", self.qk_norm_offset, 0.0))
+                if value != default
+            )  # fmt: skip
         extras = "".join(
             f", {name}=True"
             for name, on in (
@@ -178,6 +216,9 @@ class Configuration:
             "sinks": self.sinks is not None, "sink_tokens": self.sink_tokens,
             "softcap": self.softcap, "chunk": self.chunk,
             "alibi": None if self.alibi is None else self.alibi.tolist(),
+            "rope_scaling": self.rope_scaling, "scale": self.scale, "qk_norm": self.qk_norm,
+            "qk_norm_eps": None if self.qk_norm is None else self.qk_norm_eps,
+            "qk_norm_offset": None if self.qk_norm is None else self.qk_norm_offset,
             "dtype": self.dtype.name,
         }  # fmt: skip
 
@@ -215,6 +256,9 @@ class Configuration:
             rotary_interleaved=config.get("rotary_interleaved", False),
             window=config.get("window"), sink_tokens=config.get("sink_tokens"),
             softcap=config.get("softcap"), alibi=config.get("alibi"), chunk=config.get("chunk"),
+            rope_scaling=config.get("rope_scaling"), scale=config.get("scale"),
+            qk_norm=config.get("qk_norm"), qk_norm_eps=config.get("qk_norm_eps"),
+            qk_norm_offset=config.get("qk_norm_offset"),
         )  # fmt: skip
         for name, shape in self._shapes().items():
             array = weights.get(name)
@@ -225,6 +269,13 @@ class Configuration:
                 )
         if (weights.get("bias_k") is None) != (weights.get("bias_v") is None):
             raise AttentionValueError(f"{source}: bias_k and bias_v go together")
+        has_norm = [weights.get(name) is not None for name in ("q_norm", "k_norm")]
+        if any(has_norm) and not (all(has_norm) and self.qk_norm is not None):
+            raise AttentionValueError(
+                f"{source}: q_norm and k_norm go together, with qk_norm= ('head' or 'all')"
+            )
+        if self.qk_norm is not None and not all(has_norm):
+            raise AttentionValueError(f"{source}: qk_norm={self.qk_norm!r} needs q_norm and k_norm")
         present = [a for a in weights.values() if a is not None]
         self.dtype = float_dtype(np.result_type(*present))
         for name in PARAMETER_NAMES:
@@ -250,6 +301,8 @@ class Configuration:
             "W_q": (E, inner), "W_k": (self.kdim, kv_inner), "W_v": (self.vdim, kv_inner),
             "W_o": (inner, E), "b_q": (inner,), "b_k": (kv_inner,), "b_v": (kv_inner,),
             "b_o": (E,), "bias_k": (kv_inner,), "bias_v": (kv_inner,), "sinks": (self.num_heads,),
+            "q_norm": (inner if self.qk_norm == "all" else self.head_dim,),
+            "k_norm": (kv_inner if self.qk_norm == "all" else self.head_dim,),
         }  # fmt: skip
 
     def _describe(self) -> str:
@@ -266,8 +319,8 @@ def float_dtype(dtype: Any) -> np.dtype:
         result: np.dtype = np.dtype(dtype)
     except TypeError:
         raise AttentionTypeError(f"dtype must be a floating dtype; got {dtype!r}") from None
-    if result.kind != "f":
+    if result.kind != "f" and not is_bfloat16(result):
         raise AttentionTypeError(
-            f"dtype must be a floating dtype (float16, float32, float64); got {result}"
+            f"dtype must be a floating dtype (bfloat16, float16, float32, float64); got {result}"
         )
     return result

@@ -101,8 +101,12 @@ class ProjectedBackward:
     def __init__(
         self, call: Call, bias: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray,
         joined: np.ndarray, lse: np.ndarray, visibility: Visibility, dropout: Dropout | None,
+        saved: dict[str, list[np.ndarray]] | None = None,
     ) -> None:  # fmt: skip
         given = {"Q": call.Q, "K": call.K, "V": call.V, **call.weights.present()}
+        if call.qk_norm is not None:
+            given |= {"q_norm": call.qk_norm.q_norm, "k_norm": call.qk_norm.k_norm}
+        self.saved = saved or {}  # the QK-norm's normalised rows and their factors
         self.call = call
         self.arrays = given
         self.dtypes = {name: x.dtype for name, x in given.items()}
@@ -174,10 +178,13 @@ class ProjectedBackward:
             if dbias is not None and self.bias_shape is not None:
                 grads["bias"] = _sum_to(dbias[..., :S], self.bias_shape, lead[:-1])
             del dbias
-            if call.rotary is not None:  # undo the rotation: rotate back by the same angle
-                q_at, k_at = (-p for p in self.positions if p is not None)
-                dq = apply_rotary(dq, q_at, **call.rotary)
-                dk = apply_rotary(dk, k_at, **call.rotary)
+            if call.rotary is not None:  # through the rotation: its transpose, same angles
+                q_at, k_at = (p for p in self.positions if p is not None)
+                dq = apply_rotary(dq, q_at, **call.rotary, inverse=True)
+                dk = apply_rotary(dk, k_at, **call.rotary, inverse=True)
+            if call.qk_norm is not None:  # through the RMSNorm of q and k
+                dq, grads["q_norm"] = self._norm_backward(dq, "q", H)
+                dk, grads["k_norm"] = self._norm_backward(dk, "k", call.H_kv)
             pending = {"Q": dq, "K": dk, "V": dv}
             del dq, dk, dv
             for x, W, b in (("Q", "W_q", "b_q"), ("K", "W_k", "b_k"), ("V", "W_v", "b_v")):
@@ -190,6 +197,20 @@ class ProjectedBackward:
                 grads[x] = team.matmul(joined_grad, a(W).T, overwrite=True)
                 del joined_grad
         return {name: cast_result(g, self.dtypes[name]) for name, g in grads.items()}
+
+    def _norm_backward(
+        self, d: np.ndarray, which: str, heads: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The gradient ``(*B, heads, L, d_k)`` before the QK-norm of ``which`` ("q" or
+        "k"), and that of its weight."""
+        norm = self.call.qk_norm
+        assert norm is not None
+        normed, r = self.saved[which]
+        weight = (norm.q_norm if which == "q" else norm.k_norm).astype(d.dtype, copy=False)
+        if norm.kind == "head":
+            return norm.backward(d, normed, r, weight)
+        dx, dw = norm.backward(join_heads(d), normed, r, weight)  # a token's every head
+        return split_heads(dx, heads), dw
 
 
 class Fingerprints:

@@ -18,6 +18,13 @@ if TYPE_CHECKING:
 
 __all__ = ["Layouts"]
 
+_PRETRAINED_SETTINGS = {
+    "num_kv_heads", "head_dim", "rope_theta", "rotary_dim", "rotary_interleaved",
+    "rope_scaling", "window", "chunk", "softcap", "scale", "qk_norm", "qk_norm_eps",
+    "qk_norm_offset", "sink_tokens", "alibi",
+}  # fmt: skip
+"""What :meth:`Layouts.from_pretrained` hands on to the configuration (all that it reads)."""
+
 
 class Layouts(Configuration):
     """Loading and exporting weights (see :class:`mha.MultiHeadAttention`)."""
@@ -155,6 +162,38 @@ class Layouts(Configuration):
             window=window,
         )  # fmt: skip
 
+    @classmethod
+    def from_pretrained(cls, path: Any, layer: int = 0, *, dtype: Any = None) -> Self:
+        """Layer ``layer``'s attention of a transformers checkpoint: the directory that
+        ``save_pretrained`` writes (``config.json`` with ``model.safetensors``, or shards
+        listed in ``model.safetensors.index.json``), reading that layer's tensors alone.
+
+        The result computes what that layer computes: its heads and key/value heads, head
+        width, biases, scale (``query_pre_attn_scalar``), rotary positions with the config's
+        ``rope_parameters`` (that layer's, as Gemma 3's local base), its sliding window or
+        full attention (``layer_types``, Qwen2's ``max_window_layers``), QK-norm, sinks and
+        soft-capping. ``dtype`` converts the weights (default: the checkpoint's, bfloat16
+        as ``ml_dtypes.bfloat16`` when it is installed and exact float32 otherwise). What
+        the config asks for that mha cannot compute exactly is refused by name; DeepSeek's
+        latent attention loads with :meth:`mha.LatentAttention.from_pretrained`. The
+        families, and what each reads, are in docs/pretrained.md.
+        """
+        from ..integrations.checkpoint import Checkpoint
+        from ..integrations.pretrained import layer_attention
+
+        checkpoint = Checkpoint(path)
+        kind, settings, weights = layer_attention(checkpoint, layer, dtype)
+        if kind != "attention":
+            raise AttentionValueError(
+                f"layer {layer} of {path} is multi-head latent attention ({kind}): load it "
+                f"with mha.LatentAttention.from_pretrained(path, layer={layer})"
+            )
+        settings = dict(settings)
+        heads = settings.pop("num_heads")
+        unread = set(settings) - _PRETRAINED_SETTINGS
+        assert not unread, f"layer_attention gave settings from_pretrained does not read: {unread}"
+        return cls._from_weights(dict(weights), heads, False, f"{path}, layer {layer}", **settings)
+
     def save(self, path: Any) -> None:
         """Write configuration and weights to ``path`` as ``.npz``, atomically: a complete
         file replaces any existing one, or nothing changes. A path that cannot be written
@@ -190,7 +229,8 @@ class Layouts(Configuration):
         config, weights = npz.load(path)
         extras = ("num_kv_heads", "head_dim", "rope_theta", "rotary_dim", "rotary_interleaved",
                   "window")  # fmt: skip
-        variants = ("sink_tokens", "softcap", "alibi", "chunk")  # later, optional
+        variants = ("sink_tokens", "softcap", "alibi", "chunk", "rope_scaling", "scale",
+                    "qk_norm", "qk_norm_eps", "qk_norm_offset")  # later, optional  # fmt: skip
         try:
             module = cls._from_weights(
                 weights, config["num_heads"], config["add_zero_attn"], "the weights",

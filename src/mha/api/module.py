@@ -56,7 +56,13 @@ class MultiHeadAttention(Layouts):
     model fixes of today's variants (docs/variants.md): ``sinks=True`` (gpt-oss: the
     module owns ``sinks``, one learned logit per head, zero to start, in :meth:`parameters`),
     ``sink_tokens`` (StreamingLLM, with ``window``), ``softcap`` (Gemma 2), ``alibi``
-    (True for :func:`mha.alibi_slopes`, or the slopes) and ``chunk`` (Llama 4).
+    (True for :func:`mha.alibi_slopes`, or the slopes) and ``chunk`` (Llama 4). What today's
+    checkpoints add: ``rope_scaling`` (transformers' ``rope_parameters``: ``linear``,
+    ``dynamic``, ``llama3``, ``yarn``, ``longrope``), ``scale`` (the softmax scale, as
+    Gemma's ``query_pre_attn_scalar ** -0.5``; default ``1/sqrt(head_dim)``) and ``qk_norm``
+    (``"head"``: Qwen3 and Gemma 3, ``"all"``: OLMo 2; the module owns ``q_norm`` and
+    ``k_norm``, with ``qk_norm_eps`` and ``qk_norm_offset``, 1.0 for Gemma's ``(1 + w)``).
+    :meth:`from_pretrained` reads a layer of a transformers checkpoint with all of them.
 
     The class holds configuration and weights and delegates to the function's own path (same
     inputs, same bits): its settings and weights are checked in :mod:`.configuration`, the
@@ -96,6 +102,11 @@ class MultiHeadAttention(Layouts):
         softcap: float | None = None,
         alibi: Any = False,
         chunk: SupportsIndex | None = None,
+        rope_scaling: dict[str, Any] | None = None,
+        scale: float | None = None,
+        qk_norm: str | None = None,
+        qk_norm_eps: float | None = None,
+        qk_norm_offset: float | None = None,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
     ) -> None:
@@ -112,7 +123,8 @@ class MultiHeadAttention(Layouts):
             kdim=E if kdim is None else kdim, vdim=E if vdim is None else vdim,
             add_zero_attn=add_zero_attn, rope_theta=rope_theta, rotary_dim=rotary_dim,
             rotary_interleaved=rotary_interleaved, window=window, sink_tokens=sink_tokens,
-            softcap=softcap, alibi=alibi, chunk=chunk,
+            softcap=softcap, alibi=alibi, chunk=chunk, rope_scaling=rope_scaling, scale=scale,
+            qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_offset=qk_norm_offset,
         )  # fmt: skip
         if not isinstance(bias, (bool, np.bool_)):
             raise AttentionTypeError(f"bias must be True or False; got {bias!r}")
@@ -144,6 +156,14 @@ class MultiHeadAttention(Layouts):
         self.sinks: np.ndarray | None = None
         if flag("sinks", sinks):  # gpt-oss's learned logits, one per head; zero to start
             self.sinks = np.zeros(H, dtype=self.dtype)
+        self.q_norm: np.ndarray | None = None
+        self.k_norm: np.ndarray | None = None
+        if self.qk_norm is not None:  # a gain of one to start: w = 1 - offset
+            shapes = self._shapes()
+            self.q_norm, self.k_norm = (
+                np.full(shapes[name], 1.0 - self.qk_norm_offset, dtype=self.dtype)
+                for name in ("q_norm", "k_norm")
+            )
 
     # One overload per combination of the return_* flags; the last for run-time flags.
     # fmt: off
@@ -287,6 +307,8 @@ class MultiHeadAttention(Layouts):
             window = positive_int("window", window)
             if self.window is not None:  # both windows hide keys: the narrower one counts
                 window = min(window, self.window)
+        if scale is None:
+            scale = self.scale
         call = check_call(
             query, key, value, self.W_q, self.W_k, self.W_v, self.W_o, self.num_heads,
             masking(mask, causal, causal_alignment, key_lengths, query_lengths, bias,
@@ -301,7 +323,10 @@ class MultiHeadAttention(Layouts):
             dropout_p=dropout_p, generator=generator,
             names=_SELF_NAMES if itself else _INPUT_NAMES, sinks=self.sinks,
             softcap=self.softcap, alibi=self.alibi, score_mod=score_mod,
-            score_mod_grad=score_mod_grad,
+            score_mod_grad=score_mod_grad, rope_scaling=self.rope_scaling, q_norm=self.q_norm,
+            k_norm=self.k_norm, qk_norm=self.qk_norm,
+            qk_norm_eps=None if self.qk_norm is None else self.qk_norm_eps,
+            qk_norm_offset=None if self.qk_norm is None else self.qk_norm_offset,
         )  # fmt: skip
         result = compute(call, bias, generator)
         if not call.want_backward:
@@ -326,10 +351,13 @@ class MultiHeadAttention(Layouts):
         """
         return {name: W for name, W in self.weights().items() if W is not None}
 
-    def new_cache(self, batch_size: int, *, capacity: int = 256) -> KVCache:
+    def new_cache(self, batch_size: int, *, capacity: int = 256, dtype: Any = None) -> KVCache:
         """An empty :class:`mha.KVCache` for ``batch_size`` sequences, made for this
-        attention's key/value heads, head width, window, sink tokens and compute dtype (float32 for
-        float16 weights). ``capacity`` positions are preallocated; more are added as needed.
+        attention's key/value heads, head width, window and sink tokens. ``capacity``
+        positions are preallocated; more are added as needed. ``dtype`` is what the cache
+        stores: by default the weights' dtype (a bfloat16 or float16 module keeps a cache of
+        its own dtype, half the memory of float32, and computes in float32); a float32 module
+        may keep a bfloat16 cache too, by ``dtype=ml_dtypes.bfloat16``.
 
         >>> import numpy as np
         >>> from mha import MultiHeadAttention
@@ -341,10 +369,10 @@ class MultiHeadAttention(Layouts):
         >>> attention(x[:, :1], cache=cache).shape, cache.lengths   # then one more
         ((2, 1, 16), array([6, 6]))
         """
-        dtype = np.float32 if self.dtype == np.float16 else self.dtype
         return KVCache(
-            batch_size, self.num_kv_heads, self.head_dim, capacity=capacity, dtype=dtype,
-            window=self.window, sink_tokens=self.sink_tokens,
+            batch_size, self.num_kv_heads, self.head_dim, capacity=capacity,
+            dtype=self.dtype if dtype is None else float_dtype(dtype), window=self.window,
+            sink_tokens=self.sink_tokens,
         )  # fmt: skip
 
     __call__ = forward

@@ -107,7 +107,13 @@ def multi_head_attention(
     rope_theta: float | None = None,
     rotary_dim: SupportsIndex | None = None,
     rotary_interleaved: Flag = False,
+    rope_scaling: dict[str, Any] | None = None,
     positions: Any = None,
+    q_norm: Any = None,
+    k_norm: Any = None,
+    qk_norm: str | None = None,
+    qk_norm_eps: float | None = None,
+    qk_norm_offset: float | None = None,
     cache: KVCache | None = None,
     return_backward: Flag = False,
     dropout_p: float | None = None,
@@ -155,8 +161,15 @@ def multi_head_attention(
     * ``rope_theta``: rotate q and k after projection with rotary position embeddings of
       this base (:func:`mha.apply_rotary`), at ``positions`` (``(L,)`` or ``(B, L)``;
       default ``0..S-1`` for keys, the last ``L`` of them for queries) or at the cache's
-      positions. ``rotary_dim`` and ``rotary_interleaved`` are :func:`mha.apply_rotary`'s
-      ``rotary_dim`` and ``interleaved``.
+      positions. ``rotary_dim``, ``rotary_interleaved`` and ``rope_scaling`` are
+      :func:`mha.apply_rotary`'s ``rotary_dim``, ``interleaved`` and ``scaling`` (transformers'
+      ``rope_parameters``: ``linear``, ``dynamic``, ``llama3``, ``yarn``, ``longrope``).
+    * ``q_norm`` and ``k_norm``: QK-norm, an RMSNorm of the projected queries and keys
+      before the rotation, with these weights: ``qk_norm="head"`` (default) normalises each
+      head's ``d_k`` features (Qwen3, Gemma 3; weights ``(d_k,)``), ``"all"`` a token's
+      ``H*d_k`` (or ``H_kv*d_k``) features before the split (OLMo 2). ``qk_norm_eps``
+      (default 1e-6) and ``qk_norm_offset`` (1.0 for Gemma's ``(1 + weight)``; default 0).
+      The scale multiplies the normalised queries; ``backward`` has both weights' gradients.
     * ``return_backward``: also return ``backward``, a function of the output's gradient
       that returns the gradients of every input and weight given, keyed by parameter name
       (``Q``, ``K``, ``V``, ``W_q``, ..., ``b_o``, ``bias_k``, ``bias_v``, ``bias``), each
@@ -205,7 +218,8 @@ def multi_head_attention(
         rope_theta=rope_theta, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
         positions=positions, cache=cache, return_backward=return_backward, dropout_p=dropout_p,
         generator=generator, sinks=sinks, softcap=softcap, alibi=alibi, score_mod=score_mod,
-        score_mod_grad=score_mod_grad,
+        score_mod_grad=score_mod_grad, rope_scaling=rope_scaling, q_norm=q_norm, k_norm=k_norm,
+        qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_offset=qk_norm_offset,
     )  # fmt: skip
     return compute(call, bias, generator)
 
@@ -235,7 +249,8 @@ def compute(
         np.errstate(invalid="ignore", over="ignore"),
         Team(workers_for(cost, call.threads)) as team,
     ):
-        q, k, v = project_heads(call, w, team)
+        saved: dict[str, list[np.ndarray]] = {}  # the QK-norm's, for the backward
+        q, k, v = project_heads(call, w, team, saved if call.want_backward else None)
         if visibility is not None:
             visibility = visibility.classified(team)  # mask_mod's block map, kept for backward
         if call.extra:
@@ -264,11 +279,15 @@ def compute(
         results.append(cast_result(weights, call.result_dtype))
     if call.want_backward:
         assert lse is not None and visibility is not None
-        results.append(ProjectedBackward(call, bias, q, k, v, joined, lse, visibility, dropout))
+        results.append(
+            ProjectedBackward(call, bias, q, k, v, joined, lse, visibility, dropout, saved)
+        )
     return results[0] if len(results) == 1 else tuple(results)
 
 
-def project_heads(call: Call, w: Weights, team: Team) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def project_heads(
+    call: Call, w: Weights, team: Team, saved: dict[str, list[np.ndarray]] | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The projected ``q (*B, H, L, d_k)`` (already times the scale), ``k``, ``v``, rotated
     at the call's positions when it has rotary embeddings; ``w`` holds the call's weights in
     its compute dtype.
@@ -276,6 +295,8 @@ def project_heads(call: Call, w: Weights, team: Team) -> tuple[np.ndarray, np.nd
     The scale goes where it costs least: into ``W_q`` when there are more query rows than
     input features, into the projected ``q`` otherwise. For self-attention with enough rows
     to pay for copying the weights, one GEMM against ``[W_q | W_k | W_v]`` projects all three.
+    With QK-norm the scale multiplies the normalised queries, and ``saved`` (when given)
+    receives what the norm's backward needs under ``"q"`` and ``"k"``.
     """  # fmt: skip
     dtype, scale, H, H_kv = call.compute_dtype, call.scale, call.H, call.H_kv
     Q, W_q, W_k, W_v, b_q, b_k, b_v = (
@@ -288,7 +309,9 @@ def project_heads(call: Call, w: Weights, team: Team) -> tuple[np.ndarray, np.nd
         w.b_v,
     )
     rows = int(np.prod(Q.shape[:-1]))
-    if rows >= Q.shape[-1]:
+    norm = call.qk_norm
+    late_scale = rows < Q.shape[-1] or norm is not None  # a norm undoes a scale before it
+    if not late_scale:
         W_q, b_q = W_q * scale, None if b_q is None else b_q * scale
     if call.self_attention and rows >= Q.shape[-1]:
         W_qkv = np.concatenate([W_q, W_k, W_v], axis=1)
@@ -302,11 +325,17 @@ def project_heads(call: Call, w: Weights, team: Team) -> tuple[np.ndarray, np.nd
         q, k, v = np.split(qkv, [W_q.shape[1], W_q.shape[1] + W_k.shape[1]], axis=-1)
     else:
         q = team.matmul(Q, W_q, b_q)
-        if rows < Q.shape[-1]:
-            q *= scale
         K, V = call.K.astype(dtype, copy=False), call.V.astype(dtype, copy=False)
         k, v = team.matmul(K, W_k, b_k), team.matmul(V, W_v, b_v)
+    if norm is not None and norm.kind == "all":  # OLMo 2: a token's features, every head's
+        (q, *q_saved), (k, *k_saved) = norm.apply(q, norm.q_norm), norm.apply(k, norm.k_norm)
     q, k, v = split_heads(q, H), split_heads(k, H_kv), split_heads(v, H_kv)
+    if norm is not None and norm.kind == "head":  # Qwen3, Gemma 3: each head's features
+        (q, *q_saved), (k, *k_saved) = norm.apply(q, norm.q_norm), norm.apply(k, norm.k_norm)
+    if late_scale:
+        q *= scale  # a buffer of this call's own: the projection's or the norm's
+    if saved is not None and norm is not None:
+        saved["q"], saved["k"] = q_saved, k_saved
     if call.rotary is not None:
         q = apply_rotary(q, call.q_positions, **call.rotary)
         k = apply_rotary(k, call.k_positions, **call.rotary)

@@ -5,17 +5,20 @@ for position ``p`` and pair ``i`` of the ``r = rotary_dim`` rotated features. Wh
 pair up is the convention: transformers' ``rotate_half`` pairs feature ``i`` with ``i + r/2``
 (Llama, Qwen, GPT-NeoX); GPT-J's ``rotate_every_two`` (``interleaved=True``) pairs ``2i``
 with ``2i + 1``. Features past ``rotary_dim`` pass through unchanged. Angles are computed in
-float64 and their cosines and sines cast to the data's dtype.
+float64 and their cosines and sines cast to the data's dtype. ``scaling`` stretches the
+frequencies past the training length as transformers' rope types do (:mod:`.rope_scaling`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from .._arrays import as_array, as_float_array, flag, positive_int, result_and_compute_dtypes
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
+from .rope_scaling import RopeScaling, check_rope_scaling, default_frequencies
 
 __all__ = [
     "apply_rotary",
@@ -33,6 +36,9 @@ def apply_rotary(
     theta: float = 10000.0,
     rotary_dim: int | None = None,
     interleaved: bool = False,
+    scaling: Mapping[str, Any] | RopeScaling | None = None,
+    inverse: bool = False,
+    seq_len: float | None = None,
 ) -> np.ndarray:
     """``x (..., L, d)`` rotated at ``positions``: a new array, ``x`` is not modified.
 
@@ -44,17 +50,42 @@ def apply_rotary(
     * ``rotary_dim``: how many leading features of each head are rotated (even, at most
       ``d``; default all), as GPT-NeoX's and GPT-J's partial rotary.
     * ``interleaved``: pair features ``(2i, 2i + 1)`` (GPT-J) instead of ``(i, i + r/2)``.
+    * ``scaling``: rope scaling, as a dict in transformers' ``rope_parameters`` form
+      (``{"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}``,
+      plus the model's ``max_position_embeddings`` where the type needs it) or a
+      :class:`~mha.api.rope_scaling.RopeScaling`; see
+      :func:`~mha.api.rope_scaling.check_rope_scaling`. The cosines and sines are multiplied
+      by its attention scaling (yarn's and longrope's).
+    * ``seq_len``: the sequence length that picks the ``dynamic`` and ``longrope``
+      frequencies; by default ``max(positions) + 1`` over all the positions given, as
+      transformers does per forward call. Give the whole call's when rotating it in parts.
+    * ``inverse``: apply the transpose of the rotation instead (the angle negated, the same
+      frequencies and attention scaling): the backward pass of the forward one.
 
     >>> import numpy as np
     >>> x = np.array([[1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])   # (L=2, d=4)
     >>> apply_rotary(x, [0, 1], theta=1.0).round(3)     # position 1 turns pair 0 by 1 rad
     array([[1.   , 0.   , 0.   , 0.   ],
            [0.54 , 0.   , 0.841, 0.   ]])
+    >>> linear = {"rope_type": "linear", "factor": 2.0}        # positions interpolated: 1 -> 0.5
+    >>> apply_rotary(x, [0, 1], theta=1.0, scaling=linear).round(3)
+    array([[1.   , 0.   , 0.   , 0.   ],
+           [0.878, 0.   , 0.479, 0.   ]])
+    >>> y = apply_rotary(x, [0, 1], theta=1.0, scaling=linear)
+    >>> np.allclose(apply_rotary(y, [0, 1], theta=1.0, scaling=linear, inverse=True), x)
+    True
     """
     array = as_float_array("x", x)
     result_dtype, dtype = result_and_compute_dtypes(array)
-    r, angles, interleaved = check_rotary(array.shape, positions, theta, rotary_dim, interleaved)
-    cos, sin = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    r, angles, interleaved, attention = check_rotary(
+        array.shape, positions, theta, rotary_dim, interleaved, scaling=scaling, seq_len=seq_len
+    )
+    cos, sin = np.cos(angles), np.sin(angles)
+    if attention != 1.0:
+        cos, sin = cos * attention, sin * attention
+    if flag("inverse", inverse):  # the transpose: rotation by minus the angle
+        sin = -sin
+    cos, sin = cos.astype(dtype), sin.astype(dtype)
     out = array.astype(dtype, copy=True)
     if interleaved:
         a, b = array[..., 0:r:2].astype(dtype), array[..., 1:r:2].astype(dtype)
@@ -74,20 +105,37 @@ def check_rotary(
     rotary_dim: Any,
     interleaved: Any,
     *,
+    scaling: Any = None,
+    seq_len: Any = None,
     subject: str | None = None,
-) -> tuple[int, np.ndarray, bool]:
+) -> tuple[int, np.ndarray, bool, float]:
     """Every check of :func:`apply_rotary` for an ``x`` of ``shape``: the rotated width,
-    the angles ``(..., L, r/2)`` in float64, and ``interleaved`` (shared with
-    :mod:`mha.dask`, which checks before any data exists). ``subject`` names what the caller
-    gave in messages (default ``x`` and its shape)."""
+    the angles ``(..., L, r/2)`` in float64, ``interleaved`` and the attention scaling of the
+    cosines and sines (shared with :mod:`mha.dask`, which checks before any data exists).
+    ``subject`` names what the caller gave in messages (default ``x`` and its shape)."""
     subject = f"x {shape}" if subject is None else subject
     if len(shape) < 2:
         raise ShapeError(f"x must have shape (..., L, d); got shape {shape}")
-    r, base, interleaved = check_rotary_options(shape[-1], theta, rotary_dim, interleaved, subject)
-    angles = check_positions(positions, shape, subject)[..., None] * base ** (
-        -np.arange(0, r, 2, dtype=np.float64) / r
-    )  # (..., L, r/2)
-    return r, angles, interleaved
+    d = shape[-1]
+    r, base, interleaved = check_rotary_options(d, theta, rotary_dim, interleaved, subject)
+    at = check_positions(positions, shape, subject)
+    rope = check_rope_scaling(scaling, r, subject)
+    if seq_len is not None:
+        seq_len = positive_real("seq_len", seq_len)
+    if rope is None:
+        frequencies, attention = default_frequencies(base, r), 1.0
+    else:
+        share = rope.partial_rotary_factor
+        if share is not None and rope.rope_type != "proportional" and int(d * share) != r:
+            raise AttentionValueError(
+                f"scaling['partial_rotary_factor'] {share} rotates {int(d * share)} of the "
+                f"{d} features, but rotary_dim is {r}: give rotary_dim={int(d * share)} or "
+                f"leave partial_rotary_factor out ({subject})"
+            )
+        if seq_len is None:  # as transformers' dynamic_rope_update: the largest position + 1
+            seq_len = float(at.max()) + 1 if at.size else 0.0
+        frequencies, attention = rope.frequencies(base, seq_len)
+    return r, at[..., None] * frequencies, interleaved, attention  # angles (..., L, r/2)
 
 
 def check_rotary_options(

@@ -75,12 +75,18 @@ class MhaOptions(_Keywords, total=False):
     rope_theta: float | None
     rotary_dim: SupportsIndex | None
     rotary_interleaved: Flag
+    rope_scaling: dict[str, Any] | None
     positions: Any
     sink_tokens: SupportsIndex | None
     chunk: SupportsIndex | None
     sinks: Any
     softcap: float | None
     alibi: Any
+    q_norm: Any
+    k_norm: Any
+    qk_norm: str | None
+    qk_norm_eps: float | None
+    qk_norm_offset: float | None
 
 
 class ForwardOptions(_Keywords, total=False):

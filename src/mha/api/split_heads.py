@@ -291,7 +291,7 @@ def attend_cached(
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Append the first ``counts[b]`` new keys and values of each sequence ``b`` to
     ``cache`` and attend over everything it holds, within ``window``: ``(out, lse or
-    None)`` in the cache's dtype. The call was checked by :func:`check_cache`; the cache's
+    None)`` in the cache's compute dtype. The call was checked by :func:`check_cache`; the cache's
     lengths advance only once the attention is computed. ``masking`` gives the call's
     sink tokens, chunks and ``mask_mod``; ``scores`` its changes to the scores."""
     masking = masking or {}
@@ -317,7 +317,7 @@ def _append_and_attend(
 ) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
     """:func:`attend_cached`'s work before the commit."""
     B, L = q.shape[0], q.shape[-2]
-    dtype = cache.dtype
+    dtype = cache.compute_dtype  # a bfloat16 cache's tiles are read in float32
     filled = cache._append(k, v, counts)
     S = int(filled.max(initial=0))
     held_sinks = cache.sink_tokens if cache.window is not None else 0

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .._arrays import is_bfloat16
 from .._files import UnreadableFileError, atomic_write, read_arrays, writable_problem
 from ..errors import WeightsFileError
 
@@ -19,16 +20,21 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "WEIGHT_NAMES", "load", "save"]
 
 FORMAT = "mha.MultiHeadAttention"
 FORMAT_VERSION = 2  # 2 added grouped-query heads, head_dim, rotary, window, single biases
-# (the variants' settings and sinks came later as optional keys: files without them load)
+# (the variants' settings and sinks, rope scaling, the scale and QK-norm came later as
+# optional keys: files without them load). bfloat16 weights are stored as their uint16 bits.
 WEIGHT_NAMES = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v",
-                "sinks")  # fmt: skip
+                "sinks", "q_norm", "k_norm")  # fmt: skip
 
 
 def save(path: Any, config: dict[str, Any], weights: dict[str, np.ndarray | None]) -> None:
     """``config`` and the ``weights`` that are not ``None`` as ``.npz``, written atomically."""
     target = Path(os.fspath(path))
     config = {"format": FORMAT, "version": FORMAT_VERSION, **config}
-    entries: dict[str, Any] = {name: W for name, W in weights.items() if W is not None}
+    entries: dict[str, Any] = {
+        name: W.view(np.uint16) if is_bfloat16(W.dtype) else W
+        for name, W in weights.items()
+        if W is not None
+    }
     entries["config"] = np.array(json.dumps(config))
     problem = writable_problem(target)
     if problem:
@@ -87,7 +93,24 @@ def load(path: Any) -> tuple[dict[str, Any], dict[str, np.ndarray | None]]:
                 f"cannot load {target}: {name} has shape {contents[name].shape} but its config "
                 f"({summary}) calls for {shape}"
             )
+    if config.get("dtype") == "bfloat16":  # the bits of bfloat16 weights
+        contents = {name: _bfloat16(target, W) for name, W in contents.items()}
     return config, {name: contents.get(name) for name in WEIGHT_NAMES}
+
+
+def _bfloat16(target: Path, bits: np.ndarray) -> np.ndarray:
+    """bfloat16 weights from their stored bits (ml_dtypes holds them in NumPy)."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise WeightsFileError(
+            f"cannot load {target}: its weights are bfloat16, which NumPy holds only with "
+            "ml_dtypes (pip install ml_dtypes)"
+        ) from None
+    if bits.dtype != np.uint16:
+        raise WeightsFileError(f"cannot load {target}: bfloat16 weights stored as {bits.dtype}")
+    array: np.ndarray = bits.view(ml_dtypes.bfloat16)
+    return array
 
 
 def _upgraded(config: dict[str, Any]) -> dict[str, Any]:
@@ -115,4 +138,8 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         vectors |= {"bias_k": (kv_inner,), "bias_v": (kv_inner,)}
     if config.get("sinks"):
         vectors["sinks"] = (int(config["num_heads"]),)
+    if config.get("qk_norm") is not None:
+        across = config["qk_norm"] == "all"
+        vectors["q_norm"] = (inner if across else int(config["head_dim"]),)
+        vectors["k_norm"] = (kv_inner if across else int(config["head_dim"]),)
     return {**shapes, **vectors}

@@ -16,7 +16,7 @@ import numpy as np
 
 from .._arrays import positive_int
 from ..errors import AttentionValueError, ShapeError
-from ._tensors import as_numpy
+from ._tensors import as_numpy, as_tensor
 
 __all__ = ["as_tensors", "torch_module", "torch_state_dict", "weights_from_torch"]
 
@@ -139,9 +139,7 @@ def torch_state_dict(weights: dict[str, np.ndarray | None]) -> dict[str, np.ndar
 
 def as_tensors(state: dict[str, np.ndarray]) -> dict[str, Any]:
     """The same state dict with torch tensors (copies), for ``load_state_dict``."""
-    import torch
-
-    return {name: torch.from_numpy(array.copy()) for name, array in state.items()}
+    return {name: as_tensor(array) for name, array in state.items()}
 
 
 def torch_module(
@@ -151,8 +149,8 @@ def torch_module(
     import torch
 
     W_q, W_k, W_v = (_present(weights, name) for name in ("W_q", "W_k", "W_v"))
-    dtype = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32}.get(
-        W_q.dtype, torch.float64
+    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(
+        W_q.dtype.name, torch.float64
     )
     module = torch.nn.MultiheadAttention(
         W_q.shape[1], num_heads, bias=weights.get("b_q") is not None,

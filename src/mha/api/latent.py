@@ -1,0 +1,462 @@
+"""``LatentAttention``: DeepSeek-V2/V3's multi-head latent attention (MLA), on the library's
+one kernel, with a cache of the latent alone.
+
+Each token is compressed to a latent ``c`` (``kv_lora_rank`` wide, RMS-normalised) and one
+rotary key ``k_pe`` (``qk_rope_head_dim`` wide) shared by every head; the queries come
+from ``x`` directly or through their own low-rank latent. The layer computes by the
+absorbed form (:mod:`.latent_math`): each head's query is multiplied into the latent's
+space, so all ``H`` query heads attend over the rows ``[c, k_pe]`` of one shared key/value
+head, and a cache holds ``kv_lora_rank + qk_rope_head_dim`` numbers per token (576 at
+DeepSeek-V3's sizes, where the expanded keys and values would take 40,960).
+"""
+
+from __future__ import annotations
+
+import reprlib
+from typing import Any, Literal, SupportsIndex, overload
+
+import numpy as np
+
+from .._arrays import (
+    as_array,
+    as_float_array,
+    cast_result,
+    flag,
+    positive_int,
+    resolve_scale,
+    result_and_compute_dtypes,
+)
+from ..errors import AttentionTypeError, AttentionValueError, ShapeError
+from .cache import KVCache
+from .configuration import float_dtype
+from .latent_math import LatentPlan, latent_forward
+from .rotary import check_positions, check_rotary_options, positive_real
+from .signatures import Backward, Flag
+
+__all__ = ["LatentAttention"]
+
+PARAMETER_NAMES = ("W_q", "W_q_a", "b_q_a", "q_a_norm", "W_q_b", "W_kv_a", "b_kv_a",
+                   "kv_a_norm", "W_kv_b", "W_o", "b_o")  # fmt: skip
+"""The weights' attribute names, in the order the layer applies them."""
+
+
+class LatentAttention:
+    """Multi-head latent attention (DeepSeek-V2/V3) that owns its weights.
+
+    ``d_model`` is the model width ``E`` and ``num_heads`` the number of query heads ``H``.
+    Each head's query is ``qk_nope_head_dim`` unrotated features then ``qk_rope_head_dim``
+    rotary ones; keys and values come from a latent ``kv_lora_rank`` wide. The weights are
+    attributes in the "x @ W" layout (transformers' names in brackets):
+
+    * the query: ``W_q (E, H*(nope + rope))`` [q_proj] when ``q_lora_rank`` is None, else
+      ``W_q_a (E, q_lora_rank)`` [q_a_proj], ``q_a_norm (q_lora_rank,)`` [q_a_layernorm]
+      and ``W_q_b (q_lora_rank, H*(nope + rope))`` [q_b_proj];
+    * the latent and the shared rotary key: ``W_kv_a (E, kv_lora_rank + rope)``
+      [kv_a_proj_with_mqa], ``kv_a_norm (kv_lora_rank,)`` [kv_a_layernorm];
+    * each head's key and value from the latent: ``W_kv_b (kv_lora_rank, H*(nope +
+      v_head_dim))`` [kv_b_proj], per head its ``nope`` key columns then its ``v_head_dim``
+      value columns;
+    * ``W_o (H*v_head_dim, E)`` [o_proj]; with ``bias=True`` also ``b_q_a``, ``b_kv_a`` and
+      ``b_o`` (transformers' ``attention_bias``), ``None`` otherwise.
+
+    The rotary embedding has base ``rope_theta`` and ``rope_scaling``, transformers'
+    ``rope_parameters`` for a scaled rope (yarn, say; None for the default), and pairs
+    features ``(2i, 2i + 1)`` with ``rotary_interleaved=True`` (DeepSeek's ``rope_interleave``,
+    whose permuted layout gives the same dot products) or ``(i, i + rope/2)``. The RMSNorms
+    take ``norm_eps``. ``scale`` is the softmax scale, ``(nope + rope) ** -0.5`` by default
+    (DeepSeek's yarn checkpoints correct it by their ``mscale``: give it here).
+    ``dtype`` is the weights' floating dtype (default float64; bfloat16 and float16 are
+    computed in float32). The initialisation is torch's ``nn.Linear`` one,
+    ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``, with zero biases and unit norm weights; ``seed``
+    makes it reproducible.
+
+    >>> import numpy as np
+    >>> from mha import LatentAttention
+    >>> attention = LatentAttention(32, 4, kv_lora_rank=16, qk_nope_head_dim=8,
+    ...                             qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=12, seed=0)
+    >>> x = np.random.default_rng(0).standard_normal((2, 5, 32))
+    >>> attention(x, mask=True).shape                    # causal self-attention
+    (2, 5, 32)
+    >>> cache = attention.new_cache(2)                   # 16 + 4 numbers per token
+    >>> prompt = attention(x, cache=cache)               # then one token at a time
+    >>> attention(x[:, :1], cache=cache).shape, cache.lengths, cache.k.shape[-1]
+    ((2, 1, 32), array([6, 6]), 20)
+    """
+
+    def __init__(
+        self,
+        d_model: SupportsIndex,
+        num_heads: SupportsIndex,
+        *,
+        kv_lora_rank: SupportsIndex,
+        qk_nope_head_dim: SupportsIndex,
+        qk_rope_head_dim: SupportsIndex,
+        v_head_dim: SupportsIndex,
+        q_lora_rank: SupportsIndex | None = None,
+        rope_theta: float = 10000.0,
+        rope_scaling: dict[str, Any] | None = None,
+        rotary_interleaved: Flag = True,
+        norm_eps: float = 1e-6,
+        scale: float | None = None,
+        bias: Flag = False,
+        dtype: Any = np.float64,
+        seed: int | np.random.Generator | None = None,
+    ) -> None:
+        self._configure(
+            d_model=d_model, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
+            qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
+            v_head_dim=v_head_dim, q_lora_rank=q_lora_rank, rope_theta=rope_theta,
+            rope_scaling=rope_scaling, rotary_interleaved=rotary_interleaved,
+            norm_eps=norm_eps, scale=scale,
+        )  # fmt: skip
+        with_bias = flag("bias", bias)
+        self.dtype = float_dtype(dtype)
+        try:
+            rng = np.random.default_rng(seed)
+        except (TypeError, ValueError) as error:
+            raise AttentionTypeError(
+                f"seed must be None, a non-negative integer or a np.random.Generator; "
+                f"got {reprlib.repr(seed)} ({error})"
+            ) from None
+        shapes = self._shapes()
+        weights: dict[str, np.ndarray | None] = dict.fromkeys(PARAMETER_NAMES)
+        for name in PARAMETER_NAMES:
+            if name not in shapes or (name.startswith("b_") and not with_bias):
+                continue
+            shape = shapes[name]
+            if name.startswith("b_"):
+                weights[name] = np.zeros(shape, self.dtype)
+            elif name.endswith("_norm"):
+                weights[name] = np.ones(shape, self.dtype)
+            else:
+                bound = 1.0 / float(np.sqrt(shape[0]))
+                weights[name] = rng.uniform(-bound, bound, size=shape).astype(self.dtype)
+        self._set_weights(weights)
+
+    @classmethod
+    def _from_weights(cls, weights: dict[str, Any], **settings: Any) -> LatentAttention:
+        """A layer with the given ``weights`` (by attribute name, in the "x @ W" layout;
+        each is copied) and ``settings`` (the constructor's keywords, ``dtype`` among them:
+        by default the weights' common dtype). Every weight is checked against the settings,
+        and names that the layer would not use are refused."""
+        dtype = settings.pop("dtype", None)
+        refused = [name for name in ("bias", "seed") if name in settings]
+        if refused:
+            raise AttentionTypeError(
+                f"_from_weights takes no {'= or '.join(refused)}=: the weights are given (and "
+                "those given say which biases exist)"
+            )
+        attention = cls.__new__(cls)
+        attention._configure(**settings)
+        shapes = attention._shapes()
+        unknown = sorted(set(weights) - set(shapes))
+        if unknown:
+            raise AttentionValueError(
+                f"weights {', '.join(unknown)} are not used by this layer (q_lora_rank="
+                f"{attention.q_lora_rank}); its weights are {', '.join(sorted(shapes))}"
+            )
+        arrays = {name: as_float_array(name, W) for name, W in weights.items() if W is not None}
+        missing = [name for name in shapes if name not in arrays and not name.startswith("b_")]
+        if missing:
+            raise AttentionValueError(
+                f"weights {', '.join(missing)} are missing (q_lora_rank={attention.q_lora_rank})"
+            )
+        for name, W in arrays.items():
+            if W.shape != shapes[name]:
+                raise ShapeError(
+                    f"{name} has shape {W.shape} but this layer needs {shapes[name]} "
+                    f"({attention._sizes_of(name)})"
+                )
+        attention.dtype = float_dtype(
+            result_and_compute_dtypes(*arrays.values())[0] if dtype is None else dtype
+        )
+        attention._set_weights({
+            name: arrays[name].astype(attention.dtype, copy=True) if name in arrays else None
+            for name in PARAMETER_NAMES
+        })  # fmt: skip
+        return attention
+
+    @classmethod
+    def from_pretrained(cls, path: Any, layer: int = 0, dtype: Any = None) -> LatentAttention:
+        """Layer ``layer``'s attention of a DeepSeek-V2/V3 checkpoint at ``path`` (a
+        transformers ``save_pretrained`` directory), in ``dtype`` (default: the
+        checkpoint's), with its settings, its yarn rope and its corrected softmax scale, as
+        :func:`mha.integrations.pretrained.layer_attention` reads them; only that layer's
+        attention tensors are read. A layer of any other kind of attention is refused.
+
+        >>> from mha import LatentAttention
+        >>> LatentAttention.from_pretrained("no-such-checkpoint")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        mha.WeightsFileError: no-such-checkpoint does not exist; it should be a folder ...
+        """
+        from ..integrations.checkpoint import Checkpoint
+        from ..integrations.pretrained import layer_attention
+
+        kind, settings, weights = layer_attention(Checkpoint(path), layer, dtype)
+        if kind != "latent":
+            raise AttentionValueError(
+                f"layer {layer} of {path} has {kind} attention, not multi-head latent "
+                "attention: load it with MultiHeadAttention"
+            )
+        return cls._from_weights(weights, **settings)
+
+    # fmt: off
+    @overload
+    def forward(
+        self, x: Any, mask: Any = ..., *, causal: Flag = ..., positions: Any = ...,
+        cache: KVCache | None = ..., query_lengths: Any = ..., key_lengths: Any = ...,
+        return_backward: Literal[False] = ..., max_memory: SupportsIndex | None = ...,
+        workers: SupportsIndex | None = ...,
+    ) -> np.ndarray: ...
+    @overload
+    def forward(
+        self, x: Any, mask: Any = ..., *, causal: Flag = ..., positions: Any = ...,
+        cache: KVCache | None = ..., query_lengths: Any = ..., key_lengths: Any = ...,
+        return_backward: Literal[True], max_memory: SupportsIndex | None = ...,
+        workers: SupportsIndex | None = ...,
+    ) -> tuple[np.ndarray, Backward]: ...
+    @overload
+    def forward(
+        self, x: Any, mask: Any = ..., *, causal: Flag = ..., positions: Any = ...,
+        cache: KVCache | None = ..., query_lengths: Any = ..., key_lengths: Any = ...,
+        return_backward: Flag = ..., max_memory: SupportsIndex | None = ...,
+        workers: SupportsIndex | None = ...,
+    ) -> np.ndarray | tuple[np.ndarray, Backward]: ...
+    # fmt: on
+
+    def forward(
+        self,
+        x: Any,
+        mask: Any = None,
+        *,
+        causal: Flag = False,
+        positions: Any = None,
+        cache: KVCache | None = None,
+        query_lengths: Any = None,
+        key_lengths: Any = None,
+        return_backward: Flag = False,
+        max_memory: SupportsIndex | None = None,
+        workers: SupportsIndex | None = None,
+    ) -> np.ndarray | tuple[np.ndarray, Backward]:
+        """Self-attention of ``x (B, L, d_model)`` (or ``(L, d_model)``): the output in
+        the inputs' dtype (``x``'s and the weights' common one), shaped like ``x``.
+
+        ``mask`` is the second positional argument, as in ``MultiHeadAttention.forward``:
+        ``None`` attends everywhere, ``True`` is causal, a boolean array marks where
+        attention is allowed (True = may attend; ``(L, L)``, or ``(B, L, L)`` for every
+        head, or ``(B, H, L, L)``). ``causal``, ``query_lengths`` and ``key_lengths`` (one
+        per sequence) combine with it by AND. ``positions`` (``(L,)`` or ``(B, L)``,
+        default ``0..L-1``) place the tokens for the rotary embedding. ``cache`` (from
+        :meth:`new_cache`) makes ``x`` the next tokens of each sequence: their latents and
+        rotary keys are appended, at the cache's positions, and they attend causally over
+        everything cached (with ``query_lengths``, only the first ``query_lengths[b]`` rows
+        of sequence ``b`` are real tokens). ``return_backward=True`` adds ``backward``, a
+        function of the output's gradient that returns the gradients keyed by attribute
+        name for the weights (those present; see :meth:`parameters`) and ``"query"`` for
+        ``x``; not with a cache. ``max_memory`` and ``workers`` are the kernel's, as in
+        :func:`mha.scaled_dot_product_attention`.
+
+        >>> import numpy as np
+        >>> from mha import LatentAttention
+        >>> attention = LatentAttention(16, 2, kv_lora_rank=8, qk_nope_head_dim=4,
+        ...                             qk_rope_head_dim=2, v_head_dim=4, seed=0)
+        >>> x = np.random.default_rng(0).standard_normal((1, 3, 16))
+        >>> out, backward = attention(x, mask=True, return_backward=True)
+        >>> grads = backward(np.ones_like(out))
+        >>> grads["query"].shape, grads["W_kv_b"].shape
+        ((1, 3, 16), (8, 16))
+        """
+        x = as_float_array("x", x)
+        if x.ndim not in (2, 3) or x.shape[-1] != self.d_model:
+            raise ShapeError(
+                f"x must have shape (B, L, {self.d_model}) or (L, {self.d_model}) "
+                f"(d_model={self.d_model}); got shape {x.shape}"
+            )
+        want_backward = flag("return_backward", return_backward)
+        L = x.shape[-2]
+        if cache is not None:
+            refused = [why for why, given in (
+                ("return_backward (call without the cache to train)", want_backward),
+                (f"unbatched x {x.shape} (give (B, L, d_model))", x.ndim != 3),
+                ("positions= (the cache's lengths give the positions)", positions is not None),
+            ) if given]  # fmt: skip
+            if refused:
+                raise AttentionValueError(f"cache= cannot be combined with {'; '.join(refused)}")
+            if not isinstance(cache, KVCache):
+                raise AttentionTypeError(
+                    f"cache must be an mha.KVCache; got {type(cache).__name__}"
+                )
+            at = cache.lengths[:, None] + np.arange(L)  # each sequence's own next positions
+        elif positions is None:
+            at = np.arange(L)
+        else:
+            check_positions(positions, x.shape, f"x {x.shape}")
+            at = np.asarray(positions)
+        if not (mask is None or isinstance(mask, (bool, np.bool_)) or _boolean_array(mask)):
+            raise AttentionTypeError(
+                f"the mask (forward's second argument, or mask=) must be None, True/False "
+                f"(causal) or a boolean array with True = may attend; got {reprlib.repr(mask)}"
+            )
+        given = self.parameters()
+        result_dtype, dtype = result_and_compute_dtypes(x, *given.values())
+        attention = {"mask": mask, "causal": causal, "query_lengths": query_lengths,
+                     "key_lengths": key_lengths, "cache": cache, "max_memory": max_memory,
+                     "workers": workers}  # fmt: skip
+        threads = None if workers is None else positive_int("workers", workers)
+        out, backward = latent_forward(
+            self._plan(), x, given, dtype, at, attention, want_backward, threads
+        )
+        result = cast_result(out, result_dtype)
+        return result if backward is None else (result, backward)
+
+    __call__ = forward
+
+    def new_cache(self, batch_size: int, capacity: int = 256, dtype: Any = None) -> KVCache:
+        """An empty :class:`mha.KVCache` of the latent for ``batch_size`` sequences:
+        ``kv_lora_rank + qk_rope_head_dim`` numbers per token in one buffer, whose first
+        ``kv_lora_rank`` are the values (a view, ``values_in_keys=True``). ``capacity``
+        positions are preallocated; more are added as needed. ``dtype`` is what it stores,
+        by default the weights' dtype.
+
+        >>> import numpy as np
+        >>> from mha import LatentAttention
+        >>> attention = LatentAttention(16, 2, kv_lora_rank=8, qk_nope_head_dim=4,
+        ...                             qk_rope_head_dim=2, v_head_dim=4)
+        >>> cache = attention.new_cache(3, capacity=32)
+        >>> cache.k.shape, cache.v.shape, bool(np.shares_memory(cache.k, cache.v))
+        ((3, 1, 32, 10), (3, 1, 32, 8), True)
+        """
+        return KVCache(
+            batch_size, 1, self.kv_lora_rank + self.qk_rope_head_dim,
+            value_dim=self.kv_lora_rank, values_in_keys=True, capacity=capacity,
+            dtype=self.dtype if dtype is None else dtype,
+        )  # fmt: skip
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """The weights an optimiser updates, by attribute name: the arrays themselves (update
+        them in place), only those present; their gradients have the same names.
+
+        >>> from mha import LatentAttention
+        >>> sorted(LatentAttention(16, 2, kv_lora_rank=8, qk_nope_head_dim=4,
+        ...                        qk_rope_head_dim=2, v_head_dim=4).parameters())
+        ['W_kv_a', 'W_kv_b', 'W_o', 'W_q', 'kv_a_norm']
+        """
+        return {name: W for name, W in self.weights().items() if W is not None}
+
+    def weights(self) -> dict[str, np.ndarray | None]:
+        """Every weight by attribute name, ``None`` where absent: the arrays, not copies.
+
+        >>> from mha import LatentAttention
+        >>> attention = LatentAttention(16, 2, kv_lora_rank=8, qk_nope_head_dim=4,
+        ...                             qk_rope_head_dim=2, v_head_dim=4, q_lora_rank=6)
+        >>> {name: None if W is None else W.shape for name, W in attention.weights().items()}
+        ... # doctest: +NORMALIZE_WHITESPACE
+        {'W_q': None, 'W_q_a': (16, 6), 'b_q_a': None, 'q_a_norm': (6,), 'W_q_b': (6, 12),
+         'W_kv_a': (16, 10), 'b_kv_a': None, 'kv_a_norm': (8,), 'W_kv_b': (8, 16),
+         'W_o': (8, 16), 'b_o': None}
+        """
+        return {name: getattr(self, name) for name in PARAMETER_NAMES}
+
+    def __repr__(self) -> str:
+        shown: dict[str, Any] = {
+            "q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+        }  # fmt: skip
+        for name, value, default in (
+            ("rope_theta", self.rope_theta, 10000.0), ("rope_scaling", self.rope_scaling, None),
+            ("rotary_interleaved", self.rotary_interleaved, True),
+            ("norm_eps", self.norm_eps, 1e-6), ("scale", self._given_scale, None),
+        ):  # fmt: skip
+            if value != default:
+                shown[name] = value
+        settings = "".join(f", {name}={value!r}" for name, value in shown.items())
+        return (
+            f"LatentAttention(d_model={self.d_model}, num_heads={self.num_heads}{settings}, "
+            f"bias={self.b_o is not None or self.b_kv_a is not None}, dtype={self.dtype.name})"
+        )
+
+    # Configuration -------------------------------------------------------------------
+
+    def _configure(
+        self, *, d_model: Any, num_heads: Any, kv_lora_rank: Any, qk_nope_head_dim: Any,
+        qk_rope_head_dim: Any, v_head_dim: Any, q_lora_rank: Any = None,
+        rope_theta: Any = 10000.0, rope_scaling: Any = None, rotary_interleaved: Any = True,
+        norm_eps: Any = 1e-6, scale: Any = None,
+    ) -> None:  # fmt: skip
+        """Check and keep the settings (everything but the weights)."""
+        self.d_model = positive_int("d_model", d_model)
+        self.num_heads = positive_int("num_heads", num_heads)
+        self.kv_lora_rank = positive_int("kv_lora_rank", kv_lora_rank)
+        self.qk_nope_head_dim = positive_int("qk_nope_head_dim", qk_nope_head_dim)
+        self.qk_rope_head_dim = positive_int("qk_rope_head_dim", qk_rope_head_dim)
+        self.v_head_dim = positive_int("v_head_dim", v_head_dim)
+        self.q_lora_rank = None if q_lora_rank is None else positive_int("q_lora_rank", q_lora_rank)
+        _, self.rope_theta, self.rotary_interleaved = check_rotary_options(
+            self.qk_rope_head_dim, rope_theta, None, rotary_interleaved,
+            f"qk_rope_head_dim={self.qk_rope_head_dim}", "rope_theta",
+        )  # fmt: skip
+        if rope_scaling is not None and not isinstance(rope_scaling, dict):
+            raise AttentionTypeError(
+                f"rope_scaling must be None or a dict of rope parameters (transformers' "
+                f"rope_parameters); got {reprlib.repr(rope_scaling)}"
+            )
+        self.rope_scaling = None if rope_scaling is None else dict(rope_scaling)
+        self.norm_eps = positive_real("norm_eps", norm_eps)
+        self._given_scale = None if scale is None else resolve_scale(scale, 1, np.dtype(np.float64))
+        self.scale = (
+            resolve_scale(None, self.qk_nope_head_dim + self.qk_rope_head_dim, np.dtype(np.float64))
+            if self._given_scale is None
+            else self._given_scale
+        )
+        if self.rope_scaling is not None:  # checked now, as every call will check it
+            self._plan().rotate(np.zeros((1, self.qk_rope_head_dim)), np.zeros(1))
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each weight's shape (the biases included), for these settings."""
+        E, H, r = self.d_model, self.num_heads, self.kv_lora_rank
+        n, p, d_v = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        shapes: dict[str, tuple[int, ...]] = {}
+        if self.q_lora_rank is None:
+            shapes["W_q"] = (E, H * (n + p))
+        else:
+            q = self.q_lora_rank
+            shapes.update(W_q_a=(E, q), b_q_a=(q,), q_a_norm=(q,), W_q_b=(q, H * (n + p)))
+        shapes.update(W_kv_a=(E, r + p), b_kv_a=(r + p,), kv_a_norm=(r,),
+                      W_kv_b=(r, H * (n + d_v)), W_o=(H * d_v, E), b_o=(E,))  # fmt: skip
+        return shapes
+
+    def _sizes_of(self, name: str) -> str:
+        """The settings that fix weight ``name``'s shape, for its message."""
+        E, H, q = f"d_model={self.d_model}", f"num_heads={self.num_heads}", self.q_lora_rank
+        r, n = f"kv_lora_rank={self.kv_lora_rank}", f"qk_nope_head_dim={self.qk_nope_head_dim}"
+        p, d_v = f"qk_rope_head_dim={self.qk_rope_head_dim}", f"v_head_dim={self.v_head_dim}"
+        return {
+            "W_q": f"{E}; {H} heads of {n} + {p}", "W_q_a": f"{E}, q_lora_rank={q}",
+            "b_q_a": f"q_lora_rank={q}", "q_a_norm": f"q_lora_rank={q}",
+            "W_q_b": f"q_lora_rank={q}; {H} heads of {n} + {p}", "W_kv_a": f"{E}, {r} + {p}",
+            "b_kv_a": f"{r} + {p}", "kv_a_norm": r, "W_kv_b": f"{r}; {H} heads of {n} + {d_v}",
+            "W_o": f"{H} heads of {d_v}, {E}", "b_o": E,
+        }[name]  # fmt: skip
+
+    def _set_weights(self, weights: dict[str, np.ndarray | None]) -> None:
+        self.W_q, self.W_q_a, self.b_q_a, self.q_a_norm, self.W_q_b = (
+            weights[name] for name in PARAMETER_NAMES[:5]
+        )
+        self.W_kv_a, self.b_kv_a, self.kv_a_norm, self.W_kv_b, self.W_o, self.b_o = (
+            weights[name] for name in PARAMETER_NAMES[5:]
+        )
+
+    def _plan(self) -> LatentPlan:
+        rotary: dict[str, Any] = {"theta": self.rope_theta, "interleaved": self.rotary_interleaved}
+        if self.rope_scaling is not None:
+            rotary["scaling"] = self.rope_scaling
+        return LatentPlan(
+            self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
+            self.v_head_dim, self.norm_eps, self.scale, rotary,
+        )  # fmt: skip
+
+
+def _boolean_array(mask: Any) -> bool:
+    return isinstance(mask, (np.ndarray, list, tuple)) and as_array("mask", mask).dtype.kind == "b"

@@ -1,0 +1,196 @@
+"""Tiny random transformers models of each family mha reads, saved as real checkpoints.
+
+Each family's model is built once per test session with transformers 5.24, its weights drawn
+so that every part of the attention matters (``initializer_range`` 0.2, nonzero biases,
+random QK-norm weights and gpt-oss sinks), cast to bfloat16 and written by
+``save_pretrained`` in shards of 20 KB, so that a checkpoint has many shards and an index, as
+big models do. :func:`saved` returns the folder; :func:`transformers_model` loads it back in
+float64 for the oracle comparisons (its weights are the bfloat16 values, exactly).
+
+The settings exercise what each family's attention does differently: Llama 3's rope scaling
+past ``original_max_position_embeddings`` (16 here), Qwen2's sliding layers from
+``max_window_layers``, QK-norm per head (Qwen3, Gemma 3) or across heads (OLMo 2), Gemma's
+``query_pre_attn_scalar`` and soft-capping and local rope base, Phi-3's fused projection with
+longrope and partial rotary, gpt-oss's sinks and yarn, DeepSeek V3's latent attention.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+SHARD_SIZE = "20KB"
+LONG = 16
+"""``original_max_position_embeddings`` of the scaled rope families: test sequences go past it."""
+
+_SAVED: dict[str, Path] = {}
+_ROOT: list[Path] = []
+
+COMMON = {"hidden_size": 48, "intermediate_size": 32, "num_hidden_layers": 3, "vocab_size": 64,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12,
+          "max_position_embeddings": 64, "initializer_range": 0.2, "pad_token_id": None,
+          "bos_token_id": None, "eos_token_id": None}  # fmt: skip
+ROPE = {"rope_type": "default", "rope_theta": 500.0}
+SLIDING, FULL = "sliding_attention", "full_attention"
+DEEPSEEK = {
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "mscale": 1.0,
+                        "mscale_all_dim": 0.8, "beta_fast": 8.0, "beta_slow": 1.0,
+                        "original_max_position_embeddings": LONG},
+    "head_dim": None, "num_key_value_heads": 4, "q_lora_rank": 20, "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 4,
+    "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "moe_intermediate_size": 16,
+    "first_k_dense_replace": 1, "n_shared_experts": 1, "rms_norm_eps": 1e-5,
+    "experts_implementation": "eager",
+}  # fmt: skip
+
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("Llama", {"attention_bias": True, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500.0, "factor": 4.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": LONG}}),
+    # layers from max_window_layers on slide
+    "qwen2": ("Qwen2", {"num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 5,
+                        "max_window_layers": 2}),
+    "qwen3": ("Qwen3", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1,
+                        "attention_bias": True, "rms_norm_eps": 1e-5}),
+    "mistral": ("Mistral", {"sliding_window": 7}),
+    "gemma2": ("Gemma2", {"query_pre_attn_scalar": 20, "attn_logit_softcapping": 2.5,
+                          "final_logit_softcapping": 4.0, "sliding_window": 5,
+                          "layer_types": [SLIDING, FULL, SLIDING]}),
+    "gemma3": ("Gemma3Text", {"query_pre_attn_scalar": 18, "sliding_window": 5,
+                              "layer_types": [SLIDING, FULL, SLIDING], "rope_parameters": {
+                                  SLIDING: {"rope_type": "default", "rope_theta": 100.0},
+                                  FULL: {"rope_type": "default", "rope_theta": 3000.0}}}),
+    # OLMo 2 and Phi-3 have no head_dim: hidden_size // heads = 12
+    "olmo2": ("Olmo2", {"head_dim": None, "attention_bias": True}),
+    "phi3": ("Phi3", {"head_dim": None, "original_max_position_embeddings": LONG,
+                      "sliding_window": 9, "rope_parameters": {  # rotary over 8 of 12 features
+                          "rope_type": "longrope", "rope_theta": 500.0,
+                          "partial_rotary_factor": 2 / 3, "short_factor": [1.0, 1.5, 2.0, 1.2],
+                          "long_factor": [3.0, 5.0, 8.0, 13.0]}}),
+    "gpt_oss": ("GptOss", {"sliding_window": 5, "num_local_experts": 4, "num_experts_per_tok": 2,
+                           "experts_implementation": "eager", "rope_parameters": {
+                               "rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
+                               "beta_fast": 8.0, "beta_slow": 1.0, "truncate": False,
+                               "original_max_position_embeddings": LONG}}),
+    "deepseek_v3": ("DeepseekV3", DEEPSEEK),
+    "deepseek_v3_mha": ("DeepseekV3", {**DEEPSEEK, "q_lora_rank": None, "attention_bias": True,
+                                       "rope_interleave": False}),
+    # DeepSeek V2: the same latent attention, its rotary always on (2i, 2i + 1) pairs
+    "deepseek_v2": ("DeepseekV2", {**DEEPSEEK, "n_group": None, "topk_group": None}),
+}  # fmt: skip
+"""Each family's class names (``{name}Config``, ``{name}ForCausalLM``; Gemma 3's
+``Gemma3ForCausalLM``) and what its config changes from ``COMMON``."""
+
+FAMILIES = tuple(MODELS)
+"""The checkpoints :func:`saved` builds; ``deepseek_v3_mha`` is DeepSeek V3 without the
+query's low-rank projection (``q_lora_rank=None``), with biases and halves rotary."""
+
+DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
+
+
+def _settings(family: str) -> tuple[str, str, dict[str, Any]]:
+    """The config class, the model class and the config's settings of ``family``."""
+    if family not in MODELS:
+        raise KeyError(f"no tiny model of family {family!r}; the families are {FAMILIES}")
+    name, changes = MODELS[family]
+    settings = {**COMMON, "rope_parameters": ROPE, **changes}
+    if settings["head_dim"] is None:
+        del settings["head_dim"]
+    model = "Gemma3ForCausalLM" if name == "Gemma3Text" else f"{name}ForCausalLM"
+    return f"{name}Config", model, settings
+
+
+def build(family: str, seed: int = 0) -> Any:
+    """A random float32 ``ForCausalLM`` of ``family``, in evaluation mode, with every
+    attention weight nonzero and away from its initial value."""
+    import torch
+    import transformers
+
+    config_name, model_name, settings = _settings(family)
+    config = getattr(transformers, config_name)(
+        **settings, attn_implementation=_implementation(family)
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "self_attn" not in name:
+                continue
+            if name.endswith("bias"):
+                parameter.normal_(0.0, 0.5)
+            elif "norm" in name:  # QK-norm weights: ones (zeros for Gemma's 1 + w) at first
+                parameter.normal_(1.0 if "gemma" not in family else 0.0, 0.3)
+            elif name.endswith("sinks"):
+                parameter.normal_(0.0, 1.5)
+    return model
+
+
+def _implementation(family: str) -> str:
+    """SDPA where the family has it (the eager attention takes its softmax in float32);
+    Gemma 2's soft-capping and gpt-oss's sinks are eager only."""
+    return "eager" if family in ("gemma2", "gpt_oss") else "sdpa"
+
+
+def saved(family: str) -> Path:
+    """The folder of ``family``'s checkpoint: bfloat16 weights in several safetensors shards
+    with their index, and ``config.json``; built on the first call of a session."""
+    if family not in _SAVED:
+        import torch
+
+        folder = _root() / family
+        with _quiet():
+            model = build(family).to(torch.bfloat16)
+            model.save_pretrained(folder, max_shard_size=SHARD_SIZE)
+        shards = sorted(folder.glob("model-*.safetensors"))
+        if len(shards) < 2 or not (folder / "model.safetensors.index.json").is_file():
+            raise RuntimeError(
+                f"{family}: save_pretrained wrote {len(shards)} shard(s), not several"
+            )
+        _SAVED[family] = folder
+    return _SAVED[family]
+
+
+def transformers_model(family: str) -> Any:
+    """``family``'s saved checkpoint loaded by transformers in float64, for oracles."""
+    import torch
+    import transformers
+
+    _, model_name, settings = _settings(family)
+    model_class = getattr(transformers, model_name)
+    folder = saved(family)
+    # the experts' grouped matrix products take no float64: their loop does
+    experts = {"experts_implementation": "eager"} if "experts_implementation" in settings else {}
+    with _quiet():
+        model = model_class.from_pretrained(
+            folder, dtype=torch.float64, attn_implementation=_implementation(family), **experts
+        )
+    return model.eval()
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers without its progress bars and its advice on the tiny configs (token ids
+    outside the vocabulary, longrope's factor)."""
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        logging.enable_progress_bar()
+
+
+def _root() -> Path:
+    if not _ROOT:
+        root = Path(tempfile.mkdtemp(prefix="mha-pretrained-"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        _ROOT.append(root)
+    return _ROOT[0]

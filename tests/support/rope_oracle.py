@@ -1,0 +1,137 @@
+"""transformers' rotary embeddings computed in float64 by transformers' own code.
+
+transformers computes its inverse frequencies, angles, cosines and sines in float32 even for
+float64 models, which hides every error below 1e-7. :func:`float64_torch` runs torch code in
+float64 where it asks for float32: a torch function mode turns ``dtype=torch.float`` and
+``torch.float32`` into ``torch.float64`` (in ``arange``, ``tensor``, ``zeros``, ``.to``),
+``Tensor.float()`` into ``Tensor.double()``, and the default dtype (which promotes a Python
+float times an integer tensor, as the dynamic rope's ``factor * seq_len``) into float64.
+Under it, transformers' own ``ROPE_INIT_FUNCTIONS`` and the models' own
+``compute_default_rope_parameters`` compute in float64, unchanged.
+
+:func:`float64_rotary` gives a model's rotary embedding modules those float64 frequencies
+(checked against the float32 ones they replace at 1e-6, so the mode is shown faithful), keeps
+transformers' own ``dynamic_rope_update`` for the stateful ``dynamic`` and ``longrope``
+updates (run under the mode), and computes the angles, cosines and sines as the module's
+``forward`` does, in float64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+FAITHFUL = 1e-6
+"""The largest relative difference allowed between a float64 frequency and the float32 one."""
+
+
+@contextlib.contextmanager
+def float64_torch() -> Iterator[None]:
+    """torch code in float64 where it asks for float32 (see the module's docstring)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    single = (torch.float32,)
+
+    class Float64(TorchFunctionMode):
+        def __torch_function__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            kwargs = dict(kwargs or {})
+            if kwargs.get("dtype") in single:
+                kwargs["dtype"] = torch.float64
+            if func is torch.Tensor.float:
+                return args[0].double()
+            if func is torch.Tensor.to:
+                args = tuple(torch.float64 if arg in single else arg for arg in args)
+            return func(*args, **kwargs)
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with Float64():
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def init_function(rotary: Any, rope_type: str) -> Any:
+    """The function a transformers rotary module computes its frequencies with."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type == "default":
+        return type(rotary).compute_default_rope_parameters
+    return ROPE_INIT_FUNCTIONS[rope_type]
+
+
+def float64_rotary(model: Any) -> list[Any]:
+    """Every rotary embedding module of ``model`` (a model, or a rotary module itself) made
+    to compute in float64 with transformers' own code, starting afresh (no sequence seen);
+    returns the modules. Raises AssertionError when a float64 frequency is more than
+    :data:`FAITHFUL` away from the float32 one it replaces."""
+    rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    if not rotaries:
+        raise ValueError(f"{type(model).__name__} has no rotary embedding module")
+    for rotary in rotaries:
+        _make_float64(rotary)
+    return rotaries
+
+
+def _layer_types(rotary: Any) -> list[str | None]:
+    """``[None]`` for a module of one rope, else its layer types (Gemma 3's sliding and full
+    attention layers, each with its own buffers ``{layer_type}_inv_freq``)."""
+    return list(rotary.rope_type) if isinstance(rotary.rope_type, dict) else [None]
+
+
+def _make_float64(rotary: Any) -> None:
+    import torch
+    from transformers.modeling_rope_utils import dynamic_rope_update
+
+    source = inspect.getsource(type(rotary).forward)  # the undecorated forward (functools.wraps)
+    if "torch.cat((freqs, freqs), dim=-1)" in source:
+        halves = False
+    elif "emb = freqs\n" in source:  # gpt-oss: the half-width angles
+        halves = True
+    else:
+        raise NotImplementedError(f"{type(rotary).__name__}.forward: an unknown layout")
+    for layer_type in _layer_types(rotary):
+        prefix = "" if layer_type is None else f"{layer_type}_"
+        rope_type = rotary.rope_type if layer_type is None else rotary.rope_type[layer_type]
+        keywords = {} if layer_type is None else {"layer_type": layer_type}
+        with float64_torch():
+            inv_freq, attention = init_function(rotary, rope_type)(rotary.config, **keywords)
+        single = getattr(rotary, f"{prefix}original_inv_freq")
+        error = ((inv_freq - single.double()).abs() / single.double().abs().clamp_min(1e-300)).max()
+        if inv_freq.dtype != torch.float64 or not error <= FAITHFUL:
+            raise AssertionError(
+                f"{type(rotary).__name__} {rope_type}: the float64 frequencies ({inv_freq.dtype}) "
+                f"are {float(error):.2e} away from transformers' float32 ones"
+            )
+        scaling_name = "attention_scaling" if layer_type is None else f"{prefix}attention_scaling"
+        if abs(attention - getattr(rotary, scaling_name)) > FAITHFUL * abs(attention):
+            raise AssertionError(f"{type(rotary).__name__}: another attention scaling in float64")
+        rotary.register_buffer(f"{prefix}inv_freq", inv_freq, persistent=False)
+        rotary.register_buffer(f"{prefix}original_inv_freq", inv_freq.clone(), persistent=False)
+        setattr(rotary, scaling_name, attention)
+        for stale in (f"{prefix}long_inv_freq", f"{prefix}max_seq_len_cached"):
+            if stale in vars(rotary):
+                delattr(rotary, stale)
+    rotary.max_seq_len_cached = rotary.original_max_seq_len
+
+    # transformers' own update of the dynamic and longrope frequencies, before each forward
+    update = dynamic_rope_update(lambda self, x, position_ids, **kwargs: None)
+
+    def forward(x: Any, position_ids: Any, layer_type: str | None = None) -> tuple[Any, Any]:
+        with float64_torch():
+            update(rotary, x, position_ids, layer_type)
+        prefix = "" if layer_type is None else f"{layer_type}_"
+        inv_freq = getattr(rotary, f"{prefix}inv_freq")
+        scaling = getattr(rotary, "attention_scaling" if layer_type is None else
+                          f"{prefix}attention_scaling")  # fmt: skip
+        freqs = position_ids[..., None].double() * inv_freq.double()
+        angles = freqs if halves else torch.cat((freqs, freqs), dim=-1)
+        return (angles.cos() * scaling).to(x.dtype), (angles.sin() * scaling).to(x.dtype)
+
+    rotary.forward = forward

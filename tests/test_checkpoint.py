@@ -1,0 +1,630 @@
+"""Reading transformers checkpoints: the safetensors reader (against the safetensors package
+and, for bfloat16, torch), sharded folders, reading only the tensors asked for, every
+refusal; and what each layer's attention is (``layer_attention``), against transformers' own
+config objects and attention modules for every family, on tiny random bfloat16 checkpoints
+written by ``save_pretrained`` in many shards (support.pretrained_models)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import struct
+import sys
+
+import numpy as np
+import pytest
+from support import pretrained_models as models
+
+from mha.errors import AttentionTypeError, AttentionValueError, WeightsFileError
+from mha.integrations import checkpoint as checkpoint_module
+from mha.integrations.checkpoint import Checkpoint
+from mha.integrations.pretrained import FAMILIES, layer_attention
+
+TORCH_FAMILIES = models.FAMILIES
+
+
+def write(folder, tensors, config=None, header_extra=None):
+    """A one-file checkpoint of NumPy arrays (``{name: array}``, or ``{name: (dtype,
+    shape, bytes)}`` for dtypes NumPy lacks), written byte by byte."""
+    folder.mkdir(parents=True, exist_ok=True)
+    header, blobs, offset = {}, [], 0
+    for name, value in tensors.items():
+        if isinstance(value, tuple):
+            kind, shape, data = value
+        else:
+            kinds = {"float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64",
+                     "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
+                     "bool": "BOOL"}  # fmt: skip
+            kind, shape, data = kinds[value.dtype.name], list(value.shape), value.tobytes()
+        header[name] = {"dtype": kind, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    header.update(header_extra or {})
+    raw = json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+    (folder / "config.json").write_text(json.dumps(config or {"model_type": "llama"}))
+    return folder
+
+
+def arrays():
+    rng = np.random.default_rng(0)
+    return {
+        "f64": rng.standard_normal((3, 4)), "f32": rng.standard_normal((5,)).astype(np.float32),
+        "f16": rng.standard_normal((2, 3, 2)).astype(np.float16),
+        "i64": rng.integers(-9, 9, (4,)), "i32": rng.integers(-9, 9, (2, 2)).astype(np.int32),
+        "i16": np.array([-3, 7], np.int16), "i8": np.array([-1, 2, 3], np.int8),
+        "u8": np.array([0, 255], np.uint8), "bool": np.array([True, False, True]),
+        "scalar": np.array(2.5, np.float32), "empty": np.zeros((0, 3), np.float32),
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------- the reader
+
+
+def test_reads_what_the_safetensors_package_reads(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    save_file(arrays(), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 8}')
+    checkpoint = Checkpoint(tmp_path)
+    expected = load_file(str(tmp_path / "model.safetensors"))
+    assert checkpoint.config == {"model_type": "llama", "hidden_size": 8}
+    assert checkpoint.keys() == sorted(expected) == list(checkpoint) and len(checkpoint) == 11
+    got = checkpoint.read(checkpoint.keys())
+    for name, array in expected.items():
+        assert got[name].dtype == array.dtype and got[name].shape == array.shape, name
+        assert np.array_equal(got[name], array), name
+    cast = checkpoint.read(["f16", "i32", "scalar"], dtype=np.float64)
+    for name in cast:
+        assert cast[name].dtype == np.float64
+        assert np.array_equal(cast[name], expected[name].astype(np.float64))
+    assert "f16" in checkpoint and "nothing" not in checkpoint
+    assert repr(checkpoint).endswith("llama, 11 tensors in 1 file)")
+
+
+BF16 = {0x3F80: 1.0, 0xC020: -2.5, 0x4049: 3.140625, 0x7F80: np.inf, 0x0001: 2.0**-133,
+        0x8000: -0.0, 0x7F7F: 3.3895313892515355e38}  # fmt: skip
+
+
+@pytest.mark.parametrize("with_ml_dtypes", [True, False])
+def test_bfloat16_is_read_exactly(tmp_path, monkeypatch, with_ml_dtypes):
+    """bfloat16 as ml_dtypes.bfloat16, or without ml_dtypes as float32; dtype= casts exactly."""
+    bits = np.array(list(BF16), "<u2")
+    write(tmp_path, {"w": ("BF16", [7], bits.tobytes())})
+    if with_ml_dtypes:
+        pytest.importorskip("ml_dtypes")
+    else:
+        monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # import ml_dtypes fails
+    w = Checkpoint(tmp_path).read(["w"])["w"]
+    assert w.dtype.name == ("bfloat16" if with_ml_dtypes else "float32")
+    exact = np.array(list(BF16.values()))
+    assert np.array_equal(w.astype(np.float64), exact)
+    assert np.signbit(w.astype(np.float64)[5])
+    for dtype in (np.float32, np.float64):
+        cast = Checkpoint(tmp_path).read(["w"], dtype=dtype)["w"]
+        assert cast.dtype == dtype and np.array_equal(cast, exact.astype(dtype))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+def test_bfloat16_checkpoints_match_torch(family, transformers):
+    import torch
+    from safetensors.torch import load_file
+
+    folder = models.saved(family)
+    checkpoint = Checkpoint(folder)
+    expected = {}
+    for shard in sorted(folder.glob("model-*.safetensors")):
+        expected |= load_file(str(shard))
+    assert checkpoint.keys() == sorted(expected)
+    got, cast = checkpoint.read(expected), checkpoint.read(expected, dtype=np.float64)
+    stored = "float32" if importlib.util.find_spec("ml_dtypes") is None else "bfloat16"
+    for name, tensor in expected.items():
+        assert tensor.dtype == torch.bfloat16
+        assert got[name].dtype.name == stored and got[name].shape == tuple(tensor.shape)
+        assert np.array_equal(got[name].astype(np.float32), tensor.float().numpy()), name
+        assert np.array_equal(cast[name], tensor.double().numpy()), name
+
+
+@pytest.mark.parametrize("family", TORCH_FAMILIES)
+def test_each_family_is_saved_in_several_shards(family, transformers):
+    from safetensors import safe_open
+
+    folder = models.saved(family)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) >= 3 and sorted(set(index["weight_map"].values())) == [
+        shard.name for shard in shards
+    ]
+    held = {}
+    for shard in shards:
+        with safe_open(str(shard), "np") as handle:
+            held |= dict.fromkeys(handle.keys(), shard.name)
+    checkpoint = Checkpoint(folder)
+    assert checkpoint.keys() == sorted(held) and index["weight_map"] == held
+    assert checkpoint.config == json.loads((folder / "config.json").read_text())
+
+
+class Opened:
+    """The files the reader opens and the bytes it reads, observed on its own module."""
+
+    def __init__(self, monkeypatch):
+        self.files, self.bytes = [], 0
+        monkeypatch.setattr(checkpoint_module, "open", self.open, raising=False)
+        original = np.fromfile
+
+        def fromfile(file, dtype, count, **kwargs):
+            self.bytes += count * np.dtype(dtype).itemsize
+            return original(file, dtype=dtype, count=count, **kwargs)
+
+        monkeypatch.setattr(checkpoint_module.np, "fromfile", fromfile)
+
+    def open(self, path, *args, **kwargs):
+        self.files.append(path.name)
+        return open(path, *args, **kwargs)
+
+
+def test_only_the_tensors_asked_for_are_read(monkeypatch, transformers):
+    folder = models.saved("qwen2")
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    opened = Opened(monkeypatch)
+    checkpoint = Checkpoint(folder)
+    assert opened.files == []  # the index and config.json only (read as text, not opened here)
+    for layer in (0, 3):
+        opened.files, opened.bytes = [], 0
+        _, _, weights = layer_attention(checkpoint, layer)
+        names = [name for name in weight_map if name.startswith(f"model.layers.{layer}.self_attn.")]
+        assert set(opened.files) == {weight_map[name] for name in names}
+        assert len(opened.files) < len(set(weight_map.values()))
+        assert opened.bytes == 2 * sum(W.size for W in weights.values())  # bfloat16: 2 bytes
+    opened.files = []
+    checkpoint.read(["lm_head.weight"])
+    assert opened.files == [weight_map["lm_head.weight"]] * 2  # the header once, then the data
+
+
+# ---------------------------------------------------------------- the reader's refusals
+
+
+def refused(error, *parts, kind=WeightsFileError):
+    assert isinstance(error.value, kind), type(error.value)
+    message = str(error.value)
+    assert "\n" not in message
+    for part in parts:
+        assert str(part) in message, (part, message)
+
+
+def test_folders_that_are_not_checkpoints_are_refused(tmp_path):
+    with pytest.raises(WeightsFileError) as error:
+        Checkpoint(tmp_path / "missing")
+    refused(error, tmp_path / "missing", "does not exist", "config.json")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(WeightsFileError) as error:
+        Checkpoint(tmp_path / "file")
+    refused(error, "is a file, not a folder")
+    with pytest.raises(WeightsFileError) as error:
+        Checkpoint(tmp_path)
+    refused(error, tmp_path, "has no config.json")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(WeightsFileError) as error:
+        Checkpoint(tmp_path)
+    refused(error, tmp_path / "config.json", "is not valid JSON")
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(WeightsFileError) as error:
+        Checkpoint(tmp_path)
+    refused(error, "holds no JSON object")
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(WeightsFileError) as error:
+        Checkpoint(tmp_path)
+    refused(error, tmp_path, "neither model.safetensors nor model.safetensors.index.json")
+    (tmp_path / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(WeightsFileError) as error:
+        Checkpoint(tmp_path)
+    refused(error, "model.safetensors.index.json has no weight_map")
+
+
+def test_a_missing_shard_is_named_with_a_tensor_it_holds(tmp_path, transformers):
+    folder = shutil.copytree(models.saved("llama"), tmp_path / "llama")
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = sorted(set(weight_map.values()))[2]
+    (folder / shard).unlink()
+    with pytest.raises(WeightsFileError) as error:
+        Checkpoint(folder)
+    first = next(name for name, file in weight_map.items() if file == shard)
+    refused(error, f"lists the shard {shard}, which is not in {folder}", first)
+
+
+def test_a_tensor_the_checkpoint_lacks_is_refused_with_what_it_holds(transformers):
+    checkpoint = Checkpoint(models.saved("qwen2"))
+    with pytest.raises(WeightsFileError) as error:
+        checkpoint.read(["model.layers.7.self_attn.q_proj.weight", "nothing"])
+    held = "51 tensors under model.layers.{0..3}., lm_head., model.embed_tokens., model.norm."
+    refused(error, "no tensor 'model.layers.7.self_attn.q_proj.weight' (nor 1 more)", held)
+    with pytest.raises(AttentionTypeError) as error:
+        checkpoint.read(["lm_head.weight"], dtype="no such dtype")
+    refused(error, "dtype must be a NumPy dtype", kind=AttentionTypeError)
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        (lambda raw: raw[:5], "is not a safetensors file: it has 5 bytes"),
+        (lambda raw: struct.pack("<Q", 10**6) + raw[8:], "its header length 1000000 exceeds"),
+        (lambda raw: raw[:8] + b"x" + raw[9:], "has a damaged header (Expecting value"),
+        (lambda raw: raw[:8] + b"\xff" + raw[9:], "has a damaged header ('utf-8'"),
+        (lambda raw: raw[:-4], "tensor 'b' has data_offsets [16, 32] outside the 28 bytes"),
+    ],
+)
+def test_damaged_files_are_refused(tmp_path, damage, said):
+    rng = np.random.default_rng(1)
+    folder = write(tmp_path, {"a": rng.standard_normal(2), "b": rng.standard_normal(2)})
+    raw = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(damage(raw))
+    with pytest.raises(WeightsFileError) as error:
+        Checkpoint(folder)
+    refused(error, folder / "model.safetensors", said)
+
+
+@pytest.mark.parametrize(
+    ("entry", "said"),
+    [
+        ({"dtype": "F32", "shape": [1]}, "lacks its dtype, shape or data_offsets"),
+        ({"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}, "has shape [-1]"),
+        ({"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}, "outside the 8 bytes"),
+        ({"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}, "has 8 bytes for shape [3]"),
+        ({"dtype": 7, "shape": [1], "data_offsets": [0, 4]}, "has dtype 7"),
+        ("F32", "lacks its dtype"),
+    ],
+)
+def test_damaged_header_entries_are_refused(tmp_path, entry, said):
+    folder = write(tmp_path, {"ok": np.zeros(1)}, header_extra={"bad": entry})
+    with pytest.raises(WeightsFileError) as error:
+        Checkpoint(folder)
+    refused(error, folder / "model.safetensors", "has a damaged header: tensor 'bad'", said)
+
+
+def test_an_unsupported_dtype_is_refused_when_its_tensor_is_read(tmp_path):
+    folder = write(tmp_path, {"f8": ("F8_E4M3", [2], b"\x01\x02"), "ok": np.ones(2)})
+    checkpoint = Checkpoint(folder)
+    assert np.array_equal(checkpoint.read(["ok"])["ok"], np.ones(2))  # the others still read
+    with pytest.raises(WeightsFileError) as error:
+        checkpoint.read(["f8"])
+    refused(error, folder / "model.safetensors", "tensor 'f8' has dtype F8_E4M3", "BF16")
+
+
+def test_a_tensor_missing_from_the_shard_its_index_names_is_refused(tmp_path):
+    folder = write(tmp_path, {"a": np.zeros(2)})
+    (folder / "model.safetensors").rename(folder / "model-1.safetensors")
+    index = {"weight_map": {"a": "model-1.safetensors", "b": "model-1.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    checkpoint = Checkpoint(folder)
+    with pytest.raises(WeightsFileError) as error:
+        checkpoint.read(["b"])
+    refused(error, folder / "model-1.safetensors", "does not hold 'b', which the index says")
+
+
+# ---------------------------------------------------------------- each layer's attention
+
+
+def expected_settings(config, index):
+    """mha's settings for layer ``index``, from transformers' own config object (its
+    ``layer_types``, ``sliding_window`` and standardised ``rope_parameters``)."""
+    model_type = config.model_type
+    layer_types = getattr(config, "layer_types", None)
+    layer_type = layer_types[index] if layer_types else None
+    rope = config.rope_parameters
+    if layer_type in rope:  # Gemma 3: one set per layer type
+        rope = rope[layer_type]
+    scaling = None if rope["rope_type"] == "default" else {
+        **rope, "max_position_embeddings": config.max_position_embeddings}  # fmt: skip
+    if model_type.startswith("deepseek"):
+        return {"d_model": config.hidden_size, "num_heads": config.num_attention_heads,
+                "q_lora_rank": config.q_lora_rank, "kv_lora_rank": config.kv_lora_rank,
+                "qk_nope_head_dim": config.qk_nope_head_dim,
+                "qk_rope_head_dim": config.qk_rope_head_dim, "v_head_dim": config.v_head_dim,
+                "rope_theta": rope["rope_theta"], "rope_scaling": scaling,
+                "rotary_interleaved": getattr(config, "rope_interleave", True)}  # fmt: skip
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if model_type in ("mistral", "phi3"):
+        window = config.sliding_window
+    elif model_type in ("llama", "olmo2"):
+        window = None
+    else:
+        window = config.sliding_window if layer_type == "sliding_attention" else None
+    factor = rope.get("partial_rotary_factor", 1.0)
+    norms = {"qwen3": ("head", 0.0), "gemma3_text": ("head", 1.0), "olmo2": ("all", 0.0)}
+    kind, offset = norms.get(model_type, (None, None))
+    return {
+        "num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads,
+        "head_dim": head_dim, "rope_theta": rope["rope_theta"],
+        "rotary_dim": None if factor == 1.0 else int(head_dim * factor),
+        "rotary_interleaved": False, "rope_scaling": scaling, "window": window, "chunk": None,
+        "softcap": config.attn_logit_softcapping if model_type == "gemma2" else None,
+        "scale": config.query_pre_attn_scalar**-0.5 if model_type.startswith("gemma") else None,
+        "qk_norm": kind, "qk_norm_eps": config.rms_norm_eps if kind else None,
+        "qk_norm_offset": offset,
+    }  # fmt: skip
+
+
+def parameter(module):
+    return module.detach().numpy() if hasattr(module, "detach") else module.weight.detach().numpy()
+
+
+def expected_weights(attention, settings):
+    """The layer's weights in mha's layout, from transformers' attention module itself."""
+    names = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "q_a_proj": "q_a",
+             "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a", "kv_b_proj": "kv_b"}  # fmt: skip
+    weights = {}
+    for name, short in names.items():
+        module = getattr(attention, name, None)
+        if module is not None:
+            weights[f"W_{short}"] = module.weight.detach().numpy().T
+            if module.bias is not None:
+                weights[f"b_{short}"] = module.bias.detach().numpy()
+    if hasattr(attention, "qkv_proj"):  # Phi-3
+        W = attention.qkv_proj.weight.detach().numpy().T
+        q = settings["num_heads"] * settings["head_dim"]
+        kv = settings["num_kv_heads"] * settings["head_dim"]
+        weights |= {"W_q": W[:, :q], "W_k": W[:, q : q + kv], "W_v": W[:, q + kv :]}
+    for name, ours in (("q_norm", "q_norm"), ("k_norm", "k_norm"), ("sinks", "sinks"),
+                       ("q_a_layernorm", "q_a_norm"), ("kv_a_layernorm", "kv_a_norm")):  # fmt: skip
+        if getattr(attention, name, None) is not None:
+            weights[ours] = parameter(getattr(attention, name))
+    return weights
+
+
+@pytest.mark.parametrize("family", TORCH_FAMILIES)
+def test_each_layer_is_what_transformers_computes(family, transformers):
+    """Settings against transformers' config and attention modules (their scaling, window,
+    head width, rotary width, norms), weights against the modules' own, layer by layer."""
+    model = models.transformers_model(family)
+    config = model.config
+    checkpoint = Checkpoint(models.saved(family))
+    assert config.num_hidden_layers == checkpoint.config["num_hidden_layers"]
+    seen = set()
+    for index, layer in enumerate(model.model.layers):
+        attention = layer.self_attn
+        kind, settings, weights = layer_attention(checkpoint, index, dtype=np.float64)
+        expected = expected_settings(config, index)
+        assert kind == ("latent" if family.startswith("deepseek") else "attention")
+        if kind == "latent":
+            assert settings.pop("scale") == attention.scaling
+            assert settings.pop("norm_eps") == attention.kv_a_layernorm.variance_epsilon
+            if attention.q_a_layernorm is not None:
+                assert attention.q_a_layernorm.variance_epsilon == 1e-6 != config.rms_norm_eps
+        else:
+            assert (settings["scale"] or settings["head_dim"] ** -0.5) == attention.scaling
+            assert settings["head_dim"] == attention.head_dim
+            if hasattr(attention, "sliding_window"):
+                assert settings["window"] == attention.sliding_window
+            if settings["qk_norm"]:
+                norm = attention.q_norm
+                assert settings["qk_norm_eps"] == getattr(norm, "eps", None) or getattr(
+                    norm, "variance_epsilon", None
+                )
+            rotary = model.model.rotary_emb
+            layer_type = (config.layer_types[index] + "_") if family == "gemma3" else ""
+            width = 2 * getattr(rotary, f"{layer_type}inv_freq").numel()
+            assert width == (settings["rotary_dim"] or settings["head_dim"])
+        assert settings == expected, index
+        wanted = expected_weights(attention, settings)
+        assert sorted(weights) == sorted(wanted)
+        for name, W in weights.items():
+            assert W.dtype == np.float64 and np.array_equal(W, wanted[name]), (index, name)
+        seen.add((settings.get("window"), settings["rope_theta"]))
+    if family in ("qwen2", "qwen3", "gemma2", "gemma3", "gpt_oss"):  # layers that differ
+        assert len({window for window, _ in seen}) == 2, seen
+    if family == "gemma3":
+        assert {theta for _, theta in seen} == {100.0, 3000.0}
+
+
+def test_dtype_is_the_stored_one_unless_asked(transformers):
+    checkpoint = Checkpoint(models.saved("gpt_oss"))
+    stored = "float32" if importlib.util.find_spec("ml_dtypes") is None else "bfloat16"
+    for dtype, name in ((None, stored), (np.float32, "float32"), (np.float64, "float64")):
+        _, _, weights = layer_attention(checkpoint, 1, dtype=dtype)
+        assert {W.dtype.name for W in weights.values()} == {name}
+    assert weights["sinks"].shape == (4,) and weights["W_q"].shape == (48, 48)
+
+
+@pytest.mark.parametrize("family", sorted({f for f in FAMILIES if f != "gemma3_text"} | {"gemma3"}))
+def test_the_defaults_are_the_config_classes(family, transformers):
+    """What a config.json may leave out: each family's defaults are its config class's."""
+    name = "gemma3_text" if family == "gemma3" else family
+    config_class = transformers.CONFIG_MAPPING[name]
+    fields = config_class.__dataclass_fields__
+    for key, value in FAMILIES[name].defaults.items():
+        assert fields[key].default == value, (family, key)
+    if name not in ("gemma3_text",):
+        assert config_class.default_theta == FAMILIES[name].default_theta
+
+
+def variant(tmp_path, family, change=None, drop=()):
+    """A copy of ``family``'s checkpoint whose config.json drops and changes some keys."""
+    folder = shutil.copytree(models.saved(family), tmp_path / family)
+    config = json.loads((folder / "config.json").read_text())
+    for key in drop:
+        config.pop(key, None)
+    config.update(change or {})
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+LLAMA3 = {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}  # fmt: skip
+LONGROPE = {"rope_type": "longrope", "rope_theta": 500.0, "short_factor": [1.0, 1.5, 2.0, 1.2],
+            "long_factor": [3.0, 5.0, 8.0, 13.0],
+            "original_max_position_embeddings": 32}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "drop"),
+    [
+        ("qwen2", {}, ("layer_types",)),  # from max_window_layers
+        ("qwen2", {"use_sliding_window": False}, ()),  # its layer_types say sliding: no window
+        ("qwen3", {"max_window_layers": 2}, ("layer_types",)),
+        ("llama", {"rope_theta": 800.0, "rope_scaling": {"type": "llama3", **LLAMA3}},
+         ("rope_parameters",)),  # the old keys
+        ("gemma3", {"rope_theta": 3000.0, "rope_local_base_freq": 100.0,
+                    "sliding_window_pattern": 2}, ("rope_parameters", "layer_types")),
+        ("gemma3", {"rope_theta": 3000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+         ("rope_parameters",)),
+        ("gemma2", {}, ("layer_types", "query_pre_attn_scalar", "attn_logit_softcapping")),
+        ("mistral", {}, ("sliding_window",)),
+        ("phi3", {"rope_parameters": LONGROPE, "partial_rotary_factor": 2 / 3}, ()),
+        ("gpt_oss", {}, ("rope_parameters", "layer_types")),
+        ("deepseek_v3", {"rope_theta": 800.0}, ("rope_parameters",)),
+        ("deepseek_v3_mha", {}, ("rope_interleave",)),
+    ],
+)  # fmt: skip
+def test_configs_are_read_as_transformers_reads_them(tmp_path, family, change, drop, transformers):
+    """Old and incomplete config.json files: transformers' AutoConfig is the oracle."""
+    folder = variant(tmp_path, family, change, drop)
+    with models._quiet():
+        config = transformers.AutoConfig.from_pretrained(folder)
+    checkpoint = Checkpoint(folder)
+    for index in range(config.num_hidden_layers):
+        _, settings, _ = layer_attention(checkpoint, index)
+        expected = expected_settings(config, index)
+        if family.startswith("deepseek"):
+            settings.pop("scale"), settings.pop("norm_eps")
+        assert settings == expected, (index, settings, expected)
+
+
+def test_deepseeks_scale_takes_the_yarn_mscale(tmp_path, transformers):
+    _, settings, _ = layer_attention(Checkpoint(models.saved("deepseek_v3")), 0)
+    mscale = 0.1 * 0.8 * np.log(4.0) + 1.0
+    assert settings["scale"] == pytest.approx(16**-0.5 * mscale**2, rel=1e-15)
+    folder = variant(tmp_path, "deepseek_v3", drop=("rope_parameters",))
+    assert layer_attention(Checkpoint(folder), 0)[1]["scale"] == 16**-0.5
+
+
+def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
+    """Gemma 3's config has attn_logit_softcapping, but its attention never passes it on."""
+    folder = variant(tmp_path, "gemma3", {"attn_logit_softcapping": 3.0})
+    assert layer_attention(Checkpoint(folder), 0)[1]["softcap"] is None
+    folder = variant(tmp_path / "2", "gemma2", {"attn_logit_softcapping": None})
+    assert layer_attention(Checkpoint(folder), 0)[1]["softcap"] is None
+
+
+# ---------------------------------------------------------------- layer_attention's refusals
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "said"),
+    [
+        ("llama", {"model_type": "bert"}, "model_type 'bert': it is not supported; the model "
+         "types mha reads are llama, mistral, qwen2, qwen3, gemma2, gemma3_text, olmo2, phi3"),
+        ("llama", {"model_type": None}, "config.json names no model_type"),
+        ("llama", {"model_type": "llama4_text"}, "Llama 4's attention (chunked layers"),
+        ("qwen2", {"model_type": "qwen2_vl"}, "multimodal rope (mrope)"),
+        ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+        ("gemma3", {"use_bidirectional_attention": True}, "gemma3_text with use_bidirectional"),
+        ("qwen2", {"layer_types": ["full_attention"] * 3 + ["chunked_attention"]},
+         "layer 3 of type 'chunked_attention'"),
+        ("qwen2", {"layer_types": ["full_attention"]}, "one type for each of its 4 layers"),
+        ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5, which "
+         "transformers' llama attention ignores or cannot apply"),
+        ("llama", {"sliding_window": 8}, "sliding_window=8, which transformers' llama mask"),
+        ("mistral", {"attention_chunk_size": 8}, "attention_chunk_size=8"),
+        ("qwen3", {"use_qk_norm": True}, "use_qk_norm=True"),
+        ("qwen2", {"rope_parameters": {"rope_type": "default", "mrope_section": [2, 2, 2]}},
+         "a multimodal rope (mrope_section=[2, 2, 2])"),
+        ("deepseek_v3", {"q_lora_rank": 0}, "q_lora_rank=0; a positive integer or null is needed"),
+        ("llama", {"hidden_size": "48"}, "hidden_size='48'; a positive integer is needed"),
+        ("llama", {"rope_parameters": [1]}, "rope_parameters must be a JSON object"),
+    ],
+)  # fmt: skip
+def test_configs_mha_would_compute_differently_are_refused(tmp_path, family, change, said,
+                                                           transformers):  # fmt: skip
+    checkpoint = Checkpoint(variant(tmp_path, family, change))
+    with pytest.raises(AttentionValueError) as error:
+        layer_attention(checkpoint, 0 if "layer 3" not in said else 3)
+    refused(error, checkpoint.path, said, kind=AttentionValueError)
+
+
+def test_layers_out_of_range_are_refused(transformers):
+    checkpoint = Checkpoint(models.saved("qwen2"))
+    for layer in (4, -1):
+        with pytest.raises(AttentionValueError) as error:
+            layer_attention(checkpoint, layer)
+        refused(error, f"layer={layer} is out of range", "has 4 layers, 0 to 3",
+                kind=AttentionValueError)  # fmt: skip
+    for layer in (1.0, True, "1"):
+        with pytest.raises(AttentionTypeError) as error:
+            layer_attention(checkpoint, layer)
+        refused(error, "layer must be an integer", kind=AttentionTypeError)
+    assert layer_attention(checkpoint, np.int64(3))[1]["window"] == 5
+
+
+def rewritten(tmp_path, family, drop=(), add=None, config=None):
+    """``family``'s checkpoint in one file, some tensors dropped or added (torch tensors)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source = models.saved(family)
+    tensors = {}
+    for shard in sorted(source.glob("model-*.safetensors")):
+        tensors |= load_file(str(shard))
+    for name in drop:
+        del tensors[name]
+    tensors |= {name: torch.as_tensor(value) for name, value in (add or {}).items()}
+    folder = tmp_path / family
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    settings = json.loads((source / "config.json").read_text()) | (config or {})
+    (folder / "config.json").write_text(json.dumps(settings))
+    return Checkpoint(folder)
+
+
+ATTN = "model.layers.0.self_attn."
+
+
+@pytest.mark.parametrize(
+    ("family", "drop", "add", "config", "said"),
+    [
+        ("qwen3", (), {f"{ATTN}lora_A.weight": np.zeros((2, 48), np.float32)}, None,
+         "has weights that qwen3's attention with this config"),
+        ("qwen3", (f"{ATTN}q_norm.weight",), None, None, "lacks q_norm.weight, which qwen3's"),
+        ("llama", (), None, {"attention_bias": False},
+         "does not have: k_proj.bias, o_proj.bias, q_proj.bias, v_proj.bias"),
+        ("qwen2", (f"{ATTN}k_proj.weight",), {f"{ATTN}k_proj.weight": np.zeros((12, 48))}, None,
+         "model.layers.0.self_attn.k_proj.weight has shape (12, 48), but the config"),
+        ("deepseek_v3", (), None, {"q_lora_rank": None},
+         "does not have: q_a_layernorm.weight, q_a_proj.weight, q_b_proj.weight"),
+        ("deepseek_v3", (f"{ATTN}kv_a_layernorm.weight",), None, None,
+         "lacks kv_a_layernorm.weight, which deepseek_v3's attention"),
+        ("llama", tuple(f"{ATTN}{p}_proj.{w}" for p in "qkvo" for w in ("weight", "bias")), None,
+         None, "no attention weights of layer 0 under model.layers.0.self_attn. or layers.0."),
+    ],
+)  # fmt: skip
+def test_weights_that_do_not_fit_the_config_are_refused(tmp_path, family, drop, add, config,
+                                                        said, transformers):  # fmt: skip
+    checkpoint = rewritten(tmp_path, family, drop, add, config)
+    with pytest.raises(WeightsFileError) as error:
+        layer_attention(checkpoint, 0)
+    refused(error, checkpoint.path, said)
+
+
+def test_older_checkpoints_rotary_buffer_is_not_read(tmp_path, transformers):
+    inv_freq = {f"{ATTN}rotary_emb.inv_freq": np.ones(6, np.float32)}
+    checkpoint = rewritten(tmp_path, "llama", add=inv_freq)
+    _, _, weights = layer_attention(checkpoint, 0)
+    assert sorted(weights) == ["W_k", "W_o", "W_q", "W_v", "b_k", "b_o", "b_q", "b_v"]
+
+
+def test_a_bare_models_checkpoint_is_read_too(tmp_path, transformers):
+    """A ``LlamaModel``'s weights, without the ``model.`` of a causal LM's."""
+    import torch
+    from safetensors.torch import save_file
+
+    source = Checkpoint(models.saved("mistral"))
+    tensors = {name.removeprefix("model."): torch.as_tensor(array.astype(np.float32))
+               for name, array in source.read(source.keys()).items()}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(source.config))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    _, settings, weights = layer_attention(Checkpoint(tmp_path), 2)
+    _, expected, expected_weights_ = layer_attention(source, 2, dtype=np.float32)
+    assert settings == expected and all(
+        np.array_equal(W, expected_weights_[name]) for name, W in weights.items()
+    )

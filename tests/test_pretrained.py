@@ -1,0 +1,135 @@
+"""``MultiHeadAttention.from_pretrained`` and ``LatentAttention.from_pretrained`` against the
+layers of transformers' own models, loaded in float64 from the same checkpoints: tiny random
+bfloat16 checkpoints of every family, in many shards (support.pretrained_models).
+
+Each layer's attention is compared on whole sequences of 24 positions (past the rope's
+``original_max_position_embeddings`` of 16 and past every sliding window), and in prefill
+then token-by-token decoding with transformers' DynamicCache, every step against
+``attention(x, cache=ours)``. transformers computes some things in float32 even in a float64
+model, which would hide every error below 1e-7: its rotary embeddings
+(support.rope_oracle.float64_rotary runs its own code in float64), and its RMSNorms (QK-norm,
+DeepSeek's latent norms) and Gemma 2's eager softmax, which ask for float32: the whole
+forward runs under support.rope_oracle.float64_torch, where a request for float32 gets
+float64. Everything else is transformers' code as it is.
+
+DeepSeek V2 is left out here: its rotary embedding is complex (``torch.polar``), which the
+float64 rotary oracle does not cover; test_checkpoint checks its settings and weights.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from support import pretrained_models as models
+from support.configs import relative_error
+from support.transformers_oracle import AttentionRecorder
+
+import mha
+from mha.integrations import pretrained
+
+FAMILIES = [family for family in models.FAMILIES if family != "deepseek_v2"]
+B, L, PREFILL = 2, 24, 10
+TOLERANCE = 1e-12
+
+
+@functools.cache
+def oracle(family):
+    """Each layer's attention calls in transformers, ``(input, output)`` as NumPy: first the
+    whole sequence, then the prefill and each decoding step."""
+    import torch
+    import transformers
+    from support.rope_oracle import float64_rotary, float64_torch
+
+    model = models.transformers_model(family)
+    float64_rotary(model)
+    recorder = AttentionRecorder(model)
+    ids = torch.randint(
+        0, model.config.vocab_size, (B, L), generator=torch.Generator().manual_seed(0)
+    )
+    try:
+        with torch.no_grad(), float64_torch():
+            model(ids)
+            cache = transformers.DynamicCache(config=model.config)
+            model(ids[:, :PREFILL], cache=cache, use_cache=True)
+            for t in range(PREFILL, L):
+                model(ids[:, t : t + 1], cache=cache, use_cache=True)
+    finally:
+        recorder.close()
+    return recorder.calls
+
+
+def load(family, layer):
+    kind = mha.LatentAttention if family.startswith("deepseek") else mha.MultiHeadAttention
+    return kind.from_pretrained(models.saved(family), layer=layer, dtype=np.float64)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_whole_sequences_match_transformers(family, transformers, record_error):
+    for layer, calls in enumerate(oracle(family)):
+        x, expected = calls[0]
+        assert x.shape == (B, L, 48) and np.abs(expected).max() > 0.1
+        error = relative_error(load(family, layer)(x, mask=True), expected)
+        assert record_error(f"pretrained {family}, float64", error) <= TOLERANCE, layer
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_then_decoding_matches_transformers_cache(family, transformers, record_error):
+    for layer, calls in enumerate(oracle(family)):
+        attention = load(family, layer)
+        ours = attention.new_cache(B)
+        assert len(calls) == 2 + L - PREFILL
+        for x, expected in calls[1:]:
+            error = relative_error(attention(x, cache=ours), expected)
+            assert record_error(f"pretrained {family} cached decoding, float64", error) <= (
+                TOLERANCE
+            ), layer
+        assert ours.lengths.tolist() == [L] * B
+
+
+CHANGES = {
+    "llama": [{"rope_scaling": None}],
+    "qwen2": [{"window": None}, {"b_q": None}],
+    "qwen3": [{"window": None}, {"qk_norm_offset": 1.0}],
+    "mistral": [{"window": None}],
+    "gemma2": [{"window": None}, {"softcap": None}, {"scale": None}],
+    "gemma3": [{"rope_theta": 10000.0}, {"window": None}, {"qk_norm_offset": 0.0},
+               {"scale": None}],
+    "olmo2": [{"qk_norm_offset": 1.0}],
+    # the partial rotary without longrope (whose factors are for 8 features, not 12)
+    "phi3": [{"rope_scaling": None}, {"rope_scaling": None, "rotary_dim": None},
+             {"window": None}],
+    "gpt_oss": [{"rope_scaling": None}, {"window": None}, {"sinks": None}],
+    "deepseek_v3": [{"scale": None}, {"rope_scaling": None}, {"rotary_interleaved": False}],
+    "deepseek_v3_mha": [{"scale": None}, {"rotary_interleaved": True}, {"b_kv_a": None}],
+}  # fmt: skip
+"""Settings changed (or weights, given as None, removed) that each family's tiny model
+exercises: with the change, a layer differs from transformers'. The second change of Phi-3
+differs from the first only by its full rotary."""
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_setting_read_matters_in_these_models(family, monkeypatch, transformers):
+    """Each setting read above, changed, or each weight, dropped, is caught by the
+    comparison: the tiny models are not degenerate for what they are meant to check."""
+    read = pretrained.layer_attention
+    baseline = None
+    for change in CHANGES[family]:
+
+        def changed(checkpoint, layer, dtype=None, change=change):
+            kind, settings, weights = read(checkpoint, layer, dtype)
+            weights = {name: W for name, W in weights.items() if name not in change}
+            settings = {**settings, **{k: v for k, v in change.items() if k in settings}}
+            return kind, settings, weights
+
+        monkeypatch.setattr(pretrained, "layer_attention", changed)
+        whole = [calls[0] for calls in oracle(family)]  # (x, expected) of each layer
+        outputs = [load(family, layer)(x, mask=True) for layer, (x, _) in enumerate(whole)]
+        errors = [
+            relative_error(out, expected) for out, (_, expected) in zip(outputs, whole, strict=True)
+        ]
+        assert max(errors) > 1e-4, (change, errors)
+        if family == "phi3" and "rotary_dim" in change:  # against the change before it
+            assert max(relative_error(a, b) for a, b in zip(outputs, baseline, strict=True)) > 1e-4
+        baseline = outputs

@@ -1,0 +1,142 @@
+"""``MultiHeadAttention.from_pretrained``'s backward against torch.autograd through the
+layers of transformers' own models, in float64: QK-norm per head (Qwen3), with ``1 + w``,
+``query_pre_attn_scalar`` and the local rope base (Gemma 3), across heads (OLMo 2), Llama 3's
+rope scaling, gpt-oss's sinks and yarn, on a sliding and a full layer where the family has
+both.
+
+The models are the tiny bfloat16 checkpoints of support.pretrained_models, loaded by
+transformers in float64 with the float64 rotary of support.rope_oracle, as in
+test_pretrained.py. A forward hook on each layer's ``self_attn`` captures the keywords the
+decoder gives it in a model forward (the position embeddings of its layer type, its causal
+or sliding mask); the attention is then called again with those keywords and a random leaf
+hidden state (24 positions, past ``original_max_position_embeddings`` of 16 and every
+sliding window), under ``float64_torch`` so that the RMSNorms' float32 upcast stays float64,
+and ``(out * grad_out).sum()`` is differentiated. Every parameter's gradient (weights
+transposed: mha's ``W_q`` is ``q_proj.weight.T``) and the hidden state's (the sum of mha's
+``query``, ``key`` and ``value`` gradients) must agree to 1e-10.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from support import pretrained_models as models
+from support.configs import relative_error
+
+import mha
+
+B, L = 2, 24
+FORWARD_TOLERANCE = 1e-12
+TOLERANCE = 1e-10
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+CASES = [  # family, layer, its type: a sliding and a full layer where the family has both
+    ("qwen3", 0, FULL),
+    ("qwen3", 1, SLIDING),
+    ("gemma3", 0, SLIDING),  # the local rope base
+    ("gemma3", 1, FULL),
+    ("olmo2", 0, FULL),
+    ("llama", 0, FULL),  # Llama 3 rope scaling
+    ("gpt_oss", 0, SLIDING),
+    ("gpt_oss", 1, FULL),
+]
+
+
+def mha_name(name):
+    """mha's name of a transformers attention parameter, and whether it is transposed."""
+    if name.endswith("_proj.weight"):
+        return f"W_{name[0]}", True
+    if name.endswith("_proj.bias"):
+        return f"b_{name[0]}", False
+    if name in ("q_norm.weight", "k_norm.weight"):
+        return name.removesuffix(".weight"), False
+    if name == "sinks":
+        return name, False
+    raise KeyError(f"no mha name for the attention parameter {name!r}")
+
+
+@functools.cache
+def captured(family):
+    """The float64 transformers model of ``family`` and, for each layer, the keywords its
+    ``self_attn`` got in a forward over ``B`` sequences of ``L`` tokens."""
+    import torch
+    from support.rope_oracle import float64_rotary, float64_torch
+
+    model = models.transformers_model(family)
+    float64_rotary(model)
+    calls = [None] * len(model.model.layers)
+
+    def hook(index):
+        def save(module, args, kwargs):
+            keywords = dict(kwargs)
+            if args:
+                keywords["hidden_states"] = args[0]
+            calls[index] = keywords
+
+        return save
+
+    handles = [layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True)
+               for i, layer in enumerate(model.model.layers)]  # fmt: skip
+    ids = torch.randint(
+        0, model.config.vocab_size, (B, L), generator=torch.Generator().manual_seed(0)
+    )
+    try:
+        with torch.no_grad(), float64_torch():
+            model(ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return model, calls
+
+
+@pytest.mark.parametrize(("family", "layer", "kind"), CASES)
+def test_gradients_match_autograd_through_transformers_layers(
+    family, layer, kind, torch, transformers, record_error
+):
+    from support.rope_oracle import float64_torch
+
+    model, calls = captured(family)
+    config = model.config
+    assert (getattr(config, "layer_types", None) or [FULL] * (layer + 1))[layer] == kind
+    attention_module = model.model.layers[layer].self_attn
+    keywords = {**calls[layer], "cache": None}
+    assert keywords["hidden_states"].shape == (B, L, config.hidden_size)
+    g = np.random.default_rng(len(family) * 10 + layer)
+    x = 0.7 * g.standard_normal((B, L, config.hidden_size))
+    grad_out = g.standard_normal((B, L, config.hidden_size))
+
+    parameters = dict(attention_module.named_parameters())
+    attention_module.zero_grad(set_to_none=True)
+    tx = torch.tensor(x, requires_grad=True)
+    with float64_torch():
+        expected = attention_module(**{**keywords, "hidden_states": tx})[0]
+        (expected * torch.tensor(grad_out)).sum().backward()
+    assert expected.dtype == torch.float64
+
+    attention = mha.MultiHeadAttention.from_pretrained(
+        models.saved(family), layer=layer, dtype=np.float64
+    )
+    out, backward = attention(x, mask=True, return_backward=True)
+    error = relative_error(out, expected.detach().numpy())
+    forward = f"pretrained {family} gradients forward, float64"
+    assert record_error(forward, error) <= FORWARD_TOLERANCE, (family, layer)
+    grads = backward(grad_out)
+
+    names = {name: mha_name(name) for name in parameters}
+    assert set(grads) == {ours for ours, _ in names.values()} | {"query", "key", "value"}
+    label = f"pretrained {family} gradients vs autograd, float64"
+    weights = attention.parameters()
+    for name, parameter in parameters.items():
+        ours, transposed = names[name]
+        value = parameter.detach().numpy()
+        assert np.array_equal(weights[ours], value.T if transposed else value), name
+        theirs = parameter.grad.numpy()
+        expected_grad = theirs.T if transposed else theirs
+        assert np.abs(expected_grad).max() > 1e-3, name  # every gradient matters
+        error = relative_error(grads[ours], expected_grad)
+        assert record_error(label, error) <= TOLERANCE, (family, layer, name, error)
+    shared = grads["query"] + grads["key"] + grads["value"]
+    error = relative_error(shared, tx.grad.numpy())
+    assert record_error(label, error) <= TOLERANCE, (family, layer, "hidden_states", error)

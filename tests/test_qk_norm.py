@@ -1,0 +1,126 @@
+"""QK-norm (Qwen3, Gemma 3 per head; OLMo 2 across heads): the forward against a torch
+transcription of transformers' layers, the backward against torch.autograd, in float64.
+The families' own layers are compared in tests/test_pretrained.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from support.configs import relative_error
+
+import mha
+from mha.errors import AttentionValueError, ShapeError
+
+CASES = [  # kind, offset, heads, kv heads, rotary, biases
+    ("head", 0.0, 4, 2, True, False),  # Qwen3
+    ("head", 1.0, 4, 1, True, False),  # Gemma 3: (1 + w)
+    ("all", 0.0, 4, 4, True, False),  # OLMo 2
+    ("head", 0.0, 2, 2, False, True),
+    ("all", 0.0, 6, 3, False, True),
+]
+
+
+def torch_attention(torch, x, w, H, H_kv, kind, offset, eps, theta, positions, scale):
+    """Projection, RMSNorm of q and k (transformers' order), rotate_half rotary, GQA SDPA."""
+    B, L, _ = x.shape
+
+    def rms(t, weight):
+        t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)
+        return t * (offset + weight)
+
+    q = x @ w["W_q"] + w.get("b_q", 0)
+    k = x @ w["W_k"] + w.get("b_k", 0)
+    v = x @ w["W_v"] + w.get("b_v", 0)
+    if kind == "all":
+        q, k = rms(q, w["q_norm"]), rms(k, w["k_norm"])
+    q, k, v = (t.view(B, L, n, -1).transpose(1, 2) for t, n in ((q, H), (k, H_kv), (v, H_kv)))
+    if kind == "head":
+        q, k = rms(q, w["q_norm"]), rms(k, w["k_norm"])
+    if theta is not None:
+        d = q.shape[-1]
+        inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        freqs = torch.as_tensor(positions, dtype=torch.float64)[:, None] * inv
+        emb = torch.cat((freqs, freqs), -1)
+
+        def rotate(t):
+            a, b = t[..., : d // 2], t[..., d // 2 :]
+            return t * emb.cos() + torch.cat((-b, a), -1) * emb.sin()
+
+        q, k = rotate(q), rotate(k)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=scale, enable_gqa=True
+    )
+    out = out.transpose(1, 2).reshape(B, L, -1) @ w["W_o"]
+    return out + w.get("b_o", 0)
+
+
+@pytest.mark.parametrize(("kind", "offset", "H", "H_kv", "rotary", "biases"), CASES)
+def test_qk_norm_forward_and_backward_match_torch(
+    kind, offset, H, H_kv, rotary, biases, torch, record_error
+):
+    g = np.random.default_rng(H * 10 + H_kv)
+    B, L, E, d = 2, 7, 12, 8
+    widths = {"W_q": (E, H * d), "W_k": (E, H_kv * d), "W_v": (E, H_kv * d), "W_o": (H * d, E)}
+    w = {name: g.standard_normal(shape) * 0.5 for name, shape in widths.items()}
+    if biases:
+        w |= {f"b_{n}": g.standard_normal(widths[f"W_{n}"][1]) for n in "qkvo"}
+    w["q_norm"] = g.standard_normal(d if kind == "head" else H * d)
+    w["k_norm"] = g.standard_normal(d if kind == "head" else H_kv * d)
+    x = g.standard_normal((B, L, E))
+    eps, theta, scale = 1e-5, (500.0 if rotary else None), 0.3
+    positions = np.arange(3, 3 + L)
+    ours, backward = mha.multi_head_attention(
+        x, x, x, w["W_q"], w["W_k"], w["W_v"], w["W_o"], H, num_kv_heads=H_kv, causal=True,
+        **{n: w[n] for n in ("b_q", "b_k", "b_v", "b_o") if n in w}, q_norm=w["q_norm"],
+        k_norm=w["k_norm"], qk_norm=kind, qk_norm_eps=eps, qk_norm_offset=offset,
+        rope_theta=theta, positions=positions if rotary else None, scale=scale,
+        return_backward=True,
+    )  # fmt: skip
+    tensors = {name: torch.tensor(a, requires_grad=True) for name, a in w.items()}
+    tx = torch.tensor(x, requires_grad=True)
+    expected = torch_attention(torch, tx, tensors, H, H_kv, kind, offset, eps, theta, positions,
+                               scale)  # fmt: skip
+    error = relative_error(ours, expected.detach().numpy())
+    assert record_error("QK-norm forward vs torch, float64", error) <= 1e-13
+    grad_out = g.standard_normal(ours.shape)
+    expected.backward(torch.tensor(grad_out))
+    grads = backward(grad_out)
+    assert set(grads) == {*w, "Q", "K", "V"}
+    for name, tensor in tensors.items():
+        error = relative_error(grads[name], tensor.grad.numpy())
+        assert record_error("QK-norm gradients vs autograd, float64", error) <= 1e-10, name
+    shared = grads["Q"] + grads["K"] + grads["V"]
+    error = relative_error(shared, tx.grad.numpy())
+    assert record_error("QK-norm gradients vs autograd, float64", error) <= 1e-10
+
+
+def test_qk_norm_module_and_cache_agree_with_whole_sequences():
+    attention = mha.MultiHeadAttention(16, 4, num_kv_heads=2, rope_theta=100.0, qk_norm="head",
+                                       seed=0)  # fmt: skip
+    g = np.random.default_rng(1)
+    attention.q_norm[:] = g.standard_normal(4)
+    attention.k_norm[:] = g.standard_normal(4)
+    x = g.standard_normal((2, 9, 16))
+    whole = attention(x, mask=True)
+    cache = attention.new_cache(2)
+    steps = [attention(x[:, :5], cache=cache)] + [
+        attention(x[:, t : t + 1], cache=cache) for t in range(5, 9)
+    ]
+    assert relative_error(np.concatenate(steps, axis=1), whole) <= 1e-13
+    assert "qk_norm='head'" in repr(attention)
+    assert {"q_norm", "k_norm"} <= set(attention.parameters())
+
+
+def test_qk_norm_refusals_name_the_argument():
+    x = np.ones((1, 3, 8))
+    W = np.ones((8, 8))
+    with pytest.raises(AttentionValueError, match="q_norm and k_norm go together"):
+        mha.multi_head_attention(x, x, x, W, W, W, W, 2, q_norm=np.ones(4))
+    with pytest.raises(ShapeError, match=r"k_norm must have shape \(8,\)"):
+        mha.multi_head_attention(x, x, x, W, W, W, W, 2, q_norm=np.ones(8), k_norm=np.ones(4),
+                                 qk_norm="all")  # fmt: skip
+    with pytest.raises(AttentionValueError, match="qk_norm must be 'head'"):
+        mha.multi_head_attention(x, x, x, W, W, W, W, 2, q_norm=np.ones(4), k_norm=np.ones(4),
+                                 qk_norm="token")  # fmt: skip
+    with pytest.raises(AttentionValueError, match="qk_norm_eps has no effect"):
+        mha.multi_head_attention(x, x, x, W, W, W, W, 2, qk_norm_eps=1e-5)
