@@ -63,7 +63,7 @@ def test_bfloat16_gradients_are_float32_gradients_rounded_once():
         ), name
 
 
-def test_bfloat16_keys_are_read_a_tile_at_a_time():
+def test_bfloat16_keys_are_read_a_tile_at_a_time(warm_kernel):
     """The call's peak is its tiles' (per worker), whatever the number of keys: twice the
     keys, the same peak, and far below a float32 copy of K (64 MiB at the longer length)."""
     g = np.random.default_rng(0)
@@ -164,3 +164,18 @@ def test_without_ml_dtypes_bfloat16_tensors_are_read_as_exact_float32(torch, mon
     llama = mha.MultiHeadAttention.from_llama(state, num_heads=2)
     assert llama.dtype == np.float32
     np.testing.assert_array_equal(llama.W_q.T, state["q_proj.weight"].float().numpy())
+
+
+def test_saved_files_keep_each_bfloat16_array(tmp_path):
+    """The bits of every bfloat16 array, whatever the module's dtype; a .npy of bfloat16
+    bits read back without its type is named as such."""
+    attention = mha.MultiHeadAttention(8, 2, sinks=True, dtype=bf16, seed=0)
+    attention.sinks = np.linspace(-1, 1, 2).astype(np.float32)  # a wider array beside them
+    attention.save(tmp_path / "a.npz")
+    loaded = mha.MultiHeadAttention.load(tmp_path / "a.npz")
+    assert loaded.dtype == np.float32  # the weights' common dtype, as when built from them
+    for name, weight in attention.parameters().items():
+        np.testing.assert_array_equal(getattr(loaded, name), exact(weight).astype(np.float32))
+    raw = np.ones((2, 3, 8), bf16).view(np.dtype("V2"))
+    with pytest.raises(mha.AttentionTypeError, match=r"as \.npy files keep bfloat16"):
+        attention(raw)

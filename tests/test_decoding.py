@@ -405,7 +405,7 @@ def test_split_key_decoding_equals_one_worker(torch, record_error):
     assert record_error("split-key decoding vs torch", relative_error(split, expected)) <= 1e-12
 
 
-def test_grouped_queries_never_repeat_the_keys():
+def test_grouped_queries_never_repeat_the_keys(warm_kernel):
     S, H_kv, group, d = 16384, 4, 8, 64
     k, v = (np.ones((1, H_kv, S, d), np.float32) for _ in range(2))
     q = np.ones((1, H_kv * group, 1, d), np.float32)

@@ -393,3 +393,27 @@ def test_repr_parameters_and_backward_after_an_update():
     attention.W_o += 1.0
     with pytest.raises(mha.AttentionValueError, match="W_o changed after the forward pass"):
         backward(np.ones_like(out))
+
+
+def test_a_reassigned_weight_or_another_cache_is_refused_by_name():
+    attention = LatentAttention(16, 2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2,
+                                v_head_dim=4, seed=0)  # fmt: skip
+    x = np.ones((2, 3, 16))
+    cache = attention.new_cache(3)
+    with pytest.raises(mha.ShapeError, match="x has 2 sequences but the cache holds 3"):
+        attention(x, cache=cache)
+    attention.W_o = np.ones((3, 3))
+    with pytest.raises(mha.ShapeError, match=r"W_o has shape \(3, 3\) but this layer needs"):
+        attention(x)
+
+
+def test_a_cache_of_values_in_keys_refuses_other_values_and_stays_as_it_was():
+    k = np.random.default_rng(0).standard_normal((1, 1, 3, 6))
+    cache = mha.KVCache(1, 1, 6, value_dim=4, values_in_keys=True, capacity=2)
+    with pytest.raises(mha.AttentionValueError, match="must be the first 4 features"):
+        mha.scaled_dot_product_attention(k, k, k[..., :4] + 1.0, cache=cache)
+    assert cache.lengths.tolist() == [0] and cache.capacity == 2
+    out = mha.scaled_dot_product_attention(k, k, k[..., :4], cache=cache)  # grows, shared
+    expected = mha.scaled_dot_product_attention(k, k, k[..., :4], causal=True)
+    np.testing.assert_allclose(out, expected, rtol=1e-13, atol=1e-15)
+    assert np.shares_memory(cache.k, cache.v) and cache.nbytes == cache.k.nbytes

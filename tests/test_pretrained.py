@@ -12,8 +12,8 @@ DeepSeek's latent norms) and Gemma 2's eager softmax, which ask for float32: the
 forward runs under support.rope_oracle.float64_torch, where a request for float32 gets
 float64. Everything else is transformers' code as it is.
 
-DeepSeek V2 is left out here: its rotary embedding is complex (``torch.polar``), which the
-float64 rotary oracle does not cover; test_checkpoint checks its settings and weights.
+DeepSeek V2, whose rotary embedding is complex (``torch.polar``), has its own float64 oracle
+in test_pretrained_deepseek_v2.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 from support import pretrained_models as models
 from support.configs import relative_error
-from support.transformers_oracle import AttentionRecorder
 
 import mha
 from mha.integrations import pretrained
@@ -38,26 +37,11 @@ TOLERANCE = 1e-12
 def oracle(family):
     """Each layer's attention calls in transformers, ``(input, output)`` as NumPy: first the
     whole sequence, then the prefill and each decoding step."""
-    import torch
-    import transformers
-    from support.rope_oracle import float64_rotary, float64_torch
+    from support.rope_oracle import float64_rotary
 
     model = models.transformers_model(family)
     float64_rotary(model)
-    recorder = AttentionRecorder(model)
-    ids = torch.randint(
-        0, model.config.vocab_size, (B, L), generator=torch.Generator().manual_seed(0)
-    )
-    try:
-        with torch.no_grad(), float64_torch():
-            model(ids)
-            cache = transformers.DynamicCache(config=model.config)
-            model(ids[:, :PREFILL], cache=cache, use_cache=True)
-            for t in range(PREFILL, L):
-                model(ids[:, t : t + 1], cache=cache, use_cache=True)
-    finally:
-        recorder.close()
-    return recorder.calls
+    return models.decoding_calls(model, B, L, PREFILL)
 
 
 def load(family, layer):
@@ -116,14 +100,7 @@ def test_every_setting_read_matters_in_these_models(family, monkeypatch, transfo
     read = pretrained.layer_attention
     baseline = None
     for change in CHANGES[family]:
-
-        def changed(checkpoint, layer, dtype=None, change=change):
-            kind, settings, weights = read(checkpoint, layer, dtype)
-            weights = {name: W for name, W in weights.items() if name not in change}
-            settings = {**settings, **{k: v for k, v in change.items() if k in settings}}
-            return kind, settings, weights
-
-        monkeypatch.setattr(pretrained, "layer_attention", changed)
+        monkeypatch.setattr(pretrained, "layer_attention", models.changed(read, change))
         whole = [calls[0] for calls in oracle(family)]  # (x, expected) of each layer
         outputs = [load(family, layer)(x, mask=True) for layer, (x, _) in enumerate(whole)]
         errors = [

@@ -124,3 +124,34 @@ def test_qk_norm_refusals_name_the_argument():
                                  qk_norm="token")  # fmt: skip
     with pytest.raises(AttentionValueError, match="qk_norm_eps has no effect"):
         mha.multi_head_attention(x, x, x, W, W, W, W, 2, qk_norm_eps=1e-5)
+
+
+def test_the_module_refuses_what_it_would_otherwise_ignore_or_lose(tmp_path):
+    """q_norm weights without qk_norm, a bad offset, settings torch cannot hold; rope
+    scaling kept as plain numbers (a saved file's JSON), not the caller's objects."""
+    attention = mha.MultiHeadAttention(8, 2)
+    attention.q_norm, attention.k_norm = np.ones(4), np.ones(4)
+    with pytest.raises(AttentionValueError, match="holds q_norm/k_norm weights but has qk_norm"):
+        attention(np.ones((1, 3, 8)))
+    with pytest.raises(mha.AttentionTypeError, match="qk_norm_offset must be a finite real"):
+        mha.MultiHeadAttention(8, 2, qk_norm="head", qk_norm_offset="a")
+    for settings in ({"scale": 0.1}, {"qk_norm": "head"}):
+        with pytest.raises(AttentionValueError, match=r"torch\.nn\.MultiheadAttention cannot hold"):
+            mha.MultiHeadAttention(8, 2, **settings).to_torch_state_dict()
+    factors = np.ones(2)
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": factors,
+        "long_factor": [1.0, 2.0],
+        "original_max_position_embeddings": np.int64(8),
+        "max_position_embeddings": 32,
+    }
+    attention = mha.MultiHeadAttention(8, 2, rope_theta=10.0, rope_scaling=scaling, seed=0)
+    factors[0] = 5.0  # the caller's array changes afterwards: the module's copy does not
+    assert attention.rope_scaling["short_factor"] == [1.0, 1.0]
+    attention.save(tmp_path / "a.npz")
+    loaded = mha.MultiHeadAttention.load(tmp_path / "a.npz")
+    x = np.random.default_rng(0).standard_normal((1, 12, 8))
+    np.testing.assert_array_equal(loaded(x, mask=True), attention(x, mask=True))
+    with pytest.raises(mha.AttentionTypeError, match="rope_scaling must be a dict"):
+        mha.MultiHeadAttention(8, 2, rope_theta=10.0, rope_scaling=[("rope_type", "linear")])

@@ -175,7 +175,7 @@ def test_merge_errors(outputs, lses, kind, message):
         mha.merge_attention(outputs, lses)
 
 
-def test_memory_is_linear_in_sequence_length():
+def test_memory_is_linear_in_sequence_length(warm_kernel):
     """Causal attention over 4096 positions in float32: the dense scores would be 128 MiB."""
     rng = np.random.default_rng(0)
     H, L, d = 2, 4096, 32
@@ -220,7 +220,7 @@ def test_merge_ignores_a_part_that_saw_no_key_even_if_it_holds_nan():
     np.testing.assert_array_equal(merged_lse, lse)
 
 
-def test_multi_head_attention_memory_is_the_projections_plus_scratch():
+def test_multi_head_attention_memory_is_the_projections_plus_scratch(warm_kernel):
     """Causal self-attention, L = 8192, d_model 512, 8 heads, float32: the scores would be
     2 GiB; the peak stays within q, k, v and the output plus 64 MiB."""
     L, E = 8192, 512

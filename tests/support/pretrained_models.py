@@ -194,3 +194,42 @@ def _root() -> Path:
         atexit.register(shutil.rmtree, root, ignore_errors=True)
         _ROOT.append(root)
     return _ROOT[0]
+
+
+def decoding_calls(model: Any, B: int, L: int, prefill: int) -> list[list[Any]]:
+    """Each layer's attention calls in ``model`` (float64, its rotary made float64 first),
+    ``(input, output)`` as NumPy: a whole sequence of ``L`` tokens for each of ``B``, then a
+    prefill of ``prefill`` tokens and each decoding step with transformers' DynamicCache."""
+    import torch
+    import transformers
+
+    from support.rope_oracle import float64_torch
+    from support.transformers_oracle import AttentionRecorder
+
+    recorder = AttentionRecorder(model)
+    ids = torch.randint(
+        0, model.config.vocab_size, (B, L), generator=torch.Generator().manual_seed(0)
+    )
+    try:
+        with torch.no_grad(), float64_torch():
+            model(ids)
+            cache = transformers.DynamicCache(config=model.config)
+            model(ids[:, :prefill], cache=cache, use_cache=True)
+            for t in range(prefill, L):
+                model(ids[:, t : t + 1], cache=cache, use_cache=True)
+    finally:
+        recorder.close()
+    return recorder.calls
+
+
+def changed(read: Any, change: dict[str, Any]) -> Any:
+    """``layer_attention`` (given as ``read``) with the settings in ``change`` replaced, and
+    the weights it names as ``None`` dropped: what a comparison must then catch."""
+
+    def layer_attention(checkpoint: Any, layer: int, dtype: Any = None) -> Any:
+        kind, settings, weights = read(checkpoint, layer, dtype)
+        weights = {name: W for name, W in weights.items() if name not in change}
+        settings = {**settings, **{k: v for k, v in change.items() if k in settings}}
+        return kind, settings, weights
+
+    return layer_attention

@@ -92,6 +92,7 @@ def plan_tiles(
     max_memory: int,
     whole_rows: bool = False,
     group: int = 1,
+    cast: bool = False,
 ) -> Tiles:
     """Tile sizes whose scratch fits in ``max_memory`` bytes.
 
@@ -100,20 +101,26 @@ def plan_tiles(
     boolean masks of the same size, the scaled query rows and two accumulators of width
     ``d_v``. ``whole_rows`` keeps every key in one tile (used when the weights are
     returned). When all of a head's rows fit, several heads share a work item, which keeps
-    Python's per-tile cost small.
+    Python's per-tile cost small. ``cast``: the keys and values are stored in another dtype
+    (bfloat16, float16), so each head's key and value tiles are copies in the compute dtype,
+    counted too (at most half the budget: a short cache is not copied whole).
     """
     per_pair = itemsize + 3
     per_row = (d_k + 2 * d_v + 6) * itemsize
+    per_key = (d_k + d_v) * itemsize if cast else 0  # a head's key and value, upcast
     wide = group * max(L, 1) < WIDE_BELOW_ROWS
     cols = max(1, S if whole_rows else min(S, WIDE_KEY_TILE if wide else KEY_TILE))
-    rows = max_memory // (group * (cols * per_pair + per_row))
+    if per_key and not whole_rows:
+        cols = max(1, min(cols, max_memory // (2 * per_key)))
+    rows = (max_memory - cols * per_key) // (group * (cols * per_pair + per_row))
     if group * rows < 16 and not whole_rows and not wide:  # a small budget: narrower key tiles
         rows = min(max(L, 1), -(-16 // group))  # 16 stacked rows (a wide group's: fewer each)
         cols = max(1, min(cols, (max_memory // (group * rows) - per_row) // per_pair))
     rows = int(max(1, min(max(L, 1), rows)))
     heads = 1
     if rows >= L:
-        heads = int(max(1, min(H, max_memory // (group * rows * (cols * per_pair + per_row)))))
+        per_head = group * rows * (cols * per_pair + per_row) + cols * per_key
+        heads = int(max(1, min(H, max_memory // per_head)))
     return Tiles(rows=rows, cols=int(cols), heads=heads)
 
 
@@ -153,7 +160,9 @@ def attend(
     H_kv, S, d_v = k.shape[-3], k.shape[-2], v.shape[-1]
     group = H // H_kv
     dtype = out.dtype
-    tiles = plan_tiles(L, S, H_kv, d_k, d_v, dtype.itemsize, max_memory, weights is not None, group)
+    cast = k.dtype != dtype or v.dtype != dtype  # stored narrower: upcast tile by tile
+    tiles = plan_tiles(L, S, H_kv, d_k, d_v, dtype.itemsize, max_memory, weights is not None, group,
+                       cast)  # fmt: skip
     # Rows in whole chunks per tile (or whole key tiles, for a mask_mod, whose documents or
     # blocks often are): no chunk's keys are then computed for two tiles of rows.
     align = visibility.chunk or (tiles.cols if visibility.mask_mod is not None else None)

@@ -380,7 +380,9 @@ class KVCache:
             held = int(self._held().max(initial=0))
             keep = max(held, self._most())  # copies: a view would keep the long prompt's buffer
             self._k = self._k[:, :, :keep].copy()
-            self._v = self._values_of(self._k, self._v[:, :, :keep].copy())
+            self._v = self._values_of(
+                self._k, None if self._shared else self._v[:, :, :keep].copy()
+            )
 
     def _grow(self, need: int) -> None:
         room = max(need, 2 * self.capacity)
@@ -408,7 +410,7 @@ class KVCache:
         (after the sink tokens' slots), in new buffers: a failed call restores the old."""
         window, n = self._window or 1, self._sinks
         self._k = self._k.copy()
-        self._v = self._values_of(self._k, self._v.copy())
+        self._v = self._values_of(self._k, None if self._shared else self._v.copy())
         for b in range(self.batch_size):
             held = int(self._lengths[b] - self._first[b])  # positions after the sinks
             keep = min(held, window - 1)

@@ -9,6 +9,7 @@ weights (torch, GPT-2, Llama, files) in :mod:`.layouts`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -17,6 +18,7 @@ from .._arrays import flag, is_bfloat16, non_negative_int, positive_int, resolve
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .checks import WEIGHT_NAMES
 from .qk_norm import KINDS as QK_NORM_KINDS
+from .qk_norm import check_offset
 from .rope_scaling import check_rope_scaling
 from .rotary import check_rotary_options, positive_real
 from .variants import alibi_slopes, check_scores
@@ -101,8 +103,13 @@ class Configuration:
             )
         self.rope_scaling = None
         if rope_scaling is not None:  # checked now as the calls check it, kept as given
+            if not isinstance(rope_scaling, Mapping):
+                raise AttentionTypeError(
+                    f"rope_scaling must be a dict of transformers' rope_parameters; got "
+                    f"{type(rope_scaling).__name__}"
+                )
             check_rope_scaling(rope_scaling, rotary_dim or self.head_dim, "rope_scaling")
-            self.rope_scaling = dict(rope_scaling)
+            self.rope_scaling = _plain(rope_scaling)
         self.scale = None
         if scale is not None:
             self.scale = resolve_scale(scale, self.head_dim, np.dtype(np.float64))
@@ -117,7 +124,9 @@ class Configuration:
         self.qk_norm_eps = 1e-6
         if qk_norm_eps is not None:
             self.qk_norm_eps = positive_real("qk_norm_eps", qk_norm_eps)
-        self.qk_norm_offset = 0.0 if qk_norm_offset is None else float(qk_norm_offset)
+        self.qk_norm_offset = 0.0
+        if qk_norm_offset is not None:  # checked as the calls check it
+            self.qk_norm_offset = check_offset(qk_norm_offset)
         self.rotary_dim = None if rotary_dim is None else int(rotary_dim)
         self.rotary_interleaved = flag("rotary_interleaved", rotary_interleaved)
         self.window = None if window is None else positive_int("window", window)
@@ -219,7 +228,7 @@ class Configuration:
             "rope_scaling": self.rope_scaling, "scale": self.scale, "qk_norm": self.qk_norm,
             "qk_norm_eps": None if self.qk_norm is None else self.qk_norm_eps,
             "qk_norm_offset": None if self.qk_norm is None else self.qk_norm_offset,
-            "dtype": self.dtype.name,
+            "dtype": self._held_dtype().name,
         }  # fmt: skip
 
     @classmethod
@@ -283,6 +292,12 @@ class Configuration:
             setattr(self, name, None if array is None else np.array(array, dtype=self.dtype))
         return self
 
+    def _held_dtype(self) -> np.dtype:
+        """The weights' common dtype (the module's, unless an array was replaced by one of
+        another dtype): what a module built from them again has."""
+        present = [W for W in self.weights().values() if W is not None]
+        return float_dtype(np.result_type(*present)) if present else self.dtype
+
     def _standard_slopes(self) -> bool:
         """Whether the ALiBi slopes are :func:`mha.alibi_slopes`' for the head count."""
         return self.alibi is not None and bool(
@@ -311,6 +326,18 @@ class Configuration:
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, kdim={self.kdim}, "
             f"vdim={self.vdim}"
         )
+
+
+def _plain(value: Any) -> Any:
+    """A copy of ``value`` in plain Python types (NumPy numbers and arrays too), as a saved
+    file's JSON holds it; nothing shared with the caller's."""
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [_plain(item) for item in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
 
 
 def float_dtype(dtype: Any) -> np.dtype:

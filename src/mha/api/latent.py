@@ -196,8 +196,8 @@ class LatentAttention:
         kind, settings, weights = layer_attention(Checkpoint(path), layer, dtype)
         if kind != "latent":
             raise AttentionValueError(
-                f"layer {layer} of {path} has {kind} attention, not multi-head latent "
-                "attention: load it with MultiHeadAttention"
+                f"layer {layer} of {path} is not multi-head latent attention: load it with "
+                f"mha.MultiHeadAttention.from_pretrained(path, layer={layer})"
             )
         return cls._from_weights(weights, **settings)
 
@@ -287,6 +287,11 @@ class LatentAttention:
                 raise AttentionTypeError(
                     f"cache must be an mha.KVCache; got {type(cache).__name__}"
                 )
+            if cache.batch_size != x.shape[0]:
+                raise ShapeError(
+                    f"x has {x.shape[0]} sequences but the cache holds {cache.batch_size}: "
+                    f"{cache!r} (x {x.shape})"
+                )
             at = cache.lengths[:, None] + np.arange(L)  # each sequence's own next positions
         elif positions is None:
             at = np.arange(L)
@@ -299,6 +304,13 @@ class LatentAttention:
                 f"(causal) or a boolean array with True = may attend; got {reprlib.repr(mask)}"
             )
         given = self.parameters()
+        shapes = self._shapes()
+        for name, W in given.items():  # attributes may have been reassigned since
+            if W.shape != shapes[name]:
+                raise ShapeError(
+                    f"{name} has shape {W.shape} but this layer needs {shapes[name]} "
+                    f"({self._sizes_of(name)})"
+                )
         result_dtype, dtype = result_and_compute_dtypes(x, *given.values())
         attention = {"mask": mask, "causal": causal, "query_lengths": query_lengths,
                      "key_lengths": key_lengths, "cache": cache, "max_memory": max_memory,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .._arrays import flag, positive_int
 from ..errors import AttentionValueError, WeightsFileError
 from .configuration import Configuration
@@ -260,6 +262,11 @@ class Layouts(Configuration):
                 ("head_dim * num_heads != d_model", self.head_dim * self.num_heads != self.d_model),
                 ("rotary embeddings", self.rope_theta is not None),
                 ("a sliding window", self.window is not None),
+                (
+                    "a scale other than 1/sqrt(head_dim)",
+                    self.scale is not None and self.scale != 1.0 / float(np.sqrt(self.head_dim)),
+                ),
+                ("QK-norm", self.qk_norm is not None),
                 *((f"{name}=", True) for name in self.variants()),
                 ("only some of the biases", self._partial_biases() != ""),
             )

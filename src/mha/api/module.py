@@ -309,6 +309,11 @@ class MultiHeadAttention(Layouts):
                 window = min(window, self.window)
         if scale is None:
             scale = self.scale
+        if self.qk_norm is None and (self.q_norm is not None or self.k_norm is not None):
+            raise AttentionValueError(
+                "this MultiHeadAttention holds q_norm/k_norm weights but has qk_norm=None: "
+                "make it with qk_norm='head' or 'all' (or set the weights to None)"
+            )
         call = check_call(
             query, key, value, self.W_q, self.W_k, self.W_v, self.W_o, self.num_heads,
             masking(mask, causal, causal_alignment, key_lengths, query_lengths, bias,

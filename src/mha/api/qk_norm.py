@@ -20,7 +20,7 @@ from .._arrays import as_float_array
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .rotary import positive_real
 
-__all__ = ["KINDS", "QKNorm", "check_qk_norm"]
+__all__ = ["KINDS", "QKNorm", "check_offset", "check_qk_norm"]
 
 KINDS = ("head", "all")
 """Per head (Qwen3, Gemma 3), or across all heads before the split (OLMo 2)."""
@@ -91,10 +91,13 @@ def check_qk_norm(
             )
         weights.append(weight)
     eps = 1e-6 if eps is None else positive_real("qk_norm_eps", eps)
-    if offset is None:
-        offset = 0.0
-    if isinstance(offset, (bool, np.bool_)) or not isinstance(
-        offset, (int, float, np.integer, np.floating)
-    ):
-        raise AttentionTypeError(f"qk_norm_offset must be a real number; got {offset!r}")
-    return QKNorm(kind, weights[0], weights[1], eps, float(offset))
+    offset = 0.0 if offset is None else check_offset(offset)
+    return QKNorm(kind, weights[0], weights[1], eps, offset)
+
+
+def check_offset(offset: Any) -> float:
+    """``qk_norm_offset`` as a float: a finite real number (1.0 for Gemma's ``1 + w``)."""
+    real = isinstance(offset, (int, float, np.integer, np.floating))
+    if isinstance(offset, (bool, np.bool_)) or not real or not np.isfinite(float(offset)):
+        raise AttentionTypeError(f"qk_norm_offset must be a finite real number; got {offset!r}")
+    return float(offset)

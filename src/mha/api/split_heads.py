@@ -295,6 +295,12 @@ def attend_cached(
     lengths advance only once the attention is computed. ``masking`` gives the call's
     sink tokens, chunks and ``mask_mod``; ``scores`` its changes to the scores."""
     masking = masking or {}
+    if cache.values_in_keys and not np.array_equal(v, k[..., : v.shape[-1]]):
+        raise AttentionValueError(
+            f"the cache holds its values in its keys (values_in_keys=True): the new values "
+            f"must be the first {v.shape[-1]} features of the new keys (v = k[..., :"
+            f"{v.shape[-1]}]), and these are not ({cache!r})"
+        )
     positions = cache.lengths.copy()  # each sequence's first new token
     saved = cache._snapshot()
     try:

@@ -30,6 +30,9 @@ def save(path: Any, config: dict[str, Any], weights: dict[str, np.ndarray | None
     """``config`` and the ``weights`` that are not ``None`` as ``.npz``, written atomically."""
     target = Path(os.fspath(path))
     config = {"format": FORMAT, "version": FORMAT_VERSION, **config}
+    config["bfloat16"] = sorted(  # stored as their bits: NumPy files cannot name the dtype
+        name for name, W in weights.items() if W is not None and is_bfloat16(W.dtype)
+    )
     entries: dict[str, Any] = {
         name: W.view(np.uint16) if is_bfloat16(W.dtype) else W
         for name, W in weights.items()
@@ -93,8 +96,10 @@ def load(path: Any) -> tuple[dict[str, Any], dict[str, np.ndarray | None]]:
                 f"cannot load {target}: {name} has shape {contents[name].shape} but its config "
                 f"({summary}) calls for {shape}"
             )
-    if config.get("dtype") == "bfloat16":  # the bits of bfloat16 weights
-        contents = {name: _bfloat16(target, W) for name, W in contents.items()}
+    held = config.get("bfloat16", [])  # the names of the arrays stored as bfloat16 bits
+    if not isinstance(held, list) or not set(held) <= set(contents):
+        raise WeightsFileError(f"cannot load {target}: bad config entry (bfloat16={held!r})")
+    contents |= {name: _bfloat16(target, contents[name]) for name in held}
     return config, {name: contents.get(name) for name in WEIGHT_NAMES}
 
 

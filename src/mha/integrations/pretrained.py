@@ -287,6 +287,9 @@ def _latent(read: Settings) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]
     q_rank = read.positive("q_lora_rank", optional=True)
     rank, nope, rope_dim, v = (read.positive(key) for key in (
         "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))  # fmt: skip
+    kv_heads = read.config.get("num_key_value_heads")
+    if kv_heads not in (None, H):  # transformers' latent attention expands a key per head
+        raise read.refuse(f"num_key_value_heads={kv_heads} != num_attention_heads={H}")
     rope = _rope(read, None)
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise read.refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}")
@@ -474,6 +477,11 @@ def _rope(read: Settings, layer_type: str | None) -> dict[str, Any]:
         factor = config.get("partial_rotary_factor", 1.0)
     if factor is not None:
         rope.setdefault("partial_rotary_factor", factor)
+    theta = rope["rope_theta"]
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise AttentionValueError(
+            f"{read.path}: config.json's rope_theta must be a positive number; got {theta!r}"
+        )
     rope.setdefault("rope_type", rope.get("type", "default"))  # old configs' name
     if family.name == "phi3" and rope["rope_type"] in ("su", "yarn"):
         rope["rope_type"] = "longrope"  # Phi-3's old names

@@ -22,12 +22,14 @@ LLAMA_PROJECTIONS = {"q_proj": ("W_q", "b_q"), "k_proj": ("W_k", "b_k"),
                      "v_proj": ("W_v", "b_v"), "o_proj": ("W_o", "b_o")}  # fmt: skip
 
 UNSUPPORTED = {
-    "q_norm": "QK-norm, as in Qwen3, Gemma 3 and OLMo 2",
-    "k_norm": "QK-norm, as in Qwen3, Gemma 3 and OLMo 2",
+    "q_norm": "QK-norm, as in Qwen3, Gemma 3 and OLMo 2: load the checkpoint with "
+    "MultiHeadAttention.from_pretrained, which reads it",
+    "k_norm": "QK-norm, as in Qwen3, Gemma 3 and OLMo 2: load the checkpoint with "
+    "MultiHeadAttention.from_pretrained, which reads it",
     "lora": "a LoRA adapter: merge it into the base weights first, as peft's merge_and_unload",
 }
 """Weights that some Llama-style attention modules hold and mha's layout does not (yet), by
-a part of their name."""
+a part of their name (``from_pretrained`` reads QK-norm from a whole checkpoint)."""
 
 
 def weights_from_gpt2(

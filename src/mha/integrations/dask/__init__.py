@@ -269,8 +269,9 @@ def multi_head_attention(
     key positions ``K``'s; the feature axis is taken whole (rechunked if cut). The weights
     are NumPy arrays, sent to the cluster once. ``mask`` and ``bias`` may be Dask arrays,
     cut like the scores; ``key_lengths``, ``query_lengths`` and ``positions`` are small and
-    read when the graph is built. Every other argument is the in-memory function's.
-    ``workers`` counts threads inside each task (default 1: Dask runs tasks in parallel);
+    read when the graph is built. Every other argument is the in-memory function's, but for
+    ``rope_scaling`` and QK-norm (``q_norm``, ...), in-memory only. ``workers`` counts
+    threads inside each task (default 1: Dask runs tasks in parallel);
     ``split_every`` is the merge tree's fan-in. ``return_weights``, ``return_backward``,
     dropout and ``cache`` are in-memory only.
 
