@@ -61,6 +61,22 @@ def is_bfloat16(dtype: np.dtype) -> bool:
     return dtype.kind == "V" and dtype.name == "bfloat16"
 
 
+def bfloat16_from_bits(bits: np.ndarray, float32: bool = False) -> np.ndarray:
+    """bfloat16 numbers from their 16 bits: as ``ml_dtypes.bfloat16`` where ml_dtypes is
+    installed (unless ``float32``), else as float32, exactly (a bfloat16 is a float32's top
+    16 bits)."""
+    if not float32:
+        try:
+            import ml_dtypes
+        except ImportError:
+            pass
+        else:
+            held: np.ndarray = bits.astype("=u2", copy=False).view(ml_dtypes.bfloat16)
+            return held
+    wide: np.ndarray = (bits.astype(np.uint32) << 16).view(np.float32)
+    return wide
+
+
 def is_storage_dtype(dtype: np.dtype) -> bool:
     """Whether ``dtype`` is one that holds data but is computed in float32 (float16, bfloat16)."""
     return dtype == np.float16 or is_bfloat16(dtype)

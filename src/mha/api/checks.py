@@ -11,6 +11,7 @@ the same errors. Messages name the arguments as the caller gave them: ``names`` 
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .._arrays import (
+    as_array,
     as_float_array,
     check_rank,
     flag,
@@ -546,3 +548,31 @@ def _projection_bias(name: str, b: Any, W: np.ndarray) -> np.ndarray | None:
             f"{W.shape}; got shape {array.shape}"
         )
     return array
+
+
+def check_mask_argument(mask: Any, hint: str = "") -> None:
+    """A layer's mask slot takes None, True/False or a boolean array; anything else is
+    refused, with ``hint`` (where a float array there belongs, say) after the message."""
+    if mask is None or isinstance(mask, (bool, np.bool_)):
+        return
+    given = reprlib.repr(mask)
+    if isinstance(mask, (np.ndarray, list, tuple)):
+        array = as_array("mask", mask)
+        if array.dtype.kind == "b":
+            return
+        given = f"an array of dtype {array.dtype} and shape {array.shape}"
+    raise AttentionTypeError(
+        f"the mask (forward's second argument, or mask=) must be None, True/False (causal) "
+        f"or a boolean array with True = may attend; got {given}{hint}"
+    )
+
+
+def random_generator(seed: Any) -> np.random.Generator:
+    """``np.random.default_rng(seed)``, or a clear refusal of the seed."""
+    try:
+        return np.random.default_rng(seed)
+    except (TypeError, ValueError) as error:
+        raise AttentionTypeError(
+            f"seed must be None, a non-negative integer or a np.random.Generator; "
+            f"got {reprlib.repr(seed)} ({error})"
+        ) from None

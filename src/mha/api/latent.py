@@ -18,7 +18,6 @@ from typing import Any, Literal, SupportsIndex, overload
 import numpy as np
 
 from .._arrays import (
-    as_array,
     as_float_array,
     cast_result,
     flag,
@@ -28,6 +27,7 @@ from .._arrays import (
 )
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .cache import KVCache
+from .checks import check_mask_argument, random_generator
 from .configuration import float_dtype
 from .latent_math import LatentPlan, latent_forward
 from .rotary import check_positions, check_rotary_options, positive_real
@@ -111,13 +111,7 @@ class LatentAttention:
         )  # fmt: skip
         with_bias = flag("bias", bias)
         self.dtype = float_dtype(dtype)
-        try:
-            rng = np.random.default_rng(seed)
-        except (TypeError, ValueError) as error:
-            raise AttentionTypeError(
-                f"seed must be None, a non-negative integer or a np.random.Generator; "
-                f"got {reprlib.repr(seed)} ({error})"
-            ) from None
+        rng = random_generator(seed)
         shapes = self._shapes()
         weights: dict[str, np.ndarray | None] = dict.fromkeys(PARAMETER_NAMES)
         for name in PARAMETER_NAMES:
@@ -298,11 +292,7 @@ class LatentAttention:
         else:
             check_positions(positions, x.shape, f"x {x.shape}")
             at = np.asarray(positions)
-        if not (mask is None or isinstance(mask, (bool, np.bool_)) or _boolean_array(mask)):
-            raise AttentionTypeError(
-                f"the mask (forward's second argument, or mask=) must be None, True/False "
-                f"(causal) or a boolean array with True = may attend; got {reprlib.repr(mask)}"
-            )
+        check_mask_argument(mask)
         given = self.parameters()
         shapes = self._shapes()
         for name, W in given.items():  # attributes may have been reassigned since
@@ -468,7 +458,3 @@ class LatentAttention:
             self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
             self.v_head_dim, self.norm_eps, self.scale, rotary,
         )  # fmt: skip
-
-
-def _boolean_array(mask: Any) -> bool:
-    return isinstance(mask, (np.ndarray, list, tuple)) and as_array("mask", mask).dtype.kind == "b"

@@ -27,10 +27,11 @@ import numpy as np
 
 from .._arrays import cast_result
 from .gradients import Fingerprints, gradient, join_heads, split_heads
+from .qk_norm import rms_norm, rms_norm_backward
 from .rotary import apply_rotary
 from .split_heads import scaled_dot_product_attention
 
-__all__ = ["LatentPlan", "latent_forward", "rms_norm"]
+__all__ = ["LatentPlan", "latent_forward"]
 
 
 @dataclass(frozen=True)
@@ -58,25 +59,6 @@ class LatentPlan:
         per_head = W_kv_b.reshape(self.r, self.H, self.n + self.d_v)  # (r, H, n + d_v)
         W_uk, W_uv = per_head[..., : self.n], per_head[..., self.n :]
         return W_uk.transpose(1, 2, 0), W_uv.transpose(1, 0, 2)
-
-
-def rms_norm(
-    a: np.ndarray, weight: np.ndarray, eps: float
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """transformers' RMSNorm of the last axis, ``weight * a / sqrt(mean(a^2) + eps)``, in
-    ``a``'s dtype: ``(out, a / rms, 1 / rms)``, the last two for the gradient."""
-    inverse_rms = 1.0 / np.sqrt(np.mean(a * a, axis=-1, keepdims=True) + eps)
-    normalised = a * inverse_rms
-    return normalised * weight, normalised, inverse_rms
-
-
-def rms_norm_backward(
-    d_out: np.ndarray, normalised: np.ndarray, inverse_rms: np.ndarray, weight: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """The gradients of :func:`rms_norm`'s input and weight from its output's."""
-    d_normalised = d_out * weight
-    projection = np.mean(d_normalised * normalised, axis=-1, keepdims=True)
-    return inverse_rms * (d_normalised - normalised * projection), _rows(d_out * normalised).sum(0)
 
 
 def latent_forward(

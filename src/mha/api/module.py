@@ -7,15 +7,14 @@ weights and settings.
 
 from __future__ import annotations
 
-import reprlib
 from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, overload
 
 import numpy as np
 
-from .._arrays import as_array, as_float_array, flag, positive_int
+from .._arrays import as_float_array, flag, positive_int
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .cache import KVCache
-from .checks import check_call, masking
+from .checks import check_call, check_mask_argument, masking, random_generator
 from .configuration import float_dtype
 from .layouts import Layouts
 from .projection import compute
@@ -129,7 +128,7 @@ class MultiHeadAttention(Layouts):
         if not isinstance(bias, (bool, np.bool_)):
             raise AttentionTypeError(f"bias must be True or False; got {bias!r}")
         self.dtype = float_dtype(dtype)
-        rng = _random_generator(seed)
+        rng = random_generator(seed)
 
         inner, kv_inner = H * self.head_dim, self.num_kv_heads * self.head_dim
         if self.kdim == E and self.vdim == E and inner == E and kv_inner == E:
@@ -273,7 +272,11 @@ class MultiHeadAttention(Layouts):
                 f"forward takes at most two positional arguments, the query and the mask; "
                 f"got {2 + len(misplaced)}. For cross-attention pass key= and value= by name"
             )
-        _check_mask_argument(mask)
+        check_mask_argument(
+            mask,
+            ". For cross-attention pass key= (and value=) by name; for an "
+            "additive mask of 0 and -inf pass bias=",
+        )
         query = as_float_array("query", query)
         if key is None and value is not None:
             raise AttentionValueError(
@@ -397,34 +400,6 @@ class _Renamed:
 
     def __call__(self, grad_out: Any) -> dict[str, np.ndarray]:
         return {_GRADIENT_NAMES.get(name, name): g for name, g in self.backward(grad_out).items()}
-
-
-def _check_mask_argument(mask: Any) -> None:
-    """The mask slot takes None, True/False or a boolean array; a float array there is a key
-    or an additive mask given in the wrong place, so say which keyword it belongs to."""
-    if mask is None or isinstance(mask, (bool, np.bool_)):
-        return
-    given = reprlib.repr(mask)
-    if isinstance(mask, (np.ndarray, list, tuple)):
-        array = as_array("mask", mask)
-        if array.dtype.kind == "b":
-            return
-        given = f"an array of dtype {array.dtype} and shape {array.shape}"
-    raise AttentionTypeError(
-        f"the mask (forward's second argument, or mask=) must be None, True/False (causal) "
-        f"or a boolean array with True = may attend; got {given}. For cross-attention pass "
-        "key= (and value=) by name; for an additive mask of 0 and -inf pass bias="
-    )
-
-
-def _random_generator(seed: Any) -> np.random.Generator:
-    try:
-        return np.random.default_rng(seed)
-    except (TypeError, ValueError) as error:
-        raise AttentionTypeError(
-            f"seed must be None, a non-negative integer or a np.random.Generator; "
-            f"got {reprlib.repr(seed)} ({error})"
-        ) from None
 
 
 def _xavier_bound(fan_in: int, fan_out: int) -> float:

@@ -20,7 +20,7 @@ from .._arrays import as_float_array
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .rotary import positive_real
 
-__all__ = ["KINDS", "QKNorm", "check_offset", "check_qk_norm"]
+__all__ = ["KINDS", "QKNorm", "check_offset", "check_qk_norm", "rms_norm", "rms_norm_backward"]
 
 KINDS = ("head", "all")
 """Per head (Qwen3, Gemma 3), or across all heads before the split (OLMo 2)."""
@@ -39,18 +39,13 @@ class QKNorm:
     def apply(self, x: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``y`` for rows ``x (..., n)`` (a head's features, or a token's), with what the
         backward needs: ``x̂`` and ``r (..., 1)``."""
-        r = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + self.eps)
-        normed = x * r
-        return normed * self.gain(weight, x.dtype), normed, r
+        return rms_norm(x, self.gain(weight, x.dtype), self.eps)
 
     def backward(
         self, dy: np.ndarray, normed: np.ndarray, r: np.ndarray, weight: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """The gradients of the rows ``x`` and of the weight, from the output's ``dy``."""
-        g = dy * self.gain(weight, dy.dtype)
-        dx = r * (g - normed * np.mean(g * normed, axis=-1, keepdims=True))
-        dw = (dy * normed).reshape(-1, dy.shape[-1]).sum(axis=0)
-        return dx, dw
+        return rms_norm_backward(dy, normed, r, self.gain(weight, dy.dtype))
 
     def gain(self, weight: np.ndarray, dtype: np.dtype) -> np.ndarray:
         """``offset + w`` in ``dtype``."""
@@ -101,3 +96,23 @@ def check_offset(offset: Any) -> float:
     if isinstance(offset, (bool, np.bool_)) or not real or not np.isfinite(float(offset)):
         raise AttentionTypeError(f"qk_norm_offset must be a finite real number; got {offset!r}")
     return float(offset)
+
+
+def rms_norm(
+    x: np.ndarray, gain: np.ndarray, eps: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The RMSNorm of the last axis, ``gain * x / sqrt(mean(x²) + eps)``, in ``x``'s dtype:
+    ``(y, x̂, r)``, the last two for :func:`rms_norm_backward` (QK-norm's and the latent
+    attention's norms alike)."""
+    r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    normed = x * r
+    return normed * gain, normed, r
+
+
+def rms_norm_backward(
+    dy: np.ndarray, normed: np.ndarray, r: np.ndarray, gain: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The gradients of :func:`rms_norm`'s rows and of its gain, from the output's ``dy``."""
+    g = dy * gain
+    dx = r * (g - normed * np.mean(g * normed, axis=-1, keepdims=True))
+    return dx, (dy * normed).reshape(-1, dy.shape[-1]).sum(axis=0)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import as_float_array, is_bfloat16
+from .._arrays import as_float_array, bfloat16_from_bits, is_bfloat16
 
 
 def as_numpy(name: str, value: Any) -> np.ndarray:
@@ -18,12 +18,7 @@ def as_numpy(name: str, value: Any) -> np.ndarray:
     if hasattr(value, "detach"):  # a torch tensor
         tensor = value.detach().cpu()
         if str(tensor.dtype) == "torch.bfloat16":
-            try:
-                import ml_dtypes
-            except ImportError:
-                value = tensor.float().numpy()
-            else:
-                value = tensor.view(_torch_uint16(tensor)).numpy().view(ml_dtypes.bfloat16)
+            value = bfloat16_from_bits(tensor.view(_torch_uint16(tensor)).numpy().view(np.uint16))
         else:
             try:
                 value = tensor.numpy()

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from .._arrays import bfloat16_from_bits
 from ..errors import AttentionTypeError, WeightsFileError
 
 __all__ = ["DTYPES", "Checkpoint"]
@@ -233,24 +234,10 @@ def _tensor(
     if kind == "BOOL":
         array = raw != 0
     elif kind == "BF16":
-        array = _bfloat16(raw, exact=target is not None)
+        array = bfloat16_from_bits(raw, float32=target is not None)  # float32 on the way to a cast
     else:
         array = raw.astype(stored.newbyteorder("="), copy=False)
     return array if target is None else array.astype(target, copy=False)
-
-
-def _bfloat16(bits: np.ndarray, exact: bool) -> np.ndarray:
-    """bfloat16 bits as ``ml_dtypes.bfloat16``, or (without ml_dtypes, or ``exact``, on the
-    way to a cast) as float32: a bfloat16 is a float32's top 16 bits, so this is exact."""
-    if not exact:
-        try:
-            import ml_dtypes
-        except ImportError:
-            pass
-        else:
-            bfloat16: np.ndarray = bits.astype("=u2", copy=False).view(ml_dtypes.bfloat16)
-            return bfloat16
-    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def _dtype(dtype: Any) -> np.dtype:

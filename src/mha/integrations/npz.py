@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import is_bfloat16
+from .._arrays import bfloat16_from_bits, is_bfloat16
 from .._files import UnreadableFileError, atomic_write, read_arrays, writable_problem
 from ..errors import WeightsFileError
 
@@ -106,7 +106,7 @@ def load(path: Any) -> tuple[dict[str, Any], dict[str, np.ndarray | None]]:
 def _bfloat16(target: Path, bits: np.ndarray) -> np.ndarray:
     """bfloat16 weights from their stored bits (ml_dtypes holds them in NumPy)."""
     try:
-        import ml_dtypes
+        import ml_dtypes  # noqa: F401  (a file of bfloat16 weights loads as bfloat16 or not at all)
     except ImportError:
         raise WeightsFileError(
             f"cannot load {target}: its weights are bfloat16, which NumPy holds only with "
@@ -114,8 +114,7 @@ def _bfloat16(target: Path, bits: np.ndarray) -> np.ndarray:
         ) from None
     if bits.dtype != np.uint16:
         raise WeightsFileError(f"cannot load {target}: bfloat16 weights stored as {bits.dtype}")
-    array: np.ndarray = bits.view(ml_dtypes.bfloat16)
-    return array
+    return bfloat16_from_bits(bits)
 
 
 def _upgraded(config: dict[str, Any]) -> dict[str, Any]:
