@@ -5,16 +5,17 @@
 
 Three measurements, each in one process, interleaved, medians:
 
-1. **Passes over one tile** (one core): every step the kernel makes on a tile of scores of
-   the default scratch's size (d_k = 64: 1437 x 512 in float32, 872 x 512 in float64): the
-   two GEMMs,
+1. **Passes over one tile** (one core), at the two tile sizes the kernel uses (d_k = 64):
+   the compiled walk's (``WALK_ROWS`` x 512, whose scores stay in L2) and the Python walk's
+   (the default scratch's: 1437 x 512 in float32, 871 x 512 in float64): the two GEMMs,
    NumPy's four softmax passes and the compiled step that replaces them, and the same GEMMs
-   in torch (its BLAS) for comparison.
+   in torch (its BLAS). The ratio of the GEMMs says whether NumPy's BLAS runs these tiles as
+   fast as torch's (the issue's "within 5%").
 2. **The floor of each shape** (S1-S4, both dtypes): mha's forward pass (the whole layer and
-   the attention core), the same with the softmax step made free (the kernel's GEMMs, copies
-   and Python alone: no implementation on NumPy's BLAS and this tiling goes below it), and
-   torch's layer and SDPA. ``floor / torch`` above a target says that no change to the
-   softmax can reach it here.
+   the attention core) and torch's layer and SDPA, beside the GEMM floor of the core: its
+   visible scores times the two GEMMs' measured time per score at the compiled walk's tile,
+   shared by every core. No tiling of these GEMMs on NumPy's BLAS goes below it;
+   ``floor / torch`` above a target says that nothing but a faster BLAS can reach it here.
 3. The machine: CPU, instruction sets, BLAS kernel, torch's CPU capability. Where the
    environment holds OpenBLAS to a kernel (``OPENBLAS_CORETYPE``, ``OPENBLAS_L2_SIZE``), it is
    all measured again in a child process without them.
@@ -32,6 +33,7 @@ import numpy as np
 
 import mha
 from mha._kernel import compiled, forward
+from mha._kernel import walk as compiled_walk
 from mha._kernel.team import cores
 from mha.cli.bench import SHAPES, Case
 from mha.cli.measure import (
@@ -46,11 +48,16 @@ ROOT = Path(__file__).parent.parent
 
 
 def passes(torch: Any, repeats: int) -> list[dict[str, Any]]:
-    """ns per score of each step on one tile, one core."""
-    return [row for dtype in (np.float32, np.float64) for row in _tile(dtype, torch, repeats)]
+    """ns per score of each step on one tile, one core, at both walks' tile sizes."""
+    return [
+        row
+        for dtype in (np.float32, np.float64)
+        for walk in ("compiled walk", "Python walk")
+        for row in _tile(dtype, torch, repeats, walk)
+    ]
 
 
-def _tile(dtype: Any, torch: Any, repeats: int) -> list[dict[str, Any]]:
+def _tile(dtype: Any, torch: Any, repeats: int, walk: str) -> list[dict[str, Any]]:
     from threadpoolctl import threadpool_limits
 
     rng = np.random.default_rng(0)
@@ -58,6 +65,8 @@ def _tile(dtype: Any, torch: Any, repeats: int) -> list[dict[str, Any]]:
     tiles = forward.plan_tiles(4096, 4096, 1, d, d, np.dtype(dtype).itemsize,
                                forward.DEFAULT_MAX_MEMORY)  # fmt: skip
     R, w = tiles.rows, tiles.cols
+    if walk == "compiled walk":
+        R = min(R, compiled_walk.WALK_ROWS)
     q = rng.standard_normal((1, R, d)).astype(dtype)
     k, v = (rng.standard_normal((1, w, d)).astype(dtype) for _ in range(2))
     s0 = (q @ k.transpose(0, 2, 1)) / 8.0
@@ -99,45 +108,21 @@ def _tile(dtype: Any, torch: Any, repeats: int) -> list[dict[str, Any]]:
     rows = []
     for name, t in times.items():
         seconds = statistics.median(t) - (copy if "step" in name or name == "exp" else 0)
-        rows.append({"dtype": np.dtype(dtype).name, "rows": R, "keys": w, "d_k": d,
-                     "step": name, "seconds": seconds,
+        rows.append({"dtype": np.dtype(dtype).name, "walk": walk, "rows": R, "keys": w,
+                     "d_k": d, "step": name, "seconds": seconds,
                      "ns_per_score": seconds / (R * w) * 1e9})  # fmt: skip
     return rows
 
 
-def _free_softmax(s: np.ndarray, band: Any, m: np.ndarray, ref: np.ndarray, total: np.ndarray,
-                  alpha: np.ndarray, first: bool) -> None:  # fmt: skip
-    """The softmax step at no cost: what the rest of the kernel takes without it."""
-    if first:
-        m.fill(0.0)
-        total.fill(1.0)
-    alpha.fill(1.0)
+def shapes(torch: Any, repeats: int, tile: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        _shape(s, dtype, torch, repeats, tile) for dtype in (np.float32, np.float64) for s in SHAPES
+    ]
 
 
-def _without_softmax(function: Any) -> Any:
-    """``function`` run with the kernel's softmax step made free."""
-    available, step = compiled.available, compiled.softmax_step
-
-    def run() -> Any:
-        compiled.available = lambda: True  # type: ignore[assignment]
-        compiled.softmax_step = _free_softmax  # type: ignore[assignment]
-        try:
-            return function()
-        finally:
-            compiled.available, compiled.softmax_step = available, step
-
-    return run
-
-
-def shapes(torch: Any, repeats: int) -> list[dict[str, Any]]:
-    return [_shape(s, dtype, torch, repeats) for dtype in (np.float32, np.float64) for s in SHAPES]
-
-
-def _shape(shape: Any, dtype: Any, torch: Any, repeats: int) -> dict[str, Any]:
+def _shape(shape: Any, dtype: Any, torch: Any, repeats: int, tile: list[dict[str, Any]]) -> dict:
     case = Case(shape, dtype, torch)
-    functions = {"mha": case.mha, "mha core": case.mha_core,
-                 "floor": _without_softmax(case.mha),
-                 "floor core": _without_softmax(case.mha_core)}  # fmt: skip
+    functions = {"mha": case.mha, "mha core": case.mha_core}
     if torch is not None:
         functions["torch"] = case.torch_mha
         functions["torch (fast path off)"] = lambda: case.torch_mha(fast_path=False)
@@ -146,6 +131,15 @@ def _shape(shape: Any, dtype: Any, torch: Any, repeats: int) -> dict[str, Any]:
     s = {name: statistics.median(t) for name, t in times.items()}
     if torch is not None:
         s["torch"] = min(s["torch"], s.pop("torch (fast path off)"))
+    gemm = sum(  # the two GEMMs' seconds per score on one core, at the compiled walk's tile
+        r["ns_per_score"] * 1e-9 for r in tile
+        if r["dtype"] == np.dtype(dtype).name and r["walk"] == "compiled walk"
+        and r["step"] in ("q @ k^T (GEMM)", "p @ v (GEMM)")
+    )  # fmt: skip
+    pairs = shape.L * (shape.L + 1) / 2 if shape.causal else shape.L * shape.L
+    scores = shape.B * shape.H * pairs
+    s["floor core"] = gemm * scores / cores()
+    s["floor"] = s["mha"] - s["mha core"] + s["floor core"]  # the projections as measured
     row = {"shape": shape.name, "causal": shape.causal, "B": shape.B, "L": shape.L,
            "d_model": shape.d_model, "H": shape.H, "dtype": np.dtype(dtype).name,
            "seconds": s, "all_seconds": times}  # fmt: skip
@@ -162,16 +156,28 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             "",
             "Passes over one tile of scores (d_k = 64, one core), ns per score:",
             "",
-            "| dtype | tile | step | ns per score |",
-            "|---|---|---|---:|",
+            "| dtype | walk | tile | step | ns per score |",
+            "|---|---|---|---|---:|",
         ]
         for row in results["passes"]:
-            lines.append(f"| {row['dtype']} | {row['rows']} x {row['keys']} | {row['step']} "
-                         f"| {row['ns_per_score']:.2f} |")  # fmt: skip
+            lines.append(f"| {row['dtype']} | {row['walk']} | {row['rows']} x {row['keys']} "
+                         f"| {row['step']} | {row['ns_per_score']:.2f} |")  # fmt: skip
+        lines += ["", "NumPy's tile GEMMs against torch's (time ratio; 1.05 is 5% slower):", ""]
+        for dtype in ("float32", "float64"):
+            for walk in ("compiled walk", "Python walk"):
+                t = {r["step"]: r["ns_per_score"] for r in results["passes"]
+                     if r["dtype"] == dtype and r["walk"] == walk}  # fmt: skip
+                if "q @ k^T in torch" in t:
+                    lines.append(
+                        f"- {dtype}, {walk}'s tile: q @ k^T "
+                        f"{t['q @ k^T (GEMM)'] / t['q @ k^T in torch']:.2f}, p @ v "
+                        f"{t['p @ v (GEMM)'] / t['p @ v in torch']:.2f}"
+                    )
         lines += [
             "",
-            'Forward pass, ms (medians of interleaved runs). "floor": mha with its softmax step '
-            "made free (its GEMMs, copies and Python alone).",
+            'Forward pass, ms (medians of interleaved runs). "floor": the core\'s visible '
+            "scores times the two GEMMs' time per score at the compiled walk's tile, on every "
+            "core (with the layer's projections as measured).",
             "",
             "| shape | dtype | mha | floor | torch | mha / torch | floor / torch | core: mha "
             "| core: floor | core: torch SDPA | core mha / torch | core floor / torch |",
@@ -205,11 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     mha.scaled_dot_product_attention(*np.ones((3, 1, 8, 4), np.float32))  # compile first
     mha.scaled_dot_product_attention(*np.ones((3, 1, 8, 4)))
     started = time.perf_counter()
+    tile = passes(torch, 5 if args.quick else 15)
     results = {
         "environment": environment(torch),
         "compile_seconds": compiled.compile_seconds(),
-        "passes": passes(torch, 5 if args.quick else 15),
-        "shapes": shapes(torch, 3 if args.quick else 7),
+        "passes": tile,
+        "shapes": shapes(torch, 3 if args.quick else 7, tile),
         "seconds": 0.0,
     }
     results["seconds"] = time.perf_counter() - started

@@ -68,14 +68,17 @@ def record_error() -> Any:
 
 @pytest.fixture(scope="session")
 def warm_kernel() -> None:
-    """The compiled softmax step loaded (or compiled) before a test measures memory: its
-    first call allocates tens of MiB that the test would count as its own (which test runs
-    first in a process depends on pytest-xdist's distribution)."""
+    """The compiled code loaded (or compiled) before a test measures memory: its first call
+    allocates tens of MiB that the test would count as its own (which test runs first in a
+    process depends on pytest-xdist's distribution). The tile walks, forward and backward,
+    and the softmax step that masks take."""
     import mha
 
     for dtype in (np.float32, np.float64):
         x = np.ones((1, 1, 600, 8), dtype)
-        mha.scaled_dot_product_attention(x, x, x, causal=True)
+        out, backward = mha.scaled_dot_product_attention(x, x, x, causal=True, return_backward=True)
+        backward(out)
+        mha.scaled_dot_product_attention(x, x, x, mask=np.ones((600, 600), bool))
 
 
 def pytest_sessionfinish(session: Any) -> None:

@@ -15,6 +15,7 @@ from support.transformers_oracle import AttentionRecorder, attention_settings, t
 
 import mha
 from mha._kernel import forward as kernel
+from mha._kernel import tasks as work_items
 
 r = np.random.default_rng(9)
 
@@ -396,8 +397,8 @@ def test_split_key_decoding_equals_one_worker(torch, record_error):
     one = mha.scaled_dot_product_attention(q, k, v, workers=1)
     split = mha.scaled_dot_product_attention(q, k, v, workers=3)
     assert relative_error(split, one) <= 1e-14
-    tasks = [kernel._Task((0,), slice(0, 1), None, 0, 1, 0, 20000)]
-    parts = kernel._split_keys(tasks, 3, kernel.WIDE_KEY_TILE, 4, 1, 32, np.float64)
+    tasks = [work_items.Task((0,), slice(0, 1), None, 0, 1, 0, 20000)]
+    parts = work_items.split_keys(tasks, 3, kernel.WIDE_KEY_TILE, 4, 1, 32, np.float64)
     assert parts is not None and len(parts.tasks) == 3  # the keys really are split
     expected = torch.nn.functional.scaled_dot_product_attention(
         *(torch.from_numpy(a) for a in (q, k, v)), enable_gqa=True

@@ -631,7 +631,7 @@ SPLIT = {
 
 @pytest.mark.parametrize("case", SPLIT)
 def test_keys_split_over_two_workers_with_sinks(case, monkeypatch, record_error):
-    from mha._kernel import forward
+    from mha._kernel import tasks
 
     g = np.random.default_rng(41)
     q = g.standard_normal((1, 2, 1, 16))  # one decoding row, one key/value head: one work item
@@ -640,8 +640,8 @@ def test_keys_split_over_two_workers_with_sinks(case, monkeypatch, record_error)
     expected, expected_lse = reference(q, k, v, **kw)
     one = sdpa(q, k, v, **kw, workers=1, return_lse=True)
     splits = []  # the split-key path must really be taken
-    split = forward._split_keys
-    monkeypatch.setattr(forward, "_split_keys", lambda *a: splits.append(split(*a)) or splits[-1])
+    split = tasks.split_keys
+    monkeypatch.setattr(tasks, "split_keys", lambda *a: splits.append(split(*a)) or splits[-1])
     two = sdpa(q, k, v, **kw, workers=2, return_lse=True)
     assert splits and all(parts is not None for parts in splits)
     for out, lse in (one, two):

@@ -102,62 +102,76 @@ def _exp(x):  # type: ignore[no-untyped-def]  # numba compares it with the lambd
     return None
 
 
-LANES = 16  # partial maxima kept apart so that the compiler vectorises the row's maximum
+LANES = 8  # partial maxima kept apart so that the compiler vectorises the row's maximum
 
 
 # Each row's band is taken as a slice first: loops from 0 over a slice vectorise, loops
 # between two bounds read from arrays do not (measured: 8 times slower).
 
 
+@njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True)
+def row_max(x):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """The largest of ``x`` (``-inf`` when empty; NaN is passed over), in eight running
+    maxima the compiler keeps in one vector register."""
+    n = x.shape[0]
+    whole = n - n % LANES
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = x.dtype.type(-np.inf)
+    for j in range(0, whole, LANES):
+        x0, x1, x2, x3 = x[j], x[j + 1], x[j + 2], x[j + 3]
+        x4, x5, x6, x7 = x[j + 4], x[j + 5], x[j + 6], x[j + 7]
+        m0, m1 = (x0 if x0 > m0 else m0), (x1 if x1 > m1 else m1)
+        m2, m3 = (x2 if x2 > m2 else m2), (x3 if x3 > m3 else m3)
+        m4, m5 = (x4 if x4 > m4 else m4), (x5 if x5 > m5 else m5)
+        m6, m7 = (x6 if x6 > m6 else m6), (x7 if x7 > m7 else m7)
+    top = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+    for j in range(whole, n):
+        top = x[j] if x[j] > top else top
+    return top
+
+
+@njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True)
+def row_step(row, a, b, seen, ref_old, total_old, first, rate, at, biased):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """One row of :func:`step`: ``row`` (its keys ``[a, b)`` visible) becomes ``exp(row -
+    ref)``, 0 outside the band; returns the new maximum, ``ref``, sum and rescaling factor."""
+    zero = row.dtype.type(0)
+    minus_inf = row.dtype.type(-np.inf)
+    if first:
+        seen = minus_inf
+    visible = row[a:b]
+    if biased:  # ALiBi first: slope * (j - query position)
+        for j in range(visible.shape[0]):
+            visible[j] += rate * row.dtype.type(j + at)
+    top = row_max(visible)
+    new = top if top > seen else seen
+    new_ref = new if new != minus_inf else zero
+    # One sweep over the whole row, the pairs outside the band set to 0: the sum's rounding
+    # is then the same whether the band or a mask (-inf) hid them.
+    row_sum = zero
+    for j in range(row.shape[0]):
+        e = exp(row[j] - new_ref)
+        e = e if a <= j < b else zero
+        row[j] = e
+        row_sum += e
+    if first:
+        return new, new_ref, row_sum, zero
+    factor = zero if seen == minus_inf else exp(ref_old - new_ref)
+    return new, new_ref, total_old * factor + row_sum, factor
+
+
 @njit(fastmath={"reassoc", "contract"}, boundscheck=False, cache=True, nogil=True)
 def step(s, lo, hi, m, ref, total, alpha, first, slope, base):  # type: ignore[no-untyped-def]  # pragma: no cover
     G, R, _ = s.shape
-    zero = s.dtype.type(0)
-    minus_inf = s.dtype.type(-np.inf)
-    lanes = np.empty(LANES, dtype=s.dtype)
     biased = slope.shape[1] > 0
     for g in range(G):
         for i in range(R):
-            row = s[g, i]
             a, b = lo[i], max(lo[i], hi[i])
-            seen = minus_inf if first else m[g, i]
-            visible = row[a:b]
-            width = visible.shape[0]
-            whole = width - width % LANES
-            lanes[:] = minus_inf
-            if biased:  # ALiBi, added in the maximum's sweep: slope * (j - query position)
-                rate, at = slope[g, i], a - base[i]
-                for j in range(0, whole, LANES):
-                    for lane in range(LANES):
-                        x = visible[j + lane] + rate * s.dtype.type(j + lane + at)
-                        visible[j + lane] = x
-                        lanes[lane] = x if x > lanes[lane] else lanes[lane]
-                for j in range(whole, width):
-                    visible[j] += rate * s.dtype.type(j + at)
-            else:
-                for j in range(0, whole, LANES):
-                    for lane in range(LANES):
-                        x = visible[j + lane]
-                        lanes[lane] = x if x > lanes[lane] else lanes[lane]
-            top = minus_inf
-            for lane in range(LANES):
-                top = lanes[lane] if lanes[lane] > top else top
-            for j in range(whole, width):
-                top = visible[j] if visible[j] > top else top
-            new = top if top > seen else seen
-            new_ref = new if new != minus_inf else zero
-            for j in range(width):
-                visible[j] = exp(visible[j] - new_ref)
-            row[:a] = zero
-            row[b:] = zero
-            row_sum = zero  # over the whole row, so that the sum's rounding does not depend
-            for j in range(row.shape[0]):  # on whether the band or a mask hid the pairs
-                row_sum += row[j]
-            if first:
-                total[g, i] = row_sum
-            else:
-                factor = zero if seen == minus_inf else exp(ref[g, i] - new_ref)
+            rate = slope[g, i] if biased else s.dtype.type(0)
+            at = a - base[i] if biased else 0
+            new, new_ref, row_total, factor = row_step(
+                s[g, i], a, b, m[g, i], ref[g, i], total[g, i], first, rate, at, biased
+            )
+            if not first:
                 alpha[g, i] = factor
-                total[g, i] = total[g, i] * factor + row_sum
+            total[g, i] = row_total
             m[g, i] = new
             ref[g, i] = new_ref

@@ -20,15 +20,22 @@ its query heads' ``dq``, so the workers share no accumulator and need no lock. T
 item visits are the forward's: causal tiles above the diagonal and window tiles below the
 band are skipped, padded rows and keys are never visited. Grouped query heads are stacked
 into one tile, so their ``dk``/``dv`` contributions sum in the GEMMs.
+
+With numba, a call whose hidden keys are a band runs these steps as compiled code
+(:func:`mha._kernel.compiled.backward_walk`, NumPy's BLAS for the five GEMMs), one task per
+``(*batch, key/value head)``; the subtractions are then done in the sweep that takes ``exp``,
+without the extra column.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from . import walk
 from .contract import Visibility
 from .dropout import Dropout
 from .forward import DEFAULT_MAX_MEMORY, _cast, _product, _stack, plan_tiles
@@ -85,11 +92,26 @@ def attend_backward(
     # When all of a head's rows fit, a work item takes several key/value heads (batched
     # GEMMs), which keeps Python's per-tile cost small for short sequences.
     tiles = plan_tiles(L, S, H_kv, d_k, d_v, dtype.itemsize, max_memory // 2, False, group)
-    items = [
-        (batch, slice(h, min(h + tiles.heads, H_kv)))
-        for batch in np.ndindex(q.shape[:-3])
-        for h in range(0, H_kv, tiles.heads)
-    ]
+    if walk.backward_walkable(q, k, v, out, lse, grad_out, dq, dk, dv, visibility, dbias, dropout,
+                              scores):  # fmt: skip
+        left = walk.run_backward(q, k, v, out, lse, grad_out, visibility, scale, dq_factor, dq,
+                                 dk, dv, tiles, group, team or Team(1))  # fmt: skip
+        if not left:
+            return
+        # what the compiled walk left (a non-finite key some row cannot see): NumPy's walk
+        tiles = replace(tiles, heads=1)
+        items = left
+    else:
+        items = None
+    items = (
+        items
+        if items is not None
+        else [
+            (batch, slice(h, min(h + tiles.heads, H_kv)))
+            for batch in np.ndindex(q.shape[:-3])
+            for h in range(0, H_kv, tiles.heads)
+        ]
+    )
     sums: list[np.ndarray] = []  # each worker's bias gradient: items may share its cells
 
     def make_worker() -> Callable[[Any], None]:

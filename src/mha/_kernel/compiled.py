@@ -1,11 +1,25 @@
-"""The forward tile's softmax step compiled with numba (the optional ``fast`` extra).
+"""The kernel's compiled code (numba, the optional ``fast`` extra): the tile walks and the
+softmax step.
 
-NumPy makes four passes over each tile of scores for the online softmax: the row maximum,
-the subtraction, ``exp`` and the row sum, each reading (and two writing) a tile larger than
-a core's L2 cache. :func:`softmax_step` does them in one sweep per row, while the row is in
-L1, with an exponential of its own that the compiler vectorises (numba's ``math.exp`` calls
-libm one element at a time unless Intel's SVML is present, which pip's llvmlite lacks; this
-is what PyTorch's CPU kernels do with Sleef).
+**The tile walks.** :func:`forward_walk` and :func:`backward_walk` run whole work items, every
+key tile of them, without returning to Python: the GEMMs are NumPy's own BLAS's
+``cblas_?gemm``, called through its address (:mod:`.blas`), and the rest is compiled loops
+(:mod:`._numba_walk`). They take the calls whose hidden keys a band can say (the causal mask,
+the window, the lengths, a cache's alignment) with plain scores (sinks are added after, as
+everywhere), in float32 or float64, at every size: with them a call costs tens of
+microseconds of Python, not a few per tile. Every other call (boolean masks, bias,
+``mask_mod``, chunks, sink tokens, soft-capping, ALiBi, ``score_mod``, dropout, returned
+weights, float16 and bfloat16) walks its tiles in Python, with the softmax step below; so do
+the few work items where a key some rows cannot see holds a non-finite value (``0 * inf``
+would be NaN in a GEMM). Each walk is compiled for one signature per dtype on first use
+(cached on disk by numba: the first call in a process loads it, a fraction of a second).
+
+**The softmax step.** NumPy makes four passes over each tile of scores for the online
+softmax: the row maximum, the subtraction, ``exp`` and the row sum, each reading (and two
+writing) a tile larger than a core's L2 cache. :func:`softmax_step` does them in one sweep
+per row, while the row is in L1, with an exponential of its own that the compiler
+vectorises (numba's ``math.exp`` calls libm one element at a time unless Intel's SVML is
+present, which pip's llvmlite lacks; this is what PyTorch's CPU kernels do with Sleef).
 
 The exponential: ``x = n ln 2 + r`` with ``|r| <= ln 2 / 2`` (Cody and Waite's two-part
 ``ln 2``, so ``r`` is exact), ``exp(r)`` by its Taylor polynomial (degree 13 in float64,
@@ -15,21 +29,36 @@ what would be subnormal (``x < -708`` in float64, ``-87`` in float32) is 0, a we
 ``1e-307`` of the row's largest. ``exp(-inf) = 0`` and NaN stays NaN. Arguments here are
 ``s - max <= 0``.
 
-Without numba the kernel runs its NumPy passes: same results up to rounding, tested against
-each other and against PyTorch.
+Without numba the kernel walks its tiles in Python with NumPy's passes: same results up to
+rounding, tested against each other and against PyTorch.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
 import numpy as np
 
-__all__ = ["available", "compile_seconds", "full_band", "softmax_step"]
+from . import blas
+
+__all__ = [
+    "available",
+    "backward_walk",
+    "compile_seconds",
+    "forward_walk",
+    "full_band",
+    "plan_walk",
+    "softmax_step",
+    "walk_available",
+]
 
 _KERNELS: Any = None
+_WALKS: Any = None
+_WALK_FUNCTIONS: dict[tuple[str, str], Any] = {}
+_COMPILING = threading.Lock()  # workers of one call may all ask for a walk first
 _COMPILE_SECONDS: dict[str, float] = {}
 _FAILED = False
 
@@ -48,6 +77,95 @@ def available() -> bool:
         return False
     _KERNELS = _numba_step
     return True
+
+
+def walk_available() -> bool:
+    """Whether the compiled tile walks can run: :func:`available`, and NumPy's BLAS offers
+    its GEMMs to compiled code (:mod:`.blas`)."""
+    global _WALKS
+    if not available():
+        return False
+    if _WALKS is not None:
+        return True
+    if blas.gemm_addresses() is None or blas.gemv_addresses() is None:
+        return False
+    from . import _numba_walk
+
+    _WALKS = _numba_walk
+    return True
+
+
+def _walk(name: str, dtype: np.dtype) -> Any:
+    """The compiled walk ``name`` for ``dtype``, compiled (or loaded from numba's cache) for
+    one signature on first use: every array in any layout, the scratch contiguous."""
+    key = (name, dtype.name)
+    with _COMPILING:
+        if key not in _WALK_FUNCTIONS:
+            _WALK_FUNCTIONS[key] = _compile_walk(name, dtype)
+    return _WALK_FUNCTIONS[key]
+
+
+def _compile_walk(name: str, dtype: np.dtype) -> Any:
+    from numba import njit, types
+
+    real = types.float32 if dtype == np.float32 else types.float64
+    a = {n: types.Array(real, n, "A") for n in (3, 4)}  # outputs, in any layout
+    r = {n: types.Array(real, n, "A", readonly=True) for n in (3, 4)}  # inputs
+    c = {n: types.Array(real, n, "C") for n in (1, 2)}  # scratch
+    i64, flags = types.int64, types.Array(types.boolean, 1, "C")
+    index, table = types.Array(types.int64, 1, "A"), types.Array(types.int64, 2, "A")
+    signatures = {
+        "plan": table(i64, i64, i64, i64, index, index, index, types.boolean, i64),
+        "forward": types.void(
+            i64, i64, table, r[4], r[4], r[4], a[4], a[3], a[4], a[3], types.float64, types.boolean,
+            i64, index, i64, i64, i64, c[2], c[1], c[2], c[2], c[1], c[1], c[1], flags,
+        ),
+        "backward": types.void(
+            i64, table, r[4], r[4], r[4], r[4], r[3], r[4], a[4], a[4], a[4], types.float64,
+            types.float64, types.boolean, i64, index, index, index, i64, i64, c[2], c[2], c[1],
+            c[1], c[2], c[2], c[2], flags,
+        ),
+    }  # fmt: skip
+    options = {"fastmath": {"reassoc", "contract"}, "boundscheck": False, "nogil": True}
+    start = time.perf_counter()
+    function = njit([signatures[name]], cache=True, **options)(getattr(_WALKS, name))  # type: ignore[call-overload]
+    _COMPILE_SECONDS[f"walk {name} {dtype.name}"] = time.perf_counter() - start
+    return function
+
+
+def forward_walk(dtype: np.dtype, *args: Any) -> None:
+    """:func:`mha._kernel._numba_walk.forward` for ``dtype``, with NumPy's GEMM."""
+    _run_walk("forward", dtype, args)
+
+
+def backward_walk(dtype: np.dtype, *args: Any) -> None:
+    """:func:`mha._kernel._numba_walk.backward` for ``dtype``, with NumPy's GEMM."""
+    _run_walk("backward", dtype, args)
+
+
+def plan_walk(*args: Any) -> np.ndarray:
+    """:func:`mha._kernel._numba_walk.plan`: the forward walk's tasks, longest first."""
+    function = _READY.get(("plan", None))
+    if function is None:
+        function = _READY["plan", None] = (_walk("plan", np.dtype(np.int64)), ())
+    table: np.ndarray = function[0](*args)
+    return table
+
+
+_READY: dict[tuple[str, Any], tuple[Any, Any]] = {}
+
+
+def _run_walk(name: str, dtype: np.dtype, args: tuple[Any, ...]) -> None:
+    ready = _READY.get((name, dtype))  # a decoding step's call: one lookup
+    if ready is None:
+        gemm, gemv = blas.gemm_addresses(), blas.gemv_addresses()
+        assert gemm is not None and gemv is not None
+        blas_functions = (
+            (gemm[dtype.name], gemv[dtype.name]) if name == "forward" else (gemm[dtype.name],)
+        )
+        ready = _READY[name, dtype] = (_walk(name, dtype), blas_functions)
+    function, addresses = ready
+    function(*addresses, *args)
 
 
 def full_band(R: int, w: int) -> tuple[np.ndarray, np.ndarray]:

@@ -16,10 +16,13 @@ stable softmax, so tile sizes change results only by rounding. Rows that see no 
 ``l = 0`` and get a zero output, never NaN. The full score matrix exists only when weights
 are asked for; otherwise memory beyond the inputs and outputs is a fixed scratch per worker.
 
-The softmax lines (maximum, ``exp``, sum, rescaling) are one compiled sweep per row when
-numba is installed (the ``fast`` extra, :mod:`.compiled`), taking the causal mask and the
-window as each row's band of keys instead of a boolean block; otherwise NumPy passes. Both
-give the same function up to rounding and are tested against each other and PyTorch.
+With numba installed (the ``fast`` extra, :mod:`.compiled`), a call whose hidden keys are a
+band (causal, window, lengths, a cache) runs its work items as compiled code, each walking
+its key tiles with NumPy's own BLAS for the GEMMs and compiled loops for the rest, work items
+of ``walk.WALK_ROWS`` query rows whose tile of scores stays in L2; every other call walks its
+tiles here in Python, the softmax lines (maximum, ``exp``, sum, rescaling) one compiled
+sweep per row for large calls, NumPy passes otherwise and without numba. All give the same
+function up to rounding and are tested against each other and PyTorch.
 
 Masks are cut per tile: causal skips every tile above the diagonal and masks only tiles that
 cross it, a sliding window skips every tile below its band; ``key_lengths`` and
@@ -37,18 +40,17 @@ the log-sum-exp merge (flash-decoding).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 
-from . import compiled
+from . import compiled, tasks, walk
 from .contract import Visibility
 from .dropout import Dropout
 from .item import ItemVisibility
 from .scores import Scores, add_sinks
+from .tasks import Parts, Task, merge_partials
 from .team import Team
 
 __all__ = ["DEFAULT_MAX_MEMORY", "Tiles", "attend", "merge_partials", "plan_tiles"]
@@ -67,9 +69,6 @@ WIDE_BELOW_ROWS = 64
 
 PRODUCT_CHUNK = 1024
 """Keys per BLAS call of the weights-times-values product when a tile has few rows."""
-
-SPLIT_MIN_KEYS = 2048
-"""The fewest keys worth a chunk of their own when keys are split over workers."""
 
 COMPILED_ABOVE = 2**18
 """Scores (query-key pairs, all heads) from which a call takes the compiled softmax step."""
@@ -169,33 +168,41 @@ def attend(
     if align is not None and tiles.rows > align and tiles.heads == 1:
         tiles = replace(tiles, rows=tiles.rows // align * align)
     team = team or Team(1)
-    tasks: list[_Task] = []
-    for batch in np.ndindex(q.shape[:-3]):
-        for g0 in range(0, H_kv, tiles.heads):
-            kv = slice(g0, min(g0 + tiles.heads, H_kv))
-            item = visibility.item(batch, slice(kv.start * group, kv.stop * group))
-            for r0 in range(0, min(L, item.query_end), tiles.rows):
-                r1 = min(r0 + tiles.rows, item.query_end)
-                ranges = item.key_ranges(r0, r1)
-                if ranges:
-                    tasks.append(_Task(batch, kv, item, r0, r1, ranges[0][0], ranges[-1][1]))
-    parts = None
-    if weights is None and dropout is None:
-        parts = _split_keys(tasks, team.workers, tiles.cols, group, L, d_v, dtype)
-    work = parts.tasks if parts is not None else tasks
-    work.sort(key=lambda task: task.cost, reverse=True)  # longest first
-    # The compiled softmax step for calls large enough to repay loading numba (a third of a
-    # second, once per process); small calls, and float16 or longdouble, take NumPy's passes.
-    fused = (
-        dtype in (np.float32, np.float64)
-        and group * sum(task.cost for task in work) >= COMPILED_ABOVE
-        and compiled.available()
-    )
+    parts: Parts | None = None
+    if walk.forward_walkable(q, k, v, out, lse, visibility, weights, dropout, scores):
+        # The compiled walk; a task it could not do (a non-finite value at a hidden key)
+        # is done below by the NumPy walk, with the compiled softmax step.
+        work, parts = walk.run_forward(q, k, v, visibility, scale, out, lse, tiles, group, team,
+                                       WIDE_BELOW_ROWS, PRODUCT_CHUNK)  # fmt: skip
+        fused = True
+    else:
+        items: list[Task] = []
+        for batch in np.ndindex(q.shape[:-3]):
+            for g0 in range(0, H_kv, tiles.heads):
+                kv = slice(g0, min(g0 + tiles.heads, H_kv))
+                item = visibility.item(batch, slice(kv.start * group, kv.stop * group))
+                for r0 in range(0, min(L, item.query_end), tiles.rows):
+                    r1 = min(r0 + tiles.rows, item.query_end)
+                    ranges = item.key_ranges(r0, r1)
+                    if ranges:
+                        items.append(Task(batch, kv, item, r0, r1, ranges[0][0], ranges[-1][1]))
+        if weights is None and dropout is None:
+            parts = tasks.split_keys(items, team.workers, tiles.cols, group, L, d_v, dtype)
+        work = parts.tasks if parts is not None else items
+        work.sort(key=lambda task: task.cost, reverse=True)  # longest first
+        # The compiled softmax step for calls large enough to repay loading numba (a third
+        # of a second, once per process); small calls, and float16 or longdouble, take
+        # NumPy's passes.
+        fused = (
+            dtype in (np.float32, np.float64)
+            and group * sum(task.cost for task in work) >= COMPILED_ABOVE
+            and compiled.available()
+        )
 
-    def make_worker() -> Callable[[_Task], None]:
+    def make_worker() -> Callable[[Task], None]:
         scratch = _Scratch(tiles, group, d_k, d_v, dtype)
 
-        def run(task: _Task) -> None:
+        def run(task: Task) -> None:
             batch, kv = task.batch, task.kv
             heads = slice(kv.start * group, kv.stop * group)
             target_out, target_lse = out[batch][heads], None if lse is None else lse[batch][heads]
@@ -219,7 +226,8 @@ def attend(
 
         return run
 
-    team.run(work, make_worker)
+    if work:
+        team.run(work, make_worker)
     if parts is not None:
         parts.merge_into(out, lse)
     if sinks is not None and lse is not None:
@@ -227,103 +235,6 @@ def attend(
         add_sinks(out, lse, sinks)
         if weights is not None and before is not None:
             weights *= np.exp(before - lse)[..., None]
-
-
-@dataclass
-class _Task:
-    batch: tuple[int, ...]
-    kv: slice  # key/value heads
-    item: ItemVisibility
-    r0: int
-    r1: int
-    start: int  # keys [start, stop)
-    stop: int
-    part: int | None = None  # index into the split partial buffers
-
-    @property
-    def cost(self) -> int:
-        heads: int = self.kv.stop - self.kv.start
-        return heads * (self.r1 - self.r0) * (self.stop - self.start)
-
-
-class _Parts:
-    """Tasks whose keys were split into chunks, each chunk's result in buffers of its own,
-    merged into the caller's ``out`` and ``lse`` once every chunk is done."""
-
-    def __init__(self, whole: list[_Task], chunks: list[list[_Task]], group: int, L: int,
-                 d_v: int, dtype: Any) -> None:  # fmt: skip
-        self.whole, self.chunks, self.group = whole, chunks, group
-        self.tasks: list[_Task] = []
-        self.out: list[np.ndarray] = []
-        self.lse: list[np.ndarray] = []
-        for pieces in chunks:
-            for piece in pieces:
-                piece.part = len(self.tasks)
-                self.tasks.append(piece)
-                G = (piece.kv.stop - piece.kv.start) * group
-                self.out.append(np.zeros((G, L, d_v), dtype))
-                self.lse.append(np.full((G, L), -np.inf, dtype))
-
-    def merge_into(self, out: np.ndarray, lse: np.ndarray | None) -> None:
-        for task, pieces in zip(self.whole, self.chunks, strict=True):
-            rows = slice(task.r0, task.r1)
-            merged, merged_lse = merge_partials(
-                [self.out[p.part][:, rows] for p in pieces if p.part is not None],
-                [self.lse[p.part][:, rows] for p in pieces if p.part is not None],
-            )
-            heads = slice(task.kv.start * self.group, task.kv.stop * self.group)
-            out[task.batch][heads, rows] = merged
-            if lse is not None:
-                lse[task.batch][heads, rows] = merged_lse
-
-
-def _split_keys(
-    tasks: list[_Task], workers: int, key_tile: int, group: int, L: int, d_v: int, dtype: Any
-) -> _Parts | None:
-    """When there are fewer tasks than workers, split each task's keys into chunks (whole
-    key tiles, at least ``SPLIT_MIN_KEYS`` keys each) so that every worker gets work."""
-    if not tasks or len(tasks) >= workers:
-        return None
-    wanted = _ceil(workers, len(tasks))
-    chunks = []
-    for task in tasks:
-        keys = task.stop - task.start
-        count = max(1, min(wanted, keys // SPLIT_MIN_KEYS))
-        width = _ceil(_ceil(keys, count), key_tile) * key_tile  # whole key tiles
-        edges = [*range(task.start, task.stop, width), task.stop]
-        chunks.append([
-            _Task(task.batch, task.kv, task.item, task.r0, task.r1, a, b)
-            for a, b in itertools.pairwise(edges)
-        ])  # fmt: skip
-    if all(len(pieces) == 1 for pieces in chunks):
-        return None
-    return _Parts(tasks, chunks, group, L, d_v, dtype)
-
-
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def merge_partials(outs: list[np.ndarray], lses: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Attention over disjoint key ranges merged into the attention over all of them:
-    ``outs[p] (..., d_v)`` and ``lses[p] (...)`` in one floating dtype. A part in which a
-    row sees no key (``lse = -inf``) adds nothing; a row that sees no key in any part stays
-    zero with ``lse = -inf``."""
-    stacked = np.stack(lses)  # (P, ...)
-    top = stacked.max(axis=0)
-    top[top == -np.inf] = 0.0  # rows that see no key in any part
-    share = np.exp(stacked - top)  # each part's sum of exp, relative to the top
-    total = share.sum(axis=0)
-    merged = np.zeros(outs[0].shape, dtype=outs[0].dtype)
-    for out, part in zip(outs, share, strict=True):
-        weight = part[..., None].astype(merged.dtype, copy=False)
-        merged += np.where(weight > 0, weight * out, 0.0)  # a part that saw no key adds 0
-    empty = total == 0.0
-    total[empty] = 1.0
-    merged /= total[..., None].astype(merged.dtype, copy=False)
-    merged_lse = top + np.log(total)
-    merged_lse[empty] = -np.inf
-    return merged, merged_lse
 
 
 class _Scratch:

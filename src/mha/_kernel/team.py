@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -26,6 +27,8 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import numpy as np
+
+from . import blas
 
 __all__ = ["Team", "cores", "default_workers", "workers_for"]
 
@@ -83,19 +86,41 @@ class _BlasLimit:
 
     def __enter__(self) -> None:
         with self._lock:
-            controller = _blas_controller()
-            if self._holders == 0 and controller is not None:
-                with _blas_control():
-                    self._restore = controller.limit(limits=1, user_api="blas")
+            if self._holders == 0:
+                self._restore = self._limit()
             self._holders += 1
 
     def __exit__(self, *exc: object) -> None:
         with self._lock:
             self._holders -= 1
             if self._holders == 0 and self._restore is not None:
-                with _blas_control():
-                    self._restore.restore_original_limits()
+                self._restore()
                 self._restore = None
+
+    @staticmethod
+    def _limit() -> Callable[[], None] | None:
+        """Hold BLAS to one thread; returns what undoes it (``None``: nothing to undo).
+        NumPy's OpenBLAS is set through its own functions (a microsecond: mha's GEMMs are
+        all NumPy's BLAS's); any other BLAS through threadpoolctl (tens of microseconds)."""
+        direct = blas.thread_setting()
+        if direct is not None:
+            get, set_ = direct
+            before = get()
+            if before == 1:
+                return None
+            set_(1)
+            return lambda: set_(before)
+        controller = _blas_controller()
+        if controller is None:
+            return None
+        with _blas_control():
+            limits = controller.limit(limits=1, user_api="blas")
+
+        def restore() -> None:
+            with _blas_control():
+                limits.restore_original_limits()
+
+        return restore
 
 
 @contextlib.contextmanager
@@ -127,9 +152,10 @@ _BLAS_LIMIT = _BlasLimit()
 class Team:
     """``workers`` threads for the length of a ``with`` block (none when ``workers`` is 1).
 
-    While a team runs, BLAS is held to one thread in the whole process (when threadpoolctl
-    is installed), so another thread's large NumPy matmul runs single-threaded for that time
-    too.
+    While a team runs, NumPy's BLAS is held to one thread in the whole process (when
+    threadpoolctl is installed; another BLAS library that NumPy does not use, SciPy's say,
+    keeps its setting when NumPy's is OpenBLAS), so another thread's large NumPy matmul runs
+    single-threaded for that time too.
     """
 
     def __init__(self, workers: int) -> None:
@@ -194,7 +220,7 @@ class Team:
         by blocks of ``W``'s columns when there are too few rows to go round. ``overwrite``:
         the result may take ``x``'s memory (block by block through a small buffer), when
         ``W`` is square and ``x`` contiguous in the result's dtype; ``x`` is then lost."""
-        n, m = int(np.prod(x.shape[:-1])), W.shape[1]
+        n, m = math.prod(x.shape[:-1]), W.shape[1]
         rows = x.reshape(n, x.shape[-1])  # not (-1, width): the width may be 0
         dtype = np.result_type(x, W)
         by_rows = n >= self.workers * MATMUL_ROWS or self.workers == 1

@@ -11,6 +11,7 @@ its array's shape and dtype, zero-size ones included.
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any
 
@@ -68,7 +69,7 @@ class SplitHeadsBackward:
         if self.scores is not None and self.scores.sinks is not None:
             dsinks = np.zeros(self.scores.sinks.shape, self.dtype)
         cost = (
-            float(np.prod(self.q.shape[:-1]))
+            float(math.prod(self.q.shape[:-1]))
             * self.k.shape[-2]
             * 2
             * (self.q.shape[-1] + self.v.shape[-1])
@@ -314,7 +315,7 @@ def _zeros_joined(like: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 def _rows(x: np.ndarray) -> np.ndarray:
     """``(..., n)`` as ``(rows, n)``."""
-    return x.reshape(int(np.prod(x.shape[:-1])), x.shape[-1])
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def _weight_grad(x: np.ndarray, grad: np.ndarray, team: Team) -> np.ndarray:

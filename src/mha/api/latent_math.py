@@ -20,6 +20,7 @@ keys' first ``r`` features: ``key[..., :r]``, a view.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,10 +190,10 @@ def _linear(x: np.ndarray, W: np.ndarray, b: np.ndarray | None) -> np.ndarray:
 
 def _rows(x: np.ndarray) -> np.ndarray:
     """``(..., m)`` as ``(rows, m)`` (no ``-1``: any size may be zero)."""
-    return x.reshape(int(np.prod(x.shape[:-1])), x.shape[-1])
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def _per_head(x: np.ndarray) -> np.ndarray:
     """``(*B, H, L, d)`` as ``(H, rows, d)``, each head's rows together."""
     moved = np.moveaxis(x, -3, 0)
-    return moved.reshape(moved.shape[0], int(np.prod(moved.shape[1:-1])), moved.shape[-1])
+    return moved.reshape(moved.shape[0], math.prod(moved.shape[1:-1]), moved.shape[-1])

@@ -9,6 +9,7 @@ heads, ``L`` query positions, ``S`` key positions, ``d_k``/``d_v`` per-head widt
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, overload
 
 import numpy as np
@@ -240,7 +241,7 @@ def compute(
     dropout = Dropout.draw(call.drop_p, generator, H, L) if call.drop_p else None
 
     keys = S if call.cache is None else int(call.cache.lengths.max(initial=0)) + L  # attended
-    cost = float(np.prod(B)) * (  # multiply-adds of the projections and of attention
+    cost = float(math.prod(B)) * (  # multiply-adds of the projections and of attention
         L * given.W_q.size + S * (given.W_k.size + given.W_v.size)
         + L * given.W_o.size + H * L * keys * (call.d_k + d_v)
     )  # fmt: skip
@@ -308,7 +309,7 @@ def project_heads(
         w.b_k,
         w.b_v,
     )
-    rows = int(np.prod(Q.shape[:-1]))
+    rows = math.prod(Q.shape[:-1])
     norm = call.qk_norm
     late_scale = rows < Q.shape[-1] or norm is not None  # a norm undoes a scale before it
     if not late_scale:

@@ -8,6 +8,7 @@ Shapes are named as in the paper: ``H`` heads, ``L`` query positions, ``S`` key 
 
 from __future__ import annotations
 
+import math
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, overload
 
@@ -253,7 +254,7 @@ def scaled_dot_product_attention(
     lse = None
     if want_lse or want_backward:
         lse = np.full(q.shape[:-1], -np.inf, dtype=compute_dtype)
-    cost = float(np.prod(q.shape[:-1])) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+    cost = float(math.prod(q.shape[:-1])) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
     with np.errstate(invalid="ignore", over="ignore"), Team(workers_for(cost, threads)) as team:
         visibility = visibility.classified(team)  # mask_mod's block map, kept for backward
         attend(

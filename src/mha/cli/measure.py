@@ -153,7 +153,7 @@ def measured_on(env: dict[str, Any]) -> str:
            if env.get("torch") else ". ")
         + (f"Instruction sets: {' '.join(env['instruction_sets'])}. "
            if env.get("instruction_sets") else "")
-        + ("mha's softmax step compiled by numba "
+        + ("mha's tile walks compiled by numba "
            f"{env['numba']}. " if env.get("compiled_step") else "")
     )  # fmt: skip
 

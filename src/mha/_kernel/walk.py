@@ -1,0 +1,337 @@
+"""The compiled walks' Python side: which calls they take, the arrays as the compiled code
+takes them, the plan of work items and the thread team. The walks themselves are numba code
+(:mod:`._numba_walk`, run through :mod:`.compiled`); whatever they cannot do goes to the
+Python walk (:mod:`.forward`, :mod:`.backward`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import compiled, tasks
+from .contract import Visibility
+from .dropout import Dropout
+from .scores import Scores
+from .tasks import Parts, Task, batch_index
+from .team import Team
+
+__all__ = ["BACKWARD_ROWS", "WALK_ROWS", "backward_walkable", "forward_walkable",
+           "run_backward", "run_forward", "walk_views"]  # fmt: skip
+
+WALK_ROWS = 128
+"""Query rows (per query head) of a compiled walk's work item: its tile of scores, 128 x 512,
+stays in a core's L2 cache between the two GEMMs and the softmax step."""
+
+
+def forward_walkable(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    out: np.ndarray,
+    lse: np.ndarray | None,
+    visibility: Visibility,
+    weights: np.ndarray | None,
+    dropout: Dropout | None,
+    scores: Scores | None,
+) -> bool:
+    """Whether the compiled walk computes this call: what hides keys is a band (causal, the
+    window, the lengths), the scores are plain ones, in float32 or float64 throughout, and
+    every array is one the compiled code can take as it is (:func:`walk_views`)."""
+    outputs = (out,) if lse is None else (out, lse[..., None])
+    return (
+        weights is None
+        and dropout is None
+        and (scores is None or not scores.changes_scores)
+        and out.dtype in (np.float32, np.float64)
+        and all(x.dtype == out.dtype for x in (q, k, v, *outputs))
+        and visibility.mask is None
+        and visibility.bias is None
+        and visibility.mask_mod is None
+        and visibility.chunk is None
+        and visibility.sink_tokens == 0
+        and visibility.held_sinks == 0
+        and min(q.size, k.size, v.size) > 0
+        and walk_views((q, k, v), outputs, operands=(q, k, v)) is not None
+        and compiled.walk_available()
+    )
+
+
+def walk_views(
+    inputs: tuple[np.ndarray, ...],
+    outputs: tuple[np.ndarray, ...],
+    operands: tuple[np.ndarray, ...],
+) -> list[np.ndarray] | None:
+    """``inputs`` and ``outputs`` ``(*batch, a, b, c)`` as views ``(B, a, b, c)`` with one
+    batch axis, for the compiled walks; ``None`` when one cannot be taken as it is: not
+    aligned, an output not writeable, a stride not a whole number of elements, batch axes
+    that do not merge without a copy, or a GEMM operand (of ``operands``) whose matrices'
+    rows BLAS cannot read (:func:`_blas_rows`)."""
+    views = []
+    for x in (*inputs, *outputs):
+        if not x.flags.aligned or any(stride % x.itemsize for stride in x.strides):
+            return None
+        view = _merged_batch(x)
+        if view is None:
+            return None
+        views.append(view)
+    if not all(x.flags.writeable for x in outputs) or not all(map(_blas_rows, operands)):
+        return None
+    return views
+
+
+def _blas_rows(x: np.ndarray) -> bool:
+    """Whether the matrices of ``x (..., n, d)`` are rows BLAS can read and write: each row
+    contiguous, rows in order (not broadcast, not reversed, not overlapping)."""
+    return x.strides[-1] == x.itemsize and (
+        x.shape[-2] == 1 or x.strides[-2] >= x.shape[-1] * x.itemsize
+    )
+
+
+PACK_FROM_TILES = 4
+"""Tiles of query rows from which keys and values whose rows lie apart are copied first."""
+
+PACK_MOST = 16 * 2**20
+"""The largest keys (and values) copied so: beyond, the copies' memory would outgrow the
+64 MiB the kernel promises to stay within beside the call's inputs and outputs."""
+
+
+def _packed(x: np.ndarray, L: int, rows: int) -> np.ndarray:
+    """Keys or values ``x (B, H, S, d)`` with each head's rows adjacent: a copy when they lie
+    apart (as a fused projection leaves them, between the queries') and ``L`` queries in
+    tiles of ``rows`` read them at least ``PACK_FROM_TILES`` times. Rows thousands of bytes
+    apart cost BLAS's packing more than one copy does (measured on S4: 15% of the attention's
+    time); read once or twice (S3), the copy costs more than it saves. At most
+    ``PACK_MOST`` bytes are copied."""
+    if x.shape[-2] == 1 or x.strides[-2] == x.shape[-1] * x.itemsize or x.nbytes > PACK_MOST:
+        return x
+    return np.ascontiguousarray(x) if -(-L // rows) >= PACK_FROM_TILES else x
+
+
+def _merged_batch(array: np.ndarray) -> np.ndarray | None:
+    """``array (*batch, a, b, c)`` as a view ``(B, a, b, c)`` (the last three axes as they
+    are: a transposed view stays one), or ``None`` when the batch axes do not merge without
+    a copy."""
+    if array.ndim == 4:
+        return array
+    if array.ndim == 3:
+        return array[None]
+    sized = [(n, stride) for n, stride in zip(array.shape[:-3], array.strides[:-3], strict=True)
+             if n != 1]  # fmt: skip
+    if any(s0 != s1 * n1 for (_, s0), (n1, s1) in itertools.pairwise(sized)):
+        return None
+    shape = (math.prod(array.shape[:-3]), *array.shape[-3:])
+    strides = (sized[-1][1] if sized else 0, *array.strides[-3:])
+    merged: np.ndarray = np.lib.stride_tricks.as_strided(
+        array, shape, strides, writeable=array.flags.writeable
+    )
+    return merged
+
+
+def run_forward(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    visibility: Visibility,
+    scale: float,
+    out: np.ndarray,
+    lse: np.ndarray | None,
+    tiles: Any,
+    group: int,
+    team: Team,
+    flip_below: int,
+    product_chunk: int,
+) -> tuple[list[Task], Parts | None]:
+    """Run the call's work items as compiled code, a few dozen per call of it; returns the
+    items it left to the NumPy walk and the split keys' partial results, if any. Tiles of
+    fewer than ``flip_below`` rows take ``k @ q^T``, and ``p @ v`` in runs of ``product_chunk`` keys
+    (the Python walk's choices, :mod:`.forward`)."""
+    L, d_k = q.shape[-2:]
+    H_kv, S, d_v = k.shape[-3], k.shape[-2], v.shape[-1]
+    batch_shape = q.shape[:-3]
+    B = math.prod(batch_shape)
+    outputs = (out,) if lse is None else (out, lse[..., None])
+    views = walk_views((q, k, v), outputs, operands=(q, k, v))
+    assert views is not None  # checked by _walkable
+    q4, out4 = views[0], views[3]
+    lse4 = np.empty((1, 1, 0), out.dtype) if lse is None else views[4][..., 0]
+
+    def per_sequence(values: np.ndarray | None, default: int) -> np.ndarray:
+        if values is None:
+            return np.full(B, default, np.int64)
+        return np.broadcast_to(values, batch_shape).reshape(B).astype(np.int64)
+
+    key_end = per_sequence(visibility.key_lengths, S)
+    query_end = per_sequence(visibility.query_lengths, L)
+    offsets = per_sequence(visibility.offsets, visibility.causal_offset)
+    rows = max(1, min(tiles.rows, WALK_ROWS))
+    k4, v4 = _packed(views[1], L, rows), _packed(views[2], L, rows)
+    window = -1 if visibility.window is None else visibility.window
+    table = compiled.plan_walk(B, H_kv, L, rows, key_end, query_end, offsets, visibility.causal,
+                               window)  # fmt: skip
+    parts = None
+    if 0 < len(table) < team.workers:  # few items (decoding): split their keys
+        whole = [Task(batch_index(t[0], batch_shape), slice(int(t[1]), int(t[1]) + 1),
+                       None, int(t[2]), int(t[3]), int(t[4]), int(t[5]))  # type: ignore[arg-type]
+                 for t in table]  # fmt: skip
+        parts = tasks.split_keys(whole, team.workers, tiles.cols, group, L, d_v, out.dtype)
+        if parts is not None:
+            flat = {id(task): row for task, row in zip(whole, table[:, 0], strict=True)}
+            table = np.array([
+                [flat[id(task)], p.kv.start, p.r0, p.r1, p.start, p.stop, p.part]
+                for task, pieces in zip(parts.whole, parts.chunks, strict=True) for p in pieces
+            ], np.int64).reshape(-1, 7)  # fmt: skip
+        table = table[np.argsort((table[:, 2] - table[:, 3]) * (table[:, 5] - table[:, 4]),
+                                 kind="stable")]  # longest first  # fmt: skip
+    # Two runs of tasks per worker, dealt in turn from the longest: even shares, and a
+    # worker that finishes first takes the rest.
+    count = 1 if team.workers == 1 else min(len(table), 2 * team.workers)
+    chunks = [slice(i, None, count) for i in range(count)]
+    failed = np.zeros(len(table), bool)
+    part_out = parts.all_out if parts is not None else np.empty((0, 1, 1, 1), out.dtype)
+    part_lse = parts.all_lse if parts is not None else np.empty((0, 1, 1), out.dtype)
+    R = group * rows
+
+    def make_worker() -> Callable[[slice], None]:
+        dtype = out.dtype
+        s = np.empty((R, tiles.cols), dtype)
+        flipped = np.empty(tiles.cols * min(R, flip_below), dtype)  # few rows' tiles
+        stacked, acc = np.empty((R, d_k), dtype), np.empty((R, d_v), dtype)
+        m, ref, total = np.empty(R, dtype), np.empty(R, dtype), np.empty(R, dtype)
+
+        def run(chunk: slice) -> None:
+            tasks = table[chunk]
+            done = np.zeros(len(tasks), bool)
+            compiled.forward_walk(
+                dtype, tasks, q4, k4, v4, out4, lse4, part_out, part_lse, scale,
+                visibility.causal, window, offsets, tiles.cols, flip_below, product_chunk, s,
+                flipped, stacked, acc, m, ref, total, done,
+            )  # fmt: skip
+            failed[chunk] = done
+
+        return run
+
+    team.run(chunks, make_worker)
+    left = []
+    for t in table[failed]:
+        batch = batch_index(t[0], batch_shape)
+        kv = slice(int(t[1]), int(t[1]) + 1)
+        item = visibility.item(batch, slice(kv.start * group, kv.stop * group))
+        part = None if t[6] < 0 else int(t[6])
+        left.append(Task(batch, kv, item, int(t[2]), int(t[3]), int(t[4]), int(t[5]), part))
+    return left, parts
+
+
+BACKWARD_ROWS = 512
+"""Query rows (per query head) of a tile of the compiled backward walk: its ``dk`` and ``dv``
+GEMMs sum over the tile's rows, which want many."""
+
+
+def backward_walkable(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    out: np.ndarray,
+    lse: np.ndarray,
+    grad_out: np.ndarray,
+    dq: np.ndarray,
+    dk: np.ndarray,
+    dv: np.ndarray,
+    visibility: Visibility,
+    dbias: np.ndarray | None,
+    dropout: Dropout | None,
+    scores: Scores | None,
+) -> bool:
+    """Whether the compiled walk computes these gradients (as the forward's
+    :func:`forward_walkable`: a band hides keys, plain scores, one dtype)."""
+    arrays = (q, k, v, out, lse, grad_out, dq, dk, dv)
+    inputs = (q, k, v, out, lse[..., None], grad_out)
+    return (
+        dbias is None
+        and dropout is None
+        and (scores is None or not scores.changes_scores)
+        and dq.dtype in (np.float32, np.float64)
+        and all(x.dtype == dq.dtype for x in arrays)
+        and visibility.mask is None
+        and visibility.bias is None
+        and visibility.mask_mod is None
+        and visibility.chunk is None
+        and visibility.sink_tokens == 0
+        and visibility.held_sinks == 0
+        and min(x.size for x in arrays) > 0
+        and walk_views(inputs, (dq, dk, dv), operands=(q, k, v, dk, dv)) is not None
+        and compiled.walk_available()
+    )
+
+
+def run_backward(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    out: np.ndarray,
+    lse: np.ndarray,
+    grad_out: np.ndarray,
+    visibility: Visibility,
+    scale: float,
+    dq_factor: float,
+    dq: np.ndarray,
+    dk: np.ndarray,
+    dv: np.ndarray,
+    tiles: Any,
+    group: int,
+    team: Team,
+) -> list[tuple[tuple[int, ...], slice]]:
+    """The gradients as compiled code, one task per ``(sequence, key/value head)``; returns
+    the items it left to the NumPy walk."""
+    L, d_k = q.shape[-2:]
+    H_kv, S, d_v = k.shape[-3], k.shape[-2], v.shape[-1]
+    batch_shape = q.shape[:-3]
+    B = math.prod(batch_shape)
+    views = walk_views((q, k, v, out, lse[..., None], grad_out), (dq, dk, dv),
+                       operands=(q, k, v, dk, dv))  # fmt: skip
+    assert views is not None  # checked by _walkable
+    q4, k4, v4, out4, lse4, do4, dq4, dk4, dv4 = views
+
+    def per_sequence(values: np.ndarray | None, default: int) -> np.ndarray:
+        if values is None:
+            return np.full(B, default, np.int64)
+        return np.broadcast_to(values, batch_shape).reshape(B).astype(np.int64)
+
+    key_end = per_sequence(visibility.key_lengths, S)
+    query_end = per_sequence(visibility.query_lengths, L)
+    offsets = per_sequence(visibility.offsets, visibility.causal_offset)
+    window = -1 if visibility.window is None else visibility.window
+    rows = max(1, min(tiles.rows, BACKWARD_ROWS))
+    k4, v4 = _packed(k4, L, rows), _packed(v4, L, rows)
+    table = np.stack(np.meshgrid(np.arange(B), np.arange(H_kv), indexing="ij"), -1).reshape(-1, 2)
+    count = 1 if team.workers == 1 else min(len(table), 4 * team.workers)
+    chunks = [np.arange(i, len(table), count) for i in range(count)]
+    failed = np.zeros(len(table), bool)
+    R, cols, dtype = group * rows, tiles.cols, dq.dtype
+
+    def make_worker() -> Callable[[np.ndarray], None]:
+        stacked, dq_t, do = (np.empty((R, d), dtype) for d in (d_k, d_k, d_v))
+        D, row_lse = np.empty(R, dtype), np.empty(R, dtype)
+        p, ds = np.empty((R, cols), dtype), np.empty((R, cols), dtype)
+
+        def run(chunk: np.ndarray) -> None:
+            done = np.zeros(len(chunk), bool)
+            compiled.backward_walk(
+                dtype, table[chunk], q4, k4, v4, out4, lse4[..., 0], do4, dq4, dk4, dv4, scale,
+                scale * dq_factor, visibility.causal, window, offsets, key_end, query_end, rows,
+                cols, stacked, do, D, row_lse, dq_t, p, ds, done,
+            )  # fmt: skip
+            failed[chunk] = done
+
+        return run
+
+    team.run(chunks, make_worker)
+    return [
+        (tuple(int(x) for x in np.unravel_index(int(b), batch_shape)) if batch_shape else (),
+         slice(int(g), int(g) + 1))
+        for b, g in table[failed]
+    ]  # fmt: skip

@@ -1,0 +1,288 @@
+"""The compiled tile walks (numba, the ``fast`` extra; GEMMs through NumPy's own BLAS) against
+a float64 dense computation written here, against the NumPy walk they replace, and on the
+cases they hand back to it. CI installs numba and sets MHA_REQUIRE_NUMBA=1, making their
+absence a failure; the NumPy-only tiers and CI's MHA_COMPILED=0 pass run the NumPy walk
+through the same calls."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import mha
+from mha._kernel import blas, compiled, team, walk
+
+
+@pytest.fixture(scope="module")
+def walks():
+    if not compiled.walk_available():
+        if os.environ.get("MHA_REQUIRE_NUMBA") == "1":
+            pytest.fail("MHA_REQUIRE_NUMBA=1 but the compiled walks are unavailable")
+        pytest.skip("numba (or NumPy's BLAS entry points) missing: the NumPy walk runs alone")
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """How many times each compiled walk ran, and how many tasks it left to NumPy's."""
+    counts = {"forward": 0, "backward": 0, "left": 0, "forward left": 0, "backward left": 0}
+    for name in ("forward", "backward"):
+        real = getattr(compiled, f"{name}_walk")
+
+        def spy(dtype, *args, _real=real, _name=name):
+            counts[_name] += 1
+            _real(dtype, *args)
+            left = int(args[-1].sum())  # the flags of tasks left undone
+            counts["left"] += left
+            counts[f"{_name} left"] += left
+
+        monkeypatch.setattr(compiled, f"{name}_walk", spy)
+    return counts
+
+
+def numpy_walk(monkeypatch):
+    """The NumPy walk for the rest of a ``monkeypatch.context()``."""
+    monkeypatch.setattr(walk, "forward_walkable", lambda *args: False)
+    monkeypatch.setattr(walk, "backward_walkable", lambda *args: False)
+
+
+def dense(q, k, v, *, causal=False, window=None, key_lengths=None, query_lengths=None):
+    """Attention in float64 with the full score matrix, the mask written out."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    group = q.shape[-3] // k.shape[-3]
+    k, v = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
+    L, S = q.shape[-2], k.shape[-2]
+    i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+    allowed = np.ones((q.shape[0], 1, L, S), bool)
+    if causal:
+        allowed &= j <= i + S - L
+    if window is not None:
+        allowed &= (i + S - L) - j < window
+    for b in range(q.shape[0]):
+        if key_lengths is not None:
+            allowed[b, :, :, key_lengths[b] :] = False
+        if query_lengths is not None:
+            allowed[b, :, query_lengths[b] :] = False
+    s = np.where(allowed, q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1]), -np.inf)
+    top = s.max(axis=-1, keepdims=True)
+    top[~np.isfinite(top)] = 0.0
+    e = np.exp(s - top)
+    total = e.sum(axis=-1, keepdims=True)
+    return (e / np.where(total == 0, 1, total)) @ v
+
+
+CONFIGS = [  # B, H, H_kv, L, S, d, keywords
+    (2, 4, 2, 130, 300, 16, {"causal": True}),
+    (1, 8, 2, 1, 9000, 64, {}),  # decoding: few rows, wide key tiles
+    (3, 2, 2, 300, 300, 32, {"causal": True, "window": 70}),
+    (2, 6, 3, 17, 600, 8, {"key_lengths": [600, 41], "causal": True}),
+    (2, 2, 1, 260, 260, 16, {"query_lengths": [260, 5], "window": 7}),
+    (1, 1, 1, 3, 5, 4, {"causal": True}),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize(("workers", "max_memory"), [(1, 2**16), (3, 6 * 2**20)])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[:6]}-{sorted(c[6])}")
+def test_walk_matches_a_dense_float64_computation(walks, counted, record_error, dtype, workers,
+                                                  max_memory, config):  # fmt: skip
+    B, H, H_kv, L, S, d, keywords = config
+    rng = np.random.default_rng(L + S)
+    q = rng.standard_normal((B, H, L, d)).astype(dtype)
+    k, v = (rng.standard_normal((B, H_kv, S, d)).astype(dtype) for _ in range(2))
+    out = mha.scaled_dot_product_attention(q, k, v, workers=workers, max_memory=max_memory,
+                                           **keywords)  # fmt: skip
+    assert counted["forward"] >= 1 and counted["left"] == 0
+    expected = dense(q, k, v, **keywords)
+    error = np.abs(out - expected).max() / np.abs(expected).max()
+    record_error(f"compiled walk vs dense float64, {np.dtype(dtype).name}", error)
+    assert error <= (1e-14 if dtype == np.float64 else 2e-6)
+
+
+@pytest.mark.parametrize("config", CONFIGS[:5], ids=lambda c: f"{c[:6]}-{sorted(c[6])}")
+def test_walk_agrees_with_the_numpy_walk_forward_and_backward(walks, counted, monkeypatch,
+                                                              config):  # fmt: skip
+    B, H, H_kv, L, S, d, keywords = config
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((B, H, L, d))
+    k, v = (rng.standard_normal((B, H_kv, S, d)) for _ in range(2))
+    grad = rng.standard_normal((B, H, L, d))
+    results = []
+    for path in ("compiled", "numpy"):
+        with monkeypatch.context() as patch:
+            if path == "numpy":
+                numpy_walk(patch)
+            out, lse, backward = mha.scaled_dot_product_attention(
+                q, k, v, return_lse=True, return_backward=True, workers=2, **keywords
+            )
+            results.append((out, lse, *backward(grad).values()))
+    assert counted["forward"] >= 1 and counted["backward"] >= 1 and counted["left"] == 0
+    for ours, theirs in zip(*results, strict=True):
+        finite = np.isfinite(theirs)
+        np.testing.assert_array_equal(np.isfinite(ours), finite)
+        scale = max(np.abs(theirs[finite]).max(initial=0.0), 1e-300)
+        assert np.abs(ours[finite] - theirs[finite]).max(initial=0.0) <= 1e-13 * scale
+
+
+def test_backward_walk_matches_autograd(walks, counted, torch, record_error):
+    rng = np.random.default_rng(8)
+    B, H, H_kv, L, S, d = 2, 4, 2, 150, 290, 16
+    q = rng.standard_normal((B, H, L, d))
+    k, v = (rng.standard_normal((B, H_kv, S, d)) for _ in range(2))
+    grad = rng.standard_normal((B, H, L, d))
+    out, backward = mha.scaled_dot_product_attention(
+        q, k, v, causal=True, window=100, return_backward=True
+    )
+    ours = backward(grad)
+    assert counted["backward"] >= 1 and counted["left"] == 0
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+    allowed = torch.from_numpy((j <= i + S - L) & ((i + S - L) - j < 100))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        tq, tk, tv, attn_mask=allowed, enable_gqa=True
+    )
+    expected.backward(torch.from_numpy(grad))
+    assert np.abs(out - expected.detach().numpy()).max() <= 1e-13
+    for name, tensor in zip("qkv", (tq, tk, tv), strict=True):
+        theirs = tensor.grad.numpy()
+        error = np.abs(ours[name] - theirs).max() / np.abs(theirs).max()
+        assert record_error("compiled backward walk vs torch.autograd", error) <= 1e-12
+
+
+@pytest.mark.parametrize("where", ["values", "keys"])
+def test_non_finite_hidden_keys_are_left_to_the_numpy_walk(walks, counted, monkeypatch, where):
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal((1, 2, 200, 16)) for _ in range(3))
+    (v if where == "values" else k)[0, :, 150] = np.inf  # hidden from rows before 150
+    grad = rng.standard_normal(q.shape)
+    results = []
+    for path in ("compiled", "numpy"):
+        with monkeypatch.context() as patch:
+            if path == "numpy":
+                numpy_walk(patch)
+            out, backward = mha.scaled_dot_product_attention(
+                q, k, v, causal=True, return_backward=True, max_memory=2**16
+            )
+            grads = backward(grad)
+            results.append((out, grads["q"], grads["k"], grads["v"]))
+    # The forward hands back the tiles whose hidden values are not finite (0 * inf); the
+    # backward, those whose hidden keys are not (its dq sums ds * k).
+    assert counted["forward left" if where == "values" else "backward left"] >= 1
+    for ours, theirs in zip(*results, strict=True):  # the rows that see key 150 are not
+        np.testing.assert_allclose(ours, theirs, rtol=1e-12, atol=1e-13, equal_nan=True)
+    for ours in results[0][:2]:  # out and dq of the rows before it are
+        assert np.isfinite(ours[:, :, :150]).all()
+
+
+def test_split_keys_on_the_walk(walks, counted, record_error):
+    rng = np.random.default_rng(10)
+    q = rng.standard_normal((1, 1, 1, 32))
+    k, v = (rng.standard_normal((1, 1, 20_000, 32)) for _ in range(2))
+    out, lse = mha.scaled_dot_product_attention(q, k, v, workers=3, return_lse=True)
+    assert counted["forward"] >= 2  # the keys were split over the workers
+    expected = dense(q, k, v)
+    s = (q @ np.swapaxes(k, -1, -2))[..., 0, :] / np.sqrt(32)
+    expected_lse = s.max() + np.log(np.exp(s - s.max()).sum())
+    assert record_error("split keys on the walk", np.abs(out - expected).max()) <= 1e-14
+    assert abs(lse.item() - expected_lse) <= 1e-12
+
+
+@pytest.mark.parametrize(
+    "keywords",
+    [
+        {"mask": np.tril(np.ones((64, 64), bool))},
+        {"bias": np.zeros((64, 64))},
+        {"softcap": 30.0},
+        {"mask_mod": lambda b, h, i, j: i >= j},
+        {"return_weights": True},
+        {"causal": True, "chunk": 16},
+        {"window": 8, "sink_tokens": 2},
+        {"dropout_p": 0.1, "generator": np.random.default_rng(0)},
+        {"dtype": np.float16},
+        {"dtype": "mixed"},
+    ],
+    ids=["mask", "bias", "softcap", "mask_mod", "weights", "chunk", "sink_tokens", "dropout",
+         "float16", "mixed"],
+)  # fmt: skip
+def test_what_a_band_cannot_say_takes_the_numpy_walk(walks, counted, keywords):
+    keywords = dict(keywords)
+    dtype = keywords.pop("dtype", np.float64)
+    q = np.random.default_rng(11).standard_normal((1, 2, 64, 8))
+    k = v = q.astype(np.float32 if dtype == "mixed" else dtype)
+    q = q if dtype == "mixed" else k
+    results = mha.scaled_dot_product_attention(q, k, v, **keywords, return_backward=True)
+    if not keywords.get("return_weights"):
+        results[-1](np.ones_like(results[0]))  # the backward too
+    assert counted["forward"] == 0 and counted["backward"] == 0
+
+
+def test_the_walk_serves_decoding_with_a_cache_and_sinks(walks, counted):
+    """Ragged prompts: each sequence has its own length, offset and keys."""
+    attention = mha.MultiHeadAttention(32, 4, num_kv_heads=2, rope_theta=10000.0, sinks=True,
+                                       seed=0)  # fmt: skip
+    X = np.random.default_rng(12).standard_normal((2, 9, 32))
+    cache = attention.new_cache(batch_size=2)
+    attention(X[:, :5], cache=cache, query_lengths=[5, 3])
+    for i in range(4):
+        attention(X[:, 5 + i : 6 + i], cache=cache)
+    assert counted["forward"] >= 5 and counted["left"] == 0
+    for b, (prompt, n) in enumerate([(5, 9), (3, 7)]):
+        tokens = np.concatenate([X[b, :prompt], X[b, 5 : 5 + n - prompt]])[None]
+        fresh = attention.new_cache(batch_size=1)
+        steps = [attention(tokens[:, :prompt], cache=fresh)]
+        steps += [attention(tokens[:, i : i + 1], cache=fresh) for i in range(prompt, n)]
+        whole = attention(tokens, mask=True)  # the same tokens, all at once
+        np.testing.assert_allclose(np.concatenate(steps, axis=1), whole, rtol=1e-12, atol=1e-13)
+    with_cache = attention.new_cache(batch_size=2)
+    out = attention(X[:, :5], cache=with_cache, query_lengths=[5, 3])
+    alone = attention(X[1:, :3], mask=True)
+    np.testing.assert_allclose(out[1, :3], alone[0], rtol=1e-12, atol=1e-13)
+
+
+def test_gemm_entry_points_are_numpys_own_blas(walks):
+    """A GEMM through the addresses gives np.matmul's bits; the thread setting is NumPy's."""
+    from numba import njit
+    from threadpoolctl import threadpool_limits
+
+    from mha._kernel._numba_walk import NO_TRANS, TRANS, _gemm
+
+    @njit
+    def product(address, a, b, c):  # a @ b.T, row-major
+        _gemm(address, NO_TRANS, TRANS, a.shape[0], b.shape[0], a.shape[1], 1.0, a, 0,
+              a.shape[1], b, 0, b.shape[1], 0.0, c, 0, c.shape[1])  # fmt: skip
+
+    addresses = blas.gemm_addresses()
+    assert addresses is not None and set(addresses) == {"float32", "float64"}
+    rng = np.random.default_rng(14)
+    for dtype in (np.float32, np.float64):
+        a, b = (rng.standard_normal(shape).astype(dtype) for shape in ((300, 70), (90, 70)))
+        c = np.empty((300, 90), dtype)
+        with threadpool_limits(1, user_api="blas"):
+            product(addresses[np.dtype(dtype).name], a, b, c)
+            np.testing.assert_array_equal(c, a @ b.T)
+    get, _ = blas.thread_setting()
+    with threadpool_limits(2, user_api="blas"):  # what a user's program may have set
+        with team.Team(2):
+            assert get() == 1  # the team holds NumPy's BLAS to one thread
+        assert get() == 2  # and gives the user's setting back
+
+
+def test_calls_from_many_threads_give_the_same_bits(walks, counted):
+    rng = np.random.default_rng(13)
+    q, k, v = (rng.standard_normal((2, 4, 300, 16)).astype(np.float32) for _ in range(3))
+    alone = mha.scaled_dot_product_attention(q, k, v, causal=True, workers=2)
+    results = [None] * 6
+
+    def call(i):
+        results[i] = mha.scaled_dot_product_attention(q, k, v, causal=True, workers=2)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert counted["forward"] >= 7 and counted["left"] == 0
+    for result in results:
+        np.testing.assert_array_equal(result, alone)
