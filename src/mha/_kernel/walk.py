@@ -132,6 +132,25 @@ def _merged_batch(array: np.ndarray) -> np.ndarray | None:
     return merged
 
 
+def _limits(
+    visibility: Visibility, batch_shape: tuple[int, ...], L: int, S: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each sequence's key length, query length and alignment offset, as int64 ``(B,)``, for
+    ``L`` queries and ``S`` keys."""
+    B = math.prod(batch_shape)
+
+    def per_sequence(values: np.ndarray | None, default: int) -> np.ndarray:
+        if values is None:
+            return np.full(B, default, np.int64)
+        return np.broadcast_to(values, batch_shape).reshape(B).astype(np.int64)
+
+    return (
+        per_sequence(visibility.key_lengths, S),
+        per_sequence(visibility.query_lengths, L),
+        per_sequence(visibility.offsets, visibility.causal_offset),
+    )
+
+
 def run_forward(
     q: np.ndarray,
     k: np.ndarray,
@@ -159,15 +178,7 @@ def run_forward(
     assert views is not None  # checked by _walkable
     q4, out4 = views[0], views[3]
     lse4 = np.empty((1, 1, 0), out.dtype) if lse is None else views[4][..., 0]
-
-    def per_sequence(values: np.ndarray | None, default: int) -> np.ndarray:
-        if values is None:
-            return np.full(B, default, np.int64)
-        return np.broadcast_to(values, batch_shape).reshape(B).astype(np.int64)
-
-    key_end = per_sequence(visibility.key_lengths, S)
-    query_end = per_sequence(visibility.query_lengths, L)
-    offsets = per_sequence(visibility.offsets, visibility.causal_offset)
+    key_end, query_end, offsets = _limits(visibility, batch_shape, L, S)
     rows = max(1, min(tiles.rows, WALK_ROWS))
     k4, v4 = _packed(views[1], L, rows), _packed(views[2], L, rows)
     window = -1 if visibility.window is None else visibility.window
@@ -295,15 +306,7 @@ def run_backward(
                        operands=(q, k, v, dk, dv))  # fmt: skip
     assert views is not None  # checked by _walkable
     q4, k4, v4, out4, lse4, do4, dq4, dk4, dv4 = views
-
-    def per_sequence(values: np.ndarray | None, default: int) -> np.ndarray:
-        if values is None:
-            return np.full(B, default, np.int64)
-        return np.broadcast_to(values, batch_shape).reshape(B).astype(np.int64)
-
-    key_end = per_sequence(visibility.key_lengths, S)
-    query_end = per_sequence(visibility.query_lengths, L)
-    offsets = per_sequence(visibility.offsets, visibility.causal_offset)
+    key_end, query_end, offsets = _limits(visibility, batch_shape, L, S)
     window = -1 if visibility.window is None else visibility.window
     rows = max(1, min(tiles.rows, BACKWARD_ROWS))
     k4, v4 = _packed(k4, L, rows), _packed(v4, L, rows)
