@@ -1,9 +1,9 @@
-"""numba code of :mod:`mha._kernel.compiled`'s tile walks; importing it needs numba.
-
-Each function runs a list of work items from start to end without returning to Python: the
-GEMMs call NumPy's own BLAS through the address of its ``cblas_?gemm`` (:mod:`.blas`), so
-they are the very calls ``np.matmul`` makes, and the rest (stacking and scaling the query
-rows, the softmax step, rescaling, the division at the end) are loops compiled here.
+"""numba code of :mod:`mha._kernel.compiled`'s tile walks; importing it needs numba. Each
+function runs a list of work items from start to end without returning to Python: the GEMMs
+call NumPy's own BLAS through the address of its ``cblas_?gemm`` (and ``cblas_?gemv`` for a
+decoding step's few rows; :mod:`.blas`), so they are the very calls ``np.matmul`` makes,
+and the rest (stacking and scaling the query rows, the softmax step, rescaling, the
+division at the end) are loops compiled here.
 
 The walks are plain functions here: :mod:`.compiled` compiles each for one signature per
 dtype when first used (cached on disk by numba).
