@@ -167,15 +167,15 @@ def run_forward(
 ) -> tuple[list[Task], Parts | None]:
     """Run the call's work items as compiled code, a few dozen per call of it; returns the
     items it left to the NumPy walk and the split keys' partial results, if any. Tiles of
-    fewer than ``flip_below`` rows take ``k @ q^T``, and ``p @ v`` in runs of ``product_chunk`` keys
-    (the Python walk's choices, :mod:`.forward`)."""
+    fewer than ``flip_below`` rows take ``k @ q^T``, and ``p @ v`` in runs of
+    ``product_chunk`` keys (the Python walk's choices, :mod:`.forward`)."""
     L, d_k = q.shape[-2:]
     H_kv, S, d_v = k.shape[-3], k.shape[-2], v.shape[-1]
     batch_shape = q.shape[:-3]
     B = math.prod(batch_shape)
     outputs = (out,) if lse is None else (out, lse[..., None])
     views = walk_views((q, k, v), outputs, operands=(q, k, v))
-    assert views is not None  # checked by _walkable
+    assert views is not None  # checked by forward_walkable
     q4, out4 = views[0], views[3]
     lse4 = np.empty((1, 1, 0), out.dtype) if lse is None else views[4][..., 0]
     key_end, query_end, offsets = _limits(visibility, batch_shape, L, S)
@@ -238,8 +238,8 @@ def run_forward(
 
 
 BACKWARD_ROWS = 512
-"""Query rows (per query head) of a tile of the compiled backward walk: its ``dk`` and ``dv``
-GEMMs sum over the tile's rows, which want many."""
+"""Query rows (per query head) of a tile of the compiled backward walk, at most (the
+backward benchmark's figures are at this size)."""
 
 
 def backward_walkable(
@@ -304,7 +304,7 @@ def run_backward(
     B = math.prod(batch_shape)
     views = walk_views((q, k, v, out, lse[..., None], grad_out), (dq, dk, dv),
                        operands=(q, k, v, dk, dv))  # fmt: skip
-    assert views is not None  # checked by _walkable
+    assert views is not None  # checked by backward_walkable
     q4, k4, v4, out4, lse4, do4, dq4, dk4, dv4 = views
     key_end, query_end, offsets = _limits(visibility, batch_shape, L, S)
     window = -1 if visibility.window is None else visibility.window
@@ -333,8 +333,4 @@ def run_backward(
         return run
 
     team.run(chunks, make_worker)
-    return [
-        (tuple(int(x) for x in np.unravel_index(int(b), batch_shape)) if batch_shape else (),
-         slice(int(g), int(g) + 1))
-        for b, g in table[failed]
-    ]  # fmt: skip
+    return [(batch_index(b, batch_shape), slice(int(g), int(g) + 1)) for b, g in table[failed]]
