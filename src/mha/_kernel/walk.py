@@ -45,19 +45,33 @@ def forward_walkable(
     outputs = (out,) if lse is None else (out, lse[..., None])
     return (
         weights is None
-        and dropout is None
+        and _band_and_plain_scores(visibility, dropout, scores, (q, k, v, *outputs))
+        and walk_views((q, k, v), outputs, operands=(q, k, v)) is not None
+        and compiled.walk_available()
+    )
+
+
+def _band_and_plain_scores(
+    visibility: Visibility,
+    dropout: Dropout | None,
+    scores: Scores | None,
+    arrays: tuple[np.ndarray, ...],
+) -> bool:
+    """What both walks need of a call: no dropout, plain scores (sinks aside), keys hidden
+    by a band alone, and ``arrays`` all of one dtype, float32 or float64, none empty."""
+    dtype = arrays[0].dtype
+    return (
+        dropout is None
         and (scores is None or not scores.changes_scores)
-        and out.dtype in (np.float32, np.float64)
-        and all(x.dtype == out.dtype for x in (q, k, v, *outputs))
+        and dtype in (np.float32, np.float64)
+        and all(x.dtype == dtype for x in arrays)
         and visibility.mask is None
         and visibility.bias is None
         and visibility.mask_mod is None
         and visibility.chunk is None
         and visibility.sink_tokens == 0
         and visibility.held_sinks == 0
-        and min(q.size, k.size, v.size) > 0
-        and walk_views((q, k, v), outputs, operands=(q, k, v)) is not None
-        and compiled.walk_available()
+        and min(x.size for x in arrays) > 0
     )
 
 
@@ -263,17 +277,7 @@ def backward_walkable(
     inputs = (q, k, v, out, lse[..., None], grad_out)
     return (
         dbias is None
-        and dropout is None
-        and (scores is None or not scores.changes_scores)
-        and dq.dtype in (np.float32, np.float64)
-        and all(x.dtype == dq.dtype for x in arrays)
-        and visibility.mask is None
-        and visibility.bias is None
-        and visibility.mask_mod is None
-        and visibility.chunk is None
-        and visibility.sink_tokens == 0
-        and visibility.held_sinks == 0
-        and min(x.size for x in arrays) > 0
+        and _band_and_plain_scores(visibility, dropout, scores, arrays)
         and walk_views(inputs, (dq, dk, dv), operands=(q, k, v, dk, dv)) is not None
         and compiled.walk_available()
     )
