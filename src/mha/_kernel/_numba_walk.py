@@ -23,86 +23,60 @@ from ._numba_step import exp, row_step
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112  # CBLAS's enums
 
 
+def _cblas_codegen(dtype: Any, spec: tuple[Any, ...]) -> Any:
+    """The code calling a CBLAS function (64-bit integers) at the address in argument 0,
+    row-major, with the C arguments ``spec`` lists in order: ``("i32", i)``, ``("i64", i)``
+    and ``("real", i)`` pass argument ``i`` cast so, ``("ptr", i)`` argument ``i``'s array
+    from the flat element offset in argument ``i + 1``, ``("one",)`` a unit increment."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        i32, i64, void_p = ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()
+        real = context.get_value_type(dtype)
+        llvm = {"i32": i32, "i64": i64, "real": real, "ptr": void_p, "one": i64}
+
+        def cast(i: int, to: Any) -> Any:
+            return context.cast(builder, args[i], sig.args[i], to)
+
+        def value(kind: str, *at: int) -> Any:
+            if kind == "one":
+                return context.get_constant(types.int64, 1)
+            if kind == "ptr":
+                array = context.make_array(sig.args[at[0]])(context, builder, args[at[0]])
+                offset = builder.gep(array.data, [cast(at[0] + 1, types.int64)])
+                return builder.bitcast(offset, void_p)
+            return cast(at[0], {"i32": types.int32, "i64": types.int64, "real": dtype}[kind])
+
+        function = ir.FunctionType(ir.VoidType(), [i32] + [llvm[item[0]] for item in spec])
+        callee = builder.inttoptr(cast(0, types.int64), function.as_pointer())
+        order = context.get_constant(types.int32, ROW_MAJOR)
+        builder.call(callee, [order] + [value(*item) for item in spec])
+        return context.get_dummy_value()
+
+    return codegen
+
+
 @intrinsic
 def _gemm(
     typingctx, address, ta, tb, M, N, K, alpha, A, a_at, lda, B, b_at, ldb, beta, C, c_at, ldc
 ):  # type: ignore[no-untyped-def]  # pragma: no cover
     """``cblas_?gemm`` (64-bit integers) at ``address``, row-major, on the arrays ``A``,
     ``B``, ``C`` from their elements ``a_at``, ``b_at``, ``c_at`` (flat offsets)."""
-    dtype = C.dtype
     signature = types.void(address, ta, tb, M, N, K, alpha, A, a_at, lda, B, b_at, ldb, beta, C,
                            c_at, ldc)  # fmt: skip
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        i32, i64, void_p = ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()
-        real = context.get_value_type(dtype)
-        parameters = [
-            i32,
-            i32,
-            i32,
-            i64,
-            i64,
-            i64,
-            real,
-            void_p,
-            i64,
-            void_p,
-            i64,
-            real,
-            void_p,
-            i64,
-        ]
-        function = ir.FunctionType(ir.VoidType(), parameters)
-
-        def cast(i: int, to: Any) -> Any:
-            return context.cast(builder, args[i], sig.args[i], to)
-
-        def pointer(i: int) -> Any:
-            array = context.make_array(sig.args[i])(context, builder, args[i])
-            return builder.bitcast(builder.gep(array.data, [cast(i + 1, types.int64)]), void_p)
-
-        callee = builder.inttoptr(cast(0, types.int64), function.as_pointer())
-        builder.call(callee, [
-            context.get_constant(types.int32, ROW_MAJOR), cast(1, types.int32),
-            cast(2, types.int32), cast(3, types.int64), cast(4, types.int64),
-            cast(5, types.int64), cast(6, dtype), pointer(7), cast(9, types.int64), pointer(10),
-            cast(12, types.int64), cast(13, dtype), pointer(14), cast(16, types.int64),
-        ])  # fmt: skip
-        return context.get_dummy_value()
-
-    return signature, codegen
+    spec = (("i32", 1), ("i32", 2), ("i64", 3), ("i64", 4), ("i64", 5), ("real", 6),
+            ("ptr", 7), ("i64", 9), ("ptr", 10), ("i64", 12), ("real", 13), ("ptr", 14),
+            ("i64", 16))  # fmt: skip
+    return signature, _cblas_codegen(C.dtype, spec)
 
 
 @intrinsic
 def _gemv(typingctx, address, ta, M, N, alpha, A, a_at, lda, X, x_at, beta, Y, y_at):  # type: ignore[no-untyped-def]  # pragma: no cover
     """``cblas_?gemv`` (64-bit integers) at ``address``, row-major, unit increments:
     ``Y = alpha op(A) X + beta Y`` for the ``M x N`` matrix ``A`` from element ``a_at``."""
-    dtype = Y.dtype
     signature = types.void(address, ta, M, N, alpha, A, a_at, lda, X, x_at, beta, Y, y_at)
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        i32, i64, void_p = ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()
-        real = context.get_value_type(dtype)
-        parameters = [i32, i32, i64, i64, real, void_p, i64, void_p, i64, real, void_p, i64]
-        function = ir.FunctionType(ir.VoidType(), parameters)
-
-        def cast(i: int, to: Any) -> Any:
-            return context.cast(builder, args[i], sig.args[i], to)
-
-        def pointer(i: int) -> Any:
-            array = context.make_array(sig.args[i])(context, builder, args[i])
-            return builder.bitcast(builder.gep(array.data, [cast(i + 1, types.int64)]), void_p)
-
-        one = context.get_constant(types.int64, 1)
-        callee = builder.inttoptr(cast(0, types.int64), function.as_pointer())
-        builder.call(callee, [
-            context.get_constant(types.int32, ROW_MAJOR), cast(1, types.int32),
-            cast(2, types.int64), cast(3, types.int64), cast(4, dtype), pointer(5),
-            cast(7, types.int64), pointer(8), one, cast(10, dtype), pointer(11), one,
-        ])  # fmt: skip
-        return context.get_dummy_value()
-
-    return signature, codegen
+    spec = (("i32", 1), ("i64", 2), ("i64", 3), ("real", 4), ("ptr", 5), ("i64", 7), ("ptr", 8),
+            ("one",), ("real", 10), ("ptr", 11), ("one",))  # fmt: skip
+    return signature, _cblas_codegen(Y.dtype, spec)
 
 
 GEMV_ROWS = 8
