@@ -254,7 +254,7 @@ def test_rows_narrowed_per_key_tile_match_autograd(L, S, max_memory, call, path,
     if path == "walk" and not compiled.walk_available():
         pytest.skip("the compiled walks need numba (test_walk.py fails without it in CI)")
     if path != "walk":  # the Python walk, which asks rows_seeing
-        monkeypatch.setattr(walk, "forward_walkable", lambda *args: False)
+        monkeypatch.setattr(walk, "forward_walkable", lambda *args: None)
         monkeypatch.setattr(walk, "backward_walkable", lambda *args: False)
     if path == "numpy":
         monkeypatch.setattr(compiled, "available", lambda: False)

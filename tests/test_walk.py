@@ -44,7 +44,7 @@ def counted(monkeypatch):
 
 def numpy_walk(monkeypatch):
     """The NumPy walk for the rest of a ``monkeypatch.context()``."""
-    monkeypatch.setattr(walk, "forward_walkable", lambda *args: False)
+    monkeypatch.setattr(walk, "forward_walkable", lambda *args: None)
     monkeypatch.setattr(walk, "backward_walkable", lambda *args: False)
 
 
@@ -80,6 +80,8 @@ CONFIGS = [  # B, H, H_kv, L, S, d, keywords
     (2, 6, 3, 17, 600, 8, {"key_lengths": [600, 41], "causal": True}),
     (2, 2, 1, 260, 260, 16, {"query_lengths": [260, 5], "window": 7}),
     (1, 1, 1, 3, 5, 4, {"causal": True}),
+    (1, 7, 1, 1, 700, 24, {}),  # decoding: seven stacked rows, four and then three
+    (2, 6, 2, 2, 500, 20, {"causal": True, "key_lengths": [500, 3]}),  # six rows, banded
 ]
 
 
@@ -187,6 +189,22 @@ def test_split_keys_on_the_walk(walks, counted, record_error):
     expected_lse = s.max() + np.log(np.exp(s - s.max()).sum())
     assert record_error("split keys on the walk", np.abs(out - expected).max()) <= 1e-14
     assert abs(lse.item() - expected_lse) <= 1e-12
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_decoding_keys_whose_rows_lie_apart(walks, counted, record_error, dtype):
+    """A decoding step's scores read each key row where it lies: here every other row of a
+    wider array, and each row's first 40 of 56 entries (as a fused projection leaves them)."""
+    rng = np.random.default_rng(13)
+    q = rng.standard_normal((2, 8, 1, 40)).astype(dtype)
+    wide = rng.standard_normal((2, 2, 2 * 777, 56)).astype(dtype)
+    k, v = wide[:, :, ::2, :40], wide[:, :, 1::2, 16:]
+    out = mha.scaled_dot_product_attention(q, k, v, key_lengths=[777, 300])
+    assert counted["forward"] >= 1 and counted["left"] == 0
+    expected = dense(q.astype(float), k.astype(float), v.astype(float), key_lengths=[777, 300])
+    error = np.abs(out - expected).max() / np.abs(expected).max()
+    record_error(f"decoding keys apart vs dense float64, {np.dtype(dtype).name}", error)
+    assert error <= (1e-14 if dtype == np.float64 else 2e-6)
 
 
 @pytest.mark.parametrize(

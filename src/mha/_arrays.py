@@ -10,6 +10,7 @@ boolean data are refused.
 
 from __future__ import annotations
 
+import math
 import operator
 import reprlib
 from typing import Any
@@ -52,6 +53,8 @@ def as_array(name: str, x: Any) -> np.ndarray:
 
 def cast_result(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``array`` in the dtype returned to the caller (float16 results overflow to inf)."""
+    if array.dtype == dtype:
+        return array
     with np.errstate(over="ignore"):
         return array.astype(dtype, copy=False)
 
@@ -84,12 +87,16 @@ def is_storage_dtype(dtype: np.dtype) -> bool:
 
 def compute_dtype_of(dtype: np.dtype) -> np.dtype:
     """The dtype the arithmetic on data of ``dtype`` runs in: float32 for the storage dtypes."""
+    if isinstance(dtype, np.dtype) and dtype.kind == "f" and dtype.itemsize >= 4:
+        return dtype  # float32 and wider: as it is
     return np.dtype(np.float32) if is_storage_dtype(np.dtype(dtype)) else np.dtype(dtype)
 
 
 def result_and_compute_dtypes(*arrays: np.ndarray | None) -> tuple[np.dtype, np.dtype]:
     """The dtype returned to the caller and the dtype the arithmetic runs in."""
     dtypes = [a.dtype for a in arrays if a is not None]
+    if dtypes and dtypes[0].isnative and all(d == dtypes[0] for d in dtypes):  # no promotion
+        return dtypes[0], compute_dtype_of(dtypes[0])
     try:
         result = np.result_type(*dtypes)
     except TypeError:  # bfloat16 with float16: no common storage dtype
@@ -154,7 +161,7 @@ def resolve_scale(scale: Any, d_k: int, dtype: np.dtype, source: str = "q") -> f
                 f"the query/key head width d_k is 0 ({source}), so the default scale "
                 "1/sqrt(d_k) is undefined; pass scale= explicitly"
             )
-        return 1.0 / float(np.sqrt(d_k))
+        return 1.0 / math.sqrt(d_k)  # correctly rounded, as np.sqrt
     real = isinstance(scale, (int, float, np.integer, np.floating))
     if isinstance(scale, (bool, np.bool_)) or not real:
         raise AttentionTypeError(f"scale must be a positive real number; got {scale!r}")

@@ -3,8 +3,8 @@ softmax step.
 
 **The tile walks.** :func:`forward_walk` and :func:`backward_walk` run whole work items, every
 key tile of them, without returning to Python: the GEMMs are NumPy's own BLAS's
-``cblas_?gemm`` (``cblas_?gemv`` for a decoding step's few rows), called through their
-addresses (:mod:`.blas`), and the rest is compiled loops
+``cblas_?gemm`` (``cblas_?gemv`` for a decoding step's few rows, whose scores are compiled
+dot products), called through their addresses (:mod:`.blas`), and the rest is compiled loops
 (:mod:`._numba_walk`). They take the calls whose hidden keys a band can say (the causal mask,
 the window, the lengths, a cache's alignment) with plain scores (sinks are added after, as
 everywhere), in float32 or float64, at every size: with them a call costs tens of

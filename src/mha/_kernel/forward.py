@@ -169,11 +169,12 @@ def attend(
         tiles = replace(tiles, rows=tiles.rows // align * align)
     team = team or Team(1)
     parts: Parts | None = None
-    if walk.forward_walkable(q, k, v, out, lse, visibility, weights, dropout, scores):
+    views = walk.forward_walkable(q, k, v, out, lse, visibility, weights, dropout, scores)
+    if views:
         # The compiled walk; a task it could not do (a non-finite value at a hidden key)
         # is done below by the NumPy walk, with the compiled softmax step.
-        work, parts = walk.run_forward(q, k, v, visibility, scale, out, lse, tiles, group, team,
-                                       WIDE_BELOW_ROWS, PRODUCT_CHUNK)  # fmt: skip
+        work, parts = walk.run_forward(q, k, v, visibility, scale, out, lse, views, tiles, group,
+                                       team, WIDE_BELOW_ROWS, PRODUCT_CHUNK)  # fmt: skip
         fused = True
     else:
         items: list[Task] = []

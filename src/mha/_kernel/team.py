@@ -22,7 +22,6 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -161,10 +160,11 @@ class Team:
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self._pool: ThreadPoolExecutor | None = None
-        self._stack = ExitStack()
+        self._entered = False
 
     def __enter__(self) -> Team:
-        self._stack.enter_context(_BLAS_LIMIT)
+        _BLAS_LIMIT.__enter__()
+        self._entered = True
         if self.workers > 1:
             self._pool = _shared_pool(self.workers - 1)
         return self
@@ -176,7 +176,9 @@ class Team:
         trace: TracebackType | None,
     ) -> None:
         self._pool = None
-        self._stack.close()
+        if self._entered:
+            self._entered = False
+            _BLAS_LIMIT.__exit__()
 
     def run(self, tasks: Sequence[Task], make_worker: Callable[[], Callable[[Task], None]]) -> None:
         """Run every task. Each thread calls ``make_worker()`` once (for its own buffers) and

@@ -38,17 +38,19 @@ def forward_walkable(
     weights: np.ndarray | None,
     dropout: Dropout | None,
     scores: Scores | None,
-) -> bool:
-    """Whether the compiled walk computes this call: what hides keys is a band (causal, the
-    window, the lengths), the scores are plain ones, in float32 or float64 throughout, and
-    every array is one the compiled code can take as it is (:func:`walk_views`)."""
+) -> list[np.ndarray] | None:
+    """The arrays as the compiled walk takes them (:func:`walk_views`) when it computes this
+    call, else ``None``: what hides keys is a band (causal, the window, the lengths), the
+    scores are plain ones, in float32 or float64 throughout, and every array is one the
+    compiled code can take as it is."""
     outputs = (out,) if lse is None else (out, lse[..., None])
-    return (
-        weights is None
-        and _band_and_plain_scores(visibility, dropout, scores, (q, k, v, *outputs))
-        and walk_views((q, k, v), outputs, operands=(q, k, v)) is not None
-        and compiled.walk_available()
-    )
+    if (
+        weights is not None
+        or not _band_and_plain_scores(visibility, dropout, scores, (q, k, v, *outputs))
+        or not compiled.walk_available()
+    ):
+        return None
+    return walk_views((q, k, v), outputs, operands=(q, k, v))
 
 
 def _band_and_plain_scores(
@@ -87,7 +89,8 @@ def walk_views(
     rows BLAS cannot read (:func:`_blas_rows`)."""
     views = []
     for x in (*inputs, *outputs):
-        if not x.flags.aligned or any(stride % x.itemsize for stride in x.strides):
+        size = x.itemsize
+        if not x.flags.aligned or not all(stride % size == 0 for stride in x.strides):
             return None
         view = _merged_batch(x)
         if view is None:
@@ -173,23 +176,22 @@ def run_forward(
     scale: float,
     out: np.ndarray,
     lse: np.ndarray | None,
+    views: list[np.ndarray],
     tiles: Any,
     group: int,
     team: Team,
     flip_below: int,
     product_chunk: int,
 ) -> tuple[list[Task], Parts | None]:
-    """Run the call's work items as compiled code, a few dozen per call of it; returns the
-    items it left to the NumPy walk and the split keys' partial results, if any. Tiles of
-    fewer than ``flip_below`` rows take ``k @ q^T``, and ``p @ v`` in runs of
-    ``product_chunk`` keys (the Python walk's choices, :mod:`.forward`)."""
+    """Run the call's work items as compiled code, a few dozen per call of it, on ``views``
+    (:func:`forward_walkable`'s); returns the items it left to the NumPy walk and the split
+    keys' partial results, if any. Tiles of fewer than ``flip_below`` rows take ``k @
+    q^T``, and ``p @ v`` in runs of ``product_chunk`` keys (the Python walk's choices,
+    :mod:`.forward`)."""
     L, d_k = q.shape[-2:]
     H_kv, S, d_v = k.shape[-3], k.shape[-2], v.shape[-1]
     batch_shape = q.shape[:-3]
     B = math.prod(batch_shape)
-    outputs = (out,) if lse is None else (out, lse[..., None])
-    views = walk_views((q, k, v), outputs, operands=(q, k, v))
-    assert views is not None  # checked by forward_walkable
     q4, out4 = views[0], views[3]
     lse4 = np.empty((1, 1, 0), out.dtype) if lse is None else views[4][..., 0]
     key_end, query_end, offsets = _limits(visibility, batch_shape, L, S)
@@ -241,8 +243,8 @@ def run_forward(
         return run
 
     team.run(chunks, make_worker)
-    left = []
-    for t in table[failed]:
+    left: list[Task] = []
+    for t in table[failed] if failed.any() else ():
         batch = batch_index(t[0], batch_shape)
         kv = slice(int(t[1]), int(t[1]) + 1)
         item = visibility.item(batch, slice(kv.start * group, kv.stop * group))

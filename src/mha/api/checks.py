@@ -128,7 +128,8 @@ def checked_heads(
             )
     same("q", q, "k", k, "batch axes {}", q.shape[:-3], k.shape[:-3])
     same("k", k, "v", v, "leading (batch..., H_kv) axes {}", k.shape[:-2], v.shape[:-2])
-    kv_heads(q.shape[-3], k.shape[-3], f"q {q.shape}, k {k.shape}")
+    if k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]:  # the message only when refused
+        kv_heads(q.shape[-3], k.shape[-3], f"q {q.shape}, k {k.shape}")
     same("q", q, "k", k, "head width {}", q.shape[-1], k.shape[-1])
     same("k", k, "v", v, "{} positions", k.shape[-2], v.shape[-2])
     result_dtype, compute_dtype = result_and_compute_dtypes(q, k, v)
