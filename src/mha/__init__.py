@@ -14,6 +14,8 @@ from . import rotary as rotary
 from .api.cache import KVCache
 from .api.latent import LatentAttention
 from .api.module import MultiHeadAttention
+from .api.paged import paged_attention
+from .api.paged_cache import PagedKVCache, PoolExhaustedError
 from .api.projection import multi_head_attention
 from .api.rotary import apply_rotary
 from .api.split_heads import merge_attention, scaled_dot_product_attention
@@ -33,12 +35,15 @@ __all__ = [
     "KVCache",
     "LatentAttention",
     "MultiHeadAttention",
+    "PagedKVCache",
+    "PoolExhaustedError",
     "ShapeError",
     "WeightsFileError",
     "alibi_slopes",
     "apply_rotary",
     "merge_attention",
     "multi_head_attention",
+    "paged_attention",
     "scaled_dot_product_attention",
 ]
 __version__ = "0.1.0"

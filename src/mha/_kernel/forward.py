@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -49,6 +50,7 @@ from . import compiled, tasks, walk
 from .contract import Visibility
 from .dropout import Dropout
 from .item import ItemVisibility
+from .paged import PagedKV
 from .scores import Scores, add_sinks
 from .tasks import Parts, Task, merge_partials
 from .team import Team
@@ -125,8 +127,8 @@ def plan_tiles(
 
 def attend(
     q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
+    k: np.ndarray | PagedKV,
+    v: np.ndarray | PagedKV,
     visibility: Visibility,
     scale: float,
     out: np.ndarray,
@@ -141,7 +143,8 @@ def attend(
     """Fill ``out`` with attention of ``q`` over ``k`` and ``v``, per ``(*batch, head)``.
 
     ``q (*batch, H, L, d_k)``, ``k (*batch, H_kv, S, d_k)``, ``v (*batch, H_kv, S, d_v)``
-    may be strided views of any floating dtype; ``H_kv`` divides ``H`` and query head ``h``
+    may be strided views of any floating dtype (``k`` and ``v`` also blocks of a paged
+    cache, :class:`.paged.PagedKV`, read tile by tile); ``H_kv`` divides ``H`` and query head ``h``
     uses key/value head ``h // (H // H_kv)``. Tiles are computed in ``out.dtype``, which
     must be float32 or wider. ``out (*batch, H, L, d_v)``, ``weights (*batch, H, L, S)``
     and ``lse (*batch, H, L)`` (log-sum-exp of each row's logits) must arrive filled with
@@ -159,7 +162,8 @@ def attend(
     H_kv, S, d_v = k.shape[-3], k.shape[-2], v.shape[-1]
     group = H // H_kv
     dtype = out.dtype
-    cast = k.dtype != dtype or v.dtype != dtype  # stored narrower: upcast tile by tile
+    # Stored narrower, or in a paged cache's blocks: each tile is a copy in the compute dtype.
+    cast = k.dtype != dtype or v.dtype != dtype or isinstance(k, PagedKV)
     tiles = plan_tiles(L, S, H_kv, d_k, d_v, dtype.itemsize, max_memory, weights is not None, group,
                        cast)  # fmt: skip
     # Rows in whole chunks per tile (or whole key tiles, for a mask_mod, whose documents or
@@ -169,8 +173,10 @@ def attend(
         tiles = replace(tiles, rows=tiles.rows // align * align)
     team = team or Team(1)
     parts: Parts | None = None
-    views = walk.forward_walkable(q, k, v, out, lse, visibility, weights, dropout, scores)
-    if views:
+    views = None
+    if isinstance(k, np.ndarray) and isinstance(v, np.ndarray):
+        views = walk.forward_walkable(q, k, v, out, lse, visibility, weights, dropout, scores)
+    if views and isinstance(k, np.ndarray) and isinstance(v, np.ndarray):
         # The compiled walk; a task it could not do (a non-finite value at a hidden key)
         # is done below by the NumPy walk, with the compiled softmax step.
         work, parts = walk.run_forward(q, k, v, visibility, scale, out, lse, views, tiles, group,
@@ -259,8 +265,8 @@ class _Scratch:
 
 def _query_tile(
     q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
+    k: Any,
+    v: Any,
     item: ItemVisibility,
     scale: float,
     r0: int,
@@ -277,7 +283,8 @@ def _query_tile(
     scores: Scores | None = None,
 ) -> None:
     """Rows ``[r0, r1)`` of the query heads ``q (G * group, L, d_k)`` against keys
-    ``[start, stop)`` of the ``G`` key/value heads ``k (G, S, d_k)``: the rows of each
+    ``[start, stop)`` of the ``G`` key/value heads ``k (G, S, d_k)`` (an array, or a
+    paged cache's heads, whose ``[:, c0:c1]`` is a gathered tile): the rows of each
     group's query heads are stacked into one tile of ``R = group * n`` rows. ``fused``: the
     softmax lines run as the compiled step, otherwise as NumPy's passes."""
     G, n = k.shape[0], r1 - r0

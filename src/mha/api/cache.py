@@ -397,6 +397,10 @@ class KVCache:
             v[:, :, :held] = self._v
         self._k, self._v = k, self._values_of(k, v)
 
+    def _attended(self, S: int) -> tuple[np.ndarray, np.ndarray]:
+        """The keys and values of every sequence's first ``S`` slots, for the kernel."""
+        return self._k[:, :, :S], self._v[:, :, :S]
+
     def _snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The state an append changes: restored by :meth:`_restore` when its call fails
         (appends write only past each sequence's length, and drop into new buffers)."""

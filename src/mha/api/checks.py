@@ -32,6 +32,7 @@ from .._kernel.forward import DEFAULT_MAX_MEMORY
 from .._kernel.scores import Scores
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .cache import KVCache
+from .paged_cache import PagedKVCache
 from .qk_norm import QKNorm, check_qk_norm
 from .rope_scaling import check_rope_scaling
 from .rotary import check_positions, check_rotary_options
@@ -165,8 +166,10 @@ def check_cache(
     ``query_lengths``, or ``L``) and the window to attend within: the call's, which may be
     the cache's or narrower (a cache without a window keeps every position). ``context``
     names the caller's arrays."""
-    if not isinstance(cache, KVCache):
-        raise AttentionTypeError(f"cache must be an mha.KVCache; got {type(cache).__name__}")
+    if not isinstance(cache, (KVCache, PagedKVCache)):
+        raise AttentionTypeError(
+            f"cache must be an mha.KVCache or mha.PagedKVCache; got {type(cache).__name__}"
+        )
     where = f" ({context})"
     cache._check_fit(B, H_kv, d_k, d_v, where)
     if new_keys != L:

@@ -17,6 +17,7 @@ from .cache import KVCache
 from .checks import check_call, check_mask_argument, masking, random_generator
 from .configuration import float_dtype
 from .layouts import Layouts
+from .paged_cache import PagedKVCache
 from .projection import compute
 
 if TYPE_CHECKING:
@@ -209,7 +210,7 @@ class MultiHeadAttention(Layouts):
         scale: float | None = None,
         return_weights: Flag = False,
         positions: Any = None,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
         return_backward: Flag = False,
         dropout_p: float | None = None,
         generator: np.random.Generator | None = None,

@@ -23,6 +23,7 @@ from .cache import KVCache
 from .checks import Call, Weights, check_call
 from .checks import masking as masking_of
 from .gradients import ProjectedBackward, join_heads, split_heads
+from .paged_cache import PagedKVCache
 from .rotary import apply_rotary
 from .split_heads import attend_cached
 
@@ -115,7 +116,7 @@ def multi_head_attention(
     qk_norm: str | None = None,
     qk_norm_eps: float | None = None,
     qk_norm_offset: float | None = None,
-    cache: KVCache | None = None,
+    cache: KVCache | PagedKVCache | None = None,
     return_backward: Flag = False,
     dropout_p: float | None = None,
     generator: np.random.Generator | None = None,

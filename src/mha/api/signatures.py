@@ -15,6 +15,7 @@ from typing import Any, SupportsIndex, TypedDict
 import numpy as np
 
 from .cache import KVCache
+from .paged_cache import PagedKVCache
 
 __all__ = ["Backward", "Flag", "ForwardOptions", "MaskMod", "MhaOptions", "ScoreMod", "SdpaOptions"]
 
@@ -44,7 +45,7 @@ class _Keywords(TypedDict, total=False):
     scale: float | None
     dropout_p: float | None
     generator: np.random.Generator | None
-    cache: KVCache | None
+    cache: KVCache | PagedKVCache | None
     max_memory: SupportsIndex | None
     workers: SupportsIndex | None
 

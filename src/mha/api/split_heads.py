@@ -39,6 +39,7 @@ from .checks import (
     masking as masking_of,
 )
 from .gradients import SplitHeadsBackward
+from .paged_cache import PagedKVCache
 from .variants import check_scores
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ def scaled_dot_product_attention(
     return_backward: Flag = False,
     dropout_p: float | None = None,
     generator: np.random.Generator | None = None,
-    cache: KVCache | None = None,
+    cache: KVCache | PagedKVCache | None = None,
     max_memory: SupportsIndex | None = None,
     workers: SupportsIndex | None = None,
 ) -> np.ndarray | tuple[Any, ...]:
@@ -279,7 +280,7 @@ def attend_cached(
     q: np.ndarray,
     k: np.ndarray,
     v: np.ndarray,
-    cache: KVCache,
+    cache: KVCache | PagedKVCache,
     counts: np.ndarray,
     window: SupportsIndex | None,
     scale: float,
@@ -317,7 +318,7 @@ def attend_cached(
 
 
 def _append_and_attend(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache, counts: np.ndarray,
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache | PagedKVCache, counts: np.ndarray,
     window: SupportsIndex | None, scale: float, want_lse: bool, budget: int,
     threads: int | None, team: Team | None, masking: dict[str, Any], scores: Scores | None,
     positions: np.ndarray,
@@ -335,7 +336,7 @@ def _append_and_attend(
         mask_mod=masking.get("mask_mod"), query_index=positions,
         key_index=cache.first - held_sinks, held_sinks=held_sinks, dtype=dtype,
     )  # fmt: skip
-    keys, values = cache.k, cache.v
+    keys, values = cache._attended(S)
     out = np.zeros((*q.shape[:-1], values.shape[-1]), dtype=dtype)
     lse = np.full(q.shape[:-1], -np.inf, dtype=dtype) if want_lse else None
     cost = float(B * q.shape[-3] * L) * S * (q.shape[-1] + values.shape[-1])
@@ -343,8 +344,8 @@ def _append_and_attend(
         if team is None:
             team = stack.enter_context(Team(workers_for(cost, threads)))
         attend(
-            q, keys[:, :, :S], values[:, :, :S], visibility, scale, out, lse=lse,
-            max_memory=budget, team=team, scores=scores,
+            q, keys, values, visibility, scale, out, lse=lse, max_memory=budget, team=team,
+            scores=scores,
         )  # fmt: skip
     return out, lse
 

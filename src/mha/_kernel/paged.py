@@ -1,0 +1,80 @@
+"""Keys and values that lie in a pool of fixed-size blocks (a paged cache), as the kernel
+reads them: tile by tile, each tile gathered from the blocks it spans, never the whole
+sequence at once.
+
+A pool is ``(num_blocks, block_size, H_kv, d)``, the layout of vLLM's FlashAttention backend
+and of ``flash_attn_with_kvcache``; sequence ``b``'s position ``j`` lies in block
+``table[b, j // block_size]``, row ``j % block_size``. :class:`PagedKV` stands where the
+kernel takes a ``(B, H_kv, S, d)`` array: indexed by a sequence, then by its key/value
+heads, then by a range of positions, it returns that tile as an array ``(G, w, d)`` (a
+copy of ``w`` rows, the only one made). The Python walk reads every tile so, with the
+same arithmetic as for a contiguous cache: for the same tiles the results are the same
+bits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["PagedKV"]
+
+
+class PagedKV:
+    """``pool (num_blocks, block_size, H_kv, d)`` seen as ``(B, H_kv, S, d)`` through
+    ``table (B, max_blocks)``: positions past a sequence's blocks are never read (the
+    kernel is given each sequence's length)."""
+
+    def __init__(self, pool: np.ndarray, table: np.ndarray, S: int) -> None:
+        self.pool = pool
+        self.table = np.asarray(table, np.int64)
+        self.block_size = pool.shape[1]
+        self.shape = (self.table.shape[0], pool.shape[2], S, pool.shape[3])
+        self.dtype = pool.dtype
+        self.ndim = 4
+
+    def __getitem__(self, index: Any) -> _Heads:
+        (b,) = index if isinstance(index, tuple) else (index,)
+        return _Heads(self, int(b), slice(0, self.shape[1]))
+
+
+class _Heads:
+    """One sequence's key/value heads ``heads`` of a :class:`PagedKV`: ``(G, S, d)``."""
+
+    def __init__(self, paged: PagedKV, b: int, heads: slice) -> None:
+        self._paged, self._b, self._heads = paged, b, heads
+        _, H_kv, S, d = paged.shape
+        start, stop, _ = heads.indices(H_kv)
+        self.shape = (stop - start, S, d)
+        self.dtype = paged.dtype
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):  # the kernel's k[batch][kv]: choose heads
+            start, stop, _ = index.indices(self.shape[0])
+            first = self._heads.start
+            return _Heads(self._paged, self._b, slice(first + start, first + stop))
+        heads, positions = index  # the tile: [:, c0:c1]
+        assert heads == slice(None)
+        return self.tile(*positions.indices(self.shape[1])[:2])
+
+    def tile(self, c0: int, c1: int) -> np.ndarray:
+        """Positions ``[c0, c1)`` of these heads, ``(G, c1 - c0, d)``: each block's rows in
+        turn (a run of blocks adjacent in the pool is read as one)."""
+        paged = self._paged
+        size, row = paged.block_size, paged.table[self._b]
+        G, _, d = self.shape
+        out = np.empty((G, c1 - c0, d), paged.dtype)
+        at = c0
+        while at < c1:
+            block, offset = divmod(at, size)
+            run = 1  # blocks that follow each other in the pool too
+            while (at // size + run) * size < c1 and row[block + run] == row[block] + run:
+                run += 1
+            end = min(c1, (block + run) * size)
+            first = int(row[block])
+            rows = paged.pool[first : first + run].reshape(run * size, *paged.pool.shape[2:])
+            piece = rows[offset : offset + end - at, self._heads]
+            out[:, at - c0 : end - c0] = piece.transpose(1, 0, 2)
+            at = end
+        return out

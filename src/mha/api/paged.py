@@ -1,0 +1,173 @@
+"""``paged_attention``: attention over keys and values in a pool of fixed-size blocks, in the
+layout serving engines keep them (vLLM's FlashAttention backend, ``flash_attn_with_kvcache``),
+so that an engine's state can be checked against mha directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._arrays import (
+    as_array,
+    as_float_array,
+    cast_result,
+    flag,
+    resolve_scale,
+    result_and_compute_dtypes,
+)
+from .._kernel.contract import Visibility
+from .._kernel.forward import attend
+from .._kernel.paged import PagedKV
+from .._kernel.team import Team, workers_for
+from ..errors import AttentionTypeError, AttentionValueError, ShapeError
+from .checks import kernel_options, kv_heads
+from .variants import check_scores
+
+__all__ = ["paged_attention"]
+
+
+def paged_attention(
+    q: Any,
+    key_cache: Any,
+    value_cache: Any,
+    block_table: Any,
+    seq_lens: Any,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Any = None,
+    return_lse: bool = False,
+    max_memory: int | None = None,
+    workers: int | None = None,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Attention of each sequence's new queries over its cached keys and values, which lie
+    in blocks of a pool, as ``flash_attn_with_kvcache(q, k_cache, v_cache,
+    cache_seqlens=seq_lens, block_table=block_table, causal=causal)`` computes it.
+
+    * ``q (num_seqs, L, H, d_k)``: each sequence's ``L`` newest tokens' queries (the
+      FlashAttention layout: heads after positions).
+    * ``key_cache (num_blocks, block_size, H_kv, d_k)``, ``value_cache (num_blocks,
+      block_size, H_kv, d_v)``: the pools (vLLM's FlashAttention layout); ``H_kv`` divides
+      ``H`` (query head ``h`` reads key/value head ``h // (H // H_kv)``). float64,
+      float32, float16 or bfloat16: the narrow ones are read in float32, tile by tile.
+    * ``block_table (num_seqs, max_blocks)``: integers; sequence ``b``'s position ``j``
+      lies in block ``block_table[b, j // block_size]``, row ``j % block_size``. Entries
+      past a sequence's last block are never read (any value); the others must name a
+      block of the pool. Blocks may be shared by several sequences and lie in any order.
+    * ``seq_lens (num_seqs,)``: each sequence's cached tokens, the new ones included
+      (``cache_seqlens``); its queries are its last ``L`` positions.
+    * ``causal``: query ``i`` sees key ``j`` only if ``j <= i + seq_lens[b] - L``
+      (bottom-right, as FlashAttention aligns it); ``window``: and only if ``i +
+      seq_lens[b] - L - j < window`` (FlashAttention's ``window_size=(window - 1, 0)``).
+    * ``scale`` (default ``1/sqrt(d_k)``), ``softcap`` (Gemma 2's ``softcap *
+      tanh(s / softcap)``), ``sinks (H,)`` (gpt-oss's per-head logits), as in
+      :func:`mha.scaled_dot_product_attention`.
+    * ``return_lse``: also return each row's log-sum-exp ``(num_seqs, H, L)``, as
+      FlashAttention's ``softmax_lse``.
+
+    Returns ``out (num_seqs, L, H, d_v)`` in the inputs' dtype (mha's rule: float32 is
+    computed in float32, float16 and bfloat16 in float32 and returned in their own),
+    computed from the blocks where they lie: each key tile is gathered from the blocks it
+    spans as the kernel reaches it, never the whole sequence. A row that sees no key
+    (``seq_lens[b] = 0``, or a causal row before the first key) is zero, with ``lse =
+    -inf``.
+
+    >>> import numpy as np, mha
+    >>> rng = np.random.default_rng(0)
+    >>> pool_k, pool_v = rng.standard_normal((2, 8, 4, 2, 16))   # 8 blocks of 4 tokens
+    >>> table = np.array([[5, 2, 7], [1, 0, 0]])                 # two sequences' blocks
+    >>> q = rng.standard_normal((2, 1, 4, 16))                   # one new token, 4 heads
+    >>> out = mha.paged_attention(q, pool_k, pool_v, table, seq_lens=[10, 3])
+    >>> k = pool_k[[5, 2, 7]].reshape(12, 2, 16)[:10]            # sequence 0's keys, gathered
+    >>> v = pool_v[[5, 2, 7]].reshape(12, 2, 16)[:10]
+    >>> dense = mha.scaled_dot_product_attention(
+    ...     q[:1].transpose(0, 2, 1, 3), k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None])
+    >>> bool(np.allclose(out[:1], dense.transpose(0, 2, 1, 3), rtol=1e-13, atol=0))
+    True
+    """
+    q = as_float_array("q", q)
+    key_cache = as_float_array("key_cache", key_cache)
+    value_cache = as_float_array("value_cache", value_cache)
+    for name, array in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if array.ndim != 4:
+            layout = "(num_seqs, L, H, d_k)" if name == "q" else "(num_blocks, block_size, H_kv, d)"
+            raise ShapeError(f"{name} must have shape {layout}; got shape {array.shape}")
+    shapes = f"q {q.shape}, key_cache {key_cache.shape}, value_cache {value_cache.shape}"
+    if key_cache.shape[:3] != value_cache.shape[:3]:
+        raise ShapeError(
+            f"key_cache and value_cache must share (num_blocks, block_size, H_kv) ({shapes})"
+        )
+    if q.shape[-1] != key_cache.shape[-1]:
+        raise ShapeError(f"q and key_cache must have the same head width d_k ({shapes})")
+    B, L, H, d_k = q.shape
+    num_blocks, block_size, H_kv, _ = key_cache.shape
+    if H_kv == 0 or H % H_kv:
+        kv_heads(H, H_kv, shapes)
+    table, lengths = _table_and_lengths(block_table, seq_lens, B, num_blocks, block_size)
+    result_dtype, compute_dtype = result_and_compute_dtypes(q, key_cache, value_cache)
+    scale = resolve_scale(scale, d_k, compute_dtype)
+    causal = flag("causal", causal)
+    want_lse = flag("return_lse", return_lse)
+    budget, threads = kernel_options(max_memory, workers)
+    scores = check_scores(
+        sinks=sinks, softcap=softcap, alibi=None, score_mod=None, score_mod_grad=None, H=H,
+        want_backward=False,
+    )  # fmt: skip
+    S = max(int(lengths.max(initial=0)), 1)
+    visibility = Visibility.build(
+        batch_shape=(B,), H=H, L=L, S=S, causal=causal, key_lengths=lengths, window=window,
+        offsets=lengths - L, query_index=lengths - L, key_index=np.zeros(B, np.int64),
+        dtype=compute_dtype, context=shapes,
+    )  # fmt: skip
+    queries = q.transpose(0, 2, 1, 3)  # (B, H, L, d_k): a view
+    out = np.zeros((B, H, L, value_cache.shape[-1]), compute_dtype)
+    lse = np.full((B, H, L), -np.inf, compute_dtype) if want_lse else None
+    cost = float(B * H * L) * S * (d_k + value_cache.shape[-1])
+    with np.errstate(invalid="ignore", over="ignore"), Team(workers_for(cost, threads)) as team:
+        attend(
+            queries, PagedKV(key_cache, table, S), PagedKV(value_cache, table, S), visibility,
+            scale, out, lse=lse, max_memory=budget, team=team, scores=scores,
+        )  # fmt: skip
+    result = cast_result(out.transpose(0, 2, 1, 3), result_dtype)
+    if want_lse:
+        assert lse is not None
+        return result, lse
+    return result
+
+
+def _table_and_lengths(
+    block_table: Any, seq_lens: Any, B: int, num_blocks: int, block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The block table and the lengths as int64 arrays, checked: every block a sequence
+    reads names a block of the pool."""
+    table = as_array("block_table", block_table)
+    lengths = as_array("seq_lens", seq_lens)
+    for name, array, shape, ndim in (("block_table", table, "(num_seqs, max_blocks)", 2),
+                                     ("seq_lens", lengths, "(num_seqs,)", 1)):  # fmt: skip
+        if array.dtype.kind not in "iu":
+            raise AttentionTypeError(f"{name} must hold integers; got dtype {array.dtype}")
+        if array.ndim != ndim or array.shape[0] != B:
+            raise ShapeError(
+                f"{name} must have shape {shape} with num_seqs = {B} (q's first axis); got "
+                f"shape {array.shape}"
+            )
+    table, lengths = table.astype(np.int64), lengths.astype(np.int64)
+    most = table.shape[1] * block_size
+    if lengths.size and (lengths.min() < 0 or lengths.max() > most):
+        raise AttentionValueError(
+            f"seq_lens must lie in [0, {most}] (max_blocks {table.shape[1]} x block_size "
+            f"{block_size}); got {lengths.tolist()}"
+        )
+    used = np.arange(table.shape[1]) < -(-lengths[:, None] // block_size)  # blocks read
+    bad = used & ((table < 0) | (table >= num_blocks))
+    if bad.any():
+        b, j = (int(i) for i in np.argwhere(bad)[0])
+        raise AttentionValueError(
+            f"block_table[{b}, {j}] = {int(table[b, j])} is not a block of the pool (0 to "
+            f"{num_blocks - 1}); sequence {b} reads it (seq_lens[{b}] = {int(lengths[b])})"
+        )
+    return table, lengths

@@ -1,0 +1,350 @@
+"""``PagedKVCache``: the keys and values of many sequences in one pool of fixed-size blocks.
+
+Sequences come and go by id: each has a block table (the pool's blocks holding its
+positions, in order) and a length. An append fills a sequence's last block and takes a free
+block when it is full; releasing a sequence returns its blocks to the free list. A sequence
+forked from another shares all its blocks (a shared prompt, beam search, parallel
+sampling); a block is copied only when a sequence writes into one it shares (copy on
+write). The pools are ``(num_blocks, block_size, H_kv, d)``, vLLM's FlashAttention layout,
+and :meth:`PagedKVCache.block_table` gives the tables :func:`mha.paged_attention` takes.
+
+The attention calls that take ``cache=`` take a paged cache for all its sequences, in the
+order they were added, as the batch; the kernel reads each sequence's blocks where they
+lie, tile by tile. A call the cache refuses (a full pool, say) changes nothing.
+"""
+
+from __future__ import annotations
+
+import reprlib
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+import numpy as np
+
+from .._arrays import as_float_array, compute_dtype_of, is_storage_dtype, positive_int
+from .._kernel.paged import PagedKV
+from ..errors import AttentionTypeError, AttentionValueError, ShapeError
+
+__all__ = ["PagedKVCache", "PoolExhaustedError"]
+
+
+class PoolExhaustedError(AttentionValueError):
+    """An append needs more free blocks than the pool has; nothing was changed."""
+
+
+class PagedKVCache:
+    """A pool of ``num_blocks`` blocks of ``block_size`` positions, each holding
+    ``num_kv_heads`` keys of ``head_dim`` (values of ``value_dim``, default ``head_dim``)
+    in ``dtype`` (float64, float32, or the storage dtypes bfloat16 and float16, computed
+    in float32).
+
+    >>> import numpy as np, mha
+    >>> cache = mha.PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=1, head_dim=2,
+    ...                          dtype=np.float64)
+    >>> cache.add("a"); cache.add("b")
+    >>> k = np.ones((2, 1, 6, 2))                      # six tokens for each sequence
+    >>> out = mha.scaled_dot_product_attention(k, k, k, cache=cache)
+    >>> cache.lengths, cache.num_free_blocks           # two blocks each
+    (array([6, 6]), 4)
+    >>> cache.fork("a", "c")                           # "c" shares a's blocks
+    >>> cache.num_free_blocks, cache.block_table(["a", "c"]).tolist()
+    (4, [[0, 1], [0, 1]])
+    >>> cache.release("a"); cache.release("b"); cache.release("c")
+    >>> cache.num_free_blocks
+    8
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        value_dim: int | None = None,
+        dtype: Any = np.float32,
+    ) -> None:
+        count = positive_int("num_blocks", num_blocks)
+        size = positive_int("block_size", block_size)
+        H_kv = positive_int("num_kv_heads", num_kv_heads)
+        d_k = positive_int("head_dim", head_dim)
+        d_v = d_k if value_dim is None else positive_int("value_dim", value_dim)
+        kinds = "float64, float32, bfloat16 or float16"
+        try:
+            self._dtype: np.dtype = np.dtype(dtype)
+        except TypeError:
+            raise AttentionTypeError(f"dtype must be {kinds}; got {dtype!r}") from None
+        if self._dtype not in (np.float32, np.float64) and not is_storage_dtype(self._dtype):
+            raise AttentionTypeError(f"dtype must be {kinds}; got {self._dtype}")
+        self._k = np.zeros((count, size, H_kv, d_k), self._dtype)
+        self._v = np.zeros((count, size, H_kv, d_v), self._dtype)
+        self._refs = np.zeros(count, np.int64)  # sequences holding each block
+        self._free = list(range(count - 1, -1, -1))  # taken from the end: lowest first
+        self._tables: dict[Hashable, list[int]] = {}
+        self._lengths: dict[Hashable, int] = {}
+
+    # What it holds ------------------------------------------------------------------
+
+    @property
+    def sequences(self) -> tuple[Hashable, ...]:
+        """The ids of the sequences it holds, in the order they were added: the batch of the
+        attention calls that take the cache.
+
+        >>> cache = PagedKVCache(4, 16, 1, 8); cache.add(7); cache.add("x"); cache.sequences
+        (7, 'x')
+        """
+        return tuple(self._tables)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Each sequence's length (in :attr:`sequences`' order): its next token's position."""
+        lengths = np.array([self._lengths[s] for s in self._tables], np.int64)
+        lengths.flags.writeable = False
+        return lengths
+
+    def length(self, seq_id: Hashable) -> int:
+        """The length of sequence ``seq_id``."""
+        return self._lengths[self._known(seq_id)]
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self._k.shape[0])
+
+    @property
+    def block_size(self) -> int:
+        return int(self._k.shape[1])
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds."""
+        return len(self._free)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        """The dtype of the calls that use the cache: float32 for a bfloat16 or float16 one."""
+        return compute_dtype_of(self._dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the two pools (the whole pool, used or not)."""
+        return int(self._k.nbytes + self._v.nbytes)
+
+    @property
+    def key_cache(self) -> np.ndarray:
+        """The key pool ``(num_blocks, block_size, H_kv, head_dim)`` (read-only)."""
+        return _read_only(self._k)
+
+    @property
+    def value_cache(self) -> np.ndarray:
+        """The value pool ``(num_blocks, block_size, H_kv, value_dim)`` (read-only)."""
+        return _read_only(self._v)
+
+    def block_table(self, seq_ids: Iterable[Hashable] | None = None) -> np.ndarray:
+        """The blocks of ``seq_ids`` (default: every sequence), one row each, padded with
+        -1 to the longest: :func:`mha.paged_attention`'s ``block_table`` (with
+        ``seq_lens`` from :meth:`length`)."""
+        ids = list(self._tables) if seq_ids is None else [self._known(s) for s in seq_ids]
+        width = max((len(self._tables[s]) for s in ids), default=0)
+        table = np.full((len(ids), width), -1, np.int64)
+        for row, s in enumerate(ids):
+            table[row, : len(self._tables[s])] = self._tables[s]
+        return table
+
+    def __repr__(self) -> str:
+        count, size, H_kv, d_k = self._k.shape
+        values = "" if self._v.shape[-1] == d_k else f", value_dim={self._v.shape[-1]}"
+        return (
+            f"PagedKVCache(num_blocks={count}, block_size={size}, num_kv_heads={H_kv}, "
+            f"head_dim={d_k}{values}, dtype={self._dtype.name}, free blocks {len(self._free)}, "
+            f"sequences {reprlib.repr(dict(self._lengths))})"
+        )
+
+    # Sequences coming and going ---------------------------------------------------------
+
+    def add(self, seq_id: Hashable) -> None:
+        """Start an empty sequence ``seq_id`` (any hashable id not already held)."""
+        try:
+            hash(seq_id)
+        except TypeError:
+            raise AttentionTypeError(f"seq_id must be hashable; got {seq_id!r}") from None
+        if seq_id in self._tables:
+            raise AttentionValueError(f"sequence {seq_id!r} is already in the cache: {self!r}")
+        self._tables[seq_id], self._lengths[seq_id] = [], 0
+
+    def release(self, seq_id: Hashable) -> None:
+        """Drop sequence ``seq_id``; its blocks that no other sequence shares become free."""
+        seq_id = self._known(seq_id)
+        self._let_go(self._tables.pop(seq_id))
+        del self._lengths[seq_id]
+
+    def fork(self, parent: Hashable, child: Hashable) -> None:
+        """Start sequence ``child`` as a copy of ``parent`` that shares its blocks (none is
+        copied until one of them writes into a shared block)."""
+        parent = self._known(parent)
+        self.add(child)
+        blocks = list(self._tables[parent])
+        self._refs[blocks] += 1
+        self._tables[child], self._lengths[child] = blocks, self._lengths[parent]
+
+    def truncate(self, seq_id: Hashable, length: int) -> None:
+        """Shorten sequence ``seq_id`` to ``length`` tokens (rejected speculative tokens);
+        the blocks past it are let go."""
+        seq_id = self._known(seq_id)
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
+            raise AttentionTypeError(f"length must be an integer; got {length!r}")
+        held = self._lengths[seq_id]
+        if not 0 <= length <= held:
+            raise AttentionValueError(
+                f"cannot truncate sequence {seq_id!r} to {length}: it holds {held} tokens; "
+                "truncate only shortens"
+            )
+        blocks = self._tables[seq_id]
+        keep = -(-int(length) // self.block_size)
+        self._let_go(blocks[keep:])
+        del blocks[keep:]
+        self._lengths[seq_id] = int(length)
+
+    def append(self, seq_id: Hashable, k: Any, v: Any) -> None:
+        """Write the keys ``k (H_kv, n, head_dim)`` and values ``v (H_kv, n, value_dim)``
+        of ``n`` new tokens after sequence ``seq_id``'s, without attending (a prompt
+        computed elsewhere, say). Refused, changing nothing, if the pool has too few free
+        blocks."""
+        seq_id = self._known(seq_id)
+        k, v = as_float_array("k", k), as_float_array("v", v)
+        H_kv, d_k, d_v = self._k.shape[2], self._k.shape[3], self._v.shape[3]
+        if k.ndim != 3 or v.ndim != 3 or k.shape[0] != H_kv or k.shape[2] != d_k or (
+            v.shape != (H_kv, k.shape[1], d_v)
+        ):  # fmt: skip
+            raise ShapeError(
+                f"k and v must be (H_kv, n, d) = ({H_kv}, n, {d_k}) and ({H_kv}, n, {d_v}) "
+                f"for this cache; got k {k.shape}, v {v.shape}"
+            )
+        order = list(self._tables).index(seq_id)
+        counts = np.zeros(len(self._tables), np.int64)
+        counts[order] = k.shape[1]
+        keys = np.zeros((len(self._tables), H_kv, k.shape[1], d_k), k.dtype)
+        values = np.zeros((len(self._tables), H_kv, k.shape[1], d_v), v.dtype)
+        keys[order], values[order] = k, v
+        self._append(keys, values, counts)
+        self._commit(counts)
+
+    # Used by the attention calls (the protocol KVCache keeps too) -----------------------
+
+    window: int | None = None  # a paged cache keeps every position
+    sink_tokens = 0
+    values_in_keys = False
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._tables)
+
+    @property
+    def first(self) -> np.ndarray:
+        """The first position each sequence holds: 0 (a paged cache drops nothing)."""
+        return np.zeros(len(self._tables), np.int64)
+
+    def _known(self, seq_id: Hashable) -> Hashable:
+        try:
+            if seq_id in self._tables:
+                return seq_id
+        except TypeError:
+            pass
+        raise AttentionValueError(
+            f"no sequence {seq_id!r} in the cache (it holds {reprlib.repr(list(self._tables))})"
+        )
+
+    def _let_go(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free.append(block)
+
+    def _check_fit(self, batch: int, heads: int, d_k: int, d_v: int, where: str) -> None:
+        _, _, H_kv, width = self._k.shape
+        if (batch, heads, d_k, d_v) != (len(self._tables), H_kv, width, self._v.shape[-1]):
+            raise ShapeError(
+                f"the new keys and values (batch {batch}, {heads} key/value heads, widths "
+                f"{d_k} and {d_v}) do not fit the cache ({len(self._tables)} sequences, "
+                f"{H_kv} key/value heads, widths {width} and {self._v.shape[-1]}): "
+                f"{self!r}{where}"
+            )
+
+    def _append(self, k: np.ndarray, v: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Write the first ``counts[b]`` new rows of sequence ``b`` after its length, taking
+        free blocks (and copying a shared last block before writing into it); returns each
+        sequence's filled length. The lengths advance only at :meth:`_commit`. Refused before
+        anything changes when the pool has too few free blocks."""
+        size = self.block_size
+        ids = list(self._tables)
+        plans = []
+        needed = 0
+        refs = self._refs.copy()  # as the copies below will leave them
+        for b, s in enumerate(ids):
+            n, held, blocks = int(counts[b]), self._lengths[s], self._tables[s]
+            first = held // size  # the block the first new token goes in
+            last = -(-(held + n) // size)  # blocks the sequence then needs
+            shared = bool(n > 0 and held % size and refs[blocks[first]] > 1)
+            if shared:  # its own copy; the last sharer to write keeps the block
+                refs[blocks[first]] -= 1
+            needed += max(0, last - len(blocks)) + shared
+            plans.append((n, held, first, last, shared))
+        if needed > len(self._free):
+            raise PoolExhaustedError(
+                f"the pool has {len(self._free)} free blocks but this append needs {needed} "
+                f"(tokens per sequence {counts.tolist()}): {self!r}; release sequences or "
+                "make a larger pool"
+            )
+        for b, (s, (n, held, first, last, shared)) in enumerate(zip(ids, plans, strict=True)):
+            if n == 0:
+                continue
+            blocks = self._tables[s]
+            if shared:  # copy on write: this sequence's own copy of the block
+                fresh = self._free.pop()
+                self._k[fresh], self._v[fresh] = self._k[blocks[first]], self._v[blocks[first]]
+                self._let_go([blocks[first]])
+                self._refs[fresh] = 1
+                blocks[first] = fresh
+            while len(blocks) < last:
+                fresh = self._free.pop()
+                self._refs[fresh] = 1
+                blocks.append(fresh)
+            at = held
+            while at < held + n:  # block by block: (H_kv, rows, d) into (rows, H_kv, d)
+                block, offset = divmod(at, size)
+                rows = min(size - offset, held + n - at)
+                target = blocks[block]
+                self._k[target, offset : offset + rows] = k[b, :, at - held : at - held + rows].transpose(1, 0, 2)  # fmt: skip  # noqa: E501
+                self._v[target, offset : offset + rows] = v[b, :, at - held : at - held + rows].transpose(1, 0, 2)  # fmt: skip  # noqa: E501
+                at += rows
+        filled: np.ndarray = np.array([self._lengths[s] for s in ids], np.int64) + counts
+        return filled
+
+    def _commit(self, counts: np.ndarray) -> None:
+        for s, n in zip(list(self._tables), counts, strict=True):
+            self._lengths[s] += int(n)
+
+    def _snapshot(self) -> tuple[Any, ...]:
+        """What an append changes (tables, reference counts, the free list); the rows it
+        writes lie past each sequence's length, or in blocks only it holds."""
+        return ({s: list(t) for s, t in self._tables.items()}, self._refs.copy(),
+                list(self._free))  # fmt: skip
+
+    def _restore(self, state: tuple[Any, ...]) -> None:
+        self._tables, self._refs, self._free = state[0], state[1], state[2]
+
+    def _attended(self, S: int) -> tuple[PagedKV, PagedKV]:
+        """The keys and values of every sequence, ``(B, H_kv, S, d)`` as the kernel reads
+        them: from the blocks, tile by tile."""
+        table = self.block_table()
+        if table.shape[1] == 0:
+            table = np.zeros((table.shape[0], 1), np.int64)
+        return PagedKV(self._k, table, S), PagedKV(self._v, table, S)
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view: np.ndarray = np.lib.stride_tricks.as_strided(array, writeable=False)
+    return view

@@ -1,0 +1,341 @@
+"""Paged caches: ``mha.paged_attention`` over a pool of blocks, and ``mha.PagedKVCache``.
+
+Oracles: a dense float64 computation written here from the same block tables (the keys
+gathered with NumPy, the mask written out), torch's SDPA on the gathered keys, a fresh
+whole-sequence call for every cached step, and ``mha.KVCache`` (the same bits on the NumPy
+walk, which both then take with the same tiles).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mha
+from mha._kernel import walk
+
+
+def gathered(pool, table, length):
+    """Sequence keys ``(H_kv, length, d)`` from a pool ``(num_blocks, block_size, H_kv, d)``."""
+    size = pool.shape[1]
+    blocks = [pool[table[j]] for j in range(-(-length // size))]
+    rows = np.concatenate(blocks, axis=0) if blocks else pool[:0].reshape(0, *pool.shape[2:])
+    return rows[:length].transpose(1, 0, 2)
+
+
+def dense(q, pool_k, pool_v, table, seq_lens, causal=False, window=None, scale=None):
+    """The attention of ``q (B, L, H, d)`` over each sequence's gathered keys, in float64,
+    with the bottom-right causal mask and the window written out."""
+    B, L, H, d = q.shape
+    out = np.zeros((B, L, H, pool_v.shape[-1]))
+    for b in range(B):
+        n = int(seq_lens[b])
+        k = gathered(pool_k, table[b], n).astype(np.float64)
+        v = gathered(pool_v, table[b], n).astype(np.float64)
+        group = H // k.shape[0]
+        k, v = np.repeat(k, group, axis=0), np.repeat(v, group, axis=0)
+        s = np.einsum("lhd,hsd->hls", q[b].astype(np.float64), k)
+        s *= 1 / np.sqrt(d) if scale is None else scale
+        i, j = np.arange(L)[:, None] + n - L, np.arange(n)[None]
+        allowed = np.ones((L, n), bool)
+        if causal:
+            allowed &= j <= i
+        if window is not None:
+            allowed &= i - j < window
+        s = np.where(allowed, s, -np.inf)
+        top = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+        top[~np.isfinite(top)] = 0
+        e = np.exp(s - top)
+        total = e.sum(-1, keepdims=True)
+        out[b] = np.einsum("hls,hsd->lhd", e / np.where(total == 0, 1, total), v)
+    return out
+
+
+def random_pool(rng, num_blocks, size, H_kv, d, dtype=np.float64):
+    return (rng.standard_normal((num_blocks, size, H_kv, d)).astype(dtype) for _ in range(2))
+
+
+def shuffled_tables(rng, B, seq_lens, size, num_blocks, shared=0):
+    """Block tables of shuffled blocks; the first ``shared`` blocks of every sequence are
+    the same ones (a common prefix); unused entries hold garbage (-7)."""
+    width = max(-(-int(n) // size) for n in seq_lens)
+    table = np.full((B, width + 1), -7)
+    blocks = list(rng.permutation(num_blocks))
+    prefix = [blocks.pop() for _ in range(shared)]
+    for b, n in enumerate(seq_lens):
+        need = -(-int(n) // size)
+        own = [blocks.pop() for _ in range(max(0, need - shared))]
+        table[b, :need] = (prefix + own)[:need]
+    return table
+
+
+CASES = [  # B, L, H, H_kv, d, block_size, seq_lens, keywords
+    (3, 1, 4, 2, 16, 4, [10, 3, 1], {}),  # decoding, partial blocks
+    (2, 5, 6, 3, 8, 8, [21, 5], {"causal": True}),  # several new tokens, bottom-right
+    (2, 3, 2, 1, 8, 2, [9, 2], {"causal": True}),  # a sequence with fewer keys than queries
+    (2, 4, 4, 4, 8, 16, [40, 16], {"causal": True, "window": 6}),
+    (3, 1, 8, 1, 32, 1, [7, 0, 12], {}),  # blocks of one token; an empty sequence
+    (1, 2, 2, 2, 4, 32, [5], {"scale": 0.3}),  # one block larger than the sequence
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shared", [0, 1])
+@pytest.mark.parametrize("case", CASES, ids=[str(c[:7]) for c in CASES])
+def test_paged_attention_matches_a_dense_computation(record_error, case, shared, dtype):
+    B, L, H, H_kv, d, size, seq_lens, keywords = case
+    rng = np.random.default_rng(sum(seq_lens) + size)
+    pool_k, pool_v = random_pool(rng, 64, size, H_kv, d, dtype)
+    table = shuffled_tables(rng, B, seq_lens, size, 64, shared=shared if min(seq_lens) else 0)
+    q = rng.standard_normal((B, L, H, d)).astype(dtype)
+    out, lse = mha.paged_attention(q, pool_k, pool_v, table, seq_lens, return_lse=True,
+                                   **keywords)  # fmt: skip
+    expected = dense(q, pool_k, pool_v, table, seq_lens, **keywords)
+    assert out.dtype == dtype and out.shape == (B, L, H, d) and lse.shape == (B, H, L)
+    error = record_error(f"paged_attention vs dense float64, {np.dtype(dtype).name}",
+                         float(np.abs(out - expected).max()))  # fmt: skip
+    assert error <= (1e-14 if dtype == np.float64 else 2e-6)
+    if 0 in seq_lens:  # a sequence without keys: zeros, lse -inf
+        b = seq_lens.index(0)
+        assert not out[b].any() and np.isneginf(lse[b]).all()
+
+
+def test_paged_attention_matches_torch_on_the_gathered_keys(torch, record_error):
+    rng = np.random.default_rng(1)
+    B, L, H, H_kv, d, size, seq_lens = 4, 3, 8, 2, 16, 16, [70, 3, 48, 129]
+    pool_k, pool_v = random_pool(rng, 40, size, H_kv, d)
+    table = shuffled_tables(rng, B, seq_lens, size, 40, shared=1)
+    q = rng.standard_normal((B, L, H, d))
+    out, lse = mha.paged_attention(q, pool_k, pool_v, table, seq_lens, causal=True,
+                                   return_lse=True)  # fmt: skip
+    for b, n in enumerate(seq_lens):
+        k = torch.from_numpy(gathered(pool_k, table[b], n).copy())[None]
+        v = torch.from_numpy(gathered(pool_v, table[b], n).copy())[None]
+        tq = torch.from_numpy(q[b].transpose(1, 0, 2).copy())[None]
+        i, j = torch.arange(L)[:, None] + n - L, torch.arange(n)[None]
+        mask = j <= i  # bottom-right: the last query sees every key
+        expected = torch.nn.functional.scaled_dot_product_attention(tq, k, v, attn_mask=mask,
+                                                                    enable_gqa=True)  # fmt: skip
+        scores = tq @ torch.repeat_interleave(k, H // H_kv, dim=1).transpose(-1, -2) / d**0.5
+        expected_lse = torch.logsumexp(scores.masked_fill(~mask, -torch.inf), dim=-1)
+        got = out[b].transpose(1, 0, 2)
+        record_error("paged_attention vs torch SDPA, float64",
+                     float(np.abs(got - expected[0].numpy()).max()))  # fmt: skip
+        np.testing.assert_allclose(got, expected[0].numpy(), rtol=1e-12, atol=1e-13)
+        np.testing.assert_allclose(lse[b], expected_lse[0].numpy(), rtol=1e-12, atol=1e-13)
+
+
+def test_paged_attention_takes_bfloat16_pools_in_float32(record_error):
+    bfloat16 = pytest.importorskip("ml_dtypes").bfloat16  # the test extra installs it
+    rng = np.random.default_rng(2)
+    pool_k, pool_v = (p.astype(bfloat16) for p in random_pool(rng, 16, 8, 2, 16))
+    table = shuffled_tables(rng, 2, [30, 9], 8, 16)
+    q = rng.standard_normal((2, 1, 4, 16)).astype(np.float32)
+    out = mha.paged_attention(q, pool_k, pool_v, table, [30, 9])
+    assert out.dtype == np.float32
+    expected = dense(q, pool_k.astype(np.float32), pool_v.astype(np.float32), table, [30, 9])
+    assert record_error("paged_attention bfloat16 pool vs float64", float(np.abs(out - expected).max())) <= 2e-6  # fmt: skip  # noqa: E501
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (lambda a: {**a, "block_table": a["block_table"] + 100}, r"block_table\[0, 0\] = 1\d\d is not a block"),  # noqa: E501
+        (lambda a: {**a, "seq_lens": [99, 3]}, r"seq_lens must lie in \[0, 12\]"),
+        (lambda a: {**a, "seq_lens": [1.0, 3.0]}, "seq_lens must hold integers"),
+        (lambda a: {**a, "seq_lens": [3]}, r"seq_lens must have shape \(num_seqs,\) with num_seqs = 2"),  # noqa: E501
+        (lambda a: {**a, "q": a["q"][..., :3]}, "same head width d_k"),
+        (lambda a: {**a, "q": a["q"][:, :, :3]}, "3 query heads"),
+        (lambda a: {**a, "value_cache": a["value_cache"][:, :2]}, "must share"),
+        (lambda a: {**a, "key_cache": a["key_cache"][0]}, r"key_cache must have shape \(num_blocks"),  # noqa: E501
+    ],
+)  # fmt: skip
+def test_paged_attention_refuses_what_does_not_fit_by_name(change, said):
+    rng = np.random.default_rng(3)
+    pool_k, pool_v = random_pool(rng, 8, 4, 2, 8)
+    arguments = {"q": rng.standard_normal((2, 1, 4, 8)), "key_cache": pool_k,
+                 "value_cache": pool_v, "block_table": np.array([[1, 2, 3], [4, 0, 0]]),
+                 "seq_lens": [10, 3]}  # fmt: skip
+    with pytest.raises(mha.AttentionError, match=said):
+        mha.paged_attention(**change(arguments))
+
+
+def test_padding_entries_of_a_block_table_are_never_read():
+    rng = np.random.default_rng(4)
+    pool_k, pool_v = random_pool(rng, 8, 4, 1, 8)
+    q = rng.standard_normal((1, 1, 2, 8))
+    table = np.array([[3, 1, -1, 10**9]])
+    out = mha.paged_attention(q, pool_k, pool_v, table, [6])
+    np.testing.assert_array_equal(out, mha.paged_attention(q, pool_k, pool_v, table[:, :2], [6]))
+
+
+# The paged cache ------------------------------------------------------------------------
+
+
+def reference_step(history, q, scale=None):
+    """One sequence's attention over its whole history ``(H_kv, n, d)`` keys and values,
+    its ``L`` newest queries ``(H, L, d)`` aligned bottom-right: a fresh call."""
+    k, v = history
+    return mha.scaled_dot_product_attention(q[None], k[None], v[None], causal=True)[0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_random_interleavings_match_whole_sequence_calls(data):
+    """Sequences added, appended to (prefill and decoding), forked, truncated and
+    released in any order: every step's output equals a fresh call over that sequence's
+    whole history, and the pool gets every block back."""
+    size = data.draw(st.sampled_from([1, 3, 4, 16]), label="block_size")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+    H, H_kv, d = 4, 2, 8
+    cache = mha.PagedKVCache(256, size, H_kv, d, dtype=np.float64)
+    history: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    next_id = 0
+    for _ in range(data.draw(st.integers(1, 12), label="operations")):
+        kinds = ["add"] + (["append", "append", "fork", "release", "truncate"] if history else [])
+        kind = data.draw(st.sampled_from(kinds), label="operation")
+        if kind == "add":
+            cache.add(next_id)
+            history[next_id] = (np.zeros((H_kv, 0, d)), np.zeros((H_kv, 0, d)))
+            next_id += 1
+        elif kind == "fork":
+            parent = data.draw(st.sampled_from(sorted(history)), label="parent")
+            cache.fork(parent, next_id)
+            history[next_id] = history[parent]
+            next_id += 1
+        elif kind == "release":
+            gone = data.draw(st.sampled_from(sorted(history)), label="released")
+            cache.release(gone)
+            del history[gone]
+        elif kind == "truncate":
+            seq = data.draw(st.sampled_from(sorted(history)), label="truncated")
+            n = data.draw(st.integers(0, history[seq][0].shape[1]), label="length")
+            cache.truncate(seq, n)
+            history[seq] = (history[seq][0][:, :n], history[seq][1][:, :n])
+        else:  # every sequence appends L tokens and attends: one call
+            L = data.draw(st.integers(1, 6), label="new tokens")
+            B = len(history)
+            q = rng.standard_normal((B, H, L, d))
+            k, v = rng.standard_normal((2, B, H_kv, L, d))
+            out = mha.scaled_dot_product_attention(q, k, v, cache=cache)
+            for b, seq in enumerate(cache.sequences):
+                keys, values = history[seq]
+                history[seq] = (np.concatenate([keys, k[b]], 1), np.concatenate([values, v[b]], 1))
+                expected = reference_step(history[seq], q[b])
+                np.testing.assert_allclose(out[b], expected, rtol=1e-12, atol=1e-13)
+        assert list(cache.sequences) == sorted(history)
+        assert [cache.length(s) for s in cache.sequences] == [history[s][0].shape[1] for s in cache.sequences]  # fmt: skip  # noqa: E501
+        held = {b for s in cache.sequences for b in cache.block_table([s])[0]}
+        assert cache.num_free_blocks == cache.num_blocks - len(held)  # no block lost
+    for seq in list(cache.sequences):
+        cache.release(seq)
+    assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_the_same_bits_as_a_contiguous_cache_on_the_same_tiles(monkeypatch):
+    """Prefill and decoding on a paged cache and on a KVCache give the same bits when both
+    take the NumPy walk (the paged cache always does; the compiled walks round apart)."""
+    monkeypatch.setattr(walk, "forward_walkable", lambda *args: None)
+    rng = np.random.default_rng(5)
+    H, H_kv, d = 8, 2, 16
+    paged = mha.PagedKVCache(100, 4, H_kv, d, dtype=np.float64)
+    for seq in "abc":
+        paged.add(seq)
+    contiguous = mha.KVCache(3, H_kv, d, capacity=8)
+    for L in [7, 1, 1, 4, 1, 9, 1]:
+        q = rng.standard_normal((3, H, L, d))
+        k, v = rng.standard_normal((2, 3, H_kv, L, d))
+        a = mha.scaled_dot_product_attention(q, k, v, cache=paged)
+        b = mha.scaled_dot_product_attention(q, k, v, cache=contiguous)
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_layer_takes_a_paged_cache(record_error):
+    """MultiHeadAttention with rotary positions and grouped heads: the paged cache's steps
+    equal the KVCache's."""
+    layer = mha.MultiHeadAttention(32, 4, num_kv_heads=2, rope_theta=10000.0, seed=0)
+    X = np.random.default_rng(6).standard_normal((2, 12, 32))
+    paged = mha.PagedKVCache(32, 4, 2, 8, dtype=np.float64)
+    paged.add(0)
+    paged.add(1)
+    contiguous = layer.new_cache(batch_size=2)
+    for a, b in [(0, 5), (5, 6), (6, 7), (7, 12)]:
+        ours = layer(X[:, a:b], cache=paged)
+        theirs = layer(X[:, a:b], cache=contiguous)
+        error = float(np.abs(ours - theirs).max())
+        assert record_error("paged cache vs KVCache, the layer", error) <= 1e-13
+    np.testing.assert_allclose(layer(X, mask=True)[:, 7:], ours, rtol=1e-12, atol=1e-13)
+
+
+def test_a_full_pool_is_refused_by_name_before_anything_changes():
+    rng = np.random.default_rng(7)
+    cache = mha.PagedKVCache(5, 4, 1, 8, dtype=np.float64)
+    cache.add("a")
+    cache.add("b")
+    q, k, v = rng.standard_normal((3, 2, 1, 6, 8))
+    mha.scaled_dot_product_attention(q, k, v, cache=cache)  # 2 blocks each: 1 left
+    cache.fork("a", "c")  # shares a's blocks, the last one half full
+    before = (cache.block_table(), cache.lengths.copy(), cache.num_free_blocks,
+              cache.key_cache.copy(), cache.value_cache.copy())  # fmt: skip
+    q, k, v = rng.standard_normal((3, 3, 1, 3, 8))  # a, b and c each need a block: 3 > 1
+    with pytest.raises(mha.PoolExhaustedError, match="1 free blocks but this append needs 4"):
+        mha.scaled_dot_product_attention(q, k, v, cache=cache)
+    after = (cache.block_table(), cache.lengths, cache.num_free_blocks, cache.key_cache,
+             cache.value_cache)  # fmt: skip
+    for x, y in zip(before, after, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_forked_sequence_copies_a_shared_block_only_when_it_writes_into_it():
+    rng = np.random.default_rng(8)
+    cache = mha.PagedKVCache(16, 4, 1, 8, dtype=np.float64)
+    cache.add("prompt")
+    k, v = rng.standard_normal((2, 1, 10, 8))
+    cache.append("prompt", k, v)  # blocks 0, 1 full, 2 half full
+    for child in "xyz":
+        cache.fork("prompt", child)
+    assert cache.num_free_blocks == 13  # shared, not copied
+    table = cache.block_table()
+    assert (table == table[0]).all()
+    parent_before = cache.key_cache[table[0, 2]].copy()
+    k1, v1 = rng.standard_normal((2, 1, 1, 8))
+    cache.append("x", k1, v1)  # into the shared half-full block: x gets its own copy
+    assert cache.num_free_blocks == 12
+    tx = cache.block_table(["x"])[0]
+    assert list(tx[:2]) == list(table[0, :2]) and tx[2] != table[0, 2]
+    np.testing.assert_array_equal(cache.key_cache[table[0, 2]], parent_before)  # untouched
+    np.testing.assert_array_equal(cache.key_cache[tx[2], 2, 0], k1[0, 0])
+    np.testing.assert_array_equal(cache.key_cache[tx[2], :2], parent_before[:2])
+    for seq in list(cache.sequences):
+        cache.release(seq)
+    assert cache.num_free_blocks == 16
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "said"),
+    [
+        (lambda c: c.add("a"), mha.AttentionValueError, "already in the cache"),
+        (lambda c: c.add(["unhashable"]), mha.AttentionTypeError, "must be hashable"),
+        (lambda c: c.release("nobody"), mha.AttentionValueError, "no sequence 'nobody'"),
+        (lambda c: c.fork("nobody", "d"), mha.AttentionValueError, "no sequence 'nobody'"),
+        (lambda c: c.truncate("a", 9), mha.AttentionValueError, "holds 0 tokens"),
+        (lambda c: c.truncate("a", 1.5), mha.AttentionTypeError, "must be an integer"),
+        (lambda c: c.append("a", np.ones((1, 2, 8)), np.ones((1, 3, 8))), mha.ShapeError, "k and v must be"),  # noqa: E501
+    ],
+)  # fmt: skip
+def test_the_paged_cache_refuses_by_name(call, error, said):
+    cache = mha.PagedKVCache(4, 4, 1, 8)
+    cache.add("a")
+    with pytest.raises(error, match=said):
+        call(cache)
+    assert cache.sequences == ("a",) and cache.num_free_blocks == 4
+
+
+def test_a_call_whose_batch_is_not_the_caches_sequences_is_refused():
+    cache = mha.PagedKVCache(4, 4, 1, 8, dtype=np.float64)
+    cache.add("a")
+    x = np.ones((2, 1, 1, 8))
+    with pytest.raises(mha.ShapeError, match=r"do not fit the cache \(1 sequences"):
+        mha.scaled_dot_product_attention(x, x, x, cache=cache)
