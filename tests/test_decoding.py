@@ -444,10 +444,10 @@ def test_refused_calls_name_both_sides_and_leave_the_cache_unchanged():
             mha.AttentionTypeError,
             r"the cache holds float64 but this call computes in float32",
         ),
-        (
-            lambda: attention(x, np.ones((1, 4), bool), cache=cache),
-            mha.AttentionValueError,
-            r"cache= attends causally .*mask cannot be combined",
+        (  # a mask over positions: after the append each sequence holds 4 keys, not 5
+            lambda: attention(x, np.ones((1, 5), bool), cache=cache),
+            mha.ShapeError,
+            r"mask of shape \(1, 5\) does not broadcast to the scores' shape .* = \(2, 6, 1, 4\)",
         ),
         (
             lambda: attention(x, cache=cache, key_lengths=[1, 1]),
@@ -780,3 +780,61 @@ def test_more_one_line_errors_for_decoder_settings(tmp_path):
     np.savez(path, **data | {"config": np.array(json.dumps(config))})
     with pytest.raises(mha.WeightsFileError, match="its config has no 'window'"):
         mha.MultiHeadAttention.load(path)
+
+
+def relative_bias(H, queries, keys):
+    """A T5-style bias: a function of each head and of ``query position - key position``."""
+    i, j = np.asarray(queries)[:, None], np.arange(keys)[None]
+    return np.stack([np.sin(0.3 * h * (i - j)) - 0.05 * (i - j) for h in range(H)])
+
+
+@pytest.mark.parametrize("kind", ["KVCache", "PagedKVCache"])
+def test_a_bias_and_a_mask_over_positions_decode_as_the_whole_call(kind, record_error):
+    """Relative-position decoding: each step's ``bias`` and boolean ``mask`` are over the
+    positions after its append (ragged prompts: each sequence reads its own first keys)."""
+    H, H_kv, d, prompts, steps = 4, 2, 8, [6, 3], 4
+    if kind == "KVCache":
+        cache = mha.KVCache(2, H_kv, d, capacity=4)
+    else:
+        cache = mha.PagedKVCache(20, 4, H_kv, d, dtype=np.float64)
+        cache.add(0)
+        cache.add(1)
+    rng = np.random.default_rng(30)
+    tokens = [  # each sequence's q, k, v
+        (rng.standard_normal((H, n + steps, d)), *rng.standard_normal((2, H_kv, n + steps, d)))
+        for n in prompts
+    ]
+    keep = rng.random(20) > 0.2  # keys hidden from every query
+    keep[0] = True
+    L = max(prompts)
+    padded = [np.stack([np.pad(x[i][:, :n], ((0, 0), (0, L - n), (0, 0))) for x, n in
+                        zip(tokens, prompts, strict=True)]) for i in range(3)]  # fmt: skip
+    bias = np.stack([relative_bias(H, range(L), L)] * 2)
+    first = mha.scaled_dot_product_attention(*padded, cache=cache, query_lengths=prompts,
+                                             bias=bias, mask=keep[:L])  # fmt: skip
+    outs = [[first[b, :, :n]] for b, n in enumerate(prompts)]
+    for t in range(steps):
+        lengths = cache.lengths.copy()
+        S = int(lengths.max()) + 1
+        new = [np.stack([x[i][:, n + t : n + t + 1] for x, n in zip(tokens, prompts, strict=True)])
+               for i in range(3)]  # fmt: skip
+        bias = np.stack([relative_bias(H, [lengths[b]], S) for b in range(2)])
+        step = mha.scaled_dot_product_attention(*new, cache=cache, bias=bias, mask=keep[:S])
+        for b in range(2):
+            outs[b].append(step[b])
+    for b, n in enumerate(prompts):
+        n += steps
+        expected = mha.scaled_dot_product_attention(
+            *tokens[b], causal=True, bias=relative_bias(H, range(n), n), mask=keep[:n]
+        )
+        got = np.concatenate(outs[b], 1)
+        error = record_error(f"{kind}: bias and mask over positions vs whole call",
+                             float(np.abs(got - expected).max()))  # fmt: skip
+        assert error <= 1e-13
+
+
+def test_a_window_cache_refuses_a_bias_over_positions():
+    cache = mha.KVCache(1, 1, 8, window=4)
+    x = np.ones((1, 1, 1, 8))
+    with pytest.raises(mha.AttentionValueError, match="bias with cache= index keys by position"):
+        mha.scaled_dot_product_attention(x, x, x, cache=cache, bias=np.zeros((1, 1, 1, 1)))

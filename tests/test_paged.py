@@ -339,3 +339,39 @@ def test_a_call_whose_batch_is_not_the_caches_sequences_is_refused():
     x = np.ones((2, 1, 1, 8))
     with pytest.raises(mha.ShapeError, match=r"do not fit the cache \(1 sequences"):
         mha.scaled_dot_product_attention(x, x, x, cache=cache)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("B", "L"), [(8, 1), (3, 4)])
+def test_cascade_attention_equals_the_unshared_computation(record_error, monkeypatch, causal,
+                                                           B, L):  # fmt: skip
+    """The shared prefix's keys and values are read once for every sequence (counted), and
+    the result is the attention over each whole sequence."""
+    from mha._kernel import paged
+
+    rng = np.random.default_rng(9)
+    size, H, H_kv, d = 4, 4, 2, 8
+    pool_k, pool_v = random_pool(rng, 64, size, H_kv, d)
+    prefix = rng.permutation(64)[:5]  # 20 positions every sequence holds
+    own_lens = rng.integers(L, 11, B)
+    own = shuffled_tables(rng, B, own_lens, size, 64)
+    own[own >= 0] = np.array([b for b in range(64) if b not in prefix])[: (own >= 0).sum()]
+    whole = np.concatenate([np.tile(prefix, (B, 1)), own], axis=1)
+    q = rng.standard_normal((B, L, H, d))
+    read = []
+    tile = paged._Heads.tile
+    monkeypatch.setattr(paged._Heads, "tile", lambda self, c0, c1: read.append(
+        (c1 - c0) * self.shape[0]) or tile(self, c0, c1))  # fmt: skip
+    out, lse = mha.cascade_attention(q, pool_k, pool_v, prefix, 20, own, own_lens,
+                                     causal=causal, return_lse=True)  # fmt: skip
+    cascade_reads, read[:] = sum(read), []
+    expected, expected_lse = mha.paged_attention(q, pool_k, pool_v, whole, own_lens + 20,
+                                                 causal=causal, return_lse=True)  # fmt: skip
+    assert cascade_reads == 2 * H_kv * (20 + own_lens.sum())  # the prefix once
+    assert sum(read) == 2 * H_kv * (20 * B + own_lens.sum())  # unshared: once per sequence
+    error = record_error("cascade vs unshared attention, float64",
+                         float(np.abs(out - expected).max()))  # fmt: skip
+    assert error <= 1e-12
+    np.testing.assert_allclose(lse, expected_lse, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(expected, dense(q, pool_k, pool_v, whole, own_lens + 20,
+                                               causal=causal), rtol=1e-12, atol=1e-13)  # fmt: skip

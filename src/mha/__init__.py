@@ -14,7 +14,7 @@ from . import rotary as rotary
 from .api.cache import KVCache
 from .api.latent import LatentAttention
 from .api.module import MultiHeadAttention
-from .api.paged import paged_attention
+from .api.paged import cascade_attention, paged_attention
 from .api.paged_cache import PagedKVCache, PoolExhaustedError
 from .api.projection import multi_head_attention
 from .api.rotary import apply_rotary
@@ -41,6 +41,7 @@ __all__ = [
     "WeightsFileError",
     "alibi_slopes",
     "apply_rotary",
+    "cascade_attention",
     "merge_attention",
     "multi_head_attention",
     "paged_attention",

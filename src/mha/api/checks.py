@@ -208,14 +208,20 @@ def check_cache(
             f"the cache holds {held} but this call computes in {dtype}: make the "
             f"cache with dtype={dtype.name}, or cast the inputs{where}"
         )
-    explicit = [name for name in ("key_lengths", "bias") if masking[name] is not None]
-    mask = masking["mask"]
-    if mask is not None and not (isinstance(mask, (bool, np.bool_)) and mask):
-        explicit.append("mask")
-    if explicit:
+    if masking["key_lengths"] is not None:
         raise AttentionValueError(
-            f"cache= attends causally over the cached tokens; {', '.join(explicit)} cannot be "
-            "combined with it (the cache's lengths say which keys each sequence has)"
+            "cache= attends causally over the cached tokens; key_lengths cannot be combined "
+            "with it (the cache's lengths say which keys each sequence has)"
+        )
+    mask = masking["mask"]
+    by_position = [name for name, given in (
+        ("bias", masking["bias"] is not None),
+        ("mask", mask is not None and not (isinstance(mask, (bool, np.bool_)) and mask)),
+    ) if given]  # fmt: skip
+    if by_position and cache.window is not None:
+        raise AttentionValueError(
+            f"{' and '.join(by_position)} with cache= index keys by position, but a cache "
+            f"with a window drops old positions, so its slots are not positions: {cache!r}"
         )
     if masking["causal_alignment"] not in (None, "bottom_right"):
         raise AttentionValueError(

@@ -23,9 +23,10 @@ from .._kernel.paged import PagedKV
 from .._kernel.team import Team, workers_for
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .checks import kernel_options, kv_heads
+from .split_heads import merge_attention
 from .variants import check_scores
 
-__all__ = ["paged_attention"]
+__all__ = ["cascade_attention", "paged_attention"]
 
 
 def paged_attention(
@@ -171,3 +172,65 @@ def _table_and_lengths(
             f"{num_blocks - 1}); sequence {b} reads it (seq_lens[{b}] = {int(lengths[b])})"
         )
     return table, lengths
+
+
+def cascade_attention(
+    q: Any,
+    key_cache: Any,
+    value_cache: Any,
+    prefix_blocks: Any,
+    prefix_len: int,
+    block_table: Any,
+    seq_lens: Any,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+    max_memory: int | None = None,
+    workers: int | None = None,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """:func:`paged_attention` for sequences that share a prefix (a system prompt, the
+    samples of one prompt), with the prefix's attention computed once for all of them.
+
+    Every sequence holds the same first ``prefix_len`` positions, in the blocks
+    ``prefix_blocks`` (in order), then its own: ``block_table`` and ``seq_lens`` describe
+    each sequence's own positions alone (its length is ``prefix_len + seq_lens[b]``). The
+    queries of every sequence attend to the prefix in one call (the prefix's keys and
+    values read once, for all their rows, rather than once per sequence), each sequence's
+    queries to its own keys, and the two are merged by their log-sum-exps (cascade
+    attention, FlashInfer's name): equal to :func:`paged_attention` over the whole
+    sequences up to rounding. ``causal`` hides a sequence's own later keys as there (the
+    new queries come after the prefix, which they all see).
+
+    >>> import numpy as np, mha
+    >>> rng = np.random.default_rng(0)
+    >>> pool_k, pool_v = rng.standard_normal((2, 8, 4, 1, 16))
+    >>> q = rng.standard_normal((2, 1, 2, 16))
+    >>> own = np.array([[3], [6]])                       # each sequence's own block
+    >>> out = mha.cascade_attention(q, pool_k, pool_v, [0, 5], 8, own, seq_lens=[2, 4])
+    >>> whole = mha.paged_attention(q, pool_k, pool_v, [[0, 5, 3], [0, 5, 6]], [10, 12])
+    >>> bool(np.allclose(out, whole, rtol=1e-13, atol=0))
+    True
+    """
+    q = as_float_array("q", q)
+    if q.ndim != 4:
+        raise ShapeError(f"q must have shape (num_seqs, L, H, d_k); got shape {q.shape}")
+    B, L, H, d_k = q.shape
+    prefix = as_array("prefix_blocks", prefix_blocks)
+    if prefix.ndim != 1:
+        raise ShapeError(f"prefix_blocks must be one row of block ids; got shape {prefix.shape}")
+    shared, shared_lse = paged_attention(
+        q.reshape(1, B * L, H, d_k), key_cache, value_cache, prefix[None], [prefix_len],
+        scale=scale, return_lse=True, max_memory=max_memory, workers=workers,
+    )  # fmt: skip
+    own, own_lse = paged_attention(
+        q, key_cache, value_cache, block_table, seq_lens, causal=causal, scale=scale,
+        return_lse=True, max_memory=max_memory, workers=workers,
+    )  # fmt: skip
+    heads_first = (0, 2, 1, 3)  # (B, H, L, d), as merge_attention takes them
+    out, lse = merge_attention(
+        [shared.reshape(B, L, H, -1).transpose(heads_first), own.transpose(heads_first)],
+        [shared_lse.reshape(H, B, L).transpose(1, 0, 2), own_lse],
+    )  # fmt: skip
+    result = out.transpose(heads_first)
+    return (result, lse) if flag("return_lse", return_lse) else result

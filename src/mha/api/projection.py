@@ -180,11 +180,11 @@ def multi_head_attention(
     * ``dropout_p`` and ``generator``: dropout on the attention weights, as in
       :func:`scaled_dot_product_attention` (``dropout_p=0.0`` turns it off, a generator
       given or not).
-    * ``cache``: a :class:`mha.KVCache`: ``Q``, ``K``, ``V`` are the next tokens
-      ``(B, L, d)`` of each sequence (with ``query_lengths``, only the first
-      ``query_lengths[b]`` rows of sequence ``b`` are real). Their keys and values are
+    * ``cache``: a :class:`mha.KVCache` or :class:`mha.PagedKVCache`: ``Q``, ``K``, ``V``
+      are the next tokens ``(B, L, d)`` of each sequence (with ``query_lengths``, only the
+      first ``query_lengths[b]`` rows of sequence ``b`` are real). Their keys and values are
       appended and the queries attend causally over everything cached, as in
-      :func:`scaled_dot_product_attention`.
+      :func:`scaled_dot_product_attention` (a ``mask`` or ``bias`` is over positions).
     * ``bias_k (H*d_k,)`` with ``bias_v (H*d_v,)``, and ``add_zero_attn``: PyTorch's extra
       keys, a learned key/value pair and a zero key/value pair appended after the
       projections (in that order), visible to every query whatever the masks say, which

@@ -184,12 +184,15 @@ def scaled_dot_product_attention(
       given or not (``p if training else 0.0``); a generator without any ``dropout_p`` is
       refused. The mask depends only on one number drawn from ``generator``, not on the
       tiling; ``backward`` reuses it.
-    * ``cache``: a :class:`mha.KVCache`. Then ``k`` and ``v`` are the new tokens'
+    * ``cache``: a :class:`mha.KVCache`, or a :class:`mha.PagedKVCache` (its sequences,
+      in the order added, are the batch). Then ``k`` and ``v`` are the new tokens'
       ``(B, H_kv, L, d)``: they are appended to the cache after each sequence's length (only
       the first ``query_lengths[b]`` rows of sequence ``b``, when given) and ``q`` attends
       causally over everything cached, each sequence aligned to its own length, within the
-      cache's window. ``mask``, ``bias``, ``key_lengths``, ``return_weights`` and a top-left
-      alignment are refused with a cache, and a refused call leaves it unchanged.
+      cache's window. ``mask`` and ``bias`` are then over positions: key ``j`` is position
+      ``j``, ``S`` the longest sequence's length after the append (refused with a window's
+      cache, whose slots are not positions). ``key_lengths``, ``return_weights`` and a
+      top-left alignment are refused with a cache, and a refused call leaves it unchanged.
     * ``max_memory``: bytes of scratch per worker (default 6 MiB); sets the tile sizes.
     * ``workers``: threads (default: every core when threadpoolctl is installed, else 1).
       Results are bitwise reproducible for fixed inputs, ``max_memory`` and ``workers``.
@@ -326,16 +329,25 @@ def _append_and_attend(
     """:func:`attend_cached`'s work before the commit."""
     B, L = q.shape[0], q.shape[-2]
     dtype = cache.compute_dtype  # a bfloat16 cache's tiles are read in float32
+    held_sinks = cache.sink_tokens if cache.window is not None else 0
+
+    def visibility_for(filled: np.ndarray) -> Visibility:
+        return Visibility.build(
+            batch_shape=(B,), H=q.shape[-3], L=L, S=int(filled.max(initial=0)), causal=True,
+            key_lengths=filled, query_lengths=counts, window=window, offsets=filled - counts,
+            mask=masking.get("mask"), bias=masking.get("bias"),
+            sink_tokens=masking.get("sink_tokens"), chunk=masking.get("chunk"),
+            mask_mod=masking.get("mask_mod"), query_index=positions,
+            key_index=cache.first - held_sinks, held_sinks=held_sinks, dtype=dtype,
+        )  # fmt: skip
+
+    # Without a window a cache's slots are its positions: the call's mask and bias are
+    # checked against them before anything is written (a window's cache moves them).
+    visibility = visibility_for(cache.lengths + counts) if cache.window is None else None
     filled = cache._append(k, v, counts)
     S = int(filled.max(initial=0))
-    held_sinks = cache.sink_tokens if cache.window is not None else 0
-    visibility = Visibility.build(
-        batch_shape=(B,), H=q.shape[-3], L=L, S=S, causal=True, key_lengths=filled,
-        query_lengths=counts, window=window, offsets=filled - counts,
-        sink_tokens=masking.get("sink_tokens"), chunk=masking.get("chunk"),
-        mask_mod=masking.get("mask_mod"), query_index=positions,
-        key_index=cache.first - held_sinks, held_sinks=held_sinks, dtype=dtype,
-    )  # fmt: skip
+    if visibility is None:
+        visibility = visibility_for(filled)
     keys, values = cache._attended(S)
     out = np.zeros((*q.shape[:-1], values.shape[-1]), dtype=dtype)
     lse = np.full(q.shape[:-1], -np.inf, dtype=dtype) if want_lse else None
