@@ -375,3 +375,56 @@ def test_cascade_attention_equals_the_unshared_computation(record_error, monkeyp
     np.testing.assert_allclose(lse, expected_lse, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(expected, dense(q, pool_k, pool_v, whole, own_lens + 20,
                                                causal=causal), rtol=1e-12, atol=1e-13)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["KVCache", "PagedKVCache"])
+def test_left_padded_prompts_decode_as_each_prompt_alone(kind, record_error):
+    """A batch of prompts padded on the left (as transformers' tokenizers do for
+    generation), through a rotary layer with a cache: every real row, and every decoding
+    step after, equals the prompt computed alone; the padding rows are left out."""
+    layer = mha.MultiHeadAttention(32, 4, num_kv_heads=2, rope_theta=10000.0, seed=1)
+    rng = np.random.default_rng(10)
+    prompts = [rng.standard_normal((n, 32)) for n in (6, 2, 4)]
+    steps = rng.standard_normal((3, 3, 32))
+    X = np.zeros((3, 6, 32))
+    for b, p in enumerate(prompts):
+        X[b, 6 - len(p) :] = p  # left padding
+    if kind == "KVCache":
+        cache = layer.new_cache(batch_size=3)
+    else:
+        cache = mha.PagedKVCache(16, 4, 2, 8, dtype=np.float64)
+        for b in range(3):
+            cache.add(b)
+    lengths = [len(p) for p in prompts]
+    out = [layer(X, cache=cache, query_lengths=lengths, padding_side="left")]
+    out += [layer(steps[:, t : t + 1], cache=cache) for t in range(3)]
+    assert cache.lengths.tolist() == [n + 3 for n in lengths]
+    for b, p in enumerate(prompts):
+        alone = layer(np.concatenate([p, steps[b]])[None], mask=True)[0]
+        got = np.concatenate([out[0][b, 6 - len(p) :], *(o[b] for o in out[1:])])
+        error = record_error(f"left-padded prompts, {kind}", float(np.abs(got - alone).max()))
+        assert error <= 1e-13
+    q, k, v = rng.standard_normal((3, 3, 4, 6, 8))
+    with pytest.raises(mha.AttentionValueError, match="padding_side='left' says which rows"):
+        mha.scaled_dot_product_attention(q, k, v, query_lengths=lengths, padding_side="left")
+    with pytest.raises(mha.AttentionValueError, match="padding_side must be 'left' or 'right'"):
+        layer(X, cache=cache, padding_side="top")
+
+
+def test_left_padding_in_the_attention_core_keeps_the_rows_where_they_are():
+    rng = np.random.default_rng(11)
+    q, k, v = rng.standard_normal((3, 2, 4, 5, 8))
+    lengths = [5, 2]
+    left = mha.KVCache(2, 4, 8)
+    right = mha.KVCache(2, 4, 8)
+    moved = [np.stack([np.roll(x[b], -(5 - n), axis=-2) for b, n in enumerate(lengths)])
+             for x in (q, k, v)]  # fmt: skip
+    out, lse = mha.scaled_dot_product_attention(q, k, v, cache=left, query_lengths=lengths,
+                                                padding_side="left", return_lse=True)  # fmt: skip
+    expected, expected_lse = mha.scaled_dot_product_attention(
+        *moved, cache=right, query_lengths=lengths, return_lse=True
+    )
+    np.testing.assert_array_equal(out[1, :, 3:], expected[1, :, :2])
+    np.testing.assert_array_equal(lse[1, :, 3:], expected_lse[1, :, :2])
+    assert not out[1, :, :3].any() and np.isneginf(lse[1, :, :3]).all()
+    np.testing.assert_array_equal(left.k[:, :, :5], right.k[:, :, :5])

@@ -32,6 +32,7 @@ from .._kernel.forward import DEFAULT_MAX_MEMORY
 from .._kernel.scores import Scores
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .cache import KVCache
+from .padding import check_padding_side
 from .paged_cache import PagedKVCache
 from .qk_norm import QKNorm, check_qk_norm
 from .rope_scaling import check_rope_scaling
@@ -296,6 +297,7 @@ class Call:
     sinks: np.ndarray | None = None  # as given (its gradient takes its dtype)
     masking: dict[str, Any] | None = None  # with a cache: the sink tokens, chunk, mask_mod
     qk_norm: QKNorm | None = None  # RMSNorm of q and k before the rotation
+    left_padded: bool = False  # with a cache: each sequence's real new rows are its last
 
     @property
     def extra(self) -> int:
@@ -350,6 +352,7 @@ def check_call(
     qk_norm: Any = None,
     qk_norm_eps: Any = None,
     qk_norm_offset: Any = None,
+    padding_side: Any = None,
 ) -> Call:
     """Every check of :func:`mha.multi_head_attention`'s arguments, in the order it makes
     them. ``Q is K is V`` stays true of the checked call (one GEMM projects all three).
@@ -480,6 +483,7 @@ def check_call(
         None if sinks is None else as_float_array("sinks", sinks), masking,
         check_qk_norm(q_norm, k_norm, qk_norm, qk_norm_eps, qk_norm_offset, H=H, H_kv=H_kv,
                       d_k=d_k),
+        check_padding_side(padding_side, cache),
     )  # fmt: skip
 
 

@@ -211,6 +211,7 @@ class MultiHeadAttention(Layouts):
         return_weights: Flag = False,
         positions: Any = None,
         cache: KVCache | PagedKVCache | None = None,
+        padding_side: str | None = None,
         return_backward: Flag = False,
         dropout_p: float | None = None,
         generator: np.random.Generator | None = None,
@@ -241,7 +242,9 @@ class MultiHeadAttention(Layouts):
         ``cache`` (from :meth:`new_cache`) makes ``query`` the next tokens of each sequence:
         they are projected, rotated at their true positions, appended, and attend causally
         over everything cached; with ``query_lengths`` only the first ``query_lengths[b]``
-        rows of sequence ``b`` are real tokens.
+        rows of sequence ``b`` are real tokens (the last ones with ``padding_side="left"``,
+        a left-padded prompt). A :class:`mha.PagedKVCache` serves too (its sequences, in
+        the order added, are the batch).
         ``return_backward=True`` adds ``backward``, a function of the output's gradient that
         returns the gradients keyed by attribute name for the weights (``W_q``, ...,
         ``b_o``, ``bias_k``, ``bias_v``: those present) and by argument name for the inputs
@@ -328,7 +331,8 @@ class MultiHeadAttention(Layouts):
             bias_k=self.bias_k, bias_v=self.bias_v, add_zero_attn=self.add_zero_attn,
             num_kv_heads=self.num_kv_heads, rope_theta=self.rope_theta,
             rotary_dim=self.rotary_dim, rotary_interleaved=self.rotary_interleaved,
-            positions=positions, cache=cache, return_backward=return_backward,
+            positions=positions, cache=cache, padding_side=padding_side,
+            return_backward=return_backward,
             dropout_p=dropout_p, generator=generator,
             names=_SELF_NAMES if itself else _INPUT_NAMES, sinks=self.sinks,
             softcap=self.softcap, alibi=self.alibi, score_mod=score_mod,

@@ -10,6 +10,7 @@ heads, ``L`` query positions, ``S`` key positions, ``d_k``/``d_v`` per-head widt
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, overload
 
 import numpy as np
@@ -23,6 +24,7 @@ from .cache import KVCache
 from .checks import Call, Weights, check_call
 from .checks import masking as masking_of
 from .gradients import ProjectedBackward, join_heads, split_heads
+from .padding import to_front, to_left
 from .paged_cache import PagedKVCache
 from .rotary import apply_rotary
 from .split_heads import attend_cached
@@ -117,6 +119,7 @@ def multi_head_attention(
     qk_norm_eps: float | None = None,
     qk_norm_offset: float | None = None,
     cache: KVCache | PagedKVCache | None = None,
+    padding_side: str | None = None,
     return_backward: Flag = False,
     dropout_p: float | None = None,
     generator: np.random.Generator | None = None,
@@ -185,6 +188,8 @@ def multi_head_attention(
       first ``query_lengths[b]`` rows of sequence ``b`` are real). Their keys and values are
       appended and the queries attend causally over everything cached, as in
       :func:`scaled_dot_product_attention` (a ``mask`` or ``bias`` is over positions).
+      ``padding_side="left"``: the real rows are each sequence's last ``query_lengths[b]``
+      (a left-padded prompt); their outputs stay there.
     * ``bias_k (H*d_k,)`` with ``bias_v (H*d_v,)``, and ``add_zero_attn``: PyTorch's extra
       keys, a learned key/value pair and a zero key/value pair appended after the
       projections (in that order), visible to every query whatever the masks say, which
@@ -218,7 +223,8 @@ def multi_head_attention(
         scale=scale, return_weights=return_weights, max_memory=max_memory, workers=workers,
         bias_k=bias_k, bias_v=bias_v, add_zero_attn=add_zero_attn, num_kv_heads=num_kv_heads,
         rope_theta=rope_theta, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
-        positions=positions, cache=cache, return_backward=return_backward, dropout_p=dropout_p,
+        positions=positions, cache=cache, padding_side=padding_side,
+        return_backward=return_backward, dropout_p=dropout_p,
         generator=generator, sinks=sinks, softcap=softcap, alibi=alibi, score_mod=score_mod,
         score_mod_grad=score_mod_grad, rope_scaling=rope_scaling, q_norm=q_norm, k_norm=k_norm,
         qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_offset=qk_norm_offset,
@@ -232,6 +238,18 @@ def compute(
     """A call checked by :func:`check_call`, computed: the output, then the weights and
     ``backward`` if asked for. ``bias`` is the caller's (its gradient takes its shape) and
     ``generator`` the dropout's."""
+    if call.left_padded:  # each sequence's real rows first, as for right padding
+        assert call.counts is not None
+        Q = to_front(call.Q, call.counts, axis=-2)
+        K = Q if call.K is call.Q else to_front(call.K, call.counts, axis=-2)
+        V = (
+            Q
+            if call.V is call.Q
+            else K
+            if call.V is call.K
+            else to_front(call.V, call.counts, axis=-2)
+        )
+        call = replace(call, Q=Q, K=K, V=V)
     H, d_v, B, L, S = call.H, call.d_v, call.B, call.L, call.S
     dtype, given = call.compute_dtype, call.weights
     w = given.in_dtype(dtype)
@@ -276,6 +294,9 @@ def compute(
                 max_memory=call.budget, team=team, dropout=dropout, scores=call.scores,
             )  # fmt: skip
         out = team.matmul(joined, w.W_o, w.b_o)
+    if call.left_padded:
+        assert call.counts is not None
+        out = to_left(out, call.counts, axis=-2)
     results: list[Any] = [cast_result(out, call.result_dtype)]
     if weights is not None:
         results.append(cast_result(weights, call.result_dtype))

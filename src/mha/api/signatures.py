@@ -46,6 +46,7 @@ class _Keywords(TypedDict, total=False):
     dropout_p: float | None
     generator: np.random.Generator | None
     cache: KVCache | PagedKVCache | None
+    padding_side: str | None
     max_memory: SupportsIndex | None
     workers: SupportsIndex | None
 

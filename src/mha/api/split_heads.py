@@ -39,6 +39,7 @@ from .checks import (
     masking as masking_of,
 )
 from .gradients import SplitHeadsBackward
+from .padding import check_padding_side, to_front, to_left
 from .paged_cache import PagedKVCache
 from .variants import check_scores
 
@@ -134,6 +135,7 @@ def scaled_dot_product_attention(
     dropout_p: float | None = None,
     generator: np.random.Generator | None = None,
     cache: KVCache | PagedKVCache | None = None,
+    padding_side: str | None = None,
     max_memory: SupportsIndex | None = None,
     workers: SupportsIndex | None = None,
 ) -> np.ndarray | tuple[Any, ...]:
@@ -193,6 +195,9 @@ def scaled_dot_product_attention(
       ``j``, ``S`` the longest sequence's length after the append (refused with a window's
       cache, whose slots are not positions). ``key_lengths``, ``return_weights`` and a
       top-left alignment are refused with a cache, and a refused call leaves it unchanged.
+    * ``padding_side``: ``"left"`` with a cache and ``query_lengths``: each sequence's real
+      new tokens are its last ``query_lengths[b]`` rows (a left-padded prompt) rather than
+      its first; their outputs stay in those rows, the padding rows' are zeros.
     * ``max_memory``: bytes of scratch per worker (default 6 MiB); sets the tile sizes.
     * ``workers``: threads (default: every core when threadpoolctl is installed, else 1).
       Results are bitwise reproducible for fixed inputs, ``max_memory`` and ``workers``.
@@ -221,6 +226,7 @@ def scaled_dot_product_attention(
         sinks=sinks, softcap=softcap, alibi=alibi, score_mod=score_mod,
         score_mod_grad=score_mod_grad, H=q.shape[-3], want_backward=want_backward,
     )  # fmt: skip
+    left_padded = check_padding_side(padding_side, cache)
     if cache is not None:
         if want_weights or want_backward or drop_p:
             raise AttentionValueError(
@@ -239,10 +245,15 @@ def scaled_dot_product_attention(
             L=q.shape[-2], new_keys=k.shape[-2], dtype=compute_dtype,
             context=f"q {q.shape}, k {k.shape}, v {v.shape}",
         )  # fmt: skip
+        if left_padded:  # the real rows first, as for right padding
+            q, k, v = (to_front(x, counts, axis=-2) for x in (q, k, v))
         out, lse = attend_cached(
             q, k, v, cache, counts, window, scale, want_lse, budget, threads, None, masking,
             scores,
         )  # fmt: skip
+        if left_padded:
+            out = to_left(out, counts, axis=-2)
+            lse = None if lse is None else to_left(lse[..., None], counts, axis=-2)[..., 0]
         out = cast_result(out, result_dtype)
         return out if lse is None else (out, lse)
     visibility = Visibility.build(
