@@ -8,13 +8,15 @@ walk, which both then take with the same tiles).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mha
-from mha._kernel import walk
+from mha._kernel import compiled, walk
 
 
 def gathered(pool, table, length):
@@ -234,15 +236,31 @@ def test_random_interleavings_match_whole_sequence_calls(data):
     assert cache.num_free_blocks == cache.num_blocks
 
 
-def test_the_same_bits_as_a_contiguous_cache_on_the_same_tiles(monkeypatch):
-    """Prefill and decoding on a paged cache and on a KVCache give the same bits when both
-    take the NumPy walk (the paged cache always does; the compiled walks round apart)."""
-    monkeypatch.setattr(walk, "forward_walkable", lambda *args: None)
+@pytest.mark.parametrize("path", ["compiled walk", "NumPy walk"])
+def test_the_same_bits_as_a_contiguous_cache(monkeypatch, path):
+    """Prefill and decoding on a paged cache (blocks of 4, shuffled by releases) and on a
+    KVCache give the same bits, on either walk: the same tiles, each key tile either read
+    from its blocks in place (decoding's few rows) or copied from them for the GEMMs."""
+    if path == "NumPy walk":
+        monkeypatch.setattr(walk, "forward_walkable", lambda *args: None)
+    elif not compiled.walk_available():
+        if os.environ.get("MHA_REQUIRE_NUMBA") == "1":
+            pytest.fail("MHA_REQUIRE_NUMBA=1 but the compiled walks are unavailable")
+        pytest.skip("numba missing: the NumPy walk runs alone")
+    ran = []
+    real = compiled.forward_walk
+    monkeypatch.setattr(compiled, "forward_walk", lambda *a: ran.append(1) or real(*a))
     rng = np.random.default_rng(5)
     H, H_kv, d = 8, 2, 16
     paged = mha.PagedKVCache(100, 4, H_kv, d, dtype=np.float64)
-    for seq in "abc":
+    for seq in "xabyc":  # x and y released: the others' blocks lie apart
         paged.add(seq)
+    x = rng.standard_normal((5, H, 3, d))
+    mha.scaled_dot_product_attention(x, x[:, :H_kv], x[:, :H_kv], cache=paged)
+    for seq in "abc":
+        paged.truncate(seq, 0)
+    paged.release("x")
+    paged.release("y")
     contiguous = mha.KVCache(3, H_kv, d, capacity=8)
     for L in [7, 1, 1, 4, 1, 9, 1]:
         q = rng.standard_normal((3, H, L, d))
@@ -250,6 +268,8 @@ def test_the_same_bits_as_a_contiguous_cache_on_the_same_tiles(monkeypatch):
         a = mha.scaled_dot_product_attention(q, k, v, cache=paged)
         b = mha.scaled_dot_product_attention(q, k, v, cache=contiguous)
         np.testing.assert_array_equal(a, b)
+    assert (len(ran) > 0) == (path == "compiled walk")
+    assert any((np.diff(row[row >= 0]) != 1).any() for row in paged.block_table())  # apart
 
 
 def test_the_layer_takes_a_paged_cache(record_error):
@@ -345,8 +365,9 @@ def test_a_call_whose_batch_is_not_the_caches_sequences_is_refused():
 @pytest.mark.parametrize(("B", "L"), [(8, 1), (3, 4)])
 def test_cascade_attention_equals_the_unshared_computation(record_error, monkeypatch, causal,
                                                            B, L):  # fmt: skip
-    """The shared prefix's keys and values are read once for every sequence (counted), and
-    the result is the attention over each whole sequence."""
+    """The shared prefix's blocks are read by one sequence's table for every sequence's
+    queries (the tables the kernel gets are counted), and the result is the attention over
+    each whole sequence."""
     from mha._kernel import paged
 
     rng = np.random.default_rng(9)
@@ -358,17 +379,25 @@ def test_cascade_attention_equals_the_unshared_computation(record_error, monkeyp
     own[own >= 0] = np.array([b for b in range(64) if b not in prefix])[: (own >= 0).sum()]
     whole = np.concatenate([np.tile(prefix, (B, 1)), own], axis=1)
     q = rng.standard_normal((B, L, H, d))
-    read = []
-    tile = paged._Heads.tile
-    monkeypatch.setattr(paged._Heads, "tile", lambda self, c0, c1: read.append(
-        (c1 - c0) * self.shape[0]) or tile(self, c0, c1))  # fmt: skip
+    tables = []  # the block tables each call hands the kernel
+    made = paged.PagedKV.__init__
+
+    def spy(self, pool, table, S):
+        tables.append(np.asarray(table))
+        made(self, pool, table, S)
+
+    monkeypatch.setattr(paged.PagedKV, "__init__", spy)
     out, lse = mha.cascade_attention(q, pool_k, pool_v, prefix, 20, own, own_lens,
                                      causal=causal, return_lse=True)  # fmt: skip
-    cascade_reads, read[:] = sum(read), []
+    cascade_tables, tables[:] = list(tables), []
     expected, expected_lse = mha.paged_attention(q, pool_k, pool_v, whole, own_lens + 20,
                                                  causal=causal, return_lse=True)  # fmt: skip
-    assert cascade_reads == 2 * H_kv * (20 + own_lens.sum())  # the prefix once
-    assert sum(read) == 2 * H_kv * (20 * B + own_lens.sum())  # unshared: once per sequence
+
+    def rows_reading_the_prefix(found):
+        return sum(int(np.isin(row, prefix).any()) for table in found[::2] for row in table)
+
+    assert rows_reading_the_prefix(cascade_tables) == 1  # the prefix once, for every query
+    assert rows_reading_the_prefix(tables) == B  # unshared: once per sequence
     error = record_error("cascade vs unshared attention, float64",
                          float(np.abs(out - expected).max()))  # fmt: skip
     assert error <= 1e-12

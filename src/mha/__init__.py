@@ -15,7 +15,7 @@ from .api.cache import KVCache
 from .api.latent import LatentAttention
 from .api.module import MultiHeadAttention
 from .api.paged import cascade_attention, paged_attention
-from .api.paged_cache import PagedKVCache, PoolExhaustedError
+from .api.paged_cache import PagedKVCache
 from .api.projection import multi_head_attention
 from .api.rotary import apply_rotary
 from .api.split_heads import merge_attention, scaled_dot_product_attention
@@ -24,6 +24,7 @@ from .errors import (
     AttentionError,
     AttentionTypeError,
     AttentionValueError,
+    PoolExhaustedError,
     ShapeError,
     WeightsFileError,
 )

@@ -17,6 +17,7 @@ __all__ = [
     "AttentionError",
     "AttentionTypeError",
     "AttentionValueError",
+    "PoolExhaustedError",
     "ShapeError",
     "WeightsFileError",
 ]
@@ -34,6 +35,10 @@ class ShapeError(AttentionValueError):
     """Arrays whose shapes do not fit together; the message names both shapes."""
 
 
+class PoolExhaustedError(AttentionValueError):
+    """A paged cache's pool has too few free blocks for an append; nothing was changed."""
+
+
 class AttentionTypeError(AttentionError, TypeError):
     """An argument has an unusable type or dtype (complex data, an integer mask, ...)."""
 
@@ -44,7 +49,7 @@ class WeightsFileError(AttentionError, OSError):
 
 # The public names are mha.ShapeError and so on (re-exported by the package): tracebacks and
 # reprs show those, not this module's path.
-for _error in (AttentionError, AttentionValueError, ShapeError, AttentionTypeError,
-               WeightsFileError):  # fmt: skip
+for _error in (AttentionError, AttentionValueError, ShapeError, PoolExhaustedError,
+               AttentionTypeError, WeightsFileError):  # fmt: skip
     _error.__module__ = "mha"
 del _error

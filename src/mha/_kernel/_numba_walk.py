@@ -1,9 +1,10 @@
 """numba code of :mod:`mha._kernel.compiled`'s tile walks; importing it needs numba. Each
 function runs a list of work items from start to end without returning to Python: the GEMMs
-call NumPy's own BLAS through the address of its ``cblas_?gemm`` (and ``cblas_?gemv`` for a
-decoding step's few rows; :mod:`.blas`), so they are the very calls ``np.matmul`` makes,
-and the rest (stacking and scaling the query rows, a decoding step's scores, the softmax
-step, rescaling, the division at the end) are loops compiled here.
+call NumPy's own BLAS through the address of its ``cblas_?gemm`` (:mod:`.blas`), so they
+are the very calls ``np.matmul`` makes, and the rest (stacking and scaling the query rows,
+a decoding step's products, the softmax step, rescaling, the division at the end) are loops
+compiled here. The forward reads keys and values from pools of blocks (a paged cache's, or
+an array as one block per sequence).
 
 The walks are plain functions here: :mod:`.compiled` compiles each for one signature per
 dtype when first used (cached on disk by numba).
@@ -27,12 +28,13 @@ def _cblas_codegen(dtype: Any, spec: tuple[Any, ...]) -> Any:
     """The code calling a CBLAS function (64-bit integers) at the address in argument 0,
     row-major, with the C arguments ``spec`` lists in order: ``("i32", i)``, ``("i64", i)``
     and ``("real", i)`` pass argument ``i`` cast so, ``("ptr", i)`` argument ``i``'s array
-    from the flat element offset in argument ``i + 1``, ``("one",)`` a unit increment."""
+    from the flat element offset in argument ``i + 1``, ``("addr", i)`` the address in
+    argument ``i``, ``("one",)`` a unit increment."""
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         i32, i64, void_p = ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()
         real = context.get_value_type(dtype)
-        llvm = {"i32": i32, "i64": i64, "real": real, "ptr": void_p, "one": i64}
+        llvm = {"i32": i32, "i64": i64, "real": real, "ptr": void_p, "addr": void_p, "one": i64}
 
         def cast(i: int, to: Any) -> Any:
             return context.cast(builder, args[i], sig.args[i], to)
@@ -44,6 +46,8 @@ def _cblas_codegen(dtype: Any, spec: tuple[Any, ...]) -> Any:
                 array = context.make_array(sig.args[at[0]])(context, builder, args[at[0]])
                 offset = builder.gep(array.data, [cast(at[0] + 1, types.int64)])
                 return builder.bitcast(offset, void_p)
+            if kind == "addr":
+                return builder.inttoptr(cast(at[0], types.int64), void_p)
             return cast(at[0], {"i32": types.int32, "i64": types.int64, "real": dtype}[kind])
 
         function = ir.FunctionType(ir.VoidType(), [i32] + [llvm[item[0]] for item in spec])
@@ -70,35 +74,75 @@ def _gemm(
 
 
 @intrinsic
-def _gemv(typingctx, address, ta, M, N, alpha, A, a_at, lda, X, x_at, beta, Y, y_at):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """``cblas_?gemv`` (64-bit integers) at ``address``, row-major, unit increments:
-    ``Y = alpha op(A) X + beta Y`` for the ``M x N`` matrix ``A`` from element ``a_at``."""
-    signature = types.void(address, ta, M, N, alpha, A, a_at, lda, X, x_at, beta, Y, y_at)
-    spec = (("i32", 1), ("i64", 2), ("i64", 3), ("real", 4), ("ptr", 5), ("i64", 7), ("ptr", 8),
-            ("one",), ("real", 10), ("ptr", 11), ("one",))  # fmt: skip
-    return signature, _cblas_codegen(Y.dtype, spec)
+def _gemm_at(typingctx, address, like, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """:func:`_gemm` on the matrices at the addresses ``A``, ``B``, ``C`` (int64, from
+    :func:`_address`) of ``like``'s dtype: the forward walk's, whose keys lie in a cache's
+    blocks or in a copy of them."""
+    signature = types.void(address, like, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)
+    spec = (("i32", 2), ("i32", 3), ("i64", 4), ("i64", 5), ("i64", 6), ("real", 7),
+            ("addr", 8), ("i64", 9), ("addr", 10), ("i64", 11), ("real", 12), ("addr", 13),
+            ("i64", 14))  # fmt: skip
+    return signature, _cblas_codegen(like.dtype, spec)
 
 
 @intrinsic
-def _pointer(typingctx, A, at):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """A pointer to ``A``'s element at the flat offset ``at`` from its data pointer."""
+def _address(typingctx, A, at):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """The address of ``A``'s element at the flat offset ``at`` from its data pointer."""
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         array = context.make_array(sig.args[0])(context, builder, args[0])
-        return builder.gep(array.data, [context.cast(builder, args[1], sig.args[1], types.int64)])
+        offset = context.cast(builder, args[1], sig.args[1], types.int64)
+        return builder.ptrtoint(builder.gep(array.data, [offset]), ir.IntType(64))
 
-    return types.CPointer(A.dtype)(A, at), codegen
+    return types.int64(A, at), codegen
 
 
-GEMV_ROWS = 8
-"""Stacked rows up to which a tile is a decoding step's: its scores are :func:`_few_scores`'
-dot products, each key read from memory once for every row (twice as fast as BLAS's
-matrix-vector products per row, measured for 4 rows of 128 against 1,024 keys: 0.16
-against 0.33 ms; a GEMM of so few rows packs the keys into a buffer first, slower still),
-and ``p @ v`` is BLAS's matrix-vector product per row, block by block of ``GEMV_KEYS`` keys
-that the other rows read from L2 (as fast as the GEMM and a compiled loop, measured)."""
+@intrinsic
+def _typed(typingctx, address, like):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """``address`` as a pointer to elements of ``like``'s dtype (for :func:`numba.carray`)."""
 
-GEMV_KEYS = 256
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        pointee = context.get_value_type(sig.args[1].dtype)
+        return builder.inttoptr(args[0], pointee.as_pointer())
+
+    return types.CPointer(like.dtype)(address, like), codegen
+
+
+@intrinsic
+def _prefetch(typingctx, address):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Ask for the cache line at ``address`` (int64) to be read into the caches ahead."""
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        void_p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        function = builder.module.declare_intrinsic(
+            "llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [void_p, i32, i32, i32])
+        )
+        read, keep, data = (ir.Constant(i32, value) for value in (0, 3, 1))
+        builder.call(function, [builder.inttoptr(args[0], void_p), read, keep, data])
+        return context.get_dummy_value()
+
+    return types.void(address), codegen
+
+
+@njit(boundscheck=False, nogil=True)
+def _ahead(following, c, ld, size, width):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Prefetch row ``c`` (``width`` elements) of the run at ``following`` (0: none)."""
+    if following != 0:
+        row = following + c * ld * size
+        for line in range(0, width * size, 64):
+            _prefetch(row + line)
+
+
+FEW_ROWS = 8
+"""Stacked rows up to which a tile is a decoding step's, memory-bound: its products are
+compiled loops that read each key and each value once for all its rows
+(:func:`_few_scores`, :func:`_few_accumulate`). BLAS reads them once per row
+(``cblas_?gemv``), or packs them into a buffer first (a GEMM of so few rows): for 4 rows of
+128 against 1,024 keys of 8 heads, float32, the scores took 0.16 ms compiled, 0.33 with
+``gemv`` per row and 0.40 with the GEMM; ``p @ v`` 0.30, 0.32 and 0.28."""
+
+FEW_KEYS = 256
+"""Keys per block of :func:`_few_scores`: they stay in L2 for the next four rows."""
 
 
 @njit(boundscheck=False, nogil=True)
@@ -128,23 +172,86 @@ def _band(i, n, r0, c0, w, offset, causal, window):  # type: ignore[no-untyped-d
     return lo, max(lo, hi)
 
 
+@njit(boundscheck=False, nogil=True)
+def _key_row(pool, table, block, b, g, c):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """The flat element offset of sequence ``b``'s key ``c`` of head ``g``: ``pool[table[b,
+    c // block], c % block, g, 0]`` for a pool ``(blocks, block, H_kv, d)``."""
+    at = table[b, c // block] * pool.strides[0] + (c % block) * pool.strides[1]
+    return (at + g * pool.strides[2]) // pool.itemsize
+
+
+@njit(boundscheck=False, nogil=True)
+def _key_ld(pool):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Elements between a block's rows (at least ``d``: a block of one row has any stride)."""
+    return max(pool.strides[1] // pool.itemsize, pool.shape[3], 1)
+
+
+@njit(boundscheck=False, nogil=True)
+def _run_end(pool, table, block, b, c, stop):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Where the run of sequence ``b``'s positions from ``c`` (before ``stop``) that lie one
+    row after another in memory ends: its block's end, or further when the next blocks
+    follow it in the pool (a contiguous cache is one block per sequence)."""
+    end = min((c // block + 1) * block, stop)
+    adjacent = pool.strides[0] == block * pool.strides[1]
+    while adjacent and end < stop and table[b, end // block] == table[b, end // block - 1] + 1:
+        end = min(end + block, stop)
+    return end
+
+
+@njit(boundscheck=False, nogil=True)
+def _tile_at(pool, table, block, b, g, c0, w, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """``(address, leading dimension)`` of keys (or values) ``[c0, c0 + w)`` of sequence
+    ``b``, head ``g``, for a GEMM: where they lie when they are one run, else copied run by
+    run into ``scratch (>= w, d)``: the same numbers in the same layout, so the GEMM gives
+    the same bits."""
+    if _run_end(pool, table, block, b, c0, c0 + w) == c0 + w:
+        return _address(pool, _key_row(pool, table, block, b, g, c0)), _key_ld(pool)
+    d = pool.shape[3]
+    c = c0
+    while c < c0 + w:
+        end = _run_end(pool, table, block, b, c, c0 + w)
+        address = _address(pool, _key_row(pool, table, block, b, g, c))
+        rows = carray(_typed(address, scratch), (end - c, _key_ld(pool)))
+        scratch[c - c0 : end - c0, :] = rows[:, :d]
+        c = end
+    return _address(scratch, 0), d
+
+
+@njit(boundscheck=False, nogil=True)
+def _finite(pool, table, block, b, g, c0, c1):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Whether sequence ``b``'s values (or keys) ``[c0, c1)`` of head ``g`` are all finite."""
+    d = pool.shape[3]
+    c = c0
+    while c < c1:
+        end = _run_end(pool, table, block, b, c, c1)
+        address = _address(pool, _key_row(pool, table, block, b, g, c))
+        rows = carray(_typed(address, pool), (end - c, _key_ld(pool)))
+        for r in range(end - c):
+            for e in range(d):
+                if not np.isfinite(rows[r, e]):
+                    return False
+        c = end
+    return True
+
+
 @njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True)
-def _few_scores(k, b, g, c0, w, stacked, i0, rows, s):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """``s[i, c] = stacked[i0 + i] . k[b, g, c0 + c]`` for a decoding step's few ``rows``
-    and ``w`` keys: four rows' dot products per key, so that each key is read from memory
-    once (BLAS's matrix-vector product reads it once per row, and its matrix product packs
-    the keys first: both measured slower, :data:`GEMV_ROWS`), by blocks of ``GEMV_KEYS``
-    keys that stay in L2 for the next four rows."""
-    d_k = stacked.shape[1]
-    keys = carray(_pointer(k, _at(k, b, g, c0)), (w, _rows(k)))  # rows contiguous
+def _few_scores(address, ld, n, stacked, i0, rows, s, at, following):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """``s[i, at + c] = stacked[i0 + i] . key_c`` for a decoding step's few ``rows`` and the
+    ``n`` keys from ``address`` (``ld`` elements apart): four rows' dot products per key as
+    it is read, by blocks of ``FEW_KEYS`` keys; the run at ``following`` (a paged cache's
+    next block) is prefetched meanwhile, row for row."""
+    d_k, size = stacked.shape[1], stacked.itemsize
+    keys = carray(_typed(address, stacked), (n, ld))
     zero = s.dtype.type(0)
-    for start in range(0, w, GEMV_KEYS):
-        stop = min(start + GEMV_KEYS, w)
+    for start in range(0, n, FEW_KEYS):
+        stop = min(start + FEW_KEYS, n)
         i = 0
         while i < rows:
             if i + 4 <= rows:
                 q0, q1, q2, q3 = stacked[i0 + i], stacked[i0 + i + 1], stacked[i0 + i + 2], stacked[i0 + i + 3]  # fmt: skip  # noqa: E501
                 for c in range(start, stop):
+                    if i == 0:
+                        _ahead(following, c, ld, size, d_k)
                     key = keys[c, :d_k]
                     a0 = a1 = a2 = a3 = zero
                     for d in range(d_k):
@@ -153,17 +260,57 @@ def _few_scores(k, b, g, c0, w, stacked, i0, rows, s):  # type: ignore[no-untype
                         a1 += q1[d] * x
                         a2 += q2[d] * x
                         a3 += q3[d] * x
-                    s[i, c], s[i + 1, c], s[i + 2, c], s[i + 3, c] = a0, a1, a2, a3
+                    s[i, at + c], s[i + 1, at + c], s[i + 2, at + c], s[i + 3, at + c] = a0, a1, a2, a3  # fmt: skip  # noqa: E501
                 i += 4
             else:
                 q0 = stacked[i0 + i]
                 for c in range(start, stop):
+                    if i == 0:
+                        _ahead(following, c, ld, size, d_k)
                     key = keys[c, :d_k]
                     a0 = zero
                     for d in range(d_k):
                         a0 += q0[d] * key[d]
-                    s[i, c] = a0
+                    s[i, at + c] = a0
                 i += 1
+
+
+@njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True)
+def _few_accumulate(address, ld, n, s, at, w, acc, i0, rows, partial, following):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """``acc[i0 + i] += sum_c s[i, at + c] * value_c`` for ``rows`` rows and the ``n``
+    values from ``address`` (positions ``at`` to ``at + n`` of a tile of ``w``): two rows per
+    value as it is read. The sums go through ``partial`` (zero at the tile's start), added
+    to ``acc`` every ``FEW_KEYS`` positions of the tile and at its end: the rounding of a
+    sum of a few hundred terms, not of thousands, and the same however the tile's values
+    are split into runs (a paged cache's blocks). The run at ``following`` is prefetched
+    meanwhile."""
+    d_v, size = acc.shape[1], acc.itemsize
+    values = carray(_typed(address, acc), (n, ld))
+    i = 0
+    while i < rows:
+        pair = i + 2 <= rows
+        a0, a1 = partial[i], partial[i + 1 if pair else i]
+        for c in range(n):
+            if i == 0:
+                _ahead(following, c, ld, size, d_v)
+            value = values[c, :d_v]
+            p0 = s[i, at + c]
+            if pair:
+                p1 = s[i + 1, at + c]
+                for d in range(d_v):
+                    x = value[d]
+                    a0[d] += p0 * x
+                    a1[d] += p1 * x
+            else:
+                for d in range(d_v):
+                    a0[d] += p0 * value[d]
+            position = at + c + 1
+            if position % FEW_KEYS == 0 or position == w:
+                for j in range(i, i + 2 if pair else i + 1):
+                    for d in range(d_v):
+                        acc[i0 + j, d] += partial[j, d]
+                        partial[j, d] = 0.0
+        i += 2 if pair else 1
 
 
 def plan(B, H_kv, L, rows, key_end, query_end, offsets, causal, window):  # type: ignore[no-untyped-def]  # pragma: no cover
@@ -190,22 +337,27 @@ def plan(B, H_kv, L, rows, key_end, query_end, offsets, causal, window):  # type
 
 
 def forward(  # type: ignore[no-untyped-def]  # pragma: no cover
-    gemm, gemv, tasks, q, k, v, out, lse, part_out, part_lse, scale, causal, window, offsets, cols,
-    flip_below, chunk, s, flipped, stacked, acc, m, ref, total, failed,
+    gemm, tasks, q, kp, vp, table, block, out, lse, part_out, part_lse, scale, causal, window,
+    offsets, cols, flip_below, chunk, s, flipped, stacked, acc, m, ref, total, partial, k_tile,
+    v_tile, failed,
 ):  # fmt: skip
     """Attention for each task ``(b, g, r0, r1, start, stop, part)`` of ``tasks``: rows
     ``[r0, r1)`` of key/value head ``g``'s query heads in sequence ``b``, over keys
     ``[start, stop)``, written to ``out`` and ``lse`` (``lse`` of size 0: not wanted), or to
-    ``part_out[part]`` and ``part_lse[part]`` when ``part >= 0``. ``q (B, H, L, d_k)``,
-    ``k (B, H_kv, S, d_k)``, ``v (B, H_kv, S, d_v)``, each row contiguous. ``offsets[b]``
-    aligns the causal mask and the window (``window < 0``: none). A task whose band tiles
-    hold a non-finite value (which ``0 * value`` would spread) is left undone and flagged in
-    ``failed``, for the NumPy walk to do."""
-    H, d_k, d_v = q.shape[1], q.shape[3], v.shape[3]
-    group = H // k.shape[1]
+    ``part_out[part]`` and ``part_lse[part]`` when ``part >= 0``. ``q (B, H, L, d_k)``;
+    the keys and values are pools ``kp (blocks, block, H_kv, d_k)``, ``vp (blocks, block,
+    H_kv, d_v)`` (each row contiguous), sequence ``b``'s position ``c`` in block ``table[b,
+    c // block]``: a paged cache's, or a contiguous array seen as one block per sequence.
+    A tile of keys that spans blocks apart is copied into ``k_tile`` and ``v_tile`` (``(cols,
+    d)``) for the GEMMs; a decoding step's few rows read the blocks where they lie, summing
+    through ``partial`` (``(rows, d_v)``).
+    ``offsets[b]`` aligns the causal mask and the window (``window < 0``: none). A task
+    whose band tiles hold a non-finite value (which ``0 * value`` would spread) is left
+    undone and flagged in ``failed``, for the NumPy walk to do."""
+    H, d_k, d_v = q.shape[1], q.shape[3], vp.shape[3]
+    group = H // kp.shape[2]
     dtype = s.dtype.type
     factor = dtype(scale)
-    alpha = np.empty(total.shape[0], s.dtype)
     for t in range(tasks.shape[0]):
         b, g, r0, r1 = tasks[t, 0], tasks[t, 1], tasks[t, 2], tasks[t, 3]
         start, stop, part = tasks[t, 4], tasks[t, 5], tasks[t, 6]
@@ -237,26 +389,32 @@ def forward(  # type: ignore[no-untyped-def]  # pragma: no cover
             if group > 1:
                 a, e = r0, r1
             banded = (causal and c1 - 1 > a + offset) or (window >= 0 and c0 <= e - 1 + offset - window)  # fmt: skip  # noqa: E501
-            if banded:  # a hidden key's value must be finite: 0 * inf would be NaN
-                for c in range(c0, c1):
-                    for d in range(d_v):
-                        if not np.isfinite(v[b, g, c, d]):
-                            bad = True
-                if bad:
-                    break
+            if banded and not _finite(vp, table, block, b, g, c0, c1):
+                bad = True  # a hidden key's value must be finite: 0 * inf would be NaN
+                break
             i0 = (a - r0) if group == 1 else 0
             rows = (e - a) if group == 1 else R
-            if rows <= GEMV_ROWS:  # a decoding step's few rows: each key read once
-                _few_scores(k, b, g, c0, w, stacked, i0, rows, s)
-            elif flip:  # few rows: k @ q^T streams the keys, then transposed into s
-                _gemm(gemm, NO_TRANS, TRANS, w, rows, d_k, 1.0, k, _at(k, b, g, c0), _rows(k),
-                      stacked, i0 * d_k, d_k, 0.0, flipped, 0, rows)  # fmt: skip
-                for c in range(w):
-                    for i in range(rows):
-                        s[i, c] = flipped[c * rows + i]
+            few = rows <= FEW_ROWS  # a decoding step's: the blocks read where they lie
+            if few:
+                c, address = c0, _address(kp, _key_row(kp, table, block, b, g, c0))
+                while c < c1:
+                    end = _run_end(kp, table, block, b, c, c1)
+                    following = _address(kp, _key_row(kp, table, block, b, g, end)) if end < c1 else 0  # fmt: skip  # noqa: E501
+                    _few_scores(address, _key_ld(kp), end - c, stacked, i0, rows, s, c - c0,
+                                following)  # fmt: skip
+                    c, address = end, following
             else:
-                _gemm(gemm, NO_TRANS, TRANS, rows, w, d_k, 1.0, stacked, i0 * d_k, d_k, k,
-                      _at(k, b, g, c0), _rows(k), 0.0, s, 0, cols)  # fmt: skip
+                keys, ld = _tile_at(kp, table, block, b, g, c0, w, k_tile)
+                if flip:  # few rows: k @ q^T streams the keys, then transposed into s
+                    _gemm_at(gemm, s, NO_TRANS, TRANS, w, rows, d_k, 1.0, keys, ld,
+                             _address(stacked, i0 * d_k), d_k, 0.0, _address(flipped, 0), rows)  # fmt: skip  # noqa: E501
+                    for c in range(w):
+                        for i in range(rows):
+                            s[i, c] = flipped[c * rows + i]
+                else:
+                    _gemm_at(gemm, s, NO_TRANS, TRANS, rows, w, d_k, 1.0,
+                             _address(stacked, i0 * d_k), d_k, keys, ld, 0.0, _address(s, 0),
+                             cols)  # fmt: skip
             for i in range(rows):
                 lo, hi = 0, w
                 if banded:
@@ -265,21 +423,27 @@ def forward(  # type: ignore[no-untyped-def]  # pragma: no cover
                 new, new_ref, row_total, rescale = row_step(
                     s[i, :w], lo, hi, m[row], ref[row], total[row], False, dtype(0), 0, False
                 )
-                m[row], ref[row], total[row], alpha[row] = new, new_ref, row_total, rescale
+                m[row], ref[row], total[row] = new, new_ref, row_total
                 if rescale != 1.0:
                     for d in range(d_v):
                         acc[row, d] *= rescale
-            if rows <= GEMV_ROWS:  # acc_i += v^T p_i, block by block of keys
-                for c in range(0, w, GEMV_KEYS):
-                    width = min(GEMV_KEYS, w - c)
-                    for i in range(rows):
-                        _gemv(gemv, TRANS, width, d_v, 1.0, v, _at(v, b, g, c0 + c), _rows(v), s,
-                              i * cols + c, 1.0, acc, (i0 + i) * d_v)  # fmt: skip
+            if few:  # acc += p @ v, each value read once
+                partial[:rows] = 0.0
+                c, address = c0, _address(vp, _key_row(vp, table, block, b, g, c0))
+                while c < c1:
+                    end = _run_end(vp, table, block, b, c, c1)
+                    following = _address(vp, _key_row(vp, table, block, b, g, end)) if end < c1 else 0  # fmt: skip  # noqa: E501
+                    _few_accumulate(address, _key_ld(vp), end - c, s, c - c0, w, acc, i0, rows,
+                                    partial, following)  # fmt: skip
+                    c, address = end, following
             else:
+                values, ld = _tile_at(vp, table, block, b, g, c0, w, v_tile)
+                size = vp.itemsize
                 for c in range(0, w, chunk):  # acc += p @ v, in chunks of keys for few rows
                     width = min(chunk, w - c)
-                    _gemm(gemm, NO_TRANS, NO_TRANS, rows, d_v, width, 1.0, s, c, cols, v,
-                          _at(v, b, g, c0 + c), _rows(v), 1.0, acc, i0 * d_v, d_v)  # fmt: skip
+                    _gemm_at(gemm, s, NO_TRANS, NO_TRANS, rows, d_v, width, 1.0,
+                             _address(s, c), cols, values + c * ld * size, ld, 1.0,
+                             _address(acc, i0 * d_v), d_v)  # fmt: skip
             c0 = c1
         if bad:
             failed[t] = True

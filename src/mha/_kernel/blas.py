@@ -20,10 +20,9 @@ import ctypes
 import functools
 from typing import Any
 
-__all__ = ["gemm_addresses", "gemv_addresses", "thread_setting"]
+__all__ = ["gemm_addresses", "thread_setting"]
 
 _GEMM_NAMES = ("scipy_cblas_{}gemm64_", "cblas_{}gemm64_")
-_GEMV_NAMES = ("scipy_cblas_{}gemv64_", "cblas_{}gemv64_")
 _THREAD_NAMES = ("scipy_openblas_{}_num_threads64_", "openblas_{}_num_threads64_",
                  "openblas_{}_num_threads")  # fmt: skip
 
@@ -51,12 +50,6 @@ def gemm_addresses() -> dict[str, int] | None:
     """``{"float32": address, "float64": address}`` of NumPy's BLAS's 64-bit-integer CBLAS
     ``sgemm`` and ``dgemm``, or ``None`` when they cannot be found."""
     return _addresses(_GEMM_NAMES)
-
-
-@functools.cache
-def gemv_addresses() -> dict[str, int] | None:
-    """The same for ``sgemv`` and ``dgemv``."""
-    return _addresses(_GEMV_NAMES)
 
 
 def _addresses(names: tuple[str, ...]) -> dict[str, int] | None:

@@ -3,10 +3,11 @@ softmax step.
 
 **The tile walks.** :func:`forward_walk` and :func:`backward_walk` run whole work items, every
 key tile of them, without returning to Python: the GEMMs are NumPy's own BLAS's
-``cblas_?gemm`` (``cblas_?gemv`` for a decoding step's few rows, whose scores are compiled
-dot products), called through their addresses (:mod:`.blas`), and the rest is compiled loops
-(:mod:`._numba_walk`). They take the calls whose hidden keys a band can say (the causal mask,
-the window, the lengths, a cache's alignment) with plain scores (sinks are added after, as
+``cblas_?gemm``, called through its address (:mod:`.blas`), and the rest is compiled loops
+(:mod:`._numba_walk`; a decoding step's few rows: its products too, reading each key and
+value once). The keys and values are arrays or a paged cache's blocks. They take the calls
+whose hidden keys a band can say (the causal mask, the window, the lengths, a cache's
+alignment) with plain scores (sinks are added after, as
 everywhere), in float32 or float64, at every size: with them a call costs tens of
 microseconds of Python, not a few per tile. Every other call (boolean masks, bias,
 ``mask_mod``, chunks, sink tokens, soft-capping, ALiBi, ``score_mod``, dropout, returned
@@ -88,7 +89,7 @@ def walk_available() -> bool:
         return False
     if _WALKS is not None:
         return True
-    if blas.gemm_addresses() is None or blas.gemv_addresses() is None:
+    if blas.gemm_addresses() is None:
         return False
     from . import _numba_walk
 
@@ -115,11 +116,13 @@ def _compile_walk(name: str, dtype: np.dtype) -> Any:
     c = {n: types.Array(real, n, "C") for n in (1, 2)}  # scratch
     i64, flags = types.int64, types.Array(types.boolean, 1, "C")
     index, table = types.Array(types.int64, 1, "A"), types.Array(types.int64, 2, "A")
+    blocks = types.Array(types.int64, 2, "A")  # each sequence's blocks of keys and values
     signatures = {
         "plan": table(i64, i64, i64, i64, index, index, index, types.boolean, i64),
         "forward": types.void(
-            i64, i64, table, r[4], r[4], r[4], a[4], a[3], a[4], a[3], types.float64, types.boolean,
-            i64, index, i64, i64, i64, c[2], c[1], c[2], c[2], c[1], c[1], c[1], flags,
+            i64, table, r[4], r[4], r[4], blocks, i64, a[4], a[3], a[4], a[3], types.float64,
+            types.boolean, i64, index, i64, i64, i64, c[2], c[1], c[2], c[2], c[1], c[1], c[1],
+            c[2], c[2], c[2], flags,
         ),
         "backward": types.void(
             i64, table, r[4], r[4], r[4], r[4], r[3], r[4], a[4], a[4], a[4], types.float64,
@@ -159,12 +162,9 @@ _READY: dict[tuple[str, Any], tuple[Any, Any]] = {}
 def _run_walk(name: str, dtype: np.dtype, args: tuple[Any, ...]) -> None:
     ready = _READY.get((name, dtype))  # a decoding step's call: one lookup
     if ready is None:
-        gemm, gemv = blas.gemm_addresses(), blas.gemv_addresses()
-        assert gemm is not None and gemv is not None
-        blas_functions = (
-            (gemm[dtype.name], gemv[dtype.name]) if name == "forward" else (gemm[dtype.name],)
-        )
-        ready = _READY[name, dtype] = (_walk(name, dtype), blas_functions)
+        gemm = blas.gemm_addresses()
+        assert gemm is not None
+        ready = _READY[name, dtype] = (_walk(name, dtype), (gemm[dtype.name],))
     function, addresses = ready
     function(*addresses, *args)
 

@@ -173,10 +173,8 @@ def attend(
         tiles = replace(tiles, rows=tiles.rows // align * align)
     team = team or Team(1)
     parts: Parts | None = None
-    views = None
-    if isinstance(k, np.ndarray) and isinstance(v, np.ndarray):
-        views = walk.forward_walkable(q, k, v, out, lse, visibility, weights, dropout, scores)
-    if views and isinstance(k, np.ndarray) and isinstance(v, np.ndarray):
+    views = walk.forward_walkable(q, k, v, out, lse, visibility, weights, dropout, scores)
+    if views:
         # The compiled walk; a task it could not do (a non-finite value at a hidden key)
         # is done below by the NumPy walk, with the compiled softmax step.
         work, parts = walk.run_forward(q, k, v, visibility, scale, out, lse, views, tiles, group,

@@ -16,6 +16,7 @@ import numpy as np
 from . import compiled, tasks
 from .contract import Visibility
 from .dropout import Dropout
+from .paged import PagedKV
 from .scores import Scores
 from .tasks import Parts, Task, batch_index
 from .team import Team
@@ -30,8 +31,8 @@ stays in a core's L2 cache between the two GEMMs and the softmax step."""
 
 def forward_walkable(
     q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
+    k: np.ndarray | PagedKV,
+    v: np.ndarray | PagedKV,
     out: np.ndarray,
     lse: np.ndarray | None,
     visibility: Visibility,
@@ -39,18 +40,28 @@ def forward_walkable(
     dropout: Dropout | None,
     scores: Scores | None,
 ) -> list[np.ndarray] | None:
-    """The arrays as the compiled walk takes them (:func:`walk_views`) when it computes this
-    call, else ``None``: what hides keys is a band (causal, the window, the lengths), the
-    scores are plain ones, in float32 or float64 throughout, and every array is one the
-    compiled code can take as it is."""
+    """The arrays as the compiled walk takes them (:func:`walk_views`; a paged cache's
+    pools as they are) when it computes this call, else ``None``: what hides keys is a band
+    (causal, the window, the lengths), the scores are plain ones, in float32 or float64
+    throughout, and every array is one the compiled code can take as it is."""
     outputs = (out,) if lse is None else (out, lse[..., None])
+    paged = isinstance(k, PagedKV) and isinstance(v, PagedKV)
+    if isinstance(k, PagedKV) != isinstance(v, PagedKV):
+        return None
+    keys = k.pool if isinstance(k, PagedKV) else k
+    values = v.pool if isinstance(v, PagedKV) else v
     if (
         weights is not None
-        or not _band_and_plain_scores(visibility, dropout, scores, (q, k, v, *outputs))
+        or not _band_and_plain_scores(visibility, dropout, scores, (q, keys, values, *outputs))
         or not compiled.walk_available()
     ):
         return None
-    return walk_views((q, k, v), outputs, operands=(q, k, v))
+    if not paged:
+        return walk_views((q, keys, values), outputs, operands=(q, keys, values))
+    if not all(map(_pool_rows, (keys, values))):
+        return None
+    views = walk_views((q,), outputs, operands=(q,))
+    return None if views is None else [views[0], keys, values, *views[1:]]
 
 
 def _band_and_plain_scores(
@@ -99,6 +110,18 @@ def walk_views(
     if not all(x.flags.writeable for x in outputs) or not all(map(_blas_rows, operands)):
         return None
     return views
+
+
+def _pool_rows(pool: np.ndarray) -> bool:
+    """Whether a pool ``(blocks, block, H_kv, d)``'s rows are ones BLAS can read: aligned,
+    each row contiguous, a block's rows in order and apart."""
+    size = pool.itemsize
+    return (
+        pool.flags.aligned
+        and all(stride % size == 0 for stride in pool.strides)
+        and pool.strides[3] == size
+        and (pool.shape[1] == 1 or pool.strides[1] >= pool.shape[3] * size)
+    )
 
 
 def _blas_rows(x: np.ndarray) -> bool:
@@ -170,8 +193,8 @@ def _limits(
 
 def run_forward(
     q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
+    k: np.ndarray | PagedKV,
+    v: np.ndarray | PagedKV,
     visibility: Visibility,
     scale: float,
     out: np.ndarray,
@@ -196,7 +219,12 @@ def run_forward(
     lse4 = np.empty((1, 1, 0), out.dtype) if lse is None else views[4][..., 0]
     key_end, query_end, offsets = _limits(visibility, batch_shape, L, S)
     rows = max(1, min(tiles.rows, WALK_ROWS))
-    k4, v4 = _packed(views[1], L, rows), _packed(views[2], L, rows)
+    if isinstance(k, PagedKV):  # the pools and the block tables as they are
+        kp, vp, blocks, block = views[1], views[2], k.table, k.block_size
+    else:  # one block per sequence: (B, S, H_kv, d) views of the arrays
+        k4, v4 = _packed(views[1], L, rows), _packed(views[2], L, rows)
+        kp, vp = k4.transpose(0, 2, 1, 3), v4.transpose(0, 2, 1, 3)
+        blocks, block = np.arange(B, dtype=np.int64)[:, None], max(S, 1)
     window = -1 if visibility.window is None else visibility.window
     table = compiled.plan_walk(B, H_kv, L, rows, key_end, query_end, offsets, visibility.causal,
                                window)  # fmt: skip
@@ -229,14 +257,17 @@ def run_forward(
         flipped = np.empty(tiles.cols * min(R, flip_below), dtype)  # few rows' tiles
         stacked, acc = np.empty((R, d_k), dtype), np.empty((R, d_v), dtype)
         m, ref, total = np.empty(R, dtype), np.empty(R, dtype), np.empty(R, dtype)
+        spans = tiles.cols if isinstance(k, PagedKV) else 0  # tiles copied from blocks apart
+        k_tile, v_tile = np.empty((spans, d_k), dtype), np.empty((spans, d_v), dtype)
+        partial = np.empty((R, d_v), dtype)  # a decoding step's sums
 
         def run(chunk: slice) -> None:
             tasks = table[chunk]
             done = np.zeros(len(tasks), bool)
             compiled.forward_walk(
-                dtype, tasks, q4, k4, v4, out4, lse4, part_out, part_lse, scale,
+                dtype, tasks, q4, kp, vp, blocks, block, out4, lse4, part_out, part_lse, scale,
                 visibility.causal, window, offsets, tiles.cols, flip_below, product_chunk, s,
-                flipped, stacked, acc, m, ref, total, done,
+                flipped, stacked, acc, m, ref, total, partial, k_tile, v_tile, done,
             )  # fmt: skip
             failed[chunk] = done
 

@@ -1,0 +1,148 @@
+"""Serving many sequences: decoding steps over a padded cache and over a paged one.
+
+    python benchmarks/serving.py                     # results in benchmarks/results/serving.*
+    python benchmarks/serving.py --readme README.md  # and the README's table
+    python benchmarks/serving.py --quick             # fewer repeats, shorter sequences
+
+64 sequences (32 query heads, 8 key/value heads, head dim 128, float32):
+
+1. Lengths spread evenly between 128 and 8,192 tokens. ``mha.KVCache`` must hold every
+   sequence padded to the longest; ``mha.PagedKVCache`` (blocks of 16) holds the tokens
+   in blocks. Memory of each cache's buffers against the bytes of the tokens actually held,
+   and the time of one decoding step (each sequence one new token: one
+   ``scaled_dot_product_attention(..., cache=)`` call, the caches truncated back after it).
+2. The same step with every sequence at the same length, where padding costs nothing: the
+   paged cache's time against the contiguous cache's.
+
+The caches are filled directly (``PagedKVCache.append``; the KVCache's buffers written in
+place), not by attending over the prompts. Medians of interleaved runs. Where the environment sets
+``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE``, the measurement is repeated in a child process
+without them, and both are reported.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import mha
+from mha.cli.measure import (
+    check_readme,
+    environment,
+    finish_script,
+    interleaved_medians,
+    measured_on,
+    script_parser,
+)
+
+ROOT = Path(__file__).parent.parent
+BEGIN, END = "<!-- serving: begin -->", "<!-- serving: end -->"
+B, H, H_KV, D, BLOCK = 64, 32, 8, 128, 16
+TOKEN_BYTES = 2 * H_KV * D * 4  # a token's key and value, float32
+
+
+def caches(lengths: np.ndarray, rng: np.random.Generator) -> tuple[mha.KVCache, mha.PagedKVCache]:
+    """A KVCache and a PagedKVCache holding the same random keys and values."""
+    longest = int(lengths.max())
+    contiguous = mha.KVCache(B, H_KV, D, capacity=longest + 1, dtype=np.float32)
+    blocks = int(sum(-(-(int(n) + 1) // BLOCK) for n in lengths))  # room for the next token
+    paged = mha.PagedKVCache(blocks, BLOCK, H_KV, D, dtype=np.float32)
+    for b, n in enumerate(lengths):
+        k, v = (rng.standard_normal((H_KV, int(n), D), dtype=np.float32) for _ in range(2))
+        paged.add(b)
+        paged.append(b, k, v)
+        contiguous._k[b, :, :n], contiguous._v[b, :, :n] = k, v  # in place, without attending
+        contiguous._lengths[b] = n
+    return contiguous, paged
+
+
+def step_functions(contiguous: mha.KVCache, paged: mha.PagedKVCache, rng: np.random.Generator
+                   ) -> dict[str, Any]:  # fmt: skip
+    q = rng.standard_normal((B, H, 1, D), dtype=np.float32)
+    k, v = (rng.standard_normal((B, H_KV, 1, D), dtype=np.float32) for _ in range(2))
+    before = contiguous.lengths.copy()
+
+    def step_contiguous() -> None:
+        mha.scaled_dot_product_attention(q, k, v, cache=contiguous)
+        contiguous.truncate(before)
+
+    def step_paged() -> None:
+        mha.scaled_dot_product_attention(q, k, v, cache=paged)
+        for b, n in enumerate(before):
+            paged.truncate(b, int(n))
+
+    return {"KVCache": step_contiguous, "PagedKVCache": step_paged}
+
+
+def measure(quick: bool) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    longest, repeats = (2048, 3) if quick else (8192, 7)
+    spread = np.linspace(128, longest, B).astype(np.int64)
+    results: dict[str, Any] = {"environment": environment(None), "longest": longest}
+    contiguous, paged = caches(spread, rng)
+    times = interleaved_medians(step_functions(contiguous, paged, rng), repeats, pause=0.1)
+    held = int(spread.sum()) * TOKEN_BYTES
+    results["spread"] = {
+        "tokens": int(spread.sum()), "token_bytes": held,
+        "bytes": {"KVCache": contiguous.nbytes, "PagedKVCache": paged.nbytes},
+        "seconds": {name: float(np.median(t)) for name, t in times.items()},
+        "all_seconds": times,
+    }  # fmt: skip
+    del contiguous, paged
+    equal = np.full(B, longest // 4, np.int64)
+    contiguous, paged = caches(equal, rng)
+    times = interleaved_medians(step_functions(contiguous, paged, rng), repeats, pause=0.1)
+    results["equal"] = {
+        "length": int(equal[0]),
+        "seconds": {name: float(np.median(t)) for name, t in times.items()},
+        "all_seconds": times,
+    }  # fmt: skip
+    return results
+
+
+def markdown(runs: list[dict[str, Any]]) -> str:
+    lines = []
+    for results in runs:
+        spread, equal = results["spread"], results["equal"]
+        held = spread["token_bytes"]
+        lines += [
+            measured_on(results["environment"])
+            + f"{B} sequences, {H} query heads, {H_KV} key/value heads, head dim {D}, float32; "
+            f"one decoding step (one new token each), medians of interleaved runs.",
+            "",
+            "| cache | lengths | memory | memory / tokens held | ms per step |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for name, label in (("KVCache", "padded to the longest"),
+                            ("PagedKVCache", f"blocks of {BLOCK}")):  # fmt: skip
+            memory = spread["bytes"][name]
+            lines.append(
+                f"| `{name}`, {label} | 128 to {results['longest']:,} | "
+                f"{memory / 2**30:.2f} GiB | {memory / held:.2f} | "
+                f"{spread['seconds'][name] * 1e3:.1f} |"
+            )
+        e = equal["seconds"]
+        lines += [
+            "",
+            f"Tokens held: {spread['tokens']:,} ({held / 2**30:.2f} GiB). Every sequence at "
+            f"{equal['length']:,} tokens: `PagedKVCache` {e['PagedKVCache'] * 1e3:.1f} ms, "
+            f"`KVCache` {e['KVCache'] * 1e3:.1f} ms per step (paged / contiguous "
+            f"{e['PagedKVCache'] / e['KVCache']:.2f}).",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = script_parser(__doc__, ROOT / "benchmarks" / "results", readme=True).parse_args(argv)
+    if args.readme:
+        check_readme(args.readme, BEGIN, END)  # before measuring anything
+    results = measure(args.quick)
+    return finish_script(__file__, args, results, "serving", markdown, (BEGIN, END))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
