@@ -31,7 +31,7 @@ def test_the_interop_example_runs(torch, tmp_path, monkeypatch):
     np.testing.assert_allclose(namespace["out2"].transpose(1, 0, 2), namespace["attention"](
         namespace["x"]), rtol=1e-5, atol=1e-6)  # fmt: skip
     assert namespace["weights"].shape == (2, 5, 5)
-    assert len(blocks("python")) == 6
+    assert len(blocks("python")) == 7
 
 
 def test_the_decoding_example_runs(capsys):
@@ -40,6 +40,21 @@ def test_the_decoding_example_runs(capsys):
     assert capsys.readouterr().out.strip() == "[8 6]"
     cache = namespace["cache"]
     assert cache.lengths.tolist() == [6, 7] and namespace["out"].shape == (2, 1, 64)
+
+
+def test_the_serving_example_runs(capsys):
+    """Two forks of a shared prompt: the blocks held are the prompt's three, and one copy
+    (the first fork to write into the shared, half-full third block)."""
+    namespace: dict = {}
+    exec(compile(blocks("python")[3], "README.md", "exec"), namespace)
+    assert capsys.readouterr().out.strip() == "[41 41] 1020"
+    pool = namespace["pool"]
+    tables = pool.block_table()
+    assert (tables[0, :2] == tables[1, :2]).all() and tables[0, 2] != tables[1, 2]
+    x = namespace["x"]
+    alone = mha.scaled_dot_product_attention(x[None, :, :41], x[None, :2, :41], x[None, :2, :41],
+                                             causal=True)[:, :, -1:]  # fmt: skip
+    np.testing.assert_allclose(namespace["out"], np.repeat(alone, 2, 0), rtol=1e-6)
 
 
 def test_quoted_error_is_real():
@@ -89,7 +104,7 @@ def test_the_variants_example_runs(capsys):
     """The example's sinks gradient is the dense formula's, and its document mask is the
     boolean mask it stands for."""
     namespace: dict = {}
-    exec(compile(blocks("python")[3], "README.md", "exec"), namespace)
+    exec(compile(blocks("python")[4], "README.md", "exec"), namespace)
     assert capsys.readouterr().out.strip() == "(8,) (1, 8, 256, 64)"
     q, k, v, doc = (namespace[name] for name in ("q", "k", "v", "doc"))
     i, j = np.arange(256)[:, None], np.arange(256)[None]
@@ -105,7 +120,7 @@ def test_the_variants_example_runs(capsys):
 
 def test_the_gradients_example_runs():
     namespace: dict = {}
-    exec(compile(blocks("python")[4], "README.md", "exec"), namespace)
+    exec(compile(blocks("python")[5], "README.md", "exec"), namespace)
     attention, grads = namespace["attention"], namespace["grads"]
     assert set(grads) == {*attention.parameters(), "query", "key", "value"}
     assert grads["W_q"].shape == attention.W_q.shape

@@ -69,6 +69,8 @@ def paged_attention(
       :func:`mha.scaled_dot_product_attention`.
     * ``return_lse``: also return each row's log-sum-exp ``(num_seqs, H, L)``, as
       FlashAttention's ``softmax_lse``.
+    * ``max_memory``, ``workers``: the kernel's scratch per worker and its threads, as in
+      :func:`mha.scaled_dot_product_attention`.
 
     Returns ``out (num_seqs, L, H, d_v)`` in the inputs' dtype (mha's rule: float32 is
     computed in float32, float16 and bfloat16 in float32 and returned in their own),
@@ -194,13 +196,15 @@ def cascade_attention(
 
     Every sequence holds the same first ``prefix_len`` positions, in the blocks
     ``prefix_blocks`` (in order), then its own: ``block_table`` and ``seq_lens`` describe
-    each sequence's own positions alone (its length is ``prefix_len + seq_lens[b]``). The
+    each sequence's own positions alone (its length is ``prefix_len + seq_lens[b]``).
+    ``q``, ``key_cache`` and ``value_cache`` are as :func:`paged_attention` takes them. The
     queries of every sequence attend to the prefix in one call (the prefix's keys and
     values read once, for all their rows, rather than once per sequence), each sequence's
     queries to its own keys, and the two are merged by their log-sum-exps (cascade
     attention, FlashInfer's name): equal to :func:`paged_attention` over the whole
     sequences up to rounding. ``causal`` hides a sequence's own later keys as there (the
-    new queries come after the prefix, which they all see).
+    new queries come after the prefix, which they all see); ``scale``, ``return_lse``
+    (``(num_seqs, H, L)``), ``max_memory`` and ``workers`` are :func:`paged_attention`'s.
 
     >>> import numpy as np, mha
     >>> rng = np.random.default_rng(0)
