@@ -30,7 +30,7 @@ from .._arrays import (
 )
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "cache_dtype", "read_only"]
 
 
 class KVCache:
@@ -94,13 +94,7 @@ class KVCache:
         room = positive_int("capacity", capacity)
         if self._window is not None:
             room = min(room, self._most())
-        kinds = "float64, float32, bfloat16 or float16"
-        try:
-            self._dtype: np.dtype = np.dtype(dtype)
-        except TypeError:
-            raise AttentionTypeError(f"dtype must be {kinds}; got {dtype!r}") from None
-        if self._dtype not in (np.float32, np.float64) and not is_storage_dtype(self._dtype):
-            raise AttentionTypeError(f"dtype must be {kinds}; got {self._dtype}")
+        self._dtype: np.dtype = cache_dtype(dtype)
         self._shared = flag("values_in_keys", values_in_keys)
         if self._shared and d_v > d_k:
             raise AttentionValueError(
@@ -182,7 +176,7 @@ class KVCache:
         >>> KVCache(2, 1, 4).lengths
         array([0, 0])
         """
-        return _read_only(self._lengths)
+        return read_only(self._lengths)
 
     @property
     def first(self) -> np.ndarray:
@@ -192,7 +186,7 @@ class KVCache:
         >>> KVCache(2, 1, 4, window=8).first
         array([0, 0])
         """
-        return _read_only(self._first)
+        return read_only(self._first)
 
     @property
     def k(self) -> np.ndarray:
@@ -204,7 +198,7 @@ class KVCache:
         >>> cache.k.shape, cache.k.flags.writeable
         ((2, 1, 8, 4), False)
         """
-        return _read_only(self._k)
+        return read_only(self._k)
 
     @property
     def v(self) -> np.ndarray:
@@ -213,7 +207,7 @@ class KVCache:
         >>> KVCache(2, 1, 4, value_dim=6, capacity=8).v.shape
         (2, 1, 8, 6)
         """
-        return _read_only(self._v)
+        return read_only(self._v)
 
     @property
     def batch_size(self) -> int:
@@ -426,7 +420,19 @@ class KVCache:
                 self._first[b] = self._lengths[b] - keep
 
 
-def _read_only(array: np.ndarray) -> np.ndarray:
+def cache_dtype(dtype: Any) -> np.dtype:
+    """A cache's storage dtype, checked: float64, float32, bfloat16 or float16."""
+    kinds = "float64, float32, bfloat16 or float16"
+    try:
+        checked: np.dtype = np.dtype(dtype)
+    except TypeError:
+        raise AttentionTypeError(f"dtype must be {kinds}; got {dtype!r}") from None
+    if checked not in (np.float32, np.float64) and not is_storage_dtype(checked):
+        raise AttentionTypeError(f"dtype must be {kinds}; got {checked}")
+    return checked
+
+
+def read_only(array: np.ndarray) -> np.ndarray:
     """A view of ``array`` that cannot be written, nor made writable again."""
     view: np.ndarray = np.lib.stride_tricks.as_strided(array, writeable=False)
     return view

@@ -21,9 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import as_float_array, compute_dtype_of, is_storage_dtype, positive_int
+from .._arrays import as_float_array, compute_dtype_of, positive_int
 from .._kernel.paged import PagedKV
 from ..errors import AttentionTypeError, AttentionValueError, PoolExhaustedError, ShapeError
+from .cache import cache_dtype, read_only
 
 __all__ = ["PagedKVCache"]
 
@@ -65,13 +66,7 @@ class PagedKVCache:
         H_kv = positive_int("num_kv_heads", num_kv_heads)
         d_k = positive_int("head_dim", head_dim)
         d_v = d_k if value_dim is None else positive_int("value_dim", value_dim)
-        kinds = "float64, float32, bfloat16 or float16"
-        try:
-            self._dtype: np.dtype = np.dtype(dtype)
-        except TypeError:
-            raise AttentionTypeError(f"dtype must be {kinds}; got {dtype!r}") from None
-        if self._dtype not in (np.float32, np.float64) and not is_storage_dtype(self._dtype):
-            raise AttentionTypeError(f"dtype must be {kinds}; got {self._dtype}")
+        self._dtype: np.dtype = cache_dtype(dtype)
         # Seen as (blocks, block_size, H_kv, d), vLLM's layout, but stored head-major: a head's
         # rows of a block lie together, which is how the kernel reads them (one head at a time;
         # heads interleaved row by row took 3.6 times as long for a decoding step).
@@ -177,7 +172,7 @@ class PagedKVCache:
         >>> pool = PagedKVCache(4, 16, 2, 8).key_cache; pool.shape, pool.flags.writeable
         ((4, 16, 2, 8), False)
         """
-        return _read_only(self._k)
+        return read_only(self._k)
 
     @property
     def value_cache(self) -> np.ndarray:
@@ -186,7 +181,7 @@ class PagedKVCache:
         >>> PagedKVCache(4, 16, 2, 8, value_dim=6).value_cache.shape
         (4, 16, 2, 6)
         """
-        return _read_only(self._v)
+        return read_only(self._v)
 
     def block_table(self, seq_ids: Iterable[Hashable] | None = None) -> np.ndarray:
         """The blocks of ``seq_ids`` (default: every sequence), one row each, padded with
@@ -461,8 +456,3 @@ class PagedKVCache:
         if table.shape[1] == 0:
             table = np.zeros((table.shape[0], 1), np.int64)
         return PagedKV(self._k, table, S), PagedKV(self._v, table, S)
-
-
-def _read_only(array: np.ndarray) -> np.ndarray:
-    view: np.ndarray = np.lib.stride_tricks.as_strided(array, writeable=False)
-    return view
