@@ -8,8 +8,9 @@
 
 1. Lengths spread evenly between 128 and 8,192 tokens. ``mha.KVCache`` must hold every
    sequence padded to the longest; ``mha.PagedKVCache`` (blocks of 16) holds the tokens
-   in blocks. Memory of each cache's buffers against the bytes of the tokens actually held,
-   and the time of one decoding step (each sequence one new token: one
+   in blocks, in float32 and quantized to int8 and int4 (groups of 32). Memory of each
+   cache's buffers against the float32 bytes of the tokens actually held, and the time of
+   one decoding step (each sequence one new token: one
    ``scaled_dot_product_attention(..., cache=)`` call, the caches truncated back after it).
 2. The same step with every sequence at the same length, where padding costs nothing: the
    paged cache's time against the contiguous cache's.
@@ -42,25 +43,30 @@ ROOT = Path(__file__).parent.parent
 BEGIN, END = "<!-- serving: begin -->", "<!-- serving: end -->"
 B, H, H_KV, D, BLOCK = 64, 32, 8, 128, 16
 TOKEN_BYTES = 2 * H_KV * D * 4  # a token's key and value, float32
+QUANTIZED = ("int8", "int4")
 
 
-def caches(lengths: np.ndarray, rng: np.random.Generator) -> tuple[mha.KVCache, mha.PagedKVCache]:
-    """A KVCache and a PagedKVCache holding the same random keys and values."""
+def caches(lengths: np.ndarray, rng: np.random.Generator, quantized: tuple[str, ...] = ()
+           ) -> tuple[mha.KVCache, list[mha.PagedKVCache]]:  # fmt: skip
+    """A KVCache and PagedKVCaches (float32, then each of ``quantized``) holding the same
+    random keys and values."""
     longest = int(lengths.max())
     contiguous = mha.KVCache(B, H_KV, D, capacity=longest + 1, dtype=np.float32)
     blocks = int(sum(-(-(int(n) + 1) // BLOCK) for n in lengths))  # room for the next token
-    paged = mha.PagedKVCache(blocks, BLOCK, H_KV, D, dtype=np.float32)
+    paged = [mha.PagedKVCache(blocks, BLOCK, H_KV, D, quantize=kind)
+             for kind in (None, *quantized)]  # fmt: skip
     for b, n in enumerate(lengths):
         k, v = (rng.standard_normal((H_KV, int(n), D), dtype=np.float32) for _ in range(2))
-        paged.add(b)
-        paged.append(b, k, v)
+        for cache in paged:
+            cache.add(b)
+            cache.append(b, k, v)
         contiguous._k[b, :, :n], contiguous._v[b, :, :n] = k, v  # in place, without attending
         contiguous._lengths[b] = n
     return contiguous, paged
 
 
-def step_functions(contiguous: mha.KVCache, paged: mha.PagedKVCache, rng: np.random.Generator
-                   ) -> dict[str, Any]:  # fmt: skip
+def step_functions(contiguous: mha.KVCache, paged: list[mha.PagedKVCache],
+                   rng: np.random.Generator) -> dict[str, Any]:  # fmt: skip
     q = rng.standard_normal((B, H, 1, D), dtype=np.float32)
     k, v = (rng.standard_normal((B, H_KV, 1, D), dtype=np.float32) for _ in range(2))
     before = contiguous.lengths.copy()
@@ -69,12 +75,18 @@ def step_functions(contiguous: mha.KVCache, paged: mha.PagedKVCache, rng: np.ran
         mha.scaled_dot_product_attention(q, k, v, cache=contiguous)
         contiguous.truncate(before)
 
-    def step_paged() -> None:
-        mha.scaled_dot_product_attention(q, k, v, cache=paged)
-        for b, n in enumerate(before):
-            paged.truncate(b, int(n))
+    def stepper(cache: mha.PagedKVCache) -> Any:
+        def step_paged() -> None:
+            mha.scaled_dot_product_attention(q, k, v, cache=cache)
+            for b, n in enumerate(before):
+                cache.truncate(b, int(n))
 
-    return {"KVCache": step_contiguous, "PagedKVCache": step_paged}
+        return step_paged
+
+    steps = {"KVCache": step_contiguous, "PagedKVCache": stepper(paged[0])}
+    for cache, name in zip(paged[1:], QUANTIZED, strict=False):
+        steps[f"PagedKVCache {name}"] = stepper(cache)
+    return steps
 
 
 def measure(quick: bool) -> dict[str, Any]:
@@ -82,19 +94,22 @@ def measure(quick: bool) -> dict[str, Any]:
     longest, repeats = (2048, 3) if quick else (8192, 7)
     spread = np.linspace(128, longest, B).astype(np.int64)
     results: dict[str, Any] = {"environment": environment(None), "longest": longest}
-    contiguous, paged = caches(spread, rng)
+    contiguous, paged = caches(spread, rng, QUANTIZED)
     times = interleaved_medians(step_functions(contiguous, paged, rng), repeats, pause=0.1)
     held = int(spread.sum()) * TOKEN_BYTES
+    sizes = {"KVCache": contiguous.nbytes, "PagedKVCache": paged[0].nbytes}
+    sizes.update({f"PagedKVCache {name}": cache.nbytes
+                  for name, cache in zip(QUANTIZED, paged[1:], strict=True)})  # fmt: skip
     results["spread"] = {
-        "tokens": int(spread.sum()), "token_bytes": held,
-        "bytes": {"KVCache": contiguous.nbytes, "PagedKVCache": paged.nbytes},
+        "tokens": int(spread.sum()), "token_bytes": held, "bytes": sizes,
         "seconds": {name: float(np.median(t)) for name, t in times.items()},
         "all_seconds": times,
     }  # fmt: skip
     del contiguous, paged
     equal = np.full(B, longest // 4, np.int64)
     contiguous, paged = caches(equal, rng)
-    times = interleaved_medians(step_functions(contiguous, paged, rng), repeats, pause=0.1)
+    functions = step_functions(contiguous, paged, rng)
+    times = interleaved_medians(functions, repeats, pause=0.1)
     results["equal"] = {
         "length": int(equal[0]),
         "seconds": {name: float(np.median(t)) for name, t in times.items()},
@@ -113,14 +128,19 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             + f"{B} sequences, {H} query heads, {H_KV} key/value heads, head dim {D}, float32; "
             f"one decoding step (one new token each), medians of interleaved runs.",
             "",
-            "| cache | lengths | memory | memory / tokens held | ms per step |",
+            "| cache | lengths | memory | memory / the tokens held in float32 | ms per step |",
             "|---|---|---:|---:|---:|",
         ]
-        for name, label in (("KVCache", "padded to the longest"),
-                            ("PagedKVCache", f"blocks of {BLOCK}")):  # fmt: skip
+        rows = [
+            ("KVCache", "`KVCache`, padded to the longest"),
+            ("PagedKVCache", f"`PagedKVCache`, blocks of {BLOCK}"),
+        ]
+        rows += [(f"PagedKVCache {name}", f"`PagedKVCache(quantize=\"{name}\")`, groups of 32")
+                 for name in QUANTIZED if f"PagedKVCache {name}" in spread["bytes"]]  # fmt: skip
+        for name, label in rows:
             memory = spread["bytes"][name]
             lines.append(
-                f"| `{name}`, {label} | 128 to {results['longest']:,} | "
+                f"| {label} | 128 to {results['longest']:,} | "
                 f"{memory / 2**30:.2f} GiB | {memory / held:.2f} | "
                 f"{spread['seconds'][name] * 1e3:.1f} |"
             )

@@ -459,3 +459,130 @@ def test_left_padding_in_the_attention_core_keeps_the_rows_where_they_are():
     np.testing.assert_array_equal(lse[1, :, 3:], expected_lse[1, :, :2])
     assert not out[1, :, :3].any() and np.isneginf(lse[1, :, :3]).all()
     np.testing.assert_array_equal(left.k[:, :, :5], right.k[:, :, :5])
+
+
+# Quantized pools ------------------------------------------------------------------------
+
+
+def real_looking(rng, shape, outliers=(3, 17), scale=20.0):
+    """Keys as trained models have them: a few channels far larger than the rest."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[..., list(outliers)] *= scale
+    return x
+
+
+@pytest.mark.parametrize(("bits", "group"), [(8, 32), (8, 64), (4, 32), (4, 64)])
+def test_quantization_round_trips_within_its_stated_bound(bits, group):
+    from mha._kernel.quantized import Quantization
+
+    kind = Quantization(bits=bits, group=group)
+    rng = np.random.default_rng(bits + group)
+    for x in (rng.standard_normal((50, 3, 128)).astype(np.float32) * 3,
+              real_looking(rng, (50, 3, 128)), np.full((2, 1, 128), 7.25, np.float32),
+              rng.uniform(-60000, 60000, (5, 1, 128)).astype(np.float32)):  # fmt: skip
+        codes, scale, zero = kind.quantize(x)
+        assert codes.dtype == np.uint8 and codes.shape[-1] == (128 if bits == 8 else 64)
+        back = kind.dequantize(codes, scale, zero)
+        error = np.abs(back - x).reshape(*x.shape[:-1], -1, group).max(axis=-1)
+        assert (error <= kind.error_bound(x)).all()
+        # and the bound is about half a step: the formula is not loose
+        step = np.ptp(x.reshape(*x.shape[:-1], -1, group), axis=-1) / kind.levels
+        assert (kind.error_bound(x) <= 0.51 * step + 1e-3 * np.abs(x).max()).all()
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+@pytest.mark.parametrize("data", ["random", "real-looking"])
+def test_a_quantized_cache_attends_to_what_its_codes_stand_for(record_error, monkeypatch,
+                                                               quantize, data):  # fmt: skip
+    """Every step's output is the attention over the keys and values read back from the
+    codes: the same bits as a float32 cache holding those values (both on the NumPy walk,
+    which a quantized cache takes), and a dense float64 computation over them; the distance
+    from a float32 cache of the original values is recorded."""
+    monkeypatch.setattr(walk, "forward_walkable", lambda *args: None)
+    rng = np.random.default_rng(12)
+    H, H_kv, d = 8, 2, 64
+    quantized = mha.PagedKVCache(64, 16, H_kv, d, quantize=quantize)
+    mirror = mha.PagedKVCache(64, 16, H_kv, d)  # the values the codes stand for
+    exact = mha.PagedKVCache(64, 16, H_kv, d)  # the original values
+    for cache in (quantized, mirror, exact):
+        cache.add("a")
+        cache.add("b")
+    make = real_looking if data == "real-looking" else (
+        lambda r, shape: r.standard_normal(shape).astype(np.float32))  # fmt: skip
+    for L in (30, 1, 1, 5):
+        q = rng.standard_normal((2, H, L, d)).astype(np.float32)
+        k, v = make(rng, (2, H_kv, L, d)), rng.standard_normal((2, H_kv, L, d)).astype(np.float32)
+        out = mha.scaled_dot_product_attention(q, k, v, cache=quantized)
+        stood_for = [np.stack([quantized.dequantized(s)[i][:, -L:] for s in "ab"]) for i in (0, 1)]
+        np.testing.assert_array_equal(
+            out, mha.scaled_dot_product_attention(q, *stood_for, cache=mirror)
+        )
+        for b, seq in enumerate(quantized.sequences):
+            keys, values = quantized.dequantized(seq)
+            dense = mha.scaled_dot_product_attention(
+                q[b : b + 1].astype(np.float64), keys[None].astype(np.float64),
+                values[None].astype(np.float64), causal=True,
+            )[0]  # fmt: skip
+            error = np.abs(out[b] - dense).max() / np.abs(dense).max()
+            assert record_error(f"{quantize} cache vs its codes' values, float64", error) <= 1e-5
+        reference = mha.scaled_dot_product_attention(q, k, v, cache=exact)
+        drift = float(np.abs(out - reference).max() / np.abs(reference).max())
+        record_error(f"{quantize} cache vs float32 cache, {data} data", drift)
+        assert drift <= {"int8": 0.05, "int4": 1.0}[quantize]  # measured: see the docs
+
+
+def test_quantized_memory_per_token():
+    """head_dim 128, groups of 32: int8 0.28 and int4 0.16 of float32's bytes."""
+    full = mha.PagedKVCache(64, 16, 8, 128)
+    int8 = mha.PagedKVCache(64, 16, 8, 128, quantize="int8")
+    int4 = mha.PagedKVCache(64, 16, 8, 128, quantize="int4")
+    assert full.bytes_per_token == 8 * 2 * 128 * 4
+    assert int8.bytes_per_token == 8 * 2 * (
+        128 + 4 * 4
+    )  # codes, a float16 scale and zero per group
+    assert int4.bytes_per_token == 8 * 2 * (64 + 4 * 4)
+    for cache in (full, int8, int4):
+        assert cache.nbytes == 64 * 16 * cache.bytes_per_token
+    assert int8.nbytes / full.nbytes <= 0.3 and int4.nbytes / full.nbytes <= 0.17
+
+
+def test_a_quantized_fork_copies_codes_scales_and_zeros_on_write():
+    rng = np.random.default_rng(13)
+    cache = mha.PagedKVCache(8, 4, 1, 32, quantize="int4")
+    cache.add("p")
+    k, v = rng.standard_normal((2, 1, 6, 32)).astype(np.float32)
+    cache.append("p", k, v)
+    cache.fork("p", "c")
+    before = cache.dequantized("p")
+    k1, v1 = 5 * rng.standard_normal((2, 1, 1, 32)).astype(np.float32)
+    cache.append("c", k1, v1)
+    for a, b in zip(cache.dequantized("p"), before, strict=True):
+        np.testing.assert_array_equal(a, b)  # the parent's shared block untouched
+    child_k, _ = cache.dequantized("c")
+    np.testing.assert_array_equal(child_k[:, :6], before[0])
+    assert np.abs(child_k[:, 6] - k1[:, 0]).max() <= 5 * 2 * 4 * 5 / 15  # about a step
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        (lambda: mha.PagedKVCache(4, 4, 1, 32, quantize="int2"), "quantize must be None"),
+        (lambda: mha.PagedKVCache(4, 4, 1, 32, quantize="int4", group_size=16), "32 or 64"),
+        (lambda: mha.PagedKVCache(4, 4, 1, 48, quantize="int8"), "must divide head_dim=48"),
+        (lambda: mha.PagedKVCache(4, 4, 1, 32, quantize="int8", dtype=np.float64), "float32"),
+    ],
+)
+def test_quantized_options_are_refused_by_name(make, said):
+    with pytest.raises(mha.AttentionValueError, match=said):
+        make()
+
+
+def test_a_quantized_cache_refuses_values_it_cannot_hold_before_anything_changes():
+    cache = mha.PagedKVCache(4, 4, 1, 32, quantize="int8")
+    cache.add(0)
+    for bad in (np.inf, np.nan, 1e6):
+        k = np.ones((1, 3, 32), np.float32)
+        k[0, 1, 2] = bad
+        with pytest.raises(mha.AttentionValueError, match="within float16's range"):
+            cache.append(0, k, np.ones_like(k))
+        assert cache.length(0) == 0 and cache.num_free_blocks == 4

@@ -18,20 +18,38 @@ from typing import Any
 
 import numpy as np
 
+from .quantized import Quantization
+
 __all__ = ["PagedKV"]
 
 
 class PagedKV:
     """``pool (num_blocks, block_size, H_kv, d)`` seen as ``(B, H_kv, S, d)`` through
     ``table (B, max_blocks)``: positions past a sequence's blocks are never read (the
-    kernel is given each sequence's length)."""
+    kernel is given each sequence's length). With ``quantization``, ``pool`` holds codes
+    and ``scales`` and ``zeros`` (``(num_blocks, block_size, H_kv, d / group)``) the rest
+    (:mod:`.quantized`); each tile is read back in float32."""
 
-    def __init__(self, pool: np.ndarray, table: np.ndarray, S: int) -> None:
+    def __init__(
+        self,
+        pool: np.ndarray,
+        table: np.ndarray,
+        S: int,
+        quantization: Quantization | None = None,
+        scales: np.ndarray | None = None,
+        zeros: np.ndarray | None = None,
+    ) -> None:
         self.pool = pool
         self.table = np.asarray(table, np.int64)
         self.block_size = pool.shape[1]
-        self.shape = (self.table.shape[0], pool.shape[2], S, pool.shape[3])
-        self.dtype = pool.dtype
+        self.quantization = quantization
+        self.parts: tuple[np.ndarray, ...] = (pool,)
+        if quantization is not None:
+            assert scales is not None and zeros is not None
+            self.parts = (pool, scales, zeros)
+        d = pool.shape[3] if quantization is None or quantization.bits == 8 else 2 * pool.shape[3]
+        self.shape = (self.table.shape[0], pool.shape[2], S, d)
+        self.dtype = pool.dtype if quantization is None else np.dtype(np.float32)
         self.ndim = 4
 
     def __getitem__(self, index: Any) -> _Heads:
@@ -60,11 +78,19 @@ class _Heads:
 
     def tile(self, c0: int, c1: int) -> np.ndarray:
         """Positions ``[c0, c1)`` of these heads, ``(G, c1 - c0, d)``: each block's rows in
-        turn (a run of blocks adjacent in the pool is read as one)."""
+        turn (a run of blocks adjacent in the pool is read as one), read back from their
+        codes when the pool is quantized."""
+        paged = self._paged
+        parts = [self._gathered(part, c0, c1) for part in paged.parts]
+        if paged.quantization is None:
+            return parts[0]
+        return paged.quantization.dequantize(*parts)
+
+    def _gathered(self, pool: np.ndarray, c0: int, c1: int) -> np.ndarray:
         paged = self._paged
         size, row = paged.block_size, paged.table[self._b]
-        G, _, d = self.shape
-        out = np.empty((G, c1 - c0, d), paged.dtype)
+        G = self.shape[0]
+        out = np.empty((G, c1 - c0, pool.shape[3]), pool.dtype)
         at = c0
         while at < c1:
             block, offset = divmod(at, size)
@@ -73,7 +99,7 @@ class _Heads:
                 run += 1
             end = min(c1, (block + run) * size)
             first = int(row[block])
-            rows = paged.pool[first : first + run].reshape(run * size, *paged.pool.shape[2:])
+            rows = pool[first : first + run].reshape(run * size, *pool.shape[2:])
             piece = rows[offset : offset + end - at, self._heads]
             out[:, at - c0 : end - c0] = piece.transpose(1, 0, 2)
             at = end

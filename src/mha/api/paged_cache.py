@@ -23,6 +23,7 @@ import numpy as np
 
 from .._arrays import as_float_array, compute_dtype_of, positive_int
 from .._kernel.paged import PagedKV
+from .._kernel.quantized import Quantization
 from ..errors import AttentionTypeError, AttentionValueError, PoolExhaustedError, ShapeError
 from .cache import cache_dtype, read_only
 
@@ -33,7 +34,10 @@ class PagedKVCache:
     """A pool of ``num_blocks`` blocks of ``block_size`` positions, each holding
     ``num_kv_heads`` keys of ``head_dim`` (values of ``value_dim``, default ``head_dim``)
     in ``dtype`` (float64, float32, or the storage dtypes bfloat16 and float16, computed
-    in float32).
+    in float32). ``quantize="int8"`` or ``"int4"`` stores each token's vector of each head
+    in 8 or 4 bits per channel, with a float16 scale and zero point per ``group_size``
+    channels (32 or 64 for int4), read back in float32 tile by tile (:mod:`mha._kernel.quantized`
+    states the formulas): 0.28 and 0.16 of float32's bytes at ``head_dim=128``, groups of 32.
 
     >>> import numpy as np, mha
     >>> cache = mha.PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=1, head_dim=2,
@@ -60,6 +64,8 @@ class PagedKVCache:
         *,
         value_dim: int | None = None,
         dtype: Any = np.float32,
+        quantize: str | None = None,
+        group_size: int = 32,
     ) -> None:
         count = positive_int("num_blocks", num_blocks)
         size = positive_int("block_size", block_size)
@@ -67,11 +73,11 @@ class PagedKVCache:
         d_k = positive_int("head_dim", head_dim)
         d_v = d_k if value_dim is None else positive_int("value_dim", value_dim)
         self._dtype: np.dtype = cache_dtype(dtype)
-        # Seen as (blocks, block_size, H_kv, d), vLLM's layout, but stored head-major: a head's
-        # rows of a block lie together, which is how the kernel reads them (one head at a time;
-        # heads interleaved row by row took 3.6 times as long for a decoding step).
-        self._k = np.zeros((count, H_kv, size, d_k), self._dtype).transpose(0, 2, 1, 3)
-        self._v = np.zeros((count, H_kv, size, d_v), self._dtype).transpose(0, 2, 1, 3)
+        quantization = _quantization(quantize, group_size, d_k, d_v, self._dtype)
+        self._keys = _Pool(count, size, H_kv, d_k, self._dtype, quantization)
+        self._values = _Pool(count, size, H_kv, d_v, self._dtype, quantization)
+        self._k, self._v = self._keys.arrays[0], self._values.arrays[0]
+        self._widths = (H_kv, d_k, d_v)
         self._refs = np.zeros(count, np.int64)  # sequences holding each block
         self._free = list(range(count - 1, -1, -1))  # taken from the end: lowest first
         self._tables: dict[Hashable, list[int]] = {}
@@ -163,11 +169,27 @@ class PagedKVCache:
         >>> PagedKVCache(4, 16, 2, 8).nbytes     # 4 blocks x 16 x 2 heads x 8 x 4 bytes x 2
         8192
         """
-        return int(self._k.nbytes + self._v.nbytes)
+        return self._keys.nbytes + self._values.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """The bytes one position of a sequence takes: its keys and values of every head
+        (codes, scales and zero points in a quantized cache).
+
+        >>> kinds = (None, "int8", "int4")
+        >>> [PagedKVCache(4, 16, 8, 128, quantize=q).bytes_per_token for q in kinds]
+        [8192, 2304, 1280]
+        """
+        H_kv, d_k, d_v = self._widths
+        quantization = self._keys.quantization
+        if quantization is None:
+            return H_kv * (d_k + d_v) * self._dtype.itemsize
+        return H_kv * (quantization.bytes_per_vector(d_k) + quantization.bytes_per_vector(d_v))
 
     @property
     def key_cache(self) -> np.ndarray:
-        """The key pool ``(num_blocks, block_size, H_kv, head_dim)`` (read-only).
+        """The key pool ``(num_blocks, block_size, H_kv, head_dim)`` (read-only; a quantized
+        cache's holds the codes, :meth:`dequantized` reads a sequence back).
 
         >>> pool = PagedKVCache(4, 16, 2, 8).key_cache; pool.shape, pool.flags.writeable
         ((4, 16, 2, 8), False)
@@ -201,9 +223,27 @@ class PagedKVCache:
             table[row, : len(self._tables[s])] = self._tables[s]
         return table
 
+    def dequantized(self, seq_id: Hashable) -> tuple[np.ndarray, np.ndarray]:
+        """Sequence ``seq_id``'s keys and values ``(H_kv, n, d)`` as the kernel reads them
+        (read back from their codes in a quantized cache): a copy, for checks.
+
+        >>> cache = PagedKVCache(4, 16, 1, 32, quantize="int8"); cache.add(0)
+        >>> x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(1, 2, 32)
+        >>> cache.append(0, x, x); k, _ = cache.dequantized(0)
+        >>> bool(np.abs(k - x).max() <= 1 / 255)           # half a step of 2/255 at most
+        True
+        """
+        seq_id = self._known(seq_id)
+        blocks, n = self._tables[seq_id], self._lengths[seq_id]
+        return self._keys.read(blocks, n), self._values.read(blocks, n)
+
     def __repr__(self) -> str:
-        count, size, H_kv, d_k = self._k.shape
-        values = "" if self._v.shape[-1] == d_k else f", value_dim={self._v.shape[-1]}"
+        count, size = self._k.shape[:2]
+        H_kv, d_k, d_v = self._widths
+        values = "" if d_v == d_k else f", value_dim={d_v}"
+        quantization = self._keys.quantization
+        if quantization is not None:
+            values += f", quantize='int{quantization.bits}', group_size={quantization.group}"
         return (
             f"PagedKVCache(num_blocks={count}, block_size={size}, num_kv_heads={H_kv}, "
             f"head_dim={d_k}{values}, dtype={self._dtype.name}, free blocks {len(self._free)}, "
@@ -295,7 +335,7 @@ class PagedKVCache:
         """
         seq_id = self._known(seq_id)
         k, v = as_float_array("k", k), as_float_array("v", v)
-        H_kv, d_k, d_v = self._k.shape[2], self._k.shape[3], self._v.shape[3]
+        H_kv, d_k, d_v = self._widths
         if k.ndim != 3 or v.ndim != 3 or k.shape[0] != H_kv or k.shape[2] != d_k or (
             v.shape != (H_kv, k.shape[1], d_v)
         ):  # fmt: skip
@@ -377,13 +417,12 @@ class PagedKVCache:
                 self._free.append(block)
 
     def _check_fit(self, batch: int, heads: int, d_k: int, d_v: int, where: str) -> None:
-        _, _, H_kv, width = self._k.shape
-        if (batch, heads, d_k, d_v) != (len(self._tables), H_kv, width, self._v.shape[-1]):
+        H_kv, width, value_width = self._widths
+        if (batch, heads, d_k, d_v) != (len(self._tables), H_kv, width, value_width):
             raise ShapeError(
                 f"the new keys and values (batch {batch}, {heads} key/value heads, widths "
                 f"{d_k} and {d_v}) do not fit the cache ({len(self._tables)} sequences, "
-                f"{H_kv} key/value heads, widths {width} and {self._v.shape[-1]}): "
-                f"{self!r}{where}"
+                f"{H_kv} key/value heads, widths {width} and {value_width}): {self!r}{where}"
             )
 
     def _append(self, k: np.ndarray, v: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -393,6 +432,14 @@ class PagedKVCache:
         anything changes when the pool has too few free blocks."""
         size = self.block_size
         ids = list(self._tables)
+        if self._keys.quantization is not None:  # codes hold finite numbers of float16's range
+            for name, x in (("keys", k), ("values", v)):
+                given = [x[b, :, : int(n)] for b, n in enumerate(counts) if n]
+                if any(not np.isfinite(g).all() or np.abs(g).max() > 65504 for g in given):
+                    raise AttentionValueError(
+                        f"a quantized cache holds finite {name} within float16's range "
+                        f"(|x| <= 65504), scaled per group: these are not ({self!r})"
+                    )
         plans = []
         needed = 0
         refs = self._refs.copy()  # as the copies below will leave them
@@ -417,7 +464,8 @@ class PagedKVCache:
             blocks = self._tables[s]
             if shared:  # copy on write: this sequence's own copy of the block
                 fresh = self._free.pop()
-                self._k[fresh], self._v[fresh] = self._k[blocks[first]], self._v[blocks[first]]
+                self._keys.copy_block(blocks[first], fresh)
+                self._values.copy_block(blocks[first], fresh)
                 self._let_go([blocks[first]])
                 self._refs[fresh] = 1
                 blocks[first] = fresh
@@ -430,8 +478,9 @@ class PagedKVCache:
                 block, offset = divmod(at, size)
                 rows = min(size - offset, held + n - at)
                 target = blocks[block]
-                self._k[target, offset : offset + rows] = k[b, :, at - held : at - held + rows].transpose(1, 0, 2)  # fmt: skip  # noqa: E501
-                self._v[target, offset : offset + rows] = v[b, :, at - held : at - held + rows].transpose(1, 0, 2)  # fmt: skip  # noqa: E501
+                new = slice(at - held, at - held + rows)
+                self._keys.write(target, offset, k[b, :, new])
+                self._values.write(target, offset, v[b, :, new])
                 at += rows
         filled: np.ndarray = np.array([self._lengths[s] for s in ids], np.int64) + counts
         return filled
@@ -455,4 +504,76 @@ class PagedKVCache:
         table = self.block_table()
         if table.shape[1] == 0:
             table = np.zeros((table.shape[0], 1), np.int64)
-        return PagedKV(self._k, table, S), PagedKV(self._v, table, S)
+        return self._keys.tiles(table, S), self._values.tiles(table, S)
+
+
+def _quantization(
+    quantize: Any, group_size: Any, d_k: int, d_v: int, dtype: np.dtype
+) -> Quantization | None:
+    """The cache's ``quantize`` and ``group_size``, checked against its widths."""
+    if quantize is None:
+        return None
+    if quantize not in ("int8", "int4"):
+        raise AttentionValueError(f"quantize must be None, 'int8' or 'int4'; got {quantize!r}")
+    group = positive_int("group_size", group_size)
+    if quantize == "int4" and group not in (32, 64):
+        raise AttentionValueError(f"quantize='int4' takes group_size 32 or 64; got {group}")
+    if d_k % group or d_v % group:
+        raise AttentionValueError(
+            f"group_size={group} must divide head_dim={d_k} and value_dim={d_v}: each group "
+            "of channels shares one scale and zero point"
+        )
+    if dtype != np.float32:
+        raise AttentionValueError(
+            f"a quantized cache is read back in float32: give dtype=float32 (got {dtype})"
+        )
+    return Quantization(bits=8 if quantize == "int8" else 4, group=group)
+
+
+class _Pool:
+    """The keys' (or the values') blocks: float arrays, or a quantized cache's codes with
+    their scales and zero points. Each is ``(blocks, block_size, H_kv, width)`` as vLLM lays
+    its pool out, stored head-major: a head's rows of a block lie together, which is how the
+    kernel reads them (one head at a time; heads interleaved row by row took 3.6 times as
+    long for a decoding step of 64 sequences)."""
+
+    def __init__(self, count: int, size: int, H_kv: int, d: int, dtype: np.dtype,
+                 quantization: Quantization | None) -> None:  # fmt: skip
+        self.quantization = quantization
+        if quantization is None:
+            widths = [(d, dtype)]
+        else:
+            groups = d // quantization.group
+            widths = [(quantization.code_width(d), np.dtype(np.uint8)),
+                      (groups, np.dtype(np.float16)), (groups, np.dtype(np.float16))]  # fmt: skip
+        self.arrays = [np.zeros((count, H_kv, size, width), kind).transpose(0, 2, 1, 3)
+                       for width, kind in widths]  # fmt: skip
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(array.nbytes) for array in self.arrays)
+
+    def write(self, block: int, offset: int, rows: np.ndarray) -> None:
+        """Rows ``(H_kv, n, d)`` at ``offset`` of ``block`` (quantized first, if so)."""
+        parts = [rows] if self.quantization is None else self.quantization.quantize(rows)
+        for array, part in zip(self.arrays, parts, strict=True):
+            array[block, offset : offset + rows.shape[1]] = part.transpose(1, 0, 2)
+
+    def copy_block(self, source: int, target: int) -> None:
+        for array in self.arrays:
+            array[target] = array[source]
+
+    def tiles(self, table: np.ndarray, S: int) -> PagedKV:
+        if self.quantization is None:
+            return PagedKV(self.arrays[0], table, S)
+        codes, scales, zeros = self.arrays
+        return PagedKV(codes, table, S, self.quantization, scales, zeros)
+
+    def read(self, blocks: list[int], n: int) -> np.ndarray:
+        """The first ``n`` positions of ``blocks`` ``(H_kv, n, d)``, in float32 when
+        quantized."""
+        parts = [np.concatenate([array[b] for b in blocks])[:n] if blocks else array[0, :0]
+                 for array in self.arrays]  # fmt: skip
+        if self.quantization is not None:
+            parts = [self.quantization.dequantize(*parts)]
+        return parts[0].transpose(1, 0, 2)

@@ -1,0 +1,81 @@
+"""Keys and values stored in 8 or 4 bits, as a cache keeps them when memory limits the
+context, and read back tile by tile.
+
+Each token's vector of one head is cut into groups of ``group`` channels; a group keeps its
+smallest value ``zero`` and its step ``scale = (max - min) / (2**bits - 1)``, both in
+float16, and each channel the integer ``code = round((x - zero) / scale)`` in ``[0, 2**bits
+- 1]``: one byte for int8, half a byte for int4 (two channels a byte, the even channel in
+the low four bits). The value read back is ``code * scale + zero`` in float32, within half
+a step of ``x`` (plus the float16 rounding of ``scale`` and ``zero``: the bound
+:func:`error_bound` computes, which the tests check). The kernel dequantises each key tile
+as it reaches it (:class:`.paged.PagedKV`); nothing holds the whole cache in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Quantization"]
+
+
+@dataclass(frozen=True)
+class Quantization:
+    bits: int  # 8 or 4
+    group: int  # channels sharing a scale and a zero point
+
+    @property
+    def levels(self) -> int:
+        return int(2**self.bits - 1)
+
+    def code_width(self, d: int) -> int:
+        """Bytes of codes for ``d`` channels."""
+        return d if self.bits == 8 else d // 2
+
+    def bytes_per_vector(self, d: int) -> int:
+        """Bytes one token's vector of ``d`` channels takes: codes, scales and zero points."""
+        return self.code_width(d) + 2 * 2 * (d // self.group)
+
+    def quantize(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``x (..., d)`` as ``(codes (..., code_width) uint8, scale (..., d / group)
+        float16, zero (..., d / group) float16)``."""
+        groups = x.astype(np.float32).reshape(*x.shape[:-1], -1, self.group)
+        low, high = groups.min(axis=-1), groups.max(axis=-1)
+        with np.errstate(over="ignore"):
+            scale = ((high - low) / np.float32(self.levels)).astype(np.float16)
+            zero = low.astype(np.float16)
+        step = scale.astype(np.float32)[..., None]
+        safe = np.where(step > 0, step, np.float32(1))
+        codes = np.rint((groups - zero.astype(np.float32)[..., None]) / safe)
+        codes = np.clip(codes, 0, self.levels).astype(np.uint8).reshape(x.shape)
+        if self.bits == 4:
+            codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        return codes, scale, zero
+
+    def dequantize(self, codes: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
+        """The float32 values that ``quantize``'s codes, scales and zero points stand for."""
+        if self.bits == 4:
+            unpacked = np.empty((*codes.shape[:-1], 2 * codes.shape[-1]), np.uint8)
+            unpacked[..., 0::2], unpacked[..., 1::2] = codes & 15, codes >> 4
+            codes = unpacked
+        groups = codes.reshape(*codes.shape[:-1], -1, self.group).astype(np.float32)
+        groups *= scale.astype(np.float32)[..., None]
+        groups += zero.astype(np.float32)[..., None]
+        return groups.reshape(codes.shape)
+
+    def error_bound(self, x: np.ndarray) -> np.ndarray:
+        """The largest error ``dequantize(quantize(x))`` may make in each group of ``x``:
+        half a step, the rounding of the zero point and ``levels`` times the rounding of the
+        step (both to float16), and float32's rounding of the arithmetic (a few ulps of the
+        group's magnitude), from the group's own minimum and maximum."""
+        groups = x.astype(np.float64).reshape(*x.shape[:-1], -1, self.group)
+        low, high = groups.min(axis=-1), groups.max(axis=-1)
+        exact = (high - low) / self.levels
+        step = exact.astype(np.float32).astype(np.float16).astype(np.float64)
+        zero = low.astype(np.float32).astype(np.float16).astype(np.float64)
+        eps = float(np.finfo(np.float32).eps)
+        magnitude = np.maximum(np.abs(low), np.abs(high))
+        bound: np.ndarray = (step / 2 + np.abs(low - zero) + self.levels * np.abs(exact - step)
+                             + 4 * eps * (magnitude + self.levels * step))  # fmt: skip
+        return bound
