@@ -301,8 +301,8 @@ def test_a_full_pool_is_refused_by_name_before_anything_changes():
     cache.fork("a", "c")  # shares a's blocks, the last one half full
     before = (cache.block_table(), cache.lengths.copy(), cache.num_free_blocks,
               cache.key_cache.copy(), cache.value_cache.copy())  # fmt: skip
-    q, k, v = rng.standard_normal((3, 3, 1, 3, 8))  # a, b and c each need a block: 3 > 1
-    with pytest.raises(mha.PoolExhaustedError, match="1 free blocks but this append needs 4"):
+    q, k, v = rng.standard_normal((3, 3, 1, 3, 8))  # 3 new blocks and 2 copies: 5 > 1
+    with pytest.raises(mha.PoolExhaustedError, match="1 free blocks but this append needs 5"):
         mha.scaled_dot_product_attention(q, k, v, cache=cache)
     after = (cache.block_table(), cache.lengths, cache.num_free_blocks, cache.key_cache,
              cache.value_cache)  # fmt: skip
@@ -586,3 +586,64 @@ def test_a_quantized_cache_refuses_values_it_cannot_hold_before_anything_changes
         with pytest.raises(mha.AttentionValueError, match="within float16's range"):
             cache.append(0, k, np.ones_like(k))
         assert cache.length(0) == 0 and cache.num_free_blocks == 4
+
+
+def test_a_failed_call_leaves_every_sequence_as_it_was_after_a_truncate_of_a_shared_block():
+    """ "a" and "b" share a half-filled block; "b" is truncated into it. A call appending to
+    both that fails after the append gives back the blocks as they were: "a"'s rows too."""
+    cache = mha.PagedKVCache(8, 4, 1, 2, dtype=np.float64)
+    cache.add("a")
+    cache.append("a", *np.random.default_rng(14).standard_normal((2, 1, 10, 2)))
+    cache.fork("a", "b")
+    cache.truncate("b", 9)
+    before = [cache.dequantized(s) for s in "ab"]
+    free = cache.num_free_blocks
+
+    def fails(b, h, q_idx, kv_idx):
+        raise RuntimeError("a mask_mod that fails")
+
+    x = np.ones((2, 1, 1, 2))
+    with pytest.raises(RuntimeError, match="fails"):
+        mha.scaled_dot_product_attention(x, x, x, cache=cache, mask_mod=fails)
+    for seq, (k, v) in zip("ab", before, strict=True):
+        np.testing.assert_array_equal(cache.dequantized(seq)[0], k)
+        np.testing.assert_array_equal(cache.dequantized(seq)[1], v)
+    assert cache.num_free_blocks == free and cache.lengths.tolist() == [10, 9]
+
+
+def test_the_same_bits_as_a_contiguous_cache_on_long_float32_sequences():
+    """A decoding step over 4,000 keys of width 128 in float32: the paged cache's tiles are
+    the contiguous cache's, so the bits are the same."""
+    rng = np.random.default_rng(15)
+    paged = mha.PagedKVCache(260, 16, 2, 128)
+    paged.add(0)
+    contiguous = mha.KVCache(1, 2, 128, capacity=4001, dtype=np.float32)
+    k, v = rng.standard_normal((2, 1, 2, 4000, 128), dtype=np.float32)
+    q = rng.standard_normal((1, 8, 4000, 128), dtype=np.float32)
+    for cache in (paged, contiguous):  # the prompt, then one step
+        mha.scaled_dot_product_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], cache=cache)
+    paged.append(0, k[0, :, 8:], v[0, :, 8:])
+    mha.scaled_dot_product_attention(  # the same rows, appended by attending
+        q[:, :, 8:3999], k[:, :, 8:3999], v[:, :, 8:3999], cache=contiguous
+    )
+    paged.truncate(0, 3999)
+    step = [mha.scaled_dot_product_attention(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], cache=c)
+            for c in (paged, contiguous)]  # fmt: skip
+    np.testing.assert_array_equal(step[0], step[1])
+
+
+def test_left_padding_refuses_a_mask_or_bias_in_the_padded_layout():
+    cache = mha.KVCache(1, 1, 8)
+    x = np.ones((1, 1, 2, 8))
+    for keywords in ({"bias": np.zeros((1, 1, 2, 2))}, {"mask": np.ones((2, 2), bool)}):
+        with pytest.raises(mha.AttentionValueError, match="cannot be combined with a mask="):
+            mha.scaled_dot_product_attention(x, x, x, cache=cache, query_lengths=[1],
+                                             padding_side="left", **keywords)  # fmt: skip
+    assert cache.lengths.tolist() == [0]
+
+
+def test_causal_cascade_attention_refuses_queries_inside_the_prefix():
+    pool = np.zeros((4, 4, 1, 8))
+    with pytest.raises(mha.AttentionValueError, match="seq_lens >= L"):
+        mha.cascade_attention(np.zeros((1, 2, 1, 8)), pool, pool, [0, 1], 8, [[2]], [1],
+                              causal=True)  # fmt: skip

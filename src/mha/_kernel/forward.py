@@ -162,8 +162,10 @@ def attend(
     H_kv, S, d_v = k.shape[-3], k.shape[-2], v.shape[-1]
     group = H // H_kv
     dtype = out.dtype
-    # Stored narrower, or in a paged cache's blocks: each tile is a copy in the compute dtype.
-    cast = k.dtype != dtype or v.dtype != dtype or isinstance(k, PagedKV)
+    # Stored narrower or quantized: each tile is a copy in the compute dtype. (A paged
+    # cache's float tiles are tiled as a contiguous cache's are, for the same bits.)
+    quantized = isinstance(k, PagedKV) and k.quantization is not None
+    cast = k.dtype != dtype or v.dtype != dtype or quantized
     tiles = plan_tiles(L, S, H_kv, d_k, d_v, dtype.itemsize, max_memory, weights is not None, group,
                        cast)  # fmt: skip
     # Rows in whole chunks per tile (or whole key tiles, for a mask_mod, whose documents or

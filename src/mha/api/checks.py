@@ -483,7 +483,7 @@ def check_call(
         None if sinks is None else as_float_array("sinks", sinks), masking,
         check_qk_norm(q_norm, k_norm, qk_norm, qk_norm_eps, qk_norm_offset, H=H, H_kv=H_kv,
                       d_k=d_k),
-        check_padding_side(padding_side, cache),
+        check_padding_side(padding_side, cache, masking),
     )  # fmt: skip
 
 

@@ -16,7 +16,7 @@ from ..errors import AttentionValueError
 __all__ = ["check_padding_side", "to_front", "to_left"]
 
 
-def check_padding_side(padding_side: Any, cache: Any) -> bool:
+def check_padding_side(padding_side: Any, cache: Any, masking: dict[str, Any]) -> bool:
     """Whether the padding rows come first (``"left"``); ``None`` and ``"right"``: last."""
     if padding_side is None or padding_side == "right":
         return False
@@ -26,6 +26,13 @@ def check_padding_side(padding_side: Any, cache: Any) -> bool:
         raise AttentionValueError(
             "padding_side='left' says which rows of a prompt appended to a cache are padding; "
             "without cache=, give the lengths of right-padded inputs or a mask"
+        )
+    mask = masking.get("mask")
+    if masking.get("bias") is not None or not (mask is None or isinstance(mask, (bool, np.bool_))):
+        raise AttentionValueError(
+            "padding_side='left' cannot be combined with a mask= or bias= array (their rows "
+            "would be the padded layout's): move each prompt's tokens first and give "
+            "query_lengths, with the mask or bias in that order"
         )
     return True
 

@@ -63,7 +63,8 @@ def paged_attention(
       (``cache_seqlens``); its queries are its last ``L`` positions.
     * ``causal``: query ``i`` sees key ``j`` only if ``j <= i + seq_lens[b] - L``
       (bottom-right, as FlashAttention aligns it); ``window``: and only if ``i +
-      seq_lens[b] - L - j < window`` (FlashAttention's ``window_size=(window - 1, 0)``).
+      seq_lens[b] - L - j < window`` (with ``causal``, FlashAttention's
+      ``window_size=(window - 1, 0)``; without, keys after a query stay visible).
     * ``scale`` (default ``1/sqrt(d_k)``), ``softcap`` (Gemma 2's ``softcap *
       tanh(s / softcap)``), ``sinks (H,)`` (gpt-oss's per-head logits), as in
       :func:`mha.scaled_dot_product_attention`.
@@ -203,8 +204,9 @@ def cascade_attention(
     queries to its own keys, and the two are merged by their log-sum-exps (cascade
     attention, FlashInfer's name): equal to :func:`paged_attention` over the whole
     sequences up to rounding. ``causal`` hides a sequence's own later keys as there (the
-    new queries come after the prefix, which they all see); ``scale``, ``return_lse``
-    (``(num_seqs, H, L)``), ``max_memory`` and ``workers`` are :func:`paged_attention`'s.
+    new queries come after the prefix, which they all see: ``seq_lens >= L``); ``scale``,
+    ``return_lse`` (``(num_seqs, H, L)``), ``max_memory`` and ``workers`` are
+    :func:`paged_attention`'s.
 
     >>> import numpy as np, mha
     >>> rng = np.random.default_rng(0)
@@ -223,6 +225,13 @@ def cascade_attention(
     prefix = as_array("prefix_blocks", prefix_blocks)
     if prefix.ndim != 1:
         raise ShapeError(f"prefix_blocks must be one row of block ids; got shape {prefix.shape}")
+    own = as_array("seq_lens", seq_lens)
+    if flag("causal", causal) and own.size and own.min() < L:
+        raise AttentionValueError(
+            f"causal cascade_attention needs each sequence's own positions to hold its {L} "
+            f"new queries (seq_lens >= L), since every query sees the whole prefix; got "
+            f"seq_lens {own.tolist()}: use paged_attention over the whole sequences"
+        )
     shared, shared_lse = paged_attention(
         q.reshape(1, B * L, H, d_k), key_cache, value_cache, prefix[None], [prefix_len],
         scale=scale, return_lse=True, max_memory=max_memory, workers=workers,

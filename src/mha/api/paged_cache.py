@@ -442,14 +442,14 @@ class PagedKVCache:
                     )
         plans = []
         needed = 0
-        refs = self._refs.copy()  # as the copies below will leave them
         for b, s in enumerate(ids):
             n, held, blocks = int(counts[b]), self._lengths[s], self._tables[s]
             first = held // size  # the block the first new token goes in
             last = -(-(held + n) // size)  # blocks the sequence then needs
-            shared = bool(n > 0 and held % size and refs[blocks[first]] > 1)
-            if shared:  # its own copy; the last sharer to write keeps the block
-                refs[blocks[first]] -= 1
+            # A block shared when the call began is never written, even by its last holder:
+            # another holder may hold the rows written (after a truncate), and a call that
+            # fails afterwards gives the blocks back as they were.
+            shared = bool(n > 0 and held % size and self._refs[blocks[first]] > 1)
             needed += max(0, last - len(blocks)) + shared
             plans.append((n, held, first, last, shared))
         if needed > len(self._free):
@@ -491,7 +491,8 @@ class PagedKVCache:
 
     def _snapshot(self) -> tuple[Any, ...]:
         """What an append changes (tables, reference counts, the free list); the rows it
-        writes lie past each sequence's length, or in blocks only it holds."""
+        writes lie in blocks only their sequence held when the call began (past its length)
+        or in blocks taken from the free list."""
         return ({s: list(t) for s, t in self._tables.items()}, self._refs.copy(),
                 list(self._free))  # fmt: skip
 

@@ -226,7 +226,7 @@ def scaled_dot_product_attention(
         sinks=sinks, softcap=softcap, alibi=alibi, score_mod=score_mod,
         score_mod_grad=score_mod_grad, H=q.shape[-3], want_backward=want_backward,
     )  # fmt: skip
-    left_padded = check_padding_side(padding_side, cache)
+    left_padded = check_padding_side(padding_side, cache, masking)
     if cache is not None:
         if want_weights or want_backward or drop_p:
             raise AttentionValueError(
