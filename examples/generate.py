@@ -23,6 +23,7 @@ RMSNorm computes in float32 whatever the compute dtype, as transformers does. A 
 cannot compute exactly is refused, naming the setting, never approximated.
 
     python examples/generate.py MODEL_DIR 1 2 3 --new-tokens 20 [--dtype float64]
+                                [--cache paged|int8|int4]
 
 needs NumPy and mha, nothing else: bfloat16 tensors are read as the float32 they are
 exactly, then converted to the compute dtype (``--dtype``, float32 by default).
@@ -43,6 +44,10 @@ import mha
 from mha.integrations.checkpoint import Checkpoint
 
 Function = Callable[[np.ndarray], np.ndarray]
+
+
+CACHES = ("contiguous", "paged", "int8", "int4")
+BLOCK = 16  # positions per block of a paged cache
 
 
 class UnsupportedModelError(ValueError):
@@ -294,12 +299,22 @@ class Decoder:
     ``Decoder(directory, dtype=np.float32)`` computes in ``dtype`` (float32 or float64),
     the checkpoint's weights converted once. The tensors are read layer by layer, each
     layer's own alone; a tensor the family's layer does not compute is refused by name.
+    ``cache`` is the kind of KV cache each layer keeps: ``"contiguous"`` (``mha.KVCache``),
+    ``"paged"`` (``mha.PagedKVCache``, blocks of 16), or ``"int8"`` and ``"int4"`` (a
+    paged cache quantized, groups of 32; float32 only).
     """
 
-    def __init__(self, directory: str | Path, dtype: Any = np.float32) -> None:
+    def __init__(
+        self, directory: str | Path, dtype: Any = np.float32, cache: str = "contiguous"
+    ) -> None:
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.float32, np.float64):
             raise ValueError(f"dtype must be float32 or float64; got {self.dtype}")
+        if cache not in CACHES:
+            raise ValueError(f"cache must be one of {', '.join(CACHES)}; got {cache!r}")
+        if cache in ("int8", "int4") and self.dtype != np.float32:
+            raise ValueError(f"a {cache} cache is read back in float32: use dtype=float32")
+        self.cache = cache
         checkpoint = _open(directory)
         config = self.config = checkpoint.config
         kind = config.get("model_type")
@@ -367,8 +382,27 @@ class Decoder:
         return arrays
 
     def new_caches(self, batch_size: int, capacity: int = 256) -> list[Any]:
-        """One cache per layer."""
-        return [layer.attention.new_cache(batch_size, capacity=capacity) for layer in self.layers]
+        """One cache per layer, of the decoder's kind (a paged one with room for
+        ``capacity`` tokens per sequence)."""
+        if self.cache == "contiguous":
+            return [layer.attention.new_cache(batch_size, capacity=capacity)
+                    for layer in self.layers]  # fmt: skip
+        caches = []
+        for layer in self.layers:
+            attention = layer.attention
+            if not isinstance(attention, mha.MultiHeadAttention) or attention.window is not None:
+                raise UnsupportedModelError(
+                    f"a {self.cache} cache serves layers of full attention in this example"
+                )
+            cache = mha.PagedKVCache(
+                batch_size * -(-capacity // BLOCK), BLOCK, attention.num_kv_heads,
+                attention.head_dim, dtype=self.dtype,
+                quantize=None if self.cache == "paged" else self.cache,
+            )  # fmt: skip
+            for b in range(batch_size):
+                cache.add(b)
+            caches.append(cache)
+        return caches
 
     def forward(self, ids: Any, caches: list[Any], query_lengths: Any = None) -> np.ndarray:
         """Logits ``(B, L, vocab)`` for the next tokens ``ids (B, L)`` of each sequence,
@@ -452,13 +486,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="a directory that transformers' save_pretrained wrote")
     parser.add_argument("prompt", type=int, nargs="+", help="prompt token ids")
     parser.add_argument("--new-tokens", type=int, default=20, help="how many (default 20)")
-    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32",
-                        help="the compute dtype (default float32)")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "float64"),
+        default="float32",
+        help="the compute dtype (default float32)",
+    )
+    parser.add_argument("--cache", choices=CACHES, default="contiguous",
+                        help="the KV cache: contiguous (default), paged, int8 or int4")  # fmt: skip
     args = parser.parse_args(argv)
     if args.new_tokens < 0:
         parser.error(f"--new-tokens must be 0 or more; got {args.new_tokens}")
     try:
-        decoder = Decoder(args.model, dtype=args.dtype)
+        decoder = Decoder(args.model, dtype=args.dtype, cache=args.cache)
         tokens, _ = decoder.generate(args.prompt, args.new_tokens)
     except (ValueError, OSError) as error:  # a model it cannot compute, or cannot read
         print(f"{parser.prog}: {error}", file=sys.stderr)

@@ -221,3 +221,40 @@ def test_the_command_line_generates_in_float32_and_float64(torch, transformers, 
         assert run.stdout.strip() == expected, dtype
     decoder = Decoder(tmp_path, dtype=np.float64)
     assert decoder.forward(np.array([PROMPT]), decoder.new_caches(1)).dtype == np.float64
+
+
+def readme_model(transformers, torch, folder: Path) -> Path:
+    """The README's random Llama-style model (benchmarks/decode.py's), saved in float32."""
+    config = transformers.LlamaConfig(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=8000, max_position_embeddings=1024,
+        initializer_range=0.3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(folder)
+    return folder
+
+
+def test_each_cache_kind_generates_on_the_readme_model(torch, transformers, tmp_path, record_error):
+    """256 greedy tokens from a 64-token prompt with each kind of cache. A paged cache gives
+    the same bits as the contiguous one: the same tokens. The quantized caches' first
+    logits are recorded against float32's (this random model, drawn at a large scale, is
+    sensitive: its best two logits lie 2% apart, so even int8's error changes the first
+    token; docs/serving.md gives the counts)."""
+    from generate import Decoder
+
+    folder = readme_model(transformers, torch, tmp_path)
+    prompt = np.random.default_rng(0).integers(0, 8000, 64).tolist()
+    tokens, steps = Decoder(folder).generate(prompt, 256)
+    paged, paged_steps = Decoder(folder, cache="paged").generate(prompt, 256)
+    assert paged == tokens
+    for a, b in zip(paged_steps, steps, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for kind in ("int8", "int4"):
+        decoder = Decoder(folder, cache=kind)
+        first = decoder.forward(np.array([prompt]), decoder.new_caches(1, 80))[0, -1]
+        error = record_error(f"README model, {kind} cache's first logits vs float32",
+                             relative_error(first, steps[0]))  # fmt: skip
+        assert error <= {"int8": 0.2, "int4": 1.0}[kind]
+    with pytest.raises(ValueError, match="cache must be one of"):
+        Decoder(folder, cache="int2")
