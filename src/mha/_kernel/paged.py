@@ -99,8 +99,8 @@ class _Heads:
                 run += 1
             end = min(c1, (block + run) * size)
             first = int(row[block])
-            rows = pool[first : first + run].reshape(run * size, *pool.shape[2:])
-            piece = rows[offset : offset + end - at, self._heads]
-            out[:, at - c0 : end - c0] = piece.transpose(1, 0, 2)
+            heads = pool[first : first + run, :, self._heads]  # (run, size, G, width)
+            rows = heads.transpose(2, 0, 1, 3).reshape(G, run * size, pool.shape[3])
+            out[:, at - c0 : end - c0] = rows[:, offset : offset + end - at]
             at = end
         return out

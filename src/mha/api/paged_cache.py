@@ -346,10 +346,9 @@ class PagedKVCache:
         order = list(self._tables).index(seq_id)
         counts = np.zeros(len(self._tables), np.int64)
         counts[order] = k.shape[1]
-        keys = np.zeros((len(self._tables), H_kv, k.shape[1], d_k), k.dtype)
-        values = np.zeros((len(self._tables), H_kv, k.shape[1], d_v), v.dtype)
-        keys[order], values[order] = k, v
-        self._append(keys, values, counts)
+        # Every sequence's rows are these views (without copies): only seq_id's are read.
+        B = len(self._tables)
+        self._append(np.broadcast_to(k, (B, *k.shape)), np.broadcast_to(v, (B, *v.shape)), counts)
         self._commit(counts)
 
     # Used by the attention calls (the protocol KVCache keeps too) -----------------------
