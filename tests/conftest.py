@@ -54,6 +54,15 @@ def torch_on_one_thread() -> None:
         torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def no_kept_plans() -> None:
+    """Each test plans its calls afresh (``mha.api.plans``): a plan kept in an earlier test
+    would carry that test's tile sizes, which some tests change through monkeypatch."""
+    from mha.api import plans
+
+    plans._PLANS.clear()
+
+
 @pytest.fixture
 def record_error() -> Any:
     """``record_error(family, error)`` keeps the worst error per family for the summary."""

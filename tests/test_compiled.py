@@ -182,8 +182,12 @@ def test_small_calls_the_walk_cannot_do_keep_numpys_passes(kernels, monkeypatch)
 def test_compile_time_is_recorded(kernels):
     rng = np.random.default_rng(5)
     q = rng.standard_normal((1, 64, 8)).astype(np.float32)
-    mha.scaled_dot_product_attention(q, q, q)
+    # a bias is the NumPy walk's (with the compiled step); a plain call the compiled walk's
+    mha.scaled_dot_product_attention(q, q, q, bias=np.zeros((64, 64), np.float32))
     assert compiled.compile_seconds()["step float32"] > 0.0
+    mha.scaled_dot_product_attention(q, q, q)
+    if compiled.walk_available():
+        assert compiled.compile_seconds()["walk forward float32"] > 0.0
 
 
 @pytest.mark.parametrize("call", CALLS[:4])

@@ -19,9 +19,9 @@ import contextlib
 import functools
 import math
 import os
+import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -159,14 +159,11 @@ class Team:
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
-        self._pool: ThreadPoolExecutor | None = None
         self._entered = False
 
     def __enter__(self) -> Team:
         _BLAS_LIMIT.__enter__()
         self._entered = True
-        if self.workers > 1:
-            self._pool = _shared_pool(self.workers - 1)
         return self
 
     def __exit__(
@@ -175,7 +172,6 @@ class Team:
         error: BaseException | None,
         trace: TracebackType | None,
     ) -> None:
-        self._pool = None
         if self._entered:
             self._entered = False
             _BLAS_LIMIT.__exit__()
@@ -183,36 +179,37 @@ class Team:
     def run(self, tasks: Sequence[Task], make_worker: Callable[[], Callable[[Task], None]]) -> None:
         """Run every task. Each thread calls ``make_worker()`` once (for its own buffers) and
         then takes tasks in order, so put the longest first."""
-        if self._pool is None or len(tasks) <= 1:
+        if self.workers == 1 or not self._entered or len(tasks) <= 1:
             worker = make_worker()
             for task in tasks:
                 worker(task)
             return
         take = _taker(iter(tasks))
-        failed = threading.Event()
+        failed = [False]  # (not a threading.Event: making one costs a decoding step 10 us)
         floating_point = np.geterr()  # np.errstate is per thread: carry the caller's over
 
         def loop() -> None:
             with np.errstate(**floating_point):
                 worker = make_worker()
-                while not failed.is_set() and (task := take()) is not None:
+                while not failed[0] and (task := take()) is not None:
                     try:
                         worker(task)
                     except BaseException:
-                        failed.set()  # the other workers stop taking tasks
+                        failed[0] = True  # the other workers stop taking tasks
                         raise
 
         threads = min(self.workers, len(tasks))
-        futures = [self._pool.submit(loop) for _ in range(threads - 1)]
+        jobs = [_HELPERS.submit(loop, self.workers - 1) for _ in range(threads - 1)]
         try:
             loop()  # the calling thread is one of the workers
-            for future in futures:  # every task is taken: helpers still queued (behind
-                if not future.cancel():  # another call's work, say) are not waited for
-                    future.result()  # re-raises a worker's exception
+            for job in jobs:  # every task is taken: jobs still queued (behind another
+                error = job.settle()  # call's work, say) are withdrawn, not waited for
+                if error is not None:
+                    raise error  # a helper's exception
         except BaseException:  # an error, or Ctrl-C in the caller: stop the rest
-            failed.set()
-            for future in futures:  # nothing of this call may run on after it returns
-                future.cancel() or future.exception()
+            failed[0] = True
+            for job in jobs:  # nothing of this call may run on after it returns
+                job.settle()
             raise
 
     def matmul(
@@ -277,25 +274,75 @@ class Team:
         return x
 
 
-_POOL_LOCK = threading.Lock()
-_POOL: ThreadPoolExecutor | None = None
+class _Helpers:
+    """Helper threads kept between calls, taking jobs in turn from one queue, started as
+    calls ask for more of them. Calls running at once share them, so together they never
+    run more helpers than the largest of them asked for (their jobs queue instead).
+
+    A ``ThreadPoolExecutor`` did this before; handing a job over and collecting it through
+    its futures cost a decoding step about 30 microseconds (``submit`` alone 14, measured
+    with ``benchmarks/calls.py``'s machine), against a few for a queue and two locks."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self.threads = 0
+
+    def submit(self, work: Callable[[], None], threads: int) -> _Job:
+        """Queue ``work`` for the first of at least ``threads`` helpers that is free."""
+        if self.threads < threads:
+            with self._lock:
+                while self.threads < threads:
+                    self.threads += 1
+                    name = f"mha-{self.threads}"
+                    threading.Thread(target=self._serve, name=name, daemon=True).start()
+        job = _Job(work)
+        self._jobs.put(job)
+        return job
+
+    def _serve(self) -> None:
+        while True:
+            self._jobs.get().run()
 
 
-def _shared_pool(threads: int) -> ThreadPoolExecutor:
-    """A process-wide pool with at least ``threads`` threads, kept between calls: starting
-    threads on every call cost a decoding step milliseconds. Calls running at once share
-    it, so together they never run more worker threads than the largest of them asked for
-    (their tasks queue instead)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL._max_workers < threads:
-            _POOL = ThreadPoolExecutor(threads, thread_name_prefix="mha")
-        return _POOL
+class _Job:
+    """One helper's share of a call: run once by a helper, unless its caller withdrew it
+    first (the caller took every task itself while the helpers were busy elsewhere)."""
+
+    __slots__ = ("done", "error", "start", "work")
+
+    def __init__(self, work: Callable[[], None]) -> None:
+        self.work = work
+        self.start = threading.Lock()  # taken by whoever comes first: a helper or the caller
+        self.done = threading.Lock()  # held until the work has run
+        self.done.acquire()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        if not self.start.acquire(blocking=False):
+            return  # withdrawn
+        try:
+            self.work()
+        except BaseException as error:  # for the caller to raise
+            self.error = error
+        finally:
+            self.done.release()
+
+    def settle(self) -> BaseException | None:
+        """Withdraw the job if no helper has started it, else wait until it has run (again
+        and again if need be); returns the error it raised, if any."""
+        if self.start.acquire(blocking=False):
+            return None
+        with self.done:
+            return self.error
+
+
+_HELPERS = _Helpers()
 
 
 def _forget_pool_after_fork() -> None:
-    global _POOL
-    _POOL = None  # the child has none of the parent's threads
+    global _HELPERS
+    _HELPERS = _Helpers()  # the child has none of the parent's threads
 
 
 if hasattr(os, "register_at_fork"):

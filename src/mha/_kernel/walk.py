@@ -21,7 +21,7 @@ from .scores import Scores
 from .tasks import Parts, Task, batch_index
 from .team import Team
 
-__all__ = ["BACKWARD_ROWS", "WALK_ROWS", "backward_walkable", "forward_walkable",
+__all__ = ["BACKWARD_ROWS", "WALK_ROWS", "ForwardPlan", "backward_walkable", "forward_walkable",
            "run_backward", "run_forward", "walk_views"]  # fmt: skip
 
 WALK_ROWS = 128
@@ -211,77 +211,126 @@ def run_forward(
     keys' partial results, if any. Tiles of fewer than ``flip_below`` rows take ``k @
     q^T``, and ``p @ v`` in runs of ``product_chunk`` keys (the Python walk's choices,
     :mod:`.forward`)."""
-    L, d_k = q.shape[-2:]
-    H_kv, S, d_v = k.shape[-3], k.shape[-2], v.shape[-1]
-    batch_shape = q.shape[:-3]
-    B = math.prod(batch_shape)
-    q4, out4 = views[0], views[3]
-    lse4 = np.empty((1, 1, 0), out.dtype) if lse is None else views[4][..., 0]
-    key_end, query_end, offsets = _limits(visibility, batch_shape, L, S)
-    rows = max(1, min(tiles.rows, WALK_ROWS))
-    if isinstance(k, PagedKV):  # the pools and the block tables as they are
-        kp, vp, blocks, block = views[1], views[2], k.table, k.block_size
-    else:  # one block per sequence: (B, S, H_kv, d) views of the arrays
-        k4, v4 = _packed(views[1], L, rows), _packed(views[2], L, rows)
-        kp, vp = k4.transpose(0, 2, 1, 3), v4.transpose(0, 2, 1, 3)
-        blocks, block = np.arange(B, dtype=np.int64)[:, None], max(S, 1)
-    window = -1 if visibility.window is None else visibility.window
-    table = compiled.plan_walk(B, H_kv, L, rows, key_end, query_end, offsets, visibility.causal,
-                               window)  # fmt: skip
-    parts = None
-    if 0 < len(table) < team.workers:  # few items (decoding): split their keys
-        whole = [Task(batch_index(t[0], batch_shape), slice(int(t[1]), int(t[1]) + 1),
-                       None, int(t[2]), int(t[3]), int(t[4]), int(t[5]))  # type: ignore[arg-type]
-                 for t in table]  # fmt: skip
-        parts = tasks.split_keys(whole, team.workers, tiles.cols, group, L, d_v, out.dtype)
-        if parts is not None:
-            flat = {id(task): row for task, row in zip(whole, table[:, 0], strict=True)}
-            table = np.array([
-                [flat[id(task)], p.kv.start, p.r0, p.r1, p.start, p.stop, p.part]
-                for task, pieces in zip(parts.whole, parts.chunks, strict=True) for p in pieces
-            ], np.int64).reshape(-1, 7)  # fmt: skip
-        table = table[np.argsort((table[:, 2] - table[:, 3]) * (table[:, 5] - table[:, 4]),
-                                 kind="stable")]  # longest first  # fmt: skip
-    # Two runs of tasks per worker, dealt in turn from the longest: even shares, and a
-    # worker that finishes first takes the rest.
-    count = 1 if team.workers == 1 else min(len(table), 2 * team.workers)
-    chunks = [slice(i, None, count) for i in range(count)]
-    failed = np.zeros(len(table), bool)
-    part_out = parts.all_out if parts is not None else np.empty((0, 1, 1, 1), out.dtype)
-    part_lse = parts.all_lse if parts is not None else np.empty((0, 1, 1), out.dtype)
-    R = group * rows
-
-    def make_worker() -> Callable[[slice], None]:
-        dtype = out.dtype
-        s = np.empty((R, tiles.cols), dtype)
-        flipped = np.empty(tiles.cols * min(R, flip_below), dtype)  # few rows' tiles
-        stacked, acc = np.empty((R, d_k), dtype), np.empty((R, d_v), dtype)
-        m, ref, total = np.empty(R, dtype), np.empty(R, dtype), np.empty(R, dtype)
-        spans = tiles.cols if isinstance(k, PagedKV) else 0  # tiles copied from blocks apart
-        k_tile, v_tile = np.empty((spans, d_k), dtype), np.empty((spans, d_v), dtype)
-        partial = np.empty((R, d_v), dtype)  # a decoding step's sums
-
-        def run(chunk: slice) -> None:
-            tasks = table[chunk]
-            done = np.zeros(len(tasks), bool)
-            compiled.forward_walk(
-                dtype, tasks, q4, kp, vp, blocks, block, out4, lse4, part_out, part_lse, scale,
-                visibility.causal, window, offsets, tiles.cols, flip_below, product_chunk, s,
-                flipped, stacked, acc, m, ref, total, partial, k_tile, v_tile, done,
-            )  # fmt: skip
-            failed[chunk] = done
-
-        return run
-
-    team.run(chunks, make_worker)
+    plan = ForwardPlan(q.shape, k, v.shape[-1], visibility, scale, out.dtype, tiles, group,
+                       team.workers, flip_below, product_chunk)  # fmt: skip
+    failed, parts = plan.run(views, k, team)
     left: list[Task] = []
-    for t in table[failed] if failed.any() else ():
-        batch = batch_index(t[0], batch_shape)
+    for t in plan.table[failed] if failed.any() else ():
+        batch = batch_index(t[0], plan.batch_shape)
         kv = slice(int(t[1]), int(t[1]) + 1)
         item = visibility.item(batch, slice(kv.start * group, kv.stop * group))
         part = None if t[6] < 0 else int(t[6])
         left.append(Task(batch, kv, item, int(t[2]), int(t[3]), int(t[4]), int(t[5]), part))
     return left, parts
+
+
+class ForwardPlan:
+    """What the compiled forward walk does for a call, worked out from the shapes and the
+    visibility alone: its table of tasks, their shares among ``workers`` and the split of
+    few tasks' keys. It holds no array of the call's, so a call of the same shapes, dtype
+    and options runs the same plan again (:mod:`mha.api.plans` keeps them); :meth:`run`
+    takes the arrays."""
+
+    def __init__(
+        self,
+        q_shape: tuple[int, ...],
+        k: np.ndarray | PagedKV,
+        d_v: int,
+        visibility: Visibility,
+        scale: float,
+        dtype: np.dtype,
+        tiles: Any,
+        group: int,
+        workers: int,
+        flip_below: int,
+        product_chunk: int,
+    ) -> None:
+        L, d_k = q_shape[-2:]
+        H_kv, S = k.shape[-3], k.shape[-2]
+        self.batch_shape = batch_shape = q_shape[:-3]
+        B = math.prod(batch_shape)
+        key_end, query_end, self.offsets = _limits(visibility, batch_shape, L, S)
+        self.rows = rows = max(1, min(tiles.rows, WALK_ROWS))
+        self.L, self.d_k, self.d_v, self.dtype, self.scale = L, d_k, d_v, dtype, scale
+        self.R, self.cols, self.paged = group * rows, tiles.cols, isinstance(k, PagedKV)
+        self.flip_below, self.product_chunk = flip_below, product_chunk
+        self.causal = visibility.causal
+        self.window = -1 if visibility.window is None else visibility.window
+        self.blocks = np.arange(B, dtype=np.int64)[:, None]  # contiguous: a block each
+        self.block = max(S, 1)
+        table = compiled.plan_walk(B, H_kv, L, rows, key_end, query_end, self.offsets,
+                                   self.causal, self.window)  # fmt: skip
+        self.split: tuple[list[Task], list[list[Task]]] | None = None
+        self.group = group
+        if 0 < len(table) < workers:  # few items (decoding): split their keys
+            whole = [Task(batch_index(t[0], batch_shape), slice(int(t[1]), int(t[1]) + 1),
+                           None, int(t[2]), int(t[3]), int(t[4]), int(t[5]))  # type: ignore[arg-type]
+                     for t in table]  # fmt: skip
+            parts = tasks.split_keys(whole, workers, tiles.cols, group, L, d_v, dtype)
+            if parts is not None:
+                self.split = parts.whole, parts.chunks
+                flat = {id(task): row for task, row in zip(whole, table[:, 0], strict=True)}
+                table = np.array([
+                    [flat[id(task)], p.kv.start, p.r0, p.r1, p.start, p.stop, p.part]
+                    for task, pieces in zip(parts.whole, parts.chunks, strict=True)
+                    for p in pieces
+                ], np.int64).reshape(-1, 7)  # fmt: skip
+            table = table[np.argsort((table[:, 2] - table[:, 3]) * (table[:, 5] - table[:, 4]),
+                                     kind="stable")]  # longest first  # fmt: skip
+        self.table = table
+        # Two runs of tasks per worker, dealt in turn from the longest: even shares, and a
+        # worker that finishes first takes the rest.
+        count = 1 if workers == 1 else min(len(table), 2 * workers)
+        self.chunks = [slice(i, None, count) for i in range(count)]
+
+    def run(
+        self, views: list[np.ndarray], k: np.ndarray | PagedKV, team: Team
+    ) -> tuple[np.ndarray, Parts | None]:
+        """Run the tasks on ``views`` (:func:`forward_walkable`'s, of a call of the plan's
+        shapes; ``k`` the call's keys, for a paged cache's block table) on ``team``: which
+        tasks were left undone (a non-finite value at a hidden key), and the split keys'
+        partial results, to merge."""
+        dtype, R, cols, d_k, d_v = self.dtype, self.R, self.cols, self.d_k, self.d_v
+        q4, out4 = views[0], views[3]
+        lse4 = views[4][..., 0] if len(views) > 4 else np.empty((1, 1, 0), dtype)
+        if isinstance(k, PagedKV):  # the pools and the block tables as they are
+            kp, vp, blocks, block = views[1], views[2], k.table, k.block_size
+        else:  # one block per sequence: (B, S, H_kv, d) views of the arrays
+            k4, v4 = _packed(views[1], self.L, self.rows), _packed(views[2], self.L, self.rows)
+            kp, vp = k4.transpose(0, 2, 1, 3), v4.transpose(0, 2, 1, 3)
+            blocks, block = self.blocks, self.block
+        parts = None
+        if self.split is not None:
+            parts = Parts(*self.split, self.group, self.L, d_v, dtype)
+        part_out = parts.all_out if parts is not None else np.empty((0, 1, 1, 1), dtype)
+        part_lse = parts.all_lse if parts is not None else np.empty((0, 1, 1), dtype)
+        table, failed = self.table, np.zeros(len(self.table), bool)
+        scale, causal, window, offsets = self.scale, self.causal, self.window, self.offsets
+        flip_below, product_chunk, spans = self.flip_below, self.product_chunk, self.paged
+
+        def make_worker() -> Callable[[slice], None]:
+            s = np.empty((R, cols), dtype)
+            flipped = np.empty(cols * min(R, flip_below), dtype)  # few rows' tiles
+            stacked, acc = np.empty((R, d_k), dtype), np.empty((R, d_v), dtype)
+            m, ref, total = np.empty(R, dtype), np.empty(R, dtype), np.empty(R, dtype)
+            width = cols if spans else 0  # tiles copied from blocks apart
+            k_tile, v_tile = np.empty((width, d_k), dtype), np.empty((width, d_v), dtype)
+            partial = np.empty((R, d_v), dtype)  # a decoding step's sums
+
+            def run(chunk: slice) -> None:
+                mine = table[chunk]
+                done = np.zeros(len(mine), bool)
+                compiled.forward_walk(
+                    dtype, mine, q4, kp, vp, blocks, block, out4, lse4, part_out,
+                    part_lse, scale, causal, window, offsets, cols, flip_below, product_chunk,
+                    s, flipped, stacked, acc, m, ref, total, partial, k_tile, v_tile, done,
+                )  # fmt: skip
+                failed[chunk] = done
+
+            return run
+
+        team.run(self.chunks, make_worker)
+        return failed, parts
 
 
 BACKWARD_ROWS = 512

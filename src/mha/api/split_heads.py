@@ -41,6 +41,7 @@ from .checks import (
 from .gradients import SplitHeadsBackward
 from .padding import check_padding_side, to_front, to_left
 from .paged_cache import PagedKVCache
+from .plans import planned_attention
 from .variants import check_scores
 
 if TYPE_CHECKING:
@@ -213,6 +214,18 @@ def scaled_dot_product_attention(
     array([[[1.  , 0.  ],
             [0.33, 0.67]]])
     """
+    if (  # a plain call: by its kept plan (mha.api.plans), the same bits with less Python
+        mask is None and causal_alignment is None and key_lengths is None
+        and query_lengths is None and bias is None and sink_tokens is None and chunk is None
+        and mask_mod is None and sinks is None and softcap is None and alibi is None
+        and score_mod is None and score_mod_grad is None and return_weights is False
+        and return_backward is False and dropout_p is None and generator is None
+        and cache is None and padding_side is None
+    ):  # fmt: skip
+        planned = planned_attention(q, k, v, causal, window, scale, return_lse, max_memory,
+                                    workers)  # fmt: skip
+        if planned is not None:
+            return planned
     q, k, v, result_dtype, compute_dtype = checked_heads(q, k, v)
     scale = resolve_scale(scale, q.shape[-1], compute_dtype)
     want_weights = flag("return_weights", return_weights)
