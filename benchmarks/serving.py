@@ -8,7 +8,10 @@
 
 1. Lengths spread evenly between 128 and 8,192 tokens. ``mha.KVCache`` must hold every
    sequence padded to the longest; ``mha.PagedKVCache`` (blocks of 16) holds the tokens
-   in blocks, in float32 and quantized to int8 and int4 (groups of 32). Memory of each
+   in blocks, in float32 and quantized to int8 and int4 (groups of 32), and KIVI's kivi8
+   and kivi4 (keys per channel over groups of 32 tokens, in blocks of 32; a spare block
+   for each sequence whose step fills a group: truncated back, it lies inside a quantized
+   group, which the next step reopens in a copy of its block). Memory of each
    cache's buffers against the float32 bytes of the tokens actually held, and the time of
    one decoding step (each sequence one new token: one
    ``scaled_dot_product_attention(..., cache=)`` call, the caches truncated back after it).
@@ -43,7 +46,12 @@ ROOT = Path(__file__).parent.parent
 BEGIN, END = "<!-- serving: begin -->", "<!-- serving: end -->"
 B, H, H_KV, D, BLOCK = 64, 32, 8, 128, 16
 TOKEN_BYTES = 2 * H_KV * D * 4  # a token's key and value, float32
-QUANTIZED = ("int8", "int4")
+QUANTIZED = ("int8", "int4", "kivi8", "kivi4")
+KIVI_BLOCK = 32  # KIVI's key groups of 32 tokens lie within blocks
+
+
+def block_size(kind: str | None) -> int:
+    return KIVI_BLOCK if kind is not None and kind.startswith("kivi") else BLOCK
 
 
 def caches(lengths: np.ndarray, rng: np.random.Generator, quantized: tuple[str, ...] = ()
@@ -52,9 +60,12 @@ def caches(lengths: np.ndarray, rng: np.random.Generator, quantized: tuple[str, 
     random keys and values."""
     longest = int(lengths.max())
     contiguous = mha.KVCache(B, H_KV, D, capacity=longest + 1, dtype=np.float32)
-    blocks = int(sum(-(-(int(n) + 1) // BLOCK) for n in lengths))  # room for the next token
-    paged = [mha.PagedKVCache(blocks, BLOCK, H_KV, D, quantize=kind)
-             for kind in (None, *quantized)]  # fmt: skip
+    paged = []
+    for kind in (None, *quantized):
+        size = block_size(kind)
+        blocks = int(sum(-(-(int(n) + 1) // size) for n in lengths))  # room for the next token
+        spare = sum(int((n + 1) % size == 0) for n in lengths) if size == KIVI_BLOCK else 0
+        paged.append(mha.PagedKVCache(blocks + spare, size, H_KV, D, quantize=kind))
     for b, n in enumerate(lengths):
         k, v = (rng.standard_normal((H_KV, int(n), D), dtype=np.float32) for _ in range(2))
         for cache in paged:
@@ -135,7 +146,8 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             ("KVCache", "`KVCache`, padded to the longest"),
             ("PagedKVCache", f"`PagedKVCache`, blocks of {BLOCK}"),
         ]
-        rows += [(f"PagedKVCache {name}", f"`PagedKVCache(quantize=\"{name}\")`, groups of 32")
+        rows += [(f"PagedKVCache {name}", f"`PagedKVCache(quantize=\"{name}\")`, groups of 32"
+                  + ("" if block_size(name) == BLOCK else f", blocks of {block_size(name)}"))
                  for name in QUANTIZED if f"PagedKVCache {name}" in spread["bytes"]]  # fmt: skip
         for name, label in rows:
             memory = spread["bytes"][name]

@@ -23,7 +23,7 @@ RMSNorm computes in float32 whatever the compute dtype, as transformers does. A 
 cannot compute exactly is refused, naming the setting, never approximated.
 
     python examples/generate.py MODEL_DIR 1 2 3 --new-tokens 20 [--dtype float64]
-                                [--cache paged|int8|int4]
+                                [--cache paged|int8|int4|kivi8|kivi4]
 
 needs NumPy and mha, nothing else: bfloat16 tensors are read as the float32 they are
 exactly, then converted to the compute dtype (``--dtype``, float32 by default).
@@ -46,8 +46,9 @@ from mha.integrations.checkpoint import Checkpoint
 Function = Callable[[np.ndarray], np.ndarray]
 
 
-CACHES = ("contiguous", "paged", "int8", "int4")
+CACHES = ("contiguous", "paged", "int8", "int4", "kivi8", "kivi4")
 BLOCK = 16  # positions per block of a paged cache
+KIVI_BLOCK = 32  # a KIVI cache's: its keys' groups of 32 tokens lie within blocks
 
 
 class UnsupportedModelError(ValueError):
@@ -300,8 +301,10 @@ class Decoder:
     the checkpoint's weights converted once. The tensors are read layer by layer, each
     layer's own alone; a tensor the family's layer does not compute is refused by name.
     ``cache`` is the kind of KV cache each layer keeps: ``"contiguous"`` (``mha.KVCache``),
-    ``"paged"`` (``mha.PagedKVCache``, blocks of 16), or ``"int8"`` and ``"int4"`` (a
-    paged cache quantized, groups of 32; float32 only).
+    ``"paged"`` (``mha.PagedKVCache``, blocks of 16), ``"int8"`` and ``"int4"`` (a
+    paged cache quantized per token, groups of 32; float32 only), or ``"kivi8"`` and
+    ``"kivi4"`` (KIVI: keys per channel over groups of 32 tokens, values per token, blocks
+    of 32; float32 only).
     """
 
     def __init__(
@@ -312,7 +315,7 @@ class Decoder:
             raise ValueError(f"dtype must be float32 or float64; got {self.dtype}")
         if cache not in CACHES:
             raise ValueError(f"cache must be one of {', '.join(CACHES)}; got {cache!r}")
-        if cache in ("int8", "int4") and self.dtype != np.float32:
+        if cache not in ("contiguous", "paged") and self.dtype != np.float32:
             raise ValueError(f"a {cache} cache is read back in float32: use dtype=float32")
         self.cache = cache
         checkpoint = _open(directory)
@@ -394,8 +397,9 @@ class Decoder:
                 raise UnsupportedModelError(
                     f"a {self.cache} cache serves layers of full attention in this example"
                 )
+            size = KIVI_BLOCK if self.cache.startswith("kivi") else BLOCK
             cache = mha.PagedKVCache(
-                batch_size * -(-capacity // BLOCK), BLOCK, attention.num_kv_heads,
+                batch_size * -(-capacity // size), size, attention.num_kv_heads,
                 attention.head_dim, dtype=self.dtype,
                 quantize=None if self.cache == "paged" else self.cache,
             )  # fmt: skip
@@ -493,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         help="the compute dtype (default float32)",
     )
     parser.add_argument("--cache", choices=CACHES, default="contiguous",
-                        help="the KV cache: contiguous (default), paged, int8 or int4")  # fmt: skip
+                        help="the KV cache: contiguous (default), paged, int8, int4, kivi8 "
+                             "or kivi4")  # fmt: skip
     args = parser.parse_args(argv)
     if args.new_tokens < 0:
         parser.error(f"--new-tokens must be 0 or more; got {args.new_tokens}")

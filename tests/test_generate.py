@@ -240,7 +240,8 @@ def test_each_cache_kind_generates_on_the_readme_model(torch, transformers, tmp_
     the same bits as the contiguous one: the same tokens. The quantized caches' first
     logits are recorded against float32's (this random model, drawn at a large scale, is
     sensitive: its best two logits lie 2% apart, so even int8's error changes the first
-    token; docs/serving.md gives the counts)."""
+    token; its keys have no large channels, so KIVI's do no better on them than int8's and
+    int4's; docs/serving.md gives the counts)."""
     from generate import Decoder
 
     folder = readme_model(transformers, torch, tmp_path)
@@ -250,11 +251,11 @@ def test_each_cache_kind_generates_on_the_readme_model(torch, transformers, tmp_
     assert paged == tokens
     for a, b in zip(paged_steps, steps, strict=True):
         np.testing.assert_array_equal(a, b)
-    for kind in ("int8", "int4"):
+    for kind in ("int8", "int4", "kivi8", "kivi4"):
         decoder = Decoder(folder, cache=kind)
         first = decoder.forward(np.array([prompt]), decoder.new_caches(1, 80))[0, -1]
         error = record_error(f"README model, {kind} cache's first logits vs float32",
                              relative_error(first, steps[0]))  # fmt: skip
-        assert error <= {"int8": 0.2, "int4": 1.0}[kind]
+        assert error <= {"int8": 0.2, "int4": 1.0, "kivi8": 0.2, "kivi4": 1.5}[kind]
     with pytest.raises(ValueError, match="cache must be one of"):
         Decoder(folder, cache="int2")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.interleavings import History, interleave
 
 import mha
 from mha._kernel import compiled, walk
@@ -194,48 +195,20 @@ def test_random_interleavings_match_whole_sequence_calls(record_error, data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
     H, H_kv, d = 4, 2, 8
     cache = mha.PagedKVCache(256, size, H_kv, d, dtype=np.float64)
-    history: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    next_id = 0
-    for _ in range(data.draw(st.integers(1, 12), label="operations")):
-        kinds = ["add"] + (["append", "append", "fork", "release", "truncate"] if history else [])
-        kind = data.draw(st.sampled_from(kinds), label="operation")
-        if kind == "add":
-            cache.add(next_id)
-            history[next_id] = (np.zeros((H_kv, 0, d)), np.zeros((H_kv, 0, d)))
-            next_id += 1
-        elif kind == "fork":
-            parent = data.draw(st.sampled_from(sorted(history)), label="parent")
-            cache.fork(parent, next_id)
-            history[next_id] = history[parent]
-            next_id += 1
-        elif kind == "release":
-            gone = data.draw(st.sampled_from(sorted(history)), label="released")
-            cache.release(gone)
-            del history[gone]
-        elif kind == "truncate":
-            seq = data.draw(st.sampled_from(sorted(history)), label="truncated")
-            n = data.draw(st.integers(0, history[seq][0].shape[1]), label="length")
-            cache.truncate(seq, n)
-            history[seq] = (history[seq][0][:, :n], history[seq][1][:, :n])
-        else:  # every sequence appends L tokens and attends: one call
-            L = data.draw(st.integers(1, 6), label="new tokens")
-            B = len(history)
-            q = rng.standard_normal((B, H, L, d))
-            k, v = rng.standard_normal((2, B, H_kv, L, d))
-            out = mha.scaled_dot_product_attention(q, k, v, cache=cache)
-            for b, seq in enumerate(cache.sequences):
-                keys, values = history[seq]
-                history[seq] = (np.concatenate([keys, k[b]], 1), np.concatenate([values, v[b]], 1))
-                expected = reference_step(history[seq], q[b])
-                error = float(np.abs(out[b] - expected).max()) / float(np.abs(expected).max())
-                assert record_error("paged cache vs whole-sequence calls", error) <= 1e-12
-        assert list(cache.sequences) == sorted(history)
-        assert [cache.length(s) for s in cache.sequences] == [history[s][0].shape[1] for s in cache.sequences]  # fmt: skip  # noqa: E501
-        held = {b for s in cache.sequences for b in cache.block_table([s])[0]}
-        assert cache.num_free_blocks == cache.num_blocks - len(held)  # no block lost
-    for seq in list(cache.sequences):
-        cache.release(seq)
-    assert cache.num_free_blocks == cache.num_blocks
+
+    def attend(history):  # every sequence appends L tokens and attends: one call
+        L = data.draw(st.integers(1, 6), label="new tokens")
+        B = len(history)
+        q = rng.standard_normal((B, H, L, d))
+        k, v = rng.standard_normal((2, B, H_kv, L, d))
+        out = mha.scaled_dot_product_attention(q, k, v, cache=cache)
+        for b, seq in enumerate(cache.sequences):
+            history[seq].append(k[b], v[b])
+            expected = reference_step((history[seq].keys, history[seq].values), q[b])
+            error = float(np.abs(out[b] - expected).max()) / float(np.abs(expected).max())
+            assert record_error("paged cache vs whole-sequence calls", error) <= 1e-12
+
+    interleave(data, cache, lambda: History(H_kv, d), attend)
 
 
 @pytest.mark.parametrize("path", ["compiled walk", "NumPy walk"])

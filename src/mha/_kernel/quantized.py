@@ -1,14 +1,18 @@
 """Keys and values stored in 8 or 4 bits, as a cache keeps them when memory limits the
 context, and read back tile by tile.
 
-Each token's vector of one head is cut into groups of ``group`` channels; a group keeps its
-smallest value ``zero`` and its step ``scale = (max - min) / (2**bits - 1)``, both in
-float16, and each channel the integer ``code = round((x - zero) / scale)`` in ``[0, 2**bits
-- 1]``: one byte for int8, half a byte for int4 (two channels a byte, the even channel in
-the low four bits). The value read back is ``code * scale + zero`` in float32, within half
-a step of ``x`` (plus the float16 rounding of ``scale`` and ``zero``: the bound
-:func:`error_bound` computes, which the tests check). The kernel dequantises each key tile
-as it reaches it (:class:`.paged.PagedKV`); nothing holds the whole cache in float32.
+Per token (int8, int4, and KIVI's values): each token's vector of one head is cut into
+groups of ``group`` channels. Per channel (KIVI's keys, ``per_channel``): each channel of
+one head is cut into groups of ``group`` consecutive tokens, so that a channel far larger
+than the rest (as trained models' keys have) gets a step of its own instead of setting every
+token's. Either way a group keeps its smallest value ``zero`` and its step ``scale = (max -
+min) / (2**bits - 1)``, both in float16, and each value the integer ``code = round((x -
+zero) / scale)`` in ``[0, 2**bits - 1]``: one byte for 8 bits, half a byte for 4 (two
+channels a byte, the even channel in the low four bits). The value read back is ``code *
+scale + zero`` in float32, within half a step of ``x`` (plus the float16 rounding of
+``scale`` and ``zero``: the bound :func:`error_bound` computes, which the tests check). The
+kernel dequantises each key tile as it reaches it (:class:`.paged.PagedKV`); nothing holds
+the whole cache in float32.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ __all__ = ["Quantization"]
 @dataclass(frozen=True)
 class Quantization:
     bits: int  # 8 or 4
-    group: int  # channels sharing a scale and a zero point
+    group: int  # channels sharing a scale and a zero point (tokens, when per_channel)
+    per_channel: bool = False  # groups of tokens per channel (KIVI's keys), not of channels
 
     @property
     def levels(self) -> int:
@@ -34,20 +39,32 @@ class Quantization:
         return d if self.bits == 8 else d // 2
 
     def bytes_per_vector(self, d: int) -> int:
-        """Bytes one token's vector of ``d`` channels takes: codes, scales and zero points."""
+        """Bytes one token's vector of ``d`` channels takes: codes, scales and zero points
+        (per channel, a group's ``d`` scales and zero points shared by its ``group`` tokens:
+        the same ``4 * d / group`` bytes a token)."""
         return self.code_width(d) + 2 * 2 * (d // self.group)
 
+    def _grouped(self, x: np.ndarray) -> tuple[np.ndarray, int]:
+        """``x (..., n, d)`` with its groups along an axis of their own, and that axis:
+        ``(..., n, d / group, group)`` and -1, or per channel ``(..., n / group, group, d)``
+        and -2."""
+        if self.per_channel:
+            n, d = x.shape[-2:]
+            return x.reshape(*x.shape[:-2], n // self.group, self.group, d), -2
+        return x.reshape(*x.shape[:-1], x.shape[-1] // self.group, self.group), -1
+
     def quantize(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``x (..., d)`` as ``(codes (..., code_width) uint8, scale (..., d / group)
-        float16, zero (..., d / group) float16)``."""
-        groups = x.astype(np.float32).reshape(*x.shape[:-1], -1, self.group)
-        low, high = groups.min(axis=-1), groups.max(axis=-1)
+        """``x (..., n, d)`` as ``(codes (..., n, code_width) uint8, scale, zero)`` with
+        ``scale`` and ``zero`` float16 ``(..., n, d / group)``, or per channel ``(..., n /
+        group, d)``."""
+        groups, axis = self._grouped(x.astype(np.float32))
+        low, high = groups.min(axis=axis), groups.max(axis=axis)
         with np.errstate(over="ignore"):
             scale = ((high - low) / np.float32(self.levels)).astype(np.float16)
             zero = low.astype(np.float16)
-        step = scale.astype(np.float32)[..., None]
+        step = np.expand_dims(scale.astype(np.float32), axis)
         safe = np.where(step > 0, step, np.float32(1))
-        codes = np.rint((groups - zero.astype(np.float32)[..., None]) / safe)
+        codes = np.rint((groups - np.expand_dims(zero.astype(np.float32), axis)) / safe)
         codes = np.clip(codes, 0, self.levels).astype(np.uint8).reshape(x.shape)
         if self.bits == 4:
             codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
@@ -59,18 +76,20 @@ class Quantization:
             unpacked = np.empty((*codes.shape[:-1], 2 * codes.shape[-1]), np.uint8)
             unpacked[..., 0::2], unpacked[..., 1::2] = codes & 15, codes >> 4
             codes = unpacked
-        groups = codes.reshape(*codes.shape[:-1], -1, self.group).astype(np.float32)
-        groups *= scale.astype(np.float32)[..., None]
-        groups += zero.astype(np.float32)[..., None]
+        groups, axis = self._grouped(codes)
+        groups = groups.astype(np.float32)
+        groups *= np.expand_dims(scale.astype(np.float32), axis)
+        groups += np.expand_dims(zero.astype(np.float32), axis)
         return groups.reshape(codes.shape)
 
     def error_bound(self, x: np.ndarray) -> np.ndarray:
-        """The largest error ``dequantize(quantize(x))`` may make in each group of ``x``:
-        half a step, the rounding of the zero point and ``levels`` times the rounding of the
-        step (both to float16), and float32's rounding of the arithmetic (a few ulps of the
-        group's magnitude), from the group's own minimum and maximum."""
-        groups = x.astype(np.float64).reshape(*x.shape[:-1], -1, self.group)
-        low, high = groups.min(axis=-1), groups.max(axis=-1)
+        """The largest error ``dequantize(quantize(x))`` may make in each group of ``x``
+        (shaped as ``quantize``'s scales): half a step, the rounding of the zero point and
+        ``levels`` times the rounding of the step (both to float16), and float32's rounding
+        of the arithmetic (a few ulps of the group's magnitude), from the group's own
+        minimum and maximum."""
+        groups, axis = self._grouped(x.astype(np.float64))
+        low, high = groups.min(axis=axis), groups.max(axis=axis)
         exact = (high - low) / self.levels
         step = exact.astype(np.float32).astype(np.float16).astype(np.float64)
         zero = low.astype(np.float32).astype(np.float16).astype(np.float64)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .._arrays import as_float_array, compute_dtype_of, positive_int
-from .._kernel.paged import PagedKV
+from .._kernel.paged import PagedKV, Residual
 from .._kernel.quantized import Quantization
 from ..errors import AttentionTypeError, AttentionValueError, PoolExhaustedError, ShapeError
 from .cache import cache_dtype, read_only
@@ -38,6 +38,14 @@ class PagedKVCache:
     in 8 or 4 bits per channel, with a float16 scale and zero point per ``group_size``
     channels (32 or 64 for int4), read back in float32 tile by tile (:mod:`mha._kernel.quantized`
     states the formulas): 0.28 and 0.16 of float32's bytes at ``head_dim=128``, groups of 32.
+    ``quantize="kivi8"`` or ``"kivi4"`` (KIVI) stores the values so, and the keys per
+    channel: each channel of a head has its scale and zero point over ``group_size``
+    consecutive tokens (``block_size`` a multiple of it), which suits keys with a few large
+    channels. A key group that has not filled yet (a sequence's last ``0`` to ``group_size
+    - 1`` tokens) stays in float32 until it fills; a truncate into a quantized group keeps
+    its codes, and the next append reads them back and quantizes the group again when it
+    fills (those tokens then carry two roundings). The same bytes a token as int8 and int4,
+    plus that residual: ``group_size * num_kv_heads * head_dim * 4`` bytes a sequence.
 
     >>> import numpy as np, mha
     >>> cache = mha.PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=1, head_dim=2,
@@ -73,9 +81,10 @@ class PagedKVCache:
         d_k = positive_int("head_dim", head_dim)
         d_v = d_k if value_dim is None else positive_int("value_dim", value_dim)
         self._dtype: np.dtype = cache_dtype(dtype)
-        quantization = _quantization(quantize, group_size, d_k, d_v, self._dtype)
-        self._keys = _Pool(count, size, H_kv, d_k, self._dtype, quantization)
-        self._values = _Pool(count, size, H_kv, d_v, self._dtype, quantization)
+        keys, values = _quantization(quantize, group_size, size, d_k, d_v, self._dtype)
+        self._quantize = quantize
+        self._keys = _Pool(count, size, H_kv, d_k, self._dtype, keys)
+        self._values = _Pool(count, size, H_kv, d_v, self._dtype, values)
         self._k, self._v = self._keys.arrays[0], self._values.arrays[0]
         self._widths = (H_kv, d_k, d_v)
         self._refs = np.zeros(count, np.int64)  # sequences holding each block
@@ -164,7 +173,8 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """The bytes of the two pools (the whole pool, used or not).
+        """The bytes of the two pools (the whole pool, used or not), and of the float32
+        keys a KIVI cache holds now for the unfilled groups of its sequences.
 
         >>> PagedKVCache(4, 16, 2, 8).nbytes     # 4 blocks x 16 x 2 heads x 8 x 4 bytes x 2
         8192
@@ -174,22 +184,27 @@ class PagedKVCache:
     @property
     def bytes_per_token(self) -> int:
         """The bytes one position of a sequence takes: its keys and values of every head
-        (codes, scales and zero points in a quantized cache).
+        (codes, scales and zero points in a quantized cache; for KIVI's keys, each channel's
+        scale and zero point shared by ``group_size`` tokens, the same bytes a token). A
+        KIVI cache holds besides, for each sequence whose last group has not filled, that
+        group's keys in float32 (``group_size * num_kv_heads * head_dim * 4`` bytes, in
+        :attr:`nbytes`).
 
-        >>> kinds = (None, "int8", "int4")
-        >>> [PagedKVCache(4, 16, 8, 128, quantize=q).bytes_per_token for q in kinds]
-        [8192, 2304, 1280]
+        >>> kinds = (None, "int8", "int4", "kivi8", "kivi4")
+        >>> [PagedKVCache(4, 32, 8, 128, quantize=q).bytes_per_token for q in kinds]
+        [8192, 2304, 1280, 2304, 1280]
         """
         H_kv, d_k, d_v = self._widths
-        quantization = self._keys.quantization
-        if quantization is None:
+        keys, values = self._keys.quantization, self._values.quantization
+        if keys is None or values is None:
             return H_kv * (d_k + d_v) * self._dtype.itemsize
-        return H_kv * (quantization.bytes_per_vector(d_k) + quantization.bytes_per_vector(d_v))
+        return H_kv * (keys.bytes_per_vector(d_k) + values.bytes_per_vector(d_v))
 
     @property
     def key_cache(self) -> np.ndarray:
         """The key pool ``(num_blocks, block_size, H_kv, head_dim)`` (read-only; a quantized
-        cache's holds the codes, :meth:`dequantized` reads a sequence back).
+        cache's holds the codes, KIVI's unfilled groups lie apart in float32, and
+        :meth:`dequantized` reads a sequence back).
 
         >>> pool = PagedKVCache(4, 16, 2, 8).key_cache; pool.shape, pool.flags.writeable
         ((4, 16, 2, 8), False)
@@ -225,7 +240,8 @@ class PagedKVCache:
 
     def dequantized(self, seq_id: Hashable) -> tuple[np.ndarray, np.ndarray]:
         """Sequence ``seq_id``'s keys and values ``(H_kv, n, d)`` as the kernel reads them
-        (read back from their codes in a quantized cache): a copy, for checks.
+        (read back from their codes in a quantized cache; a KIVI cache's keys of the last,
+        unfilled group as they were given): a copy, for checks.
 
         >>> cache = PagedKVCache(4, 16, 1, 32, quantize="int8"); cache.add(0)
         >>> x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(1, 2, 32)
@@ -243,7 +259,7 @@ class PagedKVCache:
         values = "" if d_v == d_k else f", value_dim={d_v}"
         quantization = self._keys.quantization
         if quantization is not None:
-            values += f", quantize='int{quantization.bits}', group_size={quantization.group}"
+            values += f", quantize={self._quantize!r}, group_size={quantization.group}"
         return (
             f"PagedKVCache(num_blocks={count}, block_size={size}, num_kv_heads={H_kv}, "
             f"head_dim={d_k}{values}, dtype={self._dtype.name}, free blocks {len(self._free)}, "
@@ -295,7 +311,8 @@ class PagedKVCache:
 
     def truncate(self, seq_id: Hashable, length: int) -> None:
         """Shorten sequence ``seq_id`` to ``length`` tokens (rejected speculative tokens);
-        the blocks past it are let go.
+        the blocks past it are let go. (In a KIVI cache the rows kept are read as before:
+        a group cut short keeps its codes until an append reaches it.)
 
         >>> cache = PagedKVCache(4, 2, 1, 2); cache.add(0)
         >>> cache.append(0, np.ones((1, 5, 2)), np.ones((1, 5, 2)))
@@ -414,6 +431,7 @@ class PagedKVCache:
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 self._free.append(block)
+                self._keys.forget(block)
 
     def _check_fit(self, batch: int, heads: int, d_k: int, d_v: int, where: str) -> None:
         H_kv, width, value_width = self._widths
@@ -449,19 +467,24 @@ class PagedKVCache:
             # another holder may hold the rows written (after a truncate), and a call that
             # fails afterwards gives the blocks back as they were.
             shared = bool(n > 0 and held % size and self._refs[blocks[first]] > 1)
-            needed += max(0, last - len(blocks)) + shared
-            plans.append((n, held, first, last, shared))
+            # Nor is one whose rows before the length the append would change (KIVI's keys,
+            # a quantized group reopened after a truncate): it is copied too.
+            copy = shared or bool(
+                n > 0 and held % size and self._keys.rewrites(blocks[first], held % size)
+            )
+            needed += max(0, last - len(blocks)) + copy
+            plans.append((n, held, first, last, copy))
         if needed > len(self._free):
             raise PoolExhaustedError(
                 f"the pool has {len(self._free)} free blocks but this append needs {needed} "
                 f"(tokens per sequence {counts.tolist()}): {self!r}; release sequences or "
                 "make a larger pool"
             )
-        for b, (s, (n, held, first, last, shared)) in enumerate(zip(ids, plans, strict=True)):
+        for b, (s, (n, held, first, last, copy)) in enumerate(zip(ids, plans, strict=True)):
             if n == 0:
                 continue
             blocks = self._tables[s]
-            if shared:  # copy on write: this sequence's own copy of the block
+            if copy:  # copy on write: this sequence's own copy of the block
                 fresh = self._free.pop()
                 self._keys.copy_block(blocks[first], fresh)
                 self._values.copy_block(blocks[first], fresh)
@@ -489,14 +512,15 @@ class PagedKVCache:
             self._lengths[s] += int(n)
 
     def _snapshot(self) -> tuple[Any, ...]:
-        """What an append changes (tables, reference counts, the free list); the rows it
-        writes lie in blocks only their sequence held when the call began (past its length)
-        or in blocks taken from the free list."""
+        """What an append changes (tables, reference counts, the free list, KIVI's
+        residual); the rows it writes lie in blocks only their sequence held when the call
+        began (past its length) or in blocks taken from the free list."""
         return ({s: list(t) for s, t in self._tables.items()}, self._refs.copy(),
-                list(self._free))  # fmt: skip
+                list(self._free), self._keys.state())  # fmt: skip
 
     def _restore(self, state: tuple[Any, ...]) -> None:
         self._tables, self._refs, self._free = state[0], state[1], state[2]
+        self._keys.restore(state[3])
 
     def _attended(self, S: int) -> tuple[PagedKV, PagedKV]:
         """The keys and values of every sequence, ``(B, H_kv, S, d)`` as the kernel reads
@@ -507,73 +531,174 @@ class PagedKVCache:
         return self._keys.tiles(table, S), self._values.tiles(table, S)
 
 
+KINDS = ("int8", "int4", "kivi8", "kivi4")
+"""The quantized caches: per token in 8 or 4 bits, or KIVI's (keys per channel, values per
+token) in 8 or 4 bits."""
+
+
 def _quantization(
-    quantize: Any, group_size: Any, d_k: int, d_v: int, dtype: np.dtype
-) -> Quantization | None:
-    """The cache's ``quantize`` and ``group_size``, checked against its widths."""
+    quantize: Any, group_size: Any, block_size: int, d_k: int, d_v: int, dtype: np.dtype
+) -> tuple[Quantization | None, Quantization | None]:
+    """The keys' and the values' quantization for the cache's ``quantize`` and
+    ``group_size``, checked against its block size and widths."""
     if quantize is None:
-        return None
-    if quantize not in ("int8", "int4"):
-        raise AttentionValueError(f"quantize must be None, 'int8' or 'int4'; got {quantize!r}")
+        return None, None
+    if quantize not in KINDS:
+        raise AttentionValueError(
+            f"quantize must be None, 'int8', 'int4', 'kivi8' or 'kivi4'; got {quantize!r}"
+        )
+    bits = int(quantize[-1])
     group = positive_int("group_size", group_size)
-    if quantize == "int4" and group not in (32, 64):
-        raise AttentionValueError(f"quantize='int4' takes group_size 32 or 64; got {group}")
+    if bits == 4 and group not in (32, 64):
+        raise AttentionValueError(f"quantize={quantize!r} takes group_size 32 or 64; got {group}")
     if d_k % group or d_v % group:
         raise AttentionValueError(
             f"group_size={group} must divide head_dim={d_k} and value_dim={d_v}: each group "
             "of channels shares one scale and zero point"
         )
+    per_channel = quantize.startswith("kivi")
+    if per_channel and block_size % group:
+        raise AttentionValueError(
+            f"quantize={quantize!r} quantizes each key channel over groups of "
+            f"group_size={group} tokens, which lie within blocks: block_size={block_size} "
+            "must be a multiple of group_size"
+        )
     if dtype != np.float32:
         raise AttentionValueError(
             f"a quantized cache is read back in float32: give dtype=float32 (got {dtype})"
         )
-    return Quantization(bits=8 if quantize == "int8" else 4, group=group)
+    values = Quantization(bits=bits, group=group)
+    return Quantization(bits=bits, group=group, per_channel=per_channel), values
 
 
 class _Pool:
     """The keys' (or the values') blocks: float arrays, or a quantized cache's codes with
     their scales and zero points. Each is ``(blocks, block_size, H_kv, width)`` as vLLM lays
-    its pool out, stored head-major: a head's rows of a block lie together, which is how the
-    kernel reads them (one head at a time; heads interleaved row by row took 3.6 times as
-    long for a decoding step of 64 sequences)."""
+    its pool out (per channel, the scales ``(blocks, block_size / group, H_kv, d)``), stored
+    head-major: a head's rows of a block lie together, which is how the kernel reads them
+    (one head at a time; heads interleaved row by row took 3.6 times as long for a decoding
+    step of 64 sequences). Per channel (KIVI's keys), the rows of each block's unfilled
+    group lie in a :class:`.Residual` in float32 until it fills."""
 
     def __init__(self, count: int, size: int, H_kv: int, d: int, dtype: np.dtype,
                  quantization: Quantization | None) -> None:  # fmt: skip
         self.quantization = quantization
+        self.residual: Residual | None = None
         if quantization is None:
-            widths = [(d, dtype)]
+            widths = [(size, d, dtype)]
         else:
-            groups = d // quantization.group
-            widths = [(quantization.code_width(d), np.dtype(np.uint8)),
-                      (groups, np.dtype(np.float16)), (groups, np.dtype(np.float16))]  # fmt: skip
-        self.arrays = [np.zeros((count, H_kv, size, width), kind).transpose(0, 2, 1, 3)
-                       for width, kind in widths]  # fmt: skip
+            rows, width = size, d // quantization.group  # a scale per group of channels
+            if quantization.per_channel:  # a scale per channel and group of tokens
+                rows, width = size // quantization.group, d
+                self.residual = Residual(quantization.group, np.zeros(count, np.int64))
+            half = np.dtype(np.float16)
+            widths = [(size, quantization.code_width(d), np.dtype(np.uint8)),
+                      (rows, width, half), (rows, width, half)]  # fmt: skip
+        self.arrays = [np.zeros((count, H_kv, rows, width), kind).transpose(0, 2, 1, 3)
+                       for rows, width, kind in widths]  # fmt: skip
 
     @property
     def nbytes(self) -> int:
-        return sum(int(array.nbytes) for array in self.arrays)
+        held = 0 if self.residual is None else sum(r.nbytes for r in self.residual.rows.values())
+        return sum(int(array.nbytes) for array in self.arrays) + held
 
     def write(self, block: int, offset: int, rows: np.ndarray) -> None:
         """Rows ``(H_kv, n, d)`` at ``offset`` of ``block`` (quantized first, if so)."""
+        if self.residual is not None:
+            self._write_per_channel(block, offset, rows)
+            return
         parts = [rows] if self.quantization is None else self.quantization.quantize(rows)
         for array, part in zip(self.arrays, parts, strict=True):
             array[block, offset : offset + rows.shape[1]] = part.transpose(1, 0, 2)
 
+    def _write_per_channel(self, block: int, offset: int, rows: np.ndarray) -> None:
+        """KIVI's keys: rows into the block's residual, each group of tokens quantized per
+        channel when it fills. A write inside a quantized group (after a truncate) first
+        reads the group back into the residual: its rows before ``offset`` as the values
+        their codes stand for, quantized again with the new rows when it fills."""
+        residual, quantization = self.residual, self.quantization
+        assert residual is not None and quantization is not None
+        T, (H_kv, n, d) = residual.group, rows.shape
+        if offset < residual.sealed[block]:
+            self._reopen(block, offset)
+        at = 0
+        while at < n:
+            start = int(residual.sealed[block])  # the first row of the group filling
+            recent = residual.rows.get(block)
+            if recent is None:
+                recent = residual.rows[block] = np.zeros((H_kv, T, d), np.float32)
+            row = offset + at - start
+            take = min(T - row, n - at)
+            recent[:, row : row + take] = rows[:, at : at + take]
+            at += take
+            if row + take == T:  # the group is full: its codes replace the residual
+                codes, scale, zero = quantization.quantize(recent)
+                self.arrays[0][block, start : start + T] = codes.transpose(1, 0, 2)
+                self.arrays[1][block, start // T] = scale[:, 0]
+                self.arrays[2][block, start // T] = zero[:, 0]
+                residual.sealed[block] = start + T
+                del residual.rows[block]  # a new array for the next group: see _snapshot
+
+    def _reopen(self, block: int, offset: int) -> None:
+        """The quantized group of ``block`` holding row ``offset`` back in the residual, as
+        the values its codes stand for (the rows from ``offset`` on are overwritten)."""
+        residual, quantization = self.residual, self.quantization
+        assert residual is not None and quantization is not None
+        T = residual.group
+        start = offset // T * T
+        codes = self.arrays[0][block, start : start + T].transpose(1, 0, 2)
+        scale, zero = (array[block, start // T][:, None] for array in self.arrays[1:])
+        residual.rows[block] = quantization.dequantize(codes, scale, zero)
+        residual.sealed[block] = start
+
+    def rewrites(self, block: int, row: int) -> bool:
+        """Whether writing at ``row`` of ``block`` changes the rows before it: KIVI's keys,
+        inside a quantized group past its first row (after a truncate), whose rows are
+        quantized again when it fills. Such a write goes to a copy of the block."""
+        residual = self.residual
+        return residual is not None and row < residual.sealed[block] and row % residual.group > 0
+
     def copy_block(self, source: int, target: int) -> None:
         for array in self.arrays:
             array[target] = array[source]
+        if self.residual is not None:
+            residual = self.residual
+            residual.sealed[target] = residual.sealed[source]
+            recent = residual.rows.get(source)
+            if recent is None:
+                residual.rows.pop(target, None)
+            else:
+                residual.rows[target] = recent.copy()
+
+    def forget(self, block: int) -> None:
+        """``block`` is free: its residual, if any, is dropped."""
+        if self.residual is not None:
+            self.residual.sealed[block] = 0
+            self.residual.rows.pop(block, None)
+
+    def state(self) -> tuple[np.ndarray, dict[int, np.ndarray]] | None:
+        """What an append changes besides the rows past the lengths: which rows of each
+        block are codes and the residual's arrays (each written only past a length, and
+        replaced, not rewritten, when its group fills)."""
+        if self.residual is None:
+            return None
+        return self.residual.sealed.copy(), dict(self.residual.rows)
+
+    def restore(self, state: tuple[np.ndarray, dict[int, np.ndarray]] | None) -> None:
+        if self.residual is not None and state is not None:
+            self.residual.sealed[:] = state[0]
+            self.residual.rows.clear()
+            self.residual.rows.update(state[1])
 
     def tiles(self, table: np.ndarray, S: int) -> PagedKV:
         if self.quantization is None:
             return PagedKV(self.arrays[0], table, S)
         codes, scales, zeros = self.arrays
-        return PagedKV(codes, table, S, self.quantization, scales, zeros)
+        return PagedKV(codes, table, S, self.quantization, scales, zeros, self.residual)
 
     def read(self, blocks: list[int], n: int) -> np.ndarray:
-        """The first ``n`` positions of ``blocks`` ``(H_kv, n, d)``, in float32 when
-        quantized."""
-        parts = [np.concatenate([array[b] for b in blocks])[:n] if blocks else array[0, :0]
-                 for array in self.arrays]  # fmt: skip
-        if self.quantization is not None:
-            parts = [self.quantization.dequantize(*parts)]
-        return parts[0].transpose(1, 0, 2)
+        """The first ``n`` positions of ``blocks`` ``(H_kv, n, d)`` as the kernel reads them
+        (in float32 when quantized)."""
+        table = np.array([blocks or [0]], np.int64)
+        rows: np.ndarray = self.tiles(table, n)[0].tile(0, n)
+        return rows
