@@ -365,6 +365,29 @@ def test_a_failed_call_gives_back_the_residual_and_the_groups_as_they_were():
         assert np.abs(out[b] - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
+def test_a_failed_call_after_a_truncate_into_a_sealed_group_keeps_its_rows():
+    """One sequence, truncated into its block's sealed group: the next append copies the
+    block (the group is reopened) and takes another as it crosses the block's end. The
+    block given back must not be the one taken, for the call fails and keeps the first."""
+    rng = np.random.default_rng(28)
+    cache = mha.PagedKVCache(4, 4, 1, 2, quantize="kivi8", group_size=2)
+    cache.add("a")
+    x = rng.standard_normal((1, 4, 2)).astype(np.float32)
+    cache.append("a", x, x)
+    cache.truncate("a", 3)
+    before, table = cache.dequantized("a"), cache.block_table().tolist()
+
+    def fails(score, b, h, q_idx, kv_idx):
+        raise RuntimeError("a score_mod that fails")
+
+    q = rng.standard_normal((1, 1, 3, 2)).astype(np.float32)
+    with pytest.raises(RuntimeError, match="fails"):
+        mha.scaled_dot_product_attention(q, q, q, cache=cache, score_mod=fails)
+    for now, then in zip(cache.dequantized("a"), before, strict=True):
+        np.testing.assert_array_equal(now, then)
+    assert cache.block_table().tolist() == table and cache.num_free_blocks == 3
+
+
 KINDS = {"kivi8": (4, [4, 8, 16], 8, 6), "kivi4": (32, [32, 64], 32, 40)}
 """group_size, block sizes, head width, most new tokens in a call"""
 

@@ -584,6 +584,32 @@ def test_a_failed_call_leaves_every_sequence_as_it_was_after_a_truncate_of_a_sha
     assert cache.num_free_blocks == free and cache.lengths.tolist() == [10, 9]
 
 
+@pytest.mark.parametrize("quantize", [None, "int8", "kivi8"])
+def test_a_failed_call_does_not_write_into_a_block_it_gave_back(quantize):
+    """ "a" and "b" share a half-filled block, so each copies it before writing; the last
+    copy frees it, and "c" needs a fresh block in the same call. The freed block must not be
+    the one "c" writes into: the call then fails, and "a" and "b" get that block back."""
+    cache = mha.PagedKVCache(4, 4, 1, 8, quantize=quantize, group_size=4)
+    cache.add("a")
+    x = np.random.default_rng(15).standard_normal((1, 3, 8)).astype(np.float32)
+    cache.append("a", x, x)
+    cache.fork("a", "b")
+    cache.add("c")
+    before = [cache.dequantized(s) for s in "abc"]
+    table, free = cache.block_table().tolist(), cache.num_free_blocks
+
+    def fails(b, h, q_idx, kv_idx):
+        raise RuntimeError("a mask_mod that fails")
+
+    q = np.full((3, 1, 1, 8), 99, np.float32)
+    with pytest.raises(RuntimeError, match="fails"):
+        mha.scaled_dot_product_attention(q, q, q, cache=cache, mask_mod=fails)
+    for seq, (k, v) in zip("abc", before, strict=True):
+        np.testing.assert_array_equal(cache.dequantized(seq)[0], k)
+        np.testing.assert_array_equal(cache.dequantized(seq)[1], v)
+    assert cache.block_table().tolist() == table and cache.num_free_blocks == free
+
+
 def test_the_same_bits_as_a_contiguous_cache_on_long_float32_sequences():
     """A decoding step over 4,000 keys of width 128 in float32: the paged cache's tiles are
     the contiguous cache's, so the bits are the same."""

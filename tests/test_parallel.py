@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -155,3 +158,61 @@ def test_team_matmul_may_overwrite_its_input(workers):
         np.testing.assert_array_equal(strided, before)
         wide = team.matmul(x.copy(), rng.standard_normal((48, 20)), overwrite=True)
         assert wide.shape == (3, 700, 20)  # not square: a new array
+
+
+def test_a_withdrawn_share_settles_again_at_once():
+    job = parallel._Job(lambda: None)
+    assert job.settle() is None  # no helper started it: withdrawn
+    again = threading.Thread(target=job.settle, daemon=True)
+    again.start()
+    again.join(timeout=5)
+    assert not again.is_alive()
+    job.run()  # a helper reaching the withdrawn job later does not run it
+    assert job.error is None
+
+
+def test_a_helpers_error_reaches_the_caller_after_another_share_was_withdrawn(monkeypatch):
+    """The first share's helper is slow to start it (as if descheduled), so the caller
+    withdraws it; the second share's helper raises. The caller raises that error instead of
+    waiting again for the withdrawn share."""
+    parallel._HELPERS.submit(lambda: None, 2).settle()  # two helpers exist
+    made, slow = [], set()
+    real_init, real_run = parallel._Job.__init__, parallel._Job.run
+
+    def init(job, work):
+        real_init(job, work)
+        made.append(job)
+        if len(made) == 1:
+            slow.add(id(job))
+
+    def run(job):
+        if id(job) in slow:
+            time.sleep(0.3)
+        real_run(job)
+
+    monkeypatch.setattr(parallel._Job, "__init__", init)
+    monkeypatch.setattr(parallel._Job, "run", run)
+
+    def make_worker():
+        helper = threading.current_thread().name.startswith("mha-")
+
+        def work(task):
+            if helper:
+                raise ValueError("a helper's task failed")
+            time.sleep(0.05)
+
+        return work
+
+    outcome = []
+
+    def call():
+        try:
+            with parallel.Team(3) as team:
+                team.run(list(range(3)), make_worker)
+        except ValueError as error:
+            outcome.append(error)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(timeout=10)
+    assert not caller.is_alive() and len(outcome) == 1

@@ -161,3 +161,16 @@ def test_threads_sharing_a_plan_get_the_same_bits(monkeypatch):
     assert not errors and len(results) == 60
     for result in results:
         np.testing.assert_array_equal(result, expected)
+
+
+def test_a_signature_the_walk_does_not_take_is_kept_as_such(monkeypatch):
+    q, k, v = arrays((1, 2, 4, 8), (1, 2, 6, 8))
+    broadcast = np.broadcast_to(k[:, :, :1], k.shape)  # every key the same row: stride 0
+    first = mha.scaled_dot_product_attention(q, broadcast, v)
+    assert list(plans._PLANS.values()) == ([None] if compiled.walk_available() else [])
+    planned = []
+    monkeypatch.setattr(plans, "_plan", lambda *a: planned.append(a))
+    second = mha.scaled_dot_product_attention(q, broadcast, v)
+    assert not planned  # not planned again
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_array_equal(second, unplanned(monkeypatch, q, broadcast, v))

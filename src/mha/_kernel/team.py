@@ -199,8 +199,10 @@ class Team:
                         raise
 
         threads = min(self.workers, len(tasks))
-        jobs = [_HELPERS.submit(loop, self.workers - 1) for _ in range(threads - 1)]
+        jobs: list[_Job] = []
         try:
+            for _ in range(threads - 1):
+                jobs.append(_HELPERS.submit(loop, self.workers - 1))
             loop()  # the calling thread is one of the workers
             for job in jobs:  # every task is taken: jobs still queued (behind another
                 error = job.settle()  # call's work, say) are withdrawn, not waited for
@@ -293,9 +295,9 @@ class _Helpers:
         if self.threads < threads:
             with self._lock:
                 while self.threads < threads:
-                    self.threads += 1
-                    name = f"mha-{self.threads}"
+                    name = f"mha-{self.threads + 1}"
                     threading.Thread(target=self._serve, name=name, daemon=True).start()
+                    self.threads += 1
         job = _Job(work)
         self._jobs.put(job)
         return job
@@ -312,7 +314,7 @@ class _Job:
     __slots__ = ("done", "error", "start", "work")
 
     def __init__(self, work: Callable[[], None]) -> None:
-        self.work = work
+        self.work: Callable[[], None] | None = work
         self.start = threading.Lock()  # taken by whoever comes first: a helper or the caller
         self.done = threading.Lock()  # held until the work has run
         self.done.acquire()
@@ -321,8 +323,10 @@ class _Job:
     def run(self) -> None:
         if not self.start.acquire(blocking=False):
             return  # withdrawn
+        work, self.work = self.work, None
         try:
-            self.work()
+            if work is not None:
+                work()
         except BaseException as error:  # for the caller to raise
             self.error = error
         finally:
@@ -332,6 +336,8 @@ class _Job:
         """Withdraw the job if no helper has started it, else wait until it has run (again
         and again if need be); returns the error it raised, if any."""
         if self.start.acquire(blocking=False):
+            self.work = None  # (not kept, with the call's arrays, while the job waits queued)
+            self.done.release()  # nothing to wait for, now or when settled again
             return None
         with self.done:
             return self.error

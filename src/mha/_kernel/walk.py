@@ -24,6 +24,8 @@ from .team import Team
 __all__ = ["BACKWARD_ROWS", "WALK_ROWS", "ForwardPlan", "backward_walkable", "forward_walkable",
            "run_backward", "run_forward", "walk_views"]  # fmt: skip
 
+RUNS_PER_WORKER = 2
+
 WALK_ROWS = 128
 """Query rows (per query head) of a compiled walk's work item: its tile of scores, 128 x 512,
 stays in a core's L2 cache between the two GEMMs and the softmax step."""
@@ -280,7 +282,7 @@ class ForwardPlan:
         self.table = table
         # Two runs of tasks per worker, dealt in turn from the longest: even shares, and a
         # worker that finishes first takes the rest.
-        count = 1 if workers == 1 else min(len(table), 2 * workers)
+        count = 1 if workers == 1 else min(len(table), RUNS_PER_WORKER * workers)
         self.chunks = [slice(i, None, count) for i in range(count)]
 
     def run(

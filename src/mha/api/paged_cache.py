@@ -480,6 +480,9 @@ class PagedKVCache:
                 f"(tokens per sequence {counts.tolist()}): {self!r}; release sequences or "
                 "make a larger pool"
             )
+        replaced = []  # given back only once every block is taken: a block freed here and
+        # taken again by the next sequence would be written, and a call that then fails
+        # would give the table back a block whose rows are lost
         for b, (s, (n, held, first, last, copy)) in enumerate(zip(ids, plans, strict=True)):
             if n == 0:
                 continue
@@ -488,7 +491,7 @@ class PagedKVCache:
                 fresh = self._free.pop()
                 self._keys.copy_block(blocks[first], fresh)
                 self._values.copy_block(blocks[first], fresh)
-                self._let_go([blocks[first]])
+                replaced.append(blocks[first])
                 self._refs[fresh] = 1
                 blocks[first] = fresh
             while len(blocks) < last:
@@ -504,6 +507,7 @@ class PagedKVCache:
                 self._keys.write(target, offset, k[b, :, new])
                 self._values.write(target, offset, v[b, :, new])
                 at += rows
+        self._let_go(replaced)
         filled: np.ndarray = np.array([self._lengths[s] for s in ids], np.int64) + counts
         return filled
 

@@ -27,7 +27,7 @@ from .._arrays import resolve_scale
 from .._kernel import compiled, walk
 from .._kernel.contract import Visibility
 from .._kernel.forward import PRODUCT_CHUNK, WIDE_BELOW_ROWS, plan_tiles
-from .._kernel.team import Team, workers_for
+from .._kernel.team import Team, default_workers, workers_for
 from .checks import checked_heads, kernel_options
 from .checks import masking as masking_of
 
@@ -36,7 +36,7 @@ __all__ = ["planned_attention"]
 KEPT = 64
 """Plans kept at most; when full, the kept ones are forgotten and planning starts over."""
 
-_PLANS: dict[tuple[Any, ...], _Plan] = {}
+_PLANS: dict[tuple[Any, ...], _Plan | None] = {}
 
 _PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -80,16 +80,20 @@ def planned_attention(
         and compiled.walk_available()
     ):
         return None
+    size = workers if workers is not None else default_workers()  # (the cores may change)
     key = (q.shape, k.shape, v.shape, q.strides, k.strides, v.strides, q.dtype, causal, window,
-           scale, return_lse, max_memory, workers)  # fmt: skip
-    plan = _PLANS.get(key)
-    if plan is None:
+           scale, return_lse, max_memory, workers, size)  # fmt: skip
+    if key in _PLANS:
+        plan = _PLANS[key]
+    else:
+        if not (q.flags.aligned and k.flags.aligned and v.flags.aligned):
+            return None  # this call's arrays, not its signature: nothing to keep
         plan = _plan(q, k, v, causal, window, scale, max_memory, workers)
-        if plan is None:
-            return None
         if len(_PLANS) >= KEPT:
             _PLANS.clear()
-        _PLANS[key] = plan
+        _PLANS[key] = plan  # None: the walk does not take calls of this signature
+    if plan is None:
+        return None
     out = np.zeros(plan.out_shape, q.dtype)
     lse = np.full(plan.out_shape[:-1], -np.inf, q.dtype) if return_lse else None
     outputs = (out,) if lse is None else (out, lse[..., None])
@@ -116,7 +120,9 @@ def _plan(
     workers: int | None,
 ) -> _Plan | None:
     """The plan of a plain call, checked as the unplanned path checks it (and refused with
-    its errors); ``None`` when the compiled walk would not take it."""
+    its errors); ``None`` when the compiled walk would not take calls of its signature (a
+    size of 0, strides it cannot read: aligned arrays, so nothing that depends on where
+    they lie)."""
     q, k, v, _, dtype = checked_heads(q, k, v)
     factor = resolve_scale(scale, q.shape[-1], dtype)
     budget, threads = kernel_options(max_memory, workers)
