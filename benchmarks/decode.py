@@ -67,12 +67,27 @@ def bandwidth(threads: int, gib: float = 0.5, repeats: int = 5) -> float:
 CONSECUTIVE = 8
 
 
-def _consecutive(step: Any, count: int) -> Any:
-    def run() -> None:
-        for _ in range(count):
-            step()
-
-    return run
+def steady_steps(steps: dict[str, Any], repeats: int) -> dict[str, list[float]]:
+    """Seconds per step of each of ``steps``, in steady state: in each round, in turn
+    (the order rotating), each runs ``CONSECUTIVE`` steps untimed, then ``CONSECUTIVE``
+    timed ones, as a decoding loop runs them back to back. The rounds are 0.3 s apart, so
+    that torch's OpenMP threads, which spin after its steps, have stopped before the next
+    implementation's turn. (With no pause, the rotation put mha's two-worker run right after
+    torch's in three rounds of four, and its median came out 35% above the same call's with
+    ``window=4096``; with a pause and no untimed steps, every run began with cold threads
+    and caches, which cost torch's steps twice what they cost back to back.)"""
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(repeats):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            time.sleep(0.3)
+            for _ in range(CONSECUTIVE):
+                steps[name]()
+            start = time.perf_counter()
+            for _ in range(CONSECUTIVE):
+                steps[name]()
+            times[name].append((time.perf_counter() - start) / CONSECUTIVE)
+    return times
 
 
 def decode_step(torch: Any, lengths: list[int], repeats: int) -> list[dict[str, Any]]:
@@ -95,10 +110,7 @@ def decode_step(torch: Any, lengths: list[int], repeats: int) -> list[dict[str, 
             steps["torch"] = lambda tq=tq, tk=tk, tv=tv: (
                 torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
             )
-        # Decoding calls come back to back: time a run of consecutive steps, per step.
-        functions = {name: _consecutive(step, CONSECUTIVE) for name, step in steps.items()}
-        times = interleaved_medians(functions, repeats, pause=0.0)
-        times = {name: [t / CONSECUTIVE for t in ts] for name, ts in times.items()}
+        times = steady_steps(steps, repeats)
         rows.append({
             "S": S, "kv_bytes": k.nbytes + v.nbytes,
             "seconds": {name: float(np.median(t)) for name, t in times.items()},
@@ -187,8 +199,8 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             + "Memory bandwidth from `np.sum`: "
             + ", ".join(f"{v / 1e9:.1f} GB/s on {k}" for k, v in bw.items())
             + "; the floor uses the larger. One token, B=1, 32 query heads, 8 key/value "
-            "heads, head_dim 128, float32; medians of interleaved runs of 8 consecutive steps, "
-            "ms per token.",
+            "heads, head_dim 128, float32; medians of interleaved runs 0.3 s apart, each of 8 "
+            "consecutive steps timed after 8 untimed ones, ms per token.",
             "",
             "| cached keys S | mha | mha, 1 worker | torch SDPA (GQA) | floor | mha / torch "
             f"| mha / floor | 2 workers vs 1 | mha, window={WINDOW} |",
