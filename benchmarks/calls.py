@@ -23,7 +23,6 @@ repeated in a child process without them, and both are reported.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,15 +30,12 @@ import numpy as np
 import mha
 from mha._kernel.team import cores
 from mha.cli.measure import (
-    check_readme,
     environment,
-    finish_script,
     interleaved_medians,
     measured_on,
-    script_parser,
+    readme_script,
 )
 
-ROOT = Path(__file__).parent.parent
 BEGIN, END = "<!-- calls: begin -->", "<!-- calls: end -->"
 B, L, E, H = 1, 16, 64, 4
 CONSECUTIVE = 50
@@ -158,11 +154,7 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = script_parser(__doc__, ROOT / "benchmarks" / "results", readme=True).parse_args(argv)
-    if args.readme:
-        check_readme(args.readme, BEGIN, END)  # before measuring anything
-    results = measure(args.quick)
-    return finish_script(__file__, args, results, "calls", markdown, (BEGIN, END))
+    return readme_script(argv, __doc__, __file__, measure, "calls", markdown, (BEGIN, END))
 
 
 if __name__ == "__main__":

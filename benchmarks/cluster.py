@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,15 +34,12 @@ import numpy as np
 import mha
 import mha.dask
 from mha.cli.measure import (
-    check_readme,
     environment,
-    finish_script,
     measured_on,
     peak_traced_bytes,
-    script_parser,
+    readme_script,
 )
 
-ROOT = Path(__file__).parent.parent
 D, H = 512, 8
 RUNS = {
     "batch": {"shape": (16, 1024, D), "chunks": (2, 1024, D), "causal": False},
@@ -232,11 +228,7 @@ def _worst(run: dict[str, Any]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = script_parser(__doc__, ROOT / "benchmarks" / "results", readme=True).parse_args(argv)
-    if args.readme:
-        check_readme(args.readme, DASK_BEGIN, DASK_END)  # before measuring anything
-    results = measure(args.quick)
-    return finish_script(__file__, args, results, "dask", markdown, (DASK_BEGIN, DASK_END))
+    return readme_script(argv, __doc__, __file__, measure, "dask", markdown, (DASK_BEGIN, DASK_END))
 
 
 if __name__ == "__main__":

@@ -32,12 +32,10 @@ import numpy as np
 import mha
 from mha._kernel.team import cores
 from mha.cli.measure import (
-    check_readme,
     environment,
-    finish_script,
     interleaved_medians,
     measured_on,
-    script_parser,
+    readme_script,
 )
 
 ROOT = Path(__file__).parent.parent
@@ -119,17 +117,24 @@ def decode_step(torch: Any, lengths: list[int], repeats: int) -> list[dict[str, 
     return rows
 
 
-def generation(torch: Any, transformers: Any, prompt_length: int, new_tokens: int) -> dict:
-    sys.path.insert(0, str(ROOT / "examples"))
-    from generate import Decoder
-
+def readme_model(torch: Any, transformers: Any) -> Any:
+    """The README's random Llama-style model (``tests/test_generate.py`` takes it from
+    here): hidden 512, 4 layers, 8 heads, 2 key/value heads, vocabulary 8000, drawn at
+    ``initializer_range=0.3`` from seed 0."""
     config = transformers.LlamaConfig(
         hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=2, vocab_size=8000, max_position_embeddings=1024,
         initializer_range=0.3,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def generation(torch: Any, transformers: Any, prompt_length: int, new_tokens: int) -> dict:
+    sys.path.insert(0, str(ROOT / "examples"))
+    from generate import Decoder
+
+    model = readme_model(torch, transformers)
     prompt = np.random.default_rng(0).integers(0, 8000, prompt_length).tolist()
     with tempfile.TemporaryDirectory() as directory:
         model.save_pretrained(directory)
@@ -240,12 +245,8 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = script_parser(__doc__, ROOT / "benchmarks" / "results", readme=True).parse_args(argv)
-    if args.readme:
-        check_readme(args.readme, DECODE_BEGIN, DECODE_END)  # before measuring anything
-    results = measure(args.quick)
     markers = (DECODE_BEGIN, DECODE_END)
-    return finish_script(__file__, args, results, "decode", markdown, markers)
+    return readme_script(argv, __doc__, __file__, measure, "decode", markdown, markers)
 
 
 if __name__ == "__main__":

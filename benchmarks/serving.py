@@ -27,22 +27,18 @@ without them, and both are reported.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import mha
 from mha.cli.measure import (
-    check_readme,
     environment,
-    finish_script,
     interleaved_medians,
     measured_on,
-    script_parser,
+    readme_script,
 )
 
-ROOT = Path(__file__).parent.parent
 BEGIN, END = "<!-- serving: begin -->", "<!-- serving: end -->"
 B, H, H_KV, D, BLOCK = 64, 32, 8, 128, 16
 TOKEN_BYTES = 2 * H_KV * D * 4  # a token's key and value, float32
@@ -169,11 +165,7 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = script_parser(__doc__, ROOT / "benchmarks" / "results", readme=True).parse_args(argv)
-    if args.readme:
-        check_readme(args.readme, BEGIN, END)  # before measuring anything
-    results = measure(args.quick)
-    return finish_script(__file__, args, results, "serving", markdown, (BEGIN, END))
+    return readme_script(argv, __doc__, __file__, measure, "serving", markdown, (BEGIN, END))
 
 
 if __name__ == "__main__":

@@ -27,22 +27,18 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import mha
 from mha.cli.measure import (
-    check_readme,
     environment,
-    finish_script,
     interleaved_medians,
     measured_on,
-    script_parser,
+    readme_script,
 )
 
-ROOT = Path(__file__).parent.parent
 B, H, L, D = 1, 8, 4096, 64
 DOCUMENT, WINDOW, CHUNK, CAP = 512, 512, 512, 50.0
 VARIANTS_BEGIN, VARIANTS_END = "<!-- variants: begin -->", "<!-- variants: end -->"
@@ -208,12 +204,8 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = script_parser(__doc__, ROOT / "benchmarks" / "results", readme=True).parse_args(argv)
-    if args.readme:
-        check_readme(args.readme, VARIANTS_BEGIN, VARIANTS_END)  # before measuring anything
-    results = measure(args.quick)
     markers = (VARIANTS_BEGIN, VARIANTS_END)
-    return finish_script(__file__, args, results, "variants", markdown, markers)
+    return readme_script(argv, __doc__, __file__, measure, "variants", markdown, markers)
 
 
 if __name__ == "__main__":

@@ -225,13 +225,14 @@ def test_the_command_line_generates_in_float32_and_float64(torch, transformers, 
 
 def readme_model(transformers, torch, folder: Path) -> Path:
     """The README's random Llama-style model (benchmarks/decode.py's), saved in float32."""
-    config = transformers.LlamaConfig(
-        hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, vocab_size=8000, max_position_embeddings=1024,
-        initializer_range=0.3,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(folder)
+    import importlib.util
+
+    path = Path(__file__).parent.parent / "benchmarks" / "decode.py"
+    spec = importlib.util.spec_from_file_location("decode_benchmark", path)
+    assert spec is not None and spec.loader is not None
+    decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(decode)
+    decode.readme_model(torch, transformers).save_pretrained(folder)
     return folder
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "matmul_ceiling",
     "measured_on",
     "peak_traced_bytes",
+    "readme_script",
     "runs_with_free_blas",
     "save_results",
     "script_parser",
@@ -252,6 +253,26 @@ def finish_script(
     save_results(args.output, f"{name}-quick" if args.quick else name, runs, table, readme, markers)
     print(table)
     return 0
+
+
+def readme_script(
+    argv: list[str] | None,
+    doc: str,
+    script: str,
+    measure: Callable[[bool], Any],
+    name: str,
+    markdown: Callable[[list[Any]], str],
+    markers: tuple[str, str],
+) -> int:
+    """The whole ``main`` of a script under ``benchmarks/`` whose table has a README section
+    between ``markers``: its options (:func:`script_parser`, results under
+    ``benchmarks/results``), the README checked before anything is measured, ``measure
+    (quick)``, then :func:`finish_script`."""
+    output = Path(script).resolve().parent / "results"
+    args = script_parser(doc, output, readme=True).parse_args(argv)
+    if args.readme:
+        check_readme(args.readme, *markers)  # before measuring anything
+    return finish_script(script, args, measure(args.quick), name, markdown, markers)
 
 
 def save_results(
