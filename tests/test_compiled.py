@@ -110,6 +110,28 @@ def test_step_band_equals_the_same_pairs_hidden_by_minus_inf(kernels):
     assert np.all(results[0][0][:, 7] == 0.0) and np.all(results[0][1][:, 7] == 0.0)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_row_max_is_numpys_with_nan_passed_over(kernels, dtype):
+    """The vector loop's blocks, the scalar tail, offsets into a row and strided rows."""
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 7, 31, 32, 33, 64, 95, 512, 1000):
+        x = rng.standard_normal(n + 5).astype(dtype)
+        for view in (x[:n], x[3 : 3 + n], x[: 2 * (n // 2) : 2]):
+            expected = view.max() if view.size else -np.inf
+            assert kernels.row_max(view) == expected
+        if n >= 3:
+            y = x[:n].copy()
+            top = int(np.argmax(y))
+            y[[0, n // 2, n - 1]] = np.nan
+            y[top] = 50.0  # the largest, wherever the NaNs fall
+            assert kernels.row_max(y) == 50.0
+            y[:] = np.nan
+            assert kernels.row_max(y) == -np.inf  # only NaN: nothing seen
+    x = np.full(64, -np.inf, dtype)
+    x[40] = np.inf
+    assert kernels.row_max(x) == np.inf
+
+
 CALLS = [
     {"causal": True},
     {"causal": True, "causal_alignment": "top_left"},

@@ -141,6 +141,43 @@ def test_team_matmul_splits_columns_when_rows_are_few(workers):
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("batch", "L", "rows"),
+    [
+        ((4,), 6, 7),
+        ((7,), 3, 7),
+        ((2, 3), 10, 7),
+        ((), 23, 7),
+        ((3,), 40, 16),
+        ((5,), 1, 256),
+        ((2,), 0, 7),
+    ],
+)
+def test_team_matmul_heads_is_the_product_split_into_contiguous_heads(
+    workers, batch, L, rows, monkeypatch
+):
+    """Tasks of whole sequences (L <= rows), of parts of one (L > rows), and few rows."""
+    monkeypatch.setattr(parallel, "MATMUL_ROWS", rows)
+    monkeypatch.setattr(parallel, "MATMUL_MAX_ROWS", rows)
+    r = np.random.default_rng(5)
+    x, W, b = r.standard_normal((*batch, L, 9)), r.standard_normal((9, 22)), r.standard_normal(22)
+    parts = [(2, 3), (4, 2), (1, 8)]
+    x_before = x.copy()
+    with parallel.Team(workers) as team:
+        heads = team.matmul_heads(x, W, b, parts)
+        plain = team.matmul_heads(x, W[:, :6], None, parts[:1])[0]
+    product, at = x @ W + b, 0
+    for got, (H, d) in zip(heads, parts, strict=True):
+        expected = product[..., at : at + H * d].reshape(*batch, L, H, d)
+        np.testing.assert_allclose(got, np.moveaxis(expected, -2, -3), rtol=1e-13, atol=1e-13)
+        assert got.shape == (*batch, H, L, d) and got.flags.c_contiguous
+        at += H * d
+    no_bias = heads[0] - b[:6].reshape(2, 1, 3)  # (H, 1, d) against (..., H, L, d)
+    np.testing.assert_allclose(plain, no_bias, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(x, x_before)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
 def test_team_matmul_may_overwrite_its_input(workers):
     rng = np.random.default_rng(7)
     x = rng.standard_normal((3, 700, 48))

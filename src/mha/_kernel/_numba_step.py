@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 
@@ -102,28 +103,57 @@ def _exp(x):  # type: ignore[no-untyped-def]  # numba compares it with the lambd
     return None
 
 
-LANES = 8  # partial maxima kept apart so that the compiler vectorises the row's maximum
+VECTOR_BITS = 256  # one AVX2 register: 8 float32 or 4 float64
+RUNNING = 4  # vectors of running maxima, so that no comparison waits for the last
+BLOCK = 32  # elements per round of :func:`_block_max` in either dtype (a multiple of both)
 
 
-# Each row's band is taken as a slice first: loops from 0 over a slice vectorise, loops
-# between two bounds read from arrays do not (measured: 8 times slower).
+@intrinsic
+def _block_max(typingctx, x, whole):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """The largest of ``x[:whole]`` (``x`` contiguous, ``whole`` a multiple of
+    :data:`BLOCK`; ``-inf`` when 0), NaN passed over as in ``v if v > top else top``.
+
+    Written as LLVM vector code: numba's loops of running maxima stay scalar (the vectorisers
+    pass over ``select``-based maxima of floats; measured: 0.2 ns per float32 element, where a
+    vector takes 0.03)."""
+    dtype = x.dtype
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        real = context.get_value_type(dtype)
+        lanes = VECTOR_BITS // dtype.bitwidth
+        vector = ir.VectorType(real, lanes)
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        stop = context.cast(builder, args[1], signature.args[1], types.intp)
+        index = context.get_value_type(types.intp)
+        lowest = ir.Constant(vector, [ir.Constant(real, float("-inf"))] * lanes)
+        running = [cgutils.alloca_once_value(builder, lowest) for _ in range(RUNNING)]
+
+        def larger(a: Any, b: Any) -> Any:
+            return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+        step = ir.Constant(index, lanes * RUNNING)
+        with cgutils.for_range_slice(builder, ir.Constant(index, 0), stop, step) as (at, _):
+            for r, top in enumerate(running):
+                here = builder.gep(data, [builder.add(at, ir.Constant(index, r * lanes))])
+                value = builder.load(builder.bitcast(here, vector.as_pointer()), align=dtype.bitwidth // 8)  # fmt: skip  # noqa: E501
+                builder.store(larger(value, builder.load(top)), top)
+        tops = [builder.load(top) for top in running]
+        while len(tops) > 1:
+            tops = [larger(a, b) for a, b in zip(tops[::2], tops[1::2], strict=True)]
+        result = builder.extract_element(tops[0], ir.Constant(ir.IntType(32), 0))
+        for lane in range(1, lanes):
+            result = larger(builder.extract_element(tops[0], ir.Constant(ir.IntType(32), lane)), result)  # fmt: skip  # noqa: E501
+        return result
+
+    return dtype(x, whole), codegen
 
 
-@njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True)
+@njit(boundscheck=False, nogil=True)
 def row_max(x):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """The largest of ``x`` (``-inf`` when empty; NaN is passed over), in eight running
-    maxima the compiler keeps in one vector register."""
+    """The largest of ``x`` (``-inf`` when empty; NaN is passed over)."""
     n = x.shape[0]
-    whole = n - n % LANES
-    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = x.dtype.type(-np.inf)
-    for j in range(0, whole, LANES):
-        x0, x1, x2, x3 = x[j], x[j + 1], x[j + 2], x[j + 3]
-        x4, x5, x6, x7 = x[j + 4], x[j + 5], x[j + 6], x[j + 7]
-        m0, m1 = (x0 if x0 > m0 else m0), (x1 if x1 > m1 else m1)
-        m2, m3 = (x2 if x2 > m2 else m2), (x3 if x3 > m3 else m3)
-        m4, m5 = (x4 if x4 > m4 else m4), (x5 if x5 > m5 else m5)
-        m6, m7 = (x6 if x6 > m6 else m6), (x7 if x7 > m7 else m7)
-    top = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+    whole = n - n % BLOCK if x.strides[0] == x.itemsize else 0
+    top = _block_max(x, whole)
     for j in range(whole, n):
         top = x[j] if x[j] > top else top
     return top
@@ -144,12 +174,14 @@ def row_step(row, a, b, seen, ref_old, total_old, first, rate, at, biased):  # t
     top = row_max(visible)
     new = top if top > seen else seen
     new_ref = new if new != minus_inf else zero
-    # One sweep over the whole row, the pairs outside the band set to 0: the sum's rounding
-    # is then the same whether the band or a mask (-inf) hid them.
+    # The pairs outside the band become -inf, as a mask's, and one sweep over the whole row
+    # takes exp and the sum: its rounding is then the same whether the band or a mask hid
+    # them (and the sweep has no test per pair: 0.55 ns per float32 pair, 0.78 with one).
+    row[:a] = minus_inf
+    row[b:] = minus_inf
     row_sum = zero
     for j in range(row.shape[0]):
         e = exp(row[j] - new_ref)
-        e = e if a <= j < b else zero
         row[j] = e
         row_sum += e
     if first:

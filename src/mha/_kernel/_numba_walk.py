@@ -469,8 +469,8 @@ def forward(  # type: ignore[no-untyped-def]  # pragma: no cover
 def _weights(p, m, w, i0, n, r0, c0, offset, causal, window, banded, row_lse):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Rows ``[0, m)`` of ``p`` (stacked rows ``i0 + i``), holding ``s - 0``, become
     ``exp(s - lse)``, the forward's weights: 0 outside each row's band and for a row that
-    sees no key (``lse = -inf``). Whole rows with a select, which the compiler vectorises."""
-    zero = p.dtype.type(0)
+    sees no key (``lse = -inf``). Each pair on its own: the band's slice is swept (a loop
+    from 0 over a slice vectorises), the rest set to 0."""
     for i in range(m):
         lo, hi = 0, w
         if banded:
@@ -478,26 +478,31 @@ def _weights(p, m, w, i0, n, r0, c0, offset, causal, window, banded, row_lse):  
         shift = row_lse[i0 + i]
         if shift == -np.inf:
             lo = hi = 0
+        hi = max(lo, hi)
         row = p[i, :w]
-        for c in range(w):
-            e = exp(row[c] - shift)
-            row[c] = e if lo <= c < hi else zero
+        row[:lo] = 0.0
+        row[hi:] = 0.0
+        visible = row[lo:hi]
+        for c in range(visible.shape[0]):
+            visible[c] = exp(visible[c] - shift)
 
 
 @njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True)
 def _score_gradients(ds, p, m, w, i0, n, r0, c0, offset, causal, window, banded, D):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Rows ``[0, m)`` of ``ds``, holding ``dp``, become ``p * (dp - D)``: 0 outside each
     row's band (where ``dp`` may be NaN from a hidden value)."""
-    zero = ds.dtype.type(0)
     for i in range(m):
         lo, hi = 0, w
         if banded:
             lo, hi = _band(i0 + i, n, r0, c0, w, offset, causal, window)
+        hi = max(lo, hi)
         centre = D[i0 + i]
-        row, weights = ds[i, :w], p[i, :w]
-        for c in range(w):
-            x = weights[c] * (row[c] - centre)
-            row[c] = x if lo <= c < hi else zero
+        row = ds[i, :w]
+        row[:lo] = 0.0
+        row[hi:] = 0.0
+        visible, weights = row[lo:hi], p[i, lo:hi]
+        for c in range(visible.shape[0]):
+            visible[c] = weights[c] * (visible[c] - centre)
 
 
 def backward(  # type: ignore[no-untyped-def]  # pragma: no cover

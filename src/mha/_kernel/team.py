@@ -255,6 +255,65 @@ class Team:
         self.run(spans, make_worker)
         return out.reshape((*x.shape[:-1], m))
 
+    def matmul_heads(
+        self,
+        x: np.ndarray,
+        W: np.ndarray,
+        b: np.ndarray | None,
+        parts: Sequence[tuple[int, int]],
+    ) -> list[np.ndarray]:
+        """``x @ W (+ b)`` for ``x (..., L, n)``, its columns cut into ``parts`` of ``H``
+        heads of ``d`` features each (``(H, d)`` in order), each part returned head-major
+        and contiguous, ``(..., H, L, d)``.
+
+        Each task multiplies a block of rows into a buffer of its own and copies it into
+        the parts while it is in cache: whole sequences, or a part of one when a sequence
+        is long. The attention walk reads contiguous heads faster than views of the
+        product (measured on a layer of 32 sequences of 128 tokens, 256 features: 40 ms
+        with views, 30 with contiguous heads, the copy included), and no product of every
+        column is ever held beside them."""
+        *batch, L, _ = x.shape
+        sequences = math.prod(batch)
+        dtype = np.result_type(x, W)
+        outs = [np.empty((sequences, H, L, d), dtype) for H, d in parts]
+        cuts = np.cumsum([0] + [H * d for H, d in parts])
+        n = sequences * L
+        rows = x.reshape(n, x.shape[-1])
+
+        def scatter(block: np.ndarray, s0: int, s1: int, l0: int, l1: int) -> None:
+            """``block`` holds rows ``l0:l1`` of sequences ``s0:s1``."""
+            for out, (H, d), c in zip(outs, parts, cuts, strict=False):
+                heads = block[:, c : c + H * d].reshape(s1 - s0, l1 - l0, H, d)
+                out[s0:s1, :, l0:l1] = heads.transpose(0, 2, 1, 3)
+
+        if n < self.workers * MATMUL_ROWS or self.workers == 1 or not L:
+            scatter(self.matmul(rows, W, b), 0, sequences, 0, L)
+        else:
+            step = self._rows_per_task(n)
+            per = max(1, step // L)  # whole sequences per task, or rows of one
+            if step >= L:
+                spans = [(s, min(s + per, sequences), 0, L) for s in range(0, sequences, per)]
+            else:
+                spans = [(s, s + 1, r, min(r + step, L)) for s in range(sequences)
+                         for r in range(0, L, step)]  # fmt: skip
+
+            def make_worker() -> Callable[[tuple[int, int, int, int]], None]:
+                buffer = np.empty((min(n, step), W.shape[1]), dtype)
+
+                def multiply(span: tuple[int, int, int, int]) -> None:
+                    s0, s1, l0, l1 = span
+                    these = rows[s0 * L + l0 : (s1 - 1) * L + l1]
+                    block = buffer[: len(these)]
+                    np.matmul(these, W, out=block)
+                    if b is not None:
+                        block += b
+                    scatter(block, s0, s1, l0, l1)
+
+                return multiply
+
+            self.run(spans, make_worker)
+        return [out.reshape(*batch, H, L, d) for out, (H, d) in zip(outs, parts, strict=True)]
+
     def _rows_per_task(self, n: int) -> int:
         return max(MATMUL_ROWS, min(MATMUL_MAX_ROWS, -(-n // self.workers)), 1)
 
