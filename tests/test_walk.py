@@ -304,3 +304,36 @@ def test_calls_from_many_threads_give_the_same_bits(walks, counted):
     assert counted["forward"] >= 7 and counted["left"] == 0
     for result in results:
         np.testing.assert_array_equal(result, alone)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_decoding_steps_register_blocks_sum_as_one_row_at_a_time(walks, dtype):
+    """``p @ v`` for few rows: four rows at a time in registers (LLVM vector code), the rest
+    one or two at a time; each partial sum gets the same operations in the same order, so
+    the bits are the same. Runs that start mid-tile and cross the 256-position flushes."""
+    from numba import njit
+
+    from mha._kernel import _numba_walk
+
+    @njit
+    def accumulate(values, n, s, at, w, acc, i0, rows, partial):
+        address = _numba_walk._address(values, 0)
+        _numba_walk._few_accumulate(address, values.shape[1], n, s, at, w, acc, i0, rows,
+                                    partial, 0)  # fmt: skip
+
+    rng = np.random.default_rng(1)
+    for n, at, w, d in [(1024, 0, 1024, 128), (300, 100, 700, 64), (37, 5, 42, 16), (9, 0, 9, 8)]:
+        values = rng.standard_normal((n, d)).astype(dtype)
+        s = rng.standard_normal((6, w)).astype(dtype)
+        acc = rng.standard_normal((8, d)).astype(dtype)
+        blocked = acc.copy()
+        accumulate(values, n, s, at, w, blocked, 2, 6, np.zeros((6, d), dtype))
+        alone = acc.copy()
+        for j in range(6):
+            accumulate(values, n, s[j : j + 1], at, w, alone, 2 + j, 1, np.zeros((1, d), dtype))
+        np.testing.assert_array_equal(blocked, alone)
+        expected = acc[2:].astype(np.float64)
+        if at + n == w or (at + n) % 256 == 0:
+            expected += s[:, at : at + n].astype(np.float64) @ values.astype(np.float64)
+            tolerance = 1e-4 if dtype == np.float32 else 1e-11
+            np.testing.assert_allclose(blocked[2:], expected, rtol=tolerance, atol=tolerance)

@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._numba_step import exp, row_step
+from ._numba_step import VECTOR_BITS, exp, row_step
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112  # CBLAS's enums
 
@@ -275,6 +276,85 @@ def _few_scores(address, ld, n, stacked, i0, rows, s, at, following):  # type: i
                 i += 1
 
 
+BLOCK_ROWS = 4
+"""Rows of :func:`_accumulate_block`'s register block: a grouped-query step's 4 query heads
+per key/value head, or 8 as two blocks."""
+
+
+@intrinsic
+def _accumulate_block(typingctx, address, ld, c0, c1, s, at, partial, i):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """``partial[i + r, d] += s[r, at + c] * value_c[d]`` for the :data:`BLOCK_ROWS` rows
+    ``r``, every ``d`` and ``c`` from ``c0`` to ``c1`` in order (value ``c`` at ``address``
+    plus ``c * ld`` elements; ``partial``'s width a multiple of two vectors; ``s`` and
+    ``partial`` with contiguous rows).
+
+    LLVM vector code: for each two vectors of features, the block's eight partial sums stay
+    in registers while the values go by, each a fused multiply-add, the order and rounding of
+    ``a += p * x`` compiled with contraction. numba's loop kept them in memory (a load and a
+    store per multiply-add: 0.36 ms for 4 rows of 8 heads of 1,024 values of 128, float32,
+    against 0.13 here)."""
+    dtype = partial.dtype
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        real = context.get_value_type(dtype)
+        lanes = VECTOR_BITS // dtype.bitwidth
+        vector = ir.VectorType(real, lanes)
+        index = ir.IntType(64)
+        align = dtype.bitwidth // 8
+
+        def arg(k: int) -> Any:
+            return context.cast(builder, args[k], signature.args[k], types.int64)
+
+        def const(value: int) -> Any:
+            return ir.Constant(index, value)
+
+        values = builder.inttoptr(arg(0), real.as_pointer())
+        ld, c0, c1, at, i = arg(1), arg(2), arg(3), arg(5), arg(7)
+        scores = context.make_array(signature.args[4])(context, builder, args[4])
+        sums = context.make_array(signature.args[6])(context, builder, args[6])
+        item = const(align)
+        s_ld = builder.sdiv(builder.extract_value(scores.strides, 0), item)
+        p_ld = builder.sdiv(builder.extract_value(sums.strides, 0), item)
+        width = builder.extract_value(sums.shape, 1)
+        kind = "f32" if dtype.bitwidth == 32 else "f64"
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vector, [vector] * 3), f"llvm.fma.v{lanes}{kind}"
+        )
+        zero32 = ir.Constant(ir.IntType(32), 0)
+        splat = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
+
+        def vector_at(base: Any, offset: Any) -> Any:
+            return builder.bitcast(builder.gep(base, [offset]), vector.as_pointer())
+
+        held = [[cgutils.alloca_once(builder, vector) for _ in range(2)] for _ in range(BLOCK_ROWS)]
+        step = const(2 * lanes)
+        with cgutils.for_range_slice(builder, const(0), width, step, index) as (d0, _):
+            rows = [builder.mul(builder.add(i, const(r)), p_ld) for r in range(BLOCK_ROWS)]
+            for r, pair in enumerate(held):
+                for h, slot in enumerate(pair):
+                    at_d = builder.add(builder.add(rows[r], d0), const(h * lanes))
+                    builder.store(builder.load(vector_at(sums.data, at_d), align=align), slot)
+            with cgutils.for_range_slice(builder, c0, c1, const(1), index) as (c, _):
+                row = builder.add(builder.mul(c, ld), d0)
+                halves = [vector_at(values, builder.add(row, const(h * lanes))) for h in range(2)]
+                xs = [builder.load(half, align=align) for half in halves]
+                for r, pair in enumerate(held):
+                    here = builder.add(builder.mul(const(r), s_ld), builder.add(at, c))
+                    p = builder.load(builder.gep(scores.data, [here]), align=align)
+                    p = builder.insert_element(ir.Constant(vector, ir.Undefined), p, zero32)
+                    p = builder.shuffle_vector(p, ir.Constant(vector, ir.Undefined), splat)
+                    for x, slot in zip(xs, pair, strict=True):
+                        builder.store(builder.call(fma, [p, x, builder.load(slot)]), slot)
+            for r, pair in enumerate(held):
+                for h, slot in enumerate(pair):
+                    at_d = builder.add(builder.add(rows[r], d0), const(h * lanes))
+                    builder.store(builder.load(slot), vector_at(sums.data, at_d), align=align)
+        return context.get_dummy_value()
+
+    signature = types.void(address, ld, c0, c1, s, at, partial, i)
+    return signature, codegen
+
+
 @njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True)
 def _few_accumulate(address, ld, n, s, at, w, acc, i0, rows, partial, following):  # type: ignore[no-untyped-def]  # pragma: no cover
     """``acc[i0 + i] += sum_c s[i, at + c] * value_c`` for ``rows`` rows and the ``n``
@@ -287,6 +367,23 @@ def _few_accumulate(address, ld, n, s, at, w, acc, i0, rows, partial, following)
     d_v, size = acc.shape[1], acc.itemsize
     values = carray(_typed(address, acc), (n, ld))
     i = 0
+    lanes = VECTOR_BITS // (8 * size)
+    blocked = d_v % (2 * lanes) == 0 and partial.strides[1] == size and s.strides[1] == size
+    while blocked and i + BLOCK_ROWS <= rows:  # four rows at a time, in registers
+        c = 0
+        while c < n:
+            end = min(n, w - at, (at + c) // FEW_KEYS * FEW_KEYS + FEW_KEYS - at)
+            if i == 0:
+                for k in range(c, end):
+                    _ahead(following, k, ld, size, d_v)
+            _accumulate_block(address, ld, c, end, s[i:], at, partial, i)
+            if (at + end) % FEW_KEYS == 0 or at + end == w:
+                for j in range(i, i + BLOCK_ROWS):
+                    for d in range(d_v):
+                        acc[i0 + j, d] += partial[j, d]
+                        partial[j, d] = 0.0
+            c = end
+        i += BLOCK_ROWS
     while i < rows:
         pair = i + 2 <= rows
         a0, a1 = partial[i], partial[i + 1 if pair else i]
