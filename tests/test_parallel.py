@@ -151,6 +151,7 @@ def test_team_matmul_splits_columns_when_rows_are_few(workers):
         ((3,), 40, 16),
         ((5,), 1, 256),
         ((2,), 0, 7),
+        ((0,), 5, 7),
     ],
 )
 def test_team_matmul_heads_is_the_product_split_into_contiguous_heads(
@@ -175,6 +176,22 @@ def test_team_matmul_heads_is_the_product_split_into_contiguous_heads(
     no_bias = heads[0] - b[:6].reshape(2, 1, 3)  # (H, 1, d) against (..., H, L, d)
     np.testing.assert_allclose(plain, no_bias, rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(x, x_before)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_team_matmul_heads_holds_blocks_of_the_product_not_all_of_it(workers):
+    import tracemalloc
+
+    x = np.ones((1, 16384, 16))
+    W = np.ones((16, 96))
+    with parallel.Team(workers) as team:
+        tracemalloc.start()
+        heads = team.matmul_heads(x, W, None, [(2, 16)] * 3)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    outputs = sum(h.nbytes for h in heads)  # as large as the product
+    assert peak - outputs < outputs / 2, (peak, outputs)
+    np.testing.assert_array_equal(heads[2], 16.0)
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])

@@ -307,10 +307,13 @@ def test_calls_from_many_threads_give_the_same_bits(walks, counted):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_a_decoding_steps_register_blocks_sum_as_one_row_at_a_time(walks, dtype):
+@pytest.mark.parametrize("rows", [4, 6, 8])
+def test_a_decoding_steps_register_blocks_sum_as_one_row_at_a_time(walks, dtype, rows):
     """``p @ v`` for few rows: four rows at a time in registers (LLVM vector code), the rest
     one or two at a time; each partial sum gets the same operations in the same order, so
-    the bits are the same. Runs that start mid-tile and cross the 256-position flushes."""
+    the bits are the same, in ``acc`` and in the sums not yet added to it. Runs that start
+    mid-tile, cross the 256-position flushes, and a tile's values split into two runs (a
+    paged cache's blocks apart) as if they were one."""
     from numba import njit
 
     from mha._kernel import _numba_walk
@@ -321,19 +324,25 @@ def test_a_decoding_steps_register_blocks_sum_as_one_row_at_a_time(walks, dtype)
         _numba_walk._few_accumulate(address, values.shape[1], n, s, at, w, acc, i0, rows,
                                     partial, 0)  # fmt: skip
 
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(rows)
     for n, at, w, d in [(1024, 0, 1024, 128), (300, 100, 700, 64), (37, 5, 42, 16), (9, 0, 9, 8)]:
         values = rng.standard_normal((n, d)).astype(dtype)
-        s = rng.standard_normal((6, w)).astype(dtype)
-        acc = rng.standard_normal((8, d)).astype(dtype)
-        blocked = acc.copy()
-        accumulate(values, n, s, at, w, blocked, 2, 6, np.zeros((6, d), dtype))
-        alone = acc.copy()
-        for j in range(6):
-            accumulate(values, n, s[j : j + 1], at, w, alone, 2 + j, 1, np.zeros((1, d), dtype))
+        s = rng.standard_normal((rows, w)).astype(dtype)
+        acc = rng.standard_normal((rows + 2, d)).astype(dtype)
+        blocked, blocked_partial = acc.copy(), np.zeros((rows, d), dtype)
+        accumulate(values, n, s, at, w, blocked, 2, rows, blocked_partial)
+        alone, alone_partial = acc.copy(), np.zeros((rows, d), dtype)
+        for j in range(rows):
+            accumulate(values, n, s[j : j + 1], at, w, alone, 2 + j, 1, alone_partial[j : j + 1])
         np.testing.assert_array_equal(blocked, alone)
-        expected = acc[2:].astype(np.float64)
-        if at + n == w or (at + n) % 256 == 0:
-            expected += s[:, at : at + n].astype(np.float64) @ values.astype(np.float64)
-            tolerance = 1e-4 if dtype == np.float32 else 1e-11
-            np.testing.assert_allclose(blocked[2:], expected, rtol=tolerance, atol=tolerance)
+        np.testing.assert_array_equal(blocked_partial, alone_partial)
+        split, split_partial, k = acc.copy(), np.zeros((rows, d), dtype), n // 3
+        for lo, hi in ((0, k), (k, n)):
+            accumulate(np.ascontiguousarray(values[lo:hi]), hi - lo, s, at + lo, w, split, 2,
+                       rows, split_partial)  # fmt: skip
+        np.testing.assert_array_equal(split, blocked)
+        np.testing.assert_array_equal(split_partial, blocked_partial)
+        total = blocked[2:].astype(np.float64) + blocked_partial - acc[2:]
+        expected = s[:, at : at + n].astype(np.float64) @ values.astype(np.float64)
+        tolerance = 1e-4 if dtype == np.float32 else 1e-11
+        np.testing.assert_allclose(total, expected, rtol=tolerance, atol=tolerance)

@@ -270,8 +270,9 @@ class Team:
         the parts while it is in cache: whole sequences, or a part of one when a sequence
         is long. The attention walk reads contiguous heads faster than views of the
         product (measured on a layer of 32 sequences of 128 tokens, 256 features: 40 ms
-        with views, 30 with contiguous heads, the copy included), and no product of every
-        column is ever held beside them."""
+        with views, 30 with contiguous heads, the copy included), and beside them each
+        worker holds one block of the product, not all of it (one worker too; below
+        ``workers * MATMUL_ROWS`` rows, the product is made whole and copied)."""
         *batch, L, _ = x.shape
         sequences = math.prod(batch)
         dtype = np.result_type(x, W)
@@ -286,7 +287,7 @@ class Team:
                 heads = block[:, c : c + H * d].reshape(s1 - s0, l1 - l0, H, d)
                 out[s0:s1, :, l0:l1] = heads.transpose(0, 2, 1, 3)
 
-        if n < self.workers * MATMUL_ROWS or self.workers == 1 or not L:
+        if n < self.workers * MATMUL_ROWS or not L:  # few rows: one product, then copied
             scatter(self.matmul(rows, W, b), 0, sequences, 0, L)
         else:
             step = self._rows_per_task(n)
