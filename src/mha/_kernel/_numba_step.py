@@ -105,7 +105,7 @@ def _exp(x):  # type: ignore[no-untyped-def]  # numba compares it with the lambd
 
 VECTOR_BITS = 256  # one AVX2 register: 8 float32 or 4 float64
 RUNNING = 4  # vectors of running maxima, so that no comparison waits for the last
-BLOCK = 32  # elements per round of :func:`_block_max` in either dtype (a multiple of both)
+BLOCK = RUNNING * VECTOR_BITS // 32  # float32's round of :func:`_block_max`, float64's twice
 
 
 @intrinsic

@@ -355,6 +355,15 @@ def _accumulate_block(typingctx, address, ld, c0, c1, s, at, partial, i):  # typ
     return signature, codegen
 
 
+@njit(boundscheck=False, nogil=True)
+def _flush(acc, partial, i0, j0, j1):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Rows ``[j0, j1)`` of ``partial`` added into ``acc``'s rows from ``i0 + j0``, and zeroed."""
+    for j in range(j0, j1):
+        for d in range(acc.shape[1]):
+            acc[i0 + j, d] += partial[j, d]
+            partial[j, d] = 0.0
+
+
 @njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True)
 def _few_accumulate(address, ld, n, s, at, w, acc, i0, rows, partial, following):  # type: ignore[no-untyped-def]  # pragma: no cover
     """``acc[i0 + i] += sum_c s[i, at + c] * value_c`` for ``rows`` rows and the ``n``
@@ -383,10 +392,7 @@ def _few_accumulate(address, ld, n, s, at, w, acc, i0, rows, partial, following)
                     _ahead(following, k, ld, size, d_v)
             _accumulate_block(address, ld, c, end, s[i:], at, partial, i)
             if (at + end) % FEW_KEYS == 0 or at + end == w:
-                for j in range(i, i + BLOCK_ROWS):
-                    for d in range(d_v):
-                        acc[i0 + j, d] += partial[j, d]
-                        partial[j, d] = 0.0
+                _flush(acc, partial, i0, i, i + BLOCK_ROWS)
             c = end
         i += BLOCK_ROWS
     while i < rows:
@@ -408,10 +414,7 @@ def _few_accumulate(address, ld, n, s, at, w, acc, i0, rows, partial, following)
                     a0[d] += p0 * value[d]
             position = at + c + 1
             if position % FEW_KEYS == 0 or position == w:
-                for j in range(i, i + 2 if pair else i + 1):
-                    for d in range(d_v):
-                        acc[i0 + j, d] += partial[j, d]
-                        partial[j, d] = 0.0
+                _flush(acc, partial, i0, i, i + 2 if pair else i + 1)
         i += 2 if pair else 1
 
 
@@ -580,7 +583,6 @@ def _weights(p, m, w, i0, n, r0, c0, offset, causal, window, banded, row_lse):  
         shift = row_lse[i0 + i]
         if shift == -np.inf:
             lo = hi = 0
-        hi = max(lo, hi)
         row = p[i, :w]
         row[:lo] = 0.0
         row[hi:] = 0.0
@@ -597,7 +599,6 @@ def _score_gradients(ds, p, m, w, i0, n, r0, c0, offset, causal, window, banded,
         lo, hi = 0, w
         if banded:
             lo, hi = _band(i0 + i, n, r0, c0, w, offset, causal, window)
-        hi = max(lo, hi)
         centre = D[i0 + i]
         row = ds[i, :w]
         row[:lo] = 0.0

@@ -337,7 +337,6 @@ def project_heads(
     if not late_scale:
         W_q, b_q = W_q * scale, None if b_q is None else b_q * scale
     heads = [(H, W_q.shape[1] // H), (H_kv, W_k.shape[1] // H_kv), (H_kv, W_v.shape[1] // H_kv)]
-    whole = norm is not None and norm.kind == "all"  # OLMo 2: a token's features, all heads'
     if call.self_attention and rows >= Q.shape[-1]:
         W_qkv = np.concatenate([W_q, W_k, W_v], axis=1)
         b_qkv = None
@@ -346,23 +345,16 @@ def project_heads(
                 np.zeros(W.shape[1], W.dtype) if b is None else b
                 for b, W in ((b_q, W_q), (b_k, W_k), (b_v, W_v))
             ])  # fmt: skip
-        if whole:
-            qkv = team.matmul(Q, W_qkv, b_qkv)
-            q, k, v = np.split(qkv, [W_q.shape[1], W_q.shape[1] + W_k.shape[1]], axis=-1)
-        else:
-            q, k, v = team.matmul_heads(Q, W_qkv, b_qkv, heads)
+        q, k, v = team.matmul_heads(Q, W_qkv, b_qkv, heads)
     else:
         K, V = call.K.astype(dtype, copy=False), call.V.astype(dtype, copy=False)
-        if whole:
-            q, k, v = team.matmul(Q, W_q, b_q), team.matmul(K, W_k, b_k), team.matmul(V, W_v, b_v)
-        else:
-            q, k, v = (team.matmul_heads(x, W, b, [part])[0]
-                       for x, W, b, part in zip((Q, K, V), (W_q, W_k, W_v), (b_q, b_k, b_v), heads,
-                                                strict=True))  # fmt: skip
-    if whole:
-        assert norm is not None
-        (q, *q_saved), (k, *k_saved) = norm.apply(q, norm.q_norm), norm.apply(k, norm.k_norm)
-        q, k, v = split_heads(q, H), split_heads(k, H_kv), split_heads(v, H_kv)
+        q, k, v = (team.matmul_heads(x, W, b, [part])[0]
+                   for x, W, b, part in zip((Q, K, V), (W_q, W_k, W_v), (b_q, b_k, b_v), heads,
+                                            strict=True))  # fmt: skip
+    if norm is not None and norm.kind == "all":  # OLMo 2: a token's features, every head's
+        (q, *q_saved), (k, *k_saved) = (norm.apply(join_heads(x), weight) for x, weight in
+                                        ((q, norm.q_norm), (k, norm.k_norm)))  # fmt: skip
+        q, k = split_heads(q, H), split_heads(k, H_kv)
     if norm is not None and norm.kind == "head":  # Qwen3, Gemma 3: each head's features
         (q, *q_saved), (k, *k_saved) = norm.apply(q, norm.q_norm), norm.apply(k, norm.k_norm)
     if late_scale:
