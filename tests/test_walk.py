@@ -346,3 +346,36 @@ def test_a_decoding_steps_register_blocks_sum_as_one_row_at_a_time(walks, dtype,
         expected = s[:, at : at + n].astype(np.float64) @ values.astype(np.float64)
         tolerance = 1e-4 if dtype == np.float32 else 1e-11
         np.testing.assert_allclose(total, expected, rtol=tolerance, atol=tolerance)
+
+
+def test_workers_take_tasks_from_one_counter(walks, monkeypatch):
+    """Each worker runs the walk once, taking tasks from the call's counter until none are
+    left: with the helpers busy elsewhere, the caller's one run takes every task, the share
+    left for a helper takes none, and the bits are one worker's."""
+    rng = np.random.default_rng(14)
+    q, k, v = (rng.standard_normal((3, 4, 600, 16)) for _ in range(3))
+    one = mha.scaled_dot_product_attention(q, k, v, causal=True, workers=1)
+    runs = []
+    real = compiled.forward_walk
+
+    def spy(dtype, table, counter, *args):
+        before = int(counter[0])
+        real(dtype, table, counter, *args)
+        runs.append((before, int(counter[0]), len(table)))
+
+    monkeypatch.setattr(compiled, "forward_walk", spy)
+    release = threading.Event()
+    for _ in range(max(1, team._HELPERS.threads)):  # every helper busy elsewhere
+        team._HELPERS.submit(release.wait, 1)
+    try:
+        busy = mha.scaled_dot_product_attention(q, k, v, causal=True, workers=2)
+    finally:
+        release.set()
+    (start, taken, tasks), (again, after, _) = runs
+    assert tasks > 2 and start == 0 and taken > tasks  # every task, then the counter's end
+    assert again == taken and after == again + 1  # the second share found nothing left
+    np.testing.assert_array_equal(busy, one)
+    runs.clear()
+    both = mha.scaled_dot_product_attention(q, k, v, causal=True, workers=2)
+    assert len(runs) == 2 and max(end for _, end, _ in runs) == tasks + 2  # one overshoot each
+    np.testing.assert_array_equal(both, one)

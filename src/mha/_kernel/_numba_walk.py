@@ -110,6 +110,20 @@ def _typed(typingctx, address, like):  # type: ignore[no-untyped-def]  # pragma:
 
 
 @intrinsic
+def _take(typingctx, counter):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """The next task's index from ``counter[0]`` (int64), raised by one atomically: the
+    workers of one call each run their walk once, taking tasks until none are left, with
+    no hand-off through Python (and its lock) between tasks."""
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        array = context.make_array(sig.args[0])(context, builder, args[0])
+        one = ir.Constant(ir.IntType(64), 1)
+        return builder.atomic_rmw("add", array.data, one, "monotonic")
+
+    return types.int64(counter), codegen
+
+
+@intrinsic
 def _prefetch(typingctx, address):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Ask for the cache line at ``address`` (int64) to be read into the caches ahead."""
 
@@ -442,11 +456,12 @@ def plan(B, H_kv, L, rows, key_end, query_end, offsets, causal, window):  # type
 
 
 def forward(  # type: ignore[no-untyped-def]  # pragma: no cover
-    gemm, tasks, q, kp, vp, table, block, out, lse, part_out, part_lse, scale, causal, window,
-    offsets, cols, flip_below, chunk, s, flipped, stacked, acc, m, ref, total, partial, k_tile,
-    v_tile, failed,
+    gemm, tasks, counter, q, kp, vp, table, block, out, lse, part_out, part_lse, scale, causal,
+    window, offsets, cols, flip_below, chunk, s, flipped, stacked, acc, m, ref, total, partial,
+    k_tile, v_tile, failed,
 ):  # fmt: skip
-    """Attention for each task ``(b, g, r0, r1, start, stop, part)`` of ``tasks``: rows
+    """Attention for each task ``(b, g, r0, r1, start, stop, part)`` of ``tasks`` that this
+    call takes from ``counter`` (:func:`_take`; the call's workers share it): rows
     ``[r0, r1)`` of key/value head ``g``'s query heads in sequence ``b``, over keys
     ``[start, stop)``, written to ``out`` and ``lse`` (``lse`` of size 0: not wanted), or to
     ``part_out[part]`` and ``part_lse[part]`` when ``part >= 0``. ``q (B, H, L, d_k)``;
@@ -463,7 +478,10 @@ def forward(  # type: ignore[no-untyped-def]  # pragma: no cover
     group = H // kp.shape[2]
     dtype = s.dtype.type
     factor = dtype(scale)
-    for t in range(tasks.shape[0]):
+    while True:
+        t = _take(counter)
+        if t >= tasks.shape[0]:
+            break
         b, g, r0, r1 = tasks[t, 0], tasks[t, 1], tasks[t, 2], tasks[t, 3]
         start, stop, part = tasks[t, 4], tasks[t, 5], tasks[t, 6]
         n = r1 - r0
@@ -609,10 +627,11 @@ def _score_gradients(ds, p, m, w, i0, n, r0, c0, offset, causal, window, banded,
 
 
 def backward(  # type: ignore[no-untyped-def]  # pragma: no cover
-    gemm, tasks, q, k, v, out, lse, grad_out, dq, dk, dv, scale, dq_scale, causal, window,
-    offsets, key_end, query_end, rows, cols, stacked, do, D, row_lse, dq_t, p, ds, failed,
+    gemm, tasks, counter, q, k, v, out, lse, grad_out, dq, dk, dv, scale, dq_scale, causal,
+    window, offsets, key_end, query_end, rows, cols, stacked, do, D, row_lse, dq_t, p, ds, failed,
 ):  # fmt: skip
-    """The gradients of each task ``(b, g)``: key/value head ``g`` of sequence ``b`` and its
+    """The gradients of each task ``(b, g)`` this call takes from ``counter`` (as
+    :func:`forward`'s): key/value head ``g`` of sequence ``b`` and its
     query heads, by tiles of ``rows`` queries (per query head) and ``cols`` keys. ``dk`` and
     ``dv`` arrive zeroed and are accumulated; ``dq`` is written (it may be ``grad_out``:
     each tile of rows is read before it is written). Shapes as :func:`forward`'s, ``lse
@@ -622,7 +641,10 @@ def backward(  # type: ignore[no-untyped-def]  # pragma: no cover
     group = H // k.shape[1]
     dtype = p.dtype.type
     factor, dq_factor = dtype(scale), dtype(dq_scale)
-    for t in range(tasks.shape[0]):
+    while True:
+        t = _take(counter)
+        if t >= tasks.shape[0]:
+            break
         b, g = tasks[t, 0], tasks[t, 1]
         offset, keys, queries = offsets[b], key_end[b], query_end[b]
         if causal or window >= 0:  # some rows do not see some keys

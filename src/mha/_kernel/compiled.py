@@ -115,19 +115,20 @@ def _compile_walk(name: str, dtype: np.dtype) -> Any:
     r = {n: types.Array(real, n, "A", readonly=True) for n in (3, 4)}  # inputs
     c = {n: types.Array(real, n, "C") for n in (1, 2)}  # scratch
     i64, flags = types.int64, types.Array(types.boolean, 1, "C")
+    counter = types.Array(types.int64, 1, "C")  # the next task, shared by the workers
     index, table = types.Array(types.int64, 1, "A"), types.Array(types.int64, 2, "A")
     blocks = types.Array(types.int64, 2, "A")  # each sequence's blocks of keys and values
     signatures = {
         "plan": table(i64, i64, i64, i64, index, index, index, types.boolean, i64),
         "forward": types.void(
-            i64, table, r[4], r[4], r[4], blocks, i64, a[4], a[3], a[4], a[3], types.float64,
-            types.boolean, i64, index, i64, i64, i64, c[2], c[1], c[2], c[2], c[1], c[1], c[1],
-            c[2], c[2], c[2], flags,
+            i64, table, counter, r[4], r[4], r[4], blocks, i64, a[4], a[3], a[4], a[3],
+            types.float64, types.boolean, i64, index, i64, i64, i64, c[2], c[1], c[2], c[2],
+            c[1], c[1], c[1], c[2], c[2], c[2], flags,
         ),
         "backward": types.void(
-            i64, table, r[4], r[4], r[4], r[4], r[3], r[4], a[4], a[4], a[4], types.float64,
-            types.float64, types.boolean, i64, index, index, index, i64, i64, c[2], c[2], c[1],
-            c[1], c[2], c[2], c[2], flags,
+            i64, table, counter, r[4], r[4], r[4], r[4], r[3], r[4], a[4], a[4], a[4],
+            types.float64, types.float64, types.boolean, i64, index, index, index, i64, i64,
+            c[2], c[2], c[1], c[1], c[2], c[2], c[2], flags,
         ),
     }  # fmt: skip
     options = {"fastmath": {"reassoc", "contract"}, "boundscheck": False, "nogil": True}

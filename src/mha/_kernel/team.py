@@ -40,8 +40,16 @@ MATMUL_MAX_ROWS = 2048
 """The most: tasks take an even share of the rows up to this (larger GEMMs run faster,
 measured 5-12% from 256 to 1024 rows; the cap bounds the buffer of ``overwrite``)."""
 
-SERIAL_BELOW = 2**22
-"""Multiply-adds under which a thread pool costs more than it saves."""
+SERIAL_BELOW = 2**25
+"""Multiply-adds under which a thread pool costs more than it saves. Measured on 2 cores of
+a shared AMD EPYC (Zen 5), steady runs of one worker against two: a helper took 13-120 us
+to start (milliseconds after a pause), and two workers reading keys at once each ran at
+about 2/3 of one's speed (a decoding step, 1,024 keys of 8 heads: 55 against 36 us per
+task). Two workers lost below 2**25 (decoding 1,024 keys, 2**23: 0.36 ms against 0.34;
+2,048: 1.00 against 0.92; the float32 core, 4 heads of 64 tokens, 2**21: 0.13 against
+0.10) and won from there (4,096 keys, 2**25: 1.61 against 3.07; 4 heads of 512 tokens,
+2**27: 1.71 against 3.20). Where idle cores wake faster the crossover is lower, and
+``workers=`` chooses."""
 
 
 def cores() -> int:

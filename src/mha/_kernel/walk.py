@@ -32,9 +32,6 @@ ran 5-7% faster in float32 (1.20 -> 1.14 and 1.12 -> 1.05 of torch's SDPA, inter
 on the README's machine; float64 3-8%), as torch's own kernel tiles them (256 query rows
 for long sequences)."""
 
-RUNS_PER_WORKER = 2
-"""Runs of work items per worker, dealt in turn from the longest (8 measured the same)."""
-
 
 def forward_walkable(
     q: np.ndarray,
@@ -213,7 +210,7 @@ def run_forward(
     flip_below: int,
     product_chunk: int,
 ) -> tuple[list[Task], Parts | None]:
-    """Run the call's work items as compiled code, a few dozen per call of it, on ``views``
+    """Run the call's work items as compiled code, one call of it per worker, on ``views``
     (:func:`forward_walkable`'s); returns the items it left to the NumPy walk and the split
     keys' partial results, if any. Tiles of fewer than ``flip_below`` rows take ``k @
     q^T``, and ``p @ v`` in runs of ``product_chunk`` keys (the Python walk's choices,
@@ -233,10 +230,10 @@ def run_forward(
 
 class ForwardPlan:
     """What the compiled forward walk does for a call, worked out from the shapes and the
-    visibility alone: its table of tasks, their shares among ``workers`` and the split of
-    few tasks' keys. It holds no array of the call's, so a call of the same shapes, dtype
-    and options runs the same plan again (:mod:`mha.api.plans` keeps them); :meth:`run`
-    takes the arrays."""
+    visibility alone: its table of tasks, longest first, and, when there are fewer than
+    ``workers``, the split of their keys. It holds no array of the call's, so a call of the
+    same shapes, dtype and options runs the same plan again (:mod:`mha.api.plans` keeps
+    them); :meth:`run` takes the arrays."""
 
     def __init__(
         self,
@@ -285,10 +282,6 @@ class ForwardPlan:
             table = table[np.argsort((table[:, 2] - table[:, 3]) * (table[:, 5] - table[:, 4]),
                                      kind="stable")]  # longest first  # fmt: skip
         self.table = table
-        # Runs of tasks per worker, dealt in turn from the longest: even shares, and a
-        # worker that finishes first takes the rest.
-        count = 1 if workers == 1 else min(len(table), RUNS_PER_WORKER * workers)
-        self.chunks = [slice(i, None, count) for i in range(count)]
 
     def run(
         self, views: list[np.ndarray], k: np.ndarray | PagedKV, team: Team
@@ -312,10 +305,11 @@ class ForwardPlan:
         part_out = parts.all_out if parts is not None else np.empty((0, 1, 1, 1), dtype)
         part_lse = parts.all_lse if parts is not None else np.empty((0, 1, 1), dtype)
         table, failed = self.table, np.zeros(len(self.table), bool)
+        counter = np.zeros(1, np.int64)  # the next task: each worker takes them in turn
         scale, causal, window, offsets = self.scale, self.causal, self.window, self.offsets
         flip_below, product_chunk, spans = self.flip_below, self.product_chunk, self.paged
 
-        def make_worker() -> Callable[[slice], None]:
+        def make_worker() -> Callable[[int], None]:
             s = np.empty((R, cols), dtype)
             flipped = np.empty(cols * min(R, flip_below), dtype)  # few rows' tiles
             stacked, acc = np.empty((R, d_k), dtype), np.empty((R, d_v), dtype)
@@ -324,25 +318,32 @@ class ForwardPlan:
             k_tile, v_tile = np.empty((width, d_k), dtype), np.empty((width, d_v), dtype)
             partial = np.empty((R, d_v), dtype)  # a decoding step's sums
 
-            def run(chunk: slice) -> None:
-                mine = table[chunk]
-                done = np.zeros(len(mine), bool)
+            def run(_: int) -> None:
                 compiled.forward_walk(
-                    dtype, mine, q4, kp, vp, blocks, block, out4, lse4, part_out,
+                    dtype, table, counter, q4, kp, vp, blocks, block, out4, lse4, part_out,
                     part_lse, scale, causal, window, offsets, cols, flip_below, product_chunk,
-                    s, flipped, stacked, acc, m, ref, total, partial, k_tile, v_tile, done,
+                    s, flipped, stacked, acc, m, ref, total, partial, k_tile, v_tile, failed,
                 )  # fmt: skip
-                failed[chunk] = done
 
             return run
 
-        team.run(self.chunks, make_worker)
+        team.run(_shares(team, len(table)), make_worker)
         return failed, parts
 
 
 BACKWARD_ROWS = 512
 """Query rows (per query head) of a tile of the compiled backward walk, at most (the
 backward benchmark's figures are at this size)."""
+
+
+def _shares(team: Team, tasks: int) -> list[int]:
+    """One share per worker of a walk's ``tasks``: each share is one call of the compiled
+    walk, which takes tasks from the call's counter until none are left (longest first), so
+    a worker that starts late, or runs slower, takes fewer, and none waits on Python's lock
+    between tasks. (Runs of tasks dealt out in advance, two per worker, lost up to a whole
+    run's time whenever one core ran slow, and a helper woken late found the caller busy on
+    a run it could have shared.)"""
+    return list(range(max(1, min(team.workers, tasks))))
 
 
 def backward_walkable(
@@ -404,26 +405,22 @@ def run_backward(
     rows = max(1, min(tiles.rows, BACKWARD_ROWS))
     k4, v4 = _packed(k4, L, rows), _packed(v4, L, rows)
     table = np.stack(np.meshgrid(np.arange(B), np.arange(H_kv), indexing="ij"), -1).reshape(-1, 2)
-    count = 1 if team.workers == 1 else min(len(table), 4 * team.workers)
-    chunks = [np.arange(i, len(table), count) for i in range(count)]
-    failed = np.zeros(len(table), bool)
+    failed, counter = np.zeros(len(table), bool), np.zeros(1, np.int64)
     R, cols, dtype = group * rows, tiles.cols, dq.dtype
 
-    def make_worker() -> Callable[[np.ndarray], None]:
+    def make_worker() -> Callable[[int], None]:
         stacked, dq_t, do = (np.empty((R, d), dtype) for d in (d_k, d_k, d_v))
         D, row_lse = np.empty(R, dtype), np.empty(R, dtype)
         p, ds = np.empty((R, cols), dtype), np.empty((R, cols), dtype)
 
-        def run(chunk: np.ndarray) -> None:
-            done = np.zeros(len(chunk), bool)
+        def run(_: int) -> None:
             compiled.backward_walk(
-                dtype, table[chunk], q4, k4, v4, out4, lse4[..., 0], do4, dq4, dk4, dv4, scale,
-                scale * dq_factor, visibility.causal, window, offsets, key_end, query_end, rows,
-                cols, stacked, do, D, row_lse, dq_t, p, ds, done,
+                dtype, table, counter, q4, k4, v4, out4, lse4[..., 0], do4, dq4, dk4, dv4,
+                scale, scale * dq_factor, visibility.causal, window, offsets, key_end,
+                query_end, rows, cols, stacked, do, D, row_lse, dq_t, p, ds, failed,
             )  # fmt: skip
-            failed[chunk] = done
 
         return run
 
-    team.run(chunks, make_worker)
+    team.run(_shares(team, len(table)), make_worker)
     return [(batch_index(b, batch_shape), slice(int(g), int(g) + 1)) for b, g in table[failed]]
