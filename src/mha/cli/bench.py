@@ -85,6 +85,12 @@ class Plan:
     textbook_memory: list[int]  # lengths at which the textbook version's is traced
     repeats: int
     pause: float  # seconds between timed calls
+    size: str = "full"
+
+    def arguments(self) -> list[str]:
+        """The command-line arguments that make this plan (for the free-BLAS child)."""
+        return [*([f"--{self.size}"] if self.size != "full" else []), "--repeats",
+                str(self.repeats)]  # fmt: skip
 
 
 def plan(size: str, repeats: int = 7) -> Plan:
@@ -92,10 +98,10 @@ def plan(size: str, repeats: int = 7) -> Plan:
     if size == "smoke":
         tiny = [Shape("tiny", B=2, L=64, d_model=32, H=4, causal=False),
                 Shape("tiny", B=1, L=128, d_model=32, H=4, causal=True)]  # fmt: skip
-        return Plan(tiny, [64, 128], [128, 256], [128, 256], repeats=1, pause=0.0)
+        return Plan(tiny, [64, 128], [128, 256], [128, 256], repeats=1, pause=0.0, size=size)
     if size == "quick":
         return Plan(SHAPES, SWEEP_LENGTHS, [n for n in MEMORY_LENGTHS if n <= 16384],
-                    TEXTBOOK_MEMORY_LENGTHS, repeats=3, pause=0.3)  # fmt: skip
+                    TEXTBOOK_MEMORY_LENGTHS, repeats=3, pause=0.3, size=size)  # fmt: skip
     return Plan(SHAPES, SWEEP_LENGTHS, MEMORY_LENGTHS, TEXTBOOK_MEMORY_LENGTHS, repeats, 0.3)
 
 
@@ -375,13 +381,11 @@ def run(
     output: Path,
     readme: Path | None,
     log: Callable[[str], None],
-    child: list[str] | None = None,
 ) -> dict[str, Any]:
     """Measure everything, write ``benchmark.json`` and ``benchmark.md`` under ``output``
-    (and the README's section), and return the results. ``child``: the arguments with which
-    ``python -m mha.cli.bench --json-only`` measures the speed table again with OpenBLAS
-    free to choose its kernel, when this environment holds it (see
-    :func:`runs_with_free_blas`)."""
+    (and the README's section), and return the results. When this environment holds
+    OpenBLAS to a kernel, ``python -m mha.cli.bench --json-only`` measures the speed table
+    of the same plan again with OpenBLAS free to choose (see :func:`runs_with_free_blas`)."""
     torch: Any
     try:
         import torch
@@ -401,7 +405,7 @@ def run(
         if torch is not None:  # the caller's process, as it was
             torch.set_num_threads(threads)
     results["compile_seconds"] = compiled.compile_seconds()
-    command = [sys.executable, "-m", "mha.cli.bench", "--json-only", *(child or [])]
+    command = [sys.executable, "-m", "mha.cli.bench", "--json-only", *plan.arguments()]
     runs = runs_with_free_blas(command, results)
     if len(runs) > 1:
         log("measured again with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset")
@@ -504,8 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     output = args.output or default_output(size)
     if args.readme:
         check_readme(args.readme, BEGIN, END)
-    child = [*([f"--{size}"] if size != "full" else []), "--repeats", str(args.repeats)]
-    results = run(plan(size, args.repeats), output, args.readme, log, child)
+    results = run(plan(size, args.repeats), output, args.readme, log)
     if not args.no_chart:
         chart(results, output / "benchmark.png")
     print(markdown(results))
@@ -591,8 +594,7 @@ def command(args: argparse.Namespace) -> int:
             progress.console.print(line)
             progress.advance(task)
 
-        child = [f"--{size}"] if size != "full" else []
-        results = run(chosen, output, args.readme, log, child)
+        results = run(chosen, output, args.readme, log)
     print(markdown(results))
     picture = chart(results, output / "benchmark.png")
     print(f"wrote {output / 'benchmark.json'}, {output / 'benchmark.md'} and {picture}")
