@@ -72,6 +72,17 @@ def test_plans():
     assert smoke.repeats == 1 and full.repeats == 7 and quick.repeats == 3
 
 
+@pytest.mark.parametrize("size", ["full", "quick", "smoke"])
+def test_the_free_blas_child_measures_the_same_plan(size):
+    """What the child of a run in a forcing environment gets (a smoke run's child once
+    ran the full benchmark): arguments that make the parent's plan again."""
+    parent = bench.plan(size, repeats=5)
+    arguments = parent.arguments()
+    child_size = next((a[2:] for a in arguments if a in ("--quick", "--smoke")), "full")
+    repeats = int(arguments[arguments.index("--repeats") + 1])
+    assert bench.plan(child_size, repeats) == parent
+
+
 def test_runs_with_free_blas_repeats_the_run_without_the_forcing_variables(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(

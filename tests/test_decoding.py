@@ -720,10 +720,10 @@ def test_decoding_through_the_module_uses_the_workers(monkeypatch):
 
     monkeypatch.setattr(team.Team, "__init__", spy)
     monkeypatch.setattr(team, "default_workers", lambda: 2)
+    monkeypatch.setattr(team, "SERIAL_BELOW", 2**22)  # 8 heads' 20,000 keys cost 2**23.3
     attention = mha.MultiHeadAttention(256, 8, num_kv_heads=2, rope_theta=1e4, seed=0)
-    keys = team.SERIAL_BELOW // (8 * 64) + 1  # 8 heads' q . k and p @ v over 32 features
-    cache = attention.new_cache(1, capacity=keys)
-    cache._lengths[:] = keys - 1  # as after a long prompt (its state set, not computed)
+    cache = attention.new_cache(1, capacity=20000)
+    cache._lengths[:] = 19999  # as after a long prompt (its state set, not computed)
     attention(r.standard_normal((1, 1, 256)), cache=cache)
     assert sizes and max(sizes) == 2  # the cost counts the cached keys
 

@@ -1,5 +1,6 @@
 """numba code of :mod:`mha._kernel.compiled`'s tile walks; importing it needs numba. Each
-function runs a list of work items from start to end without returning to Python: the GEMMs
+walk takes work items from a counter its call's workers share (:func:`_take`) and runs
+them from start to end without returning to Python: the GEMMs
 call NumPy's own BLAS through the address of its ``cblas_?gemm`` (:mod:`.blas`), so they
 are the very calls ``np.matmul`` makes, and the rest (stacking and scaling the query rows,
 a decoding step's products, the softmax step, rescaling, the division at the end) are loops

@@ -49,7 +49,9 @@ task). Two workers lost below 2**25 (decoding 1,024 keys, 2**23: 0.36 ms against
 2,048: 1.00 against 0.92; the float32 core, 4 heads of 64 tokens, 2**21: 0.13 against
 0.10) and won from there (4,096 keys, 2**25: 1.61 against 3.07; 4 heads of 512 tokens,
 2**27: 1.71 against 3.20). Where idle cores wake faster the crossover is lower, and
-``workers=`` chooses."""
+``workers=`` chooses. The same threshold decides a layer's call (its projections' cost
+added: ``benchmarks/calls.py``'s small layer runs on one worker either way), its gradients
+and ``mha.dask``'s tasks; those were not measured apart."""
 
 
 def cores() -> int:

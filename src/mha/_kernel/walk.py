@@ -304,8 +304,8 @@ class ForwardPlan:
             parts = Parts(*self.split, self.group, self.L, d_v, dtype)
         part_out = parts.all_out if parts is not None else np.empty((0, 1, 1, 1), dtype)
         part_lse = parts.all_lse if parts is not None else np.empty((0, 1, 1), dtype)
-        table, failed = self.table, np.zeros(len(self.table), bool)
-        counter = np.zeros(1, np.int64)  # the next task: each worker takes them in turn
+        table, failed = self.table, np.zeros(len(self.table), bool)  # per run, not per plan:
+        counter = np.zeros(1, np.int64)  # concurrent calls of one plan each have their own
         scale, causal, window, offsets = self.scale, self.causal, self.window, self.offsets
         flip_below, product_chunk, spans = self.flip_below, self.product_chunk, self.paged
 
@@ -319,6 +319,8 @@ class ForwardPlan:
             partial = np.empty((R, d_v), dtype)  # a decoding step's sums
 
             def run(_: int) -> None:
+                if counter[0] >= len(table):  # the other workers took every task
+                    return
                 compiled.forward_walk(
                     dtype, table, counter, q4, kp, vp, blocks, block, out4, lse4, part_out,
                     part_lse, scale, causal, window, offsets, cols, flip_below, product_chunk,
@@ -405,6 +407,9 @@ def run_backward(
     rows = max(1, min(tiles.rows, BACKWARD_ROWS))
     k4, v4 = _packed(k4, L, rows), _packed(v4, L, rows)
     table = np.stack(np.meshgrid(np.arange(B), np.arange(H_kv), indexing="ij"), -1).reshape(-1, 2)
+    pairs = query_end[table[:, 0]] * key_end[table[:, 0]]  # about each task's work
+    table = table[np.argsort(-pairs, kind="stable")]  # longest first, as the forward's
+    # Per run, never on a plan: concurrent calls each have their own.
     failed, counter = np.zeros(len(table), bool), np.zeros(1, np.int64)
     R, cols, dtype = group * rows, tiles.cols, dq.dtype
 
@@ -414,6 +419,8 @@ def run_backward(
         p, ds = np.empty((R, cols), dtype), np.empty((R, cols), dtype)
 
         def run(_: int) -> None:
+            if counter[0] >= len(table):  # the other workers took every task
+                return
             compiled.backward_walk(
                 dtype, table, counter, q4, k4, v4, out4, lse4[..., 0], do4, dq4, dk4, dv4,
                 scale, scale * dq_factor, visibility.causal, window, offsets, key_end,

@@ -85,7 +85,7 @@ class Plan:
     textbook_memory: list[int]  # lengths at which the textbook version's is traced
     repeats: int
     pause: float  # seconds between timed calls
-    size: str = "full"
+    size: str  # what made it: plan(size)
 
     def arguments(self) -> list[str]:
         """The command-line arguments that make this plan (for the free-BLAS child)."""
@@ -102,7 +102,8 @@ def plan(size: str, repeats: int = 7) -> Plan:
     if size == "quick":
         return Plan(SHAPES, SWEEP_LENGTHS, [n for n in MEMORY_LENGTHS if n <= 16384],
                     TEXTBOOK_MEMORY_LENGTHS, repeats=3, pause=0.3, size=size)  # fmt: skip
-    return Plan(SHAPES, SWEEP_LENGTHS, MEMORY_LENGTHS, TEXTBOOK_MEMORY_LENGTHS, repeats, 0.3)
+    return Plan(SHAPES, SWEEP_LENGTHS, MEMORY_LENGTHS, TEXTBOOK_MEMORY_LENGTHS, repeats, 0.3,
+                size="full")  # fmt: skip
 
 
 def textbook_attention(
