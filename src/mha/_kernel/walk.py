@@ -342,9 +342,9 @@ def _shares(team: Team, tasks: int) -> list[int]:
     """One share per worker of a walk's ``tasks``: each share is one call of the compiled
     walk, which takes tasks from the call's counter until none are left (longest first), so
     a worker that starts late, or runs slower, takes fewer, and none waits on Python's lock
-    between tasks. (Runs of tasks dealt out in advance, two per worker, lost up to a whole
-    run's time whenever one core ran slow, and a helper woken late found the caller busy on
-    a run it could have shared.)"""
+    between tasks. (Runs of tasks dealt out in advance, two per worker in the forward and
+    four in the backward, lost up to a whole run's time whenever one core ran slow, and a
+    helper woken late found the caller busy on a run it could have shared.)"""
     return list(range(max(1, min(team.workers, tasks))))
 
 
