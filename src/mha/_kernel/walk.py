@@ -309,7 +309,7 @@ class ForwardPlan:
         scale, causal, window, offsets = self.scale, self.causal, self.window, self.offsets
         flip_below, product_chunk, spans = self.flip_below, self.product_chunk, self.paged
 
-        def make_worker() -> Callable[[int], None]:
+        def make_walk() -> Callable[[], None]:
             s = np.empty((R, cols), dtype)
             flipped = np.empty(cols * min(R, flip_below), dtype)  # few rows' tiles
             stacked, acc = np.empty((R, d_k), dtype), np.empty((R, d_v), dtype)
@@ -318,18 +318,16 @@ class ForwardPlan:
             k_tile, v_tile = np.empty((width, d_k), dtype), np.empty((width, d_v), dtype)
             partial = np.empty((R, d_v), dtype)  # a decoding step's sums
 
-            def run(_: int) -> None:
-                if counter[0] >= len(table):  # the other workers took every task
-                    return
+            def walk() -> None:
                 compiled.forward_walk(
                     dtype, table, counter, q4, kp, vp, blocks, block, out4, lse4, part_out,
                     part_lse, scale, causal, window, offsets, cols, flip_below, product_chunk,
                     s, flipped, stacked, acc, m, ref, total, partial, k_tile, v_tile, failed,
                 )  # fmt: skip
 
-            return run
+            return walk
 
-        team.run(_shares(team, len(table)), make_worker)
+        _walk_once_per_worker(team, len(table), counter, make_walk)
         return failed, parts
 
 
@@ -338,14 +336,27 @@ BACKWARD_ROWS = 512
 backward benchmark's figures are at this size)."""
 
 
-def _shares(team: Team, tasks: int) -> list[int]:
-    """One share per worker of a walk's ``tasks``: each share is one call of the compiled
-    walk, which takes tasks from the call's counter until none are left (longest first), so
-    a worker that starts late, or runs slower, takes fewer, and none waits on Python's lock
-    between tasks. (Runs of tasks dealt out in advance, two per worker in the forward and
-    four in the backward, lost up to a whole run's time whenever one core ran slow, and a
-    helper woken late found the caller busy on a run it could have shared.)"""
-    return list(range(max(1, min(team.workers, tasks))))
+def _walk_once_per_worker(
+    team: Team, tasks: int, counter: np.ndarray, make_walk: Callable[[], Callable[[], None]]
+) -> None:
+    """Run a compiled walk once on each of ``team``'s workers (``make_walk()`` makes a
+    worker's, with its buffers); each takes tasks from ``counter`` until none are left
+    (longest first), so a worker that starts late, or runs slower, takes fewer, and none
+    waits on Python's lock between tasks. A worker that finds them all taken runs no walk.
+    (Runs of tasks dealt out in advance, two per worker in the forward and four in the
+    backward, lost up to a whole run's time whenever one core ran slow, and a helper woken
+    late found the caller busy on a run it could have shared.)"""
+
+    def make_worker() -> Callable[[int], None]:
+        walk = make_walk()
+
+        def run(_: int) -> None:
+            if counter[0] < tasks:  # else the other workers took every task
+                walk()
+
+        return run
+
+    team.run(list(range(max(1, min(team.workers, tasks)))), make_worker)
 
 
 def backward_walkable(
@@ -413,21 +424,19 @@ def run_backward(
     failed, counter = np.zeros(len(table), bool), np.zeros(1, np.int64)
     R, cols, dtype = group * rows, tiles.cols, dq.dtype
 
-    def make_worker() -> Callable[[int], None]:
+    def make_walk() -> Callable[[], None]:
         stacked, dq_t, do = (np.empty((R, d), dtype) for d in (d_k, d_k, d_v))
         D, row_lse = np.empty(R, dtype), np.empty(R, dtype)
         p, ds = np.empty((R, cols), dtype), np.empty((R, cols), dtype)
 
-        def run(_: int) -> None:
-            if counter[0] >= len(table):  # the other workers took every task
-                return
+        def walk() -> None:
             compiled.backward_walk(
                 dtype, table, counter, q4, k4, v4, out4, lse4[..., 0], do4, dq4, dk4, dv4,
                 scale, scale * dq_factor, visibility.causal, window, offsets, key_end,
                 query_end, rows, cols, stacked, do, D, row_lse, dq_t, p, ds, failed,
             )  # fmt: skip
 
-        return run
+        return walk
 
-    team.run(_shares(team, len(table)), make_worker)
+    _walk_once_per_worker(team, len(table), counter, make_walk)
     return [(batch_index(b, batch_shape), slice(int(g), int(g) + 1)) for b, g in table[failed]]
