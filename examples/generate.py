@@ -393,10 +393,14 @@ class Decoder:
         caches = []
         for layer in self.layers:
             attention = layer.attention
-            if not isinstance(attention, mha.MultiHeadAttention) or attention.window is not None:
+            if not isinstance(attention, mha.MultiHeadAttention):
                 raise UnsupportedModelError(
-                    f"a {self.cache} cache serves layers of full attention in this example"
+                    f"a {self.cache} cache holds keys and values in pools of their own, but "
+                    f"{type(attention).__name__} caches one latent per token (its values "
+                    "inside its keys): use the contiguous cache for this model"
                 )
+            # A sliding layer's paged cache keeps every position; the call attends within
+            # the layer's window (the same bits as the contiguous window cache).
             size = KIVI_BLOCK if self.cache.startswith("kivi") else BLOCK
             cache = mha.PagedKVCache(
                 batch_size * -(-capacity // size), size, attention.num_kv_heads,

@@ -533,6 +533,17 @@ def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
         ("deepseek_v3", {"q_lora_rank": 0}, "q_lora_rank=0; a positive integer or null is needed"),
         ("llama", {"hidden_size": "48"}, "hidden_size='48'; a positive integer is needed"),
         ("llama", {"rope_parameters": [1]}, "rope_parameters must be a JSON object"),
+        # the rope's own checks name the checkpoint and the config key, not "rope_scaling"
+        ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": -1.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+         "config.json's rope_parameters, layer 0"),
+        ("llama", {"rope_parameters": {"rope_type": "weird"}},
+         "'weird' is not supported: use one of"),
+        ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                             "beta_fast": 1.0, "beta_slow": 8.0}},
+         "config.json's rope_parameters, layer 0"),
+        ("gpt_oss", {"rope_parameters": None, "rope_scaling": {"rope_type": "linear"}},
+         "config.json's rope_scaling, layer 0"),
     ],
 )  # fmt: skip
 def test_configs_mha_would_compute_differently_are_refused(tmp_path, family, change, said,

@@ -270,3 +270,20 @@ def test_each_cache_kind_generates_on_the_readme_model(torch, transformers, tmp_
         assert agree >= {"int8": 180, "int4": 25, "kivi8": 180, "kivi4": 25}[kind], agree
     with pytest.raises(ValueError, match="cache must be one of"):
         Decoder(folder, cache="int2")
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mistral", "qwen2"])
+def test_sliding_models_decode_with_a_paged_cache(family, torch, transformers, tmp_path):
+    """A paged cache keeps every position; a sliding layer attends within its window: the
+    same tokens and logits as the contiguous window cache (this was refused, "full
+    attention only"), while a latent model is refused for the reason that holds."""
+    from generate import Decoder, UnsupportedModelError
+
+    folder = checkpoint(family, tmp_path / family)
+    tokens, steps = Decoder(folder).generate(list(range(1, 12)), 12)
+    paged, paged_steps = Decoder(folder, cache="paged").generate(list(range(1, 12)), 12)
+    assert paged == tokens
+    for a, b in zip(paged_steps, steps, strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(UnsupportedModelError, match="caches one latent per token"):
+        Decoder(checkpoint("deepseek_v3", tmp_path / "ds"), cache="paged").new_caches(1)

@@ -481,7 +481,7 @@ def test_the_compiled_walk_is_never_given_kivi_pools(monkeypatch):
     monkeypatch.setattr(compiled, "forward_walk", lambda *a: ran.append(1) or real(*a))
     x = np.ones((1, 1, 5, 8), np.float32)
     for quantize in ("kivi8", None):
-        cache = mha.PagedKVCache(8, 8, 1, 8, quantize=quantize, group_size=4)
+        cache = mha.PagedKVCache(8, 8, 1, 8, quantize=quantize, group_size=quantize and 4)
         cache.add(0)
         mha.scaled_dot_product_attention(x, x, x, cache=cache)
         assert bool(ran) == (quantize is None and compiled.walk_available())

@@ -543,6 +543,7 @@ def test_a_quantized_fork_copies_codes_scales_and_zeros_on_write():
         (lambda: mha.PagedKVCache(4, 4, 1, 32, quantize="int4", group_size=16), "32 or 64"),
         (lambda: mha.PagedKVCache(4, 4, 1, 48, quantize="int8"), "must divide head_dim=48"),
         (lambda: mha.PagedKVCache(4, 4, 1, 32, quantize="int8", dtype=np.float64), "float32"),
+        (lambda: mha.PagedKVCache(4, 4, 1, 32, group_size=64), "no quantize= was given"),
     ],
 )
 def test_quantized_options_are_refused_by_name(make, said):
@@ -589,7 +590,7 @@ def test_a_failed_call_does_not_write_into_a_block_it_gave_back(quantize):
     """ "a" and "b" share a half-filled block, so each copies it before writing; the last
     copy frees it, and "c" needs a fresh block in the same call. The freed block must not be
     the one "c" writes into: the call then fails, and "a" and "b" get that block back."""
-    cache = mha.PagedKVCache(4, 4, 1, 8, quantize=quantize, group_size=4)
+    cache = mha.PagedKVCache(4, 4, 1, 8, quantize=quantize, group_size=quantize and 4)
     cache.add("a")
     x = np.random.default_rng(15).standard_normal((1, 3, 8)).astype(np.float32)
     cache.append("a", x, x)
@@ -646,3 +647,51 @@ def test_causal_cascade_attention_refuses_queries_inside_the_prefix():
     with pytest.raises(mha.AttentionValueError, match="seq_lens >= L"):
         mha.cascade_attention(np.zeros((1, 2, 1, 8)), pool, pool, [0, 1], 8, [[2]], [1],
                               causal=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4", "kivi8", "kivi4"])
+def test_paged_attention_refuses_a_quantized_caches_codes_as_keys(quantize):
+    """A quantized cache's pools hold its codes: read as keys they were 350x off, silently."""
+    cache = mha.PagedKVCache(4, 32, 1, 32, quantize=quantize)
+    cache.add(0)
+    x = np.random.default_rng(0).standard_normal((1, 1, 5, 32)).astype(np.float32)
+    mha.scaled_dot_product_attention(x, x, x, cache=cache)
+    q = x.transpose(0, 2, 1, 3)[:, -1:]
+    with pytest.raises(mha.AttentionTypeError, match=r"key_cache holds integers \(uint8"):
+        mha.paged_attention(q, cache.key_cache, cache.value_cache, cache.block_table(), [5])
+    pool = np.zeros((4, 32, 1, 32), np.float32)
+    with pytest.raises(mha.AttentionTypeError, match=r"value_cache holds integers.*cache="):
+        mha.paged_attention(q, pool, cache.value_cache, cache.block_table(), [5])
+
+
+@pytest.mark.parametrize(
+    ("prefix_blocks", "prefix_len", "error", "said"),
+    [
+        ([0], 9, mha.AttentionValueError, r"prefix_len=9 but prefix_blocks holds 1 blocks"),
+        ([0, 7], 5, mha.AttentionValueError, r"prefix_blocks\[1\] = 7 is not a block"),
+        ([0], -1, mha.AttentionValueError, "prefix_len must be a non-negative integer; got -1"),
+        ([0], 2.0, mha.AttentionTypeError, "prefix_len must be a non-negative integer; got 2.0"),
+        ([[0]], 2, mha.ShapeError, "prefix_blocks must be one row of block ids"),
+        ([0.5], 2, mha.AttentionTypeError, "prefix_blocks must hold integers"),
+    ],
+)
+def test_cascade_attention_names_its_prefixs_mistakes(prefix_blocks, prefix_len, error, said):
+    """The prefix's mistakes were reported as block_table's and seq_lens' (or not at all)."""
+    rng = np.random.default_rng(0)
+    pool_k, pool_v = rng.standard_normal((2, 4, 4, 1, 8))
+    q = rng.standard_normal((2, 1, 1, 8))
+    with pytest.raises(error, match=said):
+        mha.cascade_attention(q, pool_k, pool_v, prefix_blocks, prefix_len, [[1], [2]], [1, 1])
+
+
+@pytest.mark.parametrize("shape", [(2, 0, 1, 8), (0, 1, 1, 8), (0, 0, 2, 8)])
+def test_cascade_attention_takes_zero_queries_and_zero_sequences(shape):
+    """A reshape of an empty result raised NumPy's error here (found by fuzzing)."""
+    rng = np.random.default_rng(0)
+    pool_k, pool_v = rng.standard_normal((2, 4, 4, 1, 8))
+    q = np.zeros(shape)
+    own = np.ones((shape[0], 1), np.int64)
+    lens = [shape[1]] * shape[0]
+    out, lse = mha.cascade_attention(q, pool_k, pool_v, [0], 3, own, lens, return_lse=True)
+    assert out.shape == shape and lse.shape == (shape[0], shape[2], shape[1])
+    np.testing.assert_array_equal(out, mha.paged_attention(q, pool_k, pool_v, own, lens))

@@ -724,6 +724,14 @@ REFUSALS = [  # keywords, the name the message must give
     ({"score_mod": lambda s, b, h, i, j: s.sum()}, "score_mod"),
     ({"score_mod": lambda s, b, h, i, j: 2 * s, "return_backward": True}, "score_mod_grad"),
     *(({"alibi": x}, "alibi") for x in (np.ones(3), np.ones((4, 1)))),
+    # a function of the wrong arity, refused before the kernel calls it (a bare TypeError)
+    ({"mask_mod": lambda b, h, i: i >= 0}, r"mask_mod must take 4 positional arguments"),
+    ({"mask_mod": lambda b, h, i, j, extra: i >= j}, r"mask_mod must take 4 positional"),
+    ({"score_mod": lambda s, b: s}, r"score_mod must take 5 positional arguments"),
+    (
+        {"score_mod": lambda s, b, h, i, j: s, "score_mod_grad": lambda s: s},
+        r"score_mod_grad must take 5 positional",
+    ),
 ]
 
 
@@ -733,6 +741,22 @@ def test_refusals_name_the_argument(kw, name):
     with pytest.raises(mha.AttentionError, match=name) as refused:
         sdpa(q, k, v, **kw)
     assert isinstance(refused.value, (ValueError, TypeError))
+
+
+def test_functions_with_defaults_or_star_arguments_are_taken():
+    _, q, k, v = heads(29, L=7, S=9)
+    expected = sdpa(q, k, v, mask_mod=lambda b, h, i, j: i >= j)
+    for mask_mod in (lambda *a: a[2] >= a[3], lambda b, h, i, j, extra=0: i >= j + extra):
+        np.testing.assert_array_equal(sdpa(q, k, v, mask_mod=mask_mod), expected)
+
+
+@pytest.mark.parametrize("reads_b", [True, False])
+def test_a_mask_mod_over_zero_sequences_gives_an_empty_result(reads_b):
+    """A mask_mod that reads b over zero sequences divided by zero sizing its block map."""
+    q = np.zeros((0, 2, 3, 4))
+    out = sdpa(q, q, q, mask_mod=(lambda b, h, i, j: (b >= 0) & (j <= i)) if reads_b else
+               (lambda b, h, i, j: j <= i))  # fmt: skip
+    assert out.shape == (0, 2, 3, 4)
 
 
 def test_inputs_are_left_unchanged():

@@ -10,9 +10,11 @@ boolean data are refused.
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 import reprlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -136,12 +138,17 @@ def positive_int(name: str, value: Any) -> int:
 
 def non_negative_int(name: str, value: Any) -> int:
     """A Python int ``>= 0`` from an int-like value (bools and floats are refused)."""
-    whole = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-    if whole and int(value) >= 0:
-        return int(value)
-    if whole:
-        raise AttentionValueError(f"{name} must be a non-negative integer; got {value}")
-    return positive_int(name, value)
+    if isinstance(value, (bool, np.bool_)):
+        raise AttentionTypeError(f"{name} must be a non-negative integer; got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise AttentionTypeError(
+            f"{name} must be a non-negative integer; got {value!r} of type {type(value).__name__}"
+        ) from None
+    if number < 0:
+        raise AttentionValueError(f"{name} must be a non-negative integer; got {number}")
+    return number
 
 
 def flag(name: str, value: Any) -> bool:
@@ -175,3 +182,27 @@ def resolve_scale(scale: Any, d_k: int, dtype: np.dtype, source: str = "q") -> f
             f"got {reprlib.repr(scale)}"
         )
     return value
+
+
+def check_function(name: str, function: Any, form: str, arity: int) -> Callable[..., Any]:
+    """``function``, a callable that takes ``arity`` positional arguments (as ``form``
+    names them, "(b, h, q_idx, kv_idx) -> bool", say); anything else is refused here,
+    before the kernel calls it. A callable whose signature Python cannot read passes."""
+    if not callable(function):
+        raise AttentionTypeError(
+            f"{name} must be a function {form}; got {reprlib.repr(function)} of type "
+            f"{type(function).__name__}"
+        )
+    checked: Callable[..., Any] = function
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin or extension without one: called as given
+        return checked
+    try:
+        signature.bind(*range(arity))
+    except TypeError as error:
+        raise AttentionTypeError(
+            f"{name} must take {arity} positional arguments {form}; "
+            f"{getattr(function, '__name__', name)}{signature} cannot ({error})"
+        ) from None
+    return checked

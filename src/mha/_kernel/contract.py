@@ -54,6 +54,7 @@ from .._arrays import (
     as_array,
     as_float_array,
     broadcasts_to,
+    check_function,
     flag,
     non_negative_int,
     positive_int,
@@ -358,11 +359,8 @@ def check_variants(
             f"sink_tokens={sink_tokens} keeps the first keys visible beside a sliding window, "
             "but no window= was given: give window= too, or leave sink_tokens out"
         )
-    if mask_mod is not None and not callable(mask_mod):
-        raise AttentionTypeError(
-            f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool array; got "
-            f"{reprlib.repr(mask_mod)} of type {type(mask_mod).__name__}"
-        )
+    if mask_mod is not None:
+        check_function("mask_mod", mask_mod, "(b, h, q_idx, kv_idx) -> bool array", 4)
     return sinks, None if chunk is None else positive_int("chunk", chunk)
 
 

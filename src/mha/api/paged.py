@@ -14,6 +14,7 @@ from .._arrays import (
     as_float_array,
     cast_result,
     flag,
+    non_negative_int,
     resolve_scale,
     result_and_compute_dtypes,
 )
@@ -94,8 +95,7 @@ def paged_attention(
     True
     """
     q = as_float_array("q", q)
-    key_cache = as_float_array("key_cache", key_cache)
-    value_cache = as_float_array("value_cache", value_cache)
+    key_cache, value_cache = _pool("key_cache", key_cache), _pool("value_cache", value_cache)
     for name, array in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
         if array.ndim != 4:
             layout = "(num_seqs, L, H, d_k)" if name == "q" else "(num_blocks, block_size, H_kv, d)"
@@ -143,6 +143,20 @@ def paged_attention(
     return result
 
 
+def _pool(name: str, pool: Any) -> np.ndarray:
+    """A pool of keys or values, which must hold floats: integers in a pool are a quantized
+    cache's codes (``PagedKVCache(quantize=...).key_cache``), never keys."""
+    array = as_array(name, pool)
+    if array.dtype.kind in "iu":
+        raise AttentionTypeError(
+            f"{name} holds integers ({array.dtype}, shape {array.shape}); paged_attention "
+            "reads float pools. A quantized PagedKVCache's pools are its codes, not its keys "
+            "and values: pass the cache itself as cache= to scaled_dot_product_attention, "
+            "or read a sequence back with cache.dequantized(seq_id)"
+        )
+    return as_float_array(name, array)
+
+
 def _table_and_lengths(
     block_table: Any, seq_lens: Any, B: int, num_blocks: int, block_size: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -152,7 +166,7 @@ def _table_and_lengths(
     lengths = as_array("seq_lens", seq_lens)
     for name, array, shape, ndim in (("block_table", table, "(num_seqs, max_blocks)", 2),
                                      ("seq_lens", lengths, "(num_seqs,)", 1)):  # fmt: skip
-        if array.dtype.kind not in "iu":
+        if array.dtype.kind not in "iu" and array.size:  # an empty list reads as float
             raise AttentionTypeError(f"{name} must hold integers; got dtype {array.dtype}")
         if array.ndim != ndim or array.shape[0] != B:
             raise ShapeError(
@@ -222,9 +236,12 @@ def cascade_attention(
     if q.ndim != 4:
         raise ShapeError(f"q must have shape (num_seqs, L, H, d_k); got shape {q.shape}")
     B, L, H, d_k = q.shape
-    prefix = as_array("prefix_blocks", prefix_blocks)
-    if prefix.ndim != 1:
-        raise ShapeError(f"prefix_blocks must be one row of block ids; got shape {prefix.shape}")
+    pool = _pool("key_cache", key_cache)
+    if pool.ndim != 4:
+        raise ShapeError(
+            f"key_cache must have shape (num_blocks, block_size, H_kv, d); got shape {pool.shape}"
+        )
+    prefix = _prefix(prefix_blocks, prefix_len, *pool.shape[:2])
     own = as_array("seq_lens", seq_lens)
     if flag("causal", causal) and own.size and own.min() < L:
         raise AttentionValueError(
@@ -233,7 +250,7 @@ def cascade_attention(
             f"seq_lens {own.tolist()}: use paged_attention over the whole sequences"
         )
     shared, shared_lse = paged_attention(
-        q.reshape(1, B * L, H, d_k), key_cache, value_cache, prefix[None], [prefix_len],
+        q.reshape(1, B * L, H, d_k), key_cache, value_cache, prefix[None], [int(prefix_len)],
         scale=scale, return_lse=True, max_memory=max_memory, workers=workers,
     )  # fmt: skip
     own, own_lse = paged_attention(
@@ -241,9 +258,37 @@ def cascade_attention(
         return_lse=True, max_memory=max_memory, workers=workers,
     )  # fmt: skip
     heads_first = (0, 2, 1, 3)  # (B, H, L, d), as merge_attention takes them
+    d_v = own.shape[-1]  # (named: a reshape cannot infer it when B * L is 0)
     out, lse = merge_attention(
-        [shared.reshape(B, L, H, -1).transpose(heads_first), own.transpose(heads_first)],
+        [shared.reshape(B, L, H, d_v).transpose(heads_first), own.transpose(heads_first)],
         [shared_lse.reshape(H, B, L).transpose(1, 0, 2), own_lse],
     )  # fmt: skip
     result = out.transpose(heads_first)
     return (result, lse) if flag("return_lse", return_lse) else result
+
+
+def _prefix(blocks: Any, length: Any, num_blocks: int, block_size: int) -> np.ndarray:
+    """``prefix_blocks`` as int64, checked with ``prefix_len`` under their own names: a
+    length the blocks hold, and blocks of the pool where the prefix lies."""
+    prefix = as_array("prefix_blocks", blocks)
+    if prefix.ndim != 1:
+        raise ShapeError(f"prefix_blocks must be one row of block ids; got shape {prefix.shape}")
+    if prefix.dtype.kind not in "iu" and prefix.size:  # an empty list reads as float
+        raise AttentionTypeError(f"prefix_blocks must hold integers; got dtype {prefix.dtype}")
+    prefix = prefix.astype(np.int64)
+    n = non_negative_int("prefix_len", length)
+    most = prefix.size * block_size
+    if n > most:
+        raise AttentionValueError(
+            f"prefix_len={n} but prefix_blocks holds {prefix.size} blocks of block_size "
+            f"{block_size}, {most} positions at most"
+        )
+    used = prefix[: -(-n // block_size)]
+    bad = np.flatnonzero((used < 0) | (used >= num_blocks))
+    if bad.size:
+        j = int(bad[0])
+        raise AttentionValueError(
+            f"prefix_blocks[{j}] = {int(used[j])} is not a block of the pool (0 to "
+            f"{num_blocks - 1}); the prefix of prefix_len={n} reads it"
+        )
+    return prefix

@@ -73,7 +73,7 @@ class PagedKVCache:
         value_dim: int | None = None,
         dtype: Any = np.float32,
         quantize: str | None = None,
-        group_size: int = 32,
+        group_size: int | None = None,
     ) -> None:
         count = positive_int("num_blocks", num_blocks)
         size = positive_int("block_size", block_size)
@@ -544,9 +544,17 @@ def _quantization(
     quantize: Any, group_size: Any, block_size: int, d_k: int, d_v: int, dtype: np.dtype
 ) -> tuple[Quantization | None, Quantization | None]:
     """The keys' and the values' quantization for the cache's ``quantize`` and
-    ``group_size``, checked against its block size and widths."""
+    ``group_size`` (default 32), checked against its block size and widths."""
     if quantize is None:
+        if group_size is not None:
+            raise AttentionValueError(
+                f"group_size={group_size!r} sets the groups of a quantized cache, but no "
+                "quantize= was given: give quantize= too ('int8', 'int4', 'kivi8' or "
+                "'kivi4'), or leave group_size out"
+            )
         return None, None
+    if group_size is None:
+        group_size = 32
     if quantize not in KINDS:
         raise AttentionValueError(
             f"quantize must be None, 'int8', 'int4', 'kivi8' or 'kivi4'; got {quantize!r}"

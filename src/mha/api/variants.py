@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import as_float_array
+from .._arrays import as_float_array, check_function
 from .._kernel.scores import Scores
-from ..errors import AttentionTypeError, AttentionValueError, ShapeError
+from ..errors import AttentionValueError, ShapeError
 from .rotary import positive_real
 
 __all__ = ["alibi_slopes", "check_scores"]
@@ -62,10 +62,8 @@ def check_scores(
     elif alibi is not None:
         slopes = _per_head("alibi", alibi, H, "one slope")
     for name, function in (("score_mod", score_mod), ("score_mod_grad", score_mod_grad)):
-        if function is not None and not callable(function):
-            raise AttentionTypeError(
-                f"{name} must be a function (score, b, h, q_idx, kv_idx) -> score; got {function!r}"
-            )
+        if function is not None:
+            check_function(name, function, "(score, b, h, q_idx, kv_idx) -> score", 5)
     if score_mod_grad is not None and score_mod is None:
         raise AttentionValueError("score_mod_grad= is score_mod's derivative: give score_mod=")
     if want_backward and score_mod is not None and score_mod_grad is None:

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from ..api.rope_scaling import check_rope_scaling
 from ..errors import AttentionTypeError, AttentionValueError, WeightsFileError
 from .checkpoint import Checkpoint, tensor_prefixes
 
@@ -169,6 +170,7 @@ def layer_attention(
     else:
         settings, shapes = _attention(read, index)
         kind = "attention"
+    _check_rope(read, settings, index)
     names = {f"{prefix}{name}": name for name in shapes}
     _check_names(checkpoint, prefix, names, read)
     arrays = checkpoint.read(names, dtype=dtype)
@@ -325,6 +327,18 @@ def _latent(read: Settings) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]
         if q_rank is not None:
             shapes["q_a_proj.bias"] = (q_rank,)
     return settings, shapes
+
+
+def _check_rope(read: Settings, settings: dict[str, Any], index: int) -> None:
+    """The layer's rope scaling checked as the layer will check it, with messages that name
+    the checkpoint and the config key it came from."""
+    scaling = settings.get("rope_scaling")
+    if scaling is None:
+        return
+    rotated = settings.get("qk_rope_head_dim") or settings.get("rotary_dim") or settings["head_dim"]
+    given = [key for key in ("rope_scaling", "rope_parameters") if read.config.get(key)]
+    key = given[0] if given else f"rope_parameters (the {read.family.name} defaults)"
+    check_rope_scaling(scaling, rotated, f"{read.path}: config.json's {key}, layer {index}")
 
 
 def _yarn_mscale(scale: float, mscale: float) -> float:
