@@ -123,31 +123,25 @@ def check_rank(name: str, array: np.ndarray, layout: str, ranks: tuple[int, ...]
 
 def positive_int(name: str, value: Any) -> int:
     """A positive Python int from an int-like value (bools and floats are refused)."""
-    if isinstance(value, (bool, np.bool_)):
-        raise AttentionTypeError(f"{name} must be a positive integer; got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise AttentionTypeError(
-            f"{name} must be a positive integer; got {value!r} of type {type(value).__name__}"
-        ) from None
-    if number <= 0:
-        raise AttentionValueError(f"{name} must be a positive integer; got {number}")
-    return number
+    return _whole(name, value, 1, "a positive integer")
 
 
 def non_negative_int(name: str, value: Any) -> int:
     """A Python int ``>= 0`` from an int-like value (bools and floats are refused)."""
+    return _whole(name, value, 0, "a non-negative integer")
+
+
+def _whole(name: str, value: Any, least: int, what: str) -> int:
     if isinstance(value, (bool, np.bool_)):
-        raise AttentionTypeError(f"{name} must be a non-negative integer; got {value!r}")
+        raise AttentionTypeError(f"{name} must be {what}; got {value!r}")
     try:
         number = operator.index(value)
     except TypeError:
         raise AttentionTypeError(
-            f"{name} must be a non-negative integer; got {value!r} of type {type(value).__name__}"
+            f"{name} must be {what}; got {value!r} of type {type(value).__name__}"
         ) from None
-    if number < 0:
-        raise AttentionValueError(f"{name} must be a non-negative integer; got {number}")
+    if number < least:
+        raise AttentionValueError(f"{name} must be {what}; got {number}")
     return number
 
 
