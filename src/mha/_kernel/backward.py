@@ -36,9 +36,8 @@ from typing import Any
 import numpy as np
 
 from . import walk
-from .contract import Visibility
-from .dropout import Dropout
-from .forward import DEFAULT_MAX_MEMORY, _cast, _product, _stack, plan_tiles
+from .call import Gradients, KernelCall, Outputs
+from .forward import _cast, _product, _stack, plan_tiles
 from .scores import Scores, sink_gradient
 from .team import Team
 
@@ -46,41 +45,28 @@ __all__ = ["attend_backward"]
 
 
 def attend_backward(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    out: np.ndarray,
-    lse: np.ndarray,
+    call: KernelCall,
+    forward: Outputs,
     grad_out: np.ndarray,
-    visibility: Visibility,
-    scale: float,
-    *,
-    dq: np.ndarray,
-    dk: np.ndarray,
-    dv: np.ndarray,
-    dbias: np.ndarray | None = None,
-    max_memory: int = DEFAULT_MAX_MEMORY,
+    grads: Gradients,
     team: Team | None = None,
-    dropout: Dropout | None = None,
-    dq_factor: float = 1.0,
-    scores: Scores | None = None,
-    dsinks: np.ndarray | None = None,
 ) -> None:
-    """Fill ``dq`` and ``dk``, ``dv`` (and ``dbias``, shaped like ``visibility.bias``: the
-    bias's own size, never the scores'), the last three arriving zeroed, with the gradients
-    of ``sum(grad_out * out)`` for the attention :func:`attend` computed. ``dq`` may be
+    """Fill ``grads`` (:class:`.call.Gradients`) with the gradients of ``sum(grad_out *
+    out)`` for the attention :func:`.forward.attend` computed for ``call``: ``forward``
+    holds that call's ``out`` and ``lse``, ``grad_out (*batch, H, L, d_v)`` is the output's
+    gradient; everything in ``grads.dq.dtype`` (float32 or wider). ``dq`` may be
     ``grad_out`` itself: each tile of rows reads its rows of ``grad_out`` before it writes
-    them to ``dq``, so the caller needs no buffer.
-
-    Shapes are the forward's: ``q (*batch, H, L, d_k)``, ``k (*batch, H_kv, S, d_k)``,
-    ``v (*batch, H_kv, S, d_v)``, ``out`` and ``grad_out (*batch, H, L, d_v)``,
-    ``lse (*batch, H, L)``; everything in ``dq.dtype`` (float32 or wider). ``dropout`` is
-    the forward's, whose mask is regenerated tile by tile: ``dv`` takes the dropped weights
-    and ``dp`` the mask, while ``D = rowsum(dO * O)`` already includes it. ``dq`` comes out
-    multiplied by ``dq_factor`` (the chain rule of a scale the caller folded into q).
-    ``scores`` are the forward's changes to the scores; ``dsinks (H,)``, when given, gets
-    the sinks' gradient (``lse`` is then the forward's, with the sinks).
+    them to ``dq``, so the caller needs no buffer. The dropout is the forward's, whose mask
+    is regenerated tile by tile: ``dv`` takes the dropped weights and ``dp`` the mask, while
+    ``D = rowsum(dO * O)`` already includes it. ``dsinks``, when given, gets the sinks'
+    gradient (``lse`` is then the forward's, with the sinks).
     """
+    q, k, v, visibility, scale = call.q, call.k, call.v, call.visibility, call.scale
+    scores, dropout, max_memory = call.scores, call.dropout, call.budget
+    out, lse = forward.out, forward.lse
+    assert lse is not None  # the backward reads the forward's log-sum-exp
+    dq, dk, dv, dbias, dsinks = grads.dq, grads.dk, grads.dv, grads.dbias, grads.dsinks
+    dq_factor = grads.dq_factor
     visibility = visibility.classified(team)
     if dsinks is not None and scores is not None and scores.sinks is not None:
         dsinks += sink_gradient(out, lse, grad_out, scores.sinks)

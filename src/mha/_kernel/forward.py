@@ -47,8 +47,7 @@ from typing import Any
 import numpy as np
 
 from . import compiled, tasks, walk
-from .contract import Visibility
-from .dropout import Dropout
+from .call import DEFAULT_MAX_MEMORY, KernelCall, Outputs
 from .item import ItemVisibility
 from .paged import PagedKV
 from .scores import Scores, add_sinks
@@ -56,9 +55,6 @@ from .tasks import Parts, Task, merge_partials
 from .team import Team
 
 __all__ = ["DEFAULT_MAX_MEMORY", "Tiles", "attend", "merge_partials", "plan_tiles"]
-
-DEFAULT_MAX_MEMORY = 6 * 2**20
-"""Bytes of scratch each worker may use for its tiles, unless the caller says otherwise."""
 
 KEY_TILE = 512
 """Keys per tile when the memory budget allows it."""
@@ -125,35 +121,16 @@ def plan_tiles(
     return Tiles(rows=rows, cols=int(cols), heads=heads)
 
 
-def attend(
-    q: np.ndarray,
-    k: np.ndarray | PagedKV,
-    v: np.ndarray | PagedKV,
-    visibility: Visibility,
-    scale: float,
-    out: np.ndarray,
-    *,
-    weights: np.ndarray | None = None,
-    lse: np.ndarray | None = None,
-    max_memory: int = DEFAULT_MAX_MEMORY,
-    team: Team | None = None,
-    dropout: Dropout | None = None,
-    scores: Scores | None = None,
-) -> None:
-    """Fill ``out`` with attention of ``q`` over ``k`` and ``v``, per ``(*batch, head)``.
-
-    ``q (*batch, H, L, d_k)``, ``k (*batch, H_kv, S, d_k)``, ``v (*batch, H_kv, S, d_v)``
-    may be strided views of any floating dtype (``k`` and ``v`` also blocks of a paged
-    cache, :class:`.paged.PagedKV`, read tile by tile); ``H_kv`` divides ``H`` and query head ``h``
-    uses key/value head ``h // (H // H_kv)``. Tiles are computed in ``out.dtype``, which
-    must be float32 or wider. ``out (*batch, H, L, d_v)``, ``weights (*batch, H, L, S)``
-    and ``lse (*batch, H, L)`` (log-sum-exp of each row's logits) must arrive filled with
-    0, 0 and ``-inf``: rows and items that see no key are not visited. ``scale`` is a Python
-    float, so it never promotes float32 work to float64. Work items run on ``team``
-    (serially without one). ``dropout`` drops weights after the softmax's sums (the
-    log-sum-exp is the undropped one, as the backward pass needs). ``scores`` changes the
-    scores and adds the sinks (:mod:`.scores`).
+def attend(call: KernelCall, outputs: Outputs, team: Team | None = None) -> None:
+    """Fill ``outputs`` with the attention of ``call`` (:class:`.call.KernelCall`), per
+    ``(*batch, head)``: the output, and the weights and the log-sum-exp of each row's
+    logits where asked for. Work items run on ``team`` (serially without one). ``dropout``
+    drops weights after the softmax's sums (the log-sum-exp is the undropped one, as the
+    backward pass needs); ``scores`` change the scores and add the sinks (:mod:`.scores`).
     """
+    q, k, v, visibility, scale = call.q, call.k, call.v, call.visibility, call.scale
+    scores, dropout, max_memory = call.scores, call.dropout, call.budget
+    out, weights, lse = outputs.out, outputs.weights, outputs.lse
     visibility = visibility.classified(team)
     sinks = None if scores is None else scores.sinks
     if sinks is not None and lse is None:

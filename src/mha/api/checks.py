@@ -28,7 +28,7 @@ from .._arrays import (
     result_and_compute_dtypes,
 )
 from .._kernel.contract import Visibility, check_lengths, check_variants
-from .._kernel.forward import DEFAULT_MAX_MEMORY
+from .._kernel.call import DEFAULT_MAX_MEMORY
 from .._kernel.scores import Scores
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .cache import KVCache

@@ -19,6 +19,7 @@ import numpy as np
 
 from .._arrays import as_float_array, cast_result
 from .._kernel.backward import attend_backward
+from .._kernel.call import Gradients, KernelCall, Outputs
 from .._kernel.contract import Visibility
 from .._kernel.dropout import Dropout
 from .._kernel.scores import Scores
@@ -78,11 +79,10 @@ class SplitHeadsBackward:
             np.errstate(invalid="ignore", over="ignore"),
             Team(workers_for(cost, self.threads)) as team,
         ):
-            attend_backward(
-                self.q, self.k, self.v, self.out, self.lse, grad, self.visibility, self.scale,
-                dq=dq, dk=dk, dv=dv, dbias=dbias, max_memory=self.budget, team=team,
-                dropout=self.dropout, scores=self.scores, dsinks=dsinks,
-            )  # fmt: skip
+            call = KernelCall(self.q, self.k, self.v, self.visibility, self.scale, self.scores,
+                              self.dropout, self.budget)  # fmt: skip
+            attend_backward(call, Outputs(self.out, lse=self.lse), grad,
+                            Gradients(dq, dk, dv, dbias, dsinks), team)  # fmt: skip
         grads = {"q": dq, "k": dk, "v": dv}
         if dsinks is not None:
             grads["sinks"] = dsinks
@@ -160,13 +160,11 @@ class ProjectedBackward:
             if self.bias_shape is not None and self.visibility.bias is not None:
                 dbias = np.zeros(self.visibility.bias.shape, dtype)  # the bias's own size
             dsinks = None if call.sinks is None else np.zeros(call.sinks.shape, dtype)
-            attend_backward(
-                self.q, self.k, self.v, split_heads(self.joined, H), self.lse,
-                split_heads(d_joined, H), self.visibility, 1.0, dq=dq, dk=dk, dv=dv,
-                dbias=dbias, max_memory=call.budget, team=team, dropout=self.dropout,
-                dq_factor=call.scale,  # q = (Q @ W_q + b_q) * scale
-                scores=call.scores, dsinks=dsinks,
-            )  # fmt: skip
+            kernel = KernelCall(self.q, self.k, self.v, self.visibility, 1.0, call.scores,
+                                self.dropout, call.budget)  # fmt: skip
+            grads_out = Gradients(dq, dk, dv, dbias, dsinks, dq_factor=call.scale)  # q's scale
+            attend_backward(kernel, Outputs(split_heads(self.joined, H), lse=self.lse),
+                            split_heads(d_joined, H), grads_out, team)  # fmt: skip
             if dsinks is not None:
                 grads["sinks"] = dsinks
             del d_joined  # memory: each intermediate goes as soon as it is used (dq keeps it)

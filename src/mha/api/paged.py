@@ -18,6 +18,7 @@ from .._arrays import (
     resolve_scale,
     result_and_compute_dtypes,
 )
+from .._kernel.call import KernelCall, Outputs
 from .._kernel.contract import Visibility
 from .._kernel.forward import attend
 from .._kernel.paged import PagedKV
@@ -132,10 +133,9 @@ def paged_attention(
     lse = np.full((B, H, L), -np.inf, compute_dtype) if want_lse else None
     cost = float(B * H * L) * S * (d_k + value_cache.shape[-1])
     with np.errstate(invalid="ignore", over="ignore"), Team(workers_for(cost, threads)) as team:
-        attend(
-            queries, PagedKV(key_cache, table, S), PagedKV(value_cache, table, S), visibility,
-            scale, out, lse=lse, max_memory=budget, team=team, scores=scores,
-        )  # fmt: skip
+        call = KernelCall(queries, PagedKV(key_cache, table, S), PagedKV(value_cache, table, S),
+                          visibility, scale, scores, budget=budget)  # fmt: skip
+        attend(call, Outputs(out, lse=lse), team)
     result = cast_result(out.transpose(0, 2, 1, 3), result_dtype)
     if want_lse:
         assert lse is not None

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, overload
 import numpy as np
 
 from .._arrays import cast_result
+from .._kernel.call import KernelCall, Outputs
 from .._kernel.contract import Visibility
 from .._kernel.dropout import Dropout
 from .._kernel.forward import attend
@@ -289,10 +290,8 @@ def compute(
                 weights = np.zeros((*B, H, L, S + call.extra), dtype=dtype)
             if call.want_backward:
                 lse = np.full((*B, H, L), -np.inf, dtype=dtype)
-            attend(
-                q, k, v, visibility, 1.0, split_heads(joined, H), weights=weights, lse=lse,
-                max_memory=call.budget, team=team, dropout=dropout, scores=call.scores,
-            )  # fmt: skip
+            kernel = KernelCall(q, k, v, visibility, 1.0, call.scores, dropout, call.budget)
+            attend(kernel, Outputs(split_heads(joined, H), weights, lse), team)
         out = team.matmul(joined, w.W_o, w.b_o)
     if call.left_padded:
         assert call.counts is not None

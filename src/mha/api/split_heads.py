@@ -21,6 +21,7 @@ from .._arrays import (
     resolve_scale,
     result_and_compute_dtypes,
 )
+from .._kernel.call import KernelCall, Outputs
 from .._kernel.contract import Visibility
 from .._kernel.dropout import Dropout
 from .._kernel.forward import attend, merge_partials
@@ -285,10 +286,8 @@ def scaled_dot_product_attention(
     cost = float(math.prod(q.shape[:-1])) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
     with np.errstate(invalid="ignore", over="ignore"), Team(workers_for(cost, threads)) as team:
         visibility = visibility.classified(team)  # mask_mod's block map, kept for backward
-        attend(
-            q, k, v, visibility, scale, out, weights=weights, lse=lse, max_memory=budget,
-            team=team, dropout=dropout, scores=scores,
-        )  # fmt: skip
+        call = KernelCall(q, k, v, visibility, scale, scores, dropout, budget)
+        attend(call, Outputs(out, weights, lse), team)
     results: list[Any] = [cast_result(out, result_dtype)]
     if weights is not None:
         results.append(cast_result(weights, result_dtype))
@@ -379,10 +378,8 @@ def _append_and_attend(
     with np.errstate(invalid="ignore", over="ignore"), ExitStack() as stack:
         if team is None:
             team = stack.enter_context(Team(workers_for(cost, threads)))
-        attend(
-            q, keys, values, visibility, scale, out, lse=lse, max_memory=budget, team=team,
-            scores=scores,
-        )  # fmt: skip
+        attend(KernelCall(q, keys, values, visibility, scale, scores, budget=budget),
+               Outputs(out, lse=lse), team)  # fmt: skip
     return out, lse
 
 

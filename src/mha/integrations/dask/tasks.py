@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..._arrays import cast_result
+from ..._kernel.call import KernelCall, Outputs
 from ..._kernel.contract import Visibility
 from ..._kernel.forward import attend, merge_partials
 from ..._kernel.scores import Scores, add_sinks
@@ -119,8 +120,8 @@ def part(
         np.errstate(invalid="ignore", over="ignore"),
         Team(workers_for(cost, plan.threads)) as team,
     ):
-        attend(q, k, v, visibility, plan.scale, out, lse=lse, max_memory=plan.budget, team=team,
-               scores=plan.scores)  # fmt: skip
+        call = KernelCall(q, k, v, visibility, plan.scale, plan.scores, budget=plan.budget)
+        attend(call, Outputs(out, lse=lse), team)
     return out, lse
 
 
