@@ -283,7 +283,7 @@ def test_non_finite_bias_at_hidden_positions_never_reaches_a_visible_output(pois
 
 def test_a_block_of_the_visibility_sees_what_the_whole_sees_there():
     """Visibility.block, which mha.dask cuts per chunk pair, against the full visibility."""
-    from mha._kernel.contract import Visibility
+    from mha._kernel.contract import MaskArrays, MaskRules, ScoreShape, Visibility
 
     r = np.random.default_rng(11)
     for _ in range(200):
@@ -299,7 +299,11 @@ def test_a_block_of_the_visibility_sees_what_the_whole_sees_there():
             kwargs["query_lengths"] = r.integers(0, L + 1, B)
         if r.integers(2):
             kwargs["mask"] = r.random((B, 1, L, S)) < 0.7
-        whole = Visibility.build(batch_shape=(B,), H=H, L=L, S=S, **kwargs)
+        rules = MaskRules.check(None, kwargs["causal"], kwargs.get("causal_alignment"),
+                                kwargs.get("window"), None, None, None)  # fmt: skip
+        arrays = MaskArrays(kwargs.get("mask"), None, kwargs.get("key_lengths"),
+                            kwargs.get("query_lengths"))  # fmt: skip
+        whole = Visibility.build(rules, arrays, ScoreShape((B,), H, L, S))
         allowed = whole.allowed()
         for _ in range(4):
             b0, r0, c0 = int(r.integers(0, B)), int(r.integers(0, L)), int(r.integers(0, S))

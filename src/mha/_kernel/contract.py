@@ -34,8 +34,9 @@ positions after them); a block of a call (:meth:`Visibility.block`) keeps the ca
 A query row that can see no key gets all-zero weights and a zero attention output.
 
 >>> import numpy as np
->>> from mha._kernel.contract import Visibility
->>> vis = Visibility.build(batch_shape=(1,), H=1, L=2, S=3, causal=True, key_lengths=[2])
+>>> from mha._kernel.contract import MaskArrays, MaskRules, ScoreShape, Visibility
+>>> rules = MaskRules.check(None, True, None, None, None, None, None)
+>>> vis = Visibility.build(rules, MaskArrays(key_lengths=[2]), ScoreShape((1,), 1, 2, 3))
 >>> vis.allowed()[0, 0]
 array([[ True,  True, False],
        [ True,  True, False]])
@@ -46,7 +47,7 @@ from __future__ import annotations
 import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -66,6 +67,10 @@ from .team import Team
 
 __all__ = [
     "CAUSAL_ALIGNMENTS",
+    "CachedPositions",
+    "MaskArrays",
+    "MaskRules",
+    "ScoreShape",
     "Visibility",
     "check_lengths",
     "check_variants",
@@ -74,6 +79,83 @@ __all__ = [
 ]
 
 CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
+
+
+class ScoreShape(NamedTuple):
+    """The shape of the scores: ``(*batch_shape, H, L, S)``."""
+
+    batch_shape: tuple[int, ...]
+    H: int
+    L: int
+    S: int
+
+
+@dataclass(frozen=True)
+class MaskRules:
+    """What hides keys by rule rather than by an array: the causal mask and its alignment,
+    the sliding window, the sink tokens beside it, the chunks and ``mask_mod``. Checked
+    once by :meth:`check`; a part of a layer's spec."""
+
+    causal: bool = False
+    alignment: str | None = None  # None: "bottom_right", not given
+    window: int | None = None
+    sink_tokens: int | None = None  # None: not given (no sink tokens)
+    chunk: int | None = None
+    mask_mod: Callable[..., Any] | None = None
+
+    @classmethod
+    def check(
+        cls, mask: Any, causal: Any, causal_alignment: Any, window: Any, sink_tokens: Any,
+        chunk: Any, mask_mod: Any,
+    ) -> MaskRules:  # fmt: skip
+        """The rules of the keywords as given (``mask=True`` is the causal mask; a mask
+        array is the call's own, :class:`MaskArrays`), or the error that names one."""
+        mask_is_causal, _ = split_mask(mask)
+        causal = flag("causal", causal) or mask_is_causal
+        if causal_alignment is not None and (
+            not isinstance(causal_alignment, str) or causal_alignment not in CAUSAL_ALIGNMENTS
+        ):
+            raise AttentionValueError(
+                f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}; got {causal_alignment!r}"
+            )
+        window = None if window is None else positive_int("window", window)
+        if causal_alignment is not None and not causal and window is None:
+            raise AttentionValueError(
+                f"causal_alignment={causal_alignment!r} has no effect without a causal mask: "
+                "pass causal=True (or mask=True) with it, or leave it out"
+            )
+        tokens, chunk = check_variants(sink_tokens, chunk, mask_mod, window)
+        return cls(causal, causal_alignment, window, None if sink_tokens is None else tokens,
+                   chunk, mask_mod)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MaskArrays:
+    """What hides keys by a call's own arrays, as given (checked against the scores by
+    :meth:`Visibility.build`): the boolean ``mask`` (an array, not ``True``), the additive
+    ``bias``, and the lengths of the keys and of the queries."""
+
+    mask: Any = None
+    bias: Any = None
+    key_lengths: Any = None
+    query_lengths: Any = None
+
+    @classmethod
+    def of(cls, mask: Any, bias: Any, key_lengths: Any, query_lengths: Any) -> MaskArrays:
+        """The arrays of the keywords as given (``mask=True`` and ``False`` are rules)."""
+        return cls(split_mask(mask)[1], bias, key_lengths, query_lengths)
+
+
+@dataclass(frozen=True)
+class CachedPositions:
+    """Where a KV cache's rows and keys sit: each sequence's alignment ``offsets``, the
+    position of its row 0 (``query_index``) and of key slot 0 (``key_index``), and the
+    leading ``held_sinks`` slots that hold positions ``0..held_sinks-1``."""
+
+    offsets: np.ndarray | None = None
+    query_index: np.ndarray | None = None
+    key_index: np.ndarray | None = None
+    held_sinks: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,61 +191,34 @@ class Visibility:
     @classmethod
     def build(
         cls,
-        *,
-        batch_shape: tuple[int, ...],
-        H: int,
-        L: int,
-        S: int,
-        mask: Any = None,
-        causal: Any = False,
-        causal_alignment: Any = None,
-        key_lengths: Any = None,
-        query_lengths: Any = None,
-        bias: Any = None,
-        window: Any = None,
-        sink_tokens: Any = None,
-        chunk: Any = None,
-        mask_mod: Any = None,
-        offsets: np.ndarray | None = None,
-        query_index: np.ndarray | None = None,
-        key_index: np.ndarray | None = None,
-        held_sinks: int = 0,
+        rules: MaskRules,
+        given: MaskArrays,
+        shape: ScoreShape,
         dtype: Any = np.float64,
         context: str = "",
+        cached: CachedPositions | None = None,
     ) -> Visibility:
-        """Check every masking argument against the scores' shape and keep the parts.
-
-        ``context`` (such as "Q (2, 5, 8), K (2, 6, 8)") is added to length errors.
-        ``offsets``, ``query_index``, ``key_index`` and ``held_sinks`` (internal, for the KV
-        cache) give each sequence its own alignment offset ``i + offset`` for the causal
-        mask and the window, and its positions."""
+        """The visibility of scores of ``shape``: the call's ``rules`` (checked), and its
+        arrays (``given``) checked against the shape and kept as views. ``context`` (such
+        as "Q (2, 5, 8), K (2, 6, 8)") is added to length errors. ``cached`` (internal, for
+        a KV cache) gives each sequence its own alignment offset ``i + offset`` for the
+        causal mask and the window, and its positions."""
+        batch_shape, H, L, S = shape
         full = (*batch_shape, H, L, S)
-        mask_is_causal, mask_array = split_mask(mask)
-        causal = flag("causal", causal) or mask_is_causal
-        if causal_alignment is not None and (
-            not isinstance(causal_alignment, str) or causal_alignment not in CAUSAL_ALIGNMENTS
-        ):
-            raise AttentionValueError(
-                f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}; got {causal_alignment!r}"
-            )
-        window = None if window is None else positive_int("window", window)
-        if causal_alignment is not None and not causal and window is None:
-            raise AttentionValueError(
-                f"causal_alignment={causal_alignment!r} has no effect without a causal mask: "
-                "pass causal=True (or mask=True) with it, or leave it out"
-            )
-        sinks, chunk = check_variants(sink_tokens, chunk, mask_mod, window)
-        offset = 0 if causal_alignment == "top_left" else S - L
-        if mask_array is not None:
-            mask_array = fit_to_scores("mask", mask_array, full, batch_shape)
+        offset = 0 if rules.alignment == "top_left" else S - L
+        mask_array = None
+        if given.mask is not None:
+            mask_array = fit_to_scores("mask", given.mask, full, batch_shape)
         bias_array = None
         hides = False
-        if bias is not None:
-            bias_array = as_float_array("bias", bias)
+        if given.bias is not None:
+            bias_array = as_float_array("bias", given.bias)
             bias_array = fit_to_scores("bias", bias_array, full, batch_shape)
             with np.errstate(over="ignore"):
                 bias_array = bias_array.astype(dtype, copy=False)
             hides = bool(np.isneginf(bias_array).any())
+        lengths = given.key_lengths, given.query_lengths
+        cached = cached or CachedPositions()
         return cls(
             index_shape=(*batch_shape, H),
             L=L,
@@ -171,20 +226,20 @@ class Visibility:
             mask=mask_array,
             bias=bias_array,
             causal_offset=offset,
-            key_lengths=check_lengths("key_lengths", key_lengths, batch_shape, S, "key", context),
+            key_lengths=check_lengths("key_lengths", lengths[0], batch_shape, S, "key", context),
             query_lengths=check_lengths(
-                "query_lengths", query_lengths, batch_shape, L, "query", context
+                "query_lengths", lengths[1], batch_shape, L, "query", context
             ),
             bias_hides_keys=hides,
-            causal=causal,
-            window=window,
-            offsets=offsets,
-            sink_tokens=sinks,
-            chunk=chunk,
-            mask_mod=mask_mod,
-            query_index=query_index,
-            key_index=key_index,
-            held_sinks=held_sinks,
+            causal=rules.causal,
+            window=rules.window,
+            offsets=cached.offsets,
+            sink_tokens=rules.sink_tokens or 0,
+            chunk=rules.chunk,
+            mask_mod=rules.mask_mod,
+            query_index=cached.query_index,
+            key_index=cached.key_index,
+            held_sinks=cached.held_sinks,
         )
 
     def classified(self, team: Team | None = None) -> Visibility:

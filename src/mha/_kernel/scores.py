@@ -1,57 +1,176 @@
 """What a model changes in the scores and the softmax, each with its gradient beside it.
 
-Each tile's scores ``s = (q * scale) @ k_tile.T`` pass, in this order, through
+Each tile's scores ``s = (q * scale) @ k_tile.T`` pass through a pipeline of transforms
+(:class:`ScoreTransform`), in the order the call's spec lists them, before the bias and the
+masks; today, in this order:
 
-* soft-capping (Gemma 2): ``s = c * tanh(s / c)``, derivative ``1 - tanh(s / c)^2``;
-* ``score_mod(s, b, h, q_idx, kv_idx)`` (FlexAttention's), derivative ``score_mod_grad``;
-* ALiBi (BLOOM, MPT): ``s += -slope_h * (position_i - position_j)``, computed per tile from
-  the positions (:meth:`ItemVisibility.query_positions`), never as an ``(L, S)`` array;
+* :class:`SoftCap` (Gemma 2): ``s = c * tanh(s / c)``, derivative ``1 - tanh(s / c)^2``;
+* :class:`ScoreMod`: ``score_mod(s, b, h, q_idx, kv_idx)`` (FlexAttention's), derivative
+  ``score_mod_grad``;
+* :class:`Alibi` (BLOOM, MPT): ``s += -slope_h * (position_i - position_j)``, computed per
+  tile from the positions (:meth:`ItemVisibility.query_positions`), never as an ``(L, S)``
+  array.
 
-before the bias and the masks. Learned sinks (gpt-oss) add ``exp(sink_h)`` to each row's
-softmax denominator: a key with logit ``sink_h`` and no value. The kernel computes the
-rows without it and :func:`add_sinks` folds it in at the end, the log-sum-exp merge of
-the rows with a part whose output is zero; so split keys, merged partials and every tile
-size add it exactly once.
+A new change to the scores is one more class with ``apply`` (and its derivative), placed in
+the pipeline by the spec (:mod:`mha.api.spec`).
+
+Learned sinks (gpt-oss) add ``exp(sink_h)`` to each row's softmax denominator: a key with
+logit ``sink_h`` and no value. The kernel computes the rows without it and :func:`add_sinks`
+folds it in at the end, the log-sum-exp merge of the rows with a part whose output is zero;
+so split keys, merged partials and every tile size add it exactly once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .item import ItemVisibility
 
-__all__ = ["Scores", "add_sinks", "sink_gradient"]
+__all__ = [
+    "Alibi",
+    "ScoreMod",
+    "ScoreTransform",
+    "Scores",
+    "SoftCap",
+    "Tile",
+    "add_sinks",
+    "sink_gradient",
+]
+
+
+class Tile(NamedTuple):
+    """Rows ``[r0, r1)`` and keys ``[c0, c1)`` of one work item's query heads."""
+
+    item: ItemVisibility
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+
+
+class ScoreTransform(Protocol):
+    """One change to the scaled scores, in the pipeline of :class:`Scores`: ``apply``
+    changes a tile ``s (G, group * n, w)`` in place and, with ``derivative``, returns
+    d(changed)/d(given) (``None`` where it is 1). ``nonlinear``: the backward needs that
+    derivative (and so the raw scores); ``compiled``: the compiled softmax step can apply
+    it itself (:meth:`Alibi.rows`)."""
+
+    nonlinear: bool
+    compiled: bool
+
+    def apply(self, s: np.ndarray, tile: Tile, derivative: bool) -> np.ndarray | None: ...
 
 
 @dataclass(frozen=True)
-class Scores:
-    """A call's changes to the scores (``None`` where absent): ``alibi`` and ``sinks`` are
-    ``(H,)`` float64 arrays of slopes and logits per query head."""
+class SoftCap:
+    """Gemma 2's soft-capping: ``s = cap * tanh(s / cap)``, derivative ``1 - tanh(s / cap)^2``."""
 
-    softcap: float | None = None
-    score_mod: Callable[..., Any] | None = None
-    score_mod_grad: Callable[..., Any] | None = None
-    alibi: np.ndarray | None = None
+    cap: float
+    nonlinear = True
+    compiled = False
+
+    def apply(self, s: np.ndarray, tile: Tile, derivative: bool) -> np.ndarray | None:
+        s *= 1.0 / self.cap
+        np.tanh(s, out=s)
+        factor = 1.0 - s * s if derivative else None
+        s *= self.cap
+        return factor
+
+
+@dataclass(frozen=True)
+class ScoreMod:
+    """FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``, with its derivative
+    ``gradient`` (same arguments) for the backward."""
+
+    function: Callable[..., Any]
+    gradient: Callable[..., Any] | None = None
+    nonlinear = True
+    compiled = False
+
+    def apply(self, s: np.ndarray, tile: Tile, derivative: bool) -> np.ndarray | None:
+        n, w = tile.r1 - tile.r0, tile.c1 - tile.c0
+        view = s.reshape(1, s.size // max(1, n * w), n, w)
+        view.flags.writeable = False  # the function returns its result
+        b, h, q, k = tile.item.indices(tile.r0, tile.r1, tile.c0, tile.c1)
+        slope = None
+        if derivative:
+            assert self.gradient is not None  # checked with the call
+            slope = _result("score_mod_grad", _call(self.gradient, view, b, h, q, k), view)
+        changed = _result("score_mod", _call(self.function, view, b, h, q, k), view)
+        np.copyto(s, changed.reshape(s.shape), casting="same_kind")
+        return slope
+
+
+@dataclass(frozen=True, eq=False)
+class Alibi:
+    """ALiBi (BLOOM, MPT): ``s += -slope_h * (position_i - position_j)``, computed per
+    tile from the positions (:meth:`ItemVisibility.query_positions`), never as an ``(L,
+    S)`` array. ``slopes (H,)`` float64."""
+
+    slopes: np.ndarray
+    nonlinear = False
+    compiled = True
+
+    def apply(self, s: np.ndarray, tile: Tile, derivative: bool) -> np.ndarray | None:
+        item, r0, r1, c0, c1 = tile
+        n, w = r1 - r0, c1 - c0
+        distance = item.key_positions(c0, c1)[None, :] - item.query_positions(r0, r1)[:, None]
+        distance = distance.astype(s.dtype)  # exact: whole numbers
+        slopes = self.slopes[item.heads].astype(s.dtype)
+        stacked = s.reshape(s.size // max(1, n * w), n, w)
+        for g in range(stacked.shape[0]):  # one pass per head over an (n, w) tile
+            stacked[g] += slopes[g] * distance
+        return None
+
+    def rows(
+        self, item: ItemVisibility, r0: int, r1: int, c0: int, G: int, dtype: np.dtype
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """ALiBi for the compiled step: each stacked row's slope ``(G, group * n)`` and its
+        query position less key ``c0``'s (the tile's keys have consecutive positions)."""
+        n = r1 - r0
+        slopes = np.repeat(self.slopes[item.heads].astype(dtype), n).reshape(G, -1)
+        base = item.query_positions(r0, r1) - int(item.key_positions(c0, c0 + 1)[0])
+        return slopes, np.tile(base, slopes.shape[1] // max(n, 1))
+
+
+@dataclass(frozen=True, eq=False)
+class Scores:
+    """A call's changes to the scores: the ``transforms``, applied in order, and the learned
+    ``sinks (H,)`` (float64 logits per query head, or ``None``), added to the softmax."""
+
+    transforms: tuple[ScoreTransform, ...] = ()
     sinks: np.ndarray | None = None
+
+    def _first(self, kind: type) -> Any:
+        return next((t for t in self.transforms if isinstance(t, kind)), None)
+
+    @property
+    def softcap(self) -> float | None:
+        cap = self._first(SoftCap)
+        return None if cap is None else float(cap.cap)
+
+    @property
+    def alibi(self) -> np.ndarray | None:
+        alibi = self._first(Alibi)
+        return None if alibi is None else alibi.slopes
 
     @property
     def changes_scores(self) -> bool:
-        return self.softcap is not None or self.score_mod is not None or self.alibi is not None
+        return bool(self.transforms)
 
     def without_sinks(self) -> Scores | None:
         """These changes less the sinks (for parts that a merge adds them to once)."""
-        rest = replace(self, sinks=None)
-        return rest if rest.changes_scores else None
+        return Scores(self.transforms) if self.changes_scores else None
 
     @property
     def nonlinear(self) -> bool:
         """Whether the backward pass needs the raw scores and a derivative."""
-        return self.softcap is not None or self.score_mod is not None
+        return any(t.nonlinear for t in self.transforms)
 
     def apply(
         self, s: np.ndarray, item: ItemVisibility, r0: int, r1: int, c0: int, c1: int,
@@ -59,47 +178,27 @@ class Scores:
     ) -> np.ndarray | None:  # fmt: skip
         """Change the scaled scores ``s (G, group * n, w)`` of rows ``[r0, r1)`` and keys
         ``[c0, c1)`` of ``item``'s query heads (``group`` stacked per key/value head) in
-        place; with ``derivative``, return d(changed)/d(scaled), or ``None`` where it is 1.
-        ``alibi=False`` leaves ALiBi to the compiled softmax step (:meth:`alibi_rows`)."""
-        n, w = r1 - r0, c1 - c0
-        heads = s.size // max(1, n * w)
+        place, by each transform in turn; with ``derivative``, return d(changed)/d(scaled),
+        or ``None`` where it is 1. ``alibi=False`` leaves the transforms the compiled
+        softmax step applies (ALiBi: :meth:`alibi_rows`) to it."""
+        tile = Tile(item, r0, r1, c0, c1)
         factor = None
-        if self.softcap is not None:
-            s *= 1.0 / self.softcap
-            np.tanh(s, out=s)
-            if derivative:
-                factor = 1.0 - s * s
-            s *= self.softcap
-        if self.score_mod is not None:
-            view = s.reshape(1, heads, n, w)
-            view.flags.writeable = False  # the function returns its result
-            b, h, q, k = item.indices(r0, r1, c0, c1)
-            if derivative:
-                assert self.score_mod_grad is not None  # checked with the call
-                slope = _result("score_mod_grad", _call(self.score_mod_grad, view, b, h, q, k),
-                                view)  # fmt: skip
+        for transform in self.transforms:
+            if transform.compiled and not alibi:
+                continue
+            slope = transform.apply(s, tile, derivative)
+            if slope is not None:
                 factor = slope if factor is None else factor * slope.reshape(factor.shape)
-            changed = _result("score_mod", _call(self.score_mod, view, b, h, q, k), view)
-            np.copyto(s, changed.reshape(s.shape), casting="same_kind")
-        if self.alibi is not None and alibi:
-            distance = item.key_positions(c0, c1)[None, :] - item.query_positions(r0, r1)[:, None]
-            distance = distance.astype(s.dtype)  # exact: whole numbers
-            slopes = self.alibi[item.heads].astype(s.dtype)
-            stacked = s.reshape(heads, n, w)
-            for g in range(heads):  # one pass per head over an (n, w) tile
-                stacked[g] += slopes[g] * distance
         return None if factor is None else factor.reshape(s.shape)
 
     def alibi_rows(
         self, item: ItemVisibility, r0: int, r1: int, c0: int, G: int, dtype: np.dtype
     ) -> tuple[np.ndarray, np.ndarray]:
-        """ALiBi for the compiled step: each stacked row's slope ``(G, group * n)`` and its
-        query position less key ``c0``'s (the tile's keys have consecutive positions)."""
-        assert self.alibi is not None
-        n = r1 - r0
-        slopes = np.repeat(self.alibi[item.heads].astype(dtype), n).reshape(G, -1)
-        base = item.query_positions(r0, r1) - int(item.key_positions(c0, c0 + 1)[0])
-        return slopes, np.tile(base, slopes.shape[1] // max(n, 1))
+        """ALiBi for the compiled step (:meth:`Alibi.rows`)."""
+        alibi = self._first(Alibi)
+        assert alibi is not None
+        rows: tuple[np.ndarray, np.ndarray] = alibi.rows(item, r0, r1, c0, G, dtype)
+        return rows
 
 
 def _call(function: Callable[..., Any], score: np.ndarray, *indices: np.ndarray) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,73 +23,87 @@ from .._kernel.backward import attend_backward
 from .._kernel.call import Gradients, KernelCall, Outputs
 from .._kernel.contract import Visibility
 from .._kernel.dropout import Dropout
-from .._kernel.scores import Scores
 from .._kernel.team import Team, default_workers, workers_for
 from ..errors import AttentionValueError, ShapeError
 from .checks import Call
 from .rotary import apply_rotary
 
-__all__ = ["Fingerprints", "ProjectedBackward", "SplitHeadsBackward", "join_heads", "split_heads"]
+__all__ = [
+    "Fingerprints",
+    "Forward",
+    "ProjectedBackward",
+    "SplitHeadsBackward",
+    "join_heads",
+    "split_heads",
+]
 
 
 class SplitHeadsBackward:
     """``backward(grad_out)`` of one :func:`scaled_dot_product_attention` call: the
-    gradients of ``sum(grad_out * out)`` for ``q``, ``k``, ``v`` (and ``bias``), each shaped
-    like its input, in its dtype. It keeps q, k, v (the caller's arrays: a fingerprint
-    refuses a backward after they changed), the output and the log-sum-exp."""
+    gradients of ``sum(grad_out * out)`` for ``q``, ``k``, ``v`` (and ``bias``, ``sinks``
+    when given), each shaped like its input, in its dtype. It keeps the kernel's call (q, k,
+    v: the caller's arrays, which a fingerprint refuses a backward after they changed), the
+    output and the log-sum-exp; ``given`` holds the caller's ``bias`` and ``sinks`` (or
+    ``None``), whose gradients take their shapes and dtypes."""
 
     def __init__(
-        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: Any, out: np.ndarray,
-        lse: np.ndarray, visibility: Visibility, scale: float, dtype: np.dtype, budget: int,
-        threads: int | None, dropout: Dropout | None, scores: Scores | None = None,
-        sinks: Any = None,
-    ) -> None:  # fmt: skip
+        self, call: KernelCall, forward: Outputs, given: dict[str, Any], threads: int | None
+    ) -> None:
+        q, k, v, visibility = call.q, call.k, call.v, call.visibility
+        self.call, self.forward, self.threads = call, forward, threads
         self.dtypes = {"q": q.dtype, "k": k.dtype, "v": v.dtype}
-        self.scores = scores
+        scores = call.scores
         if scores is not None and scores.sinks is not None:
-            self.dtypes["sinks"] = as_float_array("sinks", sinks).dtype
-        self.q, self.k, self.v = q, k, v
+            self.dtypes["sinks"] = as_float_array("sinks", given["sinks"]).dtype
         self.unchanged = Fingerprints({
             "q": q, "k": k, "v": v, "mask": visibility.mask, "bias": visibility.bias,
-            "the returned output": out, "the returned log-sum-exp": lse,
+            "the returned output": forward.out, "the returned log-sum-exp": forward.lse,
         }, threads)  # fmt: skip
+        bias = given["bias"]
         self.bias_shape = None if bias is None else np.shape(bias)
         if bias is not None:
             self.dtypes["bias"] = as_float_array("bias", bias).dtype
-        self.out, self.lse, self.visibility = out, lse, visibility
-        self.scale, self.dtype, self.budget, self.threads = scale, dtype, budget, threads
-        self.dropout = dropout
 
     def __call__(self, grad_out: Any) -> dict[str, np.ndarray]:
-        grad = gradient("grad_out", grad_out, self.out.shape, self.dtype)
+        call, dtype = self.call, self.forward.out.dtype
+        q, k, v, visibility = call.q, call.k, call.v, call.visibility
+        grad = gradient("grad_out", grad_out, self.forward.out.shape, dtype)
         self.unchanged.check()
-        dq, dk, dv = (np.zeros(x.shape, self.dtype) for x in (self.q, self.k, self.v))
+        dq, dk, dv = (np.zeros(x.shape, dtype) for x in (q, k, v))
         dbias = None
-        if self.bias_shape is not None and self.visibility.bias is not None:
-            dbias = np.zeros(self.visibility.bias.shape, self.dtype)  # the bias's own size
+        if self.bias_shape is not None and visibility.bias is not None:
+            dbias = np.zeros(visibility.bias.shape, dtype)  # the bias's own size
         dsinks = None
-        if self.scores is not None and self.scores.sinks is not None:
-            dsinks = np.zeros(self.scores.sinks.shape, self.dtype)
-        cost = (
-            float(math.prod(self.q.shape[:-1]))
-            * self.k.shape[-2]
-            * 2
-            * (self.q.shape[-1] + self.v.shape[-1])
-        )
+        if call.scores is not None and call.scores.sinks is not None:
+            dsinks = np.zeros(call.scores.sinks.shape, dtype)
+        cost = float(math.prod(q.shape[:-1])) * k.shape[-2] * 2 * (q.shape[-1] + v.shape[-1])
         with (
             np.errstate(invalid="ignore", over="ignore"),
             Team(workers_for(cost, self.threads)) as team,
         ):
-            call = KernelCall(self.q, self.k, self.v, self.visibility, self.scale, self.scores,
-                              self.dropout, self.budget)  # fmt: skip
-            attend_backward(call, Outputs(self.out, lse=self.lse), grad,
-                            Gradients(dq, dk, dv, dbias, dsinks), team)  # fmt: skip
+            attend_backward(call, self.forward, grad, Gradients(dq, dk, dv, dbias, dsinks), team)
         grads = {"q": dq, "k": dk, "v": dv}
         if dsinks is not None:
             grads["sinks"] = dsinks
         if dbias is not None and self.bias_shape is not None:
-            grads["bias"] = _sum_to(dbias, self.bias_shape, self.q.shape[:-3])
+            grads["bias"] = _sum_to(dbias, self.bias_shape, q.shape[:-3])
         return {name: cast_result(g, self.dtypes[name]) for name, g in grads.items()}
+
+
+@dataclass(frozen=True)
+class Forward:
+    """What a layer's backward keeps of its forward: the projected ``q``, ``k``, ``v`` (the
+    extra keys appended), the joined heads, the log-sum-exp, the visibility of the keys
+    attended (extra ones included), the dropout and the QK-norm's ``saved`` rows."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    joined: np.ndarray
+    lse: np.ndarray
+    visibility: Visibility
+    dropout: Dropout | None
+    saved: dict[str, list[np.ndarray]]
 
 
 class ProjectedBackward:
@@ -99,15 +114,11 @@ class ProjectedBackward:
     projected ``q``, ``k``, ``v`` (the extra keys appended), the joined heads and the
     log-sum-exp; ``visibility`` covers the keys attended, extra ones included."""
 
-    def __init__(
-        self, call: Call, bias: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-        joined: np.ndarray, lse: np.ndarray, visibility: Visibility, dropout: Dropout | None,
-        saved: dict[str, list[np.ndarray]] | None = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, call: Call, forward: Forward) -> None:
         given = {"Q": call.Q, "K": call.K, "V": call.V, **call.weights.present()}
         if call.qk_norm is not None:
             given |= {"q_norm": call.qk_norm.q_norm, "k_norm": call.qk_norm.k_norm}
-        self.saved = saved or {}  # the QK-norm's normalised rows and their factors
+        self.saved = forward.saved  # the QK-norm's normalised rows and their factors
         self.call = call
         self.arrays = given
         self.dtypes = {name: x.dtype for name, x in given.items()}
@@ -115,12 +126,14 @@ class ProjectedBackward:
         self.unchanged = Fingerprints({
             **given, "mask": getattr(given_masks, "mask", None),
             "bias": getattr(given_masks, "bias", None),
-        }, call.threads)  # fmt: skip
+        }, call.request.threads)  # fmt: skip
+        bias = call.given.arrays.bias
         self.bias_shape = None if bias is None else np.shape(bias)
         if bias is not None:
             self.dtypes["bias"] = as_float_array("bias", bias).dtype
-        self.q, self.k, self.v, self.joined, self.lse = q, k, v, joined, lse
-        self.visibility, self.dropout = visibility, dropout
+        self.q, self.k, self.v = forward.q, forward.k, forward.v
+        self.joined, self.lse = forward.joined, forward.lse
+        self.visibility, self.dropout = forward.visibility, forward.dropout
         if call.sinks is not None:
             self.dtypes["sinks"] = call.sinks.dtype
         self.positions = tuple(  # copies: the caller may reuse its positions array
@@ -146,7 +159,7 @@ class ProjectedBackward:
         cost = float(self.q.size) * self.k.shape[-2] * 4
         with (
             np.errstate(invalid="ignore", over="ignore"),
-            Team(workers_for(cost, call.threads)) as team,
+            Team(workers_for(cost, call.request.threads)) as team,
         ):
             grads["W_o"] = _weight_grad(self.joined, grad, team)
             if "b_o" in self.arrays:
@@ -161,7 +174,7 @@ class ProjectedBackward:
                 dbias = np.zeros(self.visibility.bias.shape, dtype)  # the bias's own size
             dsinks = None if call.sinks is None else np.zeros(call.sinks.shape, dtype)
             kernel = KernelCall(self.q, self.k, self.v, self.visibility, 1.0, call.scores,
-                                self.dropout, call.budget)  # fmt: skip
+                                self.dropout, call.request.budget)  # fmt: skip
             grads_out = Gradients(dq, dk, dv, dbias, dsinks, dq_factor=call.scale)  # q's scale
             attend_backward(kernel, Outputs(split_heads(self.joined, H), lse=self.lse),
                             split_heads(d_joined, H), grads_out, team)  # fmt: skip

@@ -14,11 +14,18 @@ import numpy as np
 from .._arrays import as_float_array, flag, positive_int
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .cache import KVCache
-from .checks import check_call, check_mask_argument, masking, random_generator
+from .checks import (
+    LayerArrays,
+    LayerWeights,
+    check_layer,
+    check_mask_argument,
+    random_generator,
+)
 from .configuration import float_dtype
 from .layouts import Layouts
 from .paged_cache import PagedKVCache
 from .projection import compute
+from .spec import MhaKeywords, check_mha
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -321,28 +328,24 @@ class MultiHeadAttention(Layouts):
                 "this MultiHeadAttention holds q_norm/k_norm weights but has qk_norm=None: "
                 "make it with qk_norm='head' or 'all' (or set the weights to None)"
             )
-        call = check_call(
-            query, key, value, self.W_q, self.W_k, self.W_v, self.W_o, self.num_heads,
-            masking(mask, causal, causal_alignment, key_lengths, query_lengths, bias,
-                    self.window if window is None else window, self.sink_tokens, self.chunk,
-                    mask_mod),
-            b_q=self.b_q, b_k=self.b_k, b_v=self.b_v, b_o=self.b_o, scale=scale,
-            return_weights=return_weights, max_memory=max_memory, workers=workers,
-            bias_k=self.bias_k, bias_v=self.bias_v, add_zero_attn=self.add_zero_attn,
-            num_kv_heads=self.num_kv_heads, rope_theta=self.rope_theta,
-            rotary_dim=self.rotary_dim, rotary_interleaved=self.rotary_interleaved,
-            positions=positions, cache=cache, padding_side=padding_side,
-            return_backward=return_backward,
-            dropout_p=dropout_p, generator=generator,
-            names=_SELF_NAMES if itself else _INPUT_NAMES, sinks=self.sinks,
-            softcap=self.softcap, alibi=self.alibi, score_mod=score_mod,
-            score_mod_grad=score_mod_grad, rope_scaling=self.rope_scaling, q_norm=self.q_norm,
-            k_norm=self.k_norm, qk_norm=self.qk_norm,
-            qk_norm_eps=None if self.qk_norm is None else self.qk_norm_eps,
-            qk_norm_offset=None if self.qk_norm is None else self.qk_norm_offset,
+        keywords = MhaKeywords(
+            mask, causal, causal_alignment, key_lengths, query_lengths, bias, scale,
+            return_weights, max_memory, workers, self.add_zero_attn, self.num_kv_heads,
+            self.window if window is None else window, self.sink_tokens, self.chunk, mask_mod,
+            self.sinks, self.softcap, self.alibi, score_mod, score_mod_grad, self.rope_theta,
+            self.rotary_dim, self.rotary_interleaved, self.rope_scaling, positions, self.qk_norm,
+            None if self.qk_norm is None else self.qk_norm_eps,
+            None if self.qk_norm is None else self.qk_norm_offset, cache, padding_side,
+            return_backward, dropout_p, generator,
         )  # fmt: skip
-        result = compute(call, bias, generator)
-        if not call.want_backward:
+        weights = LayerWeights(self.W_q, self.W_k, self.W_v, self.W_o, self.b_q, self.b_k,
+                               self.b_v, self.b_o, self.bias_k, self.bias_v, self.q_norm,
+                               self.k_norm)  # fmt: skip
+        inputs = LayerArrays(query, key, value)
+        names = _SELF_NAMES if itself else _INPUT_NAMES
+        call = check_layer(inputs, weights, self.num_heads, check_mha(keywords), names)
+        result = compute(call)
+        if not call.request.backward:
             return result
         *outputs, backward = result
         return (*outputs, _Renamed(backward))

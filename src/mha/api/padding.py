@@ -11,12 +11,13 @@ from typing import Any
 
 import numpy as np
 
+from .._kernel.contract import MaskArrays
 from ..errors import AttentionValueError
 
 __all__ = ["check_padding_side", "to_front", "to_left"]
 
 
-def check_padding_side(padding_side: Any, cache: Any, masking: dict[str, Any]) -> bool:
+def check_padding_side(padding_side: Any, cache: Any, arrays: MaskArrays) -> bool:
     """Whether the padding rows come first (``"left"``); ``None`` and ``"right"``: last."""
     if padding_side is None or padding_side == "right":
         return False
@@ -27,8 +28,7 @@ def check_padding_side(padding_side: Any, cache: Any, masking: dict[str, Any]) -
             "padding_side='left' says which rows of a prompt appended to a cache are padding; "
             "without cache=, give the lengths of right-padded inputs or a mask"
         )
-    mask = masking.get("mask")
-    if masking.get("bias") is not None or not (mask is None or isinstance(mask, (bool, np.bool_))):
+    if arrays.bias is not None or arrays.mask is not None:
         raise AttentionValueError(
             "padding_side='left' cannot be combined with a mask= or bias= array (their rows "
             "would be the padded layout's): move each prompt's tokens first and give "

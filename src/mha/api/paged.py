@@ -19,14 +19,14 @@ from .._arrays import (
     result_and_compute_dtypes,
 )
 from .._kernel.call import KernelCall, Outputs
-from .._kernel.contract import Visibility
+from .._kernel.contract import CachedPositions, MaskArrays, MaskRules, ScoreShape, Visibility
 from .._kernel.forward import attend
 from .._kernel.paged import PagedKV
 from .._kernel.team import Team, workers_for
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
-from .checks import kernel_options, kv_heads
+from .checks import kv_heads
+from .spec import Request, ScoreRules
 from .split_heads import merge_attention
-from .variants import check_scores
 
 __all__ = ["cascade_attention", "paged_attention"]
 
@@ -95,6 +95,43 @@ def paged_attention(
     >>> bool(np.allclose(out[:1], dense.transpose(0, 2, 1, 3), rtol=1e-13, atol=0))
     True
     """
+    q, key_cache, value_cache, shapes = _operands(q, key_cache, value_cache)
+    B, L, H, d_k = q.shape
+    num_blocks, block_size = key_cache.shape[:2]
+    table, lengths = _table_and_lengths(block_table, seq_lens, B, num_blocks, block_size)
+    result_dtype, compute_dtype = result_and_compute_dtypes(q, key_cache, value_cache)
+    scale = resolve_scale(scale, d_k, compute_dtype)
+    rules = MaskRules.check(None, causal, None, window, None, None, None)
+    request = Request.check(False, return_lse, False, max_memory, workers)
+    scores = ScoreRules(sinks, softcap).fit(H, want_backward=False)
+    S = max(int(lengths.max(initial=0)), 1)
+    cached = CachedPositions(lengths - L, lengths - L, np.zeros(B, np.int64))
+    visibility = Visibility.build(rules, MaskArrays(key_lengths=lengths), ScoreShape((B,), H, L, S),
+                                  compute_dtype, shapes, cached)  # fmt: skip
+    queries = q.transpose(0, 2, 1, 3)  # (B, H, L, d_k): a view
+    outputs = Outputs(np.zeros((B, H, L, value_cache.shape[-1]), compute_dtype))
+    if request.lse:
+        outputs.lse = np.full((B, H, L), -np.inf, compute_dtype)
+    cost = float(B * H * L) * S * (d_k + value_cache.shape[-1])
+    with (
+        np.errstate(invalid="ignore", over="ignore"),
+        Team(workers_for(cost, request.threads)) as team,
+    ):
+        keys, values = PagedKV(key_cache, table, S), PagedKV(value_cache, table, S)
+        call = KernelCall(queries, keys, values, visibility, scale, scores, budget=request.budget)
+        attend(call, outputs, team)
+    result = cast_result(outputs.out.transpose(0, 2, 1, 3), result_dtype)
+    if request.lse:
+        assert outputs.lse is not None
+        return result, outputs.lse
+    return result
+
+
+def _operands(
+    q: Any, key_cache: Any, value_cache: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+    """The queries and the two pools as float arrays of fitting shapes, and their shapes
+    as messages quote them."""
     q = as_float_array("q", q)
     key_cache, value_cache = _pool("key_cache", key_cache), _pool("value_cache", value_cache)
     for name, array in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
@@ -108,39 +145,10 @@ def paged_attention(
         )
     if q.shape[-1] != key_cache.shape[-1]:
         raise ShapeError(f"q and key_cache must have the same head width d_k ({shapes})")
-    B, L, H, d_k = q.shape
-    num_blocks, block_size, H_kv, _ = key_cache.shape
+    H, H_kv = q.shape[2], key_cache.shape[2]
     if H_kv == 0 or H % H_kv:
         kv_heads(H, H_kv, shapes)
-    table, lengths = _table_and_lengths(block_table, seq_lens, B, num_blocks, block_size)
-    result_dtype, compute_dtype = result_and_compute_dtypes(q, key_cache, value_cache)
-    scale = resolve_scale(scale, d_k, compute_dtype)
-    causal = flag("causal", causal)
-    want_lse = flag("return_lse", return_lse)
-    budget, threads = kernel_options(max_memory, workers)
-    scores = check_scores(
-        sinks=sinks, softcap=softcap, alibi=None, score_mod=None, score_mod_grad=None, H=H,
-        want_backward=False,
-    )  # fmt: skip
-    S = max(int(lengths.max(initial=0)), 1)
-    visibility = Visibility.build(
-        batch_shape=(B,), H=H, L=L, S=S, causal=causal, key_lengths=lengths, window=window,
-        offsets=lengths - L, query_index=lengths - L, key_index=np.zeros(B, np.int64),
-        dtype=compute_dtype, context=shapes,
-    )  # fmt: skip
-    queries = q.transpose(0, 2, 1, 3)  # (B, H, L, d_k): a view
-    out = np.zeros((B, H, L, value_cache.shape[-1]), compute_dtype)
-    lse = np.full((B, H, L), -np.inf, compute_dtype) if want_lse else None
-    cost = float(B * H * L) * S * (d_k + value_cache.shape[-1])
-    with np.errstate(invalid="ignore", over="ignore"), Team(workers_for(cost, threads)) as team:
-        call = KernelCall(queries, PagedKV(key_cache, table, S), PagedKV(value_cache, table, S),
-                          visibility, scale, scores, budget=budget)  # fmt: skip
-        attend(call, Outputs(out, lse=lse), team)
-    result = cast_result(out.transpose(0, 2, 1, 3), result_dtype)
-    if want_lse:
-        assert lse is not None
-        return result, lse
-    return result
+    return q, key_cache, value_cache, shapes
 
 
 def _pool(name: str, pool: Any) -> np.ndarray:

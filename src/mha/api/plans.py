@@ -25,11 +25,11 @@ import numpy as np
 
 from .._arrays import resolve_scale
 from .._kernel import compiled, walk
-from .._kernel.contract import Visibility
+from .._kernel.contract import ScoreShape, Visibility
 from .._kernel.forward import PRODUCT_CHUNK, WIDE_BELOW_ROWS, plan_tiles
 from .._kernel.team import Team, default_workers, workers_for
-from .checks import checked_heads, kernel_options
-from .checks import masking as masking_of
+from .checks import checked_heads
+from .spec import Checked
 
 __all__ = ["planned_attention"]
 
@@ -49,53 +49,45 @@ class _Plan:
 
 
 def planned_attention(
-    q: Any,
-    k: Any,
-    v: Any,
-    causal: Any,
-    window: Any,
-    scale: Any,
-    return_lse: Any,
-    max_memory: Any,
-    workers: Any,
+    q: Any, k: Any, v: Any, checked: Checked
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray] | None:
-    """:func:`mha.scaled_dot_product_attention` ``(q, k, v, causal=causal, window=window,
-    scale=scale, return_lse=return_lse, max_memory=max_memory, workers=workers)`` by its
-    kept plan (made now if there is none), or ``None`` when the call is not one to plan or
-    the walk left work undone: the caller then takes the unplanned path. Arguments the
-    checks refuse raise as there."""
+    """:func:`mha.scaled_dot_product_attention` of ``q``, ``k``, ``v`` for its ``checked``
+    keywords by their kept plan (made now if there is none), or ``None`` when the call is
+    not one to plan or the walk left work undone: the caller then takes the unplanned path.
+    A call is planned when its keywords were kept (plain values), it carries nothing of its
+    own and asks back at most the log-sum-exp, its operands are plain float32 or float64
+    arrays of one dtype, and the compiled walk takes what its spec computes (:func:`_plan`).
+    Arguments the checks refuse raise as there."""
+    given, request = checked.given, checked.request
     if not (
-        type(q) is np.ndarray
+        checked.kept
+        and type(q) is np.ndarray
         and type(k) is np.ndarray
         and type(v) is np.ndarray
         and q.dtype in _PLAIN_DTYPES
         and k.dtype == q.dtype
         and v.dtype == q.dtype
-        and (causal is True or causal is False)
-        and (return_lse is True or return_lse is False)
-        and (window is None or type(window) is int)
-        and (scale is None or type(scale) is float)
-        and (max_memory is None or type(max_memory) is int)
-        and (workers is None or type(workers) is int)
+        and not request.weights
+        and not request.backward
+        and given.empty
         and compiled.walk_available()
     ):
         return None
-    size = workers if workers is not None else default_workers()  # (the cores may change)
-    key = (q.shape, k.shape, v.shape, q.strides, k.strides, v.strides, q.dtype, causal, window,
-           scale, return_lse, max_memory, workers, size)  # fmt: skip
+    size = request.threads if request.threads is not None else default_workers()
+    key = (checked, q.shape, k.shape, v.shape, q.strides, k.strides, v.strides, q.dtype, size)
     if key in _PLANS:
         plan = _PLANS[key]
     else:
         if not (q.flags.aligned and k.flags.aligned and v.flags.aligned):
             return None  # this call's arrays, not its signature: nothing to keep
-        plan = _plan(q, k, v, causal, window, scale, max_memory, workers)
+        plan = _plan(q, k, v, checked)
         if len(_PLANS) >= KEPT:
             _PLANS.clear()
         _PLANS[key] = plan  # None: the walk does not take calls of this signature
     if plan is None:
         return None
     out = np.zeros(plan.out_shape, q.dtype)
-    lse = np.full(plan.out_shape[:-1], -np.inf, q.dtype) if return_lse else None
+    lse = np.full(plan.out_shape[:-1], -np.inf, q.dtype) if request.lse else None
     outputs = (out,) if lse is None else (out, lse[..., None])
     views = walk.walk_views((q, k, v), outputs, operands=(q, k, v))
     if views is None:  # arrays not aligned: the unplanned path copes
@@ -109,38 +101,29 @@ def planned_attention(
     return out if lse is None else (out, lse)
 
 
-def _plan(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    causal: bool,
-    window: int | None,
-    scale: float | None,
-    max_memory: int | None,
-    workers: int | None,
-) -> _Plan | None:
-    """The plan of a plain call, checked as the unplanned path checks it (and refused with
-    its errors); ``None`` when the compiled walk would not take calls of its signature (a
-    size of 0, strides it cannot read: aligned arrays, so nothing that depends on where
-    they lie)."""
+def _plan(q: np.ndarray, k: np.ndarray, v: np.ndarray, checked: Checked) -> _Plan | None:
+    """The plan of a call, checked as the unplanned path checks it (and refused with its
+    errors); ``None`` when the compiled walk would not take calls of its signature (what
+    its spec computes, a size of 0, strides it cannot read: aligned arrays, so nothing that
+    depends on where they lie)."""
+    spec, given, request = checked.spec, checked.given, checked.request
     q, k, v, _, dtype = checked_heads(q, k, v)
-    factor = resolve_scale(scale, q.shape[-1], dtype)
-    budget, threads = kernel_options(max_memory, workers)
-    masking = masking_of(None, causal, None, None, None, None, window, None, None, None)
-    visibility = Visibility.build(
-        batch_shape=q.shape[:-3], H=q.shape[-3], L=q.shape[-2], S=k.shape[-2], dtype=dtype,
-        context=f"q {q.shape}, k {k.shape}", **masking,
-    )  # fmt: skip
+    factor = resolve_scale(spec.scale, q.shape[-1], dtype)
+    if spec.scores.fit(q.shape[-3], False) is not None or spec.dropout_p:
+        return None  # changes to the scores (sinks too) and dropout: the unplanned path
+    shape = ScoreShape(q.shape[:-3], q.shape[-3], q.shape[-2], k.shape[-2])
+    visibility = Visibility.build(spec.mask, given.arrays, shape, dtype,
+                                  f"q {q.shape}, k {k.shape}")  # fmt: skip
     out_shape = (*q.shape[:-1], v.shape[-1])
     out = np.zeros(out_shape, dtype)
     if walk.forward_walkable(q, k, v, out, None, visibility, None, None, None) is None:
         return None
     cost = float(math.prod(q.shape[:-1])) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
-    team_size = workers_for(cost, threads)
+    team_size = workers_for(cost, request.threads)
     H_kv = k.shape[-3]
     group = q.shape[-3] // H_kv
     tiles = plan_tiles(q.shape[-2], k.shape[-2], H_kv, q.shape[-1], v.shape[-1], dtype.itemsize,
-                       budget, False, group, False)  # fmt: skip
+                       request.budget, False, group, False)  # fmt: skip
     forward = walk.ForwardPlan(q.shape, k, v.shape[-1], visibility, factor, dtype, tiles, group,
                                team_size, WIDE_BELOW_ROWS, PRODUCT_CHUNK)  # fmt: skip
     return _Plan(out_shape, team_size, forward)

@@ -17,18 +17,18 @@ import numpy as np
 
 from .._arrays import cast_result
 from .._kernel.call import KernelCall, Outputs
-from .._kernel.contract import Visibility
+from .._kernel.contract import MaskArrays, MaskRules, ScoreShape, Visibility
 from .._kernel.dropout import Dropout
 from .._kernel.forward import attend
 from .._kernel.team import Team, workers_for
 from .cache import KVCache
-from .checks import Call, Weights, check_call
-from .checks import masking as masking_of
-from .gradients import ProjectedBackward, join_heads, split_heads
+from .cached import CachedCall, attend_cached
+from .checks import Call, LayerArrays, LayerWeights, Weights, check_layer
+from .gradients import Forward, ProjectedBackward, join_heads, split_heads
 from .padding import to_front, to_left
 from .paged_cache import PagedKVCache
 from .rotary import apply_rotary
-from .split_heads import attend_cached
+from .spec import MhaKeywords, check_mha
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -217,94 +217,85 @@ def multi_head_attention(
     array([[[1., 1., 1.],
             [1., 1., 1.]]])
     """
-    masking = masking_of(mask, causal, causal_alignment, key_lengths, query_lengths, bias, window,
-                         sink_tokens, chunk, mask_mod)  # fmt: skip
-    call = check_call(
-        Q, K, V, W_q, W_k, W_v, W_o, num_heads, masking, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
-        scale=scale, return_weights=return_weights, max_memory=max_memory, workers=workers,
-        bias_k=bias_k, bias_v=bias_v, add_zero_attn=add_zero_attn, num_kv_heads=num_kv_heads,
-        rope_theta=rope_theta, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
-        positions=positions, cache=cache, padding_side=padding_side,
-        return_backward=return_backward, dropout_p=dropout_p,
-        generator=generator, sinks=sinks, softcap=softcap, alibi=alibi, score_mod=score_mod,
-        score_mod_grad=score_mod_grad, rope_scaling=rope_scaling, q_norm=q_norm, k_norm=k_norm,
-        qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_offset=qk_norm_offset,
+    keywords = MhaKeywords(
+        mask, causal, causal_alignment, key_lengths, query_lengths, bias, scale, return_weights,
+        max_memory, workers, add_zero_attn, num_kv_heads, window, sink_tokens, chunk, mask_mod,
+        sinks, softcap, alibi, score_mod, score_mod_grad, rope_theta, rotary_dim,
+        rotary_interleaved, rope_scaling, positions, qk_norm, qk_norm_eps, qk_norm_offset, cache,
+        padding_side, return_backward, dropout_p, generator,
     )  # fmt: skip
-    return compute(call, bias, generator)
+    weights = LayerWeights(W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm)
+    call = check_layer(LayerArrays(Q, K, V), weights, num_heads, check_mha(keywords))
+    return compute(call)
 
 
-def compute(
-    call: Call, bias: Any = None, generator: np.random.Generator | None = None
-) -> np.ndarray | tuple[Any, ...]:
-    """A call checked by :func:`check_call`, computed: the output, then the weights and
-    ``backward`` if asked for. ``bias`` is the caller's (its gradient takes its shape) and
-    ``generator`` the dropout's."""
-    if call.left_padded:  # each sequence's real rows first, as for right padding
-        assert call.counts is not None
-        Q = to_front(call.Q, call.counts, axis=-2)
-        K = Q if call.K is call.Q else to_front(call.K, call.counts, axis=-2)
-        V = (
-            Q
-            if call.V is call.Q
-            else K
-            if call.V is call.K
-            else to_front(call.V, call.counts, axis=-2)
-        )
-        call = replace(call, Q=Q, K=K, V=V)
+def compute(call: Call) -> np.ndarray | tuple[Any, ...]:
+    """A call checked by :func:`check_layer`, computed: the output, then the weights and
+    ``backward`` if asked for."""
+    if call.given.left_padded:  # each sequence's real rows first, as for right padding
+        call = _real_rows_first(call)
     H, d_v, B, L, S = call.H, call.d_v, call.B, call.L, call.S
-    dtype, given = call.compute_dtype, call.weights
+    dtype, given, request = call.compute_dtype, call.weights, call.request
     w = given.in_dtype(dtype)
     visibility = call.visibility
     if visibility is not None and call.extra:
         visibility = with_extra_keys(visibility, call.extra, dtype)
     # Everything is checked: the dropout's seed may be drawn.
-    dropout = Dropout.draw(call.drop_p, generator, H, L) if call.drop_p else None
+    drop_p = call.spec.dropout_p
+    dropout = Dropout.draw(drop_p, call.given.generator, H, L) if drop_p else None
 
     keys = S if call.cache is None else int(call.cache.lengths.max(initial=0)) + L  # attended
     cost = float(math.prod(B)) * (  # multiply-adds of the projections and of attention
         L * given.W_q.size + S * (given.W_k.size + given.W_v.size)
         + L * given.W_o.size + H * L * keys * (call.d_k + d_v)
     )  # fmt: skip
-    weights = lse = None
+    outputs = None
     with (
         np.errstate(invalid="ignore", over="ignore"),
-        Team(workers_for(cost, call.threads)) as team,
+        Team(workers_for(cost, request.threads)) as team,
     ):
         saved: dict[str, list[np.ndarray]] = {}  # the QK-norm's, for the backward
-        q, k, v = project_heads(call, w, team, saved if call.want_backward else None)
+        q, k, v = project_heads(call, w, team, saved if request.backward else None)
         if visibility is not None:
             visibility = visibility.classified(team)  # mask_mod's block map, kept for backward
         if call.extra:
-            k = append_keys(k, w.bias_k, call.add_zero_attn, call.H_kv)
-            v = append_keys(v, w.bias_v, call.add_zero_attn, call.H_kv)
+            k = append_keys(k, w.bias_k, call.spec.add_zero_attn, call.H_kv)
+            v = append_keys(v, w.bias_v, call.spec.add_zero_attn, call.H_kv)
         if visibility is None:  # the cache's call
-            assert call.cache is not None and call.counts is not None
-            heads, _ = attend_cached(
-                q, k, v, call.cache, call.counts, call.window, 1.0, False, call.budget,
-                call.threads, team, call.masking, call.scores,
-            )  # fmt: skip
+            assert call.append is not None
+            cached = CachedCall(q, k, v, call.append, 1.0, call.scores, request)
+            heads, _ = attend_cached(cached, team)
             joined = join_heads(heads)
         else:
             joined = np.zeros((*B, L, H * d_v), dtype=dtype)  # (*B, L, H*d_v)
-            if call.want_weights:
-                weights = np.zeros((*B, H, L, S + call.extra), dtype=dtype)
-            if call.want_backward:
-                lse = np.full((*B, H, L), -np.inf, dtype=dtype)
-            kernel = KernelCall(q, k, v, visibility, 1.0, call.scores, dropout, call.budget)
-            attend(kernel, Outputs(split_heads(joined, H), weights, lse), team)
+            outputs = Outputs(split_heads(joined, H))
+            if request.weights:
+                outputs.weights = np.zeros((*B, H, L, S + call.extra), dtype=dtype)
+            if request.backward:
+                outputs.lse = np.full((*B, H, L), -np.inf, dtype=dtype)
+            kernel = KernelCall(q, k, v, visibility, 1.0, call.scores, dropout, request.budget)
+            attend(kernel, outputs, team)
         out = team.matmul(joined, w.W_o, w.b_o)
-    if call.left_padded:
+    if call.given.left_padded:
         assert call.counts is not None
         out = to_left(out, call.counts, axis=-2)
     results: list[Any] = [cast_result(out, call.result_dtype)]
-    if weights is not None:
-        results.append(cast_result(weights, call.result_dtype))
-    if call.want_backward:
-        assert lse is not None and visibility is not None
-        results.append(
-            ProjectedBackward(call, bias, q, k, v, joined, lse, visibility, dropout, saved)
-        )
+    if outputs is not None and outputs.weights is not None:
+        results.append(cast_result(outputs.weights, call.result_dtype))
+    if request.backward:
+        assert outputs is not None and outputs.lse is not None and visibility is not None
+        forward = Forward(q, k, v, joined, outputs.lse, visibility, dropout, saved)
+        results.append(ProjectedBackward(call, forward))
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def _real_rows_first(call: Call) -> Call:
+    """A left-padded cached call with each sequence's real rows first (:func:`to_front`)."""
+    assert call.counts is not None
+    Q = to_front(call.Q, call.counts, axis=-2)
+    K = Q if call.K is call.Q else to_front(call.K, call.counts, axis=-2)
+    V = Q if call.V is call.Q else K if call.V is call.K else to_front(call.V, call.counts, -2)
+    return replace(call, Q=Q, K=K, V=V)
 
 
 def project_heads(
@@ -377,11 +368,10 @@ def with_extra_keys(visibility: Visibility, extra: int, dtype: np.dtype) -> Visi
     if visibility.bias is not None:
         bias = np.broadcast_to(visibility.bias, allowed.shape)
         bias = np.concatenate([bias, np.zeros((*allowed.shape[:-1], extra), dtype)], axis=-1)
-    return Visibility.build(
-        batch_shape=visibility.index_shape[:-1], H=visibility.index_shape[-1], L=visibility.L,
-        S=visibility.S + extra, mask=np.concatenate([allowed, seen], axis=-1), bias=bias,
-        dtype=dtype,
-    )  # fmt: skip
+    arrays = MaskArrays(np.concatenate([allowed, seen], axis=-1), bias)
+    shape = ScoreShape(visibility.index_shape[:-1], visibility.index_shape[-1], visibility.L,
+                       visibility.S + extra)  # fmt: skip
+    return Visibility.build(MaskRules(), arrays, shape, dtype)
 
 
 def append_keys(x: np.ndarray, bias: np.ndarray | None, zero: bool, H: int) -> np.ndarray:

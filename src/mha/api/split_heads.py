@@ -9,7 +9,6 @@ Shapes are named as in the paper: ``H`` heads, ``L`` query positions, ``S`` key 
 from __future__ import annotations
 
 import math
-from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, overload
 
 import numpy as np
@@ -17,32 +16,23 @@ import numpy as np
 from .._arrays import (
     as_float_array,
     cast_result,
-    flag,
     resolve_scale,
     result_and_compute_dtypes,
 )
 from .._kernel.call import KernelCall, Outputs
-from .._kernel.contract import Visibility
+from .._kernel.contract import ScoreShape, Visibility
 from .._kernel.dropout import Dropout
 from .._kernel.forward import attend, merge_partials
-from .._kernel.scores import Scores, add_sinks
+from .._kernel.scores import add_sinks
 from .._kernel.team import Team, workers_for
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .cache import KVCache
-from .checks import (
-    check_cache,
-    check_dropout,
-    checked_heads,
-    kernel_options,
-    same,
-)
-from .checks import (
-    masking as masking_of,
-)
+from .cached import attend_split_cached
+from .checks import checked_heads, same
 from .gradients import SplitHeadsBackward
-from .padding import check_padding_side, to_front, to_left
 from .paged_cache import PagedKVCache
 from .plans import planned_attention
+from .spec import Checked, SdpaKeywords, check_sdpa
 from .variants import check_scores
 
 if TYPE_CHECKING:
@@ -50,7 +40,7 @@ if TYPE_CHECKING:
 
     from .signatures import Backward, Flag, MaskMod, ScoreMod, SdpaOptions
 
-__all__ = ["attend_cached", "merge_attention", "scaled_dot_product_attention"]
+__all__ = ["attention", "merge_attention", "scaled_dot_product_attention"]
 
 
 # One overload per combination of the return_* flags (the output first, then the weights,
@@ -215,172 +205,58 @@ def scaled_dot_product_attention(
     array([[[1.  , 0.  ],
             [0.33, 0.67]]])
     """
-    if (  # a plain call: by its kept plan (mha.api.plans), the same bits with less Python
-        mask is None and causal_alignment is None and key_lengths is None
-        and query_lengths is None and bias is None and sink_tokens is None and chunk is None
-        and mask_mod is None and sinks is None and softcap is None and alibi is None
-        and score_mod is None and score_mod_grad is None and return_weights is False
-        and return_backward is False and dropout_p is None and generator is None
-        and cache is None and padding_side is None
-    ):  # fmt: skip
-        planned = planned_attention(q, k, v, causal, window, scale, return_lse, max_memory,
-                                    workers)  # fmt: skip
-        if planned is not None:
-            return planned
+    keywords = SdpaKeywords(
+        mask, causal, causal_alignment, key_lengths, query_lengths, bias, window, sink_tokens,
+        chunk, mask_mod, sinks, softcap, alibi, score_mod, score_mod_grad, scale, return_weights,
+        return_lse, return_backward, dropout_p, generator, cache, padding_side, max_memory,
+        workers,
+    )  # fmt: skip
+    return attention(q, k, v, check_sdpa(keywords))
+
+
+def attention(q: Any, k: Any, v: Any, checked: Checked) -> np.ndarray | tuple[Any, ...]:
+    """:func:`scaled_dot_product_attention` of ``q``, ``k``, ``v`` for its checked keywords:
+    by a kept plan when it is a plain call (:mod:`.plans`), on a cache when it carries one
+    (:mod:`.cached`), else on the kernel."""
+    planned = planned_attention(q, k, v, checked)
+    if planned is not None:
+        return planned
+    spec, given, request = checked.spec, checked.given, checked.request
     q, k, v, result_dtype, compute_dtype = checked_heads(q, k, v)
-    scale = resolve_scale(scale, q.shape[-1], compute_dtype)
-    want_weights = flag("return_weights", return_weights)
-    budget, threads = kernel_options(max_memory, workers)
-    masking = masking_of(mask, causal, causal_alignment, key_lengths, query_lengths, bias, window,
-                         sink_tokens, chunk, mask_mod)  # fmt: skip
-    drop_p = check_dropout(dropout_p, generator)
-    want_lse = flag("return_lse", return_lse)
-    want_backward = flag("return_backward", return_backward)
-    scores = check_scores(
-        sinks=sinks, softcap=softcap, alibi=alibi, score_mod=score_mod,
-        score_mod_grad=score_mod_grad, H=q.shape[-3], want_backward=want_backward,
-    )  # fmt: skip
-    left_padded = check_padding_side(padding_side, cache, masking)
-    if cache is not None:
-        if want_weights or want_backward or drop_p:
-            raise AttentionValueError(
-                "return_weights, return_backward and dropout are not available with cache=: "
-                "call without the cache"
-            )
-        if k.ndim != 4 or v.ndim != 4:
-            raise ShapeError(
-                f"with cache=, k and v must be the new tokens' (B, H_kv, L_new, d): "
-                f"got k {k.shape}, v {v.shape}"
-            )
-        if masking["window"] is None:  # the cache's window, unless the call names one
-            masking["window"] = getattr(cache, "window", None)
-        counts, window = check_cache(
-            cache, masking, B=q.shape[0], H_kv=k.shape[1], d_k=k.shape[-1], d_v=v.shape[-1],
-            L=q.shape[-2], new_keys=k.shape[-2], dtype=compute_dtype,
-            context=f"q {q.shape}, k {k.shape}, v {v.shape}",
-        )  # fmt: skip
-        if left_padded:  # the real rows first, as for right padding
-            q, k, v = (to_front(x, counts, axis=-2) for x in (q, k, v))
-        out, lse = attend_cached(
-            q, k, v, cache, counts, window, scale, want_lse, budget, threads, None, masking,
-            scores,
-        )  # fmt: skip
-        if left_padded:
-            out = to_left(out, counts, axis=-2)
-            lse = None if lse is None else to_left(lse[..., None], counts, axis=-2)[..., 0]
-        out = cast_result(out, result_dtype)
-        return out if lse is None else (out, lse)
-    visibility = Visibility.build(
-        batch_shape=q.shape[:-3], H=q.shape[-3], L=q.shape[-2], S=k.shape[-2],
-        dtype=compute_dtype, context=f"q {q.shape}, k {k.shape}", **masking,
-    )  # fmt: skip
+    scale = resolve_scale(spec.scale, q.shape[-1], compute_dtype)
+    scores = spec.scores.fit(q.shape[-3], request.backward)
+    if given.cache is not None:
+        dtypes = (result_dtype, compute_dtype)
+        return attend_split_cached(q, k, v, checked, scale, scores, dtypes)
+    shape = ScoreShape(q.shape[:-3], q.shape[-3], q.shape[-2], k.shape[-2])
+    visibility = Visibility.build(spec.mask, given.arrays, shape, compute_dtype,
+                                  f"q {q.shape}, k {k.shape}")  # fmt: skip
     # The seed is drawn once everything is checked: a refused call leaves the generator be.
-    dropout = Dropout.draw(drop_p, generator, q.shape[-3], q.shape[-2]) if drop_p else None
-    out = np.zeros((*q.shape[:-1], v.shape[-1]), dtype=compute_dtype)
-    weights = None
-    if want_weights:
-        weights = np.zeros((*q.shape[:-1], k.shape[-2]), dtype=compute_dtype)
-    lse = None
-    if want_lse or want_backward:
-        lse = np.full(q.shape[:-1], -np.inf, dtype=compute_dtype)
+    dropout = None
+    if spec.dropout_p:
+        dropout = Dropout.draw(spec.dropout_p, given.generator, q.shape[-3], q.shape[-2])
+    outputs = Outputs(np.zeros((*q.shape[:-1], v.shape[-1]), dtype=compute_dtype))
+    if request.weights:
+        outputs.weights = np.zeros((*q.shape[:-1], k.shape[-2]), dtype=compute_dtype)
+    if request.lse or request.backward:
+        outputs.lse = np.full(q.shape[:-1], -np.inf, dtype=compute_dtype)
     cost = float(math.prod(q.shape[:-1])) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
-    with np.errstate(invalid="ignore", over="ignore"), Team(workers_for(cost, threads)) as team:
+    with (
+        np.errstate(invalid="ignore", over="ignore"),
+        Team(workers_for(cost, request.threads)) as team,
+    ):
         visibility = visibility.classified(team)  # mask_mod's block map, kept for backward
-        call = KernelCall(q, k, v, visibility, scale, scores, dropout, budget)
-        attend(call, Outputs(out, weights, lse), team)
-    results: list[Any] = [cast_result(out, result_dtype)]
-    if weights is not None:
-        results.append(cast_result(weights, result_dtype))
-    if want_lse:
-        results.append(lse)
-    if want_backward:
-        assert lse is not None
-        results.append(SplitHeadsBackward(
-            q, k, v, bias, out, lse, visibility, scale, compute_dtype, budget, threads, dropout,
-            scores, sinks,
-        ))  # fmt: skip
+        call = KernelCall(q, k, v, visibility, scale, scores, dropout, request.budget)
+        attend(call, outputs, team)
+    results: list[Any] = [cast_result(outputs.out, result_dtype)]
+    if outputs.weights is not None:
+        results.append(cast_result(outputs.weights, result_dtype))
+    if request.lse:
+        results.append(outputs.lse)
+    if request.backward:
+        given_arrays = {"bias": given.arrays.bias, "sinks": spec.scores.sinks}
+        results.append(SplitHeadsBackward(call, outputs, given_arrays, request.threads))
     return results[0] if len(results) == 1 else tuple(results)
-
-
-def attend_cached(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    cache: KVCache | PagedKVCache,
-    counts: np.ndarray,
-    window: SupportsIndex | None,
-    scale: float,
-    want_lse: bool,
-    budget: int,
-    threads: int | None,
-    team: Team | None = None,
-    masking: dict[str, Any] | None = None,
-    scores: Scores | None = None,
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """Append the first ``counts[b]`` new keys and values of each sequence ``b`` to
-    ``cache`` and attend over everything it holds, within ``window``: ``(out, lse or
-    None)`` in the cache's compute dtype. The call was checked by :func:`check_cache`; the cache's
-    lengths advance only once the attention is computed. ``masking`` gives the call's
-    sink tokens, chunks and ``mask_mod``; ``scores`` its changes to the scores."""
-    masking = masking or {}
-    if cache.values_in_keys and not np.array_equal(v, k[..., : v.shape[-1]]):
-        raise AttentionValueError(
-            f"the cache holds its values in its keys (values_in_keys=True): the new values "
-            f"must be the first {v.shape[-1]} features of the new keys (v = k[..., :"
-            f"{v.shape[-1]}]), and these are not ({cache!r})"
-        )
-    positions = cache.lengths.copy()  # each sequence's first new token
-    saved = cache._snapshot()
-    try:
-        out, lse = _append_and_attend(
-            q, k, v, cache, counts, window, scale, want_lse, budget, threads, team, masking,
-            scores, positions,
-        )  # fmt: skip
-    except BaseException:  # a mask_mod or score_mod that fails, say: the cache as it was
-        cache._restore(saved)
-        raise
-    cache._commit(counts)
-    return out, lse
-
-
-def _append_and_attend(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache | PagedKVCache, counts: np.ndarray,
-    window: SupportsIndex | None, scale: float, want_lse: bool, budget: int,
-    threads: int | None, team: Team | None, masking: dict[str, Any], scores: Scores | None,
-    positions: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
-    """:func:`attend_cached`'s work before the commit."""
-    B, L = q.shape[0], q.shape[-2]
-    dtype = cache.compute_dtype  # a bfloat16 cache's tiles are read in float32
-    held_sinks = cache.sink_tokens if cache.window is not None else 0
-
-    def visibility_for(filled: np.ndarray) -> Visibility:
-        return Visibility.build(
-            batch_shape=(B,), H=q.shape[-3], L=L, S=int(filled.max(initial=0)), causal=True,
-            key_lengths=filled, query_lengths=counts, window=window, offsets=filled - counts,
-            mask=masking.get("mask"), bias=masking.get("bias"),
-            sink_tokens=masking.get("sink_tokens"), chunk=masking.get("chunk"),
-            mask_mod=masking.get("mask_mod"), query_index=positions,
-            key_index=cache.first - held_sinks, held_sinks=held_sinks, dtype=dtype,
-        )  # fmt: skip
-
-    # Without a window a cache's slots are its positions: the call's mask and bias are
-    # checked against them before anything is written (a window's cache moves them).
-    visibility = visibility_for(cache.lengths + counts) if cache.window is None else None
-    filled = cache._append(k, v, counts)
-    S = int(filled.max(initial=0))
-    if visibility is None:
-        visibility = visibility_for(filled)
-    keys, values = cache._attended(S)
-    out = np.zeros((*q.shape[:-1], values.shape[-1]), dtype=dtype)
-    lse = np.full(q.shape[:-1], -np.inf, dtype=dtype) if want_lse else None
-    cost = float(B * q.shape[-3] * L) * S * (q.shape[-1] + values.shape[-1])
-    with np.errstate(invalid="ignore", over="ignore"), ExitStack() as stack:
-        if team is None:
-            team = stack.enter_context(Team(workers_for(cost, threads)))
-        attend(KernelCall(q, keys, values, visibility, scale, scores, budget=budget),
-               Outputs(out, lse=lse), team)  # fmt: skip
-    return out, lse
 
 
 def merge_attention(outputs: Any, lses: Any, sinks: Any = None) -> tuple[np.ndarray, np.ndarray]:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .._arrays import as_float_array, check_function
-from .._kernel.scores import Scores
+from .._kernel.scores import Alibi, ScoreMod, Scores, ScoreTransform, SoftCap
 from ..errors import AttentionValueError, ShapeError
 from .rotary import positive_real
 
@@ -72,9 +72,16 @@ def check_scores(
             "d score_mod / d score, a function of the same arguments: give it, or call "
             "without return_backward"
         )
-    if sink_logits is None and cap is None and slopes is None and score_mod is None:
+    transforms: list[ScoreTransform] = []  # in this order: soft-capping, score_mod, ALiBi
+    if cap is not None:
+        transforms.append(SoftCap(cap))
+    if score_mod is not None:
+        transforms.append(ScoreMod(score_mod, score_mod_grad))
+    if slopes is not None:
+        transforms.append(Alibi(slopes))
+    if sink_logits is None and not transforms:
         return None
-    return Scores(cap, score_mod, score_mod_grad, slopes, sink_logits)
+    return Scores(tuple(transforms), sink_logits)
 
 
 def _per_head(name: str, value: Any, H: int, what: str) -> np.ndarray:

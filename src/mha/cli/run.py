@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .._kernel.contract import Visibility
+from .._kernel.contract import MaskArrays, MaskRules, ScoreShape, Visibility
 from ..api.module import MultiHeadAttention
 from ..api.projection import multi_head_attention
 from ._common import (
@@ -126,12 +126,13 @@ def attend(args: argparse.Namespace, want_weights: bool) -> tuple[np.ndarray, An
     visible = None
     if weights is not None:
         shape = np.shape(Q)
-        allowed = Visibility.build(
-            batch_shape=shape[:-2], H=heads, L=shape[-2], S=np.shape(K)[-2],
-            causal=args.causal, causal_alignment=keywords.get("causal_alignment"),
-            window=args.window if module is None else module.window,
-            key_lengths=keywords["key_lengths"], query_lengths=keywords["query_lengths"],
-        ).allowed()  # fmt: skip
+        rules = MaskRules.check(None, args.causal, keywords.get("causal_alignment"),
+                                args.window if module is None else module.window, None, None,
+                                None)  # fmt: skip
+        lengths = MaskArrays(key_lengths=keywords["key_lengths"],
+                             query_lengths=keywords["query_lengths"])  # fmt: skip
+        scores = ScoreShape(shape[:-2], heads, shape[-2], np.shape(K)[-2])
+        allowed = Visibility.build(rules, lengths, scores).allowed()
         extra = weights.shape[-1] - allowed.shape[-1]  # the module's bias_k / zero key
         rows = np.ones(shape[-2], dtype=bool)  # every query row sees the extra keys ...
         if keywords["query_lengths"] is not None:  # ... unless it is padding

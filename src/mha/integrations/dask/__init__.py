@@ -31,12 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from ..._arrays import flag, resolve_scale
-from ..._kernel.contract import Visibility
+from ..._arrays import resolve_scale
+from ..._kernel.contract import ScoreShape, Visibility
 from ...api import checks
-from ...api.projection import append_keys
-from ...api.variants import check_scores
-from .graph import Graph, Grid
+from ...api.checks import LayerArrays, LayerWeights, check_layer
+from ...api.spec import Checked, MhaKeywords, SdpaKeywords, check_mha, check_sdpa
+from .build import Lazy, MhaGraph, SdpaGraph
 from .inputs import (
     Masks,
     Rotation,
@@ -46,25 +46,6 @@ from .inputs import (
     refuse_in_memory_only,
     small,
     standin,
-    with_batch_axis,
-)
-from .tasks import (
-    WEIGHT_NAMES,
-    Empty,
-    InBlock,
-    MhaBlock,
-    Output,
-    Part,
-    Projection,
-    SdpaBlock,
-    lse_out,
-    merge,
-    mha_block,
-    mha_out,
-    part,
-    project_chunk,
-    sdpa_block,
-    sdpa_out,
 )
 
 __all__ = ["multi_head_attention", "scaled_dot_product_attention"]
@@ -100,6 +81,7 @@ def scaled_dot_product_attention(
     dropout_p: float | None = None,
     generator: np.random.Generator | None = None,
     cache: Any = None,
+    padding_side: str | None = None,
     max_memory: int | None = None,
     workers: int | None = 1,
     split_every: int = SPLIT_EVERY,
@@ -133,86 +115,28 @@ def scaled_dot_product_attention(
     """
     da = import_dask()
     lazy = {name: lazy_or_array(name, x, da) for name, x in (("q", q), ("k", k), ("v", v))}
-    standins = [standin(x) for x in lazy.values()]
-    sq, sk, sv, result_dtype, compute_dtype = checks.checked_heads(*standins)
-    scale = resolve_scale(scale, sq.shape[-1], compute_dtype)
-    budget, threads = checks.kernel_options(max_memory, workers)
-    # what only memory offers, refused by name before the in-memory checks of what it needs
-    refuse_in_memory_only(return_weights, return_backward, dropout_p, generator, cache)
-    batch_shape, H, L, S = sq.shape[:-3], sq.shape[-3], sq.shape[-2], sk.shape[-2]
-    masks = Masks.check(mask, bias, da).fit_scores(batch_shape, H, L, S)
-    causal = flag("causal", causal)
-    visibility = Visibility.build(
-        batch_shape=batch_shape, H=H, L=L, S=S, causal=causal or masks.causal,
-        causal_alignment=causal_alignment, key_lengths=small("key_lengths", key_lengths),
-        query_lengths=small("query_lengths", query_lengths), window=window,
-        sink_tokens=sink_tokens, chunk=chunk, mask_mod=mask_mod, dtype=compute_dtype,
-        context=f"q {sq.shape}, k {sk.shape}",
+    sq, sk, sv, result_dtype, compute_dtype = checks.checked_heads(*map(standin, lazy.values()))
+    keywords = SdpaKeywords(  # the mask and the bias are checked by Masks, after
+        _causal(mask), causal, causal_alignment, small("key_lengths", key_lengths),
+        small("query_lengths", query_lengths), None, window, sink_tokens, chunk, mask_mod, sinks,
+        softcap, alibi, score_mod, score_mod_grad, scale, return_weights, return_lse,
+        return_backward, dropout_p, generator, cache, padding_side, max_memory, workers,
     )  # fmt: skip
-    scores = check_scores(
-        sinks=sinks, softcap=softcap, alibi=alibi, score_mod=score_mod,
-        score_mod_grad=score_mod_grad, H=H, want_backward=False,
-    )  # fmt: skip
-    variants = variant_keywords(sink_tokens, chunk, mask_mod, sinks, softcap, alibi, score_mod)
-    want_lse = flag("return_lse", return_lse)
-    fan_in = check_fan_in(split_every)
-
-    batched = len(batch_shape) > 0
+    checked = check_sdpa(keywords)
+    spec, request = checked.spec, checked.request
+    scale = resolve_scale(spec.scale, sq.shape[-1], compute_dtype)
+    _refuse_in_memory_only(checked)
+    shape = ScoreShape(sq.shape[:-3], sq.shape[-3], sq.shape[-2], sk.shape[-2])
+    masks = Masks.check(mask, bias, da).fit_scores(*shape)
+    visibility = Visibility.build(spec.mask, checked.given.arrays, shape, compute_dtype,
+                                  f"q {sq.shape}, k {sk.shape}")  # fmt: skip
+    scores = spec.scores.fit(shape.H, want_backward=False)
+    batched = len(shape.batch_shape) > 0
     arrays = {name: x if batched else x[None] for name, x in lazy.items()}
-    visibility = visibility if batched else with_batch_axis(visibility)
-    grid = Grid.of(arrays["q"], arrays["k"], arrays["v"], H, heads_axis=True)
-    parts_scores = None if scores is None else scores.without_sinks()
-    qd, kd, vd = (
-        grid.fit(arrays["q"], "rows", da),
-        grid.fit(arrays["k"], "cols", da),
-        grid.fit(arrays["v"], "cols", da),
-    )
-    mask_d, bias_d = masks.fit(grid, batched)
-    graph = Graph("mha-sdpa", (qd, kd, vd, mask_d, bias_d, visibility, scale, budget, threads,
-                                fan_in, want_lse, causal, causal_alignment, window,
-                                compute_dtype, result_dtype, scores, variants))  # fmt: skip
-    d_v = sv.shape[-1]
-    for bb, batch in grid.batch_blocks():
-        for i, rows in enumerate(grid.rows):
-            index = (*bb, 0, i, 0)
-            if grid.one_pair:  # the in-memory call on this block
-                call = SdpaBlock(
-                    masks=masks.block_keywords(causal, causal_alignment, window, visibility,
-                                               batch),
-                    scale=scale, budget=budget, threads=threads,
-                    variants=in_block(variants, visibility, batch),
-                )  # fmt: skip
-                key = graph.task(
-                    "block", (*bb, i), sdpa_block, (qd.name, *index), (kd.name, *bb, 0, 0, 0),
-                    (vd.name, *bb, 0, 0, 0), masks.key(mask_d, bb, i, 0),
-                    masks.key(bias_d, bb, i, 0), call,
-                )  # fmt: skip
-            else:
-                parts = []
-                for j, cols in enumerate(grid.cols):
-                    block = visibility.block(batch, rows, cols)
-                    if block.sees_any():
-                        plan = Part(block, scale, budget, threads, compute_dtype, parts_scores)
-                        parts.append(graph.task(
-                            "part", (*bb, i, j), part, (qd.name, *index),
-                            [(kd.name, *bb, 0, j, 0), (vd.name, *bb, 0, j, 0)],
-                            masks.key(mask_d, bb, i, j), masks.key(bias_d, bb, i, j), plan,
-                        ))  # fmt: skip
-                shape = (*grid.block_shape(batch), H, rows.stop - rows.start, d_v)
-                last = graph.reduce(parts, (*bb, i), fan_in)
-                empty = Empty(shape, compute_dtype, None if scores is None else scores.sinks)
-                key = graph.task("merged", (*bb, i), merge, last, empty)
-            graph.task("out", index, sdpa_out, key, result_dtype)
-            if want_lse:
-                graph.task("lse", index[:-1], lse_out, key)
-    out_chunks = (*grid.batch_chunks, (H,), grid.row_chunks, (d_v,))
-    out = graph.array("out", out_chunks, result_dtype, [qd, kd, vd, mask_d, bias_d], da)
-    if not batched:
-        out = out[0]
-    if not want_lse:
-        return out
-    lse = graph.array("lse", out_chunks[:-1], compute_dtype, [qd, kd, vd, mask_d, bias_d], da)
-    return out, (lse if batched else lse[0])
+    graph = SdpaGraph(Lazy(arrays, batched, masks, check_fan_in(split_every), da), checked,
+                      visibility, scale, scores)  # fmt: skip
+    del request
+    return graph.build(sv.shape[-1], (result_dtype, compute_dtype))
 
 
 def multi_head_attention(
@@ -255,8 +179,15 @@ def multi_head_attention(
     rope_theta: float | None = None,
     rotary_dim: int | None = None,
     rotary_interleaved: bool = False,
+    rope_scaling: dict[str, Any] | None = None,
     positions: Any = None,
+    q_norm: Any = None,
+    k_norm: Any = None,
+    qk_norm: str | None = None,
+    qk_norm_eps: float | None = None,
+    qk_norm_offset: float | None = None,
     cache: Any = None,
+    padding_side: str | None = None,
     return_backward: bool = False,
     dropout_p: float | None = None,
     generator: np.random.Generator | None = None,
@@ -269,9 +200,9 @@ def multi_head_attention(
     key positions ``K``'s; the feature axis is taken whole (rechunked if cut). The weights
     are NumPy arrays, sent to the cluster once. ``mask`` and ``bias`` may be Dask arrays,
     cut like the scores; ``key_lengths``, ``query_lengths`` and ``positions`` are small and
-    read when the graph is built. Every other argument is the in-memory function's, but for
-    ``rope_scaling`` and QK-norm (``q_norm``, ...), in-memory only. ``workers`` counts
-    threads inside each task (default 1: Dask runs tasks in parallel);
+    read when the graph is built. Every other argument is the in-memory function's (the
+    same checked spec: rope scaling and QK-norm too). ``workers`` counts threads inside
+    each task (default 1: Dask runs tasks in parallel);
     ``split_every`` is the merge tree's fan-in. ``return_weights``, ``return_backward``,
     dropout and ``cache`` are in-memory only.
 
@@ -290,140 +221,38 @@ def multi_head_attention(
     True
     """
     da = import_dask()
-    self_attention = Q is K is V
     lazy = {name: lazy_or_array(name, x, da) for name, x in (("Q", Q), ("K", K), ("V", V))}
     sQ, sK, sV = (standin(x) for x in lazy.values())
-    if self_attention:
+    if Q is K is V:  # one array: one GEMM projects all three
         sK = sV = sQ
-    # what only memory offers, refused by name before the in-memory checks of what it needs
-    refuse_in_memory_only(return_weights, return_backward, dropout_p, generator, cache)
-    masking = checks.masking(  # the mask and the bias are checked by Masks, after
-        True if isinstance(mask, (bool, np.bool_)) and mask else None, causal, causal_alignment,
-        small("key_lengths", key_lengths), small("query_lengths", query_lengths), None, window,
-        sink_tokens, chunk, mask_mod,
+    keywords = MhaKeywords(  # the mask and the bias are checked by Masks, after
+        _causal(mask), causal, causal_alignment, small("key_lengths", key_lengths),
+        small("query_lengths", query_lengths), None, scale, return_weights, max_memory, workers,
+        add_zero_attn, num_kv_heads, window, sink_tokens, chunk, mask_mod, sinks, softcap, alibi,
+        score_mod, score_mod_grad, rope_theta, rotary_dim, rotary_interleaved, rope_scaling,
+        small("positions", positions), qk_norm, qk_norm_eps, qk_norm_offset, cache, padding_side,
+        return_backward, dropout_p, generator,
     )  # fmt: skip
-    call = checks.check_call(
-        sQ, sK, sV, W_q, W_k, W_v, W_o, num_heads, masking, b_q=b_q, b_k=b_k, b_v=b_v,
-        b_o=b_o, scale=scale, return_weights=return_weights, max_memory=max_memory,
-        workers=workers,
-        bias_k=bias_k, bias_v=bias_v, add_zero_attn=add_zero_attn, num_kv_heads=num_kv_heads,
-        rope_theta=rope_theta, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
-        positions=small("positions", positions), cache=cache, return_backward=return_backward,
-        dropout_p=dropout_p, generator=generator, sinks=sinks, softcap=softcap, alibi=alibi,
-        score_mod=score_mod, score_mod_grad=score_mod_grad,
-    )  # fmt: skip
-    H, B, L, S = call.H, call.B, call.L, call.S
-    variants = variant_keywords(sink_tokens, chunk, mask_mod, sinks, softcap, alibi, score_mod)
-    parts_scores = None if call.scores is None else call.scores.without_sinks()
-    masks = Masks.check(mask, bias, da).fit_scores(B, H, L, S)
-    causal = flag("causal", causal)
+    checked = check_mha(keywords)
+    _refuse_in_memory_only(checked)
+    weights = LayerWeights(W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm)
+    call = check_layer(LayerArrays(sQ, sK, sV), weights, num_heads, checked)
+    masks = Masks.check(mask, bias, da).fit_scores(call.B, call.H, call.L, call.S)
     fan_in = check_fan_in(split_every)
-    assert call.visibility is not None  # no cache
     rotation = Rotation.check(call, positions)
-
-    batched = len(B) > 0
+    batched = len(call.B) > 0
     arrays = {name: x if batched else x[None] for name, x in lazy.items()}
-    visibility = call.visibility if batched else with_batch_axis(call.visibility)
-    grid = Grid.of(arrays["Q"], arrays["K"], arrays["V"], H, heads_axis=False)
-    Qd = grid.fit(arrays["Q"], "rows", da)
-    Kd = Qd if self_attention else grid.fit(arrays["K"], "cols", da)
-    Vd = Qd if self_attention else grid.fit(arrays["V"], "cols", da)
-    mask_d, bias_d = masks.fit(grid, batched)
-    weights = {name: getattr(call.weights, name) for name in WEIGHT_NAMES}
-    graph = Graph("mha", (  # everything the graph depends on: equal tokens, equal results
-        Qd, Kd, Vd, mask_d, bias_d, weights, visibility, call.scale, call.H, call.H_kv,
-        call.budget, call.threads, fan_in, rotation, call.add_zero_attn, call.compute_dtype,
-        call.result_dtype, causal, causal_alignment, window, num_kv_heads, call.scores, variants,
-    ))  # fmt: skip
-    w = graph.data("weights", weights)
-    if call.extra:  # bias_k's key and the zero key, one batch item: parts broadcast them
-        extra_kv = graph.data("extra", tuple(
-            append_keys(
-                np.zeros((1, call.H_kv, 0, d), call.compute_dtype),
-                None if b is None else b.astype(call.compute_dtype), call.add_zero_attn, call.H_kv,
-            ) for b, d in ((call.weights.bias_k, call.d_k), (call.weights.bias_v, call.d_v))
-        ))  # fmt: skip
-    d_out = call.weights.W_o.shape[1]
-    projected: dict[tuple[str, tuple[int, ...]], Any] = {}
-
-    def project(which: str, bb: tuple[int, ...], n: int, at: slice, batch: Any) -> Any:
-        """The key of chunk ``n``'s projected queries (``"q"``) or keys and values
-        (``"kv"``, one task: every part needs both)."""
-        if (which, (*bb, n)) not in projected:
-            plan = Projection(which, call.H, call.H_kv, call.scale, call.compute_dtype,
-                               rotation.at(which, batch, at), call.threads)  # fmt: skip
-            inputs = [(Qd.name, *bb, n, 0)] if which == "q" else [
-                (Kd.name, *bb, n, 0), (Vd.name, *bb, n, 0)]  # fmt: skip
-            projected[which, (*bb, n)] = graph.task(which, (*bb, n), project_chunk, inputs, w, plan)
-        return projected[which, (*bb, n)]
-
-    for bb, batch in grid.batch_blocks():
-        for i, rows in enumerate(grid.rows):
-            if grid.one_pair:  # the in-memory call on this block
-                plan_block = MhaBlock(
-                    num_heads=call.H, scale=call.scale,
-                    keywords={
-                        **masks.block_keywords(causal, causal_alignment, window, visibility,
-                                               batch),
-                        "num_kv_heads": num_kv_heads, "rope_theta": rope_theta,
-                        "rotary_dim": rotary_dim, "rotary_interleaved": rotary_interleaved,
-                        "positions": rotation.block_positions(batch),
-                        "add_zero_attn": call.add_zero_attn, "max_memory": call.budget,
-                        "workers": call.threads, **in_block(variants, visibility, batch),
-                    },
-                )  # fmt: skip
-                graph.task("out", (*bb, i, 0), mha_block, (Qd.name, *bb, 0, 0),
-                             (Kd.name, *bb, 0, 0), (Vd.name, *bb, 0, 0),
-                             masks.key(mask_d, bb, 0, 0), masks.key(bias_d, bb, 0, 0), w,
-                             plan_block)  # fmt: skip
-                continue
-            q = project("q", bb, i, rows, batch)
-            parts = []
-            for j, cols in enumerate(grid.cols):
-                block = visibility.block(batch, rows, cols)
-                if block.sees_any():
-                    plan = Part(block, 1.0, call.budget, call.threads, call.compute_dtype,
-                                parts_scores)  # fmt: skip
-                    parts.append(graph.task(
-                        "part", (*bb, i, j), part, q, project("kv", bb, j, cols, batch),
-                        masks.key(mask_d, bb, i, j), masks.key(bias_d, bb, i, j), plan,
-                    ))  # fmt: skip
-            if call.extra:  # bias_k's key and the zero key: seen by every real query
-                rows_only = visibility.block(batch, rows, slice(0, 0))
-                extra = Visibility(
-                    index_shape=rows_only.index_shape, L=rows_only.L, S=call.extra,
-                    query_lengths=rows_only.query_lengths,
-                )  # fmt: skip
-                plan = Part(extra, 1.0, call.budget, call.threads, call.compute_dtype,
-                            parts_scores)  # fmt: skip
-                parts.append(graph.task("part", (*bb, i, len(grid.cols)), part, q, extra_kv,
-                                        None, None, plan))  # fmt: skip
-            shape = (*grid.block_shape(batch), H, rows.stop - rows.start, call.d_v)
-            output = Output(shape, call.compute_dtype, call.result_dtype, call.threads,
-                            None if call.scores is None else call.scores.sinks)  # fmt: skip
-            last = graph.reduce(parts, (*bb, i), fan_in)  # the output task merges the last few
-            graph.task("out", (*bb, i, 0), mha_out, last, w, output)
-    chunks = (*grid.batch_chunks, grid.row_chunks, (d_out,))
-    out = graph.array("out", chunks, call.result_dtype, [Qd, Kd, Vd, mask_d, bias_d], da)
-    return out if batched else out[0]
+    return MhaGraph(Lazy(arrays, batched, masks, fan_in, da), call, checked, rotation).build()
 
 
-def variant_keywords(
-    sink_tokens: Any, chunk: Any, mask_mod: Any, sinks: Any, softcap: Any, alibi: Any,
-    score_mod: Any,
-) -> dict[str, Any]:  # fmt: skip
-    """The variants' keywords as a one-chunk call passes them to the in-memory function."""
-    return {"sink_tokens": sink_tokens, "chunk": chunk, "mask_mod": mask_mod, "sinks": sinks,
-            "softcap": softcap, "alibi": alibi, "score_mod": score_mod}  # fmt: skip
+def _causal(mask: Any) -> Any:
+    """The mask's part the spec takes: ``True`` (causal), else nothing (an array is cut
+    like the scores, :class:`Masks`)."""
+    return True if isinstance(mask, (bool, np.bool_)) and mask else None
 
 
-def in_block(variants: dict[str, Any], visibility: Visibility, batch: Any) -> dict[str, Any]:
-    """The variants' keywords for the in-memory call on one batch block: its ``mask_mod``
-    and ``score_mod`` see the call's sequence numbers, not the block's."""
-    given = {name: value for name, value in variants.items() if value is not None}
-    block = visibility.block(batch, slice(0, 0), slice(0, 0))
-    sequences = None if block.sequences is None else block.sequences.reshape(-1)
-    for name, score in (("mask_mod", False), ("score_mod", True)):
-        if name in given and sequences is not None:
-            given[name] = InBlock(given[name], sequences, score)
-    return given
+def _refuse_in_memory_only(checked: Checked) -> None:
+    """The in-memory functions' options that mha.dask does not offer, refused by name."""
+    request, given = checked.request, checked.given
+    refuse_in_memory_only(request.weights, request.backward, checked.spec.dropout_p,
+                          given.cache)  # fmt: skip

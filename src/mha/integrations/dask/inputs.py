@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..._arrays import as_array, as_float_array, flag, positive_int
+from ..._arrays import as_array, as_float_array, positive_int
 from ..._kernel.contract import Visibility, fit_to_scores, split_mask
 from ...api import checks
 from ...api.rotary import check_rotary
@@ -75,23 +75,12 @@ def check_fan_in(split_every: Any) -> int:
     return fan_in
 
 
-def refuse_in_memory_only(
-    return_weights: Any, return_backward: Any, dropout_p: Any, generator: Any, cache: Any
-) -> None:
-    """The in-memory functions' options that mha.dask does not offer: checked as they check
-    them, then refused by name when asked for."""
-    asked = [
-        name
-        for name, value in (
-            ("return_weights", return_weights),
-            ("return_backward", return_backward),
-        )
-        if flag(name, value)
-    ]
-    if checks.check_dropout(dropout_p, generator):
-        asked.append("dropout_p")
-    if cache is not None:
-        asked.append("cache")
+def refuse_in_memory_only(weights: bool, backward: bool, dropout_p: float, cache: Any) -> None:
+    """The in-memory functions' options that mha.dask does not offer (checked as they check
+    them), refused by name when asked for."""
+    asked = [name for name, value in (("return_weights", weights),
+                                      ("return_backward", backward), ("dropout_p", dropout_p),
+                                      ("cache", cache is not None)) if value]  # fmt: skip
     if asked:
         listed = " and ".join([", ".join(asked[:-1]), asked[-1]] if len(asked) > 1 else asked)
         raise AttentionValueError(

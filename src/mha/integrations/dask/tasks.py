@@ -3,7 +3,7 @@ the workers. Each calls the in-memory kernel or functions on its chunks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -15,13 +15,13 @@ from ..._kernel.forward import attend, merge_partials
 from ..._kernel.scores import Scores, add_sinks
 from ..._kernel.team import Team, workers_for
 from ...api import checks
+from ...api.checks import LayerArrays, LayerWeights, check_layer
 from ...api.gradients import join_heads, split_heads
-from ...api.projection import multi_head_attention as in_memory_mha
+from ...api.projection import compute
+from ...api.qk_norm import QKNorm
 from ...api.rotary import apply_rotary
-from ...api.split_heads import scaled_dot_product_attention as in_memory_sdpa
-
-_all__ = ["multi_head_attention", "scaled_dot_product_attention"]
-
+from ...api.spec import Checked
+from ...api.split_heads import attention
 
 WEIGHT_NAMES = checks.WEIGHT_NAMES
 
@@ -38,36 +38,44 @@ class Projection:
     dtype: np.dtype
     rotary: dict[str, Any] | None  # apply_rotary's positions and keywords for this chunk
     threads: int | None
+    norm: QKNorm | None = None  # the QK-norm, with its weights
 
 
 def project_chunk(inputs: list[np.ndarray], weights: Weights, plan: Projection) -> Any:
     """One chunk's heads ``(b, heads, n, d)`` in the compute dtype: the queries times the
     scale, or the keys and the values as a pair."""
     if plan.which == "q":
-        return heads(inputs[0], weights["W_q"], weights["b_q"], plan.H, plan, plan.scale)
+        return heads(inputs[0], weights["W_q"], weights["b_q"], plan, "q")
     return (
-        heads(inputs[0], weights["W_k"], weights["b_k"], plan.H_kv, plan),
-        heads(inputs[1], weights["W_v"], weights["b_v"], plan.H_kv, plan, rotate=False),
+        heads(inputs[0], weights["W_k"], weights["b_k"], plan, "k"),
+        heads(inputs[1], weights["W_v"], weights["b_v"], plan, "v"),
     )
 
 
-def heads(
-    X: np.ndarray,
-    W: np.ndarray,
-    b: np.ndarray | None,
-    heads: int,
-    plan: Projection,
-    scale: float = 1.0,
-    rotate: bool = True,
-) -> np.ndarray:
+def heads(X: np.ndarray, W: np.ndarray, b: np.ndarray | None, plan: Projection,
+          which: str) -> np.ndarray:  # fmt: skip
+    """``X @ W + b`` split into heads, for the queries (``which="q"``: times the scale), the
+    keys or the values: normalised by the QK-norm (the queries' scale after it) and rotated
+    (the queries and the keys), as :func:`mha.api.projection.project_heads` does."""
+    count = plan.H if which == "q" else plan.H_kv
     W = W.astype(plan.dtype, copy=False)
     b = None if b is None else b.astype(plan.dtype, copy=False)
-    if scale != 1.0:
+    norm = plan.norm if which != "v" else None
+    scale = plan.scale if which == "q" else 1.0
+    if scale != 1.0 and norm is None:
         W, b = W * scale, None if b is None else b * scale
     with Team(workers_for(float(X.size) * W.shape[1], plan.threads)) as team:
         projected = team.matmul(X.astype(plan.dtype, copy=False), W, b)
-    x = split_heads(projected, heads)
-    if rotate and plan.rotary is not None:
+    if norm is not None:
+        weight = norm.q_norm if which == "q" else norm.k_norm
+        if norm.kind == "all":  # a token's features, every head's
+            projected = norm.apply(projected, weight)[0]
+    x = split_heads(projected, count)
+    if norm is not None and norm.kind == "head":
+        x = norm.apply(x, norm.q_norm if which == "q" else norm.k_norm)[0]
+    if norm is not None and scale != 1.0:
+        x *= scale
+    if which != "v" and plan.rotary is not None:
         x = apply_rotary(x, **plan.rotary)
     return x
 
@@ -184,29 +192,22 @@ def lse_out(merged: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class SdpaBlock:
-    masks: dict[str, Any]
-    scale: float
-    budget: int
-    threads: int | None
-    variants: dict[str, Any]
+    checked: Checked  # the call's, with the block's lengths and its mask_mod and score_mod
 
 
 def sdpa_block(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Any, bias: Any, plan: SdpaBlock
 ) -> tuple[np.ndarray, np.ndarray]:
     """One batch block by the in-memory function (one chunk of queries and of keys)."""
-    out, lse = in_memory_sdpa(
-        q, k, v, mask=mask, bias=bias, scale=plan.scale, max_memory=plan.budget,
-        workers=plan.threads, return_lse=True, **plan.masks, **plan.variants,
-    )  # fmt: skip
+    checked = _with_arrays(plan.checked, mask, bias)
+    out, lse = attention(q, k, v, checked)
     return out, lse
 
 
 @dataclass(frozen=True)
 class MhaBlock:
     num_heads: int
-    scale: float
-    keywords: dict[str, Any]
+    checked: Checked  # the call's, with the block's lengths, positions, mask_mod, score_mod
 
 
 def mha_block(
@@ -219,8 +220,15 @@ def mha_block(
     plan: MhaBlock,
 ) -> np.ndarray:
     """One batch block by the in-memory function (one chunk of queries and of keys)."""
-    out: np.ndarray = in_memory_mha(
-        Q, K, V, mask=mask, bias=bias, num_heads=plan.num_heads, scale=plan.scale,
-        **weights, **plan.keywords,
-    )  # fmt: skip
+    checked = _with_arrays(plan.checked, mask, bias)
+    given = LayerWeights(*(weights[name] for name in LayerWeights._fields))
+    call = check_layer(LayerArrays(Q, K, V), given, plan.num_heads, checked)
+    out = compute(call)
+    assert isinstance(out, np.ndarray)  # the output alone: nothing else asked for
     return out
+
+
+def _with_arrays(checked: Checked, mask: Any, bias: Any) -> Checked:
+    """``checked`` with a block's own mask and bias arrays."""
+    arrays = replace(checked.given.arrays, mask=mask, bias=bias)
+    return checked._replace(given=replace(checked.given, arrays=arrays))

@@ -1,0 +1,353 @@
+"""The checked spec of an attention call, built once at the public boundary.
+
+Every entry point gathers its keywords, as given, into one record of its signature
+(:class:`SdpaKeywords`, :class:`MhaKeywords`), and :func:`check_sdpa` or :func:`check_mha`
+turns the record into three checked objects handed down whole:
+
+* :class:`AttentionSpec`: what the attention computes (vLLM's ``AttentionImpl``): the mask
+  rules (causal and its alignment, window, sink tokens, chunks, ``mask_mod``), the changes to
+  the scores (soft-capping, ALiBi, ``score_mod``, learned sinks), the scale, dropout, and for
+  a layer its heads, rotary positions, QK-norm and extra keys;
+* :class:`CallInputs`: what this one call carries (the mask and bias arrays, the lengths, the
+  positions, the cache, the padding side, the generator), vLLM's per-step metadata;
+* :class:`Request`: what the caller asks back (weights, log-sum-exp, backward) and the
+  kernel's budget and threads.
+
+What depends on the arrays (the head count, the head width, the dtype) is checked when the
+spec meets them (:meth:`ScoreRules.fit`, ``scale`` in :func:`mha._arrays.resolve_scale`).
+A record of hashable values checks to the same objects every time, so the checked objects
+are kept per record (and per the exact types of its values: ``window=5.0`` is refused even
+after ``window=5`` was taken): a program that calls with the same keywords again and again
+pays for the checks once, as einops keeps its recipes.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .._arrays import flag, positive_int
+from .._kernel.call import DEFAULT_MAX_MEMORY
+from .._kernel.contract import MaskArrays, MaskRules
+from .._kernel.scores import Scores
+from ..errors import AttentionTypeError, AttentionValueError
+from .padding import check_padding_side
+from .variants import check_scores
+
+__all__ = [
+    "AttentionSpec",
+    "CallInputs",
+    "Checked",
+    "MhaKeywords",
+    "QKNormRules",
+    "Request",
+    "RotaryRules",
+    "ScoreRules",
+    "SdpaKeywords",
+    "check_dropout",
+    "check_mha",
+    "check_sdpa",
+    "kernel_options",
+]
+
+
+class SdpaKeywords(NamedTuple):
+    """:func:`mha.scaled_dot_product_attention`'s keywords, as given, in its order."""
+
+    mask: Any = None
+    causal: Any = False
+    causal_alignment: Any = None
+    key_lengths: Any = None
+    query_lengths: Any = None
+    bias: Any = None
+    window: Any = None
+    sink_tokens: Any = None
+    chunk: Any = None
+    mask_mod: Any = None
+    sinks: Any = None
+    softcap: Any = None
+    alibi: Any = None
+    score_mod: Any = None
+    score_mod_grad: Any = None
+    scale: Any = None
+    return_weights: Any = False
+    return_lse: Any = False
+    return_backward: Any = False
+    dropout_p: Any = None
+    generator: Any = None
+    cache: Any = None
+    padding_side: Any = None
+    max_memory: Any = None
+    workers: Any = None
+
+
+class MhaKeywords(NamedTuple):
+    """:func:`mha.multi_head_attention`'s keywords, as given, in its order (the layer's
+    weights and head counts are checked apart, against the inputs)."""
+
+    mask: Any = None
+    causal: Any = False
+    causal_alignment: Any = None
+    key_lengths: Any = None
+    query_lengths: Any = None
+    bias: Any = None
+    scale: Any = None
+    return_weights: Any = False
+    max_memory: Any = None
+    workers: Any = None
+    add_zero_attn: Any = False
+    num_kv_heads: Any = None
+    window: Any = None
+    sink_tokens: Any = None
+    chunk: Any = None
+    mask_mod: Any = None
+    sinks: Any = None
+    softcap: Any = None
+    alibi: Any = None
+    score_mod: Any = None
+    score_mod_grad: Any = None
+    rope_theta: Any = None
+    rotary_dim: Any = None
+    rotary_interleaved: Any = False
+    rope_scaling: Any = None
+    positions: Any = None
+    qk_norm: Any = None
+    qk_norm_eps: Any = None
+    qk_norm_offset: Any = None
+    cache: Any = None
+    padding_side: Any = None
+    return_backward: Any = False
+    dropout_p: Any = None
+    generator: Any = None
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreRules:
+    """The changes to the scores as given (learned ``sinks``, ``softcap``, ``alibi``,
+    ``score_mod`` and its derivative), made into the kernel's pipeline of transforms for a
+    call's head count by :meth:`fit`."""
+
+    sinks: Any = None
+    softcap: Any = None
+    alibi: Any = None
+    score_mod: Any = None
+    score_mod_grad: Any = None
+
+    def fit(self, H: int, want_backward: bool) -> Scores | None:
+        """The kernel's :class:`~mha._kernel.scores.Scores` for ``H`` query heads, checked
+        (``None`` when the call changes nothing)."""
+        return check_scores(
+            sinks=self.sinks, softcap=self.softcap, alibi=self.alibi, score_mod=self.score_mod,
+            score_mod_grad=self.score_mod_grad, H=H, want_backward=want_backward,
+        )  # fmt: skip
+
+    @property
+    def empty(self) -> bool:
+        return all(getattr(self, f.name) in (None, False) for f in fields(self))
+
+
+class RotaryRules(NamedTuple):
+    """A layer's rotary positions as given (checked against its head width by
+    :mod:`.checks`): the base ``theta`` (``None``: no rotation), the rotated features, the
+    pairing, and transformers' ``rope_parameters``."""
+
+    theta: Any = None
+    rotary_dim: Any = None
+    interleaved: Any = False
+    scaling: Any = None
+
+
+class QKNormRules(NamedTuple):
+    """A layer's QK-norm as given (its weights are the layer's): ``"head"`` or ``"all"``,
+    epsilon and the gain's offset (checked with the weights, :mod:`.qk_norm`)."""
+
+    kind: Any = None
+    eps: Any = None
+    offset: Any = None
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionSpec:
+    """What an attention call computes, checked: the mask rules, the changes to the scores,
+    the scale as given (checked against the head width and dtype when they are known), the
+    dropout probability; and for a layer (:func:`mha.multi_head_attention`) its key/value
+    heads, rotary positions, QK-norm and torch's zero key. The ``output`` and ``selection``
+    stages are where an output gate and a selection of keys go (none today)."""
+
+    mask: MaskRules = field(default_factory=MaskRules)
+    scores: ScoreRules = field(default_factory=ScoreRules)
+    scale: Any = None
+    dropout_p: float = 0.0
+    num_kv_heads: Any = None
+    rotary: RotaryRules = field(default_factory=RotaryRules)
+    qk_norm: QKNormRules = field(default_factory=QKNormRules)
+    add_zero_attn: bool = False
+    output: Any = None
+    selection: Any = None
+
+
+@dataclass(frozen=True, eq=False)
+class CallInputs:
+    """What one call carries besides its operands: the mask contract's arrays (checked
+    against the scores when they are known), the rotary ``positions``, the ``cache`` the new
+    tokens are appended to (``left_padded``: their real rows are the last ones), and the
+    dropout's ``generator``."""
+
+    arrays: MaskArrays = field(default_factory=MaskArrays)
+    positions: Any = None
+    cache: Any = None
+    left_padded: bool = False
+    generator: Any = None
+
+    @property
+    def empty(self) -> bool:
+        """Whether the call carries nothing (its spec alone says what it computes)."""
+        plain = all(getattr(self.arrays, f.name) is None for f in fields(self.arrays))
+        return plain and all(
+            getattr(self, f.name) in (None, False) for f in fields(self) if f.name != "arrays"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class Request:
+    """What the caller asks back besides the output, and the kernel's keywords: scratch
+    bytes per worker (``budget``) and threads (``None``: the default)."""
+
+    weights: bool = False
+    lse: bool = False
+    backward: bool = False
+    budget: int = DEFAULT_MAX_MEMORY
+    threads: int | None = None
+
+    @classmethod
+    def check(cls, weights: Any, lse: Any, backward: Any, budget: Any, threads: Any) -> Request:
+        """The flags and the kernel's keywords, checked."""
+        want_weights = flag("return_weights", weights)
+        budget, threads = kernel_options(budget, threads)
+        return cls(want_weights, flag("return_lse", lse), flag("return_backward", backward),
+                   budget, threads)  # fmt: skip
+
+
+class Checked(NamedTuple):
+    """A call's keywords, checked: what it computes, what it carries, what it asks back;
+    ``kept``: the same object serves every call with these keywords (:mod:`.plans` keeps
+    plans for it)."""
+
+    spec: AttentionSpec
+    given: CallInputs
+    request: Request
+    kept: bool = False
+
+
+def check_sdpa(keywords: SdpaKeywords) -> Checked:
+    """:func:`mha.scaled_dot_product_attention`'s keywords, checked (kept per record)."""
+    checked: Checked = _kept(_check_sdpa, keywords)
+    return checked
+
+
+def _check_sdpa(kw: SdpaKeywords) -> Checked:
+    request = Request.check(kw.return_weights, kw.return_lse, kw.return_backward, kw.max_memory,
+                            kw.workers)  # fmt: skip
+    window = kw.window
+    if window is None and kw.cache is not None:  # the cache's, unless the call names one
+        window = getattr(kw.cache, "window", None)
+    rules = MaskRules.check(kw.mask, kw.causal, kw.causal_alignment, window, kw.sink_tokens,
+                            kw.chunk, kw.mask_mod)  # fmt: skip
+    arrays = MaskArrays.of(kw.mask, kw.bias, kw.key_lengths, kw.query_lengths)
+    drop_p = check_dropout(kw.dropout_p, kw.generator)
+    scores = ScoreRules(kw.sinks, kw.softcap, kw.alibi, kw.score_mod, kw.score_mod_grad)
+    left = check_padding_side(kw.padding_side, kw.cache, arrays)
+    spec = AttentionSpec(rules, scores, kw.scale, drop_p)
+    return Checked(spec, CallInputs(arrays, None, kw.cache, left, kw.generator), request)
+
+
+def check_mha(keywords: MhaKeywords) -> Checked:
+    """:func:`mha.multi_head_attention`'s keywords, checked (kept per record)."""
+    checked: Checked = _kept(_check_mha, keywords)
+    return checked
+
+
+def _check_mha(kw: MhaKeywords) -> Checked:
+    request = Request.check(kw.return_weights, False, kw.return_backward, kw.max_memory,
+                            kw.workers)  # fmt: skip
+    rules = MaskRules.check(kw.mask, kw.causal, kw.causal_alignment, kw.window, kw.sink_tokens,
+                            kw.chunk, kw.mask_mod)  # fmt: skip
+    arrays = MaskArrays.of(kw.mask, kw.bias, kw.key_lengths, kw.query_lengths)
+    drop_p = check_dropout(kw.dropout_p, kw.generator)
+    scores = ScoreRules(kw.sinks, kw.softcap, kw.alibi, kw.score_mod, kw.score_mod_grad)
+    rotary = RotaryRules(kw.rope_theta, kw.rotary_dim, kw.rotary_interleaved, kw.rope_scaling)
+    norm = QKNormRules(kw.qk_norm, kw.qk_norm_eps, kw.qk_norm_offset)
+    zero = flag("add_zero_attn", kw.add_zero_attn)
+    left = check_padding_side(kw.padding_side, kw.cache, arrays)
+    spec = AttentionSpec(rules, scores, kw.scale, drop_p, kw.num_kv_heads, rotary, norm, zero)
+    given = CallInputs(arrays, kw.positions, kw.cache, left, kw.generator)
+    return Checked(spec, given, request)
+
+
+KEPT = 256
+"""Checked records kept at most; when full, they are forgotten and kept anew."""
+
+_KEPT: dict[Any, Any] = {}
+_KEEPING = threading.Lock()
+
+
+_KEEPABLE = frozenset({type(None), bool, int, float, str, np.bool_, np.int64, np.float64,
+                       np.float32, types.FunctionType})  # fmt: skip
+"""The types of the values a kept record may hold: small and stateless (an array, a cache
+or a generator is the call's own, never kept alive here)."""
+
+
+def _kept(check: Any, record: tuple[Any, ...]) -> Any:
+    """``check(record)``, kept for a record of plain values (keyed by them and their exact
+    types, so that ``5`` and ``5.0``, ``1`` and ``True`` stay apart); a record holding an
+    array, a cache or a generator is checked afresh."""
+    kinds = tuple(map(type, record))
+    if not _KEEPABLE.issuperset(kinds):
+        return check(record)
+    key = (check, record, kinds)
+    found = _KEPT.get(key)
+    if found is None:
+        found = check(record)._replace(kept=True)  # (a refused record raises: not kept)
+        with _KEEPING:
+            if len(_KEPT) >= KEPT:
+                _KEPT.clear()
+            _KEPT[key] = found
+    return found
+
+
+def kernel_options(max_memory: Any, workers: Any) -> tuple[int, int | None]:
+    """Check the kernel's keywords: ``(max_memory, workers)``."""
+    budget = DEFAULT_MAX_MEMORY if max_memory is None else positive_int("max_memory", max_memory)
+    return budget, None if workers is None else positive_int("workers", workers)
+
+
+def check_dropout(p: Any, generator: Any) -> float:
+    """``dropout_p`` checked with ``generator``: required with dropout, refused when no
+    dropout was asked for at all (``dropout_p`` left out). ``dropout_p=0.0`` with a
+    generator is accepted (``p if training else 0.0`` with one generator)."""
+    if p is None:
+        if generator is not None:
+            raise AttentionValueError(
+                "generator= is for dropout, but no dropout_p= was given: give dropout_p= "
+                "too (0.0 turns dropout off), or leave the generator out"
+            )
+        return 0.0
+    real = isinstance(p, (int, float, np.integer, np.floating)) and not isinstance(
+        p, (bool, np.bool_)
+    )
+    if not real or not 0.0 <= float(p) < 1.0:
+        raise AttentionValueError(f"dropout_p must be a number in [0, 1); got {p!r}")
+    if float(p) == 0.0:
+        if generator is not None and not isinstance(generator, np.random.Generator):
+            raise AttentionTypeError(f"generator must be a np.random.Generator; got {generator!r}")
+        return 0.0
+    if not isinstance(generator, np.random.Generator):
+        raise AttentionTypeError(
+            f"dropout_p={p} needs generator=, a np.random.Generator (for example "
+            f"np.random.default_rng(0)), so that runs can be repeated; got {generator!r}"
+        )
+    return float(p)
