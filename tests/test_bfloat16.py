@@ -107,10 +107,10 @@ def test_bfloat16_cache_takes_half_the_memory_and_decodes_like_the_whole_sequenc
     whole = attention(x, mask=True)
     # the cache rounds keys and values to bfloat16 once; both stay within bfloat16's
     # resolution of the float64 computation on the same weights
-    oracle = mha.MultiHeadAttention._from_weights(
-        {name: exact(w) for name, w in attention.weights().items() if w is not None}, 8,
-        num_kv_heads=2, rope_theta=1e4,
-    )(exact(x), mask=True)  # fmt: skip
+    oracle = mha.MultiHeadAttention.from_spec(
+        mha.LayerSpec(8, num_kv_heads=2, rope_theta=1e4),
+        {name: exact(w) for name, w in attention.weights().items() if w is not None},
+    )(exact(x), mask=True)
     assert relative_error(exact(whole), oracle) < 2e-2
     assert relative_error(exact(decoded), oracle) < 2e-2
 

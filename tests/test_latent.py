@@ -96,12 +96,12 @@ def ours(attention, config):
     scaling = None
     if rope["rope_type"] != "default":  # the model's length too, as rope_scaling needs it
         scaling = {**rope, "max_position_embeddings": config.max_position_embeddings}
-    return LatentAttention._from_weights(
-        weights, **settings(**sizes, q_lora_rank=config.q_lora_rank,
+    return LatentAttention.from_spec(
+        mha.LatentSpec(**settings(**sizes, q_lora_rank=config.q_lora_rank,
                             rope_theta=rope["rope_theta"], rope_scaling=scaling,
                             rotary_interleaved=config.rope_interleave,
                             norm_eps=attention.kv_a_layernorm.variance_epsilon,
-                            scale=attention.scaling),
+                            scale=attention.scaling)), weights,
     )  # fmt: skip
 
 
@@ -361,9 +361,10 @@ def test_mistakes_are_refused_by_name():
         ({"W_q": np.zeros((40, 40))}, mha.AttentionValueError, "weights W_q are not used"),
     ):  # fmt: skip
         with pytest.raises(error, match=message):
-            LatentAttention._from_weights({**weights, **changed}, **settings(q_lora_rank=9))
+            LatentAttention.from_spec(mha.LatentSpec(**settings(q_lora_rank=9)),
+                                      {**weights, **changed})  # fmt: skip
     with pytest.raises(mha.AttentionValueError, match="W_q, kv_a_norm, W_kv_b, W_o are missing"):
-        LatentAttention._from_weights({"W_kv_a": weights["W_kv_a"]}, **settings())
+        LatentAttention.from_spec(mha.LatentSpec(**settings()), {"W_kv_a": weights["W_kv_a"]})
     x = np.zeros((1, 3, SIZES["hidden_size"]))
     with pytest.raises(mha.ShapeError, match=r"shape \(B, L, 40\).*got shape \(1, 3, 8\)"):
         attention(np.zeros((1, 3, 8)))

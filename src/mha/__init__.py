@@ -12,7 +12,8 @@ from . import functional as functional
 from . import module as module
 from . import rotary as rotary
 from .api.cache import KVCache
-from .api.latent import LatentAttention
+from .api.configuration import LayerSpec
+from .api.latent import LatentAttention, LatentSpec
 from .api.module import MultiHeadAttention
 from .api.paged import cascade_attention, paged_attention
 from .api.paged_cache import PagedKVCache
@@ -35,6 +36,8 @@ __all__ = [
     "AttentionValueError",
     "KVCache",
     "LatentAttention",
+    "LatentSpec",
+    "LayerSpec",
     "MultiHeadAttention",
     "PagedKVCache",
     "PoolExhaustedError",

@@ -2,7 +2,7 @@
 weights in the "x @ W" layout, checked against it.
 
 :class:`Configuration` is the base of the layer: it keeps the settings, names and shapes
-the weights, builds a module around weights from elsewhere (:meth:`_from_weights`) and
+the weights, builds a module around weights from elsewhere (:meth:`from_spec`) and
 writes its ``repr``. The layer's computation is in :mod:`.module`, the other layouts of its
 weights (torch, GPT-2, Llama, files) in :mod:`.layouts`.
 """
@@ -10,6 +10,7 @@ weights (torch, GPT-2, Llama, files) in :mod:`.layouts`.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,11 +27,51 @@ from .variants import alibi_slopes, check_scores
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["PARAMETER_NAMES", "Configuration", "float_dtype"]
+__all__ = ["PARAMETER_NAMES", "Configuration", "LayerSpec", "float_dtype"]
 
 PARAMETER_NAMES = (*WEIGHT_NAMES, "sinks", "q_norm", "k_norm")
 """The module's learned arrays: the weights of the function, gpt-oss's sink logits and the
 QK-norm's weights."""
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What a :class:`mha.MultiHeadAttention` computes besides its weights, as its
+    constructor's keywords name it: ``num_heads``, ``num_kv_heads``, ``head_dim``,
+    ``rope_theta``, ``rotary_dim``, ``rotary_interleaved``, ``rope_scaling``, ``window``,
+    ``sink_tokens``, ``softcap``, ``alibi``, ``chunk``, ``scale``, ``qk_norm``,
+    ``qk_norm_eps``, ``qk_norm_offset`` and ``add_zero_attn`` (each ``None``, or ``False``,
+    for its default; ``head_dim`` then comes from the weights). The pair ``(spec, weights)``
+    is what a reader of another format produces (:mod:`mha.integrations.readers`) and
+    :meth:`Configuration.from_spec` builds a layer from.
+
+    >>> import mha
+    >>> mha.LayerSpec(num_heads=4, num_kv_heads=2, window=16).window
+    16
+    """
+
+    num_heads: int
+    num_kv_heads: Any = None
+    head_dim: Any = None
+    rope_theta: Any = None
+    rotary_dim: Any = None
+    rotary_interleaved: Any = False
+    rope_scaling: Any = None
+    window: Any = None
+    sink_tokens: Any = None
+    softcap: Any = None
+    alibi: Any = None
+    chunk: Any = None
+    scale: Any = None
+    qk_norm: Any = None
+    qk_norm_eps: Any = None
+    qk_norm_offset: Any = None
+    add_zero_attn: Any = False
+
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        """The keywords a spec holds, in order."""
+        return tuple(field.name for field in fields(cls))
 
 
 class Configuration:
@@ -71,14 +112,16 @@ class Configuration:
     q_norm: np.ndarray | None
     k_norm: np.ndarray | None
 
-    def _configure(
-        self, *, d_model: int, num_heads: int, num_kv_heads: Any, head_dim: Any, kdim: Any,
-        vdim: Any, add_zero_attn: Any, rope_theta: Any, rotary_dim: Any,
-        rotary_interleaved: Any, window: Any, sink_tokens: Any = None, softcap: Any = None,
-        alibi: Any = None, chunk: Any = None, rope_scaling: Any = None, scale: Any = None,
-        qk_norm: Any = None, qk_norm_eps: Any = None, qk_norm_offset: Any = None,
-    ) -> None:  # fmt: skip
-        """Check and keep the configuration (everything but the weights)."""
+    def _configure(self, spec: LayerSpec, widths: tuple[Any, Any, Any]) -> None:
+        """Check and keep the configuration (everything but the weights): ``spec`` (its
+        ``head_dim`` given), and the widths ``(d_model, kdim, vdim)``."""
+        self._configure_heads(spec, widths)
+        self._configure_rotary(spec)
+        self._configure_variants(spec)
+
+    def _configure_heads(self, spec: LayerSpec, widths: tuple[Any, Any, Any]) -> None:
+        d_model, kdim, vdim = widths
+        num_heads, num_kv_heads = spec.num_heads, spec.num_kv_heads
         self.d_model, self.num_heads = d_model, num_heads
         self.num_kv_heads = (
             num_heads if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
@@ -88,9 +131,17 @@ class Configuration:
                 f"num_kv_heads={self.num_kv_heads} does not divide num_heads={num_heads}; "
                 "each key/value head serves an equal group of query heads"
             )
-        self.head_dim = positive_int("head_dim", head_dim)
+        self.head_dim = positive_int("head_dim", spec.head_dim)
         self.kdim, self.vdim = positive_int("kdim", kdim), positive_int("vdim", vdim)
-        self.add_zero_attn = flag("add_zero_attn", add_zero_attn)
+        self.add_zero_attn = flag("add_zero_attn", spec.add_zero_attn)
+        self.scale = None
+        if spec.scale is not None:
+            self.scale = resolve_scale(spec.scale, self.head_dim, np.dtype(np.float64))
+
+    def _configure_rotary(self, spec: LayerSpec) -> None:
+        rope_theta, rotary_dim, rotary_interleaved = (spec.rope_theta, spec.rotary_dim,
+                                                      spec.rotary_interleaved)  # fmt: skip
+        rope_scaling = spec.rope_scaling
         self.rope_theta = None if rope_theta is None else positive_real("rope_theta", rope_theta)
         if self.rope_theta is not None:  # checked as the calls will check them
             check_rotary_options(
@@ -110,9 +161,13 @@ class Configuration:
                 )
             check_rope_scaling(rope_scaling, rotary_dim or self.head_dim, "rope_scaling")
             self.rope_scaling = _plain(rope_scaling)
-        self.scale = None
-        if scale is not None:
-            self.scale = resolve_scale(scale, self.head_dim, np.dtype(np.float64))
+        self.rotary_dim = None if rotary_dim is None else int(rotary_dim)
+        self.rotary_interleaved = flag("rotary_interleaved", rotary_interleaved)
+
+    def _configure_variants(self, spec: LayerSpec) -> None:
+        qk_norm, qk_norm_eps = spec.qk_norm, spec.qk_norm_eps
+        qk_norm_offset = spec.qk_norm_offset
+        window, sink_tokens, chunk = spec.window, spec.sink_tokens, spec.chunk
         if qk_norm is not None and qk_norm not in QK_NORM_KINDS:
             raise AttentionValueError(
                 f"qk_norm must be None, 'head' (each head's features: Qwen3, Gemma 3) or "
@@ -127,8 +182,6 @@ class Configuration:
         self.qk_norm_offset = 0.0
         if qk_norm_offset is not None:  # checked as the calls check it
             self.qk_norm_offset = check_offset(qk_norm_offset)
-        self.rotary_dim = None if rotary_dim is None else int(rotary_dim)
-        self.rotary_interleaved = flag("rotary_interleaved", rotary_interleaved)
         self.window = None if window is None else positive_int("window", window)
         sinks = 0 if sink_tokens is None else non_negative_int("sink_tokens", sink_tokens)
         self.sink_tokens = sinks or None
@@ -137,8 +190,10 @@ class Configuration:
                 "sink_tokens keeps the first positions beside a sliding window: give window= too"
             )
         self.chunk = None if chunk is None else positive_int("chunk", chunk)
-        scores = check_scores(sinks=None, softcap=softcap, alibi=alibi, score_mod=None,
-                              score_mod_grad=None, H=num_heads, want_backward=False)  # fmt: skip
+        scores = check_scores(
+            sinks=None, softcap=spec.softcap, alibi=spec.alibi, score_mod=None,
+            score_mod_grad=None, H=self.num_heads, want_backward=False,
+        )  # fmt: skip
         self.softcap = None if scores is None else scores.softcap
         self.alibi = None if scores is None else scores.alibi
 
@@ -231,44 +286,56 @@ class Configuration:
             "dtype": self._held_dtype().name,
         }  # fmt: skip
 
+    @property
+    def spec(self) -> LayerSpec:
+        """What this layer computes besides its weights, as its constructor's keywords name
+        it: ``MultiHeadAttention.from_spec(attention.spec, attention.weights())`` is an equal
+        layer.
+
+        >>> import mha
+        >>> mha.MultiHeadAttention(8, 2, num_kv_heads=1, window=16).spec.window
+        16
+        """
+        norm = self.qk_norm is not None
+        return LayerSpec(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta, self.rotary_dim,
+            self.rotary_interleaved, self.rope_scaling, self.window, self.sink_tokens,
+            self.softcap, self.alibi, self.chunk, self.scale, self.qk_norm,
+            self.qk_norm_eps if norm else None, self.qk_norm_offset if norm else None,
+            self.add_zero_attn,
+        )  # fmt: skip
+
     @classmethod
-    def _from_weights(
-        cls,
-        weights: dict[str, np.ndarray | None],
-        num_heads: int,
-        add_zero_attn: bool = False,
-        source: str = "weights",
-        **config: Any,
+    def from_spec(
+        cls, spec: LayerSpec, weights: Mapping[str, Any], source: str = "weights"
     ) -> Self:
-        """A module holding ``weights`` (keys W_q, ..., b_o, bias_k, bias_v), checked against
-        each other and ``config`` (``num_kv_heads``, ``head_dim``, rotary settings,
-        ``window``)."""
+        """A layer computing ``spec`` with ``weights`` (by attribute name: ``W_q``, ...,
+        ``b_o``, ``bias_k``, ``bias_v``, ``sinks``, ``q_norm``, ``k_norm``; those absent
+        may be left out), each checked against the spec and the others (``source`` names
+        them in messages). The widths (``d_model``, ``kdim``, ``vdim``) are the weights'.
+
+        >>> import numpy as np, mha
+        >>> W = {name: np.eye(4) for name in ("W_q", "W_k", "W_v", "W_o")}
+        >>> mha.MultiHeadAttention.from_spec(mha.LayerSpec(num_heads=2, window=8), W)
+        MultiHeadAttention(d_model=4, num_heads=2, window=8, bias=False, dtype=float64)
+        """
+        weights = {name: None if x is None else np.asarray(x) for name, x in weights.items()}
         W_q, W_k, W_v, W_o = (weights.get(name) for name in ("W_q", "W_k", "W_v", "W_o"))
         if W_q is None or W_k is None or W_v is None or W_o is None:
             raise AttentionValueError(f"{source}: W_q, W_k, W_v and W_o are all needed")
         for name, W in (("W_q", W_q), ("W_k", W_k), ("W_v", W_v), ("W_o", W_o)):
             if W.ndim != 2 or 0 in W.shape:
                 raise ShapeError(f"{source}: {name} must be a non-empty matrix; got {W.shape}")
-        H = positive_int("num_heads", num_heads)
-        H_kv = config.get("num_kv_heads") or H
+        H = positive_int("num_heads", spec.num_heads)
         if W_q.shape[1] % H:
             raise AttentionValueError(
                 f"{source}: num_heads={H} does not divide the {W_q.shape[1]} columns of W_q "
                 f"{W_q.shape}"
             )
         self = cls.__new__(cls)
-        self._configure(
-            d_model=W_q.shape[0], num_heads=H, num_kv_heads=H_kv,
-            head_dim=config.get("head_dim") or W_q.shape[1] // H, kdim=W_k.shape[0],
-            vdim=W_v.shape[0], add_zero_attn=add_zero_attn,
-            rope_theta=config.get("rope_theta"), rotary_dim=config.get("rotary_dim"),
-            rotary_interleaved=config.get("rotary_interleaved", False),
-            window=config.get("window"), sink_tokens=config.get("sink_tokens"),
-            softcap=config.get("softcap"), alibi=config.get("alibi"), chunk=config.get("chunk"),
-            rope_scaling=config.get("rope_scaling"), scale=config.get("scale"),
-            qk_norm=config.get("qk_norm"), qk_norm_eps=config.get("qk_norm_eps"),
-            qk_norm_offset=config.get("qk_norm_offset"),
-        )  # fmt: skip
+        spec = replace(spec, num_heads=H, num_kv_heads=spec.num_kv_heads or H,
+                       head_dim=spec.head_dim or W_q.shape[1] // H)  # fmt: skip
+        self._configure(spec, (W_q.shape[0], W_k.shape[0], W_v.shape[0]))
         for name, shape in self._shapes().items():
             array = weights.get(name)
             if array is not None and array.shape != shape:

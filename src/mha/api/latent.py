@@ -13,6 +13,7 @@ DeepSeek-V3's sizes, where the expanded keys and values would take 40,960).
 from __future__ import annotations
 
 import reprlib
+from dataclasses import dataclass
 from typing import Any, Literal, SupportsIndex, overload
 
 import numpy as np
@@ -33,11 +34,41 @@ from .latent_math import LatentPlan, latent_forward
 from .rotary import check_positions, check_rotary_options, positive_real
 from .signatures import Backward, Flag
 
-__all__ = ["LatentAttention"]
+__all__ = ["LatentAttention", "LatentSpec"]
 
 PARAMETER_NAMES = ("W_q", "W_q_a", "b_q_a", "q_a_norm", "W_q_b", "W_kv_a", "b_kv_a",
                    "kv_a_norm", "W_kv_b", "W_o", "b_o")  # fmt: skip
 """The weights' attribute names, in the order the layer applies them."""
+
+
+@dataclass(frozen=True)
+class LatentSpec:
+    """What a :class:`mha.LatentAttention` computes besides its weights, as its
+    constructor's keywords name it: ``d_model``, ``num_heads``, ``kv_lora_rank``,
+    ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``q_lora_rank`` (``None``:
+    the queries projected directly), ``rope_theta``, ``rope_scaling``,
+    ``rotary_interleaved``, ``norm_eps`` and ``scale`` (``None``: ``1/sqrt(qk_nope_head_dim
+    + qk_rope_head_dim)``). A reader's pair ``(spec, weights)`` builds a layer by
+    :meth:`LatentAttention.from_spec`.
+
+    >>> import mha
+    >>> mha.LatentSpec(16, 2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2,
+    ...                v_head_dim=4).rope_theta
+    10000.0
+    """
+
+    d_model: Any
+    num_heads: Any
+    kv_lora_rank: Any
+    qk_nope_head_dim: Any
+    qk_rope_head_dim: Any
+    v_head_dim: Any
+    q_lora_rank: Any = None
+    rope_theta: Any = 10000.0
+    rope_scaling: Any = None
+    rotary_interleaved: Any = True
+    norm_eps: Any = 1e-6
+    scale: Any = None
 
 
 class LatentAttention:
@@ -102,13 +133,10 @@ class LatentAttention:
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
     ) -> None:
-        self._configure(
-            d_model=d_model, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
-            qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
-            v_head_dim=v_head_dim, q_lora_rank=q_lora_rank, rope_theta=rope_theta,
-            rope_scaling=rope_scaling, rotary_interleaved=rotary_interleaved,
-            norm_eps=norm_eps, scale=scale,
-        )  # fmt: skip
+        self._configure(LatentSpec(
+            d_model, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
+            q_lora_rank, rope_theta, rope_scaling, rotary_interleaved, norm_eps, scale,
+        ))  # fmt: skip
         with_bias = flag("bias", bias)
         self.dtype = float_dtype(dtype)
         rng = random_generator(seed)
@@ -127,21 +155,26 @@ class LatentAttention:
                 weights[name] = rng.uniform(-bound, bound, size=shape).astype(self.dtype)
         self._set_weights(weights)
 
+    @property
+    def spec(self) -> LatentSpec:
+        """What this layer computes besides its weights, as its constructor's keywords name
+        it (``from_spec(attention.spec, attention.weights())`` is an equal layer)."""
+        return LatentSpec(
+            self.d_model, self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim,
+            self.qk_rope_head_dim, self.v_head_dim, self.q_lora_rank, self.rope_theta,
+            self.rope_scaling, self.rotary_interleaved, self.norm_eps, self._given_scale,
+        )  # fmt: skip
+
     @classmethod
-    def _from_weights(cls, weights: dict[str, Any], **settings: Any) -> LatentAttention:
-        """A layer with the given ``weights`` (by attribute name, in the "x @ W" layout;
-        each is copied) and ``settings`` (the constructor's keywords, ``dtype`` among them:
-        by default the weights' common dtype). Every weight is checked against the settings,
-        and names that the layer would not use are refused."""
-        dtype = settings.pop("dtype", None)
-        refused = [name for name in ("bias", "seed") if name in settings]
-        if refused:
-            raise AttentionTypeError(
-                f"_from_weights takes no {'= or '.join(refused)}=: the weights are given (and "
-                "those given say which biases exist)"
-            )
+    def from_spec(
+        cls, spec: LatentSpec, weights: dict[str, Any], dtype: Any = None
+    ) -> LatentAttention:
+        """A layer computing ``spec`` with the given ``weights`` (by attribute name, in the
+        "x @ W" layout; each is copied), in ``dtype`` (by default the weights' common
+        dtype). Every weight is checked against the spec, and names that the layer would not
+        use are refused."""
         attention = cls.__new__(cls)
-        attention._configure(**settings)
+        attention._configure(spec)
         shapes = attention._shapes()
         unknown = sorted(set(weights) - set(shapes))
         if unknown:
@@ -193,7 +226,7 @@ class LatentAttention:
                 f"layer {layer} of {path} is not multi-head latent attention: load it with "
                 f"mha.MultiHeadAttention.from_pretrained(path, layer={layer})"
             )
-        return cls._from_weights(weights, **settings)
+        return cls.from_spec(LatentSpec(**settings), weights, dtype)
 
     # fmt: off
     @overload
@@ -381,13 +414,13 @@ class LatentAttention:
 
     # Configuration -------------------------------------------------------------------
 
-    def _configure(
-        self, *, d_model: Any, num_heads: Any, kv_lora_rank: Any, qk_nope_head_dim: Any,
-        qk_rope_head_dim: Any, v_head_dim: Any, q_lora_rank: Any = None,
-        rope_theta: Any = 10000.0, rope_scaling: Any = None, rotary_interleaved: Any = True,
-        norm_eps: Any = 1e-6, scale: Any = None,
-    ) -> None:  # fmt: skip
+    def _configure(self, spec: LatentSpec) -> None:
         """Check and keep the settings (everything but the weights)."""
+        d_model, num_heads, kv_lora_rank = spec.d_model, spec.num_heads, spec.kv_lora_rank
+        qk_nope_head_dim, qk_rope_head_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim
+        v_head_dim, q_lora_rank, rope_theta = spec.v_head_dim, spec.q_lora_rank, spec.rope_theta
+        rope_scaling, rotary_interleaved = spec.rope_scaling, spec.rotary_interleaved
+        norm_eps, scale = spec.norm_eps, spec.scale
         self.d_model = positive_int("d_model", d_model)
         self.num_heads = positive_int("num_heads", num_heads)
         self.kv_lora_rank = positive_int("kv_lora_rank", kv_lora_rank)

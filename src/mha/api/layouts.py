@@ -13,19 +13,12 @@ import numpy as np
 
 from .._arrays import flag, positive_int
 from ..errors import AttentionValueError, WeightsFileError
-from .configuration import Configuration
+from .configuration import Configuration, LayerSpec
 
 if TYPE_CHECKING:
     from typing import Self
 
 __all__ = ["Layouts"]
-
-_PRETRAINED_SETTINGS = {
-    "num_kv_heads", "head_dim", "rope_theta", "rotary_dim", "rotary_interleaved",
-    "rope_scaling", "window", "chunk", "softcap", "scale", "qk_norm", "qk_norm_eps",
-    "qk_norm_offset", "sink_tokens", "alibi",
-}  # fmt: skip
-"""What :meth:`Layouts.from_pretrained` hands on to the configuration (all that it reads)."""
 
 
 class Layouts(Configuration):
@@ -51,7 +44,7 @@ class Layouts(Configuration):
         from ..integrations.pytorch import weights_from_torch
 
         weights, heads, zero = weights_from_torch(source, num_heads, add_zero_attn)
-        return cls._from_weights(weights, heads, zero, "state dict")
+        return cls.from_spec(LayerSpec(heads, add_zero_attn=zero), weights, "state dict")
 
     def to_torch_state_dict(self, *, tensors: bool = False) -> dict[str, Any]:
         """The weights as a ``torch.nn.MultiheadAttention`` state dict: NumPy arrays, or with
@@ -109,7 +102,7 @@ class Layouts(Configuration):
         from ..integrations.transformers import weights_from_gpt2
 
         weights = weights_from_gpt2(c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias)
-        return cls._from_weights(weights, positive_int("num_heads", num_heads), False, "GPT-2")
+        return cls.from_spec(LayerSpec(positive_int("num_heads", num_heads)), weights, "GPT-2")
 
     @classmethod
     def from_llama(
@@ -157,12 +150,11 @@ class Layouts(Configuration):
             head_dim = positive_int("head_dim", head_dim)
         weights = weights_from_llama(state_dict, prefix, H, H_kv, head_dim)  # checks state_dict
         W_q = weights["W_q"]
-        return cls._from_weights(
-            weights, H, False, "Llama weights", num_kv_heads=H_kv,
-            head_dim=head_dim or (0 if W_q is None else W_q.shape[1] // H),
-            rope_theta=rope_theta, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
-            window=window,
+        spec = LayerSpec(
+            H, H_kv, head_dim or (0 if W_q is None else W_q.shape[1] // H), rope_theta,
+            rotary_dim, rotary_interleaved, window=window,
         )  # fmt: skip
+        return cls.from_spec(spec, weights, "Llama weights")
 
     @classmethod
     def from_pretrained(cls, path: Any, layer: int = 0, *, dtype: Any = None) -> Self:
@@ -190,11 +182,7 @@ class Layouts(Configuration):
                 f"layer {layer} of {path} is multi-head latent attention ({kind}): load it "
                 f"with mha.LatentAttention.from_pretrained(path, layer={layer})"
             )
-        settings = dict(settings)
-        heads = settings.pop("num_heads")
-        unread = set(settings) - _PRETRAINED_SETTINGS
-        assert not unread, f"layer_attention gave settings from_pretrained does not read: {unread}"
-        return cls._from_weights(dict(weights), heads, False, f"{path}, layer {layer}", **settings)
+        return cls.from_spec(LayerSpec(**settings), weights, f"{path}, layer {layer}")
 
     def save(self, path: Any) -> None:
         """Write configuration and weights to ``path`` as ``.npz``, atomically: a complete
@@ -229,16 +217,15 @@ class Layouts(Configuration):
         from ..integrations import npz
 
         config, weights = npz.load(path)
-        extras = ("num_kv_heads", "head_dim", "rope_theta", "rotary_dim", "rotary_interleaved",
-                  "window")  # fmt: skip
-        variants = ("sink_tokens", "softcap", "alibi", "chunk", "rope_scaling", "scale",
-                    "qk_norm", "qk_norm_eps", "qk_norm_offset")  # later, optional  # fmt: skip
+        required = ("num_heads", "add_zero_attn", "num_kv_heads", "head_dim", "rope_theta",
+                    "rotary_dim", "rotary_interleaved", "window")  # fmt: skip
         try:
-            module = cls._from_weights(
-                weights, config["num_heads"], config["add_zero_attn"], "the weights",
-                **{key: config[key] for key in extras},
-                **{key: config.get(key) for key in variants},
-            )  # fmt: skip
+            given: dict[str, Any] = {  # the later settings are optional: older files lack them
+                key: config[key] if key in required else config.get(key)
+                for key in LayerSpec.fields()
+            }
+            spec = LayerSpec(**given)
+            module = cls.from_spec(spec, weights, "the weights")
         except KeyError as error:
             raise WeightsFileError(f"cannot load {path}: its config has no {error}") from None
         except (AttentionValueError, TypeError) as error:

@@ -21,7 +21,7 @@ from .checks import (
     check_mask_argument,
     random_generator,
 )
-from .configuration import float_dtype
+from .configuration import LayerSpec, float_dtype
 from .layouts import Layouts
 from .paged_cache import PagedKVCache
 from .projection import compute
@@ -124,15 +124,12 @@ class MultiHeadAttention(Layouts):
                 f"d_model={E} is not divisible by num_heads={H}; each head needs an equal "
                 "share of the width (or give head_dim=)"
             )
-        self._configure(
-            d_model=E, num_heads=H, num_kv_heads=num_kv_heads,
-            head_dim=E // H if head_dim is None else head_dim,
-            kdim=E if kdim is None else kdim, vdim=E if vdim is None else vdim,
-            add_zero_attn=add_zero_attn, rope_theta=rope_theta, rotary_dim=rotary_dim,
-            rotary_interleaved=rotary_interleaved, window=window, sink_tokens=sink_tokens,
-            softcap=softcap, alibi=alibi, chunk=chunk, rope_scaling=rope_scaling, scale=scale,
-            qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_offset=qk_norm_offset,
+        spec = LayerSpec(
+            H, num_kv_heads, E // H if head_dim is None else head_dim, rope_theta, rotary_dim,
+            rotary_interleaved, rope_scaling, window, sink_tokens, softcap, alibi, chunk, scale,
+            qk_norm, qk_norm_eps, qk_norm_offset, add_zero_attn,
         )  # fmt: skip
+        self._configure(spec, (E, E if kdim is None else kdim, E if vdim is None else vdim))
         if not isinstance(bias, (bool, np.bool_)):
             raise AttentionTypeError(f"bias must be True or False; got {bias!r}")
         self.dtype = float_dtype(dtype)
