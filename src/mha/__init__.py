@@ -52,3 +52,6 @@ __all__ = [
     "scaled_dot_product_attention",
 ]
 __version__ = "0.1.0"
+
+# The integrations' readers and writers, registered for the layers' loaders (mha.api.formats).
+from .integrations import formats as _formats  # noqa: F401

@@ -27,6 +27,7 @@ from .._arrays import (
     result_and_compute_dtypes,
 )
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
+from . import formats
 from .cache import KVCache
 from .checks import check_mask_argument, random_generator
 from .configuration import float_dtype
@@ -208,7 +209,7 @@ class LatentAttention:
         """Layer ``layer``'s attention of a DeepSeek-V2/V3 checkpoint at ``path`` (a
         transformers ``save_pretrained`` directory), in ``dtype`` (default: the
         checkpoint's), with its settings, its yarn rope and its corrected softmax scale, as
-        :func:`mha.integrations.pretrained.layer_attention` reads them; only that layer's
+        :func:`mha.integrations.pretrained.read_layer` reads them; only that layer's
         attention tensors are read. A layer of any other kind of attention is refused.
 
         >>> from mha import LatentAttention
@@ -217,16 +218,13 @@ class LatentAttention:
         ...
         mha.WeightsFileError: no-such-checkpoint does not exist; it should be a folder ...
         """
-        from ..integrations.checkpoint import Checkpoint
-        from ..integrations.pretrained import layer_attention
-
-        kind, settings, weights = layer_attention(Checkpoint(path), layer, dtype)
-        if kind != "latent":
+        spec, weights = formats.get("pretrained")(path, layer, dtype)
+        if not isinstance(spec, LatentSpec):
             raise AttentionValueError(
                 f"layer {layer} of {path} is not multi-head latent attention: load it with "
                 f"mha.MultiHeadAttention.from_pretrained(path, layer={layer})"
             )
-        return cls.from_spec(LatentSpec(**settings), weights, dtype)
+        return cls.from_spec(spec, weights)
 
     # fmt: off
     @overload

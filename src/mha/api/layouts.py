@@ -13,6 +13,7 @@ import numpy as np
 
 from .._arrays import flag, positive_int
 from ..errors import AttentionValueError, WeightsFileError
+from . import formats
 from .configuration import Configuration, LayerSpec
 
 if TYPE_CHECKING:
@@ -41,9 +42,7 @@ class Layouts(Configuration):
         >>> MultiHeadAttention.from_torch(state, num_heads=2)
         MultiHeadAttention(d_model=4, num_heads=2, bias=False, dtype=float64)
         """
-        from ..integrations.pytorch import weights_from_torch
-
-        weights, heads, zero = weights_from_torch(source, num_heads, add_zero_attn)
+        weights, heads, zero = formats.get("torch.weights")(source, num_heads, add_zero_attn)
         return cls.from_spec(LayerSpec(heads, add_zero_attn=zero), weights, "state dict")
 
     def to_torch_state_dict(self, *, tensors: bool = False) -> dict[str, Any]:
@@ -59,11 +58,9 @@ class Layouts(Configuration):
         >>> sorted(MultiHeadAttention(4, 2, bias=True).to_torch_state_dict())
         ['in_proj_bias', 'in_proj_weight', 'out_proj.bias', 'out_proj.weight']
         """
-        from ..integrations.pytorch import as_tensors, torch_state_dict
-
         self._check_torch_layout()
-        state = torch_state_dict(self.weights())
-        return as_tensors(state) if flag("tensors", tensors) else dict(state)
+        state = formats.get("torch.state_dict")(self.weights())
+        return formats.get("torch.tensors")(state) if flag("tensors", tensors) else dict(state)
 
     def to_torch(self, *, batch_first: bool = True) -> Any:
         """A ``torch.nn.MultiheadAttention`` in eval mode holding these weights, built with
@@ -76,11 +73,10 @@ class Layouts(Configuration):
         >>> module.bias_k is None, module.in_proj_bias is None   # doctest: +SKIP
         (True, True)
         """
-        from ..integrations.pytorch import torch_module
-
         self._check_torch_layout()
         first = flag("batch_first", batch_first)
-        return torch_module(self.weights(), self.num_heads, self.add_zero_attn, first)
+        module = formats.get("torch.module")
+        return module(self.weights(), self.num_heads, self.add_zero_attn, first)
 
     @classmethod
     def from_gpt2(
@@ -99,9 +95,7 @@ class Layouts(Configuration):
         ...                              np.zeros(E), num_heads=2)
         MultiHeadAttention(d_model=4, num_heads=2, bias=True, dtype=float64)
         """
-        from ..integrations.transformers import weights_from_gpt2
-
-        weights = weights_from_gpt2(c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias)
+        weights = formats.get("gpt2")(c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias)
         return cls.from_spec(LayerSpec(positive_int("num_heads", num_heads)), weights, "GPT-2")
 
     @classmethod
@@ -142,13 +136,11 @@ class Layouts(Configuration):
         >>> attention.num_kv_heads, attention.head_dim, attention.W_k.shape   # W_k = k_proj.T
         (2, 2, (8, 4))
         """
-        from ..integrations.transformers import weights_from_llama
-
         H = positive_int("num_heads", num_heads)
         H_kv = H if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
         if head_dim is not None:
             head_dim = positive_int("head_dim", head_dim)
-        weights = weights_from_llama(state_dict, prefix, H, H_kv, head_dim)  # checks state_dict
+        weights = formats.get("llama")(state_dict, prefix, H, H_kv, head_dim)  # checks state_dict
         W_q = weights["W_q"]
         spec = LayerSpec(
             H, H_kv, head_dim or (0 if W_q is None else W_q.shape[1] // H), rope_theta,
@@ -172,17 +164,13 @@ class Layouts(Configuration):
         latent attention loads with :meth:`mha.LatentAttention.from_pretrained`. The
         families, and what each reads, are in docs/pretrained.md.
         """
-        from ..integrations.checkpoint import Checkpoint
-        from ..integrations.pretrained import layer_attention
-
-        checkpoint = Checkpoint(path)
-        kind, settings, weights = layer_attention(checkpoint, layer, dtype)
-        if kind != "attention":
+        spec, weights = formats.get("pretrained")(path, layer, dtype)
+        if not isinstance(spec, LayerSpec):
             raise AttentionValueError(
-                f"layer {layer} of {path} is multi-head latent attention ({kind}): load it "
-                f"with mha.LatentAttention.from_pretrained(path, layer={layer})"
+                f"layer {layer} of {path} is multi-head latent attention: load it with "
+                f"mha.LatentAttention.from_pretrained(path, layer={layer})"
             )
-        return cls.from_spec(LayerSpec(**settings), weights, f"{path}, layer {layer}")
+        return cls.from_spec(spec, weights, f"{path}, layer {layer}")
 
     def save(self, path: Any) -> None:
         """Write configuration and weights to ``path`` as ``.npz``, atomically: a complete
@@ -196,9 +184,7 @@ class Layouts(Configuration):
         >>> os.listdir(os.path.dirname(path))
         ['attention.npz']
         """
-        from ..integrations import npz
-
-        npz.save(path, self._config(), self.weights())
+        formats.get("npz.save")(path, self._config(), self.weights())
 
     @classmethod
     def load(cls, path: Any) -> Self:
@@ -214,9 +200,7 @@ class Layouts(Configuration):
         >>> loaded, bool(np.array_equal(loaded.W_q, saved.W_q))
         (MultiHeadAttention(d_model=8, num_heads=2, bias=True, dtype=float64), True)
         """
-        from ..integrations import npz
-
-        config, weights = npz.load(path)
+        config, weights = formats.get("npz.load")(path)
         required = ("num_heads", "add_zero_attn", "num_kv_heads", "head_dim", "rope_theta",
                     "rotary_dim", "rotary_interleaved", "window")  # fmt: skip
         try:

@@ -42,11 +42,13 @@ from typing import Any
 
 import numpy as np
 
+from ..api.configuration import LayerSpec
+from ..api.latent import LatentSpec
 from ..api.rope_scaling import check_rope_scaling
 from ..errors import AttentionTypeError, AttentionValueError, WeightsFileError
 from .checkpoint import Checkpoint, tensor_prefixes
 
-__all__ = ["FAMILIES", "SUPPORTED", "layer_attention"]
+__all__ = ["FAMILIES", "SUPPORTED", "layer_attention", "read_layer"]
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 _OMPE = "original_max_position_embeddings"
@@ -140,6 +142,18 @@ REFUSED = {
 
 _LEGACY_LAYER_TYPES = {"attention": FULL}  # transformers' remap_legacy_layer_types
 _IGNORED = ("rotary_emb.inv_freq",)  # older checkpoints' buffer, recomputed from the config
+
+
+def read_layer(
+    path: Any, layer: Any, dtype: Any = None
+) -> tuple[LayerSpec | LatentSpec, dict[str, np.ndarray]]:
+    """Layer ``layer``'s attention of the transformers checkpoint at ``path`` as the pair
+    ``(spec, weights)`` that :meth:`mha.MultiHeadAttention.from_spec` (a
+    :class:`~mha.LayerSpec`) or :meth:`mha.LatentAttention.from_spec` (a
+    :class:`~mha.LatentSpec`) builds the layer from."""
+    kind, settings, weights = layer_attention(Checkpoint(path), layer, dtype)
+    spec = LatentSpec(**settings) if kind == "latent" else LayerSpec(**settings)
+    return spec, weights
 
 
 def layer_attention(

@@ -36,17 +36,9 @@ from ..._kernel.contract import ScoreShape, Visibility
 from ...api import checks
 from ...api.checks import LayerArrays, LayerWeights, check_layer
 from ...api.spec import Checked, MhaKeywords, SdpaKeywords, check_mha, check_sdpa
+from .arrays import import_dask, lazy_or_array, small, standin
 from .build import Lazy, MhaGraph, SdpaGraph
-from .inputs import (
-    Masks,
-    Rotation,
-    check_fan_in,
-    import_dask,
-    lazy_or_array,
-    refuse_in_memory_only,
-    small,
-    standin,
-)
+from .inputs import Masks, Rotation, check_fan_in, refuse_in_memory_only
 
 __all__ = ["multi_head_attention", "scaled_dot_product_attention"]
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .inputs import is_dask
+from .arrays import is_dask
 from .tasks import merge
 
 

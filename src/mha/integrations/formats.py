@@ -1,0 +1,28 @@
+"""The integrations' readers and writers, registered with the API (:mod:`mha.api.formats`)
+when ``mha`` is imported: the API's loaders and exporters call them by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..api import formats
+from . import npz, pretrained, pytorch, transformers
+
+__all__ = ["FUNCTIONS"]
+
+FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "torch.weights": pytorch.weights_from_torch,
+    "torch.state_dict": pytorch.torch_state_dict,
+    "torch.tensors": pytorch.as_tensors,
+    "torch.module": pytorch.torch_module,
+    "gpt2": transformers.weights_from_gpt2,
+    "llama": transformers.weights_from_llama,
+    "pretrained": pretrained.read_layer,
+    "npz.save": npz.save,
+    "npz.load": npz.load,
+}
+"""Each function, by the name the API asks for."""
+
+for name, function in FUNCTIONS.items():
+    formats.register(name, function)
