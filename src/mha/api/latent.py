@@ -299,30 +299,7 @@ class LatentAttention:
                 f"(d_model={self.d_model}); got shape {x.shape}"
             )
         want_backward = flag("return_backward", return_backward)
-        L = x.shape[-2]
-        if cache is not None:
-            refused = [why for why, given in (
-                ("return_backward (call without the cache to train)", want_backward),
-                (f"unbatched x {x.shape} (give (B, L, d_model))", x.ndim != 3),
-                ("positions= (the cache's lengths give the positions)", positions is not None),
-            ) if given]  # fmt: skip
-            if refused:
-                raise AttentionValueError(f"cache= cannot be combined with {'; '.join(refused)}")
-            if not isinstance(cache, KVCache):
-                raise AttentionTypeError(
-                    f"cache must be an mha.KVCache; got {type(cache).__name__}"
-                )
-            if cache.batch_size != x.shape[0]:
-                raise ShapeError(
-                    f"x has {x.shape[0]} sequences but the cache holds {cache.batch_size}: "
-                    f"{cache!r} (x {x.shape})"
-                )
-            at = cache.lengths[:, None] + np.arange(L)  # each sequence's own next positions
-        elif positions is None:
-            at = np.arange(L)
-        else:
-            check_positions(positions, x.shape, f"x {x.shape}")
-            at = np.asarray(positions)
+        at = self._positions(x, positions, cache, want_backward)
         check_mask_argument(mask)
         given = self.parameters()
         shapes = self._shapes()
@@ -342,6 +319,34 @@ class LatentAttention:
         )
         result = cast_result(out, result_dtype)
         return result if backward is None else (result, backward)
+
+    def _positions(
+        self, x: np.ndarray, positions: Any, cache: KVCache | None, want_backward: bool
+    ) -> np.ndarray:
+        """Where the tokens of ``x`` sit: the cache's next positions, ``positions`` (checked),
+        or ``0..L-1``; what a cached call cannot take is refused."""
+        L = x.shape[-2]
+        if cache is None:
+            if positions is None:
+                return np.arange(L)
+            check_positions(positions, x.shape, f"x {x.shape}")
+            return np.asarray(positions)
+        refused = [why for why, given in (
+            ("return_backward (call without the cache to train)", want_backward),
+            (f"unbatched x {x.shape} (give (B, L, d_model))", x.ndim != 3),
+            ("positions= (the cache's lengths give the positions)", positions is not None),
+        ) if given]  # fmt: skip
+        if refused:
+            raise AttentionValueError(f"cache= cannot be combined with {'; '.join(refused)}")
+        if not isinstance(cache, KVCache):
+            raise AttentionTypeError(f"cache must be an mha.KVCache; got {type(cache).__name__}")
+        if cache.batch_size != x.shape[0]:
+            raise ShapeError(
+                f"x has {x.shape[0]} sequences but the cache holds {cache.batch_size}: "
+                f"{cache!r} (x {x.shape})"
+            )
+        at: np.ndarray = cache.lengths[:, None] + np.arange(L)  # each sequence's own next
+        return at
 
     __call__ = forward
 

@@ -25,7 +25,7 @@ from .._kernel.paged import PagedKV
 from .._kernel.team import Team, workers_for
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .checks import kv_heads
-from .spec import Request, ScoreRules
+from .spec import AttentionSpec, Request, ScoreRules
 from .split_heads import merge_attention
 
 __all__ = ["cascade_attention", "paged_attention"]
@@ -95,18 +95,29 @@ def paged_attention(
     >>> bool(np.allclose(out[:1], dense.transpose(0, 2, 1, 3), rtol=1e-13, atol=0))
     True
     """
-    q, key_cache, value_cache, shapes = _operands(q, key_cache, value_cache)
+    rules = MaskRules.check(None, causal, None, window, None, None, None)
+    spec = AttentionSpec(rules, ScoreRules(sinks, softcap), scale)
+    request = Request.check(False, return_lse, False, max_memory, workers)
+    return _paged(q, (key_cache, value_cache), (block_table, seq_lens), spec, request)
+
+
+def _paged(
+    q: Any, pools: tuple[Any, Any], tables: tuple[Any, Any], spec: AttentionSpec,
+    request: Request,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """:func:`paged_attention` of ``q`` over the ``pools`` (keys, values) through the
+    ``tables`` (block table, lengths), for its checked spec and request."""
+    q, key_cache, value_cache, shapes = _operands(q, *pools)
     B, L, H, d_k = q.shape
     num_blocks, block_size = key_cache.shape[:2]
-    table, lengths = _table_and_lengths(block_table, seq_lens, B, num_blocks, block_size)
+    table, lengths = _table_and_lengths(*tables, B, num_blocks, block_size)
     result_dtype, compute_dtype = result_and_compute_dtypes(q, key_cache, value_cache)
-    scale = resolve_scale(scale, d_k, compute_dtype)
-    rules = MaskRules.check(None, causal, None, window, None, None, None)
-    request = Request.check(False, return_lse, False, max_memory, workers)
-    scores = ScoreRules(sinks, softcap).fit(H, want_backward=False)
+    scale = resolve_scale(spec.scale, d_k, compute_dtype)
+    scores = spec.scores.fit(H, want_backward=False)
     S = max(int(lengths.max(initial=0)), 1)
     cached = CachedPositions(lengths - L, lengths - L, np.zeros(B, np.int64))
-    visibility = Visibility.build(rules, MaskArrays(key_lengths=lengths), ScoreShape((B,), H, L, S),
+    shape = ScoreShape((B,), H, L, S)
+    visibility = Visibility.build(spec.mask, MaskArrays(key_lengths=lengths), shape,
                                   compute_dtype, shapes, cached)  # fmt: skip
     queries = q.transpose(0, 2, 1, 3)  # (B, H, L, d_k): a view
     outputs = Outputs(np.zeros((B, H, L, value_cache.shape[-1]), compute_dtype))

@@ -70,10 +70,25 @@ def plot_attention(
         if tokens is not None and len(tokens) != n:
             raise ShapeError(f"{name} has {len(tokens)} tokens but the weights have {n} positions")
     key_tokens = key_tokens if key_tokens is not None else query_tokens if S == L else None
-
     panels = [(f"head {h}", array[h]) for h in range(H)]
     if H > 1:
         panels.append(("average", array.mean(axis=0)))
+    figure, hatched = _draw(matplotlib, panels, seen, (query_tokens, key_tokens))
+    if title:
+        figure.suptitle(title)
+    if hatched:
+        figure.supxlabel(note, fontsize=8)
+    return _save(figure, path, dpi)
+
+
+def _draw(
+    matplotlib: Any, panels: list[tuple[str, np.ndarray]], seen: np.ndarray,
+    tokens: tuple[list[str] | None, list[str] | None],
+) -> tuple[Any, bool]:  # fmt: skip
+    """A figure of the ``panels`` (label, ``(L, S)`` map), cells not ``seen`` masked (and
+    hatched, for maps small enough), axes labelled by the query and key ``tokens``; and
+    whether it hatched any."""
+    L, S = seen.shape
     columns = min(len(panels), 4)
     rows = -(-len(panels) // columns)
     cell = 0.45 if max(L, S) <= 12 else 5.0 / max(L, S)
@@ -101,17 +116,13 @@ def plot_attention(
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("key", fontsize=8)
         ax.set_ylabel("query", fontsize=8)
-        _ticks(ax.set_xticks, ax.set_xticklabels, S, key_tokens, rotation=90)
-        _ticks(ax.set_yticks, ax.set_yticklabels, L, query_tokens)
+        _ticks(ax.set_xticks, ax.set_xticklabels, S, tokens[1], rotation=90)
+        _ticks(ax.set_yticks, ax.set_yticklabels, L, tokens[0])
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     if image is not None:
         figure.colorbar(image, ax=list(axes.flat), shrink=0.8, label="attention weight")
-    if title:
-        figure.suptitle(title)
-    if hatches is not None:
-        figure.supxlabel(note, fontsize=8)
-    return _save(figure, path, dpi)
+    return figure, hatches is not None
 
 
 def check_weights(weights: Any, name: str = "weights") -> None:

@@ -20,7 +20,7 @@ key, this returns zeros (zero attention output, so the row equals the output bia
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -96,55 +96,148 @@ def multi_head_attention_forward(
     >>> weights[0, :, 2]                                          # no query sees key 2
     array([0., 0., 0.])
     """
-    query = as_float_array("query", query)
-    key = as_float_array("key", key)
-    value = as_float_array("value", value)
-    if query.ndim not in (2, 3):
-        raise ShapeError(f"query must be (L, N, E) or unbatched (L, E); got shape {query.shape}")
-    batched = query.ndim == 3
-    for name, array in (("key", key), ("value", value)):
-        if array.ndim != query.ndim:
+    given = _Given(
+        in_proj_weight, in_proj_bias, bias_k, bias_v, out_proj_weight, out_proj_bias,
+        q_proj_weight, k_proj_weight, v_proj_weight, static_k, static_v,
+    )  # fmt: skip
+    options = _Options(
+        embed_dim_to_check, num_heads, add_zero_attn, dropout_p, training, need_weights,
+        use_separate_proj_weight, average_attn_weights, is_causal, generator,
+    )  # fmt: skip
+    inputs = _Inputs.check(query, key, value, key_padding_mask, attn_mask)
+    return _forward(inputs, given, options)
+
+
+class _Given(NamedTuple):
+    """The weights and the static keys and values, as given."""
+
+    in_proj_weight: Any
+    in_proj_bias: Any
+    bias_k: Any
+    bias_v: Any
+    out_proj_weight: Any
+    out_proj_bias: Any
+    q_proj_weight: Any
+    k_proj_weight: Any
+    v_proj_weight: Any
+    static_k: Any
+    static_v: Any
+
+
+class _Options(NamedTuple):
+    """The other arguments, as given."""
+
+    embed_dim_to_check: Any
+    num_heads: Any
+    add_zero_attn: Any
+    dropout_p: Any
+    training: Any
+    need_weights: Any
+    use_separate_proj_weight: Any
+    average_attn_weights: Any
+    is_causal: Any
+    generator: Any
+
+
+class _Inputs(NamedTuple):
+    """The query, key and value as batched ``(T, N, width)`` arrays, the masks as given
+    (an unbatched key padding mask with its batch axis), and whether the input was batched."""
+
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    key_padding_mask: Any
+    attn_mask: Any
+    batched: bool
+
+    @classmethod
+    def check(
+        cls, query: Any, key: Any, value: Any, key_padding_mask: Any, attn_mask: Any
+    ) -> _Inputs:
+        query = as_float_array("query", query)
+        key = as_float_array("key", key)
+        value = as_float_array("value", value)
+        if query.ndim not in (2, 3):
             raise ShapeError(
-                f"{name} must have as many axes as query (query {query.shape}, {name} "
-                f"{array.shape})"
+                f"query must be (L, N, E) or unbatched (L, E); got shape {query.shape}"
             )
-    if not batched:  # work batched, as torch does
-        query, key, value = query[:, None], key[:, None], value[:, None]
-        if key_padding_mask is not None:
-            key_padding_mask = as_array("key_padding_mask", key_padding_mask)
-            if key_padding_mask.ndim != 1:
+        batched = query.ndim == 3
+        for name, array in (("key", key), ("value", value)):
+            if array.ndim != query.ndim:
                 raise ShapeError(
-                    f"for unbatched input key_padding_mask must have shape (S,); "
-                    f"got {key_padding_mask.shape}"
+                    f"{name} must have as many axes as query (query {query.shape}, {name} "
+                    f"{array.shape})"
                 )
-            key_padding_mask = key_padding_mask[None]
+        if not batched:  # work batched, as torch does
+            query, key, value = query[:, None], key[:, None], value[:, None]
+            if key_padding_mask is not None:
+                key_padding_mask = as_array("key_padding_mask", key_padding_mask)
+                if key_padding_mask.ndim != 1:
+                    raise ShapeError(
+                        f"for unbatched input key_padding_mask must have shape (S,); "
+                        f"got {key_padding_mask.shape}"
+                    )
+                key_padding_mask = key_padding_mask[None]
+        return cls(query, key, value, key_padding_mask, attn_mask, batched)
+
+
+def _forward(
+    inputs: _Inputs, given: _Given, options: _Options
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The checked call: the heads projected, torch's extra keys, the attention, the
+    output projection."""
+    query, key = inputs.query, inputs.key
     L, N, E = query.shape
-    H = positive_int("num_heads", num_heads)
-    if embed_dim_to_check != E:
-        raise ShapeError(f"query has width {E} but embed_dim_to_check is {embed_dim_to_check}")
+    H = positive_int("num_heads", options.num_heads)
+    if options.embed_dim_to_check != E:
+        raise ShapeError(
+            f"query has width {E} but embed_dim_to_check is {options.embed_dim_to_check}"
+        )
     if E % H:
         raise ShapeError(f"embed_dim {E} is not divisible by num_heads {H}")
-    head_dim = E // H
+    value = inputs.value
     if key.shape[:2] != value.shape[:2] or (
-        not use_separate_proj_weight and key.shape != value.shape
+        not options.use_separate_proj_weight and key.shape != value.shape
     ):
         raise ShapeError(f"key and value do not match (key {key.shape}, value {value.shape})")
     if key.shape[1] != N:
         raise ShapeError(f"key has batch {key.shape[1]} but query has {N}")
+    q, k, v, W_o, b_o = _heads(inputs, given, options, H)
+    masks = _TorchMasks(inputs.attn_mask, inputs.key_padding_mask, L, k.shape[2], N, H, q.dtype)
+    k, v = _extra_keys(k, v, masks, given, options)
+    heads, weights = _attend(q, k, v, masks, inputs, options)
+    joined = heads.transpose(2, 0, 1, 3).reshape(L, N, E)  # (L, N, H*head_dim)
+    output = joined @ W_o.T.astype(q.dtype, copy=False)
+    if b_o is not None:
+        output += b_o.astype(q.dtype, copy=False)
+    if weights is not None and flag("average_attn_weights", options.average_attn_weights):
+        weights = weights.mean(axis=1)
+    if not inputs.batched:
+        output = output[:, 0]
+        weights = None if weights is None else weights[0]
+    return output, weights
 
-    separate = flag("use_separate_proj_weight", use_separate_proj_weight)
+
+def _heads(
+    inputs: _Inputs, given: _Given, options: _Options, H: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """The projected heads ``(N, H, T, head_dim)`` (or the static keys and values) and the
+    output projection ``(W_o, b_o)``, in the compute dtype of the inputs and weights."""
+    query, key, value = inputs.query, inputs.key, inputs.value
+    N, E = query.shape[1:]
+    head_dim = E // H
+    separate = flag("use_separate_proj_weight", options.use_separate_proj_weight)
     W_q, W_k, W_v = _in_projection_weights(
-        E, key.shape[-1], value.shape[-1], separate, in_proj_weight, q_proj_weight,
-        k_proj_weight, v_proj_weight,
+        E, key.shape[-1], value.shape[-1], separate, given.in_proj_weight,
+        given.q_proj_weight, given.k_proj_weight, given.v_proj_weight,
     )  # fmt: skip
     b_q = b_k = b_v = None
-    if in_proj_bias is not None:
-        bias = _weight("in_proj_bias", in_proj_bias, (3 * E,))
+    if given.in_proj_bias is not None:
+        bias = _weight("in_proj_bias", given.in_proj_bias, (3 * E,))
         b_q, b_k, b_v = bias[:E], bias[E : 2 * E], bias[2 * E :]
-    W_o = _weight("out_proj_weight", out_proj_weight, (None, E))
-    b_o = (
-        None if out_proj_bias is None else _weight("out_proj_bias", out_proj_bias, (W_o.shape[0],))
-    )
+    W_o = _weight("out_proj_weight", given.out_proj_weight, (None, E))
+    b_o = given.out_proj_bias
+    b_o = None if b_o is None else _weight("out_proj_bias", b_o, (W_o.shape[0],))
     _, dtype = result_and_compute_dtypes(query, key, value, W_q, W_k, W_v, W_o)
 
     def project(x: np.ndarray, W: np.ndarray, b: np.ndarray | None) -> np.ndarray:
@@ -155,71 +248,62 @@ def multi_head_attention_forward(
         return y.reshape(x.shape[0], N, H, head_dim).transpose(1, 2, 0, 3)
 
     q = project(query, W_q, b_q)
-    k = (
-        project(key, W_k, b_k)
-        if static_k is None
-        else _static("static_k", static_k, N, H, head_dim)
-    )
-    v = (
-        project(value, W_v, b_v)
-        if static_v is None
-        else _static("static_v", static_v, N, H, head_dim)
-    )
-
+    k = project(key, W_k, b_k) if given.static_k is None else _static(
+        "static_k", given.static_k, N, H, head_dim)  # fmt: skip
+    v = project(value, W_v, b_v) if given.static_v is None else _static(
+        "static_v", given.static_v, N, H, head_dim)  # fmt: skip
     if k.shape[2] != v.shape[2]:
         raise ShapeError(
             f"keys and values have different lengths ({k.shape[2]} and {v.shape[2]}): "
             "static_k and static_v must match each other and the projected keys"
         )
-    masks = _TorchMasks(attn_mask, key_padding_mask, L, k.shape[2], N, H, dtype)  # S of k
-    if (bias_k is None) != (bias_v is None):
+    return q, k, v, W_o, b_o
+
+
+def _extra_keys(
+    k: np.ndarray, v: np.ndarray, masks: _TorchMasks, given: _Given, options: _Options
+) -> tuple[np.ndarray, np.ndarray]:
+    """The keys and values with torch's learned pair (``bias_k``, ``bias_v``) and its zero
+    pair appended, the masks padded to them."""
+    H, head_dim, E = k.shape[1], k.shape[-1], k.shape[1] * k.shape[-1]
+    if (given.bias_k is None) != (given.bias_v is None):
         raise AttentionValueError("bias_k and bias_v go together: give both or neither")
-    if bias_k is not None:
-        if static_k is not None or static_v is not None:
+    if given.bias_k is not None:
+        if given.static_k is not None or given.static_v is not None:
             raise AttentionValueError("bias_k/bias_v cannot be added to static_k/static_v")
-        k = _append(k, _weight("bias_k", bias_k, (1, 1, E)).reshape(H, 1, head_dim))
-        v = _append(v, _weight("bias_v", bias_v, (1, 1, E)).reshape(H, 1, head_dim))
+        k = _append(k, _weight("bias_k", given.bias_k, (1, 1, E)).reshape(H, 1, head_dim))
+        v = _append(v, _weight("bias_v", given.bias_v, (1, 1, E)).reshape(H, 1, head_dim))
         masks.pad()
-    if flag("add_zero_attn", add_zero_attn):
-        k = _append(k, np.zeros((H, 1, head_dim), dtype))
-        v = _append(v, np.zeros((H, 1, head_dim), dtype))
+    if flag("add_zero_attn", options.add_zero_attn):
+        k = _append(k, np.zeros((H, 1, head_dim), k.dtype))
+        v = _append(v, np.zeros((H, 1, head_dim), v.dtype))
         masks.pad()
+    return k, v
 
-    causal = flag("is_causal", is_causal)
-    if causal and attn_mask is None:
+
+def _attend(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, masks: _TorchMasks, inputs: _Inputs,
+    options: _Options,
+) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
+    """The heads, and the weights ``(N, H, L, S)`` when asked for (dropped in training)."""
+    causal = flag("is_causal", options.is_causal)
+    if causal and inputs.attn_mask is None:
         raise AttentionValueError("is_causal is a hint that attn_mask is causal: pass attn_mask")
-    keywords: dict[str, Any] = {}
-    if causal and key_padding_mask is None and not need_weights:
+    want_weights = flag("need_weights", options.need_weights)
+    keywords: dict[str, Any] = {"mask": masks.mask, "bias": masks.bias}
+    if causal and inputs.key_padding_mask is None and not want_weights:
         keywords = {"causal": True, "causal_alignment": "top_left"}  # torch ignores the mask
-    else:
-        keywords = {"mask": masks.mask, "bias": masks.bias}
-
-    dropout = float(dropout_p) if flag("training", training) else 0.0
+    dropout = float(options.dropout_p) if flag("training", options.training) else 0.0
     if not 0.0 <= dropout <= 1.0:
-        raise AttentionValueError(f"dropout_p must be between 0 and 1; got {dropout_p}")
-    want_weights = flag("need_weights", need_weights)
-    if dropout > 0.0 or want_weights:
-        _, weights = scaled_dot_product_attention(q, k, v, **keywords, return_weights=True)
-        if dropout > 0.0:
-            rng = generator if generator is not None else np.random.default_rng()
-            keep = rng.random(weights.shape) >= dropout  # never kept when dropout_p is 1
-            weights = np.where(keep, weights * (1.0 / (1.0 - dropout) if keep.any() else 0.0), 0.0)
-        heads = weights @ v
-    else:
-        heads, weights = scaled_dot_product_attention(q, k, v, **keywords), None
-
-    joined = heads.transpose(2, 0, 1, 3).reshape(L, N, E)  # (L, N, H*head_dim)
-    output = joined @ W_o.T.astype(dtype, copy=False)
-    if b_o is not None:
-        output += b_o.astype(dtype, copy=False)
-    if weights is not None and not want_weights:
-        weights = None
-    if weights is not None and flag("average_attn_weights", average_attn_weights):
-        weights = weights.mean(axis=1)
-    if not batched:
-        output = output[:, 0]
-        weights = None if weights is None else weights[0]
-    return output, weights
+        raise AttentionValueError(f"dropout_p must be between 0 and 1; got {options.dropout_p}")
+    if not (dropout > 0.0 or want_weights):
+        return scaled_dot_product_attention(q, k, v, **keywords), None
+    _, weights = scaled_dot_product_attention(q, k, v, **keywords, return_weights=True)
+    if dropout > 0.0:
+        rng = options.generator if options.generator is not None else np.random.default_rng()
+        keep = rng.random(weights.shape) >= dropout  # never kept when dropout_p is 1
+        weights = np.where(keep, weights * (1.0 / (1.0 - dropout) if keep.any() else 0.0), 0.0)
+    return weights @ v, weights if want_weights else None
 
 
 class _TorchMasks:

@@ -107,19 +107,26 @@ def scaled_dot_product_attention(
     """
     da = import_dask()
     lazy = {name: lazy_or_array(name, x, da) for name, x in (("q", q), ("k", k), ("v", v))}
-    sq, sk, sv, result_dtype, compute_dtype = checks.checked_heads(*map(standin, lazy.values()))
+    checks.checked_heads(*map(standin, lazy.values()))  # the arrays' errors first
     keywords = SdpaKeywords(  # the mask and the bias are checked by Masks, after
         _causal(mask), causal, causal_alignment, small("key_lengths", key_lengths),
         small("query_lengths", query_lengths), None, window, sink_tokens, chunk, mask_mod, sinks,
         softcap, alibi, score_mod, score_mod_grad, scale, return_weights, return_lse,
         return_backward, dropout_p, generator, cache, padding_side, max_memory, workers,
     )  # fmt: skip
-    checked = check_sdpa(keywords)
-    spec, request = checked.spec, checked.request
+    return _sdpa(lazy, check_sdpa(keywords), (mask, bias), split_every, da)
+
+
+def _sdpa(
+    lazy: dict[str, Any], checked: Checked, masking: tuple[Any, Any], split_every: Any, da: Any
+) -> Any:
+    """:func:`scaled_dot_product_attention`'s graph, its keywords checked."""
+    sq, sk, sv, result_dtype, compute_dtype = checks.checked_heads(*map(standin, lazy.values()))
+    spec = checked.spec
     scale = resolve_scale(spec.scale, sq.shape[-1], compute_dtype)
     _refuse_in_memory_only(checked)
     shape = ScoreShape(sq.shape[:-3], sq.shape[-3], sq.shape[-2], sk.shape[-2])
-    masks = Masks.check(mask, bias, da).fit_scores(*shape)
+    masks = Masks.check(*masking, da).fit_scores(*shape)
     visibility = Visibility.build(spec.mask, checked.given.arrays, shape, compute_dtype,
                                   f"q {sq.shape}, k {sk.shape}")  # fmt: skip
     scores = spec.scores.fit(shape.H, want_backward=False)
@@ -127,7 +134,6 @@ def scaled_dot_product_attention(
     arrays = {name: x if batched else x[None] for name, x in lazy.items()}
     graph = SdpaGraph(Lazy(arrays, batched, masks, check_fan_in(split_every), da), checked,
                       visibility, scale, scores)  # fmt: skip
-    del request
     return graph.build(sv.shape[-1], (result_dtype, compute_dtype))
 
 
@@ -225,10 +231,21 @@ def multi_head_attention(
         small("positions", positions), qk_norm, qk_norm_eps, qk_norm_offset, cache, padding_side,
         return_backward, dropout_p, generator,
     )  # fmt: skip
-    checked = check_mha(keywords)
-    _refuse_in_memory_only(checked)
     weights = LayerWeights(W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm)
-    call = check_layer(LayerArrays(sQ, sK, sV), weights, num_heads, checked)
+    return _mha(lazy, (sQ, sK, sV), weights, (num_heads, check_mha(keywords)),
+                (mask, bias, positions), split_every, da)  # fmt: skip
+
+
+def _mha(
+    lazy: dict[str, Any], standins: tuple[np.ndarray, ...], weights: LayerWeights,
+    heads: tuple[Any, Checked], given: tuple[Any, Any, Any], split_every: Any, da: Any,
+) -> Any:  # fmt: skip
+    """:func:`multi_head_attention`'s graph, its keywords checked: ``heads`` is the head
+    count and the checked keywords, ``given`` the mask, the bias and the positions."""
+    num_heads, checked = heads
+    mask, bias, positions = given
+    _refuse_in_memory_only(checked)
+    call = check_layer(LayerArrays(*standins), weights, num_heads, checked)
     masks = Masks.check(mask, bias, da).fit_scores(call.B, call.H, call.L, call.S)
     fan_in = check_fan_in(split_every)
     rotation = Rotation.check(call, positions)
