@@ -408,15 +408,15 @@ def check_variants(
 ) -> tuple[int, int | None]:
     """The variants' part of the contract, checked: ``(sink_tokens, chunk)`` (0 and
     ``None`` when not given); ``window`` is the call's, already checked."""
-    sinks = 0 if sink_tokens is None else non_negative_int("sink_tokens", sink_tokens)
-    if sinks and window is None:
+    tokens = 0 if sink_tokens is None else non_negative_int("sink_tokens", sink_tokens)
+    if tokens and window is None:
         raise AttentionValueError(
             f"sink_tokens={sink_tokens} keeps the first keys visible beside a sliding window, "
             "but no window= was given: give window= too, or leave sink_tokens out"
         )
     if mask_mod is not None:
         check_function("mask_mod", mask_mod, "(b, h, q_idx, kv_idx) -> bool array", 4)
-    return sinks, None if chunk is None else positive_int("chunk", chunk)
+    return tokens, None if chunk is None else positive_int("chunk", chunk)
 
 
 def split_mask(mask: Any) -> tuple[bool, np.ndarray | None]:

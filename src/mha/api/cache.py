@@ -84,8 +84,10 @@ class KVCache:
         d_k = positive_int("head_dim", head_dim)
         d_v = d_k if value_dim is None else positive_int("value_dim", value_dim)
         self._window = None if window is None else positive_int("window", window)
-        self._sinks = 0 if sink_tokens is None else non_negative_int("sink_tokens", sink_tokens)
-        if self._sinks and self._window is None:
+        self._sink_tokens = (
+            0 if sink_tokens is None else non_negative_int("sink_tokens", sink_tokens)
+        )
+        if self._sink_tokens and self._window is None:
             raise AttentionValueError(
                 f"sink_tokens={sink_tokens} keeps the first positions beside a sliding window, "
                 "but no window= was given: give window= too (a cache without a window keeps "
@@ -110,7 +112,7 @@ class KVCache:
         )
         self._lengths = np.zeros(B, np.int64)  # tokens seen: the next token's position
         # the position held in the first slot after the sink tokens' (slot 0 without them)
-        self._first = np.full(B, self._sinks, np.int64)
+        self._first = np.full(B, self._sink_tokens, np.int64)
 
     @property
     def window(self) -> int | None:
@@ -129,7 +131,7 @@ class KVCache:
         >>> KVCache(1, 1, 4, window=8, sink_tokens=4).sink_tokens
         4
         """
-        return self._sinks
+        return self._sink_tokens
 
     @property
     def dtype(self) -> np.dtype:
@@ -230,8 +232,8 @@ class KVCache:
     def __repr__(self) -> str:
         B, H_kv, _, d_k = self._k.shape
         window = "" if self._window is None else f", window={self._window}"
-        if self._sinks:
-            window += f", sink_tokens={self._sinks}"
+        if self._sink_tokens:
+            window += f", sink_tokens={self._sink_tokens}"
         values = "" if self._d_v == d_k else f", value_dim={self._d_v}"
         if self._shared:
             values += ", values_in_keys=True"
@@ -281,9 +283,9 @@ class KVCache:
         target = np.array(wanted, np.int64)
         need = target
         if self._window is not None:  # the next token's window, past the sink tokens
-            need = np.maximum(self._sinks, target - (self._window - 1))
-        within_sinks = target <= self._sinks  # it sees the sink tokens alone
-        dropped = np.flatnonzero((self._first > need) & ~within_sinks)
+            need = np.maximum(self._sink_tokens, target - (self._window - 1))
+        within_sink_tokens = target <= self._sink_tokens  # it sees the sink tokens alone
+        dropped = np.flatnonzero((self._first > need) & ~within_sink_tokens)
         if dropped.size:
             b = int(dropped[0])
             raise AttentionValueError(
@@ -292,7 +294,7 @@ class KVCache:
                 f"{int(target[b])} would see"
             )
         self._lengths[:] = target
-        self._first[within_sinks] = self._sinks  # nothing held after the sink tokens
+        self._first[within_sink_tokens] = self._sink_tokens  # nothing held after the sink tokens
 
     def reorder(self, indices: Any) -> None:
         """Keep the sequences ``indices`` (a 1-D array of integers in ``[0, B)``; repeats
@@ -340,12 +342,12 @@ class KVCache:
         return v
 
     def _most(self) -> int:
-        """The slots a window's cache needs at most: twice the window, and the sinks."""
-        return 2 * (self._window or 0) + self._sinks
+        """The slots a window's cache needs at most: twice the window, and the sink tokens."""
+        return 2 * (self._window or 0) + self._sink_tokens
 
     def _held(self) -> np.ndarray:
         """Each sequence's filled slots."""
-        held: np.ndarray = self._lengths - self._first + self._sinks
+        held: np.ndarray = self._lengths - self._first + self._sink_tokens
         return held
 
     def _append(self, k: np.ndarray, v: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -406,7 +408,7 @@ class KVCache:
     def _drop_outside_window(self) -> None:
         """Move each sequence's last ``window - 1`` positions to the front of its slots
         (after the sink tokens' slots), in new buffers: a failed call restores the old."""
-        window, n = self._window or 1, self._sinks
+        window, n = self._window or 1, self._sink_tokens
         self._k = self._k.copy()
         self._v = self._values_of(self._k, None if self._shared else self._v.copy())
         for b in range(self.batch_size):

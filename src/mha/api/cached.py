@@ -154,7 +154,7 @@ def check_cache(
             "(make the cache with the attention's sink_tokens, as new_cache does)"
         )
     if tokens is None and cache.window is not None and cache.sink_tokens:
-        tokens = cache.sink_tokens  # the sinks it keeps stay visible
+        tokens = cache.sink_tokens  # the sink tokens it keeps stay visible
     _check_dtype(cache, dtype, where)
     _refuse_by_position(cache, rules, arrays)
     counts = check_lengths("query_lengths", arrays.query_lengths, (fit.B,), fit.L, "query",

@@ -394,6 +394,8 @@ def _refuse_with_cache(
         refused.append("return_weights")
     if checked.given.positions is not None:
         refused.append("positions= (the cache's lengths give the positions)")
+    if checked.spec.selection is not None:
+        refused.append("a selection of keys")
     if refused:
         raise AttentionValueError(f"cache= cannot be combined with {'; '.join(refused)}")
 

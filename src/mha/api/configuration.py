@@ -183,8 +183,8 @@ class Configuration:
         if qk_norm_offset is not None:  # checked as the calls check it
             self.qk_norm_offset = check_offset(qk_norm_offset)
         self.window = None if window is None else positive_int("window", window)
-        sinks = 0 if sink_tokens is None else non_negative_int("sink_tokens", sink_tokens)
-        self.sink_tokens = sinks or None
+        tokens = 0 if sink_tokens is None else non_negative_int("sink_tokens", sink_tokens)
+        self.sink_tokens = tokens or None
         if self.sink_tokens is not None and self.window is None:
             raise AttentionValueError(
                 "sink_tokens keeps the first positions beside a sliding window: give window= too"

@@ -94,7 +94,8 @@ class SplitHeadsBackward:
 class Forward:
     """What a layer's backward keeps of its forward: the projected ``q``, ``k``, ``v`` (the
     extra keys appended), the joined heads, the log-sum-exp, the visibility of the keys
-    attended (extra ones included), the dropout and the QK-norm's ``saved`` rows."""
+    attended (extra ones included), the dropout, the QK-norm's ``saved`` rows and, with an
+    output stage, its output and what its backward needs."""
 
     q: np.ndarray
     k: np.ndarray
@@ -104,6 +105,7 @@ class Forward:
     visibility: Visibility
     dropout: Dropout | None
     saved: dict[str, list[np.ndarray]]
+    stage: tuple[np.ndarray, Any] = (np.empty(0), None)  # the output stage's output, saved
 
 
 class ProjectedBackward:
@@ -133,6 +135,7 @@ class ProjectedBackward:
             self.dtypes["bias"] = as_float_array("bias", bias).dtype
         self.q, self.k, self.v = forward.q, forward.k, forward.v
         self.joined, self.lse = forward.joined, forward.lse
+        self.staged, self.stage_state = forward.stage
         self.visibility, self.dropout = forward.visibility, forward.dropout
         if call.sinks is not None:
             self.dtypes["sinks"] = call.sinks.dtype
@@ -161,10 +164,15 @@ class ProjectedBackward:
             np.errstate(invalid="ignore", over="ignore"),
             Team(workers_for(cost, call.request.threads)) as team,
         ):
-            grads["W_o"] = _weight_grad(self.joined, grad, team)
+            stage = call.spec.output
+            grads["W_o"] = _weight_grad(self.joined if stage is None else self.staged, grad, team)
             if "b_o" in self.arrays:
                 grads["b_o"] = _rows(grad).sum(axis=0)
             d_joined = team.matmul(grad, a("W_o").T)  # BLAS reads the transposes in place
+            d_inputs = None
+            if stage is not None:  # back through the output stage
+                d_joined, d_inputs, stage_grads = stage.backward(d_joined, self.stage_state)
+                grads |= stage_grads
             dk, dv = (_zeros_joined(x, dtype) for x in (self.k, self.v))
             # dq is written over d_joined's heads tile by tile: one (B, L, H*d) buffer less
             shared = self.q.shape[-1] == self.joined.shape[-1] // H
@@ -208,7 +216,10 @@ class ProjectedBackward:
                 # L = 16384, d_model = 512 in float32 (nothing else reads it any more)
                 grads[x] = team.matmul(joined_grad, a(W).T, overwrite=True)
                 del joined_grad
-        return {name: cast_result(g, self.dtypes[name]) for name, g in grads.items()}
+            if d_inputs is not None:  # the output stage read the queries' inputs too
+                grads["Q"] += d_inputs
+        # (an output stage's weights keep the compute dtype)
+        return {name: cast_result(g, self.dtypes.get(name, dtype)) for name, g in grads.items()}
 
     def _norm_backward(
         self, d: np.ndarray, which: str, heads: int

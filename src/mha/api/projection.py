@@ -28,6 +28,7 @@ from .gradients import Forward, ProjectedBackward, join_heads, split_heads
 from .padding import to_front, to_left
 from .paged_cache import PagedKVCache
 from .rotary import apply_rotary
+from .selection import select_keys
 from .spec import MhaKeywords, check_mha
 
 if TYPE_CHECKING:
@@ -249,33 +250,22 @@ def compute(call: Call) -> np.ndarray | tuple[Any, ...]:
         L * given.W_q.size + S * (given.W_k.size + given.W_v.size)
         + L * given.W_o.size + H * L * keys * (call.d_k + d_v)
     )  # fmt: skip
-    outputs = None
     with (
         np.errstate(invalid="ignore", over="ignore"),
         Team(workers_for(cost, request.threads)) as team,
     ):
         saved: dict[str, list[np.ndarray]] = {}  # the QK-norm's, for the backward
         q, k, v = project_heads(call, w, team, saved if request.backward else None)
-        if visibility is not None:
-            visibility = visibility.classified(team)  # mask_mod's block map, kept for backward
         if call.extra:
             k = append_keys(k, w.bias_k, call.spec.add_zero_attn, call.H_kv)
             v = append_keys(v, w.bias_v, call.spec.add_zero_attn, call.H_kv)
-        if visibility is None:  # the cache's call
-            assert call.append is not None
-            cached = CachedCall(q, k, v, call.append, 1.0, call.scores, request)
-            heads, _ = attend_cached(cached, team)
-            joined = join_heads(heads)
-        else:
-            joined = np.zeros((*B, L, H * d_v), dtype=dtype)  # (*B, L, H*d_v)
-            outputs = Outputs(split_heads(joined, H))
-            if request.weights:
-                outputs.weights = np.zeros((*B, H, L, S + call.extra), dtype=dtype)
-            if request.backward:
-                outputs.lse = np.full((*B, H, L), -np.inf, dtype=dtype)
-            kernel = KernelCall(q, k, v, visibility, 1.0, call.scores, dropout, request.budget)
-            attend(kernel, outputs, team)
-        out = team.matmul(joined, w.W_o, w.b_o)
+        if visibility is not None:
+            visibility = select_keys(call.spec.selection, q, k, visibility.classified(team))
+        joined, outputs = _attend(call, (q, k, v), visibility, dropout, team)
+        staged, stage_state = joined, None
+        if call.spec.output is not None:  # a change between the heads and W_o
+            staged, stage_state = call.spec.output.forward(joined, call.Q)
+        out = team.matmul(staged, w.W_o, w.b_o)
     if call.given.left_padded:
         assert call.counts is not None
         out = to_left(out, call.counts, axis=-2)
@@ -284,9 +274,34 @@ def compute(call: Call) -> np.ndarray | tuple[Any, ...]:
         results.append(cast_result(outputs.weights, call.result_dtype))
     if request.backward:
         assert outputs is not None and outputs.lse is not None and visibility is not None
-        forward = Forward(q, k, v, joined, outputs.lse, visibility, dropout, saved)
+        stage = (staged, stage_state)
+        forward = Forward(q, k, v, joined, outputs.lse, visibility, dropout, saved, stage)
         results.append(ProjectedBackward(call, forward))
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def _attend(
+    call: Call, heads: tuple[np.ndarray, np.ndarray, np.ndarray], visibility: Visibility | None,
+    dropout: Dropout | None, team: Team,
+) -> tuple[np.ndarray, Outputs | None]:  # fmt: skip
+    """The joined heads ``(*B, L, H*d_v)`` of the projected ``heads`` (q, k, v): over the
+    given keys within ``visibility``, or on the call's cache (``visibility`` ``None``); and
+    the kernel's outputs (``None`` for a cache's call)."""
+    q, k, v = heads
+    H, B, L, request = call.H, call.B, call.L, call.request
+    if visibility is None:  # the cache's call
+        assert call.append is not None
+        cached = CachedCall(q, k, v, call.append, 1.0, call.scores, request)
+        return join_heads(attend_cached(cached, team)[0]), None
+    joined = np.zeros((*B, L, H * call.d_v), dtype=call.compute_dtype)  # (*B, L, H*d_v)
+    outputs = Outputs(split_heads(joined, H))
+    if request.weights:
+        outputs.weights = np.zeros((*B, H, L, call.S + call.extra), dtype=call.compute_dtype)
+    if request.backward:
+        outputs.lse = np.full((*B, H, L), -np.inf, dtype=call.compute_dtype)
+    kernel = KernelCall(q, k, v, visibility, 1.0, call.scores, dropout, request.budget)
+    attend(kernel, outputs, team)
+    return joined, outputs
 
 
 def _real_rows_first(call: Call) -> Call:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import types
 from dataclasses import dataclass, field, fields
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -42,7 +42,9 @@ __all__ = [
     "AttentionSpec",
     "CallInputs",
     "Checked",
+    "KeySelection",
     "MhaKeywords",
+    "OutputStage",
     "QKNormRules",
     "Request",
     "RotaryRules",
@@ -170,6 +172,31 @@ class QKNormRules(NamedTuple):
     offset: Any = None
 
 
+class OutputStage(Protocol):
+    """A change to a layer's attention output before ``W_o`` (an output gate, say): the
+    joined heads ``(*B, L, H*d_v)`` in, the changed ones out, with what its backward
+    needs; and its backward: the gradient of its input and of its own weights, by name."""
+
+    def forward(self, joined: np.ndarray, inputs: np.ndarray) -> tuple[np.ndarray, Any]:
+        """``joined`` changed, for the layer's queries' inputs ``inputs (*B, L, d_q)``."""
+
+    def backward(
+        self, d_out: np.ndarray, saved: Any
+    ) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any]]:
+        """From the gradient of its output: that of ``joined``, that of ``inputs`` (or
+        ``None``: the stage does not read them) and those of the stage's weights, by name."""
+
+
+class KeySelection(Protocol):
+    """A choice of the keys each query attends to, ahead of the walk (sparse top-k
+    attention, say): ``True`` where query ``i`` keeps key ``j``, a boolean array that
+    broadcasts to the scores ``(*B, H, L, S)``; the keys it drops are hidden, as a mask
+    hides them."""
+
+    def select(self, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """For the projected ``q (*B, H, L, d_k)`` and ``k (*B, H_kv, S, d_k)``."""
+
+
 @dataclass(frozen=True, eq=False)
 class AttentionSpec:
     """What an attention call computes, checked: the mask rules, the changes to the scores,
@@ -186,8 +213,8 @@ class AttentionSpec:
     rotary: RotaryRules = field(default_factory=RotaryRules)
     qk_norm: QKNormRules = field(default_factory=QKNormRules)
     add_zero_attn: bool = False
-    output: Any = None
-    selection: Any = None
+    output: OutputStage | None = None
+    selection: KeySelection | None = None
 
 
 @dataclass(frozen=True, eq=False)

@@ -32,6 +32,7 @@ from .checks import checked_heads, same
 from .gradients import SplitHeadsBackward
 from .paged_cache import PagedKVCache
 from .plans import planned_attention
+from .selection import select_keys
 from .spec import Checked, SdpaKeywords, check_sdpa
 from .variants import check_scores
 
@@ -226,11 +227,14 @@ def attention(q: Any, k: Any, v: Any, checked: Checked) -> np.ndarray | tuple[An
     scale = resolve_scale(spec.scale, q.shape[-1], compute_dtype)
     scores = spec.scores.fit(q.shape[-3], request.backward)
     if given.cache is not None:
+        if spec.selection is not None:
+            raise AttentionValueError("a selection of keys is not available with cache= yet")
         dtypes = (result_dtype, compute_dtype)
         return attend_split_cached(q, k, v, checked, scale, scores, dtypes)
     shape = ScoreShape(q.shape[:-3], q.shape[-3], q.shape[-2], k.shape[-2])
     visibility = Visibility.build(spec.mask, given.arrays, shape, compute_dtype,
                                   f"q {q.shape}, k {k.shape}")  # fmt: skip
+    visibility = select_keys(spec.selection, q, k, visibility)
     # The seed is drawn once everything is checked: a refused call leaves the generator be.
     dropout = None
     if spec.dropout_p:

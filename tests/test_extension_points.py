@@ -1,0 +1,146 @@
+"""The redesign's extension points, each used by a change written here as a test: an output
+stage between the heads and ``W_o`` (a sigmoid gate), a selection of keys ahead of the walk
+(top-k), a new change to the scores (a query temperature), a new kind of cache (fp8). Each
+is checked against a dense reference written from its definition, forward and backward."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from support.configs import relative_error
+
+import mha
+from mha.api.checks import LayerArrays, LayerWeights, check_layer
+from mha.api.projection import compute
+from mha.api.spec import MhaKeywords, SdpaKeywords, check_mha, check_sdpa
+from mha.api.split_heads import attention
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+class SigmoidGate:
+    """Qwen3-Next's output gate: the joined heads times ``sigmoid(X @ W_g)``, per element."""
+
+    def __init__(self, W_g):
+        self.W_g = W_g
+
+    def forward(self, joined, inputs):
+        gate = sigmoid(inputs.astype(joined.dtype) @ self.W_g)
+        return joined * gate, (joined, gate, inputs)
+
+    def backward(self, d_out, saved):
+        joined, gate, inputs = saved
+        d_logits = d_out * joined * gate * (1.0 - gate)
+        rows = inputs.reshape(-1, inputs.shape[-1])
+        d_weight = rows.T @ d_logits.reshape(-1, d_logits.shape[-1])
+        return d_out * gate, d_logits @ self.W_g.T, {"W_g": d_weight}
+
+
+def layer_arrays(seed, B=2, L=9, E=12, H=3):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((B, L, E))
+    W = [rng.standard_normal((E, E)) / np.sqrt(E) for _ in range(4)]
+    return X, W, rng.standard_normal((E, E)) / np.sqrt(E), rng.standard_normal((B, L, E))
+
+
+def torch_layer(torch, X, W, H, W_g=None, mask=None):
+    """The layer in torch from its definition: causal, with the gate when given."""
+    B, L, E = X.shape
+    q, k, v = ((X @ w).reshape(B, L, H, -1).transpose(1, 2) for w in W[:3])
+    allowed = torch.tril(torch.ones(L, L, dtype=torch.bool))
+    if mask is not None:
+        allowed = allowed & mask
+    heads = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    joined = heads.transpose(1, 2).reshape(B, L, E)
+    if W_g is not None:
+        joined = joined * torch.sigmoid(X @ W_g)
+    return joined @ W[3]
+
+
+def test_an_output_stage_between_the_heads_and_W_o(torch, record_error):
+    X, W, W_g, grad = layer_arrays(0)
+    checked = check_mha(MhaKeywords(causal=True, return_backward=True))
+    checked = checked._replace(spec=replace(checked.spec, output=SigmoidGate(W_g)))
+    call = check_layer(LayerArrays(X, X, X), LayerWeights(*W), 3, checked)
+    out, backward = compute(call)
+    ours = backward(grad)
+    t = {
+        name: torch.tensor(a, requires_grad=True)
+        for name, a in (
+            ("X", X),
+            ("W_q", W[0]),
+            ("W_k", W[1]),
+            ("W_v", W[2]),
+            ("W_o", W[3]),
+            ("W_g", W_g),
+        )
+    }
+    expected = torch_layer(torch, t["X"], [t[n] for n in ("W_q", "W_k", "W_v", "W_o")], 3, t["W_g"])
+    (expected * torch.from_numpy(grad)).sum().backward()
+    assert (
+        record_error(
+            "output stage (a gate) vs torch", relative_error(out, expected.detach().numpy())
+        )
+        <= 1e-12
+    )  # noqa: E501
+    assert ours["W_g"].shape == W_g.shape
+    for name in ("W_q", "W_k", "W_v", "W_o", "W_g"):
+        assert relative_error(ours[name], t[name].grad.numpy()) <= 1e-10, name
+    dX = ours["Q"] + ours["K"] + ours["V"]  # one input: the sum of its three gradients
+    assert relative_error(dX, t["X"].grad.numpy()) <= 1e-10
+    plain = mha.multi_head_attention(X, X, X, *W, 3, causal=True)  # without the stage
+    assert relative_error(out, plain) > 1e-3
+
+
+class TopK:
+    """Each query keeps the ``k`` keys of its largest scores among those before it (sparse
+    top-k attention over causal keys)."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def select(self, q, k):
+        scores = q @ np.repeat(k, q.shape[-3] // k.shape[-3], axis=-3).swapaxes(-1, -2)
+        causal = np.tril(np.ones(scores.shape[-2:], bool))
+        scores = np.where(causal, scores, -np.inf)
+        cut = -np.sort(-scores, axis=-1)[..., self.k - 1 : self.k]
+        return (scores >= cut) & causal
+
+
+def dense(q, k, v, allowed):
+    s = q @ k.swapaxes(-1, -2) / np.sqrt(q.shape[-1])
+    s = np.where(allowed, s, -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return p / p.sum(axis=-1, keepdims=True) @ v
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_selection_of_keys_ahead_of_the_walk(torch, workers, record_error):
+    rng = np.random.default_rng(1)
+    q, k, v = rng.standard_normal((3, 2, 4, 37, 16))
+    selection = TopK(5)
+    checked = check_sdpa(SdpaKeywords(causal=True, return_backward=True, workers=workers))
+    checked = checked._replace(spec=replace(checked.spec, selection=selection))
+    out, backward = attention(q, k, v, checked)
+    allowed = selection.select(q, k) & np.tril(np.ones((37, 37), bool))
+    assert (
+        record_error("key selection (top-k) vs dense", relative_error(out, dense(q, k, v, allowed)))
+        <= 1e-12
+    )  # noqa: E501
+    t = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    expected = sdpa(*t, attn_mask=torch.from_numpy(allowed))
+    grad = rng.standard_normal(out.shape)
+    (expected * torch.from_numpy(grad)).sum().backward()
+    ours = backward(grad)
+    for name, tensor in zip("qkv", t, strict=True):
+        assert relative_error(ours[name], tensor.grad.numpy()) <= 1e-10, name
+    assert np.count_nonzero(allowed[0, 0, -1]) == 5  # the last query kept 5 of its 37 keys
+    cached = check_sdpa(SdpaKeywords(cache=mha.KVCache(2, 4, 16)))
+    cached = cached._replace(spec=replace(cached.spec, selection=selection))
+    with pytest.raises(mha.AttentionValueError, match="selection of keys"):
+        attention(q, k, v, cached)
