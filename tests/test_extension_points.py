@@ -86,7 +86,7 @@ def test_an_output_stage_between_the_heads_and_W_o(torch, record_error):
             "output stage (a gate) vs torch", relative_error(out, expected.detach().numpy())
         )
         <= 1e-12
-    )  # noqa: E501
+    )
     assert ours["W_g"].shape == W_g.shape
     for name in ("W_q", "W_k", "W_v", "W_o", "W_g"):
         assert relative_error(ours[name], t[name].grad.numpy()) <= 1e-10, name
@@ -130,7 +130,7 @@ def test_a_selection_of_keys_ahead_of_the_walk(torch, workers, record_error):
     assert (
         record_error("key selection (top-k) vs dense", relative_error(out, dense(q, k, v, allowed)))
         <= 1e-12
-    )  # noqa: E501
+    )
     t = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
     sdpa = torch.nn.functional.scaled_dot_product_attention
     expected = sdpa(*t, attn_mask=torch.from_numpy(allowed))
@@ -144,3 +144,52 @@ def test_a_selection_of_keys_ahead_of_the_walk(torch, workers, record_error):
     cached = cached._replace(spec=replace(cached.spec, selection=selection))
     with pytest.raises(mha.AttentionValueError, match="selection of keys"):
         attention(q, k, v, cached)
+
+
+def with_temperature(checked, floor_scale, attn_scale):
+    """``checked`` with Llama 4's query temperature in its spec's changes to the scores."""
+    scores = replace(checked.spec.scores, temperature=(floor_scale, attn_scale))
+    return checked._replace(spec=replace(checked.spec, scores=scores))
+
+
+def temperature(positions, floor_scale, attn_scale):
+    """transformers' Llama4TextAttention: ``log(floor((p + 1) / floor_scale) + 1) *
+    attn_scale + 1``."""
+    return np.log(np.floor((positions + 1.0) / floor_scale) + 1.0) * attn_scale + 1.0
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_a_new_change_to_the_scores_a_query_temperature(torch, dtype, record_error):
+    """Llama 4's temperature: each query's scores scaled by a function of its position, one
+    class in the scores' pipeline; the walks, the backward and the caches take it as they
+    take the others."""
+    rng = np.random.default_rng(2)
+    B, H, H_kv, L, S, d = 2, 4, 2, 40, 70, 16
+    q = rng.standard_normal((B, H, L, d)).astype(dtype)
+    k, v = rng.standard_normal((2, B, H_kv, S, d)).astype(dtype)
+    checked = with_temperature(
+        check_sdpa(SdpaKeywords(causal=True, return_lse=True, return_backward=True)), 8.0, 0.1
+    )
+    out, lse, backward = attention(q, k, v, checked)
+    t = [torch.tensor(x.astype(np.float64), requires_grad=True) for x in (q, k, v)]
+    factor = torch.from_numpy(temperature(np.arange(S - L, S), 8.0, 0.1))[:, None]
+    keys = [x.repeat_interleave(H // H_kv, dim=1) for x in t[1:]]
+    s = t[0] @ keys[0].transpose(-1, -2) / np.sqrt(d) * factor
+    s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(S - L), -torch.inf)
+    expected = torch.softmax(s, dim=-1) @ keys[1]
+    tolerance = 1e-12 if dtype == np.float64 else 2e-6
+    error = relative_error(out, expected.detach().numpy())
+    assert record_error(f"query temperature vs torch, {np.dtype(dtype).name}", error) <= tolerance
+    assert relative_error(lse, torch.logsumexp(s, -1).detach().numpy()) <= tolerance
+    grad = rng.standard_normal(out.shape).astype(dtype)
+    (expected * torch.from_numpy(grad.astype(np.float64))).sum().backward()
+    ours = backward(grad)
+    for name, tensor in zip("qkv", t, strict=True):
+        assert relative_error(ours[name], tensor.grad.numpy()) <= 1e4 * tolerance, name
+    q_all = np.concatenate([rng.standard_normal((B, H, S - L, d)).astype(dtype), q], axis=2)
+    cache = mha.KVCache(B, H_kv, d, capacity=8, dtype=dtype)
+    decoded = []
+    for a, b in [(0, 30), *((i, i + 1) for i in range(30, S))]:  # prefill, then one at a time
+        cached = with_temperature(check_sdpa(SdpaKeywords(cache=cache)), 8.0, 0.1)
+        decoded.append(attention(q_all[:, :, a:b], k[:, :, a:b], v[:, :, a:b], cached))
+    assert relative_error(np.concatenate(decoded, axis=2)[:, :, S - L :], out) <= tolerance

@@ -33,6 +33,7 @@ from .item import ItemVisibility
 
 __all__ = [
     "Alibi",
+    "QueryTemperature",
     "ScoreMod",
     "ScoreTransform",
     "Scores",
@@ -136,6 +137,29 @@ class Alibi:
         slopes = np.repeat(self.slopes[item.heads].astype(dtype), n).reshape(G, -1)
         base = item.query_positions(r0, r1) - int(item.key_positions(c0, c0 + 1)[0])
         return slopes, np.tile(base, slopes.shape[1] // max(n, 1))
+
+
+@dataclass(frozen=True)
+class QueryTemperature:
+    """Llama 4's attention temperature: each query's scores times ``1 + attn_scale *
+    log(floor((position + 1) / floor_scale) + 1)``, at the query's position in its
+    sequence; the derivative is that factor. It scales the raw scores, so the backward
+    recomputes them (``nonlinear``)."""
+
+    floor_scale: float
+    attn_scale: float
+    nonlinear = True
+    compiled = False
+
+    def apply(self, s: np.ndarray, tile: Tile, derivative: bool) -> np.ndarray | None:
+        n, w = tile.r1 - tile.r0, tile.c1 - tile.c0
+        positions = tile.item.query_positions(tile.r0, tile.r1).astype(np.float64)
+        factor = 1.0 + self.attn_scale * np.log(np.floor((positions + 1.0) / self.floor_scale)
+                                                + 1.0)  # fmt: skip
+        rows = factor.astype(s.dtype)[:, None]  # (n, 1): every head's rows alike
+        stacked = s.reshape(s.size // max(1, n * w), n, w)
+        stacked *= rows
+        return np.broadcast_to(rows, stacked.shape) if derivative else None
 
 
 @dataclass(frozen=True, eq=False)

@@ -130,14 +130,15 @@ class MhaKeywords(NamedTuple):
 @dataclass(frozen=True, eq=False)
 class ScoreRules:
     """The changes to the scores as given (learned ``sinks``, ``softcap``, ``alibi``,
-    ``score_mod`` and its derivative), made into the kernel's pipeline of transforms for a
-    call's head count by :meth:`fit`."""
+    ``score_mod`` and its derivative, Llama 4's ``temperature``), made into the kernel's
+    pipeline of transforms for a call's head count by :meth:`fit`."""
 
     sinks: Any = None
     softcap: Any = None
     alibi: Any = None
     score_mod: Any = None
     score_mod_grad: Any = None
+    temperature: Any = None  # Llama 4's (floor_scale, attn_scale)
 
     def fit(self, H: int, want_backward: bool) -> Scores | None:
         """The kernel's :class:`~mha._kernel.scores.Scores` for ``H`` query heads, checked
@@ -145,6 +146,7 @@ class ScoreRules:
         return check_scores(
             sinks=self.sinks, softcap=self.softcap, alibi=self.alibi, score_mod=self.score_mod,
             score_mod_grad=self.score_mod_grad, H=H, want_backward=want_backward,
+            temperature=self.temperature,
         )  # fmt: skip
 
     @property

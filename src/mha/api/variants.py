@@ -12,7 +12,14 @@ from typing import Any
 import numpy as np
 
 from .._arrays import as_float_array, check_function
-from .._kernel.scores import Alibi, ScoreMod, Scores, ScoreTransform, SoftCap
+from .._kernel.scores import (
+    Alibi,
+    QueryTemperature,
+    ScoreMod,
+    Scores,
+    ScoreTransform,
+    SoftCap,
+)
 from ..errors import AttentionValueError, ShapeError
 from .rotary import positive_real
 
@@ -51,9 +58,11 @@ def check_scores(
     score_mod_grad: Any,
     H: int,
     want_backward: bool,
+    temperature: Any = None,
 ) -> Scores | None:
     """The call's changes to the scores, checked (``None`` when it has none). The arrays
-    are copied: a caller changing theirs later changes nothing here."""
+    are copied: a caller changing theirs later changes nothing here. ``temperature`` is
+    Llama 4's ``(floor_scale, attn_scale)`` (:class:`~mha._kernel.scores.QueryTemperature`)."""
     sink_logits = None if sinks is None else _per_head("sinks", sinks, H, "one logit")
     cap = None if softcap is None else positive_real("softcap", softcap)
     slopes = None
@@ -72,7 +81,11 @@ def check_scores(
             "d score_mod / d score, a function of the same arguments: give it, or call "
             "without return_backward"
         )
-    transforms: list[ScoreTransform] = []  # in this order: soft-capping, score_mod, ALiBi
+    transforms: list[ScoreTransform] = []  # in this order: the temperature, soft-capping,
+    if temperature is not None:  # score_mod, ALiBi
+        floor_scale, attn_scale = temperature
+        transforms.append(QueryTemperature(positive_real("floor_scale", floor_scale),
+                                           positive_real("attn_scale", attn_scale)))  # fmt: skip
     if cap is not None:
         transforms.append(SoftCap(cap))
     if score_mod is not None:
