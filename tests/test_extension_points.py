@@ -193,3 +193,36 @@ def test_a_new_change_to_the_scores_a_query_temperature(torch, dtype, record_err
         cached = with_temperature(check_sdpa(SdpaKeywords(cache=cache)), 8.0, 0.1)
         decoded.append(attention(q_all[:, :, a:b], k[:, :, a:b], v[:, :, a:b], cached))
     assert relative_error(np.concatenate(decoded, axis=2)[:, :, S - L :], out) <= tolerance
+
+
+def test_a_new_kind_of_cache_float8():
+    """A float8 (e4m3) cache: one more kind of quantized pool (the quantization's encode and
+    decode, and the cache's option). Each group of channels round-trips within its stated
+    bound, the values read back are float8 numbers times the group's scale, and the cache
+    keeps the guarantees of the others (a refused call changes nothing, forks copy on
+    write), tested with them in test_paged.py."""
+    from mha._kernel.quantized import FLOAT8_MAX, Quantization
+
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    kind = Quantization(bits=8, group=32, float8=True)
+    rng = np.random.default_rng(3)
+    for x in (rng.standard_normal((40, 2, 64)).astype(np.float32) * 3,
+              rng.uniform(-60000, 60000, (5, 1, 64)).astype(np.float32),
+              np.zeros((2, 1, 64), np.float32)):  # fmt: skip
+        codes, scale, zero = kind.quantize(x)
+        assert codes.dtype == np.uint8 and codes.shape == x.shape and not zero.any()
+        back = kind.dequantize(codes, scale, zero)
+        error = np.abs(back - x).reshape(*x.shape[:-1], -1, 32).max(axis=-1)
+        assert (error <= kind.error_bound(x)).all()
+        values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        assert np.isfinite(values).all() and np.abs(values).max() <= FLOAT8_MAX
+    cache = mha.PagedKVCache(8, 16, 1, 32, quantize="fp8")
+    cache.add("a")
+    x = rng.standard_normal((1, 1, 20, 32)).astype(np.float32)
+    mha.scaled_dot_product_attention(x, x, x, cache=cache)
+    before = cache.dequantized("a")
+    with pytest.raises(mha.AttentionValueError):  # a refused call: the cache unchanged
+        mha.scaled_dot_product_attention(x, x, x, cache=cache, key_lengths=[20])
+    for a, b in zip(cache.dequantized("a"), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert cache.bytes_per_token == 2 * (32 + 4)  # a byte a value, a scale and zero a group

@@ -436,7 +436,7 @@ def test_random_interleavings_stand_for_what_the_design_says(record_error, quant
 @pytest.mark.parametrize(
     ("make", "said"),
     [
-        (lambda: mha.PagedKVCache(4, 16, 1, 32, quantize="kivi2"), "'kivi8' or 'kivi4'"),
+        (lambda: mha.PagedKVCache(4, 16, 1, 32, quantize="kivi2"), "'kivi8', 'kivi4' or 'fp8'"),
         (lambda: mha.PagedKVCache(4, 16, 1, 32, quantize="kivi8"), r"block_size=16 must be a multiple of group_size"),  # noqa: E501
         (lambda: mha.PagedKVCache(4, 48, 1, 32, quantize="kivi8", group_size=32), "block_size=48"),
         (lambda: mha.PagedKVCache(4, 32, 1, 32, quantize="kivi4", group_size=16), "'kivi4' takes group_size 32 or 64"),  # noqa: E501

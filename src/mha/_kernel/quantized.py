@@ -10,7 +10,11 @@ min) / (2**bits - 1)``, both in float16, and each value the integer ``code = rou
 zero) / scale)`` in ``[0, 2**bits - 1]``: one byte for 8 bits, half a byte for 4 (two
 channels a byte, the even channel in the low four bits). The value read back is ``code *
 scale + zero`` in float32, within half a step of ``x`` (plus the float16 rounding of
-``scale`` and ``zero``: the bound :func:`error_bound` computes, which the tests check). The
+``scale`` and ``zero``: the bound :func:`error_bound` computes, which the tests check).
+In float8 (``float8``, the cache's ``"fp8"``), each group is scaled so that its largest
+magnitude is float8 e4m3's largest, 448, and each value is the nearest float8 number (one
+byte); read back as ``code * scale``, within 1/16 of the value and half of float8's
+smallest step. The
 kernel dequantises each key tile as it reaches it (:class:`.paged.PagedKV`); nothing holds
 the whole cache in float32.
 """
@@ -21,7 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Quantization"]
+__all__ = ["FLOAT8_MAX", "Quantization"]
+
+
+FLOAT8_MAX = 448.0
+"""The largest finite float8 e4m3 number (``ml_dtypes.float8_e4m3fn``)."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,7 @@ class Quantization:
     bits: int  # 8 or 4
     group: int  # channels sharing a scale and a zero point (tokens, when per_channel)
     per_channel: bool = False  # groups of tokens per channel (KIVI's keys), not of channels
+    float8: bool = False  # codes are float8 e4m3 numbers times the scale (no zero point)
 
     @property
     def levels(self) -> int:
@@ -57,6 +66,8 @@ class Quantization:
         """``x (..., n, d)`` as ``(codes (..., n, code_width) uint8, scale, zero)`` with
         ``scale`` and ``zero`` float16 ``(..., n, d / group)``, or per channel ``(..., n /
         group, d)``."""
+        if self.float8:
+            return self._quantize_float8(x)
         groups, axis = self._grouped(x.astype(np.float32))
         low, high = groups.min(axis=axis), groups.max(axis=axis)
         with np.errstate(over="ignore"):
@@ -72,6 +83,10 @@ class Quantization:
 
     def dequantize(self, codes: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
         """The float32 values that ``quantize``'s codes, scales and zero points stand for."""
+        if self.float8:
+            groups, axis = self._grouped(codes.view(_float8()).astype(np.float32))
+            groups *= np.expand_dims(scale.astype(np.float32), axis)
+            return groups.reshape(codes.shape)
         if self.bits == 4:
             unpacked = np.empty((*codes.shape[:-1], 2 * codes.shape[-1]), np.uint8)
             unpacked[..., 0::2], unpacked[..., 1::2] = codes & 15, codes >> 4
@@ -82,6 +97,19 @@ class Quantization:
         groups += np.expand_dims(zero.astype(np.float32), axis)
         return groups.reshape(codes.shape)
 
+    def _quantize_float8(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each group scaled so that its largest magnitude is float8's largest (the scale in
+        float16), each value rounded to the nearest float8 e4m3 number; the zero points are
+        zeros (the layout stays int8's)."""
+        groups, axis = self._grouped(x.astype(np.float32))
+        with np.errstate(over="ignore"):
+            scale = (np.abs(groups).max(axis=axis) / np.float32(FLOAT8_MAX)).astype(np.float16)
+        step = np.expand_dims(scale.astype(np.float32), axis)
+        scaled = groups / np.where(step > 0, step, np.float32(1))
+        scaled = np.clip(scaled, -FLOAT8_MAX, FLOAT8_MAX)  # a scale rounded down: no overflow
+        codes = scaled.astype(_float8()).view(np.uint8).reshape(x.shape)
+        return codes, scale, np.zeros_like(scale)
+
     def error_bound(self, x: np.ndarray) -> np.ndarray:
         """The largest error ``dequantize(quantize(x))`` may make in each group of ``x``
         (shaped as ``quantize``'s scales): half a step, the rounding of the zero point and
@@ -90,6 +118,11 @@ class Quantization:
         minimum and maximum."""
         groups, axis = self._grouped(x.astype(np.float64))
         low, high = groups.min(axis=axis), groups.max(axis=axis)
+        if self.float8:  # half of e4m3's step (3 mantissa bits, subnormals below 2^-6),
+            largest = np.maximum(np.abs(low), np.abs(high))  # the float16 scale's rounding
+            scale = (largest / FLOAT8_MAX).astype(np.float16).astype(np.float64)
+            float8: np.ndarray = largest * (2.0**-4 + 2.0**-10) + scale * 2.0**-10
+            return float8
         exact = (high - low) / self.levels
         step = exact.astype(np.float32).astype(np.float16).astype(np.float64)
         zero = low.astype(np.float32).astype(np.float16).astype(np.float64)
@@ -98,3 +131,15 @@ class Quantization:
         bound: np.ndarray = (step / 2 + np.abs(low - zero) + self.levels * np.abs(exact - step)
                              + 4 * eps * (magnitude + self.levels * step))  # fmt: skip
         return bound
+
+
+def _float8() -> np.dtype:
+    """``ml_dtypes.float8_e4m3fn`` (the ``bf16`` extra): a float8 cache needs it."""
+    try:
+        import ml_dtypes
+    except ImportError:  # pragma: no cover - checked when the cache is made
+        raise ImportError(
+            'a float8 cache needs ml_dtypes: pip install ".[bf16]" (or ml_dtypes)'
+        ) from None
+    dtype: np.dtype = np.dtype(ml_dtypes.float8_e4m3fn)
+    return dtype

@@ -23,7 +23,7 @@ import numpy as np
 
 from .._arrays import as_float_array, compute_dtype_of, positive_int
 from .._kernel.paged import PagedKV, Residual
-from .._kernel.quantized import Quantization
+from .._kernel.quantized import Quantization, _float8
 from ..errors import AttentionTypeError, AttentionValueError, PoolExhaustedError, ShapeError
 from .cache import cache_dtype, read_only
 
@@ -46,6 +46,9 @@ class PagedKVCache:
     its codes, and the next append reads them back and quantizes the group again when it
     fills (those tokens then carry two roundings). The same bytes a token as int8 and int4,
     plus that residual: ``group_size * num_kv_heads * head_dim * 4`` bytes a sequence.
+    ``quantize="fp8"`` stores each value as the nearest float8 e4m3 number of its group
+    scaled to float8's range (a float16 scale per ``group_size`` channels; int8's bytes; it
+    needs ml_dtypes).
 
     >>> import numpy as np, mha
     >>> cache = mha.PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=1, head_dim=2,
@@ -535,9 +538,9 @@ class PagedKVCache:
         return self._keys.tiles(table, S), self._values.tiles(table, S)
 
 
-KINDS = ("int8", "int4", "kivi8", "kivi4")
-"""The quantized caches: per token in 8 or 4 bits, or KIVI's (keys per channel, values per
-token) in 8 or 4 bits."""
+KINDS = ("int8", "int4", "kivi8", "kivi4", "fp8")
+"""The quantized caches: per token in 8 or 4 bits, KIVI's (keys per channel, values per
+token) in 8 or 4 bits, or per token in float8 e4m3 (a scale per group of channels)."""
 
 
 def _quantization(
@@ -549,15 +552,15 @@ def _quantization(
         if group_size is not None:
             raise AttentionValueError(
                 f"group_size={group_size!r} sets the groups of a quantized cache, but no "
-                "quantize= was given: give quantize= too ('int8', 'int4', 'kivi8' or "
-                "'kivi4'), or leave group_size out"
+                "quantize= was given: give quantize= too ('int8', 'int4', 'kivi8', 'kivi4' "
+                "or 'fp8'), or leave group_size out"
             )
         return None, None
     if group_size is None:
         group_size = 32
     if quantize not in KINDS:
         raise AttentionValueError(
-            f"quantize must be None, 'int8', 'int4', 'kivi8' or 'kivi4'; got {quantize!r}"
+            f"quantize must be None, 'int8', 'int4', 'kivi8', 'kivi4' or 'fp8'; got {quantize!r}"
         )
     bits = int(quantize[-1])
     group = positive_int("group_size", group_size)
@@ -579,8 +582,11 @@ def _quantization(
         raise AttentionValueError(
             f"a quantized cache is read back in float32: give dtype=float32 (got {dtype})"
         )
-    values = Quantization(bits=bits, group=group)
-    return Quantization(bits=bits, group=group, per_channel=per_channel), values
+    float8 = quantize == "fp8"
+    if float8:
+        _float8()  # ml_dtypes is there, or the cache is refused with the extra to install
+    values = Quantization(bits=bits, group=group, float8=float8)
+    return Quantization(bits=bits, group=group, per_channel=per_channel, float8=float8), values
 
 
 class _Pool:
