@@ -37,8 +37,10 @@ def as_float_array(name: str, x: Any) -> np.ndarray:
         )
     hint = ""
     if kind == "V" and array.dtype.itemsize == 2:  # how NumPy files keep ml_dtypes' bfloat16
-        hint = (": 2-byte raw data, as .npy files keep bfloat16 (they cannot name it); view "
-                "it as ml_dtypes.bfloat16, or save float32")  # fmt: skip
+        hint = (
+            ": 2-byte raw data, as .npy files keep bfloat16 (they cannot name it); view "
+            "it as ml_dtypes.bfloat16, or save float32"
+        )
     raise AttentionTypeError(
         f"{name} has dtype {array.dtype}; attention data must be real numbers "
         f"(bfloat16, float16, float32 or float64; integers are read as float64){hint}"

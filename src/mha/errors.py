@@ -49,7 +49,13 @@ class WeightsFileError(AttentionError, OSError):
 
 # The public names are mha.ShapeError and so on (re-exported by the package): tracebacks and
 # reprs show those, not this module's path.
-for _error in (AttentionError, AttentionValueError, ShapeError, PoolExhaustedError,
-               AttentionTypeError, WeightsFileError):  # fmt: skip
+for _error in (
+    AttentionError,
+    AttentionValueError,
+    ShapeError,
+    PoolExhaustedError,
+    AttentionTypeError,
+    WeightsFileError,
+):
     _error.__module__ = "mha"
 del _error

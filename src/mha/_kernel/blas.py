@@ -23,8 +23,11 @@ from typing import Any
 __all__ = ["gemm_addresses", "thread_setting"]
 
 _GEMM_NAMES = ("scipy_cblas_{}gemm64_", "cblas_{}gemm64_")
-_THREAD_NAMES = ("scipy_openblas_{}_num_threads64_", "openblas_{}_num_threads64_",
-                 "openblas_{}_num_threads")  # fmt: skip
+_THREAD_NAMES = (
+    "scipy_openblas_{}_num_threads64_",
+    "openblas_{}_num_threads64_",
+    "openblas_{}_num_threads",
+)
 
 
 @functools.cache

@@ -81,21 +81,36 @@ def classify(
     rows, cols = -(-L // BLOCK), -(-S // BLOCK)
     if L == 0 or S == 0 or batch == 0:  # nothing to see (and no slice to size)
         return np.zeros((1, 1, rows, cols), np.int8)
-    probe = evaluate(mask_mod, b, h, q_positions[:, None, :1, None],
-                     k_positions[:, None, None, :1], (batch, H, 1, 1))  # fmt: skip
+    probe = evaluate(
+        mask_mod,
+        b,
+        h,
+        q_positions[:, None, :1, None],
+        k_positions[:, None, None, :1],
+        (batch, H, 1, 1),
+    )
     B_, H_ = probe.shape[0], probe.shape[1]  # 1 where the mask ignores the sequence or head
     blocks = np.empty((B_, H_, rows, cols), np.int8)
     width = min(S, max(BLOCK, EVALUATED_AT_ONCE // (B_ * H_ * BLOCK) // BLOCK * BLOCK))
     height = max(BLOCK, EVALUATED_AT_ONCE // (B_ * H_ * width) // BLOCK * BLOCK)
-    slices = [(r0, min(r0 + height, L), c0, min(c0 + width, S))
-              for r0 in range(0, L, height) for c0 in range(0, S, width)]  # fmt: skip
+    slices = [
+        (r0, min(r0 + height, L), c0, min(c0 + width, S))
+        for r0 in range(0, L, height)
+        for c0 in range(0, S, width)
+    ]
 
     def make_worker() -> Callable[[tuple[int, int, int, int]], None]:
         def run(piece: tuple[int, int, int, int]) -> None:
             r0, r1, c0, c1 = piece
             shape = (B_, H_, r1 - r0, c1 - c0)
-            allowed = evaluate(mask_mod, b[:B_], h[:, :H_], q_positions[:, None, r0:r1, None],
-                               k_positions[:, None, None, c0:c1], shape)  # fmt: skip
+            allowed = evaluate(
+                mask_mod,
+                b[:B_],
+                h[:, :H_],
+                q_positions[:, None, r0:r1, None],
+                k_positions[:, None, None, c0:c1],
+                shape,
+            )
             counts = _block_counts(np.broadcast_to(allowed, shape))
             sizes = np.outer(_block_sizes(r1 - r0), _block_sizes(c1 - c0))
             cell = np.where(counts == 0, EMPTY, np.where(counts == sizes, FULL, PARTIAL))

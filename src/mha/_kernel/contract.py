@@ -105,9 +105,15 @@ class MaskRules:
 
     @classmethod
     def check(
-        cls, mask: Any, causal: Any, causal_alignment: Any, window: Any, sink_tokens: Any,
-        chunk: Any, mask_mod: Any,
-    ) -> MaskRules:  # fmt: skip
+        cls,
+        mask: Any,
+        causal: Any,
+        causal_alignment: Any,
+        window: Any,
+        sink_tokens: Any,
+        chunk: Any,
+        mask_mod: Any,
+    ) -> MaskRules:
         """The rules of the keywords as given (``mask=True`` is the causal mask; a mask
         array is the call's own, :class:`MaskArrays`), or the error that names one."""
         mask_is_causal, _ = split_mask(mask)
@@ -125,8 +131,14 @@ class MaskRules:
                 "pass causal=True (or mask=True) with it, or leave it out"
             )
         tokens, chunk = check_variants(sink_tokens, chunk, mask_mod, window)
-        return cls(causal, causal_alignment, window, None if sink_tokens is None else tokens,
-                   chunk, mask_mod)  # fmt: skip
+        return cls(
+            causal,
+            causal_alignment,
+            window,
+            None if sink_tokens is None else tokens,
+            chunk,
+            mask_mod,
+        )
 
 
 @dataclass(frozen=True)

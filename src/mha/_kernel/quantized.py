@@ -128,8 +128,12 @@ class Quantization:
         zero = low.astype(np.float32).astype(np.float16).astype(np.float64)
         eps = float(np.finfo(np.float32).eps)
         magnitude = np.maximum(np.abs(low), np.abs(high))
-        bound: np.ndarray = (step / 2 + np.abs(low - zero) + self.levels * np.abs(exact - step)
-                             + 4 * eps * (magnitude + self.levels * step))  # fmt: skip
+        bound: np.ndarray = (
+            step / 2
+            + np.abs(low - zero)
+            + self.levels * np.abs(exact - step)
+            + 4 * eps * (magnitude + self.levels * step)
+        )
         return bound
 
 

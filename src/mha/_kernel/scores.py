@@ -154,8 +154,9 @@ class QueryTemperature:
     def apply(self, s: np.ndarray, tile: Tile, derivative: bool) -> np.ndarray | None:
         n, w = tile.r1 - tile.r0, tile.c1 - tile.c0
         positions = tile.item.query_positions(tile.r0, tile.r1).astype(np.float64)
-        factor = 1.0 + self.attn_scale * np.log(np.floor((positions + 1.0) / self.floor_scale)
-                                                + 1.0)  # fmt: skip
+        factor = 1.0 + self.attn_scale * np.log(
+            np.floor((positions + 1.0) / self.floor_scale) + 1.0
+        )
         rows = factor.astype(s.dtype)[:, None]  # (n, 1): every head's rows alike
         stacked = s.reshape(s.size // max(1, n * w), n, w)
         stacked *= rows
@@ -197,9 +198,16 @@ class Scores:
         return any(t.nonlinear for t in self.transforms)
 
     def apply(
-        self, s: np.ndarray, item: ItemVisibility, r0: int, r1: int, c0: int, c1: int,
-        derivative: bool = False, alibi: bool = True,
-    ) -> np.ndarray | None:  # fmt: skip
+        self,
+        s: np.ndarray,
+        item: ItemVisibility,
+        r0: int,
+        r1: int,
+        c0: int,
+        c1: int,
+        derivative: bool = False,
+        alibi: bool = True,
+    ) -> np.ndarray | None:
         """Change the scaled scores ``s (G, group * n, w)`` of rows ``[r0, r1)`` and keys
         ``[c0, c1)`` of ``item``'s query heads (``group`` stacked per key/value head) in
         place, by each transform in turn; with ``derivative``, return d(changed)/d(scaled),

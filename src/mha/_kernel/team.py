@@ -305,8 +305,11 @@ class Team:
             if step >= L:
                 spans = [(s, min(s + per, sequences), 0, L) for s in range(0, sequences, per)]
             else:
-                spans = [(s, s + 1, r, min(r + step, L)) for s in range(sequences)
-                         for r in range(0, L, step)]  # fmt: skip
+                spans = [
+                    (s, s + 1, r, min(r + step, L))
+                    for s in range(sequences)
+                    for r in range(0, L, step)
+                ]
 
             def make_worker() -> Callable[[tuple[int, int, int, int]], None]:
                 buffer = np.empty((min(n, step), W.shape[1]), dtype)

@@ -117,9 +117,13 @@ class CachedCall:
 
 
 def check_cache(
-    cache: Any, rules: MaskRules, arrays: MaskArrays, fit: CacheFit, dtype: np.dtype,
+    cache: Any,
+    rules: MaskRules,
+    arrays: MaskArrays,
+    fit: CacheFit,
+    dtype: np.dtype,
     context: str,
-) -> Append:  # fmt: skip
+) -> Append:
     """What a call with ``cache=`` appends, checked before the cache changes (computed in
     ``dtype``; ``context`` names the caller's arrays). The window attended within is the
     call's, which may be the cache's or narrower (a cache without a window keeps every
@@ -157,8 +161,7 @@ def check_cache(
         tokens = cache.sink_tokens  # the sink tokens it keeps stay visible
     _check_dtype(cache, dtype, where)
     _refuse_by_position(cache, rules, arrays)
-    counts = check_lengths("query_lengths", arrays.query_lengths, (fit.B,), fit.L, "query",
-                           context)  # fmt: skip
+    counts = check_lengths("query_lengths", arrays.query_lengths, (fit.B,), fit.L, "query", context)
     counts = np.full(fit.B, fit.L, np.int64) if counts is None else counts
     return Append(cache, counts, replace(rules, window=window, sink_tokens=tokens), arrays)
 
@@ -197,9 +200,14 @@ def _refuse_by_position(cache: Any, rules: MaskRules, arrays: MaskArrays) -> Non
 
 
 def attend_split_cached(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, checked: Checked, scale: float, scores: Any,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    checked: Checked,
+    scale: float,
+    scores: Any,
     dtypes: tuple[np.dtype, np.dtype],
-) -> np.ndarray | tuple[np.ndarray, np.ndarray]:  # fmt: skip
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """:func:`mha.scaled_dot_product_attention`'s call with ``cache=``, its heads checked:
     the output (and the log-sum-exp) in the result dtype of ``dtypes`` (result,
     compute)."""
@@ -284,7 +292,8 @@ def _append_and_attend(
     with np.errstate(invalid="ignore", over="ignore"), ExitStack() as stack:
         if team is None:
             team = stack.enter_context(Team(workers_for(cost, request.threads)))
-        kernel = KernelCall(q, keys, values, visibility, call.scale, call.scores,
-                            budget=request.budget)  # fmt: skip
+        kernel = KernelCall(
+            q, keys, values, visibility, call.scale, call.scores, budget=request.budget
+        )
         attend(kernel, outputs, team)
     return outputs.out, outputs.lse

@@ -49,8 +49,14 @@ __all__ = [
     "same",
 ]
 
-INPUT_NAMES: Mapping[str, str] = {"Q": "Q", "K": "K", "V": "V", "d_q": "d_q", "d_kin": "d_kin",
-                                  "d_vin": "d_vin"}  # fmt: skip
+INPUT_NAMES: Mapping[str, str] = {
+    "Q": "Q",
+    "K": "K",
+    "V": "V",
+    "d_q": "d_q",
+    "d_kin": "d_kin",
+    "d_vin": "d_vin",
+}
 """The function's names for its inputs and their widths, as messages quote them."""
 
 WEIGHT_NAMES = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v")
@@ -196,9 +202,12 @@ class Call:
 
 
 def check_layer(
-    arrays: LayerArrays, given: LayerWeights, num_heads: Any, checked: Checked,
+    arrays: LayerArrays,
+    given: LayerWeights,
+    num_heads: Any,
+    checked: Checked,
     names: Mapping[str, str] = INPUT_NAMES,
-) -> Call:  # fmt: skip
+) -> Call:
     """Every check of a layer's call, in the order :func:`mha.multi_head_attention` makes
     them, its keywords already checked (``checked``). ``Q is K is V`` stays true of the
     checked call (one GEMM projects all three). ``names`` gives the caller's names of the
@@ -229,9 +238,15 @@ def check_layer(
     sizes = (H, d_k, S, weights.W_q.shape)
     rotary, q_positions, k_positions = _rotary(spec, inputs, Q, sizes, nq)
     norm = check_qk_norm(
-        given.q_norm, given.k_norm, spec.qk_norm.kind, spec.qk_norm.eps, spec.qk_norm.offset,
-        H=H, H_kv=H_kv, d_k=d_k,
-    )  # fmt: skip
+        given.q_norm,
+        given.k_norm,
+        spec.qk_norm.kind,
+        spec.qk_norm.eps,
+        spec.qk_norm.offset,
+        H=H,
+        H_kv=H_kv,
+        d_k=d_k,
+    )
     sinks = None if spec.scores.sinks is None else as_float_array("sinks", spec.scores.sinks)
     return Call(
         Q, K, V, weights, H, H_kv, d_k, d_v, B, L, S, result_dtype, compute_dtype, spec,
@@ -271,8 +286,9 @@ def _weights(
     )
     for name, W in zip(_MATRICES, (W_q, W_k, W_v, W_o), strict=True):
         check_rank(name, W, "(rows, columns) in the x @ W layout", (2,))
-    for X, name_x, W, name_W in zip(inputs, (names["Q"], names["K"], names["V"]),
-                                    (W_q, W_k, W_v), _MATRICES, strict=False):  # fmt: skip
+    for X, name_x, W, name_W in zip(
+        inputs, (names["Q"], names["K"], names["V"]), (W_q, W_k, W_v), _MATRICES, strict=False
+    ):
         _chain(name_x, X, name_W, W)
     return Weights(W_q, W_k, W_v, W_o)
 
@@ -284,8 +300,11 @@ def _heads(weights: Weights, num_heads: Any, num_kv_heads: Any) -> tuple[int, in
     H_kv = H if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
     kv_heads(H, H_kv, f"num_heads={H}, num_kv_heads={H_kv}")
     kv_label = "num_heads" if num_kv_heads is None else "num_kv_heads"
-    for name, W, heads, label in (("W_q", W_q, H, "num_heads"), ("W_k", W_k, H_kv, kv_label),
-                                  ("W_v", W_v, H_kv, kv_label)):  # fmt: skip
+    for name, W, heads, label in (
+        ("W_q", W_q, H, "num_heads"),
+        ("W_k", W_k, H_kv, kv_label),
+        ("W_v", W_v, H_kv, kv_label),
+    ):
         if W.shape[1] % heads:
             raise ShapeError(
                 f"{label}={heads} does not divide the {W.shape[1]} columns of {name} "
@@ -312,10 +331,12 @@ def with_biases(weights: Weights, given: LayerWeights) -> Weights:
     b_q, b_k, b_v, b_o = (
         _projection_bias(name, b, W)
         for name, b, W in zip(
-            ("b_q", "b_k", "b_v", "b_o"), (given.b_q, given.b_k, given.b_v, given.b_o),
-            (weights.W_q, weights.W_k, weights.W_v, weights.W_o), strict=True,
+            ("b_q", "b_k", "b_v", "b_o"),
+            (given.b_q, given.b_k, given.b_v, given.b_o),
+            (weights.W_q, weights.W_k, weights.W_v, weights.W_o),
+            strict=True,
         )
-    )  # fmt: skip
+    )
     if (given.bias_k is None) != (given.bias_v is None):
         raise AttentionValueError("bias_k and bias_v go together: give both or neither")
     bias_k = _projection_bias("bias_k", given.bias_k, weights.W_k)
@@ -328,11 +349,17 @@ def _refuse_positional_with_extra_keys(
 ) -> None:
     """bias_k's key and the zero key have no position: what needs one is refused."""
     rules = spec.mask
-    positional = [name for name, value in (
-        ("alibi", scores is not None and scores.alibi is not None),
-        ("score_mod", spec.scores.score_mod), ("mask_mod", rules.mask_mod),
-        ("chunk", rules.chunk), ("sink_tokens", rules.sink_tokens),
-    ) if value is not None and value is not False]  # fmt: skip
+    positional = [
+        name
+        for name, value in (
+            ("alibi", scores is not None and scores.alibi is not None),
+            ("score_mod", spec.scores.score_mod),
+            ("mask_mod", rules.mask_mod),
+            ("chunk", rules.chunk),
+            ("sink_tokens", rules.sink_tokens),
+        )
+        if value is not None and value is not False
+    ]
     if ((weights.bias_k is not None) or spec.add_zero_attn) and positional:
         raise AttentionValueError(
             f"bias_k/bias_v and add_zero_attn append keys that have no position, so they "
@@ -349,10 +376,15 @@ def _rotary(
     H, d_k, S, W_q_shape = sizes
     rules = spec.rotary
     if rules.theta is None:
-        given = [name for name, value in (("rotary_dim", rules.rotary_dim),
-                                          ("rotary_interleaved", rules.interleaved),
-                                          ("rope_scaling", rules.scaling))
-                 if value is not None and value is not False]  # fmt: skip
+        given = [
+            name
+            for name, value in (
+                ("rotary_dim", rules.rotary_dim),
+                ("rotary_interleaved", rules.interleaved),
+                ("rope_scaling", rules.scaling),
+            )
+            if value is not None and value is not False
+        ]
         if given:
             raise AttentionValueError(
                 f"{', '.join(given)} has no effect without rope_theta=: give rope_theta too"
@@ -364,8 +396,11 @@ def _rotary(
     _, theta, interleaved = check_rotary_options(
         d_k, rules.theta, rules.rotary_dim, rules.interleaved, subject, "rope_theta"
     )
-    rotary: dict[str, Any] = {"theta": theta, "rotary_dim": rules.rotary_dim,
-                              "interleaved": interleaved}  # fmt: skip
+    rotary: dict[str, Any] = {
+        "theta": theta,
+        "rotary_dim": rules.rotary_dim,
+        "interleaved": interleaved,
+    }
     q_positions, k_positions = _rotary_positions(inputs.positions, inputs.cache, Q, S, nq)
     if rules.scaling is not None:  # one length for q and k, as transformers' position_ids
         rotary["scaling"] = check_rope_scaling(rules.scaling, rules.rotary_dim or d_k, subject)

@@ -139,15 +139,21 @@ class Configuration:
             self.scale = resolve_scale(spec.scale, self.head_dim, np.dtype(np.float64))
 
     def _configure_rotary(self, spec: LayerSpec) -> None:
-        rope_theta, rotary_dim, rotary_interleaved = (spec.rope_theta, spec.rotary_dim,
-                                                      spec.rotary_interleaved)  # fmt: skip
+        rope_theta, rotary_dim, rotary_interleaved = (
+            spec.rope_theta,
+            spec.rotary_dim,
+            spec.rotary_interleaved,
+        )
         rope_scaling = spec.rope_scaling
         self.rope_theta = None if rope_theta is None else positive_real("rope_theta", rope_theta)
         if self.rope_theta is not None:  # checked as the calls will check them
             check_rotary_options(
-                self.head_dim, self.rope_theta, rotary_dim, rotary_interleaved,
+                self.head_dim,
+                self.rope_theta,
+                rotary_dim,
+                rotary_interleaved,
                 f"head_dim={self.head_dim}",
-            )  # fmt: skip
+            )
         elif rotary_dim is not None or rotary_interleaved or rope_scaling is not None:
             raise AttentionValueError(
                 "rotary_dim, rotary_interleaved and rope_scaling have no effect without rope_theta="
@@ -191,9 +197,14 @@ class Configuration:
             )
         self.chunk = None if chunk is None else positive_int("chunk", chunk)
         scores = check_scores(
-            sinks=None, softcap=spec.softcap, alibi=spec.alibi, score_mod=None,
-            score_mod_grad=None, H=self.num_heads, want_backward=False,
-        )  # fmt: skip
+            sinks=None,
+            softcap=spec.softcap,
+            alibi=spec.alibi,
+            score_mod=None,
+            score_mod_grad=None,
+            H=self.num_heads,
+            want_backward=False,
+        )
         self.softcap = None if scores is None else scores.softcap
         self.alibi = None if scores is None else scores.alibi
 
@@ -225,18 +236,32 @@ class Configuration:
         >>> mha.MultiHeadAttention(8, 2, softcap=50.0, chunk=16).variants()
         {'softcap': 50.0, 'chunk': 16}
         """
-        given = {"sinks": self.sinks, "sink_tokens": self.sink_tokens, "softcap": self.softcap,
-                 "alibi": self.alibi, "chunk": self.chunk}  # fmt: skip
+        given = {
+            "sinks": self.sinks,
+            "sink_tokens": self.sink_tokens,
+            "softcap": self.softcap,
+            "alibi": self.alibi,
+            "chunk": self.chunk,
+        }
         return {name: value for name, value in given.items() if value is not None}
 
     def __repr__(self) -> str:
         defaults = {
-            "num_kv_heads": self.num_heads, "head_dim": self.d_model // self.num_heads,
-            "kdim": self.d_model, "vdim": self.d_model, "rope_theta": None,
-            "rotary_dim": None, "rotary_interleaved": False, "window": None,
-            "sink_tokens": None, "softcap": None, "chunk": None, "rope_scaling": None,
-            "scale": None, "qk_norm": None,
-        }  # fmt: skip
+            "num_kv_heads": self.num_heads,
+            "head_dim": self.d_model // self.num_heads,
+            "kdim": self.d_model,
+            "vdim": self.d_model,
+            "rope_theta": None,
+            "rotary_dim": None,
+            "rotary_interleaved": False,
+            "window": None,
+            "sink_tokens": None,
+            "softcap": None,
+            "chunk": None,
+            "rope_scaling": None,
+            "scale": None,
+            "qk_norm": None,
+        }
         dims = "".join(
             f", {name}={getattr(self, name)!r}"
             for name, default in defaults.items()
@@ -245,10 +270,12 @@ class Configuration:
         if self.qk_norm is not None:
             dims += "".join(
                 f", {name}={value}"
-                for name, value, default in (("qk_norm_eps", self.qk_norm_eps, 1e-6),
-                                             ("qk_norm_offset", self.qk_norm_offset, 0.0))
+                for name, value, default in (
+                    ("qk_norm_eps", self.qk_norm_eps, 1e-6),
+                    ("qk_norm_offset", self.qk_norm_offset, 0.0),
+                )
                 if value != default
-            )  # fmt: skip
+            )
         extras = "".join(
             f", {name}=True"
             for name, on in (
@@ -269,22 +296,34 @@ class Configuration:
     def _config(self) -> dict[str, Any]:
         """What a saved file records besides the weights, checked again when it is loaded."""
         return {
-            "d_model": self.d_model, "num_heads": self.num_heads,
-            "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "kdim": self.kdim,
-            "vdim": self.vdim, "bias": self.has_bias,
-            "biases": [name for name in ("b_q", "b_k", "b_v", "b_o")
-                       if getattr(self, name) is not None],
-            "add_bias_kv": self.bias_k is not None, "add_zero_attn": self.add_zero_attn,
-            "rope_theta": self.rope_theta, "rotary_dim": self.rotary_dim,
-            "rotary_interleaved": self.rotary_interleaved, "window": self.window,
-            "sinks": self.sinks is not None, "sink_tokens": self.sink_tokens,
-            "softcap": self.softcap, "chunk": self.chunk,
+            "d_model": self.d_model,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "kdim": self.kdim,
+            "vdim": self.vdim,
+            "bias": self.has_bias,
+            "biases": [
+                name for name in ("b_q", "b_k", "b_v", "b_o") if getattr(self, name) is not None
+            ],
+            "add_bias_kv": self.bias_k is not None,
+            "add_zero_attn": self.add_zero_attn,
+            "rope_theta": self.rope_theta,
+            "rotary_dim": self.rotary_dim,
+            "rotary_interleaved": self.rotary_interleaved,
+            "window": self.window,
+            "sinks": self.sinks is not None,
+            "sink_tokens": self.sink_tokens,
+            "softcap": self.softcap,
+            "chunk": self.chunk,
             "alibi": None if self.alibi is None else self.alibi.tolist(),
-            "rope_scaling": self.rope_scaling, "scale": self.scale, "qk_norm": self.qk_norm,
+            "rope_scaling": self.rope_scaling,
+            "scale": self.scale,
+            "qk_norm": self.qk_norm,
             "qk_norm_eps": None if self.qk_norm is None else self.qk_norm_eps,
             "qk_norm_offset": None if self.qk_norm is None else self.qk_norm_offset,
             "dtype": self._held_dtype().name,
-        }  # fmt: skip
+        }
 
     @property
     def spec(self) -> LayerSpec:
@@ -298,12 +337,24 @@ class Configuration:
         """
         norm = self.qk_norm is not None
         return LayerSpec(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta, self.rotary_dim,
-            self.rotary_interleaved, self.rope_scaling, self.window, self.sink_tokens,
-            self.softcap, self.alibi, self.chunk, self.scale, self.qk_norm,
-            self.qk_norm_eps if norm else None, self.qk_norm_offset if norm else None,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.rope_theta,
+            self.rotary_dim,
+            self.rotary_interleaved,
+            self.rope_scaling,
+            self.window,
+            self.sink_tokens,
+            self.softcap,
+            self.alibi,
+            self.chunk,
+            self.scale,
+            self.qk_norm,
+            self.qk_norm_eps if norm else None,
+            self.qk_norm_offset if norm else None,
             self.add_zero_attn,
-        )  # fmt: skip
+        )
 
     @classmethod
     def from_spec(
@@ -333,8 +384,12 @@ class Configuration:
                 f"{W_q.shape}"
             )
         self = cls.__new__(cls)
-        spec = replace(spec, num_heads=H, num_kv_heads=spec.num_kv_heads or H,
-                       head_dim=spec.head_dim or W_q.shape[1] // H)  # fmt: skip
+        spec = replace(
+            spec,
+            num_heads=H,
+            num_kv_heads=spec.num_kv_heads or H,
+            head_dim=spec.head_dim or W_q.shape[1] // H,
+        )
         self._configure(spec, (W_q.shape[0], W_k.shape[0], W_v.shape[0]))
         for name, shape in self._shapes().items():
             array = weights.get(name)
@@ -380,12 +435,20 @@ class Configuration:
         E, inner = self.d_model, self.num_heads * self.head_dim
         kv_inner = self.num_kv_heads * self.head_dim
         return {
-            "W_q": (E, inner), "W_k": (self.kdim, kv_inner), "W_v": (self.vdim, kv_inner),
-            "W_o": (inner, E), "b_q": (inner,), "b_k": (kv_inner,), "b_v": (kv_inner,),
-            "b_o": (E,), "bias_k": (kv_inner,), "bias_v": (kv_inner,), "sinks": (self.num_heads,),
+            "W_q": (E, inner),
+            "W_k": (self.kdim, kv_inner),
+            "W_v": (self.vdim, kv_inner),
+            "W_o": (inner, E),
+            "b_q": (inner,),
+            "b_k": (kv_inner,),
+            "b_v": (kv_inner,),
+            "b_o": (E,),
+            "bias_k": (kv_inner,),
+            "bias_v": (kv_inner,),
+            "sinks": (self.num_heads,),
             "q_norm": (inner if self.qk_norm == "all" else self.head_dim,),
             "k_norm": (kv_inner if self.qk_norm == "all" else self.head_dim,),
-        }  # fmt: skip
+        }
 
     def _describe(self) -> str:
         return (

@@ -21,8 +21,6 @@ import numpy as np
 from .._arrays import as_float_array, cast_result
 from .._kernel.backward import attend_backward
 from .._kernel.call import Gradients, KernelCall, Outputs
-from .._kernel.contract import Visibility
-from .._kernel.dropout import Dropout
 from .._kernel.team import Team, default_workers, workers_for
 from ..errors import AttentionValueError, ShapeError
 from .checks import Call
@@ -55,10 +53,18 @@ class SplitHeadsBackward:
         scores = call.scores
         if scores is not None and scores.sinks is not None:
             self.dtypes["sinks"] = as_float_array("sinks", given["sinks"]).dtype
-        self.unchanged = Fingerprints({
-            "q": q, "k": k, "v": v, "mask": visibility.mask, "bias": visibility.bias,
-            "the returned output": forward.out, "the returned log-sum-exp": forward.lse,
-        }, threads)  # fmt: skip
+        self.unchanged = Fingerprints(
+            {
+                "q": q,
+                "k": k,
+                "v": v,
+                "mask": visibility.mask,
+                "bias": visibility.bias,
+                "the returned output": forward.out,
+                "the returned log-sum-exp": forward.lse,
+            },
+            threads,
+        )
         bias = given["bias"]
         self.bias_shape = None if bias is None else np.shape(bias)
         if bias is not None:
@@ -92,20 +98,16 @@ class SplitHeadsBackward:
 
 @dataclass(frozen=True)
 class Forward:
-    """What a layer's backward keeps of its forward: the projected ``q``, ``k``, ``v`` (the
-    extra keys appended), the joined heads, the log-sum-exp, the visibility of the keys
-    attended (extra ones included), the dropout, the QK-norm's ``saved`` rows and, with an
-    output stage, its output and what its backward needs."""
+    """What a layer's backward keeps of its forward: the kernel's call (the projected
+    ``q``, ``k``, ``v`` with the extra keys appended, the visibility of the keys attended,
+    the scores' changes, the dropout), the joined heads, the log-sum-exp, the QK-norm's
+    ``saved`` rows and, with an output stage, its output and what its backward needs."""
 
-    q: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
+    call: KernelCall
     joined: np.ndarray
     lse: np.ndarray
-    visibility: Visibility
-    dropout: Dropout | None
     saved: dict[str, list[np.ndarray]]
-    stage: tuple[np.ndarray, Any] = (np.empty(0), None)  # the output stage's output, saved
+    stage: tuple[np.ndarray, Any] = (np.empty(0), None)
 
 
 class ProjectedBackward:
@@ -125,18 +127,23 @@ class ProjectedBackward:
         self.arrays = given
         self.dtypes = {name: x.dtype for name, x in given.items()}
         given_masks = call.visibility
-        self.unchanged = Fingerprints({
-            **given, "mask": getattr(given_masks, "mask", None),
-            "bias": getattr(given_masks, "bias", None),
-        }, call.request.threads)  # fmt: skip
+        self.unchanged = Fingerprints(
+            {
+                **given,
+                "mask": getattr(given_masks, "mask", None),
+                "bias": getattr(given_masks, "bias", None),
+            },
+            call.request.threads,
+        )
         bias = call.given.arrays.bias
         self.bias_shape = None if bias is None else np.shape(bias)
         if bias is not None:
             self.dtypes["bias"] = as_float_array("bias", bias).dtype
-        self.q, self.k, self.v = forward.q, forward.k, forward.v
+        self.kernel = forward.call
+        self.q, self.k, self.v = forward.call.q, forward.call.k, forward.call.v
         self.joined, self.lse = forward.joined, forward.lse
         self.staged, self.stage_state = forward.stage
-        self.visibility, self.dropout = forward.visibility, forward.dropout
+        self.visibility = forward.call.visibility
         if call.sinks is not None:
             self.dtypes["sinks"] = call.sinks.dtype
         self.positions = tuple(  # copies: the caller may reuse its positions array
@@ -150,14 +157,9 @@ class ProjectedBackward:
 
     def __call__(self, grad_out: Any) -> dict[str, np.ndarray]:
         call, dtype = self.call, self.call.compute_dtype
-        H, S = call.H, call.S
         lead = self.joined.shape[:-1]
         grad = gradient("grad_out", grad_out, (*lead, call.weights.W_o.shape[1]), dtype)
         self.unchanged.check()
-
-        def a(name: str) -> np.ndarray:  # a saved input or weight, in the compute dtype
-            return self.arrays[name].astype(dtype, copy=False)
-
         grads: dict[str, np.ndarray] = {}
         cost = float(self.q.size) * self.k.shape[-2] * 4
         with (
@@ -168,58 +170,78 @@ class ProjectedBackward:
             grads["W_o"] = _weight_grad(self.joined if stage is None else self.staged, grad, team)
             if "b_o" in self.arrays:
                 grads["b_o"] = _rows(grad).sum(axis=0)
-            d_joined = team.matmul(grad, a("W_o").T)  # BLAS reads the transposes in place
+            d_joined = team.matmul(grad, self._in(dtype, "W_o").T)  # BLAS reads it in place
             d_inputs = None
             if stage is not None:  # back through the output stage
                 d_joined, d_inputs, stage_grads = stage.backward(d_joined, self.stage_state)
                 grads |= stage_grads
-            dk, dv = (_zeros_joined(x, dtype) for x in (self.k, self.v))
-            # dq is written over d_joined's heads tile by tile: one (B, L, H*d) buffer less
-            shared = self.q.shape[-1] == self.joined.shape[-1] // H
-            dq = split_heads(d_joined, H) if shared else np.zeros_like(self.q)
-            dbias = None
-            if self.bias_shape is not None and self.visibility.bias is not None:
-                dbias = np.zeros(self.visibility.bias.shape, dtype)  # the bias's own size
-            dsinks = None if call.sinks is None else np.zeros(call.sinks.shape, dtype)
-            kernel = KernelCall(self.q, self.k, self.v, self.visibility, 1.0, call.scores,
-                                self.dropout, call.request.budget)  # fmt: skip
-            grads_out = Gradients(dq, dk, dv, dbias, dsinks, dq_factor=call.scale)  # q's scale
-            attend_backward(kernel, Outputs(split_heads(self.joined, H), lse=self.lse),
-                            split_heads(d_joined, H), grads_out, team)  # fmt: skip
-            if dsinks is not None:
-                grads["sinks"] = dsinks
-            del d_joined  # memory: each intermediate goes as soon as it is used (dq keeps it)
-            if call.extra:  # the appended keys: bias_k/bias_v's gradients, then drop them
-                if "bias_k" in self.arrays:  # (*B, H_kv, d) at the first appended key
-                    for name, d in (("bias_k", dk), ("bias_v", dv)):
-                        at = d[..., S, :]
-                        grads[name] = at.sum(axis=tuple(range(at.ndim - 2))).reshape(-1)
-                dk, dv = dk[..., :S, :], dv[..., :S, :]
-            if dbias is not None and self.bias_shape is not None:
-                grads["bias"] = _sum_to(dbias[..., :S], self.bias_shape, lead[:-1])
-            del dbias
-            if call.rotary is not None:  # through the rotation: its transpose, same angles
-                q_at, k_at = (p for p in self.positions if p is not None)
-                dq = apply_rotary(dq, q_at, **call.rotary, inverse=True)
-                dk = apply_rotary(dk, k_at, **call.rotary, inverse=True)
-            if call.qk_norm is not None:  # through the RMSNorm of q and k
-                dq, grads["q_norm"] = self._norm_backward(dq, "q", H)
-                dk, grads["k_norm"] = self._norm_backward(dk, "k", call.H_kv)
-            pending = {"Q": dq, "K": dk, "V": dv}
-            del dq, dk, dv
-            for x, W, b in (("Q", "W_q", "b_q"), ("K", "W_k", "b_k"), ("V", "W_v", "b_v")):
-                joined_grad = join_heads(pending.pop(x))
-                grads[W] = _weight_grad(_valid_rows(a(x), self.lengths[x]), joined_grad, team)
-                if b in self.arrays:
-                    grads[b] = _rows(joined_grad).sum(axis=0)
-                # the input's gradient takes the buffer of its projection's: 32 MiB less at
-                # L = 16384, d_model = 512 in float32 (nothing else reads it any more)
-                grads[x] = team.matmul(joined_grad, a(W).T, overwrite=True)
-                del joined_grad
+            dq, dk, dv = self._heads_backward(d_joined, grads, team)
+            self._projections_backward({"Q": dq, "K": dk, "V": dv}, grads, team)
             if d_inputs is not None:  # the output stage read the queries' inputs too
                 grads["Q"] += d_inputs
         # (an output stage's weights keep the compute dtype)
         return {name: cast_result(g, self.dtypes.get(name, dtype)) for name, g in grads.items()}
+
+    def _in(self, dtype: np.dtype, name: str) -> np.ndarray:
+        """A saved input or weight, in the compute dtype."""
+        return self.arrays[name].astype(dtype, copy=False)
+
+    def _heads_backward(
+        self, d_joined: np.ndarray, grads: dict[str, np.ndarray], team: Team
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The gradients of the projected heads from that of the joined heads: the kernel's
+        backward, then back through the extra keys (bias_k/bias_v's gradients), the rotation
+        and the QK-norm; the bias's and the sinks' gradients into ``grads``."""
+        call, dtype = self.call, self.call.compute_dtype
+        H, S = call.H, call.S
+        dk, dv = (_zeros_joined(x, dtype) for x in (self.k, self.v))
+        # dq is written over d_joined's heads tile by tile: one (B, L, H*d) buffer less
+        shared = self.q.shape[-1] == self.joined.shape[-1] // H
+        dq = split_heads(d_joined, H) if shared else np.zeros_like(self.q)
+        dbias = None
+        if self.bias_shape is not None and self.visibility.bias is not None:
+            dbias = np.zeros(self.visibility.bias.shape, dtype)  # the bias's own size
+        dsinks = None if call.sinks is None else np.zeros(call.sinks.shape, dtype)
+        into = Gradients(dq, dk, dv, dbias, dsinks, dq_factor=call.scale)  # q's scale
+        forward = Outputs(split_heads(self.joined, H), lse=self.lse)
+        attend_backward(self.kernel, forward, split_heads(d_joined, H), into, team)
+        if dsinks is not None:
+            grads["sinks"] = dsinks
+        del d_joined  # memory: each intermediate goes as soon as it is used (dq keeps it)
+        if call.extra:  # the appended keys: bias_k/bias_v's gradients, then drop them
+            if "bias_k" in self.arrays:  # (*B, H_kv, d) at the first appended key
+                for name, d in (("bias_k", dk), ("bias_v", dv)):
+                    at = d[..., S, :]
+                    grads[name] = at.sum(axis=tuple(range(at.ndim - 2))).reshape(-1)
+            dk, dv = dk[..., :S, :], dv[..., :S, :]
+        if dbias is not None and self.bias_shape is not None:
+            grads["bias"] = _sum_to(dbias[..., :S], self.bias_shape, self.joined.shape[:-2])
+        if call.rotary is not None:  # through the rotation: its transpose, same angles
+            q_at, k_at = (p for p in self.positions if p is not None)
+            dq = apply_rotary(dq, q_at, **call.rotary, inverse=True)
+            dk = apply_rotary(dk, k_at, **call.rotary, inverse=True)
+        if call.qk_norm is not None:  # through the RMSNorm of q and k
+            dq, grads["q_norm"] = self._norm_backward(dq, "q", H)
+            dk, grads["k_norm"] = self._norm_backward(dk, "k", call.H_kv)
+        return dq, dk, dv
+
+    def _projections_backward(
+        self, pending: dict[str, np.ndarray], grads: dict[str, np.ndarray], team: Team
+    ) -> None:
+        """The inputs', the projections' and their biases' gradients into ``grads``, from
+        the heads' ``pending`` (each dropped as soon as it is used)."""
+        dtype = self.call.compute_dtype
+        for x, W, b in (("Q", "W_q", "b_q"), ("K", "W_k", "b_k"), ("V", "W_v", "b_v")):
+            joined_grad = join_heads(pending.pop(x))
+            grads[W] = _weight_grad(
+                _valid_rows(self._in(dtype, x), self.lengths[x]), joined_grad, team
+            )
+            if b in self.arrays:
+                grads[b] = _rows(joined_grad).sum(axis=0)
+            # the input's gradient takes the buffer of its projection's: 32 MiB less at
+            # L = 16384, d_model = 512 in float32 (nothing else reads it any more)
+            grads[x] = team.matmul(joined_grad, self._in(dtype, W).T, overwrite=True)
+            del joined_grad
 
     def _norm_backward(
         self, d: np.ndarray, which: str, heads: int

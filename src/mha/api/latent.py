@@ -37,8 +37,19 @@ from .signatures import Backward, Flag
 
 __all__ = ["LatentAttention", "LatentSpec"]
 
-PARAMETER_NAMES = ("W_q", "W_q_a", "b_q_a", "q_a_norm", "W_q_b", "W_kv_a", "b_kv_a",
-                   "kv_a_norm", "W_kv_b", "W_o", "b_o")  # fmt: skip
+PARAMETER_NAMES = (
+    "W_q",
+    "W_q_a",
+    "b_q_a",
+    "q_a_norm",
+    "W_q_b",
+    "W_kv_a",
+    "b_kv_a",
+    "kv_a_norm",
+    "W_kv_b",
+    "W_o",
+    "b_o",
+)
 """The weights' attribute names, in the order the layer applies them."""
 
 
@@ -134,10 +145,22 @@ class LatentAttention:
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
     ) -> None:
-        self._configure(LatentSpec(
-            d_model, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
-            q_lora_rank, rope_theta, rope_scaling, rotary_interleaved, norm_eps, scale,
-        ))  # fmt: skip
+        self._configure(
+            LatentSpec(
+                d_model,
+                num_heads,
+                kv_lora_rank,
+                qk_nope_head_dim,
+                qk_rope_head_dim,
+                v_head_dim,
+                q_lora_rank,
+                rope_theta,
+                rope_scaling,
+                rotary_interleaved,
+                norm_eps,
+                scale,
+            )
+        )
         with_bias = flag("bias", bias)
         self.dtype = float_dtype(dtype)
         rng = random_generator(seed)
@@ -161,10 +184,19 @@ class LatentAttention:
         """What this layer computes besides its weights, as its constructor's keywords name
         it (``from_spec(attention.spec, attention.weights())`` is an equal layer)."""
         return LatentSpec(
-            self.d_model, self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim,
-            self.qk_rope_head_dim, self.v_head_dim, self.q_lora_rank, self.rope_theta,
-            self.rope_scaling, self.rotary_interleaved, self.norm_eps, self._given_scale,
-        )  # fmt: skip
+            self.d_model,
+            self.num_heads,
+            self.kv_lora_rank,
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+            self.q_lora_rank,
+            self.rope_theta,
+            self.rope_scaling,
+            self.rotary_interleaved,
+            self.norm_eps,
+            self._given_scale,
+        )
 
     @classmethod
     def from_spec(
@@ -198,10 +230,12 @@ class LatentAttention:
         attention.dtype = float_dtype(
             result_and_compute_dtypes(*arrays.values())[0] if dtype is None else dtype
         )
-        attention._set_weights({
-            name: arrays[name].astype(attention.dtype, copy=True) if name in arrays else None
-            for name in PARAMETER_NAMES
-        })  # fmt: skip
+        attention._set_weights(
+            {
+                name: arrays[name].astype(attention.dtype, copy=True) if name in arrays else None
+                for name in PARAMETER_NAMES
+            }
+        )
         return attention
 
     @classmethod
@@ -310,9 +344,15 @@ class LatentAttention:
                     f"({self._sizes_of(name)})"
                 )
         result_dtype, dtype = result_and_compute_dtypes(x, *given.values())
-        attention = {"mask": mask, "causal": causal, "query_lengths": query_lengths,
-                     "key_lengths": key_lengths, "cache": cache, "max_memory": max_memory,
-                     "workers": workers}  # fmt: skip
+        attention = {
+            "mask": mask,
+            "causal": causal,
+            "query_lengths": query_lengths,
+            "key_lengths": key_lengths,
+            "cache": cache,
+            "max_memory": max_memory,
+            "workers": workers,
+        }
         threads = None if workers is None else positive_int("workers", workers)
         out, backward = latent_forward(
             self._plan(), x, given, dtype, at, attention, want_backward, threads
@@ -331,11 +371,15 @@ class LatentAttention:
                 return np.arange(L)
             check_positions(positions, x.shape, f"x {x.shape}")
             return np.asarray(positions)
-        refused = [why for why, given in (
-            ("return_backward (call without the cache to train)", want_backward),
-            (f"unbatched x {x.shape} (give (B, L, d_model))", x.ndim != 3),
-            ("positions= (the cache's lengths give the positions)", positions is not None),
-        ) if given]  # fmt: skip
+        refused = [
+            why
+            for why, given in (
+                ("return_backward (call without the cache to train)", want_backward),
+                (f"unbatched x {x.shape} (give (B, L, d_model))", x.ndim != 3),
+                ("positions= (the cache's lengths give the positions)", positions is not None),
+            )
+            if given
+        ]
         if refused:
             raise AttentionValueError(f"cache= cannot be combined with {'; '.join(refused)}")
         if not isinstance(cache, KVCache):
@@ -366,10 +410,14 @@ class LatentAttention:
         ((3, 1, 32, 10), (3, 1, 32, 8), True)
         """
         return KVCache(
-            batch_size, 1, self.kv_lora_rank + self.qk_rope_head_dim,
-            value_dim=self.kv_lora_rank, values_in_keys=True, capacity=capacity,
+            batch_size,
+            1,
+            self.kv_lora_rank + self.qk_rope_head_dim,
+            value_dim=self.kv_lora_rank,
+            values_in_keys=True,
+            capacity=capacity,
             dtype=self.dtype if dtype is None else dtype,
-        )  # fmt: skip
+        )
 
     def parameters(self) -> dict[str, np.ndarray]:
         """The weights an optimiser updates, by attribute name: the arrays themselves (update
@@ -398,15 +446,19 @@ class LatentAttention:
 
     def __repr__(self) -> str:
         shown: dict[str, Any] = {
-            "q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
-            "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
+            "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
             "v_head_dim": self.v_head_dim,
-        }  # fmt: skip
+        }
         for name, value, default in (
-            ("rope_theta", self.rope_theta, 10000.0), ("rope_scaling", self.rope_scaling, None),
+            ("rope_theta", self.rope_theta, 10000.0),
+            ("rope_scaling", self.rope_scaling, None),
             ("rotary_interleaved", self.rotary_interleaved, True),
-            ("norm_eps", self.norm_eps, 1e-6), ("scale", self._given_scale, None),
-        ):  # fmt: skip
+            ("norm_eps", self.norm_eps, 1e-6),
+            ("scale", self._given_scale, None),
+        ):
             if value != default:
                 shown[name] = value
         settings = "".join(f", {name}={value!r}" for name, value in shown.items())
@@ -432,9 +484,13 @@ class LatentAttention:
         self.v_head_dim = positive_int("v_head_dim", v_head_dim)
         self.q_lora_rank = None if q_lora_rank is None else positive_int("q_lora_rank", q_lora_rank)
         _, self.rope_theta, self.rotary_interleaved = check_rotary_options(
-            self.qk_rope_head_dim, rope_theta, None, rotary_interleaved,
-            f"qk_rope_head_dim={self.qk_rope_head_dim}", "rope_theta",
-        )  # fmt: skip
+            self.qk_rope_head_dim,
+            rope_theta,
+            None,
+            rotary_interleaved,
+            f"qk_rope_head_dim={self.qk_rope_head_dim}",
+            "rope_theta",
+        )
         if rope_scaling is not None and not isinstance(rope_scaling, dict):
             raise AttentionTypeError(
                 f"rope_scaling must be None or a dict of rope parameters (transformers' "
@@ -461,8 +517,14 @@ class LatentAttention:
         else:
             q = self.q_lora_rank
             shapes.update(W_q_a=(E, q), b_q_a=(q,), q_a_norm=(q,), W_q_b=(q, H * (n + p)))
-        shapes.update(W_kv_a=(E, r + p), b_kv_a=(r + p,), kv_a_norm=(r,),
-                      W_kv_b=(r, H * (n + d_v)), W_o=(H * d_v, E), b_o=(E,))  # fmt: skip
+        shapes.update(
+            W_kv_a=(E, r + p),
+            b_kv_a=(r + p,),
+            kv_a_norm=(r,),
+            W_kv_b=(r, H * (n + d_v)),
+            W_o=(H * d_v, E),
+            b_o=(E,),
+        )
         return shapes
 
     def _sizes_of(self, name: str) -> str:
@@ -471,12 +533,18 @@ class LatentAttention:
         r, n = f"kv_lora_rank={self.kv_lora_rank}", f"qk_nope_head_dim={self.qk_nope_head_dim}"
         p, d_v = f"qk_rope_head_dim={self.qk_rope_head_dim}", f"v_head_dim={self.v_head_dim}"
         return {
-            "W_q": f"{E}; {H} heads of {n} + {p}", "W_q_a": f"{E}, q_lora_rank={q}",
-            "b_q_a": f"q_lora_rank={q}", "q_a_norm": f"q_lora_rank={q}",
-            "W_q_b": f"q_lora_rank={q}; {H} heads of {n} + {p}", "W_kv_a": f"{E}, {r} + {p}",
-            "b_kv_a": f"{r} + {p}", "kv_a_norm": r, "W_kv_b": f"{r}; {H} heads of {n} + {d_v}",
-            "W_o": f"{H} heads of {d_v}, {E}", "b_o": E,
-        }[name]  # fmt: skip
+            "W_q": f"{E}; {H} heads of {n} + {p}",
+            "W_q_a": f"{E}, q_lora_rank={q}",
+            "b_q_a": f"q_lora_rank={q}",
+            "q_a_norm": f"q_lora_rank={q}",
+            "W_q_b": f"q_lora_rank={q}; {H} heads of {n} + {p}",
+            "W_kv_a": f"{E}, {r} + {p}",
+            "b_kv_a": f"{r} + {p}",
+            "kv_a_norm": r,
+            "W_kv_b": f"{r}; {H} heads of {n} + {d_v}",
+            "W_o": f"{H} heads of {d_v}, {E}",
+            "b_o": E,
+        }[name]
 
     def _set_weights(self, weights: dict[str, np.ndarray | None]) -> None:
         self.W_q, self.W_q_a, self.b_q_a, self.q_a_norm, self.W_q_b = (
@@ -491,6 +559,12 @@ class LatentAttention:
         if self.rope_scaling is not None:
             rotary["scaling"] = self.rope_scaling
         return LatentPlan(
-            self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
-            self.v_head_dim, self.norm_eps, self.scale, rotary,
-        )  # fmt: skip
+            self.num_heads,
+            self.kv_lora_rank,
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+            self.norm_eps,
+            self.scale,
+            rotary,
+        )

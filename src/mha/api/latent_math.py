@@ -117,10 +117,16 @@ class LatentBackward:
     intermediates the chain rule needs; the kernel's backward recomputes the attention."""
 
     def __init__(
-        self, plan: LatentPlan, x: np.ndarray, given: dict[str, np.ndarray],
-        W: dict[str, np.ndarray], saved: dict[str, Any], attention_backward: Any,
-        positions: np.ndarray, threads: int | None,
-    ) -> None:  # fmt: skip
+        self,
+        plan: LatentPlan,
+        x: np.ndarray,
+        given: dict[str, np.ndarray],
+        W: dict[str, np.ndarray],
+        saved: dict[str, Any],
+        attention_backward: Any,
+        positions: np.ndarray,
+        threads: int | None,
+    ) -> None:
         self.plan, self.W, self.saved = plan, W, saved
         self.X = x.astype(W["W_o"].dtype, copy=False)
         self.dtypes = {"query": x.dtype, **{name: w.dtype for name, w in given.items()}}
@@ -149,10 +155,15 @@ class LatentBackward:
         grads["W_kv_b"] = np.concatenate(  # (H, n, r) and (H, r, d_v) back to (r, H*(n + d_v))
             [d_W_uk.transpose(2, 0, 1), d_W_uv.transpose(1, 0, 2)], axis=-1
         ).reshape(r, H * (n + plan.d_v))
-        d_q = join_heads(np.concatenate(  # (*B, L, H*(n + p))
-            [dq[..., :r] @ W_uk.transpose(0, 2, 1),
-             plan.rotate(dq[..., r:], self.positions, inverse=True)], axis=-1,
-        ))  # fmt: skip
+        d_q = join_heads(
+            np.concatenate(  # (*B, L, H*(n + p))
+                [
+                    dq[..., :r] @ W_uk.transpose(0, 2, 1),
+                    plan.rotate(dq[..., r:], self.positions, inverse=True),
+                ],
+                axis=-1,
+            )
+        )
 
         d_c, grads["kv_a_norm"] = rms_norm_backward(
             dk[..., 0, :, :r], saved["c_normalised"], saved["c_inverse_rms"], W["kv_a_norm"]
@@ -170,9 +181,11 @@ class LatentBackward:
         else:
             grads["W_q_b"] = _rows(saved["q_low"]).T @ _rows(d_q)
             d_q_a, grads["q_a_norm"] = rms_norm_backward(
-                d_q @ W["W_q_b"].T, saved["q_normalised"], saved["q_inverse_rms"],
+                d_q @ W["W_q_b"].T,
+                saved["q_normalised"],
+                saved["q_inverse_rms"],
                 W["q_a_norm"],
-            )  # fmt: skip
+            )
             grads["W_q_a"] = _rows(X).T @ _rows(d_q_a)
             if "b_q_a" in W:
                 grads["b_q_a"] = _rows(d_q_a).sum(0)

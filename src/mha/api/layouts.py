@@ -80,9 +80,13 @@ class Layouts(Configuration):
 
     @classmethod
     def from_gpt2(
-        cls, c_attn_weight: Any, c_attn_bias: Any, c_proj_weight: Any, c_proj_bias: Any,
+        cls,
+        c_attn_weight: Any,
+        c_attn_bias: Any,
+        c_proj_weight: Any,
+        c_proj_bias: Any,
         num_heads: int,
-    ) -> Self:  # fmt: skip
+    ) -> Self:
         """GPT-2's attention from its Conv1D weights, which are "x @ W" already:
         ``c_attn_weight (E, 3E)`` and ``c_attn_bias (3E,)`` (q, k, v fused), and
         ``c_proj_weight (E, E)`` with ``c_proj_bias (E,)``; ``num_heads`` is the model's
@@ -143,9 +147,14 @@ class Layouts(Configuration):
         weights = formats.get("llama")(state_dict, prefix, H, H_kv, head_dim)  # checks state_dict
         W_q = weights["W_q"]
         spec = LayerSpec(
-            H, H_kv, head_dim or (0 if W_q is None else W_q.shape[1] // H), rope_theta,
-            rotary_dim, rotary_interleaved, window=window,
-        )  # fmt: skip
+            H,
+            H_kv,
+            head_dim or (0 if W_q is None else W_q.shape[1] // H),
+            rope_theta,
+            rotary_dim,
+            rotary_interleaved,
+            window=window,
+        )
         return cls.from_spec(spec, weights, "Llama weights")
 
     @classmethod
@@ -201,8 +210,16 @@ class Layouts(Configuration):
         (MultiHeadAttention(d_model=8, num_heads=2, bias=True, dtype=float64), True)
         """
         config, weights = formats.get("npz.load")(path)
-        required = ("num_heads", "add_zero_attn", "num_kv_heads", "head_dim", "rope_theta",
-                    "rotary_dim", "rotary_interleaved", "window")  # fmt: skip
+        required = (
+            "num_heads",
+            "add_zero_attn",
+            "num_kv_heads",
+            "head_dim",
+            "rope_theta",
+            "rotary_dim",
+            "rotary_interleaved",
+            "window",
+        )
         try:
             given: dict[str, Any] = {  # the later settings are optional: older files lack them
                 key: config[key] if key in required else config.get(key)

@@ -335,9 +335,20 @@ class MultiHeadAttention(Layouts):
             None if self.qk_norm is None else self.qk_norm_offset, cache, padding_side,
             return_backward, dropout_p, generator,
         )  # fmt: skip
-        weights = LayerWeights(self.W_q, self.W_k, self.W_v, self.W_o, self.b_q, self.b_k,
-                               self.b_v, self.b_o, self.bias_k, self.bias_v, self.q_norm,
-                               self.k_norm)  # fmt: skip
+        weights = LayerWeights(
+            self.W_q,
+            self.W_k,
+            self.W_v,
+            self.W_o,
+            self.b_q,
+            self.b_k,
+            self.b_v,
+            self.b_o,
+            self.bias_k,
+            self.bias_v,
+            self.q_norm,
+            self.k_norm,
+        )
         inputs = LayerArrays(query, key, value)
         names = _SELF_NAMES if itself else _INPUT_NAMES
         call = check_layer(inputs, weights, self.num_heads, check_mha(keywords), names)
@@ -383,10 +394,14 @@ class MultiHeadAttention(Layouts):
         ((2, 1, 16), array([6, 6]))
         """
         return KVCache(
-            batch_size, self.num_kv_heads, self.head_dim, capacity=capacity,
-            dtype=self.dtype if dtype is None else float_dtype(dtype), window=self.window,
+            batch_size,
+            self.num_kv_heads,
+            self.head_dim,
+            capacity=capacity,
+            dtype=self.dtype if dtype is None else float_dtype(dtype),
+            window=self.window,
             sink_tokens=self.sink_tokens,
-        )  # fmt: skip
+        )
 
     __call__ = forward
 

@@ -5,6 +5,7 @@ so that an engine's state can be checked against mha directly.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -102,9 +103,12 @@ def paged_attention(
 
 
 def _paged(
-    q: Any, pools: tuple[Any, Any], tables: tuple[Any, Any], spec: AttentionSpec,
+    q: Any,
+    pools: tuple[Any, Any],
+    tables: tuple[Any, Any],
+    spec: AttentionSpec,
     request: Request,
-) -> np.ndarray | tuple[np.ndarray, np.ndarray]:  # fmt: skip
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """:func:`paged_attention` of ``q`` over the ``pools`` (keys, values) through the
     ``tables`` (block table, lengths), for its checked spec and request."""
     q, key_cache, value_cache, shapes = _operands(q, *pools)
@@ -117,8 +121,9 @@ def _paged(
     S = max(int(lengths.max(initial=0)), 1)
     cached = CachedPositions(lengths - L, lengths - L, np.zeros(B, np.int64))
     shape = ScoreShape((B,), H, L, S)
-    visibility = Visibility.build(spec.mask, MaskArrays(key_lengths=lengths), shape,
-                                  compute_dtype, shapes, cached)  # fmt: skip
+    visibility = Visibility.build(
+        spec.mask, MaskArrays(key_lengths=lengths), shape, compute_dtype, shapes, cached
+    )
     queries = q.transpose(0, 2, 1, 3)  # (B, H, L, d_k): a view
     outputs = Outputs(np.zeros((B, H, L, value_cache.shape[-1]), compute_dtype))
     if request.lse:
@@ -183,8 +188,10 @@ def _table_and_lengths(
     reads names a block of the pool."""
     table = as_array("block_table", block_table)
     lengths = as_array("seq_lens", seq_lens)
-    for name, array, shape, ndim in (("block_table", table, "(num_seqs, max_blocks)", 2),
-                                     ("seq_lens", lengths, "(num_seqs,)", 1)):  # fmt: skip
+    for name, array, shape, ndim in (
+        ("block_table", table, "(num_seqs, max_blocks)", 2),
+        ("seq_lens", lengths, "(num_seqs,)", 1),
+    ):
         if array.dtype.kind not in "iu" and array.size:  # an empty list reads as float
             raise AttentionTypeError(f"{name} must hold integers; got dtype {array.dtype}")
         if array.ndim != ndim or array.shape[0] != B:
@@ -268,20 +275,19 @@ def cascade_attention(
             f"new queries (seq_lens >= L), since every query sees the whole prefix; got "
             f"seq_lens {own.tolist()}: use paged_attention over the whole sequences"
         )
-    shared, shared_lse = paged_attention(
-        q.reshape(1, B * L, H, d_k), key_cache, value_cache, prefix[None], [int(prefix_len)],
-        scale=scale, return_lse=True, max_memory=max_memory, workers=workers,
-    )  # fmt: skip
-    own, own_lse = paged_attention(
-        q, key_cache, value_cache, block_table, seq_lens, causal=causal, scale=scale,
-        return_lse=True, max_memory=max_memory, workers=workers,
-    )  # fmt: skip
+    pools = (key_cache, value_cache)
+    request = Request.check(False, True, False, max_memory, workers)
+    spec = AttentionSpec(MaskRules.check(None, False, None, None, None, None, None), scale=scale)
+    prefix_table = (prefix[None], [int(prefix_len)])
+    shared, shared_lse = _paged(q.reshape(1, B * L, H, d_k), pools, prefix_table, spec, request)
+    spec = replace(spec, mask=MaskRules.check(None, causal, None, None, None, None, None))
+    own, own_lse = _paged(q, pools, (block_table, seq_lens), spec, request)
     heads_first = (0, 2, 1, 3)  # (B, H, L, d), as merge_attention takes them
     d_v = own.shape[-1]  # (named: a reshape cannot infer it when B * L is 0)
     out, lse = merge_attention(
         [shared.reshape(B, L, H, d_v).transpose(heads_first), own.transpose(heads_first)],
         [shared_lse.reshape(H, B, L).transpose(1, 0, 2), own_lse],
-    )  # fmt: skip
+    )
     result = out.transpose(heads_first)
     return (result, lse) if flag("return_lse", return_lse) else result
 

@@ -356,9 +356,13 @@ class PagedKVCache:
         seq_id = self._known(seq_id)
         k, v = as_float_array("k", k), as_float_array("v", v)
         H_kv, d_k, d_v = self._widths
-        if k.ndim != 3 or v.ndim != 3 or k.shape[0] != H_kv or k.shape[2] != d_k or (
-            v.shape != (H_kv, k.shape[1], d_v)
-        ):  # fmt: skip
+        if (
+            k.ndim != 3
+            or v.ndim != 3
+            or k.shape[0] != H_kv
+            or k.shape[2] != d_k
+            or (v.shape != (H_kv, k.shape[1], d_v))
+        ):
             raise ShapeError(
                 f"k and v must be (H_kv, n, d) = ({H_kv}, n, {d_k}) and ({H_kv}, n, {d_v}) "
                 f"for this cache; got k {k.shape}, v {v.shape}"
@@ -522,8 +526,12 @@ class PagedKVCache:
         """What an append changes (tables, reference counts, the free list, KIVI's
         residual); the rows it writes lie in blocks only their sequence held when the call
         began (past its length) or in blocks taken from the free list."""
-        return ({s: list(t) for s, t in self._tables.items()}, self._refs.copy(),
-                list(self._free), self._keys.state())  # fmt: skip
+        return (
+            {s: list(t) for s, t in self._tables.items()},
+            self._refs.copy(),
+            list(self._free),
+            self._keys.state(),
+        )
 
     def _restore(self, state: tuple[Any, ...]) -> None:
         self._tables, self._refs, self._free = state[0], state[1], state[2]
@@ -598,8 +606,15 @@ class _Pool:
     step of 64 sequences). Per channel (KIVI's keys), the rows of each block's unfilled
     group lie in a :class:`.Residual` in float32 until it fills."""
 
-    def __init__(self, count: int, size: int, H_kv: int, d: int, dtype: np.dtype,
-                 quantization: Quantization | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        count: int,
+        size: int,
+        H_kv: int,
+        d: int,
+        dtype: np.dtype,
+        quantization: Quantization | None,
+    ) -> None:
         self.quantization = quantization
         self.residual: Residual | None = None
         if quantization is None:
@@ -610,10 +625,15 @@ class _Pool:
                 rows, width = size // quantization.group, d
                 self.residual = Residual(quantization.group, np.zeros(count, np.int64))
             half = np.dtype(np.float16)
-            widths = [(size, quantization.code_width(d), np.dtype(np.uint8)),
-                      (rows, width, half), (rows, width, half)]  # fmt: skip
-        self.arrays = [np.zeros((count, H_kv, rows, width), kind).transpose(0, 2, 1, 3)
-                       for rows, width, kind in widths]  # fmt: skip
+            widths = [
+                (size, quantization.code_width(d), np.dtype(np.uint8)),
+                (rows, width, half),
+                (rows, width, half),
+            ]
+        self.arrays = [
+            np.zeros((count, H_kv, rows, width), kind).transpose(0, 2, 1, 3)
+            for rows, width, kind in widths
+        ]
 
     @property
     def nbytes(self) -> int:

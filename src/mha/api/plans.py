@@ -112,8 +112,9 @@ def _plan(q: np.ndarray, k: np.ndarray, v: np.ndarray, checked: Checked) -> _Pla
     if spec.scores.fit(q.shape[-3], False) is not None or spec.dropout_p:
         return None  # changes to the scores (sinks too) and dropout: the unplanned path
     shape = ScoreShape(q.shape[:-3], q.shape[-3], q.shape[-2], k.shape[-2])
-    visibility = Visibility.build(spec.mask, given.arrays, shape, dtype,
-                                  f"q {q.shape}, k {k.shape}")  # fmt: skip
+    visibility = Visibility.build(
+        spec.mask, given.arrays, shape, dtype, f"q {q.shape}, k {k.shape}"
+    )
     out_shape = (*q.shape[:-1], v.shape[-1])
     out = np.zeros(out_shape, dtype)
     if walk.forward_walkable(q, k, v, out, None, visibility, None, None, None) is None:
@@ -122,8 +123,29 @@ def _plan(q: np.ndarray, k: np.ndarray, v: np.ndarray, checked: Checked) -> _Pla
     team_size = workers_for(cost, request.threads)
     H_kv = k.shape[-3]
     group = q.shape[-3] // H_kv
-    tiles = plan_tiles(q.shape[-2], k.shape[-2], H_kv, q.shape[-1], v.shape[-1], dtype.itemsize,
-                       request.budget, False, group, False)  # fmt: skip
-    forward = walk.ForwardPlan(q.shape, k, v.shape[-1], visibility, factor, dtype, tiles, group,
-                               team_size, WIDE_BELOW_ROWS, PRODUCT_CHUNK)  # fmt: skip
+    tiles = plan_tiles(
+        q.shape[-2],
+        k.shape[-2],
+        H_kv,
+        q.shape[-1],
+        v.shape[-1],
+        dtype.itemsize,
+        request.budget,
+        False,
+        group,
+        False,
+    )
+    forward = walk.ForwardPlan(
+        q.shape,
+        k,
+        v.shape[-1],
+        visibility,
+        factor,
+        dtype,
+        tiles,
+        group,
+        team_size,
+        WIDE_BELOW_ROWS,
+        PRODUCT_CHUNK,
+    )
     return _Plan(out_shape, team_size, forward)

@@ -247,9 +247,11 @@ def compute(call: Call) -> np.ndarray | tuple[Any, ...]:
 
     keys = S if call.cache is None else int(call.cache.lengths.max(initial=0)) + L  # attended
     cost = float(math.prod(B)) * (  # multiply-adds of the projections and of attention
-        L * given.W_q.size + S * (given.W_k.size + given.W_v.size)
-        + L * given.W_o.size + H * L * keys * (call.d_k + d_v)
-    )  # fmt: skip
+        L * given.W_q.size
+        + S * (given.W_k.size + given.W_v.size)
+        + L * given.W_o.size
+        + H * L * keys * (call.d_k + d_v)
+    )
     with (
         np.errstate(invalid="ignore", over="ignore"),
         Team(workers_for(cost, request.threads)) as team,
@@ -261,7 +263,7 @@ def compute(call: Call) -> np.ndarray | tuple[Any, ...]:
             v = append_keys(v, w.bias_v, call.spec.add_zero_attn, call.H_kv)
         if visibility is not None:
             visibility = select_keys(call.spec.selection, q, k, visibility.classified(team))
-        joined, outputs = _attend(call, (q, k, v), visibility, dropout, team)
+        joined, outputs, kernel = _attend(call, (q, k, v), visibility, dropout, team)
         staged, stage_state = joined, None
         if call.spec.output is not None:  # a change between the heads and W_o
             staged, stage_state = call.spec.output.forward(joined, call.Q)
@@ -275,24 +277,28 @@ def compute(call: Call) -> np.ndarray | tuple[Any, ...]:
     if request.backward:
         assert outputs is not None and outputs.lse is not None and visibility is not None
         stage = (staged, stage_state)
-        forward = Forward(q, k, v, joined, outputs.lse, visibility, dropout, saved, stage)
+        assert kernel is not None
+        forward = Forward(kernel, joined, outputs.lse, saved, stage)
         results.append(ProjectedBackward(call, forward))
     return results[0] if len(results) == 1 else tuple(results)
 
 
 def _attend(
-    call: Call, heads: tuple[np.ndarray, np.ndarray, np.ndarray], visibility: Visibility | None,
-    dropout: Dropout | None, team: Team,
-) -> tuple[np.ndarray, Outputs | None]:  # fmt: skip
+    call: Call,
+    heads: tuple[np.ndarray, np.ndarray, np.ndarray],
+    visibility: Visibility | None,
+    dropout: Dropout | None,
+    team: Team,
+) -> tuple[np.ndarray, Outputs | None, KernelCall | None]:
     """The joined heads ``(*B, L, H*d_v)`` of the projected ``heads`` (q, k, v): over the
     given keys within ``visibility``, or on the call's cache (``visibility`` ``None``); and
-    the kernel's outputs (``None`` for a cache's call)."""
+    the kernel's outputs and call (``None`` for a cache's call)."""
     q, k, v = heads
     H, B, L, request = call.H, call.B, call.L, call.request
     if visibility is None:  # the cache's call
         assert call.append is not None
         cached = CachedCall(q, k, v, call.append, 1.0, call.scores, request)
-        return join_heads(attend_cached(cached, team)[0]), None
+        return join_heads(attend_cached(cached, team)[0]), None, None
     joined = np.zeros((*B, L, H * call.d_v), dtype=call.compute_dtype)  # (*B, L, H*d_v)
     outputs = Outputs(split_heads(joined, H))
     if request.weights:
@@ -301,7 +307,7 @@ def _attend(
         outputs.lse = np.full((*B, H, L), -np.inf, dtype=call.compute_dtype)
     kernel = KernelCall(q, k, v, visibility, 1.0, call.scores, dropout, request.budget)
     attend(kernel, outputs, team)
-    return joined, outputs
+    return joined, outputs, kernel
 
 
 def _real_rows_first(call: Call) -> Call:
@@ -325,7 +331,7 @@ def project_heads(
     to pay for copying the weights, one GEMM against ``[W_q | W_k | W_v]`` projects all three.
     With QK-norm the scale multiplies the normalised queries, and ``saved`` (when given)
     receives what the norm's backward needs under ``"q"`` and ``"k"``.
-    """  # fmt: skip
+    """
     dtype, scale, H, H_kv = call.compute_dtype, call.scale, call.H, call.H_kv
     Q, W_q, W_k, W_v, b_q, b_k, b_v = (
         call.Q.astype(dtype, copy=False),
@@ -346,19 +352,25 @@ def project_heads(
         W_qkv = np.concatenate([W_q, W_k, W_v], axis=1)
         b_qkv = None
         if b_q is not None or b_k is not None or b_v is not None:
-            b_qkv = np.concatenate([
-                np.zeros(W.shape[1], W.dtype) if b is None else b
-                for b, W in ((b_q, W_q), (b_k, W_k), (b_v, W_v))
-            ])  # fmt: skip
+            b_qkv = np.concatenate(
+                [
+                    np.zeros(W.shape[1], W.dtype) if b is None else b
+                    for b, W in ((b_q, W_q), (b_k, W_k), (b_v, W_v))
+                ]
+            )
         q, k, v = team.matmul_heads(Q, W_qkv, b_qkv, heads)
     else:
         K, V = call.K.astype(dtype, copy=False), call.V.astype(dtype, copy=False)
-        q, k, v = (team.matmul_heads(x, W, b, [part])[0]
-                   for x, W, b, part in zip((Q, K, V), (W_q, W_k, W_v), (b_q, b_k, b_v), heads,
-                                            strict=True))  # fmt: skip
+        q, k, v = (
+            team.matmul_heads(x, W, b, [part])[0]
+            for x, W, b, part in zip(
+                (Q, K, V), (W_q, W_k, W_v), (b_q, b_k, b_v), heads, strict=True
+            )
+        )
     if norm is not None and norm.kind == "all":  # OLMo 2: a token's features, every head's
-        (q, *q_saved), (k, *k_saved) = (norm.apply(join_heads(x), weight) for x, weight in
-                                        ((q, norm.q_norm), (k, norm.k_norm)))  # fmt: skip
+        (q, *q_saved), (k, *k_saved) = (
+            norm.apply(join_heads(x), weight) for x, weight in ((q, norm.q_norm), (k, norm.k_norm))
+        )
         q, k = split_heads(q, H), split_heads(k, H_kv)
     if norm is not None and norm.kind == "head":  # Qwen3, Gemma 3: each head's features
         (q, *q_saved), (k, *k_saved) = norm.apply(q, norm.q_norm), norm.apply(k, norm.k_norm)
@@ -384,8 +396,9 @@ def with_extra_keys(visibility: Visibility, extra: int, dtype: np.dtype) -> Visi
         bias = np.broadcast_to(visibility.bias, allowed.shape)
         bias = np.concatenate([bias, np.zeros((*allowed.shape[:-1], extra), dtype)], axis=-1)
     arrays = MaskArrays(np.concatenate([allowed, seen], axis=-1), bias)
-    shape = ScoreShape(visibility.index_shape[:-1], visibility.index_shape[-1], visibility.L,
-                       visibility.S + extra)  # fmt: skip
+    shape = ScoreShape(
+        visibility.index_shape[:-1], visibility.index_shape[-1], visibility.L, visibility.S + extra
+    )
     return Visibility.build(MaskRules(), arrays, shape, dtype)
 
 

@@ -38,13 +38,26 @@ _KEYS: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
     "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", _OMPE),
-    "yarn": ("factor", _OMPE, "attention_factor", "beta_fast", "beta_slow", "mscale",
-             "mscale_all_dim", "truncate"),
+    "yarn": (
+        "factor",
+        _OMPE,
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    ),
     "longrope": ("short_factor", "long_factor", _OMPE, "factor", "attention_factor"),
     "proportional": ("factor",),
-}  # fmt: skip
-_EVERY_TYPE = ("rope_type", "type", "rope_theta", "partial_rotary_factor",
-               "max_position_embeddings")  # fmt: skip
+}
+_EVERY_TYPE = (
+    "rope_type",
+    "type",
+    "rope_theta",
+    "partial_rotary_factor",
+    "max_position_embeddings",
+)
 ROPE_TYPES = tuple(_KEYS)
 
 
@@ -88,8 +101,12 @@ class RopeScaling:
                 f"RopeScaling: rope_type {self.rope_type!r} is not supported: use one of "
                 f"{', '.join(ROPE_TYPES)}"
             )
-        needs = {"dynamic": ("max_position_embeddings",), "llama3": (_OMPE,), "yarn": (_OMPE,),
-                 "longrope": (_OMPE, "short_factor", "long_factor")}  # fmt: skip
+        needs = {
+            "dynamic": ("max_position_embeddings",),
+            "llama3": (_OMPE,),
+            "yarn": (_OMPE,),
+            "longrope": (_OMPE, "short_factor", "long_factor"),
+        }
         for key in needs.get(self.rope_type, ()):
             value = getattr(self, key)
             if value is None or (isinstance(value, tuple) and len(value) != self.rotary_dim // 2):
@@ -179,9 +196,14 @@ def _proportional(s: RopeScaling, theta: float, seq_len: float) -> np.ndarray:
 
 
 _FREQUENCIES: dict[str, Callable[[RopeScaling, float, float], np.ndarray]] = {
-    "default": _default, "linear": _linear, "dynamic": _dynamic, "llama3": _llama3,
-    "yarn": _yarn, "longrope": _longrope, "proportional": _proportional,
-}  # fmt: skip
+    "default": _default,
+    "linear": _linear,
+    "dynamic": _dynamic,
+    "llama3": _llama3,
+    "yarn": _yarn,
+    "longrope": _longrope,
+    "proportional": _proportional,
+}
 
 
 def check_rope_scaling(
@@ -288,8 +310,13 @@ def _yarn_settings(given: _Given, trained: int | None, context: int) -> dict[str
             attention = magnitude(mscale) / magnitude(mscale_all_dim)
         else:
             attention = magnitude(1.0)
-    return {"factor": factor, "attention_factor": attention, "beta_fast": fast,
-            "beta_slow": slow, "truncate": bool(truncate)}  # fmt: skip
+    return {
+        "factor": factor,
+        "attention_factor": attention,
+        "beta_fast": fast,
+        "beta_slow": slow,
+        "truncate": bool(truncate),
+    }
 
 
 def _longrope_settings(
@@ -347,18 +374,26 @@ class _Given:
         )
 
     def number(
-        self, key: str, *, above: float | None = None, at_least: float | None = None,
-        most: float | None = None, default: float | None = None, required: bool = False,
-    ) -> Any:  # fmt: skip
+        self,
+        key: str,
+        *,
+        above: float | None = None,
+        at_least: float | None = None,
+        most: float | None = None,
+        default: float | None = None,
+        required: bool = False,
+    ) -> Any:
         """The key's value as a float (``default`` when it is absent)."""
         if key not in self.values:
             if required:
                 self.missing(key)
             return default
         value = self.values[key]
-        bounds = [f"> {above}" if above is not None else "",
-                  f">= {at_least}" if at_least is not None else "",
-                  f"<= {most}" if most is not None else ""]  # fmt: skip
+        bounds = [
+            f"> {above}" if above is not None else "",
+            f">= {at_least}" if at_least is not None else "",
+            f"<= {most}" if most is not None else "",
+        ]
         wanted = " ".join(["a number", " and ".join(bound for bound in bounds if bound)]).strip()
         if not _is_real(value):
             raise AttentionTypeError(

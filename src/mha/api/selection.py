@@ -21,8 +21,9 @@ def select_keys(
     if selection is None:
         return visibility
     full = (*visibility.index_shape, visibility.L, k.shape[-2])
-    chosen = fit_to_scores("the key selection", np.asarray(selection.select(q, k)), full,
-                           visibility.index_shape[:-1])  # fmt: skip
+    chosen = fit_to_scores(
+        "the key selection", np.asarray(selection.select(q, k)), full, visibility.index_shape[:-1]
+    )
     if chosen.dtype != np.bool_:
         raise AttentionTypeError(f"a key selection must be booleans; got {chosen.dtype}")
     mask = chosen if visibility.mask is None else visibility.mask & chosen

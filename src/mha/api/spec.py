@@ -144,10 +144,15 @@ class ScoreRules:
         """The kernel's :class:`~mha._kernel.scores.Scores` for ``H`` query heads, checked
         (``None`` when the call changes nothing)."""
         return check_scores(
-            sinks=self.sinks, softcap=self.softcap, alibi=self.alibi, score_mod=self.score_mod,
-            score_mod_grad=self.score_mod_grad, H=H, want_backward=want_backward,
+            sinks=self.sinks,
+            softcap=self.softcap,
+            alibi=self.alibi,
+            score_mod=self.score_mod,
+            score_mod_grad=self.score_mod_grad,
+            H=H,
+            want_backward=want_backward,
             temperature=self.temperature,
-        )  # fmt: skip
+        )
 
     @property
     def empty(self) -> bool:
@@ -257,8 +262,13 @@ class Request:
         """The flags and the kernel's keywords, checked."""
         want_weights = flag("return_weights", weights)
         budget, threads = kernel_options(budget, threads)
-        return cls(want_weights, flag("return_lse", lse), flag("return_backward", backward),
-                   budget, threads)  # fmt: skip
+        return cls(
+            want_weights,
+            flag("return_lse", lse),
+            flag("return_backward", backward),
+            budget,
+            threads,
+        )
 
 
 class Checked(NamedTuple):
@@ -279,13 +289,15 @@ def check_sdpa(keywords: SdpaKeywords) -> Checked:
 
 
 def _check_sdpa(kw: SdpaKeywords) -> Checked:
-    request = Request.check(kw.return_weights, kw.return_lse, kw.return_backward, kw.max_memory,
-                            kw.workers)  # fmt: skip
+    request = Request.check(
+        kw.return_weights, kw.return_lse, kw.return_backward, kw.max_memory, kw.workers
+    )
     window = kw.window
     if window is None and kw.cache is not None:  # the cache's, unless the call names one
         window = getattr(kw.cache, "window", None)
-    rules = MaskRules.check(kw.mask, kw.causal, kw.causal_alignment, window, kw.sink_tokens,
-                            kw.chunk, kw.mask_mod)  # fmt: skip
+    rules = MaskRules.check(
+        kw.mask, kw.causal, kw.causal_alignment, window, kw.sink_tokens, kw.chunk, kw.mask_mod
+    )
     arrays = MaskArrays.of(kw.mask, kw.bias, kw.key_lengths, kw.query_lengths)
     drop_p = check_dropout(kw.dropout_p, kw.generator)
     scores = ScoreRules(kw.sinks, kw.softcap, kw.alibi, kw.score_mod, kw.score_mod_grad)
@@ -301,10 +313,10 @@ def check_mha(keywords: MhaKeywords) -> Checked:
 
 
 def _check_mha(kw: MhaKeywords) -> Checked:
-    request = Request.check(kw.return_weights, False, kw.return_backward, kw.max_memory,
-                            kw.workers)  # fmt: skip
-    rules = MaskRules.check(kw.mask, kw.causal, kw.causal_alignment, kw.window, kw.sink_tokens,
-                            kw.chunk, kw.mask_mod)  # fmt: skip
+    request = Request.check(kw.return_weights, False, kw.return_backward, kw.max_memory, kw.workers)
+    rules = MaskRules.check(
+        kw.mask, kw.causal, kw.causal_alignment, kw.window, kw.sink_tokens, kw.chunk, kw.mask_mod
+    )
     arrays = MaskArrays.of(kw.mask, kw.bias, kw.key_lengths, kw.query_lengths)
     drop_p = check_dropout(kw.dropout_p, kw.generator)
     scores = ScoreRules(kw.sinks, kw.softcap, kw.alibi, kw.score_mod, kw.score_mod_grad)
@@ -324,8 +336,20 @@ _KEPT: dict[Any, Any] = {}
 _KEEPING = threading.Lock()
 
 
-_KEEPABLE = frozenset({type(None), bool, int, float, str, np.bool_, np.int64, np.float64,
-                       np.float32, types.FunctionType})  # fmt: skip
+_KEEPABLE = frozenset(
+    {
+        type(None),
+        bool,
+        int,
+        float,
+        str,
+        np.bool_,
+        np.int64,
+        np.float64,
+        np.float32,
+        types.FunctionType,
+    }
+)
 """The types of the values a kept record may hold: small and stateless (an array, a cache
 or a generator is the call's own, never kept alive here)."""
 

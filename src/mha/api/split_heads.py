@@ -232,8 +232,9 @@ def attention(q: Any, k: Any, v: Any, checked: Checked) -> np.ndarray | tuple[An
         dtypes = (result_dtype, compute_dtype)
         return attend_split_cached(q, k, v, checked, scale, scores, dtypes)
     shape = ScoreShape(q.shape[:-3], q.shape[-3], q.shape[-2], k.shape[-2])
-    visibility = Visibility.build(spec.mask, given.arrays, shape, compute_dtype,
-                                  f"q {q.shape}, k {k.shape}")  # fmt: skip
+    visibility = Visibility.build(
+        spec.mask, given.arrays, shape, compute_dtype, f"q {q.shape}, k {k.shape}"
+    )
     visibility = select_keys(spec.selection, q, k, visibility)
     # The seed is drawn once everything is checked: a refused call leaves the generator be.
     dropout = None
@@ -307,9 +308,14 @@ def merge_attention(outputs: Any, lses: Any, sinks: Any = None) -> tuple[np.ndar
                 f"sinks= needs lses with a head axis, (..., H, L); got lses[0] {logs[0].shape}"
             )
         scores = check_scores(
-            sinks=sinks, softcap=None, alibi=None, score_mod=None, score_mod_grad=None,
-            H=logs[0].shape[-2], want_backward=False,
-        )  # fmt: skip
+            sinks=sinks,
+            softcap=None,
+            alibi=None,
+            score_mod=None,
+            score_mod_grad=None,
+            H=logs[0].shape[-2],
+            want_backward=False,
+        )
     with np.errstate(invalid="ignore", over="ignore"):
         merged, lse_merged = merge_partials(
             [out.astype(compute_dtype, copy=False) for out in outs],

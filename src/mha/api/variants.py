@@ -84,8 +84,11 @@ def check_scores(
     transforms: list[ScoreTransform] = []  # in this order: the temperature, soft-capping,
     if temperature is not None:  # score_mod, ALiBi
         floor_scale, attn_scale = temperature
-        transforms.append(QueryTemperature(positive_real("floor_scale", floor_scale),
-                                           positive_real("attn_scale", attn_scale)))  # fmt: skip
+        transforms.append(
+            QueryTemperature(
+                positive_real("floor_scale", floor_scale), positive_real("attn_scale", attn_scale)
+            )
+        )
     if cap is not None:
         transforms.append(SoftCap(cap))
     if score_mod is not None:

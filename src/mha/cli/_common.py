@@ -50,15 +50,28 @@ class Parser(argparse.ArgumentParser):
 def masking_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--causal", action="store_true", help="causal (look-ahead) mask")
     parser.add_argument(
-        "--top-left", action="store_true",
+        "--top-left",
+        action="store_true",
         help="with --causal: align the mask top-left (j <= i) instead of bottom-right",
-    )  # fmt: skip
-    parser.add_argument("--window", type=count(1), metavar="N",
-                        help="sliding window: each query sees at most N keys back")  # fmt: skip
-    parser.add_argument("--key-lengths", type=lengths, metavar="N,N,...",
-                        help="valid keys per sequence; later keys are padding")  # fmt: skip
-    parser.add_argument("--query-lengths", type=lengths, metavar="N,N,...",
-                        help="valid queries per sequence; later rows are padding")  # fmt: skip
+    )
+    parser.add_argument(
+        "--window",
+        type=count(1),
+        metavar="N",
+        help="sliding window: each query sees at most N keys back",
+    )
+    parser.add_argument(
+        "--key-lengths",
+        type=lengths,
+        metavar="N,N,...",
+        help="valid keys per sequence; later keys are padding",
+    )
+    parser.add_argument(
+        "--query-lengths",
+        type=lengths,
+        metavar="N,N,...",
+        help="valid queries per sequence; later rows are padding",
+    )
 
 
 def count(least: int) -> Any:

@@ -89,21 +89,34 @@ class Plan:
 
     def arguments(self) -> list[str]:
         """The command-line arguments that make this plan (for the free-BLAS child)."""
-        return [*([f"--{self.size}"] if self.size != "full" else []), "--repeats",
-                str(self.repeats)]  # fmt: skip
+        return [
+            *([f"--{self.size}"] if self.size != "full" else []),
+            "--repeats",
+            str(self.repeats),
+        ]
 
 
 def plan(size: str, repeats: int = 7) -> Plan:
     """``full`` (the README's numbers), ``quick`` or ``smoke`` (seconds, for set-up checks)."""
     if size == "smoke":
-        tiny = [Shape("tiny", B=2, L=64, d_model=32, H=4, causal=False),
-                Shape("tiny", B=1, L=128, d_model=32, H=4, causal=True)]  # fmt: skip
+        tiny = [
+            Shape("tiny", B=2, L=64, d_model=32, H=4, causal=False),
+            Shape("tiny", B=1, L=128, d_model=32, H=4, causal=True),
+        ]
         return Plan(tiny, [64, 128], [128, 256], [128, 256], repeats=1, pause=0.0, size=size)
     if size == "quick":
-        return Plan(SHAPES, SWEEP_LENGTHS, [n for n in MEMORY_LENGTHS if n <= 16384],
-                    TEXTBOOK_MEMORY_LENGTHS, repeats=3, pause=0.3, size=size)  # fmt: skip
-    return Plan(SHAPES, SWEEP_LENGTHS, MEMORY_LENGTHS, TEXTBOOK_MEMORY_LENGTHS, repeats, 0.3,
-                size="full")  # fmt: skip
+        return Plan(
+            SHAPES,
+            SWEEP_LENGTHS,
+            [n for n in MEMORY_LENGTHS if n <= 16384],
+            TEXTBOOK_MEMORY_LENGTHS,
+            repeats=3,
+            pause=0.3,
+            size=size,
+        )
+    return Plan(
+        SHAPES, SWEEP_LENGTHS, MEMORY_LENGTHS, TEXTBOOK_MEMORY_LENGTHS, repeats, 0.3, size="full"
+    )
 
 
 def textbook_attention(
@@ -162,9 +175,20 @@ class Case:
     def mha(self) -> np.ndarray:
         (W_q, W_k, W_v, W_o), (b_q, b_k, b_v, b_o) = self.W, self.b
         out: np.ndarray = multi_head_attention(
-            self.X, self.X, self.X, W_q, W_k, W_v, W_o, self.shape.H, causal=self.shape.causal,
-            b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
-        )  # fmt: skip
+            self.X,
+            self.X,
+            self.X,
+            W_q,
+            W_k,
+            W_v,
+            W_o,
+            self.shape.H,
+            causal=self.shape.causal,
+            b_q=b_q,
+            b_k=b_k,
+            b_v=b_v,
+            b_o=b_o,
+        )
         return out
 
     def mha_core(self) -> np.ndarray:
@@ -194,9 +218,13 @@ class Case:
         try:
             with torch.inference_mode():
                 out = self.module(
-                    self.X_torch, self.X_torch, self.X_torch, attn_mask=self.torch_mask,
-                    need_weights=False, is_causal=self.shape.causal,
-                )[0]  # fmt: skip
+                    self.X_torch,
+                    self.X_torch,
+                    self.X_torch,
+                    attn_mask=self.torch_mask,
+                    need_weights=False,
+                    is_causal=self.shape.causal,
+                )[0]
         finally:
             torch.backends.mha.set_fastpath_enabled(before)
         result: np.ndarray = out.numpy()
@@ -228,14 +256,21 @@ def speed(plan: Plan, torch: Any, log: Callable[[str], None]) -> list[dict[str, 
             medians = _best_torch({name: statistics.median(t) for name, t in times.items()})
             layer = {name: s for name, s in medians.items() if "core" not in name}
             row: dict[str, Any] = {
-                "shape": shape.name, "dtype": np.dtype(dtype).name, "B": shape.B,
-                "L": shape.L, "d_model": shape.d_model, "H": shape.H, "causal": shape.causal,
-                "gflop": shape.flops() / 1e9, "matmul_gflops": ceiling,
-                "seconds": medians, "all_seconds": times,
+                "shape": shape.name,
+                "dtype": np.dtype(dtype).name,
+                "B": shape.B,
+                "L": shape.L,
+                "d_model": shape.d_model,
+                "H": shape.H,
+                "causal": shape.causal,
+                "gflop": shape.flops() / 1e9,
+                "matmul_gflops": ceiling,
+                "seconds": medians,
+                "all_seconds": times,
                 "gflops": {n: shape.flops() / s / 1e9 for n, s in layer.items()},
                 "mha_vs_textbook": medians["mha"] / medians["textbook"],
                 "relative_error_vs_reference": error,
-            }  # fmt: skip
+            }
             if "torch" in medians:
                 row["mha_vs_torch"] = medians["mha"] / medians["torch"]
                 row["core_vs_torch"] = medians["mha core"] / medians["torch core"]
@@ -303,8 +338,10 @@ def markdown(results: dict[str, Any]) -> str:
     choose its kernel when this environment held it, then memory."""
     lines = _speed_table(results["environment"], results["speed"])
     if "free_blas" in results:
-        lines += ["", *_speed_table(results["free_blas"]["environment"],
-                                    results["free_blas"]["speed"])]  # fmt: skip
+        lines += [
+            "",
+            *_speed_table(results["free_blas"]["environment"], results["free_blas"]["speed"]),
+        ]
     lines += _memory_lines(results)
     return "\n".join(lines) + "\n"
 
@@ -359,8 +396,12 @@ def _memory_lines(results: dict[str, Any]) -> list[str]:
             f"| {_mib(row['dense_scores_bytes'])} | {textbook} |"
         )
     if "textbook_out_of_memory_at_L" not in mem:
-        return [*lines, "", f"(Too short to extrapolate the textbook version's memory limit "
-                            f"from: that needs runs up to L = {EXTRAPOLATE_FROM}.)"]  # fmt: skip
+        return [
+            *lines,
+            "",
+            f"(Too short to extrapolate the textbook version's memory limit "
+            f"from: that needs runs up to L = {EXTRAPOLATE_FROM}.)",
+        ]
     lines += [
         "",
         f"The textbook version's peak grows as {mem['textbook_bytes_per_L2']:.0f} bytes x L^2 "
@@ -449,20 +490,37 @@ def chart_figure(results: dict[str, Any]) -> Any:
         points = [(r["L"], r["seconds"][name]) for r in results["sweep"] if name in r["seconds"]]
         if points:
             left.plot(*zip(*points, strict=True), style, label=name)
-    left.set(xscale="log", yscale="log", xlabel="sequence length L = S",
-             ylabel="seconds per call", title="causal, d_model 512, 8 heads, float32")  # fmt: skip
+    left.set(
+        xscale="log",
+        yscale="log",
+        xlabel="sequence length L = S",
+        ylabel="seconds per call",
+        title="causal, d_model 512, 8 heads, float32",
+    )
     rows = results["memory"]["rows"]
-    for key, label, style in (("mha_peak_bytes", "mha", "o-"),
-                              ("textbook_peak_bytes", "textbook", "s--")):  # fmt: skip
+    for key, label, style in (
+        ("mha_peak_bytes", "mha", "o-"),
+        ("textbook_peak_bytes", "textbook", "s--"),
+    ):
         points = [(r["L"], r[key] / 2**20) for r in rows if key in r]
         right.plot(*zip(*points, strict=True), style, label=label)
     lengths = [r["L"] for r in rows]
-    right.plot(lengths, [r["dense_scores_bytes"] / 2**20 for r in rows], "k:",
-               label="dense scores alone")  # fmt: skip
-    right.axhline(results["memory"]["machine_memory_bytes"] / 2**20, color="red", linewidth=0.8,
-                  label="this machine's memory")  # fmt: skip
-    right.set(xscale="log", yscale="log", xlabel="sequence length L = S",
-              ylabel="peak traced MiB", title="peak memory of one call")  # fmt: skip
+    right.plot(
+        lengths, [r["dense_scores_bytes"] / 2**20 for r in rows], "k:", label="dense scores alone"
+    )
+    right.axhline(
+        results["memory"]["machine_memory_bytes"] / 2**20,
+        color="red",
+        linewidth=0.8,
+        label="this machine's memory",
+    )
+    right.set(
+        xscale="log",
+        yscale="log",
+        xlabel="sequence length L = S",
+        ylabel="peak traced MiB",
+        title="peak memory of one call",
+    )
     for ax, ticks in ((left, [r["L"] for r in results["sweep"]]), (right, lengths)):
         ax.set_xticks(ticks, labels=[str(L) for L in ticks])
         _labelled_log_axis(ax, matplotlib)
@@ -553,17 +611,21 @@ def default_output(size: str) -> Path:
 def add_parser(commands: Any) -> None:
     """``mha bench``'s options, on the subcommand parsers ``commands``."""
     bench = commands.add_parser(
-        "bench", help="speed and memory beside textbook NumPy and PyTorch",
+        "bench",
+        help="speed and memory beside textbook NumPy and PyTorch",
         description="Runs the benchmark (minutes), prints the table and writes JSON, a "
         "markdown table and a chart of time and peak memory against sequence length.",
-    )  # fmt: skip
+    )
     size = bench.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="fewer repeats and lengths")
     size.add_argument("--smoke", action="store_true", help="tiny sizes in seconds: checks set-up")
     bench.add_argument(
-        "-o", "--output", type=Path, help="folder for benchmark.json, .md and .png "
+        "-o",
+        "--output",
+        type=Path,
+        help="folder for benchmark.json, .md and .png "
         "(default benchmarks/results, or benchmarks/results-quick/-smoke)",
-    )  # fmt: skip
+    )
     bench.add_argument("--readme", type=Path, help="rewrite this README's benchmark section")
     bench.set_defaults(command=command)
 

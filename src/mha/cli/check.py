@@ -85,8 +85,11 @@ def _masks(torch: Any, rng: np.random.Generator) -> Row:
     errors = {
         dtype: _error(_layer([X, M, M, *W], dtype, H, keywords), expected) for dtype in DTYPES
     }
-    return {"shape": _shape(B, H, L, S, d), "options": ", ".join(sorted(keywords)) or "none",
-            **errors}  # fmt: skip
+    return {
+        "shape": _shape(B, H, L, S, d),
+        "options": ", ".join(sorted(keywords)) or "none",
+        **errors,
+    }
 
 
 def _grouped(torch: Any, rng: np.random.Generator) -> Row:
@@ -102,10 +105,14 @@ def _grouped(torch: Any, rng: np.random.Generator) -> Row:
     out = torch.nn.functional.scaled_dot_product_attention(*t, attn_mask=allowed, enable_gqa=True)
     expected = torch.where(allowed.any(-1, keepdim=True), out, 0.0).numpy()
     errors = {
-        dtype: _error(scaled_dot_product_attention(*(x.astype(dtype) for x in (q, k, v)),
-                                                   causal=causal, key_lengths=lengths), expected)
+        dtype: _error(
+            scaled_dot_product_attention(
+                *(x.astype(dtype) for x in (q, k, v)), causal=causal, key_lengths=lengths
+            ),
+            expected,
+        )
         for dtype in DTYPES
-    }  # fmt: skip
+    }
     options = f"{H} query heads, {_heads(H_kv)}" + (", causal" if causal else "")
     return {"shape": _shape(B, H, L, S, d), "options": options + ", key_lengths", **errors}
 
@@ -116,13 +123,18 @@ def _rotary(torch: Any, rng: np.random.Generator) -> Row:
     theta, interleaved = float(rng.choice([1e4, 5e5])), bool(rng.random() < 0.5)
     x = rng.standard_normal((B, H, L, d))
     positions = rng.integers(0, 4000, size=(B, L))
-    expected = _torch_rotary(torch, torch.from_numpy(x), torch.from_numpy(positions), theta, r,
-                             interleaved).numpy()  # fmt: skip
+    expected = _torch_rotary(
+        torch, torch.from_numpy(x), torch.from_numpy(positions), theta, r, interleaved
+    ).numpy()
     errors = {
-        dtype: _error(apply_rotary(x.astype(dtype), positions, theta=theta, rotary_dim=r,
-                                   interleaved=interleaved), expected)
+        dtype: _error(
+            apply_rotary(
+                x.astype(dtype), positions, theta=theta, rotary_dim=r, interleaved=interleaved
+            ),
+            expected,
+        )
         for dtype in DTYPES
-    }  # fmt: skip
+    }
     options = f"theta {theta:g}, rotary_dim {r}, " + ("interleaved" if interleaved else "halves")
     return {"shape": f"({B}, {H}, {L}, -, {d})", "options": options, **errors}
 
@@ -159,8 +171,16 @@ def _cached(torch: Any, rng: np.random.Generator) -> Row:
     window = int(rng.integers(2, 8)) if rng.random() < 0.5 else None
     E = 16
     X = rng.standard_normal((B, T, E))
-    shapes = {"W_q": (E, H * d), "W_k": (E, H_kv * d), "W_v": (E, H_kv * d), "W_o": (H * d, E),
-              "b_q": (H * d,), "b_k": (H_kv * d,), "b_v": (H_kv * d,), "b_o": (E,)}  # fmt: skip
+    shapes = {
+        "W_q": (E, H * d),
+        "W_k": (E, H_kv * d),
+        "W_v": (E, H_kv * d),
+        "W_o": (H * d, E),
+        "b_q": (H * d,),
+        "b_k": (H_kv * d,),
+        "b_v": (H_kv * d,),
+        "b_o": (E,),
+    }
     weights = {name: rng.standard_normal(shape) / 4 for name, shape in shapes.items()}
     expected = _torch_decoder(torch, X, weights, H, H_kv, window, theta=1e4)
     errors = {}
@@ -168,8 +188,9 @@ def _cached(torch: Any, rng: np.random.Generator) -> Row:
         x, w = X.astype(dtype), {name: a.astype(dtype) for name, a in weights.items()}
         spans = [(0, prompt)] + [(t, t + 1) for t in range(prompt, T)]  # prompt, then tokens
         if dtype == "float64":  # through the module, and in float32 through the function
-            module = MultiHeadAttention(E, H, num_kv_heads=H_kv, head_dim=d, bias=True,
-                                        rope_theta=1e4, window=window)  # fmt: skip
+            module = MultiHeadAttention(
+                E, H, num_kv_heads=H_kv, head_dim=d, bias=True, rope_theta=1e4, window=window
+            )
             for name, W in module.parameters().items():
                 W[...] = w[name]
             cache = module.new_cache(B, capacity=4)
@@ -195,10 +216,14 @@ def _gradients(torch: Any, rng: np.random.Generator) -> Row:
     B, H = int(rng.integers(1, 4)), int(rng.integers(1, 5))
     L, d = int(rng.integers(1, 17)), int(rng.integers(1, 9))
     S, E = L + int(rng.integers(0, 9)), H * d
-    arrays = {"Q": rng.standard_normal((B, L, E)), "K": rng.standard_normal((B, S, E)),
-              "V": rng.standard_normal((B, S, E))}  # fmt: skip
-    arrays |= {name: rng.standard_normal((E, E)) / math.sqrt(E) for name in
-               ("W_q", "W_k", "W_v", "W_o")}  # fmt: skip
+    arrays = {
+        "Q": rng.standard_normal((B, L, E)),
+        "K": rng.standard_normal((B, S, E)),
+        "V": rng.standard_normal((B, S, E)),
+    }
+    arrays |= {
+        name: rng.standard_normal((E, E)) / math.sqrt(E) for name in ("W_q", "W_k", "W_v", "W_o")
+    }
     arrays |= {name: rng.standard_normal(E) for name in ("b_q", "b_k", "b_v", "b_o")}
     causal = bool(rng.random() < 0.5)
     lengths = rng.integers(1, S + 1, size=B)  # every row sees a key: torch's rows stay finite
@@ -215,9 +240,13 @@ is exact in mha and rounding noise in torch, so torch's own error can be 0."""
 
 
 def gradient_row(
-    torch: Any, arrays: dict[str, np.ndarray], H: int, causal: bool, lengths: np.ndarray,
+    torch: Any,
+    arrays: dict[str, np.ndarray],
+    H: int,
+    causal: bool,
+    lengths: np.ndarray,
     grad: np.ndarray,
-) -> Row:  # fmt: skip
+) -> Row:
     """Every gradient of the layer judged against the scale of its computation, as
     FlashAttention's tests judge theirs: the exact gradients (:func:`exact_gradients`, in
     extended precision) are the reference, and mha's error in each dtype may be at most
@@ -236,10 +265,22 @@ def gradient_row(
         theirs = _torch_gradients(torch, arrays, H, allowed, grad, dtype)
         given = {name: a.astype(dtype) for name, a in arrays.items()}
         _, backward = multi_head_attention(
-            given["Q"], given["K"], given["V"], given["W_q"], given["W_k"], given["W_v"],
-            given["W_o"], H, b_q=given["b_q"], b_k=given["b_k"], b_v=given["b_v"],
-            b_o=given["b_o"], causal=causal, key_lengths=lengths, return_backward=True,
-        )  # fmt: skip
+            given["Q"],
+            given["K"],
+            given["V"],
+            given["W_q"],
+            given["W_k"],
+            given["W_v"],
+            given["W_o"],
+            H,
+            b_q=given["b_q"],
+            b_k=given["b_k"],
+            b_v=given["b_v"],
+            b_o=given["b_o"],
+            causal=causal,
+            key_lengths=lengths,
+            return_backward=True,
+        )
         ours = backward(grad.astype(dtype))
         floor = GRADIENT_FLOOR * float(np.finfo(dtype).eps) * largest
         worst, ratio = 0.0, 0.0
@@ -253,8 +294,7 @@ def gradient_row(
                 ratio = math.inf
         errors[dtype], bounds[dtype] = worst / largest, ratio
     options = "11 gradients" + (", causal" if causal else "") + ", key_lengths, biases"
-    return {"shape": _shape(B, H, L, S, E // H), "options": options, **errors,
-            "bounds": bounds}  # fmt: skip
+    return {"shape": _shape(B, H, L, S, E // H), "options": options, **errors, "bounds": bounds}
 
 
 def exact_gradients(
@@ -275,8 +315,9 @@ def exact_gradients(
     def joined(a: np.ndarray) -> np.ndarray:  # (B, H, n, d) -> (B, n, H*d)
         return a.transpose(0, 2, 1, 3).reshape(B, a.shape[2], H * d)
 
-    q, k, v = (heads(x[X] @ x[f"W_{w}"] + x[f"b_{w}"]) for X, w in (("Q", "q"), ("K", "k"),
-                                                                    ("V", "v")))  # fmt: skip
+    q, k, v = (
+        heads(x[X] @ x[f"W_{w}"] + x[f"b_{w}"]) for X, w in (("Q", "q"), ("K", "k"), ("V", "v"))
+    )
     c = 1 / np.sqrt(np.longdouble(d))
     i, j = np.arange(L)[:, None] + (S - L), np.arange(S)[None, :]
     seen = (j < lengths[:, None, None, None]) & ((j <= i) if causal else True)  # (B, 1, L, S)
@@ -287,12 +328,17 @@ def exact_gradients(
     d_o = heads(G @ x["W_o"].T)
     dp = d_o @ v.transpose(0, 1, 3, 2)
     ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
-    dq, dk, dv = (joined(a) for a in (ds @ k * c, ds.transpose(0, 1, 3, 2) @ q * c,
-                                      p.transpose(0, 1, 3, 2) @ d_o))  # fmt: skip
+    dq, dk, dv = (
+        joined(a)
+        for a in (ds @ k * c, ds.transpose(0, 1, 3, 2) @ q * c, p.transpose(0, 1, 3, 2) @ d_o)
+    )
     result = {"W_o": np.einsum("bli,blj->ij", o, G), "b_o": G.sum(axis=(0, 1))}
     for X, w, dy in (("Q", "q", dq), ("K", "k", dk), ("V", "v", dv)):
-        result |= {f"W_{w}": np.einsum("bli,blj->ij", x[X], dy), f"b_{w}": dy.sum(axis=(0, 1)),
-                   X: dy @ x[f"W_{w}"].T}  # fmt: skip
+        result |= {
+            f"W_{w}": np.einsum("bli,blj->ij", x[X], dy),
+            f"b_{w}": dy.sum(axis=(0, 1)),
+            X: dy @ x[f"W_{w}"].T,
+        }
     return result
 
 
@@ -313,9 +359,13 @@ def _distance(ours: np.ndarray, reference: np.ndarray) -> float:
 
 
 CHECKS: dict[str, Callable[[Any, np.random.Generator], Row]] = {
-    "masks": _masks, "grouped-query heads": _grouped, "rotary positions": _rotary,
-    "windows": _windows, "cached decoding": _cached, "gradients": _gradients,
-}  # fmt: skip
+    "masks": _masks,
+    "grouped-query heads": _grouped,
+    "rotary positions": _rotary,
+    "windows": _windows,
+    "cached decoding": _cached,
+    "gradients": _gradients,
+}
 
 
 def _layer(arrays: list[np.ndarray], dtype: str, H: int, keywords: dict[str, Any]) -> Any:
@@ -354,8 +404,9 @@ def _torch_layer(torch: Any, arrays: Any, H: int, allowed: Any, numpy: bool = Tr
     return joined.detach().numpy() if numpy else joined
 
 
-def _torch_rotary(torch: Any, x: Any, positions: Any, theta: float, r: int,
-                  interleaved: bool) -> Any:  # fmt: skip
+def _torch_rotary(
+    torch: Any, x: Any, positions: Any, theta: float, r: int, interleaved: bool
+) -> Any:
     """Rotary embeddings from their definition: pair ``i`` of ``r`` features turns by
     ``position * theta^(-2i/r)``; pairs are ``(i, i + r/2)`` (rotate_half) or
     ``(2i, 2i + 1)`` (interleaved); features past ``r`` pass through."""
@@ -371,8 +422,15 @@ def _torch_rotary(torch: Any, x: Any, positions: Any, theta: float, r: int,
     return torch.cat([turned, x[..., r:]], dim=-1)
 
 
-def _torch_decoder(torch: Any, X: np.ndarray, w: dict[str, np.ndarray], H: int, H_kv: int,
-                   window: int | None, theta: float) -> np.ndarray:  # fmt: skip
+def _torch_decoder(
+    torch: Any,
+    X: np.ndarray,
+    w: dict[str, np.ndarray],
+    H: int,
+    H_kv: int,
+    window: int | None,
+    theta: float,
+) -> np.ndarray:
     """The whole sequence at once: projections, rotary positions 0..T-1, grouped heads,
     causal attention within the window, output projection."""
     t = {name: torch.from_numpy(a) for name, a in w.items()}
@@ -417,13 +475,15 @@ def _shape(B: int, H: int, L: int, S: int, d: int) -> str:
 def add_parser(commands: Any) -> None:
     """``mha check``'s options, on the subcommand parsers ``commands``."""
     check = commands.add_parser(
-        "check", help="compare with PyTorch on random configurations",
+        "check",
+        help="compare with PyTorch on random configurations",
         description="Runs mha and torch on random configurations of each feature (masks, "
         "grouped-query heads, rotary positions, windows, cached decoding, gradients; float64 "
         "and float32) and prints the worst relative error of each. Needs torch installed.",
-    )  # fmt: skip
-    check.add_argument("--configs", type=count(1), default=8,
-                       help="configurations per check (default 8)")  # fmt: skip
+    )
+    check.add_argument(
+        "--configs", type=count(1), default=8, help="configurations per check (default 8)"
+    )
     check.add_argument("--seed", type=count(0), default=0, help="seed of the configurations")
     check.set_defaults(command=command)
 
@@ -434,21 +494,37 @@ def command(args: argparse.Namespace) -> int:
     try:
         import torch
     except ImportError:
-        print("mha check: torch is not installed, so there is nothing to compare against. "
-              f"Install its CPU build with: {TORCH_CPU}", file=sys.stderr)  # fmt: skip
+        print(
+            "mha check: torch is not installed, so there is nothing to compare against. "
+            f"Install its CPU build with: {TORCH_CPU}",
+            file=sys.stderr,
+        )
         return 1
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"mha against torch {torch.__version__}: worst relative error")
-    for column in ("check", "config", "shape (B, H, L, S, d)", "options", "float64", "float32",
-                   "ok"):  # fmt: skip
+    for column in (
+        "check",
+        "config",
+        "shape (B, H, L, S, d)",
+        "options",
+        "float64",
+        "float32",
+        "ok",
+    ):
         table.add_column(column)
     rows = list(compare(torch, args.configs, args.seed))
     for row in rows:
-        table.add_row(row["check"], str(row["seed"]), row["shape"], row["options"],
-                      f"{row['float64']:.1e}", f"{row['float32']:.1e}",
-                      "yes" if row["ok"] else "NO")  # fmt: skip
+        table.add_row(
+            row["check"],
+            str(row["seed"]),
+            row["shape"],
+            row["options"],
+            f"{row['float64']:.1e}",
+            f"{row['float32']:.1e}",
+            "yes" if row["ok"] else "NO",
+        )
     Console().print(table)
     for name in CHECKS:
         mine = [row for row in rows if row["check"] == name]
@@ -458,9 +534,11 @@ def command(args: argparse.Namespace) -> int:
             if "bounds" in mine[0]
             else f"within {limit['float64']:.0e} (float64) and {limit['float32']:.0e} (float32)"
         )
-        print(f"{name}: {sum(row['ok'] for row in mine)} of {len(mine)} {within}; worst "
-              f"{max(row['float64'] for row in mine):.1e} and "
-              f"{max(row['float32'] for row in mine):.1e}")  # fmt: skip
+        print(
+            f"{name}: {sum(row['ok'] for row in mine)} of {len(mine)} {within}; worst "
+            f"{max(row['float64'] for row in mine):.1e} and "
+            f"{max(row['float32'] for row in mine):.1e}"
+        )
     failures = sum(not row["ok"] for row in rows)
     print(f"{len(rows) - failures} of {len(rows)} configurations within tolerance")
     return 1 if failures else 0

@@ -17,16 +17,20 @@ from ._common import check_output, count, needs, plot_format
 def add_parser(commands: Any) -> None:
     """``mha demo``'s options, on the subcommand parsers ``commands``."""
     demo = commands.add_parser(
-        "demo", help="a small worked example, step by step, and an attention map",
+        "demo",
+        help="a small worked example, step by step, and an attention map",
         description="Self-attention on random Q = K = V of shape (1, 3, 4) with four (4, 4) "
         "weights and 2 heads: every step with its shape, then the same with a causal mask, "
         "and an attention-map PNG.",
-    )  # fmt: skip
+    )
     demo.add_argument("--seed", type=count(0), default=0, help="seed of the inputs (default 0)")
     demo.add_argument(
-        "-o", "--output", type=Path, default=Path("attention_demo.png"),
+        "-o",
+        "--output",
+        type=Path,
+        default=Path("attention_demo.png"),
         help="the attention map to write, .png or .svg (default attention_demo.png)",
-    )  # fmt: skip
+    )
     demo.set_defaults(command=command)
 
 
@@ -54,8 +58,9 @@ def command(args: argparse.Namespace) -> int:
     for name, W in (("W_q", W_q), ("W_k", W_k), ("W_v", W_v), ("W_o", W_o)):
         show(name, W)
     for causal in (False, True):
-        console.rule("causal mask: key j is hidden from query i when j > i" if causal else
-                     "no mask")  # fmt: skip
+        console.rule(
+            "causal mask: key j is hidden from query i when j > i" if causal else "no mask"
+        )
         q, k, v = Q @ W_q, K @ W_k, V @ W_v
         show("1. project: q = Q @ W_q", q)
         show("   k = K @ W_k", k)
@@ -77,8 +82,9 @@ def command(args: argparse.Namespace) -> int:
             Q, K, V, W_q, W_k, W_v, W_o, H, causal=causal, return_weights=True
         )
         difference = float(np.abs(library - out).max())
-        console.print(f"mha.multi_head_attention gives the same output: max difference "
-                      f"{difference:.1e}\n")  # fmt: skip
+        console.print(
+            f"mha.multi_head_attention gives the same output: max difference {difference:.1e}\n"
+        )
     path = plot_attention(library_weights[0], args.output, title="causal attention, 2 heads")
     console.print(f"wrote the causal attention map to [bold]{path}[/bold]")
     return 0

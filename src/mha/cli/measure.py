@@ -150,13 +150,22 @@ def measured_on(env: dict[str, Any]) -> str:
         f"{env['numpy']} with OpenBLAS {blas.get('version')} using its "
         f"{blas.get('architecture')} kernel"
         + (f" (held there by {forced})" if forced else " (free to choose it)")
-        + (f"; torch {env['torch']} (CPU capability {env.get('torch_cpu_capability')}). "
-           if env.get("torch") else ". ")
-        + (f"Instruction sets: {' '.join(env['instruction_sets'])}. "
-           if env.get("instruction_sets") else "")
-        + ("mha's tile walks compiled by numba "
-           f"{env['numba']}. " if env.get("compiled_step") else "")
-    )  # fmt: skip
+        + (
+            f"; torch {env['torch']} (CPU capability {env.get('torch_cpu_capability')}). "
+            if env.get("torch")
+            else ". "
+        )
+        + (
+            f"Instruction sets: {' '.join(env['instruction_sets'])}. "
+            if env.get("instruction_sets")
+            else ""
+        )
+        + (
+            f"mha's tile walks compiled by numba {env['numba']}. "
+            if env.get("compiled_step")
+            else ""
+        )
+    )
 
 
 SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl",

@@ -26,31 +26,39 @@ from .run import attend
 def add_parser(commands: Any) -> None:
     """``mha plot``'s options, on the subcommand parsers ``commands``."""
     plot = commands.add_parser(
-        "plot", help="per-head heat maps of attention weights",
+        "plot",
+        help="per-head heat maps of attention weights",
         description="Plots weights saved by 'mha run --weights', or runs attention on "
         "--input first. One panel per head and their average; masked cells in hatched grey.",
-    )  # fmt: skip
+    )
     source = plot.add_mutually_exclusive_group(required=True)
     source.add_argument("--weights", type=Path, metavar="W.npy", help="saved weights")
     source.add_argument("--input", type=Path, metavar="INPUT.npz", help="arrays to run first")
     plot.add_argument("--heads", type=count(1), help="number of heads, with --input")
     plot.add_argument("--module", type=Path, help="a saved MultiHeadAttention, with --input")
     masking_arguments(plot)
-    plot.add_argument("--batch", type=count(0), default=0,
-                      help="which sequence to plot (default 0)")  # fmt: skip
+    plot.add_argument(
+        "--batch", type=count(0), default=0, help="which sequence to plot (default 0)"
+    )
     plot.add_argument("--tokens", help='query labels, for example "the cat sat"')
     plot.add_argument("--key-tokens", help="key labels when keys differ from queries")
-    plot.add_argument("-o", "--output", type=Path, default=Path("attention.png"),
-                      help="a .png or .svg file (default attention.png)")  # fmt: skip
+    plot.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        default=Path("attention.png"),
+        help="a .png or .svg file (default attention.png)",
+    )
     plot.set_defaults(command=command)
 
 
 def command(args: argparse.Namespace) -> int:
     plotting = needs("mha.cli.plots", "matplotlib")
     check_output(
-        args.output, "--output",
+        args.output,
+        "--output",
         {"--weights": args.weights, "--input": args.input, "--module": args.module},
-    )  # fmt: skip
+    )
     plot_format(args.output, "--output")
     if args.weights is not None:
         for name in INPUT_ONLY:
@@ -79,8 +87,9 @@ def command(args: argparse.Namespace) -> int:
         visible = None if visible is None else visible[args.batch]
     tokens = args.tokens.split() if args.tokens else None
     key_tokens = args.key_tokens.split() if args.key_tokens else None
-    path = plotting.plot_attention(weights, args.output, visible=visible, query_tokens=tokens,
-                                   key_tokens=key_tokens)  # fmt: skip
+    path = plotting.plot_attention(
+        weights, args.output, visible=visible, query_tokens=tokens, key_tokens=key_tokens
+    )
     print(f"wrote {path}")
     return 0
 

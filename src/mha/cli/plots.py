@@ -82,9 +82,11 @@ def plot_attention(
 
 
 def _draw(
-    matplotlib: Any, panels: list[tuple[str, np.ndarray]], seen: np.ndarray,
+    matplotlib: Any,
+    panels: list[tuple[str, np.ndarray]],
+    seen: np.ndarray,
     tokens: tuple[list[str] | None, list[str] | None],
-) -> tuple[Any, bool]:  # fmt: skip
+) -> tuple[Any, bool]:
     """A figure of the ``panels`` (label, ``(L, S)`` map), cells not ``seen`` masked (and
     hatched, for maps small enough), axes labelled by the query and key ``tokens``; and
     whether it hatched any."""
@@ -101,10 +103,15 @@ def _draw(
     hatches = None  # masked cells: one hatched collection, copied into every panel
     if (~seen).any() and L * S <= 16384:  # large maps keep the grey alone
         hatches = matplotlib.collections.PatchCollection(
-            [matplotlib.patches.Rectangle((j - 0.5, i - 0.5), 1, 1)
-             for i, j in zip(*np.nonzero(~seen), strict=True)],
-            facecolor="none", edgecolor="#8c8c8c", hatch="///", linewidth=0,
-        )  # fmt: skip
+            [
+                matplotlib.patches.Rectangle((j - 0.5, i - 0.5), 1, 1)
+                for i, j in zip(*np.nonzero(~seen), strict=True)
+            ],
+            facecolor="none",
+            edgecolor="#8c8c8c",
+            hatch="///",
+            linewidth=0,
+        )
     image = None
     for ax, (label, panel) in zip(axes.flat, panels, strict=False):
         shown = np.ma.masked_where(~seen, panel)

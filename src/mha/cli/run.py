@@ -30,13 +30,20 @@ from ._common import (
 def add_parser(commands: Any) -> None:
     """``mha run``'s options, on the subcommand parsers ``commands``."""
     run = commands.add_parser(
-        "run", help="attention on arrays from an .npz file",
+        "run",
+        help="attention on arrays from an .npz file",
         description="Reads Q, K, V, W_q, W_k, W_v and W_o (x @ W layout) from INPUT.npz, or X "
         "with --module (a file written by MultiHeadAttention.save), and writes the output.",
-    )  # fmt: skip
+    )
     run.add_argument("input", type=Path, metavar="INPUT.npz")
-    run.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.npy",
-                     help="where to write the output (B, L, d_out) as .npy")  # fmt: skip
+    run.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        required=True,
+        metavar="OUT.npy",
+        help="where to write the output (B, L, d_out) as .npy",
+    )
     run.add_argument("--heads", type=count(1), help="number of heads (needed without --module)")
     run.add_argument("--module", type=Path, help="a saved MultiHeadAttention to apply to X")
     masking_arguments(run)
@@ -149,10 +156,12 @@ def _visible(
     """Where the masks let each query see each key, shaped like ``weights``: ``shapes`` are
     the queries', the keys' and the head count."""
     shape, key_shape, heads = shapes
-    rules = MaskRules.check(None, keywords["causal"], keywords.get("causal_alignment"), window,
-                            None, None, None)  # fmt: skip
-    lengths = MaskArrays(key_lengths=keywords["key_lengths"],
-                         query_lengths=keywords["query_lengths"])  # fmt: skip
+    rules = MaskRules.check(
+        None, keywords["causal"], keywords.get("causal_alignment"), window, None, None, None
+    )
+    lengths = MaskArrays(
+        key_lengths=keywords["key_lengths"], query_lengths=keywords["query_lengths"]
+    )
     scores = ScoreShape(shape[:-2], heads, shape[-2], key_shape[-2])
     allowed = Visibility.build(rules, lengths, scores).allowed()
     extra = weights.shape[-1] - allowed.shape[-1]  # the module's bias_k / zero key

@@ -45,8 +45,18 @@ from ..errors import AttentionTypeError, WeightsFileError
 
 __all__ = ["DTYPES", "Checkpoint"]
 
-DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8", "I32": "<i4",
-          "I16": "<i2", "I8": "i1", "U8": "u1", "BOOL": "u1"}  # fmt: skip
+DTYPES = {
+    "F64": "<f8",
+    "F32": "<f4",
+    "F16": "<f2",
+    "BF16": "<u2",
+    "I64": "<i8",
+    "I32": "<i4",
+    "I16": "<i2",
+    "I8": "i1",
+    "U8": "u1",
+    "BOOL": "u1",
+}
 """The safetensors dtypes read, and the NumPy dtype of their bytes (bfloat16: raw 16 bits)."""
 
 CONFIG, SINGLE, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"

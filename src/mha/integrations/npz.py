@@ -123,10 +123,15 @@ def _upgraded(config: dict[str, Any]) -> dict[str, Any]:
         return config
     heads = int(config["num_heads"])
     return {
-        **config, "num_kv_heads": heads, "head_dim": int(config["d_model"]) // heads,
+        **config,
+        "num_kv_heads": heads,
+        "head_dim": int(config["d_model"]) // heads,
         "biases": ["b_q", "b_k", "b_v", "b_o"] if config["bias"] else [],
-        "rope_theta": None, "rotary_dim": None, "rotary_interleaved": False, "window": None,
-    }  # fmt: skip
+        "rope_theta": None,
+        "rotary_dim": None,
+        "rotary_interleaved": False,
+        "window": None,
+    }
 
 
 def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -134,8 +139,12 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     E, kdim, vdim = (int(config[key]) for key in ("d_model", "kdim", "vdim"))
     inner = int(config["num_heads"]) * int(config["head_dim"])
     kv_inner = int(config["num_kv_heads"]) * int(config["head_dim"])
-    shapes = {"W_q": (E, inner), "W_k": (kdim, kv_inner), "W_v": (vdim, kv_inner),
-              "W_o": (inner, E)}  # fmt: skip
+    shapes = {
+        "W_q": (E, inner),
+        "W_k": (kdim, kv_inner),
+        "W_v": (vdim, kv_inner),
+        "W_o": (inner, E),
+    }
     widths = {"b_q": inner, "b_k": kv_inner, "b_v": kv_inner, "b_o": E}
     vectors = {name: (widths[name],) for name in config["biases"]}
     if config["add_bias_kv"]:

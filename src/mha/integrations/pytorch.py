@@ -89,8 +89,11 @@ def _weights_from_state(state: dict[str, Any]) -> dict[str, np.ndarray | None]:
     if W_o.shape != (E, E):
         raise ShapeError(f"state dict: out_proj.weight has shape {W_o.shape}; expected {(E, E)}")
     weights: dict[str, np.ndarray | None] = {
-        "W_q": W_q.T, "W_k": W_k.T, "W_v": W_v.T, "W_o": W_o.T,
-    }  # fmt: skip
+        "W_q": W_q.T,
+        "W_k": W_k.T,
+        "W_v": W_v.T,
+        "W_o": W_o.T,
+    }
     has_in_bias, has_out_bias = "in_proj_bias" in arrays, "out_proj.bias" in arrays
     if has_in_bias != has_out_bias:
         raise AttentionValueError(
@@ -153,10 +156,16 @@ def torch_module(
         W_q.dtype.name, torch.float64
     )
     module = torch.nn.MultiheadAttention(
-        W_q.shape[1], num_heads, bias=weights.get("b_q") is not None,
-        add_bias_kv=weights.get("bias_k") is not None, add_zero_attn=add_zero_attn,
-        kdim=W_k.shape[0], vdim=W_v.shape[0], batch_first=batch_first, dtype=dtype,
-    )  # fmt: skip
+        W_q.shape[1],
+        num_heads,
+        bias=weights.get("b_q") is not None,
+        add_bias_kv=weights.get("bias_k") is not None,
+        add_zero_attn=add_zero_attn,
+        kdim=W_k.shape[0],
+        vdim=W_v.shape[0],
+        batch_first=batch_first,
+        dtype=dtype,
+    )
     module.load_state_dict(as_tensors(torch_state_dict(weights)))
     return module.eval()
 

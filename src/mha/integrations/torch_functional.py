@@ -228,9 +228,15 @@ def _heads(
     head_dim = E // H
     separate = flag("use_separate_proj_weight", options.use_separate_proj_weight)
     W_q, W_k, W_v = _in_projection_weights(
-        E, key.shape[-1], value.shape[-1], separate, given.in_proj_weight,
-        given.q_proj_weight, given.k_proj_weight, given.v_proj_weight,
-    )  # fmt: skip
+        E,
+        key.shape[-1],
+        value.shape[-1],
+        separate,
+        given.in_proj_weight,
+        given.q_proj_weight,
+        given.k_proj_weight,
+        given.v_proj_weight,
+    )
     b_q = b_k = b_v = None
     if given.in_proj_bias is not None:
         bias = _weight("in_proj_bias", given.in_proj_bias, (3 * E,))
@@ -248,10 +254,16 @@ def _heads(
         return y.reshape(x.shape[0], N, H, head_dim).transpose(1, 2, 0, 3)
 
     q = project(query, W_q, b_q)
-    k = project(key, W_k, b_k) if given.static_k is None else _static(
-        "static_k", given.static_k, N, H, head_dim)  # fmt: skip
-    v = project(value, W_v, b_v) if given.static_v is None else _static(
-        "static_v", given.static_v, N, H, head_dim)  # fmt: skip
+    k = (
+        project(key, W_k, b_k)
+        if given.static_k is None
+        else _static("static_k", given.static_k, N, H, head_dim)
+    )
+    v = (
+        project(value, W_v, b_v)
+        if given.static_v is None
+        else _static("static_v", given.static_v, N, H, head_dim)
+    )
     if k.shape[2] != v.shape[2]:
         raise ShapeError(
             f"keys and values have different lengths ({k.shape[2]} and {v.shape[2]}): "
@@ -282,9 +294,13 @@ def _extra_keys(
 
 
 def _attend(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, masks: _TorchMasks, inputs: _Inputs,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    masks: _TorchMasks,
+    inputs: _Inputs,
     options: _Options,
-) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
+) -> tuple[np.ndarray, np.ndarray | None]:
     """The heads, and the weights ``(N, H, L, S)`` when asked for (dropped in training)."""
     causal = flag("is_causal", options.is_causal)
     if causal and inputs.attn_mask is None:
@@ -361,8 +377,11 @@ class _TorchMasks:
 def _in_projection_weights(
     E: int, kdim: int, vdim: int, separate: bool, packed: Any, W_q: Any, W_k: Any, W_v: Any
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    given = [name for name, W in (("q_proj_weight", W_q), ("k_proj_weight", W_k),
-                                  ("v_proj_weight", W_v)) if W is not None]  # fmt: skip
+    given = [
+        name
+        for name, W in (("q_proj_weight", W_q), ("k_proj_weight", W_k), ("v_proj_weight", W_v))
+        if W is not None
+    ]
     if not separate and given:
         raise AttentionValueError(
             f"{', '.join(given)} given with use_separate_proj_weight=False, where torch would "

@@ -18,8 +18,12 @@ from ._tensors import as_numpy
 
 __all__ = ["LLAMA_PROJECTIONS", "UNSUPPORTED", "weights_from_gpt2", "weights_from_llama"]
 
-LLAMA_PROJECTIONS = {"q_proj": ("W_q", "b_q"), "k_proj": ("W_k", "b_k"),
-                     "v_proj": ("W_v", "b_v"), "o_proj": ("W_o", "b_o")}  # fmt: skip
+LLAMA_PROJECTIONS = {
+    "q_proj": ("W_q", "b_q"),
+    "k_proj": ("W_k", "b_k"),
+    "v_proj": ("W_v", "b_v"),
+    "o_proj": ("W_o", "b_o"),
+}
 
 UNSUPPORTED = {
     "q_norm": "QK-norm, as in Qwen3, Gemma 3 and OLMo 2: load the checkpoint with "
@@ -44,17 +48,25 @@ def weights_from_gpt2(
     W_o = as_float_array("c_proj_weight", c_proj_weight)
     b_o = as_float_array("c_proj_bias", c_proj_bias)
     for name, array, shape in (
-        ("c_attn_bias", b, (3 * E,)), ("c_proj_weight", W_o, (E, E)), ("c_proj_bias", b_o, (E,)),
-    ):  # fmt: skip
+        ("c_attn_bias", b, (3 * E,)),
+        ("c_proj_weight", W_o, (E, E)),
+        ("c_proj_bias", b_o, (E,)),
+    ):
         if array.shape != shape:
             raise ShapeError(
                 f"{name} must have shape {shape} to match c_attn_weight {W.shape}; "
                 f"got {array.shape}"
             )
     weights: dict[str, np.ndarray | None] = {
-        "W_q": W[:, :E], "W_k": W[:, E : 2 * E], "W_v": W[:, 2 * E :], "W_o": W_o,
-        "b_q": b[:E], "b_k": b[E : 2 * E], "b_v": b[2 * E :], "b_o": b_o,
-    }  # fmt: skip
+        "W_q": W[:, :E],
+        "W_k": W[:, E : 2 * E],
+        "W_v": W[:, 2 * E :],
+        "W_o": W_o,
+        "b_q": b[:E],
+        "b_k": b[E : 2 * E],
+        "b_v": b[2 * E :],
+        "b_o": b_o,
+    }
     return weights
 
 
@@ -102,8 +114,12 @@ def weights_from_llama(
                 f"{weight!r}; give head_dim= if the heads are wider than hidden // num_heads"
             )
     inner, kv_inner = num_heads * head_dim, num_kv_heads * head_dim
-    shapes = {"q_proj": (inner, hidden), "k_proj": (kv_inner, hidden),
-              "v_proj": (kv_inner, hidden), "o_proj": (hidden, inner)}  # fmt: skip
+    shapes = {
+        "q_proj": (inner, hidden),
+        "k_proj": (kv_inner, hidden),
+        "v_proj": (kv_inner, hidden),
+        "o_proj": (hidden, inner),
+    }
     weights: dict[str, np.ndarray | None] = {}
     for layer, (W_name, b_name) in LLAMA_PROJECTIONS.items():
         key = f"{prefix}{layer}.weight"

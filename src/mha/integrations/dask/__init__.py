@@ -127,13 +127,19 @@ def _sdpa(
     _refuse_in_memory_only(checked)
     shape = ScoreShape(sq.shape[:-3], sq.shape[-3], sq.shape[-2], sk.shape[-2])
     masks = Masks.check(*masking, da).fit_scores(*shape)
-    visibility = Visibility.build(spec.mask, checked.given.arrays, shape, compute_dtype,
-                                  f"q {sq.shape}, k {sk.shape}")  # fmt: skip
+    visibility = Visibility.build(
+        spec.mask, checked.given.arrays, shape, compute_dtype, f"q {sq.shape}, k {sk.shape}"
+    )
     scores = spec.scores.fit(shape.H, want_backward=False)
     batched = len(shape.batch_shape) > 0
     arrays = {name: x if batched else x[None] for name, x in lazy.items()}
-    graph = SdpaGraph(Lazy(arrays, batched, masks, check_fan_in(split_every), da), checked,
-                      visibility, scale, scores)  # fmt: skip
+    graph = SdpaGraph(
+        Lazy(arrays, batched, masks, check_fan_in(split_every), da),
+        checked,
+        visibility,
+        scale,
+        scores,
+    )
     return graph.build(sv.shape[-1], (result_dtype, compute_dtype))
 
 
@@ -232,14 +238,26 @@ def multi_head_attention(
         return_backward, dropout_p, generator,
     )  # fmt: skip
     weights = LayerWeights(W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm)
-    return _mha(lazy, (sQ, sK, sV), weights, (num_heads, check_mha(keywords)),
-                (mask, bias, positions), split_every, da)  # fmt: skip
+    return _mha(
+        lazy,
+        (sQ, sK, sV),
+        weights,
+        (num_heads, check_mha(keywords)),
+        (mask, bias, positions),
+        split_every,
+        da,
+    )
 
 
 def _mha(
-    lazy: dict[str, Any], standins: tuple[np.ndarray, ...], weights: LayerWeights,
-    heads: tuple[Any, Checked], given: tuple[Any, Any, Any], split_every: Any, da: Any,
-) -> Any:  # fmt: skip
+    lazy: dict[str, Any],
+    standins: tuple[np.ndarray, ...],
+    weights: LayerWeights,
+    heads: tuple[Any, Checked],
+    given: tuple[Any, Any, Any],
+    split_every: Any,
+    da: Any,
+) -> Any:
     """:func:`multi_head_attention`'s graph, its keywords checked: ``heads`` is the head
     count and the checked keywords, ``given`` the mask, the bias and the positions."""
     num_heads, checked = heads
@@ -263,5 +281,4 @@ def _causal(mask: Any) -> Any:
 def _refuse_in_memory_only(checked: Checked) -> None:
     """The in-memory functions' options that mha.dask does not offer, refused by name."""
     request, given = checked.request, checked.given
-    refuse_in_memory_only(request.weights, request.backward, checked.spec.dropout_p,
-                          given.cache)  # fmt: skip
+    refuse_in_memory_only(request.weights, request.backward, checked.spec.dropout_p, given.cache)

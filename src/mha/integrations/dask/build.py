@@ -86,8 +86,10 @@ class SdpaGraph:
         self.visibility = visibility if lazy.batched else with_batch_axis(visibility)
         self.H = visibility.index_shape[-1]
         self.grid = Grid.of(arrays["q"], arrays["k"], arrays["v"], self.H, heads_axis=True)
-        self.qd, self.kd, self.vd = (self.grid.fit(arrays[name], where, da) for name, where in
-                                     (("q", "rows"), ("k", "cols"), ("v", "cols")))  # fmt: skip
+        self.qd, self.kd, self.vd = (
+            self.grid.fit(arrays[name], where, da)
+            for name, where in (("q", "rows"), ("k", "cols"), ("v", "cols"))
+        )
         self.mask_d, self.bias_d = lazy.masks.fit(self.grid, lazy.batched)
         request = checked.request
         self.graph = Graph("mha-sdpa", (
@@ -130,15 +132,25 @@ class SdpaGraph:
         lengths = MaskArrays(None, None, block.key_lengths, block.query_lengths)
         checked = block_checked(self.checked, self.visibility, batch, lengths, None)
         return self.graph.task(
-            "block", (*bb, i), sdpa_block, (self.qd.name, *index), (self.kd.name, *bb, 0, 0, 0),
-            (self.vd.name, *bb, 0, 0, 0), masks.key(self.mask_d, bb, i, 0),
-            masks.key(self.bias_d, bb, i, 0), SdpaBlock(checked),
-        )  # fmt: skip
+            "block",
+            (*bb, i),
+            sdpa_block,
+            (self.qd.name, *index),
+            (self.kd.name, *bb, 0, 0, 0),
+            (self.vd.name, *bb, 0, 0, 0),
+            masks.key(self.mask_d, bb, i, 0),
+            masks.key(self.bias_d, bb, i, 0),
+            SdpaBlock(checked),
+        )
 
     def _parts(
-        self, bb: tuple[int, ...], batch: Any, row: tuple[int, slice], index: tuple[int, ...],
+        self,
+        bb: tuple[int, ...],
+        batch: Any,
+        row: tuple[int, slice],
+        index: tuple[int, ...],
         empty: Empty,
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         """Query chunk ``row = (i, rows)``'s parts over the key chunks its rows may see,
         merged (the sinks added once, at the last merge)."""
         i, rows = row
@@ -148,13 +160,21 @@ class SdpaGraph:
         for j, cols in enumerate(self.grid.cols):
             block = self.visibility.block(batch, rows, cols)
             if block.sees_any():
-                plan = Part(block, self.scale, request.budget, request.threads, empty.dtype,
-                            parts_scores)  # fmt: skip
-                parts.append(self.graph.task(
-                    "part", (*bb, i, j), part, (self.qd.name, *index),
-                    [(self.kd.name, *bb, 0, j, 0), (self.vd.name, *bb, 0, j, 0)],
-                    masks.key(self.mask_d, bb, i, j), masks.key(self.bias_d, bb, i, j), plan,
-                ))  # fmt: skip
+                plan = Part(
+                    block, self.scale, request.budget, request.threads, empty.dtype, parts_scores
+                )
+                parts.append(
+                    self.graph.task(
+                        "part",
+                        (*bb, i, j),
+                        part,
+                        (self.qd.name, *index),
+                        [(self.kd.name, *bb, 0, j, 0), (self.vd.name, *bb, 0, j, 0)],
+                        masks.key(self.mask_d, bb, i, j),
+                        masks.key(self.bias_d, bb, i, j),
+                        plan,
+                    )
+                )
         last = self.graph.reduce(parts, (*bb, i), self.lazy.fan_in)
         sinks = None if self.scores is None else self.scores.sinks
         return self.graph.task("merged", (*bb, i), merge, last, replace(empty, sinks=sinks))
@@ -168,8 +188,7 @@ class MhaGraph:
         self.lazy, self.call, self.checked, self.rotation = lazy, call, checked, rotation
         arrays, da = lazy.arrays, lazy.da
         assert call.visibility is not None  # no cache
-        self.visibility = (call.visibility if lazy.batched
-                           else with_batch_axis(call.visibility))  # fmt: skip
+        self.visibility = call.visibility if lazy.batched else with_batch_axis(call.visibility)
         self.grid = grid = Grid.of(arrays["Q"], arrays["K"], arrays["V"], call.H, heads_axis=False)
         self.Qd = grid.fit(arrays["Q"], "rows", da)
         one = call.self_attention
@@ -205,8 +224,9 @@ class MhaGraph:
                     parts.append(self._extra_part(bb, batch, (i, rows), extra, parts_scores))
                 shape = (*grid.block_shape(batch), call.H, rows.stop - rows.start, call.d_v)
                 sinks = None if call.scores is None else call.scores.sinks
-                output = Output(shape, call.compute_dtype, call.result_dtype,
-                                call.request.threads, sinks)  # fmt: skip
+                output = Output(
+                    shape, call.compute_dtype, call.result_dtype, call.request.threads, sinks
+                )
                 last = graph.reduce(parts, (*bb, i), self.lazy.fan_in)
                 graph.task("out", (*bb, i, 0), mha_out, last, self.w, output)
         chunks = (*grid.batch_chunks, grid.row_chunks, (call.weights.W_o.shape[1],))
@@ -220,11 +240,21 @@ class MhaGraph:
         call = self.call
         if (which, (*bb, n)) not in self.projected:
             norm = call.qk_norm
-            plan = Projection(which, call.H, call.H_kv, call.scale, call.compute_dtype,
-                              self.rotation.at(which, batch, at), call.request.threads,
-                              norm)  # fmt: skip
-            inputs = [(self.Qd.name, *bb, n, 0)] if which == "q" else [
-                (self.Kd.name, *bb, n, 0), (self.Vd.name, *bb, n, 0)]  # fmt: skip
+            plan = Projection(
+                which,
+                call.H,
+                call.H_kv,
+                call.scale,
+                call.compute_dtype,
+                self.rotation.at(which, batch, at),
+                call.request.threads,
+                norm,
+            )
+            inputs = (
+                [(self.Qd.name, *bb, n, 0)]
+                if which == "q"
+                else [(self.Kd.name, *bb, n, 0), (self.Vd.name, *bb, n, 0)]
+            )
             self.projected[which, (*bb, n)] = self.graph.task(
                 which, (*bb, n), project_chunk, inputs, self.w, plan
             )
@@ -239,10 +269,17 @@ class MhaGraph:
         checked = block_checked(self.checked, visibility, batch, lengths, positions)
         plan = MhaBlock(self.call.H, checked)
         self.graph.task(
-            "out", (*bb, i, 0), mha_block, (self.Qd.name, *bb, 0, 0), (self.Kd.name, *bb, 0, 0),
-            (self.Vd.name, *bb, 0, 0), masks.key(self.mask_d, bb, 0, 0),
-            masks.key(self.bias_d, bb, 0, 0), self.w, plan,
-        )  # fmt: skip
+            "out",
+            (*bb, i, 0),
+            mha_block,
+            (self.Qd.name, *bb, 0, 0),
+            (self.Kd.name, *bb, 0, 0),
+            (self.Vd.name, *bb, 0, 0),
+            masks.key(self.mask_d, bb, 0, 0),
+            masks.key(self.bias_d, bb, 0, 0),
+            self.w,
+            plan,
+        )
 
     def _parts(
         self, bb: tuple[int, ...], batch: Any, row: tuple[int, slice], scores: Any
@@ -255,24 +292,43 @@ class MhaGraph:
         for j, cols in enumerate(self.grid.cols):
             block = self.visibility.block(batch, rows, cols)
             if block.sees_any():
-                plan = Part(block, 1.0, call.request.budget, call.request.threads,
-                            call.compute_dtype, scores)  # fmt: skip
-                parts.append(self.graph.task(
-                    "part", (*bb, i, j), part, q, self._project("kv", bb, j, cols, batch),
-                    masks.key(self.mask_d, bb, i, j), masks.key(self.bias_d, bb, i, j), plan,
-                ))  # fmt: skip
+                plan = Part(
+                    block,
+                    1.0,
+                    call.request.budget,
+                    call.request.threads,
+                    call.compute_dtype,
+                    scores,
+                )
+                parts.append(
+                    self.graph.task(
+                        "part",
+                        (*bb, i, j),
+                        part,
+                        q,
+                        self._project("kv", bb, j, cols, batch),
+                        masks.key(self.mask_d, bb, i, j),
+                        masks.key(self.bias_d, bb, i, j),
+                        plan,
+                    )
+                )
         return parts
 
     def _extra_keys(self) -> Any:
         """bias_k's key and the zero key, one batch item: parts broadcast them."""
         call = self.call
-        return self.graph.data("extra", tuple(
-            append_keys(
-                np.zeros((1, call.H_kv, 0, d), call.compute_dtype),
-                None if b is None else b.astype(call.compute_dtype), call.spec.add_zero_attn,
-                call.H_kv,
-            ) for b, d in ((call.weights.bias_k, call.d_k), (call.weights.bias_v, call.d_v))
-        ))  # fmt: skip
+        return self.graph.data(
+            "extra",
+            tuple(
+                append_keys(
+                    np.zeros((1, call.H_kv, 0, d), call.compute_dtype),
+                    None if b is None else b.astype(call.compute_dtype),
+                    call.spec.add_zero_attn,
+                    call.H_kv,
+                )
+                for b, d in ((call.weights.bias_k, call.d_k), (call.weights.bias_v, call.d_v))
+            ),
+        )
 
     def _extra_part(
         self, bb: tuple[int, ...], batch: Any, row: tuple[int, slice], extra: Any, scores: Any
@@ -281,10 +337,16 @@ class MhaGraph:
         i, rows = row
         call = self.call
         rows_only = self.visibility.block(batch, rows, slice(0, 0))
-        seen = Visibility(index_shape=rows_only.index_shape, L=rows_only.L, S=call.extra,
-                          query_lengths=rows_only.query_lengths)  # fmt: skip
-        plan = Part(seen, 1.0, call.request.budget, call.request.threads, call.compute_dtype,
-                    scores)  # fmt: skip
+        seen = Visibility(
+            index_shape=rows_only.index_shape,
+            L=rows_only.L,
+            S=call.extra,
+            query_lengths=rows_only.query_lengths,
+        )
+        plan = Part(
+            seen, 1.0, call.request.budget, call.request.threads, call.compute_dtype, scores
+        )
         q = self._project("q", bb, i, rows, batch)
-        return self.graph.task("part", (*bb, i, len(self.grid.cols)), part, q, extra, None, None,
-                               plan)  # fmt: skip
+        return self.graph.task(
+            "part", (*bb, i, len(self.grid.cols)), part, q, extra, None, None, plan
+        )

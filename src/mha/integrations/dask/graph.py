@@ -34,8 +34,7 @@ class Grid:
         rows = q.chunks[-2] if is_dask(q) else (q.shape[-2],)
         keyed = next((x for x in (k, v) if is_dask(x)), None)
         cols = keyed.chunks[-2] if keyed is not None else (k.shape[-2],)
-        return cls(batch, nonempty(rows), nonempty(cols), H,
-                   heads_axis)  # fmt: skip
+        return cls(batch, nonempty(rows), nonempty(cols), H, heads_axis)
 
     @property
     def rows(self) -> list[slice]:

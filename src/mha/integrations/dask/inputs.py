@@ -27,9 +27,16 @@ def check_fan_in(split_every: Any) -> int:
 def refuse_in_memory_only(weights: bool, backward: bool, dropout_p: float, cache: Any) -> None:
     """The in-memory functions' options that mha.dask does not offer (checked as they check
     them), refused by name when asked for."""
-    asked = [name for name, value in (("return_weights", weights),
-                                      ("return_backward", backward), ("dropout_p", dropout_p),
-                                      ("cache", cache is not None)) if value]  # fmt: skip
+    asked = [
+        name
+        for name, value in (
+            ("return_weights", weights),
+            ("return_backward", backward),
+            ("dropout_p", dropout_p),
+            ("cache", cache is not None),
+        )
+        if value
+    ]
     if asked:
         listed = " and ".join([", ".join(asked[:-1]), asked[-1]] if len(asked) > 1 else asked)
         raise AttentionValueError(
@@ -122,9 +129,13 @@ class Masks:
         """The in-memory call's masking keywords for one batch block (the mask and the bias
         come as the block's own arrays)."""
         block = visibility.block(batch, slice(0, visibility.L), slice(0, visibility.S))
-        return {"causal": causal or self.causal, "causal_alignment": alignment,
-                "window": window, "key_lengths": block.key_lengths,
-                "query_lengths": block.query_lengths}  # fmt: skip
+        return {
+            "causal": causal or self.causal,
+            "causal_alignment": alignment,
+            "window": window,
+            "key_lengths": block.key_lengths,
+            "query_lengths": block.query_lengths,
+        }
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,9 @@ def project_chunk(inputs: list[np.ndarray], weights: Weights, plan: Projection) 
     )
 
 
-def heads(X: np.ndarray, W: np.ndarray, b: np.ndarray | None, plan: Projection,
-          which: str) -> np.ndarray:  # fmt: skip
+def heads(
+    X: np.ndarray, W: np.ndarray, b: np.ndarray | None, plan: Projection, which: str
+) -> np.ndarray:
     """``X @ W + b`` split into heads, for the queries (``which="q"``: times the scale), the
     keys or the values: normalised by the QK-norm (the queries' scale after it) and rotated
     (the queries and the keys), as :func:`mha.api.projection.project_heads` does."""
