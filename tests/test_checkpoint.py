@@ -19,7 +19,7 @@ from support import pretrained_models as models
 from mha.errors import AttentionTypeError, AttentionValueError, WeightsFileError
 from mha.integrations import checkpoint as checkpoint_module
 from mha.integrations.checkpoint import Checkpoint
-from mha.integrations.pretrained import FAMILIES, layer_attention
+from mha.integrations.readers import FAMILIES, layer_attention
 
 TORCH_FAMILIES = models.FAMILIES
 
@@ -436,7 +436,7 @@ def test_the_defaults_are_the_config_classes(family, transformers):
     for key, value in FAMILIES[name].defaults.items():
         assert fields[key].default == value, (family, key)
     if name not in ("gemma3_text",):
-        assert config_class.default_theta == FAMILIES[name].default_theta
+        assert config_class.default_theta == FAMILIES[name].rope.theta
 
 
 def variant(tmp_path, family, change=None, drop=()):

@@ -26,7 +26,7 @@ from support import pretrained_models as models
 from support.configs import relative_error
 
 import mha
-from mha.integrations import pretrained
+from mha.integrations import readers
 
 FAMILIES = [family for family in models.FAMILIES if family != "deepseek_v2"]
 B, L, PREFILL = 2, 24, 10
@@ -97,10 +97,10 @@ differs from the first only by its full rotary."""
 def test_every_setting_read_matters_in_these_models(family, monkeypatch, transformers):
     """Each setting read above, changed, or each weight, dropped, is caught by the
     comparison: the tiny models are not degenerate for what they are meant to check."""
-    read = pretrained.layer_attention
+    read = readers.layer_attention
     baseline = None
     for change in CHANGES[family]:
-        monkeypatch.setattr(pretrained, "layer_attention", models.changed(read, change))
+        monkeypatch.setattr(readers, "layer_attention", models.changed(read, change))
         whole = [calls[0] for calls in oracle(family)]  # (x, expected) of each layer
         outputs = [load(family, layer)(x, mask=True) for layer, (x, _) in enumerate(whole)]
         errors = [
