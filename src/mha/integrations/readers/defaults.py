@@ -112,3 +112,14 @@ DEEPSEEK_V3: dict[str, Any] = {
     "rope_interleave": True,
     "max_position_embeddings": 4096,
 }
+MINISTRAL: dict[str, Any] = {**MISTRAL}
+MIXTRAL: dict[str, Any] = {**MISTRAL, "sliding_window": None}
+ARCEE: dict[str, Any] = {
+    "hidden_size": 2560,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": None,
+    "head_dim": None,
+    "attention_bias": False,
+    "max_position_embeddings": 4096,
+}

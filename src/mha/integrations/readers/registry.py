@@ -20,7 +20,7 @@ from .config import FULL, SLIDING
 from .family import ACROSS_HEADS, BIDIRECTIONAL, PER_HEAD, Family, QkNorm, query_pre_attn_scalar
 from .layouts import FUSED_QKV, LATENT, NO_BIASES, QKV_BIASES
 from .rope import Rope
-from .windows import EVERY_LAYER, QWEN_WINDOWS, by_layer_types
+from .windows import EVERY_LAYER, QWEN_WINDOWS, SLIDING_IF_WINDOWED, by_layer_types
 
 __all__ = ["FAMILIES", "REFUSED", "SUPPORTED", "family_of", "register"]
 
@@ -78,6 +78,12 @@ register(
     Family(
         "deepseek_v3", defaults.DEEPSEEK_V3, tensors=LATENT, rope=Rope(interleave="rope_interleave")
     ),
+    # Mistral's attention under other names: by layer_types, or a window that may be null
+    Family("ministral", defaults.MINISTRAL, biases=NO_BIASES, windows=SLIDING_IF_WINDOWED),
+    Family(
+        "mixtral", defaults.MIXTRAL, biases=NO_BIASES, windows=EVERY_LAYER, rope=Rope(theta=1e6)
+    ),
+    Family("arcee", defaults.ARCEE),  # Llama's attention (its MLP differs)
 )
 
 SUPPORTED = tuple(FAMILIES)
