@@ -133,18 +133,30 @@ def test_every_row_of_the_table_has_a_tiny_model_compared_here(transformers):
 
 
 def test_a_renamed_family_is_one_row(tmp_path, monkeypatch, transformers, record_error):
-    """A family whose attention is Mistral's under another ``model_type`` is read once its row
-    is in the table, and then computes what transformers' Mistral layers compute."""
+    """A family whose attention is Mistral's under another ``model_type`` and other names of
+    its config keys is read once its row is in the table, and then computes what
+    transformers' Mistral layers compute."""
+    names = {"num_attention_heads": "n_head", "sliding_window": "window"}
     folder = shutil.copytree(models.saved("mistral"), tmp_path / "renamed")
     config = json.loads((folder / "config.json").read_text())
+    config = {names.get(key, key): value for key, value in config.items()}
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "mistral_renamed"}))
     with pytest.raises(AttentionValueError, match="model_type 'mistral_renamed': it is not"):
         mha.MultiHeadAttention.from_pretrained(folder, layer=0)
-    row = Family("mistral_renamed", defaults.MISTRAL, biases=NO_BIASES, windows=EVERY_LAYER)
+    row = Family(
+        "mistral_renamed",
+        {names.get(key, key): value for key, value in defaults.MISTRAL.items()},
+        keys=names,
+        biases=NO_BIASES,
+        windows=EVERY_LAYER,
+    )
     monkeypatch.setitem(readers.FAMILIES, row.name, row)
     for layer, calls in enumerate(oracle("mistral")):
         x, expected = calls[0]
         attention = mha.MultiHeadAttention.from_pretrained(folder, layer=layer, dtype=np.float64)
-        assert attention.window == 7
+        assert (attention.num_heads, attention.window) == (4, 7)
         error = relative_error(attention(x, mask=True), expected)
         assert record_error("pretrained mistral_renamed, float64", error) <= TOLERANCE, layer
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": row.name, "n_head": 0}))
+    with pytest.raises(AttentionValueError, match=r"config\.json has n_head=0"):
+        mha.MultiHeadAttention.from_pretrained(folder, layer=0)

@@ -79,7 +79,7 @@ def layer_attention(
     given). ``kind`` is ``"attention"`` (the settings are :class:`mha.LayerSpec`'s keywords)
     or ``"latent"`` (:class:`mha.LatentSpec`'s)."""
     family = family_of(source.config, source.path)
-    read = Settings(source, family.name, family.defaults)
+    read = Settings(source, family.name, family.defaults, family.keys)
     index = layer_index(layer, read.positive("num_hidden_layers"), source.path)
     prefix = attention_prefix(source, index)
     kind, settings, tensors = describe(family, read, index)

@@ -59,7 +59,7 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     }
     biased = family.biases.carried(read, "qkvo")
     tensors = layout.tensors(E, (H, H_kv, d), biased, settings["qk_norm"], family.sinks)
-    return "attention", settings, tensors
+    return layout.kind, settings, tensors
 
 
 def latent(family: Family, layout: LatentProjections, read: Settings) -> Described:
@@ -70,7 +70,7 @@ def latent(family: Family, layout: LatentProjections, read: Settings) -> Describ
         read.positive(key)
         for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
     )
-    kv_heads = read.config.get("num_key_value_heads")
+    kv_heads = read.given("num_key_value_heads")
     if kv_heads not in (None, H):  # transformers' latent attention expands a key per head
         raise read.refuse(f"num_key_value_heads={kv_heads} != num_attention_heads={H}")
     rope = rope_parameters(read, family.rope, None)
@@ -95,4 +95,4 @@ def latent(family: Family, layout: LatentProjections, read: Settings) -> Describ
         "scale": scale,
     }
     biased = family.biases.carried(read, layout.biasable(settings))
-    return "latent", settings, layout.tensors(settings, biased)
+    return layout.kind, settings, layout.tensors(settings, biased)

@@ -46,18 +46,40 @@ class Source(Protocol):
 
 class Settings:
     """A config's values as the family's config class reads them: ``config.json``'s, else
-    the class's defaults (``defaults``, the row's)."""
+    the class's defaults (``defaults``, the row's). Keys are transformers' common names
+    (``num_attention_heads``); ``keys`` gives the family's own where they differ (as a config
+    class's ``attribute_map`` does), which ``config.json`` and ``defaults`` use."""
 
-    def __init__(self, source: Source, family: str, defaults: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        source: Source,
+        family: str,
+        defaults: Mapping[str, Any],
+        keys: Mapping[str, str] | None = None,
+    ) -> None:
         self.config, self.path = source.config, source.path
-        self.family, self.defaults = family, defaults
+        self.family, self.defaults, self.keys = family, defaults, keys or {}
         self.read: list[str] = []
 
+    def name(self, key: str) -> str:
+        """The family's name of ``key``."""
+        return self.keys.get(key, key)
+
     def get(self, key: str, default: Any = None) -> Any:
+        """``key``'s value: ``config.json``'s, else the class's default, else ``default``."""
+        key = self.name(key)
         self.read.append(key)
         if key in self.config:
             return self.config[key]
         return self.defaults.get(key, default)
+
+    def given(self, key: str, default: Any = None) -> Any:
+        """``key``'s value in ``config.json`` (``default`` when it has none)."""
+        return self.config.get(self.name(key), default)
+
+    def has(self, key: str) -> bool:
+        """Whether ``config.json`` or the class's defaults hold ``key``."""
+        return self.name(key) in self.config or self.name(key) in self.defaults
 
     def positive(self, key: str, optional: bool = False) -> Any:
         """A positive integer (or, when ``optional``, ``None``)."""
@@ -67,7 +89,7 @@ class Settings:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             needed = "a positive integer or null" if optional else "a positive integer"
             raise AttentionValueError(
-                f"{self.path}: config.json has {key}={value!r}; {needed} is needed"
+                f"{self.path}: config.json has {self.name(key)}={value!r}; {needed} is needed"
             )
         return value
 
@@ -101,7 +123,7 @@ class Unsupported:
     def check(self, read: Settings) -> None:
         value = read.get(self.key)
         if self.asks(value):
-            raise read.refuse(f"{self.key}={value!r} ({self.feature})")
+            raise read.refuse(f"{read.name(self.key)}={value!r} ({self.feature})")
 
 
 def layer_index(layer: Any, count: int, path: Any) -> int:

@@ -75,6 +75,9 @@ class Family:
     """The ``model_type`` of ``config.json``."""
     defaults: Mapping[str, Any]
     """The config class's defaults of the keys read (``config.json`` may omit them)."""
+    keys: Mapping[str, str] = field(default_factory=dict)
+    """The family's names of the config keys read, where they are not transformers' common
+    ones (its config class's ``attribute_map``: ``{"num_attention_heads": "n_head"}``)."""
     tensors: Projections | LatentProjections = SEPARATE_QKV
     """Which tensors hold Q, K, V and O (:mod:`.layouts`); :data:`~.layouts.LATENT` for
     DeepSeek's multi-head latent attention (the layer is a :class:`mha.LatentAttention`)."""

@@ -61,8 +61,7 @@ class Rope:
 def rope_parameters(read: Settings, rope: Rope, layer_type: str | None) -> dict[str, Any]:
     """The rope parameters of a layer of type ``layer_type`` (``None``: one for every layer),
     with ``rope_theta`` and ``rope_type`` always, as transformers standardises them."""
-    config = read.config
-    given = config.get("rope_scaling") or config.get("rope_parameters")
+    given = read.given("rope_scaling") or read.given("rope_parameters")
     parameters = copy.deepcopy(given) if given is not None else None
     if rope.per_layer_type:
         parameters = _per_layer_type(read, rope, parameters)
@@ -74,7 +73,7 @@ def rope_parameters(read: Settings, rope: Rope, layer_type: str | None) -> dict[
         )
     nested = layer_type is not None and isinstance(parameters.get(layer_type), dict)
     layer = parameters[layer_type] if nested else parameters
-    layer.setdefault("rope_theta", config.get("rope_theta", rope.theta))
+    layer.setdefault("rope_theta", read.given("rope_theta", rope.theta))
     factor = read.get("partial_rotary_factor", rope.fraction)
     if factor is not None:
         layer.setdefault("partial_rotary_factor", factor)
@@ -86,7 +85,7 @@ def rope_parameters(read: Settings, rope: Rope, layer_type: str | None) -> dict[
     layer.setdefault("rope_type", layer.get("type", "default"))  # old configs' name
     layer["rope_type"] = rope.aliases.get(layer["rope_type"], layer["rope_type"])
     if layer["rope_type"] in _ORIGINAL_LENGTH_TYPES:
-        if not nested and (_OMPE in config or _OMPE in read.defaults):
+        if not nested and read.has(_OMPE):
             layer[_OMPE] = read.get(_OMPE)  # a top-level one takes precedence (Phi-3)
         else:
             layer.setdefault(_OMPE, read.get("max_position_embeddings"))
@@ -96,10 +95,9 @@ def rope_parameters(read: Settings, rope: Rope, layer_type: str | None) -> dict[
 def _per_layer_type(read: Settings, rope: Rope, parameters: Any) -> dict[str, Any]:
     """One set of parameters per layer type: the config's, each completed by its base (the
     type's key, else its default), an old config's ``rope_scaling`` on the full layers."""
-    config = read.config
-    scaling = config.get("rope_scaling")
+    scaling = read.given("rope_scaling")
     if scaling is not None:  # old configs: rope_scaling is the full layers' scaling
-        parameters = copy.deepcopy(config.get("rope_parameters"))
+        parameters = copy.deepcopy(read.given("rope_parameters"))
     if not isinstance(parameters, dict):
         parameters = {}
     nested = {kind: parameters.get(kind) for kind in rope.per_layer_type}
@@ -107,7 +105,7 @@ def _per_layer_type(read: Settings, rope: Rope, parameters: Any) -> dict[str, An
         entry = nested[kind] if isinstance(nested[kind], dict) else {"rope_type": "default"}
         if kind == FULL and scaling is not None:
             entry.update(scaling)
-        entry.setdefault("rope_theta", config.get(key, theta))
+        entry.setdefault("rope_theta", read.given(key, theta))
         nested[kind] = entry
     return nested
 
@@ -142,7 +140,7 @@ def check_rope(read: Settings, settings: Mapping[str, Any], index: int) -> None:
     if scaling is None:
         return
     rotated = settings.get("qk_rope_head_dim") or settings.get("rotary_dim") or settings["head_dim"]
-    given = [key for key in ("rope_scaling", "rope_parameters") if read.config.get(key)]
+    given = [read.name(key) for key in ("rope_scaling", "rope_parameters") if read.given(key)]
     key = given[0] if given else f"rope_parameters (the {read.family} defaults)"
     check_rope_scaling(scaling, rotated, f"{read.path}: config.json's {key}, layer {index}")
 
