@@ -17,7 +17,8 @@ features it uses. The files:
 * :mod:`.windows`: which layers slide and how far;
 * :mod:`.layouts`: the tensor names of each layout, their shapes and how each becomes mha's
   weights;
-* :mod:`.family` and :mod:`.registry`: the row type and the table;
+* :mod:`.family` and :mod:`.registry`: the row type and the table, :mod:`.defaults`: each
+  config class's defaults of the keys read;
 * :mod:`.attention`: a layer's settings and tensors from its row and config;
 * here: reading them, checked against the config, from a :class:`~.config.Source` (a
   :class:`~mha.integrations.checkpoint.Checkpoint`).
