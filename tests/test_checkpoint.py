@@ -19,7 +19,7 @@ from support import pretrained_models as models
 from mha.errors import AttentionTypeError, AttentionValueError, WeightsFileError
 from mha.integrations import checkpoint as checkpoint_module
 from mha.integrations.checkpoint import Checkpoint
-from mha.integrations.pretrained import FAMILIES, layer_attention
+from mha.integrations.readers import FAMILIES, layer_attention
 
 TORCH_FAMILIES = models.FAMILIES
 
@@ -325,7 +325,7 @@ def expected_settings(config, index):
                 "rope_theta": rope["rope_theta"], "rope_scaling": scaling,
                 "rotary_interleaved": getattr(config, "rope_interleave", True)}  # fmt: skip
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if model_type in ("mistral", "phi3"):
+    if model_type in ("mistral", "phi3", "mixtral"):
         window = config.sliding_window
     elif model_type in ("llama", "olmo2"):
         window = None
@@ -412,7 +412,7 @@ def test_each_layer_is_what_transformers_computes(family, transformers):
         for name, W in weights.items():
             assert W.dtype == np.float64 and np.array_equal(W, wanted[name]), (index, name)
         seen.add((settings.get("window"), settings["rope_theta"]))
-    if family in ("qwen2", "qwen3", "gemma2", "gemma3", "gpt_oss"):  # layers that differ
+    if family in ("qwen2", "qwen3", "gemma2", "gemma3", "gpt_oss", "ministral"):  # layers differ
         assert len({window for window, _ in seen}) == 2, seen
     if family == "gemma3":
         assert {theta for _, theta in seen} == {100.0, 3000.0}
@@ -436,7 +436,7 @@ def test_the_defaults_are_the_config_classes(family, transformers):
     for key, value in FAMILIES[name].defaults.items():
         assert fields[key].default == value, (family, key)
     if name not in ("gemma3_text",):
-        assert config_class.default_theta == FAMILIES[name].default_theta
+        assert config_class.default_theta == FAMILIES[name].rope.theta
 
 
 def variant(tmp_path, family, change=None, drop=()):
@@ -475,6 +475,10 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 500.0, "short_factor": [1.0, 
         ("gpt_oss", {}, ("rope_parameters", "layer_types")),
         ("deepseek_v3", {"rope_theta": 800.0}, ("rope_parameters",)),
         ("deepseek_v3_mha", {}, ("rope_interleave",)),
+        ("ministral", {}, ("layer_types",)),  # every layer sliding
+        ("ministral", {"sliding_window": None}, ("layer_types",)),  # none
+        ("mixtral", {}, ("sliding_window", "rope_parameters")),  # no window, theta 1e6
+        ("arcee", {}, ("rope_parameters",)),
     ],
 )  # fmt: skip
 def test_configs_are_read_as_transformers_reads_them(tmp_path, family, change, drop, transformers):

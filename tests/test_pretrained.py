@@ -19,6 +19,8 @@ in test_pretrained_deepseek_v2.py.
 from __future__ import annotations
 
 import functools
+import json
+import shutil
 
 import numpy as np
 import pytest
@@ -26,7 +28,12 @@ from support import pretrained_models as models
 from support.configs import relative_error
 
 import mha
-from mha.integrations import pretrained
+from mha.errors import AttentionValueError
+from mha.integrations import readers
+from mha.integrations.readers import defaults
+from mha.integrations.readers.family import Family
+from mha.integrations.readers.layouts import NO_BIASES
+from mha.integrations.readers.windows import EVERY_LAYER
 
 FAMILIES = [family for family in models.FAMILIES if family != "deepseek_v2"]
 B, L, PREFILL = 2, 24, 10
@@ -87,6 +94,9 @@ CHANGES = {
     "gpt_oss": [{"rope_scaling": None}, {"window": None}, {"sinks": None}],
     "deepseek_v3": [{"scale": None}, {"rope_scaling": None}, {"rotary_interleaved": False}],
     "deepseek_v3_mha": [{"scale": None}, {"rotary_interleaved": True}, {"b_kv_a": None}],
+    "ministral": [{"window": None}, {"window": 5}],  # its full layer, given a window, differs
+    "mixtral": [{"window": None}, {"rope_theta": 10000.0}],  # its base: the class's 1e6
+    "arcee": [{"rope_scaling": None}, {"b_o": None}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3
@@ -97,10 +107,10 @@ differs from the first only by its full rotary."""
 def test_every_setting_read_matters_in_these_models(family, monkeypatch, transformers):
     """Each setting read above, changed, or each weight, dropped, is caught by the
     comparison: the tiny models are not degenerate for what they are meant to check."""
-    read = pretrained.layer_attention
+    read = readers.layer_attention
     baseline = None
     for change in CHANGES[family]:
-        monkeypatch.setattr(pretrained, "layer_attention", models.changed(read, change))
+        monkeypatch.setattr(readers, "layer_attention", models.changed(read, change))
         whole = [calls[0] for calls in oracle(family)]  # (x, expected) of each layer
         outputs = [load(family, layer)(x, mask=True) for layer, (x, _) in enumerate(whole)]
         errors = [
@@ -110,3 +120,43 @@ def test_every_setting_read_matters_in_these_models(family, monkeypatch, transfo
         if family == "phi3" and "rotary_dim" in change:  # against the change before it
             assert max(relative_error(a, b) for a, b in zip(outputs, baseline, strict=True)) > 1e-4
         baseline = outputs
+
+
+def test_every_row_of_the_table_has_a_tiny_model_compared_here(transformers):
+    """A family cannot join the table without its layers compared with transformers' above."""
+    compared = {
+        getattr(transformers, f"{name}Config").model_type for name, _ in models.MODELS.values()
+    }
+    assert set(readers.FAMILIES) <= compared, set(readers.FAMILIES) - compared
+    causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    assert set(readers.FAMILIES) <= set(causal)
+
+
+def test_a_renamed_family_is_one_row(tmp_path, monkeypatch, transformers, record_error):
+    """A family whose attention is Mistral's under another ``model_type`` and other names of
+    its config keys is read once its row is in the table, and then computes what
+    transformers' Mistral layers compute."""
+    names = {"num_attention_heads": "n_head", "sliding_window": "window"}
+    folder = shutil.copytree(models.saved("mistral"), tmp_path / "renamed")
+    config = json.loads((folder / "config.json").read_text())
+    config = {names.get(key, key): value for key, value in config.items()}
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "mistral_renamed"}))
+    with pytest.raises(AttentionValueError, match="model_type 'mistral_renamed': it is not"):
+        mha.MultiHeadAttention.from_pretrained(folder, layer=0)
+    row = Family(
+        "mistral_renamed",
+        {names.get(key, key): value for key, value in defaults.MISTRAL.items()},
+        keys=names,
+        biases=NO_BIASES,
+        windows=EVERY_LAYER,
+    )
+    monkeypatch.setitem(readers.FAMILIES, row.name, row)
+    for layer, calls in enumerate(oracle("mistral")):
+        x, expected = calls[0]
+        attention = mha.MultiHeadAttention.from_pretrained(folder, layer=layer, dtype=np.float64)
+        assert (attention.num_heads, attention.window) == (4, 7)
+        error = relative_error(attention(x, mask=True), expected)
+        assert record_error("pretrained mistral_renamed, float64", error) <= TOLERANCE, layer
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": row.name, "n_head": 0}))
+    with pytest.raises(AttentionValueError, match=r"config\.json has n_head=0"):
+        mha.MultiHeadAttention.from_pretrained(folder, layer=0)

@@ -34,7 +34,7 @@ from support.configs import relative_error
 from support.rope_oracle import FAITHFUL, float64_torch, init_function
 
 import mha
-from mha.integrations import pretrained
+from mha.integrations import readers
 
 B, L, PREFILL = 2, 24, 10
 TOLERANCE = 1e-12
@@ -159,10 +159,10 @@ complex pairs are not rotate_half's halves, the yarn mscale matters, and so on."
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_setting_read_matters_in_these_models(variant, monkeypatch, transformers):
-    read = pretrained.layer_attention
+    read = readers.layer_attention
     whole = [calls[0] for calls in oracle(variant)]
     for change in CHANGES[variant]:
-        monkeypatch.setattr(pretrained, "layer_attention", models.changed(read, change))
+        monkeypatch.setattr(readers, "layer_attention", models.changed(read, change))
         errors = [relative_error(load(variant, layer)(x, mask=True), expected)
                   for layer, (x, expected) in enumerate(whole)]  # fmt: skip
         assert max(errors) > 1e-4, (change, errors)

@@ -11,7 +11,8 @@ The settings exercise what each family's attention does differently: Llama 3's r
 past ``original_max_position_embeddings`` (16 here), Qwen2's sliding layers from
 ``max_window_layers``, QK-norm per head (Qwen3, Gemma 3) or across heads (OLMo 2), Gemma's
 ``query_pre_attn_scalar`` and soft-capping and local rope base, Phi-3's fused projection with
-longrope and partial rotary, gpt-oss's sinks and yarn, DeepSeek V3's latent attention.
+longrope and partial rotary, gpt-oss's sinks and yarn, DeepSeek V3's latent attention;
+and the rows that rename an attention the table already reads (Ministral, Mixtral, Arcee).
 """
 
 from __future__ import annotations
@@ -82,6 +83,14 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                        "rope_interleave": False}),
     # DeepSeek V2: the same latent attention, its rotary always on (2i, 2i + 1) pairs
     "deepseek_v2": ("DeepseekV2", {**DEEPSEEK, "n_group": None, "topk_group": None}),
+    # rows that rename a family's attention: Mistral's by layer_types, Mistral's with
+    # experts, Llama's (with yarn) beside another MLP
+    "ministral": ("Ministral", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING]}),
+    "mixtral": ("Mixtral", {"sliding_window": 6, "num_local_experts": 4,
+                            "num_experts_per_tok": 2, "experts_implementation": "eager"}),
+    "arcee": ("Arcee", {"attention_bias": True, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
+        "original_max_position_embeddings": LONG}}),
 }  # fmt: skip
 """Each family's class names (``{name}Config``, ``{name}ForCausalLM``; Gemma 3's
 ``Gemma3ForCausalLM``) and what its config changes from ``COMMON``."""

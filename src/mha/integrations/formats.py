@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..api import formats
-from . import npz, pretrained, pytorch, transformers
+from . import npz, pytorch, readers, transformers
 
 __all__ = ["FUNCTIONS"]
 
@@ -18,7 +18,7 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "torch.module": pytorch.torch_module,
     "gpt2": transformers.weights_from_gpt2,
     "llama": transformers.weights_from_llama,
-    "pretrained": pretrained.read_layer,
+    "pretrained": readers.read_layer,
     "npz.save": npz.save,
     "npz.load": npz.load,
 }

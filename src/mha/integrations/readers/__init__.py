@@ -1,0 +1,99 @@
+"""What one layer of a transformers checkpoint computes in its attention: the pair
+``(spec, weights)`` that :meth:`mha.MultiHeadAttention.from_spec` (a :class:`mha.LayerSpec`)
+or :meth:`mha.LatentAttention.from_spec` (a :class:`mha.LatentSpec`, DeepSeek's multi-head
+latent attention) builds the layer from, read from ``config.json`` as transformers 5.24 reads
+it and from that layer's tensors alone. The weights are in mha's "x @ W" layout.
+
+Each ``model_type`` is one row of a table (:mod:`.registry`, rows of :class:`.family.Family`):
+which tensors hold Q, K, V and O, fused or not, with which biases (:mod:`.layouts`); which
+config keys give the heads, the head width, the rope's base, fraction, interleaving and
+scaling (:mod:`.rope`), the QK-norm, the sliding windows and per-layer types
+(:mod:`.windows`), the scale and soft-cap; the config class's defaults; and the attention
+features it uses. The files:
+
+* :mod:`.config`: a config read as its class reads it (``config.json``, else the row's
+  defaults), the checks of its values, the keys refused by the feature they ask for;
+* :mod:`.rope`: the rope parameters of each layer, standardised as transformers does;
+* :mod:`.windows`: which layers slide and how far;
+* :mod:`.layouts`: the tensor names of each layout, their shapes and how each becomes mha's
+  weights;
+* :mod:`.family` and :mod:`.registry`: the row type and the table, :mod:`.defaults`: each
+  config class's defaults of the keys read;
+* :mod:`.attention`: a layer's settings and tensors from its row and config;
+* here: reading them, checked against the config, from a :class:`~.config.Source` (a
+  :class:`~mha.integrations.checkpoint.Checkpoint`).
+
+Whatever mha would compute differently is refused by name: an unknown ``model_type``, an
+option these readers do not map, a layer's weight that is missing, misshapen or unknown.
+(``pretraining_tp``, which no family's attention reads in transformers 5.24, is ignored; an
+older checkpoint's ``rotary_emb.inv_freq`` buffer is not read: the config gives it.)
+
+>>> SUPPORTED[:4]
+('llama', 'mistral', 'qwen2', 'qwen3')
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ...api.configuration import LayerSpec
+from ...api.latent import LatentSpec
+from ...errors import WeightsFileError
+from ..checkpoint import Checkpoint
+from .attention import describe
+from .config import Settings, Source, layer_index
+from .family import Family
+from .layouts import attention_prefix, check_names, lay_out
+from .registry import FAMILIES, REFUSED, SUPPORTED, family_of, register
+from .rope import check_rope
+
+__all__ = [
+    "FAMILIES",
+    "REFUSED",
+    "SUPPORTED",
+    "Family",
+    "layer_attention",
+    "read_layer",
+    "register",
+]
+
+
+def read_layer(
+    path: Any, layer: Any, dtype: Any = None
+) -> tuple[LayerSpec | LatentSpec, dict[str, np.ndarray]]:
+    """Layer ``layer``'s attention of the transformers checkpoint at ``path`` as the pair
+    ``(spec, weights)`` that :meth:`mha.MultiHeadAttention.from_spec` (a
+    :class:`~mha.LayerSpec`) or :meth:`mha.LatentAttention.from_spec` (a
+    :class:`~mha.LatentSpec`) builds the layer from."""
+    kind, settings, weights = layer_attention(Checkpoint(path), layer, dtype)
+    spec = LatentSpec(**settings) if kind == "latent" else LayerSpec(**settings)
+    return spec, weights
+
+
+def layer_attention(
+    source: Source, layer: Any, dtype: Any = None
+) -> tuple[str, dict[str, Any], dict[str, np.ndarray]]:
+    """What layer ``layer`` of ``source`` computes in its attention, as ``(kind, settings,
+    weights)``, reading that layer's attention tensors and no others (cast to ``dtype`` when
+    given). ``kind`` is ``"attention"`` (the settings are :class:`mha.LayerSpec`'s keywords)
+    or ``"latent"`` (:class:`mha.LatentSpec`'s)."""
+    family = family_of(source.config, source.path)
+    read = Settings(source, family.name, family.defaults, family.keys)
+    index = layer_index(layer, read.positive("num_hidden_layers"), source.path)
+    prefix = attention_prefix(source, index)
+    kind, settings, tensors = describe(family, read, index)
+    check_rope(read, settings, index)
+    check_names(source, prefix, tensors, read)
+    arrays = source.read([prefix + name for name in tensors], dtype=dtype)
+    weights: dict[str, np.ndarray] = {}
+    for name, tensor in tensors.items():
+        array = arrays[prefix + name]
+        if array.shape != tensor.shape:
+            raise WeightsFileError(
+                f"{source.path}: {prefix + name} has shape {array.shape}, but the config "
+                f"({read.summary()}) calls for {tensor.shape}"
+            )
+        weights.update(lay_out(array, tensor))
+    return kind, settings, weights

@@ -1,0 +1,98 @@
+"""What a layer of a family computes, from its row and its config: mha's settings (the
+keywords of :class:`mha.LayerSpec` or :class:`mha.LatentSpec`) and the tensors they call
+for (:class:`~.layouts.Tensor`, by transformers' names under the layer's attention).
+
+Nothing here names a family: each difference between families is a field of the row."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import SLIDING, Settings
+from .family import UNSUPPORTED, Family
+from .layouts import LatentProjections, Projections, Tensor
+from .rope import partial_rotary, rope_parameters, rope_scaling, yarn_mscale
+
+__all__ = ["describe", "latent", "multi_head"]
+
+Described = tuple[str, dict[str, Any], dict[str, Tensor]]
+"""A layer's kind (``"attention"`` or ``"latent"``), settings and tensors."""
+
+
+def describe(family: Family, read: Settings, index: int) -> Described:
+    """Layer ``index``'s kind, settings and tensors, as the row's layout says."""
+    layout = family.tensors
+    if isinstance(layout, LatentProjections):
+        return latent(family, layout, read)
+    return multi_head(family, layout, read, index)
+
+
+def multi_head(family: Family, layout: Projections, read: Settings, index: int) -> Described:
+    """The settings and tensors of layer ``index`` of a multi-head attention."""
+    E, H = read.positive("hidden_size"), read.positive("num_attention_heads")
+    H_kv = read.positive("num_key_value_heads", optional=True) or H
+    d = read.positive("head_dim", optional=True) or E // H
+    for option in (*family.unsupported, *UNSUPPORTED):
+        option.check(read)
+    layer_type = family.windows.layer_type(read, index)
+    rope = rope_parameters(read, family.rope, layer_type)
+    if rope.get("mrope_section") is not None:
+        raise read.refuse(f"a multimodal rope (mrope_section={rope['mrope_section']})")
+    rotary_dim = partial_rotary(read, family.rope, rope, d)
+    window = family.windows.size(read) if layer_type == SLIDING else None
+    norm = family.qk_norm
+    settings: dict[str, Any] = {
+        "num_heads": H,
+        "num_kv_heads": H_kv,
+        "head_dim": d,
+        "rope_theta": float(rope["rope_theta"]),
+        "rotary_dim": rotary_dim,
+        "rotary_interleaved": family.rope.interleaved(read),
+        "rope_scaling": rope_scaling(read, rope),
+        "window": None if window is None else int(window),
+        "chunk": None,
+        "softcap": read.get(family.softcap) if family.softcap else None,
+        "scale": family.scale(read) if family.scale else None,
+        "qk_norm": norm.over if norm else None,
+        "qk_norm_eps": float(read.get(norm.eps)) if norm else None,
+        "qk_norm_offset": norm.offset if norm else None,
+    }
+    biased = family.biases.carried(read, "qkvo")
+    tensors = layout.tensors(E, (H, H_kv, d), biased, settings["qk_norm"], family.sinks)
+    return layout.kind, settings, tensors
+
+
+def latent(family: Family, layout: LatentProjections, read: Settings) -> Described:
+    """The settings and tensors of DeepSeek's multi-head latent attention."""
+    E, H = read.positive("hidden_size"), read.positive("num_attention_heads")
+    q_rank = read.positive("q_lora_rank", optional=True)
+    rank, nope, rope_dim, v = (
+        read.positive(key)
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    )
+    kv_heads = read.given("num_key_value_heads")
+    if kv_heads not in (None, H):  # transformers' latent attention expands a key per head
+        raise read.refuse(f"num_key_value_heads={kv_heads} != num_attention_heads={H}")
+    rope = rope_parameters(read, family.rope, None)
+    if partial_rotary(read, family.rope, rope, rope_dim) is not None:  # no latent row has it
+        raise read.refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}")
+    scale = (nope + rope_dim) ** (-0.5)  # DeepseekV3Attention's, with yarn_apply_mscale
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim", 0):
+        mscale = yarn_mscale(rope["factor"], rope["mscale_all_dim"])
+        scale = scale * mscale * mscale
+    settings: dict[str, Any] = {
+        "d_model": E,
+        "num_heads": H,
+        "q_lora_rank": q_rank,
+        "kv_lora_rank": rank,
+        "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope_dim,
+        "v_head_dim": v,
+        "rope_theta": float(rope["rope_theta"]),
+        "rope_scaling": rope_scaling(read, rope),
+        "rotary_interleaved": family.rope.interleaved(read),
+        "norm_eps": 1e-6,  # q_a_ and kv_a_layernorm: RMSNorm's default, not rms_norm_eps
+        "scale": scale,
+    }
+    biased = family.biases.carried(read, layout.biasable(settings))
+    return layout.kind, settings, layout.tensors(settings, biased)

@@ -1,0 +1,143 @@
+"""A checkpoint's ``config.json`` read as its family's config class reads it (transformers
+5.24): the value ``config.json`` gives, else the class's default. Every key read is
+remembered, so that a refusal can show the config behind it (:meth:`Settings.summary`), and
+a key whose value asks for what mha does not compute is refused by the feature it names
+(:class:`Unsupported`).
+
+>>> from types import SimpleNamespace
+>>> config = SimpleNamespace(path="ckpt", config={"model_type": "llama", "num_attention_heads": 8})
+>>> read = Settings(config, "llama", {"num_attention_heads": 32, "num_key_value_heads": None})
+>>> read.positive("num_attention_heads"), read.positive("num_key_value_heads", optional=True)
+(8, None)
+>>> Unsupported("attention_chunk_size", "chunked attention", is_given).check(read)
+>>> read.summary()
+'num_attention_heads=8'
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ...errors import AttentionTypeError, AttentionValueError
+
+__all__ = ["FULL", "SLIDING", "Settings", "Source", "Unsupported", "layer_index"]
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+"""The layer types mha reads (transformers' ``layer_types``)."""
+
+
+class Source(Protocol):
+    """Where a layer is read from: a config in transformers' keys and the tensors by
+    transformers' names (a :class:`~mha.integrations.checkpoint.Checkpoint`; a GGUF file
+    whose metadata and tensor names are mapped to transformers' would be another)."""
+
+    path: Any
+    config: dict[str, Any]
+
+    def __iter__(self) -> Iterator[str]: ...
+
+    def read(self, names: Iterable[str], dtype: Any = None) -> dict[str, np.ndarray]: ...
+
+
+class Settings:
+    """A config's values as the family's config class reads them: ``config.json``'s, else
+    the class's defaults (``defaults``, the row's). Keys are transformers' common names
+    (``num_attention_heads``); ``keys`` gives the family's own where they differ (as a config
+    class's ``attribute_map`` does), which ``config.json`` and ``defaults`` use."""
+
+    def __init__(
+        self,
+        source: Source,
+        family: str,
+        defaults: Mapping[str, Any],
+        keys: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config, self.path = source.config, source.path
+        self.family, self.defaults, self.keys = family, defaults, keys or {}
+        self.read: list[str] = []
+
+    def name(self, key: str) -> str:
+        """The family's name of ``key``."""
+        return self.keys.get(key, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``key``'s value: ``config.json``'s, else the class's default, else ``default``."""
+        key = self.name(key)
+        self.read.append(key)
+        if key in self.config:
+            return self.config[key]
+        return self.defaults.get(key, default)
+
+    def given(self, key: str, default: Any = None) -> Any:
+        """``key``'s value in ``config.json`` (``default`` when it has none)."""
+        return self.config.get(self.name(key), default)
+
+    def has(self, key: str) -> bool:
+        """Whether ``config.json`` or the class's defaults hold ``key``."""
+        return self.name(key) in self.config or self.name(key) in self.defaults
+
+    def positive(self, key: str, optional: bool = False) -> Any:
+        """A positive integer (or, when ``optional``, ``None``)."""
+        value = self.get(key)
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            needed = "a positive integer or null" if optional else "a positive integer"
+            raise AttentionValueError(
+                f"{self.path}: config.json has {self.name(key)}={value!r}; {needed} is needed"
+            )
+        return value
+
+    def summary(self) -> str:
+        """The keys read that ``config.json`` gives, with their values."""
+        keys = dict.fromkeys(key for key in self.read if key in self.config)
+        return ", ".join(f"{key}={self.config[key]!r}" for key in keys)
+
+    def refuse(self, what: str) -> AttentionValueError:
+        return AttentionValueError(
+            f"{self.path}: {self.family} with {what}: mha would compute something else, "
+            "so it is refused"
+        )
+
+
+def is_given(value: Any) -> bool:
+    """Whether a config value is set at all (``None`` is not)."""
+    return value is not None
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A config key whose value asks for an attention feature mha does not compute: refused,
+    naming the key, its value and the feature, when ``asks(value)`` (by default, when the
+    value is true)."""
+
+    key: str
+    feature: str
+    asks: Callable[[Any], bool] = bool
+
+    def check(self, read: Settings) -> None:
+        value = read.get(self.key)
+        if self.asks(value):
+            raise read.refuse(f"{read.name(self.key)}={value!r} ({self.feature})")
+
+
+def layer_index(layer: Any, count: int, path: Any) -> int:
+    """``layer`` as an index into the ``count`` layers of the checkpoint at ``path``."""
+    if isinstance(layer, (bool, np.bool_)):
+        raise AttentionTypeError(f"layer must be an integer; got {layer!r}")
+    try:
+        index = operator.index(layer)
+    except TypeError:
+        raise AttentionTypeError(
+            f"layer must be an integer; got {layer!r} of type {type(layer).__name__}"
+        ) from None
+    if not 0 <= index < count:
+        raise AttentionValueError(
+            f"layer={index} is out of range: {path} has {count} layers, 0 to {count - 1}"
+        )
+    return index

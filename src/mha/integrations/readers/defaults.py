@@ -1,0 +1,125 @@
+"""What each family's config class (transformers 5.24) fills in for the keys the readers
+read, when ``config.json`` leaves them out: one dict per ``model_type``, a row's
+``defaults``. tests/test_checkpoint.py checks each value against the class's own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_OMPE = "original_max_position_embeddings"
+_SHAPE = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32}
+_GEMMA = {
+    "hidden_size": 2304,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "attention_bias": False,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+}
+_QWEN = {
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+    "max_position_embeddings": 32768,
+}
+_MLA = {
+    "attention_bias": False,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
+
+LLAMA: dict[str, Any] = {
+    **_SHAPE,
+    "num_key_value_heads": None,
+    "head_dim": None,
+    "attention_bias": False,
+    "max_position_embeddings": 2048,
+}
+MISTRAL: dict[str, Any] = {
+    **_SHAPE,
+    "num_key_value_heads": 8,
+    "head_dim": None,
+    "sliding_window": 4096,
+    "max_position_embeddings": 131072,
+}
+QWEN2: dict[str, Any] = {**_SHAPE, "num_key_value_heads": 32, **_QWEN}
+QWEN3: dict[str, Any] = {
+    **_SHAPE,
+    "num_key_value_heads": 32,
+    "head_dim": 128,
+    "attention_bias": False,
+    **_QWEN,
+    "rms_norm_eps": 1e-6,
+}
+GEMMA2: dict[str, Any] = {
+    **_GEMMA,
+    "attn_logit_softcapping": 50.0,
+    "use_bidirectional_attention": None,
+    "max_position_embeddings": 8192,
+}
+GEMMA3_TEXT: dict[str, Any] = {
+    **_GEMMA,
+    "use_bidirectional_attention": False,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072,
+}
+OLMO2: dict[str, Any] = {
+    **_SHAPE,
+    "num_key_value_heads": None,
+    "attention_bias": False,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 2048,
+}
+PHI3: dict[str, Any] = {
+    "hidden_size": 3072,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": None,
+    "sliding_window": None,
+    "max_position_embeddings": 4096,
+    _OMPE: 4096,
+}
+GPT_OSS: dict[str, Any] = {
+    "hidden_size": 2880,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "attention_bias": True,
+    "sliding_window": 128,
+    "max_position_embeddings": 131072,
+}
+GPT_OSS_ROPE: dict[str, Any] = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    _OMPE: 4096,
+}
+"""gpt-oss's ``rope_parameters`` when the config gives none."""
+DEEPSEEK_V2: dict[str, Any] = {**_SHAPE, **_MLA, "max_position_embeddings": 2048}
+DEEPSEEK_V3: dict[str, Any] = {
+    "hidden_size": 7168,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    **_MLA,
+    "rope_interleave": True,
+    "max_position_embeddings": 4096,
+}
+MINISTRAL: dict[str, Any] = {**MISTRAL}
+MIXTRAL: dict[str, Any] = {**MISTRAL, "sliding_window": None}
+ARCEE: dict[str, Any] = {
+    "hidden_size": 2560,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": None,
+    "head_dim": None,
+    "attention_bias": False,
+    "max_position_embeddings": 4096,
+}

@@ -1,0 +1,97 @@
+"""What one row of the table says about a ``model_type``'s attention (:class:`Family`), and
+the values its fields take beside those of :mod:`.layouts`, :mod:`.windows` and :mod:`.rope`:
+QK-norm (:class:`QkNorm`), softmax scales from config keys, and the config keys that ask for
+an attention feature mha lacks (:class:`~.config.Unsupported`), refused by that feature's
+name.
+
+>>> from mha.integrations.readers.layouts import NO_BIASES
+>>> from mha.integrations.readers.windows import EVERY_LAYER
+>>> row = Family("mistral_renamed", {"sliding_window": 4096}, biases=NO_BIASES,
+...              windows=EVERY_LAYER)
+>>> row.tensors.kind, row.qk_norm
+('attention', None)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import Settings, Unsupported, is_given
+from .layouts import ATTENTION_BIAS, SEPARATE_QKV, Biases, LatentProjections, Projections
+from .rope import Rope
+from .windows import NO_WINDOWS, Windows
+
+__all__ = [
+    "ACROSS_HEADS",
+    "BIDIRECTIONAL",
+    "PER_HEAD",
+    "UNSUPPORTED",
+    "Family",
+    "QkNorm",
+    "query_pre_attn_scalar",
+]
+
+
+@dataclass(frozen=True)
+class QkNorm:
+    """RMSNorm of the queries and keys before the rotation: per ``"head"`` (weights of the
+    head's width) or across ``"all"`` heads (before the split), the weight applied as
+    ``offset + weight``, its epsilon from the config key ``eps``."""
+
+    over: str = "head"
+    offset: float = 0.0
+    eps: str = "rms_norm_eps"
+
+
+PER_HEAD = QkNorm("head")
+ACROSS_HEADS = QkNorm("all")
+
+
+def query_pre_attn_scalar(read: Settings) -> float:
+    """Gemma's softmax scale: ``query_pre_attn_scalar ** -0.5`` (not the head width's)."""
+    scale: float = float(read.get("query_pre_attn_scalar")) ** -0.5
+    return scale
+
+
+BIDIRECTIONAL = Unsupported("use_bidirectional_attention", "attention that is not causal")
+"""Gemma's option of attention without the causal mask."""
+
+UNSUPPORTED = (
+    Unsupported("attention_chunk_size", "chunked attention", is_given),
+    Unsupported("use_qk_norm", "Llama 4's L2 QK-norm"),
+)
+"""Keys refused in every multi-head family's config, after the family's own."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One row of the table: how a ``model_type``'s attention reads its config and its
+    tensors (transformers 5.24). Every field but the first two has the value most families
+    take (Llama's), so that a row names only what its family does differently."""
+
+    name: str
+    """The ``model_type`` of ``config.json``."""
+    defaults: Mapping[str, Any]
+    """The config class's defaults of the keys read (``config.json`` may omit them)."""
+    keys: Mapping[str, str] = field(default_factory=dict)
+    """The family's names of the config keys read, where they are not transformers' common
+    ones (its config class's ``attribute_map``: ``{"num_attention_heads": "n_head"}``)."""
+    tensors: Projections | LatentProjections = SEPARATE_QKV
+    """Which tensors hold Q, K, V and O (:mod:`.layouts`); :data:`~.layouts.LATENT` for
+    DeepSeek's multi-head latent attention (the layer is a :class:`mha.LatentAttention`)."""
+    biases: Biases = ATTENTION_BIAS
+    windows: Windows = NO_WINDOWS
+    """Which layers slide and how far (:mod:`.windows`; multi-head families)."""
+    rope: Rope = field(default_factory=Rope)
+    scale: Callable[[Settings], float] | None = None
+    """The softmax scale (``None``: the attention's own, ``1/sqrt(head_dim)``)."""
+    softcap: str | None = None
+    """The config key of the scores' soft-cap (Gemma 2's ``attn_logit_softcapping``)."""
+    qk_norm: QkNorm | None = None
+    sinks: bool = False
+    """One learned logit per head that takes part in the softmax (gpt-oss)."""
+    unsupported: tuple[Unsupported, ...] = ()
+    """The family's config keys that ask for what mha does not compute (checked before
+    :data:`UNSUPPORTED`)."""

@@ -1,0 +1,152 @@
+"""A layer's rotary embedding, read from its config as transformers 5.24 standardises it
+(``convert_rope_params_to_dict`` and ``standardize_rope_params``): ``rope_parameters``, or the
+older ``rope_theta`` and ``rope_scaling``, completed by what the family's config class fills
+in (:class:`Rope`, one per row of the table).
+
+>>> from types import SimpleNamespace
+>>> from mha.integrations.readers.config import Settings
+>>> checkpoint = SimpleNamespace(path="ckpt", config={"rope_theta": 500.0})
+>>> rope_parameters(Settings(checkpoint, "llama", {}), Rope(), None)
+{'rope_theta': 500.0, 'rope_type': 'default'}
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...api.rope_scaling import check_rope_scaling
+from ...errors import AttentionValueError
+from .config import FULL, Settings
+
+__all__ = ["Rope", "check_rope", "partial_rotary", "rope_parameters", "yarn_mscale"]
+
+_OMPE = "original_max_position_embeddings"
+_ORIGINAL_LENGTH_TYPES = ("llama3", "yarn", "longrope")
+
+
+@dataclass(frozen=True)
+class Rope:
+    """What a family's config class fills in of its rotary embedding, and how its attention
+    applies it."""
+
+    theta: float = 10_000.0
+    """The base when the config gives none (the config class's ``default_theta``)."""
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+    """The ``rope_parameters`` when the config gives none (gpt-oss's yarn)."""
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    """Old ``rope_type`` names and the type they mean (Phi-3's ``su``: ``longrope``)."""
+    per_layer_type: Mapping[str, tuple[str, float]] = field(default_factory=dict)
+    """One set of parameters per layer type, each base from a config key with its default
+    (Gemma 3: ``rope_theta`` for the full layers, ``rope_local_base_freq`` for the sliding
+    ones); an old config's ``rope_scaling`` is the full layers'."""
+    partial: bool = False
+    """Whether the attention rotates ``partial_rotary_factor`` of each head (else that
+    factor, unless 1, is refused)."""
+    fraction: float | None = None
+    """The ``partial_rotary_factor`` the config class sets when the config gives none."""
+    interleave: bool | str = False
+    """Whether the rotary pairs are ``(2i, 2i + 1)`` rather than the two halves: always,
+    never, or as the config key named here says."""
+
+    def interleaved(self, read: Settings) -> bool:
+        if isinstance(self.interleave, str):
+            return bool(read.get(self.interleave))
+        return self.interleave
+
+
+def rope_parameters(read: Settings, rope: Rope, layer_type: str | None) -> dict[str, Any]:
+    """The rope parameters of a layer of type ``layer_type`` (``None``: one for every layer),
+    with ``rope_theta`` and ``rope_type`` always, as transformers standardises them."""
+    given = read.given("rope_scaling") or read.given("rope_parameters")
+    parameters = copy.deepcopy(given) if given is not None else None
+    if rope.per_layer_type:
+        parameters = _per_layer_type(read, rope, parameters)
+    if parameters is None:
+        parameters = copy.deepcopy(dict(rope.parameters))
+    if not isinstance(parameters, dict):
+        raise AttentionValueError(
+            f"{read.path}: config.json's rope_parameters must be a JSON object; got {given!r}"
+        )
+    nested = layer_type is not None and isinstance(parameters.get(layer_type), dict)
+    layer = parameters[layer_type] if nested else parameters
+    layer.setdefault("rope_theta", read.given("rope_theta", rope.theta))
+    factor = read.get("partial_rotary_factor", rope.fraction)
+    if factor is not None:
+        layer.setdefault("partial_rotary_factor", factor)
+    theta = layer["rope_theta"]
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise AttentionValueError(
+            f"{read.path}: config.json's rope_theta must be a positive number; got {theta!r}"
+        )
+    layer.setdefault("rope_type", layer.get("type", "default"))  # old configs' name
+    layer["rope_type"] = rope.aliases.get(layer["rope_type"], layer["rope_type"])
+    if layer["rope_type"] in _ORIGINAL_LENGTH_TYPES:
+        if not nested and read.has(_OMPE):
+            layer[_OMPE] = read.get(_OMPE)  # a top-level one takes precedence (Phi-3)
+        else:
+            layer.setdefault(_OMPE, read.get("max_position_embeddings"))
+    return dict(layer)
+
+
+def _per_layer_type(read: Settings, rope: Rope, parameters: Any) -> dict[str, Any]:
+    """One set of parameters per layer type: the config's, each completed by its base (the
+    type's key, else its default), an old config's ``rope_scaling`` on the full layers."""
+    scaling = read.given("rope_scaling")
+    if scaling is not None:  # old configs: rope_scaling is the full layers' scaling
+        parameters = copy.deepcopy(read.given("rope_parameters"))
+    if not isinstance(parameters, dict):
+        parameters = {}
+    nested = {kind: parameters.get(kind) for kind in rope.per_layer_type}
+    for kind, (key, theta) in rope.per_layer_type.items():
+        entry = nested[kind] if isinstance(nested[kind], dict) else {"rope_type": "default"}
+        if kind == FULL and scaling is not None:
+            entry.update(scaling)
+        entry.setdefault("rope_theta", read.given(key, theta))
+        nested[kind] = entry
+    return nested
+
+
+def partial_rotary(read: Settings, rope: Rope, parameters: Mapping[str, Any], d: int) -> Any:
+    """How many of a head's ``d`` features rotate (``None``: all of them): the layer's
+    ``partial_rotary_factor``, refused where the family's attention does not apply it."""
+    factor = parameters.get("partial_rotary_factor")
+    if factor is None or factor == 1.0:
+        return None
+    if not rope.partial:
+        raise read.refuse(
+            f"partial_rotary_factor={factor}, which transformers' {read.family} attention "
+            "ignores or cannot apply"
+        )
+    rotary_dim = int(d * factor)
+    return None if rotary_dim == d else rotary_dim
+
+
+def rope_scaling(read: Settings, parameters: Mapping[str, Any]) -> dict[str, Any] | None:
+    """mha's ``rope_scaling``: the parameters with the model's ``max_position_embeddings``,
+    or ``None`` for the default rope."""
+    if parameters.get("rope_type", "default") == "default":
+        return None
+    return {**parameters, "max_position_embeddings": read.get("max_position_embeddings")}
+
+
+def check_rope(read: Settings, settings: Mapping[str, Any], index: int) -> None:
+    """The layer's rope scaling checked as the layer will check it, with messages that name
+    the checkpoint and the config key it came from."""
+    scaling = settings.get("rope_scaling")
+    if scaling is None:
+        return
+    rotated = settings.get("qk_rope_head_dim") or settings.get("rotary_dim") or settings["head_dim"]
+    given = [read.name(key) for key in ("rope_scaling", "rope_parameters") if read.given(key)]
+    key = given[0] if given else f"rope_parameters (the {read.family} defaults)"
+    check_rope_scaling(scaling, rotated, f"{read.path}: config.json's {key}, layer {index}")
+
+
+def yarn_mscale(scale: float, mscale: float) -> float:
+    """DeepSeek's ``yarn_get_mscale``."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
