@@ -19,8 +19,10 @@ def public_objects():
             continue  # the exception classes are shown in mha.errors' module example
         yield name, obj
         if inspect.isclass(obj):
-            for member, value in vars(obj).items():
-                if not member.startswith("_"):
+            for member, value in vars(obj).items():  # methods and properties: a spec's
+                if not member.startswith("_") and (
+                    callable(value) or isinstance(value, (property, classmethod, staticmethod))
+                ):  # fields are data
                     yield f"{name}.{member}", value
     yield "torch_compat.multi_head_attention_forward", torch_compat.multi_head_attention_forward
     yield "plotting.plot_attention", plotting.plot_attention

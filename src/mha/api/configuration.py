@@ -68,9 +68,17 @@ class LayerSpec:
     qk_norm_offset: Any = None
     add_zero_attn: Any = False
 
+    kind = "attention"
+    """What a reader's spec builds (:meth:`Configuration.from_spec`)."""
+
     @classmethod
     def fields(cls) -> tuple[str, ...]:
-        """The keywords a spec holds, in order."""
+        """The keywords a spec holds, in order.
+
+        >>> import mha
+        >>> mha.LayerSpec.fields()[:3]
+        ('num_heads', 'num_kv_heads', 'head_dim')
+        """
         return tuple(field.name for field in fields(cls))
 
 

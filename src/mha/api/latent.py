@@ -82,6 +82,9 @@ class LatentSpec:
     norm_eps: Any = 1e-6
     scale: Any = None
 
+    kind = "latent"
+    """What a reader's spec builds (:meth:`LatentAttention.from_spec`)."""
+
 
 class LatentAttention:
     """Multi-head latent attention (DeepSeek-V2/V3) that owns its weights.
@@ -182,7 +185,13 @@ class LatentAttention:
     @property
     def spec(self) -> LatentSpec:
         """What this layer computes besides its weights, as its constructor's keywords name
-        it (``from_spec(attention.spec, attention.weights())`` is an equal layer)."""
+        it (``from_spec(attention.spec, attention.weights())`` is an equal layer).
+
+        >>> from mha import LatentAttention
+        >>> LatentAttention(16, 2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2,
+        ...                 v_head_dim=4).spec.kv_lora_rank
+        8
+        """
         return LatentSpec(
             self.d_model,
             self.num_heads,
@@ -205,11 +214,21 @@ class LatentAttention:
         """A layer computing ``spec`` with the given ``weights`` (by attribute name, in the
         "x @ W" layout; each is copied), in ``dtype`` (by default the weights' common
         dtype). Every weight is checked against the spec, and names that the layer would not
-        use are refused."""
+        use are refused.
+
+        >>> from mha import LatentAttention
+        >>> attention = LatentAttention(16, 2, kv_lora_rank=8, qk_nope_head_dim=4,
+        ...                             qk_rope_head_dim=2, v_head_dim=4, seed=0)
+        >>> copy = LatentAttention.from_spec(attention.spec, attention.weights())
+        >>> bool((copy.W_o == attention.W_o).all())
+        True
+        """
         attention = cls.__new__(cls)
         attention._configure(spec)
         shapes = attention._shapes()
-        unknown = sorted(set(weights) - set(shapes))
+        unknown = sorted(
+            name for name, W in weights.items() if W is not None and name not in shapes
+        )
         if unknown:
             raise AttentionValueError(
                 f"weights {', '.join(unknown)} are not used by this layer (q_lora_rank="
@@ -253,7 +272,7 @@ class LatentAttention:
         mha.WeightsFileError: no-such-checkpoint does not exist; it should be a folder ...
         """
         spec, weights = formats.get("pretrained")(path, layer, dtype)
-        if not isinstance(spec, LatentSpec):
+        if getattr(spec, "kind", None) != "latent":
             raise AttentionValueError(
                 f"layer {layer} of {path} is not multi-head latent attention: load it with "
                 f"mha.MultiHeadAttention.from_pretrained(path, layer={layer})"

@@ -174,7 +174,7 @@ class Layouts(Configuration):
         families, and what each reads, are in docs/pretrained.md.
         """
         spec, weights = formats.get("pretrained")(path, layer, dtype)
-        if not isinstance(spec, LayerSpec):
+        if getattr(spec, "kind", None) != "attention":
             raise AttentionValueError(
                 f"layer {layer} of {path} is multi-head latent attention: load it with "
                 f"mha.LatentAttention.from_pretrained(path, layer={layer})"
