@@ -56,11 +56,22 @@ def torch_on_one_thread() -> None:
 
 @pytest.fixture(autouse=True)
 def no_kept_plans() -> None:
-    """Each test plans its calls afresh (``mha.api.plans``): a plan kept in an earlier test
-    would carry that test's tile sizes, which some tests change through monkeypatch."""
-    from mha.api import plans
+    """Each test plans its calls afresh: a plan kept in an earlier test would carry that
+    test's tile sizes (mha._kernel.runtime keeps the plans and the checked keywords)."""
+    from mha._kernel import runtime
 
-    plans._PLANS.clear()
+    runtime.DEFAULT.forget()
+
+
+@pytest.fixture
+def tuned() -> Any:
+    """``tuned(key_tile=64, ...)``: the runtime's thresholds changed until the test ends."""
+    from contextlib import ExitStack
+
+    from mha._kernel import runtime
+
+    with ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(runtime.DEFAULT.tuned(**changes))
 
 
 @pytest.fixture

@@ -248,10 +248,8 @@ TILINGS = [(1, 2**12, 1), (3, 2**13, 2), (7, 2**14, 3), (16, 2**15, 2), (512, 2*
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_tiles_and_workers_change_gradients_only_by_rounding(seed, monkeypatch):
-    from mha._kernel import team
-
-    monkeypatch.setattr(team, "SERIAL_BELOW", 0)
+def test_tiles_and_workers_change_gradients_only_by_rounding(seed, monkeypatch, tuned):
+    tuned(serial_below=0)
     config = random_config(6000 + seed, long=True)
     positional, keywords = call_args(config)
     grad = None

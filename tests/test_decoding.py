@@ -708,7 +708,7 @@ def test_a_windowed_cache_shrinks_back_after_a_long_prompt():
         assert buffer.base is None and buffer.nbytes <= 32 * 4 * 8
 
 
-def test_decoding_through_the_module_uses_the_workers(monkeypatch):
+def test_decoding_through_the_module_uses_the_workers(monkeypatch, tuned):
     from mha._kernel import team
 
     sizes = []
@@ -720,7 +720,7 @@ def test_decoding_through_the_module_uses_the_workers(monkeypatch):
 
     monkeypatch.setattr(team.Team, "__init__", spy)
     monkeypatch.setattr(team, "default_workers", lambda: 2)
-    monkeypatch.setattr(team, "SERIAL_BELOW", 2**22)  # 8 heads' 20,000 keys cost 2**23.3
+    tuned(serial_below=2**22)  # 8 heads' 20,000 keys cost 2**23.3
     attention = mha.MultiHeadAttention(256, 8, num_kv_heads=2, rope_theta=1e4, seed=0)
     cache = attention.new_cache(1, capacity=20000)
     cache._lengths[:] = 19999  # as after a long prompt (its state set, not computed)
@@ -734,7 +734,7 @@ def test_a_small_call_does_not_wait_for_another_calls_queue():
     from mha._kernel import team
 
     release = threading.Event()
-    team._HELPERS.submit(release.wait, 1)  # the one helper is busy elsewhere
+    team._helpers().submit(release.wait, 1)  # the one helper is busy elsewhere
     q = r.standard_normal((2, 4, 300, 16))
     done = threading.Event()
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import mha
+from mha._kernel import runtime
 from mha._kernel import team as parallel
 
 
@@ -38,9 +39,8 @@ def test_a_worker_error_reaches_the_caller():
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
-def test_team_matmul_equals_numpy(workers, monkeypatch):
-    monkeypatch.setattr(parallel, "MATMUL_ROWS", 7)  # many ragged row blocks
-    monkeypatch.setattr(parallel, "MATMUL_MAX_ROWS", 7)
+def test_team_matmul_equals_numpy(workers, tuned):
+    tuned(matmul_rows=7, matmul_max_rows=7)  # many ragged row blocks
     r = np.random.default_rng(0)
     x, W, b = r.standard_normal((3, 20, 9)), r.standard_normal((9, 5)), r.standard_normal(5)
     with parallel.Team(workers) as team:
@@ -56,8 +56,9 @@ def test_without_threadpoolctl_the_default_is_one_worker(monkeypatch):
 
 
 def test_small_calls_stay_serial_and_large_ones_use_the_cores():
-    assert parallel.workers_for(parallel.SERIAL_BELOW - 1, None) == 1
-    assert parallel.workers_for(parallel.SERIAL_BELOW, None) == parallel.default_workers()
+    below = runtime.DEFAULT.thresholds.serial_below
+    assert parallel.workers_for(below - 1, None) == 1
+    assert parallel.workers_for(below, None) == parallel.default_workers()
 
 
 def test_results_do_not_depend_on_workers():
@@ -155,11 +156,10 @@ def test_team_matmul_splits_columns_when_rows_are_few(workers):
     ],
 )
 def test_team_matmul_heads_is_the_product_split_into_contiguous_heads(
-    workers, batch, L, rows, monkeypatch
+    workers, batch, L, rows, tuned
 ):
     """Tasks of whole sequences (L <= rows), of parts of one (L > rows), and few rows."""
-    monkeypatch.setattr(parallel, "MATMUL_ROWS", rows)
-    monkeypatch.setattr(parallel, "MATMUL_MAX_ROWS", rows)
+    tuned(matmul_rows=rows, matmul_max_rows=rows)
     r = np.random.default_rng(5)
     x, W, b = r.standard_normal((*batch, L, 9)), r.standard_normal((9, 22)), r.standard_normal(22)
     parts = [(2, 3), (4, 2), (1, 8)]
@@ -229,7 +229,7 @@ def test_a_helpers_error_reaches_the_caller_after_another_share_was_withdrawn(mo
     """The first share's helper is slow to start it (as if descheduled), so the caller
     withdraws it; the second share's helper raises. The caller raises that error instead of
     waiting again for the withdrawn share."""
-    parallel._HELPERS.submit(lambda: None, 2).settle()  # two helpers exist
+    parallel._helpers().submit(lambda: None, 2).settle()  # two helpers exist
     made, slow = [], set()
     real_init, real_run = parallel._Job.__init__, parallel._Job.run
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import mha
-from mha._kernel import compiled
+from mha._kernel import compiled, runtime
 from mha.api import plans, split_heads
 
 r = np.random.default_rng(20)
@@ -49,9 +49,9 @@ def test_a_planned_call_gives_the_unplanned_bits(monkeypatch, shape_q, shape_k, 
     first = mha.scaled_dot_product_attention(q, k, v, **options)  # plans it
     again = mha.scaled_dot_product_attention(q, k, v, **options)  # by the kept plan
     if compiled.walk_available():
-        assert len(plans._PLANS) == 1
+        assert len(runtime.DEFAULT.plans) == 1
     else:
-        assert not plans._PLANS
+        assert not runtime.DEFAULT.plans
     listed = lambda x: list(x) if isinstance(x, tuple) else [x]  # noqa: E731
     for result in (first, again):
         for ours, theirs in zip(listed(result), listed(expected), strict=True):
@@ -99,7 +99,7 @@ def test_refused_shapes_are_refused_and_nothing_is_kept():
     q, k, v = arrays((1, 4, 1, 16), (1, 3, 50, 16))
     with pytest.raises(mha.ShapeError, match="3 key/value heads do not divide 4"):
         mha.scaled_dot_product_attention(q, k, v)
-    assert not plans._PLANS
+    assert not runtime.DEFAULT.plans
 
 
 def test_a_hidden_non_finite_value_goes_to_the_unplanned_path(monkeypatch):
@@ -125,10 +125,10 @@ def test_unaligned_arrays_take_the_unplanned_path(monkeypatch):
 
 
 def test_plans_kept_are_bounded():
-    for S in range(1, plans.KEPT + 10):
+    for S in range(1, runtime.DEFAULT.plans.most + 10):
         q, k, v = arrays((1, 1, 1, 4), (1, 1, S, 4))
         mha.scaled_dot_product_attention(q, k, v)
-        assert len(plans._PLANS) <= plans.KEPT
+        assert len(runtime.DEFAULT.plans) <= runtime.DEFAULT.plans.most
 
 
 def test_inputs_are_not_modified_and_outputs_are_fresh():
@@ -167,7 +167,7 @@ def test_a_signature_the_walk_does_not_take_is_kept_as_such(monkeypatch):
     q, k, v = arrays((1, 2, 4, 8), (1, 2, 6, 8))
     broadcast = np.broadcast_to(k[:, :, :1], k.shape)  # every key the same row: stride 0
     first = mha.scaled_dot_product_attention(q, broadcast, v)
-    assert list(plans._PLANS.values()) == ([None] if compiled.walk_available() else [])
+    assert list(runtime.DEFAULT.plans.values()) == ([None] if compiled.walk_available() else [])
     planned = []
     monkeypatch.setattr(plans, "_plan", lambda *a: planned.append(a))
     second = mha.scaled_dot_product_attention(q, broadcast, v)

@@ -14,7 +14,6 @@ from support.reference import loop_log_sum_exp
 
 import mha
 from mha._kernel import forward as kernel
-from mha._kernel import team as parallel
 
 # (keys per tile, scratch budget in bytes, workers): from one-key tiles to uneven ones
 TILINGS = [
@@ -28,9 +27,9 @@ TILINGS = [
 
 
 @pytest.fixture
-def tiny_tiles(monkeypatch):
+def tiny_tiles(monkeypatch, tuned):
     """Make small problems use the thread pool and the requested key tile."""
-    monkeypatch.setattr(parallel, "SERIAL_BELOW", 0)
+    tuned(serial_below=0)
 
     def set_key_tile(cols):
         monkeypatch.setattr(kernel, "KEY_TILE", cols)

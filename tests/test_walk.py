@@ -380,8 +380,8 @@ def test_workers_take_tasks_from_one_counter(walks, monkeypatch):
 
     monkeypatch.setattr(compiled, "forward_walk", spy)
     release = threading.Event()
-    for _ in range(max(1, team._HELPERS.threads)):  # every helper busy elsewhere
-        team._HELPERS.submit(release.wait, 1)
+    for _ in range(max(1, team._helpers().threads)):  # every helper busy elsewhere
+        team._helpers().submit(release.wait, 1)
     try:
         busy = mha.scaled_dot_product_attention(q, k, v, causal=True, workers=2)
     finally:

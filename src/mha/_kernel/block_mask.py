@@ -23,6 +23,7 @@ import numpy as np
 
 from .._arrays import broadcasts_to
 from ..errors import AttentionTypeError, ShapeError
+from . import runtime
 from .team import Team
 
 __all__ = ["BLOCK", "EMPTY", "FULL", "PARTIAL", "classify", "evaluate"]
@@ -31,9 +32,6 @@ BLOCK = 128
 """Rows and keys per block of the map (FlexAttention's default block size)."""
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
-
-EVALUATED_AT_ONCE = 2**21
-"""Pairs per call of the mask while the map is built: about 4 MiB of booleans."""
 
 
 def evaluate(
@@ -91,8 +89,9 @@ def classify(
     )
     B_, H_ = probe.shape[0], probe.shape[1]  # 1 where the mask ignores the sequence or head
     blocks = np.empty((B_, H_, rows, cols), np.int8)
-    width = min(S, max(BLOCK, EVALUATED_AT_ONCE // (B_ * H_ * BLOCK) // BLOCK * BLOCK))
-    height = max(BLOCK, EVALUATED_AT_ONCE // (B_ * H_ * width) // BLOCK * BLOCK)
+    at_once = runtime.DEFAULT.thresholds.evaluated_at_once  # pairs a call: ~4 MiB of bools
+    width = min(S, max(BLOCK, at_once // (B_ * H_ * BLOCK) // BLOCK * BLOCK))
+    height = max(BLOCK, at_once // (B_ * H_ * width) // BLOCK * BLOCK)
     slices = [
         (r0, min(r0 + height, L), c0, min(c0 + width, S))
         for r0 in range(0, L, height)

@@ -27,31 +27,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import blas
+from . import blas, runtime
 
 __all__ = ["Team", "cores", "default_workers", "workers_for"]
 
 Task = TypeVar("Task")
-
-MATMUL_ROWS = 256
-"""The fewest rows of the left operand per parallel GEMM task."""
-
-MATMUL_MAX_ROWS = 2048
-"""The most: tasks take an even share of the rows up to this (larger GEMMs run faster,
-measured 5-12% from 256 to 1024 rows; the cap bounds the buffer of ``overwrite``)."""
-
-SERIAL_BELOW = 2**25
-"""Multiply-adds under which a thread pool costs more than it saves. Measured on 2 cores of
-a shared AMD EPYC (Zen 5), steady runs of one worker against two: a helper took 13-120 us
-to start (milliseconds after a pause), and two workers reading keys at once each ran at
-about 2/3 of one's speed (a decoding step, 1,024 keys of 8 heads: 55 against 36 us per
-task). Two workers lost below 2**25 (decoding 1,024 keys, 2**23: 0.36 ms against 0.34;
-2,048: 1.00 against 0.92; the float32 core, 4 heads of 64 tokens, 2**21: 0.13 against
-0.10) and won from there (4,096 keys, 2**25: 1.61 against 3.07; 4 heads of 512 tokens,
-2**27: 1.71 against 3.20). Where idle cores wake faster the crossover is lower, and
-``workers=`` chooses. The same threshold decides a layer's call (its projections' cost
-added: ``benchmarks/calls.py``'s small layer runs on one worker either way), its gradients
-and ``mha.dask``'s tasks; those were not measured apart."""
 
 
 def cores() -> int:
@@ -68,10 +48,20 @@ def default_workers() -> int:
 
 
 def workers_for(cost: float, requested: int | None) -> int:
-    """The caller's choice, or the default for a call of ``cost`` multiply-adds."""
+    """The caller's choice, or the default for a call of ``cost`` multiply-adds: one worker
+    below ``serial_below`` (:mod:`.runtime`), where a thread pool costs more than it saves.
+    Measured on 2 cores of a shared AMD EPYC (Zen 5), steady runs of one worker against
+    two: a helper took 13-120 us to start (milliseconds after a pause), and two workers
+    reading keys at once each ran at about 2/3 of one's speed (a decoding step, 1,024 keys
+    of 8 heads: 55 against 36 us per task). Two workers lost below 2**25 (decoding 1,024
+    keys, 2**23: 0.36 ms against 0.34; 2,048: 1.00 against 0.92; the float32 core, 4 heads
+    of 64 tokens, 2**21: 0.13 against 0.10) and won from there (4,096 keys, 2**25: 1.61
+    against 3.07; 4 heads of 512 tokens, 2**27: 1.71 against 3.20). Where idle cores wake
+    faster the crossover is lower, and ``workers=`` chooses. The same threshold decides a
+    layer's call (its projections' cost added), its gradients and ``mha.dask``'s tasks."""
     if requested is not None:
         return requested
-    return 1 if cost < SERIAL_BELOW else default_workers()
+    return 1 if cost < runtime.DEFAULT.thresholds.serial_below else default_workers()
 
 
 @functools.cache
@@ -212,7 +202,7 @@ class Team:
         jobs: list[_Job] = []
         try:
             for _ in range(threads - 1):
-                jobs.append(_HELPERS.submit(loop, self.workers - 1))
+                jobs.append(_helpers().submit(loop, self.workers - 1))
             loop()  # the calling thread is one of the workers
             for job in jobs:  # every task is taken: jobs still queued (behind another
                 error = job.settle()  # call's work, say) are withdrawn, not waited for
@@ -234,7 +224,7 @@ class Team:
         n, m = math.prod(x.shape[:-1]), W.shape[1]
         rows = x.reshape(n, x.shape[-1])  # not (-1, width): the width may be 0
         dtype = np.result_type(x, W)
-        by_rows = n >= self.workers * MATMUL_ROWS or self.workers == 1
+        by_rows = n >= self.workers * runtime.DEFAULT.thresholds.matmul_rows or self.workers == 1
         square = W.shape[0] == m
         if (
             overwrite
@@ -282,7 +272,7 @@ class Team:
         product (measured on a layer of 32 sequences of 128 tokens, 256 features: 40 ms
         with views, 30 with contiguous heads, the copy included), and beside them each
         worker holds one block of the product, not all of it (one worker too; below
-        ``workers * MATMUL_ROWS`` rows, the product is made whole and copied)."""
+        ``workers * matmul_rows`` rows, the product is made whole and copied)."""
         *batch, L, _ = x.shape
         sequences = math.prod(batch)
         dtype = np.result_type(x, W)
@@ -297,7 +287,7 @@ class Team:
                 heads = block[:, c : c + H * d].reshape(s1 - s0, l1 - l0, H, d)
                 out[s0:s1, :, l0:l1] = heads.transpose(0, 2, 1, 3)
 
-        if n < self.workers * MATMUL_ROWS or not L:  # few rows: one product, then copied
+        if n < self.workers * runtime.DEFAULT.thresholds.matmul_rows or not L:  # one product
             scatter(self.matmul(rows, W, b), 0, sequences, 0, L)
         else:
             step = self._rows_per_task(n)
@@ -329,7 +319,10 @@ class Team:
         return [out.reshape(*batch, H, L, d) for out, (H, d) in zip(outs, parts, strict=True)]
 
     def _rows_per_task(self, n: int) -> int:
-        return max(MATMUL_ROWS, min(MATMUL_MAX_ROWS, -(-n // self.workers)), 1)
+        # an even share of the rows, within [matmul_rows, matmul_max_rows]: larger GEMMs
+        # run faster (5-12% from 256 to 1024 rows); the cap bounds overwrite's buffer
+        tuned = runtime.DEFAULT.thresholds
+        return max(tuned.matmul_rows, min(tuned.matmul_max_rows, -(-n // self.workers)), 1)
 
     def _matmul_over(self, x: np.ndarray, rows: np.ndarray, W: np.ndarray) -> np.ndarray:
         n, step = len(rows), self._rows_per_task(len(rows))
@@ -416,12 +409,22 @@ class _Job:
             return self.error
 
 
-_HELPERS = _Helpers()
+def _helpers() -> _Helpers:
+    """The runtime's helper threads (:mod:`.runtime`), made on first use."""
+    pool = runtime.DEFAULT.helpers
+    if pool is None:
+        with _MAKING:
+            if runtime.DEFAULT.helpers is None:
+                runtime.DEFAULT.helpers = _Helpers()
+            pool = runtime.DEFAULT.helpers
+    return pool  # type: ignore[no-any-return]
+
+
+_MAKING = threading.Lock()
 
 
 def _forget_pool_after_fork() -> None:
-    global _HELPERS
-    _HELPERS = _Helpers()  # the child has none of the parent's threads
+    runtime.DEFAULT.helpers = None  # the child has none of the parent's threads
 
 
 if hasattr(os, "register_at_fork"):

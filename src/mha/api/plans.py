@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .._arrays import resolve_scale
-from .._kernel import compiled, walk
+from .._kernel import compiled, runtime, walk
 from .._kernel.contract import ScoreShape, Visibility
 from .._kernel.forward import PRODUCT_CHUNK, WIDE_BELOW_ROWS, plan_tiles
 from .._kernel.team import Team, default_workers, workers_for
@@ -33,10 +33,6 @@ from .spec import Checked
 
 __all__ = ["planned_attention"]
 
-KEPT = 64
-"""Plans kept at most; when full, the kept ones are forgotten and planning starts over."""
-
-_PLANS: dict[tuple[Any, ...], _Plan | None] = {}
 
 _PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -75,15 +71,14 @@ def planned_attention(
         return None
     size = request.threads if request.threads is not None else default_workers()
     key = (checked, q.shape, k.shape, v.shape, q.strides, k.strides, v.strides, q.dtype, size)
-    if key in _PLANS:
-        plan = _PLANS[key]
+    plans = runtime.DEFAULT.plans  # at most 64: when full, planning starts over
+    if key in plans:
+        plan = plans.get(key)
     else:
         if not (q.flags.aligned and k.flags.aligned and v.flags.aligned):
             return None  # this call's arrays, not its signature: nothing to keep
         plan = _plan(q, k, v, checked)
-        if len(_PLANS) >= KEPT:
-            _PLANS.clear()
-        _PLANS[key] = plan  # None: the walk does not take calls of this signature
+        plans.keep(key, plan)  # None: the walk does not take calls of this signature
     if plan is None:
         return None
     out = np.zeros(plan.out_shape, q.dtype)

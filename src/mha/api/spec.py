@@ -23,7 +23,6 @@ pays for the checks once, as einops keeps its recipes.
 
 from __future__ import annotations
 
-import threading
 import types
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple, Protocol
@@ -31,6 +30,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from .._arrays import flag, positive_int
+from .._kernel import runtime
 from .._kernel.call import DEFAULT_MAX_MEMORY
 from .._kernel.contract import MaskArrays, MaskRules
 from .._kernel.scores import Scores
@@ -329,13 +329,6 @@ def _check_mha(kw: MhaKeywords) -> Checked:
     return Checked(spec, given, request)
 
 
-KEPT = 256
-"""Checked records kept at most; when full, they are forgotten and kept anew."""
-
-_KEPT: dict[Any, Any] = {}
-_KEEPING = threading.Lock()
-
-
 _KEEPABLE = frozenset(
     {
         type(None),
@@ -362,13 +355,11 @@ def _kept(check: Any, record: tuple[Any, ...]) -> Any:
     if not _KEEPABLE.issuperset(kinds):
         return check(record)
     key = (check, record, kinds)
-    found = _KEPT.get(key)
+    kept = runtime.DEFAULT.records  # at most 256: when full, keeping starts over
+    found = kept.get(key)
     if found is None:
         found = check(record)._replace(kept=True)  # (a refused record raises: not kept)
-        with _KEEPING:
-            if len(_KEPT) >= KEPT:
-                _KEPT.clear()
-            _KEPT[key] = found
+        kept.keep(key, found)
     return found
 
 
