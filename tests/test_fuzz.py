@@ -2,10 +2,10 @@
 every keyword, valid and invalid, classified call by call. A failure outcome fails the test
 with a reproducer; the counts of calls and outcomes are printed after the run.
 
-CI runs a fixed seed and example count (``entries.CI_EXAMPLES``, about a minute in all on
-two cores). A longer run: ``MHA_FUZZ_EXAMPLES=20000 MHA_FUZZ_SEED=7 pytest
-tests/test_fuzz.py -p no:timeout`` or ``python scripts/fuzz.py --minutes 15``
-(docs/testing.md).
+CI runs a fixed seed and example count (``entries.CI_EXAMPLES``, about a minute in all with
+``-n 2`` on two cores). Another seed or more examples: ``MHA_FUZZ_SEED=7
+MHA_FUZZ_EXAMPLES=5000 pytest tests/test_fuzz.py -p no:timeout``; a long run, by time:
+``python scripts/fuzz.py --minutes 15`` (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -15,35 +15,22 @@ import warnings
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, seed, settings
-from hypothesis import strategies as st
 from support.fuzz import known, outcome
-from support.fuzz.entries import CI_EXAMPLES, ENTRIES
+from support.fuzz.entries import CI_EXAMPLES, fuzzer
 from support.fuzz.sdpa import check_sdpa
 
 import mha
 
-SLOW_OR_LARGE = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
 SEED = int(os.environ.get("MHA_FUZZ_SEED", "39"))
-EXAMPLES = int(os.environ.get("MHA_FUZZ_EXAMPLES", "0"))  # 0: CI_EXAMPLES
+EXAMPLES = int(os.environ.get("MHA_FUZZ_EXAMPLES", "0"))  # per part; 0: CI_EXAMPLES's
 
 
-def fuzzer(entry: str, examples: int, at: int):
-    """A hypothesis test of ``entry`` with ``examples`` examples from seed ``at``."""
-
-    @seed(at)
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
-              suppress_health_check=SLOW_OR_LARGE)  # fmt: skip
-    @given(st.data())
-    def fuzz(data):
-        ENTRIES[entry](data)
-
-    return fuzz
-
-
-@pytest.mark.parametrize("entry", list(ENTRIES))
-def test_fuzz(entry):
-    fuzzer(entry, EXAMPLES or CI_EXAMPLES[entry], SEED)()
+@pytest.mark.parametrize(
+    ("entry", "part"),
+    [(entry, part) for entry, (_, parts) in CI_EXAMPLES.items() for part in range(parts)],
+)
+def test_fuzz(entry, part):
+    fuzzer(entry, EXAMPLES or CI_EXAMPLES[entry][0], SEED + part)()
 
 
 @pytest.mark.parametrize("name", sorted(known.OPEN))

@@ -8,6 +8,8 @@ every size are hypothesis's own draws, so they shrink.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -33,11 +35,25 @@ long_sizes = st.one_of(sizes, sizes, sizes, st.integers(6, 40))
 """A sequence length: mostly small, at times long enough for many tiles."""
 
 
+def pick(options: Sequence[Any]) -> st.SearchStrategy[Any]:
+    """``st.sampled_from(options)``, made once for options that can be hashed (a strategy
+    made anew for each draw costs hypothesis more than the call it draws)."""
+    try:
+        return _sampled(tuple((type(x), x) for x in options))
+    except TypeError:  # arrays among the options
+        return st.sampled_from(options)
+
+
+@functools.cache
+def _sampled(typed: tuple[tuple[type, Any], ...]) -> st.SearchStrategy[Any]:
+    return st.sampled_from([x for _, x in typed])  # typed: 1, 1.0 and True stay apart
+
+
 def chance(p: float) -> st.SearchStrategy[bool]:
     """True with probability about ``p``; False is the simpler value (hypothesis shrinks to
     it, and tries it first: a test whose first draws are zeros sees the plain call)."""
     n = round(1 / p)
-    return st.sampled_from([False] * (n - 1) + [True])
+    return pick([False] * (n - 1) + [True])
 
 
 seeds = st.integers(0, 2**32 - 1)

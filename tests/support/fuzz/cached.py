@@ -15,7 +15,7 @@ import mha
 from support.reference import paper_slopes
 
 from . import dense
-from .arrays import chance, data, drawn_rng, sizes
+from .arrays import chance, data, drawn_rng, pick, sizes
 from .keywords import Drawn, failing_callback, kernel, masking, scores, scores_array, spoil
 from .known import avoid
 from .outcome import Call, MismatchError, UserCallbackError, expect_array, expect_close
@@ -32,9 +32,9 @@ REFUSED_WITH_A_CACHE = {
 def inputs_for(cache: Any, draw: Any) -> np.dtype:
     """A data dtype the call computes in the cache's compute dtype."""
     if cache.compute_dtype == np.float64:
-        return np.dtype(draw(st.sampled_from([np.float64] * 4 + [np.int64]), label="dtype"))
+        return np.dtype(draw(pick([np.float64] * 4 + [np.int64]), label="dtype"))
     options = [np.float32] * 3 + STORAGE  # float16, and bfloat16 when installed
-    return np.dtype(draw(st.sampled_from(options), label="dtype"))
+    return np.dtype(draw(pick(options), label="dtype"))
 
 
 @st.composite
@@ -44,7 +44,7 @@ def attend_call(draw: Any, session: Any) -> Call:
     cache = session.cache
     rng = drawn_rng(draw, "seed")
     B = len(session.model)
-    H = session.H_kv * draw(st.sampled_from([1, 1, 2]), label="group")
+    H = session.H_kv * draw(pick([1, 1, 2]), label="group")
     L = draw(sizes, label="L")
     dtype = inputs_for(cache, draw)
     drawn = Drawn()
@@ -83,7 +83,7 @@ def attend_call(draw: Any, session: Any) -> Call:
         by_position = []
         drawn.refuse -= {"mask", "bias"}
     if draw(chance(0.2), label="padding_side") and (not by_position or draw(chance(0.1))):
-        kw["padding_side"] = draw(st.sampled_from(["left", "right"]), label="padding_side")
+        kw["padding_side"] = draw(pick(["left", "right"]), label="padding_side")
         if kw["padding_side"] == "left" and by_position:
             drawn.refuse.add("padding_side")
     kw |= draw(scores(rng, H, False), label="scores")
@@ -99,12 +99,12 @@ def attend_call(draw: Any, session: Any) -> Call:
         kw[name] = scores_array(draw, rng, (B,), H, L, S, bool if name == "mask" else float)
         if dense.fit(np.asarray(kw[name]), (B, H, L, S), True) is None:
             drawn.refuse.add(name)
-    spoilt = draw(st.sampled_from(["none"] * 24 + ["keyword", "with a cache", "callback",
+    spoilt = draw(pick(["none"] * 24 + ["keyword", "with a cache", "callback",
                                                   "shapes"]), label="spoil")  # fmt: skip
     if spoilt == "keyword":
         draw(spoil(rng, drawn, SPOILABLE, ((B,), H, L, S)))
     elif spoilt == "with a cache":
-        name = draw(st.sampled_from(sorted(REFUSED_WITH_A_CACHE)), label="refused with a cache")
+        name = draw(pick(sorted(REFUSED_WITH_A_CACHE)), label="refused with a cache")
         kw[name] = REFUSED_WITH_A_CACHE[name]
         drawn.refuse |= {name, "cache", "dropout"}
         if name == "dropout_p":
@@ -112,7 +112,7 @@ def attend_call(draw: Any, session: Any) -> Call:
     elif spoilt == "callback":
         draw(failing_callback(drawn))
     elif spoilt == "shapes":
-        which = draw(st.sampled_from(["batch", "heads", "width", "keys", "rank"]), label="bad")
+        which = draw(pick(["batch", "heads", "width", "keys", "rank"]), label="bad")
         shape = {"batch": (B + 1, session.H_kv), "heads": (B, session.H_kv + 1)}.get(which)
         if shape is not None:
             q = np.zeros((shape[0], H, L, session.d_k))

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import mha
 from support.interleavings import History
 
-from .arrays import chance, drawn_rng
+from .arrays import chance, drawn_rng, pick
 from .cached import attend_call
 from .keywords import NOT_POSITIVE
 from .outcome import Call, MismatchError, run
@@ -132,11 +132,11 @@ def made(draw: Any) -> Session | None:
     """A cache from drawn options, its construction a call of its own (``None`` when it was
     refused)."""
     paged = draw(st.booleans(), label="paged")
-    H_kv, d_k = draw(st.sampled_from([1, 2]), label="H_kv"), draw(
-        st.sampled_from([2, 4, 8, 32, 64]), label="head_dim")  # fmt: skip
-    d_v = draw(st.sampled_from([d_k, d_k, 3, 32]), label="value_dim")
+    H_kv, d_k = draw(pick([1, 2]), label="H_kv"), draw(
+        pick([2, 4, 8, 32, 64]), label="head_dim")  # fmt: skip
+    d_v = draw(pick([d_k, d_k, 3, 32]), label="value_dim")
     dtypes = [np.float64, np.float32, np.float16] + ([BFLOAT16] if BFLOAT16 is not None else [])
-    dtype = np.dtype(draw(st.sampled_from(dtypes), label="dtype"))
+    dtype = np.dtype(draw(pick(dtypes), label="dtype"))
     kwargs: dict[str, Any] = {"dtype": dtype} if draw(chance(0.8), label="dtype given") else {}
     if d_v != d_k:
         kwargs["value_dim"] = d_v
@@ -144,13 +144,13 @@ def made(draw: Any) -> Session | None:
         np.float32 if paged else np.float64)))  # fmt: skip
     refuse: set[str] = set()
     if paged:
-        size = draw(st.sampled_from([1, 2, 4, 16, 32]), label="block_size")
-        count = draw(st.sampled_from([1, 2, 4, 8, 16, 32, 64, 64]), label="num_blocks")
+        size = draw(pick([1, 2, 4, 16, 32]), label="block_size")
+        count = draw(pick([1, 2, 4, 8, 16, 32, 64, 64]), label="num_blocks")
         args: tuple[Any, ...] = (count, size, H_kv, d_k)
         session.block_size = size
         if draw(chance(0.3), label="quantized"):
-            kind = draw(st.sampled_from(["int8", "int4", "kivi8", "kivi4"]), label="quantize")
-            group = draw(st.sampled_from([None, 32, 64]), label="group_size")
+            kind = draw(pick(["int8", "int4", "kivi8", "kivi4"]), label="quantize")
+            group = draw(pick([None, 32, 64]), label="group_size")
             kwargs |= {"quantize": kind, "dtype": np.dtype(np.float32)}
             if group is not None:
                 kwargs["group_size"] = group
@@ -162,7 +162,7 @@ def made(draw: Any) -> Session | None:
         B = draw(st.integers(1, 3), label="batch_size")
         args = (B, H_kv, d_k)
         if draw(chance(0.3), label="capacity given"):
-            kwargs["capacity"] = draw(st.sampled_from([1, 2, 7, 256]), label="capacity")
+            kwargs["capacity"] = draw(pick([1, 2, 7, 256]), label="capacity")
         if draw(chance(0.3), label="window"):
             session.window = kwargs["window"] = draw(st.integers(1, 5), label="window")
             if draw(chance(0.5), label="sink_tokens given"):
@@ -171,17 +171,17 @@ def made(draw: Any) -> Session | None:
             session.values_in_keys = kwargs["values_in_keys"] = True
             if d_v > d_k:
                 refuse |= {"values_in_keys", "value_dim"}
-    spoil = draw(st.sampled_from(["none"] * 12 + ["sizes", "dtype", "option"]), label="spoil")
+    spoil = draw(pick(["none"] * 12 + ["sizes", "dtype", "option"]), label="spoil")
     if spoil == "sizes":
         n = draw(st.integers(0, len(args) - 1), label="which size")
-        args = (*args[:n], draw(st.sampled_from(NOT_POSITIVE)), *args[n + 1 :])
+        args = (*args[:n], draw(pick(NOT_POSITIVE)), *args[n + 1 :])
         names = ["num_blocks", "block_size"] if paged else ["batch_size"]
         refuse.add([*names, "num_kv_heads", "head_dim"][n])
     elif spoil == "dtype":
-        kwargs["dtype"] = draw(st.sampled_from([np.int64, bool, np.complex64, "half-float"]))
+        kwargs["dtype"] = draw(pick([np.int64, bool, np.complex64, "half-float"]))
         refuse.add("dtype")
     elif spoil == "option":
-        name, bad = draw(st.sampled_from(
+        name, bad = draw(pick(
             [("group_size", 0), ("quantize", "int2"), ("value_dim", 0)]
             if paged else [("capacity", 0), ("window", -1), ("sink_tokens", -2),
                            ("values_in_keys", 1)]), label="bad option")  # fmt: skip
@@ -218,7 +218,7 @@ def fuzz_cache(data: Any) -> None:
         )
         if session.paged and not session.model:
             kinds = ["add"]
-        kind = data.draw(st.sampled_from(kinds), label="operation")
+        kind = data.draw(pick(kinds), label="operation")
         if kind == "attend":
             run(data.draw(attend_call(session), label="attention call"))
         else:
@@ -246,7 +246,7 @@ def truncate_contiguous(draw: Any, session: Session) -> Call:
         lengths = np.array([draw(st.integers(0, int(n)), label="length") for n in held])
     refuse: set[str] = set()
     if draw(chance(0.1), label="spoil"):
-        lengths = draw(st.sampled_from([held + 1, -1, held.astype(float), np.zeros((1, 2), int),
+        lengths = draw(pick([held + 1, -1, held.astype(float), np.zeros((1, 2), int),
                                         "2"]), label="bad lengths")  # fmt: skip
         refuse |= {"lengths", "truncate"}
     wanted = np.broadcast_to(np.asarray(lengths), held.shape) if not refuse else None
@@ -271,7 +271,7 @@ def reorder(draw: Any, session: Session) -> Call:
     refuse = None
     if draw(chance(0.1), label="spoil"):
         bad = [np.array([-1]), np.array([B]), np.array([], int), np.zeros(1), np.zeros((1, 1), int)]
-        indices = draw(st.sampled_from(bad), label="bad indices")
+        indices = draw(pick(bad), label="bad indices")
         refuse = frozenset({"indices"})
     elif draw(chance(0.3), label="as a list"):
         indices = indices.tolist()
@@ -293,7 +293,7 @@ def add(draw: Any, session: Session) -> Call:
     seq_id: Any = session.next_id if draw(st.booleans(), label="int id") else f"s{session.next_id}"
     refuse = None
     if session.model and draw(chance(0.1), label="spoil"):
-        seq_id = draw(st.sampled_from(sorted(session.model, key=str)), label="held id")
+        seq_id = draw(pick(sorted(session.model, key=str)), label="held id")
         refuse = frozenset({f"sequence {seq_id!r}"})
     elif draw(chance(0.05), label="unhashable"):
         seq_id, refuse = [session.next_id], frozenset({"seq_id"})
@@ -308,7 +308,7 @@ def add(draw: Any, session: Session) -> Call:
 
 @st.composite
 def release(draw: Any, session: Session) -> Call:
-    seq_id = draw(st.sampled_from(sorted(session.model, key=str)), label="released")
+    seq_id = draw(pick(sorted(session.model, key=str)), label="released")
     refuse = None
     if draw(chance(0.1), label="spoil"):
         seq_id = unknown(session)
@@ -320,7 +320,7 @@ def release(draw: Any, session: Session) -> Call:
 
 @st.composite
 def fork(draw: Any, session: Session) -> Call:
-    parent = draw(st.sampled_from(sorted(session.model, key=str)), label="parent")
+    parent = draw(pick(sorted(session.model, key=str)), label="parent")
     child = session.next_id
     refuse = None
     if draw(chance(0.1), label="spoil"):
@@ -328,7 +328,7 @@ def fork(draw: Any, session: Session) -> Call:
             parent = unknown(session)
             refuse = frozenset({f"sequence {parent!r}"})
         else:
-            child = draw(st.sampled_from(sorted(session.model, key=str)), label="held child")
+            child = draw(pick(sorted(session.model, key=str)), label="held child")
             refuse = frozenset({f"sequence {child!r}"})
 
     def change(result: Any) -> None:
@@ -341,12 +341,12 @@ def fork(draw: Any, session: Session) -> Call:
 
 @st.composite
 def truncate_paged(draw: Any, session: Session) -> Call:
-    seq_id = draw(st.sampled_from(sorted(session.model, key=str)), label="truncated")
+    seq_id = draw(pick(sorted(session.model, key=str)), label="truncated")
     held = session.model[seq_id].keys.shape[1]
     length: Any = draw(st.integers(0, held), label="length")
     refuse = None
     if draw(chance(0.1), label="spoil"):
-        length = draw(st.sampled_from([held + 1, -1, 1.0, True, np.int64(held + 2)]))
+        length = draw(pick([held + 1, -1, 1.0, True, np.int64(held + 2)]))
         refuse = frozenset({"length", "truncate"})
     return Call("PagedKVCache.truncate", session.cache.truncate, (seq_id, length),
                 refuse=refuse, check=checked(session, lambda _: session.model[seq_id].truncate(
@@ -357,19 +357,19 @@ def truncate_paged(draw: Any, session: Session) -> Call:
 def append(draw: Any, session: Session) -> Call:
     """``PagedKVCache.append(seq_id, k, v)``: tokens written without attending."""
     rng = drawn_rng(draw, "seed")
-    seq_id = draw(st.sampled_from(sorted(session.model, key=str)), label="appended to")
+    seq_id = draw(pick(sorted(session.model, key=str)), label="appended to")
     n = draw(st.integers(0, 5), label="tokens")
     k = rng.standard_normal((session.H_kv, n, session.d_k)).astype(session.dtype)
     v = rng.standard_normal((session.H_kv, n, session.d_v)).astype(session.dtype)
     refuse: set[str] = set()
     may = False
-    spoil = draw(st.sampled_from(["none"] * 8 + ["shape", "not finite"]), label="spoil")
+    spoil = draw(pick(["none"] * 8 + ["shape", "not finite"]), label="spoil")
     if spoil == "shape":
         k = np.zeros((session.H_kv + 1, n, session.d_k))
         refuse |= {"k", "v"}
     elif spoil == "not finite" and session.quantize is not None and n:
         k = k.copy()
-        k[0, 0, 0] = draw(st.sampled_from([np.inf, np.nan, 1e6]), label="bad key")
+        k[0, 0, 0] = draw(pick([np.inf, np.nan, 1e6]), label="bad key")
         refuse |= {"k", "keys"}
     held = session.model[seq_id].keys.shape[1]
     size = session.block_size

@@ -1,11 +1,16 @@
 """The fuzzer's entry points: each a function of hypothesis's ``data`` that draws calls
-and runs them (:func:`.outcome.run`), and how many examples the CI run gives it (sized
-for about a minute in all with ``pytest -n 2`` on two cores; ``tests/test_fuzz.py``)."""
+and runs them (:func:`.outcome.run`); how many examples the CI run gives it (sized for
+about a minute in all with ``pytest -n 2`` on two cores; ``tests/test_fuzz.py``); and
+:func:`fuzzer`, the hypothesis test of one entry point that the tests and
+``scripts/fuzz.py`` run."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
 
 from .caches import fuzz_cache
 from .functions import alibi_calls, merge_calls, rotary_calls
@@ -38,15 +43,34 @@ ENTRIES: dict[str, Callable[[Any], None]] = {
 }
 
 CI_EXAMPLES = {
-    "scaled_dot_product_attention": 1000,
-    "caches": 250,
-    "multi_head_attention": 600,
-    "MultiHeadAttention": 250,
-    "paged_attention": 500,
-    "cascade_attention": 500,
-    "merge_attention": 500,
-    "apply_rotary": 500,
-    "alibi_slopes": 200,
+    "scaled_dot_product_attention": (1000, 2),
+    "caches": (250, 2),
+    "multi_head_attention": (600, 2),
+    "MultiHeadAttention": (250, 2),
+    "paged_attention": (1000, 1),
+    "cascade_attention": (1000, 1),
+    "merge_attention": (1000, 1),
+    "apply_rotary": (1000, 1),
+    "alibi_slopes": (200, 1),
 }
-"""Examples per entry point in CI (an example of ``caches`` or ``MultiHeadAttention`` is a
-session of several calls)."""
+"""Per entry point in CI: examples per part and parts, each part a test of its own with a
+seed of its own (an example of ``caches`` or ``MultiHeadAttention`` is a session of
+several calls)."""
+
+UNCHECKED = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
+"""Hypothesis's health checks that a fuzzer's large, slow examples would trip."""
+
+
+def fuzzer(entry: str, examples: int, at: int) -> Callable[[], None]:
+    """The hypothesis test of ``entry``: ``examples`` examples from seed ``at``, no
+    example database (a run depends on its seed alone), no deadline."""
+
+    @seed(at)
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
+              suppress_health_check=UNCHECKED)  # fmt: skip
+    @given(st.data())
+    def fuzz(data: Any) -> None:
+        ENTRIES[entry](data)
+
+    test: Callable[[], None] = fuzz
+    return test

@@ -13,7 +13,7 @@ import mha
 from support.reference import paper_slopes
 
 from . import dense
-from .arrays import chance, data, data_dtypes, drawn_rng, sizes, values
+from .arrays import chance, data, data_dtypes, drawn_rng, pick, sizes, values
 from .keywords import NOT_FLAGS, NOT_POSITIVE, NOT_REAL
 from .known import avoid
 from .outcome import Call, expect_array, expect_close
@@ -33,12 +33,12 @@ def merge_calls(draw: Any) -> Call:
     for _ in range(parts):
         lse = values(rng, (*lead, L), np.float64, 3.0)
         lse[rng.random(lse.shape) < 0.3] = -np.inf  # rows that saw no key in this part
-        lses.append(lse.astype(draw(st.sampled_from([np.float64, np.float32]), label="lse")))
+        lses.append(lse.astype(draw(pick([np.float64, np.float32]), label="lse")))
     kwargs: dict[str, Any] = {}
     refuse: set[str] = set()
     if lead and draw(chance(0.25), label="sinks"):
         kwargs["sinks"] = values(rng, lead[-1:], np.float64, 2.0)
-    spoil = draw(st.sampled_from(["none"] * 30 + ["outputs", "lses", "counts", "shapes",
+    spoil = draw(pick(["none"] * 30 + ["outputs", "lses", "counts", "shapes",
                                                  "sinks"]), label="spoil")  # fmt: skip
     outs: Any = outputs
     if spoil == "outputs":
@@ -54,7 +54,7 @@ def merge_calls(draw: Any) -> Call:
         outs = [*outputs[:-1], np.zeros((*lead, L, d_v + 1))]
         refuse.add("outputs")
     elif spoil == "sinks":
-        kwargs["sinks"] = draw(st.sampled_from([np.zeros(7), np.full(1, np.nan)]), label="sinks")
+        kwargs["sinks"] = draw(pick([np.zeros(7), np.full(1, np.nan)]), label="sinks")
         refuse.add("sinks")
     call = Call("merge_attention", mha.merge_attention, (outs, lses), kwargs,
                 frozenset(refuse) or None)  # fmt: skip
@@ -120,7 +120,7 @@ def rotary_calls(draw: Any) -> Call:
     """``apply_rotary(x, positions, theta=, rotary_dim=, interleaved=, scaling=, inverse=)``."""
     rng = drawn_rng(draw, "seed")
     lead = tuple(draw(sizes, label="axis") for _ in range(draw(st.integers(0, 2), label="axes")))
-    L, d = draw(sizes, label="L"), draw(st.sampled_from([2, 4, 6, 8, 0, 2, 4, 3]), label="d")
+    L, d = draw(sizes, label="L"), draw(pick([2, 4, 6, 8, 0, 2, 4, 3]), label="d")
     x = draw(data(rng, (*lead, L, d), draw(data_dtypes, label="dtype")), label="x")
     positions: Any = rng.integers(0, 50, (lead[0], L) if lead and draw(
         chance(0.3), label="per sequence") else (L,))  # fmt: skip
@@ -129,14 +129,14 @@ def rotary_calls(draw: Any) -> Call:
     kwargs: dict[str, Any] = {}
     refuse: set[str] = set()
     if draw(chance(0.5), label="theta"):
-        kwargs["theta"] = draw(st.sampled_from([10000.0, 1.0, 500000, 3.5]), label="theta")
+        kwargs["theta"] = draw(pick([10000.0, 1.0, 500000, 3.5]), label="theta")
     if draw(chance(0.3), label="rotary_dim"):
-        kwargs["rotary_dim"] = draw(st.sampled_from([r for r in (2, 4) if r <= d] or [2]))
+        kwargs["rotary_dim"] = draw(pick([r for r in (2, 4) if r <= d] or [2]))
     for name in ("interleaved", "inverse"):
         if draw(chance(0.3), label=name):
             kwargs[name] = draw(st.booleans(), label=name)
     if draw(chance(0.3), label="scaling"):
-        kwargs["scaling"] = draw(st.sampled_from(SCALINGS), label="scaling")
+        kwargs["scaling"] = draw(pick(SCALINGS), label="scaling")
         if (kwargs["scaling"] or {}).get("rope_type") == "yarn" and avoid("yarn with theta 1"):
             kwargs["theta"] = 10000.0
     if d % 2 and "rotary_dim" not in kwargs:
@@ -146,24 +146,24 @@ def rotary_calls(draw: Any) -> Call:
     if (kwargs.get("scaling") or {}).get("rope_type") == "dynamic" and kwargs.get(
         "rotary_dim", d) == 2:  # fmt: skip
         refuse |= {"rotary_dim", "scaling"}
-    spoil = draw(st.sampled_from(["none"] * 48 + ["x", "positions", "theta", "rotary_dim",
+    spoil = draw(pick(["none"] * 48 + ["x", "positions", "theta", "rotary_dim",
                                                  "interleaved", "inverse", "scaling",
                                                  "seq_len"]), label="spoil")  # fmt: skip
     if spoil == "x":
         x = np.zeros(d)
     elif spoil == "positions":
-        positions = draw(st.sampled_from([np.arange(L + 1), np.zeros((7, L)), np.ones(L, bool),
+        positions = draw(pick([np.arange(L + 1), np.zeros((7, L)), np.ones(L, bool),
                                           np.zeros(L, complex), "0, 1"]), label="bad")  # fmt: skip
     elif spoil == "theta":
-        kwargs["theta"] = draw(st.sampled_from(NOT_REAL), label="bad theta")
+        kwargs["theta"] = draw(pick(NOT_REAL), label="bad theta")
     elif spoil == "rotary_dim":
-        kwargs["rotary_dim"] = draw(st.sampled_from([3, d + 2, *NOT_POSITIVE]), label="bad")
+        kwargs["rotary_dim"] = draw(pick([3, d + 2, *NOT_POSITIVE]), label="bad")
     elif spoil in ("interleaved", "inverse"):
-        kwargs[spoil] = draw(st.sampled_from(NOT_FLAGS[:-1]), label="bad flag")
+        kwargs[spoil] = draw(pick(NOT_FLAGS[:-1]), label="bad flag")
     elif spoil == "scaling":
-        kwargs["scaling"] = draw(st.sampled_from(BAD_SCALINGS), label="bad scaling")
+        kwargs["scaling"] = draw(pick(BAD_SCALINGS), label="bad scaling")
     elif spoil == "seq_len":
-        kwargs["seq_len"] = draw(st.sampled_from(NOT_REAL), label="bad seq_len")
+        kwargs["seq_len"] = draw(pick(NOT_REAL), label="bad seq_len")
     if spoil != "none":
         refuse.add(spoil)
     call = Call("apply_rotary", mha.apply_rotary, (x, positions), kwargs,
@@ -190,10 +190,10 @@ def check_rotary(x: Any, positions: Any, kw: dict[str, Any], result: Any) -> flo
 @st.composite
 def alibi_calls(draw: Any) -> Call:
     """``alibi_slopes(num_heads)`` against the paper's code."""
-    n = draw(st.one_of(st.integers(1, 70), st.sampled_from([np.int64(8), 2**10])), label="n")
+    n = draw(st.one_of(st.integers(1, 70), pick([np.int64(8), 2**10])), label="n")
     refuse = None
     if draw(chance(0.2), label="spoil"):
-        n = draw(st.sampled_from(NOT_POSITIVE), label="bad n")
+        n = draw(pick(NOT_POSITIVE), label="bad n")
         refuse = frozenset({"num_heads"})
 
     def check(result: Any) -> float:

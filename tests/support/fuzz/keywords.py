@@ -9,6 +9,7 @@ functions of index arrays, each with a docstring that says what it is (for repro
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
-from .arrays import INVALID, chance, values
+from .arrays import INVALID, chance, pick, values
 from .outcome import UserCallbackError
 
 
@@ -94,11 +95,11 @@ def masking(draw: Any, rng: np.random.Generator, batch: tuple[int, ...], H: int,
     kw: dict[str, Any] = {}
     use = lambda name, p: draw(chance(p), label=name)  # noqa: E731
     if use("mask", 0.25):
-        kw["mask"] = draw(st.sampled_from([True, False, np.True_]), label="mask flag") if (
+        kw["mask"] = draw(pick([True, False, np.True_]), label="mask flag") if (
             draw(st.integers(0, 3), label="mask kind") == 3) else scores_array(
             draw, rng, batch, H, L, S, bool)  # fmt: skip
     if use("causal", 0.3):
-        kw["causal"] = draw(st.sampled_from([True, False, np.True_]), label="causal")
+        kw["causal"] = draw(pick([True, False, np.True_]), label="causal")
     if use("window", 0.25):
         kw["window"] = draw(st.integers(1, S + 2), label="window")
         if use("sink_tokens", 0.5):
@@ -108,7 +109,7 @@ def masking(draw: Any, rng: np.random.Generator, batch: tuple[int, ...], H: int,
         and (kw.get("causal") or kw.get("mask") is True or "window" in kw)
         and use("causal_alignment", 0.5)
     ):
-        kw["causal_alignment"] = draw(st.sampled_from(["bottom_right", "top_left"]), label="al")
+        kw["causal_alignment"] = draw(pick(["bottom_right", "top_left"]), label="al")
     if not cached and use("key_lengths", 0.25):
         kw["key_lengths"] = lengths(rng, batch, S, draw(st.integers(0, 2), label="form"))
     if use("query_lengths", 0.25):
@@ -118,7 +119,7 @@ def masking(draw: Any, rng: np.random.Generator, batch: tuple[int, ...], H: int,
     if use("chunk", 0.15):
         kw["chunk"] = draw(st.integers(1, S + 2), label="chunk")
     if use("mask_mod", 0.15):
-        kw["mask_mod"] = draw(st.sampled_from(mask_mods(rng)), label="mask_mod")
+        kw["mask_mod"] = draw(pick(mask_mods(rng)), label="mask_mod")
     return kw
 
 
@@ -134,7 +135,7 @@ def scores_array(draw: Any, rng: np.random.Generator, batch: tuple[int, ...], H:
     shape = shape[drop:]  # with batch axes, one axis fewer reads (*batch, L, S): it may not fit
     if np.dtype(dtype) == bool:
         return np.asarray(rng.random(shape) < 0.7)  # a 0-d array stays an array
-    bias = values(rng, shape, draw(st.sampled_from([np.float64, np.float32, np.int64])))
+    bias = values(rng, shape, draw(pick([np.float64, np.float32, np.int64])))
     if bias.dtype.kind == "f" and draw(st.booleans(), label="-inf"):
         bias[rng.random(shape) < 0.25] = -np.inf
     return bias
@@ -145,28 +146,28 @@ def scores(draw: Any, rng: np.random.Generator, H: int, backward: bool) -> dict[
     """The score variants and the scale, each given or not; ``backward``: the call asks for
     gradients (a ``score_mod`` comes with its derivative)."""
     kw: dict[str, Any] = {}
-    pick = lambda name: draw(chance(0.2), label=name)  # noqa: E731
-    if pick("sinks"):
+    given = lambda name: draw(chance(0.2), label=name)  # noqa: E731
+    if given("sinks"):
         sinks = values(rng, (H,), np.float64, 2.0)
         kw["sinks"] = sinks.tolist() if draw(st.booleans(), label="as list") else sinks
-    if pick("softcap"):
+    if given("softcap"):
         kw["softcap"] = float(rng.uniform(0.5, 5.0))
-    if pick("alibi"):
-        kw["alibi"] = draw(st.sampled_from([True, False, "slopes"]), label="alibi")
+    if given("alibi"):
+        kw["alibi"] = draw(pick([True, False, "slopes"]), label="alibi")
         if kw["alibi"] == "slopes":
             kw["alibi"] = rng.uniform(0.0, 1.0, H)
-    if pick("score_mod"):
-        mod, grad = draw(st.sampled_from(score_mods(rng)), label="score_mod")
+    if given("score_mod"):
+        mod, grad = draw(pick(score_mods(rng)), label="score_mod")
         kw["score_mod"] = mod
         if backward or draw(st.booleans(), label="with its gradient"):
             kw["score_mod_grad"] = grad
-    if pick("scale"):
-        kw["scale"] = draw(st.sampled_from([0.5, 1, np.float32(0.25), 2.0, 0.05]), label="scale")
+    if given("scale"):
+        kw["scale"] = draw(pick([0.5, 1, np.float32(0.25), 2.0, 0.05]), label="scale")
     return kw
 
 
 def flags(name: str) -> st.SearchStrategy[Any]:
-    return st.sampled_from([True, False, np.False_])
+    return pick([True, False, np.False_])
 
 
 @st.composite
@@ -174,9 +175,9 @@ def kernel(draw: Any) -> dict[str, Any]:
     """``max_memory`` and ``workers``: tiny budgets make many tiles of small calls."""
     kw: dict[str, Any] = {}
     if draw(chance(0.5), label="max_memory given"):
-        kw["max_memory"] = draw(st.sampled_from([1, 64, 4096, 2**20, np.int64(5000)]))
+        kw["max_memory"] = draw(pick([1, 64, 4096, 2**20, np.int64(5000)]))
     if draw(chance(0.5), label="workers given"):
-        kw["workers"] = draw(st.sampled_from([1, 2, 3]))
+        kw["workers"] = draw(pick([1, 2, 3]))
     return kw
 
 
@@ -194,17 +195,8 @@ BAD: dict[str, Callable[[np.random.Generator, tuple[int, ...], int, int, int], l
     ],
     "causal": lambda *_: NOT_FLAGS[:-1],
     "causal_alignment": lambda *_: ["bottom-right", "TOP_LEFT", 0],
-    "key_lengths": lambda g, batch, H, L, S: [
-        np.full(batch, S + 1),
-        np.full(batch, -1),
-        np.zeros(batch),
-        np.zeros((*batch, 2), int),
-    ],
-    "query_lengths": lambda g, batch, H, L, S: [
-        np.full(batch, L + 1),
-        np.full(batch, -1),
-        np.full(batch, 0.5),
-    ],
+    "key_lengths": lambda g, batch, H, L, S: bad_lengths(batch, S),
+    "query_lengths": lambda g, batch, H, L, S: bad_lengths(batch, L),
     "bias": lambda g, batch, H, L, S: [
         np.zeros((L + 1, S + 2)),
         np.zeros((L, S), complex),
@@ -240,12 +232,21 @@ BAD: dict[str, Callable[[np.random.Generator, tuple[int, ...], int, int, int], l
 }
 
 
+def bad_lengths(batch: tuple[int, ...], top: int) -> list[Any]:
+    """Lengths the contract refuses for a batch shape and a count of positions ``top``:
+    past it, negative, not integers (a value of an empty batch is no value: its shape)."""
+    wrong_shape = [np.zeros((*batch, 2), int), [[0]]]
+    if math.prod(batch) == 0:
+        return wrong_shape
+    return [np.full(batch, top + 1), np.full(batch, -1), np.full(batch, 0.5), *wrong_shape]
+
+
 @st.composite
 def spoil(draw: Any, rng: np.random.Generator, drawn: Drawn, names: list[str],
           sizes: tuple[tuple[int, ...], int, int, int]) -> None:  # fmt: skip
     """Replace one of ``names`` in ``drawn`` with a value the contract refuses."""
-    name = draw(st.sampled_from(names), label="spoiled keyword")
-    value = draw(st.sampled_from(BAD[name](rng, *sizes)), label=f"bad {name}")
+    name = draw(pick(names), label="spoiled keyword")
+    value = draw(pick(BAD[name](rng, *sizes)), label=f"bad {name}")
     if name == "sink_tokens":
         drawn.kwargs.setdefault("window", 2)
     if name == "causal_alignment":
@@ -261,7 +262,7 @@ def spoil(draw: Any, rng: np.random.Generator, drawn: Drawn, names: list[str],
 @st.composite
 def failing_callback(draw: Any, drawn: Drawn) -> None:
     """A ``mask_mod`` or ``score_mod`` that raises: mha must let the error through."""
-    name = draw(st.sampled_from(["mask_mod", "score_mod"]), label="failing callback")
+    name = draw(pick(["mask_mod", "score_mod"]), label="failing callback")
     drawn.kwargs[name] = described("raises UserCallbackError", _raise)
     if name == "score_mod":
         drawn.kwargs.pop("return_backward", None)

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 
 import mha
 
@@ -85,6 +86,32 @@ def layer_refused_after_drawing_weights() -> None:
         assert repr(generator.bit_generator.state) == state, option
 
 
+def broadcast_pool_of_one_row_blocks() -> None:
+    """``paged_attention`` over a pool with blocks of one position whose block axis has
+    stride 0 (a broadcast view; the docs take "an engine's arrays in whatever strides they
+    have"): the compiled walk reads other rows than the blocks' (a wrong result; the NumPy
+    walk, ``MHA_COMPILED=0``, is right)."""
+    rng = np.random.default_rng(0)
+    keys, values = rng.standard_normal((2, 4, 1, 1, 8))
+    q = rng.standard_normal((1, 1, 1, 8))
+    broadcast = np.broadcast_to(keys[:1], keys.shape)
+    table, lengths = np.array([[0, 1, 2, 3]]), np.array([3])
+    out = mha.paged_attention(q, broadcast, values, table, lengths)
+    same = mha.paged_attention(q, np.ascontiguousarray(broadcast), values, table, lengths)
+    np.testing.assert_allclose(out, same, rtol=1e-13, atol=0)
+
+
+def rope_scaling_refusal_names_scaling() -> None:
+    """``multi_head_attention(..., rope_scaling=...)`` refuses a bad scaling with
+    ``apply_rotary``'s name for it: "scaling['rope_type'] 'bogus' is not supported", not
+    ``rope_scaling`` (the layer's constructor names it)."""
+    W = np.ones((4, 4))
+    x = np.ones((1, 2, 4))
+    with pytest.raises(mha.AttentionValueError, match="rope_scaling"):
+        mha.multi_head_attention(x, x, x, W, W, W, W, 2, rope_theta=10000.0,
+                                 rope_scaling={"rope_type": "bogus", "factor": 2.0})  # fmt: skip
+
+
 OPEN: dict[str, Callable[[], None]] = {
     "zero query heads": zero_query_heads,
     "mask_mod refused after dropout's draw": mask_mod_refused_after_dropout_draw,
@@ -92,6 +119,8 @@ OPEN: dict[str, Callable[[], None]] = {
     "rope scaling without keys": rope_scaling_without_keys,
     "yarn with theta 1": yarn_with_theta_one,
     "layer refused after drawing its weights": layer_refused_after_drawing_weights,
+    "broadcast pool of one-row blocks": broadcast_pool_of_one_row_blocks,
+    "rope_scaling refusal names scaling": rope_scaling_refusal_names_scaling,
 }
 """Each open bug: its reproducer, which passes once the bug is fixed."""
 

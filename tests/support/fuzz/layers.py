@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import mha
 
 from . import dense
-from .arrays import chance, data, data_dtypes, drawn_rng, sizes, values
+from .arrays import chance, data, data_dtypes, drawn_rng, pick, sizes, values
 from .functions import BAD_SCALINGS, SCALINGS, rope_factor
 from .keywords import Drawn, kernel, masking, scores, spoil
 from .known import avoid
@@ -148,11 +148,11 @@ def layer_calls(draw: Any) -> Call:
     rng = drawn_rng(draw, "seed")
     unbatched = draw(chance(0.15), label="unbatched")
     B = () if unbatched else (draw(sizes, label="B"),)
-    H_kv = draw(st.sampled_from([1, 1, 2]), label="H_kv")
-    H = H_kv * draw(st.sampled_from([1, 1, 2, 3]), label="group")
+    H_kv = draw(pick([1, 1, 2]), label="H_kv")
+    H = H_kv * draw(pick([1, 1, 2, 3]), label="group")
     L, S = draw(sizes, label="L"), draw(sizes, label="S")
-    d_k, d_v = draw(st.sampled_from([1, 2, 4, 3]), label="d_k"), draw(sizes, label="d_v")
-    d_q, d_kin, d_vin, d_out = (draw(st.sampled_from([1, 3, 4, 8, 0]), label=n)
+    d_k, d_v = draw(pick([1, 2, 4, 3]), label="d_k"), draw(sizes, label="d_v")
+    d_q, d_kin, d_vin, d_out = (draw(pick([1, 3, 4, 8, 0]), label=n)
                                 for n in ("d_q", "d_kin", "d_vin", "d_out"))  # fmt: skip
     dtype = draw(data_dtypes, label="dtype")
     self_attention = draw(chance(0.3), label="self-attention")
@@ -183,22 +183,22 @@ def layer_calls(draw: Any) -> Call:
     backward = draw(chance(0.25), label="return_backward")
     kw |= draw(scores(rng, H, backward), label="scores")
     if draw(chance(0.25), label="rope"):
-        kw["rope_theta"] = draw(st.sampled_from([10000.0, 1.0, 50]), label="rope_theta")
+        kw["rope_theta"] = draw(pick([10000.0, 1.0, 50]), label="rope_theta")
         if draw(chance(0.3), label="rotary_dim given"):
-            kw["rotary_dim"] = draw(st.sampled_from([r for r in (2, 4) if r <= d_k] or [2]))
+            kw["rotary_dim"] = draw(pick([r for r in (2, 4) if r <= d_k] or [2]))
             if kw["rotary_dim"] > d_k:
                 drawn.refuse.add("rotary_dim")
         if draw(chance(0.3), label="interleaved"):
             kw["rotary_interleaved"] = True
         if draw(chance(0.3), label="rope_scaling") and not (S == 0 < L and avoid(
                 "rope scaling without keys")):  # fmt: skip
-            kw["rope_scaling"] = draw(st.sampled_from(SCALINGS[1:]), label="rope_scaling")
+            kw["rope_scaling"] = draw(pick(SCALINGS[1:]), label="rope_scaling")
             if kw["rope_scaling"]["rope_type"] == "yarn" and avoid("yarn with theta 1"):
                 kw["rope_theta"] = 10000.0
         if L == S and draw(chance(0.3), label="positions"):
             kw["positions"] = rng.integers(0, 40, (*B, L) if B and draw(st.booleans()) else (L,))
     if draw(chance(0.15), label="qk_norm"):
-        kind = draw(st.sampled_from([None, "head", "all"]), label="qk_norm")
+        kind = draw(pick([None, "head", "all"]), label="qk_norm")
         widths = (d_k, d_k) if kind != "all" else (H * d_k, H_kv * d_k)
         kw |= {"q_norm": values(rng, widths[:1], wdtype), "k_norm": values(rng, widths[1:], wdtype)}
         if kind is not None:
@@ -215,18 +215,20 @@ def layer_calls(draw: Any) -> Call:
         kw |= {"dropout_p": 0.3, "generator": drawn_rng(draw)}
     kw |= draw(kernel(), label="kernel")
     args = [Q, K, V, W["W_q"], W["W_k"], W["W_v"], W["W_o"], H]
-    spoilt = draw(st.sampled_from(["none"] * 24 + ["keyword"] * 2 + ["layer", "shapes"]))
+    spoilt = draw(pick(["none"] * 24 + ["keyword"] * 2 + ["layer", "shapes"]))
     if spoilt == "keyword":
         draw(spoil(rng, drawn, ["mask", "causal", "key_lengths", "bias", "window", "chunk",
                                 "softcap", "alibi", "scale", "workers"], (B, H, L, S)))  # fmt: skip
     elif spoilt == "layer":
-        name, bad = draw(st.sampled_from([
+        bad_ones = [
             ("num_kv_heads", 0), ("num_kv_heads", H + 1), ("add_zero_attn", 1),
-            ("rope_theta", float("nan")), ("rotary_dim", 3), ("rope_scaling", BAD_SCALINGS[1]),
-            ("qk_norm", "each"), ("q_norm", np.ones(d_k + 1)), ("b_q", np.ones(H * d_k + 1)),
-            ("bias_k", np.ones(1)), ("positions", np.zeros((L + 1,))),
-            ("qk_norm_offset", float("inf")),
-        ]), label="bad layer keyword")  # fmt: skip
+            ("rope_theta", float("nan")), ("rotary_dim", 3), ("qk_norm", "each"),
+            ("q_norm", np.ones(d_k + 1)), ("b_q", np.ones(H * d_k + 1)), ("bias_k", np.ones(1)),
+            ("positions", np.zeros((L + 1,))), ("qk_norm_offset", float("inf")),
+        ]  # fmt: skip
+        if not avoid("rope_scaling refusal names scaling"):
+            bad_ones.append(("rope_scaling", BAD_SCALINGS[1]))
+        name, bad = draw(pick(bad_ones), label="bad layer keyword")
         kw[name] = bad
         drawn.refuse |= {
             name,
@@ -242,7 +244,7 @@ def layer_calls(draw: Any) -> Call:
         n = draw(st.integers(0, 7), label="which argument")
         names = ["Q", "K", "V", "W_q", "W_k", "W_v", "W_o", "num_heads"]
         bad = [np.zeros((2, 3, 4, 5)), np.zeros((9, 7)), *([0, 2.0] if n == 7 else [])]
-        args[n] = draw(st.sampled_from(bad), label="bad argument")
+        args[n] = draw(pick(bad), label="bad argument")
         drawn.refuse |= {names[n], "Q", "K", "V", "W_q", "W_k", "W_v", "W_o", "num_heads"}
         drawn.may_refuse = (
             np.shape(args[n]) == np.shape([Q, K, V, *W.values()][n]) if n < 7 else False

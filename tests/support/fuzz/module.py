@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import mha
 
 from . import dense
-from .arrays import chance, data, drawn_rng, sizes
+from .arrays import chance, data, drawn_rng, pick, sizes
 from .cached import cached_scene
 from .functions import SCALINGS
 from .keywords import NOT_FLAGS, NOT_POSITIVE, NOT_REAL, Drawn, kernel, masking
@@ -48,11 +48,11 @@ OPTIONS = {  # constructor keyword: (valid values, refused values)
 @st.composite
 def made(draw: Any) -> Any:
     """A layer (or ``None`` when the constructor refused the options drawn)."""
-    H_kv = draw(st.sampled_from([1, 1, 2]), label="num_kv_heads")
-    H = H_kv * draw(st.sampled_from([1, 2]), label="group")
-    head_dim = draw(st.sampled_from([2, 4]), label="head_dim")
+    H_kv = draw(pick([1, 1, 2]), label="num_kv_heads")
+    H = H_kv * draw(pick([1, 2]), label="group")
+    head_dim = draw(pick([2, 4]), label="head_dim")
     d_model = H * head_dim if draw(chance(0.7), label="d_model = H * head_dim") else draw(
-        st.sampled_from([3, 6, 8]), label="d_model")  # fmt: skip
+        pick([3, 6, 8]), label="d_model")  # fmt: skip
     kwargs: dict[str, Any] = {}
     refuse: set[str] = set()
     if H_kv != H or draw(chance(0.2), label="num_kv_heads given"):
@@ -61,10 +61,10 @@ def made(draw: Any) -> Any:
         kwargs["head_dim"] = head_dim
     for name in ("kdim", "vdim"):
         if draw(chance(0.15), label=f"{name} given"):
-            kwargs[name] = draw(st.sampled_from([1, 5]), label=name)
+            kwargs[name] = draw(pick([1, 5]), label=name)
     for name, (valid, _) in OPTIONS.items():
         if draw(chance(0.15), label=f"{name} given"):
-            kwargs[name] = draw(st.sampled_from(valid), label=name)
+            kwargs[name] = draw(pick(valid), label=name)
     if "window" in kwargs and draw(chance(0.3), label="sink_tokens"):
         kwargs["sink_tokens"] = draw(st.integers(0, 2), label="sink_tokens")
     if "rope_theta" in kwargs:
@@ -73,7 +73,7 @@ def made(draw: Any) -> Any:
         if draw(chance(0.2), label="rotary_interleaved"):
             kwargs["rotary_interleaved"] = True
         if draw(chance(0.2), label="rope_scaling"):
-            kwargs["rope_scaling"] = draw(st.sampled_from(SCALINGS[1:]), label="rope_scaling")
+            kwargs["rope_scaling"] = draw(pick(SCALINGS[1:]), label="rope_scaling")
             if kwargs["rope_scaling"]["rope_type"] == "dynamic" and kwargs.get(
                 "rotary_dim", head_dim) <= 2:  # fmt: skip
                 refuse |= {"rope_scaling", "rotary_dim"}
@@ -94,8 +94,8 @@ def made(draw: Any) -> Any:
         for name in ("add_bias_kv", "add_zero_attn"):
             kwargs.pop(name, None)
     if draw(chance(0.1), label="spoil"):
-        name = draw(st.sampled_from(sorted(OPTIONS)), label="refused option")
-        kwargs[name] = draw(st.sampled_from(OPTIONS[name][1]), label=f"bad {name}")
+        name = draw(pick(sorted(OPTIONS)), label="refused option")
+        kwargs[name] = draw(pick(OPTIONS[name][1]), label=f"bad {name}")
         refuse.add(name)
     if isinstance(kwargs.get("seed"), np.random.Generator) and refuse & {"add_bias_kv", "sinks"} \
             and avoid("layer refused after drawing its weights"):  # fmt: skip
@@ -103,7 +103,7 @@ def made(draw: Any) -> Any:
     args: list[Any] = [d_model, H]
     if draw(chance(0.05), label="bad size"):
         n = draw(st.integers(0, 1), label="which")
-        args[n] = draw(st.sampled_from(NOT_POSITIVE), label="bad size")
+        args[n] = draw(pick(NOT_POSITIVE), label="bad size")
         refuse.add(["d_model", "num_heads"][n])
     if "head_dim" not in kwargs and d_model % H:
         refuse |= {"d_model", "num_heads", "head_dim"}
@@ -148,7 +148,7 @@ def fuzz_module(data: Any) -> None:
     )  # a cache's calls attend over the query, no extra keys
     if data.draw(chance(0.25), label="cache") and (itself or data.draw(chance(0.1))):
         B = data.draw(st.integers(1, 2), label="batch_size")
-        capacity = data.draw(st.sampled_from([1, 16]), label="capacity")
+        capacity = data.draw(pick([1, 16]), label="capacity")
         cache = run(Call("MultiHeadAttention.new_cache", layer.new_cache, (B,),
                          {"capacity": capacity})).value  # fmt: skip
         d_v = layer.W_v.shape[1] // layer.num_kv_heads
@@ -211,10 +211,10 @@ def forward_call(draw: Any, layer: Any, cache: Any) -> Call:
     if layer.rope_theta is not None and cache is None and L == S and draw(chance(0.3)):
         kw["positions"] = rng.integers(0, 30, (L,))
     kw |= draw(kernel(), label="kernel")
-    spoil = draw(st.sampled_from(["none"] * 27 + ["mask", "arguments", "query"]), label="spoil")
+    spoil = draw(pick(["none"] * 27 + ["mask", "arguments", "query"]), label="spoil")
     if spoil == "mask":
         kw.pop("mask", None)
-        args[1:] = [draw(st.sampled_from([np.ones((L, S)), 1, [[0.5]]]), label="bad mask")]
+        args[1:] = [draw(pick([np.ones((L, S)), 1, [[0.5]]]), label="bad mask")]
         drawn.refuse.add("mask")
     elif spoil == "arguments":
         if draw(st.booleans(), label="three positional"):

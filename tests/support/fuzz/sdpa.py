@@ -16,7 +16,7 @@ import mha
 from support.reference import paper_slopes
 
 from . import dense
-from .arrays import chance, data, data_dtypes, drawn_rng, invalid_data, long_sizes, sizes
+from .arrays import chance, data, data_dtypes, drawn_rng, invalid_data, long_sizes, pick, sizes
 from .keywords import Drawn, failing_callback, kernel, masking, scores, spoil
 from .known import avoid
 from .outcome import Call, MismatchError, UserCallbackError, expect_array, expect_close, run
@@ -72,18 +72,16 @@ def sdpa_calls(draw: Any) -> Call:
     rng = drawn_rng(draw, "seed")
     batch = tuple(
         draw(sizes, label="batch axis")
-        for _ in range(draw(st.sampled_from([0, 1, 1, 1, 2]), label="batch axes"))
+        for _ in range(draw(pick([0, 1, 1, 1, 2]), label="batch axes"))
     )
-    H_kv = draw(st.sampled_from([1, 1, 2, 3]), label="H_kv")
-    H = H_kv * draw(
-        st.sampled_from([1, 1, 2, 3] + ([] if avoid("zero query heads") else [0])), label="group"
-    )
+    H_kv = draw(pick([1, 1, 2, 3]), label="H_kv")
+    H = H_kv * draw(pick([1, 1, 2, 3] + ([] if avoid("zero query heads") else [0])), label="group")
     L, S = draw(long_sizes, label="L"), draw(long_sizes, label="S")
-    d_k = 0 if draw(chance(0.05), label="d_k = 0") else draw(st.sampled_from([1, 2, 3, 4, 8]),
+    d_k = 0 if draw(chance(0.05), label="d_k = 0") else draw(pick([1, 2, 3, 4, 8]),
                                                              label="d_k")  # fmt: skip
     d_v = draw(sizes, label="d_v")
     dtype = draw(data_dtypes, label="dtype")
-    mixed = lambda: draw(st.sampled_from([dtype] * 9 + [np.float32, np.float64]), label="mix")  # noqa: E731
+    mixed = lambda: draw(pick([dtype] * 9 + [np.float32, np.float64]), label="mix")  # noqa: E731
     q = draw(data(rng, (*batch, H, L, d_k), mixed()), label="q")
     k = draw(data(rng, (*batch, H_kv, S, d_k), mixed(), spread=2.0), label="k")
     v = draw(data(rng, (*batch, H_kv, S, d_v), mixed()), label="v")
@@ -93,14 +91,14 @@ def sdpa_calls(draw: Any) -> Call:
     drawn.kwargs |= draw(kernel(), label="kernel")
     for name, wanted in (("return_weights", 0.25), ("return_lse", 0.33)):
         if draw(chance(wanted), label=name):
-            drawn.kwargs[name] = draw(st.sampled_from([True, False, np.True_]), label=name)
+            drawn.kwargs[name] = draw(pick([True, False, np.True_]), label=name)
     if backward:
         drawn.kwargs["return_backward"] = True
     if draw(chance(0.1), label="dropout"):
-        drawn.kwargs["dropout_p"] = draw(st.sampled_from([0.0, 0.25, 0.75]), label="p")
+        drawn.kwargs["dropout_p"] = draw(pick([0.0, 0.25, 0.75]), label="p")
         drawn.kwargs["generator"] = drawn_rng(draw, "dropout seed")
     spoilt = draw(
-        st.sampled_from(["none"] * 30 + ["keyword"] * 3 + ["callback", "data", "shapes"]),
+        pick(["none"] * 30 + ["keyword"] * 3 + ["callback", "data", "shapes"]),
         label="spoil",
     )
     if spoilt == "keyword":
@@ -108,13 +106,13 @@ def sdpa_calls(draw: Any) -> Call:
     elif spoilt == "callback":
         draw(failing_callback(drawn))
     elif spoilt == "data":  # data the contract refuses
-        name = draw(st.sampled_from(["q", "k", "v"]), label="refused data")
+        name = draw(pick(["q", "k", "v"]), label="refused data")
         shape = {"q": (*batch, H, L, d_k), "k": (*batch, H_kv, S, d_k), "v": (*batch, H_kv, S, d_v)}
         bad = draw(invalid_data(rng, shape[name]), label="bad data")
         q, k, v = (bad if n == name else x for n, x in (("q", q), ("k", k), ("v", v)))
         drawn.refuse.add(name)
     elif spoilt == "shapes":  # shapes that do not fit
-        name = draw(st.sampled_from(["k heads", "k width", "v positions", "q rank"]), label="bad")
+        name = draw(pick(["k heads", "k width", "v positions", "q rank"]), label="bad")
         if name == "k heads":  # H_kv not dividing H (none at all for H = 0)
             k, v = (np.zeros((*batch, H + 1 if H else 0, S, d)) for d in (d_k, d_v))
         elif name == "k width":

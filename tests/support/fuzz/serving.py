@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 import mha
 
 from . import dense
-from .arrays import chance, data, data_dtypes, drawn_rng, sizes, values
+from .arrays import chance, data, data_dtypes, drawn_rng, pick, sizes, values
 from .keywords import BAD, NOT_FLAGS, NOT_POSITIVE, NOT_REAL, Drawn, kernel
+from .known import avoid
 from .outcome import Call, expect_array, expect_close
 from .rules import as_float64, dtypes, tolerance
 
-widths = st.sampled_from([1, 2, 3, 4, 8])
+widths = pick([1, 2, 3, 4, 8])
 
 
 def floats_only(dtype: np.dtype) -> np.dtype:
@@ -35,19 +36,23 @@ def pool(draw: Any, rng: np.random.Generator, dtype: Any) -> dict[str, Any]:
     """A pool of blocks and sequences in it: ``key_cache``, ``value_cache``, a block table
     whose rows name blocks of the pool where a sequence reads them (garbage past that) and
     the lengths."""
-    B, H_kv = draw(sizes, label="num_seqs"), draw(st.sampled_from([1, 1, 2]), label="H_kv")
+    B, H_kv = draw(sizes, label="num_seqs"), draw(pick([1, 1, 2]), label="H_kv")
     count, size = draw(st.integers(1, 8), label="num_blocks"), draw(
-        st.sampled_from([1, 2, 3, 4, 16]), label="block_size")  # fmt: skip
+        pick([1, 2, 3, 4, 16]), label="block_size")  # fmt: skip
     d_k, d_v, width = draw(widths, label="d_k"), draw(widths, label="d_v"), draw(
         st.integers(0, 4), label="max_blocks")  # fmt: skip
     lengths = rng.integers(0, width * size + 1, B)
     table = rng.integers(0, count, (B, width))
     unread = np.arange(width) >= -(-lengths[:, None] // size)
     table[unread] = rng.choice([-1, count, 999], size=int(unread.sum()))
+    keys = draw(data(rng, (count, size, H_kv, d_k), dtype, spread=2.0), label="keys")
+    values_ = draw(data(rng, (count, size, H_kv, d_v), dtype), label="values")
+    if size == 1 and avoid("broadcast pool of one-row blocks"):
+        keys, values_ = (np.ascontiguousarray(x) if 0 in np.shape(x) or not np.asarray(
+            x).strides[0] else x for x in (keys, values_))  # fmt: skip
     return {
         "B": B, "H_kv": H_kv, "d_k": d_k, "d_v": d_v, "size": size,
-        "key_cache": draw(data(rng, (count, size, H_kv, d_k), dtype, spread=2.0), label="keys"),
-        "value_cache": draw(data(rng, (count, size, H_kv, d_v), dtype), label="values"),
+        "key_cache": keys, "value_cache": values_,
         "block_table": maybe_list(draw, table), "seq_lens": maybe_list(draw, lengths),
         "table": table, "lengths": lengths,
     }  # fmt: skip
@@ -123,7 +128,7 @@ def paged_calls(draw: Any) -> Call:
     rng = drawn_rng(draw, "seed")
     dtype = draw(data_dtypes, label="dtype")
     p = draw(pool(rng, floats_only(dtype)), label="pool")  # integer pools are codes: refused
-    H = p["H_kv"] * draw(st.sampled_from([1, 2]), label="group")
+    H = p["H_kv"] * draw(pick([1, 2]), label="group")
     L = draw(sizes, label="L")
     q = draw(data(rng, (p["B"], L, H, p["d_k"]), dtype), label="q")
     drawn = Drawn()
@@ -139,15 +144,15 @@ def paged_calls(draw: Any) -> Call:
         drawn.kwargs["scale"] = float(rng.uniform(0.1, 2))
     drawn.kwargs |= draw(kernel(), label="kernel")
     args = [q, p["key_cache"], p["value_cache"], p["block_table"], p["seq_lens"]]
-    spoil = draw(st.sampled_from(["none"] * 18 + ["keyword", "pool"]), label="spoil")
+    spoil = draw(pick(["none"] * 18 + ["keyword", "pool"]), label="spoil")
     if spoil == "keyword":
         names = ["causal", "window", "scale", "softcap", "sinks", "return_lse", "max_memory",
                  "workers"]  # fmt: skip
-        name = draw(st.sampled_from(names), label="bad keyword")
+        name = draw(pick(names), label="bad keyword")
         menu = {"causal": NOT_FLAGS[:-1], "return_lse": NOT_FLAGS[:-1], "window": NOT_POSITIVE,
                 "scale": NOT_REAL, "softcap": NOT_REAL, "max_memory": NOT_POSITIVE,
                 "workers": NOT_POSITIVE, "sinks": BAD["sinks"](rng, (), H, L, 0)}  # fmt: skip
-        drawn.kwargs[name] = draw(st.sampled_from(menu[name]), label=f"bad {name}")
+        drawn.kwargs[name] = draw(pick(menu[name]), label=f"bad {name}")
         drawn.refuse.add(name)
     elif spoil == "pool":
         drawn.refuse |= draw(spoilt_pool(args, p), label="bad pool")
@@ -162,11 +167,11 @@ def spoilt_pool(draw: Any, args: list[Any], p: dict[str, Any]) -> set[str]:
     """Spoil one of ``paged_attention``'s arrays in ``args``; the names to refuse."""
     kinds = ["table entry", "too long", "negative", "float table", "integer pool", "ranks",
              "heads", "widths"]  # fmt: skip
-    kind = draw(st.sampled_from(kinds), label="bad pool")
+    kind = draw(pick(kinds), label="bad pool")
     table, lengths = p["table"].copy(), p["lengths"].copy()
     if kind == "table entry" and lengths.size and lengths.max() > 0:
         b = int(np.argmax(lengths))
-        table[b, 0] = draw(st.sampled_from([-1, np.shape(args[1])[0]]), label="entry")
+        table[b, 0] = draw(pick([-1, np.shape(args[1])[0]]), label="entry")
         args[3] = table
         return {"block_table"}
     if kind == "too long" and lengths.size:
@@ -181,7 +186,7 @@ def spoilt_pool(draw: Any, args: list[Any], p: dict[str, Any]) -> set[str]:
         args[3] = table.astype(np.float64) + 0.5
         return {"block_table"} if table.size else set()
     if kind == "integer pool":
-        name = draw(st.sampled_from([1, 2]), label="which pool")
+        name = draw(pick([1, 2]), label="which pool")
         args[name] = np.asarray(args[name]).astype(np.int8)
         return {"key_cache" if name == 1 else "value_cache"}
     if kind == "ranks":
@@ -202,7 +207,7 @@ def cascade_calls(draw: Any) -> Call:
     dtype = draw(data_dtypes, label="dtype")
     p = draw(pool(rng, floats_only(dtype)), label="pool")
     count, size = np.shape(p["key_cache"])[:2]
-    H = p["H_kv"] * draw(st.sampled_from([1, 2]), label="group")
+    H = p["H_kv"] * draw(pick([1, 2]), label="group")
     L = draw(sizes, label="L")
     q = draw(data(rng, (p["B"], L, H, p["d_k"]), dtype), label="q")
     blocks = rng.integers(0, count, draw(st.integers(0, 3), label="prefix blocks"))
@@ -220,7 +225,7 @@ def cascade_calls(draw: Any) -> Call:
             drawn.kwargs[name] = True if name == "return_lse" else float(rng.uniform(0.1, 2))
     drawn.kwargs |= draw(kernel(), label="kernel")
     if draw(chance(0.1), label="spoil"):
-        bad = draw(st.sampled_from(["long", "negative", "block", "rank", "float"]), label="bad")
+        bad = draw(pick(["long", "negative", "block", "rank", "float"]), label="bad")
         if bad == "long":
             first = blocks.size * size + 1
             drawn.refuse |= {"prefix_len", "prefix_blocks"}
@@ -228,7 +233,7 @@ def cascade_calls(draw: Any) -> Call:
             first = -1
             drawn.refuse.add("prefix_len")
         elif bad == "block" and first:
-            blocks[0] = draw(st.sampled_from([-1, count]), label="block")
+            blocks[0] = draw(pick([-1, count]), label="block")
             drawn.refuse.add("prefix_blocks")
         elif bad == "rank":
             blocks = blocks.reshape(1, -1)
