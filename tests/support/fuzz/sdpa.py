@@ -94,6 +94,10 @@ def sdpa_calls(draw: Any) -> Call:
             drawn.kwargs[name] = draw(pick([True, False, np.True_]), label=name)
     if backward:
         drawn.kwargs["return_backward"] = True
+    if draw(chance(0.05), label="padding_side"):  # only with a cache, or "right": no effect
+        drawn.kwargs["padding_side"] = draw(pick(["right", "left", "middle"]), label="side")
+        if drawn.kwargs["padding_side"] == "middle":
+            drawn.refuse.add("padding_side")
     if draw(chance(0.1), label="dropout"):
         drawn.kwargs["dropout_p"] = draw(pick([0.0, 0.25, 0.75]), label="p")
         drawn.kwargs["generator"] = drawn_rng(draw, "dropout seed")
