@@ -127,6 +127,9 @@ def attend_call(draw: Any, session: Any) -> Call:
         else:
             k, v = (np.zeros((session.H_kv, L, d)) for d in (session.d_k, session.d_v))
         drawn.refuse |= {"cache", "q", "k", "v"}
+    window = kw.get("window")  # a spoilt keyword may have brought one
+    if session.window is not None and isinstance(window, int) and window > session.window:
+        drawn.refuse.add("window")
     if session.values_in_keys and draw(chance(0.1), label="values apart") and L and B:
         v = np.asarray(v) + 1.0
         drawn.refuse |= {"values_in_keys", "v"}

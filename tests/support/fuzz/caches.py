@@ -18,6 +18,7 @@ from support.interleavings import History
 
 from .arrays import chance, drawn_rng, pick
 from .cached import attend_call
+from .cached_layer import layer_call
 from .keywords import NOT_POSITIVE
 from .outcome import Call, MismatchError, run
 from .rules import BFLOAT16
@@ -211,16 +212,22 @@ def fuzz_cache(data: Any) -> None:
     if session is None:
         return
     for _ in range(data.draw(st.integers(1, 8), label="operations")):
-        kinds = ["attend"] * 4 + (
-            ["add", "add", "append", "fork", "release", "truncate"]
-            if session.paged
-            else ["truncate", "truncate", "reorder"]
+        kinds = (
+            ["attend"] * 3
+            + ["layer"]
+            + (
+                ["add", "add", "append", "fork", "release", "truncate"]
+                if session.paged
+                else ["truncate", "truncate", "reorder"]
+            )
         )
         if session.paged and not session.model:
             kinds = ["add"]
         kind = data.draw(pick(kinds), label="operation")
         if kind == "attend":
             run(data.draw(attend_call(session), label="attention call"))
+        elif kind == "layer":
+            run(data.draw(layer_call(session), label="layer call"))
         else:
             run(data.draw(OPERATIONS[kind](session), label=kind))
 

@@ -116,6 +116,17 @@ def rope_scaling_refusal_names_scaling() -> None:
                                  rope_scaling={"rope_type": "bogus", "factor": 2.0})  # fmt: skip
 
 
+def layer_over_a_window_cache_without_window() -> None:
+    """``multi_head_attention(..., cache=)`` over a window's ``KVCache`` refuses a call that
+    names no window ("window=None but the cache keeps only what window=2 needs"), where
+    ``scaled_dot_product_attention`` attends within the cache's window; the function's
+    docstring says its cached call is "as in scaled_dot_product_attention"."""
+    cache = mha.KVCache(1, 1, 2, window=2)
+    X, W = np.ones((1, 1, 2)), np.eye(2)
+    mha.multi_head_attention(X, X, X, W, W, W, W, 1, cache=cache)
+    assert cache.lengths.tolist() == [1]
+
+
 OPEN: dict[str, Callable[[], None]] = {
     "zero query heads": zero_query_heads,
     "mask_mod refused after dropout's draw": mask_mod_refused_after_dropout_draw,
@@ -125,6 +136,7 @@ OPEN: dict[str, Callable[[], None]] = {
     "layer refused after drawing its weights": layer_refused_after_drawing_weights,
     "broadcast pool of one-row blocks": broadcast_pool_of_one_row_blocks,
     "rope_scaling refusal names scaling": rope_scaling_refusal_names_scaling,
+    "layer over a window cache without window=": layer_over_a_window_cache_without_window,
 }
 """Each open bug: its reproducer, which passes once the bug is fixed."""
 

@@ -197,11 +197,19 @@ def state_of(x: Any) -> Any:
 
 def held_slots(buffer: np.ndarray, cache: Any, b: int) -> np.ndarray:
     """The slots of ``buffer`` (``cache.k`` or ``cache.v``) holding sequence ``b``'s
-    positions: the sink tokens' slots, then positions ``first[b]`` to ``lengths[b] - 1``."""
-    n, length, first = cache.sink_tokens, int(cache.lengths[b]), int(cache.first[b])
-    count = min(length, n) + max(0, length - max(first, n))
-    slots = list(range(min(length, n))) + list(range(n, n + count - min(length, n)))
+    positions (:func:`held_positions`), in order."""
+    slots, _ = held_positions(cache, b)
     return buffer[b][:, slots]
+
+
+def held_positions(cache: Any, b: int) -> tuple[list[int], list[int]]:
+    """Which slots of a ``KVCache`` hold sequence ``b``'s positions, and which positions:
+    the sink tokens' slots, then positions ``first[b]`` to ``lengths[b] - 1`` (the ``k``
+    property's docstring)."""
+    n, length, first = cache.sink_tokens, int(cache.lengths[b]), int(cache.first[b])
+    sinks = min(length, n)
+    later = list(range(max(first, n), length)) if length > n else []
+    return list(range(sinks)) + list(range(n, n + len(later))), list(range(sinks)) + later
 
 
 # ------------------------------------------------------------------------ checks
