@@ -43,14 +43,14 @@ ENTRIES: dict[str, Callable[[Any], None]] = {
 }
 
 CI_EXAMPLES = {
-    "scaled_dot_product_attention": (1000, 2),
-    "caches": (250, 2),
-    "multi_head_attention": (600, 2),
-    "MultiHeadAttention": (250, 2),
-    "paged_attention": (1000, 1),
-    "cascade_attention": (1000, 1),
-    "merge_attention": (1000, 1),
-    "apply_rotary": (1000, 1),
+    "scaled_dot_product_attention": (1000, 3),
+    "caches": (250, 3),
+    "multi_head_attention": (600, 3),
+    "MultiHeadAttention": (250, 3),
+    "paged_attention": (1500, 1),
+    "cascade_attention": (1500, 1),
+    "merge_attention": (1500, 1),
+    "apply_rotary": (1500, 1),
     "alibi_slopes": (200, 1),
 }
 """Per entry point in CI: examples per part and parts, each part a test of its own with a

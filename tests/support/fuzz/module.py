@@ -234,12 +234,8 @@ def forward_call(draw: Any, layer: Any, cache: Any) -> Call:
     scores_full = (*B, H, L, S)
     drawn.refuse |= combination_refusals({n: x for n, x in settings.items() if n != "cache"},
                                          layer.head_dim, scores_full, bool(B))  # fmt: skip
-    bias_k = {"bias_k": layer.bias_k} if layer.bias_k is not None else {}
-    drawn.refuse |= layer_refusals({**settings, **bias_k}, layer.head_dim, L, S) - {
-        "rotary_dim",
-        "rope_scaling",
-        "positions",
-    } | ({"positions"} if "positions" in kw and L != S else set())
+    extra = {"bias_k": layer.bias_k} if layer.bias_k is not None else {}
+    drawn.refuse |= layer_refusals({**settings, **extra}, layer.head_dim, L, S)
     call = Call("MultiHeadAttention.forward", layer.forward, tuple(args), {**named, **kw},
                 frozenset(drawn.refuse) or None)  # fmt: skip
     call.changes = (cache,) if cache is not None else ()
