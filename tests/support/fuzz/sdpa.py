@@ -147,7 +147,8 @@ def called(lazy: str, scene: dense.Scene) -> bool:
     are scores (the block map is evaluated over all of them), ``score_mod`` whenever a
     query sees a key (it runs on the tiles computed)."""
     if lazy == "mask_mod":
-        return bool(scene.q.size and scene.k.size)  # every size above zero
+        N, H, L = scene.q.shape[:3]
+        return N * H * L * scene.k.shape[2] > 0
     kept = dataclasses.replace(scene, score_mod=None)
     return bool(dense.visible(kept).any())
 
