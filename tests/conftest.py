@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support.fuzz import tally as fuzz_tally
 
 REQUIRE_TORCH = os.environ.get("MHA_REQUIRE_TORCH") == "1"
 
@@ -102,11 +103,13 @@ def warm_kernel() -> None:
 
 
 def pytest_sessionfinish(session: Any) -> None:
-    """A pytest-xdist worker hands its errors to the controller, which prints the summary."""
+    """A pytest-xdist worker hands its errors (and the fuzzer's counts) to the controller,
+    which prints the summary."""
     output = getattr(session.config, "workeroutput", None)
     if output is not None:
         output["worst_errors"] = {family: float(e) for family, e in WORST_ERRORS.items()}
         output["comparisons"] = {family: int(n) for family, n in COMPARISONS.items()}
+        output["fuzz"] = fuzz_tally.exported()
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown without it
@@ -117,9 +120,15 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
         WORST_ERRORS[family] = max(WORST_ERRORS[family], worst)
     for family, count in output.get("comparisons", {}).items():
         COMPARISONS[family] += count
+    fuzz_tally.merge(output.get("fuzz", {}))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    lines = fuzz_tally.summary()
+    if lines:
+        terminalreporter.section("the fuzzer's calls and outcomes (tests/test_fuzz.py)")
+        for line in lines:
+            terminalreporter.write_line(line)
     if not WORST_ERRORS:
         return
     terminalreporter.section("worst relative error against the oracles")

@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 import pytest
 from support.configs import relative_error
+from support.reference import paper_slopes
 
 import mha
 
@@ -21,19 +22,6 @@ TINY, ONE_TILE = 4096, 2**30  # max_memory: many small tiles, or one tile
 
 
 # ---------------------------------------------------------------- the dense NumPy reference
-
-
-def paper_slopes(n):
-    """ALiBi's slopes as in the paper's code (ofirpress/attention_with_linear_biases)."""
-
-    def power_of_2(m):
-        start = 2 ** (-(2 ** -(math.log2(m) - 3)))
-        return [start ** (i + 1) for i in range(m)]
-
-    if math.log2(n).is_integer():
-        return np.array(power_of_2(n))
-    m = 2 ** math.floor(math.log2(n))
-    return np.array(power_of_2(m) + power_of_2(2 * m)[0::2][: n - m])
 
 
 def indices(B, H, L, S):

@@ -122,3 +122,16 @@ def loop_log_sum_exp(
             top = max(logits)
             out[b, h, i] = top + math.log(math.fsum(math.exp(x - top) for x in logits))
     return out
+
+
+def paper_slopes(n: int) -> np.ndarray:
+    """ALiBi's slopes as the paper's code computes them (ofirpress/attention_with_linear_biases)."""
+
+    def power_of_2(m: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(m) - 3)))
+        return [start ** (i + 1) for i in range(m)]
+
+    if math.log2(n).is_integer():
+        return np.array(power_of_2(n))
+    m = 2 ** math.floor(math.log2(n))
+    return np.array(power_of_2(m) + power_of_2(2 * m)[0::2][: n - m])
