@@ -540,14 +540,14 @@ def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
         # the rope's own checks name the checkpoint and the config key, not "rope_scaling"
         ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": -1.0,
                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
-         "config.json's rope_parameters, layer 0"),
+         "rope_parameters['factor'] must be a number >= 1.0"),
         ("llama", {"rope_parameters": {"rope_type": "weird"}},
          "'weird' is not supported: use one of"),
         ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                                              "beta_fast": 1.0, "beta_slow": 8.0}},
-         "config.json's rope_parameters, layer 0"),
+         "rope_parameters['beta_fast'] must be at least rope_parameters['beta_slow']"),
         ("gpt_oss", {"rope_parameters": None, "rope_scaling": {"rope_type": "linear"}},
-         "config.json's rope_scaling, layer 0"),
+         "rope_scaling needs the key 'factor' for rope_type 'linear' ("),
     ],
 )  # fmt: skip
 def test_configs_mha_would_compute_differently_are_refused(tmp_path, family, change, said,

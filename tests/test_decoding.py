@@ -315,10 +315,14 @@ def test_a_window_per_call_combines_with_the_modules():
     before = snapshot(cache)
     with pytest.raises(mha.AttentionValueError, match="window=5 but the cache keeps only what"):
         windowed.forward(x[:, 4:5], cache=mha.KVCache(2, 2, 4, window=3), window=None)
-    with pytest.raises(mha.AttentionValueError, match="window=None but the cache keeps only"):
-        mha.multi_head_attention(x[:, 4:5], x[:, 4:5], x[:, 4:5], *weights, 6, cache=cache,
-                                 **options)  # fmt: skip
     _unchanged(cache, before)
+    # the function, like the core, attends within a window cache's window when given none
+    other = windowed.new_cache(2)
+    windowed(x[:, :4], cache=other)
+    new = x[:, 4:5]
+    got = mha.multi_head_attention(new, new, new, *weights, 6, cache=cache, **options)
+    want = mha.multi_head_attention(new, new, new, *weights, 6, cache=other, window=5, **options)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_dropout_p_zero_with_a_generator_is_no_dropout():

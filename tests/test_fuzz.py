@@ -43,6 +43,11 @@ def test_open_bug_still_reproduces(name):
     known.OPEN[name]()
 
 
+@pytest.mark.parametrize("name", sorted(known.FIXED))
+def test_a_fixed_bug_stays_fixed(name):
+    known.FIXED[name]()
+
+
 # ---------------------------------------------------- the classifier can say "failure"
 
 

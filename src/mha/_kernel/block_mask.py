@@ -77,7 +77,7 @@ def classify(
     b = np.asarray(sequences, np.int64).reshape(-1, 1, 1, 1)
     h = np.arange(H, dtype=np.int64).reshape(1, -1, 1, 1)
     rows, cols = -(-L // BLOCK), -(-S // BLOCK)
-    if L == 0 or S == 0 or batch == 0:  # nothing to see (and no slice to size)
+    if L == 0 or S == 0 or batch == 0 or H == 0:  # nothing to see (and no slice to size)
         return np.zeros((1, 1, rows, cols), np.int8)
     probe = evaluate(
         mask_mod,

@@ -9,6 +9,8 @@ the caller's generator, so the caller's generator alone makes a run reproducible
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,3 +47,19 @@ class Dropout:
                 u = np.random.Generator(bits).random(c1 - c0 + skip)[skip:]
                 np.multiply(u >= self.p, kept, out=out[g, i - r0])
         return out
+
+
+@contextlib.contextmanager
+def drawn(p: float, generator: Any, heads: int, rows: int) -> Iterator[Dropout | None]:
+    """A call's dropout (``None`` when ``p`` is 0), its seed drawn from ``generator``; if
+    the call then fails (a ``mask_mod`` or ``score_mod`` refused as the kernel reaches it),
+    the generator is put back as it was: a refused call leaves the generator be."""
+    if not p:
+        yield None
+        return
+    state = generator.bit_generator.state
+    try:
+        yield Dropout.draw(p, generator, heads, rows)
+    except BaseException:
+        generator.bit_generator.state = state
+        raise

@@ -32,7 +32,7 @@ from .._kernel.scores import Scores
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .cached import Append, CacheFit, check_cache
 from .qk_norm import QKNorm, check_qk_norm
-from .rope_scaling import check_rope_scaling
+from .rope_scaling import check_base, check_rope_scaling
 from .rotary import check_positions, check_rotary_options
 from .spec import AttentionSpec, CallInputs, Checked, Request
 
@@ -87,7 +87,8 @@ def checked_heads(
 
 
 def kv_heads(H: int, H_kv: int, shapes: str) -> int:
-    """The query heads per key/value head; ``H_kv`` must divide ``H``."""
+    """The query heads per key/value head; ``H_kv`` must divide ``H`` (0 query heads: an
+    empty result)."""
     if H_kv == 0 or H % H_kv:
         raise ShapeError(
             f"{H_kv} key/value heads do not divide {H} query heads ({shapes}); grouped-query "
@@ -403,10 +404,14 @@ def _rotary(
     }
     q_positions, k_positions = _rotary_positions(inputs.positions, inputs.cache, Q, S, nq)
     if rules.scaling is not None:  # one length for q and k, as transformers' position_ids
-        rotary["scaling"] = check_rope_scaling(rules.scaling, rules.rotary_dim or d_k, subject)
-        rotary["seq_len"] = 1 + max(
+        rotary["scaling"] = check_rope_scaling(
+            rules.scaling, rules.rotary_dim or d_k, subject, "rope_scaling"
+        )
+        check_base(rotary["scaling"], theta, ("rope_theta", "rope_scaling"))
+        rotary["seq_len"] = 1 + max(  # (at least 1: with no keys, queries sit below 0)
             (float(np.max(p)) for p in (q_positions, k_positions) if np.size(p)), default=0.0
         )
+        rotary["seq_len"] = max(rotary["seq_len"], 1.0)
     return rotary, q_positions, k_positions
 
 

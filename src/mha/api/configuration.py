@@ -20,7 +20,7 @@ from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .checks import WEIGHT_NAMES
 from .qk_norm import KINDS as QK_NORM_KINDS
 from .qk_norm import check_offset
-from .rope_scaling import check_rope_scaling
+from .rope_scaling import check_base, check_rope_scaling
 from .rotary import check_rotary_options, positive_real
 from .variants import alibi_slopes, check_scores
 
@@ -173,7 +173,13 @@ class Configuration:
                     f"rope_scaling must be a dict of transformers' rope_parameters; got "
                     f"{type(rope_scaling).__name__}"
                 )
-            check_rope_scaling(rope_scaling, rotary_dim or self.head_dim, "rope_scaling")
+            check_base(
+                check_rope_scaling(
+                    rope_scaling, rotary_dim or self.head_dim, "rope_scaling", "rope_scaling"
+                ),
+                self.rope_theta or 1e4,
+                ("rope_theta", "rope_scaling"),
+            )
             self.rope_scaling = _plain(rope_scaling)
         self.rotary_dim = None if rotary_dim is None else int(rotary_dim)
         self.rotary_interleaved = flag("rotary_interleaved", rotary_interleaved)

@@ -87,7 +87,9 @@ class SplitHeadsBackward:
             np.errstate(invalid="ignore", over="ignore"),
             Team(workers_for(cost, self.threads)) as team,
         ):
-            attend_backward(call, self.forward, grad, Gradients(dq, dk, dv, dbias, dsinks), team)
+            if q.shape[-3]:  # (no query heads: no gradient)
+                into = Gradients(dq, dk, dv, dbias, dsinks)
+                attend_backward(call, self.forward, grad, into, team)
         grads = {"q": dq, "k": dk, "v": dv}
         if dsinks is not None:
             grads["sinks"] = dsinks

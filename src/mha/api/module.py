@@ -133,7 +133,8 @@ class MultiHeadAttention(Layouts):
         if not isinstance(bias, (bool, np.bool_)):
             raise AttentionTypeError(f"bias must be True or False; got {bias!r}")
         self.dtype = float_dtype(dtype)
-        rng = random_generator(seed)
+        with_bias_kv, with_sinks = flag("add_bias_kv", add_bias_kv), flag("sinks", sinks)
+        rng = random_generator(seed)  # drawn from only once everything is checked
 
         inner, kv_inner = H * self.head_dim, self.num_kv_heads * self.head_dim
         if self.kdim == E and self.vdim == E and inner == E and kv_inner == E:
@@ -152,13 +153,13 @@ class MultiHeadAttention(Layouts):
         )
         self.bias_k: np.ndarray | None = None
         self.bias_v: np.ndarray | None = None
-        if flag("add_bias_kv", add_bias_kv):  # torch: xavier_normal_ on (1, 1, E)
+        if with_bias_kv:  # torch: xavier_normal_ on (1, 1, E)
             self.bias_k, self.bias_v = (
                 rng.normal(0.0, 1.0 / float(np.sqrt(E)), kv_inner).astype(self.dtype)
                 for _ in range(2)
             )
         self.sinks: np.ndarray | None = None
-        if flag("sinks", sinks):  # gpt-oss's learned logits, one per head; zero to start
+        if with_sinks:  # gpt-oss's learned logits, one per head; zero to start
             self.sinks = np.zeros(H, dtype=self.dtype)
         self.q_norm: np.ndarray | None = None
         self.k_norm: np.ndarray | None = None
@@ -318,6 +319,12 @@ class MultiHeadAttention(Layouts):
             window = positive_int("window", window)
             if self.window is not None:  # both windows hide keys: the narrower one counts
                 window = min(window, self.window)
+        held = getattr(cache, "window", None)
+        if held is not None and window is None and self.window is None:
+            raise AttentionValueError(  # the layer attends to every key: its cache must keep them
+                f"window=None but the cache keeps only what window={held} needs: {cache!r}; "
+                "this layer has no window (make its cache with new_cache)"
+            )
         if scale is None:
             scale = self.scale
         if self.qk_norm is None and (self.q_norm is not None or self.k_norm is not None):

@@ -18,7 +18,7 @@ import numpy as np
 from .._arrays import cast_result
 from .._kernel.call import KernelCall, Outputs
 from .._kernel.contract import MaskArrays, MaskRules, ScoreShape, Visibility
-from .._kernel.dropout import Dropout
+from .._kernel.dropout import Dropout, drawn
 from .._kernel.forward import attend
 from .._kernel.team import Team, workers_for
 from .cache import KVCache
@@ -243,7 +243,6 @@ def compute(call: Call) -> np.ndarray | tuple[Any, ...]:
         visibility = with_extra_keys(visibility, call.extra, dtype)
     # Everything is checked: the dropout's seed may be drawn.
     drop_p = call.spec.dropout_p
-    dropout = Dropout.draw(drop_p, call.given.generator, H, L) if drop_p else None
 
     keys = S if call.cache is None else int(call.cache.lengths.max(initial=0)) + L  # attended
     cost = float(math.prod(B)) * (  # multiply-adds of the projections and of attention
@@ -252,7 +251,8 @@ def compute(call: Call) -> np.ndarray | tuple[Any, ...]:
         + L * given.W_o.size
         + H * L * keys * (call.d_k + d_v)
     )
-    with (
+    with (  # the seed drawn once everything is checked, put back if the call still fails
+        drawn(drop_p, call.given.generator, H, L) as dropout,
         np.errstate(invalid="ignore", over="ignore"),
         Team(workers_for(cost, request.threads)) as team,
     ):

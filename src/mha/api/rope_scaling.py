@@ -28,7 +28,13 @@ import numpy as np
 
 from ..errors import AttentionTypeError, AttentionValueError
 
-__all__ = ["ROPE_TYPES", "RopeScaling", "check_rope_scaling", "default_frequencies"]
+__all__ = [
+    "ROPE_TYPES",
+    "RopeScaling",
+    "check_base",
+    "check_rope_scaling",
+    "default_frequencies",
+]
 
 _OMPE = "original_max_position_embeddings"
 # The keys each type takes besides rope_type (or its old spelling type), rope_theta (the base
@@ -207,7 +213,7 @@ _FREQUENCIES: dict[str, Callable[[RopeScaling, float, float], np.ndarray]] = {
 
 
 def check_rope_scaling(
-    scaling: Any, rotary_dim: int, subject: str = "rope scaling"
+    scaling: Any, rotary_dim: int, subject: str = "rope scaling", name: str = "scaling"
 ) -> RopeScaling | None:
     """``scaling`` checked for ``rotary_dim`` rotated features: ``None`` (no scaling), a
     :class:`RopeScaling`, or a dict in transformers' ``rope_parameters`` form, such as
@@ -232,16 +238,15 @@ def check_rope_scaling(
     if isinstance(scaling, RopeScaling):
         if scaling.rotary_dim != rotary_dim:
             raise AttentionValueError(
-                f"scaling was made for rotary_dim={scaling.rotary_dim}, not {rotary_dim} "
-                f"({subject})"
+                f"{name} was made for rotary_dim={scaling.rotary_dim}, not {rotary_dim} ({subject})"
             )
         return scaling
     if not isinstance(scaling, Mapping):
         raise AttentionTypeError(
-            f"scaling must be a dict of rope parameters, a RopeScaling or None; got "
+            f"{name} must be a dict of rope parameters, a RopeScaling or None; got "
             f"{type(scaling).__name__} ({subject})"
         )
-    given = _Given(scaling, subject)
+    given = _Given(scaling, subject, name)
     kind = given.kind
     trained = given.integer("max_position_embeddings")
     settings: dict[str, Any] = {
@@ -269,7 +274,7 @@ def check_rope_scaling(
         high = given.number("high_freq_factor", above=0.0, required=True)
         if not high > low:
             raise AttentionValueError(
-                f"scaling['high_freq_factor'] must be greater than scaling['low_freq_factor']; "
+                f"{name}['high_freq_factor'] must be greater than {name}['low_freq_factor']; "
                 f"got {high} and {low} ({subject})"
             )
         settings |= {"low_freq_factor": low, "high_freq_factor": high}
@@ -290,13 +295,13 @@ def _yarn_settings(given: _Given, trained: int | None, context: int) -> dict[str
     slow = given.number("beta_slow", above=0.0, default=1.0)
     if fast < slow:
         raise AttentionValueError(
-            f"scaling['beta_fast'] must be at least scaling['beta_slow']; got {fast} and "
+            f"{given.name}['beta_fast'] must be at least {given.name}['beta_slow']; got {fast} and "
             f"{slow} ({given.subject})"
         )
     truncate = given.values.get("truncate", True)
     if not isinstance(truncate, (bool, np.bool_)):
         raise AttentionTypeError(
-            f"scaling['truncate'] must be True or False; got {truncate!r} ({given.subject})"
+            f"{given.name}['truncate'] must be True or False; got {truncate!r} ({given.subject})"
         )
     mscale = given.number("mscale", at_least=0.0)
     mscale_all_dim = given.number("mscale_all_dim", at_least=0.0)
@@ -339,22 +344,22 @@ class _Given:
     """The caller's dict for one rope type, each key checked as it is read (messages name
     the key). A key set to None counts as absent."""
 
-    def __init__(self, scaling: Mapping[Any, Any], subject: str) -> None:
-        self.subject = subject
+    def __init__(self, scaling: Mapping[Any, Any], subject: str, name: str) -> None:
+        self.subject, self.name = subject, name
         for key in scaling:
             if not isinstance(key, str):
-                raise AttentionTypeError(f"scaling's keys must be strings; got {key!r} ({subject})")
+                raise AttentionTypeError(f"{name}'s keys must be strings; got {key!r} ({subject})")
         self.values = {key: value for key, value in scaling.items() if value is not None}
         kind, old = self.values.get("rope_type"), self.values.get("type")
         if kind is not None and old is not None and kind != old:
             raise AttentionValueError(
-                f"scaling['rope_type'] {kind!r} and scaling['type'] {old!r} (its old spelling) "
+                f"{name}['rope_type'] {kind!r} and {name}['type'] {old!r} (its old spelling) "
                 f"disagree: give one ({subject})"
             )
         kind = kind if kind is not None else old if old is not None else "default"
         if kind not in _KEYS:
             raise AttentionValueError(
-                f"scaling['rope_type'] {kind!r} is not supported: use one of "
+                f"{self.name}['rope_type'] {kind!r} is not supported: use one of "
                 f"{', '.join(ROPE_TYPES)} ({subject})"
             )
         self.kind = str(kind)
@@ -362,14 +367,14 @@ class _Given:
             if key not in _KEYS[self.kind] and key not in _EVERY_TYPE:
                 takes = ", ".join(_KEYS[self.kind]) or "no key of its own"
                 raise AttentionValueError(
-                    f"scaling has the key {key!r}, which rope_type {self.kind!r} does not take "
+                    f"{self.name} has the key {key!r}, which rope_type {self.kind!r} does not take "
                     f"(it takes {takes}) ({subject})"
                 )
 
     def missing(self, key: str, alternative: str = "") -> NoReturn:
         alternative = f" ({alternative})" if alternative else ""
         raise AttentionValueError(
-            f"scaling needs the key {key!r}{alternative} for rope_type {self.kind!r} "
+            f"{self.name} needs the key {key!r}{alternative} for rope_type {self.kind!r} "
             f"({self.subject})"
         )
 
@@ -397,7 +402,7 @@ class _Given:
         wanted = " ".join(["a number", " and ".join(bound for bound in bounds if bound)]).strip()
         if not _is_real(value):
             raise AttentionTypeError(
-                f"scaling[{key!r}] must be {wanted}; got {value!r} ({self.subject})"
+                f"{self.name}[{key!r}] must be {wanted}; got {value!r} ({self.subject})"
             )
         number = float(value)
         if not (
@@ -407,7 +412,7 @@ class _Given:
             and (most is None or number <= most)
         ):
             raise AttentionValueError(
-                f"scaling[{key!r}] must be {wanted} for rope_type {self.kind!r}; got {value!r} "
+                f"{self.name}[{key!r}] must be {wanted} for rope_type {self.kind!r}; got {value!r} "
                 f"({self.subject})"
             )
         return number
@@ -418,11 +423,11 @@ class _Given:
         value = self.values[key]
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
             raise AttentionTypeError(
-                f"scaling[{key!r}] must be a positive integer; got {value!r} ({self.subject})"
+                f"{self.name}[{key!r}] must be a positive integer; got {value!r} ({self.subject})"
             )
         if value <= 0:
             raise AttentionValueError(
-                f"scaling[{key!r}] must be a positive integer; got {value} ({self.subject})"
+                f"{self.name}[{key!r}] must be a positive integer; got {value} ({self.subject})"
             )
         return int(value)
 
@@ -436,15 +441,16 @@ class _Given:
             value = value.tolist()
         if not isinstance(value, (list, tuple)) or not all(_is_real(f) for f in value):
             raise AttentionTypeError(
-                f"scaling[{key!r}] must be {wanted}; got {value!r:.60} ({self.subject})"
+                f"{self.name}[{key!r}] must be {wanted}; got {value!r:.60} ({self.subject})"
             )
         if len(value) != n:
             raise AttentionValueError(
-                f"scaling[{key!r}] must be {wanted}; got {len(value)} numbers ({self.subject})"
+                f"{self.name}[{key!r}] must be {wanted}; got {len(value)} numbers ({self.subject})"
             )
         if not all(0 < float(f) < math.inf for f in value):
             raise AttentionValueError(
-                f"scaling[{key!r}] must be {wanted}; got one <= 0 or not finite ({self.subject})"
+                f"{self.name}[{key!r}] must be {wanted}; got one <= 0 or not finite "
+                f"({self.subject})"
             )
         return tuple(float(f) for f in value)
 
@@ -453,3 +459,14 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
         value, (bool, np.bool_)
     )
+
+
+def check_base(rope: RopeScaling | None, theta: float, names: tuple[str, str]) -> None:
+    """Refuse a base that ``rope``'s type cannot take: yarn's correction divides by
+    ``log(theta)``, so it needs ``theta > 1``. ``names`` are the caller's names of the base
+    and the scaling."""
+    if rope is not None and rope.rope_type == "yarn" and theta <= 1.0:
+        raise AttentionValueError(
+            f"{names[1]} of rope_type 'yarn' needs {names[0]} above 1 (its correction "
+            f"divides by log({names[0]})); got {names[0]}={theta}"
+        )

@@ -18,7 +18,7 @@ import numpy as np
 
 from .._arrays import as_array, as_float_array, flag, positive_int, result_and_compute_dtypes
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
-from .rope_scaling import RopeScaling, check_rope_scaling, default_frequencies
+from .rope_scaling import RopeScaling, check_base, check_rope_scaling, default_frequencies
 
 __all__ = [
     "apply_rotary",
@@ -132,6 +132,7 @@ def check_rotary(
                 f"{d} features, but rotary_dim is {r}: give rotary_dim={int(d * share)} or "
                 f"leave partial_rotary_factor out ({subject})"
             )
+        check_base(rope, base, ("theta", "scaling"))
         if seq_len is None:  # as transformers' dynamic_rope_update: the largest position + 1
             seq_len = float(at.max()) + 1 if at.size else 0.0
         frequencies, attention = rope.frequencies(base, seq_len)

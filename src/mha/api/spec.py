@@ -314,8 +314,11 @@ def check_mha(keywords: MhaKeywords) -> Checked:
 
 def _check_mha(kw: MhaKeywords) -> Checked:
     request = Request.check(kw.return_weights, False, kw.return_backward, kw.max_memory, kw.workers)
+    window = kw.window
+    if window is None and kw.cache is not None:  # the cache's, as the core takes it
+        window = getattr(kw.cache, "window", None)
     rules = MaskRules.check(
-        kw.mask, kw.causal, kw.causal_alignment, kw.window, kw.sink_tokens, kw.chunk, kw.mask_mod
+        kw.mask, kw.causal, kw.causal_alignment, window, kw.sink_tokens, kw.chunk, kw.mask_mod
     )
     arrays = MaskArrays.of(kw.mask, kw.bias, kw.key_lengths, kw.query_lengths)
     drop_p = check_dropout(kw.dropout_p, kw.generator)

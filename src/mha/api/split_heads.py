@@ -21,7 +21,7 @@ from .._arrays import (
 )
 from .._kernel.call import KernelCall, Outputs
 from .._kernel.contract import ScoreShape, Visibility
-from .._kernel.dropout import Dropout
+from .._kernel.dropout import drawn
 from .._kernel.forward import attend, merge_partials
 from .._kernel.scores import add_sinks
 from .._kernel.team import Team, workers_for
@@ -236,23 +236,22 @@ def attention(q: Any, k: Any, v: Any, checked: Checked) -> np.ndarray | tuple[An
         spec.mask, given.arrays, shape, compute_dtype, f"q {q.shape}, k {k.shape}"
     )
     visibility = select_keys(spec.selection, q, k, visibility)
-    # The seed is drawn once everything is checked: a refused call leaves the generator be.
-    dropout = None
-    if spec.dropout_p:
-        dropout = Dropout.draw(spec.dropout_p, given.generator, q.shape[-3], q.shape[-2])
     outputs = Outputs(np.zeros((*q.shape[:-1], v.shape[-1]), dtype=compute_dtype))
     if request.weights:
         outputs.weights = np.zeros((*q.shape[:-1], k.shape[-2]), dtype=compute_dtype)
     if request.lse or request.backward:
         outputs.lse = np.full(q.shape[:-1], -np.inf, dtype=compute_dtype)
     cost = float(math.prod(q.shape[:-1])) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+    # The seed is drawn once everything is checked, and put back if the call still fails.
     with (
+        drawn(spec.dropout_p, given.generator, q.shape[-3], q.shape[-2]) as dropout,
         np.errstate(invalid="ignore", over="ignore"),
         Team(workers_for(cost, request.threads)) as team,
     ):
         visibility = visibility.classified(team)  # mask_mod's block map, kept for backward
         call = KernelCall(q, k, v, visibility, scale, scores, dropout, request.budget)
-        attend(call, outputs, team)
+        if q.shape[-3]:  # (no query heads: nothing to compute)
+            attend(call, outputs, team)
     results: list[Any] = [cast_result(outputs.out, result_dtype)]
     if outputs.weights is not None:
         results.append(cast_result(outputs.weights, result_dtype))

@@ -67,7 +67,7 @@ def check_scores(
     cap = None if softcap is None else positive_real("softcap", softcap)
     slopes = None
     if isinstance(alibi, (bool, np.bool_)):
-        slopes = alibi_slopes(H) if alibi else None
+        slopes = (alibi_slopes(H) if H else np.zeros(0)) if alibi else None  # 0 heads: none
     elif alibi is not None:
         slopes = _per_head("alibi", alibi, H, "one slope")
     for name, function in (("score_mod", score_mod), ("score_mod_grad", score_mod_grad)):

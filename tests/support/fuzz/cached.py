@@ -221,7 +221,7 @@ def cached_scene(session: Any, q: Any, held: list[tuple[np.ndarray, np.ndarray]]
         return fitted.astype(bool if name == "mask" else np.float64)
 
     alibi, scale = kw.get("alibi"), kw.get("scale")
-    slopes = paper_slopes(H) if alibi is True else (
+    slopes = (paper_slopes(H) if H else np.zeros(0)) if alibi is True else (
         None if alibi is None or alibi is False else np.asarray(alibi, np.float64))  # fmt: skip
     return dense.Scene(
         q=qa, k=keys, v=vals, scale=1 / math.sqrt(d_k) if scale is None else float(scale),

@@ -193,8 +193,8 @@ def layer_calls(draw: Any) -> Call:
         if draw(chance(0.3), label="rope_scaling") and not (S == 0 < L and avoid(
                 "rope scaling without keys")):  # fmt: skip
             kw["rope_scaling"] = draw(pick(SCALINGS[1:]), label="rope_scaling")
-            if kw["rope_scaling"]["rope_type"] == "yarn" and avoid("yarn with theta 1"):
-                kw["rope_theta"] = 10000.0
+            if kw["rope_scaling"]["rope_type"] == "yarn" and kw.get("rope_theta", 2) <= 1:
+                drawn.refuse |= {"rope_theta", "rope_scaling"}  # yarn divides by log(theta)
         if L == S and draw(chance(0.3), label="positions"):
             kw["positions"] = rng.integers(0, 40, (*B, L) if B and draw(st.booleans()) else (L,))
     if draw(chance(0.15), label="qk_norm"):

@@ -77,8 +77,8 @@ def made(draw: Any) -> Any:
             if kwargs["rope_scaling"]["rope_type"] == "dynamic" and kwargs.get(
                 "rotary_dim", head_dim) <= 2:  # fmt: skip
                 refuse |= {"rope_scaling", "rotary_dim"}
-            if kwargs["rope_scaling"]["rope_type"] == "yarn" and avoid("yarn with theta 1"):
-                kwargs["rope_theta"] = 10000.0
+            if kwargs["rope_scaling"]["rope_type"] == "yarn" and kwargs.get("rope_theta", 2) <= 1:
+                refuse |= {"rope_theta", "rope_scaling"}  # yarn divides by log(theta)
     if "qk_norm" in kwargs:
         for name, value in (("qk_norm_eps", 1e-3), ("qk_norm_offset", 1.0)):
             if draw(chance(0.3), label=name):

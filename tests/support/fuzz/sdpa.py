@@ -179,7 +179,7 @@ def scene_of(q: Any, k: Any, v: Any, kw: dict[str, Any]) -> dense.Scene:
     alibi = kw.get("alibi")
     slopes = None
     if alibi is True:
-        slopes = paper_slopes(H)
+        slopes = paper_slopes(H) if H else np.zeros(0)  # no heads: no slopes
     elif alibi is not None and alibi is not False:
         slopes = np.asarray(alibi, np.float64)
     scale = kw.get("scale")

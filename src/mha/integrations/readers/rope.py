@@ -141,8 +141,9 @@ def check_rope(read: Settings, settings: Mapping[str, Any], index: int) -> None:
         return
     rotated = settings.get("qk_rope_head_dim") or settings.get("rotary_dim") or settings["head_dim"]
     given = [read.name(key) for key in ("rope_scaling", "rope_parameters") if read.given(key)]
-    key = given[0] if given else f"rope_parameters (the {read.family} defaults)"
-    check_rope_scaling(scaling, rotated, f"{read.path}: config.json's {key}, layer {index}")
+    key = given[0] if given else "rope_parameters"
+    where = f"{read.path}: config.json" + ("" if given else f", the {read.family} defaults")
+    check_rope_scaling(scaling, rotated, f"{where}, layer {index}", key)
 
 
 def yarn_mscale(scale: float, mscale: float) -> float:
