@@ -23,6 +23,7 @@ pays for the checks once, as einops keeps its recipes.
 
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple, Protocol
@@ -154,7 +155,7 @@ class ScoreRules:
             temperature=self.temperature,
         )
 
-    @property
+    @functools.cached_property
     def empty(self) -> bool:
         return all(getattr(self, f.name) in (None, False) for f in fields(self))
 
@@ -237,9 +238,10 @@ class CallInputs:
     left_padded: bool = False
     generator: Any = None
 
-    @property
+    @functools.cached_property
     def empty(self) -> bool:
-        """Whether the call carries nothing (its spec alone says what it computes)."""
+        """Whether the call carries nothing (its spec alone says what it computes); worked
+        out once (a kept record's inputs serve every call)."""
         plain = all(getattr(self.arrays, f.name) is None for f in fields(self.arrays))
         return plain and all(
             getattr(self, f.name) in (None, False) for f in fields(self) if f.name != "arrays"
