@@ -1,0 +1,84 @@
+"""The band: which keys the causal mask, the sliding window and the lengths leave to each
+query, as the integer formulas both tile walks compute it with.
+
+Query row ``r`` of a sequence aligned by ``offset`` has its own key at ``r + offset``. The
+causal mask hides the keys after it, a window of ``window`` keys (itself included) the keys
+at or before ``r + offset - window``, and the key length every key from ``key_end`` on. So
+each row sees one run of keys, and a tile of keys ``[c0, c0 + w)`` shows each row the run
+``[lo, hi)`` of its keys counted from ``c0``: the tile's band (:func:`band`). A tile whose
+band hides nothing (:func:`cut` is false) needs no mask, and a tile no row sees
+(:func:`rows_seeing` empty) is skipped.
+
+Every function here is integer arithmetic on Python ints or NumPy's int64, each written once:
+the NumPy walk calls them as they are (:class:`.item.ItemVisibility`; :func:`band` over an
+array of rows at once), and the compiled walks compile them with numba (:mod:`._numba_walk`).
+``window`` is :data:`NO_WINDOW` (``-1``) where there is none.
+
+>>> band(np.arange(3), 4, True, 2)  # rows whose own keys are 0, 1, 2 of a tile of 4 keys
+(array([0, 0, 1]), array([1, 2, 3]))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "NO_WINDOW",
+    "band",
+    "crosses_diagonal",
+    "crosses_edge",
+    "cut",
+    "keys_seen",
+    "rows_seeing",
+]
+
+NO_WINDOW = -1
+"""``window`` when there is no sliding window."""
+
+
+def keys_seen(r0: int, r1: int, offset: int, key_end: int, causal: bool, window: int) -> Any:
+    """The keys ``[start, stop)`` that some row of ``[r0, r1)`` may see by the key length, the
+    causal mask and the window (none when ``start >= stop``)."""
+    stop = min(key_end, r1 + offset) if causal else key_end
+    start = max(0, r0 + offset - window + 1) if window >= 0 else 0
+    return start, stop
+
+
+def rows_seeing(r0: int, r1: int, c0: int, c1: int, offset: int, causal: bool, window: int) -> Any:
+    """The rows ``[a, b)`` of ``[r0, r1)`` that may see some key of ``[c0, c1)`` by the causal
+    mask and the window (none when ``a >= b``): the causal mask hides the keys from the rows
+    before ``c0 - offset``, the window from the rows after ``c1 - 1 - offset + window``."""
+    a = max(r0, c0 - offset) if causal else r0
+    b = min(r1, c1 - 1 - offset + window) if window >= 0 else r1
+    return a, b
+
+
+def crosses_diagonal(r0: int, c1: int, offset: int, causal: bool) -> bool:
+    """Whether the causal mask hides a key before ``c1`` from row ``r0`` (and so from the rows
+    of a tile starting there: the tile crosses the diagonal)."""
+    return causal and c1 - 1 > r0 + offset
+
+
+def crosses_edge(r1: int, c0: int, offset: int, window: int) -> bool:
+    """Whether the window hides key ``c0`` from row ``r1 - 1`` (and so from the rows of a tile
+    ending there: the tile crosses the window's edge)."""
+    return window >= 0 and c0 <= r1 - 1 + offset - window
+
+
+def cut(r0: int, r1: int, c0: int, c1: int, offset: int, causal: bool, window: int) -> bool:
+    """Whether the band hides some key of ``[c0, c1)`` from some row of ``[r0, r1)``, which
+    otherwise all see every key of it (the rows and keys being ones :func:`rows_seeing` and
+    :func:`keys_seen` left)."""
+    return crosses_diagonal(r0, c1, offset, causal) or crosses_edge(r1, c0, offset, window)
+
+
+def band(aligned: Any, w: int, causal: bool, window: int) -> Any:
+    """Each row's visible keys ``[lo, hi)`` of a tile of ``w`` keys (``0 <= lo <= hi <= w``)
+    by the causal mask and the window, ``aligned`` being the row's own key counted from the
+    tile's first (``r + offset - c0``): an int, or an int64 array of rows."""
+    none = aligned * 0  # an int, or 0 for each row
+    lo = np.minimum(np.maximum(aligned - window + 1, 0), w) if window >= 0 else none
+    hi = np.minimum(np.maximum(aligned + 1, 0), w) if causal else none + w
+    return lo, hi
