@@ -48,10 +48,11 @@ def counted(monkeypatch):
     for name in ("forward", "backward"):
         real = getattr(compiled, f"{name}_walk")
 
-        def spy(dtype, *args, _real=real, _name=name):
+        def spy(dtype, work, *args, _real=real, _name=name):
             counts[_name] += 1
-            _real(dtype, *args)
-            counts.flags[id(args[-1])] = (_name, args[-1])  # kept: the id stays theirs
+            _real(dtype, work, *args)
+            flags = work[2]  # (tasks, counter, failed)
+            counts.flags[id(flags)] = (_name, flags)  # kept: the id stays theirs
 
         monkeypatch.setattr(compiled, f"{name}_walk", spy)
     return counts
@@ -283,8 +284,8 @@ def test_gemm_entry_points_are_numpys_own_blas(walks):
 
     @njit
     def product(address, a, b, c):  # a @ b.T, row-major
-        _gemm(address, NO_TRANS, TRANS, a.shape[0], b.shape[0], a.shape[1], 1.0, a, 0,
-              a.shape[1], b, 0, b.shape[1], 0.0, c, 0, c.shape[1])  # fmt: skip
+        op = (NO_TRANS, TRANS, a.shape[0], b.shape[0], a.shape[1], 1.0, 0.0)
+        _gemm(address, op, (a, 0, a.shape[1]), (b, 0, b.shape[1]), (c, 0, c.shape[1]))
 
     addresses = blas.gemm_addresses()
     assert addresses is not None and set(addresses) == {"float32", "float64"}
@@ -335,9 +336,8 @@ def test_a_decoding_steps_register_blocks_sum_as_one_row_at_a_time(walks, dtype,
 
     @njit
     def accumulate(values, n, s, at, w, acc, i0, rows, partial):
-        address = _numba_walk._address(values, 0)
-        _numba_walk._few_accumulate(address, values.shape[1], n, s, at, w, acc, i0, rows,
-                                    partial, 0)  # fmt: skip
+        run = (_numba_walk._address(values, 0), values.shape[1], n, 0)
+        _numba_walk._few_accumulate(run, s, at, w, acc, i0, rows, partial)
 
     rng = np.random.default_rng(rows)
     for n, at, w, d in [(1024, 0, 1024, 128), (300, 100, 700, 64), (37, 5, 42, 16), (9, 0, 9, 8)]:
@@ -373,9 +373,10 @@ def test_workers_take_tasks_from_one_counter(walks, monkeypatch):
     runs = []
     real = compiled.forward_walk
 
-    def spy(dtype, table, counter, *args):
+    def spy(dtype, work, *args):
+        table, counter, _ = work
         before = int(counter[0])
-        real(dtype, table, counter, *args)
+        real(dtype, work, *args)
         runs.append((before, int(counter[0]), len(table)))
 
     monkeypatch.setattr(compiled, "forward_walk", spy)

@@ -78,10 +78,9 @@ def attend_backward(
     # When all of a head's rows fit, a work item takes several key/value heads (batched
     # GEMMs), which keeps Python's per-tile cost small for short sequences.
     tiles = plan_tiles(L, S, H_kv, d_k, d_v, dtype.itemsize, max_memory // 2, False, group)
-    if walk.backward_walkable(q, k, v, out, lse, grad_out, dq, dk, dv, visibility, dbias, dropout,
-                              scores):  # fmt: skip
-        left = walk.run_backward(q, k, v, out, lse, grad_out, visibility, scale, dq_factor, dq,
-                                 dk, dv, tiles, group, team or Team(1))  # fmt: skip
+    call = replace(call, visibility=visibility)
+    if walk.backward_walkable(call, forward, grad_out, grads):
+        left = walk.run_backward(call, forward, grad_out, grads, tiles, team or Team(1))
         if not left:
             return
         # what the compiled walk left (a non-finite key some row cannot see): NumPy's walk

@@ -152,12 +152,12 @@ def attend(call: KernelCall, outputs: Outputs, team: Team | None = None) -> None
         tiles = replace(tiles, rows=tiles.rows // align * align)
     team = team or Team(1)
     parts: Parts | None = None
-    views = walk.forward_walkable(q, k, v, out, lse, visibility, weights, dropout, scores)
+    call = replace(call, visibility=visibility)
+    views = walk.forward_walkable(call, Outputs(out, weights, lse))
     if views:
         # The compiled walk; a task it could not do (a non-finite value at a hidden key)
         # is done below by the NumPy walk, with the compiled softmax step.
-        work, parts = walk.run_forward(q, k, v, visibility, scale, out, lse, views, tiles, group,
-                                       team, WIDE_BELOW_ROWS, PRODUCT_CHUNK)  # fmt: skip
+        work, parts = walk.run_forward(call, views, tiles, team, WIDE_BELOW_ROWS, PRODUCT_CHUNK)
         fused = True
     else:
         items: list[Task] = []

@@ -27,8 +27,6 @@ import numpy as np
 __all__ = [
     "NO_WINDOW",
     "band",
-    "crosses_diagonal",
-    "crosses_edge",
     "cut",
     "keys_seen",
     "rows_seeing",
@@ -55,23 +53,15 @@ def rows_seeing(r0: int, r1: int, c0: int, c1: int, offset: int, causal: bool, w
     return a, b
 
 
-def crosses_diagonal(r0: int, c1: int, offset: int, causal: bool) -> bool:
-    """Whether the causal mask hides a key before ``c1`` from row ``r0`` (and so from the rows
-    of a tile starting there: the tile crosses the diagonal)."""
-    return causal and c1 - 1 > r0 + offset
-
-
-def crosses_edge(r1: int, c0: int, offset: int, window: int) -> bool:
-    """Whether the window hides key ``c0`` from row ``r1 - 1`` (and so from the rows of a tile
-    ending there: the tile crosses the window's edge)."""
-    return window >= 0 and c0 <= r1 - 1 + offset - window
-
-
 def cut(r0: int, r1: int, c0: int, c1: int, offset: int, causal: bool, window: int) -> bool:
-    """Whether the band hides some key of ``[c0, c1)`` from some row of ``[r0, r1)``, which
-    otherwise all see every key of it (the rows and keys being ones :func:`rows_seeing` and
-    :func:`keys_seen` left)."""
-    return crosses_diagonal(r0, c1, offset, causal) or crosses_edge(r1, c0, offset, window)
+    """Whether the band hides some key of ``[c0, c1)`` from some row of ``[r0, r1)`` (rows
+    and keys that :func:`rows_seeing` and :func:`keys_seen` left): the tile crosses the
+    diagonal (the causal mask hides a key before ``c1`` from row ``r0``) or the window's
+    edge (the window hides key ``c0`` from row ``r1 - 1``). Otherwise every row sees every
+    key of it. Either alone: the other given as absent."""
+    crosses_diagonal = causal and c1 - 1 > r0 + offset
+    crosses_edge = window >= 0 and c0 <= r1 - 1 + offset - window
+    return crosses_diagonal or crosses_edge
 
 
 def band(aligned: Any, w: int, causal: bool, window: int) -> Any:

@@ -215,11 +215,11 @@ class ItemVisibility:
         :meth:`band` can say it) are left to :meth:`band`."""
         hidden = None
         w, window = c1 - c0, self._window_length()
-        if band and geometry.crosses_diagonal(r0, c1, self.offset, self.causal):
+        if band and geometry.cut(r0, r1, c0, c1, self.offset, self.causal, NO_WINDOW):
             _, hi = geometry.band(self._aligned(r0, r1, c0)[:, None], w, True, NO_WINDOW)
             hidden = np.arange(w) >= hi  # the keys after each row's own
         sinks_apart = self._band_window(c0) == NO_WINDOW  # the band cannot say this window
-        if (band or sinks_apart) and geometry.crosses_edge(r1, c0, self.offset, window):
+        if (band or sinks_apart) and geometry.cut(r0, r1, c0, c1, self.offset, False, window):
             lo, _ = geometry.band(self._aligned(r0, r1, c0)[:, None], w, False, window)
             below = np.arange(w) < lo  # the keys before each row's window
             sinks = self.sink_end()
