@@ -332,12 +332,12 @@ def test_a_decoding_steps_register_blocks_sum_as_one_row_at_a_time(walks, dtype,
     paged cache's blocks apart) as if they were one."""
     from numba import njit
 
-    from mha._kernel import _numba_walk
+    from mha._kernel import _numba_pool
 
     @njit
     def accumulate(values, n, s, at, w, acc, i0, rows, partial):
-        run = (_numba_walk._address(values, 0), values.shape[1], n, 0)
-        _numba_walk._few_accumulate(run, s, at, w, acc, i0, rows, partial)
+        run = (_numba_pool.address(values, 0), values.shape[1], n, 0)
+        _numba_pool.few_accumulate(run, s, at, w, acc, i0, rows, partial)
 
     rng = np.random.default_rng(rows)
     for n, at, w, d in [(1024, 0, 1024, 128), (300, 100, 700, 64), (37, 5, 42, 16), (9, 0, 9, 8)]:
