@@ -15,16 +15,17 @@ Both subtractions ride on the GEMMs as one extra column of ones: BLAS does them 
 are zeroed after ``exp`` rather than set to ``-inf`` before it (NumPy's float64 ``exp`` is
 several times slower on ``-inf``).
 
-A work item is one ``(*batch, key/value head)``: it owns that head's ``dk`` and ``dv`` and
-its query heads' ``dq``, so the workers share no accumulator and need no lock. The tiles an
-item visits are the forward's: causal tiles above the diagonal and window tiles below the
-band are skipped, padded rows and keys are never visited. Grouped query heads are stacked
-into one tile, so their ``dk``/``dv`` contributions sum in the GEMMs.
+A work item is one ``(*batch, key/value head)`` (:class:`_ItemBackward`): it owns that
+head's ``dk`` and ``dv`` and its query heads' ``dq``, so the workers share no accumulator
+and need no lock. The tiles an item visits are the forward's: causal tiles above the
+diagonal and window tiles below the band are skipped, padded rows and keys are never
+visited. Grouped query heads are stacked into one tile, so their ``dk``/``dv``
+contributions sum in the GEMMs.
 
 With numba, a call whose hidden keys are a band runs these steps as compiled code
-(:func:`mha._kernel.compiled.backward_walk`, NumPy's BLAS for the five GEMMs), one task per
-``(*batch, key/value head)``; the subtractions are then done in the sweep that takes ``exp``,
-without the extra column.
+(:func:`mha._kernel.compiled.backward_walk`, NumPy's BLAS for the five GEMMs, chosen by
+:func:`.walk.choose`), one task per ``(*batch, key/value head)``; the subtractions are then
+done in the sweep that takes ``exp``, without the extra column.
 """
 
 from __future__ import annotations

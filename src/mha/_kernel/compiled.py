@@ -5,18 +5,19 @@ softmax step.
 key tile of them, without returning to Python: the GEMMs are NumPy's own BLAS's
 ``cblas_?gemm``, called through its address (:mod:`.blas`), and the rest is compiled loops
 (:mod:`._numba_walk`; a decoding step's few rows: its products too, reading each key and
-value once). The keys and values are arrays or a paged cache's blocks. Their arguments come
-grouped as numba tuples (:func:`_signatures`): the work, the operands (the keys and the
-values each a pool of blocks), the outputs, the band, the sizes and the scratch. They take
-the calls whose hidden keys a band can say (the causal mask, the window, the lengths, a
-cache's alignment: :mod:`.geometry`) with plain scores (sinks are added after, as
-everywhere), in float32 or float64, at every size (:mod:`.walk` chooses): with them a call
-costs tens of microseconds of Python, not a few per tile. Every other call (boolean masks, bias,
-``mask_mod``, chunks, sink tokens, soft-capping, ALiBi, ``score_mod``, dropout, returned
-weights, float16 and bfloat16) walks its tiles in Python, with the softmax step below; so do
-the few work items where a key some rows cannot see holds a non-finite value (``0 * inf``
-would be NaN in a GEMM). Each walk is compiled for one signature per dtype on first use
-(cached on disk by numba: the first call in a process loads it, a fraction of a second).
+value once, :mod:`._numba_pool`). The keys and values are arrays or a paged cache's blocks.
+Their arguments come grouped as numba tuples (:func:`_signatures`): the work, the operands
+(the keys and the values each a pool of blocks), the outputs, the band, the sizes and the
+scratch. They take the calls whose hidden keys a band can say (the causal mask, the window,
+the lengths, a cache's alignment: :mod:`.geometry`) with plain scores (sinks are added
+after, as everywhere), in float32 or float64, at every size (:func:`.walk.choose` picks
+them): with them a call costs tens of microseconds of Python, not a few per tile. Every
+other call (boolean masks, bias, ``mask_mod``, chunks, sink tokens, soft-capping, ALiBi,
+``score_mod``, dropout, returned weights, float16 and bfloat16) walks its tiles in Python,
+with the softmax step below; so do the few work items where a key some rows cannot see
+holds a non-finite value (``0 * inf`` would be NaN in a GEMM). Each walk is compiled for
+one signature per dtype on first use (cached on disk by numba: the first call in a process
+loads it, a fraction of a second).
 
 **The softmax step.** NumPy makes four passes over each tile of scores for the online
 softmax: the row maximum, the subtraction, ``exp`` and the row sum, each reading (and two

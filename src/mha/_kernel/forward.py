@@ -20,13 +20,16 @@ With numba installed (the ``fast`` extra, :mod:`.compiled`), a call whose hidden
 band (causal, window, lengths, a cache) runs its work items as compiled code, each walking
 its key tiles with NumPy's own BLAS for the GEMMs and compiled loops for the rest, work items
 of ``walk.WALK_ROWS`` query rows whose tile of scores stays in L2; every other call walks its
-tiles here in Python, the softmax lines (maximum, ``exp``, sum, rescaling) one compiled
-sweep per row for large calls, NumPy passes otherwise and without numba. All give the same
-function up to rounding and are tested against each other and PyTorch.
+tiles here in Python (:class:`_QueryTile`), the softmax lines (maximum, ``exp``, sum,
+rescaling) one compiled sweep per row for large calls, NumPy passes otherwise and without
+numba. Each walk declares what it supports and :func:`.walk.choose` picks one by what the
+call sets. All give the same function up to rounding and are tested against each other and
+PyTorch.
 
 Masks are cut per tile: causal skips every tile above the diagonal and masks only tiles that
-cross it, a sliding window skips every tile below its band; ``key_lengths`` and
-``query_lengths`` bound the loops; boolean masks and bias are sliced. Items run on a thread
+cross it, a sliding window skips every tile below its band (both walks with the band of
+:mod:`.geometry`); ``key_lengths`` and ``query_lengths`` bound the loops; boolean masks and
+bias are sliced. Items run on a thread
 pool (NumPy releases the GIL in BLAS calls and ufuncs), with BLAS limited to one thread
 inside the workers when threadpoolctl is installed.
 

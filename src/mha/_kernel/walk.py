@@ -162,7 +162,7 @@ def forward_walkable(call: KernelCall, outputs: Outputs) -> list[np.ndarray] | N
     written = (outputs.out,) if lse is None else (outputs.out, lse[..., None])
     q, k, v = call.q, call.k, call.v
     needs = features(call, outputs, (q, k, v, *written))  # lse's view: its dtype and size
-    if choose((COMPILED_FORWARD,), needs) is NUMPY:
+    if choose((COMPILED_FORWARD, NUMPY), needs) is NUMPY:
         return None
     if not isinstance(k, PagedKV):
         return walk_views((q, k, v), written, operands=(q, k, v))
@@ -469,7 +469,7 @@ def backward_walkable(
     read as they are)."""
     needs = features(call, grads, _backward_arrays(call, forward, grad_out, grads))
     return (
-        choose((COMPILED_BACKWARD,), needs) is not NUMPY
+        choose((COMPILED_BACKWARD, NUMPY), needs) is not NUMPY
         and _backward_views(call, forward, grad_out, grads) is not None
     )
 
