@@ -172,7 +172,7 @@ def _row_band(tile, band, i):  # type: ignore[no-untyped-def]  # pragma: no cove
     if not banded:
         return 0, c1 - c0
     causal, window, offsets = band[0], band[1], band[2]
-    return _band(r0 + i % n + offsets[b] - c0, c1 - c0, causal, window)
+    return _band(r0 + i % n, c0, c1, offsets[b], causal, window)
 
 
 def plan(B, H_kv, L, rows, band):  # type: ignore[no-untyped-def]  # pragma: no cover

@@ -14,8 +14,8 @@ the NumPy walk calls them as they are (:class:`.item.ItemVisibility`; :func:`ban
 array of rows at once), and the compiled walks compile them with numba (:mod:`._numba_walk`).
 ``window`` is :data:`NO_WINDOW` (``-1``) where there is none.
 
->>> band(np.arange(3), 4, True, 2)  # rows whose own keys are 0, 1, 2 of a tile of 4 keys
-(array([0, 0, 1]), array([1, 2, 3]))
+>>> band(np.arange(4), 0, 4, 0, True, 2)  # rows 0-3, keys 0-3: causal, a window of 2
+(array([0, 0, 1, 2]), array([1, 2, 3, 4]))
 """
 
 from __future__ import annotations
@@ -64,11 +64,12 @@ def cut(r0: int, r1: int, c0: int, c1: int, offset: int, causal: bool, window: i
     return crosses_diagonal or crosses_edge
 
 
-def band(aligned: Any, w: int, causal: bool, window: int) -> Any:
-    """Each row's visible keys ``[lo, hi)`` of a tile of ``w`` keys (``0 <= lo <= hi <= w``)
-    by the causal mask and the window, ``aligned`` being the row's own key counted from the
-    tile's first (``r + offset - c0``): an int, or an int64 array of rows."""
-    none = aligned * 0  # an int, or 0 for each row
-    lo = np.minimum(np.maximum(aligned - window + 1, 0), w) if window >= 0 else none
-    hi = np.minimum(np.maximum(aligned + 1, 0), w) if causal else none + w
+def band(r: Any, c0: int, c1: int, offset: int, causal: bool, window: int) -> Any:
+    """Row ``r``'s visible keys ``[lo, hi)`` of the tile ``[c0, c1)`` by the causal mask and
+    the window, counted from ``c0`` (``0 <= lo <= hi <= c1 - c0``); ``r`` an int, or an int64
+    array of rows (and ``lo``, ``hi`` arrays of them)."""
+    own, w = r + offset - c0, c1 - c0  # the row's own key, counted from c0
+    none = own * 0  # an int, or 0 for each row
+    lo = np.minimum(np.maximum(own - window + 1, 0), w) if window >= 0 else none
+    hi = np.minimum(np.maximum(own + 1, 0), w) if causal else none + w
     return lo, hi

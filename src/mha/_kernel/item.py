@@ -163,10 +163,6 @@ class ItemVisibility:
         :data:`.geometry.NO_WINDOW` (a block with sink tokens in it is bounded by them)."""
         return self._window_length() if c0 >= self.sink_end() else NO_WINDOW
 
-    def _aligned(self, r0: int, r1: int, c0: int) -> np.ndarray:
-        """Each row of ``[r0, r1)``'s own key, counted from key ``c0`` (int64)."""
-        return np.arange(r0 + self.offset - c0, r1 + self.offset - c0)
-
     def band(self, r0: int, r1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray] | None:
         """For each row of ``[r0, r1)``, the keys ``[lo, hi)`` of the block ``[c0, c1)`` (as
         offsets from ``c0``) that the causal mask and the window leave visible, as two int64
@@ -174,7 +170,7 @@ class ItemVisibility:
         window = self._band_window(c0)
         if not geometry.cut(r0, r1, c0, c1, self.offset, self.causal, window):
             return None
-        lo, hi = geometry.band(self._aligned(r0, r1, c0), c1 - c0, self.causal, window)
+        lo, hi = geometry.band(np.arange(r0, r1), c0, c1, self.offset, self.causal, window)
         return lo, hi
 
     def band_and_hidden(
@@ -216,11 +212,11 @@ class ItemVisibility:
         hidden = None
         w, window = c1 - c0, self._window_length()
         if band and geometry.cut(r0, r1, c0, c1, self.offset, self.causal, NO_WINDOW):
-            _, hi = geometry.band(self._aligned(r0, r1, c0)[:, None], w, True, NO_WINDOW)
+            _, hi = geometry.band(np.arange(r0, r1)[:, None], c0, c1, self.offset, True, NO_WINDOW)
             hidden = np.arange(w) >= hi  # the keys after each row's own
         sinks_apart = self._band_window(c0) == NO_WINDOW  # the band cannot say this window
         if (band or sinks_apart) and geometry.cut(r0, r1, c0, c1, self.offset, False, window):
-            lo, _ = geometry.band(self._aligned(r0, r1, c0)[:, None], w, False, window)
+            lo, _ = geometry.band(np.arange(r0, r1)[:, None], c0, c1, self.offset, False, window)
             below = np.arange(w) < lo  # the keys before each row's window
             sinks = self.sink_end()
             if sinks > c0:  # sink tokens stay visible
