@@ -11,7 +11,9 @@ pools only). Positions that follow each other in a block, or in blocks that foll
 other in the pool, are one run of rows (:func:`run_end`): a GEMM reads a tile of keys where
 it lies when it is one run, else a copy (:func:`tile_at`); a decoding step's few rows
 (:data:`FEW_ROWS`) read each run where it lies, each key and each value once for all the
-rows (:func:`few_scores`, :func:`few_accumulate`).
+rows (:func:`few_scores`, :func:`few_accumulate`). The functions a walk calls per run are
+inlined in numba's IR (``inline="always"``): a pool's arrays then need no reference counting
+per call (a paged cache's decoding step calls them for every block).
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ FEW_KEYS = 256
 """Keys per block of :func:`few_scores`: they stay in L2 for the next four rows."""
 
 
-@njit(boundscheck=False, nogil=True)
+@njit(boundscheck=False, nogil=True, inline="always")
 def _key_row(pool, b, g, c):  # type: ignore[no-untyped-def]  # pragma: no cover
     """The flat element offset of sequence ``b``'s key ``c`` of head ``g`` in ``pool = (data,
     table, block, scales, zeros)``: ``data[table[b, c // block], c % block, g, 0]``."""
@@ -109,14 +111,14 @@ def _key_row(pool, b, g, c):  # type: ignore[no-untyped-def]  # pragma: no cover
     return (at + g * data.strides[2]) // data.itemsize
 
 
-@njit(boundscheck=False, nogil=True)
+@njit(boundscheck=False, nogil=True, inline="always")
 def key_ld(pool):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Elements between a block's rows (at least ``d``: a block of one row has any stride)."""
     data = pool[0]
     return max(data.strides[1] // data.itemsize, data.shape[3], 1)
 
 
-@njit(boundscheck=False, nogil=True)
+@njit(boundscheck=False, nogil=True, inline="always")
 def run_end(pool, b, c, stop):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Where the run of sequence ``b``'s positions from ``c`` (before ``stop``) that lie one
     row after another in memory ends: its block's end, or further when the next blocks
@@ -129,7 +131,7 @@ def run_end(pool, b, c, stop):  # type: ignore[no-untyped-def]  # pragma: no cov
     return end
 
 
-@njit(boundscheck=False, nogil=True)
+@njit(boundscheck=False, nogil=True, inline="always")
 def run_at(pool, b, g, c):  # type: ignore[no-untyped-def]  # pragma: no cover
     """The address of sequence ``b``'s key (or value) ``c`` of head ``g``."""
     return address(pool[0], _key_row(pool, b, g, c))

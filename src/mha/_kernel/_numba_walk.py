@@ -11,8 +11,10 @@ A walk takes its arguments as numba tuples (the work, the operands, the outputs,
 the sizes, the scratch) and hands them on whole: to a task (:func:`_forward_task`,
 :func:`_backward_task`), and to each key tile of it (:func:`_tile`, whose band is
 :mod:`.geometry`'s, compiled here). The walks are plain functions here: :mod:`.compiled`
-compiles each for one signature per dtype when first used (cached on disk by numba); their
-parts keep the walks' fastmath flags (:data:`FAST`).
+compiles each for one signature per dtype when first used (cached on disk by numba). Their
+parts are inlined in numba's IR (``inline="always"``, with the walks' fastmath flags,
+:data:`FAST`): each walk compiles to one function, its loops as when it was written as one,
+and the tuples' arrays need no reference counting from part to part.
 """
 
 from __future__ import annotations
@@ -137,42 +139,42 @@ def _rows(array):  # type: ignore[no-untyped-def]  # pragma: no cover
     return max(array.strides[array.ndim - 2] // array.itemsize, array.shape[array.ndim - 1], 1)
 
 
-_keys_seen = njit(geometry.keys_seen)
-_rows_seeing = njit(geometry.rows_seeing)
-_cut = njit(geometry.cut)
-_band = njit(geometry.band)
+_keys_seen = njit(inline="always")(geometry.keys_seen)
+_rows_seeing = njit(inline="always")(geometry.rows_seeing)
+_cut = njit(inline="always")(geometry.cut)
+_band = njit(inline="always")(geometry.band)
 
 
-@njit(boundscheck=False, nogil=True)
+@njit(boundscheck=False, nogil=True, inline="always")
 def _tile(at, c0, c1, group, band):  # type: ignore[no-untyped-def]  # pragma: no cover
     """The key tile ``[c0, c1)`` of the rows ``at = (b, g, r0, r1)`` (each of the ``group``
     query heads of key/value head ``g`` of sequence ``b``), as the walks compute it: ``(b,
-    g, r0, n, c0, c1, i0, rows, banded)``, the ``rows`` stacked rows from ``i0`` that may
-    see a key of it (with one query head, only the rows that do; 0 when none does), and
-    whether the band hides some of its keys from them (:mod:`.geometry`)."""
+    g, r0, n, c0, c1, i0, rows, cut)``, the ``rows`` stacked rows from ``i0`` that may see a
+    key of it (with one query head, only the rows that do; 0 when none does), and ``cut =
+    (banded, offset, causal, window)``: whether the band hides some of its keys from them,
+    and the sequence's band (:mod:`.geometry`)."""
     b, g, r0, r1 = at
-    causal, window, offsets = band[0], band[1], band[2]
-    offset = offsets[b]
+    causal, window, offset = band[0], band[1], band[2][b]
     a, e = _rows_seeing(r0, r1, c0, c1, offset, causal, window)
     if a >= e:
-        return b, g, r0, r1 - r0, c0, c1, 0, 0, False
+        return b, g, r0, r1 - r0, c0, c1, 0, 0, (False, offset, causal, window)
     if group > 1:
         a, e = r0, r1
     banded = _cut(a, e, c0, c1, offset, causal, window)
     i0 = (a - r0) if group == 1 else 0
     rows = (e - a) if group == 1 else group * (r1 - r0)
-    return b, g, r0, r1 - r0, c0, c1, i0, rows, banded
+    return b, g, r0, r1 - r0, c0, c1, i0, rows, (banded, offset, causal, window)
 
 
-@njit(boundscheck=False, nogil=True)
-def _row_band(tile, band, i):  # type: ignore[no-untyped-def]  # pragma: no cover
+@njit(boundscheck=False, nogil=True, inline="always")
+def _row_band(tile, i):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Stacked row ``i``'s visible keys ``[lo, hi)`` of ``tile`` (:func:`_tile`; query row
     ``r0 + i % n``), from the tile's first key."""
-    b, _, r0, n, c0, c1, _, _, banded = tile
+    _, _, r0, n, c0, c1, _, _, cut = tile
+    banded, offset, causal, window = cut
     if not banded:
         return 0, c1 - c0
-    causal, window, offsets = band[0], band[1], band[2]
-    return _band(r0 + i % n, c0, c1, offsets[b], causal, window)
+    return _band(r0 + i % n, c0, c1, offset, causal, window)
 
 
 def plan(B, H_kv, L, rows, band):  # type: ignore[no-untyped-def]  # pragma: no cover
@@ -211,17 +213,15 @@ def forward(gemm, work, operands, outputs, band, sizes, scratch):  # type: ignor
     over keys ``[start, stop)``, written to ``out`` and ``lse`` (``lse`` of size 0: not
     wanted), or to ``part_out[part]`` and ``part_lse[part]`` when ``part >= 0``
     (``outputs = (out, lse, part_out, part_lse)``). ``operands = (q, keys, values)``: ``q
-    (B, H, L, d_k)``, the keys and values each a pool ``(data, table, block, scales,
-    zeros)``: ``data (blocks, block, H_kv, d)`` (each row contiguous), sequence ``b``'s
-    position ``c`` in block ``table[b, c // block]`` (a paged cache's, or a contiguous array
-    seen as one block per sequence), ``scales`` and ``zeros`` empty (a float pool; the
-    walks take no quantized one). ``band`` as :func:`plan`'s; ``sizes = (scale, cols,
-    flip_below, chunk)``; ``scratch = (s, flipped, stacked, acc, m, ref, total, partial,
-    k_tile, v_tile)``. A tile of keys that spans blocks apart is copied into ``k_tile`` and
-    ``v_tile`` (``(cols, d)``) for the GEMMs; a decoding step's few rows read the blocks
-    where they lie, summing through ``partial`` (``(rows, d_v)``). A task whose band tiles
-    hold a non-finite value (which ``0 * value`` would spread) is left undone and flagged in
-    ``failed``, for the NumPy walk to do."""
+    (B, H, L, d_k)``, the keys and values each a pool of blocks (:mod:`._numba_pool`: a
+    paged cache's, or a contiguous array seen as one block per sequence; float pools only).
+    ``band`` as :func:`plan`'s; ``sizes = (scale, cols, flip_below, chunk)``; ``scratch =
+    (s, flipped, stacked, acc, m, ref, total, partial, k_tile, v_tile)``. A tile of keys
+    that spans blocks apart is copied into ``k_tile`` and ``v_tile`` (``(cols, d)``) for the
+    GEMMs; a decoding step's few rows read the blocks where they lie, summing through
+    ``partial`` (``(rows, d_v)``). A task whose band tiles hold a non-finite value (which
+    ``0 * value`` would spread) is left undone and flagged in ``failed``, for the NumPy walk
+    to do."""
     tasks, counter, failed = work
     while True:
         t = _take(counter)
@@ -231,7 +231,7 @@ def forward(gemm, work, operands, outputs, band, sizes, scratch):  # type: ignor
             failed[t] = True
 
 
-@njit(fastmath=FAST, boundscheck=False, nogil=True)
+@njit(fastmath=FAST, boundscheck=False, nogil=True, inline="always")
 def _forward_task(gemm, task, operands, outputs, band, sizes, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
     """One task of :func:`forward`, from its first key tile to its rows' outputs; ``False``
     when a hidden key's value is not finite (0 * inf would be NaN): nothing is written."""
@@ -251,19 +251,19 @@ def _forward_task(gemm, task, operands, outputs, band, sizes, scratch):  # type:
     while c0 < stop:
         c1 = min(c0 + cols, stop)
         tile = _tile(at, c0, c1, group, band)
-        b, g, _, _, _, _, _, rows, banded = tile
+        b, g, _, _, _, _, _, rows, cut = tile
         if rows > 0:
-            if banded and not finite(values, b, g, c0, c1):
+            if cut[0] and not finite(values, b, g, c0, c1):
                 return False  # a hidden key's value must be finite: 0 * inf would be NaN
             _tile_scores(gemm, tile, keys, flip, sizes, scratch)
-            _tile_softmax(tile, band, scratch)
+            _tile_softmax(tile, scratch)
             _tile_values(gemm, tile, values, sizes, scratch)
         c0 = c1
     _write_rows(task, group, outputs, scratch)
     return True
 
 
-@njit(fastmath=FAST, boundscheck=False, nogil=True)
+@njit(fastmath=FAST, boundscheck=False, nogil=True, inline="always")
 def _stack_queries(q, at, group, scale, stacked):  # type: ignore[no-untyped-def]  # pragma: no cover
     """The query rows ``at = (b, g, r0, r1)`` of key/value head ``g``'s ``group`` query
     heads, stacked (head by head) into ``stacked`` and scaled."""
@@ -276,7 +276,7 @@ def _stack_queries(q, at, group, scale, stacked):  # type: ignore[no-untyped-def
                 stacked[j * n + i, d] = q[b, g * group + j, r0 + i, d] * factor
 
 
-@njit(fastmath=FAST, boundscheck=False, nogil=True)
+@njit(fastmath=FAST, boundscheck=False, nogil=True, inline="always")
 def _tile_scores(gemm, tile, keys, flip, sizes, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
     """``s = stacked @ k_tile^T`` for ``tile``'s rows (:func:`_tile`): a decoding step's few
     rows read the blocks where they lie; else a GEMM, ``k @ q^T`` (then transposed into
@@ -302,15 +302,15 @@ def _tile_scores(gemm, tile, keys, flip, sizes, scratch):  # type: ignore[no-unt
         _gemm(gemm, (NO_TRANS, TRANS, rows, w, d_k, 1.0, 0.0), Q, K, (s, 0, cols))
 
 
-@njit(fastmath=FAST, boundscheck=False, nogil=True)
-def _tile_softmax(tile, band, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
+@njit(fastmath=FAST, boundscheck=False, nogil=True, inline="always")
+def _tile_softmax(tile, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
     """The online softmax's step for ``tile``'s rows of ``s`` (:func:`.row_step`: ``s``
     becomes ``exp(s - ref)``, 0 outside each row's band), ``acc`` rescaled."""
     _, _, _, _, c0, c1, i0, rows, _ = tile
     s, _, _, acc, m, ref, total, _, _, _ = scratch
     dtype, d_v, w = s.dtype.type, acc.shape[1], c1 - c0
     for i in range(rows):
-        lo, hi = _row_band(tile, band, i0 + i)
+        lo, hi = _row_band(tile, i0 + i)
         row = i0 + i
         new, new_ref, row_total, rescale = row_step(
             s[i, :w], lo, hi, m[row], ref[row], total[row], False, dtype(0), 0, False
@@ -321,7 +321,7 @@ def _tile_softmax(tile, band, scratch):  # type: ignore[no-untyped-def]  # pragm
                 acc[row, d] *= rescale
 
 
-@njit(fastmath=FAST, boundscheck=False, nogil=True)
+@njit(fastmath=FAST, boundscheck=False, nogil=True, inline="always")
 def _tile_values(gemm, tile, values, sizes, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
     """``acc += s @ v_tile`` for ``tile``'s rows: a decoding step's few rows read each value
     once where it lies; else GEMMs, in runs of ``chunk`` keys (for few rows)."""
@@ -346,7 +346,7 @@ def _tile_values(gemm, tile, values, sizes, scratch):  # type: ignore[no-untyped
         _gemm(gemm, op, (s, c, cols), V, (acc, i0 * d_v, d_v))
 
 
-@njit(fastmath=FAST, boundscheck=False, nogil=True)
+@njit(fastmath=FAST, boundscheck=False, nogil=True, inline="always")
 def _write_rows(task, group, outputs, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
     """A task's rows divided by their sums, with their log-sum-exp, into ``outputs``."""
     b, g, r0, r1, part = task[0], task[1], task[2], task[3], task[6]
@@ -390,7 +390,7 @@ def backward(gemm, work, operands, grads, band, sizes, scratch):  # type: ignore
             failed[t] = True
 
 
-@njit(fastmath=FAST, boundscheck=False, nogil=True)
+@njit(fastmath=FAST, boundscheck=False, nogil=True, inline="always")
 def _backward_task(gemm, task, operands, grads, band, sizes, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
     """One task of :func:`backward`, tile of rows by tile of rows; ``False`` when a key that
     some row cannot see is not finite: nothing is written."""
@@ -414,7 +414,7 @@ def _backward_task(gemm, task, operands, grads, band, sizes, scratch):  # type: 
     return True
 
 
-@njit(fastmath=FAST, boundscheck=False, nogil=True)
+@njit(fastmath=FAST, boundscheck=False, nogil=True, inline="always")
 def _backward_rows(gemm, at, operands, grads, band, sizes, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
     """The rows ``at = (b, g, r0, r1)`` of :func:`backward`: their stacked operands, each
     key tile they may see, and their ``dq``."""
@@ -431,7 +431,7 @@ def _backward_rows(gemm, at, operands, grads, band, sizes, scratch):  # type: ig
     for c0 in range(start, stop, cols):
         tile = _tile(at, c0, min(c0 + cols, stop), group, band)
         if tile[7] > 0:  # rows that see a key of it
-            _backward_tile(gemm, tile, operands, grads, band, scratch)
+            _backward_tile(gemm, tile, operands, grads, scratch)
     factor = dq_t.dtype.type(dq_scale)
     for j in range(group):
         for i in range(n):
@@ -439,7 +439,7 @@ def _backward_rows(gemm, at, operands, grads, band, sizes, scratch):  # type: ig
                 dq[b, g * group + j, r0 + i, d] = dq_t[j * n + i, d] * factor
 
 
-@njit(fastmath=FAST, boundscheck=False, nogil=True)
+@njit(fastmath=FAST, boundscheck=False, nogil=True, inline="always")
 def _stack_rows(at, operands, scale, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
     """The rows ``at = (b, g, r0, r1)`` of each query head of key/value head ``g``, stacked:
     ``q * scale``, ``dO``, the forward's ``lse`` and ``D = rowsum(dO * O)``."""
@@ -464,8 +464,8 @@ def _stack_rows(at, operands, scale, scratch):  # type: ignore[no-untyped-def]  
                 stacked[row, d] = q[b, h, r0 + i, d] * factor
 
 
-@njit(fastmath=FAST, boundscheck=False, nogil=True)
-def _backward_tile(gemm, tile, operands, grads, band, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
+@njit(fastmath=FAST, boundscheck=False, nogil=True, inline="always")
+def _backward_tile(gemm, tile, operands, grads, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
     """One key tile's share of the gradients (:func:`_tile`'s rows and keys): five GEMMs,
     the weights and the scores' gradients between them."""
     b, g, _, _, c0, c1, i0, m, _ = tile
@@ -477,25 +477,25 @@ def _backward_tile(gemm, tile, operands, grads, band, scratch):  # type: ignore[
     K, V = (k, _at(k, b, g, c0), _rows(k)), (v, _at(v, b, g, c0), _rows(v))
     P, dS = (p, 0, cols), (ds, 0, cols)
     _gemm(gemm, (NO_TRANS, TRANS, m, w, d_k, 1.0, 0.0), Q, K, P)  # s = q k^T
-    _weights(p, tile, band, row_lse)
+    _weights(p, tile, row_lse)
     dV = (dv, _at(dv, b, g, c0), _rows(dv))
     _gemm(gemm, (TRANS, NO_TRANS, w, d_v, m, 1.0, 1.0), P, dO, dV)  # dv += p^T dO
     _gemm(gemm, (NO_TRANS, TRANS, m, w, d_v, 1.0, 0.0), dO, V, dS)  # dp = dO v^T
-    _score_gradients(ds, p, tile, band, D)
+    _score_gradients(ds, p, tile, D)
     _gemm(gemm, (NO_TRANS, NO_TRANS, m, d_k, w, 1.0, 1.0), dS, K, (dq_t, i0 * d_k, d_k))
     dK = (dk, _at(dk, b, g, c0), _rows(dk))
     _gemm(gemm, (TRANS, NO_TRANS, w, d_k, m, 1.0, 1.0), dS, Q, dK)  # dk += ds^T q
 
 
 @njit(fastmath=FAST, boundscheck=False, nogil=True)
-def _weights(p, tile, band, row_lse):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _weights(p, tile, row_lse):  # type: ignore[no-untyped-def]  # pragma: no cover
     """``tile``'s rows of ``p`` (stacked rows ``i0 + i``), holding ``s - 0``, become
     ``exp(s - lse)``, the forward's weights: 0 outside each row's band and for a row that
     sees no key (``lse = -inf``). Each pair on its own: the band's slice is swept (a loop
     from 0 over a slice vectorises), the rest set to 0."""
     _, _, _, _, c0, c1, i0, m, _ = tile
     for i in range(m):
-        lo, hi = _row_band(tile, band, i0 + i)
+        lo, hi = _row_band(tile, i0 + i)
         shift = row_lse[i0 + i]
         if shift == -np.inf:
             lo = hi = 0
@@ -508,12 +508,12 @@ def _weights(p, tile, band, row_lse):  # type: ignore[no-untyped-def]  # pragma:
 
 
 @njit(fastmath=FAST, boundscheck=False, nogil=True)
-def _score_gradients(ds, p, tile, band, D):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _score_gradients(ds, p, tile, D):  # type: ignore[no-untyped-def]  # pragma: no cover
     """``tile``'s rows of ``ds``, holding ``dp``, become ``p * (dp - D)``: 0 outside each
     row's band (where ``dp`` may be NaN from a hidden value)."""
     _, _, _, _, c0, c1, i0, m, _ = tile
     for i in range(m):
-        lo, hi = _row_band(tile, band, i0 + i)
+        lo, hi = _row_band(tile, i0 + i)
         centre = D[i0 + i]
         row = ds[i, : c1 - c0]
         row[:lo] = 0.0
