@@ -65,7 +65,9 @@ def attend_backward(
     here does (:class:`_ItemBackward`).
     """
     assert forward.lse is not None  # the backward reads the forward's log-sum-exp
-    call = replace(call, visibility=call.visibility.classified(team))
+    visibility = call.visibility.classified(team)  # with mask_mod's block map
+    if visibility is not call.visibility:
+        call = replace(call, visibility=visibility)
     scores = call.scores
     if grads.dsinks is not None and scores is not None and scores.sinks is not None:
         grads.dsinks += sink_gradient(forward.out, forward.lse, grad_out, scores.sinks)

@@ -131,7 +131,9 @@ def attend(call: KernelCall, outputs: Outputs, team: Team | None = None) -> None
     The compiled walk takes the call when :func:`.walk.choose` picks it; the rest, and
     what it leaves, the NumPy walk here does (:class:`_QueryTile`).
     """
-    call = replace(call, visibility=call.visibility.classified(team))
+    visibility = call.visibility.classified(team)  # with mask_mod's block map
+    if visibility is not call.visibility:
+        call = replace(call, visibility=visibility)
     sinks = None if call.scores is None else call.scores.sinks
     if sinks is not None and outputs.lse is None:  # the sinks are added through it
         lse = np.full(outputs.out.shape[:-1], -np.inf, dtype=outputs.out.dtype)

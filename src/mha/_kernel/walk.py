@@ -19,9 +19,10 @@ compiled code can read as they are (:func:`walk_views`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +114,10 @@ NUMPY = Walk("numpy", None)
 def choose(walks: tuple[Walk, ...], needs: frozenset[str]) -> Walk:
     """The first of ``walks`` that takes a call with the features ``needs``; the NumPy walk
     when none does."""
-    return next((walk for walk in walks if walk.takes(needs)), NUMPY)
+    for walk in walks:
+        if walk.takes(needs):
+            return walk
+    return NUMPY
 
 
 def features(
@@ -126,33 +130,55 @@ def features(
     operands are: ``"paged keys and values"`` (or ``"paged keys or values"``),
     ``"quantized"``; and of the walk's ``arrays``, ``"empty"`` when one is, and ``"dtype
     float32"`` when all are float32 (``"dtypes mixed"`` when they differ)."""
-    found = {*_set_fields(call, ""), *_set_fields(destination, "")}
-    paged = [x for x in (call.k, call.v) if isinstance(x, PagedKV)]
-    if paged:
-        found.add("paged keys and values" if len(paged) == 2 else "paged keys or values")
-    if any(x.quantization is not None for x in paged):
-        found.add("quantized")
-    read = [x.pool if isinstance(x, PagedKV) else x for x in arrays]
-    if any(x.size == 0 for x in read):
-        found.add("empty")
-    dtypes = {x.dtype for x in read}
-    found.add(f"dtype {dtypes.pop().name}" if len(dtypes) == 1 else "dtypes mixed")
+    found: set[str] = set()
+    _add_set_fields(call, "", found)
+    _add_set_fields(destination, "", found)
+    k_paged, v_paged = isinstance(call.k, PagedKV), isinstance(call.v, PagedKV)
+    if k_paged or v_paged:
+        found.add("paged keys and values" if k_paged and v_paged else "paged keys or values")
+        if (k_paged and call.k.quantization) or (v_paged and call.v.quantization):
+            found.add("quantized")
+    dtypes = set()
+    for x in arrays:
+        read = x.pool if isinstance(x, PagedKV) else x
+        dtypes.add(read.dtype)
+        if read.size == 0:
+            found.add("empty")
+    found.add(_dtype_feature(dtypes.pop()) if len(dtypes) == 1 else "dtypes mixed")
     return frozenset(found)
 
 
-def _set_fields(obj: Any, prefix: str) -> Iterator[str]:
-    """``prefix + name`` of each field of the dataclass ``obj`` set to other than its default,
-    and of the set fields of those that are dataclasses, in turn."""
-    for field in dataclasses.fields(obj):
-        value = getattr(obj, field.name)
-        name = prefix + field.name
-        default = field.default
-        if default is not dataclasses.MISSING and not (
-            value is default or (not isinstance(value, np.ndarray) and value == default)
-        ):
-            yield name
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            yield from _set_fields(value, name + ".")
+@functools.cache
+def _dtype_feature(dtype: np.dtype) -> str:
+    return f"dtype {dtype.name}"
+
+
+def _add_set_fields(obj: Any, prefix: str, found: set[str]) -> None:
+    """Add to ``found`` ``prefix + name`` of each field of the dataclass ``obj`` set to other
+    than its default, and of the set fields of those that are dataclasses, in turn."""
+    defaults = _defaults(obj.__class__)
+    for name, value in vars(obj).items():
+        default = defaults.get(name, _NO_DEFAULT)
+        if value is default:  # most are: None, 0, False
+            continue
+        if default is not _NO_DEFAULT and (isinstance(value, np.ndarray) or value != default):
+            found.add(prefix + name)
+        if _is_dataclass(value.__class__):
+            _add_set_fields(value, prefix + name + ".", found)
+
+
+_NO_DEFAULT = dataclasses.MISSING
+
+
+@functools.cache
+def _defaults(kind: Any) -> dict[str, Any]:
+    """The default of each field of the dataclass ``kind`` (``MISSING``: none)."""
+    return {field.name: field.default for field in dataclasses.fields(kind)}
+
+
+@functools.cache
+def _is_dataclass(kind: Any) -> bool:
+    return dataclasses.is_dataclass(kind)
 
 
 def forward_walkable(call: KernelCall, outputs: Outputs) -> list[np.ndarray] | None:
@@ -329,7 +355,8 @@ class ForwardPlan:
         self.rows = max(1, min(tiles.rows, WALK_ROWS))
         self.L, self.group, self.cols = L, call.group, tiles.cols
         self.R, self.paged = self.group * self.rows, isinstance(k, PagedKV)
-        self.flip_below, self.product_chunk = flip_below, product_chunk
+        self.flip_below = flip_below
+        self.sizes = (self.scale, self.cols, flip_below, product_chunk)
         B = math.prod(batch_shape)
         self.blocks = np.arange(B, dtype=np.int64)[:, None]  # contiguous: a block each
         self.block = max(S, 1)
@@ -376,10 +403,14 @@ class ForwardPlan:
         dtype, parts = self.dtype, None
         if self.split is not None:
             parts = Parts(*self.split, self.group, self.L, self.d_v, dtype)
-        lse = views[4][..., 0] if len(views) > 4 else np.empty((1, 1, 0), dtype)
-        outputs = (views[3], lse, *_part_buffers(parts, dtype))
+        lse, part_out, part_lse = _no_outputs(dtype)  # (empty: not wanted)
+        if len(views) > 4:
+            lse = views[4][..., 0]
+        if parts is not None:
+            part_out, part_lse = parts.all_out, parts.all_lse
+        outputs = (views[3], lse, part_out, part_lse)
         operands = (views[0], *self._pools(views, k))
-        sizes = (self.scale, self.cols, self.flip_below, self.product_chunk)
+        sizes = self.sizes
         # per run, not per plan: concurrent calls of one plan each have their own
         work = (self.table, np.zeros(1, np.int64), np.zeros(len(self.table), bool))
 
@@ -414,7 +445,9 @@ class ForwardPlan:
             np.empty(cols * min(R, self.flip_below), dtype),  # few rows' tiles, transposed
             np.empty((R, d_k), dtype),
             np.empty((R, d_v), dtype),
-            *(np.empty(R, dtype) for _ in range(3)),  # the running maximum, its ref, the sum
+            np.empty(R, dtype),  # the running maximum
+            np.empty(R, dtype),  # the maximum used for exp
+            np.empty(R, dtype),  # the running sum
             np.empty((R, d_v), dtype),  # a decoding step's sums
             np.empty((width, d_k), dtype),
             np.empty((width, d_v), dtype),
@@ -425,11 +458,11 @@ _NO_SCALES = np.empty((0, 0, 0, 0), np.uint16)
 """A float pool's scales and zero points (a quantized pool's, float16 as their bits)."""
 
 
-def _part_buffers(parts: Parts | None, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """The split keys' buffers of partial results (empty when there are none)."""
-    if parts is None:
-        return np.empty((0, 1, 1, 1), dtype), np.empty((0, 1, 1), dtype)
-    return parts.all_out, parts.all_lse
+@functools.cache
+def _no_outputs(dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The outputs a compiled forward walk is not given, empty: the log-sum-exp, and the
+    split keys' partial results (never written: the walk writes no element of them)."""
+    return np.empty((1, 1, 0), dtype), np.empty((0, 1, 1, 1), dtype), np.empty((0, 1, 1), dtype)
 
 
 BACKWARD_ROWS = 512
