@@ -208,7 +208,8 @@ def test_split_keys_on_the_walk(walks, counted, record_error):
     q = rng.standard_normal((1, 1, 1, 32))
     k, v = (rng.standard_normal((1, 1, 20_000, 32)) for _ in range(2))
     out, lse = mha.scaled_dot_product_attention(q, k, v, workers=3, return_lse=True)
-    assert counted["forward"] >= 2  # the keys were split over the workers
+    # the keys were split into tasks for the workers (however many of them came in time)
+    assert [len(flags) for _, flags in counted.flags.values()] == [3]
     expected = dense(q, k, v)
     s = (q @ np.swapaxes(k, -1, -2))[..., 0, :] / np.sqrt(32)
     expected_lse = s.max() + np.log(np.exp(s - s.max()).sum())
