@@ -448,14 +448,17 @@ def test_the_walk_is_chosen_by_the_fields_a_call_sets():
     one added after it was written, sends the call to the NumPy walk."""
     q, k = np.zeros((2, 4, 5, 8), np.float32), np.zeros((2, 2, 7, 8), np.float32)
     out = np.zeros_like(q)
+    arrays, walks = (q, k, k, out), (walk.COMPILED_FORWARD, walk.NUMPY)
     visibility = Visibility.build(
         batch_shape=(2,), H=4, L=5, S=7, causal=True, window=3, key_lengths=[7, 4]
     )
     call = KernelCall(q, k, k, visibility, 0.5, scores=Scores(sinks=np.zeros(4)))
-    needs = walk.features(call, Outputs(out), (q, k, k, out))
+    needs = walk.features(call, Outputs(out), arrays)
     band = {"visibility.causal", "visibility.window", "visibility.causal_offset"}
     assert needs == band | {"visibility.key_lengths", "scores", "scores.sinks", "dtype float32"}
     assert needs <= walk.COMPILED_FORWARD.supports
+    chosen = walk.choose(walks, call, Outputs(out), arrays)
+    assert chosen is (walk.COMPILED_FORWARD if compiled.walk_available() else walk.NUMPY)
     grads = Gradients(q, k, k, dq_factor=2.0)
     assert walk.features(call, grads, (q, k, k)) <= walk.COMPILED_BACKWARD.supports
 
@@ -463,9 +466,7 @@ def test_the_walk_is_chosen_by_the_fields_a_call_sets():
     class Later(Visibility):  # an option the compiled walk was never told of
         novel: int | None = None
 
-    fields = {
-        field.name: getattr(visibility, field.name) for field in dataclasses.fields(Visibility)
-    }
+    fields = {name: getattr(visibility, name) for name in Visibility.__dataclass_fields__}
     refused = {
         "scores.softcap": dataclasses.replace(call, scores=Scores(softcap=2.0)),
         "dropout": dataclasses.replace(call, dropout=Dropout(0.1, 0, 4, 5)),
@@ -475,8 +476,8 @@ def test_the_walk_is_chosen_by_the_fields_a_call_sets():
         "visibility.novel": dataclasses.replace(call, visibility=Later(**fields, novel=3)),
     }
     for feature, changed in refused.items():
-        needs = walk.features(changed, Outputs(out), (q, k, k, out))
+        needs = walk.features(changed, Outputs(out), arrays)
         assert feature in needs and not needs <= walk.COMPILED_FORWARD.supports
-        assert walk.choose((walk.COMPILED_FORWARD, walk.NUMPY), needs) is walk.NUMPY
-    assert "weights" in walk.features(call, Outputs(out, weights=out), (q, k, k, out))
+        assert walk.choose(walks, changed, Outputs(out), arrays) is walk.NUMPY
+    assert "weights" in walk.features(call, Outputs(out, weights=out), arrays)
     assert "dtypes mixed" in walk.features(call, Outputs(out), (q, k, k, out.astype(float)))

@@ -151,7 +151,7 @@ class _BackwardWalk:
                 self.grads.dbias += part
 
 
-@dataclass
+@dataclass(slots=True)
 class _Rows:
     """One tile of rows' stacked operands: ``q_a = [q * scale, -lse]`` ``(G, R, d_k + 1)``,
     ``do_a = [dO, -D]`` ``(G, R, d_v + 1)``, their ``dq`` (unscaled) ``(G, R, d_k)``, and

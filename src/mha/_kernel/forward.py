@@ -497,7 +497,7 @@ class _QueryTile:
             lse[:, rows] = row_lse.reshape(G * group, n)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Block:
     """One key tile ``[c0, c1)`` of a :class:`_QueryTile` for its rows ``[a, b)`` (``rows``
     among the item's stacked state): the band of the causal mask and the window (``edge``,

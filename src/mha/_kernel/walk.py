@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,9 +71,11 @@ class Walk:
     supports: frozenset[str] | None
     available: Callable[[], bool] = lambda: True
 
-    def takes(self, needs: frozenset[str]) -> bool:
-        """Whether this walk computes a call with the features ``needs``."""
-        return (self.supports is None or needs <= self.supports) and self.available()
+    def takes(self, needs: Iterable[str]) -> bool:
+        """Whether this walk computes a call with the features ``needs`` (read until the
+        first it does not support)."""
+        supports = self.supports
+        return (supports is None or all(need in supports for need in needs)) and self.available()
 
 
 _BAND = frozenset(
@@ -111,11 +113,17 @@ NUMPY = Walk("numpy", None)
 """The NumPy walk (:mod:`.forward`, :mod:`.backward`): every call."""
 
 
-def choose(walks: tuple[Walk, ...], needs: frozenset[str]) -> Walk:
-    """The first of ``walks`` that takes a call with the features ``needs``; the NumPy walk
-    when none does."""
+def choose(
+    walks: tuple[Walk, ...],
+    call: KernelCall,
+    destination: Outputs | Gradients,
+    arrays: tuple[Any, ...],
+) -> Walk:
+    """The first of ``walks`` that takes the call (:meth:`Walk.takes` of its
+    :func:`features`, found one by one: the first a walk lacks ends the search); the NumPy
+    walk when none does."""
     for walk in walks:
-        if walk.takes(needs):
+        if walk.takes(_features(call, destination, arrays)):
             return walk
     return NUMPY
 
@@ -130,22 +138,26 @@ def features(
     operands are: ``"paged keys and values"`` (or ``"paged keys or values"``),
     ``"quantized"``; and of the walk's ``arrays``, ``"empty"`` when one is, and ``"dtype
     float32"`` when all are float32 (``"dtypes mixed"`` when they differ)."""
-    found: set[str] = set()
-    _add_set_fields(call, "", found)
-    _add_set_fields(destination, "", found)
+    return frozenset(_features(call, destination, arrays))
+
+
+def _features(
+    call: KernelCall, destination: Outputs | Gradients, arrays: tuple[Any, ...]
+) -> Iterator[str]:
+    yield from _set_fields(call, "")
+    yield from _set_fields(destination, "")
     k_paged, v_paged = isinstance(call.k, PagedKV), isinstance(call.v, PagedKV)
     if k_paged or v_paged:
-        found.add("paged keys and values" if k_paged and v_paged else "paged keys or values")
+        yield "paged keys and values" if k_paged and v_paged else "paged keys or values"
         if (k_paged and call.k.quantization) or (v_paged and call.v.quantization):
-            found.add("quantized")
+            yield "quantized"
     dtypes = set()
     for x in arrays:
         read = x.pool if isinstance(x, PagedKV) else x
         dtypes.add(read.dtype)
         if read.size == 0:
-            found.add("empty")
-    found.add(_dtype_feature(dtypes.pop()) if len(dtypes) == 1 else "dtypes mixed")
-    return frozenset(found)
+            yield "empty"
+    yield _dtype_feature(dtypes.pop()) if len(dtypes) == 1 else "dtypes mixed"
 
 
 @functools.cache
@@ -153,18 +165,18 @@ def _dtype_feature(dtype: np.dtype) -> str:
     return f"dtype {dtype.name}"
 
 
-def _add_set_fields(obj: Any, prefix: str, found: set[str]) -> None:
-    """Add to ``found`` ``prefix + name`` of each field of the dataclass ``obj`` set to other
-    than its default, and of the set fields of those that are dataclasses, in turn."""
+def _set_fields(obj: Any, prefix: str) -> Iterator[str]:
+    """``prefix + name`` of each field of the dataclass ``obj`` set to other than its default,
+    and of the set fields of those that are dataclasses, in turn."""
     defaults = _defaults(obj.__class__)
     for name, value in vars(obj).items():
         default = defaults.get(name, _NO_DEFAULT)
         if value is default:  # most are: None, 0, False
             continue
         if default is not _NO_DEFAULT and (isinstance(value, np.ndarray) or value != default):
-            found.add(prefix + name)
+            yield prefix + name
         if _is_dataclass(value.__class__):
-            _add_set_fields(value, prefix + name + ".", found)
+            yield from _set_fields(value, prefix + name + ".")
 
 
 _NO_DEFAULT = dataclasses.MISSING
@@ -187,8 +199,8 @@ def forward_walkable(call: KernelCall, outputs: Outputs) -> list[np.ndarray] | N
     lse = outputs.lse
     written = (outputs.out,) if lse is None else (outputs.out, lse[..., None])
     q, k, v = call.q, call.k, call.v
-    needs = features(call, outputs, (q, k, v, *written))  # lse's view: its dtype and size
-    if choose((COMPILED_FORWARD, NUMPY), needs) is NUMPY:
+    arrays = (q, k, v, *written)  # (lse's view: its dtype and size)
+    if choose((COMPILED_FORWARD, NUMPY), call, outputs, arrays) is NUMPY:
         return None
     if not isinstance(k, PagedKV):
         return walk_views((q, k, v), written, operands=(q, k, v))
@@ -500,9 +512,9 @@ def backward_walkable(
 ) -> bool:
     """Whether the compiled walk computes these gradients (:func:`choose`, and arrays it can
     read as they are)."""
-    needs = features(call, grads, _backward_arrays(call, forward, grad_out, grads))
+    arrays = _backward_arrays(call, forward, grad_out, grads)
     return (
-        choose((COMPILED_BACKWARD, NUMPY), needs) is not NUMPY
+        choose((COMPILED_BACKWARD, NUMPY), call, grads, arrays) is not NUMPY
         and _backward_views(call, forward, grad_out, grads) is not None
     )
 
