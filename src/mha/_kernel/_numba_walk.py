@@ -401,10 +401,13 @@ def _backward_task(gemm, task, operands, grads, band, sizes, scratch):  # type: 
     group = q.shape[1] // k.shape[1]
     keys, queries = key_end[b], query_end[b]
     if causal or window >= 0:  # some rows do not see some keys
-        for c in range(keys):
+        bad = False
+        for c in range(keys):  # (a loop without an exit, which the compiler vectorises)
             for d in range(k.shape[3]):
                 if not np.isfinite(k[b, g, c, d]):
-                    return False
+                    bad = True
+        if bad:
+            return False
     for j in range(group):  # padded rows: no gradient
         for r in range(queries, q.shape[2]):
             dq[b, g * group + j, r, :] = 0.0
