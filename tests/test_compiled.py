@@ -46,9 +46,9 @@ def exponentials(kernels, x):
 @pytest.mark.parametrize(("dtype", "low"), [(np.float64, -708.0), (np.float32, -87.0)])
 def test_exp_is_within_one_ulp_down_to_the_smallest_normal_result(kernels, dtype, low):
     rng = np.random.default_rng(0)
-    x = np.concatenate([
-        rng.uniform(low, 0, 400_000), rng.uniform(-1, 0, 100_000), -np.logspace(-30, 0, 1000)
-    ]).astype(dtype)  # fmt: skip
+    x = np.concatenate(
+        [rng.uniform(low, 0, 400_000), rng.uniform(-1, 0, 100_000), -np.logspace(-30, 0, 1000)]
+    ).astype(dtype)
     exact = np.exp(x.astype(np.longdouble))
     ulps = np.abs(exponentials(kernels, x) - exact) / np.spacing(exact.astype(dtype))
     assert ulps.max() <= 1.0

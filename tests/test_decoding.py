@@ -381,13 +381,13 @@ def test_the_window_bounds_the_cache_and_the_work(monkeypatch):
         np.concatenate(outputs, 1), attention(x, mask=True), rtol=1e-12, atol=1e-13
     )
     visited = []
-    original = kernel._query_tile
+    original = kernel._QueryTile.run
 
-    def counting(q, k, v, item, scale, r0, r1, start, stop, *rest):
-        visited.append((r1 - r0) * (stop - start))
-        return original(q, k, v, item, scale, r0, r1, start, stop, *rest)
+    def counting(tile):
+        visited.append((tile.r1 - tile.r0) * (tile.stop - tile.start))
+        return original(tile)
 
-    monkeypatch.setattr(kernel, "_query_tile", counting)
+    monkeypatch.setattr(kernel._QueryTile, "run", counting)
     L, window = 4096, 64
     q = r.standard_normal((1, 1, L, 8))
     mha.scaled_dot_product_attention(q, q, q, causal=True, window=window, workers=1)

@@ -6,6 +6,7 @@ through the same calls."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 
@@ -14,6 +15,10 @@ import pytest
 
 import mha
 from mha._kernel import blas, compiled, team, walk
+from mha._kernel.call import Gradients, KernelCall, Outputs
+from mha._kernel.contract import Visibility
+from mha._kernel.dropout import Dropout
+from mha._kernel.scores import Scores
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +40,11 @@ class _Counts(dict):
 
     def __getitem__(self, key):
         if key.endswith("left"):
-            return sum(int(flags.sum()) for name, flags in self.flags.values()
-                       if key in ("left", f"{name} left"))  # fmt: skip
+            return sum(
+                int(flags.sum())
+                for name, flags in self.flags.values()
+                if key in ("left", f"{name} left")
+            )
         return super().__getitem__(key)
 
 
@@ -48,10 +56,11 @@ def counted(monkeypatch):
     for name in ("forward", "backward"):
         real = getattr(compiled, f"{name}_walk")
 
-        def spy(dtype, *args, _real=real, _name=name):
+        def spy(dtype, work, *args, _real=real, _name=name):
             counts[_name] += 1
-            _real(dtype, *args)
-            counts.flags[id(args[-1])] = (_name, args[-1])  # kept: the id stays theirs
+            _real(dtype, work, *args)
+            flags = work[2]  # (tasks, counter, failed)
+            counts.flags[id(flags)] = (_name, flags)  # kept: the id stays theirs
 
         monkeypatch.setattr(compiled, f"{name}_walk", spy)
     return counts
@@ -103,14 +112,16 @@ CONFIGS = [  # B, H, H_kv, L, S, d, keywords
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize(("workers", "max_memory"), [(1, 2**16), (3, 6 * 2**20)])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[:6]}-{sorted(c[6])}")
-def test_walk_matches_a_dense_float64_computation(walks, counted, record_error, dtype, workers,
-                                                  max_memory, config):  # fmt: skip
+def test_walk_matches_a_dense_float64_computation(
+    walks, counted, record_error, dtype, workers, max_memory, config
+):
     B, H, H_kv, L, S, d, keywords = config
     rng = np.random.default_rng(L + S)
     q = rng.standard_normal((B, H, L, d)).astype(dtype)
     k, v = (rng.standard_normal((B, H_kv, S, d)).astype(dtype) for _ in range(2))
-    out = mha.scaled_dot_product_attention(q, k, v, workers=workers, max_memory=max_memory,
-                                           **keywords)  # fmt: skip
+    out = mha.scaled_dot_product_attention(
+        q, k, v, workers=workers, max_memory=max_memory, **keywords
+    )
     assert counted["forward"] >= 1 and counted["left"] == 0
     expected = dense(q, k, v, **keywords)
     error = np.abs(out - expected).max() / np.abs(expected).max()
@@ -119,8 +130,7 @@ def test_walk_matches_a_dense_float64_computation(walks, counted, record_error, 
 
 
 @pytest.mark.parametrize("config", CONFIGS[:5], ids=lambda c: f"{c[:6]}-{sorted(c[6])}")
-def test_walk_agrees_with_the_numpy_walk_forward_and_backward(walks, counted, monkeypatch,
-                                                              config):  # fmt: skip
+def test_walk_agrees_with_the_numpy_walk_forward_and_backward(walks, counted, monkeypatch, config):
     B, H, H_kv, L, S, d, keywords = config
     rng = np.random.default_rng(7)
     q = rng.standard_normal((B, H, L, d))
@@ -198,7 +208,8 @@ def test_split_keys_on_the_walk(walks, counted, record_error):
     q = rng.standard_normal((1, 1, 1, 32))
     k, v = (rng.standard_normal((1, 1, 20_000, 32)) for _ in range(2))
     out, lse = mha.scaled_dot_product_attention(q, k, v, workers=3, return_lse=True)
-    assert counted["forward"] >= 2  # the keys were split over the workers
+    # the keys were split into tasks for the workers (however many of them came in time)
+    assert [len(flags) for _, flags in counted.flags.values()] == [3]
     expected = dense(q, k, v)
     s = (q @ np.swapaxes(k, -1, -2))[..., 0, :] / np.sqrt(32)
     expected_lse = s.max() + np.log(np.exp(s - s.max()).sum())
@@ -253,8 +264,9 @@ def test_what_a_band_cannot_say_takes_the_numpy_walk(walks, counted, keywords):
 
 def test_the_walk_serves_decoding_with_a_cache_and_sinks(walks, counted):
     """Ragged prompts: each sequence has its own length, offset and keys."""
-    attention = mha.MultiHeadAttention(32, 4, num_kv_heads=2, rope_theta=10000.0, sinks=True,
-                                       seed=0)  # fmt: skip
+    attention = mha.MultiHeadAttention(
+        32, 4, num_kv_heads=2, rope_theta=10000.0, sinks=True, seed=0
+    )
     X = np.random.default_rng(12).standard_normal((2, 9, 32))
     cache = attention.new_cache(batch_size=2)
     attention(X[:, :5], cache=cache, query_lengths=[5, 3])
@@ -283,8 +295,8 @@ def test_gemm_entry_points_are_numpys_own_blas(walks):
 
     @njit
     def product(address, a, b, c):  # a @ b.T, row-major
-        _gemm(address, NO_TRANS, TRANS, a.shape[0], b.shape[0], a.shape[1], 1.0, a, 0,
-              a.shape[1], b, 0, b.shape[1], 0.0, c, 0, c.shape[1])  # fmt: skip
+        op = (NO_TRANS, TRANS, a.shape[0], b.shape[0], a.shape[1], 1.0, 0.0)
+        _gemm(address, op, (a, 0, a.shape[1]), (b, 0, b.shape[1]), (c, 0, c.shape[1]))
 
     addresses = blas.gemm_addresses()
     assert addresses is not None and set(addresses) == {"float32", "float64"}
@@ -331,13 +343,12 @@ def test_a_decoding_steps_register_blocks_sum_as_one_row_at_a_time(walks, dtype,
     paged cache's blocks apart) as if they were one."""
     from numba import njit
 
-    from mha._kernel import _numba_walk
+    from mha._kernel import _numba_pool
 
     @njit
     def accumulate(values, n, s, at, w, acc, i0, rows, partial):
-        address = _numba_walk._address(values, 0)
-        _numba_walk._few_accumulate(address, values.shape[1], n, s, at, w, acc, i0, rows,
-                                    partial, 0)  # fmt: skip
+        run = (_numba_pool.address(values, 0), values.shape[1], n, 0)
+        _numba_pool.few_accumulate(run, s, at, w, acc, i0, rows, partial)
 
     rng = np.random.default_rng(rows)
     for n, at, w, d in [(1024, 0, 1024, 128), (300, 100, 700, 64), (37, 5, 42, 16), (9, 0, 9, 8)]:
@@ -353,8 +364,8 @@ def test_a_decoding_steps_register_blocks_sum_as_one_row_at_a_time(walks, dtype,
         np.testing.assert_array_equal(blocked_partial, alone_partial)
         split, split_partial, k = acc.copy(), np.zeros((rows, d), dtype), n // 3
         for lo, hi in ((0, k), (k, n)):
-            accumulate(np.ascontiguousarray(values[lo:hi]), hi - lo, s, at + lo, w, split, 2,
-                       rows, split_partial)  # fmt: skip
+            part = np.ascontiguousarray(values[lo:hi])
+            accumulate(part, hi - lo, s, at + lo, w, split, 2, rows, split_partial)
         np.testing.assert_array_equal(split, blocked)
         np.testing.assert_array_equal(split_partial, blocked_partial)
         total = blocked[2:].astype(np.float64) + blocked_partial - acc[2:]
@@ -373,9 +384,10 @@ def test_workers_take_tasks_from_one_counter(walks, monkeypatch):
     runs = []
     real = compiled.forward_walk
 
-    def spy(dtype, table, counter, *args):
+    def spy(dtype, work, *args):
+        table, counter, _ = work
         before = int(counter[0])
-        real(dtype, table, counter, *args)
+        real(dtype, work, *args)
         runs.append((before, int(counter[0]), len(table)))
 
     monkeypatch.setattr(compiled, "forward_walk", spy)
@@ -428,3 +440,44 @@ def test_take_hands_each_index_to_exactly_one_thread(walks):
         thread.join(60)
     assert sum(counts) == n and counter[0] == n + 4
     assert (log == 1).all()
+
+
+def test_the_walk_is_chosen_by_the_fields_a_call_sets():
+    """A call's features are the fields its objects set, by name: the compiled walk supports
+    a band, plain scores with sinks and float32/float64; an option it does not declare, even
+    one added after it was written, sends the call to the NumPy walk."""
+    q, k = np.zeros((2, 4, 5, 8), np.float32), np.zeros((2, 2, 7, 8), np.float32)
+    out = np.zeros_like(q)
+    arrays, walks = (q, k, k, out), (walk.COMPILED_FORWARD, walk.NUMPY)
+    visibility = Visibility.build(
+        batch_shape=(2,), H=4, L=5, S=7, causal=True, window=3, key_lengths=[7, 4]
+    )
+    call = KernelCall(q, k, k, visibility, 0.5, scores=Scores(sinks=np.zeros(4)))
+    needs = walk.features(call, Outputs(out), arrays)
+    band = {"visibility.causal", "visibility.window", "visibility.causal_offset"}
+    assert needs == band | {"visibility.key_lengths", "scores", "scores.sinks", "dtype float32"}
+    assert needs <= walk.COMPILED_FORWARD.supports
+    chosen = walk.choose(walks, call, Outputs(out), arrays)
+    assert chosen is (walk.COMPILED_FORWARD if compiled.walk_available() else walk.NUMPY)
+    grads = Gradients(q, k, k, dq_factor=2.0)
+    assert walk.features(call, grads, (q, k, k)) <= walk.COMPILED_BACKWARD.supports
+
+    @dataclasses.dataclass(frozen=True)
+    class Later(Visibility):  # an option the compiled walk was never told of
+        novel: int | None = None
+
+    fields = {name: getattr(visibility, name) for name in Visibility.__dataclass_fields__}
+    refused = {
+        "scores.softcap": dataclasses.replace(call, scores=Scores(softcap=2.0)),
+        "dropout": dataclasses.replace(call, dropout=Dropout(0.1, 0, 4, 5)),
+        "visibility.chunk": dataclasses.replace(
+            call, visibility=dataclasses.replace(visibility, chunk=2)
+        ),
+        "visibility.novel": dataclasses.replace(call, visibility=Later(**fields, novel=3)),
+    }
+    for feature, changed in refused.items():
+        needs = walk.features(changed, Outputs(out), arrays)
+        assert feature in needs and not needs <= walk.COMPILED_FORWARD.supports
+        assert walk.choose(walks, changed, Outputs(out), arrays) is walk.NUMPY
+    assert "weights" in walk.features(call, Outputs(out, weights=out), arrays)
+    assert "dtypes mixed" in walk.features(call, Outputs(out), (q, k, k, out.astype(float)))

@@ -131,18 +131,19 @@ def _block_max(typingctx, x, whole):  # type: ignore[no-untyped-def]  # pragma: 
         def larger(a: Any, b: Any) -> Any:
             return builder.select(builder.fcmp_ordered(">", a, b), a, b)
 
-        step = ir.Constant(index, lanes * RUNNING)
+        step, size = ir.Constant(index, lanes * RUNNING), dtype.bitwidth // 8
         with cgutils.for_range_slice(builder, ir.Constant(index, 0), stop, step) as (at, _):
             for r, top in enumerate(running):
                 here = builder.gep(data, [builder.add(at, ir.Constant(index, r * lanes))])
-                value = builder.load(builder.bitcast(here, vector.as_pointer()), align=dtype.bitwidth // 8)  # fmt: skip  # noqa: E501
+                value = builder.load(builder.bitcast(here, vector.as_pointer()), align=size)
                 builder.store(larger(value, builder.load(top)), top)
         tops = [builder.load(top) for top in running]
         while len(tops) > 1:
             tops = [larger(a, b) for a, b in zip(tops[::2], tops[1::2], strict=True)]
         result = builder.extract_element(tops[0], ir.Constant(ir.IntType(32), 0))
         for lane in range(1, lanes):
-            result = larger(builder.extract_element(tops[0], ir.Constant(ir.IntType(32), lane)), result)  # fmt: skip  # noqa: E501
+            element = builder.extract_element(tops[0], ir.Constant(ir.IntType(32), lane))
+            result = larger(element, result)
         return result
 
     return dtype(x, whole), codegen

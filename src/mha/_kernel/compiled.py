@@ -5,16 +5,19 @@ softmax step.
 key tile of them, without returning to Python: the GEMMs are NumPy's own BLAS's
 ``cblas_?gemm``, called through its address (:mod:`.blas`), and the rest is compiled loops
 (:mod:`._numba_walk`; a decoding step's few rows: its products too, reading each key and
-value once). The keys and values are arrays or a paged cache's blocks. They take the calls
-whose hidden keys a band can say (the causal mask, the window, the lengths, a cache's
-alignment) with plain scores (sinks are added after, as
-everywhere), in float32 or float64, at every size: with them a call costs tens of
-microseconds of Python, not a few per tile. Every other call (boolean masks, bias,
-``mask_mod``, chunks, sink tokens, soft-capping, ALiBi, ``score_mod``, dropout, returned
-weights, float16 and bfloat16) walks its tiles in Python, with the softmax step below; so do
-the few work items where a key some rows cannot see holds a non-finite value (``0 * inf``
-would be NaN in a GEMM). Each walk is compiled for one signature per dtype on first use
-(cached on disk by numba: the first call in a process loads it, a fraction of a second).
+value once, :mod:`._numba_pool`). The keys and values are arrays or a paged cache's blocks.
+Their arguments come grouped as numba tuples (:func:`_signatures`): the work, the operands
+(the keys and the values each a pool of blocks), the outputs, the band, the sizes and the
+scratch. They take the calls whose hidden keys a band can say (the causal mask, the window,
+the lengths, a cache's alignment: :mod:`.geometry`) with plain scores (sinks are added
+after, as everywhere), in float32 or float64, at every size (:func:`.walk.choose` picks
+them): with them a call costs tens of microseconds of Python, not a few per tile. Every
+other call (boolean masks, bias, ``mask_mod``, chunks, sink tokens, soft-capping, ALiBi,
+``score_mod``, dropout, returned weights, float16 and bfloat16) walks its tiles in Python,
+with the softmax step below; so do the few work items where a key some rows cannot see
+holds a non-finite value (``0 * inf`` would be NaN in a GEMM). Each walk is compiled for
+one signature per dtype on first use (cached on disk by numba: the first call in a process
+loads it, a fraction of a second).
 
 **The softmax step.** NumPy makes four passes over each tile of scores for the online
 softmax: the row maximum, the subtraction, ``exp`` and the row sum, each reading (and two
@@ -108,34 +111,56 @@ def _walk(name: str, dtype: np.dtype) -> Any:
 
 
 def _compile_walk(name: str, dtype: np.dtype) -> Any:
-    from numba import njit, types
+    from numba import njit
 
+    signature = _signatures(dtype)[name]
+    options = {"fastmath": {"reassoc", "contract"}, "boundscheck": False, "nogil": True}
+    start = time.perf_counter()
+    function = njit([signature], cache=True, **options)(getattr(_WALKS, name))  # type: ignore[call-overload]
+    _COMPILE_SECONDS[f"walk {name} {dtype.name}"] = time.perf_counter() - start
+    return function
+
+
+def _signatures(dtype: np.dtype) -> dict[str, Any]:
+    """The walks' signatures for ``dtype``: every array in any layout, the scratch contiguous,
+    grouped in tuples as :mod:`._numba_walk` takes them."""
+    from numba import types
+
+    Tuple: Any = types.Tuple  # (numba ships no types: mypy sees this one as untyped)
     real = types.float32 if dtype == np.float32 else types.float64
     a = {n: types.Array(real, n, "A") for n in (3, 4)}  # outputs, in any layout
     r = {n: types.Array(real, n, "A", readonly=True) for n in (3, 4)}  # inputs
     c = {n: types.Array(real, n, "C") for n in (1, 2)}  # scratch
-    i64, flags = types.int64, types.Array(types.boolean, 1, "C")
-    counter = types.Array(types.int64, 1, "C")  # the next task, shared by the workers
-    index, table = types.Array(types.int64, 1, "A"), types.Array(types.int64, 2, "A")
-    blocks = types.Array(types.int64, 2, "A")  # each sequence's blocks of keys and values
-    signatures = {
-        "plan": table(i64, i64, i64, i64, index, index, index, types.boolean, i64),
+    i64, f64 = types.int64, types.float64
+    index, table = types.Array(i64, 1, "A"), types.Array(i64, 2, "A")
+    counter, flags = types.Array(i64, 1, "C"), types.Array(types.boolean, 1, "C")
+    work = Tuple((table, counter, flags))  # the tasks, the next one, those left undone
+    band = Tuple((types.boolean, i64, index, index, index))  # causal, window, per sequence
+    bits = types.Array(types.uint16, 4, "A", readonly=True)  # float16 as bits: none in numba
+    pool = Tuple((r[4], table, i64, bits, bits))  # data, table, block, scales, zeros
+    forward_scratch = (c[2], c[1], c[2], c[2], c[1], c[1], c[1], c[2], c[2], c[2])
+    backward_scratch = (c[2], c[2], c[1], c[1], c[2], c[2], c[2])
+    return {
+        "plan": table(i64, i64, i64, i64, band),
         "forward": types.void(
-            i64, table, counter, r[4], r[4], r[4], blocks, i64, a[4], a[3], a[4], a[3],
-            types.float64, types.boolean, i64, index, i64, i64, i64, c[2], c[1], c[2], c[2],
-            c[1], c[1], c[1], c[2], c[2], c[2], flags,
+            i64,  # the GEMM's address
+            work,
+            Tuple((r[4], pool, pool)),  # q, keys, values
+            Tuple((a[4], a[3], a[4], a[3])),  # out, lse, the split keys' out and lse
+            band,
+            Tuple((f64, i64, i64, i64)),  # scale, cols, flip_below, chunk
+            Tuple(forward_scratch),
         ),
         "backward": types.void(
-            i64, table, counter, r[4], r[4], r[4], r[4], r[3], r[4], a[4], a[4], a[4],
-            types.float64, types.float64, types.boolean, i64, index, index, index, i64, i64,
-            c[2], c[2], c[1], c[1], c[2], c[2], c[2], flags,
+            i64,
+            work,
+            Tuple((r[4], r[4], r[4], r[4], r[3], r[4])),  # q, k, v, out, lse, grad_out
+            Tuple((a[4], a[4], a[4])),  # dq, dk, dv
+            band,
+            Tuple((f64, f64, i64, i64)),  # scale, dq_scale, rows, cols
+            Tuple(backward_scratch),
         ),
-    }  # fmt: skip
-    options = {"fastmath": {"reassoc", "contract"}, "boundscheck": False, "nogil": True}
-    start = time.perf_counter()
-    function = njit([signatures[name]], cache=True, **options)(getattr(_WALKS, name))  # type: ignore[call-overload]
-    _COMPILE_SECONDS[f"walk {name} {dtype.name}"] = time.perf_counter() - start
-    return function
+    }
 
 
 def forward_walk(dtype: np.dtype, *args: Any) -> None:

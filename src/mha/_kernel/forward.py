@@ -20,13 +20,16 @@ With numba installed (the ``fast`` extra, :mod:`.compiled`), a call whose hidden
 band (causal, window, lengths, a cache) runs its work items as compiled code, each walking
 its key tiles with NumPy's own BLAS for the GEMMs and compiled loops for the rest, work items
 of ``walk.WALK_ROWS`` query rows whose tile of scores stays in L2; every other call walks its
-tiles here in Python, the softmax lines (maximum, ``exp``, sum, rescaling) one compiled
-sweep per row for large calls, NumPy passes otherwise and without numba. All give the same
-function up to rounding and are tested against each other and PyTorch.
+tiles here in Python (:class:`_QueryTile`), the softmax lines (maximum, ``exp``, sum,
+rescaling) one compiled sweep per row for large calls, NumPy passes otherwise and without
+numba. Each walk declares what it supports and :func:`.walk.choose` picks one by what the
+call sets. All give the same function up to rounding and are tested against each other and
+PyTorch.
 
 Masks are cut per tile: causal skips every tile above the diagonal and masks only tiles that
-cross it, a sliding window skips every tile below its band; ``key_lengths`` and
-``query_lengths`` bound the loops; boolean masks and bias are sliced. Items run on a thread
+cross it, a sliding window skips every tile below its band (both walks with the band of
+:mod:`.geometry`); ``key_lengths`` and ``query_lengths`` bound the loops; boolean masks and
+bias are sliced. Items run on a thread
 pool (NumPy releases the GIL in BLAS calls and ufuncs), with BLAS limited to one thread
 inside the workers when threadpoolctl is installed.
 
@@ -42,15 +45,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 
 from . import compiled, tasks, walk
 from .call import DEFAULT_MAX_MEMORY, KernelCall, Outputs
-from .item import ItemVisibility
 from .paged import PagedKV
-from .scores import Scores, add_sinks
+from .scores import add_sinks
 from .tasks import Parts, Task, merge_partials
 from .team import Team
 
@@ -127,98 +128,99 @@ def attend(call: KernelCall, outputs: Outputs, team: Team | None = None) -> None
     logits where asked for. Work items run on ``team`` (serially without one). ``dropout``
     drops weights after the softmax's sums (the log-sum-exp is the undropped one, as the
     backward pass needs); ``scores`` change the scores and add the sinks (:mod:`.scores`).
+    The compiled walk takes the call when :func:`.walk.choose` picks it; the rest, and
+    what it leaves, the NumPy walk here does (:class:`_QueryTile`).
     """
-    q, k, v, visibility, scale = call.q, call.k, call.v, call.visibility, call.scale
-    scores, dropout, max_memory = call.scores, call.dropout, call.budget
-    out, weights, lse = outputs.out, outputs.weights, outputs.lse
-    visibility = visibility.classified(team)
-    sinks = None if scores is None else scores.sinks
-    if sinks is not None and lse is None:
-        lse = np.full(out.shape[:-1], -np.inf, dtype=out.dtype)
-    H, L, d_k = q.shape[-3], q.shape[-2], q.shape[-1]
-    H_kv, S, d_v = k.shape[-3], k.shape[-2], v.shape[-1]
-    group = H // H_kv
-    dtype = out.dtype
+    visibility = call.visibility.classified(team)  # with mask_mod's block map
+    if visibility is not call.visibility:
+        call = replace(call, visibility=visibility)
+    sinks = None if call.scores is None else call.scores.sinks
+    if sinks is not None and outputs.lse is None:  # the sinks are added through it
+        lse = np.full(outputs.out.shape[:-1], -np.inf, dtype=outputs.out.dtype)
+        outputs = replace(outputs, lse=lse)
+    tiles = _call_tiles(call, outputs)
+    team = team or Team(1)
+    views = walk.forward_walkable(call, outputs)
+    if views:
+        # The compiled walk; a task it could not do (a non-finite value at a hidden key)
+        # is done below by the NumPy walk, with the compiled softmax step.
+        work, parts = walk.run_forward(call, views, tiles, team, WIDE_BELOW_ROWS, PRODUCT_CHUNK)
+        fused = True
+    else:
+        work, parts = _work_items(call, outputs, tiles, team.workers)
+        # The compiled softmax step for calls large enough to repay loading numba (a third
+        # of a second, once per process); small calls, and float16 or longdouble, take
+        # NumPy's passes.
+        fused = (
+            outputs.out.dtype in (np.float32, np.float64)
+            and call.group * sum(task.cost for task in work) >= COMPILED_ABOVE
+            and compiled.available()
+        )
+    if work:
+        team.run(work, _NumpyWalk(call, outputs, tiles, parts, fused).make_worker)
+    if parts is not None:
+        parts.merge_into(outputs.out, outputs.lse)
+    if sinks is not None and outputs.lse is not None:
+        _add_sinks(outputs, sinks)
+
+
+def _call_tiles(call: KernelCall, outputs: Outputs) -> Tiles:
+    """The call's tile sizes (:func:`plan_tiles`), in whole chunks of rows where its rows
+    are chunked."""
+    q, k, v, visibility = call.q, call.k, call.v, call.visibility
+    dtype = outputs.out.dtype
     # Stored narrower or quantized: each tile is a copy in the compute dtype. (A paged
     # cache's float tiles are tiled as a contiguous cache's are, for the same bits.)
     quantized = isinstance(k, PagedKV) and k.quantization is not None
     cast = k.dtype != dtype or v.dtype != dtype or quantized
-    tiles = plan_tiles(L, S, H_kv, d_k, d_v, dtype.itemsize, max_memory, weights is not None, group,
-                       cast)  # fmt: skip
+    L, d_k, H_kv, S, d_v = q.shape[-2], q.shape[-1], k.shape[-3], k.shape[-2], v.shape[-1]
+    whole = outputs.weights is not None
+    tiles = plan_tiles(L, S, H_kv, d_k, d_v, dtype.itemsize, call.budget, whole, call.group, cast)
     # Rows in whole chunks per tile (or whole key tiles, for a mask_mod, whose documents or
     # blocks often are): no chunk's keys are then computed for two tiles of rows.
     align = visibility.chunk or (tiles.cols if visibility.mask_mod is not None else None)
     if align is not None and tiles.rows > align and tiles.heads == 1:
         tiles = replace(tiles, rows=tiles.rows // align * align)
-    team = team or Team(1)
-    parts: Parts | None = None
-    views = walk.forward_walkable(q, k, v, out, lse, visibility, weights, dropout, scores)
-    if views:
-        # The compiled walk; a task it could not do (a non-finite value at a hidden key)
-        # is done below by the NumPy walk, with the compiled softmax step.
-        work, parts = walk.run_forward(q, k, v, visibility, scale, out, lse, views, tiles, group,
-                                       team, WIDE_BELOW_ROWS, PRODUCT_CHUNK)  # fmt: skip
-        fused = True
-    else:
-        items: list[Task] = []
-        for batch in np.ndindex(q.shape[:-3]):
-            for g0 in range(0, H_kv, tiles.heads):
-                kv = slice(g0, min(g0 + tiles.heads, H_kv))
-                item = visibility.item(batch, slice(kv.start * group, kv.stop * group))
-                for r0 in range(0, min(L, item.query_end), tiles.rows):
-                    r1 = min(r0 + tiles.rows, item.query_end)
-                    ranges = item.key_ranges(r0, r1)
-                    if ranges:
-                        items.append(Task(batch, kv, item, r0, r1, ranges[0][0], ranges[-1][1]))
-        if weights is None and dropout is None:
-            parts = tasks.split_keys(items, team.workers, tiles.cols, group, L, d_v, dtype)
-        work = parts.tasks if parts is not None else items
-        work.sort(key=lambda task: task.cost, reverse=True)  # longest first
-        # The compiled softmax step for calls large enough to repay loading numba (a third
-        # of a second, once per process); small calls, and float16 or longdouble, take
-        # NumPy's passes.
-        fused = (
-            dtype in (np.float32, np.float64)
-            and group * sum(task.cost for task in work) >= COMPILED_ABOVE
-            and compiled.available()
-        )
+    return tiles
 
-    def make_worker() -> Callable[[Task], None]:
-        scratch = _Scratch(tiles, group, d_k, d_v, dtype)
 
-        def run(task: Task) -> None:
-            batch, kv = task.batch, task.kv
-            heads = slice(kv.start * group, kv.stop * group)
-            target_out, target_lse = out[batch][heads], None if lse is None else lse[batch][heads]
-            if task.part is not None and parts is not None:
-                target_out, target_lse = parts.out[task.part], parts.lse[task.part]
-            drop = None
-            if dropout is not None:
-                index = int(np.ravel_multi_index(batch, q.shape[:-3])) if batch else 0
-                r0, r1, G = task.r0, task.r1, heads.stop - heads.start
+def _work_items(
+    call: KernelCall, outputs: Outputs, tiles: Tiles, workers: int
+) -> tuple[list[Task], Parts | None]:
+    """The NumPy walk's work items, longest first: per batch index, run of ``tiles.heads``
+    key/value heads and tile of rows, over the keys its rows may see; with fewer than
+    ``workers``, their keys split (:func:`.tasks.split_keys`) unless the weights are
+    returned or dropped."""
+    q, visibility, group = call.q, call.visibility, call.group
+    H_kv, L = call.k.shape[-3], q.shape[-2]
+    items: list[Task] = []
+    for batch in np.ndindex(q.shape[:-3]):
+        for g0 in range(0, H_kv, tiles.heads):
+            kv = slice(g0, min(g0 + tiles.heads, H_kv))
+            item = visibility.item(batch, slice(kv.start * group, kv.stop * group))
+            for r0 in range(0, min(L, item.query_end), tiles.rows):
+                r1 = min(r0 + tiles.rows, item.query_end)
+                ranges = item.key_ranges(r0, r1)
+                if ranges:
+                    items.append(Task(batch, kv, item, r0, r1, ranges[0][0], ranges[-1][1]))
+    parts = None
+    if outputs.weights is None and call.dropout is None:
+        d_v, dtype = call.v.shape[-1], outputs.out.dtype
+        parts = tasks.split_keys(items, workers, tiles.cols, group, L, d_v, dtype)
+    work = parts.tasks if parts is not None else items
+    work.sort(key=lambda task: task.cost, reverse=True)  # longest first
+    return work, parts
 
-                def drop(c0: int, c1: int) -> np.ndarray:
-                    scaled = dropout.scale(index, heads.start, G, r0, r1, c0, c1, dtype)
-                    return scaled.reshape(kv.stop - kv.start, group * (r1 - r0), c1 - c0)
 
-            _query_tile(
-                q[batch][heads], k[batch][kv], v[batch][kv], task.item, scale, task.r0,
-                task.r1, task.start, task.stop, tiles.cols, scratch, target_out,
-                None if weights is None else weights[batch][heads], target_lse, drop, fused,
-                scores,
-            )  # fmt: skip
-
-        return run
-
-    if work:
-        team.run(work, make_worker)
-    if parts is not None:
-        parts.merge_into(out, lse)
-    if sinks is not None and lse is not None:
-        before = lse.copy() if weights is not None else None
-        add_sinks(out, lse, sinks)
-        if weights is not None and before is not None:
-            weights *= np.exp(before - lse)[..., None]
+def _add_sinks(outputs: Outputs, sinks: np.ndarray) -> None:
+    """The sinks folded into the finished rows (:func:`.scores.add_sinks`), and into the
+    returned weights."""
+    out, weights, lse = outputs.out, outputs.weights, outputs.lse
+    assert lse is not None  # attend made one
+    before = lse.copy() if weights is not None else None
+    add_sinks(out, lse, sinks)
+    if weights is not None and before is not None:
+        weights *= np.exp(before - lse)[..., None]
 
 
 class _Scratch:
@@ -240,164 +242,281 @@ class _Scratch:
         self.alpha = np.empty((G, R), dtype=dtype)  # rescaling of earlier tiles' sums
 
 
-def _query_tile(
-    q: np.ndarray,
-    k: Any,
-    v: Any,
-    item: ItemVisibility,
-    scale: float,
-    r0: int,
-    r1: int,
-    start: int,
-    stop: int,
-    key_tile: int,
-    scratch: _Scratch,
-    out: np.ndarray,
-    weights: np.ndarray | None,
-    lse: np.ndarray | None,
-    drop: Callable[[int, int], np.ndarray] | None = None,
-    fused: bool = False,
-    scores: Scores | None = None,
-) -> None:
-    """Rows ``[r0, r1)`` of the query heads ``q (G * group, L, d_k)`` against keys
-    ``[start, stop)`` of the ``G`` key/value heads ``k (G, S, d_k)`` (an array, or a
-    paged cache's heads, whose ``[:, c0:c1]`` is a gathered tile): the rows of each
-    group's query heads are stacked into one tile of ``R = group * n`` rows. ``fused``: the
-    softmax lines run as the compiled step, otherwise as NumPy's passes."""
-    G, n = k.shape[0], r1 - r0
-    group = q.shape[0] // G
-    R, dtype = group * n, out.dtype
-    q_tile = q[:, r0:r1]
-    if group > 1 or scale != 1.0 or q_tile.dtype != dtype:
-        stacked = scratch.q[:G, :R]
+@dataclass(frozen=True)
+class _NumpyWalk:
+    """What the NumPy walk's work items of one call share: the call, where its rows go
+    (``parts``: the split keys' partial results), its tiles, and whether the softmax lines
+    run as the compiled step (``fused``) or as NumPy's passes."""
+
+    call: KernelCall
+    outputs: Outputs
+    tiles: Tiles
+    parts: Parts | None
+    fused: bool
+
+    def make_worker(self) -> Callable[[Task], None]:
+        """A worker's function of a work item, with its scratch."""
+        call, dtype = self.call, self.outputs.out.dtype
+        scratch = _Scratch(self.tiles, call.group, call.q.shape[-1], call.v.shape[-1], dtype)
+        return lambda task: _QueryTile(self, task, self._targets(task), scratch).run()
+
+    def _targets(self, task: Task) -> Outputs:
+        """Where a work item's rows go: its heads of the outputs, or its part's buffers."""
+        batch, kv, group = task.batch, task.kv, self.call.group
+        heads = slice(kv.start * group, kv.stop * group)
+        weights, lse = self.outputs.weights, self.outputs.lse
+        targets = Outputs(
+            self.outputs.out[batch][heads],
+            None if weights is None else weights[batch][heads],
+            None if lse is None else lse[batch][heads],
+        )
+        if task.part is not None and self.parts is not None:
+            targets = Outputs(self.parts.out[task.part], None, self.parts.lse[task.part])
+        return targets
+
+
+class _QueryTile:
+    """One work item: rows ``[r0, r1)`` of the query heads of its ``G`` key/value heads
+    (``k (G, S, d_k)``: an array, or a paged cache's heads, whose ``[:, c0:c1]`` is a
+    gathered tile) against its keys ``[start, stop)``, the rows of each group's query heads
+    stacked into one tile of ``R = group * n`` rows. :meth:`run` walks its key tiles with
+    the running state of the online softmax (``m``, ``ref``, ``total``, ``acc``), then
+    divides."""
+
+    def __init__(self, walk: _NumpyWalk, task: Task, targets: Outputs, scratch: _Scratch):
+        call, batch, kv = walk.call, task.batch, task.kv
+        self.k, self.v = call.k[batch][kv], call.v[batch][kv]
+        self.item, self.scores, self.fused = task.item, call.scores, walk.fused
+        self.r0, self.r1, self.start, self.stop = task.r0, task.r1, task.start, task.stop
+        self.targets, self.scratch, self.key_tile = targets, scratch, walk.tiles.cols
+        self.G, self.n, self.group = self.k.shape[0], task.r1 - task.r0, call.group
+        G, R = self.G, self.group * self.n
+        self.dtype = targets.out.dtype
+        self.heads = slice(kv.start * self.group, kv.stop * self.group)
+        self.q = self._stacked_queries(call.q[batch][self.heads], call.scale)
+        self.dropout = None
+        if call.dropout is not None:  # its flat batch index, for its mask
+            flat = int(np.ravel_multi_index(batch, call.q.shape[:-3])) if batch else 0
+            self.dropout = call.dropout, flat
+        self.m, self.ref, self.total = scratch.m[:G, :R], scratch.ref[:G, :R], scratch.total[:G, :R]
+        self.ref_new, self.alpha = scratch.ref_new[:G, :R], scratch.alpha[:G, :R]
+        self.acc, self.pv = scratch.acc[:G, :R], scratch.pv[:G, :R]
+        self.s = scratch.scores[:0].reshape(G, R, 0)
+        self.first = True  # no key tile seen yet
+        # A key tile that only some rows can see (the diagonal's, a window's edge) is
+        # computed for those rows alone: with tiles of ~1000 rows, causal attention
+        # otherwise computes up to half of its last key tiles in vain.
+        self.narrow = (
+            self.group == 1
+            and targets.weights is None
+            and self.dropout is None
+            and not scratch.flipped.size
+        )
+        scores = self.scores
+        self.changes = scores is not None and scores.changes_scores
+        self.fused_alibi = self.fused and scores is not None and scores.alibi is not None
+
+    def _stacked_queries(self, q: np.ndarray, scale: float) -> np.ndarray:
+        """Rows ``[r0, r1)`` of the query heads ``q (G * group, L, d_k)``, stacked per
+        key/value head and scaled, in the tile's dtype: ``(G, R, d_k)``."""
+        G, group, n = self.G, self.group, self.n
+        q_tile = q[:, self.r0 : self.r1]
+        if group == 1 and scale == 1.0 and q_tile.dtype == self.dtype:
+            return q_tile
+        stacked = self.scratch.q[:G, : group * n]
         np.multiply(  # in the tile's dtype: a bfloat16 q times the scale rounds otherwise
             q_tile.reshape(G, group, n, -1),
             scale,
             out=stacked.reshape(G, group, n, -1),
-            dtype=dtype,
+            dtype=self.dtype,
         )
-        q_tile = stacked
-    m, ref, ref_new = scratch.m[:G, :R], scratch.ref[:G, :R], scratch.ref_new[:G, :R]
-    total, acc, pv = scratch.total[:G, :R], scratch.acc[:G, :R], scratch.pv[:G, :R]
-    alpha = scratch.alpha[:G, :R]
-    s = scratch.scores[:0].reshape(G, R, 0)
-    first = True
-    # A key tile that only some rows can see (the diagonal's, a window's edge) is computed for
-    # those rows alone: with tiles of ~1000 rows, causal attention otherwise computes up to
-    # half of its last key tiles in vain.
-    narrow = group == 1 and weights is None and drop is None and not scratch.flipped.size
-    changes = scores is not None and scores.changes_scores
-    fused_alibi = fused and scores is not None and scores.alibi is not None
-    for c0, c1 in item.key_tiles(r0, r1, start, stop, key_tile, whole=weights is not None):
-        w = c1 - c0
+        return stacked
+
+    def run(self) -> None:
+        """Every key tile the rows may see, then the division."""
+        whole = self.targets.weights is not None  # one tile over every visible key
+        for c0, c1 in self.item.key_tiles(
+            self.r0, self.r1, self.start, self.stop, self.key_tile, whole=whole
+        ):
+            block = self._block(c0, c1)
+            if block is not None:
+                self._key_tile(block)
+        if not self.first:  # else every tile was hidden: the rows stay zero
+            self._finish()
+
+    def _block(self, c0: int, c1: int) -> _Block | None:
+        """The key tile ``[c0, c1)`` for the rows that see some key of it (all of them unless
+        :attr:`narrow`), with what hides its keys; ``None`` when it hides every key."""
+        item, r0, r1, w = self.item, self.r0, self.r1, c1 - c0
         a, b = item.rows_seeing(r0, r1, c0, c1)
         if a == b:  # the causal mask and the window hide the whole block
-            continue
-        if not narrow:
+            return None
+        if not self.narrow:
             a, b = r0, r1
-        # The compiled step takes the causal mask and the window as each row's band of keys;
-        # NumPy's passes take them, like every other mask, as a boolean block.
-        if fused:  # None: the band hides nothing
+        # The compiled step takes the causal mask and the window as each row's band of
+        # keys; NumPy's passes take them, like every other mask, as a boolean block.
+        if self.fused:  # None: the band hides nothing
             edge, raw = item.band_and_hidden(a, b, c0, c1)
         else:
             edge, raw = None, item.hidden(a, b, c0, c1)
-        hidden = _stack(raw, G, group, b - a, w)
+        hidden = _stack(raw, self.G, self.group, b - a, w)
         if hidden is not None and hidden.all():
-            continue
-        if first and (a, b) != (r0, r1):  # the other rows start from nothing seen
-            m.fill(-np.inf)
-            ref.fill(0.0)
-            total.fill(0.0)
-            acc.fill(0.0)
-            first = False
-        block = slice(a - r0, b - r0) if narrow else slice(None)  # the block's rows
-        s = scratch.scores[: G * group * (b - a) * w].reshape(G, group * (b - a), w)
-        band = None if not fused else _stacked_band(edge, group, b - a, w)
-        k_tile = _cast(k[:, c0:c1], dtype)
-        v_tile = _cast(v[:, c0:c1], dtype)
-        # Hidden keys' values may hold NaN or inf, which 0 * value would spread; a tile with
-        # nothing hidden needs no check (and decoding reads each value once, not twice).
+            return None
+        rows = slice(a - r0, b - r0) if self.narrow else slice(None)  # among the state's
+        k_tile = _cast(self.k[:, c0:c1], self.dtype)
+        v_tile = _cast(self.v[:, c0:c1], self.dtype)
+        # Hidden keys' values may hold NaN or inf, which 0 * value would spread; a tile
+        # with nothing hidden needs no check (and decoding reads each value once, not twice).
         finite = (hidden is None and edge is None) or bool(np.isfinite(v_tile).all())
         halves = None  # score_mod and soft-capping see the whole tile
-        if (
-            narrow
-            and edge is not None
-            and finite
-            and not (changes and scores is not None and scores.nonlinear)
-        ):
+        nonlinear = self.changes and self.scores is not None and self.scores.nonlinear
+        if self.narrow and edge is not None and finite and not nonlinear:
             halves = _halves(edge, w)
-        if scratch.flipped.size:
-            flipped = scratch.flipped[: G * R * w].reshape(G, w, R)
-            np.matmul(k_tile, q_tile.transpose(0, 2, 1), out=flipped)
-            np.copyto(s, flipped.transpose(0, 2, 1))
-        elif halves is not None:  # a band's tile: each half of its rows, with its keys only
-            rows_q = q_tile[:, block]
-            for rows, keys in halves:
-                np.matmul(rows_q[:, rows], k_tile[:, keys].transpose(0, 2, 1), out=s[:, rows, keys])
-        else:
-            np.matmul(q_tile[:, block], k_tile.transpose(0, 2, 1), out=s)
-        if changes and scores is not None:
-            scores.apply(s, item, a, b, c0, c1, alibi=not fused_alibi)
-        bias = _stack(item.bias_block(a, b, c0, c1), G, group, b - a, w)
-        if bias is not None:
-            s += bias
-        # Hidden pairs leave the maximum out and get weight 0. NumPy's float64 exp is slow on
-        # -inf (several times its usual cost), so there they are zeroed after exp instead.
-        late = hidden is not None and dtype.itemsize == 8 and not fused
+        return _Block(a, b, c0, c1, rows, edge, hidden, k_tile, v_tile, finite, halves)
+
+    def _key_tile(self, block: _Block) -> None:
+        """One key tile's step of the online softmax, for the block's rows."""
+        if self.first and (block.a, block.b) != (self.r0, self.r1):
+            self.m.fill(-np.inf)  # the other rows start from nothing seen
+            self.ref.fill(0.0)
+            self.total.fill(0.0)
+            self.acc.fill(0.0)
+            self.first = False
+        s = self.s = self._scores(block)
+        # Hidden pairs leave the maximum out and get weight 0. NumPy's float64 exp is slow
+        # on -inf (several times its usual cost), so there they are zeroed after exp instead.
+        hidden = block.hidden
+        late = hidden is not None and self.dtype.itemsize == 8 and not self.fused
         if hidden is not None and not late:
             np.copyto(s, -np.inf, where=hidden)
         attended = None
-        if not finite:
-            every = _stack(item.hidden(a, b, c0, c1), G, group, b - a, w)
+        if not block.finite:
+            every = self._stacked(self.item.hidden(block.a, block.b, block.c0, block.c1), block)
             attended = s != -np.inf
             if every is not None:
                 attended &= ~every
-        state = (m[:, block], ref[:, block], total[:, block], alpha[:, block])
-        if band is not None:
-            alibi = None
-            if fused_alibi and scores is not None:
-                alibi = scores.alibi_rows(item, a, b, c0, G, dtype)
-            compiled.softmax_step(s, band, *state, first, alibi)
-        else:
-            _softmax_step(s, hidden if late else None, *state[:2], ref_new[:, block],
-                          *state[2:], first)  # fmt: skip
-        if drop is not None:
-            s *= drop(c0, c1)  # after the sums: the normaliser is the undropped one
-        if halves is not None:  # the keys outside each half's are zero weights
-            target = acc if first else pv[:, block]
-            for rows, keys in halves:
-                np.matmul(s[:, rows, keys], v_tile[:, keys], out=target[:, rows])
-            if not first:
-                acc[:, block] *= alpha[:, block, None]
-                acc[:, block] += target
-            first = False
-        elif first:
-            _product(s, v_tile, attended, out=acc)
-            first = False
-        else:
-            acc[:, block] *= alpha[:, block, None]
-            acc[:, block] += _product(s, v_tile, attended, out=pv[:, block])
+        self._softmax(block, s, hidden if late else None)
+        if self.dropout is not None:
+            s *= self._dropped(block.c0, block.c1)  # after the sums: the undropped normaliser
+        self._accumulate(block, s, attended)
 
-    if first:  # every tile was hidden: the rows stay zero
-        return
-    empty = total == 0.0
-    total[empty] = 1.0
-    inverse = np.reciprocal(total, out=m)[..., None]  # multiplying is cheaper than dividing
-    rows = slice(r0, r1)
-    if group == 1:
-        np.multiply(acc, inverse, out=out[:, rows])
-    else:
-        out[:, rows] = np.multiply(acc, inverse, out=acc).reshape(G * group, n, -1)
-    if weights is not None:  # whole rows: s holds every visible key's exp(s - ref)
-        keys = slice(start, start + s.shape[-1])
-        if group == 1:
-            np.multiply(s, inverse, out=weights[:, rows, keys])
+    def _stacked(self, block: np.ndarray | None, tile: _Block) -> np.ndarray | None:
+        """A mask or bias block of ``tile``'s rows, as the stacked tile's (:func:`_stack`)."""
+        return _stack(block, self.G, self.group, tile.b - tile.a, tile.c1 - tile.c0)
+
+    def _scores(self, block: _Block) -> np.ndarray:
+        """The block's scores ``q k^T`` (scaled with ``q``), changed by the call's scores
+        and bias: ``(G, group * (b - a), w)``."""
+        G, group, a, b, w = self.G, self.group, block.a, block.b, block.c1 - block.c0
+        s = self.scratch.scores[: G * group * (b - a) * w].reshape(G, group * (b - a), w)
+        k_tile, q_tile, flipped = block.k, self.q, self.scratch.flipped
+        if flipped.size:
+            transposed = flipped[: G * group * self.n * w].reshape(G, w, group * self.n)
+            np.matmul(k_tile, q_tile.transpose(0, 2, 1), out=transposed)
+            np.copyto(s, transposed.transpose(0, 2, 1))
+        elif block.halves is not None:  # a band's tile: each half of its rows, its keys only
+            rows_q = q_tile[:, block.rows]
+            for rows, keys in block.halves:
+                np.matmul(rows_q[:, rows], k_tile[:, keys].transpose(0, 2, 1), out=s[:, rows, keys])
         else:
-            weights[:, rows, keys] = (s * inverse).reshape(G * group, n, -1)
-    if lse is not None:
-        row_lse = ref + np.log(total)
-        row_lse[empty] = -np.inf
-        lse[:, rows] = row_lse.reshape(G * group, n)
+            np.matmul(q_tile[:, block.rows], k_tile.transpose(0, 2, 1), out=s)
+        if self.changes and self.scores is not None:
+            alibi = not self.fused_alibi
+            self.scores.apply(s, self.item, a, b, block.c0, block.c1, alibi=alibi)
+        bias = self._stacked(self.item.bias_block(a, b, block.c0, block.c1), block)
+        if bias is not None:
+            s += bias
+        return s
+
+    def _softmax(self, block: _Block, s: np.ndarray, late: np.ndarray | None) -> None:
+        """The online softmax's step for the block's rows: ``s`` becomes ``exp(s - ref)``;
+        the compiled step with each row's band, or NumPy's passes (``late``: the hidden
+        pairs, zeroed after ``exp``)."""
+        rows = block.rows
+        state = (self.m[:, rows], self.ref[:, rows], self.total[:, rows], self.alpha[:, rows])
+        if not self.fused:
+            m, ref, total, alpha = state
+            _softmax_step(s, late, m, ref, self.ref_new[:, rows], total, alpha, self.first)
+            return
+        band = _stacked_band(block.edge, self.group, block.b - block.a, block.c1 - block.c0)
+        alibi = None
+        if self.fused_alibi and self.scores is not None:
+            alibi = self.scores.alibi_rows(
+                self.item, block.a, block.b, block.c0, self.G, self.dtype
+            )
+        compiled.softmax_step(s, band, *state, self.first, alibi)
+
+    def _dropped(self, c0: int, c1: int) -> np.ndarray:
+        """The dropout's scale of the rows' weights of keys ``[c0, c1)``, stacked."""
+        assert self.dropout is not None
+        dropout, flat = self.dropout
+        heads, n = self.heads, self.n
+        count = heads.stop - heads.start
+        scaled = dropout.scale(flat, heads.start, count, self.r0, self.r1, c0, c1, self.dtype)
+        return scaled.reshape(self.G, self.group * n, c1 - c0)
+
+    def _accumulate(self, block: _Block, s: np.ndarray, attended: np.ndarray | None) -> None:
+        """``acc = acc * alpha + s @ v_tile`` for the block's rows."""
+        rows, acc, alpha, v_tile = block.rows, self.acc, self.alpha, block.v
+        if block.halves is not None:  # the keys outside each half's are zero weights
+            target = acc if self.first else self.pv[:, rows]
+            for half, keys in block.halves:
+                np.matmul(s[:, half, keys], v_tile[:, keys], out=target[:, half])
+            if not self.first:
+                acc[:, rows] *= alpha[:, rows, None]
+                acc[:, rows] += target
+        elif self.first:
+            _product(s, v_tile, attended, out=acc)
+        else:
+            acc[:, rows] *= alpha[:, rows, None]
+            acc[:, rows] += _product(s, v_tile, attended, out=self.pv[:, rows])
+        self.first = False
+
+    def _finish(self) -> None:
+        """The rows divided by their sums, with the weights and the log-sum-exp where
+        asked for, into the targets."""
+        G, group, n, total, s = self.G, self.group, self.n, self.total, self.s
+        out, weights, lse = self.targets.out, self.targets.weights, self.targets.lse
+        empty = total == 0.0
+        total[empty] = 1.0
+        inverse = np.reciprocal(total, out=self.m)[..., None]  # cheaper than dividing
+        rows = slice(self.r0, self.r1)
+        if group == 1:
+            np.multiply(self.acc, inverse, out=out[:, rows])
+        else:
+            out[:, rows] = np.multiply(self.acc, inverse, out=self.acc).reshape(G * group, n, -1)
+        if weights is not None:  # whole rows: s holds every visible key's exp(s - ref)
+            keys = slice(self.start, self.start + s.shape[-1])
+            if group == 1:
+                np.multiply(s, inverse, out=weights[:, rows, keys])
+            else:
+                weights[:, rows, keys] = (s * inverse).reshape(G * group, n, -1)
+        if lse is not None:
+            row_lse = self.ref + np.log(total)
+            row_lse[empty] = -np.inf
+            lse[:, rows] = row_lse.reshape(G * group, n)
+
+
+@dataclass(slots=True)
+class _Block:
+    """One key tile ``[c0, c1)`` of a :class:`_QueryTile` for its rows ``[a, b)`` (``rows``
+    among the item's stacked state): the band of the causal mask and the window (``edge``,
+    for the compiled step; ``None``: it hides nothing) and the boolean block of what else
+    hides keys (``hidden``, stacked), the key and value tiles in the compute dtype, whether
+    its values are finite, and its two halves of rows when it is computed so
+    (:func:`_halves`)."""
+
+    a: int
+    b: int
+    c0: int
+    c1: int
+    rows: slice
+    edge: tuple[np.ndarray, np.ndarray] | None
+    hidden: np.ndarray | None
+    k: np.ndarray
+    v: np.ndarray
+    finite: bool
+    halves: list[tuple[slice, slice]] | None
 
 
 def _softmax_step(

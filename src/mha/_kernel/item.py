@@ -3,8 +3,10 @@
 :meth:`mha._kernel.contract.Visibility.item` makes one :class:`ItemVisibility` per work
 item; the kernel asks it, tile by tile, which keys its rows may see (the runs of keys, the
 rows that see a block, each row's band) and what else hides keys in a block, as a boolean
-block. Nothing of size ``L x S`` is built. The contract's arguments themselves are checked
-in :mod:`.contract`.
+block. Nothing of size ``L x S`` is built. The band of the causal mask, the window and the
+lengths is :mod:`.geometry`'s, which the compiled walks compute with too; the rest (sink
+tokens, chunks, masks, bias, ``mask_mod``) is this module's alone. The contract's arguments
+themselves are checked in :mod:`.contract`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from . import geometry
 from .block_mask import BLOCK, FULL, PARTIAL, evaluate
+from .geometry import NO_WINDOW
 
 __all__ = ["ItemVisibility", "Memo", "cut_block"]
 
@@ -78,10 +82,9 @@ class ItemVisibility:
         """The runs of keys ``[start, stop)`` that some query of rows ``[r0, r1)`` may see
         by the lengths, the causal mask, the window (and its sink tokens) and the chunks,
         in order; a mask or bias may hide more."""
-        stop = self.key_end
-        if self.causal:
-            stop = min(stop, r1 + self.offset)
-        start = 0 if self.window is None else max(0, r0 + self.offset - self.window + 1)
+        start, stop = geometry.keys_seen(
+            r0, r1, self.offset, self.key_end, self.causal, self._window_length()
+        )
         first = last = 0
         if self.chunk is not None:  # positions of the first and past the last row's chunk
             c = self.chunk
@@ -136,11 +139,7 @@ class ItemVisibility:
         """The run ``[a, b)`` of rows of ``[r0, r1)`` that may see some key of ``[c0, c1)``
         by the causal mask, the window, the chunks and the mask's block map: rows outside it
         see no key of the block. ``a == b`` when no row does."""
-        a, b = r0, r1
-        if self.causal:
-            a = max(a, c0 - self.offset)
-        if self._window_applies(c0):
-            b = min(b, c1 - 1 - self.offset + (self.window or 0))
+        a, b = geometry.rows_seeing(r0, r1, c0, c1, self.offset, self.causal, self._band_window(c0))
         if self.chunk is not None:
             c, base = self.chunk, self.offset + self.key_index
             keys = self.key_positions(c0, c1)
@@ -155,28 +154,23 @@ class ItemVisibility:
             b = min(b, (rb1 - int(np.argmax(seen[::-1]))) * BLOCK)
         return a, max(a, b)
 
-    def _window_applies(self, c0: int) -> bool:
-        """Whether the window bounds a block starting at key ``c0`` as a band (a block with
-        sink tokens in it is bounded by them instead)."""
-        return self.window is not None and c0 >= self.sink_end()
+    def _window_length(self) -> int:
+        """The window as :mod:`.geometry` takes it (:data:`.geometry.NO_WINDOW`: none)."""
+        return NO_WINDOW if self.window is None else self.window
+
+    def _band_window(self, c0: int) -> int:
+        """The window where it bounds a block starting at key ``c0`` as a band, else
+        :data:`.geometry.NO_WINDOW` (a block with sink tokens in it is bounded by them)."""
+        return self._window_length() if c0 >= self.sink_end() else NO_WINDOW
 
     def band(self, r0: int, r1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray] | None:
         """For each row of ``[r0, r1)``, the keys ``[lo, hi)`` of the block ``[c0, c1)`` (as
         offsets from ``c0``) that the causal mask and the window leave visible, as two int64
-        arrays; ``None`` when they hide nothing in the block."""
-        crosses_diagonal = self.causal and c1 - 1 > r0 + self.offset
-        window = self.window or 0
-        crosses_edge = self._window_applies(c0) and c0 <= r1 - 1 + self.offset - window
-        if not (crosses_diagonal or crosses_edge):
+        arrays; ``None`` when they hide nothing in the block (:func:`.geometry.band`)."""
+        window = self._band_window(c0)
+        if not geometry.cut(r0, r1, c0, c1, self.offset, self.causal, window):
             return None
-        rows = np.arange(r0 + self.offset - c0, r1 + self.offset - c0)  # aligned key, from c0
-        w = c1 - c0
-        lo = np.zeros(r1 - r0, np.int64)
-        hi = np.full(r1 - r0, w, np.int64)
-        if crosses_diagonal:
-            hi = np.clip(rows + 1, 0, w)
-        if crosses_edge:
-            lo = np.clip(rows - window + 1, 0, w)
+        lo, hi = geometry.band(np.arange(r0, r1), c0, c1, self.offset, self.causal, window)
         return lo, hi
 
     def band_and_hidden(
@@ -190,8 +184,8 @@ class ItemVisibility:
         key = None
         if self.memo is not None:  # a mask_mod's call: its tiles' masks are kept
             heads = None if self.alike else (self.heads.start, self.heads.stop)
-            key = (self.sequence, heads, self.offset, self.key_index, self.query_index, r0, r1,
-                   c0, c1)  # fmt: skip
+            tile = (r0, r1, c0, c1)
+            key = (self.sequence, heads, self.offset, self.key_index, self.query_index, tile)
         if self.memo is not None and key in self.memo:
             kept: tuple[tuple[np.ndarray, np.ndarray] | None, np.ndarray | None]
             kept = self.memo[key]
@@ -201,8 +195,9 @@ class ItemVisibility:
         if hidden is not None and hidden.shape[0] == 1:
             runs = _runs(~hidden[0])
             if runs is not None:
-                band = runs if band is None else (np.maximum(band[0], runs[0]),
-                                                  np.minimum(band[1], runs[1]))  # fmt: skip
+                if band is not None:
+                    runs = np.maximum(band[0], runs[0]), np.minimum(band[1], runs[1])
+                band = runs
                 hidden = None
         if self.memo is not None:
             self.memo.keep(key, (band, hidden))
@@ -215,16 +210,14 @@ class ItemVisibility:
         loops stop at it. With ``band=False``, the causal mask and the window (where
         :meth:`band` can say it) are left to :meth:`band`."""
         hidden = None
-        offset = self.offset
-        if band and self.causal and c1 - 1 > r0 + offset:  # the block crosses the diagonal
-            hidden = np.arange(c0, c1)[None, :] > np.arange(r0 + offset, r1 + offset)[:, None]
-        window = self.window or 0
-        if (
-            self.window is not None
-            and (band or not self._window_applies(c0))
-            and c0 <= r1 - 1 + offset - window
-        ):
-            below = np.arange(c0, c1)[None, :] <= np.arange(r0, r1)[:, None] + (offset - window)
+        w, window = c1 - c0, self._window_length()
+        if band and geometry.cut(r0, r1, c0, c1, self.offset, self.causal, NO_WINDOW):
+            _, hi = geometry.band(np.arange(r0, r1)[:, None], c0, c1, self.offset, True, NO_WINDOW)
+            hidden = np.arange(w) >= hi  # the keys after each row's own
+        sinks_apart = self._band_window(c0) == NO_WINDOW  # the band cannot say this window
+        if (band or sinks_apart) and geometry.cut(r0, r1, c0, c1, self.offset, False, window):
+            lo, _ = geometry.band(np.arange(r0, r1)[:, None], c0, c1, self.offset, False, window)
+            below = np.arange(w) < lo  # the keys before each row's window
             sinks = self.sink_end()
             if sinks > c0:  # sink tokens stay visible
                 below &= np.arange(c0, c1)[None, :] >= sinks

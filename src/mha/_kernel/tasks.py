@@ -42,8 +42,9 @@ class Parts:
     """Tasks whose keys were split into chunks, each chunk's result in buffers of its own,
     merged into the caller's ``out`` and ``lse`` once every chunk is done."""
 
-    def __init__(self, whole: list[Task], chunks: list[list[Task]], group: int, L: int,
-                 d_v: int, dtype: Any) -> None:  # fmt: skip
+    def __init__(
+        self, whole: list[Task], chunks: list[list[Task]], group: int, L: int, d_v: int, dtype: Any
+    ) -> None:
         self.whole, self.chunks, self.group = whole, chunks, group
         self.tasks: list[Task] = []
         for pieces in chunks:
@@ -84,10 +85,10 @@ def split_keys(
         count = max(1, min(wanted, keys // SPLIT_MIN_KEYS))
         width = ceil(ceil(keys, count), key_tile) * key_tile  # whole key tiles
         edges = [*range(task.start, task.stop, width), task.stop]
-        chunks.append([
-            Task(task.batch, task.kv, task.item, task.r0, task.r1, a, b)
-            for a, b in itertools.pairwise(edges)
-        ])  # fmt: skip
+        keys_of = itertools.pairwise(edges)  # each chunk's keys
+        chunks.append(
+            [Task(task.batch, task.kv, task.item, task.r0, task.r1, a, b) for a, b in keys_of]
+        )
     if all(len(pieces) == 1 for pieces in chunks):
         return None
     return Parts(tasks, chunks, group, L, d_v, dtype)

@@ -1,28 +1,57 @@
-"""The compiled walks' Python side: which calls they take, the arrays as the compiled code
-takes them, the plan of work items and the thread team. The walks themselves are numba code
-(:mod:`._numba_walk`, run through :mod:`.compiled`); whatever they cannot do goes to the
-Python walk (:mod:`.forward`, :mod:`.backward`).
+"""Which walk computes a call, and the compiled walks' Python side: the arrays as the
+compiled code takes them, the plan of work items and the thread team. The walks themselves
+are numba code (:mod:`._numba_walk`, run through :mod:`.compiled`); whatever they cannot do
+goes to the NumPy walk (:mod:`.forward`, :mod:`.backward`).
+
+**The choice.** Each walk declares the features of a call it supports (:class:`Walk`), and
+:func:`choose` takes the first that supports all of a call's. A call's features are derived
+from its objects (:func:`features`): every field of its :class:`.call.KernelCall`, its
+visibility, its scores and dropout, and its :class:`.call.Outputs` or
+:class:`.call.Gradients`, that is set to other than its default, by name, and what its
+operands are. A new option is a new field, so a walk that does not declare it never takes
+the calls that set it. The compiled walks support a band of hidden keys (the causal mask,
+the window, the lengths, each sequence's alignment), plain scores with sinks added after (as
+everywhere), float32 or float64 throughout; the NumPy walk supports every call. A call the
+compiled walk supports still goes to the NumPy walk when its arrays are not ones the
+compiled code can read as they are (:func:`walk_views`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from . import compiled, tasks
+from .call import Gradients, KernelCall, Outputs
 from .contract import Visibility
-from .dropout import Dropout
+from .geometry import NO_WINDOW
 from .paged import PagedKV
-from .scores import Scores
 from .tasks import Parts, Task, batch_index
 from .team import Team
 
-__all__ = ["BACKWARD_ROWS", "WALK_ROWS", "ForwardPlan", "backward_walkable", "forward_walkable",
-           "run_backward", "run_forward", "walk_views"]  # fmt: skip
+__all__ = [
+    "BACKWARD_ROWS",
+    "COMPILED_BACKWARD",
+    "COMPILED_FORWARD",
+    "NUMPY",
+    "WALK_ROWS",
+    "ForwardPlan",
+    "Walk",
+    "backward_walkable",
+    "choose",
+    "features",
+    "forward_walkable",
+    "run_backward",
+    "run_forward",
+    "walk_views",
+]
 
 WALK_ROWS = 256
 """Query rows (per query head) of a compiled walk's work item, at most. Its tile of scores,
@@ -33,63 +62,152 @@ on the README's machine; float64 3-8%), as torch's own kernel tiles them (256 qu
 for long sequences)."""
 
 
-def forward_walkable(
-    q: np.ndarray,
-    k: np.ndarray | PagedKV,
-    v: np.ndarray | PagedKV,
-    out: np.ndarray,
-    lse: np.ndarray | None,
-    visibility: Visibility,
-    weights: np.ndarray | None,
-    dropout: Dropout | None,
-    scores: Scores | None,
-) -> list[np.ndarray] | None:
+@dataclass(frozen=True)
+class Walk:
+    """A tile walk: the features of a call it supports (:func:`features`; ``None``: every
+    one), and whether it can run in this process."""
+
+    name: str
+    supports: frozenset[str] | None
+    available: Callable[[], bool] = lambda: True
+
+    def takes(self, needs: Iterable[str]) -> bool:
+        """Whether this walk computes a call with the features ``needs`` (read until the
+        first it does not support)."""
+        supports = self.supports
+        return (supports is None or all(need in supports for need in needs)) and self.available()
+
+
+_BAND = frozenset(
+    {
+        "visibility.causal",
+        "visibility.window",
+        "visibility.causal_offset",
+        "visibility.offsets",
+        "visibility.key_lengths",
+        "visibility.query_lengths",
+        # the positions, which only what the walk refuses reads (chunks, mask_mod, ALiBi)
+        "visibility.query_index",
+        "visibility.key_index",
+        "visibility.sequences",
+    }
+)
+_PLAIN = frozenset({"scores", "scores.sinks", "budget", "dtype float32", "dtype float64"})
+
+COMPILED_FORWARD = Walk(
+    "compiled forward",
+    _BAND | _PLAIN | {"lse", "paged keys and values"},
+    lambda: compiled.walk_available(),
+)
+"""The compiled forward walk: a band, plain scores, float32 or float64, arrays or a paged
+cache's float pools."""
+
+COMPILED_BACKWARD = Walk(
+    "compiled backward",
+    _BAND | _PLAIN | {"dsinks", "dq_factor"},
+    lambda: compiled.walk_available(),
+)
+"""The compiled backward walk: the forward's calls, of arrays."""
+
+NUMPY = Walk("numpy", None)
+"""The NumPy walk (:mod:`.forward`, :mod:`.backward`): every call."""
+
+
+def choose(
+    walks: tuple[Walk, ...],
+    call: KernelCall,
+    destination: Outputs | Gradients,
+    arrays: tuple[Any, ...],
+) -> Walk:
+    """The first of ``walks`` that takes the call (:meth:`Walk.takes` of its
+    :func:`features`, found one by one: the first a walk lacks ends the search); the NumPy
+    walk when none does."""
+    for walk in walks:
+        if walk.takes(_features(call, destination, arrays)):
+            return walk
+    return NUMPY
+
+
+def features(
+    call: KernelCall, destination: Outputs | Gradients, arrays: tuple[Any, ...]
+) -> frozenset[str]:
+    """What a call asks of a walk: the name of each field of ``call`` and of ``destination``
+    set to other than its default (``"dropout"``, ``"lse"``), and of the fields of those
+    that are objects of this kind in turn (``"visibility.window"``, ``"scores.sinks"``);
+    fields without a default (the operands, the shapes) are every call's. Then what its
+    operands are: ``"paged keys and values"`` (or ``"paged keys or values"``),
+    ``"quantized"``; and of the walk's ``arrays``, ``"empty"`` when one is, and ``"dtype
+    float32"`` when all are float32 (``"dtypes mixed"`` when they differ)."""
+    return frozenset(_features(call, destination, arrays))
+
+
+def _features(
+    call: KernelCall, destination: Outputs | Gradients, arrays: tuple[Any, ...]
+) -> Iterator[str]:
+    yield from _set_fields(call, "")
+    yield from _set_fields(destination, "")
+    k_paged, v_paged = isinstance(call.k, PagedKV), isinstance(call.v, PagedKV)
+    if k_paged or v_paged:
+        yield "paged keys and values" if k_paged and v_paged else "paged keys or values"
+        if (k_paged and call.k.quantization) or (v_paged and call.v.quantization):
+            yield "quantized"
+    dtypes = set()
+    for x in arrays:
+        read = x.pool if isinstance(x, PagedKV) else x
+        dtypes.add(read.dtype)
+        if read.size == 0:
+            yield "empty"
+    yield _dtype_feature(dtypes.pop()) if len(dtypes) == 1 else "dtypes mixed"
+
+
+@functools.cache
+def _dtype_feature(dtype: np.dtype) -> str:
+    return f"dtype {dtype.name}"
+
+
+def _set_fields(obj: Any, prefix: str) -> Iterator[str]:
+    """``prefix + name`` of each field of the dataclass ``obj`` set to other than its default,
+    and of the set fields of those that are dataclasses, in turn."""
+    defaults = _defaults(obj.__class__)
+    for name, value in vars(obj).items():
+        default = defaults.get(name, _NO_DEFAULT)
+        if value is default:  # most are: None, 0, False
+            continue
+        if default is not _NO_DEFAULT and (isinstance(value, np.ndarray) or value != default):
+            yield prefix + name
+        if _is_dataclass(value.__class__):
+            yield from _set_fields(value, prefix + name + ".")
+
+
+_NO_DEFAULT = dataclasses.MISSING
+
+
+@functools.cache
+def _defaults(kind: Any) -> dict[str, Any]:
+    """The default of each field of the dataclass ``kind`` (``MISSING``: none)."""
+    return {field.name: field.default for field in dataclasses.fields(kind)}
+
+
+@functools.cache
+def _is_dataclass(kind: Any) -> bool:
+    return dataclasses.is_dataclass(kind)
+
+
+def forward_walkable(call: KernelCall, outputs: Outputs) -> list[np.ndarray] | None:
     """The arrays as the compiled walk takes them (:func:`walk_views`; a paged cache's
-    pools as they are) when it computes this call, else ``None``: what hides keys is a band
-    (causal, the window, the lengths), the scores are plain ones, in float32 or float64
-    throughout, and every array is one the compiled code can take as it is."""
-    outputs = (out,) if lse is None else (out, lse[..., None])
-    paged = isinstance(k, PagedKV) and isinstance(v, PagedKV)
-    if isinstance(k, PagedKV) != isinstance(v, PagedKV):
+    pools as they are) when it computes this call (:func:`choose`), else ``None``."""
+    lse = outputs.lse
+    written = (outputs.out,) if lse is None else (outputs.out, lse[..., None])
+    q, k, v = call.q, call.k, call.v
+    arrays = (q, k, v, *written)  # (lse's view: its dtype and size)
+    if choose((COMPILED_FORWARD, NUMPY), call, outputs, arrays) is NUMPY:
         return None
-    keys = k.pool if isinstance(k, PagedKV) else k
-    values = v.pool if isinstance(v, PagedKV) else v
-    if (
-        weights is not None
-        or not _band_and_plain_scores(visibility, dropout, scores, (q, keys, values, *outputs))
-        or not compiled.walk_available()
-    ):
+    if not isinstance(k, PagedKV):
+        return walk_views((q, k, v), written, operands=(q, k, v))
+    if not all(map(_pool_rows, (k.pool, v.pool))):
         return None
-    if not paged:
-        return walk_views((q, keys, values), outputs, operands=(q, keys, values))
-    if not all(map(_pool_rows, (keys, values))):
-        return None
-    views = walk_views((q,), outputs, operands=(q,))
-    return None if views is None else [views[0], keys, values, *views[1:]]
-
-
-def _band_and_plain_scores(
-    visibility: Visibility,
-    dropout: Dropout | None,
-    scores: Scores | None,
-    arrays: tuple[np.ndarray, ...],
-) -> bool:
-    """What both walks need of a call: no dropout, plain scores (sinks aside), keys hidden
-    by a band alone, and ``arrays`` all of one dtype, float32 or float64, none empty."""
-    dtype = arrays[0].dtype
-    return (
-        dropout is None
-        and (scores is None or not scores.changes_scores)
-        and dtype in (np.float32, np.float64)
-        and all(x.dtype == dtype for x in arrays)
-        and visibility.mask is None
-        and visibility.bias is None
-        and visibility.mask_mod is None
-        and visibility.chunk is None
-        and visibility.sink_tokens == 0
-        and visibility.held_sinks == 0
-        and min(x.size for x in arrays) > 0
-    )
+    views = walk_views((q,), written, operands=(q,))
+    return None if views is None else [views[0], k.pool, v.pool, *views[1:]]
 
 
 def walk_views(
@@ -164,8 +282,11 @@ def _merged_batch(array: np.ndarray) -> np.ndarray | None:
         return array
     if array.ndim == 3:
         return array[None]
-    sized = [(n, stride) for n, stride in zip(array.shape[:-3], array.strides[:-3], strict=True)
-             if n != 1]  # fmt: skip
+    sized = [
+        (n, stride)
+        for n, stride in zip(array.shape[:-3], array.strides[:-3], strict=True)
+        if n != 1
+    ]
     if any(s0 != s1 * n1 for (_, s0), (n1, s1) in itertools.pairwise(sized)):
         return None
     shape = (math.prod(array.shape[:-3]), *array.shape[-3:])
@@ -176,11 +297,13 @@ def _merged_batch(array: np.ndarray) -> np.ndarray | None:
     return merged
 
 
-def _limits(
+def _band(
     visibility: Visibility, batch_shape: tuple[int, ...], L: int, S: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each sequence's key length, query length and alignment offset, as int64 ``(B,)``, for
-    ``L`` queries and ``S`` keys."""
+) -> tuple[bool, int, np.ndarray, np.ndarray, np.ndarray]:
+    """The band as the compiled walks take it, for ``L`` queries and ``S`` keys: ``(causal,
+    window, offsets, key_end, query_end)``, the window :data:`.geometry.NO_WINDOW` when
+    there is none, each sequence's alignment offset, key length and query length as int64
+    ``(B,)``."""
     B = math.prod(batch_shape)
 
     def per_sequence(values: np.ndarray | None, default: int) -> np.ndarray:
@@ -188,24 +311,20 @@ def _limits(
             return np.full(B, default, np.int64)
         return np.broadcast_to(values, batch_shape).reshape(B).astype(np.int64)
 
+    window = NO_WINDOW if visibility.window is None else int(visibility.window)
     return (
+        bool(visibility.causal),
+        window,
+        per_sequence(visibility.offsets, visibility.causal_offset),
         per_sequence(visibility.key_lengths, S),
         per_sequence(visibility.query_lengths, L),
-        per_sequence(visibility.offsets, visibility.causal_offset),
     )
 
 
 def run_forward(
-    q: np.ndarray,
-    k: np.ndarray | PagedKV,
-    v: np.ndarray | PagedKV,
-    visibility: Visibility,
-    scale: float,
-    out: np.ndarray,
-    lse: np.ndarray | None,
+    call: KernelCall,
     views: list[np.ndarray],
     tiles: Any,
-    group: int,
     team: Team,
     flip_below: int,
     product_chunk: int,
@@ -213,16 +332,16 @@ def run_forward(
     """Run the call's work items as compiled code, one call of it per worker, on ``views``
     (:func:`forward_walkable`'s); returns the items it left to the NumPy walk and the split
     keys' partial results, if any. Tiles of fewer than ``flip_below`` rows take ``k @
-    q^T``, and ``p @ v`` in runs of ``product_chunk`` keys (the Python walk's choices,
+    q^T``, and ``p @ v`` in runs of ``product_chunk`` keys (the NumPy walk's choices,
     :mod:`.forward`)."""
-    plan = ForwardPlan(q.shape, k, v.shape[-1], visibility, scale, out.dtype, tiles, group,
-                       team.workers, flip_below, product_chunk)  # fmt: skip
-    failed, parts = plan.run(views, k, team)
+    plan = ForwardPlan(call, tiles, team.workers, flip_below, product_chunk)
+    failed, parts = plan.run(views, call.k, team)
     left: list[Task] = []
+    group = call.group
     for t in plan.table[failed] if failed.any() else ():
         batch = batch_index(t[0], plan.batch_shape)
         kv = slice(int(t[1]), int(t[1]) + 1)
-        item = visibility.item(batch, slice(kv.start * group, kv.stop * group))
+        item = call.visibility.item(batch, slice(kv.start * group, kv.stop * group))
         part = None if t[6] < 0 else int(t[6])
         left.append(Task(batch, kv, item, int(t[2]), int(t[3]), int(t[4]), int(t[5]), part))
     return left, parts
@@ -231,57 +350,60 @@ def run_forward(
 class ForwardPlan:
     """What the compiled forward walk does for a call, worked out from the shapes and the
     visibility alone: its table of tasks, longest first, and, when there are fewer than
-    ``workers``, the split of their keys. It holds no array of the call's, so a call of the
+    ``workers``, the split of their keys. It keeps no array of the call's, so a call of the
     same shapes, dtype and options runs the same plan again (:mod:`mha.api.plans` keeps
-    them); :meth:`run` takes the arrays."""
+    them); :meth:`run` takes the arrays. ``flip_below`` and ``product_chunk`` as
+    :func:`run_forward`'s."""
 
     def __init__(
-        self,
-        q_shape: tuple[int, ...],
-        k: np.ndarray | PagedKV,
-        d_v: int,
-        visibility: Visibility,
-        scale: float,
-        dtype: np.dtype,
-        tiles: Any,
-        group: int,
-        workers: int,
-        flip_below: int,
-        product_chunk: int,
+        self, call: KernelCall, tiles: Any, workers: int, flip_below: int, product_chunk: int
     ) -> None:
-        L, d_k = q_shape[-2:]
+        q_shape, k = call.q.shape, call.k
+        L, self.d_k = q_shape[-2:]
         H_kv, S = k.shape[-3], k.shape[-2]
         self.batch_shape = batch_shape = q_shape[:-3]
+        self.d_v, self.dtype, self.scale = call.v.shape[-1], call.q.dtype, call.scale
+        self.band = _band(call.visibility, batch_shape, L, S)
+        self.rows = max(1, min(tiles.rows, WALK_ROWS))
+        self.L, self.group, self.cols = L, call.group, tiles.cols
+        self.R, self.paged = self.group * self.rows, isinstance(k, PagedKV)
+        self.flip_below = flip_below
+        self.sizes = (self.scale, self.cols, flip_below, product_chunk)
         B = math.prod(batch_shape)
-        key_end, query_end, self.offsets = _limits(visibility, batch_shape, L, S)
-        self.rows = rows = max(1, min(tiles.rows, WALK_ROWS))
-        self.L, self.d_k, self.d_v, self.dtype, self.scale = L, d_k, d_v, dtype, scale
-        self.R, self.cols, self.paged = group * rows, tiles.cols, isinstance(k, PagedKV)
-        self.flip_below, self.product_chunk = flip_below, product_chunk
-        self.causal = visibility.causal
-        self.window = -1 if visibility.window is None else visibility.window
         self.blocks = np.arange(B, dtype=np.int64)[:, None]  # contiguous: a block each
         self.block = max(S, 1)
-        table = compiled.plan_walk(B, H_kv, L, rows, key_end, query_end, self.offsets,
-                                   self.causal, self.window)  # fmt: skip
+        table = compiled.plan_walk(B, H_kv, L, self.rows, self.band)
         self.split: tuple[list[Task], list[list[Task]]] | None = None
-        self.group = group
         if 0 < len(table) < workers:  # few items (decoding): split their keys
-            whole = [Task(batch_index(t[0], batch_shape), slice(int(t[1]), int(t[1]) + 1),
-                           None, int(t[2]), int(t[3]), int(t[4]), int(t[5]))  # type: ignore[arg-type]
-                     for t in table]  # fmt: skip
-            parts = tasks.split_keys(whole, workers, tiles.cols, group, L, d_v, dtype)
-            if parts is not None:
-                self.split = parts.whole, parts.chunks
-                flat = {id(task): row for task, row in zip(whole, table[:, 0], strict=True)}
-                table = np.array([
-                    [flat[id(task)], p.kv.start, p.r0, p.r1, p.start, p.stop, p.part]
-                    for task, pieces in zip(parts.whole, parts.chunks, strict=True)
-                    for p in pieces
-                ], np.int64).reshape(-1, 7)  # fmt: skip
-            table = table[np.argsort((table[:, 2] - table[:, 3]) * (table[:, 5] - table[:, 4]),
-                                     kind="stable")]  # longest first  # fmt: skip
+            table = self._split_keys(table, workers)
         self.table = table
+
+    def _split_keys(self, table: np.ndarray, workers: int) -> np.ndarray:
+        """The table with each task's keys split into chunks for ``workers`` (when that
+        gives every worker work), longest first; the split kept for :meth:`run`."""
+        no_item: Any = None  # the split reads the tasks' rows and keys alone
+        whole = [
+            Task(
+                batch_index(t[0], self.batch_shape),
+                slice(int(t[1]), int(t[1]) + 1),
+                no_item,
+                *(int(x) for x in t[2:6]),
+            )
+            for t in table
+        ]
+        group, L, d_v, dtype = self.group, self.L, self.d_v, self.dtype
+        parts = tasks.split_keys(whole, workers, self.cols, group, L, d_v, dtype)
+        if parts is not None:
+            self.split = parts.whole, parts.chunks
+            flat = {id(task): row for task, row in zip(whole, table[:, 0], strict=True)}
+            pieces = [
+                [flat[id(task)], p.kv.start, p.r0, p.r1, p.start, p.stop, p.part]
+                for task, chunks in zip(parts.whole, parts.chunks, strict=True)
+                for p in chunks
+            ]
+            table = np.array(pieces, np.int64).reshape(-1, 7)
+        cost = (table[:, 2] - table[:, 3]) * (table[:, 5] - table[:, 4])
+        return table[np.argsort(cost, kind="stable")]  # longest first
 
     def run(
         self, views: list[np.ndarray], k: np.ndarray | PagedKV, team: Team
@@ -290,45 +412,69 @@ class ForwardPlan:
         shapes; ``k`` the call's keys, for a paged cache's block table) on ``team``: which
         tasks were left undone (a non-finite value at a hidden key), and the split keys'
         partial results, to merge."""
-        dtype, R, cols, d_k, d_v = self.dtype, self.R, self.cols, self.d_k, self.d_v
-        q4, out4 = views[0], views[3]
-        lse4 = views[4][..., 0] if len(views) > 4 else np.empty((1, 1, 0), dtype)
-        if isinstance(k, PagedKV):  # the pools and the block tables as they are
-            kp, vp, blocks, block = views[1], views[2], k.table, k.block_size
-        else:  # one block per sequence: (B, S, H_kv, d) views of the arrays
-            k4, v4 = _packed(views[1], self.L, self.rows), _packed(views[2], self.L, self.rows)
-            kp, vp = k4.transpose(0, 2, 1, 3), v4.transpose(0, 2, 1, 3)
-            blocks, block = self.blocks, self.block
-        parts = None
+        dtype, parts = self.dtype, None
         if self.split is not None:
-            parts = Parts(*self.split, self.group, self.L, d_v, dtype)
-        part_out = parts.all_out if parts is not None else np.empty((0, 1, 1, 1), dtype)
-        part_lse = parts.all_lse if parts is not None else np.empty((0, 1, 1), dtype)
-        table, failed = self.table, np.zeros(len(self.table), bool)  # per run, not per plan:
-        counter = np.zeros(1, np.int64)  # concurrent calls of one plan each have their own
-        scale, causal, window, offsets = self.scale, self.causal, self.window, self.offsets
-        flip_below, product_chunk, spans = self.flip_below, self.product_chunk, self.paged
+            parts = Parts(*self.split, self.group, self.L, self.d_v, dtype)
+        lse, part_out, part_lse = _no_outputs(dtype)  # (empty: not wanted)
+        if len(views) > 4:
+            lse = views[4][..., 0]
+        if parts is not None:
+            part_out, part_lse = parts.all_out, parts.all_lse
+        outputs = (views[3], lse, part_out, part_lse)
+        operands = (views[0], *self._pools(views, k))
+        sizes = self.sizes
+        # per run, not per plan: concurrent calls of one plan each have their own
+        work = (self.table, np.zeros(1, np.int64), np.zeros(len(self.table), bool))
 
         def make_walk() -> Callable[[], None]:
-            s = np.empty((R, cols), dtype)
-            flipped = np.empty(cols * min(R, flip_below), dtype)  # few rows' tiles
-            stacked, acc = np.empty((R, d_k), dtype), np.empty((R, d_v), dtype)
-            m, ref, total = np.empty(R, dtype), np.empty(R, dtype), np.empty(R, dtype)
-            width = cols if spans else 0  # tiles copied from blocks apart
-            k_tile, v_tile = np.empty((width, d_k), dtype), np.empty((width, d_v), dtype)
-            partial = np.empty((R, d_v), dtype)  # a decoding step's sums
+            scratch = self._scratch()
 
             def walk() -> None:
-                compiled.forward_walk(
-                    dtype, table, counter, q4, kp, vp, blocks, block, out4, lse4, part_out,
-                    part_lse, scale, causal, window, offsets, cols, flip_below, product_chunk,
-                    s, flipped, stacked, acc, m, ref, total, partial, k_tile, v_tile, failed,
-                )  # fmt: skip
+                compiled.forward_walk(dtype, work, operands, outputs, self.band, sizes, scratch)
 
             return walk
 
-        _walk_once_per_worker(team, len(table), counter, make_walk)
-        return failed, parts
+        _walk_once_per_worker(team, work, make_walk)
+        return work[2], parts
+
+    def _pools(self, views: list[np.ndarray], k: np.ndarray | PagedKV) -> list[tuple[Any, ...]]:
+        """The keys and values as the compiled walk takes them: each a pool ``(data, table,
+        block, scales, zeros)``, ``scales`` and ``zeros`` empty (float pools)."""
+        if isinstance(k, PagedKV):  # the pools and the block tables as they are
+            data, table, block = views[1:3], k.table, k.block_size
+        else:  # one block per sequence: (B, S, H_kv, d) views of the arrays
+            packed = (_packed(x, self.L, self.rows) for x in views[1:3])
+            data, table, block = [x.transpose(0, 2, 1, 3) for x in packed], self.blocks, self.block
+        return [(x, table, block, _NO_SCALES, _NO_SCALES) for x in data]
+
+    def _scratch(self) -> tuple[np.ndarray, ...]:
+        """One worker's buffers: ``(s, flipped, stacked, acc, m, ref, total, partial,
+        k_tile, v_tile)``."""
+        dtype, R, cols, d_k, d_v = self.dtype, self.R, self.cols, self.d_k, self.d_v
+        width = cols if self.paged else 0  # tiles copied from blocks apart
+        return (
+            np.empty((R, cols), dtype),
+            np.empty(cols * min(R, self.flip_below), dtype),  # few rows' tiles, transposed
+            np.empty((R, d_k), dtype),
+            np.empty((R, d_v), dtype),
+            np.empty(R, dtype),  # the running maximum
+            np.empty(R, dtype),  # the maximum used for exp
+            np.empty(R, dtype),  # the running sum
+            np.empty((R, d_v), dtype),  # a decoding step's sums
+            np.empty((width, d_k), dtype),
+            np.empty((width, d_v), dtype),
+        )
+
+
+_NO_SCALES = np.empty((0, 0, 0, 0), np.uint16)
+"""A float pool's scales and zero points (a quantized pool's, float16 as their bits)."""
+
+
+@functools.cache
+def _no_outputs(dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The outputs a compiled forward walk is not given, empty: the log-sum-exp, and the
+    split keys' partial results (never written: the walk writes no element of them)."""
+    return np.empty((1, 1, 0), dtype), np.empty((0, 1, 1, 1), dtype), np.empty((0, 1, 1), dtype)
 
 
 BACKWARD_ROWS = 512
@@ -337,106 +483,107 @@ backward benchmark's figures are at this size)."""
 
 
 def _walk_once_per_worker(
-    team: Team, tasks: int, counter: np.ndarray, make_walk: Callable[[], Callable[[], None]]
+    team: Team, work: tuple[np.ndarray, ...], make_walk: Callable[[], Callable[[], None]]
 ) -> None:
     """Run a compiled walk once on each of ``team``'s workers (``make_walk()`` makes a
-    worker's, with its buffers); each takes tasks from ``counter`` until none are left
-    (longest first), so a worker that starts late, or runs slower, takes fewer, and none
-    waits on Python's lock between tasks. A worker that finds them all taken runs no walk.
-    (Runs of tasks dealt out in advance, two per worker in the forward and four in the
-    backward, lost up to a whole run's time whenever one core ran slow, and a helper woken
-    late found the caller busy on a run it could have shared.)"""
+    worker's, with its buffers); each takes tasks from the counter of ``work = (tasks,
+    counter, failed)`` until none are left (longest first), so a worker that starts late,
+    or runs slower, takes fewer, and none waits on Python's lock between tasks. A worker
+    that finds them all taken runs no walk. (Runs of tasks dealt out in advance, two per
+    worker in the forward and four in the backward, lost up to a whole run's time whenever
+    one core ran slow, and a helper woken late found the caller busy on a run it could have
+    shared.)"""
+    table, counter = work[0], work[1]
 
     def make_worker() -> Callable[[int], None]:
         walk = make_walk()
 
         def run(_: int) -> None:
-            if counter[0] < tasks:  # else the other workers took every task
+            if counter[0] < len(table):  # else the other workers took every task
                 walk()
 
         return run
 
-    team.run(list(range(max(1, min(team.workers, tasks)))), make_worker)
+    team.run(list(range(max(1, min(team.workers, len(table))))), make_worker)
 
 
 def backward_walkable(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    out: np.ndarray,
-    lse: np.ndarray,
-    grad_out: np.ndarray,
-    dq: np.ndarray,
-    dk: np.ndarray,
-    dv: np.ndarray,
-    visibility: Visibility,
-    dbias: np.ndarray | None,
-    dropout: Dropout | None,
-    scores: Scores | None,
+    call: KernelCall, forward: Outputs, grad_out: np.ndarray, grads: Gradients
 ) -> bool:
-    """Whether the compiled walk computes these gradients (as the forward's
-    :func:`forward_walkable`: a band hides keys, plain scores, one dtype)."""
-    arrays = (q, k, v, out, lse, grad_out, dq, dk, dv)
-    inputs = (q, k, v, out, lse[..., None], grad_out)
+    """Whether the compiled walk computes these gradients (:func:`choose`, and arrays it can
+    read as they are)."""
+    arrays = _backward_arrays(call, forward, grad_out, grads)
     return (
-        dbias is None
-        and _band_and_plain_scores(visibility, dropout, scores, arrays)
-        and walk_views(inputs, (dq, dk, dv), operands=(q, k, v, dk, dv)) is not None
-        and compiled.walk_available()
+        choose((COMPILED_BACKWARD, NUMPY), call, grads, arrays) is not NUMPY
+        and _backward_views(call, forward, grad_out, grads) is not None
     )
 
 
+def _backward_arrays(
+    call: KernelCall, forward: Outputs, grad_out: np.ndarray, grads: Gradients
+) -> tuple[Any, ...]:
+    """The arrays the compiled backward walk reads and writes."""
+    operands, gradients = (call.q, call.k, call.v), (grads.dq, grads.dk, grads.dv)
+    return (*operands, forward.out, forward.lse, grad_out, *gradients)
+
+
+def _backward_views(
+    call: KernelCall, forward: Outputs, grad_out: np.ndarray, grads: Gradients
+) -> list[np.ndarray] | None:
+    """:func:`walk_views` of the backward's arrays: ``q, k, v, out, lse[..., None],
+    grad_out`` and ``dq, dk, dv``."""
+    q, k, v, out, lse = call.q, call.k, call.v, forward.out, forward.lse
+    assert lse is not None  # the backward reads the forward's log-sum-exp
+    inputs, outputs = (q, k, v, out, lse[..., None], grad_out), (grads.dq, grads.dk, grads.dv)
+    return walk_views(inputs, outputs, operands=(q, k, v, grads.dk, grads.dv))
+
+
 def run_backward(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    out: np.ndarray,
-    lse: np.ndarray,
+    call: KernelCall,
+    forward: Outputs,
     grad_out: np.ndarray,
-    visibility: Visibility,
-    scale: float,
-    dq_factor: float,
-    dq: np.ndarray,
-    dk: np.ndarray,
-    dv: np.ndarray,
+    grads: Gradients,
     tiles: Any,
-    group: int,
     team: Team,
 ) -> list[tuple[tuple[int, ...], slice]]:
     """The gradients as compiled code, one task per ``(sequence, key/value head)``; returns
     the items it left to the NumPy walk."""
-    L, d_k = q.shape[-2:]
-    H_kv, S, d_v = k.shape[-3], k.shape[-2], v.shape[-1]
-    batch_shape = q.shape[:-3]
-    B = math.prod(batch_shape)
-    views = walk_views((q, k, v, out, lse[..., None], grad_out), (dq, dk, dv),
-                       operands=(q, k, v, dk, dv))  # fmt: skip
+    q = call.q
+    L, d_k, d_v, S = q.shape[-2], q.shape[-1], call.v.shape[-1], call.k.shape[-2]
+    views = _backward_views(call, forward, grad_out, grads)
     assert views is not None  # checked by backward_walkable
     q4, k4, v4, out4, lse4, do4, dq4, dk4, dv4 = views
-    key_end, query_end, offsets = _limits(visibility, batch_shape, L, S)
-    window = -1 if visibility.window is None else visibility.window
+    band = _band(call.visibility, q.shape[:-3], L, S)
     rows = max(1, min(tiles.rows, BACKWARD_ROWS))
-    k4, v4 = _packed(k4, L, rows), _packed(v4, L, rows)
-    table = np.stack(np.meshgrid(np.arange(B), np.arange(H_kv), indexing="ij"), -1).reshape(-1, 2)
-    pairs = query_end[table[:, 0]] * key_end[table[:, 0]]  # about each task's work
-    table = table[np.argsort(-pairs, kind="stable")]  # longest first, as the forward's
+    operands = (q4, _packed(k4, L, rows), _packed(v4, L, rows), out4, lse4[..., 0], do4)
+    sizes = (call.scale, call.scale * grads.dq_factor, rows, tiles.cols)
+    table = _backward_tasks(k4.shape[1], band)
     # Per run, never on a plan: concurrent calls each have their own.
-    failed, counter = np.zeros(len(table), bool), np.zeros(1, np.int64)
-    R, cols, dtype = group * rows, tiles.cols, dq.dtype
+    work = (table, np.zeros(1, np.int64), np.zeros(len(table), bool))
+    R, cols, dtype = call.group * rows, tiles.cols, grads.dq.dtype
 
     def make_walk() -> Callable[[], None]:
-        stacked, dq_t, do = (np.empty((R, d), dtype) for d in (d_k, d_k, d_v))
+        stacked, do, dq_t = (np.empty((R, d), dtype) for d in (d_k, d_v, d_k))
         D, row_lse = np.empty(R, dtype), np.empty(R, dtype)
         p, ds = np.empty((R, cols), dtype), np.empty((R, cols), dtype)
+        scratch = (stacked, do, D, row_lse, dq_t, p, ds)
 
         def walk() -> None:
-            compiled.backward_walk(
-                dtype, table, counter, q4, k4, v4, out4, lse4[..., 0], do4, dq4, dk4, dv4,
-                scale, scale * dq_factor, visibility.causal, window, offsets, key_end,
-                query_end, rows, cols, stacked, do, D, row_lse, dq_t, p, ds, failed,
-            )  # fmt: skip
+            grads4 = (dq4, dk4, dv4)
+            compiled.backward_walk(dtype, work, operands, grads4, band, sizes, scratch)
 
         return walk
 
-    _walk_once_per_worker(team, len(table), counter, make_walk)
-    return [(batch_index(b, batch_shape), slice(int(g), int(g) + 1)) for b, g in table[failed]]
+    _walk_once_per_worker(team, work, make_walk)
+    failed = table[work[2]]
+    return [(batch_index(b, q.shape[:-3]), slice(int(g), int(g) + 1)) for b, g in failed]
+
+
+def _backward_tasks(H_kv: int, band: tuple[Any, ...]) -> np.ndarray:
+    """The backward's tasks ``(b, g)``, every sequence and key/value head, longest first (by
+    their query and key lengths, ties in order)."""
+    key_end, query_end = band[3], band[4]
+    B = len(key_end)
+    table = np.stack(np.meshgrid(np.arange(B), np.arange(H_kv), indexing="ij"), -1).reshape(-1, 2)
+    pairs = query_end[table[:, 0]] * key_end[table[:, 0]]  # about each task's work
+    return table[np.argsort(-pairs, kind="stable")]

@@ -25,6 +25,7 @@ import numpy as np
 
 from .._arrays import resolve_scale
 from .._kernel import compiled, runtime, walk
+from .._kernel.call import KernelCall, Outputs
 from .._kernel.contract import ScoreShape, Visibility
 from .._kernel.forward import PRODUCT_CHUNK, WIDE_BELOW_ROWS, plan_tiles
 from .._kernel.team import Team, default_workers, workers_for
@@ -112,7 +113,8 @@ def _plan(q: np.ndarray, k: np.ndarray, v: np.ndarray, checked: Checked) -> _Pla
     )
     out_shape = (*q.shape[:-1], v.shape[-1])
     out = np.zeros(out_shape, dtype)
-    if walk.forward_walkable(q, k, v, out, None, visibility, None, None, None) is None:
+    call = KernelCall(q, k, v, visibility, factor, budget=request.budget)
+    if walk.forward_walkable(call, Outputs(out)) is None:
         return None
     cost = float(math.prod(q.shape[:-1])) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
     team_size = workers_for(cost, request.threads)
@@ -130,17 +132,5 @@ def _plan(q: np.ndarray, k: np.ndarray, v: np.ndarray, checked: Checked) -> _Pla
         group,
         False,
     )
-    forward = walk.ForwardPlan(
-        q.shape,
-        k,
-        v.shape[-1],
-        visibility,
-        factor,
-        dtype,
-        tiles,
-        group,
-        team_size,
-        WIDE_BELOW_ROWS,
-        PRODUCT_CHUNK,
-    )
+    forward = walk.ForwardPlan(call, tiles, team_size, WIDE_BELOW_ROWS, PRODUCT_CHUNK)
     return _Plan(out_shape, team_size, forward)
