@@ -16,9 +16,9 @@ import pytest
 import mha
 from mha._kernel import blas, compiled, team, walk
 from mha._kernel.call import Gradients, KernelCall, Outputs
-from mha._kernel.contract import Visibility
+from mha._kernel.contract import MaskArrays, MaskRules, ScoreShape, Visibility
 from mha._kernel.dropout import Dropout
-from mha._kernel.scores import Scores
+from mha._kernel.scores import Scores, SoftCap
 
 
 @pytest.fixture(scope="module")
@@ -449,9 +449,8 @@ def test_the_walk_is_chosen_by_the_fields_a_call_sets():
     q, k = np.zeros((2, 4, 5, 8), np.float32), np.zeros((2, 2, 7, 8), np.float32)
     out = np.zeros_like(q)
     arrays, walks = (q, k, k, out), (walk.COMPILED_FORWARD, walk.NUMPY)
-    visibility = Visibility.build(
-        batch_shape=(2,), H=4, L=5, S=7, causal=True, window=3, key_lengths=[7, 4]
-    )
+    rules, lengths = MaskRules(causal=True, window=3), MaskArrays(key_lengths=[7, 4])
+    visibility = Visibility.build(rules, lengths, ScoreShape((2,), 4, 5, 7))
     call = KernelCall(q, k, k, visibility, 0.5, scores=Scores(sinks=np.zeros(4)))
     needs = walk.features(call, Outputs(out), arrays)
     band = {"visibility.causal", "visibility.window", "visibility.causal_offset"}
@@ -468,7 +467,7 @@ def test_the_walk_is_chosen_by_the_fields_a_call_sets():
 
     fields = {name: getattr(visibility, name) for name in Visibility.__dataclass_fields__}
     refused = {
-        "scores.softcap": dataclasses.replace(call, scores=Scores(softcap=2.0)),
+        "scores.transforms": dataclasses.replace(call, scores=Scores((SoftCap(2.0),))),
         "dropout": dataclasses.replace(call, dropout=Dropout(0.1, 0, 4, 5)),
         "visibility.chunk": dataclasses.replace(
             call, visibility=dataclasses.replace(visibility, chunk=2)
