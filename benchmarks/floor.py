@@ -6,7 +6,7 @@
 Three measurements, each in one process, interleaved, medians:
 
 1. **Passes over one tile** (one core), at the two tile sizes the kernel uses (d_k = 64):
-   the compiled walk's (``WALK_ROWS`` x 512, whose scores stay in L2) and the Python walk's
+   the compiled walk's (``walk_rows`` x 512, whose scores stay in L2) and the Python walk's
    (the default scratch's: 1437 x 512 in float32, 871 x 512 in float64): the two GEMMs,
    NumPy's four softmax passes and the compiled step that replaces them, and the same GEMMs
    in torch (its BLAS). The ratio of the GEMMs says whether NumPy's BLAS runs these tiles as
@@ -32,8 +32,7 @@ from typing import Any
 import numpy as np
 
 import mha
-from mha._kernel import compiled, forward
-from mha._kernel import walk as compiled_walk
+from mha._kernel import compiled, forward, runtime
 from mha._kernel.team import cores
 from mha.cli.bench import SHAPES, Case
 from mha.cli.measure import (
@@ -66,7 +65,7 @@ def _tile(dtype: Any, torch: Any, repeats: int, walk: str) -> list[dict[str, Any
                                forward.DEFAULT_MAX_MEMORY)  # fmt: skip
     R, w = tiles.rows, tiles.cols
     if walk == "compiled walk":
-        R = min(R, compiled_walk.WALK_ROWS)
+        R = min(R, runtime.DEFAULT.thresholds.walk_rows)
     q = rng.standard_normal((1, R, d)).astype(dtype)
     k, v = (rng.standard_normal((1, w, d)).astype(dtype) for _ in range(2))
     s0 = (q @ k.transpose(0, 2, 1)) / 8.0

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 import mha
-from mha._kernel import forward
+from mha._kernel import runtime
 from mha.cli.measure import (
     environment,
     interleaved_medians,
@@ -42,14 +42,11 @@ SHAPES = [("S2", 1, 12, 2048, False), ("S4 causal", 1, 8, 4096, True)]
 
 def _call(q: Any, k: Any, v: Any, g: Any, causal: bool, budget: int, key_tile: int) -> Any:
     def run() -> None:
-        forward.KEY_TILE = key_tile
-        try:
+        with runtime.DEFAULT.tuned(key_tile=key_tile):
             _, backward = mha.scaled_dot_product_attention(
                 q, k, v, causal=causal, max_memory=budget, return_backward=True
             )
             backward(g)
-        finally:
-            forward.KEY_TILE = 512
 
     return run
 

@@ -12,7 +12,6 @@ from support.configs import call_args, random_config, relative_error, with_dtype
 from support.torch_oracle import gradient_oracle
 
 import mha
-from mha._kernel import forward as kernel
 
 r = np.random.default_rng(21)
 
@@ -255,8 +254,7 @@ def test_tiles_and_workers_change_gradients_only_by_rounding(seed, monkeypatch, 
     grad = None
     results = []
     for cols, budget, workers in TILINGS:
-        monkeypatch.setattr(kernel, "KEY_TILE", cols)
-        monkeypatch.setattr(kernel, "WIDE_KEY_TILE", cols)
+        tuned(key_tile=cols, wide_key_tile=cols)
         out, backward = mha.multi_head_attention(
             *positional,
             config["num_heads"],

@@ -25,9 +25,9 @@ def kernels():
 
 
 @pytest.fixture(autouse=True)
-def every_call_compiled(monkeypatch):
+def every_call_compiled(tuned):
     """Calls of every size take the compiled step here (by default only large ones do)."""
-    monkeypatch.setattr(forward, "COMPILED_ABOVE", 0)
+    tuned(compiled_above=0)
 
 
 def exponentials(kernels, x):
@@ -184,10 +184,10 @@ def test_nan_in_a_visible_score_spreads_alike_on_both_paths(kernels, monkeypatch
     np.testing.assert_allclose(ours[0, :2], theirs[0, :2], rtol=1e-15, atol=1e-14 * scale)
 
 
-def test_small_calls_the_walk_cannot_do_keep_numpys_passes(kernels, monkeypatch):
+def test_small_calls_the_walk_cannot_do_keep_numpys_passes(kernels, monkeypatch, tuned):
     """A call with a boolean mask takes the NumPy walk (the compiled walks take only what a
-    band says), with the compiled step from ``COMPILED_ABOVE`` scores."""
-    monkeypatch.setattr(forward, "COMPILED_ABOVE", 2**18)
+    band says), with the compiled step from ``compiled_above`` scores."""
+    tuned(compiled_above=2**18)
 
     def refuse(*args):
         raise AssertionError("the compiled step ran for a small call")

@@ -402,7 +402,7 @@ def test_split_key_decoding_equals_one_worker(torch, record_error):
     split = mha.scaled_dot_product_attention(q, k, v, workers=3)
     assert relative_error(split, one) <= 1e-14
     tasks = [work_items.Task((0,), slice(0, 1), None, 0, 1, 0, 20000)]
-    parts = work_items.split_keys(tasks, 3, kernel.WIDE_KEY_TILE, 4, 1, 32, np.float64)
+    parts = work_items.split_keys(tasks, 3, 8192, 4, 1, 32, np.float64)  # a wide tile's keys
     assert parts is not None and len(parts.tasks) == 3  # the keys really are split
     expected = torch.nn.functional.scaled_dot_product_attention(
         *(torch.from_numpy(a) for a in (q, k, v)), enable_gqa=True

@@ -32,8 +32,7 @@ def tiny_tiles(monkeypatch, tuned):
     tuned(serial_below=0)
 
     def set_key_tile(cols):
-        monkeypatch.setattr(kernel, "KEY_TILE", cols)
-        monkeypatch.setattr(kernel, "WIDE_KEY_TILE", cols)
+        tuned(key_tile=cols, wide_key_tile=cols)
 
     return set_key_tile
 

@@ -125,7 +125,9 @@ def run_end(pool, b, c, stop):  # type: ignore[no-untyped-def]  # pragma: no cov
     follow it in the pool (a contiguous cache is one block per sequence)."""
     data, table, block = pool[0], pool[1], pool[2]
     end = min((c // block + 1) * block, stop)
-    adjacent = data.strides[0] == block * data.strides[1]
+    # The next block follows where a run reads on: key_ld elements per row (a block of one
+    # row has any stride of its own, such as a broadcast's 0, so its stride is not that test)
+    adjacent = data.strides[0] == block * key_ld(pool) * data.itemsize
     while adjacent and end < stop and table[b, end // block] == table[b, end // block - 1] + 1:
         end = min(end + block, stop)
     return end

@@ -41,13 +41,12 @@ rounding, tested against each other and against PyTorch.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from typing import Any
 
 import numpy as np
 
-from . import blas
+from . import blas, runtime
 
 __all__ = [
     "available",
@@ -60,43 +59,37 @@ __all__ = [
     "walk_available",
 ]
 
-_KERNELS: Any = None
-_WALKS: Any = None
-_WALK_FUNCTIONS: dict[tuple[str, str], Any] = {}
-_COMPILING = threading.Lock()  # workers of one call may all ask for a walk first
-_COMPILE_SECONDS: dict[str, float] = {}
-_FAILED = False
+_STATE = runtime.DEFAULT.compiled  # what is compiled, owned by the runtime
+_READY = _STATE.ready  # each walk with its GEMM's address: a decoding step's one lookup
 
 
 def available() -> bool:
     """Whether the compiled steps can run: numba imports and ``MHA_COMPILED`` is not ``0``."""
-    global _KERNELS, _FAILED
-    if _KERNELS is not None:
+    if _STATE.steps is not None:
         return True
-    if _FAILED or os.environ.get("MHA_COMPILED", "1") == "0":
+    if _STATE.failed or os.environ.get("MHA_COMPILED", "1") == "0":
         return False
     try:
         from . import _numba_step
     except ImportError:  # numba (or llvmlite) is not installed
-        _FAILED = True
+        _STATE.failed = True
         return False
-    _KERNELS = _numba_step
+    _STATE.steps = _numba_step
     return True
 
 
 def walk_available() -> bool:
     """Whether the compiled tile walks can run: :func:`available`, and NumPy's BLAS offers
     its GEMMs to compiled code (:mod:`.blas`)."""
-    global _WALKS
     if not available():
         return False
-    if _WALKS is not None:
+    if _STATE.walks is not None:
         return True
     if blas.gemm_addresses() is None:
         return False
     from . import _numba_walk
 
-    _WALKS = _numba_walk
+    _STATE.walks = _numba_walk
     return True
 
 
@@ -104,10 +97,10 @@ def _walk(name: str, dtype: np.dtype) -> Any:
     """The compiled walk ``name`` for ``dtype``, compiled (or loaded from numba's cache) for
     one signature on first use: every array in any layout, the scratch contiguous."""
     key = (name, dtype.name)
-    with _COMPILING:
-        if key not in _WALK_FUNCTIONS:
-            _WALK_FUNCTIONS[key] = _compile_walk(name, dtype)
-    return _WALK_FUNCTIONS[key]
+    with _STATE.lock:
+        if key not in _STATE.functions:
+            _STATE.functions[key] = _compile_walk(name, dtype)
+    return _STATE.functions[key]
 
 
 def _compile_walk(name: str, dtype: np.dtype) -> Any:
@@ -116,8 +109,8 @@ def _compile_walk(name: str, dtype: np.dtype) -> Any:
     signature = _signatures(dtype)[name]
     options = {"fastmath": {"reassoc", "contract"}, "boundscheck": False, "nogil": True}
     start = time.perf_counter()
-    function = njit([signature], cache=True, **options)(getattr(_WALKS, name))  # type: ignore[call-overload]
-    _COMPILE_SECONDS[f"walk {name} {dtype.name}"] = time.perf_counter() - start
+    function = njit([signature], cache=True, **options)(getattr(_STATE.walks, name))  # type: ignore[call-overload]
+    _STATE.seconds[f"walk {name} {dtype.name}"] = time.perf_counter() - start
     return function
 
 
@@ -182,9 +175,6 @@ def plan_walk(*args: Any) -> np.ndarray:
     return table
 
 
-_READY: dict[tuple[str, Any], tuple[Any, Any]] = {}
-
-
 def _run_walk(name: str, dtype: np.dtype, args: tuple[Any, ...]) -> None:
     ready = _READY.get((name, dtype))  # a decoding step's call: one lookup
     if ready is None:
@@ -225,12 +215,12 @@ def softmax_step(
 
 
 def _run(name: str, *args: Any) -> None:
-    kernel = getattr(_KERNELS, name)
+    kernel = getattr(_STATE.steps, name)
     key = f"{name} {args[0].dtype.name}"
-    if key not in _COMPILE_SECONDS:  # the first call compiles (or loads numba's disk cache)
+    if key not in _STATE.seconds:  # the first call compiles (or loads numba's disk cache)
         start = time.perf_counter()
         kernel(*args)
-        _COMPILE_SECONDS[key] = time.perf_counter() - start
+        _STATE.seconds[key] = time.perf_counter() - start
         return
     kernel(*args)
 
@@ -238,4 +228,4 @@ def _run(name: str, *args: Any) -> None:
 def compile_seconds() -> dict[str, float]:
     """Seconds the first call of each kernel and dtype took to compile or to load from
     numba's cache (on disk beside this file, or numba's user cache directory)."""
-    return dict(_COMPILE_SECONDS)
+    return dict(_STATE.seconds)

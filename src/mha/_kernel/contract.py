@@ -28,7 +28,7 @@ every one of these that was given allows it:
 
 Positions: the rows and keys of a call are its indices; a cache's are the tokens'
 positions in their sequences (``key_index`` is the position of slot 0, and the first
-``held_sinks`` slots hold the sink tokens ``0..held_sinks-1`` once a window dropped the
+``held_sink_tokens`` slots hold the sink tokens ``0..held_sink_tokens-1`` once a window dropped the
 positions after them); a block of a call (:meth:`Visibility.block`) keeps the call's.
 
 A query row that can see no key gets all-zero weights and a zero attention output.
@@ -162,12 +162,12 @@ class MaskArrays:
 class CachedPositions:
     """Where a KV cache's rows and keys sit: each sequence's alignment ``offsets``, the
     position of its row 0 (``query_index``) and of key slot 0 (``key_index``), and the
-    leading ``held_sinks`` slots that hold positions ``0..held_sinks-1``."""
+    leading ``held_sink_tokens`` slots that hold positions ``0..held_sink_tokens-1``."""
 
     offsets: np.ndarray | None = None
     query_index: np.ndarray | None = None
     key_index: np.ndarray | None = None
-    held_sinks: int = 0
+    held_sink_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ class Visibility:
     blocks: np.ndarray | None = None  # mask_mod's block map, from classified()
     query_index: np.ndarray | None = None  # per sequence: mask_mod's q_idx of row 0
     key_index: np.ndarray | None = None  # per sequence: the position of key slot 0
-    held_sinks: int = 0  # leading key slots that hold positions 0.. (a cache's sink tokens)
+    held_sink_tokens: int = 0  # leading key slots that hold positions 0.. (a cache's sink tokens)
     sequences: np.ndarray | None = None  # per sequence: mask_mod's b (a block's, the call's)
     memo: Memo | None = field(default=None, compare=False, repr=False)  # from classified()
 
@@ -251,7 +251,7 @@ class Visibility:
             mask_mod=rules.mask_mod,
             query_index=cached.query_index,
             key_index=cached.key_index,
-            held_sinks=cached.held_sinks,
+            held_sink_tokens=cached.held_sink_tokens,
         )
 
     def classified(self, team: Team | None = None) -> Visibility:
@@ -265,7 +265,7 @@ class Visibility:
         q = rows[None] if self.query_index is None else self.query_index.reshape(-1, 1) + rows
         k = keys[None]
         if self.key_index is not None:
-            k = np.where(keys < self.held_sinks, keys, keys + self.key_index.reshape(-1, 1))
+            k = np.where(keys < self.held_sink_tokens, keys, keys + self.key_index.reshape(-1, 1))
         b = np.arange(count) if self.sequences is None else self.sequences.reshape(-1)
         blocks = classify(self.mask_mod, b, self.index_shape[-1], q, k, team)
         return replace(self, blocks=blocks, memo=Memo())
@@ -294,7 +294,7 @@ class Visibility:
             blocks=blocks,
             query_index=0 if self.query_index is None else int(self.query_index[batch]),
             key_index=0 if self.key_index is None else int(self.key_index[batch]),
-            held_sinks=self.held_sinks,
+            held_sink_tokens=self.held_sink_tokens,
             sequence=sequence,
             memo=self.memo,
             alike=self._heads_alike(),
@@ -319,7 +319,7 @@ class Visibility:
         own instead). Positions stay the call's, and so do the sequence numbers (``b``) of a
         ``mask_mod``."""
         r0, r1, c0, c1 = rows.start, rows.stop, cols.start, cols.stop
-        if self.held_sinks or self.offsets is not None:
+        if self.held_sink_tokens or self.offsets is not None:
             raise ValueError("a cached call's visibility is not cut into blocks")
         sizes = _sizes(batch, self.index_shape[:-1])
 

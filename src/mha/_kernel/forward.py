@@ -48,7 +48,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import compiled, tasks, walk
+from . import compiled, runtime, tasks, walk
 from .call import DEFAULT_MAX_MEMORY, KernelCall, Outputs
 from .paged import PagedKV
 from .scores import add_sinks
@@ -57,20 +57,10 @@ from .team import Team
 
 __all__ = ["DEFAULT_MAX_MEMORY", "Tiles", "attend", "merge_partials", "plan_tiles"]
 
-KEY_TILE = 512
-"""Keys per tile when the memory budget allows it."""
-
-WIDE_KEY_TILE = 8192
-"""Keys per tile for tiles of few rows (decoding), where Python's per-tile cost dominates."""
-
-WIDE_BELOW_ROWS = 64
-"""Stacked rows under which a tile takes ``WIDE_KEY_TILE`` keys."""
-
-PRODUCT_CHUNK = 1024
-"""Keys per BLAS call of the weights-times-values product when a tile has few rows."""
-
-COMPILED_ABOVE = 2**18
-"""Scores (query-key pairs, all heads) from which a call takes the compiled softmax step."""
+# The sizes the tiles turn on (keys per tile, the rows under which a tile is wide, the keys
+# per BLAS call of a few rows' product, the scores from which the compiled softmax step
+# pays) are runtime.DEFAULT.thresholds: key_tile, wide_key_tile, wide_below_rows,
+# product_chunk, compiled_above (each explained where it is used below).
 
 
 @dataclass(frozen=True)
@@ -106,8 +96,11 @@ def plan_tiles(
     per_pair = itemsize + 3
     per_row = (d_k + 2 * d_v + 6) * itemsize
     per_key = (d_k + d_v) * itemsize if cast else 0  # a head's key and value, upcast
-    wide = group * max(L, 1) < WIDE_BELOW_ROWS
-    cols = max(1, S if whole_rows else min(S, WIDE_KEY_TILE if wide else KEY_TILE))
+    # Tiles of few rows (decoding) take wide_key_tile keys, where Python's per-tile cost
+    # dominates; others key_tile keys when the budget allows.
+    tuned = runtime.DEFAULT.thresholds
+    wide = group * max(L, 1) < tuned.wide_below_rows
+    cols = max(1, S if whole_rows else min(S, tuned.wide_key_tile if wide else tuned.key_tile))
     if per_key and not whole_rows:
         cols = max(1, min(cols, max_memory // (2 * per_key)))
     rows = (max_memory - cols * per_key) // (group * (cols * per_pair + per_row))
@@ -141,10 +134,13 @@ def attend(call: KernelCall, outputs: Outputs, team: Team | None = None) -> None
     tiles = _call_tiles(call, outputs)
     team = team or Team(1)
     views = walk.forward_walkable(call, outputs)
+    tuned = runtime.DEFAULT.thresholds
     if views:
         # The compiled walk; a task it could not do (a non-finite value at a hidden key)
         # is done below by the NumPy walk, with the compiled softmax step.
-        work, parts = walk.run_forward(call, views, tiles, team, WIDE_BELOW_ROWS, PRODUCT_CHUNK)
+        work, parts = walk.run_forward(
+            call, views, tiles, team, tuned.wide_below_rows, tuned.product_chunk
+        )
         fused = True
     else:
         work, parts = _work_items(call, outputs, tiles, team.workers)
@@ -153,7 +149,7 @@ def attend(call: KernelCall, outputs: Outputs, team: Team | None = None) -> None
         # NumPy's passes.
         fused = (
             outputs.out.dtype in (np.float32, np.float64)
-            and call.group * sum(task.cost for task in work) >= COMPILED_ABOVE
+            and call.group * sum(task.cost for task in work) >= tuned.compiled_above
             and compiled.available()
         )
     if work:
@@ -231,7 +227,8 @@ class _Scratch:
         self.scores = np.empty(G * R * tiles.cols, dtype=dtype)
         # Few rows (decoding): k @ q^T streams the keys faster than q @ k^T (BLAS packs the
         # wide operand otherwise); its (keys, rows) result is transposed into scores.
-        self.flipped = np.empty(G * R * tiles.cols if R < WIDE_BELOW_ROWS else 0, dtype=dtype)
+        wide = runtime.DEFAULT.thresholds.wide_below_rows > R
+        self.flipped = np.empty(G * R * tiles.cols if wide else 0, dtype=dtype)
         self.q = np.empty((G, R, d_k), dtype=dtype)
         self.acc = np.empty((G, R, d_v), dtype=dtype)
         self.pv = np.empty((G, R, d_v), dtype=dtype)
@@ -611,15 +608,16 @@ def _product(
     proportional to the number of keys holding a non-finite value, usually none.
     """
     if attended is None:
-        w = e.shape[-1]
-        if e.shape[-2] >= WIDE_BELOW_ROWS or w <= PRODUCT_CHUNK:
+        w, tuned = e.shape[-1], runtime.DEFAULT.thresholds
+        chunk = tuned.product_chunk
+        if e.shape[-2] >= tuned.wide_below_rows or w <= chunk:
             return np.matmul(e, v, out=out)
         # Few rows (decoding): chunks of keys let BLAS skip packing a large panel of v,
         # which streams v from memory faster.
-        np.matmul(e[..., :PRODUCT_CHUNK], v[:, :PRODUCT_CHUNK], out=out)
+        np.matmul(e[..., :chunk], v[:, :chunk], out=out)
         part = np.empty_like(out)
-        for c in range(PRODUCT_CHUNK, w, PRODUCT_CHUNK):
-            out += np.matmul(e[..., c : c + PRODUCT_CHUNK], v[:, c : c + PRODUCT_CHUNK], out=part)
+        for c in range(chunk, w, chunk):
+            out += np.matmul(e[..., c : c + chunk], v[:, c : c + chunk], out=part)
         return out
     non_finite = ~np.isfinite(v)
     np.matmul(e, np.where(non_finite, 0.0, v), out=out)

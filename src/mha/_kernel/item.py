@@ -48,8 +48,8 @@ class ItemVisibility:
     mask_mod: Callable[..., Any] | None = None
     blocks: np.ndarray | None = None
     query_index: int = 0  # mask_mod's q_idx of row 0
-    key_index: int = 0  # the position of key slot 0 (after the held sinks)
-    held_sinks: int = 0
+    key_index: int = 0  # the position of key slot 0 (after the held sink tokens)
+    held_sink_tokens: int = 0
     sequence: int = 0  # mask_mod's b
     heads: slice = field(default_factory=lambda: slice(0, 1))  # mask_mod's h
     memo: Memo | None = None
@@ -62,20 +62,20 @@ class ItemVisibility:
     def key_positions(self, c0: int, c1: int) -> np.ndarray:
         """The positions of key slots ``[c0, c1)``."""
         slots = np.arange(c0, c1)
-        if self.held_sinks:
-            return np.where(slots < self.held_sinks, slots, slots + self.key_index)
+        if self.held_sink_tokens:
+            return np.where(slots < self.held_sink_tokens, slots, slots + self.key_index)
         return slots + self.key_index
 
     def _slot(self, position: int) -> int:
-        """The slot of ``position`` among the keys after the held sinks."""
+        """The slot of ``position`` among the keys after the held sink tokens."""
         return position - self.key_index
 
-    def sink_end(self) -> int:
+    def sink_token_end(self) -> int:
         """One past the last key slot holding a sink token (0 when there are none)."""
         if not self.sink_tokens or self.window is None:
             return 0
-        if self.held_sinks:
-            return min(self.held_sinks, self.key_end)
+        if self.held_sink_tokens:
+            return min(self.held_sink_tokens, self.key_end)
         return max(0, min(self._slot(self.sink_tokens), self.key_end))
 
     def key_ranges(self, r0: int, r1: int) -> list[tuple[int, int]]:
@@ -92,11 +92,11 @@ class ItemVisibility:
             last = ((r1 - 1 + self.offset + self.key_index) // c + 1) * c
             start, stop = max(start, self._slot(first)), min(stop, self._slot(last))
         ranges = []
-        sinks = self.sink_end()
-        if sinks and start > 0:
-            lo, hi = 0, min(sinks, stop)
+        sink_slots = self.sink_token_end()
+        if sink_slots and start > 0:
+            lo, hi = 0, min(sink_slots, stop)
             if self.chunk is not None:
-                held = self.held_sinks > 0
+                held = self.held_sink_tokens > 0
                 lo = max(lo, first if held else self._slot(first))
                 hi = min(hi, last if held else self._slot(last))
             if hi > lo:
@@ -118,17 +118,17 @@ class ItemVisibility:
             if ranges and max(start, ranges[0][0]) < min(stop, ranges[-1][1]):
                 yield max(start, ranges[0][0]), min(stop, ranges[-1][1])
             return
-        sinks = self.sink_end()
+        sink_slots = self.sink_token_end()
         for a, b in self.key_ranges(r0, r1):
             c0, b = max(a, start), min(b, stop)
             while c0 < b:
                 c1 = min(c0 + width, b)
-                if c0 < sinks < c1:
-                    c1 = sinks
+                if c0 < sink_slots < c1:
+                    c1 = sink_slots
                 if self.chunk is not None:
                     at = int(self.key_positions(c0, c0 + 1)[0])
                     edge = (at // self.chunk + 1) * self.chunk  # the next chunk's position
-                    c1 = min(c1, edge if c0 < self.held_sinks else self._slot(edge))
+                    c1 = min(c1, edge if c0 < self.held_sink_tokens else self._slot(edge))
                 yield c0, c1
                 c0 = c1
 
@@ -161,7 +161,7 @@ class ItemVisibility:
     def _band_window(self, c0: int) -> int:
         """The window where it bounds a block starting at key ``c0`` as a band, else
         :data:`.geometry.NO_WINDOW` (a block with sink tokens in it is bounded by them)."""
-        return self._window_length() if c0 >= self.sink_end() else NO_WINDOW
+        return self._window_length() if c0 >= self.sink_token_end() else NO_WINDOW
 
     def band(self, r0: int, r1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray] | None:
         """For each row of ``[r0, r1)``, the keys ``[lo, hi)`` of the block ``[c0, c1)`` (as
@@ -214,13 +214,13 @@ class ItemVisibility:
         if band and geometry.cut(r0, r1, c0, c1, self.offset, self.causal, NO_WINDOW):
             _, hi = geometry.band(np.arange(r0, r1)[:, None], c0, c1, self.offset, True, NO_WINDOW)
             hidden = np.arange(w) >= hi  # the keys after each row's own
-        sinks_apart = self._band_window(c0) == NO_WINDOW  # the band cannot say this window
-        if (band or sinks_apart) and geometry.cut(r0, r1, c0, c1, self.offset, False, window):
+        sink_tokens_apart = self._band_window(c0) == NO_WINDOW  # the band cannot say this window
+        if (band or sink_tokens_apart) and geometry.cut(r0, r1, c0, c1, self.offset, False, window):
             lo, _ = geometry.band(np.arange(r0, r1)[:, None], c0, c1, self.offset, False, window)
             below = np.arange(w) < lo  # the keys before each row's window
-            sinks = self.sink_end()
-            if sinks > c0:  # sink tokens stay visible
-                below &= np.arange(c0, c1)[None, :] >= sinks
+            sink_slots = self.sink_token_end()
+            if sink_slots > c0:  # sink tokens stay visible
+                below &= np.arange(c0, c1)[None, :] >= sink_slots
             hidden = _or(hidden, below)
         if self.chunk is not None:
             rows = self.query_positions(r0, r1) // self.chunk

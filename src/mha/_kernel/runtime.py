@@ -18,10 +18,10 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-__all__ = ["DEFAULT", "Kept", "Runtime", "Thresholds"]
+__all__ = ["DEFAULT", "Compiled", "Kept", "Runtime", "Thresholds"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,22 @@ class Kept:
             self._items.clear()
 
 
+@dataclass
+class Compiled:
+    """The compiled kernels (:mod:`.compiled`): numba's modules once imported (``steps``,
+    ``walks``; ``failed`` when numba is missing), the walks compiled per (name, dtype) under
+    ``lock`` (a call's workers may all ask for one first), each ready with its GEMM's
+    address, and the seconds each kernel's first call took."""
+
+    steps: Any = None
+    walks: Any = None
+    failed: bool = False
+    functions: dict[tuple[str, str], Any] = field(default_factory=dict)
+    ready: dict[tuple[str, Any], tuple[Any, Any]] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
 class Runtime:
     """What mha keeps between calls (see the module's docstring)."""
 
@@ -81,7 +97,7 @@ class Runtime:
         self.thresholds = thresholds or Thresholds()
         self.plans = Kept(64)
         self.records = Kept(256)
-        self.compiled: dict[str, Any] = {}  # filled by mha._kernel.compiled
+        self.compiled = Compiled()
         self.helpers: Any = None  # mha._kernel.team's pool, made on first use
         self._tuning = threading.Lock()
 

@@ -13,12 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from . import runtime
 from .item import ItemVisibility
 
-__all__ = ["SPLIT_MIN_KEYS", "Parts", "Task", "batch_index", "merge_partials", "split_keys"]
-
-SPLIT_MIN_KEYS = 2048
-"""The fewest keys worth a chunk of their own when keys are split over workers."""
+__all__ = ["Parts", "Task", "batch_index", "merge_partials", "split_keys"]
 
 
 @dataclass
@@ -75,14 +73,14 @@ def split_keys(
     tasks: list[Task], workers: int, key_tile: int, group: int, L: int, d_v: int, dtype: Any
 ) -> Parts | None:
     """When there are fewer tasks than workers, split each task's keys into chunks (whole
-    key tiles, at least ``SPLIT_MIN_KEYS`` keys each) so that every worker gets work."""
+    key tiles, at least ``thresholds.split_min_keys`` keys each) so that every worker gets work."""
     if not tasks or len(tasks) >= workers:
         return None
     wanted = ceil(workers, len(tasks))
     chunks = []
     for task in tasks:
         keys = task.stop - task.start
-        count = max(1, min(wanted, keys // SPLIT_MIN_KEYS))
+        count = max(1, min(wanted, keys // runtime.DEFAULT.thresholds.split_min_keys))
         width = ceil(ceil(keys, count), key_tile) * key_tile  # whole key tiles
         edges = [*range(task.start, task.stop, width), task.stop]
         keys_of = itertools.pairwise(edges)  # each chunk's keys

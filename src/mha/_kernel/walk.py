@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from . import compiled, tasks
+from . import compiled, runtime, tasks
 from .call import Gradients, KernelCall, Outputs
 from .contract import Visibility
 from .geometry import NO_WINDOW
@@ -37,11 +37,9 @@ from .tasks import Parts, Task, batch_index
 from .team import Team
 
 __all__ = [
-    "BACKWARD_ROWS",
     "COMPILED_BACKWARD",
     "COMPILED_FORWARD",
     "NUMPY",
-    "WALK_ROWS",
     "ForwardPlan",
     "Walk",
     "backward_walkable",
@@ -53,13 +51,12 @@ __all__ = [
     "walk_views",
 ]
 
-WALK_ROWS = 256
-"""Query rows (per query head) of a compiled walk's work item, at most. Its tile of scores,
-256 x 512 (512 KiB in float32), stays close to a core's L2 cache between the two GEMMs and
-the softmax step, and BLAS packs each key tile for twice the rows it did at 128: S2 and S4
-ran 5-7% faster in float32 (1.20 -> 1.14 and 1.12 -> 1.05 of torch's SDPA, interleaved,
-on the README's machine; float64 3-8%), as torch's own kernel tiles them (256 query rows
-for long sequences)."""
+# thresholds.walk_rows: query rows (per query head) of a compiled walk's work item, at
+# most (256). Its tile of scores, 256 x 512 (512 KiB in float32), stays close to a core's
+# L2 cache between the two GEMMs and the softmax step, and BLAS packs each key tile for
+# twice the rows it did at 128: S2 and S4 ran 5-7% faster in float32 (1.20 -> 1.14 and
+# 1.12 -> 1.05 of torch's SDPA, interleaved, on the README's machine; float64 3-8%), as
+# torch's own kernel tiles them (256 query rows for long sequences).
 
 
 @dataclass(frozen=True)
@@ -364,7 +361,7 @@ class ForwardPlan:
         self.batch_shape = batch_shape = q_shape[:-3]
         self.d_v, self.dtype, self.scale = call.v.shape[-1], call.q.dtype, call.scale
         self.band = _band(call.visibility, batch_shape, L, S)
-        self.rows = max(1, min(tiles.rows, WALK_ROWS))
+        self.rows = max(1, min(tiles.rows, runtime.DEFAULT.thresholds.walk_rows))
         self.L, self.group, self.cols = L, call.group, tiles.cols
         self.R, self.paged = self.group * self.rows, isinstance(k, PagedKV)
         self.flip_below = flip_below
@@ -477,9 +474,8 @@ def _no_outputs(dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.empty((1, 1, 0), dtype), np.empty((0, 1, 1, 1), dtype), np.empty((0, 1, 1), dtype)
 
 
-BACKWARD_ROWS = 512
-"""Query rows (per query head) of a tile of the compiled backward walk, at most (the
-backward benchmark's figures are at this size)."""
+# thresholds.backward_rows: query rows (per query head) of a tile of the compiled backward
+# walk, at most (512; the backward benchmark's figures are at this size).
 
 
 def _walk_once_per_worker(
@@ -554,7 +550,7 @@ def run_backward(
     assert views is not None  # checked by backward_walkable
     q4, k4, v4, out4, lse4, do4, dq4, dk4, dv4 = views
     band = _band(call.visibility, q.shape[:-3], L, S)
-    rows = max(1, min(tiles.rows, BACKWARD_ROWS))
+    rows = max(1, min(tiles.rows, runtime.DEFAULT.thresholds.backward_rows))
     operands = (q4, _packed(k4, L, rows), _packed(v4, L, rows), out4, lse4[..., 0], do4)
     sizes = (call.scale, call.scale * grads.dq_factor, rows, tiles.cols)
     table = _backward_tasks(k4.shape[1], band)

@@ -268,12 +268,14 @@ def _append_and_attend(
     cache, counts = append.cache, append.counts
     B, L = q.shape[0], q.shape[-2]
     dtype = cache.compute_dtype  # a bfloat16 cache's tiles are read in float32
-    held_sinks = cache.sink_tokens if cache.window is not None else 0
+    held_sink_tokens = cache.sink_tokens if cache.window is not None else 0
     rules = replace(append.rules, causal=True)
 
     def visibility_for(filled: np.ndarray) -> Visibility:
         lengths = MaskArrays(append.arrays.mask, append.arrays.bias, filled, counts)
-        cached = CachedPositions(filled - counts, positions, cache.first - held_sinks, held_sinks)
+        cached = CachedPositions(
+            filled - counts, positions, cache.first - held_sink_tokens, held_sink_tokens
+        )
         shape = ScoreShape((B,), q.shape[-3], L, int(filled.max(initial=0)))
         return Visibility.build(rules, lengths, shape, dtype, "", cached)
 

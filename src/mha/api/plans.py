@@ -27,7 +27,7 @@ from .._arrays import resolve_scale
 from .._kernel import compiled, runtime, walk
 from .._kernel.call import KernelCall, Outputs
 from .._kernel.contract import ScoreShape, Visibility
-from .._kernel.forward import PRODUCT_CHUNK, WIDE_BELOW_ROWS, plan_tiles
+from .._kernel.forward import plan_tiles
 from .._kernel.team import Team, default_workers, workers_for
 from .checks import checked_heads
 from .spec import Checked
@@ -132,5 +132,6 @@ def _plan(q: np.ndarray, k: np.ndarray, v: np.ndarray, checked: Checked) -> _Pla
         group,
         False,
     )
-    forward = walk.ForwardPlan(call, tiles, team_size, WIDE_BELOW_ROWS, PRODUCT_CHUNK)
+    tuned = runtime.DEFAULT.thresholds
+    forward = walk.ForwardPlan(call, tiles, team_size, tuned.wide_below_rows, tuned.product_chunk)
     return _Plan(out_shape, team_size, forward)
