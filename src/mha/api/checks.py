@@ -115,7 +115,10 @@ class Weights:
 
     def in_dtype(self, dtype: np.dtype) -> Weights:
         """The weights in ``dtype`` (the same arrays where they already are)."""
-        cast = {name: x.astype(dtype, copy=False) for name, x in self.present().items()}
+        present = self.present()
+        if all(x.dtype == dtype for x in present.values()):
+            return self  # (replace() costs microseconds a call)
+        cast = {name: x.astype(dtype, copy=False) for name, x in present.items()}
         return replace(self, **cast)
 
     def present(self) -> dict[str, np.ndarray]:
@@ -329,6 +332,9 @@ def _heads(weights: Weights, num_heads: Any, num_kv_heads: Any) -> tuple[int, in
 
 def with_biases(weights: Weights, given: LayerWeights) -> Weights:
     """``weights`` with the biases of ``given``, checked against their matrices."""
+    biases = (given.b_q, given.b_k, given.b_v, given.b_o, given.bias_k, given.bias_v)
+    if all(b is None for b in biases):
+        return weights  # none given: none to check (replace() costs microseconds a call)
     b_q, b_k, b_v, b_o = (
         _projection_bias(name, b, W)
         for name, b, W in zip(
