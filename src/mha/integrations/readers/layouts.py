@@ -34,8 +34,10 @@ __all__ = [
     "LATENT",
     "NO_BIASES",
     "QKV_BIASES",
+    "QKV_BIASES_BY_KEY",
     "SEPARATE_QKV",
     "Biases",
+    "BiasesByKey",
     "LatentProjections",
     "Projections",
     "Tensor",
@@ -89,10 +91,24 @@ class Biases:
         return tuple(role for role in possible if self.roles is None or role in self.roles)
 
 
+@dataclass(frozen=True)
+class BiasesByKey:
+    """Each projection in ``keys`` biased when its own config key is true (Seed-OSS:
+    ``attention_bias`` for the query, key and value, ``attention_out_bias`` for the output)."""
+
+    keys: Mapping[str, str]
+
+    def carried(self, read: Settings, possible: Iterable[str]) -> tuple[str, ...]:
+        return tuple(role for role in possible if role in self.keys and read.get(self.keys[role]))
+
+
 ATTENTION_BIAS = Biases("attention_bias")
 """All four projections biased or none, as ``attention_bias`` says (Llama's)."""
 QKV_BIASES = Biases(roles=("q", "k", "v"))
 """The query, key and value projections always biased, the output never (Qwen2's)."""
+QKV_BIASES_BY_KEY = Biases("attention_bias", roles=("q", "k", "v"))
+"""The query, key and value projections biased as ``attention_bias`` says, the output never
+(Helium's, Solar Open's)."""
 NO_BIASES = Biases(roles=())
 
 

@@ -17,10 +17,35 @@ from typing import Any
 from ...errors import AttentionValueError
 from . import defaults
 from .config import FULL, SLIDING
-from .family import ACROSS_HEADS, BIDIRECTIONAL, PER_HEAD, Family, QkNorm, query_pre_attn_scalar
-from .layouts import FUSED_QKV, LATENT, NO_BIASES, QKV_BIASES
+from .family import (
+    ACROSS_HEADS,
+    BIDIRECTIONAL,
+    CLIP_QKV,
+    PER_HEAD,
+    Family,
+    QkNorm,
+    attention_multiplier,
+    query_pre_attn_scalar,
+)
+from .layouts import (
+    FUSED_QKV,
+    LATENT,
+    NO_BIASES,
+    QKV_BIASES,
+    QKV_BIASES_BY_KEY,
+    Biases,
+    BiasesByKey,
+)
 from .rope import Rope
-from .windows import EVERY_LAYER, QWEN_WINDOWS, SLIDING_IF_WINDOWED, by_layer_types
+from .windows import (
+    EVERY_LAYER,
+    QWEN2_MOE_WINDOWS,
+    QWEN_EVERY_LAYER,
+    QWEN_WINDOWS,
+    SLIDING_IF_WINDOWED,
+    WINDOWED_FROM,
+    by_layer_types,
+)
 
 __all__ = ["FAMILIES", "REFUSED", "SUPPORTED", "family_of", "register"]
 
@@ -84,6 +109,85 @@ register(
         "mixtral", defaults.MIXTRAL, biases=NO_BIASES, windows=EVERY_LAYER, rope=Rope(theta=1e6)
     ),
     Family("arcee", defaults.ARCEE),  # Llama's attention (its MLP differs)
+)
+
+# families whose attention is one above under other names, defaults and config keys
+register(
+    Family("qwen3_moe", defaults.QWEN3_MOE, windows=QWEN_EVERY_LAYER, qk_norm=PER_HEAD),
+    Family(
+        "qwen2_moe",
+        defaults.QWEN2_MOE,
+        biases=Biases("qkv_bias", roles=("q", "k", "v")),
+        windows=QWEN2_MOE_WINDOWS,
+    ),
+    Family("olmoe", defaults.OLMOE, qk_norm=ACROSS_HEADS, unsupported=(CLIP_QKV,)),
+    Family("flex_olmo", defaults.FLEX_OLMO, rope=Rope(theta=500_000.0), qk_norm=ACROSS_HEADS),
+    Family(
+        "phimoe",
+        defaults.PHIMOE,
+        windows=EVERY_LAYER,
+        rope=Rope(theta=1e6, scaled=False),  # its longrope takes short_ and long_mscale
+    ),
+    Family(
+        "vaultgemma",
+        defaults.VAULTGEMMA,
+        windows=by_layer_types(pattern=2, key=None),
+        scale=query_pre_attn_scalar,
+        softcap="attn_logit_softcapping",
+    ),
+    Family("gemma", defaults.GEMMA, unsupported=(BIDIRECTIONAL,)),
+    Family("olmo", defaults.OLMO, unsupported=(CLIP_QKV,)),
+    Family(
+        "olmo3",
+        defaults.OLMO3,
+        windows=by_layer_types(pattern=4, key=None),
+        rope=Rope(per_layer_type={FULL: ("rope_theta", 500_000.0), SLIDING: (None, 500_000.0)}),
+        qk_norm=ACROSS_HEADS,
+    ),
+    Family("internlm3", defaults.INTERNLM3),  # LlamaForCausalLM
+    Family(
+        "seed_oss",
+        defaults.SEED_OSS,
+        biases=BiasesByKey({**dict.fromkeys("qkv", "attention_bias"), "o": "attention_out_bias"}),
+    ),
+    Family("dots1", defaults.DOTS1, windows=WINDOWED_FROM, qk_norm=PER_HEAD),
+    Family(
+        "apertus",
+        defaults.APERTUS,
+        rope=Rope(theta=12_000_000.0, parameters=defaults.APERTUS_ROPE),
+        qk_norm=PER_HEAD,
+    ),
+    Family(
+        "glm4_moe_lite",
+        defaults.GLM4_MOE_LITE,
+        tensors=LATENT,
+        rope=Rope(interleave="rope_interleave"),
+    ),
+    Family("youtu", defaults.YOUTU, tensors=LATENT, rope=Rope(interleave="rope_interleave")),
+    Family("granite", defaults.GRANITE, scale=attention_multiplier),
+    Family("granitemoe", defaults.GRANITE, scale=attention_multiplier),
+    Family("granitemoeshared", defaults.GRANITE, scale=attention_multiplier),
+    Family(
+        "helium",
+        defaults.HELIUM,
+        biases=QKV_BIASES_BY_KEY,
+        rope=Rope(theta=100_000.0, interleave=True),  # (2i, 2i + 1) pairs, as DeepSeek V2
+    ),
+    Family("starcoder2", defaults.STARCODER2, biases=Biases("use_bias"), windows=EVERY_LAYER),
+    Family("solar_open", defaults.SOLAR_OPEN, biases=QKV_BIASES_BY_KEY, rope=Rope(theta=1e6)),
+    Family("hyperclovax", defaults.HYPERCLOVAX, scale=attention_multiplier),
+    Family("iquestcoder", defaults.IQUESTCODER),  # LlamaForCausalLM
+    Family("jais2", defaults.JAIS2),
+    Family(
+        "ministral3",
+        defaults.MINISTRAL3,
+        biases=NO_BIASES,
+        windows=EVERY_LAYER,
+        rope=Rope(
+            parameters=defaults.MINISTRAL3_ROPE,
+            refused={"llama_4_scaling_beta": "Llama 4's query scale growing with the position"},
+        ),
+    ),
 )
 
 SUPPORTED = tuple(FAMILIES)
