@@ -312,7 +312,9 @@ EVERY_LAYER_SLIDES = ("mistral", "phi3", "mixtral", "phimoe", "starcoder2", "min
 SOFTCAPPED = ("gemma2", "vaultgemma")
 QK_NORMS = {"qwen3": ("head", 0.0), "gemma3_text": ("head", 1.0), "olmo2": ("all", 0.0),
             "qwen3_moe": ("head", 0.0), "dots1": ("head", 0.0), "apertus": ("head", 0.0),
-            "olmoe": ("all", 0.0), "flex_olmo": ("all", 0.0), "olmo3": ("all", 0.0)}  # fmt: skip
+            "olmoe": ("all", 0.0), "flex_olmo": ("all", 0.0), "olmo3": ("all", 0.0),
+            "apertus1p5_text": ("head", 0.0), "hy_v3": ("head", 0.0)}  # fmt: skip
+INTERLEAVED = ("helium", "ernie4_5", "ernie4_5_moe")
 """What each family's transformers attention computes beyond Llama's, for the oracle below."""
 
 
@@ -352,7 +354,7 @@ def expected_settings(config, index):
         "num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads,
         "head_dim": head_dim, "rope_theta": rope["rope_theta"],
         "rotary_dim": None if factor == 1.0 else int(head_dim * factor),
-        "rotary_interleaved": model_type == "helium", "rope_scaling": scaling, "window": window,
+        "rotary_interleaved": model_type in INTERLEAVED, "rope_scaling": scaling, "window": window,
         "chunk": None,
         "softcap": config.attn_logit_softcapping if model_type in SOFTCAPPED else None,
         "scale": scale,
@@ -527,6 +529,11 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 500.0, "short_factor": [1.0, 
         ("ministral3", {}, ("sliding_window",)),
         ("glm4_moe_lite", {}, ("rope_interleave",)),
         ("youtu", {"rope_theta": 800.0}, ("rope_parameters",)),
+        ("exaone", {"num_layers": 3}, ("num_hidden_layers",)),  # EXAONE 3's own key
+        ("cwm", {}, ("layer_types", "rope_parameters")),  # layers 0, 4... full; llama3
+        ("apertus1p5_text", {}, ("rope_parameters",)),
+        ("hy_v3", {}, ("rope_parameters",)),
+        ("ernie4_5_moe", {}, ("rope_parameters",)),
     ],
 )  # fmt: skip
 def test_configs_are_read_as_transformers_reads_them(tmp_path, family, change, drop, transformers):

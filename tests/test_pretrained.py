@@ -122,6 +122,13 @@ CHANGES = {
     "iquestcoder": [{"b_o": None}],
     "jais2": [{"b_o": None}],
     "ministral3": [{"window": None}, {"rope_scaling": None}],
+    "aria_text": [{"b_o": None}],
+    "exaone": [{"b_o": None}],
+    "apertus1p5_text": [{"rope_scaling": None}, {"qk_norm_offset": 1.0}],
+    "hy_v3": [{"qk_norm_offset": 1.0}, {"b_q": None}],
+    "ernie4_5": [{"rotary_interleaved": False}, {"b_o": None}],  # use_bias
+    "ernie4_5_moe": [{"rotary_interleaved": False}, {"b_o": None}],
+    "cwm": [{"window": None}, {"rope_scaling": None}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3

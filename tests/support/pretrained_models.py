@@ -139,6 +139,18 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "beta_fast": 8.0,
         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.0,
         "original_max_position_embeddings": LONG}}),
+    "aria_text": ("AriaText", {"attention_bias": True, "moe_num_experts": 4, "moe_topk": 2,
+                               "moe_num_shared_experts": 1, "experts_implementation": "eager"}),
+    "exaone": ("Exaone", {"attention_bias": True}),
+    "apertus1p5_text": ("Apertus1p5Text", {"attention_bias": True, "rope_parameters": LLAMA3}),
+    "hy_v3": ("HYV3", {"attention_bias": True, "rms_norm_eps": 1e-5, **MOE,
+                       "num_shared_experts": 1, "mlp_layer_types": ["dense", "sparse", "sparse"]}),
+    "ernie4_5": ("Ernie4_5", {"use_bias": True}),
+    "ernie4_5_moe": ("Ernie4_5_Moe", {"use_bias": True, "moe_num_experts": 4, "moe_k": 2,
+                                      "moe_intermediate_size": 16, "moe_num_shared_experts": 1,
+                                      "experts_implementation": "eager"}),
+    "cwm": ("Cwm", {"sliding_window": 5, "rope_parameters": LLAMA3,  # layer 0 full
+                    "bos_token_id": 0}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,

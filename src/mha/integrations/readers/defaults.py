@@ -329,3 +329,52 @@ MINISTRAL3_ROPE: dict[str, Any] = {
 }
 """Ministral 3's ``rope_parameters`` when the config gives none (refused: its
 ``llama_4_scaling_beta``)."""
+ARIA_TEXT: dict[str, Any] = {**LLAMA}
+EXAONE: dict[str, Any] = {**LLAMA, "num_key_value_heads": 8, "max_position_embeddings": 4096}
+APERTUS1P5_TEXT: dict[str, Any] = {**APERTUS}
+HY_V3: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "attention_bias": False,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+}
+ERNIE4_5: dict[str, Any] = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 18,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "use_bias": False,
+    "max_position_embeddings": 131072,
+}
+ERNIE4_5_MOE: dict[str, Any] = {
+    "hidden_size": 2560,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 20,
+    "num_key_value_heads": 4,
+    "use_bias": False,
+    "max_position_embeddings": 131072,
+}
+CWM: dict[str, Any] = {
+    "hidden_size": 6144,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 48,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "sliding_window": 8192,
+    "layer_types": None,
+    "max_position_embeddings": 131072,
+}
+CWM_ROPE: dict[str, Any] = {
+    "rope_type": "llama3",
+    "rope_theta": 1_000_000.0,
+    "factor": 16.0,
+    "high_freq_factor": 4.0,
+    "low_freq_factor": 1.0,
+    _OMPE: 8192,
+}
+"""CWM's ``rope_parameters`` when the config gives none."""

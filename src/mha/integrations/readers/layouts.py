@@ -30,6 +30,7 @@ from .config import Settings, Source
 
 __all__ = [
     "ATTENTION_BIAS",
+    "EXAONE",
     "FUSED_QKV",
     "LATENT",
     "NO_BIASES",
@@ -46,6 +47,9 @@ __all__ = [
     "lay_out",
 ]
 
+PREFIXES = ("model.layers.{index}.self_attn.", "layers.{index}.self_attn.")
+"""Where a layer's attention tensors are in most families' checkpoints: a causal LM's, a bare
+model's."""
 IGNORED = ("rotary_emb.inv_freq",)
 """Tensors under a layer's attention that are not read: older checkpoints' rotary buffer,
 which the config gives."""
@@ -127,6 +131,8 @@ class Projections:
     q_norm: str = "q_norm"
     k_norm: str = "k_norm"
     sinks: str = "sinks"
+    prefixes: tuple[str, ...] = PREFIXES
+    """Where a layer's attention tensors are (``{index}``: the layer's)."""
 
     def tensors(
         self,
@@ -176,6 +182,8 @@ SEPARATE_QKV = Projections()
 """``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` (Llama's and most families')."""
 FUSED_QKV = Projections(qkv="qkv_proj")
 """One ``qkv_proj`` and ``o_proj`` (Phi-3's)."""
+EXAONE = Projections(o="out_proj", prefixes=("transformer.h.{index}.attn.attention.",))
+"""EXAONE 3's names, under ``transformer.h.{index}.attn.attention.``, with ``out_proj``."""
 
 
 @dataclass(frozen=True)
@@ -191,6 +199,7 @@ class LatentProjections:
     kv_a_norm: str = "kv_a_layernorm"
     kv_b: str = "kv_b_proj"
     o: str = "o_proj"
+    prefixes: tuple[str, ...] = PREFIXES
 
     def tensors(self, settings: Mapping[str, Any], biased: Iterable[str]) -> dict[str, Tensor]:
         """The tensors of a latent layer of these ``settings`` (:class:`mha.LatentSpec`'s
@@ -225,10 +234,11 @@ LATENT = LatentProjections()
 """DeepSeek V2's and V3's modules."""
 
 
-def attention_prefix(source: Source, index: int) -> str:
-    """Where layer ``index``'s attention tensors are: under ``model.`` for a causal LM's
-    checkpoint, at the top for a bare model's."""
-    candidates = (f"model.layers.{index}.self_attn.", f"layers.{index}.self_attn.")
+def attention_prefix(source: Source, index: int, prefixes: tuple[str, ...] = PREFIXES) -> str:
+    """Where layer ``index``'s attention tensors are: the first of ``prefixes`` (``{index}``
+    the layer's) the checkpoint holds tensors under; by default under ``model.`` for a
+    causal LM's checkpoint, at the top for a bare model's."""
+    candidates = tuple(prefix.format(index=index) for prefix in prefixes)
     keys = list(source)
     for prefix in candidates:
         if any(key.startswith(prefix) for key in keys):

@@ -28,6 +28,7 @@ from .family import (
     query_pre_attn_scalar,
 )
 from .layouts import (
+    EXAONE,
     FUSED_QKV,
     LATENT,
     NO_BIASES,
@@ -38,6 +39,7 @@ from .layouts import (
 )
 from .rope import Rope
 from .windows import (
+    CWM_WINDOWS,
     EVERY_LAYER,
     QWEN2_MOE_WINDOWS,
     QWEN_EVERY_LAYER,
@@ -187,6 +189,40 @@ register(
             parameters=defaults.MINISTRAL3_ROPE,
             refused={"llama_4_scaling_beta": "Llama 4's query scale growing with the position"},
         ),
+    ),
+    Family("aria_text", defaults.ARIA_TEXT),
+    Family(  # Llama's attention (LlamaForCausalLM) under EXAONE 3's names
+        "exaone",
+        defaults.EXAONE,
+        keys={"num_hidden_layers": "num_layers"},
+        tensors=EXAONE,
+        rope=Rope(theta=500_000.0),
+    ),
+    Family(
+        "apertus1p5_text",
+        defaults.APERTUS1P5_TEXT,
+        rope=Rope(theta=12_000_000.0, parameters=defaults.APERTUS_ROPE),
+        qk_norm=PER_HEAD,
+    ),
+    Family("hy_v3", defaults.HY_V3, rope=Rope(theta=11_158_840.0), qk_norm=PER_HEAD),
+    Family(
+        "ernie4_5",
+        defaults.ERNIE4_5,
+        biases=Biases("use_bias"),
+        rope=Rope(theta=500_000.0, interleave=True),
+    ),
+    Family(
+        "ernie4_5_moe",
+        defaults.ERNIE4_5_MOE,
+        biases=Biases("use_bias"),
+        rope=Rope(theta=500_000.0, interleave=True),
+    ),
+    Family(
+        "cwm",
+        defaults.CWM,
+        biases=NO_BIASES,
+        windows=CWM_WINDOWS,
+        rope=Rope(theta=1e6, parameters=defaults.CWM_ROPE),
     ),
 )
 

@@ -27,6 +27,7 @@ from ...errors import AttentionValueError
 from .config import FULL, SLIDING, Settings
 
 __all__ = [
+    "CWM_WINDOWS",
     "EVERY_LAYER",
     "NO_WINDOWS",
     "QWEN2_MOE_WINDOWS",
@@ -166,6 +167,16 @@ def windowed_from(read: Settings, count: int) -> list[str]:
     return [SLIDING if slides and i >= start else FULL for i in range(count)]
 
 
+def first_of_every(pattern: int) -> LayerTypes:
+    """The first of every ``pattern`` layers full (layers 0, ``pattern``...), the others
+    sliding (CWM's default)."""
+
+    def layer_types(read: Settings, count: int) -> list[str]:
+        return [FULL if i % pattern == 0 else SLIDING for i in range(count)]
+
+    return layer_types
+
+
 def sliding_if_windowed(read: Settings, count: int) -> list[str]:
     """Every layer sliding when the config has a ``sliding_window``, else every layer full."""
     return [SLIDING if read.get("sliding_window") is not None else FULL] * count
@@ -179,3 +190,4 @@ QWEN_EVERY_LAYER = EveryLayer(qwen_window)
 """Qwen3-MoE's: every layer slides when ``use_sliding_window`` (``layer_types`` not read)."""
 QWEN2_MOE_WINDOWS = ByLayerTypes(qwen2_moe_layer_types, size=qwen2_moe_window)
 WINDOWED_FROM = ByLayerTypes(windowed_from)
+CWM_WINDOWS = ByLayerTypes(first_of_every(4))
