@@ -313,7 +313,8 @@ SOFTCAPPED = ("gemma2", "vaultgemma")
 QK_NORMS = {"qwen3": ("head", 0.0), "gemma3_text": ("head", 1.0), "olmo2": ("all", 0.0),
             "qwen3_moe": ("head", 0.0), "dots1": ("head", 0.0), "apertus": ("head", 0.0),
             "olmoe": ("all", 0.0), "flex_olmo": ("all", 0.0), "olmo3": ("all", 0.0),
-            "apertus1p5_text": ("head", 0.0), "hy_v3": ("head", 0.0)}  # fmt: skip
+            "apertus1p5_text": ("head", 0.0), "hy_v3": ("head", 0.0),
+            "mellum": ("head", 0.0)}  # fmt: skip
 INTERLEAVED = ("helium", "ernie4_5", "ernie4_5_moe")
 """What each family's transformers attention computes beyond Llama's, for the oracle below."""
 
@@ -391,7 +392,7 @@ def expected_weights(attention, settings):
 
 
 LAYERS_DIFFER = ("qwen2", "qwen3", "gemma2", "gemma3", "gpt_oss", "ministral", "qwen2_moe",
-                 "vaultgemma", "olmo3", "dots1")  # fmt: skip
+                 "vaultgemma", "olmo3", "dots1", "cwm", "mellum")  # fmt: skip
 """The tiny models whose layers slide differently."""
 
 
@@ -438,7 +439,7 @@ def test_each_layer_is_what_transformers_computes(family, transformers):
         seen.add((settings.get("window"), settings["rope_theta"]))
     if family in LAYERS_DIFFER:
         assert len({window for window, _ in seen}) == 2, seen
-    if family in ("gemma3", "olmo3"):
+    if family in ("gemma3", "olmo3", "mellum"):
         assert {theta for _, theta in seen} == {100.0, 3000.0}
 
 
@@ -459,14 +460,14 @@ def test_the_defaults_are_the_config_classes(family, transformers):
     fields = config_class.__dataclass_fields__
     for key, value in FAMILIES[name].defaults.items():
         assert fields[key].default == value, (family, key)
-    rope, theta = FAMILIES[name].rope, config_class.default_theta
-    if isinstance(theta, dict):  # Gemma 3's, by layer type
-        theta = {"full_attention": theta["global"], "sliding_attention": theta["local"]}
-        assert theta == {kind: base for kind, (_, base) in rope.per_layer_type.items()}
-    elif rope.per_layer_type:  # OLMo 3: one base for both
-        assert {base for _, base in rope.per_layer_type.values()} == {theta}
+    rope = FAMILIES[name].rope
+    if rope.per_layer_type:  # Gemma 3, OLMo 3, Mellum: a base per layer type
+        with models._quiet():
+            parameters = config_class().rope_parameters
+        for kind, (_, base) in rope.per_layer_type.items():
+            assert parameters[kind]["rope_theta"] == base, (family, kind)
     else:
-        assert theta == rope.theta
+        assert config_class.default_theta == rope.theta
 
 
 def variant(tmp_path, family, change=None, drop=()):
@@ -534,6 +535,7 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 500.0, "short_factor": [1.0, 
         ("apertus1p5_text", {}, ("rope_parameters",)),
         ("hy_v3", {}, ("rope_parameters",)),
         ("ernie4_5_moe", {}, ("rope_parameters",)),
+        ("mellum", {}, ("rope_parameters", "layer_types")),  # full layers, 5e5 and 1e4
     ],
 )  # fmt: skip
 def test_configs_are_read_as_transformers_reads_them(tmp_path, family, change, drop, transformers):
@@ -623,6 +625,13 @@ def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
          "rope_parameters['llama_4_scaling_beta']=0.5"),
         ("phimoe", {"rope_parameters": LONGROPE}, "phimoe with rope_type 'longrope', which "
          "transformers' phimoe rotary embedding scales by its own factors"),
+        ("mellum", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+         "mellum with rope_scaling={'rope_type': 'linear', 'factor': 2.0} (an old rope_scaling"),
+        ("mellum", {"rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 3000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0,
+                                  "partial_rotary_factor": 0.5}}},
+         "partial_rotary_factor=0.5, which transformers' mellum attention ignores or cannot"),
         ("qwen2_moe", {"use_sliding_window": False}, "qwen2_moe with a sliding layer in "
          "layer_types but use_sliding_window=False (a window of 0)"),
     ],

@@ -129,6 +129,7 @@ CHANGES = {
     "ernie4_5": [{"rotary_interleaved": False}, {"b_o": None}],  # use_bias
     "ernie4_5_moe": [{"rotary_interleaved": False}, {"b_o": None}],
     "cwm": [{"window": None}, {"rope_scaling": None}],
+    "mellum": [{"rope_theta": 10000.0}, {"window": None}, {"qk_norm_offset": 1.0}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3

@@ -12,7 +12,11 @@ past ``original_max_position_embeddings`` (16 here), Qwen2's sliding layers from
 ``max_window_layers``, QK-norm per head (Qwen3, Gemma 3) or across heads (OLMo 2), Gemma's
 ``query_pre_attn_scalar`` and soft-capping and local rope base, Phi-3's fused projection with
 longrope and partial rotary, gpt-oss's sinks and yarn, DeepSeek V3's latent attention;
-and the rows that rename an attention the table already reads (Ministral, Mixtral, Arcee).
+and the rows that rename an attention the table already reads (Ministral, Mixtral, Arcee, and
+the families after them), each with the setting it reads under its own name or default:
+biases from ``qkv_bias``, ``use_bias`` or ``attention_out_bias``, Qwen-MoE's and dots.llm1's
+and CWM's sliding layers, Granite's ``attention_multiplier``, Helium's and ERNIE 4.5's
+interleaved rotary, OLMo 3's rope base per layer type, EXAONE 3's tensor names.
 """
 
 from __future__ import annotations
@@ -151,6 +155,10 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                       "experts_implementation": "eager"}),
     "cwm": ("Cwm", {"sliding_window": 5, "rope_parameters": LLAMA3,  # layer 0 full
                     "bos_token_id": 0}),
+    "mellum": ("Mellum", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING], **MOE,
+                          "rope_parameters": {
+                              SLIDING: {"rope_type": "default", "rope_theta": 100.0},
+                              FULL: {"rope_type": "default", "rope_theta": 3000.0}}}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,

@@ -378,3 +378,15 @@ CWM_ROPE: dict[str, Any] = {
     _OMPE: 8192,
 }
 """CWM's ``rope_parameters`` when the config gives none."""
+MELLUM: dict[str, Any] = {
+    "hidden_size": 2304,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "attention_bias": False,
+    "sliding_window": 1024,
+    "layer_types": None,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072,
+}

@@ -16,7 +16,7 @@ from typing import Any
 
 from ...errors import AttentionValueError
 from . import defaults
-from .config import FULL, SLIDING
+from .config import FULL, SLIDING, Unsupported
 from .family import (
     ACROSS_HEADS,
     BIDIRECTIONAL,
@@ -41,6 +41,7 @@ from .rope import Rope
 from .windows import (
     CWM_WINDOWS,
     EVERY_LAYER,
+    FULL_BY_DEFAULT,
     QWEN2_MOE_WINDOWS,
     QWEN_EVERY_LAYER,
     QWEN_WINDOWS,
@@ -223,6 +224,14 @@ register(
         biases=NO_BIASES,
         windows=CWM_WINDOWS,
         rope=Rope(theta=1e6, parameters=defaults.CWM_ROPE),
+    ),
+    Family(
+        "mellum",
+        defaults.MELLUM,
+        windows=FULL_BY_DEFAULT,
+        rope=Rope(per_layer_type={FULL: (None, 500_000.0), SLIDING: (None, 10_000.0)}),
+        qk_norm=PER_HEAD,
+        unsupported=(Unsupported("rope_scaling", "an old rope_scaling, which Mellum ignores"),),
     ),
 )
 

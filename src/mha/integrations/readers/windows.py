@@ -1,12 +1,16 @@
 """Which layers slide and how far, as each family's config class decides (transformers
 5.24): no layer (:data:`NO_WINDOWS`: a ``sliding_window`` in the config is refused, since
 transformers' mask would ignore it while its cache keeps only that many positions), every
-layer (:data:`EVERY_LAYER`), or by ``layer_types`` (:class:`ByLayerTypes`), whose default
-when the config has none is the config class's: :func:`by_layer_types` (every ``pattern``-th
-layer full, the others sliding: Gemma 2 and 3, gpt-oss), :data:`QWEN_WINDOWS` (the layers
-from ``max_window_layers`` on, when ``use_sliding_window``; without it Qwen's
-``sliding_window`` is dropped whatever ``layer_types`` says), :data:`SLIDING_IF_WINDOWED`
-(every layer when there is a ``sliding_window``: Ministral).
+layer (:data:`EVERY_LAYER`; :data:`QWEN_EVERY_LAYER` when ``use_sliding_window``: Qwen3-MoE),
+or by ``layer_types`` (:class:`ByLayerTypes`), whose default when the config has none is the
+config class's: :func:`by_layer_types` (every ``pattern``-th layer full, the others sliding:
+Gemma 2 and 3, gpt-oss, VaultGemma, OLMo 3), :data:`QWEN_WINDOWS` (the layers from
+``max_window_layers`` on, when ``use_sliding_window``; without it Qwen's ``sliding_window``
+is dropped whatever ``layer_types`` says), :data:`QWEN2_MOE_WINDOWS` (every other layer below
+``max_window_layers``), :data:`WINDOWED_FROM` (the layers from ``max_window_layers`` on,
+when there is a ``sliding_window``: dots.llm1), :data:`CWM_WINDOWS` (the first of every four
+layers full), :data:`FULL_BY_DEFAULT` (Mellum), :data:`SLIDING_IF_WINDOWED` (every layer when
+there is a ``sliding_window``: Ministral).
 
 >>> from types import SimpleNamespace
 >>> from mha.integrations.readers.config import Settings
@@ -29,6 +33,7 @@ from .config import FULL, SLIDING, Settings
 __all__ = [
     "CWM_WINDOWS",
     "EVERY_LAYER",
+    "FULL_BY_DEFAULT",
     "NO_WINDOWS",
     "QWEN2_MOE_WINDOWS",
     "QWEN_EVERY_LAYER",
@@ -167,6 +172,11 @@ def windowed_from(read: Settings, count: int) -> list[str]:
     return [SLIDING if slides and i >= start else FULL for i in range(count)]
 
 
+def all_full(read: Settings, count: int) -> list[str]:
+    """Every layer full (Mellum's default)."""
+    return [FULL] * count
+
+
 def first_of_every(pattern: int) -> LayerTypes:
     """The first of every ``pattern`` layers full (layers 0, ``pattern``...), the others
     sliding (CWM's default)."""
@@ -191,3 +201,4 @@ QWEN_EVERY_LAYER = EveryLayer(qwen_window)
 QWEN2_MOE_WINDOWS = ByLayerTypes(qwen2_moe_layer_types, size=qwen2_moe_window)
 WINDOWED_FROM = ByLayerTypes(windowed_from)
 CWM_WINDOWS = ByLayerTypes(first_of_every(4))
+FULL_BY_DEFAULT = ByLayerTypes(all_full)
