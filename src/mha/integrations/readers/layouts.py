@@ -2,8 +2,8 @@
 mha's weights (the "x @ W" layout: the transposes of ``nn.Linear``'s ``(out, in)``), as
 llama.cpp's ``LLM_TENSOR_NAMES`` names them per architecture: separate query, key, value and
 output projections (:data:`SEPARATE_QKV`) or one fused ``qkv_proj`` (:data:`FUSED_QKV`),
-their biases (:class:`Biases`), QK-norms and sinks; DeepSeek's latent projections
-(:data:`LATENT`).
+their biases (:class:`Biases`, :class:`BiasesByKey`), QK-norms and sinks, under the layer's
+prefix (EXAONE 3's own: :data:`EXAONE`); DeepSeek's latent projections (:data:`LATENT`).
 
 A layout gives each tensor the config calls for as a :class:`Tensor`: its shape, and mha's
 weights in it, a fused tensor's row by row.
