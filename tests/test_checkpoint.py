@@ -531,6 +531,9 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 500.0, "short_factor": [1.0, 
         ("glm4_moe_lite", {}, ("rope_interleave",)),
         ("youtu", {"rope_theta": 800.0}, ("rope_parameters",)),
         ("exaone", {"num_layers": 3}, ("num_hidden_layers",)),  # EXAONE 3's own key
+        # a family's own name of a key (its attribute_map) wins over the common one
+        ("internlm3", {"qkv_bias": True, "attention_bias": False, "bias": True}, ()),
+        ("glm4_moe_lite", {"head_dim": 8, "qk_rope_head_dim": 4}, ()),
         ("cwm", {}, ("layer_types", "rope_parameters")),  # layers 0, 4... full; llama3
         ("apertus1p5_text", {}, ("rope_parameters",)),
         ("hy_v3", {}, ("rope_parameters",)),

@@ -147,7 +147,9 @@ register(
         rope=Rope(per_layer_type={FULL: ("rope_theta", 500_000.0), SLIDING: (None, 500_000.0)}),
         qk_norm=ACROSS_HEADS,
     ),
-    Family("internlm3", defaults.INTERNLM3),  # LlamaForCausalLM
+    Family(  # LlamaForCausalLM
+        "internlm3", defaults.INTERNLM3, keys={"attention_bias": "qkv_bias"}
+    ),
     Family(
         "seed_oss",
         defaults.SEED_OSS,
@@ -163,6 +165,7 @@ register(
     Family(
         "glm4_moe_lite",
         defaults.GLM4_MOE_LITE,
+        keys={"qk_rope_head_dim": "head_dim"},
         tensors=LATENT,
         rope=Rope(interleave="rope_interleave"),
     ),
