@@ -306,6 +306,19 @@ def test_a_tensor_missing_from_the_shard_its_index_names_is_refused(tmp_path):
 # ---------------------------------------------------------------- each layer's attention
 
 
+LATENT_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu")
+EVERY_LAYER_SLIDES = ("mistral", "phi3", "mixtral", "phimoe", "starcoder2", "ministral3",
+                      "qwen3_moe")  # fmt: skip
+SOFTCAPPED = ("gemma2", "vaultgemma")
+QK_NORMS = {"qwen3": ("head", 0.0), "gemma3_text": ("head", 1.0), "olmo2": ("all", 0.0),
+            "qwen3_moe": ("head", 0.0), "dots1": ("head", 0.0), "apertus": ("head", 0.0),
+            "olmoe": ("all", 0.0), "flex_olmo": ("all", 0.0), "olmo3": ("all", 0.0),
+            "apertus1p5_text": ("head", 0.0), "hy_v3": ("head", 0.0),
+            "mellum": ("head", 0.0)}  # fmt: skip
+INTERLEAVED = ("helium", "ernie4_5", "ernie4_5_moe")
+"""What each family's transformers attention computes beyond Llama's, for the oracle below."""
+
+
 def expected_settings(config, index):
     """mha's settings for layer ``index``, from transformers' own config object (its
     ``layer_types``, ``sliding_window`` and standardised ``rope_parameters``)."""
@@ -317,7 +330,7 @@ def expected_settings(config, index):
         rope = rope[layer_type]
     scaling = None if rope["rope_type"] == "default" else {
         **rope, "max_position_embeddings": config.max_position_embeddings}  # fmt: skip
-    if model_type.startswith("deepseek"):
+    if model_type in LATENT_TYPES:
         return {"d_model": config.hidden_size, "num_heads": config.num_attention_heads,
                 "q_lora_rank": config.q_lora_rank, "kv_lora_rank": config.kv_lora_rank,
                 "qk_nope_head_dim": config.qk_nope_head_dim,
@@ -325,22 +338,27 @@ def expected_settings(config, index):
                 "rope_theta": rope["rope_theta"], "rope_scaling": scaling,
                 "rotary_interleaved": getattr(config, "rope_interleave", True)}  # fmt: skip
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if model_type in ("mistral", "phi3", "mixtral"):
+    if model_type in EVERY_LAYER_SLIDES:
         window = config.sliding_window
     elif model_type in ("llama", "olmo2"):
         window = None
     else:
         window = config.sliding_window if layer_type == "sliding_attention" else None
     factor = rope.get("partial_rotary_factor", 1.0)
-    norms = {"qwen3": ("head", 0.0), "gemma3_text": ("head", 1.0), "olmo2": ("all", 0.0)}
-    kind, offset = norms.get(model_type, (None, None))
+    kind, offset = QK_NORMS.get(model_type, (None, None))
+    if scaling is not None:
+        scaling.pop("llama_4_scaling_beta", None)  # Ministral 3's, 0 here
+    scale = getattr(config, "attention_multiplier", None)
+    if hasattr(config, "query_pre_attn_scalar"):
+        scale = config.query_pre_attn_scalar**-0.5
     return {
         "num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads,
         "head_dim": head_dim, "rope_theta": rope["rope_theta"],
         "rotary_dim": None if factor == 1.0 else int(head_dim * factor),
-        "rotary_interleaved": False, "rope_scaling": scaling, "window": window, "chunk": None,
-        "softcap": config.attn_logit_softcapping if model_type == "gemma2" else None,
-        "scale": config.query_pre_attn_scalar**-0.5 if model_type.startswith("gemma") else None,
+        "rotary_interleaved": model_type in INTERLEAVED, "rope_scaling": scaling, "window": window,
+        "chunk": None,
+        "softcap": config.attn_logit_softcapping if model_type in SOFTCAPPED else None,
+        "scale": scale,
         "qk_norm": kind, "qk_norm_eps": config.rms_norm_eps if kind else None,
         "qk_norm_offset": offset,
     }  # fmt: skip
@@ -373,6 +391,11 @@ def expected_weights(attention, settings):
     return weights
 
 
+LAYERS_DIFFER = ("qwen2", "qwen3", "gemma2", "gemma3", "gpt_oss", "ministral", "qwen2_moe",
+                 "vaultgemma", "olmo3", "dots1", "cwm", "mellum")  # fmt: skip
+"""The tiny models whose layers slide differently."""
+
+
 @pytest.mark.parametrize("family", TORCH_FAMILIES)
 def test_each_layer_is_what_transformers_computes(family, transformers):
     """Settings against transformers' config and attention modules (their scaling, window,
@@ -386,14 +409,15 @@ def test_each_layer_is_what_transformers_computes(family, transformers):
         attention = layer.self_attn
         kind, settings, weights = layer_attention(checkpoint, index, dtype=np.float64)
         expected = expected_settings(config, index)
-        assert kind == ("latent" if family.startswith("deepseek") else "attention")
+        assert kind == ("latent" if family in models.LATENT_FAMILIES else "attention")
         if kind == "latent":
             assert settings.pop("scale") == attention.scaling
             assert settings.pop("norm_eps") == attention.kv_a_layernorm.variance_epsilon
             if attention.q_a_layernorm is not None:
                 assert attention.q_a_layernorm.variance_epsilon == 1e-6 != config.rms_norm_eps
         else:
-            assert (settings["scale"] or settings["head_dim"] ** -0.5) == attention.scaling
+            scale = settings["scale"] or settings["head_dim"] ** -0.5  # Helium's: 1 / sqrt(d)
+            assert scale == pytest.approx(attention.scaling, rel=1e-15, abs=0)
             assert settings["head_dim"] == attention.head_dim
             if hasattr(attention, "sliding_window"):
                 assert settings["window"] == attention.sliding_window
@@ -403,7 +427,8 @@ def test_each_layer_is_what_transformers_computes(family, transformers):
                     norm, "variance_epsilon", None
                 )
             rotary = model.model.rotary_emb
-            layer_type = (config.layer_types[index] + "_") if family == "gemma3" else ""
+            per_type = isinstance(rotary.rope_type, dict)  # Gemma 3, OLMo 3
+            layer_type = (config.layer_types[index] + "_") if per_type else ""
             width = 2 * getattr(rotary, f"{layer_type}inv_freq").numel()
             assert width == (settings["rotary_dim"] or settings["head_dim"])
         assert settings == expected, index
@@ -412,9 +437,9 @@ def test_each_layer_is_what_transformers_computes(family, transformers):
         for name, W in weights.items():
             assert W.dtype == np.float64 and np.array_equal(W, wanted[name]), (index, name)
         seen.add((settings.get("window"), settings["rope_theta"]))
-    if family in ("qwen2", "qwen3", "gemma2", "gemma3", "gpt_oss", "ministral"):  # layers differ
+    if family in LAYERS_DIFFER:
         assert len({window for window, _ in seen}) == 2, seen
-    if family == "gemma3":
+    if family in ("gemma3", "olmo3", "mellum"):
         assert {theta for _, theta in seen} == {100.0, 3000.0}
 
 
@@ -435,8 +460,14 @@ def test_the_defaults_are_the_config_classes(family, transformers):
     fields = config_class.__dataclass_fields__
     for key, value in FAMILIES[name].defaults.items():
         assert fields[key].default == value, (family, key)
-    if name not in ("gemma3_text",):
-        assert config_class.default_theta == FAMILIES[name].rope.theta
+    rope = FAMILIES[name].rope
+    if rope.per_layer_type:  # Gemma 3, OLMo 3, Mellum: a base per layer type
+        with models._quiet():
+            parameters = config_class().rope_parameters
+        for kind, (_, base) in rope.per_layer_type.items():
+            assert parameters[kind]["rope_theta"] == base, (family, kind)
+    else:
+        assert config_class.default_theta == rope.theta
 
 
 def variant(tmp_path, family, change=None, drop=()):
@@ -479,6 +510,35 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 500.0, "short_factor": [1.0, 
         ("ministral", {"sliding_window": None}, ("layer_types",)),  # none
         ("mixtral", {}, ("sliding_window", "rope_parameters")),  # no window, theta 1e6
         ("arcee", {}, ("rope_parameters",)),
+        ("qwen3_moe", {"use_sliding_window": False}, ()),  # no window
+        ("qwen3_moe", {}, ("rope_parameters", "rms_norm_eps")),
+        ("qwen2_moe", {}, ("layer_types",)),  # every other layer below max_window_layers
+        ("qwen2_moe", {"max_window_layers": 3}, ("layer_types", "sliding_window")),
+        ("dots1", {}, ("layer_types",)),  # from max_window_layers
+        ("dots1", {"sliding_window": None}, ("layer_types",)),  # none
+        ("vaultgemma", {}, ("layer_types", "query_pre_attn_scalar", "attn_logit_softcapping")),
+        ("olmo3", {}, ("layer_types", "rope_parameters")),  # every fourth layer full, base 5e5
+        ("olmo3", {"rope_theta": 800.0}, ("rope_parameters",)),  # the full layers' base only
+        ("olmo3", {"rope_parameters": {"rope_type": "default", "rope_theta": 800.0}}, ()),
+        ("flex_olmo", {}, ("rope_parameters",)),
+        ("phimoe", {}, ("rope_parameters", "sliding_window")),
+        ("helium", {}, ("rope_parameters",)),
+        ("solar_open", {}, ("rope_parameters",)),
+        ("apertus", {}, ("rope_parameters",)),  # llama3 scaling by default
+        ("starcoder2", {}, ("sliding_window",)),
+        ("granite", {}, ("attention_multiplier",)),
+        ("ministral3", {}, ("sliding_window",)),
+        ("glm4_moe_lite", {}, ("rope_interleave",)),
+        ("youtu", {"rope_theta": 800.0}, ("rope_parameters",)),
+        ("exaone", {"num_layers": 3}, ("num_hidden_layers",)),  # EXAONE 3's own key
+        # a family's own name of a key (its attribute_map) wins over the common one
+        ("internlm3", {"qkv_bias": True, "attention_bias": False, "bias": True}, ()),
+        ("glm4_moe_lite", {"head_dim": 8, "qk_rope_head_dim": 4}, ()),
+        ("cwm", {}, ("layer_types", "rope_parameters")),  # layers 0, 4... full; llama3
+        ("apertus1p5_text", {}, ("rope_parameters",)),
+        ("hy_v3", {}, ("rope_parameters",)),
+        ("ernie4_5_moe", {}, ("rope_parameters",)),
+        ("mellum", {}, ("rope_parameters", "layer_types")),  # full layers, 5e5 and 1e4
     ],
 )  # fmt: skip
 def test_configs_are_read_as_transformers_reads_them(tmp_path, family, change, drop, transformers):
@@ -490,7 +550,7 @@ def test_configs_are_read_as_transformers_reads_them(tmp_path, family, change, d
     for index in range(config.num_hidden_layers):
         _, settings, _ = layer_attention(checkpoint, index)
         expected = expected_settings(config, index)
-        if family.startswith("deepseek"):
+        if family in models.LATENT_FAMILIES:
             settings.pop("scale"), settings.pop("norm_eps")
         assert settings == expected, (index, settings, expected)
 
@@ -501,6 +561,17 @@ def test_deepseeks_scale_takes_the_yarn_mscale(tmp_path, transformers):
     assert settings["scale"] == pytest.approx(16**-0.5 * mscale**2, rel=1e-15)
     folder = variant(tmp_path, "deepseek_v3", drop=("rope_parameters",))
     assert layer_attention(Checkpoint(folder), 0)[1]["scale"] == 16**-0.5
+
+
+def test_granites_scale_is_its_attention_multiplier(tmp_path, transformers):
+    """Granite's and HyperCLOVA X's ``attention_multiplier`` is the scale; HyperCLOVA X's
+    null one is the head width's, as its config class makes it."""
+    assert layer_attention(Checkpoint(models.saved("granitemoe")), 0)[1]["scale"] == 0.3
+    folder = variant(tmp_path, "hyperclovax", {"attention_multiplier": None})
+    with models._quiet():
+        config = transformers.AutoConfig.from_pretrained(folder)
+    assert config.attention_multiplier == 12**-0.5
+    assert layer_attention(Checkpoint(folder), 0)[1]["scale"] is None
 
 
 def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
@@ -548,6 +619,24 @@ def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
          "rope_parameters['beta_fast'] must be at least rope_parameters['beta_slow']"),
         ("gpt_oss", {"rope_parameters": None, "rope_scaling": {"rope_type": "linear"}},
          "rope_scaling needs the key 'factor' for rope_type 'linear' ("),
+        ("olmo", {"clip_qkv": 8.0}, "olmo with clip_qkv=8.0 (queries, keys and values clipped)"),
+        ("olmoe", {"clip_qkv": 8.0}, "olmoe with clip_qkv=8.0 (queries, keys and values"),
+        ("gemma", {"use_bidirectional_attention": True}, "gemma with use_bidirectional_attention"),
+        ("ministral3", {"rope_parameters": None}, "ministral3 with "
+         "rope_parameters['llama_4_scaling_beta']=0.1 (Llama 4's query scale growing with"),
+        ("ministral3", {"rope_parameters": {"rope_type": "default", "llama_4_scaling_beta": 0.5}},
+         "rope_parameters['llama_4_scaling_beta']=0.5"),
+        ("phimoe", {"rope_parameters": LONGROPE}, "phimoe with rope_type 'longrope', which "
+         "transformers' phimoe rotary embedding scales by its own factors"),
+        ("mellum", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+         "mellum with rope_scaling={'rope_type': 'linear', 'factor': 2.0} (an old rope_scaling"),
+        ("mellum", {"rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 3000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0,
+                                  "partial_rotary_factor": 0.5}}},
+         "partial_rotary_factor=0.5, which transformers' mellum attention ignores or cannot"),
+        ("qwen2_moe", {"use_sliding_window": False}, "qwen2_moe with a sliding layer in "
+         "layer_types but use_sliding_window=False (a window of 0)"),
     ],
 )  # fmt: skip
 def test_configs_mha_would_compute_differently_are_refused(tmp_path, family, change, said,

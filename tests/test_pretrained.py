@@ -52,7 +52,7 @@ def oracle(family):
 
 
 def load(family, layer):
-    kind = mha.LatentAttention if family.startswith("deepseek") else mha.MultiHeadAttention
+    kind = mha.LatentAttention if family in models.LATENT_FAMILIES else mha.MultiHeadAttention
     return kind.from_pretrained(models.saved(family), layer=layer, dtype=np.float64)
 
 
@@ -97,6 +97,39 @@ CHANGES = {
     "ministral": [{"window": None}, {"window": 5}],  # its full layer, given a window, differs
     "mixtral": [{"window": None}, {"rope_theta": 10000.0}],  # its base: the class's 1e6
     "arcee": [{"rope_scaling": None}, {"b_o": None}],
+    "qwen3_moe": [{"window": None}, {"qk_norm_offset": 1.0}],  # every layer slides
+    "qwen2_moe": [{"window": None}, {"b_q": None}],  # qkv_bias
+    "olmoe": [{"qk_norm_offset": 1.0}, {"b_o": None}],
+    "flex_olmo": [{"qk_norm_offset": 1.0}],
+    "phimoe": [{"window": None}, {"b_o": None}],
+    "vaultgemma": [{"window": None}, {"softcap": None}, {"scale": None}],
+    "gemma": [{"b_q": None}],
+    "olmo": [{"b_o": None}],
+    "olmo3": [{"rope_theta": 10000.0}, {"window": None}, {"qk_norm_offset": 1.0}],
+    "internlm3": [{"b_o": None}],
+    "seed_oss": [{"b_o": None}],  # attention_out_bias, without attention_bias
+    "dots1": [{"window": None}, {"qk_norm_offset": 1.0}],
+    "apertus": [{"rope_scaling": None}, {"qk_norm_offset": 1.0}],
+    "glm4_moe_lite": [{"scale": None}, {"rope_scaling": None}, {"rotary_interleaved": False}],
+    "youtu": [{"scale": None}, {"rotary_interleaved": True}, {"b_kv_a": None}],
+    "granite": [{"scale": None}],  # attention_multiplier
+    "granitemoe": [{"scale": None}],
+    "granitemoeshared": [{"scale": None}],
+    "helium": [{"b_q": None}, {"rotary_interleaved": False}],  # no output bias
+    "starcoder2": [{"window": None}, {"b_o": None}],  # use_bias
+    "solar_open": [{"b_q": None}],  # no output bias
+    "hyperclovax": [{"scale": None}],  # attention_multiplier
+    "iquestcoder": [{"b_o": None}],
+    "jais2": [{"b_o": None}],
+    "ministral3": [{"window": None}, {"rope_scaling": None}],
+    "aria_text": [{"b_o": None}],
+    "exaone": [{"b_o": None}],
+    "apertus1p5_text": [{"rope_scaling": None}, {"qk_norm_offset": 1.0}],
+    "hy_v3": [{"qk_norm_offset": 1.0}, {"b_q": None}],
+    "ernie4_5": [{"rotary_interleaved": False}, {"b_o": None}],  # use_bias
+    "ernie4_5_moe": [{"rotary_interleaved": False}, {"b_o": None}],
+    "cwm": [{"window": None}, {"rope_scaling": None}],
+    "mellum": [{"rope_theta": 10000.0}, {"window": None}, {"qk_norm_offset": 1.0}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3

@@ -11,7 +11,7 @@ from typing import Any
 from .config import SLIDING, Settings
 from .family import UNSUPPORTED, Family
 from .layouts import LatentProjections, Projections, Tensor
-from .rope import partial_rotary, rope_parameters, rope_scaling, yarn_mscale
+from .rope import check_refused, partial_rotary, rope_parameters, rope_scaling, yarn_mscale
 
 __all__ = ["describe", "latent", "multi_head"]
 
@@ -38,6 +38,7 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     rope = rope_parameters(read, family.rope, layer_type)
     if rope.get("mrope_section") is not None:
         raise read.refuse(f"a multimodal rope (mrope_section={rope['mrope_section']})")
+    rope = check_refused(read, family.rope, rope)
     rotary_dim = partial_rotary(read, family.rope, rope, d)
     window = family.windows.size(read) if layer_type == SLIDING else None
     norm = family.qk_norm
@@ -74,6 +75,7 @@ def latent(family: Family, layout: LatentProjections, read: Settings) -> Describ
     if kv_heads not in (None, H):  # transformers' latent attention expands a key per head
         raise read.refuse(f"num_key_value_heads={kv_heads} != num_attention_heads={H}")
     rope = rope_parameters(read, family.rope, None)
+    rope = check_refused(read, family.rope, rope)
     if partial_rotary(read, family.rope, rope, rope_dim) is not None:  # no latent row has it
         raise read.refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}")
     scale = (nope + rope_dim) ** (-0.5)  # DeepseekV3Attention's, with yarn_apply_mscale

@@ -62,16 +62,18 @@ class Settings:
         self.read: list[str] = []
 
     def name(self, key: str) -> str:
-        """The family's name of ``key``."""
-        return self.keys.get(key, key)
+        """The family's name of ``key``, unless ``config.json`` gives ``key`` by its common
+        name alone (as ``save_pretrained`` writes it: an ``attribute_map`` takes both)."""
+        alias = self.keys.get(key, key)
+        return key if alias not in self.config and key in self.config else alias
 
     def get(self, key: str, default: Any = None) -> Any:
         """``key``'s value: ``config.json``'s, else the class's default, else ``default``."""
-        key = self.name(key)
-        self.read.append(key)
-        if key in self.config:
-            return self.config[key]
-        return self.defaults.get(key, default)
+        name = self.name(key)
+        self.read.append(name)
+        if name in self.config:
+            return self.config[name]
+        return self.defaults.get(name, self.defaults.get(key, default))
 
     def given(self, key: str, default: Any = None) -> Any:
         """``key``'s value in ``config.json`` (``default`` when it has none)."""
@@ -79,7 +81,9 @@ class Settings:
 
     def has(self, key: str) -> bool:
         """Whether ``config.json`` or the class's defaults hold ``key``."""
-        return self.name(key) in self.config or self.name(key) in self.defaults
+        return (
+            self.name(key) in self.config or self.name(key) in self.defaults or key in self.defaults
+        )
 
     def positive(self, key: str, optional: bool = False) -> Any:
         """A positive integer (or, when ``optional``, ``None``)."""

@@ -19,17 +19,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import Settings, Unsupported, is_given
-from .layouts import ATTENTION_BIAS, SEPARATE_QKV, Biases, LatentProjections, Projections
+from .layouts import (
+    ATTENTION_BIAS,
+    SEPARATE_QKV,
+    Biases,
+    BiasesByKey,
+    LatentProjections,
+    Projections,
+)
 from .rope import Rope
 from .windows import NO_WINDOWS, Windows
 
 __all__ = [
     "ACROSS_HEADS",
     "BIDIRECTIONAL",
+    "CLIP_QKV",
     "PER_HEAD",
     "UNSUPPORTED",
     "Family",
     "QkNorm",
+    "attention_multiplier",
     "query_pre_attn_scalar",
 ]
 
@@ -55,8 +64,17 @@ def query_pre_attn_scalar(read: Settings) -> float:
     return scale
 
 
+def attention_multiplier(read: Settings) -> float | None:
+    """Granite's softmax scale: ``attention_multiplier`` (``None``, HyperCLOVA X's default,
+    is the head width's)."""
+    scale = read.get("attention_multiplier")
+    return None if scale is None else float(scale)
+
+
 BIDIRECTIONAL = Unsupported("use_bidirectional_attention", "attention that is not causal")
 """Gemma's option of attention without the causal mask."""
+CLIP_QKV = Unsupported("clip_qkv", "queries, keys and values clipped", is_given)
+"""OLMo's and OLMoE's option of clamping the projections to ``[-clip_qkv, clip_qkv]``."""
 
 UNSUPPORTED = (
     Unsupported("attention_chunk_size", "chunked attention", is_given),
@@ -81,11 +99,11 @@ class Family:
     tensors: Projections | LatentProjections = SEPARATE_QKV
     """Which tensors hold Q, K, V and O (:mod:`.layouts`); :data:`~.layouts.LATENT` for
     DeepSeek's multi-head latent attention (the layer is a :class:`mha.LatentAttention`)."""
-    biases: Biases = ATTENTION_BIAS
+    biases: Biases | BiasesByKey = ATTENTION_BIAS
     windows: Windows = NO_WINDOWS
     """Which layers slide and how far (:mod:`.windows`; multi-head families)."""
     rope: Rope = field(default_factory=Rope)
-    scale: Callable[[Settings], float] | None = None
+    scale: Callable[[Settings], float | None] | None = None
     """The softmax scale (``None``: the attention's own, ``1/sqrt(head_dim)``)."""
     softcap: str | None = None
     """The config key of the scores' soft-cap (Gemma 2's ``attn_logit_softcapping``)."""

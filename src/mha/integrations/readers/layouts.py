@@ -2,8 +2,8 @@
 mha's weights (the "x @ W" layout: the transposes of ``nn.Linear``'s ``(out, in)``), as
 llama.cpp's ``LLM_TENSOR_NAMES`` names them per architecture: separate query, key, value and
 output projections (:data:`SEPARATE_QKV`) or one fused ``qkv_proj`` (:data:`FUSED_QKV`),
-their biases (:class:`Biases`), QK-norms and sinks; DeepSeek's latent projections
-(:data:`LATENT`).
+their biases (:class:`Biases`, :class:`BiasesByKey`), QK-norms and sinks, under the layer's
+prefix (EXAONE 3's own: :data:`EXAONE`); DeepSeek's latent projections (:data:`LATENT`).
 
 A layout gives each tensor the config calls for as a :class:`Tensor`: its shape, and mha's
 weights in it, a fused tensor's row by row.
@@ -30,12 +30,15 @@ from .config import Settings, Source
 
 __all__ = [
     "ATTENTION_BIAS",
+    "EXAONE",
     "FUSED_QKV",
     "LATENT",
     "NO_BIASES",
     "QKV_BIASES",
+    "QKV_BIASES_BY_KEY",
     "SEPARATE_QKV",
     "Biases",
+    "BiasesByKey",
     "LatentProjections",
     "Projections",
     "Tensor",
@@ -44,6 +47,9 @@ __all__ = [
     "lay_out",
 ]
 
+PREFIXES = ("model.layers.{index}.self_attn.", "layers.{index}.self_attn.")
+"""Where a layer's attention tensors are in most families' checkpoints: a causal LM's, a bare
+model's."""
 IGNORED = ("rotary_emb.inv_freq",)
 """Tensors under a layer's attention that are not read: older checkpoints' rotary buffer,
 which the config gives."""
@@ -89,10 +95,24 @@ class Biases:
         return tuple(role for role in possible if self.roles is None or role in self.roles)
 
 
+@dataclass(frozen=True)
+class BiasesByKey:
+    """Each projection in ``keys`` biased when its own config key is true (Seed-OSS:
+    ``attention_bias`` for the query, key and value, ``attention_out_bias`` for the output)."""
+
+    keys: Mapping[str, str]
+
+    def carried(self, read: Settings, possible: Iterable[str]) -> tuple[str, ...]:
+        return tuple(role for role in possible if role in self.keys and read.get(self.keys[role]))
+
+
 ATTENTION_BIAS = Biases("attention_bias")
 """All four projections biased or none, as ``attention_bias`` says (Llama's)."""
 QKV_BIASES = Biases(roles=("q", "k", "v"))
 """The query, key and value projections always biased, the output never (Qwen2's)."""
+QKV_BIASES_BY_KEY = Biases("attention_bias", roles=("q", "k", "v"))
+"""The query, key and value projections biased as ``attention_bias`` says, the output never
+(Helium's, Solar Open's)."""
 NO_BIASES = Biases(roles=())
 
 
@@ -111,6 +131,8 @@ class Projections:
     q_norm: str = "q_norm"
     k_norm: str = "k_norm"
     sinks: str = "sinks"
+    prefixes: tuple[str, ...] = PREFIXES
+    """Where a layer's attention tensors are (``{index}``: the layer's)."""
 
     def tensors(
         self,
@@ -160,6 +182,8 @@ SEPARATE_QKV = Projections()
 """``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` (Llama's and most families')."""
 FUSED_QKV = Projections(qkv="qkv_proj")
 """One ``qkv_proj`` and ``o_proj`` (Phi-3's)."""
+EXAONE = Projections(o="out_proj", prefixes=("transformer.h.{index}.attn.attention.",))
+"""EXAONE 3's names, under ``transformer.h.{index}.attn.attention.``, with ``out_proj``."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +199,7 @@ class LatentProjections:
     kv_a_norm: str = "kv_a_layernorm"
     kv_b: str = "kv_b_proj"
     o: str = "o_proj"
+    prefixes: tuple[str, ...] = PREFIXES
 
     def tensors(self, settings: Mapping[str, Any], biased: Iterable[str]) -> dict[str, Tensor]:
         """The tensors of a latent layer of these ``settings`` (:class:`mha.LatentSpec`'s
@@ -209,10 +234,11 @@ LATENT = LatentProjections()
 """DeepSeek V2's and V3's modules."""
 
 
-def attention_prefix(source: Source, index: int) -> str:
-    """Where layer ``index``'s attention tensors are: under ``model.`` for a causal LM's
-    checkpoint, at the top for a bare model's."""
-    candidates = (f"model.layers.{index}.self_attn.", f"layers.{index}.self_attn.")
+def attention_prefix(source: Source, index: int, prefixes: tuple[str, ...] = PREFIXES) -> str:
+    """Where layer ``index``'s attention tensors are: the first of ``prefixes`` (``{index}``
+    the layer's) the checkpoint holds tensors under; by default under ``model.`` for a
+    causal LM's checkpoint, at the top for a bare model's."""
+    candidates = tuple(prefix.format(index=index) for prefix in prefixes)
     keys = list(source)
     for prefix in candidates:
         if any(key.startswith(prefix) for key in keys):

@@ -16,11 +16,39 @@ from typing import Any
 
 from ...errors import AttentionValueError
 from . import defaults
-from .config import FULL, SLIDING
-from .family import ACROSS_HEADS, BIDIRECTIONAL, PER_HEAD, Family, QkNorm, query_pre_attn_scalar
-from .layouts import FUSED_QKV, LATENT, NO_BIASES, QKV_BIASES
+from .config import FULL, SLIDING, Unsupported
+from .family import (
+    ACROSS_HEADS,
+    BIDIRECTIONAL,
+    CLIP_QKV,
+    PER_HEAD,
+    Family,
+    QkNorm,
+    attention_multiplier,
+    query_pre_attn_scalar,
+)
+from .layouts import (
+    EXAONE,
+    FUSED_QKV,
+    LATENT,
+    NO_BIASES,
+    QKV_BIASES,
+    QKV_BIASES_BY_KEY,
+    Biases,
+    BiasesByKey,
+)
 from .rope import Rope
-from .windows import EVERY_LAYER, QWEN_WINDOWS, SLIDING_IF_WINDOWED, by_layer_types
+from .windows import (
+    CWM_WINDOWS,
+    EVERY_LAYER,
+    FULL_BY_DEFAULT,
+    QWEN2_MOE_WINDOWS,
+    QWEN_EVERY_LAYER,
+    QWEN_WINDOWS,
+    SLIDING_IF_WINDOWED,
+    WINDOWED_FROM,
+    by_layer_types,
+)
 
 __all__ = ["FAMILIES", "REFUSED", "SUPPORTED", "family_of", "register"]
 
@@ -84,6 +112,130 @@ register(
         "mixtral", defaults.MIXTRAL, biases=NO_BIASES, windows=EVERY_LAYER, rope=Rope(theta=1e6)
     ),
     Family("arcee", defaults.ARCEE),  # Llama's attention (its MLP differs)
+)
+
+# families whose attention is one above under other names, defaults and config keys
+register(
+    Family("qwen3_moe", defaults.QWEN3_MOE, windows=QWEN_EVERY_LAYER, qk_norm=PER_HEAD),
+    Family(
+        "qwen2_moe",
+        defaults.QWEN2_MOE,
+        biases=Biases("qkv_bias", roles=("q", "k", "v")),
+        windows=QWEN2_MOE_WINDOWS,
+    ),
+    Family("olmoe", defaults.OLMOE, qk_norm=ACROSS_HEADS, unsupported=(CLIP_QKV,)),
+    Family("flex_olmo", defaults.FLEX_OLMO, rope=Rope(theta=500_000.0), qk_norm=ACROSS_HEADS),
+    Family(
+        "phimoe",
+        defaults.PHIMOE,
+        windows=EVERY_LAYER,
+        rope=Rope(theta=1e6, scaled=False),  # its longrope takes short_ and long_mscale
+    ),
+    Family(
+        "vaultgemma",
+        defaults.VAULTGEMMA,
+        windows=by_layer_types(pattern=2, key=None),
+        scale=query_pre_attn_scalar,
+        softcap="attn_logit_softcapping",
+    ),
+    Family("gemma", defaults.GEMMA, unsupported=(BIDIRECTIONAL,)),
+    Family("olmo", defaults.OLMO, unsupported=(CLIP_QKV,)),
+    Family(
+        "olmo3",
+        defaults.OLMO3,
+        windows=by_layer_types(pattern=4, key=None),
+        rope=Rope(per_layer_type={FULL: ("rope_theta", 500_000.0), SLIDING: (None, 500_000.0)}),
+        qk_norm=ACROSS_HEADS,
+    ),
+    Family(  # LlamaForCausalLM
+        "internlm3", defaults.INTERNLM3, keys={"attention_bias": "qkv_bias"}
+    ),
+    Family(
+        "seed_oss",
+        defaults.SEED_OSS,
+        biases=BiasesByKey({**dict.fromkeys("qkv", "attention_bias"), "o": "attention_out_bias"}),
+    ),
+    Family("dots1", defaults.DOTS1, windows=WINDOWED_FROM, qk_norm=PER_HEAD),
+    Family(
+        "apertus",
+        defaults.APERTUS,
+        rope=Rope(theta=12_000_000.0, parameters=defaults.APERTUS_ROPE),
+        qk_norm=PER_HEAD,
+    ),
+    Family(
+        "glm4_moe_lite",
+        defaults.GLM4_MOE_LITE,
+        keys={"qk_rope_head_dim": "head_dim"},
+        tensors=LATENT,
+        rope=Rope(interleave="rope_interleave"),
+    ),
+    Family("youtu", defaults.YOUTU, tensors=LATENT, rope=Rope(interleave="rope_interleave")),
+    Family("granite", defaults.GRANITE, scale=attention_multiplier),
+    Family("granitemoe", defaults.GRANITE, scale=attention_multiplier),
+    Family("granitemoeshared", defaults.GRANITE, scale=attention_multiplier),
+    Family(
+        "helium",
+        defaults.HELIUM,
+        biases=QKV_BIASES_BY_KEY,
+        rope=Rope(theta=100_000.0, interleave=True),  # (2i, 2i + 1) pairs, as DeepSeek V2
+    ),
+    Family("starcoder2", defaults.STARCODER2, biases=Biases("use_bias"), windows=EVERY_LAYER),
+    Family("solar_open", defaults.SOLAR_OPEN, biases=QKV_BIASES_BY_KEY, rope=Rope(theta=1e6)),
+    Family("hyperclovax", defaults.HYPERCLOVAX, scale=attention_multiplier),
+    Family("iquestcoder", defaults.IQUESTCODER),  # LlamaForCausalLM
+    Family("jais2", defaults.JAIS2),
+    Family(
+        "ministral3",
+        defaults.MINISTRAL3,
+        biases=NO_BIASES,
+        windows=EVERY_LAYER,
+        rope=Rope(
+            parameters=defaults.MINISTRAL3_ROPE,
+            refused={"llama_4_scaling_beta": "Llama 4's query scale growing with the position"},
+        ),
+    ),
+    Family("aria_text", defaults.ARIA_TEXT),
+    Family(  # Llama's attention (LlamaForCausalLM) under EXAONE 3's names
+        "exaone",
+        defaults.EXAONE,
+        keys={"num_hidden_layers": "num_layers"},
+        tensors=EXAONE,
+        rope=Rope(theta=500_000.0),
+    ),
+    Family(
+        "apertus1p5_text",
+        defaults.APERTUS1P5_TEXT,
+        rope=Rope(theta=12_000_000.0, parameters=defaults.APERTUS_ROPE),
+        qk_norm=PER_HEAD,
+    ),
+    Family("hy_v3", defaults.HY_V3, rope=Rope(theta=11_158_840.0), qk_norm=PER_HEAD),
+    Family(
+        "ernie4_5",
+        defaults.ERNIE4_5,
+        biases=Biases("use_bias"),
+        rope=Rope(theta=500_000.0, interleave=True),
+    ),
+    Family(
+        "ernie4_5_moe",
+        defaults.ERNIE4_5_MOE,
+        biases=Biases("use_bias"),
+        rope=Rope(theta=500_000.0, interleave=True),
+    ),
+    Family(
+        "cwm",
+        defaults.CWM,
+        biases=NO_BIASES,
+        windows=CWM_WINDOWS,
+        rope=Rope(theta=1e6, parameters=defaults.CWM_ROPE),
+    ),
+    Family(
+        "mellum",
+        defaults.MELLUM,
+        windows=FULL_BY_DEFAULT,
+        rope=Rope(per_layer_type={FULL: (None, 500_000.0), SLIDING: (None, 10_000.0)}),
+        qk_norm=PER_HEAD,
+        unsupported=(Unsupported("rope_scaling", "an old rope_scaling, which Mellum ignores"),),
+    ),
 )
 
 SUPPORTED = tuple(FAMILIES)

@@ -22,7 +22,14 @@ from ...api.rope_scaling import check_rope_scaling
 from ...errors import AttentionValueError
 from .config import FULL, Settings
 
-__all__ = ["Rope", "check_rope", "partial_rotary", "rope_parameters", "yarn_mscale"]
+__all__ = [
+    "Rope",
+    "check_refused",
+    "check_rope",
+    "partial_rotary",
+    "rope_parameters",
+    "yarn_mscale",
+]
 
 _OMPE = "original_max_position_embeddings"
 _ORIGINAL_LENGTH_TYPES = ("llama3", "yarn", "longrope")
@@ -39,10 +46,11 @@ class Rope:
     """The ``rope_parameters`` when the config gives none (gpt-oss's yarn)."""
     aliases: Mapping[str, str] = field(default_factory=dict)
     """Old ``rope_type`` names and the type they mean (Phi-3's ``su``: ``longrope``)."""
-    per_layer_type: Mapping[str, tuple[str, float]] = field(default_factory=dict)
-    """One set of parameters per layer type, each base from a config key with its default
-    (Gemma 3: ``rope_theta`` for the full layers, ``rope_local_base_freq`` for the sliding
-    ones); an old config's ``rope_scaling`` is the full layers'."""
+    per_layer_type: Mapping[str, tuple[str | None, float]] = field(default_factory=dict)
+    """One set of parameters per layer type, each base from a config key (or none) with its
+    default (Gemma 3: ``rope_theta`` for the full layers, ``rope_local_base_freq`` for the
+    sliding ones; OLMo 3: ``rope_theta`` for the full layers only); an old config's
+    ``rope_scaling`` is the full layers'."""
     partial: bool = False
     """Whether the attention rotates ``partial_rotary_factor`` of each head (else that
     factor, unless 1, is refused)."""
@@ -51,6 +59,13 @@ class Rope:
     interleave: bool | str = False
     """Whether the rotary pairs are ``(2i, 2i + 1)`` rather than the two halves: always,
     never, or as the config key named here says."""
+    scaled: bool = True
+    """Whether the attention scales its rope as ``rope_type`` says (PhiMoE's multiplies its
+    own ``short_mscale`` and ``long_mscale``: a ``rope_type`` other than ``default`` is
+    refused)."""
+    refused: Mapping[str, str] = field(default_factory=dict)
+    """Keys of the rope parameters whose value, unless 0, asks for a feature mha does not
+    compute, by that feature's name (Ministral 3's ``llama_4_scaling_beta``)."""
 
     def interleaved(self, read: Settings) -> bool:
         if isinstance(self.interleave, str):
@@ -105,9 +120,27 @@ def _per_layer_type(read: Settings, rope: Rope, parameters: Any) -> dict[str, An
         entry = nested[kind] if isinstance(nested[kind], dict) else {"rope_type": "default"}
         if kind == FULL and scaling is not None:
             entry.update(scaling)
-        entry.setdefault("rope_theta", read.given(key, theta))
+        entry.setdefault("rope_theta", theta if key is None else read.given(key, theta))
         nested[kind] = entry
     return nested
+
+
+def check_refused(read: Settings, rope: Rope, parameters: dict[str, Any]) -> dict[str, Any]:
+    """The rope parameters without the keys of :attr:`Rope.refused`, refusing by name what
+    asks for what the family's attention computes and mha does not: any ``rope_type`` but
+    ``default`` where the attention scales it its own way, a key of :attr:`Rope.refused`
+    whose value is not 0."""
+    kind = parameters.get("rope_type", "default")
+    if not rope.scaled and kind != "default":
+        raise read.refuse(
+            f"rope_type {kind!r}, which transformers' {read.family} rotary embedding scales "
+            "by its own factors"
+        )
+    for key, feature in rope.refused.items():
+        value = parameters.get(key)
+        if value != 0:
+            raise read.refuse(f"rope_parameters['{key}']={value!r} ({feature})")
+    return {key: value for key, value in parameters.items() if key not in rope.refused}
 
 
 def partial_rotary(read: Settings, rope: Rope, parameters: Mapping[str, Any], d: int) -> Any:

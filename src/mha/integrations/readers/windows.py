@@ -1,12 +1,16 @@
 """Which layers slide and how far, as each family's config class decides (transformers
 5.24): no layer (:data:`NO_WINDOWS`: a ``sliding_window`` in the config is refused, since
 transformers' mask would ignore it while its cache keeps only that many positions), every
-layer (:data:`EVERY_LAYER`), or by ``layer_types`` (:class:`ByLayerTypes`), whose default
-when the config has none is the config class's: :func:`by_layer_types` (every ``pattern``-th
-layer full, the others sliding: Gemma 2 and 3, gpt-oss), :data:`QWEN_WINDOWS` (the layers
-from ``max_window_layers`` on, when ``use_sliding_window``; without it Qwen's
-``sliding_window`` is dropped whatever ``layer_types`` says), :data:`SLIDING_IF_WINDOWED`
-(every layer when there is a ``sliding_window``: Ministral).
+layer (:data:`EVERY_LAYER`; :data:`QWEN_EVERY_LAYER` when ``use_sliding_window``: Qwen3-MoE),
+or by ``layer_types`` (:class:`ByLayerTypes`), whose default when the config has none is the
+config class's: :func:`by_layer_types` (every ``pattern``-th layer full, the others sliding:
+Gemma 2 and 3, gpt-oss, VaultGemma, OLMo 3), :data:`QWEN_WINDOWS` (the layers from
+``max_window_layers`` on, when ``use_sliding_window``; without it Qwen's ``sliding_window``
+is dropped whatever ``layer_types`` says), :data:`QWEN2_MOE_WINDOWS` (every other layer below
+``max_window_layers``), :data:`WINDOWED_FROM` (the layers from ``max_window_layers`` on,
+when there is a ``sliding_window``: dots.llm1), :data:`CWM_WINDOWS` (the first of every four
+layers full), :data:`FULL_BY_DEFAULT` (Mellum), :data:`SLIDING_IF_WINDOWED` (every layer when
+there is a ``sliding_window``: Ministral).
 
 >>> from types import SimpleNamespace
 >>> from mha.integrations.readers.config import Settings
@@ -27,10 +31,15 @@ from ...errors import AttentionValueError
 from .config import FULL, SLIDING, Settings
 
 __all__ = [
+    "CWM_WINDOWS",
     "EVERY_LAYER",
+    "FULL_BY_DEFAULT",
     "NO_WINDOWS",
+    "QWEN2_MOE_WINDOWS",
+    "QWEN_EVERY_LAYER",
     "QWEN_WINDOWS",
     "SLIDING_IF_WINDOWED",
+    "WINDOWED_FROM",
     "ByLayerTypes",
     "Windows",
     "by_layer_types",
@@ -71,13 +80,16 @@ class NoWindows:
 
 @dataclass(frozen=True)
 class EveryLayer:
-    """Every layer slides by the config's ``sliding_window`` (none when it is null)."""
+    """Every layer slides by ``window``'s (the config's ``sliding_window``; none when it is
+    null)."""
+
+    window: Callable[[Settings], Any] = sliding_window
 
     def layer_type(self, read: Settings, index: int) -> str:
         return SLIDING
 
     def size(self, read: Settings) -> Any:
-        return sliding_window(read)
+        return self.window(read)
 
 
 LayerTypes = Callable[[Settings, int], list[str]]
@@ -108,20 +120,20 @@ class ByLayerTypes:
         return str(kind)
 
 
-def every_nth_full(pattern: int) -> LayerTypes:
-    """Every ``pattern``-th layer full, the others sliding (``sliding_window_pattern`` in
-    the config overrides ``pattern``)."""
+def every_nth_full(pattern: int, key: str | None = "sliding_window_pattern") -> LayerTypes:
+    """Every ``pattern``-th layer full, the others sliding (the config's ``key``, when the
+    config class reads one, overrides ``pattern``)."""
 
     def layer_types(read: Settings, count: int) -> list[str]:
-        every = read.get("sliding_window_pattern", pattern)
+        every = pattern if key is None else read.get(key, pattern)
         return [SLIDING if (i + 1) % every else FULL for i in range(count)]
 
     return layer_types
 
 
-def by_layer_types(pattern: int) -> ByLayerTypes:
+def by_layer_types(pattern: int, key: str | None = "sliding_window_pattern") -> ByLayerTypes:
     """Windows by ``layer_types``, every ``pattern``-th layer full by default."""
-    return ByLayerTypes(every_nth_full(pattern))
+    return ByLayerTypes(every_nth_full(pattern, key))
 
 
 def qwen_window(read: Settings) -> Any:
@@ -136,6 +148,45 @@ def qwen_layer_types(read: Settings, count: int) -> list[str]:
     return [SLIDING if slides and i >= start else FULL for i in range(count)]
 
 
+def qwen2_moe_window(read: Settings) -> Any:
+    """Qwen2-MoE's ``sliding_window``: 0 unless ``use_sliding_window``, which a sliding layer
+    cannot take (its mask would hide every position), refused."""
+    if not read.get("use_sliding_window"):
+        raise read.refuse(
+            "a sliding layer in layer_types but use_sliding_window=False (a window of 0)"
+        )
+    return read.get("sliding_window")
+
+
+def qwen2_moe_layer_types(read: Settings, count: int) -> list[str]:
+    """Qwen2-MoE's default: every other layer (the first, the third...) below
+    ``max_window_layers`` slides, when ``use_sliding_window``."""
+    start, slides = read.get("max_window_layers"), read.get("use_sliding_window")
+    return [SLIDING if slides and i % 2 == 0 and i < start else FULL for i in range(count)]
+
+
+def windowed_from(read: Settings, count: int) -> list[str]:
+    """dots.llm1's default: the layers from ``max_window_layers`` on slide, when the config
+    has a ``sliding_window`` (``use_sliding_window`` is not read)."""
+    start, slides = read.get("max_window_layers"), read.get("sliding_window") is not None
+    return [SLIDING if slides and i >= start else FULL for i in range(count)]
+
+
+def all_full(read: Settings, count: int) -> list[str]:
+    """Every layer full (Mellum's default)."""
+    return [FULL] * count
+
+
+def first_of_every(pattern: int) -> LayerTypes:
+    """The first of every ``pattern`` layers full (layers 0, ``pattern``...), the others
+    sliding (CWM's default)."""
+
+    def layer_types(read: Settings, count: int) -> list[str]:
+        return [FULL if i % pattern == 0 else SLIDING for i in range(count)]
+
+    return layer_types
+
+
 def sliding_if_windowed(read: Settings, count: int) -> list[str]:
     """Every layer sliding when the config has a ``sliding_window``, else every layer full."""
     return [SLIDING if read.get("sliding_window") is not None else FULL] * count
@@ -145,3 +196,9 @@ NO_WINDOWS = NoWindows()
 EVERY_LAYER = EveryLayer()
 QWEN_WINDOWS = ByLayerTypes(qwen_layer_types, size=qwen_window)
 SLIDING_IF_WINDOWED = ByLayerTypes(sliding_if_windowed)
+QWEN_EVERY_LAYER = EveryLayer(qwen_window)
+"""Qwen3-MoE's: every layer slides when ``use_sliding_window`` (``layer_types`` not read)."""
+QWEN2_MOE_WINDOWS = ByLayerTypes(qwen2_moe_layer_types, size=qwen2_moe_window)
+WINDOWED_FROM = ByLayerTypes(windowed_from)
+CWM_WINDOWS = ByLayerTypes(first_of_every(4))
+FULL_BY_DEFAULT = ByLayerTypes(all_full)
