@@ -7,6 +7,7 @@ written by ``save_pretrained`` in many shards (support.pretrained_models)."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import shutil
 import struct
@@ -306,9 +307,27 @@ def test_a_tensor_missing_from_the_shard_its_index_names_is_refused(tmp_path):
 # ---------------------------------------------------------------- each layer's attention
 
 
-def expected_settings(config, index):
+ROTATES = {
+    "smollm3": lambda attention: attention.use_rope,
+    "cohere2": lambda attention: attention.sliding_window is not None,
+    "cohere2_moe": lambda attention: attention.sliding_window is not None or attention.force_rope,
+    "exaone4": lambda attention: attention.sliding_window is None or attention.is_sliding,
+}
+"""Whether a layer rotates, from the attributes of transformers' attention module that its
+``forward`` tests, for the families with layers without positions."""
+
+
+def interleaved(attention):
+    """Whether transformers' ``rotate_half`` of the module's family pairs ``(2i, 2i + 1)``."""
+    rotate_half = getattr(sys.modules[type(attention).__module__], "rotate_half", None)
+    source = "" if rotate_half is None else inspect.getsource(rotate_half)  # gpt-oss: none
+    return "x[..., 0::2]" in source or "x[..., ::2]" in source
+
+
+def expected_settings(config, index, attention=None):
     """mha's settings for layer ``index``, from transformers' own config object (its
-    ``layer_types``, ``sliding_window`` and standardised ``rope_parameters``)."""
+    ``layer_types``, ``sliding_window`` and standardised ``rope_parameters``) and, for the
+    rotary embedding, its attention module (which layers rotate, which pairs)."""
     model_type = config.model_type
     layer_types = getattr(config, "layer_types", None)
     layer_type = layer_types[index] if layer_types else None
@@ -332,13 +351,20 @@ def expected_settings(config, index):
     else:
         window = config.sliding_window if layer_type == "sliding_attention" else None
     factor = rope.get("partial_rotary_factor", 1.0)
-    norms = {"qwen3": ("head", 0.0), "gemma3_text": ("head", 1.0), "olmo2": ("all", 0.0)}
+    norms = {"qwen3": ("head", 0.0), "gemma3_text": ("head", 1.0), "olmo2": ("all", 0.0),
+             "exaone4": ("head", 0.0), "minimax_m2": ("all", 0.0)}  # fmt: skip
+    if getattr(config, "use_qk_norm", False):  # GLM-4.5's
+        norms["glm4_moe"] = ("head", 0.0)
     kind, offset = norms.get(model_type, (None, None))
+    rotary = {"rope_theta": rope["rope_theta"], "rope_scaling": scaling,
+              "rotary_dim": None if factor == 1.0 else int(head_dim * factor),
+              "rotary_interleaved": attention is not None and interleaved(attention)}  # fmt: skip
+    if attention is not None and not ROTATES.get(model_type, lambda _: True)(attention):
+        rotary = {"rope_theta": None, "rope_scaling": None, "rotary_dim": None,
+                  "rotary_interleaved": False}  # fmt: skip
     return {
         "num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads,
-        "head_dim": head_dim, "rope_theta": rope["rope_theta"],
-        "rotary_dim": None if factor == 1.0 else int(head_dim * factor),
-        "rotary_interleaved": False, "rope_scaling": scaling, "window": window, "chunk": None,
+        "head_dim": head_dim, **rotary, "window": window, "chunk": None,
         "softcap": config.attn_logit_softcapping if model_type == "gemma2" else None,
         "scale": config.query_pre_attn_scalar**-0.5 if model_type.startswith("gemma") else None,
         "qk_norm": kind, "qk_norm_eps": config.rms_norm_eps if kind else None,
@@ -352,8 +378,9 @@ def parameter(module):
 
 def expected_weights(attention, settings):
     """The layer's weights in mha's layout, from transformers' attention module itself."""
-    names = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "q_a_proj": "q_a",
-             "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a", "kv_b_proj": "kv_b"}  # fmt: skip
+    names = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "dense": "o",
+             "q_a_proj": "q_a", "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a",
+             "kv_b_proj": "kv_b"}  # fmt: skip
     weights = {}
     for name, short in names.items():
         module = getattr(attention, name, None)
@@ -385,7 +412,7 @@ def test_each_layer_is_what_transformers_computes(family, transformers):
     for index, layer in enumerate(model.model.layers):
         attention = layer.self_attn
         kind, settings, weights = layer_attention(checkpoint, index, dtype=np.float64)
-        expected = expected_settings(config, index)
+        expected = expected_settings(config, index, attention)
         assert kind == ("latent" if family.startswith("deepseek") else "attention")
         if kind == "latent":
             assert settings.pop("scale") == attention.scaling
@@ -393,10 +420,11 @@ def test_each_layer_is_what_transformers_computes(family, transformers):
             if attention.q_a_layernorm is not None:
                 assert attention.q_a_layernorm.variance_epsilon == 1e-6 != config.rms_norm_eps
         else:
-            assert (settings["scale"] or settings["head_dim"] ** -0.5) == attention.scaling
+            scale = settings["scale"] or settings["head_dim"] ** -0.5
+            assert scale == pytest.approx(attention.scaling, rel=1e-15)  # Helium's 1 / sqrt(d)
             assert settings["head_dim"] == attention.head_dim
-            if hasattr(attention, "sliding_window"):
-                assert settings["window"] == attention.sliding_window
+            if hasattr(attention, "sliding_window") and not hasattr(attention, "is_sliding"):
+                assert settings["window"] == attention.sliding_window  # EXAONE 4's: is_sliding
             if settings["qk_norm"]:
                 norm = attention.q_norm
                 assert settings["qk_norm_eps"] == getattr(norm, "eps", None) or getattr(
@@ -405,7 +433,9 @@ def test_each_layer_is_what_transformers_computes(family, transformers):
             rotary = model.model.rotary_emb
             layer_type = (config.layer_types[index] + "_") if family == "gemma3" else ""
             width = 2 * getattr(rotary, f"{layer_type}inv_freq").numel()
-            assert width == (settings["rotary_dim"] or settings["head_dim"])
+            assert settings["rope_theta"] is None or width == (
+                settings["rotary_dim"] or settings["head_dim"]
+            )
         assert settings == expected, index
         wanted = expected_weights(attention, settings)
         assert sorted(weights) == sorted(wanted)
@@ -479,6 +509,26 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 500.0, "short_factor": [1.0, 
         ("ministral", {"sliding_window": None}, ("layer_types",)),  # none
         ("mixtral", {}, ("sliding_window", "rope_parameters")),  # no window, theta 1e6
         ("arcee", {}, ("rope_parameters",)),
+        # layers without rope by default: every 4th (SmolLM3, none of 3; of every 3rd, the
+        # last, which slides), the full ones (Cohere 2, EXAONE 4: every 4th, or 3rd;
+        # Cohere 2 MoE: the dense layers rotate)
+        ("smollm3", {}, ("no_rope_layers", "layer_types")),
+        ("smollm3", {"no_rope_layer_interval": 3}, ("no_rope_layers", "layer_types")),
+        ("cohere2", {}, ("layer_types",)),
+        ("cohere2", {"sliding_window_pattern": 3}, ("layer_types",)),
+        ("cohere2_moe", {"first_k_dense_replace": 2}, ("layer_types", "mlp_layer_types")),
+        ("cohere2_moe", {"prefix_dense_sliding_window_pattern": 2}, ("layer_types",)),
+        ("exaone4", {"sliding_window_pattern": 3}, ("layer_types",)),
+        ("exaone4", {"sliding_window": None}, ()),
+        # the fraction: the class's default, rotary_dim (MiniMax-M2), a top-level one
+        ("glm", {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}, ()),
+        ("glm4_moe", {}, ("rope_parameters",)),
+        ("minimax_m2", {"rope_parameters": {"rope_type": "default"}, "rotary_dim": 6}, ()),
+        ("nemotron", {"rope_parameters": None, "partial_rotary_factor": 1.0}, ()),
+        ("stablelm", {}, ("rope_parameters",)),
+        ("phi", {"rope_parameters": {"rope_theta": 500.0, "partial_rotary_factor": 1 / 3}}, ()),
+        ("helium", {}, ("rope_parameters",)),
+        ("ernie4_5", {}, ("rope_parameters",)),
     ],
 )  # fmt: skip
 def test_configs_are_read_as_transformers_reads_them(tmp_path, family, change, drop, transformers):
@@ -487,9 +537,13 @@ def test_configs_are_read_as_transformers_reads_them(tmp_path, family, change, d
     with models._quiet():
         config = transformers.AutoConfig.from_pretrained(folder)
     checkpoint = Checkpoint(folder)
+    layers = None  # the attention modules, for which layers rotate and which pairs
+    if not family.startswith("deepseek"):
+        with models._quiet():
+            layers = transformers.AutoModelForCausalLM.from_config(config).model.layers
     for index in range(config.num_hidden_layers):
         _, settings, _ = layer_attention(checkpoint, index)
-        expected = expected_settings(config, index)
+        expected = expected_settings(config, index, layers and layers[index].self_attn)
         if family.startswith("deepseek"):
             settings.pop("scale"), settings.pop("norm_eps")
         assert settings == expected, (index, settings, expected)

@@ -29,10 +29,12 @@ from ..checkpoint import tensor_prefixes
 from .config import Settings, Source
 
 __all__ = [
+    "ALL_BIASES",
     "ATTENTION_BIAS",
     "FUSED_QKV",
     "LATENT",
     "NO_BIASES",
+    "QKV_ATTENTION_BIAS",
     "QKV_BIASES",
     "SEPARATE_QKV",
     "Biases",
@@ -94,6 +96,11 @@ ATTENTION_BIAS = Biases("attention_bias")
 QKV_BIASES = Biases(roles=("q", "k", "v"))
 """The query, key and value projections always biased, the output never (Qwen2's)."""
 NO_BIASES = Biases(roles=())
+QKV_ATTENTION_BIAS = Biases("attention_bias", roles=("q", "k", "v"))
+"""The query, key and value projections biased as ``attention_bias`` says, the output never
+(GLM's, Helium's)."""
+ALL_BIASES = Biases()
+"""All four projections always biased (Phi's)."""
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,41 @@ from typing import Any
 
 from ...errors import AttentionValueError
 from . import defaults
-from .config import FULL, SLIDING
-from .family import ACROSS_HEADS, BIDIRECTIONAL, PER_HEAD, Family, QkNorm, query_pre_attn_scalar
-from .layouts import FUSED_QKV, LATENT, NO_BIASES, QKV_BIASES
-from .rope import Rope
-from .windows import EVERY_LAYER, QWEN_WINDOWS, SLIDING_IF_WINDOWED, by_layer_types
+from .config import FULL, SLIDING, Unsupported
+from .family import (
+    ACROSS_HEADS,
+    BIDIRECTIONAL,
+    LAYERNORM_QK,
+    PER_HEAD,
+    Family,
+    QkNorm,
+    query_pre_attn_scalar,
+)
+from .layouts import (
+    ALL_BIASES,
+    FUSED_QKV,
+    LATENT,
+    NO_BIASES,
+    QKV_ATTENTION_BIAS,
+    QKV_BIASES,
+    Biases,
+    Projections,
+)
+from .rope import (
+    Rope,
+    by_no_rope_layers,
+    sliding_layers,
+    sliding_layers_if_windowed,
+    sliding_or_dense_layers,
+)
+from .windows import (
+    COHERE2_MOE_WINDOWS,
+    EVERY_LAYER,
+    QWEN_WINDOWS,
+    SLIDING_IF_WINDOWED,
+    SMOLLM3_WINDOWS,
+    by_layer_types,
+)
 
 __all__ = ["FAMILIES", "REFUSED", "SUPPORTED", "family_of", "register"]
 
@@ -84,6 +114,104 @@ register(
         "mixtral", defaults.MIXTRAL, biases=NO_BIASES, windows=EVERY_LAYER, rope=Rope(theta=1e6)
     ),
     Family("arcee", defaults.ARCEE),  # Llama's attention (its MLP differs)
+    # layers without positions (NoPE): by no_rope_layers, the full layers, the full layers
+    # of a windowed model
+    Family(
+        "smollm3",
+        defaults.SMOLLM3,
+        windows=SMOLLM3_WINDOWS,
+        rope=Rope(theta=2e6, rotates=by_no_rope_layers),
+    ),
+    Family(
+        "cohere2",
+        defaults.COHERE2,
+        head_dim=None,
+        windows=by_layer_types(pattern=4),
+        rope=Rope(interleave=True, rotates=sliding_layers),
+    ),
+    Family(
+        "cohere2_moe",
+        defaults.COHERE2_MOE,
+        windows=COHERE2_MOE_WINDOWS,
+        rope=Rope(interleave=True, rotates=sliding_or_dense_layers),
+    ),
+    Family(
+        "exaone4",
+        defaults.EXAONE4,
+        biases=NO_BIASES,
+        windows=by_layer_types(pattern=4),
+        rope=Rope(rotates=sliding_layers_if_windowed),
+        qk_norm=PER_HEAD,
+    ),
+    # partial rotary: interleaved (GLM), of the halves (the others)
+    Family(
+        "glm",
+        defaults.GLM,
+        biases=QKV_ATTENTION_BIAS,
+        rope=Rope(partial=True, fraction=0.5, interleave=True),
+    ),
+    Family(
+        "glm4",
+        defaults.GLM4,
+        biases=QKV_ATTENTION_BIAS,
+        rope=Rope(partial=True, fraction=0.5, interleave=True),
+    ),
+    Family(
+        "glm4_moe",
+        defaults.GLM4_MOE,
+        biases=QKV_ATTENTION_BIAS,
+        rope=Rope(partial=True, fraction=0.5),
+        qk_norm=QkNorm("head", when="use_qk_norm"),
+    ),
+    Family(
+        "minimax_m2",
+        defaults.MINIMAX_M2,
+        biases=NO_BIASES,
+        rope=Rope(theta=5e6, partial=True, width="rotary_dim"),
+        qk_norm=ACROSS_HEADS,
+    ),
+    Family(
+        "stablelm",
+        defaults.STABLELM,
+        head_dim=None,
+        biases=Biases("use_qkv_bias", roles=("q", "k", "v")),
+        rope=Rope(partial=True, fraction=0.25),
+        unsupported=(LAYERNORM_QK,),
+    ),
+    Family(
+        "phi",
+        defaults.PHI,
+        tensors=Projections(o="dense"),
+        biases=ALL_BIASES,
+        rope=Rope(partial=True, fraction=0.5),
+        unsupported=(LAYERNORM_QK,),
+    ),
+    Family("nemotron", defaults.NEMOTRON, rope=Rope(partial=True, fraction=0.5)),
+    # pairs (2i, 2i + 1) over the whole head
+    Family(
+        "cohere",
+        defaults.COHERE,
+        rope=Rope(theta=5e5, interleave=True),
+        unsupported=(Unsupported("use_qk_norm", "Cohere's LayerNorm QK-norm"),),
+    ),
+    Family(
+        "helium",
+        defaults.HELIUM,
+        biases=QKV_ATTENTION_BIAS,
+        rope=Rope(theta=1e5, interleave=True),
+    ),
+    Family(
+        "ernie4_5",
+        defaults.ERNIE4_5,
+        biases=Biases("use_bias"),
+        rope=Rope(theta=5e5, interleave=True),
+    ),
+    Family(
+        "ernie4_5_moe",
+        defaults.ERNIE4_5_MOE,
+        biases=Biases("use_bias"),
+        rope=Rope(theta=5e5, interleave=True),
+    ),
 )
 
 SUPPORTED = tuple(FAMILIES)

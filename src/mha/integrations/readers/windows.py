@@ -6,7 +6,9 @@ when the config has none is the config class's: :func:`by_layer_types` (every ``
 layer full, the others sliding: Gemma 2 and 3, gpt-oss), :data:`QWEN_WINDOWS` (the layers
 from ``max_window_layers`` on, when ``use_sliding_window``; without it Qwen's
 ``sliding_window`` is dropped whatever ``layer_types`` says), :data:`SLIDING_IF_WINDOWED`
-(every layer when there is a ``sliding_window``: Ministral).
+(every layer when there is a ``sliding_window``: Ministral), :data:`SMOLLM3_WINDOWS` (the
+layers without rope, when ``use_sliding_window``), :data:`COHERE2_MOE_WINDOWS` (a pattern of
+the dense layers, another of the others).
 
 >>> from types import SimpleNamespace
 >>> from mha.integrations.readers.config import Settings
@@ -25,12 +27,15 @@ from typing import Any, Protocol
 
 from ...errors import AttentionValueError
 from .config import FULL, SLIDING, Settings
+from .rope import by_no_rope_layers
 
 __all__ = [
+    "COHERE2_MOE_WINDOWS",
     "EVERY_LAYER",
     "NO_WINDOWS",
     "QWEN_WINDOWS",
     "SLIDING_IF_WINDOWED",
+    "SMOLLM3_WINDOWS",
     "ByLayerTypes",
     "Windows",
     "by_layer_types",
@@ -141,7 +146,31 @@ def sliding_if_windowed(read: Settings, count: int) -> list[str]:
     return [SLIDING if read.get("sliding_window") is not None else FULL] * count
 
 
+def smollm3_layer_types(read: Settings, count: int) -> list[str]:
+    """SmolLM3's default: the layers without rope slide, when ``use_sliding_window`` and
+    the config has a ``sliding_window``."""
+    slides = read.get("use_sliding_window") and read.get("sliding_window") is not None
+    return [
+        SLIDING if slides and not by_no_rope_layers(read, i, FULL) else FULL for i in range(count)
+    ]
+
+
+def cohere2_moe_layer_types(read: Settings, count: int) -> list[str]:
+    """Cohere 2 MoE's default: every ``prefix_dense_sliding_window_pattern``-th of the first
+    ``first_k_dense_replace`` layers full, then every ``sliding_window_pattern``-th."""
+    dense = read.get("first_k_dense_replace", 0)
+    prefix, every = (
+        read.get("prefix_dense_sliding_window_pattern"),
+        read.get("sliding_window_pattern"),
+    )
+    return [SLIDING if (i + 1) % prefix else FULL for i in range(dense)] + [
+        SLIDING if (i + 1) % every else FULL for i in range(count - dense)
+    ]
+
+
 NO_WINDOWS = NoWindows()
 EVERY_LAYER = EveryLayer()
 QWEN_WINDOWS = ByLayerTypes(qwen_layer_types, size=qwen_window)
 SLIDING_IF_WINDOWED = ByLayerTypes(sliding_if_windowed)
+SMOLLM3_WINDOWS = ByLayerTypes(smollm3_layer_types)
+COHERE2_MOE_WINDOWS = ByLayerTypes(cohere2_moe_layer_types)
