@@ -524,6 +524,7 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 500.0, "short_factor": [1.0, 
         ("glm", {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}, ()),
         ("glm4_moe", {}, ("rope_parameters",)),
         ("minimax_m2", {"rope_parameters": {"rope_type": "default"}, "rotary_dim": 6}, ()),
+        ("minimax_m2", {"use_qk_norm": True, "qk_norm_type": "per_layer"}, ()),  # ignored
         ("nemotron", {"rope_parameters": None, "partial_rotary_factor": 1.0}, ()),
         ("stablelm", {}, ("rope_parameters",)),
         ("phi", {"rope_parameters": {"rope_theta": 500.0, "partial_rotary_factor": 1 / 3}}, ()),

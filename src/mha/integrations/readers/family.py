@@ -107,10 +107,14 @@ class Family:
     """One learned logit per head that takes part in the softmax (gpt-oss)."""
     unsupported: tuple[Unsupported, ...] = ()
     """The family's config keys that ask for what mha does not compute (checked before
-    :data:`UNSUPPORTED`, whose keys the row reads otherwise are not)."""
+    :data:`UNSUPPORTED`)."""
+
+    own: tuple[str, ...] = ()
+    """Keys of :data:`UNSUPPORTED` that mean something else in this family, read as its row
+    says (GLM-4.5's ``use_qk_norm``, its RMSNorm QK-norm) or ignored as its attention
+    ignores them (MiniMax-M2's, whose QK-norm is always on), not refused."""
 
     def refused(self) -> tuple[Unsupported, ...]:
         """The options refused in this family's config: its own, then those of
-        :data:`UNSUPPORTED` whose key it does not read for a feature mha computes."""
-        read = {self.qk_norm.when} if self.qk_norm is not None else set()
-        return (*self.unsupported, *(u for u in UNSUPPORTED if u.key not in read))
+        :data:`UNSUPPORTED` but for its :attr:`own` keys."""
+        return (*self.unsupported, *(u for u in UNSUPPORTED if u.key not in self.own))

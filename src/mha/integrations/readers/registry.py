@@ -162,6 +162,7 @@ register(
         biases=QKV_ATTENTION_BIAS,
         rope=Rope(partial=True, fraction=0.5),
         qk_norm=QkNorm("head", when="use_qk_norm"),
+        own=("use_qk_norm",),
     ),
     Family(
         "minimax_m2",
@@ -169,6 +170,7 @@ register(
         biases=NO_BIASES,
         rope=Rope(theta=5e6, partial=True, width="rotary_dim"),
         qk_norm=ACROSS_HEADS,
+        own=("use_qk_norm",),
     ),
     Family(
         "stablelm",
