@@ -344,6 +344,8 @@ def expected_settings(config, index, attention=None):
                 "rope_theta": rope["rope_theta"], "rope_scaling": scaling,
                 "rotary_interleaved": getattr(config, "rope_interleave", True)}  # fmt: skip
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if attention is not None:  # StableLM's: hidden_size // heads, whatever the config says
+        head_dim = attention.head_dim
     if model_type in ("mistral", "phi3", "mixtral"):
         window = config.sliding_window
     elif model_type in ("llama", "olmo2"):
@@ -527,6 +529,7 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 500.0, "short_factor": [1.0, 
         ("minimax_m2", {"use_qk_norm": True, "qk_norm_type": "per_layer"}, ()),  # ignored
         ("nemotron", {"rope_parameters": None, "partial_rotary_factor": 1.0}, ()),
         ("stablelm", {}, ("rope_parameters",)),
+        ("stablelm", {"head_dim": 8}, ()),  # hidden_size // heads all the same
         ("phi", {"rope_parameters": {"rope_theta": 500.0, "partial_rotary_factor": 1 / 3}}, ()),
         ("helium", {}, ("rope_parameters",)),
         ("ernie4_5", {}, ("rope_parameters",)),

@@ -187,6 +187,11 @@ def test_a_renamed_family_is_one_row(tmp_path, monkeypatch, transformers, record
         ("cohere", {"use_qk_norm": True}, r"use_qk_norm=True \(Cohere's LayerNorm QK-norm\)"),
         ("glm", {"sliding_window": 4}, "glm with sliding_window=4"),
         ("smollm3", {"no_rope_layers": [1, 0]}, "no_rope_layers must list 1 .rope. or 0"),
+        (
+            "exaone4",
+            {"layer_types": None, "sliding_window_pattern": "LLLG"},
+            "no layer_types and sliding_window_pattern='LLLG'",
+        ),
     ],
 )
 def test_what_a_family_computes_beyond_mha_is_refused_by_name(

@@ -89,8 +89,7 @@ class Family:
     ones (its config class's ``attribute_map``: ``{"num_attention_heads": "n_head"}``)."""
     head_dim: str | None = "head_dim"
     """The config key of the head width, else ``hidden_size // num_attention_heads``
-    (``None``: always that, whatever the config says, as Cohere 2's and StableLM's
-    attention take it)."""
+    (``None``: always that, whatever the config says, as StableLM's attention takes it)."""
     tensors: Projections | LatentProjections = SEPARATE_QKV
     """Which tensors hold Q, K, V and O (:mod:`.layouts`); :data:`~.layouts.LATENT` for
     DeepSeek's multi-head latent attention (the layer is a :class:`mha.LatentAttention`)."""

@@ -125,7 +125,6 @@ register(
     Family(
         "cohere2",
         defaults.COHERE2,
-        head_dim=None,
         windows=by_layer_types(pattern=4),
         rope=Rope(interleave=True, rotates=sliding_layers),
     ),

@@ -119,6 +119,11 @@ def every_nth_full(pattern: int) -> LayerTypes:
 
     def layer_types(read: Settings, count: int) -> list[str]:
         every = read.get("sliding_window_pattern", pattern)
+        if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
+            raise AttentionValueError(
+                f"{read.path}: config.json has no layer_types and sliding_window_pattern="
+                f"{every!r}; a positive integer is needed"
+            )
         return [SLIDING if (i + 1) % every else FULL for i in range(count)]
 
     return layer_types
