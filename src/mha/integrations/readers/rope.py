@@ -1,7 +1,9 @@
 """A layer's rotary embedding, read from its config as transformers 5.24 standardises it
 (``convert_rope_params_to_dict`` and ``standardize_rope_params``): ``rope_parameters``, or the
 older ``rope_theta`` and ``rope_scaling``, completed by what the family's config class fills
-in (:class:`Rope`, one per row of the table).
+in (:class:`Rope`, one per row of the table); and which layers rotate at all (a layer that
+does not, NoPE, has ``rope_theta=None``): every one, or as ``no_rope_layers`` (SmolLM3) or
+the layer's type (Cohere 2, EXAONE 4) says.
 
 >>> from types import SimpleNamespace
 >>> from mha.integrations.readers.config import Settings
