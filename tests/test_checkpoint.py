@@ -7,6 +7,7 @@ written by ``save_pretrained`` in many shards (support.pretrained_models)."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import shutil
 import struct
@@ -314,14 +315,33 @@ QK_NORMS = {"qwen3": ("head", 0.0), "gemma3_text": ("head", 1.0), "olmo2": ("all
             "qwen3_moe": ("head", 0.0), "dots1": ("head", 0.0), "apertus": ("head", 0.0),
             "olmoe": ("all", 0.0), "flex_olmo": ("all", 0.0), "olmo3": ("all", 0.0),
             "apertus1p5_text": ("head", 0.0), "hy_v3": ("head", 0.0),
-            "mellum": ("head", 0.0)}  # fmt: skip
-INTERLEAVED = ("helium", "ernie4_5", "ernie4_5_moe")
-"""What each family's transformers attention computes beyond Llama's, for the oracle below."""
+            "mellum": ("head", 0.0), "exaone4": ("head", 0.0),
+            "minimax_m2": ("all", 0.0)}  # fmt: skip
+INTERLEAVED = ("helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2", "cohere2_moe", "glm",
+               "glm4")  # fmt: skip
+"""What each family's transformers attention computes beyond Llama's, for the oracle below
+(the pairs rotated: from the attention module, :func:`interleaved`, where there is one)."""
+ROTATES = {
+    "smollm3": lambda attention: attention.use_rope,
+    "cohere2": lambda attention: attention.sliding_window is not None,
+    "cohere2_moe": lambda attention: attention.sliding_window is not None or attention.force_rope,
+    "exaone4": lambda attention: attention.sliding_window is None or attention.is_sliding,
+}
+"""Whether a layer rotates, from the attributes of transformers' attention module that its
+``forward`` tests, for the families with layers without positions."""
 
 
-def expected_settings(config, index):
+def interleaved(attention):
+    """Whether transformers' ``rotate_half`` of the module's family pairs ``(2i, 2i + 1)``."""
+    rotate_half = getattr(sys.modules[type(attention).__module__], "rotate_half", None)
+    source = "" if rotate_half is None else inspect.getsource(rotate_half)  # gpt-oss: none
+    return "x[..., 0::2]" in source or "x[..., ::2]" in source
+
+
+def expected_settings(config, index, attention=None):
     """mha's settings for layer ``index``, from transformers' own config object (its
-    ``layer_types``, ``sliding_window`` and standardised ``rope_parameters``)."""
+    ``layer_types``, ``sliding_window`` and standardised ``rope_parameters``) and, for the
+    rotary embedding, its attention module (which layers rotate, which pairs)."""
     model_type = config.model_type
     layer_types = getattr(config, "layer_types", None)
     layer_type = layer_types[index] if layer_types else None
@@ -338,6 +358,8 @@ def expected_settings(config, index):
                 "rope_theta": rope["rope_theta"], "rope_scaling": scaling,
                 "rotary_interleaved": getattr(config, "rope_interleave", True)}  # fmt: skip
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if attention is not None:  # StableLM's: hidden_size // heads, whatever the config says
+        head_dim = attention.head_dim
     if model_type in EVERY_LAYER_SLIDES:
         window = config.sliding_window
     elif model_type in ("llama", "olmo2"):
@@ -346,17 +368,23 @@ def expected_settings(config, index):
         window = config.sliding_window if layer_type == "sliding_attention" else None
     factor = rope.get("partial_rotary_factor", 1.0)
     kind, offset = QK_NORMS.get(model_type, (None, None))
+    if model_type == "glm4_moe" and getattr(config, "use_qk_norm", False):  # GLM-4.5's
+        kind, offset = "head", 0.0
     if scaling is not None:
         scaling.pop("llama_4_scaling_beta", None)  # Ministral 3's, 0 here
     scale = getattr(config, "attention_multiplier", None)
     if hasattr(config, "query_pre_attn_scalar"):
         scale = config.query_pre_attn_scalar**-0.5
+    pairs = interleaved(attention) if attention is not None else model_type in INTERLEAVED
+    rotary = {"rope_theta": rope["rope_theta"], "rope_scaling": scaling,
+              "rotary_dim": None if factor == 1.0 else int(head_dim * factor),
+              "rotary_interleaved": pairs}  # fmt: skip
+    if attention is not None and not ROTATES.get(model_type, lambda _: True)(attention):
+        rotary = {"rope_theta": None, "rope_scaling": None, "rotary_dim": None,
+                  "rotary_interleaved": False}  # fmt: skip
     return {
         "num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads,
-        "head_dim": head_dim, "rope_theta": rope["rope_theta"],
-        "rotary_dim": None if factor == 1.0 else int(head_dim * factor),
-        "rotary_interleaved": model_type in INTERLEAVED, "rope_scaling": scaling, "window": window,
-        "chunk": None,
+        "head_dim": head_dim, **rotary, "window": window, "chunk": None,
         "softcap": config.attn_logit_softcapping if model_type in SOFTCAPPED else None,
         "scale": scale,
         "qk_norm": kind, "qk_norm_eps": config.rms_norm_eps if kind else None,
@@ -370,8 +398,9 @@ def parameter(module):
 
 def expected_weights(attention, settings):
     """The layer's weights in mha's layout, from transformers' attention module itself."""
-    names = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "q_a_proj": "q_a",
-             "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a", "kv_b_proj": "kv_b"}  # fmt: skip
+    names = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "dense": "o",
+             "q_a_proj": "q_a", "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a",
+             "kv_b_proj": "kv_b"}  # fmt: skip
     weights = {}
     for name, short in names.items():
         module = getattr(attention, name, None)
@@ -408,7 +437,7 @@ def test_each_layer_is_what_transformers_computes(family, transformers):
     for index, layer in enumerate(model.model.layers):
         attention = layer.self_attn
         kind, settings, weights = layer_attention(checkpoint, index, dtype=np.float64)
-        expected = expected_settings(config, index)
+        expected = expected_settings(config, index, attention)
         assert kind == ("latent" if family in models.LATENT_FAMILIES else "attention")
         if kind == "latent":
             assert settings.pop("scale") == attention.scaling
@@ -419,8 +448,8 @@ def test_each_layer_is_what_transformers_computes(family, transformers):
             scale = settings["scale"] or settings["head_dim"] ** -0.5  # Helium's: 1 / sqrt(d)
             assert scale == pytest.approx(attention.scaling, rel=1e-15, abs=0)
             assert settings["head_dim"] == attention.head_dim
-            if hasattr(attention, "sliding_window"):
-                assert settings["window"] == attention.sliding_window
+            if hasattr(attention, "sliding_window") and not hasattr(attention, "is_sliding"):
+                assert settings["window"] == attention.sliding_window  # EXAONE 4's: is_sliding
             if settings["qk_norm"]:
                 norm = attention.q_norm
                 assert settings["qk_norm_eps"] == getattr(norm, "eps", None) or getattr(
@@ -430,7 +459,9 @@ def test_each_layer_is_what_transformers_computes(family, transformers):
             per_type = isinstance(rotary.rope_type, dict)  # Gemma 3, OLMo 3
             layer_type = (config.layer_types[index] + "_") if per_type else ""
             width = 2 * getattr(rotary, f"{layer_type}inv_freq").numel()
-            assert width == (settings["rotary_dim"] or settings["head_dim"])
+            assert settings["rope_theta"] is None or width == (
+                settings["rotary_dim"] or settings["head_dim"]
+            )
         assert settings == expected, index
         wanted = expected_weights(attention, settings)
         assert sorted(weights) == sorted(wanted)
@@ -539,6 +570,26 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 500.0, "short_factor": [1.0, 
         ("hy_v3", {}, ("rope_parameters",)),
         ("ernie4_5_moe", {}, ("rope_parameters",)),
         ("mellum", {}, ("rope_parameters", "layer_types")),  # full layers, 5e5 and 1e4
+        # layers without rope by default: every 4th (SmolLM3, none of 3; of every 3rd, the
+        # last, which slides), the full ones (Cohere 2, EXAONE 4: every 4th, or 3rd;
+        # Cohere 2 MoE: the dense layers rotate)
+        ("smollm3", {}, ("no_rope_layers", "layer_types")),
+        ("smollm3", {"no_rope_layer_interval": 3}, ("no_rope_layers", "layer_types")),
+        ("cohere2", {}, ("layer_types",)),
+        ("cohere2", {"sliding_window_pattern": 3}, ("layer_types",)),
+        ("cohere2_moe", {"first_k_dense_replace": 2}, ("layer_types", "mlp_layer_types")),
+        ("cohere2_moe", {"prefix_dense_sliding_window_pattern": 2}, ("layer_types",)),
+        ("exaone4", {"sliding_window_pattern": 3}, ("layer_types",)),
+        ("exaone4", {"sliding_window": None}, ()),
+        # the fraction: the class's default, rotary_dim (MiniMax-M2), a top-level one
+        ("glm", {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}, ()),
+        ("glm4_moe", {}, ("rope_parameters",)),
+        ("minimax_m2", {"rope_parameters": {"rope_type": "default"}, "rotary_dim": 6}, ()),
+        ("minimax_m2", {"use_qk_norm": True, "qk_norm_type": "per_layer"}, ()),  # ignored
+        ("nemotron", {"rope_parameters": None, "partial_rotary_factor": 1.0}, ()),
+        ("stablelm", {}, ("rope_parameters",)),
+        ("stablelm", {"head_dim": 8}, ()),  # hidden_size // heads all the same
+        ("phi", {"rope_parameters": {"rope_theta": 500.0, "partial_rotary_factor": 1 / 3}}, ()),
     ],
 )  # fmt: skip
 def test_configs_are_read_as_transformers_reads_them(tmp_path, family, change, drop, transformers):
@@ -547,9 +598,13 @@ def test_configs_are_read_as_transformers_reads_them(tmp_path, family, change, d
     with models._quiet():
         config = transformers.AutoConfig.from_pretrained(folder)
     checkpoint = Checkpoint(folder)
+    layers = None  # the attention modules, for which layers rotate and which pairs
+    if not family.startswith("deepseek"):
+        with models._quiet():
+            layers = transformers.AutoModelForCausalLM.from_config(config).model.layers
     for index in range(config.num_hidden_layers):
         _, settings, _ = layer_attention(checkpoint, index)
-        expected = expected_settings(config, index)
+        expected = expected_settings(config, index, layers and layers[index].self_attn)
         if family in models.LATENT_FAMILIES:
             settings.pop("scale"), settings.pop("norm_eps")
         assert settings == expected, (index, settings, expected)

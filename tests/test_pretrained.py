@@ -130,6 +130,20 @@ CHANGES = {
     "ernie4_5_moe": [{"rotary_interleaved": False}, {"b_o": None}],
     "cwm": [{"window": None}, {"rope_scaling": None}],
     "mellum": [{"rope_theta": 10000.0}, {"window": None}, {"qk_norm_offset": 1.0}],
+    # a layer without positions given the others' rope (the layers with rope keep theirs)
+    "smollm3": [{"rope_theta": 500.0}, {"window": None}],
+    "cohere2": [{"rope_theta": 500.0}, {"rotary_interleaved": False}, {"window": None}],
+    "cohere2_moe": [{"rope_theta": 500.0}, {"rotary_interleaved": False}, {"window": None}],
+    "exaone4": [{"rope_theta": 500.0}, {"qk_norm_offset": 1.0}, {"window": None}],
+    # the whole head rotated, the halves paired instead of (2i, 2i + 1) or the reverse
+    "glm": [{"rotary_dim": None}, {"rotary_interleaved": False}, {"b_q": None}],
+    "glm4": [{"rotary_dim": None}, {"rotary_interleaved": False}],
+    "glm4_moe": [{"rotary_dim": None}, {"rotary_interleaved": True}, {"qk_norm_offset": 1.0}],
+    "minimax_m2": [{"rotary_dim": None}, {"qk_norm_offset": 1.0}],
+    "stablelm": [{"rotary_dim": None}, {"b_v": None}],
+    "phi": [{"rotary_dim": None}, {"b_o": None}],
+    "nemotron": [{"rotary_dim": None}, {"b_o": None}],
+    "cohere": [{"rotary_interleaved": False}, {"b_o": None}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3
@@ -193,3 +207,50 @@ def test_a_renamed_family_is_one_row(tmp_path, monkeypatch, transformers, record
     (folder / "config.json").write_text(json.dumps({**config, "model_type": row.name, "n_head": 0}))
     with pytest.raises(AttentionValueError, match=r"config\.json has n_head=0"):
         mha.MultiHeadAttention.from_pretrained(folder, layer=0)
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "refusal"),
+    [
+        ("stablelm", {"qk_layernorm": True}, r"qk_layernorm=True \(a LayerNorm QK-norm"),
+        ("phi", {"qk_layernorm": True}, r"qk_layernorm=True \(a LayerNorm QK-norm"),
+        ("cohere", {"use_qk_norm": True}, r"use_qk_norm=True \(Cohere's LayerNorm QK-norm\)"),
+        ("glm", {"sliding_window": 4}, "glm with sliding_window=4"),
+        ("smollm3", {"no_rope_layers": [1, 0]}, "no_rope_layers must list 1 .rope. or 0"),
+        (
+            "exaone4",
+            {"layer_types": None, "sliding_window_pattern": "LLLG"},
+            "no layer_types and sliding_window_pattern='LLLG'",
+        ),
+    ],
+)
+def test_what_a_family_computes_beyond_mha_is_refused_by_name(
+    tmp_path, family, change, refusal, transformers
+):
+    """A family's option that mha does not compute (a LayerNorm of the queries and keys, a
+    window its mask ignores) or a malformed one is refused, naming the checkpoint and the
+    key."""
+    folder = shutil.copytree(models.saved(family), tmp_path / family)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(AttentionValueError, match=refusal) as error:
+        mha.MultiHeadAttention.from_pretrained(folder, layer=0)
+    assert str(folder) in str(error.value)
+
+
+def test_the_rotated_width_may_come_from_rotary_dim_alone(tmp_path, transformers):
+    """MiniMax-M2's released configs give the rotated width as ``rotary_dim``, without a
+    ``partial_rotary_factor``: read as the same fraction of the head."""
+    folder = shutil.copytree(models.saved("minimax_m2"), tmp_path / "minimax_m2")
+    config = json.loads((folder / "config.json").read_text())
+    assert (
+        config["rotary_dim"] == 8 and config["rope_parameters"]["partial_rotary_factor"] == 8 / 12
+    )
+    del config["rope_parameters"]["partial_rotary_factor"]
+    (folder / "config.json").write_text(json.dumps(config))
+    for rotary_dim in (8, None):
+        if rotary_dim is None:
+            del config["rotary_dim"]
+            (folder / "config.json").write_text(json.dumps(config))
+        attention = mha.MultiHeadAttention.from_pretrained(folder, layer=0)
+        assert attention.rotary_dim == rotary_dim

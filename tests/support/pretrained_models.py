@@ -16,13 +16,16 @@ and the rows that rename an attention the table already reads (Ministral, Mixtra
 the families after them), each with the setting it reads under its own name or default:
 biases from ``qkv_bias``, ``use_bias`` or ``attention_out_bias``, Qwen-MoE's and dots.llm1's
 and CWM's sliding layers, Granite's ``attention_multiplier``, Helium's and ERNIE 4.5's
-interleaved rotary, OLMo 3's rope base per layer type, EXAONE 3's tensor names.
+interleaved rotary, OLMo 3's rope base per layer type, EXAONE 3's tensor names; layers
+without rope (SmolLM3, Cohere 2 and its MoE, EXAONE 4), partial rotary (GLM, GLM-4.5,
+MiniMax-M2, StableLM, Phi, Nemotron) and interleaved pairs (GLM, Cohere).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -149,6 +152,34 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "apertus1p5_text": ("Apertus1p5Text", {"attention_bias": True, "rope_parameters": LLAMA3}),
     "hy_v3": ("HYV3", {"attention_bias": True, "rms_norm_eps": 1e-5, **MOE,
                        "num_shared_experts": 1, "mlp_layer_types": ["dense", "sparse", "sparse"]}),
+    # layers without rope (NoPE): layer 1 by no_rope_layers (sliding, by the default
+    # layer_types), the full layer of Cohere 2 and EXAONE 4 (rope on the sliding ones)
+    "smollm3": ("SmolLM3", {"no_rope_layers": [1, 0, 1], "use_sliding_window": True,
+                            "sliding_window": 5, "attention_bias": True}),
+    "cohere2": ("Cohere2", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING],
+                            "attention_bias": True}),
+    # Cohere 2 MoE: the dense layer 0 full with rope, layer 1 sliding, layer 2 full without
+    "cohere2_moe": ("Cohere2Moe", {"sliding_window": 5, "first_k_dense_replace": 1,
+                                   "sliding_window_pattern": 2, "attention_bias": True,
+                                   "num_experts": 4, "num_experts_per_tok": 2,
+                                   "experts_implementation": "eager"}),
+    "exaone4": ("Exaone4", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING],
+                            "rms_norm_eps": 1e-5}),
+    # partial rotary: interleaved pairs over half of each head (GLM's default fraction),
+    # the halves of 8 of 12 features (MiniMax-M2's rotary_dim), of a quarter of StableLM's
+    # heads of 24 (its head_dim is hidden_size // heads whatever the config says)
+    "glm": ("Glm", {}),
+    "glm4": ("Glm4", {}),
+    "glm4_moe": ("Glm4Moe", {"use_qk_norm": True, "attention_bias": True, "n_routed_experts": 4,
+                             "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                             "first_k_dense_replace": 1, "experts_implementation": "eager"}),
+    "minimax_m2": ("MiniMaxM2", {"rotary_dim": 8, "num_local_experts": 4,
+                                 "num_experts_per_tok": 2, "experts_implementation": "eager"}),
+    "stablelm": ("StableLm", {"num_attention_heads": 2, "head_dim": None, "use_qkv_bias": True}),
+    "phi": ("Phi", {}),
+    "nemotron": ("Nemotron", {"attention_bias": True}),
+    # interleaved pairs over the whole head
+    "cohere": ("Cohere", {"attention_bias": True}),
     "ernie4_5": ("Ernie4_5", {"use_bias": True}),
     "ernie4_5_moe": ("Ernie4_5_Moe", {"use_bias": True, "moe_num_experts": 4, "moe_k": 2,
                                       "moe_intermediate_size": 16, "moe_num_shared_experts": 1,
@@ -180,7 +211,8 @@ def _settings(family: str) -> tuple[str, str, dict[str, Any]]:
     import transformers
 
     name, changes = MODELS[family]
-    settings = {**COMMON, "rope_parameters": ROPE, **changes}
+    # a copy: config classes complete rope_parameters in place (GLM's partial_rotary_factor)
+    settings = copy.deepcopy({**COMMON, "rope_parameters": ROPE, **changes})
     if settings["head_dim"] is None:
         del settings["head_dim"]
     model_type = getattr(transformers, f"{name}Config").model_type

@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from .config import SLIDING, Settings
-from .family import UNSUPPORTED, Family
+from .family import Family
 from .layouts import LatentProjections, Projections, Tensor
 from .rope import check_refused, partial_rotary, rope_parameters, rope_scaling, yarn_mscale
 
-__all__ = ["describe", "latent", "multi_head"]
+__all__ = ["describe", "latent", "multi_head", "rotary"]
 
 Described = tuple[str, dict[str, Any], dict[str, Tensor]]
 """A layer's kind (``"attention"`` or ``"latent"``), settings and tensors."""
@@ -31,25 +31,18 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     """The settings and tensors of layer ``index`` of a multi-head attention."""
     E, H = read.positive("hidden_size"), read.positive("num_attention_heads")
     H_kv = read.positive("num_key_value_heads", optional=True) or H
-    d = read.positive("head_dim", optional=True) or E // H
-    for option in (*family.unsupported, *UNSUPPORTED):
+    given_d = read.positive(family.head_dim, optional=True) if family.head_dim else None
+    d = given_d or E // H
+    for option in family.refused():
         option.check(read)
     layer_type = family.windows.layer_type(read, index)
-    rope = rope_parameters(read, family.rope, layer_type)
-    if rope.get("mrope_section") is not None:
-        raise read.refuse(f"a multimodal rope (mrope_section={rope['mrope_section']})")
-    rope = check_refused(read, family.rope, rope)
-    rotary_dim = partial_rotary(read, family.rope, rope, d)
     window = family.windows.size(read) if layer_type == SLIDING else None
-    norm = family.qk_norm
+    norm = family.qk_norm if family.qk_norm and family.qk_norm.applies(read) else None
     settings: dict[str, Any] = {
         "num_heads": H,
         "num_kv_heads": H_kv,
         "head_dim": d,
-        "rope_theta": float(rope["rope_theta"]),
-        "rotary_dim": rotary_dim,
-        "rotary_interleaved": family.rope.interleaved(read),
-        "rope_scaling": rope_scaling(read, rope),
+        **rotary(family, read, index, layer_type, d),
         "window": None if window is None else int(window),
         "chunk": None,
         "softcap": read.get(family.softcap) if family.softcap else None,
@@ -61,6 +54,28 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     biased = family.biases.carried(read, "qkvo")
     tensors = layout.tensors(E, (H, H_kv, d), biased, settings["qk_norm"], family.sinks)
     return layout.kind, settings, tensors
+
+
+def rotary(family: Family, read: Settings, index: int, layer_type: str, d: int) -> dict[str, Any]:
+    """The rotary settings of layer ``index`` (of type ``layer_type``, heads ``d`` wide): its
+    base, rotated width, pairs and scaling, or none of them on a layer without positions."""
+    if not family.rope.rotates(read, index, layer_type):
+        return {
+            "rope_theta": None,
+            "rotary_dim": None,
+            "rotary_interleaved": False,
+            "rope_scaling": None,
+        }
+    rope = rope_parameters(read, family.rope, layer_type)
+    if rope.get("mrope_section") is not None:
+        raise read.refuse(f"a multimodal rope (mrope_section={rope['mrope_section']})")
+    rope = check_refused(read, family.rope, rope)
+    return {
+        "rope_theta": float(rope["rope_theta"]),
+        "rotary_dim": partial_rotary(read, family.rope, rope, d),
+        "rotary_interleaved": family.rope.interleaved(read),
+        "rope_scaling": rope_scaling(read, rope),
+    }
 
 
 def latent(family: Family, layout: LatentProjections, read: Settings) -> Described:

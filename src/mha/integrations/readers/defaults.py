@@ -390,3 +390,97 @@ MELLUM: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 131072,
 }
+SMOLLM3: dict[str, Any] = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "attention_bias": False,
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "layer_types": None,
+    "no_rope_layers": None,
+    "no_rope_layer_interval": 4,
+    "max_position_embeddings": 32768,
+}
+_COHERE = {
+    "hidden_size": 8192,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 64,
+    "num_key_value_heads": None,
+    "attention_bias": False,
+    "max_position_embeddings": 8192,
+}
+COHERE: dict[str, Any] = {**_COHERE, "use_qk_norm": False}
+COHERE2: dict[str, Any] = {**_COHERE, "sliding_window": 4096, "layer_types": None}
+COHERE2_MOE: dict[str, Any] = {
+    **COHERE2,
+    "head_dim": 128,
+    "sliding_window_pattern": 4,
+    "mlp_layer_types": None,
+    "prefix_dense_sliding_window_pattern": 1,
+}
+EXAONE4: dict[str, Any] = {
+    **_SHAPE,
+    "num_key_value_heads": 32,
+    "rms_norm_eps": 1e-5,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 4,
+    "layer_types": None,
+    "max_position_embeddings": 2048,
+}
+GLM: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "attention_bias": True,
+    "max_position_embeddings": 131072,
+}
+GLM4: dict[str, Any] = {**GLM}
+GLM4_MOE: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 46,
+    "num_attention_heads": 96,
+    "num_key_value_heads": 8,
+    "attention_bias": False,
+    "use_qk_norm": False,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+}
+MINIMAX_M2: dict[str, Any] = {
+    "hidden_size": 3072,
+    "num_hidden_layers": 62,
+    "num_attention_heads": 48,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 196608,
+}
+STABLELM: dict[str, Any] = {
+    "hidden_size": 2560,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "use_qkv_bias": False,
+    "qk_layernorm": False,
+    "max_position_embeddings": 4096,
+}
+PHI: dict[str, Any] = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 32,
+    "num_key_value_heads": None,
+    "qk_layernorm": False,
+    "max_position_embeddings": 2048,
+}
+NEMOTRON: dict[str, Any] = {
+    "hidden_size": 6144,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 48,
+    "num_key_value_heads": None,
+    "head_dim": None,
+    "attention_bias": False,
+    "max_position_embeddings": 4096,
+}

@@ -34,6 +34,7 @@ __all__ = [
     "ACROSS_HEADS",
     "BIDIRECTIONAL",
     "CLIP_QKV",
+    "LAYERNORM_QK",
     "PER_HEAD",
     "UNSUPPORTED",
     "Family",
@@ -47,15 +48,23 @@ __all__ = [
 class QkNorm:
     """RMSNorm of the queries and keys before the rotation: per ``"head"`` (weights of the
     head's width) or across ``"all"`` heads (before the split), the weight applied as
-    ``offset + weight``, its epsilon from the config key ``eps``."""
+    ``offset + weight``, its epsilon from the config key ``eps``; always, or with ``when``,
+    where that config key is true (GLM-4.5's ``use_qk_norm``)."""
 
     over: str = "head"
     offset: float = 0.0
     eps: str = "rms_norm_eps"
+    when: str | None = None
+
+    def applies(self, read: Settings) -> bool:
+        return self.when is None or bool(read.get(self.when))
 
 
 PER_HEAD = QkNorm("head")
 ACROSS_HEADS = QkNorm("all")
+
+LAYERNORM_QK = Unsupported("qk_layernorm", "a LayerNorm QK-norm; mha's QK-norm is an RMSNorm")
+"""StableLM's and Phi's option of LayerNorms of the queries and keys."""
 
 
 def query_pre_attn_scalar(read: Settings) -> float:
@@ -96,6 +105,9 @@ class Family:
     keys: Mapping[str, str] = field(default_factory=dict)
     """The family's names of the config keys read, where they are not transformers' common
     ones (its config class's ``attribute_map``: ``{"num_attention_heads": "n_head"}``)."""
+    head_dim: str | None = "head_dim"
+    """The config key of the head width, else ``hidden_size // num_attention_heads``
+    (``None``: always that, whatever the config says, as StableLM's attention takes it)."""
     tensors: Projections | LatentProjections = SEPARATE_QKV
     """Which tensors hold Q, K, V and O (:mod:`.layouts`); :data:`~.layouts.LATENT` for
     DeepSeek's multi-head latent attention (the layer is a :class:`mha.LatentAttention`)."""
@@ -113,3 +125,13 @@ class Family:
     unsupported: tuple[Unsupported, ...] = ()
     """The family's config keys that ask for what mha does not compute (checked before
     :data:`UNSUPPORTED`)."""
+
+    own: tuple[str, ...] = ()
+    """Keys of :data:`UNSUPPORTED` that mean something else in this family, read as its row
+    says (GLM-4.5's ``use_qk_norm``, its RMSNorm QK-norm) or ignored as its attention
+    ignores them (MiniMax-M2's, whose QK-norm is always on), not refused."""
+
+    def refused(self) -> tuple[Unsupported, ...]:
+        """The options refused in this family's config: its own, then those of
+        :data:`UNSUPPORTED` but for its :attr:`own` keys."""
+        return (*self.unsupported, *(u for u in UNSUPPORTED if u.key not in self.own))

@@ -29,11 +29,13 @@ from ..checkpoint import tensor_prefixes
 from .config import Settings, Source
 
 __all__ = [
+    "ALL_BIASES",
     "ATTENTION_BIAS",
     "EXAONE",
     "FUSED_QKV",
     "LATENT",
     "NO_BIASES",
+    "QKV_ATTENTION_BIAS",
     "QKV_BIASES",
     "QKV_BIASES_BY_KEY",
     "SEPARATE_QKV",
@@ -114,6 +116,11 @@ QKV_BIASES_BY_KEY = Biases("attention_bias", roles=("q", "k", "v"))
 """The query, key and value projections biased as ``attention_bias`` says, the output never
 (Helium's, Solar Open's)."""
 NO_BIASES = Biases(roles=())
+QKV_ATTENTION_BIAS = Biases("attention_bias", roles=("q", "k", "v"))
+"""The query, key and value projections biased as ``attention_bias`` says, the output never
+(GLM's, Helium's)."""
+ALL_BIASES = Biases()
+"""All four projections always biased (Phi's)."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from .family import (
     ACROSS_HEADS,
     BIDIRECTIONAL,
     CLIP_QKV,
+    LAYERNORM_QK,
     PER_HEAD,
     Family,
     QkNorm,
@@ -28,17 +29,27 @@ from .family import (
     query_pre_attn_scalar,
 )
 from .layouts import (
+    ALL_BIASES,
     EXAONE,
     FUSED_QKV,
     LATENT,
     NO_BIASES,
+    QKV_ATTENTION_BIAS,
     QKV_BIASES,
     QKV_BIASES_BY_KEY,
     Biases,
     BiasesByKey,
+    Projections,
 )
-from .rope import Rope
+from .rope import (
+    Rope,
+    by_no_rope_layers,
+    sliding_layers,
+    sliding_layers_if_windowed,
+    sliding_or_dense_layers,
+)
 from .windows import (
+    COHERE2_MOE_WINDOWS,
     CWM_WINDOWS,
     EVERY_LAYER,
     FULL_BY_DEFAULT,
@@ -46,6 +57,7 @@ from .windows import (
     QWEN_EVERY_LAYER,
     QWEN_WINDOWS,
     SLIDING_IF_WINDOWED,
+    SMOLLM3_WINDOWS,
     WINDOWED_FROM,
     by_layer_types,
 )
@@ -112,6 +124,88 @@ register(
         "mixtral", defaults.MIXTRAL, biases=NO_BIASES, windows=EVERY_LAYER, rope=Rope(theta=1e6)
     ),
     Family("arcee", defaults.ARCEE),  # Llama's attention (its MLP differs)
+    # layers without positions (NoPE): by no_rope_layers, the full layers, the full layers
+    # of a windowed model
+    Family(
+        "smollm3",
+        defaults.SMOLLM3,
+        windows=SMOLLM3_WINDOWS,
+        rope=Rope(theta=2e6, rotates=by_no_rope_layers),
+    ),
+    Family(
+        "cohere2",
+        defaults.COHERE2,
+        windows=by_layer_types(pattern=4),
+        rope=Rope(interleave=True, rotates=sliding_layers),
+    ),
+    Family(
+        "cohere2_moe",
+        defaults.COHERE2_MOE,
+        windows=COHERE2_MOE_WINDOWS,
+        rope=Rope(interleave=True, rotates=sliding_or_dense_layers),
+    ),
+    Family(
+        "exaone4",
+        defaults.EXAONE4,
+        biases=NO_BIASES,
+        windows=by_layer_types(pattern=4),
+        rope=Rope(rotates=sliding_layers_if_windowed),
+        qk_norm=PER_HEAD,
+    ),
+    # partial rotary: interleaved (GLM), of the halves (the others)
+    Family(
+        "glm",
+        defaults.GLM,
+        biases=QKV_ATTENTION_BIAS,
+        rope=Rope(partial=True, fraction=0.5, interleave=True),
+    ),
+    Family(
+        "glm4",
+        defaults.GLM4,
+        biases=QKV_ATTENTION_BIAS,
+        rope=Rope(partial=True, fraction=0.5, interleave=True),
+    ),
+    Family(
+        "glm4_moe",
+        defaults.GLM4_MOE,
+        biases=QKV_ATTENTION_BIAS,
+        rope=Rope(partial=True, fraction=0.5),
+        qk_norm=QkNorm("head", when="use_qk_norm"),
+        own=("use_qk_norm",),
+    ),
+    Family(
+        "minimax_m2",
+        defaults.MINIMAX_M2,
+        biases=NO_BIASES,
+        rope=Rope(theta=5e6, partial=True, width="rotary_dim"),
+        qk_norm=ACROSS_HEADS,
+        own=("use_qk_norm",),
+    ),
+    Family(
+        "stablelm",
+        defaults.STABLELM,
+        head_dim=None,
+        biases=Biases("use_qkv_bias", roles=("q", "k", "v")),
+        rope=Rope(partial=True, fraction=0.25),
+        unsupported=(LAYERNORM_QK,),
+    ),
+    Family(
+        "phi",
+        defaults.PHI,
+        tensors=Projections(o="dense"),
+        biases=ALL_BIASES,
+        rope=Rope(partial=True, fraction=0.5),
+        unsupported=(LAYERNORM_QK,),
+    ),
+    Family("nemotron", defaults.NEMOTRON, rope=Rope(partial=True, fraction=0.5)),
+    # pairs (2i, 2i + 1) over the whole head
+    Family(
+        "cohere",
+        defaults.COHERE,
+        rope=Rope(theta=5e5, interleave=True),
+        unsupported=(Unsupported("use_qk_norm", "Cohere's LayerNorm QK-norm"),),
+    ),
+    # (Helium and ERNIE 4.5 rotate (2i, 2i + 1) pairs too: their rows are below)
 )
 
 # families whose attention is one above under other names, defaults and config keys

@@ -1,7 +1,9 @@
 """A layer's rotary embedding, read from its config as transformers 5.24 standardises it
 (``convert_rope_params_to_dict`` and ``standardize_rope_params``): ``rope_parameters``, or the
 older ``rope_theta`` and ``rope_scaling``, completed by what the family's config class fills
-in (:class:`Rope`, one per row of the table).
+in (:class:`Rope`, one per row of the table); and which layers rotate at all (a layer that
+does not, NoPE, has ``rope_theta=None``): every one, or as ``no_rope_layers`` (SmolLM3) or
+the layer's type (Cohere 2, EXAONE 4) says.
 
 >>> from types import SimpleNamespace
 >>> from mha.integrations.readers.config import Settings
@@ -14,25 +16,85 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...api.rope_scaling import check_rope_scaling
 from ...errors import AttentionValueError
-from .config import FULL, Settings
+from .config import FULL, SLIDING, Settings
 
 __all__ = [
     "Rope",
+    "by_no_rope_layers",
     "check_refused",
     "check_rope",
+    "every_layer",
     "partial_rotary",
     "rope_parameters",
+    "sliding_layers",
+    "sliding_layers_if_windowed",
+    "sliding_or_dense_layers",
     "yarn_mscale",
 ]
 
 _OMPE = "original_max_position_embeddings"
 _ORIGINAL_LENGTH_TYPES = ("llama3", "yarn", "longrope")
+
+LayerRotates = Callable[[Settings, int, str], bool]
+"""Whether layer ``index``, of type ``layer_type``, rotates its queries and keys (a layer
+that does not has no positions: NoPE)."""
+
+
+def every_layer(read: Settings, index: int, layer_type: str) -> bool:
+    """Every layer rotates."""
+    return True
+
+
+def by_no_rope_layers(read: Settings, index: int, layer_type: str) -> bool:
+    """SmolLM3's: the layers whose ``no_rope_layers`` entry is 1 rotate; by default every
+    ``no_rope_layer_interval``-th layer does not."""
+    flags = read.get("no_rope_layers")
+    count = read.positive("num_hidden_layers")
+    if flags is None:
+        return bool((index + 1) % read.positive("no_rope_layer_interval"))
+    if not isinstance(flags, list) or len(flags) != count or any(f not in (0, 1) for f in flags):
+        raise AttentionValueError(
+            f"{read.path}: config.json's no_rope_layers must list 1 (rope) or 0 (no rope) for "
+            f"each of its {count} layers; got {flags!r}"
+        )
+    return bool(flags[index])
+
+
+def sliding_layers(read: Settings, index: int, layer_type: str) -> bool:
+    """Cohere 2's: the sliding layers rotate, the full ones have no positions."""
+    return layer_type == SLIDING
+
+
+def sliding_or_dense_layers(read: Settings, index: int, layer_type: str) -> bool:
+    """Cohere 2 MoE's: the sliding layers rotate, and the dense ones (``mlp_layer_types``,
+    by default the first ``first_k_dense_replace``) when
+    ``prefix_dense_sliding_window_pattern`` is 1."""
+    if layer_type == SLIDING:
+        return True
+    if read.get("prefix_dense_sliding_window_pattern") != 1:
+        return False
+    count, dense = read.positive("num_hidden_layers"), read.get("first_k_dense_replace", 0)
+    types = read.get("mlp_layer_types")
+    if types is None:
+        types = ["dense" if i < dense else "sparse" for i in range(count)]
+    if not isinstance(types, list) or len(types) != count:
+        raise AttentionValueError(
+            f"{read.path}: config.json's mlp_layer_types must list one type for each of its "
+            f"{count} layers; got {types!r}"
+        )
+    return bool(types[index] == "dense")
+
+
+def sliding_layers_if_windowed(read: Settings, index: int, layer_type: str) -> bool:
+    """EXAONE 4's: the sliding layers rotate, the full ones only when the config has no
+    ``sliding_window``."""
+    return layer_type == SLIDING or read.get("sliding_window") is None
 
 
 @dataclass(frozen=True)
@@ -56,6 +118,10 @@ class Rope:
     factor, unless 1, is refused)."""
     fraction: float | None = None
     """The ``partial_rotary_factor`` the config class sets when the config gives none."""
+    width: str | None = None
+    """The config key of the rotated width in features, read as the fraction
+    ``width / head_dim`` when the config gives no ``partial_rotary_factor`` (MiniMax-M2's
+    ``rotary_dim``)."""
     interleave: bool | str = False
     """Whether the rotary pairs are ``(2i, 2i + 1)`` rather than the two halves: always,
     never, or as the config key named here says."""
@@ -66,6 +132,8 @@ class Rope:
     refused: Mapping[str, str] = field(default_factory=dict)
     """Keys of the rope parameters whose value, unless 0, asks for a feature mha does not
     compute, by that feature's name (Ministral 3's ``llama_4_scaling_beta``)."""
+    rotates: LayerRotates = every_layer
+    """Which layers rotate; the others have no positions (NoPE)."""
 
     def interleaved(self, read: Settings) -> bool:
         if isinstance(self.interleave, str):
@@ -90,6 +158,9 @@ def rope_parameters(read: Settings, rope: Rope, layer_type: str | None) -> dict[
     layer = parameters[layer_type] if nested else parameters
     layer.setdefault("rope_theta", read.given("rope_theta", rope.theta))
     factor = read.get("partial_rotary_factor", rope.fraction)
+    width = read.positive(rope.width, optional=True) if rope.width else None
+    if factor is None and width is not None:
+        factor = width / read.positive("head_dim")
     if factor is not None:
         layer.setdefault("partial_rotary_factor", factor)
     theta = layer["rope_theta"]

@@ -10,7 +10,9 @@ is dropped whatever ``layer_types`` says), :data:`QWEN2_MOE_WINDOWS` (every othe
 ``max_window_layers``), :data:`WINDOWED_FROM` (the layers from ``max_window_layers`` on,
 when there is a ``sliding_window``: dots.llm1), :data:`CWM_WINDOWS` (the first of every four
 layers full), :data:`FULL_BY_DEFAULT` (Mellum), :data:`SLIDING_IF_WINDOWED` (every layer when
-there is a ``sliding_window``: Ministral).
+there is a ``sliding_window``: Ministral), :data:`SMOLLM3_WINDOWS` (the layers without rope,
+when ``use_sliding_window``), :data:`COHERE2_MOE_WINDOWS` (a pattern of the dense layers,
+another of the others).
 
 >>> from types import SimpleNamespace
 >>> from mha.integrations.readers.config import Settings
@@ -29,8 +31,10 @@ from typing import Any, Protocol
 
 from ...errors import AttentionValueError
 from .config import FULL, SLIDING, Settings
+from .rope import by_no_rope_layers
 
 __all__ = [
+    "COHERE2_MOE_WINDOWS",
     "CWM_WINDOWS",
     "EVERY_LAYER",
     "FULL_BY_DEFAULT",
@@ -39,6 +43,7 @@ __all__ = [
     "QWEN_EVERY_LAYER",
     "QWEN_WINDOWS",
     "SLIDING_IF_WINDOWED",
+    "SMOLLM3_WINDOWS",
     "WINDOWED_FROM",
     "ByLayerTypes",
     "Windows",
@@ -126,6 +131,11 @@ def every_nth_full(pattern: int, key: str | None = "sliding_window_pattern") -> 
 
     def layer_types(read: Settings, count: int) -> list[str]:
         every = pattern if key is None else read.get(key, pattern)
+        if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
+            raise AttentionValueError(
+                f"{read.path}: config.json has no layer_types and {key}="
+                f"{every!r}; a positive integer is needed"
+            )
         return [SLIDING if (i + 1) % every else FULL for i in range(count)]
 
     return layer_types
@@ -192,6 +202,28 @@ def sliding_if_windowed(read: Settings, count: int) -> list[str]:
     return [SLIDING if read.get("sliding_window") is not None else FULL] * count
 
 
+def smollm3_layer_types(read: Settings, count: int) -> list[str]:
+    """SmolLM3's default: the layers without rope slide, when ``use_sliding_window`` and
+    the config has a ``sliding_window``."""
+    slides = read.get("use_sliding_window") and read.get("sliding_window") is not None
+    return [
+        SLIDING if slides and not by_no_rope_layers(read, i, FULL) else FULL for i in range(count)
+    ]
+
+
+def cohere2_moe_layer_types(read: Settings, count: int) -> list[str]:
+    """Cohere 2 MoE's default: every ``prefix_dense_sliding_window_pattern``-th of the first
+    ``first_k_dense_replace`` layers full, then every ``sliding_window_pattern``-th."""
+    dense = read.get("first_k_dense_replace", 0)
+    prefix, every = (
+        read.get("prefix_dense_sliding_window_pattern"),
+        read.get("sliding_window_pattern"),
+    )
+    return [SLIDING if (i + 1) % prefix else FULL for i in range(dense)] + [
+        SLIDING if (i + 1) % every else FULL for i in range(count - dense)
+    ]
+
+
 NO_WINDOWS = NoWindows()
 EVERY_LAYER = EveryLayer()
 QWEN_WINDOWS = ByLayerTypes(qwen_layer_types, size=qwen_window)
@@ -202,3 +234,5 @@ QWEN2_MOE_WINDOWS = ByLayerTypes(qwen2_moe_layer_types, size=qwen2_moe_window)
 WINDOWED_FROM = ByLayerTypes(windowed_from)
 CWM_WINDOWS = ByLayerTypes(first_of_every(4))
 FULL_BY_DEFAULT = ByLayerTypes(all_full)
+SMOLLM3_WINDOWS = ByLayerTypes(smollm3_layer_types)
+COHERE2_MOE_WINDOWS = ByLayerTypes(cohere2_moe_layer_types)
