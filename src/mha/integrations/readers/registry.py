@@ -19,6 +19,7 @@ from . import defaults
 from .config import FULL, SLIDING
 from .family import ACROSS_HEADS, BIDIRECTIONAL, PER_HEAD, Family, QkNorm, query_pre_attn_scalar
 from .layouts import FUSED_QKV, LATENT, NO_BIASES, QKV_BIASES
+from .refused import REFUSED
 from .rope import Rope
 from .windows import EVERY_LAYER, QWEN_WINDOWS, SLIDING_IF_WINDOWED, by_layer_types
 
@@ -88,18 +89,6 @@ register(
 
 SUPPORTED = tuple(FAMILIES)
 """The families of the table as mha defines it (before any :func:`register`)."""
-
-REFUSED = {
-    "llama4": "Llama 4's attention (chunked layers, layers without rope, L2 QK-norm, "
-    "temperature tuning) is not supported",
-    "llama4_text": "Llama 4's attention (chunked layers, layers without rope, L2 QK-norm, "
-    "temperature tuning) is not supported",
-    "gemma3": "this is the multimodal Gemma 3; mha reads the text model's checkpoints "
-    "(Gemma3ForCausalLM, model_type gemma3_text)",
-    "qwen2_vl": "Qwen2-VL's multimodal rope (mrope) is not supported",
-    "qwen2_5_vl": "Qwen2.5-VL's multimodal rope (mrope) is not supported",
-}
-"""Families refused with a reason beyond "not supported"."""
 
 
 def family_of(config: dict[str, Any], path: Any) -> Family:
