@@ -27,18 +27,18 @@ READ_AT_LEAST = 14
 
 GENERIC = frozenset(
     {
-        "apertus", "apertus1p5_text", "aria_text", "axk1", "biogpt", "bitnet", "bloom", "codegen",
-        "cohere", "cohere2", "cohere2_moe", "cohere_compass_text", "ctrl", "cwm", "dbrx", "dots1",
+        "apertus", "apertus1p5_text", "aria_text", "axk1", "biogpt", "bloom", "codegen", "cohere",
+        "cohere2", "cohere2_moe", "cohere_compass_text", "ctrl", "cwm", "dbrx", "dots1",
         "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "falcon", "flex_olmo",
-        "flint", "gemma", "gemma4_text", "gemma4_unified_text", "glm", "glm4", "glm4_moe",
-        "glm4_moe_lite", "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neo", "gpt_neox",
-        "gpt_neox_japanese", "gptj", "granite", "granite_swa", "granitemoe", "granitemoe_swa",
-        "granitemoeshared", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax",
-        "internlm3", "iquestcoder", "jais2", "kolibri1", "longcat_flash", "mellum",
-        "mimo_v2_flash", "minicpm3", "minimax_m2", "ministral3", "modernbert-decoder", "mpt",
-        "nanochat", "nemotron", "olmo", "olmo3", "olmoe", "openai-gpt", "opt", "persimmon", "phi",
-        "phimoe", "qwen2_moe", "qwen3_moe", "sarvam_mla", "sarvam_moe", "seed_oss", "smollm3",
-        "solar_open", "stablelm", "starcoder2", "vaultgemma", "xglm", "youtu", "zaya",
+        "flint", "gemma", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "gpt-sw3", "gpt2",
+        "gpt_bigcode", "gpt_neo", "gpt_neox", "gpt_neox_japanese", "gptj", "granite",
+        "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium",
+        "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder",
+        "jais2", "kolibri1", "longcat_flash", "mellum", "mimo_v2_flash", "minicpm3", "minimax_m2",
+        "ministral3", "modernbert-decoder", "mpt", "nanochat", "nemotron", "olmo", "olmo3",
+        "olmoe", "openai-gpt", "opt", "persimmon", "phi", "phimoe", "qwen2_moe", "qwen3_moe",
+        "sarvam_mla", "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2",
+        "vaultgemma", "xglm", "youtu",
     }
 )  # fmt: skip
 """The families still refused by ``model_type`` alone ("it is not supported"): those whose

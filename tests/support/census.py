@@ -134,6 +134,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "mamba2": {"num_heads": 4, "head_dim": 24, "n_groups": 1},
     "gpt_neo": {"attention_types": [[["global", "local"], 2]]},
     "zaya": {"num_experts_per_tok": 1},
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
     "prophetnet": {"num_hidden_layers": DROP},
     "xlnet": {"max_position_embeddings": DROP},
     "gemma4_assistant": {"text_config": ASSISTANT},
@@ -206,7 +207,9 @@ def tiny_config(model_type: str) -> Any:
     types_key = name_of("layer_types")
     types = present.get(types_key or "")
     if types_key and isinstance(types, list) and len(types) >= layers:
-        settings[types_key] = types[:layers]
+        kept = types[:layers]  # and one layer of each type the family has, at the end
+        missing = [kind for kind in dict.fromkeys(types) if kind not in kept]
+        settings[types_key] = kept[: layers - len(missing)] + missing if missing else kept
     for key, value in OVERRIDES.get(model_type, {}).items():
         if value is DROP:
             settings.pop(key, None)
@@ -247,12 +250,18 @@ def entry(model_type: str) -> Entry:
         folder = _config_only(model_type, config)
     except Exception as error:  # the harness's failure, recorded
         return Entry(model_type, kind, CANNOT_BUILD, _reason(error))
-    try:
-        mha.from_pretrained(folder, layer=0)
-    except mha.WeightsFileError:
-        pass  # the config is accepted: the layers are read from a checkpoint below
-    except mha.AttentionError as error:
-        return Entry(model_type, kind, REFUSED, str(error).replace(str(folder), "<checkpoint>"))
+    refusals = []
+    for index in range(_model_layers(config)):
+        try:
+            mha.from_pretrained(folder, layer=index)
+        except mha.WeightsFileError:
+            break  # a layer's config is accepted: the layers are read from weights below
+        except mha.AttentionError as error:
+            refusals.append(str(error).replace(str(folder), "<checkpoint>"))
+            if f"layer {index}" not in refusals[-1]:  # the family or its config: every layer
+                return Entry(model_type, kind, REFUSED, refusals[-1])
+    else:
+        return Entry(model_type, kind, REFUSED, "; ".join(refusals))
     try:
         return _compared(model_type, kind, config)
     except Exception as error:
@@ -293,7 +302,11 @@ def _compared(model_type: str, kind: str, config: Any) -> Entry:
 
 
 def _model_layers(config: Any) -> int:
-    return int(config.num_hidden_layers)
+    """The config's layers (one where it has no single count, as an encoder-decoder's)."""
+    try:
+        return int(config.num_hidden_layers)
+    except Exception:
+        return 1
 
 
 def _relative_error(actual: Any, expected: Any) -> float:
@@ -468,7 +481,10 @@ def table(entries: list[Entry]) -> str:
     """The census as a markdown table: family, class, result, what blocks it."""
     counts: dict[str, int] = {}
     for item in entries:
-        label = "refused (generic)" if item.generic else item.result
+        label = {READ: "read", REFUSED: "refused by feature", WRONG: "wrong"}.get(
+            item.result, item.result
+        )
+        label = "refused as not supported" if item.generic else label
         counts[label] = counts.get(label, 0) + 1
     lines = [
         "| `model_type` | class | result | what blocks it |",

@@ -123,6 +123,16 @@ REFUSED = {
     "gemma3n_text": _not_computed(
         "Gemma 3n's last layers attend with an earlier layer's keys and values (KV sharing)"
     ),
+    "gemma4_text": _not_computed(
+        "Gemma 4's attention normalises its values (v_norm, an RMSNorm without weights)"
+    ),
+    "gemma4_unified_text": _not_computed(
+        "Gemma 4's attention normalises its values (v_norm, an RMSNorm without weights)"
+    ),
+    "bitnet": _not_computed("BitNet's RMSNorm of the attention's output before o_proj"),
+    "zaya": _not_computed(
+        "ZAYA's compressed convolutional attention (queries and keys through convolutions)"
+    ),
     "llama4_text": _LLAMA4,
     # not a decoder-only text model
     **dict.fromkeys(SEQ2SEQ, _SEQ2SEQ),
