@@ -643,8 +643,10 @@ def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
 @pytest.mark.parametrize(
     ("family", "change", "said"),
     [
-        ("llama", {"model_type": "bert"}, "model_type 'bert': it is not supported; the model "
-         "types mha reads are llama, mistral, qwen2, qwen3, gemma2, gemma3_text, olmo2, phi3"),
+        ("llama", {"model_type": "made_up"}, "model_type 'made_up': it is not supported; the "
+         "model types mha reads are llama, mistral, qwen2, qwen3, gemma2, gemma3_text, olmo2"),
+        ("llama", {"model_type": "bert"}, "model_type 'bert': an encoder run as a decoder"),
+        ("llama", {"model_type": "qwen3_next"}, "Qwen3-Next's attention has a sigmoid output"),
         ("llama", {"model_type": None}, "config.json names no model_type"),
         ("llama", {"model_type": "llama4_text"}, "Llama 4's attention (chunked layers"),
         ("qwen2", {"model_type": "qwen2_vl"}, "multimodal rope (mrope)"),
@@ -653,6 +655,8 @@ def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
         ("qwen2", {"layer_types": ["full_attention"] * 3 + ["chunked_attention"]},
          "layer 3 of type 'chunked_attention'"),
         ("qwen2", {"layer_types": ["full_attention"]}, "one type for each of its 4 layers"),
+        ("qwen2", {"layer_types": ["full_attention"] * 3 + ["linear_attention"]},
+         "layer 3 of type 'linear_attention': linear attention or a state-space mixer"),
         ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5, which "
          "transformers' llama attention ignores or cannot apply"),
         ("llama", {"sliding_window": 8}, "sliding_window=8, which transformers' llama mask"),

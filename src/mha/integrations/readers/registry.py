@@ -41,6 +41,7 @@ from .layouts import (
     BiasesByKey,
     Projections,
 )
+from .refused import REFUSED
 from .rope import (
     Rope,
     by_no_rope_layers,
@@ -334,18 +335,6 @@ register(
 
 SUPPORTED = tuple(FAMILIES)
 """The families of the table as mha defines it (before any :func:`register`)."""
-
-REFUSED = {
-    "llama4": "Llama 4's attention (chunked layers, layers without rope, L2 QK-norm, "
-    "temperature tuning) is not supported",
-    "llama4_text": "Llama 4's attention (chunked layers, layers without rope, L2 QK-norm, "
-    "temperature tuning) is not supported",
-    "gemma3": "this is the multimodal Gemma 3; mha reads the text model's checkpoints "
-    "(Gemma3ForCausalLM, model_type gemma3_text)",
-    "qwen2_vl": "Qwen2-VL's multimodal rope (mrope) is not supported",
-    "qwen2_5_vl": "Qwen2.5-VL's multimodal rope (mrope) is not supported",
-}
-"""Families refused with a reason beyond "not supported"."""
 
 
 def family_of(config: dict[str, Any], path: Any) -> Family:

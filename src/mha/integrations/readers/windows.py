@@ -52,6 +52,20 @@ __all__ = [
 
 _LEGACY_LAYER_TYPES = {"attention": FULL}  # transformers' remap_legacy_layer_types
 
+LAYER_FEATURES = {
+    "linear_attention": "linear attention or a state-space mixer (Gated DeltaNet, Mamba)",
+    "indexed_attention": "top-k sparse attention: an indexer picks each query's keys",
+    "compressed_sparse_attention": "sparse attention over compressed keys",
+    "heavily_compressed_attention": "attention over compressed keys",
+    "chunked_attention": "chunked attention",
+    "conv": "a short convolution",
+    "hybrid": "a Mamba mixer beside the attention",
+    "mlp": "no attention",
+    "moe": "no attention",
+}
+"""What the layer types of transformers' hybrid families compute instead of mha's attention,
+named in the refusal of such a layer."""
+
 
 class Windows(Protocol):
     """A family's sliding windows: each layer's type, and a sliding layer's window."""
@@ -121,7 +135,10 @@ class ByLayerTypes:
             )
         kind = _LEGACY_LAYER_TYPES.get(types[index], types[index])
         if kind not in (SLIDING, FULL):
-            raise read.refuse(f"layer {index} of type {kind!r} (mha reads {SLIDING} and {FULL})")
+            feature = f": {LAYER_FEATURES[kind]}" if kind in LAYER_FEATURES else ""
+            raise read.refuse(
+                f"layer {index} of type {kind!r}{feature} (mha reads {SLIDING} and {FULL})"
+            )
         return str(kind)
 
 
