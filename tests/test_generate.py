@@ -236,40 +236,56 @@ def readme_model(transformers, torch, folder: Path) -> Path:
     return folder
 
 
-def test_each_cache_kind_generates_on_the_readme_model(torch, transformers, tmp_path, record_error):
-    """256 greedy tokens from a 64-token prompt with each kind of cache. A paged cache gives
-    the same bits as the contiguous one: the same tokens. The quantized caches' first
-    logits are recorded against float32's (this random model, drawn at a large scale, is
-    sensitive: its best two logits lie 2% apart, so even int8's error changes the first
-    token; its keys have no large channels, so KIVI's do no better on them than int8's and
-    int4's), and the best next token, teacher-forced, counted against float32's
-    (docs/serving.md gives the counts)."""
+@pytest.fixture(scope="module")
+def readme_run(transformers, torch, tmp_path_factory):
+    """The README model, a 64-token prompt and its 256 greedy tokens with the contiguous
+    cache, and each step's logits: computed once for the tests of each cache kind."""
     from generate import Decoder
 
-    folder = readme_model(transformers, torch, tmp_path)
+    folder = readme_model(transformers, torch, tmp_path_factory.mktemp("readme"))
     prompt = np.random.default_rng(0).integers(0, 8000, 64).tolist()
     tokens, steps = Decoder(folder).generate(prompt, 256)
+    return folder, prompt, tokens, steps
+
+
+def test_a_paged_cache_generates_the_same_bits(readme_run):
+    """256 greedy tokens from a 64-token prompt: a paged cache gives the same bits as the
+    contiguous one, the same tokens."""
+    from generate import Decoder
+
+    folder, prompt, tokens, steps = readme_run
     paged, paged_steps = Decoder(folder, cache="paged").generate(prompt, 256)
     assert paged == tokens
     for a, b in zip(paged_steps, steps, strict=True):
         np.testing.assert_array_equal(a, b)
-    for kind in ("int8", "int4", "kivi8", "kivi4"):
-        # Teacher-forced: the quantized cache reads float32's tokens one by one, and each
-        # step's best next token is compared with float32's (so that one early difference
-        # does not decide the rest). Measured: 212, 49, 208 and 52 of 256.
-        decoder = Decoder(folder, cache=kind)
-        caches = decoder.new_caches(1, len(prompt) + 256)
-        logits = decoder.forward(np.array([prompt]), caches)[0, -1]
-        error = record_error(f"README model, {kind} cache's first logits vs float32",
-                             relative_error(logits, steps[0]))  # fmt: skip
-        assert error <= {"int8": 0.2, "int4": 1.0, "kivi8": 0.2, "kivi4": 1.5}[kind]
-        agree = 0
-        for step, token in zip(steps, tokens, strict=True):
-            agree += int(np.argmax(logits) == np.argmax(step))
-            logits = decoder.forward(np.array([[token]]), caches)[0, -1]
-        assert agree >= {"int8": 180, "int4": 25, "kivi8": 180, "kivi4": 25}[kind], agree
     with pytest.raises(ValueError, match="cache must be one of"):
         Decoder(folder, cache="int2")
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "kivi8", "kivi4"])
+def test_each_quantized_cache_generates_on_the_readme_model(kind, readme_run, record_error):
+    """The quantized caches' first logits are recorded against float32's (this random
+    model, drawn at a large scale, is sensitive: its best two logits lie 2% apart, so even
+    int8's error changes the first token; its keys have no large channels, so KIVI's do no
+    better on them than int8's and int4's), and the best next token, teacher-forced, counted
+    against float32's (docs/serving.md gives the counts)."""
+    from generate import Decoder
+
+    folder, prompt, tokens, steps = readme_run
+    # Teacher-forced: the quantized cache reads float32's tokens one by one, and each
+    # step's best next token is compared with float32's (so that one early difference
+    # does not decide the rest). Measured: 212, 49, 208 and 52 of 256.
+    decoder = Decoder(folder, cache=kind)
+    caches = decoder.new_caches(1, len(prompt) + 256)
+    logits = decoder.forward(np.array([prompt]), caches)[0, -1]
+    error = record_error(f"README model, {kind} cache's first logits vs float32",
+                         relative_error(logits, steps[0]))  # fmt: skip
+    assert error <= {"int8": 0.2, "int4": 1.0, "kivi8": 0.2, "kivi4": 1.5}[kind]
+    agree = 0
+    for step, token in zip(steps, tokens, strict=True):
+        agree += int(np.argmax(logits) == np.argmax(step))
+        logits = decoder.forward(np.array([[token]]), caches)[0, -1]
+    assert agree >= {"int8": 180, "int4": 25, "kivi8": 180, "kivi4": 25}[kind], agree
 
 
 @pytest.mark.parametrize("family", ["gemma2", "mistral", "qwen2"])
