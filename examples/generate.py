@@ -18,6 +18,12 @@ the config says. Everything else is a few lines below, written from each family'
   router logits, each expert a clamped SwiGLU.
 * DeepSeek-V3: Llama's norms; dense MLPs in the first layers, then a mixture of experts
   routed by group-limited sigmoid scores, with a shared expert.
+* SmolLM3, Helium, Seed-OSS, CWM, InternLM 3: Llama's layer (their attention differs);
+  Gemma: Gemma's ``(1 + w)`` norms before attention and the MLP, embeddings scaled; OLMo 3
+  and EXAONE 4: OLMo 2's norms after attention and the MLP.
+* Mixtral, Qwen3-MoE, OLMoE: Llama's norms, a mixture of SwiGLU experts routed by a softmax
+  over the router's logits (the best ``num_experts_per_tok``, renormalised in Mixtral and
+  where ``norm_topk_prob``).
 
 RMSNorm computes in float32 whatever the compute dtype, as transformers does. A config it
 cannot compute exactly is refused, naming the setting, never approximated.
@@ -120,15 +126,21 @@ class Tensors:
             raise UnsupportedModelError(f"this example does not compute {names}")
 
 
+GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
+
+
 def linear(tensors: Tensors, name: str) -> Function:
     """``nn.Linear`` ``name``: ``x @ weight.T + bias``, the bias where the checkpoint has one."""
     weight, bias = tensors.take(f"{name}.weight"), tensors.get(f"{name}.bias")
     return lambda x: x @ weight.T if bias is None else x @ weight.T + bias
 
 
-def gated_mlp(tensors: Tensors, act: Function, prefix: str = "mlp.") -> Function:
-    """Llama's SwiGLU (Gemma's GELU): ``down(act(gate(h)) * up(h))``."""
-    gate, up, down = (linear(tensors, f"{prefix}{name}_proj") for name in ("gate", "up", "down"))
+def gated_mlp(
+    tensors: Tensors, act: Function, prefix: str = "mlp.", names: tuple[str, ...] = GATE_UP_DOWN
+) -> Function:
+    """Llama's SwiGLU (Gemma's GELU): ``down(act(gate(h)) * up(h))``, its projections named
+    ``names`` under ``prefix``."""
+    gate, up, down = (linear(tensors, f"{prefix}{name}") for name in names)
     return lambda h: down(act(gate(h)) * up(h))
 
 
@@ -192,6 +204,37 @@ def gpt_oss_mlp(tensors: Tensors, config: dict[str, Any]) -> Function:
     return mlp
 
 
+def softmax_experts(
+    tensors: Tensors, config: dict[str, Any], act: Function, layer: int, family: Any
+) -> Function:
+    """Mixtral's, Qwen3-MoE's and OLMoE's mixtures: in float32, a softmax over the router's
+    logits, the ``num_experts_per_tok`` best experts weighted by their probabilities
+    (renormalised where ``norm_topk_prob``, always in Mixtral), each a SwiGLU. Qwen3-MoE's
+    layers in ``mlp_only_layers``, or off its ``decoder_sparse_step``, are dense."""
+    prefix, names = family.experts
+    sparse = layer not in (config.get("mlp_only_layers") or []) and (
+        (layer + 1) % int(config.get("decoder_sparse_step") or 1) == 0
+    )
+    if not sparse:
+        return gated_mlp(tensors, act)
+    router = tensors.take(f"{prefix}gate.weight")
+    k, normalise = int(config["num_experts_per_tok"]), family.normalise or config["norm_topk_prob"]
+    experts = [gated_mlp(tensors, act, f"{prefix}experts.{e}.", names) for e in range(len(router))]
+
+    def mlp(h: np.ndarray) -> np.ndarray:
+        x = h.reshape(-1, h.shape[-1])
+        logits = (x @ router.T).astype(np.float32)
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+        chosen = top_k(probs, k)
+        weights = np.take_along_axis(probs, chosen, axis=-1)
+        if normalise:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return np.asarray(mixture(experts, x, chosen, weights.astype(x.dtype)).reshape(h.shape))
+
+    return mlp
+
+
 def deepseek_mlp(tensors: Tensors, config: dict[str, Any], act: Function, layer: int) -> Function:
     """DeepSeek-V3's: a dense MLP in the first ``first_k_dense_replace`` layers; then, in
     float32, sigmoid scores plus ``e_score_correction_bias`` choose the ``topk_group``
@@ -241,13 +284,18 @@ class Family:
     norms: tuple[str | None, ...]
     """The layer's RMSNorms before attention, after it, before the MLP and after it."""
     norm: Callable[[np.ndarray, np.ndarray, float], np.ndarray] = llama_norm
-    mlp: str = "gated"  # or "fused" (Phi-3), "gpt_oss", "deepseek"
+    mlp: str = "gated"  # or "fused" (Phi-3), "gpt_oss", "deepseek", "experts"
     activation_key: str = "hidden_act"
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size)
     attention: str = "MultiHeadAttention"  # mha's class: LatentAttention for DeepSeek
+    experts: tuple[str, tuple[str, ...]] = ("mlp.", GATE_UP_DOWN)
+    """Where a mixture's router (``gate``) and experts lie, and each expert's projections."""
+    normalise: bool = False  # the top experts' weights renormalised whatever the config says
 
 
 GEMMA = Family(SANDWICH, gemma_norm, activation_key="hidden_activation", embed_scale=True)
+MIXTRAL = Family(PRE, mlp="experts", experts=("block_sparse_moe.", ("w1", "w3", "w2")),
+                 normalise=True)  # fmt: skip
 FAMILIES = {
     "llama": Family(PRE),
     "mistral": Family(PRE),
@@ -259,6 +307,18 @@ FAMILIES = {
     "gemma3_text": GEMMA,
     "gpt_oss": Family(PRE, olmo2_norm, mlp="gpt_oss"),
     "deepseek_v3": Family(PRE, mlp="deepseek", attention="LatentAttention"),
+    # families whose attention is one of the above's under other names (docs/pretrained.md)
+    "smollm3": Family(PRE),
+    "helium": Family(PRE),
+    "seed_oss": Family(PRE),
+    "cwm": Family(PRE),
+    "internlm3": Family(PRE),
+    "gemma": Family(PRE, gemma_norm, embed_scale=True),
+    "olmo3": Family(POST, olmo2_norm),
+    "exaone4": Family(POST),
+    "mixtral": MIXTRAL,
+    "qwen3_moe": Family(PRE, mlp="experts"),
+    "olmoe": Family(PRE, mlp="experts"),
 }
 """The families whose decoder layers this example writes out, by ``model_type``; others are
 refused by name."""
@@ -374,6 +434,7 @@ class Decoder:
             gated_mlp(tensors, act) if kind == "gated"
             else fused_mlp(tensors, act) if kind == "fused"
             else gpt_oss_mlp(tensors, self.config) if kind == "gpt_oss"
+            else softmax_experts(tensors, self.config, act, i, self.family) if kind == "experts"
             else deepseek_mlp(tensors, self.config, act, i)
         )  # fmt: skip
         tensors.check_all_taken()

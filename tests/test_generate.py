@@ -17,7 +17,8 @@ from support.pretrained_models import LONG, SHARD_SIZE, build
 from support.transformers_oracle import AttentionRecorder
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "olmo2", "phi3",
-            "gpt_oss", "deepseek_v3", "deepseek_v3_mha")  # fmt: skip
+            "gpt_oss", "deepseek_v3", "deepseek_v3_mha", "smollm3", "helium", "seed_oss", "cwm",
+            "internlm3", "gemma", "olmo3", "exaone4", "mixtral", "qwen3_moe", "olmoe")  # fmt: skip
 NEW_TOKENS = 64
 PROMPT = [int(t) for t in np.random.default_rng(5).integers(0, 64, 12)]
 """12 tokens: longer than every sliding window of the tiny models (5 to 9), shorter than
