@@ -44,10 +44,11 @@ TOLERANCE = 1e-12
 def oracle(family):
     """Each layer's attention calls in transformers, ``(input, output)`` as NumPy: first the
     whole sequence, then the prefill and each decoding step."""
-    from support.rope_oracle import float64_rotary
+    from support.rope_oracle import float64_rotary, rotary_modules
 
     model = models.transformers_model(family)
-    float64_rotary(model)
+    if rotary_modules(model):
+        float64_rotary(model)
     return models.decoding_calls(model, B, L, PREFILL)
 
 
@@ -97,6 +98,22 @@ CHANGES = {
     "ministral": [{"window": None}, {"window": 5}],  # its full layer, given a window, differs
     "mixtral": [{"window": None}, {"rope_theta": 10000.0}],  # its base: the class's 1e6
     "arcee": [{"rope_scaling": None}, {"b_o": None}],
+    "gpt2": [{"scale": None}],  # scale_attn_by_inverse_layer_idx: 1/sqrt(d) / (i + 1)
+    "gpt_bigcode": [{"b_q": None}],
+    "gpt_bigcode_mha": [{"b_v": None}],
+    "gpt_neox": [{"rotary_dim": None}, {"rope_theta": 10000.0}, {"b_q": None}],
+    "gptj": [{"rotary_interleaved": False}, {"rotary_dim": None}],
+    "codegen": [{"rotary_interleaved": False}, {"rotary_dim": None}],
+    "gpt_neo": [{"scale": None}, {"window": None}],
+    "bloom": [{"alibi": None}, {"b_o": None}],
+    "mpt": [{"alibi": None}, {"scale": None}],
+    "falcon": [{"rope_theta": 10000.0}, {"b_q": None}],
+    # Falcon's slopes are divided by sqrt(head_dim), as its scores are
+    "falcon_alibi": [{"alibi": None}, {"alibi": mha.alibi_slopes(6)}],
+    # OPT, BioGPT and XGLM scale their queries, biases included, in q_proj
+    "opt": [{"scale": 1.0}, {"b_q": None}],
+    "biogpt": [{"scale": 1.0}, {"b_q": None}],
+    "xglm": [{"scale": 1.0}, {"b_q": None}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3

@@ -49,6 +49,11 @@ DEEPSEEK = {
     "experts_implementation": "eager",
 }  # fmt: skip
 
+ABSENT = "absent"
+"""A key of ``COMMON`` left out of a family's config."""
+OLDER = {"head_dim": ABSENT, "rope_parameters": ABSENT}
+"""The families without rope, or with their own keys for it."""
+
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("Llama", {"attention_bias": True, "rope_parameters": {
         "rope_type": "llama3", "rope_theta": 500.0, "factor": 4.0, "low_freq_factor": 1.0,
@@ -91,6 +96,27 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "arcee": ("Arcee", {"attention_bias": True, "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
         "original_max_position_embeddings": LONG}}),
+    # older layouts: fused or renamed projections (their num_key_value_heads and head_dim,
+    # which these families ignore, stay in config.json), no rope or ALiBi
+    "gpt2": ("GPT2", {**OLDER, "scale_attn_by_inverse_layer_idx": True}),
+    "gpt_bigcode": ("GPTBigCode", OLDER),  # multi-query: one key/value head
+    "gpt_bigcode_mha": ("GPTBigCode", {**OLDER, "multi_query": False}),
+    "gpt_neox": ("GPTNeoX", {"head_dim": ABSENT, "attention_bias": True, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}}),
+    "gptj": ("GPTJ", {**OLDER, "rotary_dim": 8}),
+    "codegen": ("CodeGen", {**OLDER, "rotary_dim": 8}),
+    "gpt_neo": ("GPTNeo", {**OLDER, "window_size": 5,
+                           "attention_types": [[["global", "local"], 1], [["local"], 1]]}),
+    "bloom": ("Bloom", {**OLDER, "num_attention_heads": 6}),  # ALiBi of 6 heads
+    "mpt": ("Mpt", {**OLDER, "num_attention_heads": 6, "max_seq_len": 64,
+                    "attn_config": {"softmax_scale": 0.2}}),
+    "falcon": ("Falcon", {"head_dim": ABSENT, "new_decoder_architecture": True,
+                          "num_kv_heads": 2, "bias": True}),
+    "falcon_alibi": ("Falcon", {**OLDER, "alibi": True, "multi_query": False, "bias": True,
+                                "num_attention_heads": 6}),
+    "opt": ("OPT", {**OLDER, "word_embed_proj_dim": 48, "ffn_dim": 32}),
+    "biogpt": ("BioGpt", OLDER),
+    "xglm": ("XGLM", {**OLDER, "ffn_dim": 32}),
 }  # fmt: skip
 """Each family's class names (``{name}Config``, ``{name}ForCausalLM``; Gemma 3's
 ``Gemma3ForCausalLM``) and what its config changes from ``COMMON``."""
@@ -100,6 +126,9 @@ FAMILIES = tuple(MODELS)
 query's low-rank projection (``q_lora_rank=None``), with biases and halves rotary."""
 
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
+LLAMA_LAYOUT = FAMILIES[: FAMILIES.index("arcee") + 1]
+"""The families whose attention is Llama's module, ``model.layers[i].self_attn``, with its
+attributes (``scaling``, ``head_dim``, ``q_proj``, ...)."""
 
 
 def _settings(family: str) -> tuple[str, str, dict[str, Any]]:
@@ -108,9 +137,13 @@ def _settings(family: str) -> tuple[str, str, dict[str, Any]]:
         raise KeyError(f"no tiny model of family {family!r}; the families are {FAMILIES}")
     name, changes = MODELS[family]
     settings = {**COMMON, "rope_parameters": ROPE, **changes}
-    if settings["head_dim"] is None:
-        del settings["head_dim"]
-    model = "Gemma3ForCausalLM" if name == "Gemma3Text" else f"{name}ForCausalLM"
+    for key in [key for key in ("head_dim",) if settings[key] is None]:
+        del settings[key]
+    for key in [key for key, value in settings.items() if value is ABSENT]:
+        del settings[key]
+    model = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel",
+             "OpenAIGPT": "OpenAIGPTLMHeadModel", "CTRL": "CTRLLMHeadModel"}.get(
+        name, f"{name}ForCausalLM")  # fmt: skip
     return f"{name}Config", model, settings
 
 
@@ -127,9 +160,8 @@ def build(family: str, seed: int = 0) -> Any:
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "self_attn" not in name:
-                continue
+        parameters = [p for module in attention_modules(model) for p in module.named_parameters()]
+        for name, parameter in parameters:
             if name.endswith("bias"):
                 parameter.normal_(0.0, 0.5)
             elif "norm" in name:  # QK-norm weights: ones (zeros for Gemma's 1 + w) at first
@@ -139,10 +171,28 @@ def build(family: str, seed: int = 0) -> Any:
     return model
 
 
+def attention_modules(model: Any) -> list[Any]:
+    """Each layer's attention module in ``model``, where the reader's row of its
+    ``model_type`` says it is."""
+    return [model.get_submodule(path.format(i=i)) for i in range(model.config.num_hidden_layers)
+            for path in (attention_path(model),)]  # fmt: skip
+
+
+def attention_path(model: Any) -> str:
+    """The module path of layer ``{i}``'s attention in ``model`` (the readers' layout's)."""
+    from mha.integrations import readers
+
+    return str(readers.FAMILIES[model.config.model_type].tensors.path)
+
+
+EAGER = ("gemma2", "gpt_oss", "gpt_neo", "bloom", "mpt", "xglm")
+"""The families whose attention is eager only (Gemma 2's soft-capping, gpt-oss's sinks,
+the older families' own attention code)."""
+
+
 def _implementation(family: str) -> str:
-    """SDPA where the family has it (the eager attention takes its softmax in float32);
-    Gemma 2's soft-capping and gpt-oss's sinks are eager only."""
-    return "eager" if family in ("gemma2", "gpt_oss") else "sdpa"
+    """SDPA where the family has it (the eager attention takes its softmax in float32)."""
+    return "eager" if family in EAGER else "sdpa"
 
 
 def saved(family: str) -> Path:
@@ -215,7 +265,7 @@ def decoding_calls(model: Any, B: int, L: int, prefill: int) -> list[list[Any]]:
     from support.rope_oracle import float64_torch
     from support.transformers_oracle import AttentionRecorder
 
-    recorder = AttentionRecorder(model)
+    recorder = AttentionRecorder(model, attention_path(model))
     ids = torch.randint(
         0, model.config.vocab_size, (B, L), generator=torch.Generator().manual_seed(0)
     )

@@ -82,7 +82,7 @@ def layer_attention(
     family = family_of(source.config, source.path)
     read = Settings(source, family.name, family.defaults, family.keys)
     index = layer_index(layer, read.positive("num_hidden_layers"), source.path)
-    prefix = attention_prefix(source, index)
+    prefix = attention_prefix(source, index, family.tensors.path)
     kind, settings, tensors = describe(family, read, index)
     check_rope(read, settings, index)
     check_names(source, prefix, tensors, read)

@@ -11,7 +11,7 @@ from typing import Any
 from .config import SLIDING, Settings
 from .family import UNSUPPORTED, Family
 from .layouts import LatentProjections, Projections, Tensor
-from .rope import partial_rotary, rope_parameters, rope_scaling, yarn_mscale
+from .rope import partial_rotary, rope_parameters, rope_scaling, rotary_dim, yarn_mscale
 
 __all__ = ["describe", "latent", "multi_head"]
 
@@ -29,37 +29,63 @@ def describe(family: Family, read: Settings, index: int) -> Described:
 
 def multi_head(family: Family, layout: Projections, read: Settings, index: int) -> Described:
     """The settings and tensors of layer ``index`` of a multi-head attention."""
-    E, H = read.positive("hidden_size"), read.positive("num_attention_heads")
-    H_kv = read.positive("num_key_value_heads", optional=True) or H
-    d = read.positive("head_dim", optional=True) or E // H
+    E = read.positive("hidden_size")
+    H, H_kv, d = heads = family.heads(read)
+    if not layout.grouped(heads):
+        raise read.refuse(f"{H} heads of {d} features, which its {layout.qkv} cannot split")
     for option in (*family.unsupported, *UNSUPPORTED):
         option.check(read)
     layer_type = family.windows.layer_type(read, index)
-    rope = rope_parameters(read, family.rope, layer_type)
-    if rope.get("mrope_section") is not None:
+    alibi = family.alibi.slopes(read, H, d) if family.alibi and family.alibi.on(read) else None
+    rope = rope_parameters(read, family.rope, layer_type) if family.rope.applied else None
+    if rope is not None and rope.get("mrope_section") is not None:
         raise read.refuse(f"a multimodal rope (mrope_section={rope['mrope_section']})")
-    rotary_dim = partial_rotary(read, family.rope, rope, d)
     window = family.windows.size(read) if layer_type == SLIDING else None
     norm = family.qk_norm
     settings: dict[str, Any] = {
         "num_heads": H,
         "num_kv_heads": H_kv,
         "head_dim": d,
-        "rope_theta": float(rope["rope_theta"]),
-        "rotary_dim": rotary_dim,
-        "rotary_interleaved": family.rope.interleaved(read),
-        "rope_scaling": rope_scaling(read, rope),
+        **_rotary(family, read, None if alibi is not None else rope, d),
         "window": None if window is None else int(window),
         "chunk": None,
         "softcap": read.get(family.softcap) if family.softcap else None,
-        "scale": family.scale(read) if family.scale else None,
+        "scale": _scale(family, read, index, d),
         "qk_norm": norm.over if norm else None,
         "qk_norm_eps": float(read.get(norm.eps)) if norm else None,
         "qk_norm_offset": norm.offset if norm else None,
     }
+    if alibi is not None:  # the rope is then off
+        settings["alibi"] = alibi
     biased = family.biases.carried(read, "qkvo")
-    tensors = layout.tensors(E, (H, H_kv, d), biased, settings["qk_norm"], family.sinks)
+    tensors = layout.tensors(E, heads, biased, settings["qk_norm"], family.sinks)
     return layout.kind, settings, tensors
+
+
+def _rotary(family: Family, read: Settings, rope: dict[str, Any] | None, d: int) -> dict[str, Any]:
+    """The rotary settings of a layer whose rope parameters are ``rope`` (``None``: it
+    rotates nothing)."""
+    if rope is None:
+        return {"rope_theta": None, "rotary_dim": None, "rotary_interleaved": False,
+                "rope_scaling": None}  # fmt: skip
+    if family.rope.dim_key is not None:
+        rotated = rotary_dim(read, family.rope.dim_key, d)
+    else:
+        rotated = partial_rotary(read, family.rope, rope, d)
+    return {
+        "rope_theta": float(rope["rope_theta"]),
+        "rotary_dim": rotated,
+        "rotary_interleaved": family.rope.interleaved(read),
+        "rope_scaling": rope_scaling(read, rope),
+    }
+
+
+def _scale(family: Family, read: Settings, index: int, d: int) -> float | None:
+    """The softmax scale of layer ``index`` (``None``: ``1/sqrt(d)``)."""
+    scale = family.scale(read) if family.scale else None
+    if family.scale_by_layer and read.get(family.scale_by_layer):
+        return (d**-0.5 if scale is None else scale) / float(index + 1)
+    return scale
 
 
 def latent(family: Family, layout: LatentProjections, read: Settings) -> Described:

@@ -1,12 +1,15 @@
 """Where a layer's attention keeps its tensors, by transformers' names, and how each becomes
-mha's weights (the "x @ W" layout: the transposes of ``nn.Linear``'s ``(out, in)``), as
-llama.cpp's ``LLM_TENSOR_NAMES`` names them per architecture: separate query, key, value and
-output projections (:data:`SEPARATE_QKV`) or one fused ``qkv_proj`` (:data:`FUSED_QKV`),
-their biases (:class:`Biases`), QK-norms and sinks; DeepSeek's latent projections
-(:data:`LATENT`).
+mha's weights (the "x @ W" layout: the transposes of ``nn.Linear``'s ``(out, in)``; GPT-2's
+``Conv1D`` holds ``(in, out)``, mha's already), as llama.cpp's ``LLM_TENSOR_NAMES`` names them
+per architecture: separate query, key, value and output projections (:data:`SEPARATE_QKV`)
+or one fused projection (:data:`FUSED_QKV`), its rows in one of the orders of
+:data:`FUSIONS`, their biases (:class:`Biases`), QK-norms and sinks; DeepSeek's latent
+projections (:data:`LATENT`). The module path of layer ``i``'s attention is the layout's too
+(``model.layers.{i}.self_attn``, GPT-2's ``transformer.h.{i}.attn``).
 
 A layout gives each tensor the config calls for as a :class:`Tensor`: its shape, and mha's
-weights in it, a fused tensor's row by row.
+weights in it, a fused tensor's row by row, in groups when its rows interleave (BLOOM's
+query, key and value of each head in turn).
 
 >>> import numpy as np
 >>> tensors = FUSED_QKV.tensors(d_model=4, heads=(2, 1, 2), biased=(), qk_norm=None, sinks=False)
@@ -14,11 +17,14 @@ weights in it, a fused tensor's row by row.
 {'o_proj.weight': (4, 4), 'qkv_proj.weight': (8, 4)}
 >>> {name: W.shape for name, W in lay_out(np.ones((8, 4)), tensors["qkv_proj.weight"]).items()}
 {'W_q': (4, 4), 'W_k': (4, 2), 'W_v': (4, 2)}
+>>> per_head = Tensor((6,), (("q", 1), ("k", 1), ("v", 1)), groups=2)  # q0 k0 v0 q1 k1 v1
+>>> {name: b.tolist() for name, b in lay_out(np.arange(6.0), per_head).items()}
+{'q': [0.0, 3.0], 'k': [1.0, 4.0], 'v': [2.0, 5.0]}
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -31,6 +37,7 @@ from .config import Settings, Source
 __all__ = [
     "ATTENTION_BIAS",
     "FUSED_QKV",
+    "FUSIONS",
     "LATENT",
     "NO_BIASES",
     "QKV_BIASES",
@@ -52,25 +59,31 @@ which the config gives."""
 @dataclass(frozen=True)
 class Tensor:
     """One tensor under a layer's attention: its shape, and mha's weights it holds, each with
-    its rows (output features), in order."""
+    its rows (output features) in each of ``groups`` equal blocks of rows, in order (one
+    block: the weights one after the other). ``transposed``: a matrix stored ``(in, out)``,
+    as ``Conv1D`` keeps it, whose rows are its columns."""
 
     shape: tuple[int, ...]
     parts: tuple[tuple[str, int], ...]
+    groups: int = 1
+    transposed: bool = False
 
 
-def whole(name: str, *shape: int) -> Tensor:
+def whole(name: str, *shape: int, transposed: bool = False) -> Tensor:
     """A tensor that is one weight of mha's."""
-    return Tensor(shape, ((name, shape[0]),))
+    return Tensor(shape[::-1] if transposed else shape, ((name, shape[0]),), transposed=transposed)
 
 
 def lay_out(array: np.ndarray, tensor: Tensor) -> dict[str, np.ndarray]:
-    """mha's weights from one tensor: matrices transposed to "x @ W", a fused tensor split."""
-    W = array.T if array.ndim == 2 else array
+    """mha's weights from one tensor: matrices as "x @ W", a fused tensor split."""
+    W = array.T if array.ndim == 2 and not tensor.transposed else array
     if len(tensor.parts) == 1:
         return {tensor.parts[0][0]: W}
+    G = tensor.groups
+    blocks = W.reshape(*W.shape[:-1], G, W.shape[-1] // G)
     weights, start = {}, 0
     for name, rows in tensor.parts:
-        weights[name] = W[..., start : start + rows]
+        weights[name] = blocks[..., start : start + rows].reshape(*W.shape[:-1], G * rows)
         start += rows
     return weights
 
@@ -96,11 +109,25 @@ QKV_BIASES = Biases(roles=("q", "k", "v"))
 NO_BIASES = Biases(roles=())
 
 
+FUSIONS: dict[str, Callable[[int, int], int]] = {
+    "contiguous": lambda H, H_kv: 1,
+    "per_kv_head": lambda H, H_kv: H_kv,
+    "four_blocks": lambda H, H_kv: 4,
+}
+"""How many blocks a fused projection's rows come in, from the heads ``(H, H_kv)``: each
+block holds its share of the queries, keys and values in turn. One (Phi-3, GPT-2, MPT);
+one per key/value head (BLOOM and GPT-NeoX, a head's query, key and value; Falcon's new
+architecture, a group's queries, then its key and value; with one key/value head, the
+contiguous layout of multi-query BigCode and Falcon); four (CodeGen's ``mp_num``)."""
+
+
 @dataclass(frozen=True)
 class Projections:
     """transformers' names of a multi-head attention's modules: the query, key, value and
-    output projections (or ``qkv``, one fused projection of the queries, then the keys, then
-    the values), the QK-norms and the sinks."""
+    output projections (or ``qkv``, one fused projection whose rows come in blocks as
+    ``fusion`` says, each the queries, keys and values in ``order``), the QK-norms and the
+    sinks; ``conv1d`` when the matrices are GPT-2's ``Conv1D`` (stored ``(in, out)``);
+    ``path``, the module of layer ``{i}``'s attention."""
 
     kind: ClassVar[str] = "attention"
     q: str = "q_proj"
@@ -108,9 +135,13 @@ class Projections:
     v: str = "v_proj"
     o: str = "o_proj"
     qkv: str | None = None
+    fusion: str = "contiguous"
+    order: str = "qkv"
+    conv1d: bool = False
     q_norm: str = "q_norm"
     k_norm: str = "k_norm"
     sinks: str = "sinks"
+    path: str = "model.layers.{i}.self_attn"
 
     def tensors(
         self,
@@ -125,15 +156,18 @@ class Projections:
         or across ``"all"`` heads) and the sinks."""
         H, H_kv, d = heads
         q, kv, E = H * d, H_kv * d, d_model
-        tensors = {f"{self.o}.weight": whole("W_o", E, q)}
+        widths = {"q": q, "k": kv, "v": kv, "o": E}
+        tensors = {f"{self.o}.weight": whole("W_o", E, q, transposed=self.conv1d)}
         if self.qkv is not None:
-            parts = (("W_q", q), ("W_k", kv), ("W_v", kv))
-            tensors[f"{self.qkv}.weight"] = Tensor((q + 2 * kv, E), parts)
+            G = FUSIONS[self.fusion](H, H_kv)
+            parts = tuple((f"W_{p}", widths[p] // G) for p in self.order)
+            tensors[f"{self.qkv}.weight"] = Tensor(
+                (E, q + 2 * kv) if self.conv1d else (q + 2 * kv, E), parts, G, self.conv1d
+            )
         else:
             names = {"q": self.q, "k": self.k, "v": self.v}
-            widths = {"q": q, "k": kv, "v": kv}
             tensors |= {f"{names[p]}.weight": whole(f"W_{p}", widths[p], E) for p in "qkv"}
-        tensors |= self._biases(tuple(biased), q, kv, E)
+        tensors |= self._biases(tuple(biased), widths, H, H_kv)
         if qk_norm is not None:
             per_head = qk_norm == "head"
             tensors[f"{self.q_norm}.weight"] = whole("q_norm", d if per_head else q)
@@ -142,24 +176,55 @@ class Projections:
             tensors[self.sinks] = whole("sinks", H)
         return tensors
 
-    def _biases(self, biased: tuple[str, ...], q: int, kv: int, E: int) -> dict[str, Tensor]:
-        widths = {"q": q, "k": kv, "v": kv, "o": E}
+    def _biases(
+        self, biased: tuple[str, ...], widths: dict[str, int], H: int, H_kv: int
+    ) -> dict[str, Tensor]:
         if self.qkv is None:
             names = {"q": self.q, "k": self.k, "v": self.v, "o": self.o}
             return {f"{names[p]}.bias": whole(f"b_{p}", widths[p]) for p in biased}
         tensors = {}
         if any(p in biased for p in "qkv"):  # one bias for the fused projection
-            parts = (("b_q", q), ("b_k", kv), ("b_v", kv))
-            tensors[f"{self.qkv}.bias"] = Tensor((q + 2 * kv,), parts)
+            G = FUSIONS[self.fusion](H, H_kv)
+            parts = tuple((f"b_{p}", widths[p] // G) for p in self.order)
+            rows = widths["q"] + widths["k"] + widths["v"]
+            tensors[f"{self.qkv}.bias"] = Tensor((rows,), parts, G)
         if "o" in biased:
-            tensors[f"{self.o}.bias"] = whole("b_o", E)
+            tensors[f"{self.o}.bias"] = whole("b_o", widths["o"])
         return tensors
+
+    def grouped(self, heads: tuple[int, int, int]) -> bool:
+        """Whether the fused rows divide into the layout's blocks for ``heads``."""
+        H, H_kv, d = heads
+        G = FUSIONS[self.fusion](H, H_kv) if self.qkv is not None else 1
+        return H * d % G == 0 and H_kv * d % G == 0
 
 
 SEPARATE_QKV = Projections()
 """``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` (Llama's and most families')."""
 FUSED_QKV = Projections(qkv="qkv_proj")
 """One ``qkv_proj`` and ``o_proj`` (Phi-3's)."""
+GPT2_LAYOUT = Projections(o="c_proj", qkv="c_attn", conv1d=True, path="transformer.h.{i}.attn")
+"""GPT-2's ``Conv1D`` ``c_attn`` (queries, keys, values) and ``c_proj``."""
+BIGCODE = Projections(o="c_proj", qkv="c_attn", fusion="per_kv_head", path="transformer.h.{i}.attn")
+"""BigCode's ``c_attn``: one key/value head (multi-query) after the queries, or each head's
+query, key and value in turn."""
+GPT_NEOX = Projections(
+    o="dense", qkv="query_key_value", fusion="per_kv_head", path="gpt_neox.layers.{i}.attention"
+)
+BLOOM = Projections(
+    o="dense", qkv="query_key_value", fusion="per_kv_head", path="transformer.h.{i}.self_attention"
+)
+FALCON = BLOOM
+"""Falcon's ``query_key_value`` in blocks of one key/value head each, as BLOOM's."""
+GPTJ = Projections(o="out_proj", path="transformer.h.{i}.attn")
+CODEGEN = Projections(
+    o="out_proj", qkv="qkv_proj", fusion="four_blocks", order="qvk", path="transformer.h.{i}.attn"
+)
+GPT_NEO = Projections(o="out_proj", path="transformer.h.{i}.attn.attention")
+MPT = Projections(o="out_proj", qkv="Wqkv", path="transformer.blocks.{i}.attn")
+OPT = Projections(o="out_proj", path="model.decoder.layers.{i}.self_attn")
+BIOGPT = Projections(o="out_proj", path="biogpt.layers.{i}.self_attn")
+XGLM = Projections(o="out_proj")
 
 
 @dataclass(frozen=True)
@@ -175,6 +240,7 @@ class LatentProjections:
     kv_a_norm: str = "kv_a_layernorm"
     kv_b: str = "kv_b_proj"
     o: str = "o_proj"
+    path: str = "model.layers.{i}.self_attn"
 
     def tensors(self, settings: Mapping[str, Any], biased: Iterable[str]) -> dict[str, Tensor]:
         """The tensors of a latent layer of these ``settings`` (:class:`mha.LatentSpec`'s
@@ -209,10 +275,12 @@ LATENT = LatentProjections()
 """DeepSeek V2's and V3's modules."""
 
 
-def attention_prefix(source: Source, index: int) -> str:
-    """Where layer ``index``'s attention tensors are: under ``model.`` for a causal LM's
-    checkpoint, at the top for a bare model's."""
-    candidates = (f"model.layers.{index}.self_attn.", f"layers.{index}.self_attn.")
+def attention_prefix(source: Source, index: int, path: str = SEPARATE_QKV.path) -> str:
+    """Where layer ``index``'s attention tensors are: at the layout's ``path`` (a causal
+    LM's checkpoint: ``model.layers.{i}.self_attn``), or below its first name (a bare
+    model's: ``layers.{i}.self_attn``)."""
+    full = path.format(i=index) + "."
+    candidates = (full, full.split(".", 1)[1])
     keys = list(source)
     for prefix in candidates:
         if any(key.startswith(prefix) for key in keys):

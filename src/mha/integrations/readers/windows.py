@@ -6,7 +6,8 @@ when the config has none is the config class's: :func:`by_layer_types` (every ``
 layer full, the others sliding: Gemma 2 and 3, gpt-oss), :data:`QWEN_WINDOWS` (the layers
 from ``max_window_layers`` on, when ``use_sliding_window``; without it Qwen's
 ``sliding_window`` is dropped whatever ``layer_types`` says), :data:`SLIDING_IF_WINDOWED`
-(every layer when there is a ``sliding_window``: Ministral).
+(every layer when there is a ``sliding_window``: Ministral), :data:`GPT_NEO_WINDOWS`
+(``attention_types``' ``local`` layers).
 
 >>> from types import SimpleNamespace
 >>> from mha.integrations.readers.config import Settings
@@ -19,8 +20,8 @@ from ``max_window_layers`` on, when ``use_sliding_window``; without it Qwen's
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ...errors import AttentionValueError
@@ -28,6 +29,7 @@ from .config import FULL, SLIDING, Settings
 
 __all__ = [
     "EVERY_LAYER",
+    "GPT_NEO_WINDOWS",
     "NO_WINDOWS",
     "QWEN_WINDOWS",
     "SLIDING_IF_WINDOWED",
@@ -86,14 +88,17 @@ LayerTypes = Callable[[Settings, int], list[str]]
 
 @dataclass(frozen=True)
 class ByLayerTypes:
-    """The layers the config's ``layer_types`` (else ``default``'s) says slide, by ``size``'s
-    window."""
+    """The layers the config's ``layer_types`` (else ``default``'s; always ``default``'s
+    when ``given`` is false) says slide, by ``size``'s window; ``names`` maps a family's own
+    names of the types to transformers' (GPT-Neo's ``local``: sliding)."""
 
     default: LayerTypes
     size: Callable[[Settings], Any] = sliding_window
+    given: bool = True
+    names: Mapping[str, str] = field(default_factory=dict)
 
     def layer_type(self, read: Settings, index: int) -> str:
-        types = read.get("layer_types")
+        types = read.get("layer_types") if self.given else None
         count = read.positive("num_hidden_layers")
         if types is None:
             types = self.default(read, count)
@@ -102,7 +107,8 @@ class ByLayerTypes:
                 f"{read.path}: config.json's layer_types must list one type for each of its "
                 f"{count} layers; got {types!r}"
             )
-        kind = _LEGACY_LAYER_TYPES.get(types[index], types[index])
+        names = {**_LEGACY_LAYER_TYPES, **self.names}
+        kind = names.get(types[index], types[index])
         if kind not in (SLIDING, FULL):
             raise read.refuse(f"layer {index} of type {kind!r} (mha reads {SLIDING} and {FULL})")
         return str(kind)
@@ -141,7 +147,28 @@ def sliding_if_windowed(read: Settings, count: int) -> list[str]:
     return [SLIDING if read.get("sliding_window") is not None else FULL] * count
 
 
+def gpt_neo_layer_types(read: Settings, count: int) -> list[str]:
+    """GPT-Neo's ``attention_layers``, which its config class always expands from
+    ``attention_types`` (``[[["global", "local"], 12]]`` when null): each ``[types, n]``
+    repeats the types ``n`` times."""
+    spec = read.get("attention_types") or [[["global", "local"], 12]]
+    try:
+        return [kind for kinds, repeat in spec for _ in range(repeat) for kind in kinds]
+    except (TypeError, ValueError):
+        raise AttentionValueError(
+            f"{read.path}: config.json's attention_types must list [[types, count], ...]; "
+            f"got {spec!r}"
+        ) from None
+
+
 NO_WINDOWS = NoWindows()
 EVERY_LAYER = EveryLayer()
 QWEN_WINDOWS = ByLayerTypes(qwen_layer_types, size=qwen_window)
 SLIDING_IF_WINDOWED = ByLayerTypes(sliding_if_windowed)
+GPT_NEO_WINDOWS = ByLayerTypes(
+    gpt_neo_layer_types,
+    size=lambda read: read.get("window_size"),
+    given=False,
+    names={"global": FULL, "local": SLIDING},
+)
+"""GPT-Neo's ``local`` layers, which see the last ``window_size`` positions."""
