@@ -436,7 +436,7 @@ def test_the_defaults_are_the_config_classes(family, transformers):
         outer, _, inner = key.rpartition(".")  # MPT's attn_config.alibi: its sub-config's
         owner = config_class.sub_configs[outer] if outer else config_class
         assert owner.__dataclass_fields__[inner].default == value, (family, key)
-    if name not in ("gemma3_text",):
+    if not isinstance(config_class.default_theta, dict):  # one base per layer type: rope.py
         assert config_class.default_theta == FAMILIES[name].rope.theta
 
 

@@ -114,6 +114,10 @@ CHANGES = {
     "opt": [{"scale": 1.0}, {"b_q": None}],
     "biogpt": [{"scale": 1.0}, {"b_q": None}],
     "xglm": [{"scale": 1.0}, {"b_q": None}],
+    "ctrl": [{"scale": 1.0}, {"b_q": None}],
+    "exaone": [{"rope_theta": 10000.0}],  # the config's, not the class's 500000
+    "cwm": [{"window": None}, {"rope_scaling": None}],
+    "modernbert-decoder": [{"window": None}, {"rope_theta": 10000.0}, {"b_o": None}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3

@@ -117,6 +117,18 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "opt": ("OPT", {**OLDER, "word_embed_proj_dim": 48, "ffn_dim": 32}),
     "biogpt": ("BioGpt", OLDER),
     "xglm": ("XGLM", {**OLDER, "ffn_dim": 32}),
+    "ctrl": ("CTRL", {**OLDER, "dff": 32}),
+    # Llama's attention: EXAONE 3's under GPT-2's names in its own checkpoints; CWM's with
+    # every fourth layer full from the first
+    "exaone": ("Exaone", {}),
+    "cwm": ("Cwm", {"sliding_window": 5, "bos_token_id": 1, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500.0, "factor": 4.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": LONG}}),
+    "modernbert-decoder": ("ModernBertDecoder", {
+        "head_dim": ABSENT, "local_attention": 10, "attention_bias": True, "pad_token_id": 0,
+        "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1, "sep_token_id": 2,
+        "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 100.0},
+                            FULL: {"rope_type": "default", "rope_theta": 3000.0}}}),
 }  # fmt: skip
 """Each family's class names (``{name}Config``, ``{name}ForCausalLM``; Gemma 3's
 ``Gemma3ForCausalLM``) and what its config changes from ``COMMON``."""
@@ -126,7 +138,11 @@ FAMILIES = tuple(MODELS)
 query's low-rank projection (``q_lora_rank=None``), with biases and halves rotary."""
 
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
-LLAMA_LAYOUT = FAMILIES[: FAMILIES.index("arcee") + 1]
+OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gptj", "codegen",
+                 "gpt_neo", "bloom", "mpt", "falcon", "falcon_alibi", "opt", "biogpt", "xglm",
+                 "ctrl", "modernbert-decoder")  # fmt: skip
+"""The families whose attention modules are not Llama's."""
+LLAMA_LAYOUT = tuple(family for family in FAMILIES if family not in OTHER_LAYOUTS)
 """The families whose attention is Llama's module, ``model.layers[i].self_attn``, with its
 attributes (``scaling``, ``head_dim``, ``q_proj``, ...)."""
 
@@ -142,7 +158,8 @@ def _settings(family: str) -> tuple[str, str, dict[str, Any]]:
     for key in [key for key, value in settings.items() if value is ABSENT]:
         del settings[key]
     model = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel",
-             "OpenAIGPT": "OpenAIGPTLMHeadModel", "CTRL": "CTRLLMHeadModel"}.get(
+             "OpenAIGPT": "OpenAIGPTLMHeadModel", "CTRL": "CTRLLMHeadModel",
+             "Exaone": "LlamaForCausalLM"}.get(
         name, f"{name}ForCausalLM")  # fmt: skip
     return f"{name}Config", model, settings
 
@@ -179,9 +196,12 @@ def attention_modules(model: Any) -> list[Any]:
 
 
 def attention_path(model: Any) -> str:
-    """The module path of layer ``{i}``'s attention in ``model`` (the readers' layout's)."""
+    """The module path of layer ``{i}``'s attention in ``model``: the readers' layout's,
+    but Llama's for EXAONE 3 (transformers loads its tensors into Llama's modules)."""
     from mha.integrations import readers
 
+    if model.config.model_type == "exaone":
+        return "model.layers.{i}.self_attn"
     return str(readers.FAMILIES[model.config.model_type].tensors.path)
 
 

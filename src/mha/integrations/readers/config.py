@@ -69,21 +69,29 @@ class Settings:
 
     def get(self, key: str, default: Any = None) -> Any:
         """``key``'s value: ``config.json``'s, else the class's default, else ``default``."""
-        key = self.name(key)
-        self.read.append(key)
-        found, value = _find(self.config, key)
+        found, name, value = self._given(key)
+        self.read.append(name)
         if found:
             return value
-        return self.defaults.get(key, default)
+        return self.defaults.get(name, self.defaults.get(key, default))
 
     def given(self, key: str, default: Any = None) -> Any:
         """``key``'s value in ``config.json`` (``default`` when it has none)."""
-        found, value = _find(self.config, self.name(key))
+        found, _, value = self._given(key)
         return value if found else default
 
     def has(self, key: str) -> bool:
         """Whether ``config.json`` or the class's defaults hold ``key``."""
-        return _find(self.config, self.name(key))[0] or self.name(key) in self.defaults
+        return self._given(key)[0] or self.name(key) in self.defaults or key in self.defaults
+
+    def _given(self, key: str) -> tuple[bool, str, Any]:
+        """Whether ``config.json`` gives ``key``, under which name, and its value: the
+        family's name, else the common one (a config class's ``attribute_map`` takes both)."""
+        for name in dict.fromkeys((self.name(key), key)):
+            found, value = _find(self.config, name)
+            if found:
+                return True, name, value
+        return False, self.name(key), None
 
     def positive(self, key: str, optional: bool = False) -> Any:
         """A positive integer (or, when ``optional``, ``None``)."""

@@ -183,3 +183,39 @@ OPT: dict[str, Any] = {
 }
 BIOGPT: dict[str, Any] = {"hidden_size": 1024, "num_attention_heads": 16, "num_hidden_layers": 24}
 XGLM: dict[str, Any] = {"d_model": 1024, "attention_heads": 16, "num_layers": 24}
+CTRL: dict[str, Any] = {"n_embd": 1280, "n_head": 16, "n_layer": 48, "n_positions": 256}
+EXAONE: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": None,
+    "attention_bias": False,
+    "max_position_embeddings": 4096,
+}
+CWM: dict[str, Any] = {
+    "hidden_size": 6144,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 48,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "sliding_window": 8192,
+    "max_position_embeddings": 131072,
+}
+CWM_ROPE: dict[str, Any] = {
+    "rope_theta": 1e6,
+    "rope_type": "llama3",
+    "factor": 16.0,
+    "high_freq_factor": 4.0,
+    "low_freq_factor": 1.0,
+    _OMPE: 8192,
+}
+"""CWM's ``rope_parameters`` when the config gives none."""
+MODERNBERT_DECODER: dict[str, Any] = {
+    "hidden_size": 768,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 12,
+    "attention_bias": False,
+    "local_attention": 128,
+    "max_position_embeddings": 8192,
+}

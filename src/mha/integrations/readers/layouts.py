@@ -225,6 +225,11 @@ MPT = Projections(o="out_proj", qkv="Wqkv", path="transformer.blocks.{i}.attn")
 OPT = Projections(o="out_proj", path="model.decoder.layers.{i}.self_attn")
 BIOGPT = Projections(o="out_proj", path="biogpt.layers.{i}.self_attn")
 XGLM = Projections(o="out_proj")
+CTRL = Projections(q="Wq", k="Wk", v="Wv", o="dense", path="transformer.h.{i}.multi_head_attention")
+EXAONE = Projections(o="out_proj", path="transformer.h.{i}.attn.attention")
+"""EXAONE 3's own names, which transformers renames to Llama's when it loads them and back
+when it saves."""
+MODERNBERT_DECODER = Projections(o="Wo", path="model.layers.{i}.attn")
 
 
 @dataclass(frozen=True)

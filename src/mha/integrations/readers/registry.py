@@ -33,8 +33,10 @@ from .family import (
 from .layouts import FUSED_QKV, LATENT, NO_BIASES, QKV_BIASES, Biases
 from .rope import Rope
 from .windows import (
+    CWM_WINDOWS,
     EVERY_LAYER,
     GPT_NEO_WINDOWS,
+    MODERNBERT_WINDOWS,
     QWEN_WINDOWS,
     SLIDING_IF_WINDOWED,
     by_layer_types,
@@ -254,6 +256,43 @@ register(
         heads=split_hidden,
         biases=ALWAYS,
         rope=NO_ROPE,
+    ),
+    Family(
+        "ctrl",
+        defaults.CTRL,
+        keys=_GPT2_KEYS,
+        tensors=layouts.CTRL,
+        heads=split_hidden,
+        biases=ALWAYS,
+        rope=NO_ROPE,
+    ),
+    # Llama's attention under EXAONE 3's names; CWM's, with sliding layers
+    Family(
+        "exaone",
+        defaults.EXAONE,
+        keys={"num_hidden_layers": "num_layers"},
+        tensors=layouts.EXAONE,
+        rope=Rope(theta=500_000.0),
+    ),
+    Family(
+        "cwm",
+        defaults.CWM,
+        biases=NO_BIASES,
+        windows=CWM_WINDOWS,
+        rope=Rope(theta=1e6, parameters=defaults.CWM_ROPE),
+    ),
+    Family(
+        "modernbert-decoder",
+        defaults.MODERNBERT_DECODER,
+        tensors=layouts.MODERNBERT_DECODER,
+        heads=split_hidden,
+        windows=MODERNBERT_WINDOWS,
+        rope=Rope(
+            per_layer_type={
+                FULL: ("global_rope_theta", 160_000.0),
+                SLIDING: ("local_rope_theta", 10_000.0),
+            }
+        ),
     ),
 )
 

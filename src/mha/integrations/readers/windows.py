@@ -28,8 +28,10 @@ from ...errors import AttentionValueError
 from .config import FULL, SLIDING, Settings
 
 __all__ = [
+    "CWM_WINDOWS",
     "EVERY_LAYER",
     "GPT_NEO_WINDOWS",
+    "MODERNBERT_WINDOWS",
     "NO_WINDOWS",
     "QWEN_WINDOWS",
     "SLIDING_IF_WINDOWED",
@@ -161,6 +163,25 @@ def gpt_neo_layer_types(read: Settings, count: int) -> list[str]:
         ) from None
 
 
+def full_first_of_every(pattern: int, key: str | None = None) -> LayerTypes:
+    """Layers ``0, pattern, 2 * pattern, ...`` full, the others sliding (the config key
+    ``key``, when given, overrides ``pattern``: ModernBERT's ``global_attn_every_n_layers``)."""
+
+    def layer_types(read: Settings, count: int) -> list[str]:
+        every = read.get(key, pattern) if key else pattern
+        return [FULL if i % every == 0 else SLIDING for i in range(count)]
+
+    return layer_types
+
+
+def half_local_attention(read: Settings) -> Any:
+    """ModernBERT-decoder's window: half its ``local_attention``."""
+    local = read.get("local_attention")
+    if not local:
+        raise read.refuse(f"local_attention={local!r} (a sliding window of -1 positions)")
+    return local // 2
+
+
 NO_WINDOWS = NoWindows()
 EVERY_LAYER = EveryLayer()
 QWEN_WINDOWS = ByLayerTypes(qwen_layer_types, size=qwen_window)
@@ -172,3 +193,7 @@ GPT_NEO_WINDOWS = ByLayerTypes(
     names={"global": FULL, "local": SLIDING},
 )
 """GPT-Neo's ``local`` layers, which see the last ``window_size`` positions."""
+CWM_WINDOWS = ByLayerTypes(full_first_of_every(4))
+MODERNBERT_WINDOWS = ByLayerTypes(
+    full_first_of_every(3, "global_attn_every_n_layers"), size=half_local_attention
+)
