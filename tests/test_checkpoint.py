@@ -549,6 +549,22 @@ def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
          "rope_parameters['beta_fast'] must be at least rope_parameters['beta_slow']"),
         ("gpt_oss", {"rope_parameters": None, "rope_scaling": {"rope_type": "linear"}},
          "rope_scaling needs the key 'factor' for rope_type 'linear' ("),
+        ("mpt", {"attn_config": {"clip_qkv": 6.0}},
+         "mpt with attn_config.clip_qkv=6.0 (queries, keys and values clamped)"),
+        ("mpt", {"attn_config": {"alibi_bias_max": 16}}, "attn_config.alibi_bias_max=16 (ALiBi "
+         "slopes of another alibi_bias_max, which transformers' MPT ignores (it takes 8))"),
+        ("mpt", {"attn_config": {"alibi": False}},
+         "attn_config.alibi=False (no ALiBi, which transformers' MPT applies all the same)"),
+        ("gptj", {"rotary_dim": None}, "gptj with rotary_dim=None, whose rotary embedding is "
+         "as wide as hidden_size=48, not a head's 12 features"),
+        ("codegen", {"rotary_dim": 0}, "config.json has rotary_dim=0; a positive integer"),
+        ("codegen", {"n_embd": 30, "n_head": 3},
+         "codegen with 3 heads of 10 features, which its qkv_proj cannot split"),
+        ("gpt2", {"n_head": 5}, "gpt2 with n_embd=48 not a multiple of n_head=5"),
+        ("modernbert-decoder", {"local_attention": None, "layer_types": ["sliding_attention"] * 3},
+         "local_attention=None (a sliding window of -1 positions)"),
+        ("gpt_neo", {"attention_types": [["local", 3]], "attention_layers": None},
+         "attention_types must list"),
     ],
 )  # fmt: skip
 def test_configs_mha_would_compute_differently_are_refused(tmp_path, family, change, said,

@@ -115,6 +115,7 @@ CHANGES = {
     "biogpt": [{"scale": 1.0}, {"b_q": None}],
     "xglm": [{"scale": 1.0}, {"b_q": None}],
     "ctrl": [{"scale": 1.0}, {"b_q": None}],
+    "openai-gpt": [{"scale": 1.0}, {"b_o": None}],
     "exaone": [{"rope_theta": 10000.0}],  # the config's, not the class's 500000
     "cwm": [{"window": None}, {"rope_scaling": None}],
     "modernbert-decoder": [{"window": None}, {"rope_theta": 10000.0}, {"b_o": None}],
@@ -181,3 +182,46 @@ def test_a_renamed_family_is_one_row(tmp_path, monkeypatch, transformers, record
     (folder / "config.json").write_text(json.dumps({**config, "model_type": row.name, "n_head": 0}))
     with pytest.raises(AttentionValueError, match=r"config\.json has n_head=0"):
         mha.MultiHeadAttention.from_pretrained(folder, layer=0)
+
+
+OLDER_CONFIGS = [
+    ("gpt_neox", {"rotary_pct": 1 / 3, "rotary_emb_base": 800.0}, ("rope_parameters",)),
+    ("gpt2", {"scale_attn_weights": False, "scale_attn_by_inverse_layer_idx": False}, ()),
+    # GPT-Neo's attention_layers, else its config class's expansion of attention_types
+    ("gpt_neo", {"attention_types": [[["local", "global", "local"], 1]]},
+     ("attention_layers",)),
+    ("gpt_neo", {"attention_types": [[["local", "global", "local"], 1]],
+                 "attention_layers": ["global", "local", "global"]}, ()),
+    ("mpt", {}, ("attn_config",)),  # its defaults: ALiBi, 1/sqrt(head_dim)
+    ("exaone", {"num_layers": 3, "rope_theta": 900.0}, ("num_hidden_layers", "rope_parameters")),
+    ("cwm", {}, ("layer_types", "rope_parameters")),  # llama3 rope of base 1e6, factor 16
+    ("modernbert-decoder", {"global_attn_every_n_layers": 2, "global_rope_theta": 900.0,
+                            "local_rope_theta": 50.0}, ("layer_types", "rope_parameters")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "change", "drop"), OLDER_CONFIGS)
+def test_older_configs_are_read_as_transformers_reads_them(
+    tmp_path, family, change, drop, transformers
+):
+    """Older config.json files (the families' old keys, or none where the class fills them
+    in), each loaded by transformers and compared layer by layer: the variant computes
+    something else than the tiny model's own config, and what transformers computes."""
+    from support.rope_oracle import float64_rotary, rotary_modules
+
+    folder = shutil.copytree(models.saved(family), tmp_path / family)
+    config = json.loads((folder / "config.json").read_text())
+    config = {key: value for key, value in config.items() if key not in drop} | change
+    (folder / "config.json").write_text(json.dumps(config))
+    model = models.transformers_model(family, folder)
+    if rotary_modules(model):
+        float64_rotary(model)
+    calls = models.decoding_calls(model, B, L, L - 1)
+    differs = 0.0
+    for layer, layer_calls in enumerate(calls):
+        x, expected = layer_calls[0]
+        attention = mha.MultiHeadAttention.from_pretrained(folder, layer=layer, dtype=np.float64)
+        out = attention(x, mask=True)
+        assert relative_error(out, expected) <= TOLERANCE, layer
+        differs = max(differs, relative_error(out, load(family, layer)(x, mask=True)))
+    assert differs > 1e-4

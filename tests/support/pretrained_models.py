@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -118,6 +119,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "biogpt": ("BioGpt", OLDER),
     "xglm": ("XGLM", {**OLDER, "ffn_dim": 32}),
     "ctrl": ("CTRL", {**OLDER, "dff": 32}),
+    "openai-gpt": ("OpenAIGPT", OLDER),  # no cache: decoding against each prefix's last token
     # Llama's attention: EXAONE 3's under GPT-2's names in its own checkpoints; CWM's with
     # every fourth layer full from the first
     "exaone": ("Exaone", {}),
@@ -140,7 +142,7 @@ query's low-rank projection (``q_lora_rank=None``), with biases and halves rotar
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gptj", "codegen",
                  "gpt_neo", "bloom", "mpt", "falcon", "falcon_alibi", "opt", "biogpt", "xglm",
-                 "ctrl", "modernbert-decoder")  # fmt: skip
+                 "ctrl", "openai-gpt", "modernbert-decoder")  # fmt: skip
 """The families whose attention modules are not Llama's."""
 LLAMA_LAYOUT = tuple(family for family in FAMILIES if family not in OTHER_LAYOUTS)
 """The families whose attention is Llama's module, ``model.layers[i].self_attn``, with its
@@ -205,7 +207,7 @@ def attention_path(model: Any) -> str:
     return str(readers.FAMILIES[model.config.model_type].tensors.path)
 
 
-EAGER = ("gemma2", "gpt_oss", "gpt_neo", "bloom", "mpt", "xglm")
+EAGER = ("gemma2", "gpt_oss", "gpt_neo", "bloom", "mpt", "xglm", "openai-gpt")
 """The families whose attention is eager only (Gemma 2's soft-capping, gpt-oss's sinks,
 the older families' own attention code)."""
 
@@ -234,14 +236,16 @@ def saved(family: str) -> Path:
     return _SAVED[family]
 
 
-def transformers_model(family: str) -> Any:
-    """``family``'s saved checkpoint loaded by transformers in float64, for oracles."""
+def transformers_model(family: str, folder: Path | None = None) -> Any:
+    """``family``'s saved checkpoint (or the one in ``folder``, a variant of it) loaded by
+    transformers in float64, for oracles, as ``AutoModelForCausalLM`` loads it (EXAONE 3's
+    config class with Llama's model)."""
     import torch
     import transformers
 
-    _, model_name, settings = _settings(family)
-    model_class = getattr(transformers, model_name)
-    folder = saved(family)
+    _, _, settings = _settings(family)
+    model_class = transformers.AutoModelForCausalLM
+    folder = saved(family) if folder is None else folder
     # the experts' grouped matrix products take no float64: their loop does
     experts = {"experts_implementation": "eager"} if "experts_implementation" in settings else {}
     with _quiet():
@@ -278,7 +282,9 @@ def _root() -> Path:
 def decoding_calls(model: Any, B: int, L: int, prefill: int) -> list[list[Any]]:
     """Each layer's attention calls in ``model`` (float64, its rotary made float64 first),
     ``(input, output)`` as NumPy: a whole sequence of ``L`` tokens for each of ``B``, then a
-    prefill of ``prefill`` tokens and each decoding step with transformers' DynamicCache."""
+    prefill of ``prefill`` tokens and each decoding step with transformers' DynamicCache. A
+    model without a cache (GPT-1) computes each step as the last token of its prefix, which a
+    causal attention computes the same."""
     import torch
     import transformers
 
@@ -289,15 +295,23 @@ def decoding_calls(model: Any, B: int, L: int, prefill: int) -> list[list[Any]]:
     ids = torch.randint(
         0, model.config.vocab_size, (B, L), generator=torch.Generator().manual_seed(0)
     )
+    cached = "cache" in inspect.signature(model.forward).parameters
     try:
         with torch.no_grad(), float64_torch():
             model(ids)
-            cache = transformers.DynamicCache(config=model.config)
-            model(ids[:, :prefill], cache=cache, use_cache=True)
-            for t in range(prefill, L):
-                model(ids[:, t : t + 1], cache=cache, use_cache=True)
+            if cached:
+                cache = transformers.DynamicCache(config=model.config)
+                model(ids[:, :prefill], cache=cache, use_cache=True)
+                for t in range(prefill, L):
+                    model(ids[:, t : t + 1], cache=cache, use_cache=True)
+            else:
+                for t in range(prefill, L + 1):
+                    model(ids[:, :t])
     finally:
         recorder.close()
+    if not cached:  # each step: the last token of its prefix
+        for calls in recorder.calls:
+            calls[2:] = [(x[:, -1:], out[:, -1:]) for x, out in calls[2:]]
     return recorder.calls
 
 

@@ -219,3 +219,4 @@ MODERNBERT_DECODER: dict[str, Any] = {
     "local_attention": 128,
     "max_position_embeddings": 8192,
 }
+OPENAI_GPT: dict[str, Any] = {"n_embd": 768, "n_head": 12, "n_layer": 12, "n_positions": 512}

@@ -58,8 +58,9 @@ def split_hidden(read: Settings, H_kv: int | None = None) -> tuple[int, int, int
     E, H = read.positive("hidden_size"), read.positive("num_attention_heads")
     if E % H:
         raise read.refuse(
-            f"hidden_size={E} not a multiple of num_attention_heads={H} (transformers' "
-            f"{read.family} attention needs it)"
+            f"{read.name('hidden_size')}={E} not a multiple of "
+            f"{read.name('num_attention_heads')}={H} (transformers' {read.family} attention "
+            "needs it)"
         )
     return H, H if H_kv is None else H_kv, E // H
 

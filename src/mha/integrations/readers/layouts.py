@@ -204,7 +204,7 @@ SEPARATE_QKV = Projections()
 FUSED_QKV = Projections(qkv="qkv_proj")
 """One ``qkv_proj`` and ``o_proj`` (Phi-3's)."""
 GPT2_LAYOUT = Projections(o="c_proj", qkv="c_attn", conv1d=True, path="transformer.h.{i}.attn")
-"""GPT-2's ``Conv1D`` ``c_attn`` (queries, keys, values) and ``c_proj``."""
+"""GPT-2's ``Conv1D`` ``c_attn`` (queries, keys, values) and ``c_proj``; GPT-1's too."""
 BIGCODE = Projections(o="c_proj", qkv="c_attn", fusion="per_kv_head", path="transformer.h.{i}.attn")
 """BigCode's ``c_attn``: one key/value head (multi-query) after the queries, or each head's
 query, key and value in turn."""

@@ -49,6 +49,8 @@ FAMILIES: dict[str, Family] = {}
 
 _GPT2_KEYS = {"hidden_size": "n_embd", "num_attention_heads": "n_head",
               "num_hidden_layers": "n_layer", "max_position_embeddings": "n_positions"}  # fmt: skip
+_GPT_NEO_KEYS = {"num_attention_heads": "num_heads", "num_hidden_layers": "num_layers",
+                 "layer_types": "attention_layers"}  # fmt: skip
 _MPT_KEYS = {"num_attention_heads": "n_heads", "hidden_size": "d_model",
              "num_hidden_layers": "n_layers"}  # fmt: skip
 _XGLM_KEYS = {"num_attention_heads": "attention_heads", "hidden_size": "d_model",
@@ -193,7 +195,7 @@ register(
     Family(
         "gpt_neo",
         defaults.GPT_NEO,
-        keys={"num_attention_heads": "num_heads", "num_hidden_layers": "num_layers"},
+        keys=_GPT_NEO_KEYS,
         tensors=layouts.GPT_NEO,
         heads=split_hidden,
         biases=Biases(roles=("o",)),
@@ -253,6 +255,15 @@ register(
         defaults.XGLM,
         keys=_XGLM_KEYS,
         tensors=layouts.XGLM,
+        heads=split_hidden,
+        biases=ALWAYS,
+        rope=NO_ROPE,
+    ),
+    Family(
+        "openai-gpt",
+        defaults.OPENAI_GPT,
+        keys=_GPT2_KEYS,
+        tensors=layouts.GPT2_LAYOUT,
         heads=split_hidden,
         biases=ALWAYS,
         rope=NO_ROPE,

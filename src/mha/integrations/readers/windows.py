@@ -90,17 +90,16 @@ LayerTypes = Callable[[Settings, int], list[str]]
 
 @dataclass(frozen=True)
 class ByLayerTypes:
-    """The layers the config's ``layer_types`` (else ``default``'s; always ``default``'s
-    when ``given`` is false) says slide, by ``size``'s window; ``names`` maps a family's own
-    names of the types to transformers' (GPT-Neo's ``local``: sliding)."""
+    """The layers the config's ``layer_types`` (else ``default``'s) says slide, by ``size``'s
+    window; ``names`` maps a family's own names of the types to transformers' (GPT-Neo's
+    ``local``: sliding)."""
 
     default: LayerTypes
     size: Callable[[Settings], Any] = sliding_window
-    given: bool = True
     names: Mapping[str, str] = field(default_factory=dict)
 
     def layer_type(self, read: Settings, index: int) -> str:
-        types = read.get("layer_types") if self.given else None
+        types = read.get("layer_types")
         count = read.positive("num_hidden_layers")
         if types is None:
             types = self.default(read, count)
@@ -150,17 +149,20 @@ def sliding_if_windowed(read: Settings, count: int) -> list[str]:
 
 
 def gpt_neo_layer_types(read: Settings, count: int) -> list[str]:
-    """GPT-Neo's ``attention_layers``, which its config class always expands from
-    ``attention_types`` (``[[["global", "local"], 12]]`` when null): each ``[types, n]``
-    repeats the types ``n`` times."""
+    """GPT-Neo's ``attention_layers`` when the config has none: its config class expands
+    them from ``attention_types`` (``[[["global", "local"], 12]]`` when null), each
+    ``[types, n]`` the types ``n`` times."""
     spec = read.get("attention_types") or [[["global", "local"], 12]]
-    try:
-        return [kind for kinds, repeat in spec for _ in range(repeat) for kind in kinds]
-    except (TypeError, ValueError):
+    pairs: list[Any] = spec if isinstance(spec, list) else [None]
+    if not all(
+        isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], list)
+        and isinstance(pair[1], int) for pair in pairs
+    ):  # fmt: skip
         raise AttentionValueError(
             f"{read.path}: config.json's attention_types must list [[types, count], ...]; "
             f"got {spec!r}"
-        ) from None
+        )
+    return [kind for kinds, repeat in pairs for _ in range(repeat) for kind in kinds]
 
 
 def full_first_of_every(pattern: int, key: str | None = None) -> LayerTypes:
@@ -189,7 +191,6 @@ SLIDING_IF_WINDOWED = ByLayerTypes(sliding_if_windowed)
 GPT_NEO_WINDOWS = ByLayerTypes(
     gpt_neo_layer_types,
     size=lambda read: read.get("window_size"),
-    given=False,
     names={"global": FULL, "local": SLIDING},
 )
 """GPT-Neo's ``local`` layers, which see the last ``window_size`` positions."""
