@@ -10,7 +10,12 @@ model, which would hide every error below 1e-7: its rotary embeddings
 (support.rope_oracle.float64_rotary runs its own code in float64), and its RMSNorms (QK-norm,
 DeepSeek's latent norms) and Gemma 2's eager softmax, which ask for float32: the whole
 forward runs under support.rope_oracle.float64_torch, where a request for float32 gets
-float64. Everything else is transformers' code as it is.
+float64. Everything else is transformers' code as it is. GPT-J's and CodeGen's sine table is
+recomputed in float64 by their own function; BLOOM's attention returns its output plus the
+residual, which the recorder subtracts; GPT-1 has no cache, so its decoding steps are
+compared against the last token of each prefix. The older configs (the families' own keys,
+or none where the class fills them in) are compared the same way, from variants of the
+saved checkpoints.
 
 DeepSeek V2, whose rotary embedding is complex (``torch.polar``), has its own float64 oracle
 in test_pretrained_deepseek_v2.py.

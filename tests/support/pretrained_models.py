@@ -12,7 +12,13 @@ past ``original_max_position_embeddings`` (16 here), Qwen2's sliding layers from
 ``max_window_layers``, QK-norm per head (Qwen3, Gemma 3) or across heads (OLMo 2), Gemma's
 ``query_pre_attn_scalar`` and soft-capping and local rope base, Phi-3's fused projection with
 longrope and partial rotary, gpt-oss's sinks and yarn, DeepSeek V3's latent attention;
-and the rows that rename an attention the table already reads (Ministral, Mixtral, Arcee).
+the rows that rename an attention the table already reads (Ministral, Mixtral, Arcee,
+EXAONE 3, CWM); and the older layouts (GPT-2 and GPT-1's Conv1D, fused projections in blocks
+per head or per key/value head, BigCode's and Falcon's multi-query and grouped heads,
+GPT-NeoX's partial and GPT-J's interleaved partial rotary, GPT-Neo's unscaled local layers,
+BLOOM's, MPT's and Falcon's ALiBi of six heads, OPT's, BioGPT's, XGLM's and CTRL's biases
+without rope), whose configs keep COMMON's ``num_key_value_heads`` where the family ignores
+it. Each family's attention module is where the reader's row says (:func:`attention_path`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ features it uses. The files:
 * :mod:`.config`: a config read as its class reads it (``config.json``, else the row's
   defaults), the checks of its values, the keys refused by the feature they ask for;
 * :mod:`.rope`: the rope parameters of each layer, standardised as transformers does;
-* :mod:`.windows`: which layers slide and how far;
+* :mod:`.windows`: which layers slide and how far; :mod:`.alibi`: ALiBi's slopes;
 * :mod:`.layouts`: the tensor names of each layout, their shapes and how each becomes mha's
   weights;
 * :mod:`.family` and :mod:`.registry`: the row type and the table, :mod:`.defaults`: each
@@ -25,8 +25,9 @@ features it uses. The files:
 
 Whatever mha would compute differently is refused by name: an unknown ``model_type``, an
 option these readers do not map, a layer's weight that is missing, misshapen or unknown.
-(``pretraining_tp``, which no family's attention reads in transformers 5.24, is ignored; an
-older checkpoint's ``rotary_emb.inv_freq`` buffer is not read: the config gives it.)
+(``pretraining_tp``, which only BLOOM's attention reads, to sum its output projection in
+slices, the same sum, is ignored; an older checkpoint's ``rotary_emb.inv_freq`` buffer is
+not read: the config gives it.)
 
 >>> SUPPORTED[:4]
 ('llama', 'mistral', 'qwen2', 'qwen3')

@@ -8,6 +8,8 @@ function (a window rule, a scale) and a row that names it. Rows registered later
 ('llama', 'mistral', 'qwen2', 'qwen3')
 >>> FAMILIES["phi3"].tensors.qkv, FAMILIES["phi3"].rope.aliases["su"]
 ('qkv_proj', 'longrope')
+>>> FAMILIES["bloom"].tensors.path, FAMILIES["bloom"].tensors.fusion
+('transformer.h.{i}.self_attention', 'per_kv_head')
 """
 
 from __future__ import annotations
