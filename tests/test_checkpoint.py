@@ -645,13 +645,16 @@ def test_older_checkpoints_rotary_buffer_is_not_read(tmp_path, transformers):
     assert sorted(weights) == ["W_k", "W_o", "W_q", "W_v", "b_k", "b_o", "b_q", "b_v"]
 
 
-def test_a_bare_models_checkpoint_is_read_too(tmp_path, transformers):
-    """A ``LlamaModel``'s weights, without the ``model.`` of a causal LM's."""
+@pytest.mark.parametrize(("family", "prefix"), [("mistral", "model."), ("gpt2", "transformer."),
+                                              ("opt", "model.")])  # fmt: skip
+def test_a_bare_models_checkpoint_is_read_too(tmp_path, family, prefix, transformers):
+    """A bare model's weights (``LlamaModel``'s, ``GPT2Model``'s, ``OPTModel``'s), without
+    the first name of a causal LM's (``model.``, ``transformer.``)."""
     import torch
     from safetensors.torch import save_file
 
-    source = Checkpoint(models.saved("mistral"))
-    tensors = {name.removeprefix("model."): torch.as_tensor(array.astype(np.float32))
+    source = Checkpoint(models.saved(family))
+    tensors = {name.removeprefix(prefix): torch.as_tensor(array.astype(np.float32))
                for name, array in source.read(source.keys()).items()}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(source.config))
     save_file(tensors, str(tmp_path / "model.safetensors"))

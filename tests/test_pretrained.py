@@ -200,6 +200,7 @@ OLDER_CONFIGS = [
     ("mpt", {}, ("attn_config",)),  # its defaults: ALiBi, 1/sqrt(head_dim)
     ("exaone", {"num_layers": 3, "rope_theta": 900.0}, ("num_hidden_layers", "rope_parameters")),
     ("cwm", {}, ("layer_types", "rope_parameters")),  # llama3 rope of base 1e6, factor 16
+    ("falcon", {"rope_theta": 900.0, "multi_query": True}, ("rope_parameters",)),
     ("modernbert-decoder", {"global_attn_every_n_layers": 2, "global_rope_theta": 900.0,
                             "local_rope_theta": 50.0}, ("layer_types", "rope_parameters")),
 ]  # fmt: skip

@@ -71,10 +71,10 @@ def multi_query(read: Settings) -> tuple[int, int, int]:
 
 
 def falcon_heads(read: Settings) -> tuple[int, int, int]:
-    """Falcon's: ``num_kv_heads`` in the new decoder architecture, else one key/value head
-    when ``multi_query``, else one per head."""
+    """Falcon's: ``num_kv_heads`` (null: one per head) in the new decoder architecture, else
+    one key/value head when ``multi_query``, else one per head."""
     if read.get("new_decoder_architecture"):
-        return split_hidden(read, read.positive("num_key_value_heads"))
+        return split_hidden(read, read.positive("num_key_value_heads", optional=True))
     return multi_query(read)
 
 
