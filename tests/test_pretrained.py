@@ -107,6 +107,7 @@ CHANGES = {
     "gpt_bigcode": [{"b_q": None}],
     "gpt_bigcode_mha": [{"b_v": None}],
     "gpt_neox": [{"rotary_dim": None}, {"rope_theta": 10000.0}, {"b_q": None}],
+    "gpt_neox_japanese": [{"b_o": None}, {"rotary_dim": None}],  # the last layer's b_o
     "gptj": [{"rotary_interleaved": False}, {"rotary_dim": None}],
     "codegen": [{"rotary_interleaved": False}, {"rotary_dim": None}],
     "gpt_neo": [{"scale": None}, {"window": None}],

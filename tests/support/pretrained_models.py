@@ -110,6 +110,9 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_bigcode_mha": ("GPTBigCode", {**OLDER, "multi_query": False}),
     "gpt_neox": ("GPTNeoX", {"head_dim": ABSENT, "attention_bias": True, "rope_parameters": {
         "rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}}),
+    # GPT-NeoX-Japanese: the output bias of the last layer alone
+    "gpt_neox_japanese": ("GPTNeoXJapanese", {"head_dim": ABSENT, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}}),
     "gptj": ("GPTJ", {**OLDER, "rotary_dim": 8}),
     "codegen": ("CodeGen", {**OLDER, "rotary_dim": 8}),
     "gpt_neo": ("GPTNeo", {**OLDER, "window_size": 5,
@@ -146,7 +149,8 @@ FAMILIES = tuple(MODELS)
 query's low-rank projection (``q_lora_rank=None``), with biases and halves rotary."""
 
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
-OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gptj", "codegen",
+OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
+                 "gptj", "codegen",
                  "gpt_neo", "bloom", "mpt", "falcon", "falcon_alibi", "opt", "biogpt", "xglm",
                  "ctrl", "openai-gpt", "modernbert-decoder")  # fmt: skip
 """The families whose attention modules are not Llama's."""
@@ -213,7 +217,7 @@ def attention_path(model: Any) -> str:
     return str(readers.FAMILIES[model.config.model_type].tensors.path)
 
 
-EAGER = ("gemma2", "gpt_oss", "gpt_neo", "bloom", "mpt", "xglm", "openai-gpt")
+EAGER = ("gemma2", "gpt_oss", "gpt_neo", "bloom", "mpt", "xglm", "openai-gpt", "gpt_neox_japanese")
 """The families whose attention is eager only (Gemma 2's soft-capping, gpt-oss's sinks,
 the older families' own attention code)."""
 

@@ -87,7 +87,7 @@ class AttentionRecorder:
     """Records every call of each layer's attention: its input and its output, as NumPy.
     The attention of layer ``i`` is the module at ``path`` (``{i}`` its index); a module
     that adds the residual to its output (BLOOM's, given ``residual``) is recorded without
-    it."""
+    it, one that returns its output bias apart (GPT-NeoX-Japanese's) with it."""
 
     def __init__(self, model: Any, path: str = "model.layers.{i}.self_attn") -> None:
         count = model.config.num_hidden_layers
@@ -104,6 +104,8 @@ class AttentionRecorder:
         def record(module: Any, args: Any, kwargs: Any, output: Any) -> None:
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             out = output[0]
+            if len(output) > 2 and hasattr(output[2], "detach"):  # its output bias, apart
+                out = out + output[2]
             if "residual" in parameters:
                 bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
                 out = out - bound.arguments["residual"]

@@ -57,7 +57,7 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     }
     if alibi is not None:  # the rope is then off
         settings["alibi"] = alibi
-    biased = family.biases.carried(read, "qkvo")
+    biased = family.biases.carried(read, "qkvo", index)
     tensors = layout.tensors(E, heads, biased, settings["qk_norm"], family.sinks)
     return layout.kind, settings, tensors
 

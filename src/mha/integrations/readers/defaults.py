@@ -220,3 +220,9 @@ MODERNBERT_DECODER: dict[str, Any] = {
     "max_position_embeddings": 8192,
 }
 OPENAI_GPT: dict[str, Any] = {"n_embd": 768, "n_head": 12, "n_layer": 12, "n_positions": 512}
+GPT_NEOX_JAPANESE: dict[str, Any] = {
+    "hidden_size": 2560,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 2048,
+}

@@ -91,15 +91,23 @@ def lay_out(array: np.ndarray, tensor: Tensor) -> dict[str, np.ndarray]:
 @dataclass(frozen=True)
 class Biases:
     """Which projections carry a bias: those in ``roles`` (every one that can, when
-    ``None``), always or, with ``key``, when that config key is true."""
+    ``None``), always or, with ``key``, when that config key is true; those in ``last`` only
+    in the last layer (GPT-NeoX-Japanese's output bias)."""
 
     key: str | None = None
     roles: tuple[str, ...] | None = None
+    last: tuple[str, ...] = ()
 
-    def carried(self, read: Settings, possible: Iterable[str]) -> tuple[str, ...]:
+    def carried(
+        self, read: Settings, possible: Iterable[str], index: int | None = None
+    ) -> tuple[str, ...]:
+        """The roles biased in layer ``index`` (``None``: any layer)."""
         if self.key is not None and not read.get(self.key):
             return ()
-        return tuple(role for role in possible if self.roles is None or role in self.roles)
+        roles = [role for role in possible if self.roles is None or role in self.roles]
+        if self.last and index is not None and index != read.positive("num_hidden_layers") - 1:
+            roles = [role for role in roles if role not in self.last]
+        return tuple(roles)
 
 
 ATTENTION_BIAS = Biases("attention_bias")
@@ -127,7 +135,8 @@ class Projections:
     output projections (or ``qkv``, one fused projection whose rows come in blocks as
     ``fusion`` says, each the queries, keys and values in ``order``), the QK-norms and the
     sinks; ``conv1d`` when the matrices are GPT-2's ``Conv1D`` (stored ``(in, out)``);
-    ``path``, the module of layer ``{i}``'s attention."""
+    ``path``, the module of layer ``{i}``'s attention; ``o_bias``, the output bias's name
+    when it is not the output projection's ``bias``."""
 
     kind: ClassVar[str] = "attention"
     q: str = "q_proj"
@@ -135,6 +144,7 @@ class Projections:
     v: str = "v_proj"
     o: str = "o_proj"
     qkv: str | None = None
+    o_bias: str | None = None
     fusion: str = "contiguous"
     order: str = "qkv"
     conv1d: bool = False
@@ -179,9 +189,11 @@ class Projections:
     def _biases(
         self, biased: tuple[str, ...], widths: dict[str, int], H: int, H_kv: int
     ) -> dict[str, Tensor]:
+        o_bias = self.o_bias or f"{self.o}.bias"
         if self.qkv is None:
-            names = {"q": self.q, "k": self.k, "v": self.v, "o": self.o}
-            return {f"{names[p]}.bias": whole(f"b_{p}", widths[p]) for p in biased}
+            names = {"q": f"{self.q}.bias", "k": f"{self.k}.bias", "v": f"{self.v}.bias",
+                     "o": o_bias}  # fmt: skip
+            return {names[p]: whole(f"b_{p}", widths[p]) for p in biased}
         tensors = {}
         if any(p in biased for p in "qkv"):  # one bias for the fused projection
             G = FUSIONS[self.fusion](H, H_kv)
@@ -189,7 +201,7 @@ class Projections:
             rows = widths["q"] + widths["k"] + widths["v"]
             tensors[f"{self.qkv}.bias"] = Tensor((rows,), parts, G)
         if "o" in biased:
-            tensors[f"{self.o}.bias"] = whole("b_o", widths["o"])
+            tensors[o_bias] = whole("b_o", widths["o"])
         return tensors
 
     def grouped(self, heads: tuple[int, int, int]) -> bool:
@@ -210,6 +222,13 @@ BIGCODE = Projections(o="c_proj", qkv="c_attn", fusion="per_kv_head", path="tran
 query, key and value in turn."""
 GPT_NEOX = Projections(
     o="dense", qkv="query_key_value", fusion="per_kv_head", path="gpt_neox.layers.{i}.attention"
+)
+GPT_NEOX_JAPANESE = Projections(
+    o="dense",
+    o_bias="dense_bias",
+    qkv="query_key_value",
+    fusion="per_kv_head",
+    path="gpt_neox_japanese.layers.{i}.attention",
 )
 BLOOM = Projections(
     o="dense", qkv="query_key_value", fusion="per_kv_head", path="transformer.h.{i}.self_attention"

@@ -53,6 +53,7 @@ _GPT2_KEYS = {"hidden_size": "n_embd", "num_attention_heads": "n_head",
               "num_hidden_layers": "n_layer", "max_position_embeddings": "n_positions"}  # fmt: skip
 _GPT_NEO_KEYS = {"num_attention_heads": "num_heads", "num_hidden_layers": "num_layers",
                  "layer_types": "attention_layers"}  # fmt: skip
+_NEOX_ROPE_KEYS = {"rope_theta": "rotary_emb_base", "partial_rotary_factor": "rotary_pct"}
 _MPT_KEYS = {"num_attention_heads": "n_heads", "hidden_size": "d_model",
              "num_hidden_layers": "n_layers"}  # fmt: skip
 _XGLM_KEYS = {"num_attention_heads": "attention_heads", "hidden_size": "d_model",
@@ -170,10 +171,19 @@ register(
     Family(
         "gpt_neox",
         defaults.GPT_NEOX,
-        keys={"rope_theta": "rotary_emb_base", "partial_rotary_factor": "rotary_pct"},
+        keys=_NEOX_ROPE_KEYS,
         tensors=layouts.GPT_NEOX,
         heads=split_hidden,
         rope=Rope(partial=True, fraction=0.25),
+    ),
+    Family(
+        "gpt_neox_japanese",
+        defaults.GPT_NEOX_JAPANESE,
+        keys=_NEOX_ROPE_KEYS,
+        tensors=layouts.GPT_NEOX_JAPANESE,
+        heads=split_hidden,
+        biases=Biases(roles=("o",), last=("o",)),
+        rope=Rope(partial=True, fraction=1.0),
     ),
     # GPT-J and CodeGen rotate (2i, 2i + 1) pairs of the first rotary_dim features
     Family(
