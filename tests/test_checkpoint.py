@@ -561,6 +561,10 @@ def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
         ("codegen", {"n_embd": 30, "n_head": 3},
          "codegen with 3 heads of 10 features, which its qkv_proj cannot split"),
         ("gpt2", {"n_head": 5}, "gpt2 with n_embd=48 not a multiple of n_head=5"),
+        ("falcon_alibi", {"num_attention_heads": 12, "max_position_embeddings": 64},
+         "num_attention_heads=12 and max_position_embeddings=64 (Falcon's ALiBi, which "
+         "transformers computes in bfloat16, rounded unless every slope is a power of two"),
+        ("falcon_alibi", {"max_position_embeddings": 2048}, "max_position_embeddings=2048"),
         ("modernbert-decoder", {"local_attention": None, "layer_types": ["sliding_attention"] * 3},
          "local_attention=None (a sliding window of -1 positions)"),
         ("gpt_neo", {"attention_types": [["local", 3]], "attention_layers": None},
