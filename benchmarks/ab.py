@@ -1,6 +1,6 @@
 """Two versions of mha timed against each other, interleaved: before and after a change.
 
-    python benchmarks/ab.py BEFORE_SRC AFTER_SRC [--rounds 15] [-o results.json]
+    python benchmarks/ab.py BEFORE_SRC AFTER_SRC [--rounds 15] [--only REGEX] [-o results.json]
 
 Each version runs in a process of its own (``PYTHONPATH`` set to its ``src`` folder); the
 parent asks both, in turn, to time the same case, round after round, so that both see the
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -91,7 +92,8 @@ def cases() -> dict[str, Any]:
 
 def serve() -> None:
     """A worker: read a case's name, time it, write the seconds per call."""
-    made = cases()
+    only = re.compile(os.environ.get("MHA_AB_ONLY", ""))
+    made = {name: case for name, case in cases().items() if only.search(name)}
     for function, _ in made.values():  # warm every case (compile, plan)
         function()
     print(json.dumps(sorted(made)), flush=True)
@@ -109,11 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("before")
     parser.add_argument("after")
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--only", default="", help="the cases whose names match (a regex)")
     parser.add_argument("-o", "--output")
     args = parser.parse_args(argv)
     workers = []
     for src in (args.before, args.after):
-        env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
+        env = {**os.environ, "PYTHONPATH": os.path.abspath(src), "MHA_AB_ONLY": args.only}
         workers.append(subprocess.Popen(
             [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True, env=env,

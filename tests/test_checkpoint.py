@@ -7,6 +7,7 @@ written by ``save_pretrained`` in many shards (support.pretrained_models)."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import shutil
 import struct
@@ -306,9 +307,41 @@ def test_a_tensor_missing_from_the_shard_its_index_names_is_refused(tmp_path):
 # ---------------------------------------------------------------- each layer's attention
 
 
-def expected_settings(config, index):
+LATENT_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu")
+EVERY_LAYER_SLIDES = ("mistral", "phi3", "mixtral", "phimoe", "starcoder2", "ministral3",
+                      "qwen3_moe")  # fmt: skip
+SOFTCAPPED = ("gemma2", "vaultgemma")
+QK_NORMS = {"qwen3": ("head", 0.0), "gemma3_text": ("head", 1.0), "olmo2": ("all", 0.0),
+            "qwen3_moe": ("head", 0.0), "dots1": ("head", 0.0), "apertus": ("head", 0.0),
+            "olmoe": ("all", 0.0), "flex_olmo": ("all", 0.0), "olmo3": ("all", 0.0),
+            "apertus1p5_text": ("head", 0.0), "hy_v3": ("head", 0.0),
+            "mellum": ("head", 0.0), "exaone4": ("head", 0.0),
+            "minimax_m2": ("all", 0.0)}  # fmt: skip
+INTERLEAVED = ("helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2", "cohere2_moe", "glm",
+               "glm4")  # fmt: skip
+"""What each family's transformers attention computes beyond Llama's, for the oracle below
+(the pairs rotated: from the attention module, :func:`interleaved`, where there is one)."""
+ROTATES = {
+    "smollm3": lambda attention: attention.use_rope,
+    "cohere2": lambda attention: attention.sliding_window is not None,
+    "cohere2_moe": lambda attention: attention.sliding_window is not None or attention.force_rope,
+    "exaone4": lambda attention: attention.sliding_window is None or attention.is_sliding,
+}
+"""Whether a layer rotates, from the attributes of transformers' attention module that its
+``forward`` tests, for the families with layers without positions."""
+
+
+def interleaved(attention):
+    """Whether transformers' ``rotate_half`` of the module's family pairs ``(2i, 2i + 1)``."""
+    rotate_half = getattr(sys.modules[type(attention).__module__], "rotate_half", None)
+    source = "" if rotate_half is None else inspect.getsource(rotate_half)  # gpt-oss: none
+    return "x[..., 0::2]" in source or "x[..., ::2]" in source
+
+
+def expected_settings(config, index, attention=None):
     """mha's settings for layer ``index``, from transformers' own config object (its
-    ``layer_types``, ``sliding_window`` and standardised ``rope_parameters``)."""
+    ``layer_types``, ``sliding_window`` and standardised ``rope_parameters``) and, for the
+    rotary embedding, its attention module (which layers rotate, which pairs)."""
     model_type = config.model_type
     layer_types = getattr(config, "layer_types", None)
     layer_type = layer_types[index] if layer_types else None
@@ -317,7 +350,7 @@ def expected_settings(config, index):
         rope = rope[layer_type]
     scaling = None if rope["rope_type"] == "default" else {
         **rope, "max_position_embeddings": config.max_position_embeddings}  # fmt: skip
-    if model_type.startswith("deepseek"):
+    if model_type in LATENT_TYPES:
         return {"d_model": config.hidden_size, "num_heads": config.num_attention_heads,
                 "q_lora_rank": config.q_lora_rank, "kv_lora_rank": config.kv_lora_rank,
                 "qk_nope_head_dim": config.qk_nope_head_dim,
@@ -325,22 +358,35 @@ def expected_settings(config, index):
                 "rope_theta": rope["rope_theta"], "rope_scaling": scaling,
                 "rotary_interleaved": getattr(config, "rope_interleave", True)}  # fmt: skip
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if model_type in ("mistral", "phi3", "mixtral"):
+    if attention is not None:  # StableLM's: hidden_size // heads, whatever the config says
+        head_dim = attention.head_dim
+    if model_type in EVERY_LAYER_SLIDES:
         window = config.sliding_window
     elif model_type in ("llama", "olmo2"):
         window = None
     else:
         window = config.sliding_window if layer_type == "sliding_attention" else None
     factor = rope.get("partial_rotary_factor", 1.0)
-    norms = {"qwen3": ("head", 0.0), "gemma3_text": ("head", 1.0), "olmo2": ("all", 0.0)}
-    kind, offset = norms.get(model_type, (None, None))
+    kind, offset = QK_NORMS.get(model_type, (None, None))
+    if model_type == "glm4_moe" and getattr(config, "use_qk_norm", False):  # GLM-4.5's
+        kind, offset = "head", 0.0
+    if scaling is not None:
+        scaling.pop("llama_4_scaling_beta", None)  # Ministral 3's, 0 here
+    scale = getattr(config, "attention_multiplier", None)
+    if hasattr(config, "query_pre_attn_scalar"):
+        scale = config.query_pre_attn_scalar**-0.5
+    pairs = interleaved(attention) if attention is not None else model_type in INTERLEAVED
+    rotary = {"rope_theta": rope["rope_theta"], "rope_scaling": scaling,
+              "rotary_dim": None if factor == 1.0 else int(head_dim * factor),
+              "rotary_interleaved": pairs}  # fmt: skip
+    if attention is not None and not ROTATES.get(model_type, lambda _: True)(attention):
+        rotary = {"rope_theta": None, "rope_scaling": None, "rotary_dim": None,
+                  "rotary_interleaved": False}  # fmt: skip
     return {
         "num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads,
-        "head_dim": head_dim, "rope_theta": rope["rope_theta"],
-        "rotary_dim": None if factor == 1.0 else int(head_dim * factor),
-        "rotary_interleaved": False, "rope_scaling": scaling, "window": window, "chunk": None,
-        "softcap": config.attn_logit_softcapping if model_type == "gemma2" else None,
-        "scale": config.query_pre_attn_scalar**-0.5 if model_type.startswith("gemma") else None,
+        "head_dim": head_dim, **rotary, "window": window, "chunk": None,
+        "softcap": config.attn_logit_softcapping if model_type in SOFTCAPPED else None,
+        "scale": scale,
         "qk_norm": kind, "qk_norm_eps": config.rms_norm_eps if kind else None,
         "qk_norm_offset": offset,
     }  # fmt: skip
@@ -352,8 +398,9 @@ def parameter(module):
 
 def expected_weights(attention, settings):
     """The layer's weights in mha's layout, from transformers' attention module itself."""
-    names = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "q_a_proj": "q_a",
-             "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a", "kv_b_proj": "kv_b"}  # fmt: skip
+    names = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "dense": "o",
+             "q_a_proj": "q_a", "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a",
+             "kv_b_proj": "kv_b"}  # fmt: skip
     weights = {}
     for name, short in names.items():
         module = getattr(attention, name, None)
@@ -373,6 +420,11 @@ def expected_weights(attention, settings):
     return weights
 
 
+LAYERS_DIFFER = ("qwen2", "qwen3", "gemma2", "gemma3", "gpt_oss", "ministral", "qwen2_moe",
+                 "vaultgemma", "olmo3", "dots1", "cwm", "mellum")  # fmt: skip
+"""The tiny models whose layers slide differently."""
+
+
 @pytest.mark.parametrize("family", models.LLAMA_LAYOUT)
 def test_each_layer_is_what_transformers_computes(family, transformers):
     """Settings against transformers' config and attention modules (their scaling, window,
@@ -385,36 +437,40 @@ def test_each_layer_is_what_transformers_computes(family, transformers):
     for index, layer in enumerate(model.model.layers):
         attention = layer.self_attn
         kind, settings, weights = layer_attention(checkpoint, index, dtype=np.float64)
-        expected = expected_settings(config, index)
-        assert kind == ("latent" if family.startswith("deepseek") else "attention")
+        expected = expected_settings(config, index, attention)
+        assert kind == ("latent" if family in models.LATENT_FAMILIES else "attention")
         if kind == "latent":
             assert settings.pop("scale") == attention.scaling
             assert settings.pop("norm_eps") == attention.kv_a_layernorm.variance_epsilon
             if attention.q_a_layernorm is not None:
                 assert attention.q_a_layernorm.variance_epsilon == 1e-6 != config.rms_norm_eps
         else:
-            assert (settings["scale"] or settings["head_dim"] ** -0.5) == attention.scaling
+            scale = settings["scale"] or settings["head_dim"] ** -0.5  # Helium's: 1 / sqrt(d)
+            assert scale == pytest.approx(attention.scaling, rel=1e-15, abs=0)
             assert settings["head_dim"] == attention.head_dim
-            if hasattr(attention, "sliding_window"):
-                assert settings["window"] == attention.sliding_window
+            if hasattr(attention, "sliding_window") and not hasattr(attention, "is_sliding"):
+                assert settings["window"] == attention.sliding_window  # EXAONE 4's: is_sliding
             if settings["qk_norm"]:
                 norm = attention.q_norm
                 assert settings["qk_norm_eps"] == getattr(norm, "eps", None) or getattr(
                     norm, "variance_epsilon", None
                 )
             rotary = model.model.rotary_emb
-            layer_type = (config.layer_types[index] + "_") if family == "gemma3" else ""
+            per_type = isinstance(rotary.rope_type, dict)  # Gemma 3, OLMo 3
+            layer_type = (config.layer_types[index] + "_") if per_type else ""
             width = 2 * getattr(rotary, f"{layer_type}inv_freq").numel()
-            assert width == (settings["rotary_dim"] or settings["head_dim"])
+            assert settings["rope_theta"] is None or width == (
+                settings["rotary_dim"] or settings["head_dim"]
+            )
         assert settings == expected, index
         wanted = expected_weights(attention, settings)
         assert sorted(weights) == sorted(wanted)
         for name, W in weights.items():
             assert W.dtype == np.float64 and np.array_equal(W, wanted[name]), (index, name)
         seen.add((settings.get("window"), settings["rope_theta"]))
-    if family in ("qwen2", "qwen3", "gemma2", "gemma3", "gpt_oss", "ministral"):  # layers differ
+    if family in LAYERS_DIFFER:
         assert len({window for window, _ in seen}) == 2, seen
-    if family == "gemma3":
+    if family in ("gemma3", "olmo3", "mellum"):
         assert {theta for _, theta in seen} == {100.0, 3000.0}
 
 
@@ -436,8 +492,14 @@ def test_the_defaults_are_the_config_classes(family, transformers):
         outer, _, inner = key.rpartition(".")  # MPT's attn_config.alibi: its sub-config's
         owner = config_class.sub_configs[outer] if outer else config_class
         assert owner.__dataclass_fields__[inner].default == value, (family, key)
-    if not isinstance(config_class.default_theta, dict):  # one base per layer type: rope.py
-        assert config_class.default_theta == FAMILIES[name].rope.theta
+    rope = FAMILIES[name].rope
+    if rope.per_layer_type:  # Gemma 3, OLMo 3, Mellum, ModernBERT: a base per layer type
+        with models._quiet():
+            parameters = config_class().rope_parameters
+        for kind, (_, base) in rope.per_layer_type.items():
+            assert parameters[kind]["rope_theta"] == base, (family, kind)
+    else:
+        assert config_class.default_theta == rope.theta
 
 
 def variant(tmp_path, family, change=None, drop=()):
@@ -480,6 +542,55 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 500.0, "short_factor": [1.0, 
         ("ministral", {"sliding_window": None}, ("layer_types",)),  # none
         ("mixtral", {}, ("sliding_window", "rope_parameters")),  # no window, theta 1e6
         ("arcee", {}, ("rope_parameters",)),
+        ("qwen3_moe", {"use_sliding_window": False}, ()),  # no window
+        ("qwen3_moe", {}, ("rope_parameters", "rms_norm_eps")),
+        ("qwen2_moe", {}, ("layer_types",)),  # every other layer below max_window_layers
+        ("qwen2_moe", {"max_window_layers": 3}, ("layer_types", "sliding_window")),
+        ("dots1", {}, ("layer_types",)),  # from max_window_layers
+        ("dots1", {"sliding_window": None}, ("layer_types",)),  # none
+        ("vaultgemma", {}, ("layer_types", "query_pre_attn_scalar", "attn_logit_softcapping")),
+        ("olmo3", {}, ("layer_types", "rope_parameters")),  # every fourth layer full, base 5e5
+        ("olmo3", {"rope_theta": 800.0}, ("rope_parameters",)),  # the full layers' base only
+        ("olmo3", {"rope_parameters": {"rope_type": "default", "rope_theta": 800.0}}, ()),
+        ("flex_olmo", {}, ("rope_parameters",)),
+        ("phimoe", {}, ("rope_parameters", "sliding_window")),
+        ("helium", {}, ("rope_parameters",)),
+        ("solar_open", {}, ("rope_parameters",)),
+        ("apertus", {}, ("rope_parameters",)),  # llama3 scaling by default
+        ("starcoder2", {}, ("sliding_window",)),
+        ("granite", {}, ("attention_multiplier",)),
+        ("ministral3", {}, ("sliding_window",)),
+        ("glm4_moe_lite", {}, ("rope_interleave",)),
+        ("youtu", {"rope_theta": 800.0}, ("rope_parameters",)),
+        ("exaone", {"num_layers": 3}, ("num_hidden_layers",)),  # EXAONE 3's own key
+        # a family's own name of a key (its attribute_map) wins over the common one
+        ("internlm3", {"qkv_bias": True, "attention_bias": False, "bias": True}, ()),
+        ("glm4_moe_lite", {"head_dim": 8, "qk_rope_head_dim": 4}, ()),
+        ("cwm", {}, ("layer_types", "rope_parameters")),  # layers 0, 4... full; llama3
+        ("apertus1p5_text", {}, ("rope_parameters",)),
+        ("hy_v3", {}, ("rope_parameters",)),
+        ("ernie4_5_moe", {}, ("rope_parameters",)),
+        ("mellum", {}, ("rope_parameters", "layer_types")),  # full layers, 5e5 and 1e4
+        # layers without rope by default: every 4th (SmolLM3, none of 3; of every 3rd, the
+        # last, which slides), the full ones (Cohere 2, EXAONE 4: every 4th, or 3rd;
+        # Cohere 2 MoE: the dense layers rotate)
+        ("smollm3", {}, ("no_rope_layers", "layer_types")),
+        ("smollm3", {"no_rope_layer_interval": 3}, ("no_rope_layers", "layer_types")),
+        ("cohere2", {}, ("layer_types",)),
+        ("cohere2", {"sliding_window_pattern": 3}, ("layer_types",)),
+        ("cohere2_moe", {"first_k_dense_replace": 2}, ("layer_types", "mlp_layer_types")),
+        ("cohere2_moe", {"prefix_dense_sliding_window_pattern": 2}, ("layer_types",)),
+        ("exaone4", {"sliding_window_pattern": 3}, ("layer_types",)),
+        ("exaone4", {"sliding_window": None}, ()),
+        # the fraction: the class's default, rotary_dim (MiniMax-M2), a top-level one
+        ("glm", {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}, ()),
+        ("glm4_moe", {}, ("rope_parameters",)),
+        ("minimax_m2", {"rope_parameters": {"rope_type": "default"}, "rotary_dim": 6}, ()),
+        ("minimax_m2", {"use_qk_norm": True, "qk_norm_type": "per_layer"}, ()),  # ignored
+        ("nemotron", {"rope_parameters": None, "partial_rotary_factor": 1.0}, ()),
+        ("stablelm", {}, ("rope_parameters",)),
+        ("stablelm", {"head_dim": 8}, ()),  # hidden_size // heads all the same
+        ("phi", {"rope_parameters": {"rope_theta": 500.0, "partial_rotary_factor": 1 / 3}}, ()),
     ],
 )  # fmt: skip
 def test_configs_are_read_as_transformers_reads_them(tmp_path, family, change, drop, transformers):
@@ -488,10 +599,14 @@ def test_configs_are_read_as_transformers_reads_them(tmp_path, family, change, d
     with models._quiet():
         config = transformers.AutoConfig.from_pretrained(folder)
     checkpoint = Checkpoint(folder)
+    layers = None  # the attention modules, for which layers rotate and which pairs
+    if not family.startswith("deepseek"):
+        with models._quiet():
+            layers = transformers.AutoModelForCausalLM.from_config(config).model.layers
     for index in range(config.num_hidden_layers):
         _, settings, _ = layer_attention(checkpoint, index)
-        expected = expected_settings(config, index)
-        if family.startswith("deepseek"):
+        expected = expected_settings(config, index, layers and layers[index].self_attn)
+        if family in models.LATENT_FAMILIES:
             settings.pop("scale"), settings.pop("norm_eps")
         assert settings == expected, (index, settings, expected)
 
@@ -502,6 +617,17 @@ def test_deepseeks_scale_takes_the_yarn_mscale(tmp_path, transformers):
     assert settings["scale"] == pytest.approx(16**-0.5 * mscale**2, rel=1e-15)
     folder = variant(tmp_path, "deepseek_v3", drop=("rope_parameters",))
     assert layer_attention(Checkpoint(folder), 0)[1]["scale"] == 16**-0.5
+
+
+def test_granites_scale_is_its_attention_multiplier(tmp_path, transformers):
+    """Granite's and HyperCLOVA X's ``attention_multiplier`` is the scale; HyperCLOVA X's
+    null one is the head width's, as its config class makes it."""
+    assert layer_attention(Checkpoint(models.saved("granitemoe")), 0)[1]["scale"] == 0.3
+    folder = variant(tmp_path, "hyperclovax", {"attention_multiplier": None})
+    with models._quiet():
+        config = transformers.AutoConfig.from_pretrained(folder)
+    assert config.attention_multiplier == 12**-0.5
+    assert layer_attention(Checkpoint(folder), 0)[1]["scale"] is None
 
 
 def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
@@ -518,8 +644,10 @@ def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
 @pytest.mark.parametrize(
     ("family", "change", "said"),
     [
-        ("llama", {"model_type": "bert"}, "model_type 'bert': it is not supported; the model "
-         "types mha reads are llama, mistral, qwen2, qwen3, gemma2, gemma3_text, olmo2, phi3"),
+        ("llama", {"model_type": "made_up"}, "model_type 'made_up': it is not supported; the "
+         "model types mha reads are llama, mistral, qwen2, qwen3, gemma2, gemma3_text, olmo2"),
+        ("llama", {"model_type": "bert"}, "model_type 'bert': an encoder run as a decoder"),
+        ("llama", {"model_type": "qwen3_next"}, "Qwen3-Next's attention has a sigmoid output"),
         ("llama", {"model_type": None}, "config.json names no model_type"),
         ("llama", {"model_type": "llama4_text"}, "Llama 4's attention (chunked layers"),
         ("qwen2", {"model_type": "qwen2_vl"}, "multimodal rope (mrope)"),
@@ -528,6 +656,8 @@ def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
         ("qwen2", {"layer_types": ["full_attention"] * 3 + ["chunked_attention"]},
          "layer 3 of type 'chunked_attention'"),
         ("qwen2", {"layer_types": ["full_attention"]}, "one type for each of its 4 layers"),
+        ("qwen2", {"layer_types": ["full_attention"] * 3 + ["linear_attention"]},
+         "layer 3 of type 'linear_attention': linear attention or a state-space mixer"),
         ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5, which "
          "transformers' llama attention ignores or cannot apply"),
         ("llama", {"sliding_window": 8}, "sliding_window=8, which transformers' llama mask"),
@@ -565,10 +695,29 @@ def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
          "num_attention_heads=12 and max_position_embeddings=64 (Falcon's ALiBi, which "
          "transformers computes in bfloat16, rounded unless every slope is a power of two"),
         ("falcon_alibi", {"max_position_embeddings": 2048}, "max_position_embeddings=2048"),
-        ("modernbert-decoder", {"local_attention": None, "layer_types": ["sliding_attention"] * 3},
-         "local_attention=None (a sliding window of -1 positions)"),
+        ("modernbert-decoder", {"local_attention": None, "sliding_window": -1,
+                                "layer_types": ["sliding_attention"] * 3},
+         "local_attention=None and sliding_window=-1 (a sliding window of -1 positions)"),
         ("gpt_neo", {"attention_types": [["local", 3]], "attention_layers": None},
          "attention_types must list"),
+        ("olmo", {"clip_qkv": 8.0}, "olmo with clip_qkv=8.0 (queries, keys and values clipped)"),
+        ("olmoe", {"clip_qkv": 8.0}, "olmoe with clip_qkv=8.0 (queries, keys and values"),
+        ("gemma", {"use_bidirectional_attention": True}, "gemma with use_bidirectional_attention"),
+        ("ministral3", {"rope_parameters": None}, "ministral3 with "
+         "rope_parameters['llama_4_scaling_beta']=0.1 (Llama 4's query scale growing with"),
+        ("ministral3", {"rope_parameters": {"rope_type": "default", "llama_4_scaling_beta": 0.5}},
+         "rope_parameters['llama_4_scaling_beta']=0.5"),
+        ("phimoe", {"rope_parameters": LONGROPE}, "phimoe with rope_type 'longrope', which "
+         "transformers' phimoe rotary embedding scales by its own factors"),
+        ("mellum", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+         "mellum with rope_scaling={'rope_type': 'linear', 'factor': 2.0} (an old rope_scaling"),
+        ("mellum", {"rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 3000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0,
+                                  "partial_rotary_factor": 0.5}}},
+         "partial_rotary_factor=0.5, which transformers' mellum attention ignores or cannot"),
+        ("qwen2_moe", {"use_sliding_window": False}, "qwen2_moe with a sliding layer in "
+         "layer_types but use_sliding_window=False (a window of 0)"),
     ],
 )  # fmt: skip
 def test_configs_mha_would_compute_differently_are_refused(tmp_path, family, change, said,

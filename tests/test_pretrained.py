@@ -58,7 +58,7 @@ def oracle(family):
 
 
 def load(family, layer):
-    kind = mha.LatentAttention if family.startswith("deepseek") else mha.MultiHeadAttention
+    kind = mha.LatentAttention if family in models.LATENT_FAMILIES else mha.MultiHeadAttention
     return kind.from_pretrained(models.saved(family), layer=layer, dtype=np.float64)
 
 
@@ -103,6 +103,54 @@ CHANGES = {
     "ministral": [{"window": None}, {"window": 5}],  # its full layer, given a window, differs
     "mixtral": [{"window": None}, {"rope_theta": 10000.0}],  # its base: the class's 1e6
     "arcee": [{"rope_scaling": None}, {"b_o": None}],
+    "qwen3_moe": [{"window": None}, {"qk_norm_offset": 1.0}],  # every layer slides
+    "qwen2_moe": [{"window": None}, {"b_q": None}],  # qkv_bias
+    "olmoe": [{"qk_norm_offset": 1.0}, {"b_o": None}],
+    "flex_olmo": [{"qk_norm_offset": 1.0}],
+    "phimoe": [{"window": None}, {"b_o": None}],
+    "vaultgemma": [{"window": None}, {"softcap": None}, {"scale": None}],
+    "gemma": [{"b_q": None}],
+    "olmo": [{"b_o": None}],
+    "olmo3": [{"rope_theta": 10000.0}, {"window": None}, {"qk_norm_offset": 1.0}],
+    "internlm3": [{"b_o": None}],
+    "seed_oss": [{"b_o": None}],  # attention_out_bias, without attention_bias
+    "dots1": [{"window": None}, {"qk_norm_offset": 1.0}],
+    "apertus": [{"rope_scaling": None}, {"qk_norm_offset": 1.0}],
+    "glm4_moe_lite": [{"scale": None}, {"rope_scaling": None}, {"rotary_interleaved": False}],
+    "youtu": [{"scale": None}, {"rotary_interleaved": True}, {"b_kv_a": None}],
+    "granite": [{"scale": None}],  # attention_multiplier
+    "granitemoe": [{"scale": None}],
+    "granitemoeshared": [{"scale": None}],
+    "helium": [{"b_q": None}, {"rotary_interleaved": False}],  # no output bias
+    "starcoder2": [{"window": None}, {"b_o": None}],  # use_bias
+    "solar_open": [{"b_q": None}],  # no output bias
+    "hyperclovax": [{"scale": None}],  # attention_multiplier
+    "iquestcoder": [{"b_o": None}],
+    "jais2": [{"b_o": None}],
+    "ministral3": [{"window": None}, {"rope_scaling": None}],
+    "aria_text": [{"b_o": None}],
+    # EXAONE 3: the config's base, not the class's 500000
+    "exaone": [{"b_o": None}, {"rope_theta": 10000.0}],
+    "apertus1p5_text": [{"rope_scaling": None}, {"qk_norm_offset": 1.0}],
+    "hy_v3": [{"qk_norm_offset": 1.0}, {"b_q": None}],
+    "ernie4_5": [{"rotary_interleaved": False}, {"b_o": None}],  # use_bias
+    "ernie4_5_moe": [{"rotary_interleaved": False}, {"b_o": None}],
+    "cwm": [{"window": None}, {"rope_scaling": None}],
+    "mellum": [{"rope_theta": 10000.0}, {"window": None}, {"qk_norm_offset": 1.0}],
+    # a layer without positions given the others' rope (the layers with rope keep theirs)
+    "smollm3": [{"rope_theta": 500.0}, {"window": None}],
+    "cohere2": [{"rope_theta": 500.0}, {"rotary_interleaved": False}, {"window": None}],
+    "cohere2_moe": [{"rope_theta": 500.0}, {"rotary_interleaved": False}, {"window": None}],
+    "exaone4": [{"rope_theta": 500.0}, {"qk_norm_offset": 1.0}, {"window": None}],
+    # the whole head rotated, the halves paired instead of (2i, 2i + 1) or the reverse
+    "glm": [{"rotary_dim": None}, {"rotary_interleaved": False}, {"b_q": None}],
+    "glm4": [{"rotary_dim": None}, {"rotary_interleaved": False}],
+    "glm4_moe": [{"rotary_dim": None}, {"rotary_interleaved": True}, {"qk_norm_offset": 1.0}],
+    "minimax_m2": [{"rotary_dim": None}, {"qk_norm_offset": 1.0}],
+    "stablelm": [{"rotary_dim": None}, {"b_v": None}],
+    "phi": [{"rotary_dim": None}, {"b_o": None}],
+    "nemotron": [{"rotary_dim": None}, {"b_o": None}],
+    "cohere": [{"rotary_interleaved": False}, {"b_o": None}],
     "gpt2": [{"scale": None}],  # scale_attn_by_inverse_layer_idx: 1/sqrt(d) / (i + 1)
     "gpt_bigcode": [{"b_q": None}],
     "gpt_bigcode_mha": [{"b_v": None}],
@@ -122,8 +170,6 @@ CHANGES = {
     "xglm": [{"scale": 1.0}, {"b_q": None}],
     "ctrl": [{"scale": 1.0}, {"b_q": None}],
     "openai-gpt": [{"scale": 1.0}, {"b_o": None}],
-    "exaone": [{"rope_theta": 10000.0}],  # the config's, not the class's 500000
-    "cwm": [{"window": None}, {"rope_scaling": None}],
     "modernbert-decoder": [{"window": None}, {"rope_theta": 10000.0}, {"b_o": None}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
@@ -232,3 +278,50 @@ def test_older_configs_are_read_as_transformers_reads_them(
         assert relative_error(out, expected) <= TOLERANCE, layer
         differs = max(differs, relative_error(out, load(family, layer)(x, mask=True)))
     assert differs > 1e-4
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "refusal"),
+    [
+        ("stablelm", {"qk_layernorm": True}, r"qk_layernorm=True \(a LayerNorm QK-norm"),
+        ("phi", {"qk_layernorm": True}, r"qk_layernorm=True \(a LayerNorm QK-norm"),
+        ("cohere", {"use_qk_norm": True}, r"use_qk_norm=True \(Cohere's LayerNorm QK-norm\)"),
+        ("glm", {"sliding_window": 4}, "glm with sliding_window=4"),
+        ("smollm3", {"no_rope_layers": [1, 0]}, "no_rope_layers must list 1 .rope. or 0"),
+        (
+            "exaone4",
+            {"layer_types": None, "sliding_window_pattern": "LLLG"},
+            "no layer_types and sliding_window_pattern='LLLG'",
+        ),
+    ],
+)
+def test_what_a_family_computes_beyond_mha_is_refused_by_name(
+    tmp_path, family, change, refusal, transformers
+):
+    """A family's option that mha does not compute (a LayerNorm of the queries and keys, a
+    window its mask ignores) or a malformed one is refused, naming the checkpoint and the
+    key."""
+    folder = shutil.copytree(models.saved(family), tmp_path / family)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(AttentionValueError, match=refusal) as error:
+        mha.MultiHeadAttention.from_pretrained(folder, layer=0)
+    assert str(folder) in str(error.value)
+
+
+def test_the_rotated_width_may_come_from_rotary_dim_alone(tmp_path, transformers):
+    """MiniMax-M2's released configs give the rotated width as ``rotary_dim``, without a
+    ``partial_rotary_factor``: read as the same fraction of the head."""
+    folder = shutil.copytree(models.saved("minimax_m2"), tmp_path / "minimax_m2")
+    config = json.loads((folder / "config.json").read_text())
+    assert (
+        config["rotary_dim"] == 8 and config["rope_parameters"]["partial_rotary_factor"] == 8 / 12
+    )
+    del config["rope_parameters"]["partial_rotary_factor"]
+    (folder / "config.json").write_text(json.dumps(config))
+    for rotary_dim in (8, None):
+        if rotary_dim is None:
+            del config["rotary_dim"]
+            (folder / "config.json").write_text(json.dumps(config))
+        attention = mha.MultiHeadAttention.from_pretrained(folder, layer=0)
+        assert attention.rotary_dim == rotary_dim

@@ -48,7 +48,8 @@ def test_the_layer_takes_every_keyword_of_the_function():
     or a keyword of its forward."""
     configuration = set(inspect.signature(mha.MultiHeadAttention).parameters)
     forward = set(inspect.signature(mha.MultiHeadAttention.forward).parameters)
-    attributes = {"b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v", "q_norm", "k_norm", "sinks"}
+    attributes = {"b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v", "q_norm", "k_norm", "sinks",
+                  "W_g", "b_g"}  # fmt: skip
     covered = configuration | forward | attributes | {"rope_scaling", "add_zero_attn"}
     assert set(LAYER) - covered == set()
 
@@ -159,6 +160,7 @@ def _layer_probes(rng):
     theta = {"rope_theta": 100.0}
     head, kv = rng.standard_normal(4), rng.standard_normal(8)
     norms = {"q_norm": rng.standard_normal(4), "k_norm": rng.standard_normal(4)}
+    gate = rng.standard_normal((8, 2))  # a gate per head
     return {
         **{name: {name: rng.standard_normal(8)} for name in ("b_q", "b_k", "b_v", "b_o")},
         "bias_k": ({"bias_k": kv, "bias_v": kv}, {}),
@@ -174,6 +176,9 @@ def _layer_probes(rng):
         "qk_norm": ({"q_norm": kv, "k_norm": kv, "qk_norm": "all"}, {}),
         "qk_norm_eps": ({**norms, "qk_norm_eps": 0.5}, norms),
         "qk_norm_offset": ({**norms, "qk_norm_offset": 1.0}, norms),
+        "W_g": {"W_g": rng.standard_normal((8, 8))},
+        "b_g": ({"W_g": gate, "b_g": rng.standard_normal(2)}, {"W_g": gate}),
+        "output_gate": ({"W_g": gate, "output_gate": "softplus"}, {"W_g": gate}),
     }  # fmt: skip
 
 

@@ -17,6 +17,7 @@ from .api.latent import LatentAttention, LatentSpec
 from .api.module import MultiHeadAttention
 from .api.paged import cascade_attention, paged_attention
 from .api.paged_cache import PagedKVCache
+from .api.pretrained import from_pretrained
 from .api.projection import multi_head_attention
 from .api.rotary import apply_rotary
 from .api.split_heads import merge_attention, scaled_dot_product_attention
@@ -46,6 +47,7 @@ __all__ = [
     "alibi_slopes",
     "apply_rotary",
     "cascade_attention",
+    "from_pretrained",
     "merge_attention",
     "multi_head_attention",
     "paged_attention",

@@ -12,19 +12,26 @@ past ``original_max_position_embeddings`` (16 here), Qwen2's sliding layers from
 ``max_window_layers``, QK-norm per head (Qwen3, Gemma 3) or across heads (OLMo 2), Gemma's
 ``query_pre_attn_scalar`` and soft-capping and local rope base, Phi-3's fused projection with
 longrope and partial rotary, gpt-oss's sinks and yarn, DeepSeek V3's latent attention;
-the rows that rename an attention the table already reads (Ministral, Mixtral, Arcee,
-EXAONE 3, CWM); and the older layouts (GPT-2 and GPT-1's Conv1D, fused projections in blocks
-per head or per key/value head, BigCode's and Falcon's multi-query and grouped heads,
-GPT-NeoX's partial and GPT-J's interleaved partial rotary, GPT-Neo's unscaled local layers,
-BLOOM's, MPT's and Falcon's ALiBi of six heads, OPT's, BioGPT's, XGLM's and CTRL's biases
-without rope), whose configs keep COMMON's ``num_key_value_heads`` where the family ignores
-it. Each family's attention module is where the reader's row says (:func:`attention_path`).
+and the rows that rename an attention the table already reads (Ministral, Mixtral, Arcee, and
+the families after them), each with the setting it reads under its own name or default:
+biases from ``qkv_bias``, ``use_bias`` or ``attention_out_bias``, Qwen-MoE's and dots.llm1's
+and CWM's sliding layers, Granite's ``attention_multiplier``, Helium's and ERNIE 4.5's
+interleaved rotary, OLMo 3's rope base per layer type, EXAONE 3's tensor names; layers
+without rope (SmolLM3, Cohere 2 and its MoE, EXAONE 4), partial rotary (GLM, GLM-4.5,
+MiniMax-M2, StableLM, Phi, Nemotron) and interleaved pairs (GLM, Cohere); and the older
+layouts (GPT-2 and GPT-1's Conv1D, fused projections in blocks per head or per key/value
+head, BigCode's and Falcon's multi-query and grouped heads, GPT-NeoX's partial and GPT-J's
+interleaved partial rotary, GPT-Neo's unscaled local layers, BLOOM's, MPT's and Falcon's
+ALiBi of six heads, OPT's, BioGPT's, XGLM's and CTRL's biases without rope), whose configs
+keep COMMON's ``num_key_value_heads`` where the family ignores it. Each family's attention
+module is where the reader's row says (:func:`attention_path`).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import inspect
 import shutil
 import tempfile
@@ -60,6 +67,10 @@ ABSENT = "absent"
 """A key of ``COMMON`` left out of a family's config."""
 OLDER = {"head_dim": ABSENT, "rope_parameters": ABSENT}
 """The families without rope, or with their own keys for it."""
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+       "experts_implementation": "eager"}  # fmt: skip
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 4.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": LONG}  # fmt: skip
 
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("Llama", {"attention_bias": True, "rope_parameters": {
@@ -103,6 +114,93 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "arcee": ("Arcee", {"attention_bias": True, "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
         "original_max_position_embeddings": LONG}}),
+    # rows that rename an attention above under other names, defaults and config keys
+    "qwen3_moe": ("Qwen3Moe", {"use_sliding_window": True, "sliding_window": 6,
+                               "attention_bias": True, "rms_norm_eps": 1e-5, **MOE}),
+    "qwen2_moe": ("Qwen2Moe", {"use_sliding_window": True, "sliding_window": 5,
+                               "max_window_layers": 2, "shared_expert_intermediate_size": 16,
+                               **MOE}),  # layers 0 sliding, 1 and 2 full
+    "olmoe": ("Olmoe", {"attention_bias": True, **MOE}),
+    "flex_olmo": ("FlexOlmo", {**MOE}),
+    "phimoe": ("Phimoe", {"sliding_window": 6, "attention_bias": True, **MOE}),
+    "vaultgemma": ("VaultGemma", {"query_pre_attn_scalar": 20, "attn_logit_softcapping": 2.5,
+                                  "sliding_window": 5}),
+    "gemma": ("Gemma", {"attention_bias": True}),
+    "olmo": ("Olmo", {"attention_bias": True}),
+    "olmo3": ("Olmo3", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING],
+                        "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 100.0},
+                                            FULL: {"rope_type": "default", "rope_theta": 3000.0}}}),
+    "internlm3": ("InternLM3", {"attention_bias": True, "mlp_bias": True}),  # equal, it checks
+    "seed_oss": ("SeedOss", {"attention_bias": False, "attention_out_bias": True}),
+    "dots1": ("Dots1", {"sliding_window": 5, "max_window_layers": 1, "n_routed_experts": 4,
+                        "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+                        "moe_intermediate_size": 16, "first_k_dense_replace": 1,
+                        "n_shared_experts": 1, "experts_implementation": "eager"}),
+    "apertus": ("Apertus", {"attention_bias": True, "rope_parameters": LLAMA3}),
+    "glm4_moe_lite": ("Glm4MoeLite", {**DEEPSEEK,
+                                      "mlp_layer_types": ["dense", "sparse", "sparse"]}),
+    "youtu": ("Youtu", {**DEEPSEEK, "rope_interleave": False, "attention_bias": True}),
+    "granite": ("Granite", {"attention_multiplier": 0.2, "attention_bias": True}),
+    "granitemoe": ("GraniteMoe", {"attention_multiplier": 0.3, **MOE}),
+    "granitemoeshared": ("GraniteMoeShared", {"attention_multiplier": 0.4,
+                                              "shared_intermediate_size": 16, **MOE}),
+    "helium": ("Helium", {"attention_bias": True}),
+    "starcoder2": ("Starcoder2", {"sliding_window": 6, "use_bias": True}),
+    "solar_open": ("SolarOpen", {"attention_bias": True, "n_routed_experts": 4,
+                                 "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+                                 "moe_intermediate_size": 16, "n_shared_experts": 1,
+                                 "experts_implementation": "eager"}),
+    "hyperclovax": ("HyperCLOVAX", {"attention_multiplier": 0.25}),
+    "iquestcoder": ("IQuestCoder", {"attention_bias": True}),
+    "jais2": ("Jais2", {}),  # attention_bias: True by default
+    "ministral3": ("Ministral3", {"sliding_window": 6, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "beta_fast": 8.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.0,
+        "original_max_position_embeddings": LONG}}),
+    "aria_text": ("AriaText", {"attention_bias": True, "moe_num_experts": 4, "moe_topk": 2,
+                               "moe_num_shared_experts": 1, "experts_implementation": "eager"}),
+    "exaone": ("Exaone", {"attention_bias": True}),
+    "apertus1p5_text": ("Apertus1p5Text", {"attention_bias": True, "rope_parameters": LLAMA3}),
+    "hy_v3": ("HYV3", {"attention_bias": True, "rms_norm_eps": 1e-5, **MOE,
+                       "num_shared_experts": 1, "mlp_layer_types": ["dense", "sparse", "sparse"]}),
+    # layers without rope (NoPE): layer 1 by no_rope_layers (sliding, by the default
+    # layer_types), the full layer of Cohere 2 and EXAONE 4 (rope on the sliding ones)
+    "smollm3": ("SmolLM3", {"no_rope_layers": [1, 0, 1], "use_sliding_window": True,
+                            "sliding_window": 5, "attention_bias": True}),
+    "cohere2": ("Cohere2", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING],
+                            "attention_bias": True}),
+    # Cohere 2 MoE: the dense layer 0 full with rope, layer 1 sliding, layer 2 full without
+    "cohere2_moe": ("Cohere2Moe", {"sliding_window": 5, "first_k_dense_replace": 1,
+                                   "sliding_window_pattern": 2, "attention_bias": True,
+                                   "num_experts": 4, "num_experts_per_tok": 2,
+                                   "experts_implementation": "eager"}),
+    "exaone4": ("Exaone4", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING],
+                            "rms_norm_eps": 1e-5}),
+    # partial rotary: interleaved pairs over half of each head (GLM's default fraction),
+    # the halves of 8 of 12 features (MiniMax-M2's rotary_dim), of a quarter of StableLM's
+    # heads of 24 (its head_dim is hidden_size // heads whatever the config says)
+    "glm": ("Glm", {}),
+    "glm4": ("Glm4", {}),
+    "glm4_moe": ("Glm4Moe", {"use_qk_norm": True, "attention_bias": True, "n_routed_experts": 4,
+                             "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                             "first_k_dense_replace": 1, "experts_implementation": "eager"}),
+    "minimax_m2": ("MiniMaxM2", {"rotary_dim": 8, "num_local_experts": 4,
+                                 "num_experts_per_tok": 2, "experts_implementation": "eager"}),
+    "stablelm": ("StableLm", {"num_attention_heads": 2, "head_dim": None, "use_qkv_bias": True}),
+    "phi": ("Phi", {}),
+    "nemotron": ("Nemotron", {"attention_bias": True}),
+    # interleaved pairs over the whole head
+    "cohere": ("Cohere", {"attention_bias": True}),
+    "ernie4_5": ("Ernie4_5", {"use_bias": True}),
+    "ernie4_5_moe": ("Ernie4_5_Moe", {"use_bias": True, "moe_num_experts": 4, "moe_k": 2,
+                                      "moe_intermediate_size": 16, "moe_num_shared_experts": 1,
+                                      "experts_implementation": "eager"}),
+    "cwm": ("Cwm", {"sliding_window": 5, "rope_parameters": LLAMA3,  # layer 0 full
+                    "bos_token_id": 0}),
+    "mellum": ("Mellum", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING], **MOE,
+                          "rope_parameters": {
+                              SLIDING: {"rope_type": "default", "rope_theta": 100.0},
+                              FULL: {"rope_type": "default", "rope_theta": 3000.0}}}),
     # older layouts: fused or renamed projections (their num_key_value_heads and head_dim,
     # which these families ignore, stay in config.json), no rope or ALiBi
     "gpt2": ("GPT2", {**OLDER, "scale_attn_by_inverse_layer_idx": True}),
@@ -129,26 +227,23 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "xglm": ("XGLM", {**OLDER, "ffn_dim": 32}),
     "ctrl": ("CTRL", {**OLDER, "dff": 32}),
     "openai-gpt": ("OpenAIGPT", OLDER),  # no cache: decoding against each prefix's last token
-    # Llama's attention: EXAONE 3's under GPT-2's names in its own checkpoints; CWM's with
-    # every fourth layer full from the first
-    "exaone": ("Exaone", {}),
-    "cwm": ("Cwm", {"sliding_window": 5, "bos_token_id": 1, "rope_parameters": {
-        "rope_type": "llama3", "rope_theta": 500.0, "factor": 4.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": LONG}}),
     "modernbert-decoder": ("ModernBertDecoder", {
         "head_dim": ABSENT, "local_attention": 10, "attention_bias": True, "pad_token_id": 0,
         "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1, "sep_token_id": 2,
         "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 100.0},
                             FULL: {"rope_type": "default", "rope_theta": 3000.0}}}),
 }  # fmt: skip
-"""Each family's class names (``{name}Config``, ``{name}ForCausalLM``; Gemma 3's
-``Gemma3ForCausalLM``) and what its config changes from ``COMMON``."""
+"""Each family's config class's name (``{name}Config``; the model is the causal LM
+transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
+``LlamaForCausalLM`` for InternLM 3's) and what its config changes from ``COMMON``."""
 
 FAMILIES = tuple(MODELS)
 """The checkpoints :func:`saved` builds; ``deepseek_v3_mha`` is DeepSeek V3 without the
 query's low-rank projection (``q_lora_rank=None``), with biases and halves rotary."""
 
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
+LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu")
+"""The checkpoints of DeepSeek's multi-head latent attention (``LatentAttention``)."""
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen",
                  "gpt_neo", "bloom", "mpt", "falcon", "falcon_alibi", "opt", "biogpt", "xglm",
@@ -163,17 +258,18 @@ def _settings(family: str) -> tuple[str, str, dict[str, Any]]:
     """The config class, the model class and the config's settings of ``family``."""
     if family not in MODELS:
         raise KeyError(f"no tiny model of family {family!r}; the families are {FAMILIES}")
+    import transformers
+
     name, changes = MODELS[family]
-    settings = {**COMMON, "rope_parameters": ROPE, **changes}
+    # a copy: config classes complete rope_parameters in place (GLM's partial_rotary_factor)
+    settings = copy.deepcopy({**COMMON, "rope_parameters": ROPE, **changes})
     for key in [key for key in ("head_dim",) if settings[key] is None]:
         del settings[key]
     for key in [key for key, value in settings.items() if value is ABSENT]:
         del settings[key]
-    model = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel",
-             "OpenAIGPT": "OpenAIGPTLMHeadModel", "CTRL": "CTRLLMHeadModel",
-             "Exaone": "LlamaForCausalLM"}.get(
-        name, f"{name}ForCausalLM")  # fmt: skip
-    return f"{name}Config", model, settings
+    model_type = getattr(transformers, f"{name}Config").model_type
+    causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return f"{name}Config", causal[model_type], settings
 
 
 def build(family: str, seed: int = 0) -> Any:
@@ -217,9 +313,10 @@ def attention_path(model: Any) -> str:
     return str(readers.FAMILIES[model.config.model_type].tensors.path)
 
 
-EAGER = ("gemma2", "gpt_oss", "gpt_neo", "bloom", "mpt", "xglm", "openai-gpt", "gpt_neox_japanese")
-"""The families whose attention is eager only (Gemma 2's soft-capping, gpt-oss's sinks,
-the older families' own attention code)."""
+EAGER = ("gemma2", "gpt_oss", "vaultgemma", "gpt_neo", "bloom", "mpt", "xglm", "openai-gpt",
+         "gpt_neox_japanese")  # fmt: skip
+"""The families whose attention is eager only (Gemma 2's and VaultGemma's soft-capping,
+gpt-oss's sinks, the older families' own attention code)."""
 
 
 def _implementation(family: str) -> str:

@@ -13,7 +13,12 @@ Under it, transformers' own ``ROPE_INIT_FUNCTIONS`` and the models' own
 (checked against the float32 ones they replace at 1e-6, so the mode is shown faithful), keeps
 transformers' own ``dynamic_rope_update`` for the stateful ``dynamic`` and ``longrope``
 updates (run under the mode), and computes the angles, cosines and sines as the module's
-``forward`` does, in float64.
+``forward`` does, in float64: each angle for features ``i`` and ``i + r/2`` (Llama's
+``cat``), for ``2i`` and ``2i + 1`` (Cohere's ``repeat_interleave``) or once (gpt-oss), over
+the rotated width ``r`` of a partial rotary. The new cosines and sines are checked against
+those of the module's own ``forward`` at float32 precision, so the layout and the width are
+transformers'. The attention's ``apply_rotary_pos_emb`` (which pairs, which features)
+is transformers' own code.
 """
 
 from __future__ import annotations
@@ -116,11 +121,14 @@ def _make_float64(rotary: Any) -> None:
 
     source = inspect.getsource(type(rotary).forward)  # the undecorated forward (functools.wraps)
     if "torch.cat((freqs, freqs), dim=-1)" in source:
-        halves = False
+        layout = "halves"  # each angle for feature i and i + r/2
+    elif "torch.repeat_interleave(freqs, 2, dim=-1)" in source:
+        layout = "pairs"  # Cohere: each angle for features 2i and 2i + 1
     elif "emb = freqs\n" in source:  # gpt-oss: the half-width angles
-        halves = True
+        layout = "once"
     else:
         raise NotImplementedError(f"{type(rotary).__name__}.forward: an unknown layout")
+    expected = _angles(rotary, rotary.forward, torch.float32)  # before the buffers change
     for layer_type in _layer_types(rotary):
         prefix = "" if layer_type is None else f"{layer_type}_"
         rope_type = rotary.rope_type if layer_type is None else rotary.rope_type[layer_type]
@@ -156,7 +164,41 @@ def _make_float64(rotary: Any) -> None:
         scaling = getattr(rotary, "attention_scaling" if layer_type is None else
                           f"{prefix}attention_scaling")  # fmt: skip
         freqs = position_ids[..., None].double() * inv_freq.double()
-        angles = freqs if halves else torch.cat((freqs, freqs), dim=-1)
+        angles = {
+            "halves": lambda: torch.cat((freqs, freqs), dim=-1),
+            "pairs": lambda: torch.repeat_interleave(freqs, 2, dim=-1),
+            "once": lambda: freqs,
+        }[layout]()
         return (angles.cos() * scaling).to(x.dtype), (angles.sin() * scaling).to(x.dtype)
 
+    got = _angles(rotary, forward, torch.float64)
+    for (e, g), layer_type in zip(
+        zip(expected, got, strict=True), _layer_types(rotary), strict=True
+    ):
+        if e.shape != g.shape or not (e.double() - g).abs().max() <= FAITHFUL * CHECKED:
+            raise AssertionError(
+                f"{type(rotary).__name__} {layer_type}: the float64 cosines and sines "
+                f"{tuple(g.shape)} differ from transformers' float32 ones {tuple(e.shape)}"
+            )
     rotary.forward = forward
+
+
+CHECKED = 16
+"""The positions at which the float64 cosines and sines are checked against transformers'
+float32 ones: those of every scaled rope's original length, where no dynamic update
+changes the frequencies."""
+
+
+def _angles(rotary: Any, forward: Any, dtype: Any) -> list[Any]:
+    """The cosines and sines, side by side, that ``forward`` gives for ``x`` of ``dtype``
+    at the first :data:`CHECKED` positions, per layer type: the layout (halves, pairs,
+    partial width) and the angles, within :data:`FAITHFUL` of an angle times the position."""
+    import torch
+
+    positions, x = torch.arange(CHECKED)[None], torch.zeros(1, dtype=dtype)
+    angles = []
+    for layer_type in _layer_types(rotary):
+        keywords = {} if layer_type is None else {"layer_type": layer_type}
+        cos, sin = forward(x, positions, **keywords)
+        angles.append(torch.cat((cos, sin), dim=-1))
+    return angles

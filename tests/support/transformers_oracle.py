@@ -83,6 +83,27 @@ def attention_settings(model: Any) -> dict[str, Any]:
     }
 
 
+def recorder(module: Any, calls: list[tuple[np.ndarray, np.ndarray]]) -> Any:
+    """A forward hook (``with_kwargs``) of the attention ``module`` that appends each call's
+    input and output to ``calls``, as NumPy: without the residual a module adds to its output
+    (BLOOM's, given ``residual``), with the output bias one returns apart
+    (GPT-NeoX-Japanese's)."""
+    parameters = inspect.signature(module.forward).parameters
+
+    def record(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        parts = output if isinstance(output, (tuple, list)) else (output,)  # GPT-1's: a list
+        out = parts[0]
+        if len(parts) > 2 and hasattr(parts[2], "detach"):  # its output bias, apart
+            out = out + parts[2]
+        if "residual" in parameters:
+            bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+            out = out - bound.arguments["residual"]
+        calls.append((hidden.detach().numpy().copy(), out.detach().numpy().copy()))
+
+    return record
+
+
 class AttentionRecorder:
     """Records every call of each layer's attention: its input and its output, as NumPy.
     The attention of layer ``i`` is the module at ``path`` (``{i}`` its index); a module
@@ -99,19 +120,7 @@ class AttentionRecorder:
         ]
 
     def _hook(self, index: int, module: Any) -> Any:
-        parameters = inspect.signature(module.forward).parameters
-
-        def record(module: Any, args: Any, kwargs: Any, output: Any) -> None:
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            out = output[0]
-            if len(output) > 2 and hasattr(output[2], "detach"):  # its output bias, apart
-                out = out + output[2]
-            if "residual" in parameters:
-                bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
-                out = out - bound.arguments["residual"]
-            self.calls[index].append((hidden.detach().numpy().copy(), out.detach().numpy().copy()))
-
-        return record
+        return recorder(module, self.calls[index])
 
     def close(self) -> None:
         for handle in self._handles:

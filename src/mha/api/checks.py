@@ -31,6 +31,7 @@ from .._kernel.contract import ScoreShape, Visibility
 from .._kernel.scores import Scores
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .cached import Append, CacheFit, check_cache
+from .gates import OutputGate
 from .qk_norm import QKNorm, check_qk_norm
 from .rope_scaling import check_base, check_rope_scaling
 from .rotary import check_positions, check_rotary_options
@@ -115,7 +116,10 @@ class Weights:
 
     def in_dtype(self, dtype: np.dtype) -> Weights:
         """The weights in ``dtype`` (the same arrays where they already are)."""
-        cast = {name: x.astype(dtype, copy=False) for name, x in self.present().items()}
+        present = self.present()
+        if all(x.dtype == dtype for x in present.values()):
+            return self  # (replace() costs microseconds a call)
+        cast = {name: x.astype(dtype, copy=False) for name, x in present.items()}
         return replace(self, **cast)
 
     def present(self) -> dict[str, np.ndarray]:
@@ -148,6 +152,8 @@ class LayerWeights(NamedTuple):
     bias_v: Any = None
     q_norm: Any = None
     k_norm: Any = None
+    W_g: Any = None
+    b_g: Any = None
 
 
 @dataclass(frozen=True)
@@ -219,7 +225,11 @@ def check_layer(
     weights = _weights(given, (Q, K, V), names)
     H, H_kv, d_k, d_v = _heads(weights, num_heads, spec.num_kv_heads)
     weights = with_biases(weights, given)
-    result_dtype, compute_dtype = result_and_compute_dtypes(Q, K, V, *weights.present().values())
+    spec = _with_gate(spec, given, H, d_v, Q.shape[-1])
+    gate_weights = getattr(spec.output, "weights", {}).values()
+    result_dtype, compute_dtype = result_and_compute_dtypes(
+        Q, K, V, *weights.present().values(), *gate_weights
+    )
     B, L, S = Q.shape[:-2], Q.shape[-2], K.shape[-2]  # B is () for unbatched input
     nq, nk = names["Q"], names["K"]
     context = f"{nq} {Q.shape}" if nk == nq else f"{nq} {Q.shape}, {nk} {K.shape}"
@@ -254,6 +264,21 @@ def check_layer(
         inputs, request, scale, visibility, append, scores, sinks, norm, rotary, q_positions,
         k_positions,
     )  # fmt: skip
+
+
+def _with_gate(
+    spec: AttentionSpec, given: LayerWeights, H: int, d_v: int, d_q: int
+) -> AttentionSpec:
+    """``spec`` with the output gate of ``W_g`` (and ``b_g``) as its output stage."""
+    if given.W_g is None:
+        if given.b_g is not None or spec.output_gate is not None:
+            name = "b_g" if given.b_g is not None else f"output_gate={spec.output_gate!r}"
+            raise AttentionValueError(f"{name} needs the gate's weights W_g (d_q, H*d_v or H)")
+        return spec
+    if spec.output is not None:
+        raise AttentionValueError("W_g: this call's spec has an output stage already")
+    gate = OutputGate.check(spec.output_gate, given.W_g, given.b_g, H, d_v, d_q)
+    return replace(spec, output=gate)
 
 
 def _layer_inputs(
@@ -329,6 +354,9 @@ def _heads(weights: Weights, num_heads: Any, num_kv_heads: Any) -> tuple[int, in
 
 def with_biases(weights: Weights, given: LayerWeights) -> Weights:
     """``weights`` with the biases of ``given``, checked against their matrices."""
+    biases = (given.b_q, given.b_k, given.b_v, given.b_o, given.bias_k, given.bias_v)
+    if all(b is None for b in biases):
+        return weights  # none given: none to check (replace() costs microseconds a call)
     b_q, b_k, b_v, b_o = (
         _projection_bias(name, b, W)
         for name, b, W in zip(

@@ -18,6 +18,7 @@ import numpy as np
 from .._arrays import flag, is_bfloat16, non_negative_int, positive_int, resolve_scale
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .checks import WEIGHT_NAMES
+from .gates import check_gate_activation
 from .qk_norm import KINDS as QK_NORM_KINDS
 from .qk_norm import check_offset
 from .rope_scaling import check_base, check_rope_scaling
@@ -29,9 +30,9 @@ if TYPE_CHECKING:
 
 __all__ = ["PARAMETER_NAMES", "Configuration", "LayerSpec", "float_dtype"]
 
-PARAMETER_NAMES = (*WEIGHT_NAMES, "sinks", "q_norm", "k_norm")
-"""The module's learned arrays: the weights of the function, gpt-oss's sink logits and the
-QK-norm's weights."""
+PARAMETER_NAMES = (*WEIGHT_NAMES, "sinks", "q_norm", "k_norm", "W_g", "b_g")
+"""The module's learned arrays: the weights of the function, gpt-oss's sink logits, the
+QK-norm's weights and the output gate's."""
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class LayerSpec:
     constructor's keywords name it: ``num_heads``, ``num_kv_heads``, ``head_dim``,
     ``rope_theta``, ``rotary_dim``, ``rotary_interleaved``, ``rope_scaling``, ``window``,
     ``sink_tokens``, ``softcap``, ``alibi``, ``chunk``, ``scale``, ``qk_norm``,
-    ``qk_norm_eps``, ``qk_norm_offset`` and ``add_zero_attn`` (each ``None``, or ``False``,
+    ``qk_norm_eps``, ``qk_norm_offset``, ``add_zero_attn``, ``output_gate`` and
+    ``output_gate_per_head`` (each ``None``, or ``False``,
     for its default; ``head_dim`` then comes from the weights). The pair ``(spec, weights)``
     is what a reader of another format produces (:mod:`mha.integrations.readers`) and
     :meth:`Configuration.from_spec` builds a layer from.
@@ -67,6 +69,8 @@ class LayerSpec:
     qk_norm_eps: Any = None
     qk_norm_offset: Any = None
     add_zero_attn: Any = False
+    output_gate: Any = None
+    output_gate_per_head: Any = False
 
     kind = "attention"
     """What a reader's spec builds (:meth:`Configuration.from_spec`)."""
@@ -119,6 +123,10 @@ class Configuration:
     sinks: np.ndarray | None
     q_norm: np.ndarray | None
     k_norm: np.ndarray | None
+    output_gate: str | None  # "sigmoid" or "softplus"
+    output_gate_per_head: bool
+    W_g: np.ndarray | None
+    b_g: np.ndarray | None
 
     def _configure(self, spec: LayerSpec, widths: tuple[Any, Any, Any]) -> None:
         """Check and keep the configuration (everything but the weights): ``spec`` (its
@@ -221,6 +229,10 @@ class Configuration:
         )
         self.softcap = None if scores is None else scores.softcap
         self.alibi = None if scores is None else scores.alibi
+        self.output_gate = check_gate_activation(spec.output_gate)
+        self.output_gate_per_head = flag("output_gate_per_head", spec.output_gate_per_head)
+        if self.output_gate_per_head and self.output_gate is None:
+            raise AttentionValueError("output_gate_per_head needs output_gate= ('sigmoid', ...)")
 
     @property
     def has_bias(self) -> bool:
@@ -281,6 +293,9 @@ class Configuration:
             for name, default in defaults.items()
             if getattr(self, name) != default
         )
+        if self.output_gate is not None:
+            dims += f", output_gate={self.output_gate!r}"
+            dims += ", output_gate_per_head=True" if self.output_gate_per_head else ""
         if self.qk_norm is not None:
             dims += "".join(
                 f", {name}={value}"
@@ -318,7 +333,9 @@ class Configuration:
             "vdim": self.vdim,
             "bias": self.has_bias,
             "biases": [
-                name for name in ("b_q", "b_k", "b_v", "b_o") if getattr(self, name) is not None
+                name
+                for name in ("b_q", "b_k", "b_v", "b_o", "b_g")
+                if getattr(self, name) is not None
             ],
             "add_bias_kv": self.bias_k is not None,
             "add_zero_attn": self.add_zero_attn,
@@ -336,6 +353,8 @@ class Configuration:
             "qk_norm": self.qk_norm,
             "qk_norm_eps": None if self.qk_norm is None else self.qk_norm_eps,
             "qk_norm_offset": None if self.qk_norm is None else self.qk_norm_offset,
+            "output_gate": self.output_gate,
+            "output_gate_per_head": self.output_gate_per_head,
             "dtype": self._held_dtype().name,
         }
 
@@ -368,6 +387,8 @@ class Configuration:
             self.qk_norm_eps if norm else None,
             self.qk_norm_offset if norm else None,
             self.add_zero_attn,
+            self.output_gate,
+            self.output_gate_per_head,
         )
 
     @classmethod
@@ -421,6 +442,13 @@ class Configuration:
             )
         if self.qk_norm is not None and not all(has_norm):
             raise AttentionValueError(f"{source}: qk_norm={self.qk_norm!r} needs q_norm and k_norm")
+        gated = weights.get("W_g") is not None
+        b_g = weights.get("b_g") is not None
+        if gated != (self.output_gate is not None) or (b_g and not gated):
+            raise AttentionValueError(
+                f"{source}: W_g (with b_g, if any) and output_gate= ('sigmoid' or 'softplus') "
+                "go together"
+            )
         present = [a for a in weights.values() if a is not None]
         self.dtype = float_dtype(np.result_type(*present))
         for name in PARAMETER_NAMES:
@@ -462,6 +490,8 @@ class Configuration:
             "sinks": (self.num_heads,),
             "q_norm": (inner if self.qk_norm == "all" else self.head_dim,),
             "k_norm": (kv_inner if self.qk_norm == "all" else self.head_dim,),
+            "W_g": (E, self.num_heads if self.output_gate_per_head else inner),
+            "b_g": (self.num_heads if self.output_gate_per_head else inner,),
         }
 
     def _describe(self) -> str:

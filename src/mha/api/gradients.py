@@ -124,6 +124,7 @@ class ProjectedBackward:
         given = {"Q": call.Q, "K": call.K, "V": call.V, **call.weights.present()}
         if call.qk_norm is not None:
             given |= {"q_norm": call.qk_norm.q_norm, "k_norm": call.qk_norm.k_norm}
+        given |= getattr(call.spec.output, "weights", {})  # an output gate's W_g, b_g
         self.saved = forward.saved  # the QK-norm's normalised rows and their factors
         self.call = call
         self.arrays = given
@@ -181,7 +182,7 @@ class ProjectedBackward:
             self._projections_backward({"Q": dq, "K": dk, "V": dv}, grads, team)
             if d_inputs is not None:  # the output stage read the queries' inputs too
                 grads["Q"] += d_inputs
-        # (an output stage's weights keep the compute dtype)
+        # (an output stage's weights without a dtype given keep the compute dtype)
         return {name: cast_result(g, self.dtypes.get(name, dtype)) for name, g in grads.items()}
 
     def _in(self, dtype: np.dtype, name: str) -> np.ndarray:

@@ -255,6 +255,7 @@ class Layouts(Configuration):
                     self.scale is not None and self.scale != 1.0 / float(np.sqrt(self.head_dim)),
                 ),
                 ("QK-norm", self.qk_norm is not None),
+                ("an output gate", self.output_gate is not None),
                 *((f"{name}=", True) for name in self.variants()),
                 ("only some of the biases", self._partial_biases() != ""),
             )

@@ -68,8 +68,11 @@ class MultiHeadAttention(Layouts):
     ``dynamic``, ``llama3``, ``yarn``, ``longrope``), ``scale`` (the softmax scale, as
     Gemma's ``query_pre_attn_scalar ** -0.5``; default ``1/sqrt(head_dim)``) and ``qk_norm``
     (``"head"``: Qwen3 and Gemma 3, ``"all"``: OLMo 2; the module owns ``q_norm`` and
-    ``k_norm``, with ``qk_norm_eps`` and ``qk_norm_offset``, 1.0 for Gemma's ``(1 + w)``).
-    :meth:`from_pretrained` reads a layer of a transformers checkpoint with all of them.
+    ``k_norm``, with ``qk_norm_eps`` and ``qk_norm_offset``, 1.0 for Gemma's ``(1 + w)``) and
+    ``output_gate`` (``"sigmoid"`` or ``"softplus"``: the joined heads times ``act(x @ W_g +
+    b_g)`` before ``W_o``, per element, or per head with ``output_gate_per_head``; the module
+    owns ``W_g``, and ``b_g`` with ``bias``). :meth:`from_pretrained` reads a layer of a
+    transformers checkpoint with all of them.
 
     The class holds configuration and weights and delegates to the function's own path (same
     inputs, same bits): its settings and weights are checked in :mod:`.configuration`, the
@@ -114,6 +117,8 @@ class MultiHeadAttention(Layouts):
         qk_norm: str | None = None,
         qk_norm_eps: float | None = None,
         qk_norm_offset: float | None = None,
+        output_gate: str | None = None,
+        output_gate_per_head: Flag = False,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
     ) -> None:
@@ -127,7 +132,7 @@ class MultiHeadAttention(Layouts):
         spec = LayerSpec(
             H, num_kv_heads, E // H if head_dim is None else head_dim, rope_theta, rotary_dim,
             rotary_interleaved, rope_scaling, window, sink_tokens, softcap, alibi, chunk, scale,
-            qk_norm, qk_norm_eps, qk_norm_offset, add_zero_attn,
+            qk_norm, qk_norm_eps, qk_norm_offset, add_zero_attn, output_gate, output_gate_per_head,
         )  # fmt: skip
         self._configure(spec, (E, E if kdim is None else kdim, E if vdim is None else vdim))
         if not isinstance(bias, (bool, np.bool_)):
@@ -169,6 +174,13 @@ class MultiHeadAttention(Layouts):
                 np.full(shapes[name], 1.0 - self.qk_norm_offset, dtype=self.dtype)
                 for name in ("q_norm", "k_norm")
             )
+        self.W_g: np.ndarray | None = None
+        self.b_g: np.ndarray | None = None
+        if self.output_gate is not None:  # as a projection of d_model: xavier, bias zero
+            rows, columns = self._shapes()["W_g"]
+            bound = _xavier_bound(rows, columns)
+            self.W_g = _uniform(rng, (columns, rows), bound, self.dtype).T.copy()
+            self.b_g = np.zeros(columns, dtype=self.dtype) if bias else None
 
     # One overload per combination of the return_* flags; the last for run-time flags.
     # fmt: off
@@ -340,7 +352,7 @@ class MultiHeadAttention(Layouts):
             self.rotary_dim, self.rotary_interleaved, self.rope_scaling, positions, self.qk_norm,
             None if self.qk_norm is None else self.qk_norm_eps,
             None if self.qk_norm is None else self.qk_norm_offset, cache, padding_side,
-            return_backward, dropout_p, generator,
+            return_backward, dropout_p, generator, self.output_gate,
         )  # fmt: skip
         weights = LayerWeights(
             self.W_q,
@@ -355,6 +367,8 @@ class MultiHeadAttention(Layouts):
             self.bias_v,
             self.q_norm,
             self.k_norm,
+            self.W_g,
+            self.b_g,
         )
         inputs = LayerArrays(query, key, value)
         names = _SELF_NAMES if itself else _INPUT_NAMES

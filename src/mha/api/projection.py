@@ -120,6 +120,9 @@ def multi_head_attention(
     qk_norm: str | None = None,
     qk_norm_eps: float | None = None,
     qk_norm_offset: float | None = None,
+    W_g: Any = None,
+    b_g: Any = None,
+    output_gate: str | None = None,
     cache: KVCache | PagedKVCache | None = None,
     padding_side: str | None = None,
     return_backward: Flag = False,
@@ -177,6 +180,10 @@ def multi_head_attention(
       ``H*d_k`` (or ``H_kv*d_k``) features before the split (OLMo 2). ``qk_norm_eps``
       (default 1e-6) and ``qk_norm_offset`` (1.0 for Gemma's ``(1 + weight)``; default 0).
       The scale multiplies the normalised queries; ``backward`` has both weights' gradients.
+    * ``W_g`` (with ``b_g``): an output gate, the joined heads times ``act(Q @ W_g + b_g)``
+      before ``W_o`` (Qwen3-Next, Qwen3.5, LFM3, Laguna): per element with ``W_g (d_q,
+      H*d_v)``, per head with ``W_g (d_q, H)``; ``output_gate`` is ``act``, ``"sigmoid"``
+      (default) or ``"softplus"``. ``backward`` has the gradients of both.
     * ``return_backward``: also return ``backward``, a function of the output's gradient
       that returns the gradients of every input and weight given, keyed by parameter name
       (``Q``, ``K``, ``V``, ``W_q``, ..., ``b_o``, ``bias_k``, ``bias_v``, ``bias``), each
@@ -223,9 +230,11 @@ def multi_head_attention(
         max_memory, workers, add_zero_attn, num_kv_heads, window, sink_tokens, chunk, mask_mod,
         sinks, softcap, alibi, score_mod, score_mod_grad, rope_theta, rotary_dim,
         rotary_interleaved, rope_scaling, positions, qk_norm, qk_norm_eps, qk_norm_offset, cache,
-        padding_side, return_backward, dropout_p, generator,
+        padding_side, return_backward, dropout_p, generator, output_gate,
     )  # fmt: skip
-    weights = LayerWeights(W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm)
+    weights = LayerWeights(
+        W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm, W_g, b_g
+    )
     call = check_layer(LayerArrays(Q, K, V), weights, num_heads, check_mha(keywords))
     return compute(call)
 

@@ -89,6 +89,9 @@ class MhaOptions(_Keywords, total=False):
     qk_norm: str | None
     qk_norm_eps: float | None
     qk_norm_offset: float | None
+    W_g: Any
+    b_g: Any
+    output_gate: str | None
 
 
 class ForwardOptions(_Keywords, total=False):

@@ -36,6 +36,7 @@ from .._kernel.call import DEFAULT_MAX_MEMORY
 from .._kernel.contract import MaskArrays, MaskRules
 from .._kernel.scores import Scores
 from ..errors import AttentionTypeError, AttentionValueError
+from .gates import check_gate_activation
 from .padding import check_padding_side
 from .variants import check_scores
 
@@ -126,6 +127,7 @@ class MhaKeywords(NamedTuple):
     return_backward: Any = False
     dropout_p: Any = None
     generator: Any = None
+    output_gate: Any = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -211,7 +213,9 @@ class AttentionSpec:
     the scale as given (checked against the head width and dtype when they are known), the
     dropout probability; and for a layer (:func:`mha.multi_head_attention`) its key/value
     heads, rotary positions, QK-norm and torch's zero key. The ``output`` and ``selection``
-    stages are where an output gate and a selection of keys go (none today)."""
+    stages are where a change before ``W_o`` and a selection of keys go: the layer's output
+    gate (``output_gate``, its activation, with weights ``W_g``) becomes its output stage
+    when its weights are checked."""
 
     mask: MaskRules = field(default_factory=MaskRules)
     scores: ScoreRules = field(default_factory=ScoreRules)
@@ -223,6 +227,7 @@ class AttentionSpec:
     add_zero_attn: bool = False
     output: OutputStage | None = None
     selection: KeySelection | None = None
+    output_gate: str | None = None  # the activation of a gate of weights W_g (api/gates.py)
 
 
 @dataclass(frozen=True, eq=False)
@@ -329,7 +334,9 @@ def _check_mha(kw: MhaKeywords) -> Checked:
     norm = QKNormRules(kw.qk_norm, kw.qk_norm_eps, kw.qk_norm_offset)
     zero = flag("add_zero_attn", kw.add_zero_attn)
     left = check_padding_side(kw.padding_side, kw.cache, arrays)
-    spec = AttentionSpec(rules, scores, kw.scale, drop_p, kw.num_kv_heads, rotary, norm, zero)
+    gate = check_gate_activation(kw.output_gate)
+    spec = AttentionSpec(rules, scores, kw.scale, drop_p, kw.num_kv_heads, rotary, norm, zero,
+                         output_gate=gate)  # fmt: skip
     given = CallInputs(arrays, kw.positions, kw.cache, left, kw.generator)
     return Checked(spec, given, request)
 

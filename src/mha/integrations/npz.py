@@ -20,10 +20,11 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "WEIGHT_NAMES", "load", "save"]
 
 FORMAT = "mha.MultiHeadAttention"
 FORMAT_VERSION = 2  # 2 added grouped-query heads, head_dim, rotary, window, single biases
-# (the variants' settings and sinks, rope scaling, the scale and QK-norm came later as
-# optional keys: files without them load). bfloat16 weights are stored as their uint16 bits.
+# (the variants' settings and sinks, rope scaling, the scale, QK-norm and the output gate
+# came later as optional keys: files without them load). bfloat16 weights are stored as
+# their uint16 bits.
 WEIGHT_NAMES = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v",
-                "sinks", "q_norm", "k_norm")  # fmt: skip
+                "sinks", "q_norm", "k_norm", "W_g", "b_g")  # fmt: skip
 
 
 def save(path: Any, config: dict[str, Any], weights: dict[str, np.ndarray | None]) -> None:
@@ -146,7 +147,7 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "W_o": (inner, E),
     }
     widths = {"b_q": inner, "b_k": kv_inner, "b_v": kv_inner, "b_o": E}
-    vectors = {name: (widths[name],) for name in config["biases"]}
+    vectors = {name: (widths[name],) for name in config["biases"] if name in widths}
     if config["add_bias_kv"]:
         vectors |= {"bias_k": (kv_inner,), "bias_v": (kv_inner,)}
     if config.get("sinks"):
@@ -155,4 +156,9 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         across = config["qk_norm"] == "all"
         vectors["q_norm"] = (inner if across else int(config["head_dim"]),)
         vectors["k_norm"] = (kv_inner if across else int(config["head_dim"]),)
+    if config.get("output_gate") is not None:
+        gates = int(config["num_heads"]) if config.get("output_gate_per_head") else inner
+        shapes["W_g"] = (E, gates)
+        if "b_g" in config.get("biases", []):
+            vectors["b_g"] = (gates,)
     return {**shapes, **vectors}

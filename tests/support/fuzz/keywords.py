@@ -212,14 +212,14 @@ BAD: dict[str, Callable[[np.random.Generator, tuple[int, ...], int, int, int], l
         described("ints", lambda b, h, q, kv: (q >= kv).astype(int)),
         described("5-D", lambda b, h, q, kv: np.ones((3,) * 5, bool)),
     ],
-    "sinks": lambda g, batch, H, L, S: [
+    "sinks": lambda g, batch, H, L, S: [  # (with no query heads, none is empty: bad still)
         np.zeros(H + 1),
-        np.full(H, np.nan),
-        np.full(H, np.inf),
-        np.zeros(H, complex),
+        np.full(max(H, 1), np.nan),
+        np.full(max(H, 1), np.inf),
+        np.zeros(max(H, 1), complex),
     ],
     "softcap": lambda *_: NOT_REAL,
-    "alibi": lambda g, batch, H, L, S: [np.ones(H + 1), np.full(H, np.nan), "yes"],
+    "alibi": lambda g, batch, H, L, S: [np.ones(H + 1), np.full(max(H, 1), np.nan), "yes"],
     "score_mod": lambda *_: [
         3,
         described("(s, b) -> s", lambda s, b: s),

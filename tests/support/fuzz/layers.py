@@ -32,6 +32,16 @@ def rms(x: np.ndarray, weight: Any, eps: float, offset: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (offset + as_float64(weight))
 
 
+def gated(joined: np.ndarray, x: Any, W_g: Any, b_g: Any, activation: str | None) -> np.ndarray:
+    """The output gate: ``joined`` times ``act(x @ W_g + b_g)``, one value a feature, or a
+    head (``W_g`` narrower than ``joined``) over each of its features."""
+    z = as_float64(x) @ as_float64(W_g) + (0.0 if b_g is None else as_float64(b_g))
+    gate = np.logaddexp(0, z) if activation == "softplus" else 1 / (1 + np.exp(-z))
+    if gate.shape[-1] != joined.shape[-1]:
+        gate = np.repeat(gate, joined.shape[-1] // max(gate.shape[-1], 1), axis=-1)
+    return joined * gate
+
+
 def heads(x: np.ndarray, H: int) -> np.ndarray:
     """``(..., L, H*d)`` -> ``(..., H, L, d)``."""
     return np.moveaxis(x.reshape(*x.shape[:-1], H, x.shape[-1] // H), -2, -3)
@@ -113,6 +123,8 @@ def layer_reference(arrays: dict[str, Any], H: int, H_kv: int,
     scene.k_idx = scene.k_pos
     reference = dense.attend(scene)
     joined = np.moveaxis(reference.out, 1, 2).reshape(B, L, H * v.shape[-1])
+    if "W_g" in a:
+        joined = gated(joined, arrays["Q"], a["W_g"], a.get("b_g"), kw.get("output_gate"))
     out = joined @ a["W_o"] + a.get("b_o", 0.0)
     magnitude = np.abs(joined) @ np.abs(a["W_o"]) + np.abs(a.get("b_o", 0.0))
     bound = float(np.max(magnitude, initial=0.0))
@@ -139,6 +151,8 @@ def layer_refusals(kw: dict[str, Any], d_k: int, L: int, S: int) -> set[str]:
         names |= {"rope_scaling", "rotary_dim"}
     if kw.get("q_norm") is None:
         names |= {n for n in ("qk_norm", "qk_norm_eps", "qk_norm_offset") if kw.get(n) is not None}
+    if kw.get("W_g") is None:
+        names |= {n for n in ("b_g", "output_gate") if kw.get(n) is not None}
     return names
 
 
@@ -207,6 +221,13 @@ def layer_calls(draw: Any) -> Call:
             kw["qk_norm_eps"] = 1e-3
         if draw(st.booleans(), label="offset"):
             kw["qk_norm_offset"] = 1.0
+    if draw(chance(0.12), label="output gate"):
+        gates = H if draw(st.booleans(), label="a gate per head") else H * d_v
+        kw["W_g"] = values(rng, (d_q, gates), wdtype)
+        if draw(st.booleans(), label="b_g"):
+            kw["b_g"] = values(rng, (gates,), wdtype)
+        if draw(st.booleans(), label="output_gate given"):
+            kw["output_gate"] = draw(pick(["sigmoid", "softplus"]), label="output_gate")
     if draw(chance(0.2), label="return_weights"):
         kw["return_weights"] = True
     if backward:
@@ -225,6 +246,7 @@ def layer_calls(draw: Any) -> Call:
             ("rope_theta", float("nan")), ("rotary_dim", 3), ("qk_norm", "each"),
             ("q_norm", np.ones(d_k + 1)), ("b_q", np.ones(H * d_k + 1)), ("bias_k", np.ones(1)),
             ("positions", np.zeros((L + 1,))), ("qk_norm_offset", float("inf")),
+            ("W_g", np.ones((d_q + 1, H))), ("output_gate", "relu"),
         ]  # fmt: skip
         if not avoid("rope_scaling refusal names scaling"):
             bad_ones.append(("rope_scaling", BAD_SCALINGS[1]))
@@ -263,7 +285,7 @@ def check_layer(call: Call, result: Any, draw: Any) -> float | None:
     Q, K, V, W_q, W_k, W_v, W_o, H = call.args
     kw = call.kwargs
     arrays = {"Q": Q, "K": K, "V": V, "W_q": W_q, "W_k": W_k, "W_v": W_v, "W_o": W_o}
-    arrays |= {n: kw[n] for n in WEIGHTS[4:] if kw.get(n) is not None}
+    arrays |= {n: kw[n] for n in (*WEIGHTS[4:], "W_g", "b_g") if kw.get(n) is not None}
     rdtype, cdtype = dtypes(*arrays.values())
     parts = list(result) if (kw.get("return_weights") or kw.get("return_backward")) else [result]
     out = parts.pop(0)

@@ -21,7 +21,7 @@ from .cached import cached_scene
 from .functions import SCALINGS
 from .keywords import NOT_FLAGS, NOT_POSITIVE, NOT_REAL, Drawn, kernel, masking
 from .known import avoid
-from .layers import check_gradients, layer_reference, layer_refusals, projected
+from .layers import check_gradients, gated, layer_reference, layer_refusals, projected
 from .outcome import Call, MismatchError, expect_array, expect_close, run
 from .rules import BFLOAT16, compute_dtype, result_dtype
 from .rules import tolerance as tolerance_of
@@ -39,6 +39,7 @@ OPTIONS = {  # constructor keyword: (valid values, refused values)
     "chunk": ([1, 3], NOT_POSITIVE),
     "scale": ([0.3, 1], NOT_REAL),
     "qk_norm": (["head", "all"], ["each", 1]),
+    "output_gate": (["sigmoid", "softplus"], ["relu", 1]),
     "dtype": ([np.float64, np.float32, np.float16, *([BFLOAT16] if BFLOAT16 is not None else [])],
               [np.int64, bool, "half-float", np.complex128]),
     "seed": ([0, 7, "a generator"], ["x", -1, 1.5]),
@@ -129,7 +130,8 @@ def settings_of(layer: Any, kw: dict[str, Any]) -> dict[str, Any]:
              "chunk": layer.chunk, "rope_theta": layer.rope_theta,
              "rotary_dim": layer.rotary_dim, "rotary_interleaved": layer.rotary_interleaved,
              "rope_scaling": layer.rope_scaling, "q_norm": layer.q_norm, "k_norm": layer.k_norm,
-             "qk_norm": layer.qk_norm, "scale": kw.get("scale", layer.scale)}  # fmt: skip
+             "qk_norm": layer.qk_norm, "scale": kw.get("scale", layer.scale),
+             "output_gate": layer.output_gate, "W_g": layer.W_g, "b_g": layer.b_g}  # fmt: skip
     if layer.qk_norm is not None:
         given |= {"qk_norm_eps": layer.qk_norm_eps, "qk_norm_offset": layer.qk_norm_offset}
     return {name: x for name, x in given.items() if x is not None}
@@ -317,6 +319,8 @@ def check_cached_forward(layer: Any, call: Call, settings: dict[str, Any], out: 
     joined = np.moveaxis(reference.out, 1, 2).reshape(B, L, layer.num_heads * v.shape[-1])
     if left:
         joined = np.stack([np.roll(joined[b], L - c, axis=0) for b, c in enumerate(counts)])
+    if layer.W_g is not None:  # the gate of each row's own input
+        joined = gated(joined, call.args[0], layer.W_g, layer.b_g, layer.output_gate)
     W_o = np.asarray(layer.W_o, np.float64)
     b_o = 0.0 if layer.b_o is None else np.asarray(layer.b_o, np.float64)
     bound = float(np.max(np.abs(joined) @ np.abs(W_o) + np.abs(b_o), initial=0.0))

@@ -199,6 +199,9 @@ class MhaGraph:
         norm = call.qk_norm
         weights["q_norm"] = None if norm is None else norm.q_norm
         weights["k_norm"] = None if norm is None else norm.k_norm
+        gate = call.spec.output  # an output gate's weights (no other stage reaches mha.dask)
+        weights["W_g"] = getattr(gate, "W_g", None)
+        weights["b_g"] = getattr(gate, "b_g", None)
         self.graph = Graph("mha", (  # everything the graph depends on: equal tokens, equal results
             self.Qd, self.Kd, self.Vd, self.mask_d, self.bias_d, weights, self.visibility,
             call.scale, call.H, call.H_kv, call.request.budget, call.request.threads,
@@ -224,11 +227,13 @@ class MhaGraph:
                     parts.append(self._extra_part(bb, batch, (i, rows), extra, parts_scores))
                 shape = (*grid.block_shape(batch), call.H, rows.stop - rows.start, call.d_v)
                 sinks = None if call.scores is None else call.scores.sinks
+                gate = getattr(call.spec.output, "activation", None)
                 output = Output(
-                    shape, call.compute_dtype, call.result_dtype, call.request.threads, sinks
+                    shape, call.compute_dtype, call.result_dtype, call.request.threads, sinks, gate
                 )
                 last = graph.reduce(parts, (*bb, i), self.lazy.fan_in)
-                graph.task("out", (*bb, i, 0), mha_out, last, self.w, output)
+                rows_in = (self.Qd.name, *bb, i, 0) if gate is not None else None  # the gate's
+                graph.task("out", (*bb, i, 0), mha_out, last, self.w, output, rows_in)
         chunks = (*grid.batch_chunks, grid.row_chunks, (call.weights.W_o.shape[1],))
         deps = [self.Qd, self.Kd, self.Vd, self.mask_d, self.bias_d]
         out = graph.array("out", chunks, call.result_dtype, deps, self.lazy.da)

@@ -16,6 +16,7 @@ from ..._kernel.scores import Scores, add_sinks
 from ..._kernel.team import Team, workers_for
 from ...api import checks
 from ...api.checks import LayerArrays, LayerWeights, check_layer
+from ...api.gates import OutputGate
 from ...api.gradients import join_heads, split_heads
 from ...api.projection import compute
 from ...api.qk_norm import QKNorm
@@ -169,13 +170,19 @@ class Output:
     result_dtype: np.dtype
     threads: int | None
     sinks: np.ndarray | None = None
+    gate: str | None = None  # an output gate's activation (its weights: W_g, b_g)
 
 
-def mha_out(parts: list[Any], weights: Weights, plan: Output) -> Any:
-    """The last parts merged (and the sinks added), the heads joined and projected by
-    ``W_o``: ``(b, n, d_out)`` in the result dtype."""
+def mha_out(parts: list[Any], weights: Weights, plan: Output, Q: Any = None) -> Any:
+    """The last parts merged (and the sinks added), the heads joined (gated by the output
+    gate of the chunk's query inputs ``Q``, if any) and projected by ``W_o``: ``(b, n,
+    d_out)`` in the result dtype."""
     heads, _ = merge(parts, Empty(plan.shape, plan.dtype, plan.sinks))
     joined = join_heads(heads)
+    if plan.gate is not None:
+        H, d_v = plan.shape[-3], plan.shape[-1]
+        gate = OutputGate.check(plan.gate, weights["W_g"], weights["b_g"], H, d_v, Q.shape[-1])
+        joined = gate.forward(joined, Q)[0]
     b_o = None if weights["b_o"] is None else weights["b_o"].astype(plan.dtype, copy=False)
     W_o = weights["W_o"].astype(plan.dtype, copy=False)
     with Team(workers_for(float(joined.size) * W_o.shape[1], plan.threads)) as team:

@@ -7,13 +7,14 @@ it and from that layer's tensors alone. The weights are in mha's "x @ W" layout.
 Each ``model_type`` is one row of a table (:mod:`.registry`, rows of :class:`.family.Family`):
 which tensors hold Q, K, V and O, fused or not, with which biases (:mod:`.layouts`); which
 config keys give the heads, the head width, the rope's base, fraction, interleaving and
-scaling (:mod:`.rope`), the QK-norm, the sliding windows and per-layer types
-(:mod:`.windows`), the scale and soft-cap; the config class's defaults; and the attention
-features it uses. The files:
+scaling, and which layers have no rope (:mod:`.rope`), the QK-norm, the sliding windows and
+per-layer types (:mod:`.windows`), the scale and soft-cap; the config class's defaults; and
+the attention features it uses. The files:
 
 * :mod:`.config`: a config read as its class reads it (``config.json``, else the row's
   defaults), the checks of its values, the keys refused by the feature they ask for;
-* :mod:`.rope`: the rope parameters of each layer, standardised as transformers does;
+* :mod:`.rope`: the rope parameters of each layer, standardised as transformers does, and
+  which layers rotate;
 * :mod:`.windows`: which layers slide and how far; :mod:`.alibi`: ALiBi's slopes;
 * :mod:`.layouts`: the tensor names of each layout, their shapes and how each becomes mha's
   weights;

@@ -9,11 +9,18 @@ from __future__ import annotations
 from typing import Any
 
 from .config import SLIDING, Settings
-from .family import UNSUPPORTED, Family
+from .family import Family
 from .layouts import LatentProjections, Projections, Tensor
-from .rope import partial_rotary, rope_parameters, rope_scaling, rotary_dim, yarn_mscale
+from .rope import (
+    check_refused,
+    partial_rotary,
+    rope_parameters,
+    rope_scaling,
+    rotary_dim,
+    yarn_mscale,
+)
 
-__all__ = ["describe", "latent", "multi_head"]
+__all__ = ["describe", "latent", "multi_head", "rotary"]
 
 Described = tuple[str, dict[str, Any], dict[str, Tensor]]
 """A layer's kind (``"attention"`` or ``"latent"``), settings and tensors."""
@@ -30,23 +37,20 @@ def describe(family: Family, read: Settings, index: int) -> Described:
 def multi_head(family: Family, layout: Projections, read: Settings, index: int) -> Described:
     """The settings and tensors of layer ``index`` of a multi-head attention."""
     E = read.positive("hidden_size")
-    H, H_kv, d = heads = family.heads(read)
+    H, H_kv, d = heads = family.heads_of(read)
     if not layout.grouped(heads):
         raise read.refuse(f"{H} heads of {d} features, which its {layout.qkv} cannot split")
-    for option in (*family.unsupported, *UNSUPPORTED):
+    for option in family.refused():
         option.check(read)
     layer_type = family.windows.layer_type(read, index)
     alibi = family.alibi.slopes(read, H, d) if family.alibi and family.alibi.on(read) else None
-    rope = rope_parameters(read, family.rope, layer_type) if family.rope.applied else None
-    if rope is not None and rope.get("mrope_section") is not None:
-        raise read.refuse(f"a multimodal rope (mrope_section={rope['mrope_section']})")
     window = family.windows.size(read) if layer_type == SLIDING else None
-    norm = family.qk_norm
+    norm = family.qk_norm if family.qk_norm and family.qk_norm.applies(read) else None
     settings: dict[str, Any] = {
         "num_heads": H,
         "num_kv_heads": H_kv,
         "head_dim": d,
-        **_rotary(family, read, None if alibi is not None else rope, d),
+        **rotary(family, read, index, layer_type, d, alibi is not None),
         "window": None if window is None else int(window),
         "chunk": None,
         "softcap": read.get(family.softcap) if family.softcap else None,
@@ -62,12 +66,23 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     return layout.kind, settings, tensors
 
 
-def _rotary(family: Family, read: Settings, rope: dict[str, Any] | None, d: int) -> dict[str, Any]:
-    """The rotary settings of a layer whose rope parameters are ``rope`` (``None``: it
-    rotates nothing)."""
-    if rope is None:
-        return {"rope_theta": None, "rotary_dim": None, "rotary_interleaved": False,
-                "rope_scaling": None}  # fmt: skip
+def rotary(
+    family: Family, read: Settings, index: int, layer_type: str, d: int, alibi: bool = False
+) -> dict[str, Any]:
+    """The rotary settings of layer ``index`` (of type ``layer_type``, heads ``d`` wide): its
+    base, rotated width, pairs and scaling, or none of them on a layer without positions (or
+    with ``alibi``'s, or in a family whose attention rotates nothing)."""
+    if alibi or not family.rope.applied or not family.rope.rotates(read, index, layer_type):
+        return {
+            "rope_theta": None,
+            "rotary_dim": None,
+            "rotary_interleaved": False,
+            "rope_scaling": None,
+        }
+    rope = rope_parameters(read, family.rope, layer_type)
+    if rope.get("mrope_section") is not None:
+        raise read.refuse(f"a multimodal rope (mrope_section={rope['mrope_section']})")
+    rope = check_refused(read, family.rope, rope)
     if family.rope.dim_key is not None:
         rotated = rotary_dim(read, family.rope.dim_key, d)
     else:
@@ -100,6 +115,7 @@ def latent(family: Family, layout: LatentProjections, read: Settings) -> Describ
     if kv_heads not in (None, H):  # transformers' latent attention expands a key per head
         raise read.refuse(f"num_key_value_heads={kv_heads} != num_attention_heads={H}")
     rope = rope_parameters(read, family.rope, None)
+    rope = check_refused(read, family.rope, rope)
     if partial_rotary(read, family.rope, rope, rope_dim) is not None:  # no latent row has it
         raise read.refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}")
     scale = (nope + rope_dim) ** (-0.5)  # DeepseekV3Attention's, with yarn_apply_mscale

@@ -64,8 +64,10 @@ class Settings:
         self.read: list[str] = []
 
     def name(self, key: str) -> str:
-        """The family's name of ``key``."""
-        return self.keys.get(key, key)
+        """The family's name of ``key``, unless ``config.json`` gives ``key`` by its common
+        name alone (as ``save_pretrained`` writes it: an ``attribute_map`` takes both)."""
+        alias = self.keys.get(key, key)
+        return key if not _find(self.config, alias)[0] and key in self.config else alias
 
     def get(self, key: str, default: Any = None) -> Any:
         """``key``'s value: ``config.json``'s, else the class's default, else ``default``."""

@@ -184,14 +184,241 @@ OPT: dict[str, Any] = {
 BIOGPT: dict[str, Any] = {"hidden_size": 1024, "num_attention_heads": 16, "num_hidden_layers": 24}
 XGLM: dict[str, Any] = {"d_model": 1024, "attention_heads": 16, "num_layers": 24}
 CTRL: dict[str, Any] = {"n_embd": 1280, "n_head": 16, "n_layer": 48, "n_positions": 256}
-EXAONE: dict[str, Any] = {
-    "hidden_size": 4096,
-    "num_hidden_layers": 32,
+QWEN3_MOE: dict[str, Any] = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 24,
     "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+}
+QWEN2_MOE: dict[str, Any] = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "qkv_bias": True,
+    **_QWEN,
+    "layer_types": None,
+}
+_OLMO = {"num_key_value_heads": None, "attention_bias": False, "max_position_embeddings": 4096}
+OLMOE: dict[str, Any] = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    **_OLMO,
+    "rms_norm_eps": 1e-5,
+    "clip_qkv": None,
+}
+FLEX_OLMO: dict[str, Any] = {**_SHAPE, **_OLMO, "rms_norm_eps": 1e-6}
+PHIMOE: dict[str, Any] = {
+    **_SHAPE,
     "num_key_value_heads": 8,
-    "head_dim": None,
+    "attention_bias": False,
+    "sliding_window": None,
+    "max_position_embeddings": 131072,
+}
+VAULTGEMMA: dict[str, Any] = {
+    **_GEMMA,
+    "attn_logit_softcapping": 50.0,
+    "layer_types": None,
+    "max_position_embeddings": 8192,
+}
+GEMMA: dict[str, Any] = {
+    "hidden_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "head_dim": 256,
+    "attention_bias": False,
+    "use_bidirectional_attention": None,
+    "max_position_embeddings": 8192,
+}
+OLMO: dict[str, Any] = {**_SHAPE, **_OLMO, "max_position_embeddings": 2048, "clip_qkv": None}
+OLMO3: dict[str, Any] = {
+    **_SHAPE,
+    **_OLMO,
+    "max_position_embeddings": 2048,
+    "sliding_window": 4096,
+    "layer_types": None,
+    "rms_norm_eps": 1e-5,
+}
+INTERNLM3: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "attention_bias": False,
+    "max_position_embeddings": 32768,
+}
+SEED_OSS: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 80,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "attention_bias": True,
+    "attention_out_bias": False,
+    "max_position_embeddings": 524288,
+}
+DOTS1: dict[str, Any] = {
+    "hidden_size": 4608,
+    "num_hidden_layers": 62,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "attention_bias": False,
+    "sliding_window": 4096,
+    "max_window_layers": 62,
+    "layer_types": None,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 2048,
+}
+APERTUS: dict[str, Any] = {
+    **_SHAPE,
+    "num_key_value_heads": None,
+    "attention_bias": False,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 65536,
+}
+APERTUS_ROPE: dict[str, Any] = {
+    "rope_type": "llama3",
+    "rope_theta": 12_000_000.0,
+    "factor": 8.0,
+    _OMPE: 8192,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+}
+"""Apertus's ``rope_parameters`` when the config gives none."""
+GLM4_MOE_LITE: dict[str, Any] = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 47,
+    "num_attention_heads": 20,
+    **_MLA,
+    "q_lora_rank": 768,
+    "qk_nope_head_dim": 192,
+    "v_head_dim": 256,
+    "rope_interleave": True,
+    "max_position_embeddings": 202752,
+}
+YOUTU: dict[str, Any] = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
+    **_MLA,
+    "rope_interleave": True,
+    "max_position_embeddings": 131072,
+}
+GRANITE: dict[str, Any] = {
+    **_SHAPE,
+    "num_key_value_heads": None,
+    "attention_bias": False,
+    "attention_multiplier": 1.0,
+    "max_position_embeddings": 2048,
+}
+HELIUM: dict[str, Any] = {
+    "hidden_size": 2560,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 20,
+    "num_key_value_heads": 20,
+    "head_dim": 128,
     "attention_bias": False,
     "max_position_embeddings": 4096,
+}
+STARCODER2: dict[str, Any] = {
+    "hidden_size": 3072,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 2,
+    "use_bias": True,
+    "sliding_window": None,
+    "max_position_embeddings": 4096,
+}
+SOLAR_OPEN: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "attention_bias": False,
+    "max_position_embeddings": 131072,
+}
+HYPERCLOVAX: dict[str, Any] = {
+    **LLAMA,
+    "attention_multiplier": None,
+}
+IQUESTCODER: dict[str, Any] = {
+    "hidden_size": 5120,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "attention_bias": False,
+    "max_position_embeddings": 131072,
+}
+JAIS2: dict[str, Any] = {
+    "hidden_size": 3328,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 26,
+    "num_key_value_heads": None,
+    "head_dim": None,
+    "attention_bias": True,
+    "max_position_embeddings": 8192,
+}
+MINISTRAL3: dict[str, Any] = {
+    **_SHAPE,
+    "num_hidden_layers": 34,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "sliding_window": None,
+    "max_position_embeddings": 262144,
+}
+MINISTRAL3_ROPE: dict[str, Any] = {
+    "type": "yarn",
+    "rope_theta": 1_000_000.0,
+    "factor": 16.0,
+    _OMPE: 16384,
+    "max_position_embeddings": 262144,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale_all_dim": 1.0,
+    "mscale": 1.0,
+    "llama_4_scaling_beta": 0.1,
+}
+"""Ministral 3's ``rope_parameters`` when the config gives none (refused: its
+``llama_4_scaling_beta``)."""
+ARIA_TEXT: dict[str, Any] = {**LLAMA}
+EXAONE: dict[str, Any] = {**LLAMA, "num_key_value_heads": 8, "max_position_embeddings": 4096}
+APERTUS1P5_TEXT: dict[str, Any] = {**APERTUS}
+HY_V3: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "attention_bias": False,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+}
+ERNIE4_5: dict[str, Any] = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 18,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "use_bias": False,
+    "max_position_embeddings": 131072,
+}
+ERNIE4_5_MOE: dict[str, Any] = {
+    "hidden_size": 2560,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 20,
+    "num_key_value_heads": 4,
+    "use_bias": False,
+    "max_position_embeddings": 131072,
 }
 CWM: dict[str, Any] = {
     "hidden_size": 6144,
@@ -200,11 +427,12 @@ CWM: dict[str, Any] = {
     "num_key_value_heads": 8,
     "head_dim": 128,
     "sliding_window": 8192,
+    "layer_types": None,
     "max_position_embeddings": 131072,
 }
 CWM_ROPE: dict[str, Any] = {
-    "rope_theta": 1e6,
     "rope_type": "llama3",
+    "rope_theta": 1_000_000.0,
     "factor": 16.0,
     "high_freq_factor": 4.0,
     "low_freq_factor": 1.0,
@@ -225,4 +453,110 @@ GPT_NEOX_JAPANESE: dict[str, Any] = {
     "num_hidden_layers": 32,
     "num_attention_heads": 32,
     "max_position_embeddings": 2048,
+}
+MELLUM: dict[str, Any] = {
+    "hidden_size": 2304,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "attention_bias": False,
+    "sliding_window": 1024,
+    "layer_types": None,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072,
+}
+SMOLLM3: dict[str, Any] = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "attention_bias": False,
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "layer_types": None,
+    "no_rope_layers": None,
+    "no_rope_layer_interval": 4,
+    "max_position_embeddings": 32768,
+}
+_COHERE = {
+    "hidden_size": 8192,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 64,
+    "num_key_value_heads": None,
+    "attention_bias": False,
+    "max_position_embeddings": 8192,
+}
+COHERE: dict[str, Any] = {**_COHERE, "use_qk_norm": False}
+COHERE2: dict[str, Any] = {**_COHERE, "sliding_window": 4096, "layer_types": None}
+COHERE2_MOE: dict[str, Any] = {
+    **COHERE2,
+    "head_dim": 128,
+    "sliding_window_pattern": 4,
+    "mlp_layer_types": None,
+    "prefix_dense_sliding_window_pattern": 1,
+}
+EXAONE4: dict[str, Any] = {
+    **_SHAPE,
+    "num_key_value_heads": 32,
+    "rms_norm_eps": 1e-5,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 4,
+    "layer_types": None,
+    "max_position_embeddings": 2048,
+}
+GLM: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "attention_bias": True,
+    "max_position_embeddings": 131072,
+}
+GLM4: dict[str, Any] = {**GLM}
+GLM4_MOE: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 46,
+    "num_attention_heads": 96,
+    "num_key_value_heads": 8,
+    "attention_bias": False,
+    "use_qk_norm": False,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+}
+MINIMAX_M2: dict[str, Any] = {
+    "hidden_size": 3072,
+    "num_hidden_layers": 62,
+    "num_attention_heads": 48,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 196608,
+}
+STABLELM: dict[str, Any] = {
+    "hidden_size": 2560,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "use_qkv_bias": False,
+    "qk_layernorm": False,
+    "max_position_embeddings": 4096,
+}
+PHI: dict[str, Any] = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 32,
+    "num_key_value_heads": None,
+    "qk_layernorm": False,
+    "max_position_embeddings": 2048,
+}
+NEMOTRON: dict[str, Any] = {
+    "hidden_size": 6144,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 48,
+    "num_key_value_heads": None,
+    "head_dim": None,
+    "attention_bias": False,
+    "max_position_embeddings": 4096,
 }

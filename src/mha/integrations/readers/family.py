@@ -20,18 +20,28 @@ from typing import Any
 
 from .alibi import Alibi
 from .config import Settings, Unsupported, is_given
-from .layouts import ATTENTION_BIAS, SEPARATE_QKV, Biases, LatentProjections, Projections
+from .layouts import (
+    ATTENTION_BIAS,
+    SEPARATE_QKV,
+    Biases,
+    BiasesByKey,
+    LatentProjections,
+    Projections,
+)
 from .rope import Rope
 from .windows import NO_WINDOWS, Windows
 
 __all__ = [
     "ACROSS_HEADS",
     "BIDIRECTIONAL",
+    "CLIP_QKV",
+    "LAYERNORM_QK",
     "PER_HEAD",
     "UNSUPPORTED",
     "Family",
     "Heads",
     "QkNorm",
+    "attention_multiplier",
     "falcon_heads",
     "from_config",
     "multi_query",
@@ -44,12 +54,13 @@ Heads = Callable[[Settings], tuple[int, int, int]]
 """A family's heads from its config: ``(query heads, key/value heads, head width)``."""
 
 
-def from_config(read: Settings) -> tuple[int, int, int]:
-    """``num_key_value_heads`` (else one per query head) and ``head_dim`` (else the hidden
-    size's share of a head): Llama's and most families'."""
+def from_config(read: Settings, head_dim: str | None = "head_dim") -> tuple[int, int, int]:
+    """``num_key_value_heads`` (else one per query head) and the config key ``head_dim``
+    (else, or when ``None``, the hidden size's share of a head): Llama's and most families'."""
     E, H = read.positive("hidden_size"), read.positive("num_attention_heads")
     H_kv = read.positive("num_key_value_heads", optional=True) or H
-    return H, H_kv, read.positive("head_dim", optional=True) or E // H
+    given = read.positive(head_dim, optional=True) if head_dim else None
+    return H, H_kv, given or E // H
 
 
 def split_hidden(read: Settings, H_kv: int | None = None) -> tuple[int, int, int]:
@@ -82,15 +93,23 @@ def falcon_heads(read: Settings) -> tuple[int, int, int]:
 class QkNorm:
     """RMSNorm of the queries and keys before the rotation: per ``"head"`` (weights of the
     head's width) or across ``"all"`` heads (before the split), the weight applied as
-    ``offset + weight``, its epsilon from the config key ``eps``."""
+    ``offset + weight``, its epsilon from the config key ``eps``; always, or with ``when``,
+    where that config key is true (GLM-4.5's ``use_qk_norm``)."""
 
     over: str = "head"
     offset: float = 0.0
     eps: str = "rms_norm_eps"
+    when: str | None = None
+
+    def applies(self, read: Settings) -> bool:
+        return self.when is None or bool(read.get(self.when))
 
 
 PER_HEAD = QkNorm("head")
 ACROSS_HEADS = QkNorm("all")
+
+LAYERNORM_QK = Unsupported("qk_layernorm", "a LayerNorm QK-norm; mha's QK-norm is an RMSNorm")
+"""StableLM's and Phi's option of LayerNorms of the queries and keys."""
 
 
 def query_pre_attn_scalar(read: Settings) -> float:
@@ -104,8 +123,17 @@ def unscaled(read: Settings) -> float:
     return 1.0
 
 
+def attention_multiplier(read: Settings) -> float | None:
+    """Granite's softmax scale: ``attention_multiplier`` (``None``, HyperCLOVA X's default,
+    is the head width's)."""
+    scale = read.get("attention_multiplier")
+    return None if scale is None else float(scale)
+
+
 BIDIRECTIONAL = Unsupported("use_bidirectional_attention", "attention that is not causal")
 """Gemma's option of attention without the causal mask."""
+CLIP_QKV = Unsupported("clip_qkv", "queries, keys and values clipped", is_given)
+"""OLMo's and OLMoE's option of clamping the projections to ``[-clip_qkv, clip_qkv]``."""
 
 UNSUPPORTED = (
     Unsupported("attention_chunk_size", "chunked attention", is_given),
@@ -127,12 +155,16 @@ class Family:
     keys: Mapping[str, str] = field(default_factory=dict)
     """The family's names of the config keys read, where they are not transformers' common
     ones (its config class's ``attribute_map``: ``{"num_attention_heads": "n_head"}``)."""
+    head_dim: str | None = "head_dim"
+    """The config key of the head width, else ``hidden_size // num_attention_heads``
+    (``None``: always that, whatever the config says, as StableLM's attention takes it)."""
     tensors: Projections | LatentProjections = SEPARATE_QKV
     """Which tensors hold Q, K, V and O (:mod:`.layouts`); :data:`~.layouts.LATENT` for
     DeepSeek's multi-head latent attention (the layer is a :class:`mha.LatentAttention`)."""
     heads: Heads = from_config
-    """The heads and their width (multi-head families)."""
-    biases: Biases = ATTENTION_BIAS
+    """The heads and their width (multi-head families; :func:`from_config` reads the width
+    from :attr:`head_dim`)."""
+    biases: Biases | BiasesByKey = ATTENTION_BIAS
     windows: Windows = NO_WINDOWS
     """Which layers slide and how far (:mod:`.windows`; multi-head families)."""
     rope: Rope = field(default_factory=Rope)
@@ -151,3 +183,18 @@ class Family:
     unsupported: tuple[Unsupported, ...] = ()
     """The family's config keys that ask for what mha does not compute (checked before
     :data:`UNSUPPORTED`)."""
+
+    own: tuple[str, ...] = ()
+    """Keys of :data:`UNSUPPORTED` that mean something else in this family, read as its row
+    says (GLM-4.5's ``use_qk_norm``, its RMSNorm QK-norm) or ignored as its attention
+    ignores them (MiniMax-M2's, whose QK-norm is always on), not refused."""
+
+    def heads_of(self, read: Settings) -> tuple[int, int, int]:
+        """The heads and their width in ``read``'s config: :attr:`heads`'s, the width from
+        :attr:`head_dim` where that is :func:`from_config`."""
+        return from_config(read, self.head_dim) if self.heads is from_config else self.heads(read)
+
+    def refused(self) -> tuple[Unsupported, ...]:
+        """The options refused in this family's config: its own, then those of
+        :data:`UNSUPPORTED` but for its :attr:`own` keys."""
+        return (*self.unsupported, *(u for u in UNSUPPORTED if u.key not in self.own))

@@ -3,9 +3,10 @@ mha's weights (the "x @ W" layout: the transposes of ``nn.Linear``'s ``(out, in)
 ``Conv1D`` holds ``(in, out)``, mha's already), as llama.cpp's ``LLM_TENSOR_NAMES`` names them
 per architecture: separate query, key, value and output projections (:data:`SEPARATE_QKV`)
 or one fused projection (:data:`FUSED_QKV`), its rows in one of the orders of
-:data:`FUSIONS`, their biases (:class:`Biases`), QK-norms and sinks; DeepSeek's latent
-projections (:data:`LATENT`). The module path of layer ``i``'s attention is the layout's too
-(``model.layers.{i}.self_attn``, GPT-2's ``transformer.h.{i}.attn``).
+:data:`FUSIONS`, their biases (:class:`Biases`, :class:`BiasesByKey`), QK-norms and sinks;
+DeepSeek's latent projections (:data:`LATENT`). The module path of layer ``i``'s attention
+is the layout's too (``model.layers.{i}.self_attn``, GPT-2's ``transformer.h.{i}.attn``,
+EXAONE 3's own ``transformer.h.{i}.attn.attention``: :data:`EXAONE`).
 
 A layout gives each tensor the config calls for as a :class:`Tensor`: its shape, and mha's
 weights in it, a fused tensor's row by row, in groups when its rows interleave (BLOOM's
@@ -35,14 +36,19 @@ from ..checkpoint import tensor_prefixes
 from .config import Settings, Source
 
 __all__ = [
+    "ALL_BIASES",
     "ATTENTION_BIAS",
+    "EXAONE",
     "FUSED_QKV",
     "FUSIONS",
     "LATENT",
     "NO_BIASES",
+    "QKV_ATTENTION_BIAS",
     "QKV_BIASES",
+    "QKV_BIASES_BY_KEY",
     "SEPARATE_QKV",
     "Biases",
+    "BiasesByKey",
     "LatentProjections",
     "Projections",
     "Tensor",
@@ -110,11 +116,33 @@ class Biases:
         return tuple(roles)
 
 
+@dataclass(frozen=True)
+class BiasesByKey:
+    """Each projection in ``keys`` biased when its own config key is true (Seed-OSS:
+    ``attention_bias`` for the query, key and value, ``attention_out_bias`` for the output)."""
+
+    keys: Mapping[str, str]
+
+    def carried(
+        self, read: Settings, possible: Iterable[str], index: int | None = None
+    ) -> tuple[str, ...]:
+        """The roles biased (in any layer: ``index`` is not read)."""
+        return tuple(role for role in possible if role in self.keys and read.get(self.keys[role]))
+
+
 ATTENTION_BIAS = Biases("attention_bias")
 """All four projections biased or none, as ``attention_bias`` says (Llama's)."""
 QKV_BIASES = Biases(roles=("q", "k", "v"))
 """The query, key and value projections always biased, the output never (Qwen2's)."""
+QKV_BIASES_BY_KEY = Biases("attention_bias", roles=("q", "k", "v"))
+"""The query, key and value projections biased as ``attention_bias`` says, the output never
+(Helium's, Solar Open's)."""
 NO_BIASES = Biases(roles=())
+QKV_ATTENTION_BIAS = Biases("attention_bias", roles=("q", "k", "v"))
+"""The query, key and value projections biased as ``attention_bias`` says, the output never
+(GLM's, Helium's)."""
+ALL_BIASES = Biases()
+"""All four projections always biased (Phi's)."""
 
 
 FUSIONS: dict[str, Callable[[int, int], int]] = {

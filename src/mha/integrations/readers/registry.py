@@ -23,24 +23,52 @@ from .config import FULL, SLIDING, Settings, Unsupported
 from .family import (
     ACROSS_HEADS,
     BIDIRECTIONAL,
+    CLIP_QKV,
+    LAYERNORM_QK,
     PER_HEAD,
     Family,
     QkNorm,
+    attention_multiplier,
     falcon_heads,
     multi_query,
     query_pre_attn_scalar,
     split_hidden,
     unscaled,
 )
-from .layouts import FUSED_QKV, LATENT, NO_BIASES, QKV_BIASES, Biases
-from .rope import Rope
+from .layouts import (
+    ALL_BIASES,
+    EXAONE,
+    FUSED_QKV,
+    LATENT,
+    NO_BIASES,
+    QKV_ATTENTION_BIAS,
+    QKV_BIASES,
+    QKV_BIASES_BY_KEY,
+    Biases,
+    BiasesByKey,
+    Projections,
+)
+from .refused import REFUSED
+from .rope import (
+    Rope,
+    by_no_rope_layers,
+    sliding_layers,
+    sliding_layers_if_windowed,
+    sliding_or_dense_layers,
+)
 from .windows import (
+    COHERE2_MOE_WINDOWS,
     CWM_WINDOWS,
     EVERY_LAYER,
+    FULL_BY_DEFAULT,
     GPT_NEO_WINDOWS,
     MODERNBERT_WINDOWS,
+    QWEN2_MOE_WINDOWS,
+    QWEN_EVERY_LAYER,
     QWEN_WINDOWS,
     SLIDING_IF_WINDOWED,
+    SMOLLM3_WINDOWS,
+    WINDOWED_FROM,
     by_layer_types,
 )
 
@@ -289,13 +317,196 @@ register(
         biases=ALWAYS,
         rope=NO_ROPE,
     ),
-    # Llama's attention under EXAONE 3's names; CWM's, with sliding layers
+    # layers without positions (NoPE): by no_rope_layers, the full layers, the full layers
+    # of a windowed model
     Family(
+        "smollm3",
+        defaults.SMOLLM3,
+        windows=SMOLLM3_WINDOWS,
+        rope=Rope(theta=2e6, rotates=by_no_rope_layers),
+    ),
+    Family(
+        "cohere2",
+        defaults.COHERE2,
+        windows=by_layer_types(pattern=4),
+        rope=Rope(interleave=True, rotates=sliding_layers),
+    ),
+    Family(
+        "cohere2_moe",
+        defaults.COHERE2_MOE,
+        windows=COHERE2_MOE_WINDOWS,
+        rope=Rope(interleave=True, rotates=sliding_or_dense_layers),
+    ),
+    Family(
+        "exaone4",
+        defaults.EXAONE4,
+        biases=NO_BIASES,
+        windows=by_layer_types(pattern=4),
+        rope=Rope(rotates=sliding_layers_if_windowed),
+        qk_norm=PER_HEAD,
+    ),
+    # partial rotary: interleaved (GLM), of the halves (the others)
+    Family(
+        "glm",
+        defaults.GLM,
+        biases=QKV_ATTENTION_BIAS,
+        rope=Rope(partial=True, fraction=0.5, interleave=True),
+    ),
+    Family(
+        "glm4",
+        defaults.GLM4,
+        biases=QKV_ATTENTION_BIAS,
+        rope=Rope(partial=True, fraction=0.5, interleave=True),
+    ),
+    Family(
+        "glm4_moe",
+        defaults.GLM4_MOE,
+        biases=QKV_ATTENTION_BIAS,
+        rope=Rope(partial=True, fraction=0.5),
+        qk_norm=QkNorm("head", when="use_qk_norm"),
+        own=("use_qk_norm",),
+    ),
+    Family(
+        "minimax_m2",
+        defaults.MINIMAX_M2,
+        biases=NO_BIASES,
+        rope=Rope(theta=5e6, partial=True, width="rotary_dim"),
+        qk_norm=ACROSS_HEADS,
+        own=("use_qk_norm",),
+    ),
+    Family(
+        "stablelm",
+        defaults.STABLELM,
+        head_dim=None,
+        biases=Biases("use_qkv_bias", roles=("q", "k", "v")),
+        rope=Rope(partial=True, fraction=0.25),
+        unsupported=(LAYERNORM_QK,),
+    ),
+    Family(
+        "phi",
+        defaults.PHI,
+        tensors=Projections(o="dense"),
+        biases=ALL_BIASES,
+        rope=Rope(partial=True, fraction=0.5),
+        unsupported=(LAYERNORM_QK,),
+    ),
+    Family("nemotron", defaults.NEMOTRON, rope=Rope(partial=True, fraction=0.5)),
+    # pairs (2i, 2i + 1) over the whole head
+    Family(
+        "cohere",
+        defaults.COHERE,
+        rope=Rope(theta=5e5, interleave=True),
+        unsupported=(Unsupported("use_qk_norm", "Cohere's LayerNorm QK-norm"),),
+    ),
+    # (Helium and ERNIE 4.5 rotate (2i, 2i + 1) pairs too: their rows are below)
+)
+
+# families whose attention is one above under other names, defaults and config keys
+register(
+    Family("qwen3_moe", defaults.QWEN3_MOE, windows=QWEN_EVERY_LAYER, qk_norm=PER_HEAD),
+    Family(
+        "qwen2_moe",
+        defaults.QWEN2_MOE,
+        biases=Biases("qkv_bias", roles=("q", "k", "v")),
+        windows=QWEN2_MOE_WINDOWS,
+    ),
+    Family("olmoe", defaults.OLMOE, qk_norm=ACROSS_HEADS, unsupported=(CLIP_QKV,)),
+    Family("flex_olmo", defaults.FLEX_OLMO, rope=Rope(theta=500_000.0), qk_norm=ACROSS_HEADS),
+    Family(
+        "phimoe",
+        defaults.PHIMOE,
+        windows=EVERY_LAYER,
+        rope=Rope(theta=1e6, scaled=False),  # its longrope takes short_ and long_mscale
+    ),
+    Family(
+        "vaultgemma",
+        defaults.VAULTGEMMA,
+        windows=by_layer_types(pattern=2, key=None),
+        scale=query_pre_attn_scalar,
+        softcap="attn_logit_softcapping",
+    ),
+    Family("gemma", defaults.GEMMA, unsupported=(BIDIRECTIONAL,)),
+    Family("olmo", defaults.OLMO, unsupported=(CLIP_QKV,)),
+    Family(
+        "olmo3",
+        defaults.OLMO3,
+        windows=by_layer_types(pattern=4, key=None),
+        rope=Rope(per_layer_type={FULL: ("rope_theta", 500_000.0), SLIDING: (None, 500_000.0)}),
+        qk_norm=ACROSS_HEADS,
+    ),
+    Family(  # LlamaForCausalLM
+        "internlm3", defaults.INTERNLM3, keys={"attention_bias": "qkv_bias"}
+    ),
+    Family(
+        "seed_oss",
+        defaults.SEED_OSS,
+        biases=BiasesByKey({**dict.fromkeys("qkv", "attention_bias"), "o": "attention_out_bias"}),
+    ),
+    Family("dots1", defaults.DOTS1, windows=WINDOWED_FROM, qk_norm=PER_HEAD),
+    Family(
+        "apertus",
+        defaults.APERTUS,
+        rope=Rope(theta=12_000_000.0, parameters=defaults.APERTUS_ROPE),
+        qk_norm=PER_HEAD,
+    ),
+    Family(
+        "glm4_moe_lite",
+        defaults.GLM4_MOE_LITE,
+        keys={"qk_rope_head_dim": "head_dim"},
+        tensors=LATENT,
+        rope=Rope(interleave="rope_interleave"),
+    ),
+    Family("youtu", defaults.YOUTU, tensors=LATENT, rope=Rope(interleave="rope_interleave")),
+    Family("granite", defaults.GRANITE, scale=attention_multiplier),
+    Family("granitemoe", defaults.GRANITE, scale=attention_multiplier),
+    Family("granitemoeshared", defaults.GRANITE, scale=attention_multiplier),
+    Family(
+        "helium",
+        defaults.HELIUM,
+        biases=QKV_BIASES_BY_KEY,
+        rope=Rope(theta=100_000.0, interleave=True),  # (2i, 2i + 1) pairs, as DeepSeek V2
+    ),
+    Family("starcoder2", defaults.STARCODER2, biases=Biases("use_bias"), windows=EVERY_LAYER),
+    Family("solar_open", defaults.SOLAR_OPEN, biases=QKV_BIASES_BY_KEY, rope=Rope(theta=1e6)),
+    Family("hyperclovax", defaults.HYPERCLOVAX, scale=attention_multiplier),
+    Family("iquestcoder", defaults.IQUESTCODER),  # LlamaForCausalLM
+    Family("jais2", defaults.JAIS2),
+    Family(
+        "ministral3",
+        defaults.MINISTRAL3,
+        biases=NO_BIASES,
+        windows=EVERY_LAYER,
+        rope=Rope(
+            parameters=defaults.MINISTRAL3_ROPE,
+            refused={"llama_4_scaling_beta": "Llama 4's query scale growing with the position"},
+        ),
+    ),
+    Family("aria_text", defaults.ARIA_TEXT),
+    Family(  # Llama's attention (LlamaForCausalLM) under EXAONE 3's names
         "exaone",
         defaults.EXAONE,
         keys={"num_hidden_layers": "num_layers"},
-        tensors=layouts.EXAONE,
+        tensors=EXAONE,
         rope=Rope(theta=500_000.0),
+    ),
+    Family(
+        "apertus1p5_text",
+        defaults.APERTUS1P5_TEXT,
+        rope=Rope(theta=12_000_000.0, parameters=defaults.APERTUS_ROPE),
+        qk_norm=PER_HEAD,
+    ),
+    Family("hy_v3", defaults.HY_V3, rope=Rope(theta=11_158_840.0), qk_norm=PER_HEAD),
+    Family(
+        "ernie4_5",
+        defaults.ERNIE4_5,
+        biases=Biases("use_bias"),
+        rope=Rope(theta=500_000.0, interleave=True),
+    ),
+    Family(
+        "ernie4_5_moe",
+        defaults.ERNIE4_5_MOE,
+        biases=Biases("use_bias"),
+        rope=Rope(theta=500_000.0, interleave=True),
     ),
     Family(
         "cwm",
@@ -317,22 +528,18 @@ register(
             }
         ),
     ),
+    Family(
+        "mellum",
+        defaults.MELLUM,
+        windows=FULL_BY_DEFAULT,
+        rope=Rope(per_layer_type={FULL: (None, 500_000.0), SLIDING: (None, 10_000.0)}),
+        qk_norm=PER_HEAD,
+        unsupported=(Unsupported("rope_scaling", "an old rope_scaling, which Mellum ignores"),),
+    ),
 )
 
 SUPPORTED = tuple(FAMILIES)
 """The families of the table as mha defines it (before any :func:`register`)."""
-
-REFUSED = {
-    "llama4": "Llama 4's attention (chunked layers, layers without rope, L2 QK-norm, "
-    "temperature tuning) is not supported",
-    "llama4_text": "Llama 4's attention (chunked layers, layers without rope, L2 QK-norm, "
-    "temperature tuning) is not supported",
-    "gemma3": "this is the multimodal Gemma 3; mha reads the text model's checkpoints "
-    "(Gemma3ForCausalLM, model_type gemma3_text)",
-    "qwen2_vl": "Qwen2-VL's multimodal rope (mrope) is not supported",
-    "qwen2_5_vl": "Qwen2.5-VL's multimodal rope (mrope) is not supported",
-}
-"""Families refused with a reason beyond "not supported"."""
 
 
 def family_of(config: dict[str, Any], path: Any) -> Family:

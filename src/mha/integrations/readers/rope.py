@@ -1,7 +1,9 @@
 """A layer's rotary embedding, read from its config as transformers 5.24 standardises it
 (``convert_rope_params_to_dict`` and ``standardize_rope_params``): ``rope_parameters``, or the
 older ``rope_theta`` and ``rope_scaling``, completed by what the family's config class fills
-in (:class:`Rope`, one per row of the table).
+in (:class:`Rope`, one per row of the table); and which layers rotate at all (a layer that
+does not, NoPE, has ``rope_theta=None``): every one, or as ``no_rope_layers`` (SmolLM3) or
+the layer's type (Cohere 2, EXAONE 4) says.
 
 >>> from types import SimpleNamespace
 >>> from mha.integrations.readers.config import Settings
@@ -14,25 +16,86 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...api.rope_scaling import check_rope_scaling
 from ...errors import AttentionValueError
-from .config import FULL, Settings
+from .config import FULL, SLIDING, Settings
 
 __all__ = [
     "Rope",
+    "by_no_rope_layers",
+    "check_refused",
     "check_rope",
+    "every_layer",
     "partial_rotary",
     "rope_parameters",
     "rotary_dim",
+    "sliding_layers",
+    "sliding_layers_if_windowed",
+    "sliding_or_dense_layers",
     "yarn_mscale",
 ]
 
 _OMPE = "original_max_position_embeddings"
 _ORIGINAL_LENGTH_TYPES = ("llama3", "yarn", "longrope")
+
+LayerRotates = Callable[[Settings, int, str], bool]
+"""Whether layer ``index``, of type ``layer_type``, rotates its queries and keys (a layer
+that does not has no positions: NoPE)."""
+
+
+def every_layer(read: Settings, index: int, layer_type: str) -> bool:
+    """Every layer rotates."""
+    return True
+
+
+def by_no_rope_layers(read: Settings, index: int, layer_type: str) -> bool:
+    """SmolLM3's: the layers whose ``no_rope_layers`` entry is 1 rotate; by default every
+    ``no_rope_layer_interval``-th layer does not."""
+    flags = read.get("no_rope_layers")
+    count = read.positive("num_hidden_layers")
+    if flags is None:
+        return bool((index + 1) % read.positive("no_rope_layer_interval"))
+    if not isinstance(flags, list) or len(flags) != count or any(f not in (0, 1) for f in flags):
+        raise AttentionValueError(
+            f"{read.path}: config.json's no_rope_layers must list 1 (rope) or 0 (no rope) for "
+            f"each of its {count} layers; got {flags!r}"
+        )
+    return bool(flags[index])
+
+
+def sliding_layers(read: Settings, index: int, layer_type: str) -> bool:
+    """Cohere 2's: the sliding layers rotate, the full ones have no positions."""
+    return layer_type == SLIDING
+
+
+def sliding_or_dense_layers(read: Settings, index: int, layer_type: str) -> bool:
+    """Cohere 2 MoE's: the sliding layers rotate, and the dense ones (``mlp_layer_types``,
+    by default the first ``first_k_dense_replace``) when
+    ``prefix_dense_sliding_window_pattern`` is 1."""
+    if layer_type == SLIDING:
+        return True
+    if read.get("prefix_dense_sliding_window_pattern") != 1:
+        return False
+    count, dense = read.positive("num_hidden_layers"), read.get("first_k_dense_replace", 0)
+    types = read.get("mlp_layer_types")
+    if types is None:
+        types = ["dense" if i < dense else "sparse" for i in range(count)]
+    if not isinstance(types, list) or len(types) != count:
+        raise AttentionValueError(
+            f"{read.path}: config.json's mlp_layer_types must list one type for each of its "
+            f"{count} layers; got {types!r}"
+        )
+    return bool(types[index] == "dense")
+
+
+def sliding_layers_if_windowed(read: Settings, index: int, layer_type: str) -> bool:
+    """EXAONE 4's: the sliding layers rotate, the full ones only when the config has no
+    ``sliding_window``."""
+    return layer_type == SLIDING or read.get("sliding_window") is None
 
 
 @dataclass(frozen=True)
@@ -46,15 +109,20 @@ class Rope:
     """The ``rope_parameters`` when the config gives none (gpt-oss's yarn)."""
     aliases: Mapping[str, str] = field(default_factory=dict)
     """Old ``rope_type`` names and the type they mean (Phi-3's ``su``: ``longrope``)."""
-    per_layer_type: Mapping[str, tuple[str, float]] = field(default_factory=dict)
-    """One set of parameters per layer type, each base from a config key with its default
-    (Gemma 3: ``rope_theta`` for the full layers, ``rope_local_base_freq`` for the sliding
-    ones); an old config's ``rope_scaling`` is the full layers'."""
+    per_layer_type: Mapping[str, tuple[str | None, float]] = field(default_factory=dict)
+    """One set of parameters per layer type, each base from a config key (or none) with its
+    default (Gemma 3: ``rope_theta`` for the full layers, ``rope_local_base_freq`` for the
+    sliding ones; OLMo 3: ``rope_theta`` for the full layers only); an old config's
+    ``rope_scaling`` is the full layers'."""
     partial: bool = False
     """Whether the attention rotates ``partial_rotary_factor`` of each head (else that
     factor, unless 1, is refused)."""
     fraction: float | None = None
     """The ``partial_rotary_factor`` the config class sets when the config gives none."""
+    width: str | None = None
+    """The config key of the rotated width in features, read as the fraction
+    ``width / head_dim`` when the config gives no ``partial_rotary_factor`` (MiniMax-M2's
+    ``rotary_dim``)."""
     interleave: bool | str = False
     """Whether the rotary pairs are ``(2i, 2i + 1)`` rather than the two halves: always,
     never, or as the config key named here says."""
@@ -64,6 +132,15 @@ class Rope:
     applied: bool = True
     """Whether the attention rotates its queries and keys at all (GPT-2, OPT and BLOOM
     add their positions elsewhere, or none)."""
+    scaled: bool = True
+    """Whether the attention scales its rope as ``rope_type`` says (PhiMoE's multiplies its
+    own ``short_mscale`` and ``long_mscale``: a ``rope_type`` other than ``default`` is
+    refused)."""
+    refused: Mapping[str, str] = field(default_factory=dict)
+    """Keys of the rope parameters whose value, unless 0, asks for a feature mha does not
+    compute, by that feature's name (Ministral 3's ``llama_4_scaling_beta``)."""
+    rotates: LayerRotates = every_layer
+    """Which layers rotate; the others have no positions (NoPE)."""
 
     def interleaved(self, read: Settings) -> bool:
         if isinstance(self.interleave, str):
@@ -88,6 +165,9 @@ def rope_parameters(read: Settings, rope: Rope, layer_type: str | None) -> dict[
     layer = parameters[layer_type] if nested else parameters
     layer.setdefault("rope_theta", read.given("rope_theta", rope.theta))
     factor = read.get("partial_rotary_factor", rope.fraction)
+    width = read.positive(rope.width, optional=True) if rope.width else None
+    if factor is None and width is not None:
+        factor = width / read.positive("head_dim")
     if factor is not None:
         layer.setdefault("partial_rotary_factor", factor)
     theta = layer["rope_theta"]
@@ -118,9 +198,27 @@ def _per_layer_type(read: Settings, rope: Rope, parameters: Any) -> dict[str, An
         entry = nested[kind] if isinstance(nested[kind], dict) else {"rope_type": "default"}
         if kind == FULL and scaling is not None:
             entry.update(scaling)
-        entry.setdefault("rope_theta", read.given(key, theta))
+        entry.setdefault("rope_theta", theta if key is None else read.given(key, theta))
         nested[kind] = entry
     return nested
+
+
+def check_refused(read: Settings, rope: Rope, parameters: dict[str, Any]) -> dict[str, Any]:
+    """The rope parameters without the keys of :attr:`Rope.refused`, refusing by name what
+    asks for what the family's attention computes and mha does not: any ``rope_type`` but
+    ``default`` where the attention scales it its own way, a key of :attr:`Rope.refused`
+    whose value is not 0."""
+    kind = parameters.get("rope_type", "default")
+    if not rope.scaled and kind != "default":
+        raise read.refuse(
+            f"rope_type {kind!r}, which transformers' {read.family} rotary embedding scales "
+            "by its own factors"
+        )
+    for key, feature in rope.refused.items():
+        value = parameters.get(key)
+        if value != 0:
+            raise read.refuse(f"rope_parameters['{key}']={value!r} ({feature})")
+    return {key: value for key, value in parameters.items() if key not in rope.refused}
 
 
 def partial_rotary(read: Settings, rope: Rope, parameters: Mapping[str, Any], d: int) -> Any:

@@ -1,13 +1,19 @@
 """Which layers slide and how far, as each family's config class decides (transformers
 5.24): no layer (:data:`NO_WINDOWS`: a ``sliding_window`` in the config is refused, since
 transformers' mask would ignore it while its cache keeps only that many positions), every
-layer (:data:`EVERY_LAYER`), or by ``layer_types`` (:class:`ByLayerTypes`), whose default
-when the config has none is the config class's: :func:`by_layer_types` (every ``pattern``-th
-layer full, the others sliding: Gemma 2 and 3, gpt-oss), :data:`QWEN_WINDOWS` (the layers
-from ``max_window_layers`` on, when ``use_sliding_window``; without it Qwen's
-``sliding_window`` is dropped whatever ``layer_types`` says), :data:`SLIDING_IF_WINDOWED`
-(every layer when there is a ``sliding_window``: Ministral), :data:`GPT_NEO_WINDOWS`
-(``attention_types``' ``local`` layers).
+layer (:data:`EVERY_LAYER`; :data:`QWEN_EVERY_LAYER` when ``use_sliding_window``: Qwen3-MoE),
+or by ``layer_types`` (:class:`ByLayerTypes`), whose default when the config has none is the
+config class's: :func:`by_layer_types` (every ``pattern``-th layer full, the others sliding:
+Gemma 2 and 3, gpt-oss, VaultGemma, OLMo 3), :data:`QWEN_WINDOWS` (the layers from
+``max_window_layers`` on, when ``use_sliding_window``; without it Qwen's ``sliding_window``
+is dropped whatever ``layer_types`` says), :data:`QWEN2_MOE_WINDOWS` (every other layer below
+``max_window_layers``), :data:`WINDOWED_FROM` (the layers from ``max_window_layers`` on,
+when there is a ``sliding_window``: dots.llm1), :data:`CWM_WINDOWS` (the first of every four
+layers full), :data:`MODERNBERT_WINDOWS` (the first of every ``global_attn_every_n_layers``),
+:data:`FULL_BY_DEFAULT` (Mellum), :data:`SLIDING_IF_WINDOWED` (every layer when there is a
+``sliding_window``: Ministral), :data:`SMOLLM3_WINDOWS` (the layers without rope, when
+``use_sliding_window``), :data:`COHERE2_MOE_WINDOWS` (a pattern of the dense layers, another
+of the others), :data:`GPT_NEO_WINDOWS` (``attention_types``' ``local`` layers).
 
 >>> from types import SimpleNamespace
 >>> from mha.integrations.readers.config import Settings
@@ -26,21 +32,42 @@ from typing import Any, Protocol
 
 from ...errors import AttentionValueError
 from .config import FULL, SLIDING, Settings
+from .rope import by_no_rope_layers
 
 __all__ = [
+    "COHERE2_MOE_WINDOWS",
     "CWM_WINDOWS",
     "EVERY_LAYER",
+    "FULL_BY_DEFAULT",
     "GPT_NEO_WINDOWS",
     "MODERNBERT_WINDOWS",
     "NO_WINDOWS",
+    "QWEN2_MOE_WINDOWS",
+    "QWEN_EVERY_LAYER",
     "QWEN_WINDOWS",
     "SLIDING_IF_WINDOWED",
+    "SMOLLM3_WINDOWS",
+    "WINDOWED_FROM",
     "ByLayerTypes",
     "Windows",
     "by_layer_types",
 ]
 
 _LEGACY_LAYER_TYPES = {"attention": FULL}  # transformers' remap_legacy_layer_types
+
+LAYER_FEATURES = {
+    "linear_attention": "linear attention or a state-space mixer (Gated DeltaNet, Mamba)",
+    "indexed_attention": "top-k sparse attention: an indexer picks each query's keys",
+    "compressed_sparse_attention": "sparse attention over compressed keys",
+    "heavily_compressed_attention": "attention over compressed keys",
+    "chunked_attention": "chunked attention",
+    "conv": "a short convolution",
+    "hybrid": "a Mamba mixer beside the attention",
+    "mlp": "no attention",
+    "moe": "no attention",
+}
+"""What the layer types of transformers' hybrid families compute instead of mha's attention,
+named in the refusal of such a layer."""
 
 
 class Windows(Protocol):
@@ -75,13 +102,16 @@ class NoWindows:
 
 @dataclass(frozen=True)
 class EveryLayer:
-    """Every layer slides by the config's ``sliding_window`` (none when it is null)."""
+    """Every layer slides by ``window``'s (the config's ``sliding_window``; none when it is
+    null)."""
+
+    window: Callable[[Settings], Any] = sliding_window
 
     def layer_type(self, read: Settings, index: int) -> str:
         return SLIDING
 
     def size(self, read: Settings) -> Any:
-        return sliding_window(read)
+        return self.window(read)
 
 
 LayerTypes = Callable[[Settings, int], list[str]]
@@ -111,24 +141,32 @@ class ByLayerTypes:
         names = {**_LEGACY_LAYER_TYPES, **self.names}
         kind = names.get(types[index], types[index])
         if kind not in (SLIDING, FULL):
-            raise read.refuse(f"layer {index} of type {kind!r} (mha reads {SLIDING} and {FULL})")
+            feature = f": {LAYER_FEATURES[kind]}" if kind in LAYER_FEATURES else ""
+            raise read.refuse(
+                f"layer {index} of type {kind!r}{feature} (mha reads {SLIDING} and {FULL})"
+            )
         return str(kind)
 
 
-def every_nth_full(pattern: int) -> LayerTypes:
-    """Every ``pattern``-th layer full, the others sliding (``sliding_window_pattern`` in
-    the config overrides ``pattern``)."""
+def every_nth_full(pattern: int, key: str | None = "sliding_window_pattern") -> LayerTypes:
+    """Every ``pattern``-th layer full, the others sliding (the config's ``key``, when the
+    config class reads one, overrides ``pattern``)."""
 
     def layer_types(read: Settings, count: int) -> list[str]:
-        every = read.get("sliding_window_pattern", pattern)
+        every = pattern if key is None else read.get(key, pattern)
+        if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
+            raise AttentionValueError(
+                f"{read.path}: config.json has no layer_types and {key}="
+                f"{every!r}; a positive integer is needed"
+            )
         return [SLIDING if (i + 1) % every else FULL for i in range(count)]
 
     return layer_types
 
 
-def by_layer_types(pattern: int) -> ByLayerTypes:
+def by_layer_types(pattern: int, key: str | None = "sliding_window_pattern") -> ByLayerTypes:
     """Windows by ``layer_types``, every ``pattern``-th layer full by default."""
-    return ByLayerTypes(every_nth_full(pattern))
+    return ByLayerTypes(every_nth_full(pattern, key))
 
 
 def qwen_window(read: Settings) -> Any:
@@ -141,6 +179,35 @@ def qwen_layer_types(read: Settings, count: int) -> list[str]:
     start = read.get("max_window_layers")
     slides = qwen_window(read) is not None
     return [SLIDING if slides and i >= start else FULL for i in range(count)]
+
+
+def qwen2_moe_window(read: Settings) -> Any:
+    """Qwen2-MoE's ``sliding_window``: 0 unless ``use_sliding_window``, which a sliding layer
+    cannot take (its mask would hide every position), refused."""
+    if not read.get("use_sliding_window"):
+        raise read.refuse(
+            "a sliding layer in layer_types but use_sliding_window=False (a window of 0)"
+        )
+    return read.get("sliding_window")
+
+
+def qwen2_moe_layer_types(read: Settings, count: int) -> list[str]:
+    """Qwen2-MoE's default: every other layer (the first, the third...) below
+    ``max_window_layers`` slides, when ``use_sliding_window``."""
+    start, slides = read.get("max_window_layers"), read.get("use_sliding_window")
+    return [SLIDING if slides and i % 2 == 0 and i < start else FULL for i in range(count)]
+
+
+def windowed_from(read: Settings, count: int) -> list[str]:
+    """dots.llm1's default: the layers from ``max_window_layers`` on slide, when the config
+    has a ``sliding_window`` (``use_sliding_window`` is not read)."""
+    start, slides = read.get("max_window_layers"), read.get("sliding_window") is not None
+    return [SLIDING if slides and i >= start else FULL for i in range(count)]
+
+
+def all_full(read: Settings, count: int) -> list[str]:
+    """Every layer full (Mellum's default)."""
+    return [FULL] * count
 
 
 def sliding_if_windowed(read: Settings, count: int) -> list[str]:
@@ -177,17 +244,52 @@ def full_first_of_every(pattern: int, key: str | None = None) -> LayerTypes:
 
 
 def half_local_attention(read: Settings) -> Any:
-    """ModernBERT-decoder's window: half its ``local_attention``."""
+    """ModernBERT-decoder's window: ``config.json``'s ``sliding_window`` (its config class
+    sets the keywords it is given after its own), else half its ``local_attention`` (-1 when
+    that is null)."""
     local = read.get("local_attention")
-    if not local:
-        raise read.refuse(f"local_attention={local!r} (a sliding window of -1 positions)")
-    return local // 2
+    window = read.given("sliding_window", local // 2 if local else -1)
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise read.refuse(
+            f"local_attention={local!r} and sliding_window={window!r} (a sliding window of "
+            f"{window!r} positions)"
+        )
+    return window
+
+
+def smollm3_layer_types(read: Settings, count: int) -> list[str]:
+    """SmolLM3's default: the layers without rope slide, when ``use_sliding_window`` and
+    the config has a ``sliding_window``."""
+    slides = read.get("use_sliding_window") and read.get("sliding_window") is not None
+    return [
+        SLIDING if slides and not by_no_rope_layers(read, i, FULL) else FULL for i in range(count)
+    ]
+
+
+def cohere2_moe_layer_types(read: Settings, count: int) -> list[str]:
+    """Cohere 2 MoE's default: every ``prefix_dense_sliding_window_pattern``-th of the first
+    ``first_k_dense_replace`` layers full, then every ``sliding_window_pattern``-th."""
+    dense = read.get("first_k_dense_replace", 0)
+    prefix, every = (
+        read.get("prefix_dense_sliding_window_pattern"),
+        read.get("sliding_window_pattern"),
+    )
+    return [SLIDING if (i + 1) % prefix else FULL for i in range(dense)] + [
+        SLIDING if (i + 1) % every else FULL for i in range(count - dense)
+    ]
 
 
 NO_WINDOWS = NoWindows()
 EVERY_LAYER = EveryLayer()
 QWEN_WINDOWS = ByLayerTypes(qwen_layer_types, size=qwen_window)
 SLIDING_IF_WINDOWED = ByLayerTypes(sliding_if_windowed)
+QWEN_EVERY_LAYER = EveryLayer(qwen_window)
+"""Qwen3-MoE's: every layer slides when ``use_sliding_window`` (``layer_types`` not read)."""
+QWEN2_MOE_WINDOWS = ByLayerTypes(qwen2_moe_layer_types, size=qwen2_moe_window)
+WINDOWED_FROM = ByLayerTypes(windowed_from)
+FULL_BY_DEFAULT = ByLayerTypes(all_full)
+SMOLLM3_WINDOWS = ByLayerTypes(smollm3_layer_types)
+COHERE2_MOE_WINDOWS = ByLayerTypes(cohere2_moe_layer_types)
 GPT_NEO_WINDOWS = ByLayerTypes(
     gpt_neo_layer_types,
     size=lambda read: read.get("window_size"),

@@ -1,0 +1,131 @@
+"""Output gates: the joined heads times ``act(x @ W_g + b_g)`` before ``W_o``, ``x`` the
+layer's query input (Qwen3-Next and Qwen3.5, AFMoE, LFM3, Laguna, Bailing's hybrid). A gate
+is per element (``W_g (d_q, H*d_v)``: one gate a feature) or per head (``W_g (d_q, H)``: one
+a head, over its ``d_v`` features), its activation ``"sigmoid"`` or ``"softplus"``; it is
+the spec's output stage (:class:`~mha.api.spec.OutputStage`), with its gradient beside it.
+
+>>> import numpy as np
+>>> gate = OutputGate.check("sigmoid", np.zeros((4, 2)), None, 2, 3, 4)
+>>> staged, _ = gate.forward(np.ones((1, 5, 6)), np.ones((1, 5, 4)))
+>>> staged[0, 0]                                  # sigmoid(0) = 1/2, per head
+array([0.5, 0.5, 0.5, 0.5, 0.5, 0.5])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._arrays import as_float_array
+from ..errors import AttentionValueError, ShapeError
+
+__all__ = ["ACTIVATIONS", "OutputGate", "check_gate_activation"]
+
+ACTIVATIONS = ("sigmoid", "softplus")
+"""The gates' activations."""
+
+
+def check_gate_activation(activation: Any) -> str | None:
+    """``output_gate`` checked: ``None`` (a gate's default, sigmoid, when it has weights)
+    or one of :data:`ACTIVATIONS`."""
+    if activation is None or (isinstance(activation, str) and activation in ACTIVATIONS):
+        return activation
+    raise AttentionValueError(
+        f"output_gate must be one of {', '.join(map(repr, ACTIVATIONS))}; got {activation!r}"
+    )
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    """``1 / (1 + exp(-z))`` as ``(1 + tanh(z / 2)) / 2``: no overflow either way."""
+    return 0.5 * (1.0 + np.tanh(0.5 * z))
+
+
+def _activation(kind: str, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The gate ``act(z)`` and its derivative."""
+    if kind == "sigmoid":
+        g = _sigmoid(z)
+        return g, g * (1.0 - g)
+    return np.logaddexp(0.0, z).astype(z.dtype, copy=False), _sigmoid(z)  # softplus
+
+
+@dataclass(frozen=True, eq=False)
+class OutputGate:
+    """An output gate: ``act(x @ W_g + b_g)`` times the joined heads ``(*B, L, H*d_v)``, per
+    element or, when ``W_g`` has one column a head, per head."""
+
+    activation: str
+    W_g: np.ndarray
+    b_g: np.ndarray | None
+    heads: int
+    d_v: int
+
+    @classmethod
+    def check(cls, activation: Any, W_g: Any, b_g: Any, H: int, d_v: int, d_q: int) -> OutputGate:
+        """The gate of ``W_g (d_q, H*d_v or H)`` and ``b_g`` (one value a column), checked
+        against the layer's heads ``H`` of width ``d_v`` and its query input's width."""
+        kind = check_gate_activation(activation) or "sigmoid"
+        W = as_float_array("W_g", W_g)
+        if W.ndim != 2 or W.shape[0] != d_q or W.shape[1] not in (H * d_v, H):
+            raise ShapeError(
+                f"W_g must be (d_q, H*d_v) = ({d_q}, {H * d_v}) for a gate per element, or "
+                f"(d_q, H) = ({d_q}, {H}) for a gate per head; got shape {W.shape}"
+            )
+        b = None
+        if b_g is not None:
+            b = as_float_array("b_g", b_g)
+            if b.shape != (W.shape[1],):
+                raise ShapeError(
+                    f"b_g must have shape ({W.shape[1]},) to match the columns of W_g "
+                    f"{W.shape}; got shape {b.shape}"
+                )
+        return cls(kind, W, b, H, d_v)
+
+    @property
+    def weights(self) -> dict[str, np.ndarray]:
+        """The gate's weights, by parameter name (``backward`` gives their gradients)."""
+        return {"W_g": self.W_g} if self.b_g is None else {"W_g": self.W_g, "b_g": self.b_g}
+
+    @property
+    def per_head(self) -> bool:
+        return self.W_g.shape[1] == self.heads and self.d_v != 1
+
+    def _logits(self, inputs: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        z: np.ndarray = inputs.astype(dtype, copy=False) @ self.W_g.astype(dtype, copy=False)
+        if self.b_g is not None:
+            z += self.b_g.astype(dtype, copy=False)
+        return z
+
+    def _spread(self, g: np.ndarray) -> np.ndarray:
+        """A gate per head over each head's ``d_v`` features: ``(*B, L, H*d_v)``."""
+        if not self.per_head:
+            return g
+        spread: np.ndarray = np.repeat(g, self.d_v, axis=-1)
+        return spread
+
+    def forward(self, joined: np.ndarray, inputs: np.ndarray) -> tuple[np.ndarray, Any]:
+        """``joined`` gated by the gate of ``inputs (*B, L, d_q)``, and what the backward
+        reads: the joined heads, the gate, its derivative and the inputs."""
+        g, slope = _activation(self.activation, self._logits(inputs, joined.dtype))
+        return joined * self._spread(g), (joined, g, slope, inputs)
+
+    def backward(
+        self, d_out: np.ndarray, saved: Any
+    ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """The gradients of the joined heads, of the inputs and of ``W_g`` (and ``b_g``)."""
+        joined, g, slope, inputs = saved
+        dtype = d_out.dtype
+        d_gate = d_out * joined
+        if self.per_head:  # a head's gate multiplied each of its d_v features
+            d_gate = d_gate.reshape(*d_gate.shape[:-1], self.heads, self.d_v).sum(axis=-1)
+        d_logits = d_gate * slope
+        n = math.prod(d_logits.shape[:-1])  # (explicit: any size may be zero)
+        rows = inputs.astype(dtype, copy=False).reshape(n, inputs.shape[-1])
+        by_row = d_logits.reshape(n, d_logits.shape[-1])
+        grads = {"W_g": rows.T @ by_row}
+        if self.b_g is not None:
+            grads["b_g"] = by_row.sum(axis=0)
+        d_inputs = d_logits @ self.W_g.astype(dtype, copy=False).T
+        return d_out * self._spread(g), d_inputs, grads

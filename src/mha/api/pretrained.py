@@ -1,0 +1,37 @@
+"""One entry point for any layer of a transformers checkpoint: :func:`from_pretrained` returns
+the attention that layer computes, a :class:`~mha.MultiHeadAttention` or a
+:class:`~mha.LatentAttention` (DeepSeek's multi-head latent attention), so that a caller can
+walk every layer without knowing the family. The readers are reached by name
+(:mod:`.formats`), as the classmethods reach them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import formats
+from .latent import LatentAttention, LatentSpec
+from .module import MultiHeadAttention
+
+__all__ = ["from_pretrained"]
+
+
+def from_pretrained(
+    path: Any, layer: int = 0, dtype: Any = None
+) -> MultiHeadAttention | LatentAttention:
+    """Layer ``layer``'s attention of the transformers checkpoint at ``path`` (a
+    ``save_pretrained`` directory), in ``dtype`` (default: the checkpoint's), whichever kind
+    it is: the layer :meth:`mha.MultiHeadAttention.from_pretrained` or
+    :meth:`mha.LatentAttention.from_pretrained` reads. Only that layer's attention tensors are
+    read; what mha cannot compute exactly is refused by the feature's name (docs/pretrained.md).
+
+    >>> import mha
+    >>> mha.from_pretrained("no-such-checkpoint", layer=2)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    mha.WeightsFileError: no-such-checkpoint does not exist; it should be a folder ...
+    """
+    spec, weights = formats.get("pretrained")(path, layer, dtype)
+    if isinstance(spec, LatentSpec):
+        return LatentAttention.from_spec(spec, weights)
+    return MultiHeadAttention.from_spec(spec, weights, f"{path}, layer {layer}")

@@ -1,0 +1,180 @@
+"""The families mha refuses by ``model_type``, each with the feature that blocks it, as
+transformers 5.24 computes it: what their attention does that mha does not (an output gate,
+differential or top-k sparse attention), the layers that are not attention at all (Mamba,
+linear attention, short convolutions), or what the checkpoint is instead of a decoder-only
+text model (an encoder, an encoder-decoder's decoder, a multimodal wrapper). A family whose
+attention mha could compute once a row reads it is not here: it is refused as "not supported"
+until then.
+
+>>> REFUSED["qwen3_next"].split(" and its")[0]
+"Qwen3-Next's attention has a sigmoid output gate"
+>>> REFUSED["bart"]
+'a decoder of an encoder-decoder model: mha reads decoder-only families'
+"""
+
+from __future__ import annotations
+
+__all__ = ["ENCODERS", "REFUSED", "SEQ2SEQ"]
+
+SEQ2SEQ = (
+    "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "blt", "marian", "mbart",
+    "musicgen", "musicgen_melody", "mvp", "pegasus", "plbart", "prophetnet", "trocr", "whisper",
+)  # fmt: skip
+"""The decoders of encoder-decoder models in transformers' causal-LM mapping."""
+ENCODERS = (
+    "bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie",
+    "megatron-bert", "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer",
+    "xlm", "xlm-roberta", "xlm-roberta-xl", "xlnet", "xmod",
+)  # fmt: skip
+"""The encoders that transformers' causal-LM mapping runs as decoders (``is_decoder``)."""
+
+_SEQ2SEQ = "a decoder of an encoder-decoder model: mha reads decoder-only families"
+_ENCODER = (
+    "an encoder run as a decoder (bidirectional self-attention, cross-attention to an "
+    "encoder's output): mha reads decoder-only families"
+)
+
+
+def _multimodal(name: str, text: str) -> str:
+    return (
+        f"this is the multimodal {name}; mha reads decoder-only text checkpoints (its text "
+        f"model's model_type is {text})"
+    )
+
+
+def _without_attention(what: str) -> str:
+    return f"{what}, with no attention layers"
+
+
+def _not_computed(what: str) -> str:
+    return f"{what}, which mha does not compute"
+
+
+_QWEN_GATED = (
+    "attention has a sigmoid output gate and its other layers are Gated DeltaNet linear attention"
+)
+_TOP_K = "top-k sparse attention (an indexer picks the keys each query attends to)"
+_MAMBA = "Mamba state-space layers between its attention layers"
+_LLAMA4 = (
+    "Llama 4's attention (chunked layers, layers without rope, L2 QK-norm, temperature "
+    "tuning) is not supported"
+)
+
+REFUSED = {
+    # decoder-only families whose attention (or other layers) mha does not compute
+    "qwen3_next": _not_computed(f"Qwen3-Next's {_QWEN_GATED}"),
+    "qwen3_5_text": _not_computed(f"Qwen3.5's {_QWEN_GATED}"),
+    "qwen3_5_moe_text": _not_computed(f"Qwen3.5-MoE's {_QWEN_GATED}"),
+    "qwen4_exp_text": _not_computed(f"Qwen4-Exp's {_QWEN_GATED}"),
+    "diffllama": _not_computed(
+        "DiffLlama's differential attention (the difference of two softmaxes, weighted by a "
+        "learned lambda)"
+    ),
+    "deepseek_v32": _not_computed(f"DeepSeek-V3.2's {_TOP_K}"),
+    "glm_moe_dsa": _not_computed(f"GLM-MoE-DSA's DeepSeek {_TOP_K}"),
+    "deepseek_v4": _not_computed(f"DeepSeek-V4's attention over compressed keys with {_TOP_K}"),
+    "minimax_m3_vl_text": _not_computed(f"MiniMax-M3's {_TOP_K} in its sparse layers"),
+    "axk2": _not_computed(f"AXK2's attention has a sigmoid output gate and {_TOP_K}"),
+    "hy_v4": _not_computed(f"HY-V4's attention has a sigmoid output gate and {_TOP_K}"),
+    "dots3_note_text": _not_computed(
+        f"dots3's attention has a per-head sigmoid output gate and {_TOP_K}"
+    ),
+    "afmoe": _not_computed("AFMoE's attention has a sigmoid output gate (gate_proj)"),
+    "beam": _not_computed("Beam's attention has a sigmoid output gate with a per-head bias"),
+    "dory": _not_computed("Dory's attention has a scaled sigmoid output gate"),
+    "hrm_text": _not_computed("HRM's attention has a sigmoid output gate"),
+    "laguna": _not_computed("Laguna's attention has a softplus output gate (g_proj)"),
+    "lfm3": _not_computed(
+        "LFM3's attention has a sigmoid output gate per head and its other layers are short "
+        "convolutions"
+    ),
+    "bailing_hybrid": _not_computed(
+        "Bailing-hybrid's attention has a sigmoid output gate and its other layers are "
+        "linear attention"
+    ),
+    "minimax": _not_computed("MiniMax's lightning (linear) attention layers"),
+    "kimi_linear": _not_computed("Kimi-Linear's Kimi Delta Attention (linear attention) layers"),
+    "lara_mini": _not_computed("Lara-mini's Gated DeltaNet linear-attention layers"),
+    "olmo_hybrid": _not_computed("OLMo-hybrid's Gated DeltaNet linear-attention layers"),
+    "bamba": _not_computed(f"Bamba's {_MAMBA}"),
+    "granitemoehybrid": _not_computed(f"Granite-MoE-hybrid's {_MAMBA}"),
+    "jamba": _not_computed(f"Jamba's {_MAMBA}"),
+    "nemotron_h": _not_computed(f"Nemotron-H's {_MAMBA}"),
+    "zamba": _not_computed(f"Zamba's {_MAMBA} (and its attention blocks shared across layers)"),
+    "zamba2": _not_computed(f"Zamba2's {_MAMBA} (and its attention blocks shared across layers)"),
+    "falcon_h1": _not_computed("Falcon-H1's Mamba-2 mixer, added to the attention in every layer"),
+    "lfm2": _not_computed("LFM2's short-convolution layers between its attention layers"),
+    "lfm2_moe": _not_computed("LFM2-MoE's short-convolution layers between its attention layers"),
+    "recurrent_gemma": _not_computed("RecurrentGemma's RG-LRU recurrent layers (Griffin)"),
+    "reformer": _not_computed("Reformer's LSH and chunked local attention"),
+    "cpmant": _not_computed("CPM-Ant's learned relative position bias in the scores"),
+    "doge": _not_computed("Doge's dynamic mask attention (a mask computed from the values)"),
+    "jetmoe": _not_computed(
+        "JetMoE's mixture of attention heads (experts pick each token's query and output "
+        "projections)"
+    ),
+    "inkling_text": _not_computed("Inkling's relative-position logits and short convolutions"),
+    "inkling2_text": _not_computed(
+        "Inkling2's relative position bias in the scores and short convolutions"
+    ),
+    "inkling2_loop_text": _not_computed(
+        "Inkling2-Loop's relative position bias in the scores and short convolutions"
+    ),
+    "gemma3n_text": _not_computed(
+        "Gemma 3n's last layers attend with an earlier layer's keys and values (KV sharing)"
+    ),
+    "gemma4_text": _not_computed(
+        "Gemma 4's attention normalises its values (v_norm, an RMSNorm without weights)"
+    ),
+    "gemma4_unified_text": _not_computed(
+        "Gemma 4's attention normalises its values (v_norm, an RMSNorm without weights)"
+    ),
+    "bitnet": _not_computed("BitNet's RMSNorm of the attention's output before o_proj"),
+    "zaya": _not_computed(
+        "ZAYA's compressed convolutional attention (queries and keys through convolutions)"
+    ),
+    "hunyuan_v1_dense": _not_computed(
+        "HunYuan's QK-norm after the rotation (mha normalises before it)"
+    ),
+    "hunyuan_v1_moe": _not_computed(
+        "HunYuan's QK-norm after the rotation (mha normalises before it)"
+    ),
+    "persimmon": _not_computed(
+        "Persimmon's QK-norm, a LayerNorm (mean and bias) where mha's is an RMSNorm"
+    ),
+    "llama4_text": _LLAMA4,
+    # not a decoder-only text model
+    **dict.fromkeys(SEQ2SEQ, _SEQ2SEQ),
+    **dict.fromkeys(ENCODERS, _ENCODER),
+    "mamba": _without_attention("a Mamba state-space model"),
+    "mamba2": _without_attention("a Mamba-2 state-space model"),
+    "falcon_mamba": _without_attention("a Mamba state-space model"),
+    "rwkv": _without_attention("RWKV's recurrent time mixing"),
+    "xlstm": _without_attention("xLSTM's recurrent cells"),
+    "gemma3": _multimodal("Gemma 3", "gemma3_text, Gemma3ForCausalLM"),
+    "gemma3n": _multimodal("Gemma 3n", "gemma3n_text"),
+    "gemma4": _multimodal("Gemma 4", "gemma4_text"),
+    "gemma4_unified": _multimodal("Gemma 4 unified", "gemma4_unified_text"),
+    "gemma4_assistant": _multimodal("Gemma 4 assistant", "gemma4_text"),
+    "gemma4_unified_assistant": _multimodal("Gemma 4 unified assistant", "gemma4_unified_text"),
+    "qwen3_5": _multimodal("Qwen3.5", "qwen3_5_text"),
+    "qwen3_5_moe": _multimodal("Qwen3.5-MoE", "qwen3_5_moe_text"),
+    "qwen4_exp": _multimodal("Qwen4-Exp", "qwen4_exp_text"),
+    "dots3_note": _multimodal("dots3", "dots3_note_text"),
+    "llama4": _LLAMA4 + " (and this is the multimodal Llama 4: its text model is llama4_text)",
+    "fuyu": _multimodal("Fuyu", "persimmon"),
+    "got_ocr2": _multimodal("GOT-OCR2", "qwen2"),
+    "emu3": _multimodal("Emu3", "emu3_text_model"),
+    "mllama": "this is the multimodal Llama 3.2 Vision: its text model has cross-attention "
+    "layers to the image, which mha does not read",
+    "git": "this is the multimodal GIT: its BERT-like text decoder attends to the image "
+    "tokens; mha reads decoder-only families",
+    "moshi": "this is the multimodal Moshi (speech): mha reads decoder-only text families",
+    "moss_transcribe_diarize": "this is the multimodal MOSS transcription model (speech): mha "
+    "reads decoder-only text families",
+    "phi4_multimodal": "this is the multimodal Phi-4 (LoRA adapters for vision and speech on "
+    "its projections): mha reads decoder-only text families",
+    "qwen2_vl": "Qwen2-VL's multimodal rope (mrope) is not supported",
+    "qwen2_5_vl": "Qwen2.5-VL's multimodal rope (mrope) is not supported",
+}
+"""Families refused with a reason beyond "not supported", by ``model_type``."""
