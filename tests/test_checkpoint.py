@@ -425,7 +425,7 @@ LAYERS_DIFFER = ("qwen2", "qwen3", "gemma2", "gemma3", "gpt_oss", "ministral", "
 """The tiny models whose layers slide differently."""
 
 
-@pytest.mark.parametrize("family", TORCH_FAMILIES)
+@pytest.mark.parametrize("family", models.LLAMA_LAYOUT)
 def test_each_layer_is_what_transformers_computes(family, transformers):
     """Settings against transformers' config and attention modules (their scaling, window,
     head width, rotary width, norms), weights against the modules' own, layer by layer."""
@@ -488,11 +488,12 @@ def test_the_defaults_are_the_config_classes(family, transformers):
     """What a config.json may leave out: each family's defaults are its config class's."""
     name = "gemma3_text" if family == "gemma3" else family
     config_class = transformers.CONFIG_MAPPING[name]
-    fields = config_class.__dataclass_fields__
     for key, value in FAMILIES[name].defaults.items():
-        assert fields[key].default == value, (family, key)
+        outer, _, inner = key.rpartition(".")  # MPT's attn_config.alibi: its sub-config's
+        owner = config_class.sub_configs[outer] if outer else config_class
+        assert owner.__dataclass_fields__[inner].default == value, (family, key)
     rope = FAMILIES[name].rope
-    if rope.per_layer_type:  # Gemma 3, OLMo 3, Mellum: a base per layer type
+    if rope.per_layer_type:  # Gemma 3, OLMo 3, Mellum, ModernBERT: a base per layer type
         with models._quiet():
             parameters = config_class().rope_parameters
         for kind, (_, base) in rope.per_layer_type.items():
@@ -678,6 +679,27 @@ def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
          "rope_parameters['beta_fast'] must be at least rope_parameters['beta_slow']"),
         ("gpt_oss", {"rope_parameters": None, "rope_scaling": {"rope_type": "linear"}},
          "rope_scaling needs the key 'factor' for rope_type 'linear' ("),
+        ("mpt", {"attn_config": {"clip_qkv": 6.0}},
+         "mpt with attn_config.clip_qkv=6.0 (queries, keys and values clamped)"),
+        ("mpt", {"attn_config": {"alibi_bias_max": 16}}, "attn_config.alibi_bias_max=16 (ALiBi "
+         "slopes of another alibi_bias_max, which transformers' MPT ignores (it takes 8))"),
+        ("mpt", {"attn_config": {"alibi": False}},
+         "attn_config.alibi=False (no ALiBi, which transformers' MPT applies all the same)"),
+        ("gptj", {"rotary_dim": None}, "gptj with rotary_dim=None, whose rotary embedding is "
+         "as wide as hidden_size=48, not a head's 12 features"),
+        ("codegen", {"rotary_dim": 0}, "config.json has rotary_dim=0; a positive integer"),
+        ("codegen", {"n_embd": 30, "n_head": 3},
+         "codegen with 3 heads of 10 features, which its qkv_proj cannot split"),
+        ("gpt2", {"n_head": 5}, "gpt2 with n_embd=48 not a multiple of n_head=5"),
+        ("falcon_alibi", {"num_attention_heads": 12, "max_position_embeddings": 64},
+         "num_attention_heads=12 and max_position_embeddings=64 (Falcon's ALiBi, which "
+         "transformers computes in bfloat16, rounded unless every slope is a power of two"),
+        ("falcon_alibi", {"max_position_embeddings": 2048}, "max_position_embeddings=2048"),
+        ("modernbert-decoder", {"local_attention": None, "sliding_window": -1,
+                                "layer_types": ["sliding_attention"] * 3},
+         "local_attention=None and sliding_window=-1 (a sliding window of -1 positions)"),
+        ("gpt_neo", {"attention_types": [["local", 3]], "attention_layers": None},
+         "attention_types must list"),
         ("olmo", {"clip_qkv": 8.0}, "olmo with clip_qkv=8.0 (queries, keys and values clipped)"),
         ("olmoe", {"clip_qkv": 8.0}, "olmoe with clip_qkv=8.0 (queries, keys and values"),
         ("gemma", {"use_bidirectional_attention": True}, "gemma with use_bidirectional_attention"),
@@ -776,13 +798,16 @@ def test_older_checkpoints_rotary_buffer_is_not_read(tmp_path, transformers):
     assert sorted(weights) == ["W_k", "W_o", "W_q", "W_v", "b_k", "b_o", "b_q", "b_v"]
 
 
-def test_a_bare_models_checkpoint_is_read_too(tmp_path, transformers):
-    """A ``LlamaModel``'s weights, without the ``model.`` of a causal LM's."""
+@pytest.mark.parametrize(("family", "prefix"), [("mistral", "model."), ("gpt2", "transformer."),
+                                              ("opt", "model.")])  # fmt: skip
+def test_a_bare_models_checkpoint_is_read_too(tmp_path, family, prefix, transformers):
+    """A bare model's weights (``LlamaModel``'s, ``GPT2Model``'s, ``OPTModel``'s), without
+    the first name of a causal LM's (``model.``, ``transformer.``)."""
     import torch
     from safetensors.torch import save_file
 
-    source = Checkpoint(models.saved("mistral"))
-    tensors = {name.removeprefix("model."): torch.as_tensor(array.astype(np.float32))
+    source = Checkpoint(models.saved(family))
+    tensors = {name.removeprefix(prefix): torch.as_tensor(array.astype(np.float32))
                for name, array in source.read(source.keys()).items()}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(source.config))
     save_file(tensors, str(tmp_path / "model.safetensors"))

@@ -10,7 +10,12 @@ model, which would hide every error below 1e-7: its rotary embeddings
 (support.rope_oracle.float64_rotary runs its own code in float64), and its RMSNorms (QK-norm,
 DeepSeek's latent norms) and Gemma 2's eager softmax, which ask for float32: the whole
 forward runs under support.rope_oracle.float64_torch, where a request for float32 gets
-float64. Everything else is transformers' code as it is.
+float64. Everything else is transformers' code as it is. GPT-J's and CodeGen's sine table is
+recomputed in float64 by their own function; BLOOM's attention returns its output plus the
+residual, which the recorder subtracts; GPT-1 has no cache, so its decoding steps are
+compared against the last token of each prefix. The older configs (the families' own keys,
+or none where the class fills them in) are compared the same way, from variants of the
+saved checkpoints.
 
 DeepSeek V2, whose rotary embedding is complex (``torch.polar``), has its own float64 oracle
 in test_pretrained_deepseek_v2.py.
@@ -44,10 +49,11 @@ TOLERANCE = 1e-12
 def oracle(family):
     """Each layer's attention calls in transformers, ``(input, output)`` as NumPy: first the
     whole sequence, then the prefill and each decoding step."""
-    from support.rope_oracle import float64_rotary
+    from support.rope_oracle import float64_rotary, rotary_modules
 
     model = models.transformers_model(family)
-    float64_rotary(model)
+    if rotary_modules(model):
+        float64_rotary(model)
     return models.decoding_calls(model, B, L, PREFILL)
 
 
@@ -123,7 +129,8 @@ CHANGES = {
     "jais2": [{"b_o": None}],
     "ministral3": [{"window": None}, {"rope_scaling": None}],
     "aria_text": [{"b_o": None}],
-    "exaone": [{"b_o": None}],
+    # EXAONE 3: the config's base, not the class's 500000
+    "exaone": [{"b_o": None}, {"rope_theta": 10000.0}],
     "apertus1p5_text": [{"rope_scaling": None}, {"qk_norm_offset": 1.0}],
     "hy_v3": [{"qk_norm_offset": 1.0}, {"b_q": None}],
     "ernie4_5": [{"rotary_interleaved": False}, {"b_o": None}],  # use_bias
@@ -144,6 +151,26 @@ CHANGES = {
     "phi": [{"rotary_dim": None}, {"b_o": None}],
     "nemotron": [{"rotary_dim": None}, {"b_o": None}],
     "cohere": [{"rotary_interleaved": False}, {"b_o": None}],
+    "gpt2": [{"scale": None}],  # scale_attn_by_inverse_layer_idx: 1/sqrt(d) / (i + 1)
+    "gpt_bigcode": [{"b_q": None}],
+    "gpt_bigcode_mha": [{"b_v": None}],
+    "gpt_neox": [{"rotary_dim": None}, {"rope_theta": 10000.0}, {"b_q": None}],
+    "gpt_neox_japanese": [{"b_o": None}, {"rotary_dim": None}],  # the last layer's b_o
+    "gptj": [{"rotary_interleaved": False}, {"rotary_dim": None}],
+    "codegen": [{"rotary_interleaved": False}, {"rotary_dim": None}],
+    "gpt_neo": [{"scale": None}, {"window": None}],
+    "bloom": [{"alibi": None}, {"b_o": None}],
+    "mpt": [{"alibi": None}, {"scale": None}],
+    "falcon": [{"rope_theta": 10000.0}, {"b_q": None}],
+    # Falcon's slopes are divided by sqrt(head_dim), as its scores are
+    "falcon_alibi": [{"alibi": None}, {"alibi": mha.alibi_slopes(6)}],
+    # OPT, BioGPT and XGLM scale their queries, biases included, in q_proj
+    "opt": [{"scale": 1.0}, {"b_q": None}],
+    "biogpt": [{"scale": 1.0}, {"b_q": None}],
+    "xglm": [{"scale": 1.0}, {"b_q": None}],
+    "ctrl": [{"scale": 1.0}, {"b_q": None}],
+    "openai-gpt": [{"scale": 1.0}, {"b_o": None}],
+    "modernbert-decoder": [{"window": None}, {"rope_theta": 10000.0}, {"b_o": None}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3
@@ -207,6 +234,50 @@ def test_a_renamed_family_is_one_row(tmp_path, monkeypatch, transformers, record
     (folder / "config.json").write_text(json.dumps({**config, "model_type": row.name, "n_head": 0}))
     with pytest.raises(AttentionValueError, match=r"config\.json has n_head=0"):
         mha.MultiHeadAttention.from_pretrained(folder, layer=0)
+
+
+OLDER_CONFIGS = [
+    ("gpt_neox", {"rotary_pct": 1 / 3, "rotary_emb_base": 800.0}, ("rope_parameters",)),
+    ("gpt2", {"scale_attn_weights": False, "scale_attn_by_inverse_layer_idx": False}, ()),
+    # GPT-Neo's attention_layers, else its config class's expansion of attention_types
+    ("gpt_neo", {"attention_types": [[["local", "global", "local"], 1]]},
+     ("attention_layers",)),
+    ("gpt_neo", {"attention_types": [[["local", "global", "local"], 1]],
+                 "attention_layers": ["global", "local", "global"]}, ()),
+    ("mpt", {}, ("attn_config",)),  # its defaults: ALiBi, 1/sqrt(head_dim)
+    ("exaone", {"num_layers": 3, "rope_theta": 900.0}, ("num_hidden_layers", "rope_parameters")),
+    ("cwm", {}, ("layer_types", "rope_parameters")),  # llama3 rope of base 1e6, factor 16
+    ("falcon", {"rope_theta": 900.0, "multi_query": True}, ("rope_parameters",)),
+    ("modernbert-decoder", {"global_attn_every_n_layers": 2, "global_rope_theta": 900.0,
+                            "local_rope_theta": 50.0}, ("layer_types", "rope_parameters")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "change", "drop"), OLDER_CONFIGS)
+def test_older_configs_are_read_as_transformers_reads_them(
+    tmp_path, family, change, drop, transformers
+):
+    """Older config.json files (the families' old keys, or none where the class fills them
+    in), each loaded by transformers and compared layer by layer: the variant computes
+    something else than the tiny model's own config, and what transformers computes."""
+    from support.rope_oracle import float64_rotary, rotary_modules
+
+    folder = shutil.copytree(models.saved(family), tmp_path / family)
+    config = json.loads((folder / "config.json").read_text())
+    config = {key: value for key, value in config.items() if key not in drop} | change
+    (folder / "config.json").write_text(json.dumps(config))
+    model = models.transformers_model(family, folder)
+    if rotary_modules(model):
+        float64_rotary(model)
+    calls = models.decoding_calls(model, B, L, L - 1)
+    differs = 0.0
+    for layer, layer_calls in enumerate(calls):
+        x, expected = layer_calls[0]
+        attention = mha.MultiHeadAttention.from_pretrained(folder, layer=layer, dtype=np.float64)
+        out = attention(x, mask=True)
+        assert relative_error(out, expected) <= TOLERANCE, layer
+        differs = max(differs, relative_error(out, load(family, layer)(x, mask=True)))
+    assert differs > 1e-4
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,9 @@ its ``config.json`` alone is offered to ``mha.from_pretrained``: a family mha re
 refused there, by its ``model_type`` or by its config. A family mha accepts gets random
 weights (nonzero attention biases, norm weights away from their initial values, as
 support.pretrained_models builds them), saved in bfloat16 in shards of 20 KB, and each of its
-layers is read and compared with transformers' own attention module of that layer, loaded in
-float64 from the same checkpoint: whole sequences and prefill then token-by-token decoding,
+layers is read and compared with transformers' own attention module of that layer (where the
+family's row says its tensors are: GPT-2's ``transformer.h.{i}.attn``), loaded in float64 from
+the same checkpoint: whole sequences and prefill then token-by-token decoding,
 within :data:`TOLERANCE`. Each family's :class:`Entry` says:
 
 * ``read``: every attention layer loads and matches (a hybrid's other layers may be refused
@@ -133,6 +134,35 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "granitemoehybrid": MAMBA,
     "mamba2": {"num_heads": 4, "head_dim": 24, "n_groups": 1},
     "gpt_neo": {"attention_types": [[["global", "local"], 2]]},
+    "gptj": {"rotary_dim": 8},  # of the heads' 12 features (64 by default)
+    "codegen": {"rotary_dim": 8},
+    "gpt_neox": {  # half of each head rotated (a quarter, 3 features, cannot pair)
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+        }
+    },
+    "stablelm": {  # half of each head rotated (a quarter, 3 features, cannot pair)
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+        }
+    },
+    "ministral3": {  # yarn past 16 positions, without Llama 4's query scale (0.1 by default)
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 1e6,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 16,
+            "llama_4_scaling_beta": 0.0,
+        }
+    },
     "zaya": {"num_experts_per_tok": 1},
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
     "prophetnet": {"num_hidden_layers": DROP},
@@ -140,7 +170,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_assistant": {"text_config": ASSISTANT},
     "gemma4_unified_assistant": {"text_config": ASSISTANT},
 }
-"""Per-family changes where the generic shrink does not build (by ``model_type``)."""
+"""Per-family changes where the generic shrink does not build, or builds what the family's
+real configs are not (a rotary of 3 features, GPT-J's 64 of 12; by ``model_type``)."""
 
 
 @dataclass(frozen=True)
@@ -274,6 +305,7 @@ def _compared(model_type: str, kind: str, config: Any) -> Entry:
     import numpy as np
 
     import mha
+    from mha.integrations import readers
     from mha.integrations.checkpoint import Checkpoint
     from mha.integrations.readers.layouts import attention_prefix
     from support.configs import relative_error
@@ -291,7 +323,10 @@ def _compared(model_type: str, kind: str, config: Any) -> Entry:
     if not read:
         return Entry(model_type, kind, REFUSED, "; ".join(refused))
     source = Checkpoint(folder)
-    names = {index: attention_prefix(source, index).rstrip(".") for index in read}
+    # the row's module path (GPT-2's transformer.h.{i}.attn), by the config's model_type
+    # (GPT-SW3's is gpt2)
+    path = readers.FAMILIES[source.config["model_type"]].tensors.path
+    names = {index: attention_prefix(source, index, path).rstrip(".") for index in read}
     calls = _oracle(model_type, folder, names)
     worst = 0.0
     for index, attention in read.items():
@@ -364,6 +399,7 @@ def _oracle(model_type: str, folder: Path, names: dict[int, str]) -> dict[int, l
     import transformers
 
     from support.rope_oracle import float64_torch
+    from support.transformers_oracle import recorder
 
     model_class = getattr(transformers, causal_lm_types()[model_type])
     with _quiet():
@@ -375,32 +411,43 @@ def _oracle(model_type: str, folder: Path, names: dict[int, str]) -> dict[int, l
         ).eval()
     _float64_rotaries(model)
     calls: dict[int, list[Any]] = {index: [] for index in names}
+    modules = {index: _module(model, name, index) for index, name in names.items()}
     handles = [
-        model.get_submodule(name).register_forward_hook(_recorder(calls[index]), with_kwargs=True)
-        for index, name in names.items()
+        module.register_forward_hook(recorder(module, calls[index]), with_kwargs=True)
+        for index, module in modules.items()
     ]
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (B, L), generator=generator)
+    cached = "cache" in inspect.signature(model.forward).parameters
     try:
         with torch.no_grad(), float64_torch():
             model(ids)
-            cache = transformers.DynamicCache(config=model.config)
-            model(ids[:, :PREFILL], cache=cache, use_cache=True)
-            for t in range(PREFILL, L):
-                model(ids[:, t : t + 1], cache=cache, use_cache=True)
+            if cached:
+                cache = transformers.DynamicCache(config=model.config)
+                model(ids[:, :PREFILL], cache=cache, use_cache=True)
+                for t in range(PREFILL, L):
+                    model(ids[:, t : t + 1], cache=cache, use_cache=True)
+            else:  # GPT-1: each step the last token of its prefix, as a causal attention
+                for t in range(PREFILL, L + 1):
+                    model(ids[:, :t])
     finally:
         for handle in handles:
             handle.remove()
+    if not cached:
+        for layer_calls in calls.values():
+            layer_calls[2:] = [(x[:, -1:], out[:, -1:]) for x, out in layer_calls[2:]]
     return calls
 
 
-def _recorder(calls: list[Any]) -> Any:
-    def record(module: Any, args: Any, kwargs: Any, output: Any) -> None:
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        result = output[0] if isinstance(output, tuple) else output
-        calls.append((hidden.detach().numpy().copy(), result.detach().numpy().copy()))
+def _module(model: Any, name: str, index: int) -> Any:
+    """The attention module of layer ``index``: at its tensors' prefix ``name``, else where
+    transformers loads a family's own names renamed, Llama's (EXAONE 3's)."""
+    from mha.integrations.readers.layouts import SEPARATE_QKV
 
-    return record
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return model.get_submodule(SEPARATE_QKV.path.format(i=index))
 
 
 def _float64_rotaries(model: Any) -> None:

@@ -18,7 +18,13 @@ biases from ``qkv_bias``, ``use_bias`` or ``attention_out_bias``, Qwen-MoE's and
 and CWM's sliding layers, Granite's ``attention_multiplier``, Helium's and ERNIE 4.5's
 interleaved rotary, OLMo 3's rope base per layer type, EXAONE 3's tensor names; layers
 without rope (SmolLM3, Cohere 2 and its MoE, EXAONE 4), partial rotary (GLM, GLM-4.5,
-MiniMax-M2, StableLM, Phi, Nemotron) and interleaved pairs (GLM, Cohere).
+MiniMax-M2, StableLM, Phi, Nemotron) and interleaved pairs (GLM, Cohere); and the older
+layouts (GPT-2 and GPT-1's Conv1D, fused projections in blocks per head or per key/value
+head, BigCode's and Falcon's multi-query and grouped heads, GPT-NeoX's partial and GPT-J's
+interleaved partial rotary, GPT-Neo's unscaled local layers, BLOOM's, MPT's and Falcon's
+ALiBi of six heads, OPT's, BioGPT's, XGLM's and CTRL's biases without rope), whose configs
+keep COMMON's ``num_key_value_heads`` where the family ignores it. Each family's attention
+module is where the reader's row says (:func:`attention_path`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import inspect
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -56,6 +63,10 @@ DEEPSEEK = {
     "experts_implementation": "eager",
 }  # fmt: skip
 
+ABSENT = "absent"
+"""A key of ``COMMON`` left out of a family's config."""
+OLDER = {"head_dim": ABSENT, "rope_parameters": ABSENT}
+"""The families without rope, or with their own keys for it."""
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
        "experts_implementation": "eager"}  # fmt: skip
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 4.0, "low_freq_factor": 1.0,
@@ -190,6 +201,37 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                           "rope_parameters": {
                               SLIDING: {"rope_type": "default", "rope_theta": 100.0},
                               FULL: {"rope_type": "default", "rope_theta": 3000.0}}}),
+    # older layouts: fused or renamed projections (their num_key_value_heads and head_dim,
+    # which these families ignore, stay in config.json), no rope or ALiBi
+    "gpt2": ("GPT2", {**OLDER, "scale_attn_by_inverse_layer_idx": True}),
+    "gpt_bigcode": ("GPTBigCode", OLDER),  # multi-query: one key/value head
+    "gpt_bigcode_mha": ("GPTBigCode", {**OLDER, "multi_query": False}),
+    "gpt_neox": ("GPTNeoX", {"head_dim": ABSENT, "attention_bias": True, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}}),
+    # GPT-NeoX-Japanese: the output bias of the last layer alone
+    "gpt_neox_japanese": ("GPTNeoXJapanese", {"head_dim": ABSENT, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}}),
+    "gptj": ("GPTJ", {**OLDER, "rotary_dim": 8}),
+    "codegen": ("CodeGen", {**OLDER, "rotary_dim": 8}),
+    "gpt_neo": ("GPTNeo", {**OLDER, "window_size": 5,
+                           "attention_types": [[["global", "local"], 1], [["local"], 1]]}),
+    "bloom": ("Bloom", {**OLDER, "num_attention_heads": 6}),  # ALiBi of 6 heads
+    "mpt": ("Mpt", {**OLDER, "num_attention_heads": 6, "max_seq_len": 64,
+                    "attn_config": {"softmax_scale": 0.2}}),
+    "falcon": ("Falcon", {"head_dim": ABSENT, "new_decoder_architecture": True,
+                          "num_kv_heads": 2, "bias": True}),
+    "falcon_alibi": ("Falcon", {**OLDER, "alibi": True, "multi_query": False, "bias": True,
+                                "num_attention_heads": 6}),
+    "opt": ("OPT", {**OLDER, "word_embed_proj_dim": 48, "ffn_dim": 32}),
+    "biogpt": ("BioGpt", OLDER),
+    "xglm": ("XGLM", {**OLDER, "ffn_dim": 32}),
+    "ctrl": ("CTRL", {**OLDER, "dff": 32}),
+    "openai-gpt": ("OpenAIGPT", OLDER),  # no cache: decoding against each prefix's last token
+    "modernbert-decoder": ("ModernBertDecoder", {
+        "head_dim": ABSENT, "local_attention": 10, "attention_bias": True, "pad_token_id": 0,
+        "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1, "sep_token_id": 2,
+        "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 100.0},
+                            FULL: {"rope_type": "default", "rope_theta": 3000.0}}}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
@@ -202,6 +244,14 @@ query's low-rank projection (``q_lora_rank=None``), with biases and halves rotar
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
 LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu")
 """The checkpoints of DeepSeek's multi-head latent attention (``LatentAttention``)."""
+OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
+                 "gptj", "codegen",
+                 "gpt_neo", "bloom", "mpt", "falcon", "falcon_alibi", "opt", "biogpt", "xglm",
+                 "ctrl", "openai-gpt", "modernbert-decoder")  # fmt: skip
+"""The families whose attention modules are not Llama's."""
+LLAMA_LAYOUT = tuple(family for family in FAMILIES if family not in OTHER_LAYOUTS)
+"""The families whose attention is Llama's module, ``model.layers[i].self_attn``, with its
+attributes (``scaling``, ``head_dim``, ``q_proj``, ...)."""
 
 
 def _settings(family: str) -> tuple[str, str, dict[str, Any]]:
@@ -213,8 +263,10 @@ def _settings(family: str) -> tuple[str, str, dict[str, Any]]:
     name, changes = MODELS[family]
     # a copy: config classes complete rope_parameters in place (GLM's partial_rotary_factor)
     settings = copy.deepcopy({**COMMON, "rope_parameters": ROPE, **changes})
-    if settings["head_dim"] is None:
-        del settings["head_dim"]
+    for key in [key for key in ("head_dim",) if settings[key] is None]:
+        del settings[key]
+    for key in [key for key, value in settings.items() if value is ABSENT]:
+        del settings[key]
     model_type = getattr(transformers, f"{name}Config").model_type
     causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     return f"{name}Config", causal[model_type], settings
@@ -233,9 +285,8 @@ def build(family: str, seed: int = 0) -> Any:
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "self_attn" not in name:
-                continue
+        parameters = [p for module in attention_modules(model) for p in module.named_parameters()]
+        for name, parameter in parameters:
             if name.endswith("bias"):
                 parameter.normal_(0.0, 0.5)
             elif "norm" in name:  # QK-norm weights: ones (zeros for Gemma's 1 + w) at first
@@ -245,10 +296,32 @@ def build(family: str, seed: int = 0) -> Any:
     return model
 
 
+def attention_modules(model: Any) -> list[Any]:
+    """Each layer's attention module in ``model``, where the reader's row of its
+    ``model_type`` says it is."""
+    return [model.get_submodule(path.format(i=i)) for i in range(model.config.num_hidden_layers)
+            for path in (attention_path(model),)]  # fmt: skip
+
+
+def attention_path(model: Any) -> str:
+    """The module path of layer ``{i}``'s attention in ``model``: the readers' layout's,
+    but Llama's for EXAONE 3 (transformers loads its tensors into Llama's modules)."""
+    from mha.integrations import readers
+
+    if model.config.model_type == "exaone":
+        return "model.layers.{i}.self_attn"
+    return str(readers.FAMILIES[model.config.model_type].tensors.path)
+
+
+EAGER = ("gemma2", "gpt_oss", "vaultgemma", "gpt_neo", "bloom", "mpt", "xglm", "openai-gpt",
+         "gpt_neox_japanese")  # fmt: skip
+"""The families whose attention is eager only (Gemma 2's and VaultGemma's soft-capping,
+gpt-oss's sinks, the older families' own attention code)."""
+
+
 def _implementation(family: str) -> str:
-    """SDPA where the family has it (the eager attention takes its softmax in float32);
-    Gemma 2's and VaultGemma's soft-capping and gpt-oss's sinks are eager only."""
-    return "eager" if family in ("gemma2", "gpt_oss", "vaultgemma") else "sdpa"
+    """SDPA where the family has it (the eager attention takes its softmax in float32)."""
+    return "eager" if family in EAGER else "sdpa"
 
 
 def saved(family: str) -> Path:
@@ -270,14 +343,16 @@ def saved(family: str) -> Path:
     return _SAVED[family]
 
 
-def transformers_model(family: str) -> Any:
-    """``family``'s saved checkpoint loaded by transformers in float64, for oracles."""
+def transformers_model(family: str, folder: Path | None = None) -> Any:
+    """``family``'s saved checkpoint (or the one in ``folder``, a variant of it) loaded by
+    transformers in float64, for oracles, as ``AutoModelForCausalLM`` loads it (EXAONE 3's
+    config class with Llama's model)."""
     import torch
     import transformers
 
-    _, model_name, settings = _settings(family)
-    model_class = getattr(transformers, model_name)
-    folder = saved(family)
+    _, _, settings = _settings(family)
+    model_class = transformers.AutoModelForCausalLM
+    folder = saved(family) if folder is None else folder
     # the experts' grouped matrix products take no float64: their loop does
     experts = {"experts_implementation": "eager"} if "experts_implementation" in settings else {}
     with _quiet():
@@ -314,26 +389,36 @@ def _root() -> Path:
 def decoding_calls(model: Any, B: int, L: int, prefill: int) -> list[list[Any]]:
     """Each layer's attention calls in ``model`` (float64, its rotary made float64 first),
     ``(input, output)`` as NumPy: a whole sequence of ``L`` tokens for each of ``B``, then a
-    prefill of ``prefill`` tokens and each decoding step with transformers' DynamicCache."""
+    prefill of ``prefill`` tokens and each decoding step with transformers' DynamicCache. A
+    model without a cache (GPT-1) computes each step as the last token of its prefix, which a
+    causal attention computes the same."""
     import torch
     import transformers
 
     from support.rope_oracle import float64_torch
     from support.transformers_oracle import AttentionRecorder
 
-    recorder = AttentionRecorder(model)
+    recorder = AttentionRecorder(model, attention_path(model))
     ids = torch.randint(
         0, model.config.vocab_size, (B, L), generator=torch.Generator().manual_seed(0)
     )
+    cached = "cache" in inspect.signature(model.forward).parameters
     try:
         with torch.no_grad(), float64_torch():
             model(ids)
-            cache = transformers.DynamicCache(config=model.config)
-            model(ids[:, :prefill], cache=cache, use_cache=True)
-            for t in range(prefill, L):
-                model(ids[:, t : t + 1], cache=cache, use_cache=True)
+            if cached:
+                cache = transformers.DynamicCache(config=model.config)
+                model(ids[:, :prefill], cache=cache, use_cache=True)
+                for t in range(prefill, L):
+                    model(ids[:, t : t + 1], cache=cache, use_cache=True)
+            else:
+                for t in range(prefill, L + 1):
+                    model(ids[:, :t])
     finally:
         recorder.close()
+    if not cached:  # each step: the last token of its prefix
+        for calls in recorder.calls:
+            calls[2:] = [(x[:, -1:], out[:, -1:]) for x, out in calls[2:]]
     return recorder.calls
 
 

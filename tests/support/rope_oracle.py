@@ -76,12 +76,37 @@ def float64_rotary(model: Any) -> list[Any]:
     to compute in float64 with transformers' own code, starting afresh (no sequence seen);
     returns the modules. Raises AssertionError when a float64 frequency is more than
     :data:`FAITHFUL` away from the float32 one it replaces."""
-    rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    rotaries = rotary_modules(model)
     if not rotaries:
         raise ValueError(f"{type(model).__name__} has no rotary embedding module")
     for rotary in rotaries:
-        _make_float64(rotary)
+        if hasattr(rotary, "embed_positions"):
+            _sinusoidal_float64(rotary)
+        else:
+            _make_float64(rotary)
     return rotaries
+
+
+def rotary_modules(model: Any) -> list[Any]:
+    """The rotary embedding modules of ``model`` (a model, or a rotary module itself)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+
+
+def _sinusoidal_float64(rotary: Any) -> None:
+    """GPT-J's and CodeGen's table of sines and cosines (``embed_positions``) recomputed in
+    float64 by their module's own ``create_sinusoidal_positions``."""
+    import sys
+
+    import torch
+
+    create = sys.modules[type(rotary).__module__].create_sinusoidal_positions
+    single = rotary.embed_positions
+    with float64_torch():
+        table = create(rotary.max_positions, rotary.pos_embd_dim)
+    error = float((table - single.double()).abs().max())  # float32 angles: |angle| * 2^-24
+    if table.dtype != torch.float64 or not error <= FAITHFUL * rotary.max_positions:
+        raise AssertionError(f"{type(rotary).__name__}: the float64 table is {error:.2e} away")
+    rotary.embed_positions = table
 
 
 def _layer_types(rotary: Any) -> list[str | None]:

@@ -10,6 +10,7 @@ windows) is transformers' code.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
@@ -82,24 +83,44 @@ def attention_settings(model: Any) -> dict[str, Any]:
     }
 
 
-class AttentionRecorder:
-    """Records every call of each layer's attention: its input and its output, as NumPy."""
+def recorder(module: Any, calls: list[tuple[np.ndarray, np.ndarray]]) -> Any:
+    """A forward hook (``with_kwargs``) of the attention ``module`` that appends each call's
+    input and output to ``calls``, as NumPy: without the residual a module adds to its output
+    (BLOOM's, given ``residual``), with the output bias one returns apart
+    (GPT-NeoX-Japanese's)."""
+    parameters = inspect.signature(module.forward).parameters
 
-    def __init__(self, model: Any) -> None:
-        self.calls: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in model.model.layers]
+    def record(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        parts = output if isinstance(output, (tuple, list)) else (output,)  # GPT-1's: a list
+        out = parts[0]
+        if len(parts) > 2 and hasattr(parts[2], "detach"):  # its output bias, apart
+            out = out + parts[2]
+        if "residual" in parameters:
+            bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+            out = out - bound.arguments["residual"]
+        calls.append((hidden.detach().numpy().copy(), out.detach().numpy().copy()))
+
+    return record
+
+
+class AttentionRecorder:
+    """Records every call of each layer's attention: its input and its output, as NumPy.
+    The attention of layer ``i`` is the module at ``path`` (``{i}`` its index); a module
+    that adds the residual to its output (BLOOM's, given ``residual``) is recorded without
+    it, one that returns its output bias apart (GPT-NeoX-Japanese's) with it."""
+
+    def __init__(self, model: Any, path: str = "model.layers.{i}.self_attn") -> None:
+        count = model.config.num_hidden_layers
+        modules = [model.get_submodule(path.format(i=i)) for i in range(count)]
+        self.calls: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in modules]
         self._handles = [
-            layer.self_attn.register_forward_hook(self._hook(i), with_kwargs=True)
-            for i, layer in enumerate(model.model.layers)
+            module.register_forward_hook(self._hook(i, module), with_kwargs=True)
+            for i, module in enumerate(modules)
         ]
 
-    def _hook(self, index: int) -> Any:
-        def record(module: Any, args: Any, kwargs: Any, output: Any) -> None:
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            self.calls[index].append(
-                (hidden.detach().numpy().copy(), output[0].detach().numpy().copy())
-            )
-
-        return record
+    def _hook(self, index: int, module: Any) -> Any:
+        return recorder(module, self.calls[index])
 
     def close(self) -> None:
         for handle in self._handles:

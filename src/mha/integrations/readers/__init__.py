@@ -15,7 +15,7 @@ the attention features it uses. The files:
   defaults), the checks of its values, the keys refused by the feature they ask for;
 * :mod:`.rope`: the rope parameters of each layer, standardised as transformers does, and
   which layers rotate;
-* :mod:`.windows`: which layers slide and how far;
+* :mod:`.windows`: which layers slide and how far; :mod:`.alibi`: ALiBi's slopes;
 * :mod:`.layouts`: the tensor names of each layout, their shapes and how each becomes mha's
   weights;
 * :mod:`.family` and :mod:`.registry`: the row type and the table, :mod:`.defaults`: each
@@ -26,8 +26,9 @@ the attention features it uses. The files:
 
 Whatever mha would compute differently is refused by name: an unknown ``model_type``, an
 option these readers do not map, a layer's weight that is missing, misshapen or unknown.
-(``pretraining_tp``, which no family's attention reads in transformers 5.24, is ignored; an
-older checkpoint's ``rotary_emb.inv_freq`` buffer is not read: the config gives it.)
+(``pretraining_tp``, which only BLOOM's attention reads, to sum its output projection in
+slices, the same sum, is ignored; an older checkpoint's ``rotary_emb.inv_freq`` buffer is
+not read: the config gives it.)
 
 >>> SUPPORTED[:4]
 ('llama', 'mistral', 'qwen2', 'qwen3')
@@ -83,7 +84,7 @@ def layer_attention(
     family = family_of(source.config, source.path)
     read = Settings(source, family.name, family.defaults, family.keys)
     index = layer_index(layer, read.positive("num_hidden_layers"), source.path)
-    prefix = attention_prefix(source, index, family.tensors.prefixes)
+    prefix = attention_prefix(source, index, family.tensors.path)
     kind, settings, tensors = describe(family, read, index)
     check_rope(read, settings, index)
     check_names(source, prefix, tensors, read)

@@ -11,7 +11,14 @@ from typing import Any
 from .config import SLIDING, Settings
 from .family import Family
 from .layouts import LatentProjections, Projections, Tensor
-from .rope import check_refused, partial_rotary, rope_parameters, rope_scaling, yarn_mscale
+from .rope import (
+    check_refused,
+    partial_rotary,
+    rope_parameters,
+    rope_scaling,
+    rotary_dim,
+    yarn_mscale,
+)
 
 __all__ = ["describe", "latent", "multi_head", "rotary"]
 
@@ -29,37 +36,43 @@ def describe(family: Family, read: Settings, index: int) -> Described:
 
 def multi_head(family: Family, layout: Projections, read: Settings, index: int) -> Described:
     """The settings and tensors of layer ``index`` of a multi-head attention."""
-    E, H = read.positive("hidden_size"), read.positive("num_attention_heads")
-    H_kv = read.positive("num_key_value_heads", optional=True) or H
-    given_d = read.positive(family.head_dim, optional=True) if family.head_dim else None
-    d = given_d or E // H
+    E = read.positive("hidden_size")
+    H, H_kv, d = heads = family.heads_of(read)
+    if not layout.grouped(heads):
+        raise read.refuse(f"{H} heads of {d} features, which its {layout.qkv} cannot split")
     for option in family.refused():
         option.check(read)
     layer_type = family.windows.layer_type(read, index)
+    alibi = family.alibi.slopes(read, H, d) if family.alibi and family.alibi.on(read) else None
     window = family.windows.size(read) if layer_type == SLIDING else None
     norm = family.qk_norm if family.qk_norm and family.qk_norm.applies(read) else None
     settings: dict[str, Any] = {
         "num_heads": H,
         "num_kv_heads": H_kv,
         "head_dim": d,
-        **rotary(family, read, index, layer_type, d),
+        **rotary(family, read, index, layer_type, d, alibi is not None),
         "window": None if window is None else int(window),
         "chunk": None,
         "softcap": read.get(family.softcap) if family.softcap else None,
-        "scale": family.scale(read) if family.scale else None,
+        "scale": _scale(family, read, index, d),
         "qk_norm": norm.over if norm else None,
         "qk_norm_eps": float(read.get(norm.eps)) if norm else None,
         "qk_norm_offset": norm.offset if norm else None,
     }
-    biased = family.biases.carried(read, "qkvo")
-    tensors = layout.tensors(E, (H, H_kv, d), biased, settings["qk_norm"], family.sinks)
+    if alibi is not None:  # the rope is then off
+        settings["alibi"] = alibi
+    biased = family.biases.carried(read, "qkvo", index)
+    tensors = layout.tensors(E, heads, biased, settings["qk_norm"], family.sinks)
     return layout.kind, settings, tensors
 
 
-def rotary(family: Family, read: Settings, index: int, layer_type: str, d: int) -> dict[str, Any]:
+def rotary(
+    family: Family, read: Settings, index: int, layer_type: str, d: int, alibi: bool = False
+) -> dict[str, Any]:
     """The rotary settings of layer ``index`` (of type ``layer_type``, heads ``d`` wide): its
-    base, rotated width, pairs and scaling, or none of them on a layer without positions."""
-    if not family.rope.rotates(read, index, layer_type):
+    base, rotated width, pairs and scaling, or none of them on a layer without positions (or
+    with ``alibi``'s, or in a family whose attention rotates nothing)."""
+    if alibi or not family.rope.applied or not family.rope.rotates(read, index, layer_type):
         return {
             "rope_theta": None,
             "rotary_dim": None,
@@ -70,12 +83,24 @@ def rotary(family: Family, read: Settings, index: int, layer_type: str, d: int) 
     if rope.get("mrope_section") is not None:
         raise read.refuse(f"a multimodal rope (mrope_section={rope['mrope_section']})")
     rope = check_refused(read, family.rope, rope)
+    if family.rope.dim_key is not None:
+        rotated = rotary_dim(read, family.rope.dim_key, d)
+    else:
+        rotated = partial_rotary(read, family.rope, rope, d)
     return {
         "rope_theta": float(rope["rope_theta"]),
-        "rotary_dim": partial_rotary(read, family.rope, rope, d),
+        "rotary_dim": rotated,
         "rotary_interleaved": family.rope.interleaved(read),
         "rope_scaling": rope_scaling(read, rope),
     }
+
+
+def _scale(family: Family, read: Settings, index: int, d: int) -> float | None:
+    """The softmax scale of layer ``index`` (``None``: ``1/sqrt(d)``)."""
+    scale = family.scale(read) if family.scale else None
+    if family.scale_by_layer and read.get(family.scale_by_layer):
+        return (d**-0.5 if scale is None else scale) / float(index + 1)
+    return scale
 
 
 def latent(family: Family, layout: LatentProjections, read: Settings) -> Described:

@@ -48,7 +48,9 @@ class Settings:
     """A config's values as the family's config class reads them: ``config.json``'s, else
     the class's defaults (``defaults``, the row's). Keys are transformers' common names
     (``num_attention_heads``); ``keys`` gives the family's own where they differ (as a config
-    class's ``attribute_map`` does), which ``config.json`` and ``defaults`` use."""
+    class's ``attribute_map`` does), which ``config.json`` and ``defaults`` use. A key
+    ``"outer.inner"`` is ``inner`` of the object ``outer`` in ``config.json`` (MPT's
+    ``attn_config``), and is named so in ``defaults``."""
 
     def __init__(
         self,
@@ -65,25 +67,33 @@ class Settings:
         """The family's name of ``key``, unless ``config.json`` gives ``key`` by its common
         name alone (as ``save_pretrained`` writes it: an ``attribute_map`` takes both)."""
         alias = self.keys.get(key, key)
-        return key if alias not in self.config and key in self.config else alias
+        return key if not _find(self.config, alias)[0] and key in self.config else alias
 
     def get(self, key: str, default: Any = None) -> Any:
         """``key``'s value: ``config.json``'s, else the class's default, else ``default``."""
-        name = self.name(key)
+        found, name, value = self._given(key)
         self.read.append(name)
-        if name in self.config:
-            return self.config[name]
+        if found:
+            return value
         return self.defaults.get(name, self.defaults.get(key, default))
 
     def given(self, key: str, default: Any = None) -> Any:
         """``key``'s value in ``config.json`` (``default`` when it has none)."""
-        return self.config.get(self.name(key), default)
+        found, _, value = self._given(key)
+        return value if found else default
 
     def has(self, key: str) -> bool:
         """Whether ``config.json`` or the class's defaults hold ``key``."""
-        return (
-            self.name(key) in self.config or self.name(key) in self.defaults or key in self.defaults
-        )
+        return self._given(key)[0] or self.name(key) in self.defaults or key in self.defaults
+
+    def _given(self, key: str) -> tuple[bool, str, Any]:
+        """Whether ``config.json`` gives ``key``, under which name, and its value: the
+        family's name, else the common one (a config class's ``attribute_map`` takes both)."""
+        for name in dict.fromkeys((self.name(key), key)):
+            found, value = _find(self.config, name)
+            if found:
+                return True, name, value
+        return False, self.name(key), None
 
     def positive(self, key: str, optional: bool = False) -> Any:
         """A positive integer (or, when ``optional``, ``None``)."""
@@ -99,14 +109,26 @@ class Settings:
 
     def summary(self) -> str:
         """The keys read that ``config.json`` gives, with their values."""
-        keys = dict.fromkeys(key for key in self.read if key in self.config)
-        return ", ".join(f"{key}={self.config[key]!r}" for key in keys)
+        keys = dict.fromkeys(key for key in self.read if _find(self.config, key)[0])
+        return ", ".join(f"{key}={_find(self.config, key)[1]!r}" for key in keys)
 
     def refuse(self, what: str) -> AttentionValueError:
         return AttentionValueError(
             f"{self.path}: {self.family} with {what}: mha would compute something else, "
             "so it is refused"
         )
+
+
+def _find(config: Mapping[str, Any], key: str) -> tuple[bool, Any]:
+    """Whether ``config`` holds ``key``, and its value; ``"outer.inner"`` is a key of a
+    nested object (MPT's ``attn_config.alibi``)."""
+    if key in config:
+        return True, config[key]
+    outer, dot, inner = key.partition(".")
+    nested = config.get(outer) if dot else None
+    if isinstance(nested, Mapping) and inner in nested:
+        return True, nested[inner]
+    return False, None
 
 
 def is_given(value: Any) -> bool:

@@ -123,6 +123,67 @@ ARCEE: dict[str, Any] = {
     "attention_bias": False,
     "max_position_embeddings": 4096,
 }
+_GPT2_SHAPE = {"n_embd": 768, "n_head": 12, "n_layer": 12, "n_positions": 1024}
+GPT2: dict[str, Any] = {
+    **_GPT2_SHAPE,
+    "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False,
+}
+GPT_BIGCODE: dict[str, Any] = {**_GPT2_SHAPE, "scale_attn_weights": True, "multi_query": True}
+GPT_NEOX: dict[str, Any] = {
+    "hidden_size": 6144,
+    "num_attention_heads": 64,
+    "num_hidden_layers": 44,
+    "max_position_embeddings": 2048,
+    "attention_bias": True,
+}
+GPTJ: dict[str, Any] = {
+    "n_embd": 4096,
+    "n_head": 16,
+    "n_layer": 28,
+    "n_positions": 2048,
+    "rotary_dim": 64,
+}
+CODEGEN: dict[str, Any] = {**GPTJ}
+GPT_NEO: dict[str, Any] = {
+    "hidden_size": 2048,
+    "num_heads": 16,
+    "num_layers": 24,
+    "max_position_embeddings": 2048,
+    "window_size": 256,
+    "attention_types": None,
+}
+BLOOM: dict[str, Any] = {"hidden_size": 64, "n_head": 8, "n_layer": 2}
+MPT: dict[str, Any] = {
+    "d_model": 2048,
+    "n_heads": 16,
+    "n_layers": 24,
+    "attn_config.alibi": True,
+    "attn_config.alibi_bias_max": 8,
+    "attn_config.clip_qkv": None,
+    "attn_config.softmax_scale": None,
+}
+"""MPT's; ``attn_config.*`` are the keys of its ``attn_config`` (``MptAttentionConfig``)."""
+FALCON: dict[str, Any] = {
+    "hidden_size": 4544,
+    "num_attention_heads": 71,
+    "num_hidden_layers": 32,
+    "num_kv_heads": None,
+    "alibi": False,
+    "new_decoder_architecture": False,
+    "multi_query": True,
+    "bias": False,
+    "max_position_embeddings": 2048,
+}
+OPT: dict[str, Any] = {
+    "hidden_size": 768,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "enable_bias": True,
+}
+BIOGPT: dict[str, Any] = {"hidden_size": 1024, "num_attention_heads": 16, "num_hidden_layers": 24}
+XGLM: dict[str, Any] = {"d_model": 1024, "attention_heads": 16, "num_layers": 24}
+CTRL: dict[str, Any] = {"n_embd": 1280, "n_head": 16, "n_layer": 48, "n_positions": 256}
 QWEN3_MOE: dict[str, Any] = {
     "hidden_size": 2048,
     "num_hidden_layers": 24,
@@ -378,6 +439,21 @@ CWM_ROPE: dict[str, Any] = {
     _OMPE: 8192,
 }
 """CWM's ``rope_parameters`` when the config gives none."""
+MODERNBERT_DECODER: dict[str, Any] = {
+    "hidden_size": 768,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 12,
+    "attention_bias": False,
+    "local_attention": 128,
+    "max_position_embeddings": 8192,
+}
+OPENAI_GPT: dict[str, Any] = {"n_embd": 768, "n_head": 12, "n_layer": 12, "n_positions": 512}
+GPT_NEOX_JAPANESE: dict[str, Any] = {
+    "hidden_size": 2560,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 2048,
+}
 MELLUM: dict[str, Any] = {
     "hidden_size": 2304,
     "num_hidden_layers": 28,

@@ -1,8 +1,8 @@
 """What one row of the table says about a ``model_type``'s attention (:class:`Family`), and
-the values its fields take beside those of :mod:`.layouts`, :mod:`.windows` and :mod:`.rope`:
-QK-norm (:class:`QkNorm`), softmax scales from config keys, and the config keys that ask for
-an attention feature mha lacks (:class:`~.config.Unsupported`), refused by that feature's
-name.
+the values its fields take beside those of :mod:`.layouts`, :mod:`.windows`, :mod:`.rope`
+and :mod:`.alibi`: the heads and their width (:data:`Heads`), QK-norm (:class:`QkNorm`),
+softmax scales from config keys, and the config keys that ask for an attention feature mha
+lacks (:class:`~.config.Unsupported`), refused by that feature's name.
 
 >>> from mha.integrations.readers.layouts import NO_BIASES
 >>> from mha.integrations.readers.windows import EVERY_LAYER
@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .alibi import Alibi
 from .config import Settings, Unsupported, is_given
 from .layouts import (
     ATTENTION_BIAS,
@@ -38,10 +39,54 @@ __all__ = [
     "PER_HEAD",
     "UNSUPPORTED",
     "Family",
+    "Heads",
     "QkNorm",
     "attention_multiplier",
+    "falcon_heads",
+    "from_config",
+    "multi_query",
     "query_pre_attn_scalar",
+    "split_hidden",
+    "unscaled",
 ]
+
+Heads = Callable[[Settings], tuple[int, int, int]]
+"""A family's heads from its config: ``(query heads, key/value heads, head width)``."""
+
+
+def from_config(read: Settings, head_dim: str | None = "head_dim") -> tuple[int, int, int]:
+    """``num_key_value_heads`` (else one per query head) and the config key ``head_dim``
+    (else, or when ``None``, the hidden size's share of a head): Llama's and most families'."""
+    E, H = read.positive("hidden_size"), read.positive("num_attention_heads")
+    H_kv = read.positive("num_key_value_heads", optional=True) or H
+    given = read.positive(head_dim, optional=True) if head_dim else None
+    return H, H_kv, given or E // H
+
+
+def split_hidden(read: Settings, H_kv: int | None = None) -> tuple[int, int, int]:
+    """A key and value per head (or ``H_kv``), each head ``hidden_size // heads`` wide,
+    whatever else the config says (GPT-2's and the other families before GQA)."""
+    E, H = read.positive("hidden_size"), read.positive("num_attention_heads")
+    if E % H:
+        raise read.refuse(
+            f"{read.name('hidden_size')}={E} not a multiple of "
+            f"{read.name('num_attention_heads')}={H} (transformers' {read.family} attention "
+            "needs it)"
+        )
+    return H, H if H_kv is None else H_kv, E // H
+
+
+def multi_query(read: Settings) -> tuple[int, int, int]:
+    """One key/value head when ``multi_query`` (BigCode), else one per head."""
+    return split_hidden(read, 1 if read.get("multi_query") else None)
+
+
+def falcon_heads(read: Settings) -> tuple[int, int, int]:
+    """Falcon's: ``num_kv_heads`` (null: one per head) in the new decoder architecture, else
+    one key/value head when ``multi_query``, else one per head."""
+    if read.get("new_decoder_architecture"):
+        return split_hidden(read, read.positive("num_key_value_heads", optional=True))
+    return multi_query(read)
 
 
 @dataclass(frozen=True)
@@ -71,6 +116,11 @@ def query_pre_attn_scalar(read: Settings) -> float:
     """Gemma's softmax scale: ``query_pre_attn_scalar ** -0.5`` (not the head width's)."""
     scale: float = float(read.get("query_pre_attn_scalar")) ** -0.5
     return scale
+
+
+def unscaled(read: Settings) -> float:
+    """A softmax scale of 1: the scores are the dot products (GPT-Neo's)."""
+    return 1.0
 
 
 def attention_multiplier(read: Settings) -> float | None:
@@ -111,12 +161,20 @@ class Family:
     tensors: Projections | LatentProjections = SEPARATE_QKV
     """Which tensors hold Q, K, V and O (:mod:`.layouts`); :data:`~.layouts.LATENT` for
     DeepSeek's multi-head latent attention (the layer is a :class:`mha.LatentAttention`)."""
+    heads: Heads = from_config
+    """The heads and their width (multi-head families; :func:`from_config` reads the width
+    from :attr:`head_dim`)."""
     biases: Biases | BiasesByKey = ATTENTION_BIAS
     windows: Windows = NO_WINDOWS
     """Which layers slide and how far (:mod:`.windows`; multi-head families)."""
     rope: Rope = field(default_factory=Rope)
     scale: Callable[[Settings], float | None] | None = None
     """The softmax scale (``None``: the attention's own, ``1/sqrt(head_dim)``)."""
+    scale_by_layer: str | None = None
+    """The config key that, when true, divides layer ``i``'s scale by ``i + 1`` (GPT-2's
+    ``scale_attn_by_inverse_layer_idx``)."""
+    alibi: Alibi | None = None
+    """ALiBi's slopes, and the config key that turns it on (the rope then off)."""
     softcap: str | None = None
     """The config key of the scores' soft-cap (Gemma 2's ``attn_logit_softcapping``)."""
     qk_norm: QkNorm | None = None
@@ -130,6 +188,11 @@ class Family:
     """Keys of :data:`UNSUPPORTED` that mean something else in this family, read as its row
     says (GLM-4.5's ``use_qk_norm``, its RMSNorm QK-norm) or ignored as its attention
     ignores them (MiniMax-M2's, whose QK-norm is always on), not refused."""
+
+    def heads_of(self, read: Settings) -> tuple[int, int, int]:
+        """The heads and their width in ``read``'s config: :attr:`heads`'s, the width from
+        :attr:`head_dim` where that is :func:`from_config`."""
+        return from_config(read, self.head_dim) if self.heads is from_config else self.heads(read)
 
     def refused(self) -> tuple[Unsupported, ...]:
         """The options refused in this family's config: its own, then those of

@@ -1,12 +1,16 @@
 """Where a layer's attention keeps its tensors, by transformers' names, and how each becomes
-mha's weights (the "x @ W" layout: the transposes of ``nn.Linear``'s ``(out, in)``), as
-llama.cpp's ``LLM_TENSOR_NAMES`` names them per architecture: separate query, key, value and
-output projections (:data:`SEPARATE_QKV`) or one fused ``qkv_proj`` (:data:`FUSED_QKV`),
-their biases (:class:`Biases`, :class:`BiasesByKey`), QK-norms and sinks, under the layer's
-prefix (EXAONE 3's own: :data:`EXAONE`); DeepSeek's latent projections (:data:`LATENT`).
+mha's weights (the "x @ W" layout: the transposes of ``nn.Linear``'s ``(out, in)``; GPT-2's
+``Conv1D`` holds ``(in, out)``, mha's already), as llama.cpp's ``LLM_TENSOR_NAMES`` names them
+per architecture: separate query, key, value and output projections (:data:`SEPARATE_QKV`)
+or one fused projection (:data:`FUSED_QKV`), its rows in one of the orders of
+:data:`FUSIONS`, their biases (:class:`Biases`, :class:`BiasesByKey`), QK-norms and sinks;
+DeepSeek's latent projections (:data:`LATENT`). The module path of layer ``i``'s attention
+is the layout's too (``model.layers.{i}.self_attn``, GPT-2's ``transformer.h.{i}.attn``,
+EXAONE 3's own ``transformer.h.{i}.attn.attention``: :data:`EXAONE`).
 
 A layout gives each tensor the config calls for as a :class:`Tensor`: its shape, and mha's
-weights in it, a fused tensor's row by row.
+weights in it, a fused tensor's row by row, in groups when its rows interleave (BLOOM's
+query, key and value of each head in turn).
 
 >>> import numpy as np
 >>> tensors = FUSED_QKV.tensors(d_model=4, heads=(2, 1, 2), biased=(), qk_norm=None, sinks=False)
@@ -14,11 +18,14 @@ weights in it, a fused tensor's row by row.
 {'o_proj.weight': (4, 4), 'qkv_proj.weight': (8, 4)}
 >>> {name: W.shape for name, W in lay_out(np.ones((8, 4)), tensors["qkv_proj.weight"]).items()}
 {'W_q': (4, 4), 'W_k': (4, 2), 'W_v': (4, 2)}
+>>> per_head = Tensor((6,), (("q", 1), ("k", 1), ("v", 1)), groups=2)  # q0 k0 v0 q1 k1 v1
+>>> {name: b.tolist() for name, b in lay_out(np.arange(6.0), per_head).items()}
+{'q': [0.0, 3.0], 'k': [1.0, 4.0], 'v': [2.0, 5.0]}
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -33,6 +40,7 @@ __all__ = [
     "ATTENTION_BIAS",
     "EXAONE",
     "FUSED_QKV",
+    "FUSIONS",
     "LATENT",
     "NO_BIASES",
     "QKV_ATTENTION_BIAS",
@@ -49,9 +57,6 @@ __all__ = [
     "lay_out",
 ]
 
-PREFIXES = ("model.layers.{index}.self_attn.", "layers.{index}.self_attn.")
-"""Where a layer's attention tensors are in most families' checkpoints: a causal LM's, a bare
-model's."""
 IGNORED = ("rotary_emb.inv_freq",)
 """Tensors under a layer's attention that are not read: older checkpoints' rotary buffer,
 which the config gives."""
@@ -60,25 +65,31 @@ which the config gives."""
 @dataclass(frozen=True)
 class Tensor:
     """One tensor under a layer's attention: its shape, and mha's weights it holds, each with
-    its rows (output features), in order."""
+    its rows (output features) in each of ``groups`` equal blocks of rows, in order (one
+    block: the weights one after the other). ``transposed``: a matrix stored ``(in, out)``,
+    as ``Conv1D`` keeps it, whose rows are its columns."""
 
     shape: tuple[int, ...]
     parts: tuple[tuple[str, int], ...]
+    groups: int = 1
+    transposed: bool = False
 
 
-def whole(name: str, *shape: int) -> Tensor:
+def whole(name: str, *shape: int, transposed: bool = False) -> Tensor:
     """A tensor that is one weight of mha's."""
-    return Tensor(shape, ((name, shape[0]),))
+    return Tensor(shape[::-1] if transposed else shape, ((name, shape[0]),), transposed=transposed)
 
 
 def lay_out(array: np.ndarray, tensor: Tensor) -> dict[str, np.ndarray]:
-    """mha's weights from one tensor: matrices transposed to "x @ W", a fused tensor split."""
-    W = array.T if array.ndim == 2 else array
+    """mha's weights from one tensor: matrices as "x @ W", a fused tensor split."""
+    W = array.T if array.ndim == 2 and not tensor.transposed else array
     if len(tensor.parts) == 1:
         return {tensor.parts[0][0]: W}
+    G = tensor.groups
+    blocks = W.reshape(*W.shape[:-1], G, W.shape[-1] // G)
     weights, start = {}, 0
     for name, rows in tensor.parts:
-        weights[name] = W[..., start : start + rows]
+        weights[name] = blocks[..., start : start + rows].reshape(*W.shape[:-1], G * rows)
         start += rows
     return weights
 
@@ -86,15 +97,23 @@ def lay_out(array: np.ndarray, tensor: Tensor) -> dict[str, np.ndarray]:
 @dataclass(frozen=True)
 class Biases:
     """Which projections carry a bias: those in ``roles`` (every one that can, when
-    ``None``), always or, with ``key``, when that config key is true."""
+    ``None``), always or, with ``key``, when that config key is true; those in ``last`` only
+    in the last layer (GPT-NeoX-Japanese's output bias)."""
 
     key: str | None = None
     roles: tuple[str, ...] | None = None
+    last: tuple[str, ...] = ()
 
-    def carried(self, read: Settings, possible: Iterable[str]) -> tuple[str, ...]:
+    def carried(
+        self, read: Settings, possible: Iterable[str], index: int | None = None
+    ) -> tuple[str, ...]:
+        """The roles biased in layer ``index`` (``None``: any layer)."""
         if self.key is not None and not read.get(self.key):
             return ()
-        return tuple(role for role in possible if self.roles is None or role in self.roles)
+        roles = [role for role in possible if self.roles is None or role in self.roles]
+        if self.last and index is not None and index != read.positive("num_hidden_layers") - 1:
+            roles = [role for role in roles if role not in self.last]
+        return tuple(roles)
 
 
 @dataclass(frozen=True)
@@ -104,7 +123,10 @@ class BiasesByKey:
 
     keys: Mapping[str, str]
 
-    def carried(self, read: Settings, possible: Iterable[str]) -> tuple[str, ...]:
+    def carried(
+        self, read: Settings, possible: Iterable[str], index: int | None = None
+    ) -> tuple[str, ...]:
+        """The roles biased (in any layer: ``index`` is not read)."""
         return tuple(role for role in possible if role in self.keys and read.get(self.keys[role]))
 
 
@@ -123,11 +145,26 @@ ALL_BIASES = Biases()
 """All four projections always biased (Phi's)."""
 
 
+FUSIONS: dict[str, Callable[[int, int], int]] = {
+    "contiguous": lambda H, H_kv: 1,
+    "per_kv_head": lambda H, H_kv: H_kv,
+    "four_blocks": lambda H, H_kv: 4,
+}
+"""How many blocks a fused projection's rows come in, from the heads ``(H, H_kv)``: each
+block holds its share of the queries, keys and values in turn. One (Phi-3, GPT-2, MPT);
+one per key/value head (BLOOM and GPT-NeoX, a head's query, key and value; Falcon's new
+architecture, a group's queries, then its key and value; with one key/value head, the
+contiguous layout of multi-query BigCode and Falcon); four (CodeGen's ``mp_num``)."""
+
+
 @dataclass(frozen=True)
 class Projections:
     """transformers' names of a multi-head attention's modules: the query, key, value and
-    output projections (or ``qkv``, one fused projection of the queries, then the keys, then
-    the values), the QK-norms and the sinks."""
+    output projections (or ``qkv``, one fused projection whose rows come in blocks as
+    ``fusion`` says, each the queries, keys and values in ``order``), the QK-norms and the
+    sinks; ``conv1d`` when the matrices are GPT-2's ``Conv1D`` (stored ``(in, out)``);
+    ``path``, the module of layer ``{i}``'s attention; ``o_bias``, the output bias's name
+    when it is not the output projection's ``bias``."""
 
     kind: ClassVar[str] = "attention"
     q: str = "q_proj"
@@ -135,11 +172,14 @@ class Projections:
     v: str = "v_proj"
     o: str = "o_proj"
     qkv: str | None = None
+    o_bias: str | None = None
+    fusion: str = "contiguous"
+    order: str = "qkv"
+    conv1d: bool = False
     q_norm: str = "q_norm"
     k_norm: str = "k_norm"
     sinks: str = "sinks"
-    prefixes: tuple[str, ...] = PREFIXES
-    """Where a layer's attention tensors are (``{index}``: the layer's)."""
+    path: str = "model.layers.{i}.self_attn"
 
     def tensors(
         self,
@@ -154,15 +194,18 @@ class Projections:
         or across ``"all"`` heads) and the sinks."""
         H, H_kv, d = heads
         q, kv, E = H * d, H_kv * d, d_model
-        tensors = {f"{self.o}.weight": whole("W_o", E, q)}
+        widths = {"q": q, "k": kv, "v": kv, "o": E}
+        tensors = {f"{self.o}.weight": whole("W_o", E, q, transposed=self.conv1d)}
         if self.qkv is not None:
-            parts = (("W_q", q), ("W_k", kv), ("W_v", kv))
-            tensors[f"{self.qkv}.weight"] = Tensor((q + 2 * kv, E), parts)
+            G = FUSIONS[self.fusion](H, H_kv)
+            parts = tuple((f"W_{p}", widths[p] // G) for p in self.order)
+            tensors[f"{self.qkv}.weight"] = Tensor(
+                (E, q + 2 * kv) if self.conv1d else (q + 2 * kv, E), parts, G, self.conv1d
+            )
         else:
             names = {"q": self.q, "k": self.k, "v": self.v}
-            widths = {"q": q, "k": kv, "v": kv}
             tensors |= {f"{names[p]}.weight": whole(f"W_{p}", widths[p], E) for p in "qkv"}
-        tensors |= self._biases(tuple(biased), q, kv, E)
+        tensors |= self._biases(tuple(biased), widths, H, H_kv)
         if qk_norm is not None:
             per_head = qk_norm == "head"
             tensors[f"{self.q_norm}.weight"] = whole("q_norm", d if per_head else q)
@@ -171,26 +214,69 @@ class Projections:
             tensors[self.sinks] = whole("sinks", H)
         return tensors
 
-    def _biases(self, biased: tuple[str, ...], q: int, kv: int, E: int) -> dict[str, Tensor]:
-        widths = {"q": q, "k": kv, "v": kv, "o": E}
+    def _biases(
+        self, biased: tuple[str, ...], widths: dict[str, int], H: int, H_kv: int
+    ) -> dict[str, Tensor]:
+        o_bias = self.o_bias or f"{self.o}.bias"
         if self.qkv is None:
-            names = {"q": self.q, "k": self.k, "v": self.v, "o": self.o}
-            return {f"{names[p]}.bias": whole(f"b_{p}", widths[p]) for p in biased}
+            names = {"q": f"{self.q}.bias", "k": f"{self.k}.bias", "v": f"{self.v}.bias",
+                     "o": o_bias}  # fmt: skip
+            return {names[p]: whole(f"b_{p}", widths[p]) for p in biased}
         tensors = {}
         if any(p in biased for p in "qkv"):  # one bias for the fused projection
-            parts = (("b_q", q), ("b_k", kv), ("b_v", kv))
-            tensors[f"{self.qkv}.bias"] = Tensor((q + 2 * kv,), parts)
+            G = FUSIONS[self.fusion](H, H_kv)
+            parts = tuple((f"b_{p}", widths[p] // G) for p in self.order)
+            rows = widths["q"] + widths["k"] + widths["v"]
+            tensors[f"{self.qkv}.bias"] = Tensor((rows,), parts, G)
         if "o" in biased:
-            tensors[f"{self.o}.bias"] = whole("b_o", E)
+            tensors[o_bias] = whole("b_o", widths["o"])
         return tensors
+
+    def grouped(self, heads: tuple[int, int, int]) -> bool:
+        """Whether the fused rows divide into the layout's blocks for ``heads``."""
+        H, H_kv, d = heads
+        G = FUSIONS[self.fusion](H, H_kv) if self.qkv is not None else 1
+        return H * d % G == 0 and H_kv * d % G == 0
 
 
 SEPARATE_QKV = Projections()
 """``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` (Llama's and most families')."""
 FUSED_QKV = Projections(qkv="qkv_proj")
 """One ``qkv_proj`` and ``o_proj`` (Phi-3's)."""
-EXAONE = Projections(o="out_proj", prefixes=("transformer.h.{index}.attn.attention.",))
-"""EXAONE 3's names, under ``transformer.h.{index}.attn.attention.``, with ``out_proj``."""
+GPT2_LAYOUT = Projections(o="c_proj", qkv="c_attn", conv1d=True, path="transformer.h.{i}.attn")
+"""GPT-2's ``Conv1D`` ``c_attn`` (queries, keys, values) and ``c_proj``; GPT-1's too."""
+BIGCODE = Projections(o="c_proj", qkv="c_attn", fusion="per_kv_head", path="transformer.h.{i}.attn")
+"""BigCode's ``c_attn``: one key/value head (multi-query) after the queries, or each head's
+query, key and value in turn."""
+GPT_NEOX = Projections(
+    o="dense", qkv="query_key_value", fusion="per_kv_head", path="gpt_neox.layers.{i}.attention"
+)
+GPT_NEOX_JAPANESE = Projections(
+    o="dense",
+    o_bias="dense_bias",
+    qkv="query_key_value",
+    fusion="per_kv_head",
+    path="gpt_neox_japanese.layers.{i}.attention",
+)
+BLOOM = Projections(
+    o="dense", qkv="query_key_value", fusion="per_kv_head", path="transformer.h.{i}.self_attention"
+)
+FALCON = BLOOM
+"""Falcon's ``query_key_value`` in blocks of one key/value head each, as BLOOM's."""
+GPTJ = Projections(o="out_proj", path="transformer.h.{i}.attn")
+CODEGEN = Projections(
+    o="out_proj", qkv="qkv_proj", fusion="four_blocks", order="qvk", path="transformer.h.{i}.attn"
+)
+GPT_NEO = Projections(o="out_proj", path="transformer.h.{i}.attn.attention")
+MPT = Projections(o="out_proj", qkv="Wqkv", path="transformer.blocks.{i}.attn")
+OPT = Projections(o="out_proj", path="model.decoder.layers.{i}.self_attn")
+BIOGPT = Projections(o="out_proj", path="biogpt.layers.{i}.self_attn")
+XGLM = Projections(o="out_proj")
+CTRL = Projections(q="Wq", k="Wk", v="Wv", o="dense", path="transformer.h.{i}.multi_head_attention")
+EXAONE = Projections(o="out_proj", path="transformer.h.{i}.attn.attention")
+"""EXAONE 3's own names, which transformers renames to Llama's when it loads them and back
+when it saves."""
+MODERNBERT_DECODER = Projections(o="Wo", path="model.layers.{i}.attn")
 
 
 @dataclass(frozen=True)
@@ -206,7 +292,7 @@ class LatentProjections:
     kv_a_norm: str = "kv_a_layernorm"
     kv_b: str = "kv_b_proj"
     o: str = "o_proj"
-    prefixes: tuple[str, ...] = PREFIXES
+    path: str = "model.layers.{i}.self_attn"
 
     def tensors(self, settings: Mapping[str, Any], biased: Iterable[str]) -> dict[str, Tensor]:
         """The tensors of a latent layer of these ``settings`` (:class:`mha.LatentSpec`'s
@@ -241,11 +327,12 @@ LATENT = LatentProjections()
 """DeepSeek V2's and V3's modules."""
 
 
-def attention_prefix(source: Source, index: int, prefixes: tuple[str, ...] = PREFIXES) -> str:
-    """Where layer ``index``'s attention tensors are: the first of ``prefixes`` (``{index}``
-    the layer's) the checkpoint holds tensors under; by default under ``model.`` for a
-    causal LM's checkpoint, at the top for a bare model's."""
-    candidates = tuple(prefix.format(index=index) for prefix in prefixes)
+def attention_prefix(source: Source, index: int, path: str = SEPARATE_QKV.path) -> str:
+    """Where layer ``index``'s attention tensors are: at the layout's ``path`` (a causal
+    LM's checkpoint: ``model.layers.{i}.self_attn``), or below its first name (a bare
+    model's: ``layers.{i}.self_attn``)."""
+    full = path.format(i=index) + "."
+    candidates = (full, full.split(".", 1)[1])
     keys = list(source)
     for prefix in candidates:
         if any(key.startswith(prefix) for key in keys):

@@ -32,6 +32,7 @@ __all__ = [
     "every_layer",
     "partial_rotary",
     "rope_parameters",
+    "rotary_dim",
     "sliding_layers",
     "sliding_layers_if_windowed",
     "sliding_or_dense_layers",
@@ -125,6 +126,12 @@ class Rope:
     interleave: bool | str = False
     """Whether the rotary pairs are ``(2i, 2i + 1)`` rather than the two halves: always,
     never, or as the config key named here says."""
+    dim_key: str | None = None
+    """The config key of the features of each head that rotate, when the family counts them
+    so (GPT-J's ``rotary_dim``) rather than by ``partial_rotary_factor``."""
+    applied: bool = True
+    """Whether the attention rotates its queries and keys at all (GPT-2, OPT and BLOOM
+    add their positions elsewhere, or none)."""
     scaled: bool = True
     """Whether the attention scales its rope as ``rope_type`` says (PhiMoE's multiplies its
     own ``short_mscale`` and ``long_mscale``: a ``rope_type`` other than ``default`` is
@@ -227,6 +234,24 @@ def partial_rotary(read: Settings, rope: Rope, parameters: Mapping[str, Any], d:
         )
     rotary_dim = int(d * factor)
     return None if rotary_dim == d else rotary_dim
+
+
+def rotary_dim(read: Settings, key: str, d: int) -> Any:
+    """How many of a head's ``d`` features rotate, as the config key ``key`` says (``None``:
+    all); a null one is refused where transformers would rotate a head by the frequencies of
+    the whole hidden size (GPT-J and CodeGen, with more than one head)."""
+    dim = read.get(key)
+    if dim is None and read.positive("hidden_size") != d:
+        raise read.refuse(
+            f"{read.name(key)}=None, whose rotary embedding is as wide as "
+            f"hidden_size={read.get('hidden_size')}, not a head's {d} features"
+        )
+    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0):
+        raise AttentionValueError(
+            f"{read.path}: config.json has {read.name(key)}={dim!r}; a positive "
+            "integer or null is needed"
+        )
+    return None if dim is None or dim == d else dim
 
 
 def rope_scaling(read: Settings, parameters: Mapping[str, Any]) -> dict[str, Any] | None:

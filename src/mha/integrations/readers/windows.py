@@ -9,10 +9,11 @@ Gemma 2 and 3, gpt-oss, VaultGemma, OLMo 3), :data:`QWEN_WINDOWS` (the layers fr
 is dropped whatever ``layer_types`` says), :data:`QWEN2_MOE_WINDOWS` (every other layer below
 ``max_window_layers``), :data:`WINDOWED_FROM` (the layers from ``max_window_layers`` on,
 when there is a ``sliding_window``: dots.llm1), :data:`CWM_WINDOWS` (the first of every four
-layers full), :data:`FULL_BY_DEFAULT` (Mellum), :data:`SLIDING_IF_WINDOWED` (every layer when
-there is a ``sliding_window``: Ministral), :data:`SMOLLM3_WINDOWS` (the layers without rope,
-when ``use_sliding_window``), :data:`COHERE2_MOE_WINDOWS` (a pattern of the dense layers,
-another of the others).
+layers full), :data:`MODERNBERT_WINDOWS` (the first of every ``global_attn_every_n_layers``),
+:data:`FULL_BY_DEFAULT` (Mellum), :data:`SLIDING_IF_WINDOWED` (every layer when there is a
+``sliding_window``: Ministral), :data:`SMOLLM3_WINDOWS` (the layers without rope, when
+``use_sliding_window``), :data:`COHERE2_MOE_WINDOWS` (a pattern of the dense layers, another
+of the others), :data:`GPT_NEO_WINDOWS` (``attention_types``' ``local`` layers).
 
 >>> from types import SimpleNamespace
 >>> from mha.integrations.readers.config import Settings
@@ -25,8 +26,8 @@ another of the others).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ...errors import AttentionValueError
@@ -38,6 +39,8 @@ __all__ = [
     "CWM_WINDOWS",
     "EVERY_LAYER",
     "FULL_BY_DEFAULT",
+    "GPT_NEO_WINDOWS",
+    "MODERNBERT_WINDOWS",
     "NO_WINDOWS",
     "QWEN2_MOE_WINDOWS",
     "QWEN_EVERY_LAYER",
@@ -118,10 +121,12 @@ LayerTypes = Callable[[Settings, int], list[str]]
 @dataclass(frozen=True)
 class ByLayerTypes:
     """The layers the config's ``layer_types`` (else ``default``'s) says slide, by ``size``'s
-    window."""
+    window; ``names`` maps a family's own names of the types to transformers' (GPT-Neo's
+    ``local``: sliding)."""
 
     default: LayerTypes
     size: Callable[[Settings], Any] = sliding_window
+    names: Mapping[str, str] = field(default_factory=dict)
 
     def layer_type(self, read: Settings, index: int) -> str:
         types = read.get("layer_types")
@@ -133,7 +138,8 @@ class ByLayerTypes:
                 f"{read.path}: config.json's layer_types must list one type for each of its "
                 f"{count} layers; got {types!r}"
             )
-        kind = _LEGACY_LAYER_TYPES.get(types[index], types[index])
+        names = {**_LEGACY_LAYER_TYPES, **self.names}
+        kind = names.get(types[index], types[index])
         if kind not in (SLIDING, FULL):
             feature = f": {LAYER_FEATURES[kind]}" if kind in LAYER_FEATURES else ""
             raise read.refuse(
@@ -204,19 +210,51 @@ def all_full(read: Settings, count: int) -> list[str]:
     return [FULL] * count
 
 
-def first_of_every(pattern: int) -> LayerTypes:
-    """The first of every ``pattern`` layers full (layers 0, ``pattern``...), the others
-    sliding (CWM's default)."""
+def sliding_if_windowed(read: Settings, count: int) -> list[str]:
+    """Every layer sliding when the config has a ``sliding_window``, else every layer full."""
+    return [SLIDING if read.get("sliding_window") is not None else FULL] * count
+
+
+def gpt_neo_layer_types(read: Settings, count: int) -> list[str]:
+    """GPT-Neo's ``attention_layers`` when the config has none: its config class expands
+    them from ``attention_types`` (``[[["global", "local"], 12]]`` when null), each
+    ``[types, n]`` the types ``n`` times."""
+    spec = read.get("attention_types") or [[["global", "local"], 12]]
+    pairs: list[Any] = spec if isinstance(spec, list) else [None]
+    if not all(
+        isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], list)
+        and isinstance(pair[1], int) for pair in pairs
+    ):  # fmt: skip
+        raise AttentionValueError(
+            f"{read.path}: config.json's attention_types must list [[types, count], ...]; "
+            f"got {spec!r}"
+        )
+    return [kind for kinds, repeat in pairs for _ in range(repeat) for kind in kinds]
+
+
+def full_first_of_every(pattern: int, key: str | None = None) -> LayerTypes:
+    """Layers ``0, pattern, 2 * pattern, ...`` full, the others sliding (the config key
+    ``key``, when given, overrides ``pattern``: ModernBERT's ``global_attn_every_n_layers``)."""
 
     def layer_types(read: Settings, count: int) -> list[str]:
-        return [FULL if i % pattern == 0 else SLIDING for i in range(count)]
+        every = read.get(key, pattern) if key else pattern
+        return [FULL if i % every == 0 else SLIDING for i in range(count)]
 
     return layer_types
 
 
-def sliding_if_windowed(read: Settings, count: int) -> list[str]:
-    """Every layer sliding when the config has a ``sliding_window``, else every layer full."""
-    return [SLIDING if read.get("sliding_window") is not None else FULL] * count
+def half_local_attention(read: Settings) -> Any:
+    """ModernBERT-decoder's window: ``config.json``'s ``sliding_window`` (its config class
+    sets the keywords it is given after its own), else half its ``local_attention`` (-1 when
+    that is null)."""
+    local = read.get("local_attention")
+    window = read.given("sliding_window", local // 2 if local else -1)
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise read.refuse(
+            f"local_attention={local!r} and sliding_window={window!r} (a sliding window of "
+            f"{window!r} positions)"
+        )
+    return window
 
 
 def smollm3_layer_types(read: Settings, count: int) -> list[str]:
@@ -249,7 +287,16 @@ QWEN_EVERY_LAYER = EveryLayer(qwen_window)
 """Qwen3-MoE's: every layer slides when ``use_sliding_window`` (``layer_types`` not read)."""
 QWEN2_MOE_WINDOWS = ByLayerTypes(qwen2_moe_layer_types, size=qwen2_moe_window)
 WINDOWED_FROM = ByLayerTypes(windowed_from)
-CWM_WINDOWS = ByLayerTypes(first_of_every(4))
 FULL_BY_DEFAULT = ByLayerTypes(all_full)
 SMOLLM3_WINDOWS = ByLayerTypes(smollm3_layer_types)
 COHERE2_MOE_WINDOWS = ByLayerTypes(cohere2_moe_layer_types)
+GPT_NEO_WINDOWS = ByLayerTypes(
+    gpt_neo_layer_types,
+    size=lambda read: read.get("window_size"),
+    names={"global": FULL, "local": SLIDING},
+)
+"""GPT-Neo's ``local`` layers, which see the last ``window_size`` positions."""
+CWM_WINDOWS = ByLayerTypes(full_first_of_every(4))
+MODERNBERT_WINDOWS = ByLayerTypes(
+    full_first_of_every(3, "global_attn_every_n_layers"), size=half_local_attention
+)
