@@ -50,6 +50,11 @@ def _not_computed(what: str) -> str:
     return f"{what}, which mha does not compute"
 
 
+def _not_read(what: str) -> str:
+    """A feature mha computes (an output gate: ``W_g=``) that no row reads yet."""
+    return f"{what}, which mha computes (W_g=, output_gate=) but does not read from this family yet"
+
+
 _QWEN_GATED = (
     "attention has a sigmoid output gate and its other layers are Gated DeltaNet linear attention"
 )
@@ -79,11 +84,11 @@ REFUSED = {
     "dots3_note_text": _not_computed(
         f"dots3's attention has a per-head sigmoid output gate and {_TOP_K}"
     ),
-    "afmoe": _not_computed("AFMoE's attention has a sigmoid output gate (gate_proj)"),
+    "afmoe": _not_read("AFMoE's attention has a sigmoid output gate (gate_proj)"),
     "beam": _not_computed("Beam's attention has a sigmoid output gate with a per-head bias"),
     "dory": _not_computed("Dory's attention has a scaled sigmoid output gate"),
-    "hrm_text": _not_computed("HRM's attention has a sigmoid output gate"),
-    "laguna": _not_computed("Laguna's attention has a softplus output gate (g_proj)"),
+    "hrm_text": _not_read("HRM's attention has a sigmoid output gate"),
+    "laguna": _not_read("Laguna's attention has a softplus output gate (g_proj)"),
     "lfm3": _not_computed(
         "LFM3's attention has a sigmoid output gate per head and its other layers are short "
         "convolutions"
