@@ -398,7 +398,7 @@ def _oracle(model_type: str, folder: Path, names: dict[int, str]) -> dict[int, l
     import torch
     import transformers
 
-    from support.rope_oracle import float64_torch
+    from support.pretrained_models import drive
     from support.transformers_oracle import recorder
 
     model_class = getattr(transformers, causal_lm_types()[model_type])
@@ -416,26 +416,11 @@ def _oracle(model_type: str, folder: Path, names: dict[int, str]) -> dict[int, l
         module.register_forward_hook(recorder(module, calls[index]), with_kwargs=True)
         for index, module in modules.items()
     ]
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (B, L), generator=generator)
-    cached = "cache" in inspect.signature(model.forward).parameters
     try:
-        with torch.no_grad(), float64_torch():
-            model(ids)
-            if cached:
-                cache = transformers.DynamicCache(config=model.config)
-                model(ids[:, :PREFILL], cache=cache, use_cache=True)
-                for t in range(PREFILL, L):
-                    model(ids[:, t : t + 1], cache=cache, use_cache=True)
-            else:  # GPT-1: each step the last token of its prefix, as a causal attention
-                for t in range(PREFILL, L + 1):
-                    model(ids[:, :t])
+        drive(model, B, L, PREFILL, list(calls.values()))
     finally:
         for handle in handles:
             handle.remove()
-    if not cached:
-        for layer_calls in calls.values():
-            layer_calls[2:] = [(x[:, -1:], out[:, -1:]) for x, out in layer_calls[2:]]
     return calls
 
 

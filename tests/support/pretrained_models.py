@@ -389,37 +389,47 @@ def _root() -> Path:
 def decoding_calls(model: Any, B: int, L: int, prefill: int) -> list[list[Any]]:
     """Each layer's attention calls in ``model`` (float64, its rotary made float64 first),
     ``(input, output)`` as NumPy: a whole sequence of ``L`` tokens for each of ``B``, then a
-    prefill of ``prefill`` tokens and each decoding step with transformers' DynamicCache. A
-    model without a cache (GPT-1) computes each step as the last token of its prefix, which a
-    causal attention computes the same."""
+    prefill of ``prefill`` tokens and each decoding step with transformers' DynamicCache
+    (:func:`drive`)."""
+    from support.transformers_oracle import AttentionRecorder
+
+    recorder = AttentionRecorder(model, attention_path(model))
+    try:
+        drive(model, B, L, prefill, recorder.calls)
+    finally:
+        recorder.close()
+    return recorder.calls
+
+
+def drive(model: Any, B: int, L: int, prefill: int, calls: Any) -> None:
+    """Run ``model`` (float64) on random tokens while hooks record each layer's attention
+    calls into ``calls`` (a list per layer): a whole sequence of ``L`` tokens for each of
+    ``B``, then a prefill of ``prefill`` tokens and each decoding step with transformers'
+    DynamicCache. A model without a cache (GPT-1) computes each step as the last token of
+    its prefix, which a causal attention computes the same: its steps' calls are cut to
+    that token."""
     import torch
     import transformers
 
     from support.rope_oracle import float64_torch
-    from support.transformers_oracle import AttentionRecorder
 
-    recorder = AttentionRecorder(model, attention_path(model))
     ids = torch.randint(
         0, model.config.vocab_size, (B, L), generator=torch.Generator().manual_seed(0)
     )
     cached = "cache" in inspect.signature(model.forward).parameters
-    try:
-        with torch.no_grad(), float64_torch():
-            model(ids)
-            if cached:
-                cache = transformers.DynamicCache(config=model.config)
-                model(ids[:, :prefill], cache=cache, use_cache=True)
-                for t in range(prefill, L):
-                    model(ids[:, t : t + 1], cache=cache, use_cache=True)
-            else:
-                for t in range(prefill, L + 1):
-                    model(ids[:, :t])
-    finally:
-        recorder.close()
+    with torch.no_grad(), float64_torch():
+        model(ids)
+        if cached:
+            cache = transformers.DynamicCache(config=model.config)
+            model(ids[:, :prefill], cache=cache, use_cache=True)
+            for t in range(prefill, L):
+                model(ids[:, t : t + 1], cache=cache, use_cache=True)
+        else:
+            for t in range(prefill, L + 1):
+                model(ids[:, :t])
     if not cached:  # each step: the last token of its prefix
-        for calls in recorder.calls:
-            calls[2:] = [(x[:, -1:], out[:, -1:]) for x, out in calls[2:]]
-    return recorder.calls
+        for layer_calls in calls:
+            layer_calls[2:] = [(x[:, -1:], out[:, -1:]) for x, out in layer_calls[2:]]
 
 
 def changed(read: Any, change: dict[str, Any]) -> Any:
