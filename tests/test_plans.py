@@ -174,3 +174,77 @@ def test_a_signature_the_walk_does_not_take_is_kept_as_such(monkeypatch):
     assert not planned  # not planned again
     np.testing.assert_array_equal(first, second)
     np.testing.assert_array_equal(second, unplanned(monkeypatch, q, broadcast, v))
+
+
+# A layer's checked call, kept for its next call of the same signature (plans.checked_layer)
+
+
+def layer_and_input(dtype=np.float64, **options):
+    layer = mha.MultiHeadAttention(16, 4, seed=3, dtype=dtype, **options)
+    return layer, r.standard_normal((2, 5, 16)).astype(dtype)
+
+
+def fresh(layer, *args, **kwargs):
+    """The layer's call checked afresh (nothing kept for it)."""
+    runtime.DEFAULT.layer_checks.pop(layer, None)
+    out = layer(*args, **kwargs)
+    runtime.DEFAULT.layer_checks.pop(layer, None)
+    return out
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"bias": True}, {"qk_norm": "head"}, {"output_gate": "sigmoid"}]
+)
+def test_a_layer_call_checked_once_takes_new_inputs(options):
+    layer, x = layer_and_input(**options)
+    layer(x, True)
+    assert layer in runtime.DEFAULT.layer_checks  # kept: every array taken as given
+    for _ in range(2):
+        y = r.standard_normal(x.shape)
+        np.testing.assert_array_equal(layer(y, True), fresh(layer, y, True))
+    np.testing.assert_array_equal(layer(y), fresh(layer, y))  # other keywords: checked afresh
+
+
+def test_a_layer_kept_check_sees_its_weights_replaced_and_updated_in_place():
+    layer, x = layer_and_input(bias=True)
+    before = layer(x)
+    layer.W_q = layer.W_q * 2.0  # a new array
+    replaced = layer(x)
+    assert not np.array_equal(replaced, before)
+    np.testing.assert_array_equal(replaced, fresh(layer, x))
+    layer.b_v += 1.0  # the same array, updated in place
+    np.testing.assert_array_equal(layer(x), fresh(layer, x))
+    assert not np.array_equal(layer(x), replaced)
+
+
+def test_a_layer_kept_check_refuses_what_the_checks_refuse():
+    layer, x = layer_and_input()
+    layer(x)
+    with pytest.raises(mha.ShapeError, match="query"):
+        layer(x[..., :8])  # another width: checked afresh, and refused
+    layer.W_k = layer.W_k[:, :8]  # a weight of another shape
+    with pytest.raises(mha.ShapeError):
+        layer(x)
+    layer, x = layer_and_input()
+    layer(x)
+    np.testing.assert_array_equal(layer(x, key=x[:, :3], value=x[:, :3]),
+                                  fresh(layer, x, key=x[:, :3], value=x[:, :3]))  # fmt: skip
+
+
+def test_a_layer_check_is_not_kept_for_weights_it_converted():
+    layer, x = layer_and_input()
+    layer.W_o = layer.W_o.tolist()  # a list: the checks make an array of it
+    layer(x)
+    assert layer not in runtime.DEFAULT.layer_checks
+    layer, x = layer_and_input()
+    layer(x.astype(np.float32))  # float32 inputs: taken as they are, weights float64
+    assert layer in runtime.DEFAULT.layer_checks
+    layer(x.tolist())  # a list: converted per call, never kept
+    np.testing.assert_array_equal(layer(x.tolist()), fresh(layer, x))
+
+
+def test_a_layer_with_a_cache_is_checked_every_call():
+    layer, x = layer_and_input()
+    cache = layer.new_cache(2)
+    layer(x, cache=cache)
+    assert layer not in runtime.DEFAULT.layer_checks

@@ -5,6 +5,8 @@
   each measured and explained where it is used;
 * ``plans``: the plans of plain calls, kept per checked spec and shapes (:mod:`mha.api.plans`);
 * ``records``: the checked keywords, kept per record of plain values (:mod:`mha.api.spec`);
+* ``layer_checks``: each layer's last checked call, by the layer (weakly: a layer dropped
+  drops its own; :mod:`mha.api.plans`);
 * ``compiled``: the compiled kernels and what their first calls cost (:mod:`.compiled`);
 * ``helpers``: the team's helper threads (:mod:`.team`), made on first use.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -97,12 +100,14 @@ class Runtime:
         self.records = Kept(256)
         self.compiled = Compiled()
         self.helpers: Any = None  # mha._kernel.team's pool, made on first use
+        self.layer_checks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self._tuning = threading.Lock()
 
     def forget(self) -> None:
         """Forget the plans and the checked keywords (the compiled kernels stay)."""
         self.plans.forget()
         self.records.forget()
+        self.layer_checks.clear()
 
     @contextlib.contextmanager
     def tuned(self, **changes: Any) -> Iterator[Thresholds]:

@@ -377,6 +377,11 @@ class ForwardPlan:
         if 0 < len(table) < workers:  # few items (decoding): split their keys
             table = self._split_keys(table, workers)
         self.table = table
+        R, cols, width = self.R, self.cols, self.cols if self.paged else 0
+        size = R * (cols + self.d_k + 2 * self.d_v + 3) + cols * min(R, flip_below)
+        size += width * (self.d_k + self.d_v)  # (the elements of _new_scratch's buffers)
+        small = size * self.dtype.itemsize <= SPARE_MOST
+        self.spare: list[tuple[np.ndarray, ...]] | None = [] if small else None
 
     def _split_keys(self, table: np.ndarray, workers: int) -> np.ndarray:
         """The table with each task's keys split into chunks for ``workers`` (when that
@@ -426,8 +431,11 @@ class ForwardPlan:
         # per run, not per plan: concurrent calls of one plan each have their own
         work = (self.table, np.zeros(1, np.int64), np.zeros(len(self.table), bool))
 
+        taken: list[tuple[np.ndarray, ...]] = []
+
         def make_walk() -> Callable[[], None]:
             scratch = self._scratch()
+            taken.append(scratch)
 
             def walk() -> None:
                 compiled.forward_walk(dtype, work, operands, outputs, self.band, sizes, scratch)
@@ -435,19 +443,34 @@ class ForwardPlan:
             return walk
 
         _walk_once_per_worker(team, work, make_walk)
+        if self.spare is not None:  # (list.append and pop: one thread at a time each)
+            self.spare += taken[: team.workers - len(self.spare)]
         return work[2], parts
 
-    def _pools(self, views: list[np.ndarray], k: np.ndarray | PagedKV) -> list[tuple[Any, ...]]:
+    def _pools(
+        self, views: list[np.ndarray], k: np.ndarray | PagedKV
+    ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """The keys and values as the compiled walk takes them: each a pool ``(data, table,
         block, scales, zeros)``, ``scales`` and ``zeros`` empty (float pools)."""
         if isinstance(k, PagedKV):  # the pools and the block tables as they are
-            data, table, block = views[1:3], k.table, k.block_size
+            keys, values, table, block = views[1], views[2], k.table, k.block_size
         else:  # one block per sequence: (B, S, H_kv, d) views of the arrays
-            packed = (_packed(x, self.L, self.rows) for x in views[1:3])
-            data, table, block = [x.transpose(0, 2, 1, 3) for x in packed], self.blocks, self.block
-        return [(x, table, block, _NO_SCALES, _NO_SCALES) for x in data]
+            L, rows, table, block = self.L, self.rows, self.blocks, self.block
+            keys = _packed(views[1], L, rows).transpose(0, 2, 1, 3)
+            values = _packed(views[2], L, rows).transpose(0, 2, 1, 3)
+        none = _NO_SCALES
+        return (keys, table, block, none, none), (values, table, block, none, none)
 
     def _scratch(self) -> tuple[np.ndarray, ...]:
+        """One worker's buffers: a spare one of an earlier run of this plan, or new."""
+        if self.spare:
+            try:
+                return self.spare.pop()
+            except IndexError:  # another thread's run took the last
+                pass
+        return self._new_scratch()
+
+    def _new_scratch(self) -> tuple[np.ndarray, ...]:
         """One worker's buffers: ``(s, flipped, stacked, acc, m, ref, total, partial,
         k_tile, v_tile)``."""
         dtype, R, cols, d_k, d_v = self.dtype, self.R, self.cols, self.d_k, self.d_v
@@ -465,6 +488,11 @@ class ForwardPlan:
             np.empty((width, d_v), dtype),
         )
 
+
+SPARE_MOST = 256 * 2**10
+"""The largest buffers of a worker (bytes) that a plan keeps between its runs, one set per
+worker: allocating them costs a small call (one head of 16 queries) about 2 us of its 25,
+and a plan kept holds them (:mod:`mha.api.plans` keeps at most 64)."""
 
 _NO_SCALES = np.empty((0, 0, 0, 0), np.uint16)
 """A float pool's scales and zero points (a quantized pool's, float16 as their bits)."""

@@ -17,13 +17,13 @@ from .cache import KVCache
 from .checks import (
     LayerArrays,
     LayerWeights,
-    check_layer,
     check_mask_argument,
     random_generator,
 )
 from .configuration import LayerSpec, float_dtype
 from .layouts import Layouts
 from .paged_cache import PagedKVCache
+from .plans import checked_layer
 from .projection import compute
 from .spec import MhaKeywords, check_mha
 
@@ -372,7 +372,7 @@ class MultiHeadAttention(Layouts):
         )
         inputs = LayerArrays(query, key, value)
         names = _SELF_NAMES if itself else _INPUT_NAMES
-        call = check_layer(inputs, weights, self.num_heads, check_mha(keywords), names)
+        call = checked_layer(self, inputs, weights, self.num_heads, check_mha(keywords), names)
         result = compute(call)
         if not call.request.backward:
             return result

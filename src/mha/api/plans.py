@@ -29,20 +29,23 @@ from .._kernel.call import KernelCall, Outputs
 from .._kernel.contract import ScoreShape, Visibility
 from .._kernel.forward import plan_tiles
 from .._kernel.team import Team, default_workers, workers_for
-from .checks import checked_heads
+from .checks import Call, LayerArrays, LayerWeights, check_layer, checked_heads
 from .spec import Checked
 
-__all__ = ["planned_attention"]
+__all__ = ["checked_layer", "planned_attention"]
 
 
 _PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 class _Plan:
-    """One call signature's plan: the output's shape, the team's size and the walk's plan."""
+    """One call signature's plan: the output's shape, the team's size, the walk's plan, and
+    whether the walk takes ``q``, ``k`` and ``v`` as they are (``direct``: four axes each,
+    strides it reads, which the signature fixes: only their alignment is left to check)."""
 
     def __init__(self, out_shape: tuple[int, ...], workers: int, forward: walk.ForwardPlan):
         self.out_shape, self.workers, self.forward = out_shape, workers, forward
+        self.direct = False
 
 
 def planned_attention(
@@ -79,13 +82,19 @@ def planned_attention(
         if not (q.flags.aligned and k.flags.aligned and v.flags.aligned):
             return None  # this call's arrays, not its signature: nothing to keep
         plan = _plan(q, k, v, checked)
+        if plan is not None and q.ndim == k.ndim == v.ndim == 4:
+            out = np.zeros(plan.out_shape, q.dtype)
+            plan.direct = walk.walk_views((q, k, v), (out,), operands=(q, k, v)) is not None
         plans.keep(key, plan)  # None: the walk does not take calls of this signature
     if plan is None:
         return None
     out = np.zeros(plan.out_shape, q.dtype)
     lse = np.full(plan.out_shape[:-1], -np.inf, q.dtype) if request.lse else None
     outputs = (out,) if lse is None else (out, lse[..., None])
-    views = walk.walk_views((q, k, v), outputs, operands=(q, k, v))
+    if plan.direct and q.flags.aligned and k.flags.aligned and v.flags.aligned:
+        views: list[np.ndarray] | None = [q, k, v, *outputs]
+    else:
+        views = walk.walk_views((q, k, v), outputs, operands=(q, k, v))
     if views is None:  # arrays not aligned: the unplanned path copes
         return None
     with np.errstate(invalid="ignore", over="ignore"), Team(plan.workers) as team:
@@ -135,3 +144,92 @@ def _plan(q: np.ndarray, k: np.ndarray, v: np.ndarray, checked: Checked) -> _Pla
     tuned = runtime.DEFAULT.thresholds
     forward = walk.ForwardPlan(call, tiles, team_size, tuned.wide_below_rows, tuned.product_chunk)
     return _Plan(out_shape, team_size, forward)
+
+
+class _KeptCheck:
+    """A layer's checked call kept for its next call with the same signature: the same
+    checked keywords (the same kept object), head count and names, inputs of the same
+    shapes and dtypes (and the same sameness: self-attention stays self-attention), and the
+    same weight arrays, of the same shapes and dtypes. Every check of :func:`check_layer`
+    reads only those, so the kept call is the new call with its inputs put in. Kept only
+    when the checks took every array as it is: a weight they converted (a list, integers)
+    is the call's own copy, which an update of the weight in place would not reach."""
+
+    def __init__(
+        self, call: Call, arrays: LayerArrays, given: LayerWeights, key: tuple[Any, Any, Any]
+    ) -> None:
+        self.call, (self.checked, self.num_heads, self.names) = call, key
+        self.inputs = _inputs_signature(arrays)
+        self.weights = tuple(given)
+        self.sizes = tuple(None if w is None else (w.shape, w.dtype) for w in given)
+
+    def call_for(
+        self, arrays: LayerArrays, given: LayerWeights, num_heads: Any, checked: Checked, names: Any
+    ) -> Call | None:
+        """The kept call with ``arrays`` as its inputs, or ``None`` when this call differs in
+        anything its checks read."""
+        if (
+            checked is not self.checked
+            or num_heads != self.num_heads
+            or names is not self.names
+            or _inputs_signature(arrays) != self.inputs
+        ):
+            return None
+        for w, was, size in zip(given, self.weights, self.sizes, strict=True):
+            if w is not was or (size is not None and (w.shape, w.dtype) != size):
+                return None
+        call: Call = object.__new__(Call)
+        fields = call.__dict__
+        fields.update(self.call.__dict__)
+        fields["Q"], fields["K"], fields["V"] = arrays  # (the checks took them as they are)
+        return call
+
+
+def _inputs_signature(arrays: LayerArrays) -> tuple[Any, ...] | None:
+    Q, K, V = arrays
+    if not (type(Q) is np.ndarray and type(K) is np.ndarray and type(V) is np.ndarray):
+        return None
+    return Q.shape, Q.dtype, K.shape, K.dtype, V.shape, V.dtype, Q is K, K is V
+
+
+def checked_layer(
+    owner: Any,
+    arrays: LayerArrays,
+    given: LayerWeights,
+    num_heads: Any,
+    checked: Checked,
+    names: Any,
+) -> Call:
+    """:func:`check_layer` of a layer ``owner``'s call, by the checked call kept for the
+    layer's last call (made now when this call differs from it in what the checks read).
+    Kept for calls with plain keywords (``checked.kept``: no cache, no arrays of their own)
+    on NumPy arrays taken as they are."""
+    layers = runtime.DEFAULT.layer_checks
+    kept: _KeptCheck | None = layers.get(owner)
+    if kept is not None:
+        again = kept.call_for(arrays, given, num_heads, checked, names)
+        if again is not None:
+            return again
+    call = check_layer(arrays, given, num_heads, checked, names)
+    if checked.kept and _inputs_signature(arrays) is not None and _as_given(call, arrays, given):
+        layers[owner] = _KeptCheck(call, arrays, given, (checked, num_heads, names))
+    return call
+
+
+def _as_given(call: Call, arrays: LayerArrays, given: LayerWeights) -> bool:
+    """Whether ``call`` holds the inputs and every weight as given (no copy made)."""
+    weights, norm, gate = call.weights, call.qk_norm, call.spec.output
+    held = {
+        "Q": call.Q, "K": call.K, "V": call.V,
+        **{name: getattr(weights, name) for name in _WEIGHTS},
+        "q_norm": None if norm is None else norm.q_norm,
+        "k_norm": None if norm is None else norm.k_norm,
+        "W_g": getattr(gate, "W_g", None),
+        "b_g": getattr(gate, "b_g", None),
+    }  # fmt: skip
+    return all(
+        held[name] is value for name, value in (*arrays._asdict().items(), *given._asdict().items())
+    )
+
+
+_WEIGHTS = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v")
