@@ -180,3 +180,36 @@ def test_the_readmes_checkpoint_example_decodes_a_token(transformers, capsys):
     exec(compile(code, "README.md", "exec"), namespace)
     assert capsys.readouterr().out.strip() == "[6]"
     assert namespace["step"].shape == (1, 1, namespace["attention"].d_model)
+
+
+# --- the documentation site ---------------------------------------------------------------
+
+
+def test_the_api_reference_has_every_public_name():
+    """Each name ``mha`` exports has its entry in docs/api/mha.md (the exceptions by
+    ``mha.errors``'s), and each public module its page."""
+    import inspect
+
+    import mha
+
+    page = (ROOT / "docs" / "api" / "mha.md").read_text()
+    for name in mha.__all__:
+        obj = getattr(mha, name)
+        if inspect.isclass(obj) and issubclass(obj, Exception):
+            assert "::: mha.errors" in page
+        else:
+            assert f"::: mha.{name}\n" in page, name
+    for module in ("cache", "torch_compat", "dask", "cli"):
+        assert f"::: mha.{module}\n" in (ROOT / "docs" / "api" / f"{module}.md").read_text()
+
+
+def test_the_site_builds_without_a_warning(tmp_path):
+    """``mkdocs build --strict`` (the ``docs`` extra; CI's full tier installs it)."""
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings_handlers.python")
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=110,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert "WARNING" not in built.stderr, built.stderr[-3000:]
