@@ -95,6 +95,13 @@ def test_python_block_runs_as_pasted(page, code, tmp_path, monkeypatch, request)
     exec(compile(code, page, "exec"), {"__name__": "__doc_block__"})
 
 
+def test_every_quoted_error_is_the_one_raised():
+    """The errors the pages quote are the README's, which tests/test_readme.py raises."""
+    quoted = {line for b in BLOCKS if b[2] == "text" for line in b[3].splitlines()
+              if re.match(r"mha\.\w+Error: ", line)}  # fmt: skip
+    assert quoted == {"mha.ShapeError: K has 6 positions but V has 5 (K (2, 6, 8), V (2, 5, 8))"}
+
+
 def test_the_fuzz_commands_name_the_scripts_options():
     (block,) = [b[3] for b in BLOCKS if "python scripts/fuzz.py --minutes 15" in b[3]]
     usage = subprocess.run(
