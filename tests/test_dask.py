@@ -634,16 +634,3 @@ def _wait_for(done, processes, seconds, what):
                 + ": " + " | ".join(last)
             )  # fmt: skip
         time.sleep(0.1)
-
-
-def test_the_readme_example_builds_its_graph_and_its_first_chunk_is_exact(record_error):
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL) if "mha.dask" in b]
-    namespace = {}
-    exec(block, namespace)
-    out, X = namespace["out"], namespace["X"]
-    assert out.chunks == ((1,), (2048,) * 8, (512,))
-    first = X[:, :2048].compute()  # causal: the first 2048 queries see only these keys
-    W = [namespace[name] for name in ("W_q", "W_k", "W_v", "W_o")]
-    want = mha.multi_head_attention(first, first, first, *W, 8, causal=True)
-    check(out[:, :2048].compute(), want, record_error)

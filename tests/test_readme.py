@@ -17,44 +17,30 @@ def blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", README, flags=re.DOTALL)
 
 
-def test_the_tour_runs():
+def run_block(holding: str) -> dict:
+    """Run the README's one Python block that holds ``holding``; return its namespace."""
+    (block,) = [block for block in blocks("python") if holding in block]
     namespace: dict = {}
-    exec(compile(blocks("python")[0], "README.md", "exec"), namespace)
-    assert namespace["out"].shape == (2, 5, 8)
+    exec(compile(block, "README.md", "exec"), namespace)
+    return namespace
+
+
+def test_the_tour_runs_and_its_gradient_is_the_derivative():
+    """The tour's shapes, and its dX (the sum of the three inputs' gradients) against central
+    differences of the layer as it was before the tour's step (same seed, same weights)."""
+    namespace = run_block("mha.multi_head_attention(X, X, X")
+    assert namespace["out"].shape == (2, 5, 8) and namespace["heads"].shape == (2, 4, 5, 16)
     assert namespace["weights"].shape == (2, 2, 5, 5)
-
-
-def test_the_interop_example_runs(torch, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    exec(compile(blocks("python")[1], "README.md", "exec"), namespace)
-    np.testing.assert_allclose(namespace["out2"].transpose(1, 0, 2), namespace["attention"](
-        namespace["x"]), rtol=1e-5, atol=1e-6)  # fmt: skip
-    assert namespace["weights"].shape == (2, 5, 5)
-    assert len(blocks("python")) == 7
-
-
-def test_the_decoding_example_runs(capsys):
-    namespace: dict = {}
-    exec(compile(blocks("python")[2], "README.md", "exec"), namespace)
-    assert capsys.readouterr().out.strip() == "[8 6]"
-    cache = namespace["cache"]
-    assert cache.lengths.tolist() == [6, 7] and namespace["out"].shape == (2, 1, 64)
-
-
-def test_the_serving_example_runs(capsys):
-    """Two forks of a shared prompt: the blocks held are the prompt's three, and one copy
-    (the first fork to write into the shared, half-full third block)."""
-    namespace: dict = {}
-    exec(compile(blocks("python")[3], "README.md", "exec"), namespace)
-    assert capsys.readouterr().out.strip() == "[41 41] 1020"
-    pool = namespace["pool"]
-    tables = pool.block_table()
-    assert (tables[0, :2] == tables[1, :2]).all() and tables[0, 2] != tables[1, 2]
-    x = namespace["x"]
-    alone = mha.scaled_dot_product_attention(x[None, :, :41], x[None, :2, :41], x[None, :2, :41],
-                                             causal=True)[:, :, -1:]  # fmt: skip
-    np.testing.assert_allclose(namespace["out"], np.repeat(alone, 2, 0), rtol=1e-6)
+    attention, grads = namespace["attention"], namespace["grads"]
+    assert set(grads) == {*attention.parameters(), "query", "key", "value"}
+    X, before = namespace["X"], mha.MultiHeadAttention(8, 2, bias=True, seed=0)
+    rng = np.random.default_rng(1)
+    for index in zip(*(rng.integers(0, n, 4) for n in X.shape), strict=True):
+        step = np.zeros_like(X)
+        step[index] = 1e-6
+        numeric = (before(X + step, mask=True).sum() - before(X - step, mask=True).sum()) / 2e-6
+        assert abs(numeric - namespace["dX"][index]) <= 1e-6 * max(1.0, abs(numeric))
+    assert len(blocks("python")) == 2  # the tour and the checkpoint's (tests/test_doc_blocks.py)
 
 
 def test_quoted_error_is_real():
@@ -98,38 +84,3 @@ def test_the_images_it_shows_exist():
     root = Path(__file__).parent.parent
     for target in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README):
         assert (root / target).is_file(), target
-
-
-def test_the_variants_example_runs(capsys):
-    """The example's sinks gradient is the dense formula's, and its document mask is the
-    boolean mask it stands for."""
-    namespace: dict = {}
-    exec(compile(blocks("python")[4], "README.md", "exec"), namespace)
-    assert capsys.readouterr().out.strip() == "(8,) (1, 8, 256, 64)"
-    q, k, v, doc = (namespace[name] for name in ("q", "k", "v", "doc"))
-    i, j = np.arange(256)[:, None], np.arange(256)[None]
-    dense = mha.scaled_dot_product_attention(q, k, v, mask=(doc[i] == doc[j]) & (i >= j))
-    np.testing.assert_allclose(namespace["packed"], dense, rtol=1e-13, atol=1e-13)
-    s = np.where((j <= i) & (i - j < 128), q @ k.swapaxes(-1, -2) / 8.0, -np.inf)
-    lse = np.logaddexp(np.logaddexp.reduce(s, axis=-1), 0.0)  # the sinks are 0
-    out = np.exp(s - lse[..., None]) @ v
-    # d out / d sink = -exp(sink - lse) * out; grad_out is ones
-    expected = -(np.exp(0.0 - lse) * out.sum(axis=-1)).sum(axis=(0, 2))
-    np.testing.assert_allclose(namespace["grads"]["sinks"], expected, rtol=1e-11)
-
-
-def test_the_gradients_example_runs():
-    namespace: dict = {}
-    exec(compile(blocks("python")[5], "README.md", "exec"), namespace)
-    attention, grads = namespace["attention"], namespace["grads"]
-    assert set(grads) == {*attention.parameters(), "query", "key", "value"}
-    assert grads["W_q"].shape == attention.W_q.shape
-    # dX, the sum of the three, is the gradient of sum(out) in X: central differences on
-    # the module as it was before the example's step (same seed, same weights)
-    X, before = namespace["X"], mha.MultiHeadAttention(16, 4, bias=True, seed=0)
-    rng = np.random.default_rng(1)
-    for index in zip(*(rng.integers(0, n, 4) for n in X.shape), strict=True):
-        step = np.zeros_like(X)
-        step[index] = 1e-6
-        numeric = (before(X + step, mask=True).sum() - before(X - step, mask=True).sum()) / 2e-6
-        assert abs(numeric - namespace["dX"][index]) <= 1e-6 * max(1.0, abs(numeric))
