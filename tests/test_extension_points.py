@@ -148,7 +148,7 @@ def test_a_selection_of_keys_ahead_of_the_walk(torch, workers, record_error):
 
 def with_temperature(checked, floor_scale, attn_scale):
     """``checked`` with Llama 4's query temperature in its spec's changes to the scores."""
-    scores = replace(checked.spec.scores, temperature=(floor_scale, attn_scale))
+    scores = replace(checked.spec.scores, temperature=(attn_scale, floor_scale, 1))
     return checked._replace(spec=replace(checked.spec, scores=scores))
 
 
@@ -161,8 +161,8 @@ def temperature(positions, floor_scale, attn_scale):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_a_new_change_to_the_scores_a_query_temperature(torch, dtype, record_error):
     """Llama 4's temperature: each query's scores scaled by a function of its position, one
-    class in the scores' pipeline; the walks, the backward and the caches take it as they
-    take the others."""
+    class beside the scores' pipeline, folded into the queries by the kernel; the walks, the
+    backward and the caches take it as they take the others."""
     rng = np.random.default_rng(2)
     B, H, H_kv, L, S, d = 2, 4, 2, 40, 70, 16
     q = rng.standard_normal((B, H, L, d)).astype(dtype)

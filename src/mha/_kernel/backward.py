@@ -68,6 +68,7 @@ def attend_backward(
     visibility = call.visibility.classified(team)  # with mask_mod's block map
     if visibility is not call.visibility:
         call = replace(call, visibility=visibility)
+    call, temperature = call.folded()  # the forward's queries; dq is theirs times it
     scores = call.scores
     if grads.dsinks is not None and scores is not None and scores.sinks is not None:
         grads.dsinks += sink_gradient(forward.out, forward.lse, grad_out, scores.sinks)
@@ -91,6 +92,8 @@ def attend_backward(
         ]
     if items:
         _BackwardWalk(call, forward, grad_out, grads, tiles).run(items, team)
+    if temperature is not None:
+        grads.dq *= temperature
 
 
 def _bias_cells(dbias: np.ndarray, batch: tuple[int, ...], heads: slice) -> np.ndarray:

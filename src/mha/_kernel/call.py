@@ -8,7 +8,7 @@ build them once from their checked arguments (:mod:`mha.api`), and every walk re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,21 @@ class KernelCall:
     def group(self) -> int:
         """Query heads per key/value head."""
         return int(self.q.shape[-3] // self.k.shape[-3])
+
+    def folded(self) -> tuple[KernelCall, np.ndarray | None]:
+        """This call with its query temperature (:class:`.scores.QueryTemperature`) folded
+        into ``q``: ``q * t (*batch, 1, L, 1)``, a new array, at each row's position (the
+        visibility's, :meth:`.contract.Visibility.query_positions`), and ``t``, which the
+        queries' gradient takes; the call itself and ``None`` when it has none."""
+        scores = self.scores
+        if scores is None or scores.temperature is None:
+            return self, None
+        t = scores.temperature.factors(self.visibility.query_positions())
+        factor = t.astype(self.q.dtype)[..., None]
+        rest = None
+        if scores.transforms or scores.sinks is not None:
+            rest = Scores(scores.transforms, scores.sinks)
+        return replace(self, q=self.q * factor, scores=rest), factor
 
 
 @dataclass

@@ -270,6 +270,17 @@ class Visibility:
         blocks = classify(self.mask_mod, b, self.index_shape[-1], q, k, team)
         return replace(self, blocks=blocks, memo=Memo())
 
+    def query_positions(self) -> np.ndarray:
+        """Each query row's position, aligned with the keys' (what
+        :meth:`ItemVisibility.query_positions` gives each item): int64 ``(*batch, 1, L)``."""
+        batch = self.index_shape[:-1]
+        start = np.full(batch, self.causal_offset, np.int64)
+        if self.offsets is not None:
+            start = np.broadcast_to(self.offsets, batch).astype(np.int64)
+        if self.key_index is not None:
+            start = start + np.broadcast_to(self.key_index, batch)
+        return start[..., None, None] + np.arange(self.L, dtype=np.int64)
+
     def item(self, batch: tuple[int, ...], heads: slice) -> ItemVisibility:
         """The parts that apply to one batch index and a run of its heads."""
         offset = self.causal_offset if self.offsets is None else int(self.offsets[batch])

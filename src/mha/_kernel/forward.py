@@ -127,6 +127,7 @@ def attend(call: KernelCall, outputs: Outputs, team: Team | None = None) -> None
     visibility = call.visibility.classified(team)  # with mask_mod's block map
     if visibility is not call.visibility:
         call = replace(call, visibility=visibility)
+    call, _ = call.folded()  # a query temperature, into the queries
     sinks = None if call.scores is None else call.scores.sinks
     if sinks is not None and outputs.lse is None:  # the sinks are added through it
         lse = np.full(outputs.out.shape[:-1], -np.inf, dtype=outputs.out.dtype)

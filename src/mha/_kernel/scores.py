@@ -12,7 +12,9 @@ masks; today, in this order:
   array.
 
 A new change to the scores is one more class with ``apply`` (and its derivative), placed in
-the pipeline by the spec (:mod:`mha.api.spec`).
+the pipeline by the spec (:mod:`mha.api.spec`). A change that scales each query's row alike
+(:class:`QueryTemperature`) is no transform: the kernel folds it into the queries, where the
+models apply it, and every walk takes the call.
 
 Learned sinks (gpt-oss) add ``exp(sink_h)`` to each row's softmax denominator: a key with
 logit ``sink_h`` and no value. The kernel computes the rows without it and :func:`add_sinks`
@@ -141,26 +143,21 @@ class Alibi:
 
 @dataclass(frozen=True)
 class QueryTemperature:
-    """Llama 4's attention temperature: each query's scores times ``1 + attn_scale *
-    log(floor((position + 1) / floor_scale) + 1)``, at the query's position in its
-    sequence; the derivative is that factor. It scales the raw scores, so the backward
-    recomputes them (``nonlinear``)."""
+    """A temperature of each query that grows with its position (Llama 4's
+    ``attn_temperature_tuning``, Ministral 3's ``llama_4_scaling_beta``): the scores of the
+    query at position ``p`` times ``t(p) = 1 + beta * log(1 + floor((p + offset) / floor))``
+    (Llama 4: ``beta = attn_scale``, ``floor = floor_scale``, ``offset = 1``). It is a
+    factor of the query's row, so the kernel folds it into the queries
+    (:meth:`mha._kernel.call.KernelCall.folded`), as the models do: every walk, compiled or
+    not, takes the call, and the queries' gradient is the folded one's times ``t(p)``."""
 
-    floor_scale: float
-    attn_scale: float
-    nonlinear = True
-    compiled = False
+    beta: float
+    floor: float
+    offset: float = 0.0
 
-    def apply(self, s: np.ndarray, tile: Tile, derivative: bool) -> np.ndarray | None:
-        n, w = tile.r1 - tile.r0, tile.c1 - tile.c0
-        positions = tile.item.query_positions(tile.r0, tile.r1).astype(np.float64)
-        factor = 1.0 + self.attn_scale * np.log(
-            np.floor((positions + 1.0) / self.floor_scale) + 1.0
-        )
-        rows = factor.astype(s.dtype)[:, None]  # (n, 1): every head's rows alike
-        stacked = s.reshape(s.size // max(1, n * w), n, w)
-        stacked *= rows
-        return np.broadcast_to(rows, stacked.shape) if derivative else None
+    def factors(self, positions: np.ndarray) -> np.ndarray:
+        """``t(p)`` of integer ``positions``, in float64."""
+        return 1.0 + self.beta * np.log1p(np.floor((positions + self.offset) / self.floor))
 
 
 @dataclass(frozen=True, eq=False)
@@ -170,6 +167,7 @@ class Scores:
 
     transforms: tuple[ScoreTransform, ...] = ()
     sinks: np.ndarray | None = None
+    temperature: QueryTemperature | None = None  # folded into the queries before the walks
 
     def _first(self, kind: type) -> Any:
         return next((t for t in self.transforms if isinstance(t, kind)), None)
@@ -186,11 +184,13 @@ class Scores:
 
     @property
     def changes_scores(self) -> bool:
-        return bool(self.transforms)
+        return bool(self.transforms) or self.temperature is not None
 
     def without_sinks(self) -> Scores | None:
         """These changes less the sinks (for parts that a merge adds them to once)."""
-        return Scores(self.transforms) if self.changes_scores else None
+        if not self.changes_scores:
+            return None
+        return Scores(self.transforms, temperature=self.temperature)
 
     @property
     def nonlinear(self) -> bool:

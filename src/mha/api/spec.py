@@ -133,7 +133,7 @@ class MhaKeywords(NamedTuple):
 @dataclass(frozen=True, eq=False)
 class ScoreRules:
     """The changes to the scores as given (learned ``sinks``, ``softcap``, ``alibi``,
-    ``score_mod`` and its derivative, Llama 4's ``temperature``), made into the kernel's
+    ``score_mod`` and its derivative, the query ``temperature``), made into the kernel's
     pipeline of transforms for a call's head count by :meth:`fit`."""
 
     sinks: Any = None
@@ -141,7 +141,7 @@ class ScoreRules:
     alibi: Any = None
     score_mod: Any = None
     score_mod_grad: Any = None
-    temperature: Any = None  # Llama 4's (floor_scale, attn_scale)
+    temperature: Any = None  # query_temperature: (beta, floor) or (beta, floor, offset)
 
     def fit(self, H: int, want_backward: bool) -> Scores | None:
         """The kernel's :class:`~mha._kernel.scores.Scores` for ``H`` query heads, checked

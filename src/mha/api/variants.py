@@ -20,10 +20,10 @@ from .._kernel.scores import (
     ScoreTransform,
     SoftCap,
 )
-from ..errors import AttentionValueError, ShapeError
+from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .rotary import positive_real
 
-__all__ = ["alibi_slopes", "check_scores"]
+__all__ = ["alibi_slopes", "check_query_temperature", "check_scores"]
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -61,8 +61,8 @@ def check_scores(
     temperature: Any = None,
 ) -> Scores | None:
     """The call's changes to the scores, checked (``None`` when it has none). The arrays
-    are copied: a caller changing theirs later changes nothing here. ``temperature`` is
-    Llama 4's ``(floor_scale, attn_scale)`` (:class:`~mha._kernel.scores.QueryTemperature`)."""
+    are copied: a caller changing theirs later changes nothing here. ``temperature`` is the
+    keyword ``query_temperature`` (:func:`check_query_temperature`)."""
     sink_logits = None if sinks is None else _per_head("sinks", sinks, H, "one logit")
     cap = None if softcap is None else positive_real("softcap", softcap)
     slopes = None
@@ -81,23 +81,44 @@ def check_scores(
             "d score_mod / d score, a function of the same arguments: give it, or call "
             "without return_backward"
         )
-    transforms: list[ScoreTransform] = []  # in this order: the temperature, soft-capping,
-    if temperature is not None:  # score_mod, ALiBi
-        floor_scale, attn_scale = temperature
-        transforms.append(
-            QueryTemperature(
-                positive_real("floor_scale", floor_scale), positive_real("attn_scale", attn_scale)
-            )
-        )
+    transforms: list[ScoreTransform] = []  # in this order: soft-capping, score_mod, ALiBi
     if cap is not None:
         transforms.append(SoftCap(cap))
     if score_mod is not None:
         transforms.append(ScoreMod(score_mod, score_mod_grad))
     if slopes is not None:
         transforms.append(Alibi(slopes))
-    if sink_logits is None and not transforms:
+    folded = None if temperature is None else check_query_temperature(temperature)
+    if sink_logits is None and not transforms and folded is None:
         return None
-    return Scores(tuple(transforms), sink_logits)
+    return Scores(tuple(transforms), sink_logits, folded)
+
+
+def check_query_temperature(value: Any) -> QueryTemperature:
+    """``query_temperature=(beta, floor)`` or ``(beta, floor, offset)``, checked: the scores of
+    the query at position ``p`` times ``1 + beta * log(1 + floor((p + offset) / floor))``
+    (:class:`~mha._kernel.scores.QueryTemperature`; Llama 4: ``(attn_scale, floor_scale,
+    1)``, Ministral 3: ``(llama_4_scaling_beta, original_max_position_embeddings)``)."""
+    if (
+        isinstance(value, np.ndarray)
+        or not isinstance(value, (tuple, list))
+        or not (2 <= len(value) <= 3)
+    ):
+        raise AttentionTypeError(
+            "query_temperature must be (beta, floor) or (beta, floor, offset), numbers: the "
+            "scores of the query at position p times 1 + beta * log(1 + floor((p + offset) / "
+            f"floor)); got {value!r}"
+        )
+    beta, floor, offset = (*value, 0.0)[:3]
+    for name, number in (("beta", beta), ("offset", offset)):
+        real = isinstance(number, (int, float, np.integer, np.floating))
+        if not real or isinstance(number, (bool, np.bool_)) or not np.isfinite(number):
+            raise AttentionValueError(
+                f"query_temperature's {name} must be a finite number; got {value!r}"
+            )
+    return QueryTemperature(
+        float(beta), positive_real("query_temperature's floor", floor), float(offset)
+    )
 
 
 def _per_head(name: str, value: Any, H: int, what: str) -> np.ndarray:
