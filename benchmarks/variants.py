@@ -1,6 +1,6 @@
-"""Attention variants: what sinks, ALiBi, soft-capping, document masks, chunks and windows
-cost beside plain causal attention, and what the ``mask_mod``/``score_mod`` forms cost beside
-the built-in keywords.
+"""Attention variants: what sinks, ALiBi, soft-capping, a query temperature, document masks,
+chunks and windows cost beside plain causal attention, and what the ``mask_mod``/``score_mod``
+forms cost beside the built-in keywords.
 
     python benchmarks/variants.py                    # results in benchmarks/results/variants.*
     python benchmarks/variants.py --readme README.md # and the README's variants table
@@ -79,6 +79,8 @@ def variants(sinks: np.ndarray) -> list[tuple[str, str, dict[str, Any], float | 
         ("sinks", "causal=True, sinks=(8,) normal", {"causal": True, "sinks": sinks}, 1.15),
         ("ALiBi", "causal=True, alibi=True", {"causal": True, "alibi": True}, 1.15),
         ("soft-capping", "causal=True, softcap=50.0", {"causal": True, "softcap": CAP}, None),
+        ("query temperature", "causal=True, query_temperature=(0.1, 512, 1)",
+         {"causal": True, "query_temperature": (0.1, 512.0, 1)}, 1.1),
         (f"document mask, {L // DOCUMENT} x {DOCUMENT}",
          "mask_mod=(doc[q]==doc[kv]) & (q>=kv)", {"mask_mod": document_causal}, 0.3),
         (f"chunked {CHUNK}", f"causal=True, chunk={CHUNK}", {"causal": True, "chunk": CHUNK}, 0.25),

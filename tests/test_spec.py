@@ -76,6 +76,7 @@ def _probes(rng, B=1, H=2, L=4, d=4):
                            {"score_mod": lambda s, b, h, i, j: s * 2.0,
                             "score_mod_grad": lambda s, b, h, i, j: np.ones_like(s),
                             "return_backward": True}),
+        "query_temperature": {"query_temperature": (0.5, 2.0)},
         "scale": {"scale": 0.3}, "return_weights": {"return_weights": True},
         "return_lse": {"return_lse": True}, "return_backward": {"return_backward": True},
         "dropout_p": ({"dropout_p": 0.5, "generator": np.random.default_rng(0)},

@@ -23,7 +23,7 @@ from .qk_norm import KINDS as QK_NORM_KINDS
 from .qk_norm import check_offset
 from .rope_scaling import check_base, check_rope_scaling
 from .rotary import check_rotary_options, positive_real
-from .variants import alibi_slopes, check_scores
+from .variants import alibi_slopes, check_query_temperature, check_scores
 
 if TYPE_CHECKING:
     from typing import Self
@@ -41,8 +41,8 @@ class LayerSpec:
     constructor's keywords name it: ``num_heads``, ``num_kv_heads``, ``head_dim``,
     ``rope_theta``, ``rotary_dim``, ``rotary_interleaved``, ``rope_scaling``, ``window``,
     ``sink_tokens``, ``softcap``, ``alibi``, ``chunk``, ``scale``, ``qk_norm``,
-    ``qk_norm_eps``, ``qk_norm_offset``, ``add_zero_attn``, ``output_gate`` and
-    ``output_gate_per_head`` (each ``None``, or ``False``,
+    ``qk_norm_eps``, ``qk_norm_offset``, ``add_zero_attn``, ``output_gate``,
+    ``output_gate_per_head`` and ``query_temperature`` (each ``None``, or ``False``,
     for its default; ``head_dim`` then comes from the weights). The pair ``(spec, weights)``
     is what a reader of another format produces (:mod:`mha.integrations.readers`) and
     :meth:`Configuration.from_spec` builds a layer from.
@@ -71,6 +71,7 @@ class LayerSpec:
     add_zero_attn: Any = False
     output_gate: Any = None
     output_gate_per_head: Any = False
+    query_temperature: Any = None
 
     kind = "attention"
     """What a reader's spec builds (:meth:`Configuration.from_spec`)."""
@@ -125,6 +126,7 @@ class Configuration:
     k_norm: np.ndarray | None
     output_gate: str | None  # "sigmoid" or "softplus"
     output_gate_per_head: bool
+    query_temperature: tuple[float, float, float] | None  # (beta, floor, offset)
     W_g: np.ndarray | None
     b_g: np.ndarray | None
 
@@ -233,6 +235,10 @@ class Configuration:
         self.output_gate_per_head = flag("output_gate_per_head", spec.output_gate_per_head)
         if self.output_gate_per_head and self.output_gate is None:
             raise AttentionValueError("output_gate_per_head needs output_gate= ('sigmoid', ...)")
+        self.query_temperature = None
+        if spec.query_temperature is not None:
+            t = check_query_temperature(spec.query_temperature)
+            self.query_temperature = (t.beta, t.floor, t.offset)
 
     @property
     def has_bias(self) -> bool:
@@ -268,6 +274,7 @@ class Configuration:
             "softcap": self.softcap,
             "alibi": self.alibi,
             "chunk": self.chunk,
+            "query_temperature": self.query_temperature,
         }
         return {name: value for name, value in given.items() if value is not None}
 
@@ -287,6 +294,7 @@ class Configuration:
             "rope_scaling": None,
             "scale": None,
             "qk_norm": None,
+            "query_temperature": None,
         }
         dims = "".join(
             f", {name}={getattr(self, name)!r}"
@@ -355,6 +363,9 @@ class Configuration:
             "qk_norm_offset": None if self.qk_norm is None else self.qk_norm_offset,
             "output_gate": self.output_gate,
             "output_gate_per_head": self.output_gate_per_head,
+            "query_temperature": (
+                None if self.query_temperature is None else list(self.query_temperature)
+            ),
             "dtype": self._held_dtype().name,
         }
 
@@ -389,6 +400,7 @@ class Configuration:
             self.add_zero_attn,
             self.output_gate,
             self.output_gate_per_head,
+            self.query_temperature,
         )
 
     @classmethod

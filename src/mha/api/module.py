@@ -71,8 +71,10 @@ class MultiHeadAttention(Layouts):
     ``k_norm``, with ``qk_norm_eps`` and ``qk_norm_offset``, 1.0 for Gemma's ``(1 + w)``) and
     ``output_gate`` (``"sigmoid"`` or ``"softplus"``: the joined heads times ``act(x @ W_g +
     b_g)`` before ``W_o``, per element, or per head with ``output_gate_per_head``; the module
-    owns ``W_g``, and ``b_g`` with ``bias``). :meth:`from_pretrained` reads a layer of a
-    transformers checkpoint with all of them.
+    owns ``W_g``, and ``b_g`` with ``bias``), and ``query_temperature`` (Llama 4's and
+    Ministral 3's queries scaled by their position: ``(beta, floor, offset)``, as
+    :func:`mha.scaled_dot_product_attention` takes it). :meth:`from_pretrained` reads a layer
+    of a transformers checkpoint with all of them.
 
     The class holds configuration and weights and delegates to the function's own path (same
     inputs, same bits): its settings and weights are checked in :mod:`.configuration`, the
@@ -119,6 +121,7 @@ class MultiHeadAttention(Layouts):
         qk_norm_offset: float | None = None,
         output_gate: str | None = None,
         output_gate_per_head: Flag = False,
+        query_temperature: tuple[float, ...] | None = None,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
     ) -> None:
@@ -133,6 +136,7 @@ class MultiHeadAttention(Layouts):
             H, num_kv_heads, E // H if head_dim is None else head_dim, rope_theta, rotary_dim,
             rotary_interleaved, rope_scaling, window, sink_tokens, softcap, alibi, chunk, scale,
             qk_norm, qk_norm_eps, qk_norm_offset, add_zero_attn, output_gate, output_gate_per_head,
+            query_temperature,
         )  # fmt: skip
         self._configure(spec, (E, E if kdim is None else kdim, E if vdim is None else vdim))
         if not isinstance(bias, (bool, np.bool_)):
@@ -348,7 +352,8 @@ class MultiHeadAttention(Layouts):
             mask, causal, causal_alignment, key_lengths, query_lengths, bias, scale,
             return_weights, max_memory, workers, self.add_zero_attn, self.num_kv_heads,
             self.window if window is None else window, self.sink_tokens, self.chunk, mask_mod,
-            self.sinks, self.softcap, self.alibi, score_mod, score_mod_grad, self.rope_theta,
+            self.sinks, self.softcap, self.alibi, score_mod, score_mod_grad,
+            self.query_temperature, self.rope_theta,
             self.rotary_dim, self.rotary_interleaved, self.rope_scaling, positions, self.qk_norm,
             None if self.qk_norm is None else self.qk_norm_eps,
             None if self.qk_norm is None else self.qk_norm_offset, cache, padding_side,

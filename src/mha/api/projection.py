@@ -110,6 +110,7 @@ def multi_head_attention(
     alibi: Any = None,
     score_mod: ScoreMod | None = None,
     score_mod_grad: ScoreMod | None = None,
+    query_temperature: tuple[float, ...] | None = None,
     rope_theta: float | None = None,
     rotary_dim: SupportsIndex | None = None,
     rotary_interleaved: Flag = False,
@@ -165,9 +166,9 @@ def multi_head_attention(
     * ``window``: a sliding window (transformers' ``sliding_window``): query ``i`` sees key
       ``j`` only if ``(i + offset) - j < window``, ``offset`` the causal alignment's.
     * ``sink_tokens``, ``chunk``, ``mask_mod``, ``sinks``, ``softcap``, ``alibi``,
-      ``score_mod``, ``score_mod_grad``: the variants of today's models, as in
-      :func:`scaled_dot_product_attention` (docs/variants.md); ``backward`` then has a
-      ``sinks`` gradient too.
+      ``score_mod``, ``score_mod_grad``, ``query_temperature``: the variants of today's
+      models, as in :func:`scaled_dot_product_attention` (docs/variants.md); ``backward``
+      then has a ``sinks`` gradient too.
     * ``rope_theta``: rotate q and k after projection with rotary position embeddings of
       this base (:func:`mha.apply_rotary`), at ``positions`` (``(L,)`` or ``(B, L)``;
       default ``0..S-1`` for keys, the last ``L`` of them for queries) or at the cache's
@@ -228,7 +229,7 @@ def multi_head_attention(
     keywords = MhaKeywords(
         mask, causal, causal_alignment, key_lengths, query_lengths, bias, scale, return_weights,
         max_memory, workers, add_zero_attn, num_kv_heads, window, sink_tokens, chunk, mask_mod,
-        sinks, softcap, alibi, score_mod, score_mod_grad, rope_theta, rotary_dim,
+        sinks, softcap, alibi, score_mod, score_mod_grad, query_temperature, rope_theta, rotary_dim,
         rotary_interleaved, rope_scaling, positions, qk_norm, qk_norm_eps, qk_norm_offset, cache,
         padding_side, return_backward, dropout_p, generator, output_gate,
     )  # fmt: skip

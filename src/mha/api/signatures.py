@@ -60,6 +60,7 @@ class SdpaOptions(_Keywords, total=False):
     sinks: Any
     softcap: float | None
     alibi: Any
+    query_temperature: tuple[float, ...] | None
 
 
 class MhaOptions(_Keywords, total=False):
@@ -84,6 +85,7 @@ class MhaOptions(_Keywords, total=False):
     sinks: Any
     softcap: float | None
     alibi: Any
+    query_temperature: tuple[float, ...] | None
     q_norm: Any
     k_norm: Any
     qk_norm: str | None

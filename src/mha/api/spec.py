@@ -77,6 +77,7 @@ class SdpaKeywords(NamedTuple):
     alibi: Any = None
     score_mod: Any = None
     score_mod_grad: Any = None
+    query_temperature: Any = None
     scale: Any = None
     return_weights: Any = False
     return_lse: Any = False
@@ -114,6 +115,7 @@ class MhaKeywords(NamedTuple):
     alibi: Any = None
     score_mod: Any = None
     score_mod_grad: Any = None
+    query_temperature: Any = None
     rope_theta: Any = None
     rotary_dim: Any = None
     rotary_interleaved: Any = False
@@ -307,7 +309,9 @@ def _check_sdpa(kw: SdpaKeywords) -> Checked:
     )
     arrays = MaskArrays.of(kw.mask, kw.bias, kw.key_lengths, kw.query_lengths)
     drop_p = check_dropout(kw.dropout_p, kw.generator)
-    scores = ScoreRules(kw.sinks, kw.softcap, kw.alibi, kw.score_mod, kw.score_mod_grad)
+    scores = ScoreRules(
+        kw.sinks, kw.softcap, kw.alibi, kw.score_mod, kw.score_mod_grad, kw.query_temperature
+    )
     left = check_padding_side(kw.padding_side, kw.cache, arrays)
     spec = AttentionSpec(rules, scores, kw.scale, drop_p)
     return Checked(spec, CallInputs(arrays, None, kw.cache, left, kw.generator), request)
@@ -329,7 +333,9 @@ def _check_mha(kw: MhaKeywords) -> Checked:
     )
     arrays = MaskArrays.of(kw.mask, kw.bias, kw.key_lengths, kw.query_lengths)
     drop_p = check_dropout(kw.dropout_p, kw.generator)
-    scores = ScoreRules(kw.sinks, kw.softcap, kw.alibi, kw.score_mod, kw.score_mod_grad)
+    scores = ScoreRules(
+        kw.sinks, kw.softcap, kw.alibi, kw.score_mod, kw.score_mod_grad, kw.query_temperature
+    )
     rotary = RotaryRules(kw.rope_theta, kw.rotary_dim, kw.rotary_interleaved, kw.rope_scaling)
     norm = QKNormRules(kw.qk_norm, kw.qk_norm_eps, kw.qk_norm_offset)
     zero = flag("add_zero_attn", kw.add_zero_attn)

@@ -121,6 +121,7 @@ def scaled_dot_product_attention(
     alibi: Any = None,
     score_mod: ScoreMod | None = None,
     score_mod_grad: ScoreMod | None = None,
+    query_temperature: tuple[float, ...] | None = None,
     scale: float | None = None,
     return_weights: Flag = False,
     return_lse: Flag = False,
@@ -163,6 +164,10 @@ def scaled_dot_product_attention(
       ``score_mod_grad``: gpt-oss's sinks, Gemma 2's soft-capping, ALiBi and FlexAttention's
       score functions (:mod:`mha._kernel.scores`). docs/variants.md says how each is
       computed and written.
+    * ``query_temperature``: ``(beta, floor)`` or ``(beta, floor, offset)``: the scores of
+      the query at position ``p`` (its row's, as the causal alignment places it: a cache's
+      length plus its row) times ``1 + beta * log(1 + floor((p + offset) / floor))``, as
+      Llama 4 (``(attn_scale, floor_scale, 1)``) and Ministral 3 scale their queries.
     * ``scale``: the factor on ``q k^T``; default ``1/sqrt(d_k)``.
     * ``return_weights``: also return the weights ``(..., H, L, S)`` (this builds the full
       score matrix, which the default path never does).
@@ -208,9 +213,9 @@ def scaled_dot_product_attention(
     """
     keywords = SdpaKeywords(
         mask, causal, causal_alignment, key_lengths, query_lengths, bias, window, sink_tokens,
-        chunk, mask_mod, sinks, softcap, alibi, score_mod, score_mod_grad, scale, return_weights,
-        return_lse, return_backward, dropout_p, generator, cache, padding_side, max_memory,
-        workers,
+        chunk, mask_mod, sinks, softcap, alibi, score_mod, score_mod_grad, query_temperature,
+        scale, return_weights, return_lse, return_backward, dropout_p, generator, cache,
+        padding_side, max_memory, workers,
     )  # fmt: skip
     return attention(q, k, v, check_sdpa(keywords))
 

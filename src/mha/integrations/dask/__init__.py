@@ -66,6 +66,7 @@ def scaled_dot_product_attention(
     alibi: Any = None,
     score_mod: Any = None,
     score_mod_grad: Any = None,
+    query_temperature: Any = None,
     scale: float | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
@@ -111,8 +112,9 @@ def scaled_dot_product_attention(
     keywords = SdpaKeywords(  # the mask and the bias are checked by Masks, after
         _causal(mask), causal, causal_alignment, small("key_lengths", key_lengths),
         small("query_lengths", query_lengths), None, window, sink_tokens, chunk, mask_mod, sinks,
-        softcap, alibi, score_mod, score_mod_grad, scale, return_weights, return_lse,
-        return_backward, dropout_p, generator, cache, padding_side, max_memory, workers,
+        softcap, alibi, score_mod, score_mod_grad, query_temperature, scale, return_weights,
+        return_lse, return_backward, dropout_p, generator, cache, padding_side, max_memory,
+        workers,
     )  # fmt: skip
     return _sdpa(lazy, check_sdpa(keywords), (mask, bias), split_every, da)
 
@@ -180,6 +182,7 @@ def multi_head_attention(
     alibi: Any = None,
     score_mod: Any = None,
     score_mod_grad: Any = None,
+    query_temperature: Any = None,
     rope_theta: float | None = None,
     rotary_dim: int | None = None,
     rotary_interleaved: bool = False,
@@ -236,7 +239,8 @@ def multi_head_attention(
         _causal(mask), causal, causal_alignment, small("key_lengths", key_lengths),
         small("query_lengths", query_lengths), None, scale, return_weights, max_memory, workers,
         add_zero_attn, num_kv_heads, window, sink_tokens, chunk, mask_mod, sinks, softcap, alibi,
-        score_mod, score_mod_grad, rope_theta, rotary_dim, rotary_interleaved, rope_scaling,
+        score_mod, score_mod_grad, query_temperature, rope_theta, rotary_dim, rotary_interleaved,
+        rope_scaling,
         small("positions", positions), qk_norm, qk_norm_eps, qk_norm_offset, cache, padding_side,
         return_backward, dropout_p, generator, output_gate,
     )  # fmt: skip
