@@ -1,17 +1,23 @@
 """The redesign's extension points, each used by a change written here as a test: an output
 stage between the heads and ``W_o`` (a sigmoid gate), a selection of keys ahead of the walk
-(top-k), a new change to the scores (a query temperature), a new kind of cache (fp8). Each
-is checked against a dense reference written from its definition, forward and backward."""
+(top-k), a new change to the scores (a query temperature; a per-head temperature written
+here, outside the package), a new kind of cache (fp8). Each is checked against a dense
+reference written from its definition, forward and backward."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
 from support.configs import relative_error
 
 import mha
+from mha._kernel.backward import attend_backward
+from mha._kernel.call import Gradients, KernelCall, Outputs
+from mha._kernel.contract import MaskArrays, ScoreShape, Visibility
+from mha._kernel.forward import attend
+from mha._kernel.scores import Scores
 from mha.api.checks import LayerArrays, LayerWeights, check_layer
 from mha.api.projection import compute
 from mha.api.spec import MhaKeywords, SdpaKeywords, check_mha, check_sdpa
@@ -226,3 +232,50 @@ def test_a_new_kind_of_cache_float8():
     for a, b in zip(cache.dequantized("a"), before, strict=True):
         np.testing.assert_array_equal(a, b)
     assert cache.bytes_per_token == 2 * (32 + 4)  # a byte a value, a scale and zero a group
+
+
+@dataclass(frozen=True)
+class HeadTemperature:
+    """A change to the scores written here, outside the package: each head's scores times
+    its own ``tau[h]``, derivative ``tau[h]`` (one class with ``apply``, as the pipeline's
+    own transforms are: :mod:`mha._kernel.scores`)."""
+
+    tau: np.ndarray
+    nonlinear = True  # the backward takes its derivative
+    compiled = False
+
+    def apply(self, s, tile, derivative):
+        n, w = tile.r1 - tile.r0, tile.c1 - tile.c0
+        stacked = s.reshape(s.size // max(1, n * w), n, w)  # one (n, w) tile per query head
+        factor = self.tau[tile.item.heads].astype(s.dtype)[:, None, None]
+        stacked *= factor
+        return np.broadcast_to(factor, stacked.shape) if derivative else None
+
+
+def test_a_change_to_the_scores_written_outside_the_package(torch, record_error):
+    """The pipeline takes a transform it has never seen: the kernel's walks forward and
+    backward, against torch autograd (no file of the package changed)."""
+    rng = np.random.default_rng(4)
+    B, H, H_kv, L, S, d = 2, 4, 2, 30, 45, 8
+    q = rng.standard_normal((B, H, L, d))
+    k, v = rng.standard_normal((2, B, H_kv, S, d))
+    tau = rng.uniform(0.5, 2.0, H)
+    shape = ScoreShape((B,), H, L, S)
+    visibility = Visibility.build(check_sdpa(SdpaKeywords(causal=True)).spec.mask,
+                                  MaskArrays(), shape)  # fmt: skip
+    call = KernelCall(q, k, v, visibility, d**-0.5, Scores((HeadTemperature(tau),)))
+    outputs = Outputs(np.zeros((B, H, L, d)), lse=np.full((B, H, L), -np.inf))
+    attend(call, outputs)
+    t = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+    keys, values = (x.repeat_interleave(H // H_kv, dim=1) for x in t[1:])
+    scores = (t[0] @ keys.transpose(-1, -2)) * d**-0.5 * torch.from_numpy(tau)[:, None, None]
+    scores = scores.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(S - L), -torch.inf)
+    expected = torch.softmax(scores, -1) @ values
+    error = relative_error(outputs.out, expected.detach().numpy())
+    assert record_error("a transform written outside vs torch", error) <= 1e-13
+    grad = rng.standard_normal(outputs.out.shape)
+    (expected * torch.from_numpy(grad)).sum().backward()
+    grads = Gradients(np.zeros_like(q), np.zeros_like(k), np.zeros_like(v))
+    attend_backward(call, outputs, grad, grads)
+    for ours, tensor in zip((grads.dq, grads.dk, grads.dv), t, strict=True):
+        assert relative_error(ours, tensor.grad.numpy()) <= 1e-10
