@@ -137,6 +137,16 @@ CHANGES = {
     "ernie4_5_moe": [{"rotary_interleaved": False}, {"b_o": None}],
     "cwm": [{"window": None}, {"rope_scaling": None}],
     "mellum": [{"rope_theta": 10000.0}, {"window": None}, {"qk_norm_offset": 1.0}],
+    "exaone_moe": [{"rope_theta": 500.0}, {"qk_norm_offset": 1.0}, {"window": None}],
+    "kolibri1": [{"rope_theta": 500.0}, {"qk_norm_offset": 1.0}, {"window": None}],
+    "flint": [{"sinks": None}, {"rope_theta": 500.0}, {"window": None}, {"qk_norm_offset": 1.0}],
+    # layer_rope_theta: layer 1 without rope, layer 2 of base 900
+    "granite_swa": [{"sinks": None}, {"window": None}, {"scale": None}, {"rope_theta": 500.0}],
+    "granitemoe_swa": [{"sinks": None}, {"window": None}, {"scale": None}],
+    "sarvam_moe": [{"rotary_dim": 6}, {"qk_norm_offset": 1.0}, {"b_q": None}],
+    "sarvam_mla": [{"scale": None}, {"rope_scaling": None}, {"rotary_interleaved": False}],
+    "axk1": [{"scale": None}, {"rotary_interleaved": False}, {"b_kv_a": None}],
+    "minicpm3": [{"scale": None}, {"rope_scaling": None}, {"rotary_interleaved": True}],
     # a layer without positions given the others' rope (the layers with rope keep theirs)
     "smollm3": [{"rope_theta": 500.0}, {"window": None}],
     "cohere2": [{"rope_theta": 500.0}, {"rotary_interleaved": False}, {"window": None}],

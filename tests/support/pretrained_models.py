@@ -163,6 +163,33 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "apertus1p5_text": ("Apertus1p5Text", {"attention_bias": True, "rope_parameters": LLAMA3}),
     "hy_v3": ("HYV3", {"attention_bias": True, "rms_norm_eps": 1e-5, **MOE,
                        "num_shared_experts": 1, "mlp_layer_types": ["dense", "sparse", "sparse"]}),
+    # issue 32's rows: EXAONE 4's attention (EXAONE-MoE, Kolibri), Qwen3-MoE's with sinks and
+    # rope on the sliding layers alone (Flint), Granite's with sinks, windows and a base per
+    # layer (layer 1 without rope), GLM-4.5's over whole heads (Sarvam-MoE, its own names)
+    "exaone_moe": ("ExaoneMoe", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING],
+                                 "rms_norm_eps": 1e-5, **MOE, "first_k_dense_replace": 1}),
+    "kolibri1": ("Kolibri1", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING],
+                              **MOE, "shared_expert_intermediate_size": 16}),
+    "flint": ("Flint", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING],
+                        "attention_bias": True, **MOE, "shared_expert_intermediate_size": 16,
+                        "mlp_only_layers": [0]}),
+    "granite_swa": ("GraniteSWA", {"attention_multiplier": 0.2, "attention_bias": True,
+                                   "sliding_window": 5, "layer_rope_theta": [500.0, 0, 900.0]}),
+    "granitemoe_swa": ("GraniteMoeSWA", {"attention_multiplier": 0.3, "sliding_window": 5,
+                                         "shared_intermediate_size": 16, **MOE}),
+    "sarvam_moe": ("SarvamMoE", {"attention_bias": True, "n_routed_experts": 4,
+                                 "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                 "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                                 "experts_implementation": "eager"}),
+    # DeepSeek V3's latent attention (Sarvam-MLA: no query projection by default; A.X K1),
+    # MiniCPM3's rotating the halves, its values hidden_size // heads wide
+    "sarvam_mla": ("SarvamMLA", {**DEEPSEEK, "q_lora_rank": ABSENT}),
+    "axk1": ("AXK1", {**DEEPSEEK, "first_k_dense_replace": ABSENT, "attention_bias": True}),
+    "minicpm3": ("MiniCPM3", {**DEEPSEEK, "v_head_dim": ABSENT, "attention_bias": True,
+                              "n_routed_experts": ABSENT, "num_experts_per_tok": ABSENT,
+                              "n_group": ABSENT, "topk_group": ABSENT,
+                              "moe_intermediate_size": ABSENT, "first_k_dense_replace": ABSENT,
+                              "n_shared_experts": ABSENT, "experts_implementation": ABSENT}),
     # layers without rope (NoPE): layer 1 by no_rope_layers (sliding, by the default
     # layer_types), the full layer of Cohere 2 and EXAONE 4 (rope on the sliding ones)
     "smollm3": ("SmolLM3", {"no_rope_layers": [1, 0, 1], "use_sliding_window": True,
@@ -242,7 +269,7 @@ FAMILIES = tuple(MODELS)
 query's low-rank projection (``q_lora_rank=None``), with biases and halves rotary."""
 
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
-LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu")
+LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "axk1", "minicpm3")
 """The checkpoints of DeepSeek's multi-head latent attention (``LatentAttention``)."""
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen",
@@ -305,18 +332,22 @@ def attention_modules(model: Any) -> list[Any]:
 
 def attention_path(model: Any) -> str:
     """The module path of layer ``{i}``'s attention in ``model``: the readers' layout's,
-    but Llama's for EXAONE 3 (transformers loads its tensors into Llama's modules)."""
+    but Llama's where transformers loads a family's own tensor names into Llama's modules
+    (EXAONE 3, Sarvam-MoE)."""
     from mha.integrations import readers
 
-    if model.config.model_type == "exaone":
+    path = str(readers.FAMILIES[model.config.model_type].tensors.path)
+    try:
+        model.get_submodule(path.format(i=0))
+    except AttributeError:
         return "model.layers.{i}.self_attn"
-    return str(readers.FAMILIES[model.config.model_type].tensors.path)
+    return path
 
 
 EAGER = ("gemma2", "gpt_oss", "vaultgemma", "gpt_neo", "bloom", "mpt", "xglm", "openai-gpt",
-         "gpt_neox_japanese")  # fmt: skip
+         "gpt_neox_japanese", "flint", "granite_swa", "granitemoe_swa")  # fmt: skip
 """The families whose attention is eager only (Gemma 2's and VaultGemma's soft-capping,
-gpt-oss's sinks, the older families' own attention code)."""
+gpt-oss's, Flint's and GraniteSWA's sinks, the older families' own attention code)."""
 
 
 def _implementation(family: str) -> str:

@@ -13,6 +13,7 @@ from .family import Family
 from .layouts import LatentProjections, Projections, Tensor
 from .rope import (
     check_refused,
+    layer_theta,
     partial_rotary,
     rope_parameters,
     rope_scaling,
@@ -72,7 +73,10 @@ def rotary(
     """The rotary settings of layer ``index`` (of type ``layer_type``, heads ``d`` wide): its
     base, rotated width, pairs and scaling, or none of them on a layer without positions (or
     with ``alibi``'s, or in a family whose attention rotates nothing)."""
-    if alibi or not family.rope.applied or not family.rope.rotates(read, index, layer_type):
+    per_layer = family.rope.per_layer_theta
+    theta = layer_theta(read, per_layer, index) if per_layer else None
+    rotates = family.rope.applied and family.rope.rotates(read, index, layer_type)
+    if alibi or not rotates or theta == 0.0:
         return {
             "rope_theta": None,
             "rotary_dim": None,
@@ -80,6 +84,8 @@ def rotary(
             "rope_scaling": None,
         }
     rope = rope_parameters(read, family.rope, layer_type)
+    if theta is not None:
+        rope["rope_theta"] = theta
     if rope.get("mrope_section") is not None:
         raise read.refuse(f"a multimodal rope (mrope_section={rope['mrope_section']})")
     rope = check_refused(read, family.rope, rope)
@@ -107,10 +113,11 @@ def latent(family: Family, layout: LatentProjections, read: Settings) -> Describ
     """The settings and tensors of DeepSeek's multi-head latent attention."""
     E, H = read.positive("hidden_size"), read.positive("num_attention_heads")
     q_rank = read.positive("q_lora_rank", optional=True)
-    rank, nope, rope_dim, v = (
-        read.positive(key)
-        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    rank, nope, rope_dim = (
+        read.positive(key) for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
     )
+    # a null v_head_dim is the hidden size's share of a head (MiniCPM3's config class)
+    v = read.positive("v_head_dim", optional=True) or E // H
     kv_heads = read.given("num_key_value_heads")
     if kv_heads not in (None, H):  # transformers' latent attention expands a key per head
         raise read.refuse(f"num_key_value_heads={kv_heads} != num_attention_heads={H}")

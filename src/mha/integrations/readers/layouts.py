@@ -277,6 +277,15 @@ EXAONE = Projections(o="out_proj", path="transformer.h.{i}.attn.attention")
 """EXAONE 3's own names, which transformers renames to Llama's when it loads them and back
 when it saves."""
 MODERNBERT_DECODER = Projections(o="Wo", path="model.layers.{i}.attn")
+SARVAM_MOE = Projections(
+    o="dense",
+    qkv="query_key_value",
+    q_norm="query_layernorm",
+    k_norm="key_layernorm",
+    path="model.layers.{i}.attention",
+)
+"""Sarvam-MoE's own names, which transformers renames to GLM-4.5's (``q_proj``, ``k_proj``,
+``v_proj`` split from the fused rows) when it loads them and back when it saves."""
 
 
 @dataclass(frozen=True)

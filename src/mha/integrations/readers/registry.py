@@ -60,6 +60,7 @@ from .windows import (
     COHERE2_MOE_WINDOWS,
     CWM_WINDOWS,
     EVERY_LAYER,
+    FLINT_WINDOWS,
     FULL_BY_DEFAULT,
     GPT_NEO_WINDOWS,
     MODERNBERT_WINDOWS,
@@ -536,6 +537,72 @@ register(
         qk_norm=PER_HEAD,
         unsupported=(Unsupported("rope_scaling", "an old rope_scaling, which Mellum ignores"),),
     ),
+)
+
+# attentions above with other defaults, windows or rope (issue 32)
+register(
+    Family(  # EXAONE 4's attention (ExaoneMoeAttention)
+        "exaone_moe",
+        defaults.EXAONE_MOE,
+        biases=NO_BIASES,
+        windows=by_layer_types(pattern=4),
+        rope=Rope(rotates=sliding_layers_if_windowed),
+        qk_norm=PER_HEAD,
+    ),
+    Family(  # EXAONE 4's attention, every fifth layer full
+        "kolibri1",
+        defaults.KOLIBRI1,
+        biases=NO_BIASES,
+        windows=by_layer_types(pattern=5, key=None),
+        rope=Rope(rotates=sliding_layers_if_windowed),
+        qk_norm=PER_HEAD,
+    ),
+    Family(  # Qwen3-MoE's attention with gpt-oss's sinks, rope on the sliding layers only
+        "flint",
+        defaults.FLINT,
+        tensors=Projections(sinks="softmax_offset"),  # as saved; transformers loads "sinks"
+        windows=FLINT_WINDOWS,
+        rope=Rope(rotates=sliding_layers),
+        qk_norm=PER_HEAD,
+        sinks=True,
+    ),
+    # Granite's with sinks, the first of every four layers full, a base per layer
+    Family(
+        "granite_swa",
+        defaults.GRANITE_SWA,
+        windows=CWM_WINDOWS,
+        rope=Rope(per_layer_theta="layer_rope_theta"),
+        scale=attention_multiplier,
+        sinks=True,
+    ),
+    Family(
+        "granitemoe_swa",
+        defaults.GRANITEMOE_SWA,
+        windows=CWM_WINDOWS,
+        rope=Rope(per_layer_theta="layer_rope_theta"),
+        scale=attention_multiplier,
+        sinks=True,
+    ),
+    Family(  # GLM-4.5's attention (Glm4MoeForCausalLM), rotary over the whole head
+        "sarvam_moe",
+        defaults.SARVAM_MOE,
+        keys={"attention_bias": "use_qkv_bias"},
+        tensors=layouts.SARVAM_MOE,
+        biases=QKV_ATTENTION_BIAS,
+        rope=Rope(theta=8_000_000.0, partial=True, fraction=1.0),
+        qk_norm=QkNorm("head", when="use_qk_norm"),
+        own=("use_qk_norm",),
+    ),
+    # DeepSeek's latent attention: V3's (Sarvam's old deepseek_yarn is yarn), MiniCPM3's
+    # rotating the halves
+    Family(
+        "sarvam_mla",
+        defaults.SARVAM_MLA,
+        tensors=LATENT,
+        rope=Rope(interleave="rope_interleave", aliases={"deepseek_yarn": "yarn"}),
+    ),
+    Family("axk1", defaults.AXK1, tensors=LATENT, rope=Rope(interleave="rope_interleave")),
+    Family("minicpm3", defaults.MINICPM3, tensors=LATENT),
 )
 
 SUPPORTED = tuple(FAMILIES)

@@ -30,6 +30,7 @@ __all__ = [
     "check_refused",
     "check_rope",
     "every_layer",
+    "layer_theta",
     "partial_rotary",
     "rope_parameters",
     "rotary_dim",
@@ -141,11 +142,36 @@ class Rope:
     compute, by that feature's name (Ministral 3's ``llama_4_scaling_beta``)."""
     rotates: LayerRotates = every_layer
     """Which layers rotate; the others have no positions (NoPE)."""
+    per_layer_theta: str | None = None
+    """The config key listing each layer's base, which replaces ``rope_theta`` (0: that
+    layer has no positions), when the config gives it (GraniteSWA's ``layer_rope_theta``)."""
 
     def interleaved(self, read: Settings) -> bool:
         if isinstance(self.interleave, str):
             return bool(read.get(self.interleave))
         return self.interleave
+
+
+def layer_theta(read: Settings, key: str, index: int) -> float | None:
+    """Layer ``index``'s base in the config key ``key``, a list of one base per layer (0:
+    the layer has no positions), or ``None`` when the config gives no list."""
+    thetas = read.get(key)
+    if thetas is None:
+        return None
+    count = read.positive("num_hidden_layers")
+    if (
+        not isinstance(thetas, list)
+        or len(thetas) != count
+        or any(
+            isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta < 0
+            for theta in thetas
+        )
+    ):
+        raise AttentionValueError(
+            f"{read.path}: config.json's {read.name(key)} must list a base (0: no rope) for "
+            f"each of its {count} layers; got {thetas!r}"
+        )
+    return float(thetas[index])
 
 
 def rope_parameters(read: Settings, rope: Rope, layer_type: str | None) -> dict[str, Any]:
