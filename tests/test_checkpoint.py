@@ -318,7 +318,7 @@ QK_NORMS = {"qwen3": ("head", 0.0), "gemma3_text": ("head", 1.0), "olmo2": ("all
             "apertus1p5_text": ("head", 0.0), "hy_v3": ("head", 0.0),
             "mellum": ("head", 0.0), "exaone4": ("head", 0.0),
             "minimax_m2": ("all", 0.0), "exaone_moe": ("head", 0.0), "kolibri1": ("head", 0.0),
-            "flint": ("head", 0.0)}  # fmt: skip
+            "flint": ("head", 0.0), "nanochat": ("head", 0.0)}  # fmt: skip
 INTERLEAVED = ("helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2", "cohere2_moe", "glm",
                "glm4")  # fmt: skip
 """What each family's transformers attention computes beyond Llama's, for the oracle below
@@ -425,8 +425,16 @@ def expected_weights(attention, settings):
         weights |= {"W_q": W[:, :q], "W_k": W[:, q : q + kv], "W_v": W[:, q + kv :]}
     for name, ours in (("q_norm", "q_norm"), ("k_norm", "k_norm"), ("sinks", "sinks"),
                        ("q_a_layernorm", "q_a_norm"), ("kv_a_layernorm", "kv_a_norm")):  # fmt: skip
-        if getattr(attention, name, None) is not None:
-            weights[ours] = parameter(getattr(attention, name))
+        module = getattr(attention, name, None)
+        if module is not None and not hasattr(module, "weight") and not hasattr(module, "detach"):
+            weights[ours] = np.ones(settings["head_dim"])  # NanoChat's norm without weights
+        elif module is not None:
+            weights[ours] = parameter(module)
+    if type(attention).__name__ == "NanoChatAttention":  # its rotation by negated angles
+        half = settings["head_dim"] // 2
+        for name in [name for name in ("W_q", "W_k", "b_q", "b_k") if name in weights]:
+            x = weights[name]
+            weights[name] = x.reshape(*x.shape[:-1], -1, 2, half)[..., ::-1, :].reshape(x.shape)
     return weights
 
 

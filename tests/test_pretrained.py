@@ -23,6 +23,7 @@ in test_pretrained_deepseek_v2.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import shutil
@@ -147,6 +148,8 @@ CHANGES = {
     "sarvam_mla": [{"scale": None}, {"rope_scaling": None}, {"rotary_interleaved": False}],
     "axk1": [{"scale": None}, {"rotary_interleaved": False}, {"b_kv_a": None}],
     "minicpm3": [{"scale": None}, {"rope_scaling": None}, {"rotary_interleaved": True}],
+    "nanochat": [{"qk_norm": None, "qk_norm_eps": None, "qk_norm_offset": None, "q_norm": None,
+                  "k_norm": None}, {"b_k": None}],
     # a layer without positions given the others' rope (the layers with rope keep theirs)
     "smollm3": [{"rope_theta": 500.0}, {"window": None}],
     "cohere2": [{"rope_theta": 500.0}, {"rotary_interleaved": False}, {"window": None}],
@@ -204,6 +207,17 @@ def test_every_setting_read_matters_in_these_models(family, monkeypatch, transfo
         if family == "phi3" and "rotary_dim" in change:  # against the change before it
             assert max(relative_error(a, b) for a, b in zip(outputs, baseline, strict=True)) > 1e-4
         baseline = outputs
+
+
+def test_nanochats_rotation_by_the_negated_angles_matters(monkeypatch, transformers):
+    """NanoChat read with the usual rotation (its halves unswapped) differs from
+    transformers' layer: the negated angles are read, not ignored."""
+    row = readers.FAMILIES["nanochat"]
+    usual = dataclasses.replace(row, rope=dataclasses.replace(row.rope, negated=False))
+    monkeypatch.setitem(readers.FAMILIES, "nanochat", usual)
+    for layer, calls in enumerate(oracle("nanochat")):
+        x, expected = calls[0]
+        assert relative_error(load("nanochat", layer)(x, mask=True), expected) > 1e-4, layer
 
 
 def test_every_row_of_the_table_has_a_tiny_model_compared_here(transformers):

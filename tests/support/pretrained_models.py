@@ -190,6 +190,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                               "n_group": ABSENT, "topk_group": ABSENT,
                               "moe_intermediate_size": ABSENT, "first_k_dense_replace": ABSENT,
                               "n_shared_experts": ABSENT, "experts_implementation": ABSENT}),
+    # NanoChat: rotation by the negated angles, then a QK-norm without weights
+    "nanochat": ("NanoChat", {"head_dim": ABSENT, "attention_bias": True}),
     # layers without rope (NoPE): layer 1 by no_rope_layers (sliding, by the default
     # layer_types), the full layer of Cohere 2 and EXAONE 4 (rope on the sliding ones)
     "smollm3": ("SmolLM3", {"no_rope_layers": [1, 0, 1], "use_sliding_window": True,

@@ -44,7 +44,7 @@ from ...api.configuration import LayerSpec
 from ...api.latent import LatentSpec
 from ...errors import WeightsFileError
 from ..checkpoint import Checkpoint
-from .attention import describe
+from .attention import completed, describe
 from .config import Settings, Source, layer_index
 from .family import Family
 from .layouts import attention_prefix, check_names, lay_out
@@ -98,4 +98,4 @@ def layer_attention(
                 f"({read.summary()}) calls for {tensor.shape}"
             )
         weights.update(lay_out(array, tensor))
-    return kind, settings, weights
+    return kind, settings, completed(family, settings, weights)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .config import SLIDING, Settings
 from .family import Family
 from .layouts import LatentProjections, Projections, Tensor
@@ -21,7 +23,7 @@ from .rope import (
     yarn_mscale,
 )
 
-__all__ = ["describe", "latent", "multi_head", "rotary"]
+__all__ = ["completed", "describe", "latent", "multi_head", "rotary"]
 
 Described = tuple[str, dict[str, Any], dict[str, Tensor]]
 """A layer's kind (``"attention"`` or ``"latent"``), settings and tensors."""
@@ -63,8 +65,32 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     if alibi is not None:  # the rope is then off
         settings["alibi"] = alibi
     biased = family.biases.carried(read, "qkvo", index)
-    tensors = layout.tensors(E, heads, biased, settings["qk_norm"], family.sinks)
+    stored_norm = settings["qk_norm"] if norm and norm.weighted else None
+    tensors = layout.tensors(E, heads, biased, stored_norm, family.sinks)
     return layout.kind, settings, tensors
+
+
+def completed(
+    family: Family, settings: dict[str, Any], weights: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """The layer's ``weights`` with what its family computes without tensors of its own:
+    QK-norm weights of ones for a norm without weights, and each head's halves swapped in
+    the query and key projections for a rotation by the negated angles (:attr:`.Rope.negated`)."""
+    if settings.get("qk_norm") and not (family.qk_norm and family.qk_norm.weighted):
+        d = settings["head_dim"]
+        widths = {"q": d, "k": d}
+        if settings["qk_norm"] == "all":
+            widths = {"q": settings["num_heads"] * d, "k": settings["num_kv_heads"] * d}
+        dtype = weights["W_q"].dtype
+        weights |= {f"{p}_norm": np.ones(width, dtype) for p, width in widths.items()}
+    if family.rope.negated and settings.get("rope_theta") is not None:
+        half = settings["head_dim"] // 2
+        for name in ("W_q", "W_k", "b_q", "b_k"):
+            if weights.get(name) is not None:
+                x = weights[name]
+                heads = x.reshape(*x.shape[:-1], -1, 2, half)
+                weights[name] = heads[..., ::-1, :].reshape(x.shape)
+    return weights
 
 
 def rotary(

@@ -94,12 +94,14 @@ class QkNorm:
     """RMSNorm of the queries and keys before the rotation: per ``"head"`` (weights of the
     head's width) or across ``"all"`` heads (before the split), the weight applied as
     ``offset + weight``, its epsilon from the config key ``eps``; always, or with ``when``,
-    where that config key is true (GLM-4.5's ``use_qk_norm``)."""
+    where that config key is true (GLM-4.5's ``use_qk_norm``). ``weighted=False``: a norm
+    without weights (NanoChat's), read as weights of ones."""
 
     over: str = "head"
     offset: float = 0.0
     eps: str = "rms_norm_eps"
     when: str | None = None
+    weighted: bool = True
 
     def applies(self, read: Settings) -> bool:
         return self.when is None or bool(read.get(self.when))

@@ -603,6 +603,14 @@ register(
     ),
     Family("axk1", defaults.AXK1, tensors=LATENT, rope=Rope(interleave="rope_interleave")),
     Family("minicpm3", defaults.MINICPM3, tensors=LATENT),
+    # Qwen3's attention rotating by the negated angles, then normalising (without weights,
+    # which commutes with the rotation)
+    Family(
+        "nanochat",
+        defaults.NANOCHAT,
+        rope=Rope(negated=True),
+        qk_norm=QkNorm("head", weighted=False),
+    ),
 )
 
 SUPPORTED = tuple(FAMILIES)

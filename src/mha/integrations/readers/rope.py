@@ -142,6 +142,10 @@ class Rope:
     compute, by that feature's name (Ministral 3's ``llama_4_scaling_beta``)."""
     rotates: LayerRotates = every_layer
     """Which layers rotate; the others have no positions (NoPE)."""
+    negated: bool = False
+    """Whether the attention rotates by the negated angles (NanoChat's ``rotate_half``,
+    ``(x2, -x1)``): read as the usual rotation of each head's halves swapped in the query and
+    key projections, whose scores are the same."""
     per_layer_theta: str | None = None
     """The config key listing each layer's base, which replaces ``rope_theta`` (0: that
     layer has no positions), when the config gives it (GraniteSWA's ``layer_rope_theta``)."""
