@@ -148,6 +148,8 @@ CHANGES = {
     "sarvam_mla": [{"scale": None}, {"rope_scaling": None}, {"rotary_interleaved": False}],
     "axk1": [{"scale": None}, {"rotary_interleaved": False}, {"b_kv_a": None}],
     "minicpm3": [{"scale": None}, {"rope_scaling": None}, {"rotary_interleaved": True}],
+    # the sliding layers given a rope, the full one another base
+    "cohere_compass_text": [{"rope_theta": 500.0}, {"rope_theta": 10000.0}, {"window": None}],
     "nanochat": [{"qk_norm": None, "qk_norm_eps": None, "qk_norm_offset": None, "q_norm": None,
                   "k_norm": None}, {"b_k": None}],
     # a layer without positions given the others' rope (the layers with rope keep theirs)
@@ -311,6 +313,11 @@ def test_older_configs_are_read_as_transformers_reads_them(
         ("phi", {"qk_layernorm": True}, r"qk_layernorm=True \(a LayerNorm QK-norm"),
         ("cohere", {"use_qk_norm": True}, r"use_qk_norm=True \(Cohere's LayerNorm QK-norm\)"),
         ("glm", {"sliding_window": 4}, "glm with sliding_window=4"),
+        (
+            "cohere_compass_text",
+            {"rope_parameters": {}},
+            "no rope_parameters entry for its sliding_attention layers",
+        ),
         ("smollm3", {"no_rope_layers": [1, 0]}, "no_rope_layers must list 1 .rope. or 0"),
         (
             "exaone4",

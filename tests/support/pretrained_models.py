@@ -190,6 +190,12 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                               "n_group": ABSENT, "topk_group": ABSENT,
                               "moe_intermediate_size": ABSENT, "first_k_dense_replace": ABSENT,
                               "n_shared_experts": ABSENT, "experts_implementation": ABSENT}),
+    # Cohere Compass's text model: a rope per layer type (a multimodal one: of text
+    # positions, the plain rope), none on its sliding layers
+    "cohere_compass_text": ("CohereCompassText", {
+        "sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING], "attention_bias": True,
+        "rope_parameters": {FULL: {"rope_type": "default", "rope_theta": 3000.0,
+                                   "mrope_section": [2, 2, 2]}, SLIDING: None}}),
     # NanoChat: rotation by the negated angles, then a QK-norm without weights
     "nanochat": ("NanoChat", {"head_dim": ABSENT, "attention_bias": True}),
     # layers without rope (NoPE): layer 1 by no_rope_layers (sliding, by the default

@@ -112,6 +112,8 @@ def rotary(
     rope = rope_parameters(read, family.rope, layer_type)
     if theta is not None:
         rope["rope_theta"] = theta
+    if family.rope.text_mrope:  # text positions: the same on every axis of the sections
+        rope = {key: value for key, value in rope.items() if not key.startswith("mrope_")}
     if rope.get("mrope_section") is not None:
         raise read.refuse(f"a multimodal rope (mrope_section={rope['mrope_section']})")
     rope = check_refused(read, family.rope, rope)

@@ -640,3 +640,4 @@ NANOCHAT: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 2048,
 }
+COHERE_COMPASS_TEXT: dict[str, Any] = {**COHERE2}

@@ -51,6 +51,7 @@ from .layouts import (
 from .refused import REFUSED
 from .rope import (
     Rope,
+    by_layer_type_entries,
     by_no_rope_layers,
     sliding_layers,
     sliding_layers_if_windowed,
@@ -603,6 +604,12 @@ register(
     ),
     Family("axk1", defaults.AXK1, tensors=LATENT, rope=Rope(interleave="rope_interleave")),
     Family("minicpm3", defaults.MINICPM3, tensors=LATENT),
+    Family(  # Cohere 2's attention rotating the halves, a rope per layer type (null: none)
+        "cohere_compass_text",
+        defaults.COHERE_COMPASS_TEXT,
+        windows=FULL_BY_DEFAULT,
+        rope=Rope(rotates=by_layer_type_entries, text_mrope=True),
+    ),
     # Qwen3's attention rotating by the negated angles, then normalising (without weights,
     # which commutes with the rotation)
     Family(
