@@ -308,7 +308,7 @@ def test_a_tensor_missing_from_the_shard_its_index_names_is_refused(tmp_path):
 
 
 LATENT_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "sarvam_mla", "axk1",
-                "minicpm3")  # fmt: skip
+                "minicpm3", "longcat_flash")  # fmt: skip
 EVERY_LAYER_SLIDES = ("mistral", "phi3", "mixtral", "phimoe", "starcoder2", "ministral3",
                       "qwen3_moe")  # fmt: skip
 SOFTCAPPED = ("gemma2", "vaultgemma")
@@ -432,6 +432,9 @@ def expected_weights(attention, settings):
             weights[ours] = np.ones(settings["head_dim"])  # NanoChat's norm without weights
         elif module is not None:
             weights[ours] = parameter(module)
+    if hasattr(attention, "mla_scale_q_lora"):  # LongCat-Flash's, in the norms' weights
+        weights["q_a_norm"] = weights["q_a_norm"] * attention.mla_scale_q_lora
+        weights["kv_a_norm"] = weights["kv_a_norm"] * attention.mla_scale_kv_lora
     if type(attention).__name__ == "NanoChatAttention":  # its rotation by negated angles
         half = settings["head_dim"] // 2
         for name in [name for name in ("W_q", "W_k", "b_q", "b_k") if name in weights]:
@@ -452,10 +455,9 @@ def test_each_layer_is_what_transformers_computes(family, transformers):
     model = models.transformers_model(family)
     config = model.config
     checkpoint = Checkpoint(models.saved(family))
-    assert config.num_hidden_layers == checkpoint.config["num_hidden_layers"]
+    assert config.num_hidden_layers == len(models.attention_modules(model))
     seen = set()
-    for index, layer in enumerate(model.model.layers):
-        attention = layer.self_attn
+    for index, attention in enumerate(models.attention_modules(model)):
         kind, settings, weights = layer_attention(checkpoint, index, dtype=np.float64)
         expected = expected_settings(config, index, attention)
         assert kind == ("latent" if family in models.LATENT_FAMILIES else "attention")

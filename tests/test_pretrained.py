@@ -150,6 +150,8 @@ CHANGES = {
     "minicpm3": [{"scale": None}, {"rope_scaling": None}, {"rotary_interleaved": True}],
     # the sliding layers given a rope, the full one another base
     "cohere_compass_text": [{"rope_theta": 500.0}, {"rope_theta": 10000.0}, {"window": None}],
+    # the scales read into the norms' weights (scale: its yarn mscale)
+    "longcat_flash": [{"scale": None}, {"rotary_interleaved": False}, {"b_kv_a": None}],
     "nanochat": [{"qk_norm": None, "qk_norm_eps": None, "qk_norm_offset": None, "q_norm": None,
                   "k_norm": None}, {"b_k": None}],
     # a layer without positions given the others' rope (the layers with rope keep theirs)
@@ -211,15 +213,25 @@ def test_every_setting_read_matters_in_these_models(family, monkeypatch, transfo
         baseline = outputs
 
 
-def test_nanochats_rotation_by_the_negated_angles_matters(monkeypatch, transformers):
-    """NanoChat read with the usual rotation (its halves unswapped) differs from
-    transformers' layer: the negated angles are read, not ignored."""
-    row = readers.FAMILIES["nanochat"]
-    usual = dataclasses.replace(row, rope=dataclasses.replace(row.rope, negated=False))
-    monkeypatch.setitem(readers.FAMILIES, "nanochat", usual)
-    for layer, calls in enumerate(oracle("nanochat")):
+@pytest.mark.parametrize(
+    ("family", "field", "change"),
+    [
+        ("nanochat", "rope", {"negated": False}),
+        ("longcat_flash", "tensors", {"lora_scaled": False}),
+    ],
+)
+def test_what_is_read_into_the_weights_matters(family, field, change, monkeypatch, transformers):
+    """What a row reads into the weights rather than the settings, left out, is caught by the
+    comparison: NanoChat's rotation by the negated angles (each head's halves swapped),
+    LongCat-Flash's scales of its query and latent (in the norms' weights)."""
+    row = readers.FAMILIES[family]
+    changed = dataclasses.replace(
+        row, **{field: dataclasses.replace(getattr(row, field), **change)}
+    )
+    monkeypatch.setitem(readers.FAMILIES, family, changed)
+    for layer, calls in enumerate(oracle(family)):
         x, expected = calls[0]
-        assert relative_error(load("nanochat", layer)(x, mask=True), expected) > 1e-4, layer
+        assert relative_error(load(family, layer)(x, mask=True), expected) > 1e-4, layer
 
 
 def test_every_row_of_the_table_has_a_tiny_model_compared_here(transformers):

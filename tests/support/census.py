@@ -164,6 +164,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         }
     },
     "zaya": {"num_experts_per_tok": 1},
+    "longcat_flash": {"num_layers": 2, "head_dim": 8},  # its rotary is head_dim wide
     "cohere_compass_text": {  # its rotary embedding takes a rope per layer type (none: {})
         "layer_types": ["full_attention", "sliding_attention"] * 2,
         "rope_parameters": {

@@ -196,6 +196,15 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING], "attention_bias": True,
         "rope_parameters": {FULL: {"rope_type": "default", "rope_theta": 3000.0,
                                    "mrope_section": [2, 2, 2]}, SLIDING: None}}),
+    # LongCat-Flash: two latent attentions per decoder layer (four layers), its query and
+    # latent scaled by sqrt(hidden_size / rank)
+    "longcat_flash": ("LongcatFlash", {
+        **DEEPSEEK, "num_hidden_layers": ABSENT, "num_layers": 2, "head_dim": 8,
+        "n_routed_experts": 4, "moe_topk": 2, "zero_expert_num": 1,
+        "expert_ffn_hidden_size": 16, "ffn_hidden_size": 32, "intermediate_size": ABSENT,
+        "num_experts_per_tok": ABSENT, "n_group": ABSENT, "topk_group": ABSENT,
+        "moe_intermediate_size": ABSENT, "first_k_dense_replace": ABSENT,
+        "n_shared_experts": ABSENT, "attention_bias": True}),
     # NanoChat: rotation by the negated angles, then a QK-norm without weights
     "nanochat": ("NanoChat", {"head_dim": ABSENT, "attention_bias": True}),
     # layers without rope (NoPE): layer 1 by no_rope_layers (sliding, by the default
@@ -277,7 +286,8 @@ FAMILIES = tuple(MODELS)
 query's low-rank projection (``q_lora_rank=None``), with biases and halves rotary."""
 
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
-LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "axk1", "minicpm3")
+LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "axk1", "minicpm3",
+                   "longcat_flash")
 """The checkpoints of DeepSeek's multi-head latent attention (``LatentAttention``)."""
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen",
@@ -334,7 +344,9 @@ def build(family: str, seed: int = 0) -> Any:
 def attention_modules(model: Any) -> list[Any]:
     """Each layer's attention module in ``model``, where the reader's row of its
     ``model_type`` says it is."""
-    return [model.get_submodule(path.format(i=i)) for i in range(model.config.num_hidden_layers)
+    from mha.integrations.readers.layouts import module_path
+
+    return [model.get_submodule(module_path(path, i)) for i in range(model.config.num_hidden_layers)
             for path in (attention_path(model),)]  # fmt: skip
 
 
@@ -346,7 +358,7 @@ def attention_path(model: Any) -> str:
 
     path = str(readers.FAMILIES[model.config.model_type].tensors.path)
     try:
-        model.get_submodule(path.format(i=0))
+        model.get_submodule(path.format(i=0, j=0))
     except AttributeError:
         return "model.layers.{i}.self_attn"
     return path

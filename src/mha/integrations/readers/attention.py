@@ -74,8 +74,10 @@ def completed(
     family: Family, settings: dict[str, Any], weights: dict[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
     """The layer's ``weights`` with what its family computes without tensors of its own:
-    QK-norm weights of ones for a norm without weights, and each head's halves swapped in
-    the query and key projections for a rotation by the negated angles (:attr:`.Rope.negated`)."""
+    QK-norm weights of ones for a norm without weights, the latent norms' weights times
+    LongCat-Flash's scales (:attr:`.LatentProjections.lora_scaled`), and each head's halves
+    swapped in the query and key projections for a rotation by the negated angles
+    (:attr:`.Rope.negated`)."""
     if settings.get("qk_norm") and not (family.qk_norm and family.qk_norm.weighted):
         d = settings["head_dim"]
         widths = {"q": d, "k": d}
@@ -83,6 +85,10 @@ def completed(
             widths = {"q": settings["num_heads"] * d, "k": settings["num_kv_heads"] * d}
         dtype = weights["W_q"].dtype
         weights |= {f"{p}_norm": np.ones(width, dtype) for p, width in widths.items()}
+    if isinstance(family.tensors, LatentProjections) and family.tensors.lora_scaled:
+        E = settings["d_model"]
+        weights["q_a_norm"] = weights["q_a_norm"] * (E / settings["q_lora_rank"]) ** 0.5
+        weights["kv_a_norm"] = weights["kv_a_norm"] * (E / settings["kv_lora_rank"]) ** 0.5
     if family.rope.negated and settings.get("rope_theta") is not None:
         half = settings["head_dim"] // 2
         for name in ("W_q", "W_k", "b_q", "b_k"):

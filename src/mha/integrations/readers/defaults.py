@@ -641,3 +641,15 @@ NANOCHAT: dict[str, Any] = {
     "max_position_embeddings": 2048,
 }
 COHERE_COMPASS_TEXT: dict[str, Any] = {**COHERE2}
+LONGCAT_FLASH: dict[str, Any] = {
+    "hidden_size": 6144,
+    "num_layers": 28,
+    "num_attention_heads": 64,
+    "attention_bias": False,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "max_position_embeddings": 131072,
+}

@@ -604,6 +604,13 @@ register(
     ),
     Family("axk1", defaults.AXK1, tensors=LATENT, rope=Rope(interleave="rope_interleave")),
     Family("minicpm3", defaults.MINICPM3, tensors=LATENT),
+    Family(  # two latent attentions per decoder layer, read as layers 2i and 2i + 1
+        "longcat_flash",
+        defaults.LONGCAT_FLASH,
+        keys={"num_hidden_layers": "num_layers"},
+        tensors=layouts.LONGCAT_FLASH,
+        rope=Rope(theta=10_000_000.0, interleave=True),
+    ),
     Family(  # Cohere 2's attention rotating the halves, a rope per layer type (null: none)
         "cohere_compass_text",
         defaults.COHERE_COMPASS_TEXT,
