@@ -287,7 +287,7 @@ query's low-rank projection (``q_lora_rank=None``), with biases and halves rotar
 
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
 LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "axk1", "minicpm3",
-                   "longcat_flash")
+                   "longcat_flash")  # fmt: skip
 """The checkpoints of DeepSeek's multi-head latent attention (``LatentAttention``)."""
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen",
