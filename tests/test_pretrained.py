@@ -326,6 +326,11 @@ def test_older_configs_are_read_as_transformers_reads_them(
         ("cohere", {"use_qk_norm": True}, r"use_qk_norm=True \(Cohere's LayerNorm QK-norm\)"),
         ("glm", {"sliding_window": 4}, "glm with sliding_window=4"),
         (
+            "nanochat",
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0}},
+            "rope_type 'yarn', whose attention factor scales",
+        ),
+        (
             "cohere_compass_text",
             {"rope_parameters": {}},
             "no rope_parameters entry for its sliding_attention layers",

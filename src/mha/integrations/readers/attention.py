@@ -64,6 +64,12 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     }
     if alibi is not None:  # the rope is then off
         settings["alibi"] = alibi
+    scaled = (settings["rope_scaling"] or {}).get("rope_type")
+    if norm and not norm.weighted and scaled in ("yarn", "longrope"):
+        raise read.refuse(
+            f"rope_type {scaled!r}, whose attention factor scales the rotated queries and keys "
+            f"before {read.family}'s QK-norm divides it out (mha normalises before the rotation)"
+        )
     biased = family.biases.carried(read, "qkvo", index)
     stored_norm = settings["qk_norm"] if norm and norm.weighted else None
     tensors = layout.tensors(E, heads, biased, stored_norm, family.sinks)

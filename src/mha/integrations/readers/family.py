@@ -95,7 +95,9 @@ class QkNorm:
     head's width) or across ``"all"`` heads (before the split), the weight applied as
     ``offset + weight``, its epsilon from the config key ``eps``; always, or with ``when``,
     where that config key is true (GLM-4.5's ``use_qk_norm``). ``weighted=False``: a norm
-    without weights (NanoChat's), read as weights of ones."""
+    without weights (NanoChat's, after the rotation, with which it commutes: the rotation
+    keeps each head's norm), read as weights of ones; a rope whose attention factor scales
+    the rotation (``yarn``, ``longrope``) is then refused."""
 
     over: str = "head"
     offset: float = 0.0
