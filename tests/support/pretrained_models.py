@@ -23,8 +23,11 @@ layouts (GPT-2 and GPT-1's Conv1D, fused projections in blocks per head or per k
 head, BigCode's and Falcon's multi-query and grouped heads, GPT-NeoX's partial and GPT-J's
 interleaved partial rotary, GPT-Neo's unscaled local layers, BLOOM's, MPT's and Falcon's
 ALiBi of six heads, OPT's, BioGPT's, XGLM's and CTRL's biases without rope), whose configs
-keep COMMON's ``num_key_value_heads`` where the family ignores it. Each family's attention
-module is where the reader's row says (:func:`attention_path`).
+keep COMMON's ``num_key_value_heads`` where the family ignores it; sinks beside windows
+(Flint, GraniteSWA), a rope base per layer (GraniteSWA) or per layer type, none for one
+(Cohere Compass), NanoChat's rotation by the negated angles and LongCat-Flash's two latent
+attentions per decoder layer. Each family's attention module is where the reader's row says
+(:func:`attention_path`).
 """
 
 from __future__ import annotations
