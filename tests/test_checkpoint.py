@@ -307,7 +307,8 @@ def test_a_tensor_missing_from_the_shard_its_index_names_is_refused(tmp_path):
 # ---------------------------------------------------------------- each layer's attention
 
 
-LATENT_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu")
+LATENT_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "sarvam_mla", "axk1",
+                "minicpm3", "longcat_flash")  # fmt: skip
 EVERY_LAYER_SLIDES = ("mistral", "phi3", "mixtral", "phimoe", "starcoder2", "ministral3",
                       "qwen3_moe")  # fmt: skip
 SOFTCAPPED = ("gemma2", "vaultgemma")
@@ -316,7 +317,8 @@ QK_NORMS = {"qwen3": ("head", 0.0), "gemma3_text": ("head", 1.0), "olmo2": ("all
             "olmoe": ("all", 0.0), "flex_olmo": ("all", 0.0), "olmo3": ("all", 0.0),
             "apertus1p5_text": ("head", 0.0), "hy_v3": ("head", 0.0),
             "mellum": ("head", 0.0), "exaone4": ("head", 0.0),
-            "minimax_m2": ("all", 0.0)}  # fmt: skip
+            "minimax_m2": ("all", 0.0), "exaone_moe": ("head", 0.0), "kolibri1": ("head", 0.0),
+            "flint": ("head", 0.0), "nanochat": ("head", 0.0)}  # fmt: skip
 INTERLEAVED = ("helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2", "cohere2_moe", "glm",
                "glm4")  # fmt: skip
 """What each family's transformers attention computes beyond Llama's, for the oracle below
@@ -326,6 +328,9 @@ ROTATES = {
     "cohere2": lambda attention: attention.sliding_window is not None,
     "cohere2_moe": lambda attention: attention.sliding_window is not None or attention.force_rope,
     "exaone4": lambda attention: attention.sliding_window is None or attention.is_sliding,
+    "exaone_moe": lambda attention: attention.sliding_window is None or attention.is_sliding,
+    "kolibri1": lambda attention: attention.sliding_window is None or attention.is_sliding,
+    "flint": lambda attention: attention.sliding_window is not None,
 }
 """Whether a layer rotates, from the attributes of transformers' attention module that its
 ``forward`` tests, for the families with layers without positions."""
@@ -348,6 +353,8 @@ def expected_settings(config, index, attention=None):
     rope = config.rope_parameters
     if layer_type in rope:  # Gemma 3: one set per layer type
         rope = rope[layer_type]
+    if rope is None:  # Cohere Compass's layers of a type without rope
+        rope = {"rope_type": "default", "rope_theta": None}
     scaling = None if rope["rope_type"] == "default" else {
         **rope, "max_position_embeddings": config.max_position_embeddings}  # fmt: skip
     if model_type in LATENT_TYPES:
@@ -356,7 +363,8 @@ def expected_settings(config, index, attention=None):
                 "qk_nope_head_dim": config.qk_nope_head_dim,
                 "qk_rope_head_dim": config.qk_rope_head_dim, "v_head_dim": config.v_head_dim,
                 "rope_theta": rope["rope_theta"], "rope_scaling": scaling,
-                "rotary_interleaved": getattr(config, "rope_interleave", True)}  # fmt: skip
+                "rotary_interleaved": getattr(config, "rope_interleave",
+                                              model_type != "minicpm3")}  # fmt: skip
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if attention is not None:  # StableLM's: hidden_size // heads, whatever the config says
         head_dim = attention.head_dim
@@ -368,7 +376,7 @@ def expected_settings(config, index, attention=None):
         window = config.sliding_window if layer_type == "sliding_attention" else None
     factor = rope.get("partial_rotary_factor", 1.0)
     kind, offset = QK_NORMS.get(model_type, (None, None))
-    if model_type == "glm4_moe" and getattr(config, "use_qk_norm", False):  # GLM-4.5's
+    if model_type in ("glm4_moe", "sarvam_moe") and getattr(config, "use_qk_norm", False):
         kind, offset = "head", 0.0
     if scaling is not None:
         scaling.pop("llama_4_scaling_beta", None)  # Ministral 3's, 0 here
@@ -379,7 +387,11 @@ def expected_settings(config, index, attention=None):
     rotary = {"rope_theta": rope["rope_theta"], "rope_scaling": scaling,
               "rotary_dim": None if factor == 1.0 else int(head_dim * factor),
               "rotary_interleaved": pairs}  # fmt: skip
-    if attention is not None and not ROTATES.get(model_type, lambda _: True)(attention):
+    thetas = getattr(config, "layer_rope_theta", None)  # GraniteSWA's: a base per layer
+    if thetas is not None:
+        rotary["rope_theta"] = float(thetas[index])
+    rotates = attention is None or ROTATES.get(model_type, lambda _: True)(attention)
+    if not rotates or (thetas is not None and not thetas[index]) or rope["rope_theta"] is None:
         rotary = {"rope_theta": None, "rope_scaling": None, "rotary_dim": None,
                   "rotary_interleaved": False}  # fmt: skip
     return {
@@ -415,8 +427,19 @@ def expected_weights(attention, settings):
         weights |= {"W_q": W[:, :q], "W_k": W[:, q : q + kv], "W_v": W[:, q + kv :]}
     for name, ours in (("q_norm", "q_norm"), ("k_norm", "k_norm"), ("sinks", "sinks"),
                        ("q_a_layernorm", "q_a_norm"), ("kv_a_layernorm", "kv_a_norm")):  # fmt: skip
-        if getattr(attention, name, None) is not None:
-            weights[ours] = parameter(getattr(attention, name))
+        module = getattr(attention, name, None)
+        if module is not None and not hasattr(module, "weight") and not hasattr(module, "detach"):
+            weights[ours] = np.ones(settings["head_dim"])  # NanoChat's norm without weights
+        elif module is not None:
+            weights[ours] = parameter(module)
+    if hasattr(attention, "mla_scale_q_lora"):  # LongCat-Flash's, in the norms' weights
+        weights["q_a_norm"] = weights["q_a_norm"] * attention.mla_scale_q_lora
+        weights["kv_a_norm"] = weights["kv_a_norm"] * attention.mla_scale_kv_lora
+    if type(attention).__name__ == "NanoChatAttention":  # its rotation by negated angles
+        half = settings["head_dim"] // 2
+        for name in [name for name in ("W_q", "W_k", "b_q", "b_k") if name in weights]:
+            x = weights[name]
+            weights[name] = x.reshape(*x.shape[:-1], -1, 2, half)[..., ::-1, :].reshape(x.shape)
     return weights
 
 
@@ -432,10 +455,9 @@ def test_each_layer_is_what_transformers_computes(family, transformers):
     model = models.transformers_model(family)
     config = model.config
     checkpoint = Checkpoint(models.saved(family))
-    assert config.num_hidden_layers == checkpoint.config["num_hidden_layers"]
+    assert config.num_hidden_layers == len(models.attention_modules(model))
     seen = set()
-    for index, layer in enumerate(model.model.layers):
-        attention = layer.self_attn
+    for index, attention in enumerate(models.attention_modules(model)):
         kind, settings, weights = layer_attention(checkpoint, index, dtype=np.float64)
         expected = expected_settings(config, index, attention)
         assert kind == ("latent" if family in models.LATENT_FAMILIES else "attention")
@@ -458,10 +480,9 @@ def test_each_layer_is_what_transformers_computes(family, transformers):
             rotary = model.model.rotary_emb
             per_type = isinstance(rotary.rope_type, dict)  # Gemma 3, OLMo 3
             layer_type = (config.layer_types[index] + "_") if per_type else ""
-            width = 2 * getattr(rotary, f"{layer_type}inv_freq").numel()
-            assert settings["rope_theta"] is None or width == (
-                settings["rotary_dim"] or settings["head_dim"]
-            )
+            if settings["rope_theta"] is not None:
+                width = 2 * getattr(rotary, f"{layer_type}inv_freq").numel()
+                assert width == (settings["rotary_dim"] or settings["head_dim"])
         assert settings == expected, index
         wanted = expected_weights(attention, settings)
         assert sorted(weights) == sorted(wanted)

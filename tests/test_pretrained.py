@@ -23,6 +23,7 @@ in test_pretrained_deepseek_v2.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import shutil
@@ -137,6 +138,22 @@ CHANGES = {
     "ernie4_5_moe": [{"rotary_interleaved": False}, {"b_o": None}],
     "cwm": [{"window": None}, {"rope_scaling": None}],
     "mellum": [{"rope_theta": 10000.0}, {"window": None}, {"qk_norm_offset": 1.0}],
+    "exaone_moe": [{"rope_theta": 500.0}, {"qk_norm_offset": 1.0}, {"window": None}],
+    "kolibri1": [{"rope_theta": 500.0}, {"qk_norm_offset": 1.0}, {"window": None}],
+    "flint": [{"sinks": None}, {"rope_theta": 500.0}, {"window": None}, {"qk_norm_offset": 1.0}],
+    # layer_rope_theta: layer 1 without rope, layer 2 of base 900
+    "granite_swa": [{"sinks": None}, {"window": None}, {"scale": None}, {"rope_theta": 500.0}],
+    "granitemoe_swa": [{"sinks": None}, {"window": None}, {"scale": None}],
+    "sarvam_moe": [{"rotary_dim": 6}, {"qk_norm_offset": 1.0}, {"b_q": None}],
+    "sarvam_mla": [{"scale": None}, {"rope_scaling": None}, {"rotary_interleaved": False}],
+    "axk1": [{"scale": None}, {"rotary_interleaved": False}, {"b_kv_a": None}],
+    "minicpm3": [{"scale": None}, {"rope_scaling": None}, {"rotary_interleaved": True}],
+    # the sliding layers given a rope, the full one another base
+    "cohere_compass_text": [{"rope_theta": 500.0}, {"rope_theta": 10000.0}, {"window": None}],
+    # the scales read into the norms' weights (scale: its yarn mscale)
+    "longcat_flash": [{"scale": None}, {"rotary_interleaved": False}, {"b_kv_a": None}],
+    "nanochat": [{"qk_norm": None, "qk_norm_eps": None, "qk_norm_offset": None, "q_norm": None,
+                  "k_norm": None}, {"b_k": None}],
     # a layer without positions given the others' rope (the layers with rope keep theirs)
     "smollm3": [{"rope_theta": 500.0}, {"window": None}],
     "cohere2": [{"rope_theta": 500.0}, {"rotary_interleaved": False}, {"window": None}],
@@ -194,6 +211,27 @@ def test_every_setting_read_matters_in_these_models(family, monkeypatch, transfo
         if family == "phi3" and "rotary_dim" in change:  # against the change before it
             assert max(relative_error(a, b) for a, b in zip(outputs, baseline, strict=True)) > 1e-4
         baseline = outputs
+
+
+@pytest.mark.parametrize(
+    ("family", "field", "change"),
+    [
+        ("nanochat", "rope", {"negated": False}),
+        ("longcat_flash", "tensors", {"lora_scaled": False}),
+    ],
+)
+def test_what_is_read_into_the_weights_matters(family, field, change, monkeypatch, transformers):
+    """What a row reads into the weights rather than the settings, left out, is caught by the
+    comparison: NanoChat's rotation by the negated angles (each head's halves swapped),
+    LongCat-Flash's scales of its query and latent (in the norms' weights)."""
+    row = readers.FAMILIES[family]
+    changed = dataclasses.replace(
+        row, **{field: dataclasses.replace(getattr(row, field), **change)}
+    )
+    monkeypatch.setitem(readers.FAMILIES, family, changed)
+    for layer, calls in enumerate(oracle(family)):
+        x, expected = calls[0]
+        assert relative_error(load(family, layer)(x, mask=True), expected) > 1e-4, layer
 
 
 def test_every_row_of_the_table_has_a_tiny_model_compared_here(transformers):
@@ -287,6 +325,16 @@ def test_older_configs_are_read_as_transformers_reads_them(
         ("phi", {"qk_layernorm": True}, r"qk_layernorm=True \(a LayerNorm QK-norm"),
         ("cohere", {"use_qk_norm": True}, r"use_qk_norm=True \(Cohere's LayerNorm QK-norm\)"),
         ("glm", {"sliding_window": 4}, "glm with sliding_window=4"),
+        (
+            "nanochat",
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0}},
+            "rope_type 'yarn', whose attention factor scales",
+        ),
+        (
+            "cohere_compass_text",
+            {"rope_parameters": {}},
+            "no rope_parameters entry for its sliding_attention layers",
+        ),
         ("smollm3", {"no_rope_layers": [1, 0]}, "no_rope_layers must list 1 .rope. or 0"),
         (
             "exaone4",

@@ -164,6 +164,14 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         }
     },
     "zaya": {"num_experts_per_tok": 1},
+    "longcat_flash": {"num_layers": 2, "head_dim": 8},  # its rotary is head_dim wide
+    "cohere_compass_text": {  # its rotary embedding takes a rope per layer type (none: {})
+        "layer_types": ["full_attention", "sliding_attention"] * 2,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "sliding_attention": None,
+        },
+    },
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
     "prophetnet": {"num_hidden_layers": DROP},
     "xlnet": {"max_position_embeddings": DROP},

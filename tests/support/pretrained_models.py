@@ -23,8 +23,11 @@ layouts (GPT-2 and GPT-1's Conv1D, fused projections in blocks per head or per k
 head, BigCode's and Falcon's multi-query and grouped heads, GPT-NeoX's partial and GPT-J's
 interleaved partial rotary, GPT-Neo's unscaled local layers, BLOOM's, MPT's and Falcon's
 ALiBi of six heads, OPT's, BioGPT's, XGLM's and CTRL's biases without rope), whose configs
-keep COMMON's ``num_key_value_heads`` where the family ignores it. Each family's attention
-module is where the reader's row says (:func:`attention_path`).
+keep COMMON's ``num_key_value_heads`` where the family ignores it; sinks beside windows
+(Flint, GraniteSWA), a rope base per layer (GraniteSWA) or per layer type, none for one
+(Cohere Compass), NanoChat's rotation by the negated angles and LongCat-Flash's two latent
+attentions per decoder layer. Each family's attention module is where the reader's row says
+(:func:`attention_path`).
 """
 
 from __future__ import annotations
@@ -163,6 +166,50 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "apertus1p5_text": ("Apertus1p5Text", {"attention_bias": True, "rope_parameters": LLAMA3}),
     "hy_v3": ("HYV3", {"attention_bias": True, "rms_norm_eps": 1e-5, **MOE,
                        "num_shared_experts": 1, "mlp_layer_types": ["dense", "sparse", "sparse"]}),
+    # issue 32's rows: EXAONE 4's attention (EXAONE-MoE, Kolibri), Qwen3-MoE's with sinks and
+    # rope on the sliding layers alone (Flint), Granite's with sinks, windows and a base per
+    # layer (layer 1 without rope), GLM-4.5's over whole heads (Sarvam-MoE, its own names)
+    "exaone_moe": ("ExaoneMoe", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING],
+                                 "rms_norm_eps": 1e-5, **MOE, "first_k_dense_replace": 1}),
+    "kolibri1": ("Kolibri1", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING],
+                              **MOE, "shared_expert_intermediate_size": 16}),
+    "flint": ("Flint", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING],
+                        "attention_bias": True, **MOE, "shared_expert_intermediate_size": 16,
+                        "mlp_only_layers": [0]}),
+    "granite_swa": ("GraniteSWA", {"attention_multiplier": 0.2, "attention_bias": True,
+                                   "sliding_window": 5, "layer_rope_theta": [500.0, 0, 900.0]}),
+    "granitemoe_swa": ("GraniteMoeSWA", {"attention_multiplier": 0.3, "sliding_window": 5,
+                                         "shared_intermediate_size": 16, **MOE}),
+    "sarvam_moe": ("SarvamMoE", {"attention_bias": True, "n_routed_experts": 4,
+                                 "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                 "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                                 "experts_implementation": "eager"}),
+    # DeepSeek V3's latent attention (Sarvam-MLA: no query projection by default; A.X K1),
+    # MiniCPM3's rotating the halves, its values hidden_size // heads wide
+    "sarvam_mla": ("SarvamMLA", {**DEEPSEEK, "q_lora_rank": ABSENT}),
+    "axk1": ("AXK1", {**DEEPSEEK, "first_k_dense_replace": ABSENT, "attention_bias": True}),
+    "minicpm3": ("MiniCPM3", {**DEEPSEEK, "v_head_dim": ABSENT, "attention_bias": True,
+                              "n_routed_experts": ABSENT, "num_experts_per_tok": ABSENT,
+                              "n_group": ABSENT, "topk_group": ABSENT,
+                              "moe_intermediate_size": ABSENT, "first_k_dense_replace": ABSENT,
+                              "n_shared_experts": ABSENT, "experts_implementation": ABSENT}),
+    # Cohere Compass's text model: a rope per layer type (a multimodal one: of text
+    # positions, the plain rope), none on its sliding layers
+    "cohere_compass_text": ("CohereCompassText", {
+        "sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING], "attention_bias": True,
+        "rope_parameters": {FULL: {"rope_type": "default", "rope_theta": 3000.0,
+                                   "mrope_section": [2, 2, 2]}, SLIDING: None}}),
+    # LongCat-Flash: two latent attentions per decoder layer (four layers), its query and
+    # latent scaled by sqrt(hidden_size / rank)
+    "longcat_flash": ("LongcatFlash", {
+        **DEEPSEEK, "num_hidden_layers": ABSENT, "num_layers": 2, "head_dim": 8,
+        "n_routed_experts": 4, "moe_topk": 2, "zero_expert_num": 1,
+        "expert_ffn_hidden_size": 16, "ffn_hidden_size": 32, "intermediate_size": ABSENT,
+        "num_experts_per_tok": ABSENT, "n_group": ABSENT, "topk_group": ABSENT,
+        "moe_intermediate_size": ABSENT, "first_k_dense_replace": ABSENT,
+        "n_shared_experts": ABSENT, "attention_bias": True}),
+    # NanoChat: rotation by the negated angles, then a QK-norm without weights
+    "nanochat": ("NanoChat", {"head_dim": ABSENT, "attention_bias": True}),
     # layers without rope (NoPE): layer 1 by no_rope_layers (sliding, by the default
     # layer_types), the full layer of Cohere 2 and EXAONE 4 (rope on the sliding ones)
     "smollm3": ("SmolLM3", {"no_rope_layers": [1, 0, 1], "use_sliding_window": True,
@@ -242,7 +289,8 @@ FAMILIES = tuple(MODELS)
 query's low-rank projection (``q_lora_rank=None``), with biases and halves rotary."""
 
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
-LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu")
+LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "axk1", "minicpm3",
+                   "longcat_flash")  # fmt: skip
 """The checkpoints of DeepSeek's multi-head latent attention (``LatentAttention``)."""
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen",
@@ -299,24 +347,30 @@ def build(family: str, seed: int = 0) -> Any:
 def attention_modules(model: Any) -> list[Any]:
     """Each layer's attention module in ``model``, where the reader's row of its
     ``model_type`` says it is."""
-    return [model.get_submodule(path.format(i=i)) for i in range(model.config.num_hidden_layers)
+    from mha.integrations.readers.layouts import module_path
+
+    return [model.get_submodule(module_path(path, i)) for i in range(model.config.num_hidden_layers)
             for path in (attention_path(model),)]  # fmt: skip
 
 
 def attention_path(model: Any) -> str:
     """The module path of layer ``{i}``'s attention in ``model``: the readers' layout's,
-    but Llama's for EXAONE 3 (transformers loads its tensors into Llama's modules)."""
+    but Llama's where transformers loads a family's own tensor names into Llama's modules
+    (EXAONE 3, Sarvam-MoE)."""
     from mha.integrations import readers
 
-    if model.config.model_type == "exaone":
+    path = str(readers.FAMILIES[model.config.model_type].tensors.path)
+    try:
+        model.get_submodule(path.format(i=0, j=0))
+    except AttributeError:
         return "model.layers.{i}.self_attn"
-    return str(readers.FAMILIES[model.config.model_type].tensors.path)
+    return path
 
 
 EAGER = ("gemma2", "gpt_oss", "vaultgemma", "gpt_neo", "bloom", "mpt", "xglm", "openai-gpt",
-         "gpt_neox_japanese")  # fmt: skip
+         "gpt_neox_japanese", "flint", "granite_swa", "granitemoe_swa")  # fmt: skip
 """The families whose attention is eager only (Gemma 2's and VaultGemma's soft-capping,
-gpt-oss's sinks, the older families' own attention code)."""
+gpt-oss's, Flint's and GraniteSWA's sinks, the older families' own attention code)."""
 
 
 def _implementation(family: str) -> str:

@@ -126,6 +126,8 @@ def _make_float64(rotary: Any) -> None:
         layout = "pairs"  # Cohere: each angle for features 2i and 2i + 1
     elif "emb = freqs\n" in source:  # gpt-oss: the half-width angles
         layout = "once"
+    elif "torch.cat((freqs_thw, freqs_thw), dim=-1)" in _recomposition(rotary):
+        layout = "sections"  # a multimodal rope's sections, of text positions: the halves'
     else:
         raise NotImplementedError(f"{type(rotary).__name__}.forward: an unknown layout")
     expected = _angles(rotary, rotary.forward, torch.float32)  # before the buffers change
@@ -163,9 +165,14 @@ def _make_float64(rotary: Any) -> None:
         inv_freq = getattr(rotary, f"{prefix}inv_freq")
         scaling = getattr(rotary, "attention_scaling" if layer_type is None else
                           f"{prefix}attention_scaling")  # fmt: skip
+        if layout == "sections" and position_ids.ndim == 3:  # one row of positions per axis
+            if not bool((position_ids == position_ids[:1]).all()):
+                raise NotImplementedError("multimodal positions: the oracle takes text ones")
+            position_ids = position_ids[0]
         freqs = position_ids[..., None].double() * inv_freq.double()
         angles = {
             "halves": lambda: torch.cat((freqs, freqs), dim=-1),
+            "sections": lambda: torch.cat((freqs, freqs), dim=-1),
             "pairs": lambda: torch.repeat_interleave(freqs, 2, dim=-1),
             "once": lambda: freqs,
         }[layout]()
@@ -181,6 +188,13 @@ def _make_float64(rotary: Any) -> None:
                 f"{tuple(g.shape)} differ from transformers' float32 ones {tuple(e.shape)}"
             )
     rotary.forward = forward
+
+
+def _recomposition(rotary: Any) -> str:
+    """The source of the module's ``recomposition_frequencies`` (a multimodal rope's
+    sections, Cohere Compass's), else ``""``."""
+    method = getattr(type(rotary), "recomposition_frequencies", None)
+    return "" if method is None else inspect.getsource(method)
 
 
 CHECKED = 16

@@ -106,13 +106,16 @@ def recorder(module: Any, calls: list[tuple[np.ndarray, np.ndarray]]) -> Any:
 
 class AttentionRecorder:
     """Records every call of each layer's attention: its input and its output, as NumPy.
-    The attention of layer ``i`` is the module at ``path`` (``{i}`` its index); a module
+    The attention of layer ``i`` is the module at ``path`` (``{i}`` its index; with
+    ``{j}``, LongCat-Flash's two per decoder layer: the readers' ``module_path``); a module
     that adds the residual to its output (BLOOM's, given ``residual``) is recorded without
     it, one that returns its output bias apart (GPT-NeoX-Japanese's) with it."""
 
     def __init__(self, model: Any, path: str = "model.layers.{i}.self_attn") -> None:
+        from mha.integrations.readers.layouts import module_path
+
         count = model.config.num_hidden_layers
-        modules = [model.get_submodule(path.format(i=i)) for i in range(count)]
+        modules = [model.get_submodule(module_path(path, i)) for i in range(count)]
         self.calls: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in modules]
         self._handles = [
             module.register_forward_hook(self._hook(i, module), with_kwargs=True)

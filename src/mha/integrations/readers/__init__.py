@@ -44,10 +44,10 @@ from ...api.configuration import LayerSpec
 from ...api.latent import LatentSpec
 from ...errors import WeightsFileError
 from ..checkpoint import Checkpoint
-from .attention import describe
+from .attention import completed, describe
 from .config import Settings, Source, layer_index
 from .family import Family
-from .layouts import attention_prefix, check_names, lay_out
+from .layouts import attention_prefix, attentions_per_layer, check_names, lay_out
 from .registry import FAMILIES, REFUSED, SUPPORTED, family_of, register
 from .rope import check_rope
 
@@ -83,7 +83,8 @@ def layer_attention(
     or ``"latent"`` (:class:`mha.LatentSpec`'s)."""
     family = family_of(source.config, source.path)
     read = Settings(source, family.name, family.defaults, family.keys)
-    index = layer_index(layer, read.positive("num_hidden_layers"), source.path)
+    count = read.positive("num_hidden_layers") * attentions_per_layer(family.tensors.path)
+    index = layer_index(layer, count, source.path)
     prefix = attention_prefix(source, index, family.tensors.path)
     kind, settings, tensors = describe(family, read, index)
     check_rope(read, settings, index)
@@ -98,4 +99,4 @@ def layer_attention(
                 f"({read.summary()}) calls for {tensor.shape}"
             )
         weights.update(lay_out(array, tensor))
-    return kind, settings, weights
+    return kind, settings, completed(family, settings, weights)

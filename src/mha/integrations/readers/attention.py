@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .config import SLIDING, Settings
 from .family import Family
 from .layouts import LatentProjections, Projections, Tensor
 from .rope import (
     check_refused,
+    layer_theta,
     partial_rotary,
     rope_parameters,
     rope_scaling,
@@ -20,7 +23,7 @@ from .rope import (
     yarn_mscale,
 )
 
-__all__ = ["describe", "latent", "multi_head", "rotary"]
+__all__ = ["completed", "describe", "latent", "multi_head", "rotary"]
 
 Described = tuple[str, dict[str, Any], dict[str, Tensor]]
 """A layer's kind (``"attention"`` or ``"latent"``), settings and tensors."""
@@ -61,9 +64,45 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     }
     if alibi is not None:  # the rope is then off
         settings["alibi"] = alibi
+    scaled = (settings["rope_scaling"] or {}).get("rope_type")
+    if norm and not norm.weighted and scaled in ("yarn", "longrope"):
+        raise read.refuse(
+            f"rope_type {scaled!r}, whose attention factor scales the rotated queries and keys "
+            f"before {read.family}'s QK-norm divides it out (mha normalises before the rotation)"
+        )
     biased = family.biases.carried(read, "qkvo", index)
-    tensors = layout.tensors(E, heads, biased, settings["qk_norm"], family.sinks)
+    stored_norm = settings["qk_norm"] if norm and norm.weighted else None
+    tensors = layout.tensors(E, heads, biased, stored_norm, family.sinks)
     return layout.kind, settings, tensors
+
+
+def completed(
+    family: Family, settings: dict[str, Any], weights: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """The layer's ``weights`` with what its family computes without tensors of its own:
+    QK-norm weights of ones for a norm without weights, the latent norms' weights times
+    LongCat-Flash's scales (:attr:`.LatentProjections.lora_scaled`), and each head's halves
+    swapped in the query and key projections for a rotation by the negated angles
+    (:attr:`.Rope.negated`)."""
+    if settings.get("qk_norm") and not (family.qk_norm and family.qk_norm.weighted):
+        d = settings["head_dim"]
+        widths = {"q": d, "k": d}
+        if settings["qk_norm"] == "all":
+            widths = {"q": settings["num_heads"] * d, "k": settings["num_kv_heads"] * d}
+        dtype = weights["W_q"].dtype
+        weights |= {f"{p}_norm": np.ones(width, dtype) for p, width in widths.items()}
+    if isinstance(family.tensors, LatentProjections) and family.tensors.lora_scaled:
+        E = settings["d_model"]
+        weights["q_a_norm"] = weights["q_a_norm"] * (E / settings["q_lora_rank"]) ** 0.5
+        weights["kv_a_norm"] = weights["kv_a_norm"] * (E / settings["kv_lora_rank"]) ** 0.5
+    if family.rope.negated and settings.get("rope_theta") is not None:
+        half = settings["head_dim"] // 2
+        for name in ("W_q", "W_k", "b_q", "b_k"):
+            if weights.get(name) is not None:
+                x = weights[name]
+                heads = x.reshape(*x.shape[:-1], -1, 2, half)
+                weights[name] = heads[..., ::-1, :].reshape(x.shape)
+    return weights
 
 
 def rotary(
@@ -72,7 +111,10 @@ def rotary(
     """The rotary settings of layer ``index`` (of type ``layer_type``, heads ``d`` wide): its
     base, rotated width, pairs and scaling, or none of them on a layer without positions (or
     with ``alibi``'s, or in a family whose attention rotates nothing)."""
-    if alibi or not family.rope.applied or not family.rope.rotates(read, index, layer_type):
+    per_layer = family.rope.per_layer_theta
+    theta = layer_theta(read, per_layer, index) if per_layer else None
+    rotates = family.rope.applied and family.rope.rotates(read, index, layer_type)
+    if alibi or not rotates or theta == 0.0:
         return {
             "rope_theta": None,
             "rotary_dim": None,
@@ -80,6 +122,10 @@ def rotary(
             "rope_scaling": None,
         }
     rope = rope_parameters(read, family.rope, layer_type)
+    if theta is not None:
+        rope["rope_theta"] = theta
+    if family.rope.text_mrope:  # text positions: the same on every axis of the sections
+        rope = {key: value for key, value in rope.items() if not key.startswith("mrope_")}
     if rope.get("mrope_section") is not None:
         raise read.refuse(f"a multimodal rope (mrope_section={rope['mrope_section']})")
     rope = check_refused(read, family.rope, rope)
@@ -107,10 +153,11 @@ def latent(family: Family, layout: LatentProjections, read: Settings) -> Describ
     """The settings and tensors of DeepSeek's multi-head latent attention."""
     E, H = read.positive("hidden_size"), read.positive("num_attention_heads")
     q_rank = read.positive("q_lora_rank", optional=True)
-    rank, nope, rope_dim, v = (
-        read.positive(key)
-        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    rank, nope, rope_dim = (
+        read.positive(key) for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
     )
+    # a null v_head_dim is the hidden size's share of a head (MiniCPM3's config class)
+    v = read.positive("v_head_dim", optional=True) or E // H
     kv_heads = read.given("num_key_value_heads")
     if kv_heads not in (None, H):  # transformers' latent attention expands a key per head
         raise read.refuse(f"num_key_value_heads={kv_heads} != num_attention_heads={H}")

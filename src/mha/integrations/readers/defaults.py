@@ -560,3 +560,96 @@ NEMOTRON: dict[str, Any] = {
     "attention_bias": False,
     "max_position_embeddings": 4096,
 }
+EXAONE_MOE: dict[str, Any] = {**EXAONE4}
+KOLIBRI1: dict[str, Any] = {
+    "hidden_size": 2560,
+    "num_hidden_layers": 50,
+    "num_attention_heads": 48,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "sliding_window": 513,
+    "layer_types": None,
+    "max_position_embeddings": 262144,
+}
+FLINT: dict[str, Any] = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 49,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "attention_bias": False,
+    "rms_norm_eps": 1e-6,
+    "sliding_window": 513,
+    "layer_types": None,
+    "max_position_embeddings": 262144,
+}
+_GRANITE_SWA = {"sliding_window": 128, "layer_types": None, "layer_rope_theta": None}
+GRANITE_SWA: dict[str, Any] = {
+    **GRANITE,
+    "hidden_size": 2560,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 20,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 8192,
+    **_GRANITE_SWA,
+}
+GRANITEMOE_SWA: dict[str, Any] = {**GRANITE, **_GRANITE_SWA}
+SARVAM_MOE: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 19,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "attention_bias": False,
+    "use_qk_norm": True,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072,
+}
+SARVAM_MLA: dict[str, Any] = {
+    **DEEPSEEK_V3,
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 64,
+    "q_lora_rank": None,
+}
+AXK1: dict[str, Any] = {
+    **DEEPSEEK_V3,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 64,
+    "max_position_embeddings": 32768,
+}
+MINICPM3: dict[str, Any] = {
+    "hidden_size": 2560,
+    "num_hidden_layers": 62,
+    "num_attention_heads": 40,
+    "attention_bias": False,
+    "q_lora_rank": 768,
+    "kv_lora_rank": 256,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": None,
+    "max_position_embeddings": 32768,
+}
+NANOCHAT: dict[str, Any] = {
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 6,
+    "num_key_value_heads": None,
+    "attention_bias": False,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 2048,
+}
+COHERE_COMPASS_TEXT: dict[str, Any] = {**COHERE2}
+LONGCAT_FLASH: dict[str, Any] = {
+    "hidden_size": 6144,
+    "num_layers": 28,
+    "num_attention_heads": 64,
+    "attention_bias": False,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "max_position_embeddings": 131072,
+}

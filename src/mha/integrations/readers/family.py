@@ -94,12 +94,16 @@ class QkNorm:
     """RMSNorm of the queries and keys before the rotation: per ``"head"`` (weights of the
     head's width) or across ``"all"`` heads (before the split), the weight applied as
     ``offset + weight``, its epsilon from the config key ``eps``; always, or with ``when``,
-    where that config key is true (GLM-4.5's ``use_qk_norm``)."""
+    where that config key is true (GLM-4.5's ``use_qk_norm``). ``weighted=False``: a norm
+    without weights (NanoChat's, after the rotation, with which it commutes: the rotation
+    keeps each head's norm), read as weights of ones; a rope whose attention factor scales
+    the rotation (``yarn``, ``longrope``) is then refused."""
 
     over: str = "head"
     offset: float = 0.0
     eps: str = "rms_norm_eps"
     when: str | None = None
+    weighted: bool = True
 
     def applies(self, read: Settings) -> bool:
         return self.when is None or bool(read.get(self.when))

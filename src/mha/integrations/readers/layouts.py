@@ -53,8 +53,10 @@ __all__ = [
     "Projections",
     "Tensor",
     "attention_prefix",
+    "attentions_per_layer",
     "check_names",
     "lay_out",
+    "module_path",
 ]
 
 IGNORED = ("rotary_emb.inv_freq",)
@@ -277,6 +279,15 @@ EXAONE = Projections(o="out_proj", path="transformer.h.{i}.attn.attention")
 """EXAONE 3's own names, which transformers renames to Llama's when it loads them and back
 when it saves."""
 MODERNBERT_DECODER = Projections(o="Wo", path="model.layers.{i}.attn")
+SARVAM_MOE = Projections(
+    o="dense",
+    qkv="query_key_value",
+    q_norm="query_layernorm",
+    k_norm="key_layernorm",
+    path="model.layers.{i}.attention",
+)
+"""Sarvam-MoE's own names, which transformers renames to GLM-4.5's (``q_proj``, ``k_proj``,
+``v_proj`` split from the fused rows) when it loads them and back when it saves."""
 
 
 @dataclass(frozen=True)
@@ -293,6 +304,10 @@ class LatentProjections:
     kv_b: str = "kv_b_proj"
     o: str = "o_proj"
     path: str = "model.layers.{i}.self_attn"
+    lora_scaled: bool = False
+    """Whether the query is multiplied by ``sqrt(hidden_size / q_lora_rank)`` and the
+    normalised latent by ``sqrt(hidden_size / kv_lora_rank)`` (LongCat-Flash's), read into
+    the weights of the two norms."""
 
     def tensors(self, settings: Mapping[str, Any], biased: Iterable[str]) -> dict[str, Tensor]:
         """The tensors of a latent layer of these ``settings`` (:class:`mha.LatentSpec`'s
@@ -325,13 +340,30 @@ class LatentProjections:
 
 LATENT = LatentProjections()
 """DeepSeek V2's and V3's modules."""
+LONGCAT_FLASH = LatentProjections(path="model.layers.{i}.self_attn.{j}", lora_scaled=True)
+"""LongCat-Flash's: two latent attentions in each decoder layer."""
+
+
+def module_path(path: str, index: int) -> str:
+    """The module of layer ``index``'s attention under ``path``: decoder layer ``{i}``'s, or,
+    where the path names ``{j}``, attention ``j`` of the two each decoder layer holds
+    (LongCat-Flash's ``self_attn.0`` and ``.1``), layer ``2i + j`` as transformers numbers
+    them."""
+    if "{j}" in path:
+        return path.format(i=index // 2, j=index % 2)
+    return path.format(i=index)
+
+
+def attentions_per_layer(path: str) -> int:
+    """How many attention layers each decoder layer holds (:func:`module_path`)."""
+    return 2 if "{j}" in path else 1
 
 
 def attention_prefix(source: Source, index: int, path: str = SEPARATE_QKV.path) -> str:
     """Where layer ``index``'s attention tensors are: at the layout's ``path`` (a causal
     LM's checkpoint: ``model.layers.{i}.self_attn``), or below its first name (a bare
     model's: ``layers.{i}.self_attn``)."""
-    full = path.format(i=index) + "."
+    full = module_path(path, index) + "."
     candidates = (full, full.split(".", 1)[1])
     keys = list(source)
     for prefix in candidates:

@@ -147,6 +147,10 @@ REFUSED = {
     "persimmon": _not_computed(
         "Persimmon's QK-norm, a LayerNorm (mean and bias) where mha's is an RMSNorm"
     ),
+    "mimo_v2_flash": _not_computed(
+        "MiMo-V2-Flash's attention has values narrower than its keys (v_head_dim=128, "
+        "head_dim=192 by default) and twice the key/value heads in its sliding layers"
+    ),
     "llama4_text": _LLAMA4,
     # not a decoder-only text model
     **dict.fromkeys(SEQ2SEQ, _SEQ2SEQ),

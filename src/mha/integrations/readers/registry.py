@@ -51,6 +51,7 @@ from .layouts import (
 from .refused import REFUSED
 from .rope import (
     Rope,
+    by_layer_type_entries,
     by_no_rope_layers,
     sliding_layers,
     sliding_layers_if_windowed,
@@ -60,6 +61,7 @@ from .windows import (
     COHERE2_MOE_WINDOWS,
     CWM_WINDOWS,
     EVERY_LAYER,
+    FLINT_WINDOWS,
     FULL_BY_DEFAULT,
     GPT_NEO_WINDOWS,
     MODERNBERT_WINDOWS,
@@ -535,6 +537,93 @@ register(
         rope=Rope(per_layer_type={FULL: (None, 500_000.0), SLIDING: (None, 10_000.0)}),
         qk_norm=PER_HEAD,
         unsupported=(Unsupported("rope_scaling", "an old rope_scaling, which Mellum ignores"),),
+    ),
+)
+
+# attentions above with other defaults, windows or rope (issue 32)
+register(
+    Family(  # EXAONE 4's attention (ExaoneMoeAttention)
+        "exaone_moe",
+        defaults.EXAONE_MOE,
+        biases=NO_BIASES,
+        windows=by_layer_types(pattern=4),
+        rope=Rope(rotates=sliding_layers_if_windowed),
+        qk_norm=PER_HEAD,
+    ),
+    Family(  # EXAONE 4's attention, every fifth layer full
+        "kolibri1",
+        defaults.KOLIBRI1,
+        biases=NO_BIASES,
+        windows=by_layer_types(pattern=5, key=None),
+        rope=Rope(rotates=sliding_layers_if_windowed),
+        qk_norm=PER_HEAD,
+    ),
+    Family(  # Qwen3-MoE's attention with gpt-oss's sinks, rope on the sliding layers only
+        "flint",
+        defaults.FLINT,
+        tensors=Projections(sinks="softmax_offset"),  # as saved; transformers loads "sinks"
+        windows=FLINT_WINDOWS,
+        rope=Rope(rotates=sliding_layers),
+        qk_norm=PER_HEAD,
+        sinks=True,
+    ),
+    # Granite's with sinks, the first of every four layers full, a base per layer
+    Family(
+        "granite_swa",
+        defaults.GRANITE_SWA,
+        windows=CWM_WINDOWS,
+        rope=Rope(per_layer_theta="layer_rope_theta"),
+        scale=attention_multiplier,
+        sinks=True,
+    ),
+    Family(
+        "granitemoe_swa",
+        defaults.GRANITEMOE_SWA,
+        windows=CWM_WINDOWS,
+        rope=Rope(per_layer_theta="layer_rope_theta"),
+        scale=attention_multiplier,
+        sinks=True,
+    ),
+    Family(  # GLM-4.5's attention (Glm4MoeForCausalLM), rotary over the whole head
+        "sarvam_moe",
+        defaults.SARVAM_MOE,
+        keys={"attention_bias": "use_qkv_bias"},
+        tensors=layouts.SARVAM_MOE,
+        biases=QKV_ATTENTION_BIAS,
+        rope=Rope(theta=8_000_000.0, partial=True, fraction=1.0),
+        qk_norm=QkNorm("head", when="use_qk_norm"),
+        own=("use_qk_norm",),
+    ),
+    # DeepSeek's latent attention: V3's (Sarvam's old deepseek_yarn is yarn), MiniCPM3's
+    # rotating the halves
+    Family(
+        "sarvam_mla",
+        defaults.SARVAM_MLA,
+        tensors=LATENT,
+        rope=Rope(interleave="rope_interleave", aliases={"deepseek_yarn": "yarn"}),
+    ),
+    Family("axk1", defaults.AXK1, tensors=LATENT, rope=Rope(interleave="rope_interleave")),
+    Family("minicpm3", defaults.MINICPM3, tensors=LATENT),
+    Family(  # two latent attentions per decoder layer, read as layers 2i and 2i + 1
+        "longcat_flash",
+        defaults.LONGCAT_FLASH,
+        keys={"num_hidden_layers": "num_layers"},
+        tensors=layouts.LONGCAT_FLASH,
+        rope=Rope(theta=10_000_000.0, interleave=True),
+    ),
+    Family(  # Cohere 2's attention rotating the halves, a rope per layer type (null: none)
+        "cohere_compass_text",
+        defaults.COHERE_COMPASS_TEXT,
+        windows=FULL_BY_DEFAULT,
+        rope=Rope(rotates=by_layer_type_entries, text_mrope=True),
+    ),
+    # Qwen3's attention rotating by the negated angles, then normalising (without weights,
+    # which commutes with the rotation)
+    Family(
+        "nanochat",
+        defaults.NANOCHAT,
+        rope=Rope(negated=True),
+        qk_norm=QkNorm("head", weighted=False),
     ),
 )
 

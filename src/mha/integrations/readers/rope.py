@@ -26,10 +26,12 @@ from .config import FULL, SLIDING, Settings
 
 __all__ = [
     "Rope",
+    "by_layer_type_entries",
     "by_no_rope_layers",
     "check_refused",
     "check_rope",
     "every_layer",
+    "layer_theta",
     "partial_rotary",
     "rope_parameters",
     "rotary_dim",
@@ -92,6 +94,19 @@ def sliding_or_dense_layers(read: Settings, index: int, layer_type: str) -> bool
     return bool(types[index] == "dense")
 
 
+def by_layer_type_entries(read: Settings, index: int, layer_type: str) -> bool:
+    """Cohere Compass's: the layers whose type's entry in ``rope_parameters`` is not null
+    rotate; a config without an entry for the layer's type is refused (transformers' rotary
+    embedding of the family takes one per type)."""
+    parameters = read.given("rope_parameters")
+    if not isinstance(parameters, dict) or layer_type not in parameters:
+        raise read.refuse(
+            f"no rope_parameters entry for its {layer_type} layers (one per layer type, "
+            "null for none, which transformers' rotary embedding of the family reads)"
+        )
+    return parameters[layer_type] is not None
+
+
 def sliding_layers_if_windowed(read: Settings, index: int, layer_type: str) -> bool:
     """EXAONE 4's: the sliding layers rotate, the full ones only when the config has no
     ``sliding_window``."""
@@ -141,11 +156,44 @@ class Rope:
     compute, by that feature's name (Ministral 3's ``llama_4_scaling_beta``)."""
     rotates: LayerRotates = every_layer
     """Which layers rotate; the others have no positions (NoPE)."""
+    text_mrope: bool = False
+    """Whether a multimodal rope (``mrope_section``) is read as the plain rope of text, whose
+    positions are the same on every axis (the text models of multimodal families); else it
+    is refused."""
+    negated: bool = False
+    """Whether the attention rotates by the negated angles (NanoChat's ``rotate_half``,
+    ``(x2, -x1)``): read as the usual rotation of each head's halves swapped in the query and
+    key projections, whose scores are the same."""
+    per_layer_theta: str | None = None
+    """The config key listing each layer's base, which replaces ``rope_theta`` (0: that
+    layer has no positions), when the config gives it (GraniteSWA's ``layer_rope_theta``)."""
 
     def interleaved(self, read: Settings) -> bool:
         if isinstance(self.interleave, str):
             return bool(read.get(self.interleave))
         return self.interleave
+
+
+def layer_theta(read: Settings, key: str, index: int) -> float | None:
+    """Layer ``index``'s base in the config key ``key``, a list of one base per layer (0:
+    the layer has no positions), or ``None`` when the config gives no list."""
+    thetas = read.get(key)
+    if thetas is None:
+        return None
+    count = read.positive("num_hidden_layers")
+    if (
+        not isinstance(thetas, list)
+        or len(thetas) != count
+        or any(
+            isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta < 0
+            for theta in thetas
+        )
+    ):
+        raise AttentionValueError(
+            f"{read.path}: config.json's {read.name(key)} must list a base (0: no rope) for "
+            f"each of its {count} layers; got {thetas!r}"
+        )
+    return float(thetas[index])
 
 
 def rope_parameters(read: Settings, rope: Rope, layer_type: str | None) -> dict[str, Any]:

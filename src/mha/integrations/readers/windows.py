@@ -9,11 +9,13 @@ Gemma 2 and 3, gpt-oss, VaultGemma, OLMo 3), :data:`QWEN_WINDOWS` (the layers fr
 is dropped whatever ``layer_types`` says), :data:`QWEN2_MOE_WINDOWS` (every other layer below
 ``max_window_layers``), :data:`WINDOWED_FROM` (the layers from ``max_window_layers`` on,
 when there is a ``sliding_window``: dots.llm1), :data:`CWM_WINDOWS` (the first of every four
-layers full), :data:`MODERNBERT_WINDOWS` (the first of every ``global_attn_every_n_layers``),
-:data:`FULL_BY_DEFAULT` (Mellum), :data:`SLIDING_IF_WINDOWED` (every layer when there is a
-``sliding_window``: Ministral), :data:`SMOLLM3_WINDOWS` (the layers without rope, when
-``use_sliding_window``), :data:`COHERE2_MOE_WINDOWS` (a pattern of the dense layers, another
-of the others), :data:`GPT_NEO_WINDOWS` (``attention_types``' ``local`` layers).
+layers full: CWM, GraniteSWA), :data:`MODERNBERT_WINDOWS` (the first of every
+``global_attn_every_n_layers``), :data:`FULL_BY_DEFAULT` (Mellum), :data:`SLIDING_IF_WINDOWED`
+(every layer when there is a ``sliding_window``: Ministral), :data:`SMOLLM3_WINDOWS` (the
+layers without rope, when ``use_sliding_window``), :data:`COHERE2_MOE_WINDOWS` (a pattern of
+the dense layers, another of the others), :data:`GPT_NEO_WINDOWS` (``attention_types``'
+``local`` layers), :data:`FLINT_WINDOWS` (the first two, every fourth from layer 1 and the
+last layers full).
 
 >>> from types import SimpleNamespace
 >>> from mha.integrations.readers.config import Settings
@@ -38,6 +40,7 @@ __all__ = [
     "COHERE2_MOE_WINDOWS",
     "CWM_WINDOWS",
     "EVERY_LAYER",
+    "FLINT_WINDOWS",
     "FULL_BY_DEFAULT",
     "GPT_NEO_WINDOWS",
     "MODERNBERT_WINDOWS",
@@ -243,6 +246,12 @@ def full_first_of_every(pattern: int, key: str | None = None) -> LayerTypes:
     return layer_types
 
 
+def flint_layer_types(read: Settings, count: int) -> list[str]:
+    """Flint's default: the first two layers, every fourth from layer 1 and the last full,
+    the others sliding."""
+    return [FULL if i < 2 or i % 4 == 1 or i == count - 1 else SLIDING for i in range(count)]
+
+
 def half_local_attention(read: Settings) -> Any:
     """ModernBERT-decoder's window: ``config.json``'s ``sliding_window`` (its config class
     sets the keywords it is given after its own), else half its ``local_attention`` (-1 when
@@ -300,3 +309,4 @@ CWM_WINDOWS = ByLayerTypes(full_first_of_every(4))
 MODERNBERT_WINDOWS = ByLayerTypes(
     full_first_of_every(3, "global_attn_every_n_layers"), size=half_local_attention
 )
+FLINT_WINDOWS = ByLayerTypes(flint_layer_types)
