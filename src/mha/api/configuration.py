@@ -42,7 +42,8 @@ class LayerSpec:
     ``rope_theta``, ``rotary_dim``, ``rotary_interleaved``, ``rope_scaling``, ``window``,
     ``sink_tokens``, ``softcap``, ``alibi``, ``chunk``, ``scale``, ``qk_norm``,
     ``qk_norm_eps``, ``qk_norm_offset``, ``add_zero_attn``, ``output_gate``,
-    ``output_gate_per_head`` and ``query_temperature`` (each ``None``, or ``False``,
+    ``output_gate_per_head``, ``query_temperature`` and ``v_head_dim`` (the values' head
+    width, when it differs from the keys': MiMo-V2-Flash) (each ``None``, or ``False``,
     for its default; ``head_dim`` then comes from the weights). The pair ``(spec, weights)``
     is what a reader of another format produces (:mod:`mha.integrations.readers`) and
     :meth:`Configuration.from_spec` builds a layer from.
@@ -72,6 +73,7 @@ class LayerSpec:
     output_gate: Any = None
     output_gate_per_head: Any = False
     query_temperature: Any = None
+    v_head_dim: Any = None
 
     kind = "attention"
     """What a reader's spec builds (:meth:`Configuration.from_spec`)."""
@@ -94,6 +96,7 @@ class Configuration:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    v_head_dim: int  # the values' head width (head_dim unless the spec says otherwise)
     kdim: int
     vdim: int
     add_zero_attn: bool
@@ -150,6 +153,9 @@ class Configuration:
                 "each key/value head serves an equal group of query heads"
             )
         self.head_dim = positive_int("head_dim", spec.head_dim)
+        self.v_head_dim = self.head_dim
+        if spec.v_head_dim is not None:
+            self.v_head_dim = positive_int("v_head_dim", spec.v_head_dim)
         self.kdim, self.vdim = positive_int("kdim", kdim), positive_int("vdim", vdim)
         self.add_zero_attn = flag("add_zero_attn", spec.add_zero_attn)
         self.scale = None
@@ -282,6 +288,7 @@ class Configuration:
         defaults = {
             "num_kv_heads": self.num_heads,
             "head_dim": self.d_model // self.num_heads,
+            "v_head_dim": self.head_dim,
             "kdim": self.d_model,
             "vdim": self.d_model,
             "rope_theta": None,
@@ -337,6 +344,7 @@ class Configuration:
             "num_heads": self.num_heads,
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
+            "v_head_dim": self._own_v_head_dim(),
             "kdim": self.kdim,
             "vdim": self.vdim,
             "bias": self.has_bias,
@@ -401,6 +409,7 @@ class Configuration:
             self.output_gate,
             self.output_gate_per_head,
             self.query_temperature,
+            self._own_v_head_dim(),
         )
 
     @classmethod
@@ -437,6 +446,8 @@ class Configuration:
             num_kv_heads=spec.num_kv_heads or H,
             head_dim=spec.head_dim or W_q.shape[1] // H,
         )
+        if spec.v_head_dim is None and W_v.shape[1] != W_k.shape[1]:  # the values' own width
+            spec = replace(spec, v_head_dim=W_v.shape[1] // (spec.num_kv_heads or H))
         self._configure(spec, (W_q.shape[0], W_k.shape[0], W_v.shape[0]))
         for name, shape in self._shapes().items():
             array = weights.get(name)
@@ -488,23 +499,28 @@ class Configuration:
         """The shape of every weight this configuration holds, present or not."""
         E, inner = self.d_model, self.num_heads * self.head_dim
         kv_inner = self.num_kv_heads * self.head_dim
+        v_inner, joined = self.num_kv_heads * self.v_head_dim, self.num_heads * self.v_head_dim
         return {
             "W_q": (E, inner),
             "W_k": (self.kdim, kv_inner),
-            "W_v": (self.vdim, kv_inner),
-            "W_o": (inner, E),
+            "W_v": (self.vdim, v_inner),
+            "W_o": (joined, E),
             "b_q": (inner,),
             "b_k": (kv_inner,),
-            "b_v": (kv_inner,),
+            "b_v": (v_inner,),
             "b_o": (E,),
             "bias_k": (kv_inner,),
-            "bias_v": (kv_inner,),
+            "bias_v": (v_inner,),
             "sinks": (self.num_heads,),
             "q_norm": (inner if self.qk_norm == "all" else self.head_dim,),
             "k_norm": (kv_inner if self.qk_norm == "all" else self.head_dim,),
-            "W_g": (E, self.num_heads if self.output_gate_per_head else inner),
-            "b_g": (self.num_heads if self.output_gate_per_head else inner,),
+            "W_g": (E, self.num_heads if self.output_gate_per_head else joined),
+            "b_g": (self.num_heads if self.output_gate_per_head else joined,),
         }
+
+    def _own_v_head_dim(self) -> int | None:
+        """The values' head width where it differs from the keys' (else ``None``)."""
+        return None if self.v_head_dim == self.head_dim else self.v_head_dim
 
     def _describe(self) -> str:
         return (

@@ -248,6 +248,7 @@ class Layouts(Configuration):
             for what, present in (
                 ("grouped key/value heads", self.num_kv_heads != self.num_heads),
                 ("head_dim * num_heads != d_model", self.head_dim * self.num_heads != self.d_model),
+                ("values of another head width", self.v_head_dim != self.head_dim),
                 ("rotary embeddings", self.rope_theta is not None),
                 ("a sliding window", self.window is not None),
                 (

@@ -39,9 +39,10 @@ class MultiHeadAttention(Layouts):
     """Multi-head attention that owns its weights; ``forward`` calls the function.
 
     ``d_model`` is the model width and ``num_heads`` the number of query heads, each
-    ``head_dim`` wide (default ``d_model // num_heads``). The weights are attributes in the
-    function's "x @ W" layout: ``W_q (d_model, H*head_dim)``, ``W_k (kdim, H_kv*head_dim)``,
-    ``W_v (vdim, H_kv*head_dim)``, ``W_o (H*head_dim, d_model)``, and with ``bias=True``
+    ``head_dim`` wide (default ``d_model // num_heads``; the values' heads ``v_head_dim``
+    wide, default ``head_dim``). The weights are attributes in the function's "x @ W" layout:
+    ``W_q (d_model, H*head_dim)``, ``W_k (kdim, H_kv*head_dim)``, ``W_v (vdim,
+    H_kv*v_head_dim)``, ``W_o (H*v_head_dim, d_model)``, and with ``bias=True``
     also ``b_q``, ``b_k``, ``b_v``, ``b_o`` (``None`` otherwise; weights loaded from a
     model may have some of them, as Qwen2 has ``b_q``, ``b_k``, ``b_v`` only).
 
@@ -122,6 +123,7 @@ class MultiHeadAttention(Layouts):
         output_gate: str | None = None,
         output_gate_per_head: Flag = False,
         query_temperature: tuple[float, ...] | None = None,
+        v_head_dim: SupportsIndex | None = None,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
     ) -> None:
@@ -136,7 +138,7 @@ class MultiHeadAttention(Layouts):
             H, num_kv_heads, E // H if head_dim is None else head_dim, rope_theta, rotary_dim,
             rotary_interleaved, rope_scaling, window, sink_tokens, softcap, alibi, chunk, scale,
             qk_norm, qk_norm_eps, qk_norm_offset, add_zero_attn, output_gate, output_gate_per_head,
-            query_temperature,
+            query_temperature, v_head_dim,
         )  # fmt: skip
         self._configure(spec, (E, E if kdim is None else kdim, E if vdim is None else vdim))
         if not isinstance(bias, (bool, np.bool_)):
@@ -146,26 +148,27 @@ class MultiHeadAttention(Layouts):
         rng = random_generator(seed)  # drawn from only once everything is checked
 
         inner, kv_inner = H * self.head_dim, self.num_kv_heads * self.head_dim
-        if self.kdim == E and self.vdim == E and inner == E and kv_inner == E:
+        v_inner, joined = self.num_kv_heads * self.v_head_dim, H * self.v_head_dim
+        if self.kdim == E and self.vdim == E and inner == E and kv_inner == E == v_inner:
             in_proj = _uniform(rng, (3 * E, E), _xavier_bound(E, 3 * E), self.dtype)
             self.W_q, self.W_k, self.W_v = (part.T.copy() for part in np.split(in_proj, 3))
         else:
             self.W_q, self.W_k, self.W_v = (
                 _uniform(rng, (width, d_in), _xavier_bound(d_in, width), self.dtype).T.copy()
-                for d_in, width in ((E, inner), (self.kdim, kv_inner), (self.vdim, kv_inner))
+                for d_in, width in ((E, inner), (self.kdim, kv_inner), (self.vdim, v_inner))
             )
-        bound = 1.0 / float(np.sqrt(inner))
-        self.W_o = _uniform(rng, (E, inner), bound, self.dtype).T.copy()
+        bound = 1.0 / float(np.sqrt(joined))
+        self.W_o = _uniform(rng, (E, joined), bound, self.dtype).T.copy()
         self.b_q, self.b_k, self.b_v, self.b_o = (
             np.zeros(width, dtype=self.dtype) if bias else None
-            for width in (inner, kv_inner, kv_inner, E)
+            for width in (inner, kv_inner, v_inner, E)
         )
         self.bias_k: np.ndarray | None = None
         self.bias_v: np.ndarray | None = None
         if with_bias_kv:  # torch: xavier_normal_ on (1, 1, E)
             self.bias_k, self.bias_v = (
-                rng.normal(0.0, 1.0 / float(np.sqrt(E)), kv_inner).astype(self.dtype)
-                for _ in range(2)
+                rng.normal(0.0, 1.0 / float(np.sqrt(E)), width).astype(self.dtype)
+                for width in (kv_inner, v_inner)
             )
         self.sinks: np.ndarray | None = None
         if with_sinks:  # gpt-oss's learned logits, one per head; zero to start
@@ -423,6 +426,7 @@ class MultiHeadAttention(Layouts):
             batch_size,
             self.num_kv_heads,
             self.head_dim,
+            value_dim=self.v_head_dim,
             capacity=capacity,
             dtype=self.dtype if dtype is None else float_dtype(dtype),
             window=self.window,

@@ -140,16 +140,21 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     E, kdim, vdim = (int(config[key]) for key in ("d_model", "kdim", "vdim"))
     inner = int(config["num_heads"]) * int(config["head_dim"])
     kv_inner = int(config["num_kv_heads"]) * int(config["head_dim"])
+    v_head_dim = int(config.get("v_head_dim") or config["head_dim"])  # (later files: optional)
+    v_inner, joined = (
+        int(config["num_kv_heads"]) * v_head_dim,
+        int(config["num_heads"]) * v_head_dim,
+    )
     shapes = {
         "W_q": (E, inner),
         "W_k": (kdim, kv_inner),
-        "W_v": (vdim, kv_inner),
-        "W_o": (inner, E),
+        "W_v": (vdim, v_inner),
+        "W_o": (joined, E),
     }
-    widths = {"b_q": inner, "b_k": kv_inner, "b_v": kv_inner, "b_o": E}
+    widths = {"b_q": inner, "b_k": kv_inner, "b_v": v_inner, "b_o": E}
     vectors = {name: (widths[name],) for name in config["biases"] if name in widths}
     if config["add_bias_kv"]:
-        vectors |= {"bias_k": (kv_inner,), "bias_v": (kv_inner,)}
+        vectors |= {"bias_k": (kv_inner,), "bias_v": (v_inner,)}
     if config.get("sinks"):
         vectors["sinks"] = (int(config["num_heads"]),)
     if config.get("qk_norm") is not None:
@@ -157,7 +162,7 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         vectors["q_norm"] = (inner if across else int(config["head_dim"]),)
         vectors["k_norm"] = (kv_inner if across else int(config["head_dim"]),)
     if config.get("output_gate") is not None:
-        gates = int(config["num_heads"]) if config.get("output_gate_per_head") else inner
+        gates = int(config["num_heads"]) if config.get("output_gate_per_head") else joined
         shapes["W_g"] = (E, gates)
         if "b_g" in config.get("biases", []):
             vectors["b_g"] = (gates,)
