@@ -1,14 +1,15 @@
 """Two versions of mha timed against each other, interleaved: before and after a change.
 
-    python benchmarks/ab.py BEFORE_SRC AFTER_SRC [--rounds 15] [--only REGEX] [-o results.json]
+    python benchmarks/ab.py BEFORE_SRC AFTER_SRC [--rounds 15] [--only REGEX] [--clock cpu]
+                            [-o results.json]
 
 Each version runs in a process of its own (``PYTHONPATH`` set to its ``src`` folder); the
-parent asks both, in turn, to time the same case, round after round, so that both see the
-same machine at the same moments; each case's figure is the median of its rounds, and the
-table gives after / before. The cases are those of the README's tables: small calls (the
-per-call cost), the core and the layer at the benchmark's shapes, decoding steps, the
-backward, the variants, a paged decoding step. Both processes hold BLAS and the workers
-alike; the environment (``OPENBLAS_CORETYPE``...) is the caller's.
+parent asks both, in turn (which first alternates by round), to time the same case, round
+after round, so that both see the same machine at the same moments; each case's figure is
+the median of its rounds, and the table gives after / before. The cases are those of the
+README's tables: small calls (the per-call cost), the core and the layer at the benchmark's
+shapes, decoding steps, the backward, the variants, a paged decoding step. Both processes
+hold BLAS and the workers alike; the environment (``OPENBLAS_CORETYPE``...) is the caller's.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ def cases() -> dict[str, Any]:
 def serve() -> None:
     """A worker: read a case's name, time it, write the seconds per call."""
     only = re.compile(os.environ.get("MHA_AB_ONLY", ""))
+    clock = time.process_time if os.environ.get("MHA_AB_CLOCK") == "cpu" else time.perf_counter
     made = {name: case for name, case in cases().items() if only.search(name)}
     for function, _ in made.values():  # warm every case (compile, plan)
         function()
@@ -100,10 +102,10 @@ def serve() -> None:
     for line in sys.stdin:
         name = line.strip()
         function, repeats = made[name]
-        start = time.perf_counter()
+        start = clock()
         for _ in range(repeats):
             function()
-        print(json.dumps((time.perf_counter() - start) / repeats), flush=True)
+        print(json.dumps((clock() - start) / repeats), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,11 +114,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("after")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--only", default="", help="the cases whose names match (a regex)")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall time, or the CPU time of the process (all its threads): steadier on a "
+        "machine others share, since time spent waiting for a core is not counted",
+    )
     parser.add_argument("-o", "--output")
     args = parser.parse_args(argv)
     workers = []
     for src in (args.before, args.after):
-        env = {**os.environ, "PYTHONPATH": os.path.abspath(src), "MHA_AB_ONLY": args.only}
+        env = {**os.environ, "PYTHONPATH": os.path.abspath(src), "MHA_AB_ONLY": args.only,
+               "MHA_AB_CLOCK": args.clock}  # fmt: skip
         workers.append(subprocess.Popen(
             [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True, env=env,
@@ -124,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     listed = [json.loads(w.stdout.readline()) for w in workers]  # type: ignore[union-attr]
     names = listed[0]  # (both versions list the same cases)
     times: dict[str, list[list[float]]] = {name: [[], []] for name in names}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         for name in names:
-            for side, worker in enumerate(workers):
+            order = list(enumerate(workers))  # before first in even rounds, after in odd ones
+            for side, worker in order if round_ % 2 == 0 else order[::-1]:
                 worker.stdin.write(name + "\n")  # type: ignore[union-attr]
                 worker.stdin.flush()  # type: ignore[union-attr]
                 times[name][side].append(json.loads(worker.stdout.readline()))  # type: ignore[union-attr]
@@ -141,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"geometric mean of after/before: {float(np.exp(np.mean(np.log(ratios)))):.3f}")
     if args.output:
         with open(args.output, "w") as file:
-            json.dump({"rounds": args.rounds, "cases": rows}, file, indent=1)
+            json.dump({"rounds": args.rounds, "clock": args.clock, "cases": rows}, file, indent=1)
     return 0
 
 
