@@ -136,6 +136,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "bamba": {**MAMBA, "attn_layer_indices": [1, 3]},
     "granitemoehybrid": {**MAMBA, "layer_types": _ATTENTION_13},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    "lfm2": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
     "nemotron_h": {
         "layers_block_type": ["linear_attention", "full_attention", "moe", "full_attention"],
