@@ -29,7 +29,10 @@ Every `model_type` of transformers {version}'s `MODEL_FOR_CAUSAL_LM_MAPPING_NAME
 in shards), written by `scripts/families.py` from the census that `tests/test_families.py`
 runs. *read*: every attention layer matches transformers' own attention module of that layer
 in float64, whole sequences and prefill then token-by-token decoding, within 1e-12 (the worst
-relative error in parentheses). *refused*: mha raises its error, which names what blocks the
+relative error in parentheses); a hybrid model (Mamba, linear-attention or convolution layers
+between its attention layers) counts as read when every attention layer reads so and every
+other layer is refused by its index, with what it is: "read (attention layers 1, 3 of 4)".
+*refused*: mha raises its error, which names what blocks the
 family; "it is not supported" marks a family whose attention is not in the table yet. The
 classes: a decoder-only text family; an encoder run as a decoder; the decoder of an
 encoder-decoder model; a multimodal wrapper (whose text model has its own `model_type`); a

@@ -16,7 +16,9 @@ import sys
 import numpy as np
 import pytest
 from support import pretrained_models as models
+from support.transformers_oracle import ATTENTION_TYPES
 
+import mha
 from mha.errors import AttentionTypeError, AttentionValueError, WeightsFileError
 from mha.integrations import checkpoint as checkpoint_module
 from mha.integrations.checkpoint import Checkpoint
@@ -630,6 +632,64 @@ def test_configs_are_read_as_transformers_reads_them(tmp_path, family, change, d
         if family in models.LATENT_FAMILIES:
             settings.pop("scale"), settings.pop("norm_eps")
         assert settings == expected, (index, settings, expected)
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "drop"),
+    [
+        ("granitemoehybrid", {"layers_block_type": ["mamba", "attention", "attention"]},
+         ("layer_types",)),  # the older names
+        ("granitemoehybrid", {}, ("layer_types",)),  # every layer Mamba by default
+        ("jamba", {"attn_layer_period": 3, "attn_layer_offset": 2}, ()),
+        ("jamba", {}, ("attn_layer_period", "attn_layer_offset")),
+        ("nemotron_h", {"hybrid_override_pattern": "M*-"}, ("layers_block_type",)),
+        ("nemotron_h", {"layers_block_type": ["moe", "full_attention", "mlp", "full_attention"],
+                        "num_hidden_layers": 3}, ()),  # the types count the layers
+        ("nemotron_h", {}, ("layers_block_type",)),  # four layers by default
+        ("bamba", {"attn_layer_indices": [1]}, ()),
+        ("bamba", {}, ("attn_layer_indices",)),  # every layer Mamba
+        ("lfm2", {"full_attn_idxs": [1]}, ("layer_types",)),
+        ("lfm2", {}, ("layer_types", "full_attn_idxs")),  # every layer attention
+        ("minimax", {}, ("layer_types",)),  # every other layer from 0
+        ("olmo_hybrid", {}, ("layer_types",)),  # every fourth, else the last
+        ("falcon_h1", {}, ()),  # every layer's attention beside its Mamba mixer
+    ],
+)  # fmt: skip
+def test_a_hybrids_attention_layers_are_transformers_own(
+    tmp_path, family, change, drop, transformers
+):
+    """Which layers of a hybrid are attention, from each family's own config keys (their
+    older forms and the classes' defaults): transformers' config's ``layer_types`` is the
+    oracle. Every other layer is refused by its index."""
+    folder = variant(tmp_path, family, change, drop)
+    with models._quiet():
+        config = transformers.AutoConfig.from_pretrained(folder)
+    expected = [i for i, kind in enumerate(config.layer_types) if kind in ATTENTION_TYPES]
+    assert mha.attention_layers(folder) == expected
+    for index in sorted(set(range(config.num_hidden_layers)) - set(expected)):
+        with pytest.raises(AttentionValueError, match=f"layer {index} of this .* checkpoint is"):
+            layer_attention(Checkpoint(folder), index)
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "said"),
+    [
+        ("jamba", {"attn_layer_period": 2, "attn_layer_offset": 2},
+         "attn_layer_offset=2; an integer from 0 to attn_layer_period - 1 = 1 is needed"),
+        ("nemotron_h", {"layers_block_type": "M*-"}, "layers_block_type must list the type"),
+        ("nemotron_h", {"layers_block_type": None, "hybrid_override_pattern": "M*X"},
+         "hybrid_override_pattern must be a string of M"),
+        ("bamba", {"attn_layer_indices": "0,2"}, "attn_layer_indices must list layer indices"),
+        ("granitemoehybrid", {"layer_types": ["attention", "mamba"]},
+         r"gives 2 layer types \(\['full_attention', 'linear_attention'\]\) for its 3 layers"),
+    ],
+)  # fmt: skip
+def test_a_hybrids_malformed_layer_types_are_refused(tmp_path, family, change, said, transformers):
+    """A config whose keys do not say which layers are attention is refused, naming them."""
+    folder = variant(tmp_path, family, change, ())
+    with pytest.raises(AttentionValueError, match=said) as error:
+        mha.attention_layers(folder)
+    assert str(folder) in str(error.value)
 
 
 def test_deepseeks_scale_takes_the_yarn_mscale(tmp_path, transformers):

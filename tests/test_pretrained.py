@@ -65,7 +65,7 @@ def load(family, layer):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_whole_sequences_match_transformers(family, transformers, record_error):
-    for layer, calls in enumerate(oracle(family)):
+    for layer, calls in oracle(family).items():
         x, expected = calls[0]
         assert x.shape == (B, L, 48) and np.abs(expected).max() > 0.1
         error = relative_error(load(family, layer)(x, mask=True), expected)
@@ -74,7 +74,7 @@ def test_whole_sequences_match_transformers(family, transformers, record_error):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_then_decoding_matches_transformers_cache(family, transformers, record_error):
-    for layer, calls in enumerate(oracle(family)):
+    for layer, calls in oracle(family).items():
         attention = load(family, layer)
         ours = attention.new_cache(B)
         assert len(calls) == 2 + L - PREFILL
@@ -188,6 +188,19 @@ CHANGES = {
     "ctrl": [{"scale": 1.0}, {"b_q": None}],
     "openai-gpt": [{"scale": 1.0}, {"b_o": None}],
     "modernbert-decoder": [{"window": None}, {"rope_theta": 10000.0}, {"b_o": None}],
+    # hybrids: the attention layers' own settings (a rope given to Jamba's and Nemotron-H's
+    # layers without positions)
+    "granitemoehybrid": [{"scale": None}, {"rope_theta": None}, {"b_q": None}],
+    "falcon_h1": [{"scale": None}, {"b_k": None}],  # key_multiplier
+    "jamba": [{"rope_theta": 500.0}],
+    "nemotron_h": [{"rope_theta": 500.0}],
+    "bamba": [{"rotary_dim": None}, {"b_o": None}],
+    "lfm2": [{"qk_norm_offset": 1.0}, {"rope_theta": 10000.0}],
+    "lfm2_moe": [{"qk_norm_offset": 1.0}, {"rope_theta": 10000.0}],
+    "minimax": [{"window": None}, {"rope_theta": 10000.0}],
+    "olmo_hybrid": [{"rope_theta": 500.0}, {"qk_norm_offset": 1.0}],
+    "lara_mini": [{"rope_theta": 500.0}, {"window": None}, {"qk_norm_offset": 1.0}],
+    "recurrent_gemma": [{"window": None}, {"rotary_dim": None}, {"b_o": None}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3
@@ -202,10 +215,11 @@ def test_every_setting_read_matters_in_these_models(family, monkeypatch, transfo
     baseline = None
     for change in CHANGES[family]:
         monkeypatch.setattr(readers, "layer_attention", models.changed(read, change))
-        whole = [calls[0] for calls in oracle(family)]  # (x, expected) of each layer
-        outputs = [load(family, layer)(x, mask=True) for layer, (x, _) in enumerate(whole)]
+        whole = {layer: calls[0] for layer, calls in oracle(family).items()}  # (x, expected)
+        outputs = [load(family, layer)(x, mask=True) for layer, (x, _) in whole.items()]
         errors = [
-            relative_error(out, expected) for out, (_, expected) in zip(outputs, whole, strict=True)
+            relative_error(out, expected)
+            for out, (_, expected) in zip(outputs, whole.values(), strict=True)
         ]
         assert max(errors) > 1e-4, (change, errors)
         if family == "phi3" and "rotary_dim" in change:  # against the change before it
@@ -229,9 +243,25 @@ def test_what_is_read_into_the_weights_matters(family, field, change, monkeypatc
         row, **{field: dataclasses.replace(getattr(row, field), **change)}
     )
     monkeypatch.setitem(readers.FAMILIES, family, changed)
-    for layer, calls in enumerate(oracle(family)):
+    for layer, calls in oracle(family).items():
         x, expected = calls[0]
         assert relative_error(load(family, layer)(x, mask=True), expected) > 1e-4, layer
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_layers_without_attention_are_refused_by_their_index(family, transformers):
+    """The layers read above are transformers' attention layers (``mha.attention_layers``):
+    every layer, but a hybrid's other layers (Mamba, short convolutions), each refused by
+    its index, naming what it is and the attention layers."""
+    folder = models.saved(family)
+    layers = sorted(oracle(family))
+    assert mha.attention_layers(folder) == layers
+    assert (len(layers) < 3) == (family in models.HYBRIDS and family != "falcon_h1")
+    for layer in sorted(set(range(3)) - set(layers)):
+        said = f"layer {layer} of this .* checkpoint is .*; its attention layers are 0, 2"
+        with pytest.raises(AttentionValueError, match=said) as error:
+            mha.from_pretrained(folder, layer=layer)
+        assert str(folder) in str(error.value)
 
 
 def test_every_row_of_the_table_has_a_tiny_model_compared_here(transformers):
@@ -263,7 +293,7 @@ def test_a_renamed_family_is_one_row(tmp_path, monkeypatch, transformers, record
         windows=EVERY_LAYER,
     )
     monkeypatch.setitem(readers.FAMILIES, row.name, row)
-    for layer, calls in enumerate(oracle("mistral")):
+    for layer, calls in oracle("mistral").items():
         x, expected = calls[0]
         attention = mha.MultiHeadAttention.from_pretrained(folder, layer=layer, dtype=np.float64)
         assert (attention.num_heads, attention.window) == (4, 7)
@@ -309,7 +339,7 @@ def test_older_configs_are_read_as_transformers_reads_them(
         float64_rotary(model)
     calls = models.decoding_calls(model, B, L, L - 1)
     differs = 0.0
-    for layer, layer_calls in enumerate(calls):
+    for layer, layer_calls in calls.items():
         x, expected = layer_calls[0]
         attention = mha.MultiHeadAttention.from_pretrained(folder, layer=layer, dtype=np.float64)
         out = attention(x, mask=True)

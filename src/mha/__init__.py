@@ -17,7 +17,7 @@ from .api.latent import LatentAttention, LatentSpec
 from .api.module import MultiHeadAttention
 from .api.paged import cascade_attention, paged_attention
 from .api.paged_cache import PagedKVCache
-from .api.pretrained import from_pretrained
+from .api.pretrained import attention_layers, from_pretrained
 from .api.projection import multi_head_attention
 from .api.rotary import apply_rotary
 from .api.split_heads import merge_attention, scaled_dot_product_attention
@@ -46,6 +46,7 @@ __all__ = [
     "WeightsFileError",
     "alibi_slopes",
     "apply_rotary",
+    "attention_layers",
     "cascade_attention",
     "from_pretrained",
     "merge_attention",

@@ -129,9 +129,21 @@ ASSISTANT = {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
              "enable_moe_block": False, "use_double_wide_mlp": False}  # fmt: skip
 """Gemma 4's assistant drafters: a text model without per-layer inputs or experts."""
 
+_ATTENTION_13 = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+"""A hybrid's layers 1 and 3 attention, between Mamba or linear-attention layers."""
+
 OVERRIDES: dict[str, dict[str, Any]] = {
-    "bamba": MAMBA,
-    "granitemoehybrid": MAMBA,
+    "bamba": {**MAMBA, "attn_layer_indices": [1, 3]},
+    "granitemoehybrid": {**MAMBA, "layer_types": _ATTENTION_13},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    "lfm2": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+    "nemotron_h": {
+        "layers_block_type": ["linear_attention", "full_attention", "moe", "full_attention"],
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 24,
+        "n_groups": 1,
+    },
     "mamba2": {"num_heads": 4, "head_dim": 24, "n_groups": 1},
     "gpt_neo": {"attention_types": [[["global", "local"], 2]]},
     "gptj": {"rotary_dim": 8},  # of the heads' 12 features (64 by default)
@@ -195,6 +207,10 @@ class Entry:
     """The refusal, the harness's failure, or the layers refused in a family read."""
     error: float = 0.0
     """The largest relative error of the layers read (``read`` and ``wrong``)."""
+    layers: tuple[int, ...] = ()
+    """The layers read (``read`` and ``wrong``): a hybrid's attention layers."""
+    count: int = 0
+    """The checkpoint's layers."""
 
     @property
     def generic(self) -> bool:
@@ -344,7 +360,7 @@ def _compared(model_type: str, kind: str, config: Any) -> Entry:
         for x, expected in steps:
             worst = max(worst, relative_error(attention(x, cache=cache), expected))
     result = READ if worst <= TOLERANCE else WRONG
-    return Entry(model_type, kind, result, "; ".join(refused), worst)
+    return Entry(model_type, kind, result, "; ".join(refused), worst, tuple(read), layers)
 
 
 def _model_layers(config: Any) -> int:
@@ -434,13 +450,16 @@ def _oracle(model_type: str, folder: Path, names: dict[int, str]) -> dict[int, l
 
 def _module(model: Any, name: str, index: int) -> Any:
     """The attention module of layer ``index``: at its tensors' prefix ``name``, else where
-    transformers loads a family's own names renamed, Llama's (EXAONE 3's)."""
+    transformers loads a family's own names renamed: under ``model`` (Nemotron-H's
+    ``backbone``), else Llama's (EXAONE 3's)."""
     from mha.integrations.readers.layouts import SEPARATE_QKV
 
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return model.get_submodule(SEPARATE_QKV.path.format(i=index))
+    for path in (name, "model." + name.split(".", 1)[1]):
+        try:
+            return model.get_submodule(path)
+        except AttributeError:
+            pass
+    return model.get_submodule(SEPARATE_QKV.path.format(i=index))
 
 
 def _float64_rotaries(model: Any) -> None:
@@ -530,6 +549,11 @@ def table(entries: list[Entry]) -> str:
         result = item.result
         if item.result in (READ, WRONG):
             result = f"{item.result} ({item.error:.1e})"
+            if len(item.layers) < item.count:  # a hybrid: its attention layers alone
+                shown = ", ".join(map(str, item.layers))
+                result = (
+                    f"{item.result} ({item.error:.1e}; attention layers {shown} of {item.count})"
+                )
         detail = _blocker(item).replace("|", "\\|")
         lines.append(f"| `{item.family}` | {item.kind} | {result} | {detail} |")
     summary = ", ".join(f"{count} {label}" for label, count in sorted(counts.items()))
@@ -537,7 +561,14 @@ def table(entries: list[Entry]) -> str:
 
 
 def _blocker(item: Entry) -> str:
-    """The reason of a refusal, without the checkpoint and the list of families read."""
+    """The reason of a refusal, without the checkpoint and the list of families read; a
+    hybrid's other layers, each with what it is."""
+    if item.result in (READ, WRONG) and item.detail:
+        other = [part.split(" checkpoint is ")[1].split(", which")[0] for part in
+                 item.detail.split("; layer ") if " checkpoint is " in part]  # fmt: skip
+        refused = [i for i in range(item.count) if i not in item.layers]
+        what = ", ".join(dict.fromkeys(other))
+        return f"layers {', '.join(map(str, refused))} refused by index: {what}"
     detail = item.detail.split("; the model types mha reads are")[0]
     prefix = f"<checkpoint>: model_type {item.family!r}: "
     return detail.removeprefix(prefix)

@@ -26,8 +26,14 @@ ALiBi of six heads, OPT's, BioGPT's, XGLM's and CTRL's biases without rope), who
 keep COMMON's ``num_key_value_heads`` where the family ignores it; sinks beside windows
 (Flint, GraniteSWA), a rope base per layer (GraniteSWA) or per layer type, none for one
 (Cohere Compass), NanoChat's rotation by the negated angles and LongCat-Flash's two latent
-attentions per decoder layer. Each family's attention module is where the reader's row says
-(:func:`attention_path`).
+attentions per decoder layer; and the hybrid models
+(:data:`HYBRIDS`), whose layer 1 is not attention (Mamba, Mamba-2, a short convolution,
+lightning or Gated DeltaNet linear attention, an RG-LRU recurrence) between attention layers
+0 and 2 that read what each family's attention does differently (Granite's
+``attention_multiplier`` and optional rope, Falcon-H1's ``key_multiplier`` in every layer,
+Jamba's and Nemotron-H's NoPE, Bamba's partial rotary, LFM2's QK-norm, MiniMax's window,
+OLMo-hybrid's null rope, RecurrentGemma's local attention and its output bias). Each
+family's attention module is where the reader's row says (:func:`attention_path`).
 """
 
 from __future__ import annotations
@@ -66,6 +72,8 @@ DEEPSEEK = {
     "experts_implementation": "eager",
 }  # fmt: skip
 
+HYBRID_MAMBA = {"mamba_n_heads": 4, "mamba_d_head": 24, "mamba_n_groups": 1}
+"""Mamba heads that divide the expanded width (2 * 48)."""
 ABSENT = "absent"
 """A key of ``COMMON`` left out of a family's config."""
 OLDER = {"head_dim": ABSENT, "rope_parameters": ABSENT}
@@ -279,6 +287,38 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1, "sep_token_id": 2,
         "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 100.0},
                             FULL: {"rope_type": "default", "rope_theta": 3000.0}}}),
+    # hybrid models: the attention layers (0 and 2) between Mamba or convolution layers,
+    # each refused by its index; Falcon-H1's attention beside a Mamba mixer in every layer
+    "granitemoehybrid": ("GraniteMoeHybrid", {
+        **HYBRID_MAMBA, "layer_types": [FULL, "linear_attention", FULL],
+        "attention_multiplier": 0.3, "position_embedding_type": "rope", "attention_bias": True,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 16,
+        "experts_implementation": "eager"}),
+    "falcon_h1": ("FalconH1", {"key_multiplier": 0.4, "attention_bias": True}),
+    "jamba": ("Jamba", {"attn_layer_period": 2, "attn_layer_offset": 0, "num_experts": 4,
+                        "use_mamba_kernels": False, "experts_implementation": "eager"}),
+    "nemotron_h": ("NemotronH", {
+        "layers_block_type": [FULL, "linear_attention", FULL], "mamba_num_heads": 4,
+        "mamba_head_dim": 24, "n_groups": 1, "num_hidden_layers": ABSENT}),
+    "bamba": ("Bamba", {**HYBRID_MAMBA, "attn_layer_indices": [0, 2], "attention_bias": True}),
+    "lfm2": ("Lfm2", {"full_attn_idxs": [0, 2]}),
+    # OLMo-hybrid without rope, as released (rope_theta null)
+    "olmo_hybrid": ("OlmoHybrid", {"layer_types": [FULL, "linear_attention", FULL],
+                                   "rope_parameters": {"rope_type": "default",
+                                                       "rope_theta": None}}),
+    # Lara-mini: a sliding layer with rope, a full one without; RecurrentGemma's local
+    # attention (partial rotary, an output bias always) between its RG-LRU layers
+    "lara_mini": ("LaraMini", {"layer_types": [SLIDING, "linear_attention", FULL],
+                               "sliding_window": 5, "attention_bias": True,
+                               "rms_norm_eps": 1e-5, **MOE}),
+    "recurrent_gemma": ("RecurrentGemma", {"block_types": ["attention", "recurrent"],
+                                           "attention_window_size": 6, "head_dim": ABSENT,
+                                           "num_key_value_heads": 1}),
+    "minimax": ("MiniMax", {"layer_types": [FULL, "linear_attention", FULL],
+                            "sliding_window": 6, "block_size": 8, **MOE}),
+    "lfm2_moe": ("Lfm2Moe", {"layer_types": [FULL, "conv", FULL], "num_experts": 4,
+                             "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                             "num_dense_layers": 1, "experts_implementation": "eager"}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
@@ -297,9 +337,13 @@ OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox
                  "gpt_neo", "bloom", "mpt", "falcon", "falcon_alibi", "opt", "biogpt", "xglm",
                  "ctrl", "openai-gpt", "modernbert-decoder")  # fmt: skip
 """The families whose attention modules are not Llama's."""
-LLAMA_LAYOUT = tuple(family for family in FAMILIES if family not in OTHER_LAYOUTS)
-"""The families whose attention is Llama's module, ``model.layers[i].self_attn``, with its
-attributes (``scaling``, ``head_dim``, ``q_proj``, ...)."""
+HYBRIDS = ("granitemoehybrid", "falcon_h1", "jamba", "nemotron_h", "bamba", "lfm2", "lfm2_moe",
+           "minimax", "olmo_hybrid", "lara_mini", "recurrent_gemma")  # fmt: skip
+"""The hybrid models: attention layers between Mamba or convolution layers (Falcon-H1's
+beside a Mamba mixer in each layer)."""
+LLAMA_LAYOUT = tuple(family for family in FAMILIES if family not in OTHER_LAYOUTS + HYBRIDS)
+"""The families whose attention is Llama's module in every layer, ``model.layers[i].self_attn``,
+with its attributes (``scaling``, ``head_dim``, ``q_proj``, ...)."""
 
 
 def _settings(family: str) -> tuple[str, str, dict[str, Any]]:
@@ -345,23 +389,26 @@ def build(family: str, seed: int = 0) -> Any:
 
 
 def attention_modules(model: Any) -> list[Any]:
-    """Each layer's attention module in ``model``, where the reader's row of its
-    ``model_type`` says it is."""
+    """Each attention layer's attention module in ``model`` (a hybrid's attention layers
+    alone), where the reader's row of its ``model_type`` says it is."""
     from mha.integrations.readers.layouts import module_path
+    from support.transformers_oracle import attention_layers
 
-    return [model.get_submodule(module_path(path, i)) for i in range(model.config.num_hidden_layers)
-            for path in (attention_path(model),)]  # fmt: skip
+    path = attention_path(model)
+    return [model.get_submodule(module_path(path, i)) for i in attention_layers(model)]
 
 
 def attention_path(model: Any) -> str:
-    """The module path of layer ``{i}``'s attention in ``model``: the readers' layout's,
-    but Llama's where transformers loads a family's own tensor names into Llama's modules
-    (EXAONE 3, Sarvam-MoE)."""
+    """The module path of layer ``{i}``'s attention in ``model``: the readers' layout's
+    (Nemotron-H's ``backbone.`` loaded as ``model.``), but Llama's where transformers loads
+    a family's own tensor names into Llama's modules (EXAONE 3, Sarvam-MoE)."""
     from mha.integrations import readers
+    from support.transformers_oracle import attention_layers
 
     path = str(readers.FAMILIES[model.config.model_type].tensors.path)
+    path = path.replace("backbone.", "model.")  # Nemotron-H's saved names, loaded renamed
     try:
-        model.get_submodule(path.format(i=0, j=0))
+        model.get_submodule(path.format(i=attention_layers(model)[0], j=0))
     except AttributeError:
         return "model.layers.{i}.self_attn"
     return path
@@ -440,11 +487,11 @@ def _root() -> Path:
     return _ROOT[0]
 
 
-def decoding_calls(model: Any, B: int, L: int, prefill: int) -> list[list[Any]]:
-    """Each layer's attention calls in ``model`` (float64, its rotary made float64 first),
-    ``(input, output)`` as NumPy: a whole sequence of ``L`` tokens for each of ``B``, then a
-    prefill of ``prefill`` tokens and each decoding step with transformers' DynamicCache
-    (:func:`drive`)."""
+def decoding_calls(model: Any, B: int, L: int, prefill: int) -> dict[int, list[Any]]:
+    """Each attention layer's calls in ``model`` (float64, its rotary made float64 first), by
+    layer index (a hybrid model's attention layers alone), ``(input, output)`` as NumPy: a
+    whole sequence of ``L`` tokens for each of ``B``, then a prefill of ``prefill`` tokens
+    and each decoding step with transformers' cache (:func:`drive`)."""
     from support.transformers_oracle import AttentionRecorder
 
     recorder = AttentionRecorder(model, attention_path(model))
@@ -452,18 +499,42 @@ def decoding_calls(model: Any, B: int, L: int, prefill: int) -> list[list[Any]]:
         drive(model, B, L, prefill, recorder.calls)
     finally:
         recorder.close()
-    return recorder.calls
+    return dict(zip(recorder.layers, recorder.calls, strict=True))
+
+
+OWN_CACHES = {"minimax": "MiniMaxCache"}
+"""The families whose model takes a cache of its own class (in its modeling module), not
+transformers' DynamicCache."""
+
+
+def new_cache(model: Any) -> Any:
+    """An empty cache of ``model``: its family's own (:data:`OWN_CACHES`), else a
+    DynamicCache of its config (a hybrid's: per layer type)."""
+    import sys
+
+    import transformers
+
+    own = OWN_CACHES.get(model.config.model_type)
+    if own is not None:
+        return getattr(sys.modules[type(model).__module__], own)()
+    return transformers.DynamicCache(config=model.config)
+
+
+POSITIONS_GIVEN = ("bamba",)
+"""The families whose model numbers a step's positions from 0 whatever its cache holds
+(``BambaModel``: ``arange`` of the input's length): their decoding steps are given their
+``position_ids``, as ``generate`` gives them."""
 
 
 def drive(model: Any, B: int, L: int, prefill: int, calls: Any) -> None:
     """Run ``model`` (float64) on random tokens while hooks record each layer's attention
     calls into ``calls`` (a list per layer): a whole sequence of ``L`` tokens for each of
     ``B``, then a prefill of ``prefill`` tokens and each decoding step with transformers'
-    DynamicCache. A model without a cache (GPT-1) computes each step as the last token of
-    its prefix, which a causal attention computes the same: its steps' calls are cut to
-    that token."""
+    cache (:func:`new_cache`; the steps' positions given where the model would not count them:
+    :data:`POSITIONS_GIVEN`). A model without a cache (GPT-1) computes each step as the last
+    token of its prefix, which a causal attention computes the same: its steps' calls are
+    cut to that token."""
     import torch
-    import transformers
 
     from support.rope_oracle import float64_torch
 
@@ -474,10 +545,13 @@ def drive(model: Any, B: int, L: int, prefill: int, calls: Any) -> None:
     with torch.no_grad(), float64_torch():
         model(ids)
         if cached:
-            cache = transformers.DynamicCache(config=model.config)
+            cache = new_cache(model)
             model(ids[:, :prefill], cache=cache, use_cache=True)
             for t in range(prefill, L):
-                model(ids[:, t : t + 1], cache=cache, use_cache=True)
+                positions = {}
+                if model.config.model_type in POSITIONS_GIVEN:
+                    positions = {"position_ids": torch.arange(t, t + 1)[None]}
+                model(ids[:, t : t + 1], cache=cache, use_cache=True, **positions)
         else:
             for t in range(prefill, L + 1):
                 model(ids[:, :t])

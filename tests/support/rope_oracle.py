@@ -153,7 +153,8 @@ def _make_float64(rotary: Any) -> None:
         for stale in (f"{prefix}long_inv_freq", f"{prefix}max_seq_len_cached"):
             if stale in vars(rotary):
                 delattr(rotary, stale)
-    rotary.max_seq_len_cached = rotary.original_max_seq_len
+    if hasattr(rotary, "original_max_seq_len"):  # RecurrentGemma's has none (default rope)
+        rotary.max_seq_len_cached = rotary.original_max_seq_len
 
     # transformers' own update of the dynamic and longrope frequencies, before each forward
     update = dynamic_rope_update(lambda self, x, position_ids, **kwargs: None)

@@ -104,18 +104,36 @@ def recorder(module: Any, calls: list[tuple[np.ndarray, np.ndarray]]) -> Any:
     return record
 
 
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "hybrid")
+"""transformers' layer types whose layer has an attention module (``hybrid``: Falcon-H1's,
+beside a Mamba mixer); the others (``linear_attention``: Mamba or linear attention,
+``conv``, ``moe``, ``mlp``) have none that mha reads."""
+
+
+def attention_layers(model: Any) -> list[int]:
+    """The layers of ``model`` with an attention module, by transformers' own
+    ``config.layer_types`` (every layer where the config has none)."""
+    config = model.config
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return list(range(config.num_hidden_layers))
+    return [i for i, kind in enumerate(types) if kind in ATTENTION_TYPES]
+
+
 class AttentionRecorder:
-    """Records every call of each layer's attention: its input and its output, as NumPy.
-    The attention of layer ``i`` is the module at ``path`` (``{i}`` its index; with
-    ``{j}``, LongCat-Flash's two per decoder layer: the readers' ``module_path``); a module
-    that adds the residual to its output (BLOOM's, given ``residual``) is recorded without
-    it, one that returns its output bias apart (GPT-NeoX-Japanese's) with it."""
+    """Records every call of each attention layer's attention (:func:`attention_layers`:
+    every layer but a hybrid model's Mamba, linear-attention or convolution layers): its
+    input and its output, as NumPy, in ``calls``, one list per layer of ``layers``. The
+    attention of layer ``i`` is the module at ``path`` (``{i}`` its index; with ``{j}``,
+    LongCat-Flash's two per decoder layer: the readers' ``module_path``); a module that
+    adds the residual to its output (BLOOM's, given ``residual``) is recorded without it,
+    one that returns its output bias apart (GPT-NeoX-Japanese's) with it."""
 
     def __init__(self, model: Any, path: str = "model.layers.{i}.self_attn") -> None:
         from mha.integrations.readers.layouts import module_path
 
-        count = model.config.num_hidden_layers
-        modules = [model.get_submodule(module_path(path, i)) for i in range(count)]
+        self.layers = attention_layers(model)
+        modules = [model.get_submodule(module_path(path, i)) for i in self.layers]
         self.calls: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in modules]
         self._handles = [
             module.register_forward_hook(self._hook(i, module), with_kwargs=True)

@@ -1,7 +1,9 @@
 """One entry point for any layer of a transformers checkpoint: :func:`from_pretrained` returns
 the attention that layer computes, a :class:`~mha.MultiHeadAttention` or a
 :class:`~mha.LatentAttention` (DeepSeek's multi-head latent attention), so that a caller can
-walk every layer without knowing the family. The readers are reached by name
+walk every layer without knowing the family; :func:`attention_layers` lists the layers that
+have an attention to read (all of them, but in a hybrid model: Jamba's, Bamba's, Nemotron-H's
+layers between their Mamba layers). The readers are reached by name
 (:mod:`.formats`), as the classmethods reach them.
 """
 
@@ -13,7 +15,7 @@ from . import formats
 from .latent import LatentAttention, LatentSpec
 from .module import MultiHeadAttention
 
-__all__ = ["from_pretrained"]
+__all__ = ["attention_layers", "from_pretrained"]
 
 
 def from_pretrained(
@@ -35,3 +37,20 @@ def from_pretrained(
     if isinstance(spec, LatentSpec):
         return LatentAttention.from_spec(spec, weights)
     return MultiHeadAttention.from_spec(spec, weights, f"{path}, layer {layer}")
+
+
+def attention_layers(path: Any) -> list[int]:
+    """The indices of the layers of the transformers checkpoint at ``path`` whose attention
+    :func:`from_pretrained` reads: every layer, but in a hybrid model (Jamba, Bamba,
+    Granite 4, Nemotron-H, LFM2...) its attention layers alone; its other layers (Mamba,
+    linear attention, short convolutions) are refused by their index. Only ``config.json``
+    is read.
+
+    >>> import mha
+    >>> mha.attention_layers("no-such-checkpoint")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    mha.WeightsFileError: no-such-checkpoint does not exist; it should be a folder ...
+    """
+    layers: list[int] = formats.get("pretrained.attention_layers")(path)
+    return layers

@@ -19,6 +19,7 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "gpt2": transformers.weights_from_gpt2,
     "llama": transformers.weights_from_llama,
     "pretrained": readers.read_layer,
+    "pretrained.attention_layers": readers.attention_layers,
     "npz.save": npz.save,
     "npz.load": npz.load,
 }

@@ -20,6 +20,8 @@ the attention features it uses. The files:
   weights;
 * :mod:`.family` and :mod:`.registry`: the row type and the table, :mod:`.defaults`: each
   config class's defaults of the keys read;
+* :mod:`.hybrid`: which layers of a hybrid model (Mamba, linear attention or short
+  convolutions between its attention layers) are attention;
 * :mod:`.attention`: a layer's settings and tensors from its row and config;
 * here: reading them, checked against the config, from a :class:`~.config.Source` (a
   :class:`~mha.integrations.checkpoint.Checkpoint`).
@@ -56,6 +58,7 @@ __all__ = [
     "REFUSED",
     "SUPPORTED",
     "Family",
+    "attention_layers",
     "layer_attention",
     "read_layer",
     "register",
@@ -83,8 +86,10 @@ def layer_attention(
     or ``"latent"`` (:class:`mha.LatentSpec`'s)."""
     family = family_of(source.config, source.path)
     read = Settings(source, family.name, family.defaults, family.keys)
-    count = read.positive("num_hidden_layers") * attentions_per_layer(family.tensors.path)
+    count = _layers(family, read)
     index = layer_index(layer, count, source.path)
+    if family.hybrid is not None:
+        family.hybrid.check(read, index, count)
     prefix = attention_prefix(source, index, family.tensors.path)
     kind, settings, tensors = describe(family, read, index)
     check_rope(read, settings, index)
@@ -100,3 +105,25 @@ def layer_attention(
             )
         weights.update(lay_out(array, tensor))
     return kind, settings, completed(family, settings, weights)
+
+
+def attention_layers(path: Any) -> list[int]:
+    """The indices of the layers of the transformers checkpoint at ``path`` whose attention
+    mha reads: every layer, but in a hybrid family (Jamba, Bamba, Nemotron-H...) the
+    attention layers alone, not its Mamba, linear-attention or convolution layers."""
+    source = Checkpoint(path)
+    family = family_of(source.config, source.path)
+    read = Settings(source, family.name, family.defaults, family.keys)
+    count = _layers(family, read)
+    if family.hybrid is None:
+        return list(range(count))
+    return family.hybrid.attention_layers(read, count)
+
+
+def _layers(family: Family, read: Settings) -> int:
+    """The checkpoint's attention layers as mha numbers them: ``num_hidden_layers`` (times
+    two for LongCat-Flash's two attentions a decoder layer), or (Nemotron-H's config, which
+    counts its layer types) as many as its layers' types."""
+    if family.hybrid is not None and family.hybrid.counts:
+        return len(family.hybrid.types(read, None))
+    return int(read.positive("num_hidden_layers")) * attentions_per_layer(family.tensors.path)

@@ -653,3 +653,83 @@ LONGCAT_FLASH: dict[str, Any] = {
     "v_head_dim": 128,
     "max_position_embeddings": 131072,
 }
+
+# hybrid families: the attention layers between Mamba, linear-attention or convolution layers
+GRANITEMOEHYBRID: dict[str, Any] = {
+    **GRANITE,
+    "position_embedding_type": None,
+    "layer_types": None,
+}
+FALCON_H1: dict[str, Any] = {
+    **_SHAPE,
+    "num_key_value_heads": 8,
+    "attention_bias": False,
+    "key_multiplier": 1.0,
+    "max_position_embeddings": 8192,
+}
+JAMBA: dict[str, Any] = {
+    **_SHAPE,
+    "num_key_value_heads": 8,
+    "attn_layer_period": 8,
+    "attn_layer_offset": 4,
+    "max_position_embeddings": 262144,
+}
+NEMOTRON_H: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "sliding_window": None,
+    "layers_block_type": None,
+    "max_position_embeddings": 4096,
+}
+BAMBA: dict[str, Any] = {
+    **_SHAPE,
+    "num_key_value_heads": 8,
+    "attention_bias": False,
+    "attn_layer_indices": None,
+    "max_position_embeddings": 262144,
+}
+_LFM2 = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "norm_eps": 1e-5, "layer_types": None, "max_position_embeddings": 128000}  # fmt: skip
+LFM2: dict[str, Any] = {"hidden_size": 2560, **_LFM2, "full_attn_idxs": None}
+LFM2_MOE: dict[str, Any] = {"hidden_size": 2048, **_LFM2}
+MINIMAX: dict[str, Any] = {
+    **_SHAPE,
+    "num_key_value_heads": 8,
+    "head_dim": None,
+    "sliding_window": None,
+    "layer_types": None,
+    "max_position_embeddings": 131072,
+}
+OLMO_HYBRID: dict[str, Any] = {
+    "hidden_size": 3840,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 30,
+    "num_key_value_heads": None,
+    "attention_bias": False,
+    "rms_norm_eps": 1e-6,
+    "layer_types": None,
+    "max_position_embeddings": 65536,
+}
+LARA_MINI: dict[str, Any] = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 34,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "attention_bias": False,
+    "rms_norm_eps": 1e-6,
+    "sliding_window": 512,
+    "layer_types": None,
+    "max_position_embeddings": 131072,
+}
+RECURRENT_GEMMA: dict[str, Any] = {
+    "hidden_size": 2560,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 10,
+    "num_key_value_heads": None,
+    "attention_bias": False,
+    "attention_window_size": 2048,
+    "block_types": ("recurrent", "recurrent", "attention"),
+}

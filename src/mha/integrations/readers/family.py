@@ -20,6 +20,7 @@ from typing import Any
 
 from .alibi import Alibi
 from .config import Settings, Unsupported, is_given
+from .hybrid import Hybrid
 from .layouts import (
     ATTENTION_BIAS,
     SEPARATE_QKV,
@@ -187,6 +188,10 @@ class Family:
     unsupported: tuple[Unsupported, ...] = ()
     """The family's config keys that ask for what mha does not compute (checked before
     :data:`UNSUPPORTED`)."""
+
+    hybrid: Hybrid | None = None
+    """Which layers are attention in a hybrid family (:mod:`.hybrid`); the others are
+    refused by their index and what they compute (``None``: every layer is attention)."""
 
     own: tuple[str, ...] = ()
     """Keys of :data:`UNSUPPORTED` that mean something else in this family, read as its row

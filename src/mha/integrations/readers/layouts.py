@@ -100,18 +100,20 @@ def lay_out(array: np.ndarray, tensor: Tensor) -> dict[str, np.ndarray]:
 class Biases:
     """Which projections carry a bias: those in ``roles`` (every one that can, when
     ``None``), always or, with ``key``, when that config key is true; those in ``last`` only
-    in the last layer (GPT-NeoX-Japanese's output bias)."""
+    in the last layer (GPT-NeoX-Japanese's output bias); those in ``always`` whatever ``key``
+    says (RecurrentGemma's output bias)."""
 
     key: str | None = None
     roles: tuple[str, ...] | None = None
     last: tuple[str, ...] = ()
+    always: tuple[str, ...] = ()
 
     def carried(
         self, read: Settings, possible: Iterable[str], index: int | None = None
     ) -> tuple[str, ...]:
         """The roles biased in layer ``index`` (``None``: any layer)."""
         if self.key is not None and not read.get(self.key):
-            return ()
+            return tuple(role for role in possible if role in self.always)
         roles = [role for role in possible if self.roles is None or role in self.roles]
         if self.last and index is not None and index != read.positive("num_hidden_layers") - 1:
             roles = [role for role in roles if role not in self.last]

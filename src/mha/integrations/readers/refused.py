@@ -97,20 +97,18 @@ REFUSED = {
         "Bailing-hybrid's attention has a sigmoid output gate and its other layers are "
         "linear attention"
     ),
-    "minimax": _not_computed("MiniMax's lightning (linear) attention layers"),
-    "kimi_linear": _not_computed("Kimi-Linear's Kimi Delta Attention (linear attention) layers"),
-    "lara_mini": _not_computed("Lara-mini's Gated DeltaNet linear-attention layers"),
-    "olmo_hybrid": _not_computed("OLMo-hybrid's Gated DeltaNet linear-attention layers"),
-    "bamba": _not_computed(f"Bamba's {_MAMBA}"),
-    "granitemoehybrid": _not_computed(f"Granite-MoE-hybrid's {_MAMBA}"),
-    "jamba": _not_computed(f"Jamba's {_MAMBA}"),
-    "nemotron_h": _not_computed(f"Nemotron-H's {_MAMBA}"),
-    "zamba": _not_computed(f"Zamba's {_MAMBA} (and its attention blocks shared across layers)"),
-    "zamba2": _not_computed(f"Zamba2's {_MAMBA} (and its attention blocks shared across layers)"),
-    "falcon_h1": _not_computed("Falcon-H1's Mamba-2 mixer, added to the attention in every layer"),
-    "lfm2": _not_computed("LFM2's short-convolution layers between its attention layers"),
-    "lfm2_moe": _not_computed("LFM2-MoE's short-convolution layers between its attention layers"),
-    "recurrent_gemma": _not_computed("RecurrentGemma's RG-LRU recurrent layers (Griffin)"),
+    "kimi_linear": "Kimi-Linear's Kimi Delta Attention (linear attention) layers, which mha "
+    "does not compute, and its attention layers' DeepSeek latent attention without rope (NoPE), "
+    "which mha.LatentAttention does not compute (it always rotates)",
+    "zamba": _not_computed(
+        f"Zamba's {_MAMBA}, and its attention block shared across layers, which reads the "
+        "hidden states joined to the embeddings (2 * hidden_size in, hidden_size out)"
+    ),
+    "zamba2": _not_computed(
+        f"Zamba2's {_MAMBA}, and its attention blocks shared across layers, which read the "
+        "hidden states joined to the embeddings (2 * hidden_size in, hidden_size out), with "
+        "per-layer adapters when use_shared_attention_adapter"
+    ),
     "reformer": _not_computed("Reformer's LSH and chunked local attention"),
     "cpmant": _not_computed("CPM-Ant's learned relative position bias in the scores"),
     "doge": _not_computed("Doge's dynamic mask attention (a mask computed from the values)"),

@@ -30,10 +30,27 @@ from .family import (
     QkNorm,
     attention_multiplier,
     falcon_heads,
+    from_config,
     multi_query,
     query_pre_attn_scalar,
     split_hidden,
     unscaled,
+)
+from .hybrid import (
+    CONV,
+    LINEAR,
+    MLP,
+    MOE,
+    Hybrid,
+    alternating,
+    by_indices,
+    by_pattern,
+    by_period,
+    cycled,
+    every_fourth,
+    every_layer_of,
+    from_layer_types,
+    listed,
 )
 from .layouts import (
     ALL_BIASES,
@@ -71,6 +88,7 @@ from .windows import (
     SLIDING_IF_WINDOWED,
     SMOLLM3_WINDOWS,
     WINDOWED_FROM,
+    ByLayerTypes,
     by_layer_types,
 )
 
@@ -117,6 +135,43 @@ def softmax_scale(read: Settings) -> float | None:
 def scale_attn_weights(read: Settings) -> float | None:
     """GPT-2's: ``1/sqrt(head_dim)``, or 1 without ``scale_attn_weights``."""
     return None if read.get("scale_attn_weights") else 1.0
+
+
+def key_multiplier(read: Settings) -> float:
+    """Falcon-H1's: ``1/sqrt(head_dim)`` times ``key_multiplier``, which multiplies its keys
+    (the scores are the same)."""
+    scale: float = from_config(read)[2] ** -0.5 * float(read.get("key_multiplier"))
+    return scale
+
+
+def rope_unless_null(read: Settings, index: int, layer_type: str) -> bool:
+    """OLMo-hybrid's: a rope unless its base is null (``rope_parameters``' ``rope_theta``,
+    or the older top-level one), as in its released checkpoints."""
+    parameters = read.given("rope_parameters")
+    if isinstance(parameters, dict) and "rope_theta" in parameters:
+        return parameters["rope_theta"] is not None
+    return not ("rope_theta" in read.config and read.config["rope_theta"] is None)
+
+
+def rope_position_embedding(read: Settings, index: int, layer_type: str) -> bool:
+    """Granite-MoE-hybrid's: a rope when ``position_embedding_type`` is ``"rope"``, else no
+    positions (its default)."""
+    return bool(read.get("position_embedding_type") == "rope")
+
+
+_LARA_MINI = [LINEAR, SLIDING, LINEAR, FULL, SLIDING]
+"""Lara-mini's default layer types, repeated (its released pattern)."""
+
+
+def lara_mini_types(read: Settings, count: int) -> list[str]:
+    """Lara-mini's default ``layer_types``: its released pattern of five, repeated."""
+    return [_LARA_MINI[i % len(_LARA_MINI)] for i in range(count)]
+
+
+_MAMBA = "a Mamba layer"
+_MAMBA2 = "a Mamba-2 layer"
+_PATTERN = {"M": LINEAR, "E": MOE, "*": FULL, "-": MLP}
+"""Nemotron-H's ``hybrid_override_pattern``: a character a layer."""
 
 
 def register(*families: Family) -> None:
@@ -624,6 +679,132 @@ register(
         defaults.NANOCHAT,
         rope=Rope(negated=True),
         qk_norm=QkNorm("head", weighted=False),
+    ),
+)
+
+# hybrid models: the attention layers between Mamba, linear-attention or convolution layers
+# (each refused by its index); Falcon-H1's attention beside a Mamba mixer in every layer
+register(
+    Family(
+        "granitemoehybrid",
+        defaults.GRANITEMOEHYBRID,
+        keys={"layer_types": "layers_block_type"},
+        rope=Rope(rotates=rope_position_embedding),
+        scale=attention_multiplier,
+        hybrid=Hybrid(
+            "Granite-MoE-hybrid", from_layer_types(every_layer_of(LINEAR)), {LINEAR: _MAMBA2}
+        ),
+    ),
+    Family("falcon_h1", defaults.FALCON_H1, scale=key_multiplier),
+    Family(
+        "jamba",
+        defaults.JAMBA,
+        biases=NO_BIASES,
+        rope=NO_ROPE,
+        hybrid=Hybrid(
+            "Jamba",
+            by_period("attn_layer_period", "attn_layer_offset"),
+            {LINEAR: _MAMBA},
+            keys=("attn_layer_period", "attn_layer_offset"),
+        ),
+    ),
+    Family(
+        "nemotron_h",
+        defaults.NEMOTRON_H,
+        keys={"layer_types": "layers_block_type"},
+        tensors=Projections(path="backbone.layers.{i}.mixer"),
+        biases=NO_BIASES,
+        rope=NO_ROPE,
+        hybrid=Hybrid(
+            "Nemotron-H",
+            from_layer_types(listed(LINEAR, MOE, FULL, MLP)),
+            {LINEAR: _MAMBA2, MOE: "a mixture-of-experts MLP layer", MLP: "an MLP layer"},
+            sources=(("hybrid_override_pattern", by_pattern("hybrid_override_pattern", _PATTERN)),),
+            counts=True,
+        ),
+    ),
+    Family(
+        "bamba",
+        defaults.BAMBA,
+        rope=Rope(partial=True, fraction=0.5),
+        hybrid=Hybrid(
+            "Bamba",
+            by_indices("attn_layer_indices"),
+            {LINEAR: _MAMBA2},
+            keys=("attn_layer_indices",),
+        ),
+    ),
+    Family(
+        "lfm2",
+        defaults.LFM2,
+        tensors=Projections(o="out_proj", q_norm="q_layernorm", k_norm="k_layernorm"),
+        biases=NO_BIASES,
+        rope=Rope(theta=1e6),
+        qk_norm=QkNorm("head", eps="norm_eps"),
+        hybrid=Hybrid(
+            "LFM2",
+            from_layer_types(by_indices("full_attn_idxs", otherwise=CONV, unset=FULL)),
+            {CONV: "a short-convolution layer"},
+        ),
+    ),
+    Family(
+        "lfm2_moe",
+        defaults.LFM2_MOE,
+        tensors=Projections(o="out_proj", q_norm="q_layernorm", k_norm="k_layernorm"),
+        biases=NO_BIASES,
+        rope=Rope(theta=1e6),
+        qk_norm=QkNorm("head", eps="norm_eps"),
+        hybrid=Hybrid("LFM2-MoE", from_layer_types(), {CONV: "a short-convolution layer"}),
+    ),
+    Family(
+        "olmo_hybrid",
+        defaults.OLMO_HYBRID,
+        rope=Rope(rotates=rope_unless_null),
+        qk_norm=ACROSS_HEADS,
+        hybrid=Hybrid(
+            "OLMo-hybrid",
+            from_layer_types(every_fourth),
+            {LINEAR: "a Gated DeltaNet linear-attention layer"},
+        ),
+    ),
+    Family(
+        "lara_mini",
+        defaults.LARA_MINI,
+        windows=ByLayerTypes(lara_mini_types),
+        rope=Rope(rotates=sliding_layers),
+        qk_norm=PER_HEAD,
+        hybrid=Hybrid(
+            "Lara-mini",
+            from_layer_types(lara_mini_types),
+            {LINEAR: "a Gated DeltaNet linear-attention layer"},
+        ),
+    ),
+    Family(
+        "recurrent_gemma",
+        defaults.RECURRENT_GEMMA,
+        keys={"sliding_window": "attention_window_size"},
+        tensors=Projections(path="model.layers.{i}.temporal_block"),
+        biases=Biases("attention_bias", always=("o",)),
+        windows=EVERY_LAYER,
+        rope=Rope(partial=True, fraction=0.5),
+        hybrid=Hybrid(
+            "RecurrentGemma",
+            cycled("block_types", {"recurrent": LINEAR, "attention": SLIDING}),
+            {LINEAR: "an RG-LRU recurrent layer (Griffin)"},
+            keys=("block_types",),
+        ),
+    ),
+    Family(
+        "minimax",
+        defaults.MINIMAX,
+        biases=NO_BIASES,
+        windows=EVERY_LAYER,
+        rope=Rope(theta=1e6),
+        hybrid=Hybrid(
+            "MiniMax",
+            from_layer_types(alternating(FULL, LINEAR)),
+            {LINEAR: "a lightning (linear) attention layer"},
+        ),
     ),
 )
 
