@@ -22,12 +22,12 @@ from support.configs import relative_error
 import mha
 from mha.integrations import readers
 
-READ_AT_LEAST = 75
+READ_AT_LEAST = 76
 """The families read today: a change that reads fewer fails (raise it as rows are added)."""
 
 GENERIC = frozenset(
     {
-        "axk1", "cohere_compass_text", "dbrx", "exaone_moe", "flint", "granite_swa",
+        "axk1", "cohere_compass_text", "exaone_moe", "flint", "granite_swa",
         "granitemoe_swa", "kolibri1", "longcat_flash", "mimo_v2_flash", "minicpm3", "nanochat",
         "sarvam_mla", "sarvam_moe",
     }

@@ -105,12 +105,12 @@ CHANGES = {
     "arcee": [{"rope_scaling": None}, {"b_o": None}],
     "qwen3_moe": [{"window": None}, {"qk_norm_offset": 1.0}],  # every layer slides
     "qwen2_moe": [{"window": None}, {"b_q": None}],  # qkv_bias
-    "olmoe": [{"qk_norm_offset": 1.0}, {"b_o": None}],
+    "olmoe": [{"qk_norm_offset": 1.0}, {"b_o": None}, {"clip_qkv": None}],
     "flex_olmo": [{"qk_norm_offset": 1.0}],
     "phimoe": [{"window": None}, {"b_o": None}],
     "vaultgemma": [{"window": None}, {"softcap": None}, {"scale": None}],
     "gemma": [{"b_q": None}],
-    "olmo": [{"b_o": None}],
+    "olmo": [{"b_o": None}, {"clip_qkv": None}],
     "olmo3": [{"rope_theta": 10000.0}, {"window": None}, {"qk_norm_offset": 1.0}],
     "internlm3": [{"b_o": None}],
     "seed_oss": [{"b_o": None}],  # attention_out_bias, without attention_bias
@@ -160,7 +160,8 @@ CHANGES = {
     "codegen": [{"rotary_interleaved": False}, {"rotary_dim": None}],
     "gpt_neo": [{"scale": None}, {"window": None}],
     "bloom": [{"alibi": None}, {"b_o": None}],
-    "mpt": [{"alibi": None}, {"scale": None}],
+    "mpt": [{"alibi": None}, {"scale": None}, {"clip_qkv": None}],
+    "dbrx": [{"clip_qkv": None}, {"rope_theta": 10000.0}],
     "falcon": [{"rope_theta": 10000.0}, {"b_q": None}],
     # Falcon's slopes are divided by sqrt(head_dim), as its scores are
     "falcon_alibi": [{"alibi": None}, {"alibi": mha.alibi_slopes(6)}],
@@ -245,6 +246,7 @@ OLDER_CONFIGS = [
     ("gpt_neo", {"attention_types": [[["local", "global", "local"], 1]],
                  "attention_layers": ["global", "local", "global"]}, ()),
     ("mpt", {}, ("attn_config",)),  # its defaults: ALiBi, 1/sqrt(head_dim)
+    ("mpt", {"attn_config": {"softmax_scale": 0.2, "clip_qkv": 0.0}}, ()),  # 0: no clamp
     ("exaone", {"num_layers": 3, "rope_theta": 900.0}, ("num_hidden_layers", "rope_parameters")),
     ("cwm", {}, ("layer_types", "rope_parameters")),  # llama3 rope of base 1e6, factor 16
     ("falcon", {"rope_theta": 900.0, "multi_query": True}, ("rope_parameters",)),
@@ -287,6 +289,13 @@ def test_older_configs_are_read_as_transformers_reads_them(
         ("phi", {"qk_layernorm": True}, r"qk_layernorm=True \(a LayerNorm QK-norm"),
         ("cohere", {"use_qk_norm": True}, r"use_qk_norm=True \(Cohere's LayerNorm QK-norm\)"),
         ("glm", {"sliding_window": 4}, "glm with sliding_window=4"),
+        ("olmo", {"clip_qkv": -1.0}, r"clip_qkv=-1.0 \(the projections clamped to a bound"),
+        (
+            "dbrx",
+            {"attn_config": {"kv_n_heads": 2, "clip_qkv": 1.5, "rope_theta": 9e5}},
+            r"attn_config\.rope_theta=900000\.0 \(a rotary base transformers' DBRX ignores: it "
+            r"rotates by rope_parameters' rope_theta=500\.0\)",
+        ),
         ("smollm3", {"no_rope_layers": [1, 0]}, "no_rope_layers must list 1 .rope. or 0"),
         (
             "exaone4",

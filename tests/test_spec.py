@@ -179,6 +179,7 @@ def _layer_probes(rng):
         "W_g": {"W_g": rng.standard_normal((8, 8))},
         "b_g": ({"W_g": gate, "b_g": rng.standard_normal(2)}, {"W_g": gate}),
         "output_gate": ({"W_g": gate, "output_gate": "softplus"}, {"W_g": gate}),
+        "clip_qkv": {"clip_qkv": 0.5},
     }  # fmt: skip
 
 

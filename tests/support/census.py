@@ -164,6 +164,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         }
     },
     "zaya": {"num_experts_per_tok": 1},
+    # DbrxAttention reads attn_config.rope_theta (to no effect) and clamps always (None fails)
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 1.0}},
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
     "prophetnet": {"num_hidden_layers": DROP},
     "xlnet": {"max_position_embeddings": DROP},

@@ -120,13 +120,13 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_moe": ("Qwen2Moe", {"use_sliding_window": True, "sliding_window": 5,
                                "max_window_layers": 2, "shared_expert_intermediate_size": 16,
                                **MOE}),  # layers 0 sliding, 1 and 2 full
-    "olmoe": ("Olmoe", {"attention_bias": True, **MOE}),
+    "olmoe": ("Olmoe", {"attention_bias": True, "clip_qkv": 0.9, **MOE}),
     "flex_olmo": ("FlexOlmo", {**MOE}),
     "phimoe": ("Phimoe", {"sliding_window": 6, "attention_bias": True, **MOE}),
     "vaultgemma": ("VaultGemma", {"query_pre_attn_scalar": 20, "attn_logit_softcapping": 2.5,
                                   "sliding_window": 5}),
     "gemma": ("Gemma", {"attention_bias": True}),
-    "olmo": ("Olmo", {"attention_bias": True}),
+    "olmo": ("Olmo", {"attention_bias": True, "clip_qkv": 1.5}),
     "olmo3": ("Olmo3", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING],
                         "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 100.0},
                                             FULL: {"rope_type": "default", "rope_theta": 3000.0}}}),
@@ -217,7 +217,12 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                            "attention_types": [[["global", "local"], 1], [["local"], 1]]}),
     "bloom": ("Bloom", {**OLDER, "num_attention_heads": 6}),  # ALiBi of 6 heads
     "mpt": ("Mpt", {**OLDER, "num_attention_heads": 6, "max_seq_len": 64,
-                    "attn_config": {"softmax_scale": 0.2}}),
+                    "attn_config": {"softmax_scale": 0.2, "clip_qkv": 1.5}}),
+    # DBRX: one Wqkv, clamped, grouped key/value heads of attn_config, Llama's rotary
+    "dbrx": ("Dbrx", {"head_dim": ABSENT, "hidden_size": ABSENT, "d_model": 48,
+                      "attn_config": {"kv_n_heads": 2, "clip_qkv": 1.5, "rope_theta": 500.0},
+                      "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4,
+                                     "moe_top_k": 2}}),
     "falcon": ("Falcon", {"head_dim": ABSENT, "new_decoder_architecture": True,
                           "num_kv_heads": 2, "bias": True}),
     "falcon_alibi": ("Falcon", {**OLDER, "alibi": True, "multi_query": False, "bias": True,
@@ -246,8 +251,8 @@ LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu")
 """The checkpoints of DeepSeek's multi-head latent attention (``LatentAttention``)."""
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen",
-                 "gpt_neo", "bloom", "mpt", "falcon", "falcon_alibi", "opt", "biogpt", "xglm",
-                 "ctrl", "openai-gpt", "modernbert-decoder")  # fmt: skip
+                 "gpt_neo", "bloom", "mpt", "dbrx", "falcon", "falcon_alibi", "opt", "biogpt",
+                 "xglm", "ctrl", "openai-gpt", "modernbert-decoder")  # fmt: skip
 """The families whose attention modules are not Llama's."""
 LLAMA_LAYOUT = tuple(family for family in FAMILIES if family not in OTHER_LAYOUTS)
 """The families whose attention is Llama's module, ``model.layers[i].self_attn``, with its

@@ -18,6 +18,7 @@ import numpy as np
 from .._arrays import flag, is_bfloat16, non_negative_int, positive_int, resolve_scale
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .checks import WEIGHT_NAMES
+from .clip import check_clip_qkv
 from .gates import check_gate_activation
 from .qk_norm import KINDS as QK_NORM_KINDS
 from .qk_norm import check_offset
@@ -41,8 +42,8 @@ class LayerSpec:
     constructor's keywords name it: ``num_heads``, ``num_kv_heads``, ``head_dim``,
     ``rope_theta``, ``rotary_dim``, ``rotary_interleaved``, ``rope_scaling``, ``window``,
     ``sink_tokens``, ``softcap``, ``alibi``, ``chunk``, ``scale``, ``qk_norm``,
-    ``qk_norm_eps``, ``qk_norm_offset``, ``add_zero_attn``, ``output_gate`` and
-    ``output_gate_per_head`` (each ``None``, or ``False``,
+    ``qk_norm_eps``, ``qk_norm_offset``, ``add_zero_attn``, ``output_gate``,
+    ``output_gate_per_head`` and ``clip_qkv`` (each ``None``, or ``False``,
     for its default; ``head_dim`` then comes from the weights). The pair ``(spec, weights)``
     is what a reader of another format produces (:mod:`mha.integrations.readers`) and
     :meth:`Configuration.from_spec` builds a layer from.
@@ -71,6 +72,7 @@ class LayerSpec:
     add_zero_attn: Any = False
     output_gate: Any = None
     output_gate_per_head: Any = False
+    clip_qkv: Any = None
 
     kind = "attention"
     """What a reader's spec builds (:meth:`Configuration.from_spec`)."""
@@ -127,6 +129,7 @@ class Configuration:
     output_gate_per_head: bool
     W_g: np.ndarray | None
     b_g: np.ndarray | None
+    clip_qkv: float | None  # the projections clamped to [-clip_qkv, clip_qkv]
 
     def _configure(self, spec: LayerSpec, widths: tuple[Any, Any, Any]) -> None:
         """Check and keep the configuration (everything but the weights): ``spec`` (its
@@ -233,6 +236,7 @@ class Configuration:
         self.output_gate_per_head = flag("output_gate_per_head", spec.output_gate_per_head)
         if self.output_gate_per_head and self.output_gate is None:
             raise AttentionValueError("output_gate_per_head needs output_gate= ('sigmoid', ...)")
+        self.clip_qkv = check_clip_qkv(spec.clip_qkv)
 
     @property
     def has_bias(self) -> bool:
@@ -287,6 +291,7 @@ class Configuration:
             "rope_scaling": None,
             "scale": None,
             "qk_norm": None,
+            "clip_qkv": None,
         }
         dims = "".join(
             f", {name}={getattr(self, name)!r}"
@@ -355,6 +360,7 @@ class Configuration:
             "qk_norm_offset": None if self.qk_norm is None else self.qk_norm_offset,
             "output_gate": self.output_gate,
             "output_gate_per_head": self.output_gate_per_head,
+            "clip_qkv": self.clip_qkv,
             "dtype": self._held_dtype().name,
         }
 
@@ -389,6 +395,7 @@ class Configuration:
             self.add_zero_attn,
             self.output_gate,
             self.output_gate_per_head,
+            self.clip_qkv,
         )
 
     @classmethod

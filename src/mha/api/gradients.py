@@ -24,6 +24,7 @@ from .._kernel.call import Gradients, KernelCall, Outputs
 from .._kernel.team import Team, default_workers, workers_for
 from ..errors import AttentionValueError, ShapeError
 from .checks import Call
+from .clip import clip_backward
 from .rotary import apply_rotary
 
 __all__ = [
@@ -125,7 +126,7 @@ class ProjectedBackward:
         if call.qk_norm is not None:
             given |= {"q_norm": call.qk_norm.q_norm, "k_norm": call.qk_norm.k_norm}
         given |= getattr(call.spec.output, "weights", {})  # an output gate's W_g, b_g
-        self.saved = forward.saved  # the QK-norm's normalised rows and their factors
+        self.saved = forward.saved  # the QK-norm's rows and factors, the clamp's masks
         self.call = call
         self.arrays = given
         self.dtypes = {name: x.dtype for name, x in given.items()}
@@ -193,8 +194,9 @@ class ProjectedBackward:
         self, d_joined: np.ndarray, grads: dict[str, np.ndarray], team: Team
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The gradients of the projected heads from that of the joined heads: the kernel's
-        backward, then back through the extra keys (bias_k/bias_v's gradients), the rotation
-        and the QK-norm; the bias's and the sinks' gradients into ``grads``."""
+        backward, then back through the extra keys (bias_k/bias_v's gradients), the rotation,
+        the clamp (``clip_qkv``) and the QK-norm; the bias's and the sinks' gradients into
+        ``grads``."""
         call, dtype = self.call, self.call.compute_dtype
         H, S = call.H, call.S
         dk, dv = (_zeros_joined(x, dtype) for x in (self.k, self.v))
@@ -223,6 +225,9 @@ class ProjectedBackward:
             q_at, k_at = (p for p in self.positions if p is not None)
             dq = apply_rotary(dq, q_at, **call.rotary, inverse=True)
             dk = apply_rotary(dk, k_at, **call.rotary, inverse=True)
+        if "clip" in self.saved:  # through the clamp of q, k, v (clip_qkv)
+            q_in, k_in, v_in = self.saved["clip"]
+            dq, dk, dv = clip_backward(dq, q_in), clip_backward(dk, k_in), clip_backward(dv, v_in)
         if call.qk_norm is not None:  # through the RMSNorm of q and k
             dq, grads["q_norm"] = self._norm_backward(dq, "q", H)
             dk, grads["k_norm"] = self._norm_backward(dk, "k", call.H_kv)

@@ -71,7 +71,8 @@ class MultiHeadAttention(Layouts):
     ``k_norm``, with ``qk_norm_eps`` and ``qk_norm_offset``, 1.0 for Gemma's ``(1 + w)``) and
     ``output_gate`` (``"sigmoid"`` or ``"softplus"``: the joined heads times ``act(x @ W_g +
     b_g)`` before ``W_o``, per element, or per head with ``output_gate_per_head``; the module
-    owns ``W_g``, and ``b_g`` with ``bias``). :meth:`from_pretrained` reads a layer of a
+    owns ``W_g``, and ``b_g`` with ``bias``) and ``clip_qkv`` (DBRX, OLMo: the projections
+    clamped to ``[-clip_qkv, clip_qkv]``). :meth:`from_pretrained` reads a layer of a
     transformers checkpoint with all of them.
 
     The class holds configuration and weights and delegates to the function's own path (same
@@ -119,6 +120,7 @@ class MultiHeadAttention(Layouts):
         qk_norm_offset: float | None = None,
         output_gate: str | None = None,
         output_gate_per_head: Flag = False,
+        clip_qkv: float | None = None,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
     ) -> None:
@@ -133,6 +135,7 @@ class MultiHeadAttention(Layouts):
             H, num_kv_heads, E // H if head_dim is None else head_dim, rope_theta, rotary_dim,
             rotary_interleaved, rope_scaling, window, sink_tokens, softcap, alibi, chunk, scale,
             qk_norm, qk_norm_eps, qk_norm_offset, add_zero_attn, output_gate, output_gate_per_head,
+            clip_qkv,
         )  # fmt: skip
         self._configure(spec, (E, E if kdim is None else kdim, E if vdim is None else vdim))
         if not isinstance(bias, (bool, np.bool_)):
@@ -352,7 +355,7 @@ class MultiHeadAttention(Layouts):
             self.rotary_dim, self.rotary_interleaved, self.rope_scaling, positions, self.qk_norm,
             None if self.qk_norm is None else self.qk_norm_eps,
             None if self.qk_norm is None else self.qk_norm_offset, cache, padding_side,
-            return_backward, dropout_p, generator, self.output_gate,
+            return_backward, dropout_p, generator, self.output_gate, self.clip_qkv,
         )  # fmt: skip
         weights = LayerWeights(
             self.W_q,

@@ -24,6 +24,7 @@ from .._kernel.team import Team, workers_for
 from .cache import KVCache
 from .cached import CachedCall, attend_cached
 from .checks import Call, LayerArrays, LayerWeights, Weights, check_layer
+from .clip import clip
 from .gradients import Forward, ProjectedBackward, join_heads, split_heads
 from .padding import to_front, to_left
 from .paged_cache import PagedKVCache
@@ -123,6 +124,7 @@ def multi_head_attention(
     W_g: Any = None,
     b_g: Any = None,
     output_gate: str | None = None,
+    clip_qkv: float | None = None,
     cache: KVCache | PagedKVCache | None = None,
     padding_side: str | None = None,
     return_backward: Flag = False,
@@ -184,6 +186,9 @@ def multi_head_attention(
       before ``W_o`` (Qwen3-Next, Qwen3.5, LFM3, Laguna): per element with ``W_g (d_q,
       H*d_v)``, per head with ``W_g (d_q, H)``; ``output_gate`` is ``act``, ``"sigmoid"``
       (default) or ``"softplus"``. ``backward`` has the gradients of both.
+    * ``clip_qkv``: the projected queries, keys and values clamped to ``[-clip_qkv,
+      clip_qkv]`` (DBRX, OLMo, OLMoE, MPT), after the QK-norm and before the rotation and
+      the scale; the gradients pass where a value was inside.
     * ``return_backward``: also return ``backward``, a function of the output's gradient
       that returns the gradients of every input and weight given, keyed by parameter name
       (``Q``, ``K``, ``V``, ``W_q``, ..., ``b_o``, ``bias_k``, ``bias_v``, ``bias``), each
@@ -230,7 +235,7 @@ def multi_head_attention(
         max_memory, workers, add_zero_attn, num_kv_heads, window, sink_tokens, chunk, mask_mod,
         sinks, softcap, alibi, score_mod, score_mod_grad, rope_theta, rotary_dim,
         rotary_interleaved, rope_scaling, positions, qk_norm, qk_norm_eps, qk_norm_offset, cache,
-        padding_side, return_backward, dropout_p, generator, output_gate,
+        padding_side, return_backward, dropout_p, generator, output_gate, clip_qkv,
     )  # fmt: skip
     weights = LayerWeights(
         W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm, W_g, b_g
@@ -338,8 +343,9 @@ def project_heads(
     The scale goes where it costs least: into ``W_q`` when there are more query rows than
     input features, into the projected ``q`` otherwise. For self-attention with enough rows
     to pay for copying the weights, one GEMM against ``[W_q | W_k | W_v]`` projects all three.
-    With QK-norm the scale multiplies the normalised queries, and ``saved`` (when given)
-    receives what the norm's backward needs under ``"q"`` and ``"k"``.
+    With QK-norm (or ``clip_qkv``) the scale multiplies the normalised (clamped) queries, and
+    ``saved`` (when given) receives what the norm's backward needs under ``"q"`` and ``"k"``,
+    and where the clamp let each of q, k, v through under ``"clip"``.
     """
     dtype, scale, H, H_kv = call.compute_dtype, call.scale, call.H, call.H_kv
     Q, W_q, W_k, W_v, b_q, b_k, b_v = (
@@ -352,8 +358,8 @@ def project_heads(
         w.b_v,
     )
     rows = math.prod(Q.shape[:-1])
-    norm = call.qk_norm
-    late_scale = rows < Q.shape[-1] or norm is not None  # a norm undoes a scale before it
+    norm, c = call.qk_norm, call.spec.clip_qkv
+    late_scale = rows < Q.shape[-1] or norm is not None or c is not None  # both precede it
     if not late_scale:
         W_q, b_q = W_q * scale, None if b_q is None else b_q * scale
     heads = [(H, W_q.shape[1] // H), (H_kv, W_k.shape[1] // H_kv), (H_kv, W_v.shape[1] // H_kv)]
@@ -383,6 +389,10 @@ def project_heads(
         q, k = split_heads(q, H), split_heads(k, H_kv)
     if norm is not None and norm.kind == "head":  # Qwen3, Gemma 3: each head's features
         (q, *q_saved), (k, *k_saved) = norm.apply(q, norm.q_norm), norm.apply(k, norm.k_norm)
+    if c is not None:  # DBRX, OLMo, OLMoE: clamped after the norm
+        (q, q_in), (k, k_in), (v, v_in) = clip(q, c), clip(k, c), clip(v, c)
+        if saved is not None:
+            saved["clip"] = [q_in, k_in, v_in]
     if late_scale:
         q *= scale  # a buffer of this call's own: the projection's or the norm's
     if saved is not None and norm is not None:

@@ -92,6 +92,7 @@ class MhaOptions(_Keywords, total=False):
     W_g: Any
     b_g: Any
     output_gate: str | None
+    clip_qkv: float | None
 
 
 class ForwardOptions(_Keywords, total=False):

@@ -36,6 +36,7 @@ from .._kernel.call import DEFAULT_MAX_MEMORY
 from .._kernel.contract import MaskArrays, MaskRules
 from .._kernel.scores import Scores
 from ..errors import AttentionTypeError, AttentionValueError
+from .clip import check_clip_qkv
 from .gates import check_gate_activation
 from .padding import check_padding_side
 from .variants import check_scores
@@ -128,6 +129,7 @@ class MhaKeywords(NamedTuple):
     dropout_p: Any = None
     generator: Any = None
     output_gate: Any = None
+    clip_qkv: Any = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -212,10 +214,10 @@ class AttentionSpec:
     """What an attention call computes, checked: the mask rules, the changes to the scores,
     the scale as given (checked against the head width and dtype when they are known), the
     dropout probability; and for a layer (:func:`mha.multi_head_attention`) its key/value
-    heads, rotary positions, QK-norm and torch's zero key. The ``output`` and ``selection``
-    stages are where a change before ``W_o`` and a selection of keys go: the layer's output
-    gate (``output_gate``, its activation, with weights ``W_g``) becomes its output stage
-    when its weights are checked."""
+    heads, rotary positions, QK-norm, the clamp of its projections and torch's zero key. The
+    ``output`` and ``selection`` stages are where a change before ``W_o`` and a selection of
+    keys go: the layer's output gate (``output_gate``, its activation, with weights ``W_g``)
+    becomes its output stage when its weights are checked."""
 
     mask: MaskRules = field(default_factory=MaskRules)
     scores: ScoreRules = field(default_factory=ScoreRules)
@@ -228,6 +230,7 @@ class AttentionSpec:
     output: OutputStage | None = None
     selection: KeySelection | None = None
     output_gate: str | None = None  # the activation of a gate of weights W_g (api/gates.py)
+    clip_qkv: float | None = None  # the projections clamped to [-clip_qkv, clip_qkv] (clip.py)
 
 
 @dataclass(frozen=True, eq=False)
@@ -336,7 +339,7 @@ def _check_mha(kw: MhaKeywords) -> Checked:
     left = check_padding_side(kw.padding_side, kw.cache, arrays)
     gate = check_gate_activation(kw.output_gate)
     spec = AttentionSpec(rules, scores, kw.scale, drop_p, kw.num_kv_heads, rotary, norm, zero,
-                         output_gate=gate)  # fmt: skip
+                         output_gate=gate, clip_qkv=check_clip_qkv(kw.clip_qkv))  # fmt: skip
     given = CallInputs(arrays, kw.positions, kw.cache, left, kw.generator)
     return Checked(spec, given, request)
 

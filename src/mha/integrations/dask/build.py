@@ -207,6 +207,7 @@ class MhaGraph:
             call.scale, call.H, call.H_kv, call.request.budget, call.request.threads,
             lazy.fan_in, rotation, call.compute_dtype, call.result_dtype, call.scores,
             checked.spec.mask, checked.spec.scores, call.spec.add_zero_attn, call.qk_norm,
+            call.spec.clip_qkv,
         ))  # fmt: skip
         self.weights = weights
         self.w = self.graph.data("weights", weights)
@@ -254,6 +255,7 @@ class MhaGraph:
                 self.rotation.at(which, batch, at),
                 call.request.threads,
                 norm,
+                call.spec.clip_qkv,
             )
             inputs = (
                 [(self.Qd.name, *bb, n, 0)]

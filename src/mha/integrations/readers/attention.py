@@ -58,6 +58,7 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
         "qk_norm": norm.over if norm else None,
         "qk_norm_eps": float(read.get(norm.eps)) if norm else None,
         "qk_norm_offset": norm.offset if norm else None,
+        "clip_qkv": family.clip_qkv.bound(read) if family.clip_qkv else None,
     }
     if alibi is not None:  # the rope is then off
         settings["alibi"] = alibi

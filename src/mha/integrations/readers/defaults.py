@@ -164,6 +164,15 @@ MPT: dict[str, Any] = {
     "attn_config.softmax_scale": None,
 }
 """MPT's; ``attn_config.*`` are the keys of its ``attn_config`` (``MptAttentionConfig``)."""
+DBRX: dict[str, Any] = {
+    "d_model": 2048,
+    "n_heads": 16,
+    "n_layers": 24,
+    "max_seq_len": 2048,
+    "attn_config.kv_n_heads": 1,
+    "attn_config.clip_qkv": None,
+}
+"""DBRX's; ``attn_config.*`` are the keys of its ``attn_config`` (``DbrxAttentionConfig``)."""
 FALCON: dict[str, Any] = {
     "hidden_size": 4544,
     "num_attention_heads": 71,

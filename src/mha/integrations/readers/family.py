@@ -38,6 +38,7 @@ __all__ = [
     "LAYERNORM_QK",
     "PER_HEAD",
     "UNSUPPORTED",
+    "ClipQkv",
     "Family",
     "Heads",
     "QkNorm",
@@ -132,8 +133,32 @@ def attention_multiplier(read: Settings) -> float | None:
 
 BIDIRECTIONAL = Unsupported("use_bidirectional_attention", "attention that is not causal")
 """Gemma's option of attention without the causal mask."""
-CLIP_QKV = Unsupported("clip_qkv", "queries, keys and values clipped", is_given)
-"""OLMo's and OLMoE's option of clamping the projections to ``[-clip_qkv, clip_qkv]``."""
+
+
+@dataclass(frozen=True)
+class ClipQkv:
+    """The clamp of the projections to ``[-c, c]`` (``clip_qkv=``), ``c`` from the config
+    key ``key``: ``null`` for none; ``0`` for none where the family tests the value's truth
+    (``zero_is_off``: MPT's ``if self.clip_qkv``), else refused (a clamp to zero)."""
+
+    key: str = "clip_qkv"
+    zero_is_off: bool = False
+
+    def bound(self, read: Settings) -> float | None:
+        value = read.get(self.key)
+        if value is None or (self.zero_is_off and value == 0 and not isinstance(value, str)):
+            return None
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not 0 < value < float("inf"):
+            raise read.refuse(
+                f"{read.name(self.key)}={value!r} (the projections clamped to a bound that is "
+                "not a positive number)"
+            )
+        return float(value)
+
+
+CLIP_QKV = ClipQkv()
+"""OLMo's, OLMoE's and DBRX's clamp of the projections to ``[-clip_qkv, clip_qkv]``."""
 
 UNSUPPORTED = (
     Unsupported("attention_chunk_size", "chunked attention", is_given),
@@ -178,6 +203,8 @@ class Family:
     softcap: str | None = None
     """The config key of the scores' soft-cap (Gemma 2's ``attn_logit_softcapping``)."""
     qk_norm: QkNorm | None = None
+    clip_qkv: ClipQkv | None = None
+    """The config key of the projections' clamp (OLMo's ``clip_qkv``), when it has one."""
     sinks: bool = False
     """One learned logit per head that takes part in the softmax (gpt-oss)."""
     unsupported: tuple[Unsupported, ...] = ()

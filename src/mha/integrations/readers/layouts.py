@@ -269,6 +269,7 @@ CODEGEN = Projections(
 )
 GPT_NEO = Projections(o="out_proj", path="transformer.h.{i}.attn.attention")
 MPT = Projections(o="out_proj", qkv="Wqkv", path="transformer.blocks.{i}.attn")
+DBRX = Projections(o="out_proj", qkv="Wqkv", path="transformer.blocks.{i}.norm_attn_norm.attn")
 OPT = Projections(o="out_proj", path="model.decoder.layers.{i}.self_attn")
 BIOGPT = Projections(o="out_proj", path="biogpt.layers.{i}.self_attn")
 XGLM = Projections(o="out_proj")

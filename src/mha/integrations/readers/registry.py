@@ -26,6 +26,7 @@ from .family import (
     CLIP_QKV,
     LAYERNORM_QK,
     PER_HEAD,
+    ClipQkv,
     Family,
     QkNorm,
     attention_multiplier,
@@ -90,7 +91,6 @@ ALWAYS = Biases()
 """Every projection biased (GPT-2's ``Conv1D``, BLOOM's, BioGPT's)."""
 NO_ROPE = Rope(applied=False)
 MPT_UNSUPPORTED = (
-    Unsupported("attn_config.clip_qkv", "queries, keys and values clamped"),
     # transformers' MPT builds its ALiBi without them: slopes of alibi_bias_max=8, always
     Unsupported(
         "attn_config.alibi_bias_max",
@@ -104,6 +104,8 @@ MPT_UNSUPPORTED = (
     ),
 )
 _ROTARY_DIM = Rope(interleave=True, dim_key="rotary_dim")
+_DBRX_KEYS = {**_MPT_KEYS, "num_key_value_heads": "attn_config.kv_n_heads",
+              "max_position_embeddings": "max_seq_len"}  # fmt: skip
 
 
 def softmax_scale(read: Settings) -> float | None:
@@ -115,6 +117,31 @@ def softmax_scale(read: Settings) -> float | None:
 def scale_attn_weights(read: Settings) -> float | None:
     """GPT-2's: ``1/sqrt(head_dim)``, or 1 without ``scale_attn_weights``."""
     return None if read.get("scale_attn_weights") else 1.0
+
+
+class DbrxBase(Unsupported):
+    """DBRX's ``attn_config.rope_theta``, which transformers' DBRX keeps but does not rotate
+    by (its rotary takes ``rope_parameters``' base, 10000 by default): refused where the two
+    differ, as mha would rotate by the base that transformers does not."""
+
+    def check(self, read: Settings) -> None:
+        value = read.get(self.key)
+        rope = read.get("rope_parameters") or {}
+        base = rope.get("rope_theta", 10_000.0) if isinstance(rope, dict) else None
+        if value is not None and value != base:
+            raise read.refuse(
+                f"{read.name(self.key)}={value!r} ({self.feature}: it rotates by "
+                f"rope_parameters' rope_theta={base!r})"
+            )
+
+
+DBRX_BASE = DbrxBase("attn_config.rope_theta", "a rotary base transformers' DBRX ignores")
+
+
+def dbrx_heads(read: Settings) -> tuple[int, int, int]:
+    """DBRX's: ``attn_config.kv_n_heads`` key/value heads, each head ``d_model // n_heads``
+    wide."""
+    return split_hidden(read, read.positive("num_key_value_heads"))
 
 
 def register(*families: Family) -> None:
@@ -263,7 +290,18 @@ register(
         rope=NO_ROPE,
         scale=softmax_scale,
         alibi=Alibi(alibi.bloom),
+        clip_qkv=ClipQkv("attn_config.clip_qkv", zero_is_off=True),
         unsupported=MPT_UNSUPPORTED,
+    ),
+    Family(  # one fused Wqkv, clamped to ±clip_qkv, then rotated as Llama's
+        "dbrx",
+        defaults.DBRX,
+        keys=_DBRX_KEYS,
+        tensors=layouts.DBRX,
+        heads=dbrx_heads,
+        biases=NO_BIASES,
+        clip_qkv=ClipQkv("attn_config.clip_qkv"),
+        unsupported=(DBRX_BASE,),
     ),
     Family(
         "falcon",
@@ -410,7 +448,7 @@ register(
         biases=Biases("qkv_bias", roles=("q", "k", "v")),
         windows=QWEN2_MOE_WINDOWS,
     ),
-    Family("olmoe", defaults.OLMOE, qk_norm=ACROSS_HEADS, unsupported=(CLIP_QKV,)),
+    Family("olmoe", defaults.OLMOE, qk_norm=ACROSS_HEADS, clip_qkv=CLIP_QKV),
     Family("flex_olmo", defaults.FLEX_OLMO, rope=Rope(theta=500_000.0), qk_norm=ACROSS_HEADS),
     Family(
         "phimoe",
@@ -426,7 +464,7 @@ register(
         softcap="attn_logit_softcapping",
     ),
     Family("gemma", defaults.GEMMA, unsupported=(BIDIRECTIONAL,)),
-    Family("olmo", defaults.OLMO, unsupported=(CLIP_QKV,)),
+    Family("olmo", defaults.OLMO, clip_qkv=CLIP_QKV),
     Family(
         "olmo3",
         defaults.OLMO3,
