@@ -85,6 +85,9 @@ def test_prefill_then_decoding_matches_transformers_cache(family, transformers, 
         assert ours.lengths.tolist() == [L] * B
 
 
+RMS_NORM = {"qk_layernorm": False, "q_norm_bias": None, "k_norm_bias": None}
+"""A LayerNorm QK-norm read as an RMSNorm (its biases dropped)."""
+
 CHANGES = {
     "llama": [{"rope_scaling": None}],
     "qwen2": [{"window": None}, {"b_q": None}],
@@ -147,10 +150,13 @@ CHANGES = {
     "glm4": [{"rotary_dim": None}, {"rotary_interleaved": False}],
     "glm4_moe": [{"rotary_dim": None}, {"rotary_interleaved": True}, {"qk_norm_offset": 1.0}],
     "minimax_m2": [{"rotary_dim": None}, {"qk_norm_offset": 1.0}],
-    "stablelm": [{"rotary_dim": None}, {"b_v": None}],
-    "phi": [{"rotary_dim": None}, {"b_o": None}],
+    "stablelm": [{"rotary_dim": None}, {"b_v": None}, {"qk_layernorm": False},
+                 {"qk_norm_eps": 1e-6}],
+    "phi": [{"rotary_dim": None}, {"b_o": None}, {**RMS_NORM}, {"q_norm_bias": None,
+            "k_norm_bias": None}],
+    "persimmon": [{"rotary_dim": None}, {**RMS_NORM}, {"qk_norm_eps": 1e-6}],
     "nemotron": [{"rotary_dim": None}, {"b_o": None}],
-    "cohere": [{"rotary_interleaved": False}, {"b_o": None}],
+    "cohere": [{"rotary_interleaved": False}, {"b_o": None}, {"qk_layernorm": False}],
     "gpt2": [{"scale": None}],  # scale_attn_by_inverse_layer_idx: 1/sqrt(d) / (i + 1)
     "gpt_bigcode": [{"b_q": None}],
     "gpt_bigcode_mha": [{"b_v": None}],
@@ -285,9 +291,6 @@ def test_older_configs_are_read_as_transformers_reads_them(
 @pytest.mark.parametrize(
     ("family", "change", "refusal"),
     [
-        ("stablelm", {"qk_layernorm": True}, r"qk_layernorm=True \(a LayerNorm QK-norm"),
-        ("phi", {"qk_layernorm": True}, r"qk_layernorm=True \(a LayerNorm QK-norm"),
-        ("cohere", {"use_qk_norm": True}, r"use_qk_norm=True \(Cohere's LayerNorm QK-norm\)"),
         ("glm", {"sliding_window": 4}, "glm with sliding_window=4"),
         ("olmo", {"clip_qkv": -1.0}, r"clip_qkv=-1.0 \(the projections clamped to a bound"),
         (

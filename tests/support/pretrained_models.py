@@ -186,11 +186,14 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                              "first_k_dense_replace": 1, "experts_implementation": "eager"}),
     "minimax_m2": ("MiniMaxM2", {"rotary_dim": 8, "num_local_experts": 4,
                                  "num_experts_per_tok": 2, "experts_implementation": "eager"}),
-    "stablelm": ("StableLm", {"num_attention_heads": 2, "head_dim": None, "use_qkv_bias": True}),
-    "phi": ("Phi", {}),
+    "stablelm": ("StableLm", {"num_attention_heads": 2, "head_dim": None, "use_qkv_bias": True,
+                              "qk_layernorm": True, "layer_norm_eps": 1e-3}),
+    "phi": ("Phi", {"qk_layernorm": True, "layer_norm_eps": 1e-3}),
+    # Persimmon: GPT-NeoX's fused layout with LayerNorms of the queries and keys
+    "persimmon": ("Persimmon", {"head_dim": None, "layer_norm_eps": 1e-3}),
     "nemotron": ("Nemotron", {"attention_bias": True}),
     # interleaved pairs over the whole head
-    "cohere": ("Cohere", {"attention_bias": True}),
+    "cohere": ("Cohere", {"attention_bias": True, "use_qk_norm": True, "layer_norm_eps": 1e-3}),
     "ernie4_5": ("Ernie4_5", {"use_bias": True}),
     "ernie4_5_moe": ("Ernie4_5_Moe", {"use_bias": True, "moe_num_experts": 4, "moe_k": 2,
                                       "moe_intermediate_size": 16, "moe_num_shared_experts": 1,
@@ -250,9 +253,9 @@ DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
 LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu")
 """The checkpoints of DeepSeek's multi-head latent attention (``LatentAttention``)."""
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
-                 "gptj", "codegen",
-                 "gpt_neo", "bloom", "mpt", "dbrx", "falcon", "falcon_alibi", "opt", "biogpt",
-                 "xglm", "ctrl", "openai-gpt", "modernbert-decoder")  # fmt: skip
+                 "gptj", "codegen", "gpt_neo", "bloom", "mpt", "dbrx", "persimmon", "falcon",
+                 "falcon_alibi", "opt", "biogpt", "xglm", "ctrl", "openai-gpt",
+                 "modernbert-decoder")  # fmt: skip
 """The families whose attention modules are not Llama's."""
 LLAMA_LAYOUT = tuple(family for family in FAMILIES if family not in OTHER_LAYOUTS)
 """The families whose attention is Llama's module, ``model.layers[i].self_attn``, with its

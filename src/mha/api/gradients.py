@@ -123,8 +123,11 @@ class ProjectedBackward:
 
     def __init__(self, call: Call, forward: Forward) -> None:
         given = {"Q": call.Q, "K": call.K, "V": call.V, **call.weights.present()}
-        if call.qk_norm is not None:
-            given |= {"q_norm": call.qk_norm.q_norm, "k_norm": call.qk_norm.k_norm}
+        norm = call.qk_norm
+        if norm is not None:
+            given |= {"q_norm": norm.q_norm, "k_norm": norm.k_norm}
+            if norm.q_bias is not None and norm.k_bias is not None:
+                given |= {"q_norm_bias": norm.q_bias, "k_norm_bias": norm.k_bias}
         given |= getattr(call.spec.output, "weights", {})  # an output gate's W_g, b_g
         self.saved = forward.saved  # the QK-norm's rows and factors, the clamp's masks
         self.call = call
@@ -228,9 +231,9 @@ class ProjectedBackward:
         if "clip" in self.saved:  # through the clamp of q, k, v (clip_qkv)
             q_in, k_in, v_in = self.saved["clip"]
             dq, dk, dv = clip_backward(dq, q_in), clip_backward(dk, k_in), clip_backward(dv, v_in)
-        if call.qk_norm is not None:  # through the RMSNorm of q and k
-            dq, grads["q_norm"] = self._norm_backward(dq, "q", H)
-            dk, grads["k_norm"] = self._norm_backward(dk, "k", call.H_kv)
+        if call.qk_norm is not None:  # through the norm of q and k
+            dq = self._norm_backward(dq, "q", H, grads)
+            dk = self._norm_backward(dk, "k", call.H_kv, grads)
         return dq, dk, dv
 
     def _projections_backward(
@@ -252,18 +255,20 @@ class ProjectedBackward:
             del joined_grad
 
     def _norm_backward(
-        self, d: np.ndarray, which: str, heads: int
-    ) -> tuple[np.ndarray, np.ndarray]:
+        self, d: np.ndarray, which: str, heads: int, grads: dict[str, np.ndarray]
+    ) -> np.ndarray:
         """The gradient ``(*B, heads, L, d_k)`` before the QK-norm of ``which`` ("q" or
-        "k"), and that of its weight."""
+        "k"); those of its weight (and bias) into ``grads``."""
         norm = self.call.qk_norm
         assert norm is not None
         normed, r = self.saved[which]
-        weight = (norm.q_norm if which == "q" else norm.k_norm).astype(d.dtype, copy=False)
-        if norm.kind == "head":
-            return norm.backward(d, normed, r, weight)
-        dx, dw = norm.backward(join_heads(d), normed, r, weight)  # a token's every head
-        return split_heads(dx, heads), dw
+        if norm.kind != "all":
+            dx, found = norm.backward(d, normed, r, which)
+        else:  # a token's every head
+            dx, found = norm.backward(join_heads(d), normed, r, which)
+            dx = split_heads(dx, heads)
+        grads |= found
+        return dx
 
 
 class Fingerprints:

@@ -121,6 +121,9 @@ def multi_head_attention(
     qk_norm: str | None = None,
     qk_norm_eps: float | None = None,
     qk_norm_offset: float | None = None,
+    qk_layernorm: Flag = False,
+    q_norm_bias: Any = None,
+    k_norm_bias: Any = None,
     W_g: Any = None,
     b_g: Any = None,
     output_gate: str | None = None,
@@ -181,7 +184,11 @@ def multi_head_attention(
       head's ``d_k`` features (Qwen3, Gemma 3; weights ``(d_k,)``), ``"all"`` a token's
       ``H*d_k`` (or ``H_kv*d_k``) features before the split (OLMo 2). ``qk_norm_eps``
       (default 1e-6) and ``qk_norm_offset`` (1.0 for Gemma's ``(1 + weight)``; default 0).
-      The scale multiplies the normalised queries; ``backward`` has both weights' gradients.
+      ``qk_norm="each_head"`` normalises each head's features with its own weights ``(H,
+      d_k)`` and ``(H_kv, d_k)`` (StableLM, Cohere). ``qk_layernorm=True``: a LayerNorm (the
+      mean subtracted) instead, with the biases ``q_norm_bias`` and ``k_norm_bias`` (shaped
+      like the weights) when given (Persimmon, Phi). The scale multiplies the normalised
+      queries; ``backward`` has the weights' (and biases') gradients.
     * ``W_g`` (with ``b_g``): an output gate, the joined heads times ``act(Q @ W_g + b_g)``
       before ``W_o`` (Qwen3-Next, Qwen3.5, LFM3, Laguna): per element with ``W_g (d_q,
       H*d_v)``, per head with ``W_g (d_q, H)``; ``output_gate`` is ``act``, ``"sigmoid"``
@@ -235,11 +242,12 @@ def multi_head_attention(
         max_memory, workers, add_zero_attn, num_kv_heads, window, sink_tokens, chunk, mask_mod,
         sinks, softcap, alibi, score_mod, score_mod_grad, rope_theta, rotary_dim,
         rotary_interleaved, rope_scaling, positions, qk_norm, qk_norm_eps, qk_norm_offset, cache,
-        padding_side, return_backward, dropout_p, generator, output_gate, clip_qkv,
+        padding_side, return_backward, dropout_p, generator, output_gate, clip_qkv, qk_layernorm,
     )  # fmt: skip
     weights = LayerWeights(
-        W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm, W_g, b_g
-    )
+        W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm, W_g, b_g,
+        q_norm_bias, k_norm_bias,
+    )  # fmt: skip
     call = check_layer(LayerArrays(Q, K, V), weights, num_heads, check_mha(keywords))
     return compute(call)
 
@@ -383,12 +391,11 @@ def project_heads(
             )
         )
     if norm is not None and norm.kind == "all":  # OLMo 2: a token's features, every head's
-        (q, *q_saved), (k, *k_saved) = (
-            norm.apply(join_heads(x), weight) for x, weight in ((q, norm.q_norm), (k, norm.k_norm))
-        )
+        (q, *q_saved), (k, *k_saved) = (norm.apply(join_heads(q), "q"),
+                                        norm.apply(join_heads(k), "k"))  # fmt: skip
         q, k = split_heads(q, H), split_heads(k, H_kv)
-    if norm is not None and norm.kind == "head":  # Qwen3, Gemma 3: each head's features
-        (q, *q_saved), (k, *k_saved) = norm.apply(q, norm.q_norm), norm.apply(k, norm.k_norm)
+    elif norm is not None:  # Qwen3, Gemma 3, StableLM, Cohere: each head's features
+        (q, *q_saved), (k, *k_saved) = norm.apply(q, "q"), norm.apply(k, "k")
     if c is not None:  # DBRX, OLMo, OLMoE: clamped after the norm
         (q, q_in), (k, k_in), (v, v_in) = clip(q, c), clip(k, c), clip(v, c)
         if saved is not None:

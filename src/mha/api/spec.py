@@ -130,6 +130,7 @@ class MhaKeywords(NamedTuple):
     generator: Any = None
     output_gate: Any = None
     clip_qkv: Any = None
+    qk_layernorm: Any = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -176,12 +177,14 @@ class RotaryRules(NamedTuple):
 
 
 class QKNormRules(NamedTuple):
-    """A layer's QK-norm as given (its weights are the layer's): ``"head"`` or ``"all"``,
-    epsilon and the gain's offset (checked with the weights, :mod:`.qk_norm`)."""
+    """A layer's QK-norm as given (its weights are the layer's): ``"head"``, ``"all"`` or
+    ``"each_head"``, epsilon, the gain's offset and whether it is a LayerNorm (checked with
+    the weights, :mod:`.qk_norm`)."""
 
     kind: Any = None
     eps: Any = None
     offset: Any = None
+    layer: bool = False
 
 
 class OutputStage(Protocol):
@@ -334,7 +337,9 @@ def _check_mha(kw: MhaKeywords) -> Checked:
     drop_p = check_dropout(kw.dropout_p, kw.generator)
     scores = ScoreRules(kw.sinks, kw.softcap, kw.alibi, kw.score_mod, kw.score_mod_grad)
     rotary = RotaryRules(kw.rope_theta, kw.rotary_dim, kw.rotary_interleaved, kw.rope_scaling)
-    norm = QKNormRules(kw.qk_norm, kw.qk_norm_eps, kw.qk_norm_offset)
+    norm = QKNormRules(
+        kw.qk_norm, kw.qk_norm_eps, kw.qk_norm_offset, flag("qk_layernorm", kw.qk_layernorm)
+    )
     zero = flag("add_zero_attn", kw.add_zero_attn)
     left = check_padding_side(kw.padding_side, kw.cache, arrays)
     gate = check_gate_activation(kw.output_gate)

@@ -190,6 +190,9 @@ def multi_head_attention(
     qk_norm: str | None = None,
     qk_norm_eps: float | None = None,
     qk_norm_offset: float | None = None,
+    qk_layernorm: bool = False,
+    q_norm_bias: Any = None,
+    k_norm_bias: Any = None,
     W_g: Any = None,
     b_g: Any = None,
     output_gate: str | None = None,
@@ -239,11 +242,12 @@ def multi_head_attention(
         add_zero_attn, num_kv_heads, window, sink_tokens, chunk, mask_mod, sinks, softcap, alibi,
         score_mod, score_mod_grad, rope_theta, rotary_dim, rotary_interleaved, rope_scaling,
         small("positions", positions), qk_norm, qk_norm_eps, qk_norm_offset, cache, padding_side,
-        return_backward, dropout_p, generator, output_gate, clip_qkv,
+        return_backward, dropout_p, generator, output_gate, clip_qkv, qk_layernorm,
     )  # fmt: skip
     weights = LayerWeights(
-        W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm, W_g, b_g
-    )
+        W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm, W_g, b_g,
+        q_norm_bias, k_norm_bias,
+    )  # fmt: skip
     return _mha(
         lazy,
         (sQ, sK, sV),

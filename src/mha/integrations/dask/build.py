@@ -199,6 +199,8 @@ class MhaGraph:
         norm = call.qk_norm
         weights["q_norm"] = None if norm is None else norm.q_norm
         weights["k_norm"] = None if norm is None else norm.k_norm
+        weights["q_norm_bias"] = None if norm is None else norm.q_bias
+        weights["k_norm_bias"] = None if norm is None else norm.k_bias
         gate = call.spec.output  # an output gate's weights (no other stage reaches mha.dask)
         weights["W_g"] = getattr(gate, "W_g", None)
         weights["b_g"] = getattr(gate, "b_g", None)

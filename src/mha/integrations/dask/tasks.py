@@ -72,13 +72,11 @@ def heads(
         W, b = W * scale, None if b is None else b * scale
     with Team(workers_for(float(X.size) * W.shape[1], plan.threads)) as team:
         projected = team.matmul(X.astype(plan.dtype, copy=False), W, b)
-    if norm is not None:
-        weight = norm.q_norm if which == "q" else norm.k_norm
-        if norm.kind == "all":  # a token's features, every head's
-            projected = norm.apply(projected, weight)[0]
+    if norm is not None and norm.kind == "all":  # a token's features, every head's
+        projected = norm.apply(projected, which)[0]
     x = split_heads(projected, count)
-    if norm is not None and norm.kind == "head":
-        x = norm.apply(x, norm.q_norm if which == "q" else norm.k_norm)[0]
+    if norm is not None and norm.kind != "all":
+        x = norm.apply(x, which)[0]
     if plan.clip is not None:
         x = clip(x, plan.clip)[0]
     if late and scale != 1.0:

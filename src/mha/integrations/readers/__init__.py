@@ -47,7 +47,7 @@ from ..checkpoint import Checkpoint
 from .attention import describe
 from .config import Settings, Source, layer_index
 from .family import Family
-from .layouts import attention_prefix, check_names, lay_out
+from .layouts import attention_prefix, check_names, lay_out, stack_heads
 from .registry import FAMILIES, REFUSED, SUPPORTED, family_of, register
 from .rope import check_rope
 
@@ -98,4 +98,4 @@ def layer_attention(
                 f"({read.summary()}) calls for {tensor.shape}"
             )
         weights.update(lay_out(array, tensor))
-    return kind, settings, weights
+    return kind, settings, stack_heads(weights)

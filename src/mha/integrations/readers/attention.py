@@ -59,11 +59,13 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
         "qk_norm_eps": float(read.get(norm.eps)) if norm else None,
         "qk_norm_offset": norm.offset if norm else None,
         "clip_qkv": family.clip_qkv.bound(read) if family.clip_qkv else None,
+        "qk_layernorm": bool(norm and norm.layer),
     }
     if alibi is not None:  # the rope is then off
         settings["alibi"] = alibi
     biased = family.biases.carried(read, "qkvo", index)
-    tensors = layout.tensors(E, heads, biased, settings["qk_norm"], family.sinks)
+    norm_biases = bool(norm and norm.bias)
+    tensors = layout.tensors(E, heads, biased, settings["qk_norm"], family.sinks, norm_biases)
     return layout.kind, settings, tensors
 
 

@@ -496,7 +496,7 @@ _COHERE = {
     "attention_bias": False,
     "max_position_embeddings": 8192,
 }
-COHERE: dict[str, Any] = {**_COHERE, "use_qk_norm": False}
+COHERE: dict[str, Any] = {**_COHERE, "use_qk_norm": False, "layer_norm_eps": 1e-5}
 COHERE2: dict[str, Any] = {**_COHERE, "sliding_window": 4096, "layer_types": None}
 COHERE2_MOE: dict[str, Any] = {
     **COHERE2,
@@ -550,6 +550,7 @@ STABLELM: dict[str, Any] = {
     "num_key_value_heads": 32,
     "use_qkv_bias": False,
     "qk_layernorm": False,
+    "layer_norm_eps": 1e-5,
     "max_position_embeddings": 4096,
 }
 PHI: dict[str, Any] = {
@@ -558,7 +559,16 @@ PHI: dict[str, Any] = {
     "num_attention_heads": 32,
     "num_key_value_heads": None,
     "qk_layernorm": False,
+    "layer_norm_eps": 1e-5,
     "max_position_embeddings": 2048,
+}
+PERSIMMON: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 64,
+    "qk_layernorm": True,
+    "layer_norm_eps": 1e-5,
+    "max_position_embeddings": 16384,
 }
 NEMOTRON: dict[str, Any] = {
     "hidden_size": 6144,

@@ -93,14 +93,18 @@ def falcon_heads(read: Settings) -> tuple[int, int, int]:
 @dataclass(frozen=True)
 class QkNorm:
     """RMSNorm of the queries and keys before the rotation: per ``"head"`` (weights of the
-    head's width) or across ``"all"`` heads (before the split), the weight applied as
-    ``offset + weight``, its epsilon from the config key ``eps``; always, or with ``when``,
-    where that config key is true (GLM-4.5's ``use_qk_norm``)."""
+    head's width), across ``"all"`` heads (before the split) or per head with each head's
+    weights (``"each_head"``), the weight applied as ``offset + weight``, its epsilon from
+    the config key ``eps``; always, or with ``when``, where that config key is true
+    (GLM-4.5's ``use_qk_norm``). ``layer``: a LayerNorm instead, with biases when
+    ``bias``."""
 
     over: str = "head"
     offset: float = 0.0
     eps: str = "rms_norm_eps"
     when: str | None = None
+    layer: bool = False
+    bias: bool = False
 
     def applies(self, read: Settings) -> bool:
         return self.when is None or bool(read.get(self.when))
@@ -109,8 +113,9 @@ class QkNorm:
 PER_HEAD = QkNorm("head")
 ACROSS_HEADS = QkNorm("all")
 
-LAYERNORM_QK = Unsupported("qk_layernorm", "a LayerNorm QK-norm; mha's QK-norm is an RMSNorm")
-"""StableLM's and Phi's option of LayerNorms of the queries and keys."""
+LAYERNORM_QK = QkNorm("head", eps="layer_norm_eps", when="qk_layernorm", layer=True, bias=True)
+"""Phi's and Persimmon's option of LayerNorms (weights and biases shared by the heads) of
+the queries and keys."""
 
 
 def query_pre_attn_scalar(read: Settings) -> float:

@@ -144,9 +144,6 @@ REFUSED = {
     "hunyuan_v1_moe": _not_computed(
         "HunYuan's QK-norm after the rotation (mha normalises before it)"
     ),
-    "persimmon": _not_computed(
-        "Persimmon's QK-norm, a LayerNorm (mean and bias) where mha's is an RMSNorm"
-    ),
     "llama4_text": _LLAMA4,
     # not a decoder-only text model
     **dict.fromkeys(SEQ2SEQ, _SEQ2SEQ),
