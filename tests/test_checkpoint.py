@@ -316,7 +316,8 @@ QK_NORMS = {"qwen3": ("head", 0.0), "gemma3_text": ("head", 1.0), "olmo2": ("all
             "olmoe": ("all", 0.0), "flex_olmo": ("all", 0.0), "olmo3": ("all", 0.0),
             "apertus1p5_text": ("head", 0.0), "hy_v3": ("head", 0.0),
             "mellum": ("head", 0.0), "exaone4": ("head", 0.0),
-            "minimax_m2": ("all", 0.0)}  # fmt: skip
+            "minimax_m2": ("all", 0.0), "hunyuan_v1_dense": ("head", 0.0),
+            "hunyuan_v1_moe": ("head", 0.0)}  # fmt: skip
 LAYER_NORMS = {"stablelm": ("qk_layernorm", "each_head"), "phi": ("qk_layernorm", "head"),
                "cohere": ("use_qk_norm", "each_head")}  # fmt: skip
 """The families whose QK-norm is a LayerNorm: the config key that turns it on, its kind."""
@@ -397,6 +398,7 @@ def expected_settings(config, index, attention=None):
         "qk_norm_eps": (config.layer_norm_eps if layer_norm else config.rms_norm_eps) if kind
         else None,
         "clip_qkv": getattr(config, "clip_qkv", None), "qk_layernorm": bool(layer_norm),
+        "qk_norm_after_rope": model_type.startswith("hunyuan"),
     }  # fmt: skip
 
 
@@ -422,6 +424,7 @@ def expected_weights(attention, settings):
         kv = settings["num_kv_heads"] * settings["head_dim"]
         weights |= {"W_q": W[:, :q], "W_k": W[:, q : q + kv], "W_v": W[:, q + kv :]}
     for name, ours in (("q_norm", "q_norm"), ("k_norm", "k_norm"), ("sinks", "sinks"),
+                       ("query_layernorm", "q_norm"), ("key_layernorm", "k_norm"),
                        ("q_a_layernorm", "q_a_norm"), ("kv_a_layernorm", "kv_a_norm")):  # fmt: skip
         if getattr(attention, name, None) is not None:
             weights[ours] = parameter(getattr(attention, name))
@@ -466,7 +469,8 @@ def test_each_layer_is_what_transformers_computes(family, transformers):
             if hasattr(attention, "sliding_window") and not hasattr(attention, "is_sliding"):
                 assert settings["window"] == attention.sliding_window  # EXAONE 4's: is_sliding
             if settings["qk_norm"]:
-                norm = getattr(attention, "q_norm", None) or attention.q_layernorm
+                names = ("q_norm", "q_layernorm", "query_layernorm")
+                norm = next(getattr(attention, n) for n in names if hasattr(attention, n))
                 norm = getattr(norm, "norms", [norm])[0]  # StableLM's: one a head
                 assert settings["qk_norm_eps"] == getattr(norm, "eps", None) or getattr(
                     norm, "variance_epsilon", None

@@ -400,7 +400,7 @@ def _oracle(model_type: str, folder: Path, names: dict[int, str]) -> dict[int, l
     import torch
     import transformers
 
-    from support.pretrained_models import drive
+    from support.pretrained_models import drive, float64_parameters
     from support.transformers_oracle import recorder
 
     model_class = getattr(transformers, causal_lm_types()[model_type])
@@ -411,6 +411,7 @@ def _oracle(model_type: str, folder: Path, names: dict[int, str]) -> dict[int, l
             attn_implementation=_implementation(model_class),
             experts_implementation="eager",
         ).eval()
+    float64_parameters(model)
     _float64_rotaries(model)
     calls: dict[int, list[Any]] = {index: [] for index in names}
     modules = {index: _module(model, name, index) for index, name in names.items()}

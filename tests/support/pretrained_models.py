@@ -189,6 +189,10 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "stablelm": ("StableLm", {"num_attention_heads": 2, "head_dim": None, "use_qkv_bias": True,
                               "qk_layernorm": True, "layer_norm_eps": 1e-3}),
     "phi": ("Phi", {"qk_layernorm": True, "layer_norm_eps": 1e-3}),
+    # HunYuan: QK-norm per head after the rotation
+    "hunyuan_v1_dense": ("HunYuanDenseV1", {"attention_bias": True}),
+    "hunyuan_v1_moe": ("HunYuanMoEV1", {"num_experts": 4, "moe_topk": 2,
+                                        "experts_implementation": "eager"}),
     # Persimmon: GPT-NeoX's fused layout with LayerNorms of the queries and keys
     "persimmon": ("Persimmon", {"head_dim": None, "layer_norm_eps": 1e-3}),
     "nemotron": ("Nemotron", {"attention_bias": True}),
@@ -367,7 +371,18 @@ def transformers_model(family: str, folder: Path | None = None) -> Any:
         model = model_class.from_pretrained(
             folder, dtype=torch.float64, attn_implementation=_implementation(family), **experts
         )
+    float64_parameters(model)
     return model.eval()
+
+
+def float64_parameters(model: Any) -> None:
+    """The parameters a module makes float32 whatever the model's dtype (HunYuan-MoE's
+    router, ``wg``) in float64 too, as the rest of the oracle's model."""
+    import torch
+
+    for parameter in model.parameters():
+        if parameter.dtype == torch.float32:
+            parameter.data = parameter.data.double()
 
 
 @contextlib.contextmanager

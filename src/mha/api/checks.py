@@ -262,6 +262,7 @@ def check_layer(
         layer=spec.qk_norm.layer,
         q_bias=given.q_norm_bias,
         k_bias=given.k_norm_bias,
+        after_rope=spec.qk_norm.after_rope,
     )
     sinks = None if spec.scores.sinks is None else as_float_array("sinks", spec.scores.sinks)
     return Call(

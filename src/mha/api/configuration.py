@@ -45,7 +45,8 @@ class LayerSpec:
     ``rope_theta``, ``rotary_dim``, ``rotary_interleaved``, ``rope_scaling``, ``window``,
     ``sink_tokens``, ``softcap``, ``alibi``, ``chunk``, ``scale``, ``qk_norm``,
     ``qk_norm_eps``, ``qk_norm_offset``, ``add_zero_attn``, ``output_gate``,
-    ``output_gate_per_head``, ``clip_qkv`` and ``qk_layernorm`` (each ``None``, or ``False``,
+    ``output_gate_per_head``, ``clip_qkv``, ``qk_layernorm`` and ``qk_norm_after_rope``
+    (each ``None``, or ``False``,
     for its default; ``head_dim`` then comes from the weights). The pair ``(spec, weights)``
     is what a reader of another format produces (:mod:`mha.integrations.readers`) and
     :meth:`Configuration.from_spec` builds a layer from.
@@ -76,6 +77,7 @@ class LayerSpec:
     output_gate_per_head: Any = False
     clip_qkv: Any = None
     qk_layernorm: Any = False
+    qk_norm_after_rope: Any = False
 
     kind = "attention"
     """What a reader's spec builds (:meth:`Configuration.from_spec`)."""
@@ -134,6 +136,7 @@ class Configuration:
     b_g: np.ndarray | None
     clip_qkv: float | None  # the projections clamped to [-clip_qkv, clip_qkv]
     qk_layernorm: bool  # the QK-norm a LayerNorm
+    qk_norm_after_rope: bool  # the QK-norm after the rotation (HunYuan)
     q_norm_bias: np.ndarray | None
     k_norm_bias: np.ndarray | None
 
@@ -209,8 +212,10 @@ class Configuration:
             raise AttentionValueError(f"qk_norm must be None, {QK_NORM_NAMES}; got {qk_norm!r}")
         self.qk_norm = qk_norm
         self.qk_layernorm = flag("qk_layernorm", spec.qk_layernorm)
-        if self.qk_layernorm and qk_norm is None:
-            raise AttentionValueError("qk_layernorm needs qk_norm= ('head', 'all' or 'each_head')")
+        self.qk_norm_after_rope = flag("qk_norm_after_rope", spec.qk_norm_after_rope)
+        for name in ("qk_layernorm", "qk_norm_after_rope"):
+            if getattr(self, name) and qk_norm is None:
+                raise AttentionValueError(f"{name} needs qk_norm= ('head', 'all' or 'each_head')")
         if qk_norm is None and (qk_norm_eps is not None or qk_norm_offset is not None):
             raise AttentionValueError("qk_norm_eps and qk_norm_offset need qk_norm=")
         self.qk_norm_eps = 1e-6
@@ -309,6 +314,7 @@ class Configuration:
             dims += ", output_gate_per_head=True" if self.output_gate_per_head else ""
         if self.qk_norm is not None:
             dims += ", qk_layernorm=True" if self.qk_layernorm else ""
+            dims += ", qk_norm_after_rope=True" if self.qk_norm_after_rope else ""
             dims += "".join(
                 f", {name}={value}"
                 for name, value, default in (
@@ -369,6 +375,7 @@ class Configuration:
             "output_gate_per_head": self.output_gate_per_head,
             "clip_qkv": self.clip_qkv,
             "qk_layernorm": self.qk_layernorm,
+            "qk_norm_after_rope": self.qk_norm_after_rope,
             "dtype": self._held_dtype().name,
         }
 
@@ -405,6 +412,7 @@ class Configuration:
             self.output_gate_per_head,
             self.clip_qkv,
             self.qk_layernorm,
+            self.qk_norm_after_rope,
         )
 
     @classmethod

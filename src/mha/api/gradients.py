@@ -224,6 +224,10 @@ class ProjectedBackward:
             dk, dv = dk[..., :S, :], dv[..., :S, :]
         if dbias is not None and self.bias_shape is not None:
             grads["bias"] = _sum_to(dbias[..., :S], self.bias_shape, self.joined.shape[:-2])
+        after = call.qk_norm is not None and call.qk_norm.after_rope
+        if after:  # through HunYuan's norm, after the rotation
+            dq = self._norm_backward(dq, "q", H, grads)
+            dk = self._norm_backward(dk, "k", call.H_kv, grads)
         if call.rotary is not None:  # through the rotation: its transpose, same angles
             q_at, k_at = (p for p in self.positions if p is not None)
             dq = apply_rotary(dq, q_at, **call.rotary, inverse=True)
@@ -231,7 +235,7 @@ class ProjectedBackward:
         if "clip" in self.saved:  # through the clamp of q, k, v (clip_qkv)
             q_in, k_in, v_in = self.saved["clip"]
             dq, dk, dv = clip_backward(dq, q_in), clip_backward(dk, k_in), clip_backward(dv, v_in)
-        if call.qk_norm is not None:  # through the norm of q and k
+        if call.qk_norm is not None and not after:  # through the norm of q and k
             dq = self._norm_backward(dq, "q", H, grads)
             dk = self._norm_backward(dk, "k", call.H_kv, grads)
         return dq, dk, dv

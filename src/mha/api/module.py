@@ -70,7 +70,8 @@ class MultiHeadAttention(Layouts):
     (``"head"``: Qwen3 and Gemma 3, ``"all"``: OLMo 2; the module owns ``q_norm`` and
     ``k_norm``, with ``qk_norm_eps`` and ``qk_norm_offset``, 1.0 for Gemma's ``(1 + w)``;
     ``"each_head"``: StableLM and Cohere, weights of each head; ``qk_layernorm=True``: a
-    LayerNorm, with its biases ``q_norm_bias`` and ``k_norm_bias`` when ``bias``) and
+    LayerNorm, with its biases ``q_norm_bias`` and ``k_norm_bias`` when ``bias``;
+    ``qk_norm_after_rope=True``: HunYuan's, after the rotation) and
     ``output_gate`` (``"sigmoid"`` or ``"softplus"``: the joined heads times ``act(x @ W_g +
     b_g)`` before ``W_o``, per element, or per head with ``output_gate_per_head``; the module
     owns ``W_g``, and ``b_g`` with ``bias``) and ``clip_qkv`` (DBRX, OLMo: the projections
@@ -124,6 +125,7 @@ class MultiHeadAttention(Layouts):
         output_gate_per_head: Flag = False,
         clip_qkv: float | None = None,
         qk_layernorm: Flag = False,
+        qk_norm_after_rope: Flag = False,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
     ) -> None:
@@ -138,7 +140,7 @@ class MultiHeadAttention(Layouts):
             H, num_kv_heads, E // H if head_dim is None else head_dim, rope_theta, rotary_dim,
             rotary_interleaved, rope_scaling, window, sink_tokens, softcap, alibi, chunk, scale,
             qk_norm, qk_norm_eps, qk_norm_offset, add_zero_attn, output_gate, output_gate_per_head,
-            clip_qkv, qk_layernorm,
+            clip_qkv, qk_layernorm, qk_norm_after_rope,
         )  # fmt: skip
         self._configure(spec, (E, E if kdim is None else kdim, E if vdim is None else vdim))
         if not isinstance(bias, (bool, np.bool_)):
@@ -366,7 +368,7 @@ class MultiHeadAttention(Layouts):
             None if self.qk_norm is None else self.qk_norm_eps,
             None if self.qk_norm is None else self.qk_norm_offset, cache, padding_side,
             return_backward, dropout_p, generator, self.output_gate, self.clip_qkv,
-            self.qk_layernorm,
+            self.qk_layernorm, self.qk_norm_after_rope,
         )  # fmt: skip
         weights = LayerWeights(
             self.W_q,

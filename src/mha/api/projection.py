@@ -28,6 +28,7 @@ from .clip import clip
 from .gradients import Forward, ProjectedBackward, join_heads, split_heads
 from .padding import to_front, to_left
 from .paged_cache import PagedKVCache
+from .qk_norm import QKNorm
 from .rotary import apply_rotary
 from .selection import select_keys
 from .spec import MhaKeywords, check_mha
@@ -122,6 +123,7 @@ def multi_head_attention(
     qk_norm_eps: float | None = None,
     qk_norm_offset: float | None = None,
     qk_layernorm: Flag = False,
+    qk_norm_after_rope: Flag = False,
     q_norm_bias: Any = None,
     k_norm_bias: Any = None,
     W_g: Any = None,
@@ -187,7 +189,8 @@ def multi_head_attention(
       ``qk_norm="each_head"`` normalises each head's features with its own weights ``(H,
       d_k)`` and ``(H_kv, d_k)`` (StableLM, Cohere). ``qk_layernorm=True``: a LayerNorm (the
       mean subtracted) instead, with the biases ``q_norm_bias`` and ``k_norm_bias`` (shaped
-      like the weights) when given (Persimmon, Phi). The scale multiplies the normalised
+      like the weights) when given (Persimmon, Phi). ``qk_norm_after_rope=True``: the norm
+      after the rotation, not before it (HunYuan). The scale multiplies the normalised
       queries; ``backward`` has the weights' (and biases') gradients.
     * ``W_g`` (with ``b_g``): an output gate, the joined heads times ``act(Q @ W_g + b_g)``
       before ``W_o`` (Qwen3-Next, Qwen3.5, LFM3, Laguna): per element with ``W_g (d_q,
@@ -243,6 +246,7 @@ def multi_head_attention(
         sinks, softcap, alibi, score_mod, score_mod_grad, rope_theta, rotary_dim,
         rotary_interleaved, rope_scaling, positions, qk_norm, qk_norm_eps, qk_norm_offset, cache,
         padding_side, return_backward, dropout_p, generator, output_gate, clip_qkv, qk_layernorm,
+        qk_norm_after_rope,
     )  # fmt: skip
     weights = LayerWeights(
         W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm, W_g, b_g,
@@ -390,24 +394,39 @@ def project_heads(
                 (Q, K, V), (W_q, W_k, W_v), (b_q, b_k, b_v), heads, strict=True
             )
         )
-    if norm is not None and norm.kind == "all":  # OLMo 2: a token's features, every head's
-        (q, *q_saved), (k, *k_saved) = (norm.apply(join_heads(q), "q"),
-                                        norm.apply(join_heads(k), "k"))  # fmt: skip
-        q, k = split_heads(q, H), split_heads(k, H_kv)
-    elif norm is not None:  # Qwen3, Gemma 3, StableLM, Cohere: each head's features
-        (q, *q_saved), (k, *k_saved) = norm.apply(q, "q"), norm.apply(k, "k")
+    after = norm is not None and norm.after_rope  # HunYuan's: the norm after the rotation
+    if norm is not None and not after:
+        q, k = normalise(norm, q, k, saved)
     if c is not None:  # DBRX, OLMo, OLMoE: clamped after the norm
         (q, q_in), (k, k_in), (v, v_in) = clip(q, c), clip(k, c), clip(v, c)
         if saved is not None:
             saved["clip"] = [q_in, k_in, v_in]
-    if late_scale:
+    if late_scale and not after:
         q *= scale  # a buffer of this call's own: the projection's or the norm's
-    if saved is not None and norm is not None:
-        saved["q"], saved["k"] = q_saved, k_saved
     if call.rotary is not None:
         q = apply_rotary(q, call.q_positions, **call.rotary)
         k = apply_rotary(k, call.k_positions, **call.rotary)
+    if norm is not None and after:
+        q, k = normalise(norm, q, k, saved)
+        q *= scale
     return q, k, v
+
+
+def normalise(
+    norm: QKNorm, q: np.ndarray, k: np.ndarray, saved: dict[str, list[np.ndarray]] | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The heads ``q (*B, H, L, d_k)`` and ``k`` through the QK-norm, what its backward
+    needs into ``saved`` (when given) under ``"q"`` and ``"k"``."""
+    H, H_kv = q.shape[-3], k.shape[-3]
+    if norm.kind == "all":  # OLMo 2: a token's features, every head's
+        (q, *q_saved), (k, *k_saved) = (norm.apply(join_heads(q), "q"),
+                                        norm.apply(join_heads(k), "k"))  # fmt: skip
+        q, k = split_heads(q, H), split_heads(k, H_kv)
+    else:  # Qwen3, Gemma 3, StableLM, Cohere, HunYuan: each head's features
+        (q, *q_saved), (k, *k_saved) = norm.apply(q, "q"), norm.apply(k, "k")
+    if saved is not None:
+        saved["q"], saved["k"] = q_saved, k_saved
+    return q, k
 
 
 def with_extra_keys(visibility: Visibility, extra: int, dtype: np.dtype) -> Visibility:

@@ -50,6 +50,7 @@ class QKNorm:
     layer: bool = False
     q_bias: np.ndarray | None = None
     k_bias: np.ndarray | None = None
+    after_rope: bool = False  # HunYuan's: after the rotation, not before it
 
     def weights(self, which: str) -> tuple[np.ndarray, np.ndarray | None]:
         """The weight and the bias of ``which`` (``"q"`` or ``"k"``)."""
@@ -120,14 +121,16 @@ def check_qk_norm(
     layer: bool = False,
     q_bias: Any = None,
     k_bias: Any = None,
+    after_rope: bool = False,
 ) -> QKNorm | None:
     """The QK-norm of a call with ``H`` query heads and ``H_kv`` key heads ``d_k`` wide,
     or ``None`` when neither weight is given; with ``layer`` a LayerNorm, with the biases
-    ``q_bias`` and ``k_bias`` (of the weights' shapes) when given."""
+    ``q_bias`` and ``k_bias`` (of the weights' shapes) when given; with ``after_rope``
+    after the rotation (HunYuan)."""
     if q_norm is None and k_norm is None:
         options = (("qk_norm", kind), ("qk_norm_eps", eps), ("qk_norm_offset", offset),
                    ("qk_layernorm", layer or None), ("q_norm_bias", q_bias),
-                   ("k_norm_bias", k_bias))  # fmt: skip
+                   ("k_norm_bias", k_bias), ("qk_norm_after_rope", after_rope or None))  # fmt: skip
         given = [name for name, value in options if value is not None]
         if given:
             raise AttentionValueError(
@@ -168,7 +171,7 @@ def check_qk_norm(
     offset = 0.0 if offset is None else check_offset(offset)
     q, k, qb, kb = arrays
     assert q is not None and k is not None
-    return QKNorm(kind, q, k, eps, offset, layer, qb, kb)
+    return QKNorm(kind, q, k, eps, offset, layer, qb, kb, after_rope)
 
 
 def check_offset(offset: Any) -> float:

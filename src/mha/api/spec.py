@@ -131,6 +131,7 @@ class MhaKeywords(NamedTuple):
     output_gate: Any = None
     clip_qkv: Any = None
     qk_layernorm: Any = False
+    qk_norm_after_rope: Any = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -178,13 +179,14 @@ class RotaryRules(NamedTuple):
 
 class QKNormRules(NamedTuple):
     """A layer's QK-norm as given (its weights are the layer's): ``"head"``, ``"all"`` or
-    ``"each_head"``, epsilon, the gain's offset and whether it is a LayerNorm (checked with
-    the weights, :mod:`.qk_norm`)."""
+    ``"each_head"``, epsilon, the gain's offset, whether it is a LayerNorm and whether it
+    follows the rotation (checked with the weights, :mod:`.qk_norm`)."""
 
     kind: Any = None
     eps: Any = None
     offset: Any = None
     layer: bool = False
+    after_rope: bool = False
 
 
 class OutputStage(Protocol):
@@ -338,7 +340,11 @@ def _check_mha(kw: MhaKeywords) -> Checked:
     scores = ScoreRules(kw.sinks, kw.softcap, kw.alibi, kw.score_mod, kw.score_mod_grad)
     rotary = RotaryRules(kw.rope_theta, kw.rotary_dim, kw.rotary_interleaved, kw.rope_scaling)
     norm = QKNormRules(
-        kw.qk_norm, kw.qk_norm_eps, kw.qk_norm_offset, flag("qk_layernorm", kw.qk_layernorm)
+        kw.qk_norm,
+        kw.qk_norm_eps,
+        kw.qk_norm_offset,
+        flag("qk_layernorm", kw.qk_layernorm),
+        flag("qk_norm_after_rope", kw.qk_norm_after_rope),
     )
     zero = flag("add_zero_attn", kw.add_zero_attn)
     left = check_padding_side(kw.padding_side, kw.cache, arrays)

@@ -191,6 +191,7 @@ def multi_head_attention(
     qk_norm_eps: float | None = None,
     qk_norm_offset: float | None = None,
     qk_layernorm: bool = False,
+    qk_norm_after_rope: bool = False,
     q_norm_bias: Any = None,
     k_norm_bias: Any = None,
     W_g: Any = None,
@@ -243,6 +244,7 @@ def multi_head_attention(
         score_mod, score_mod_grad, rope_theta, rotary_dim, rotary_interleaved, rope_scaling,
         small("positions", positions), qk_norm, qk_norm_eps, qk_norm_offset, cache, padding_side,
         return_backward, dropout_p, generator, output_gate, clip_qkv, qk_layernorm,
+        qk_norm_after_rope,
     )  # fmt: skip
     weights = LayerWeights(
         W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm, W_g, b_g,

@@ -72,18 +72,29 @@ def heads(
         W, b = W * scale, None if b is None else b * scale
     with Team(workers_for(float(X.size) * W.shape[1], plan.threads)) as team:
         projected = team.matmul(X.astype(plan.dtype, copy=False), W, b)
-    if norm is not None and norm.kind == "all":  # a token's features, every head's
-        projected = norm.apply(projected, which)[0]
+    after = norm is not None and norm.after_rope  # HunYuan's: after the rotation
     x = split_heads(projected, count)
-    if norm is not None and norm.kind != "all":
-        x = norm.apply(x, which)[0]
+    if norm is not None and not after:
+        x = _normed(norm, x, which)
     if plan.clip is not None:
         x = clip(x, plan.clip)[0]
-    if late and scale != 1.0:
+    if late and scale != 1.0 and not after:
         x *= scale
     if which != "v" and plan.rotary is not None:
         x = apply_rotary(x, **plan.rotary)
+    if norm is not None and after:
+        x = _normed(norm, x, which)
+        if scale != 1.0:
+            x *= scale
     return x
+
+
+def _normed(norm: QKNorm, x: np.ndarray, which: str) -> np.ndarray:
+    """The heads ``x (b, heads, n, d)`` of ``which`` through the QK-norm."""
+    if norm.kind == "all":  # a token's features, every head's
+        return split_heads(norm.apply(join_heads(x), which)[0], x.shape[-3])
+    normed: np.ndarray = norm.apply(x, which)[0]
+    return normed
 
 
 @dataclass(frozen=True)

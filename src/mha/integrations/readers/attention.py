@@ -60,6 +60,7 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
         "qk_norm_offset": norm.offset if norm else None,
         "clip_qkv": family.clip_qkv.bound(read) if family.clip_qkv else None,
         "qk_layernorm": bool(norm and norm.layer),
+        "qk_norm_after_rope": bool(norm and norm.after_rope),
     }
     if alibi is not None:  # the rope is then off
         settings["alibi"] = alibi

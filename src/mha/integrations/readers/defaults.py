@@ -402,6 +402,15 @@ MINISTRAL3_ROPE: dict[str, Any] = {
 ARIA_TEXT: dict[str, Any] = {**LLAMA}
 EXAONE: dict[str, Any] = {**LLAMA, "num_key_value_heads": 8, "max_position_embeddings": 4096}
 APERTUS1P5_TEXT: dict[str, Any] = {**APERTUS}
+HUNYUAN: dict[str, Any] = {
+    **_SHAPE,
+    "num_key_value_heads": None,
+    "head_dim": None,
+    "attention_bias": False,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 2048,
+}
+"""HunYuan's (dense and MoE alike)."""
 HY_V3: dict[str, Any] = {
     "hidden_size": 4096,
     "num_hidden_layers": 80,

@@ -97,7 +97,7 @@ class QkNorm:
     weights (``"each_head"``), the weight applied as ``offset + weight``, its epsilon from
     the config key ``eps``; always, or with ``when``, where that config key is true
     (GLM-4.5's ``use_qk_norm``). ``layer``: a LayerNorm instead, with biases when
-    ``bias``."""
+    ``bias``; ``after_rope``: after the rotation (HunYuan's)."""
 
     over: str = "head"
     offset: float = 0.0
@@ -105,6 +105,7 @@ class QkNorm:
     when: str | None = None
     layer: bool = False
     bias: bool = False
+    after_rope: bool = False
 
     def applies(self, read: Settings) -> bool:
         return self.when is None or bool(read.get(self.when))

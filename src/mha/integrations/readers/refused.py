@@ -138,12 +138,6 @@ REFUSED = {
     "zaya": _not_computed(
         "ZAYA's compressed convolutional attention (queries and keys through convolutions)"
     ),
-    "hunyuan_v1_dense": _not_computed(
-        "HunYuan's QK-norm after the rotation (mha normalises before it)"
-    ),
-    "hunyuan_v1_moe": _not_computed(
-        "HunYuan's QK-norm after the rotation (mha normalises before it)"
-    ),
     "llama4_text": _LLAMA4,
     # not a decoder-only text model
     **dict.fromkeys(SEQ2SEQ, _SEQ2SEQ),

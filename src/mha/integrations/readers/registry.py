@@ -104,6 +104,8 @@ MPT_UNSUPPORTED = (
     ),
 )
 _ROTARY_DIM = Rope(interleave=True, dim_key="rotary_dim")
+_HUNYUAN = Projections(q_norm="query_layernorm", k_norm="key_layernorm")
+_HUNYUAN_NORM = QkNorm("head", after_rope=True)
 _DBRX_KEYS = {**_MPT_KEYS, "num_key_value_heads": "attn_config.kv_n_heads",
               "max_position_embeddings": "max_seq_len"}  # fmt: skip
 
@@ -544,6 +546,16 @@ register(
         rope=Rope(theta=12_000_000.0, parameters=defaults.APERTUS_ROPE),
         qk_norm=PER_HEAD,
     ),
+    # HunYuan: QK-norm per head after the rotation (query_layernorm, key_layernorm); the
+    # dense model's "dynamic" rope with alpha is its own NTK scaling
+    Family(
+        "hunyuan_v1_dense",
+        defaults.HUNYUAN,
+        tensors=_HUNYUAN,
+        rope=Rope(scaled=False),
+        qk_norm=_HUNYUAN_NORM,
+    ),
+    Family("hunyuan_v1_moe", defaults.HUNYUAN, tensors=_HUNYUAN, qk_norm=_HUNYUAN_NORM),
     Family("hy_v3", defaults.HY_V3, rope=Rope(theta=11_158_840.0), qk_norm=PER_HEAD),
     Family(
         "ernie4_5",
