@@ -316,7 +316,7 @@ QK_NORMS = {"qwen3": ("head", 0.0), "gemma3_text": ("head", 1.0), "olmo2": ("all
             "olmoe": ("all", 0.0), "flex_olmo": ("all", 0.0), "olmo3": ("all", 0.0),
             "apertus1p5_text": ("head", 0.0), "hy_v3": ("head", 0.0),
             "mellum": ("head", 0.0), "exaone4": ("head", 0.0),
-            "minimax_m2": ("all", 0.0), "hunyuan_v1_dense": ("head", 0.0),
+            "minimax_m2": ("all", 0.0), "hunyuan_v1_dense": ("head", 0.0), "afmoe": ("head", 0.0),
             "hunyuan_v1_moe": ("head", 0.0)}  # fmt: skip
 LAYER_NORMS = {"stablelm": ("qk_layernorm", "each_head"), "phi": ("qk_layernorm", "head"),
                "cohere": ("use_qk_norm", "each_head")}  # fmt: skip
@@ -330,6 +330,7 @@ ROTATES = {
     "cohere2": lambda attention: attention.sliding_window is not None,
     "cohere2_moe": lambda attention: attention.sliding_window is not None or attention.force_rope,
     "exaone4": lambda attention: attention.sliding_window is None or attention.is_sliding,
+    "afmoe": lambda attention: attention.is_local_attention,
 }
 """Whether a layer rotates, from the attributes of transformers' attention module that its
 ``forward`` tests, for the families with layers without positions."""
@@ -399,6 +400,8 @@ def expected_settings(config, index, attention=None):
         else None,
         "clip_qkv": getattr(config, "clip_qkv", None), "qk_layernorm": bool(layer_norm),
         "qk_norm_after_rope": model_type.startswith("hunyuan"),
+        **({"output_gate": "sigmoid", "output_gate_per_head": False} if model_type == "afmoe"
+           else {}),
     }  # fmt: skip
 
 
@@ -409,6 +412,7 @@ def parameter(module):
 def expected_weights(attention, settings):
     """The layer's weights in mha's layout, from transformers' attention module itself."""
     names = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "dense": "o",
+             "gate_proj": "g",
              "q_a_proj": "q_a", "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a",
              "kv_b_proj": "kv_b"}  # fmt: skip
     weights = {}

@@ -154,6 +154,8 @@ CHANGES = {
                  {"qk_norm_eps": 1e-6}],
     "phi": [{"rotary_dim": None}, {"b_o": None}, {**RMS_NORM}, {"q_norm_bias": None,
             "k_norm_bias": None}],
+    "afmoe": [{"window": None}, {"W_g": None, "output_gate": None}, {"qk_norm_offset": 1.0},
+              {"rope_theta": None, "rotary_dim": None}],
     "hunyuan_v1_dense": [{"qk_norm_after_rope": False}, {"b_o": None}],
     "hunyuan_v1_moe": [{"qk_norm_after_rope": False}, {"qk_norm_eps": 1e-2}],
     "persimmon": [{"rotary_dim": None}, {**RMS_NORM}, {"qk_norm_eps": 1e-6}],

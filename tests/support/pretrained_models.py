@@ -189,6 +189,9 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "stablelm": ("StableLm", {"num_attention_heads": 2, "head_dim": None, "use_qkv_bias": True,
                               "qk_layernorm": True, "layer_norm_eps": 1e-3}),
     "phi": ("Phi", {"qk_layernorm": True, "layer_norm_eps": 1e-3}),
+    # AFMoE: a sigmoid output gate (gate_proj), rope on the sliding layers only
+    "afmoe": ("Afmoe", {"sliding_window": 5, "global_attn_every_n_layers": 2,
+                        "num_dense_layers": 1, "num_shared_experts": 1, **MOE}),
     # HunYuan: QK-norm per head after the rotation
     "hunyuan_v1_dense": ("HunYuanDenseV1", {"attention_bias": True}),
     "hunyuan_v1_moe": ("HunYuanMoEV1", {"num_experts": 4, "moe_topk": 2,

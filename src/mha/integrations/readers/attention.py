@@ -61,12 +61,15 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
         "clip_qkv": family.clip_qkv.bound(read) if family.clip_qkv else None,
         "qk_layernorm": bool(norm and norm.layer),
         "qk_norm_after_rope": bool(norm and norm.after_rope),
+        **(family.gate.settings() if family.gate else {}),
     }
     if alibi is not None:  # the rope is then off
         settings["alibi"] = alibi
     biased = family.biases.carried(read, "qkvo", index)
     norm_biases = bool(norm and norm.bias)
     tensors = layout.tensors(E, heads, biased, settings["qk_norm"], family.sinks, norm_biases)
+    if family.gate is not None:
+        tensors |= family.gate.tensors(read, E, H, d)
     return layout.kind, settings, tensors
 
 

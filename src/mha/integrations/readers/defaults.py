@@ -402,6 +402,19 @@ MINISTRAL3_ROPE: dict[str, Any] = {
 ARIA_TEXT: dict[str, Any] = {**LLAMA}
 EXAONE: dict[str, Any] = {**LLAMA, "num_key_value_heads": 8, "max_position_embeddings": 4096}
 APERTUS1P5_TEXT: dict[str, Any] = {**APERTUS}
+AFMOE: dict[str, Any] = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
+    "num_key_value_heads": None,
+    "head_dim": 128,
+    "attention_bias": False,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 16384,
+    "sliding_window": 1024,
+    "layer_types": None,
+    "global_attn_every_n_layers": 4,
+}
 HUNYUAN: dict[str, Any] = {
     **_SHAPE,
     "num_key_value_heads": None,

@@ -27,6 +27,8 @@ from .layouts import (
     BiasesByKey,
     LatentProjections,
     Projections,
+    Tensor,
+    whole,
 )
 from .rope import Rope
 from .windows import NO_WINDOWS, Windows
@@ -40,6 +42,7 @@ __all__ = [
     "UNSUPPORTED",
     "ClipQkv",
     "Family",
+    "Gate",
     "Heads",
     "QkNorm",
     "attention_multiplier",
@@ -137,6 +140,30 @@ def attention_multiplier(read: Settings) -> float | None:
     return None if scale is None else float(scale)
 
 
+@dataclass(frozen=True)
+class Gate:
+    """An output gate, ``act(x @ W_g)`` times the joined heads before ``o_proj``
+    (:class:`mha.api.gates.OutputGate`): the tensor ``tensor`` under the attention (an
+    ``nn.Linear`` of one column a feature, or a head with ``per_head``), its activation and
+    its bias (where ``bias`` names a config key, when that key is true)."""
+
+    tensor: str = "gate_proj"
+    activation: str = "sigmoid"
+    per_head: bool = False
+    bias: str | None = None
+
+    def settings(self) -> dict[str, Any]:
+        return {"output_gate": self.activation, "output_gate_per_head": self.per_head}
+
+    def tensors(self, read: Settings, E: int, H: int, d: int) -> dict[str, Tensor]:
+        """``W_g`` (and ``b_g``) of a layer of ``H`` heads ``d`` wide, model width ``E``."""
+        columns = H if self.per_head else H * d
+        tensors = {f"{self.tensor}.weight": whole("W_g", columns, E)}
+        if self.bias is not None and read.get(self.bias):
+            tensors[f"{self.tensor}.bias"] = whole("b_g", columns)
+        return tensors
+
+
 BIDIRECTIONAL = Unsupported("use_bidirectional_attention", "attention that is not causal")
 """Gemma's option of attention without the causal mask."""
 
@@ -209,6 +236,8 @@ class Family:
     softcap: str | None = None
     """The config key of the scores' soft-cap (Gemma 2's ``attn_logit_softcapping``)."""
     qk_norm: QkNorm | None = None
+    gate: Gate | None = None
+    """The output gate (AFMoE's ``gate_proj``), when the attention has one."""
     clip_qkv: ClipQkv | None = None
     """The config key of the projections' clamp (OLMo's ``clip_qkv``), when it has one."""
     sinks: bool = False

@@ -84,7 +84,6 @@ REFUSED = {
     "dots3_note_text": _not_computed(
         f"dots3's attention has a per-head sigmoid output gate and {_TOP_K}"
     ),
-    "afmoe": _not_read("AFMoE's attention has a sigmoid output gate (gate_proj)"),
     "beam": _not_computed("Beam's attention has a sigmoid output gate with a per-head bias"),
     "dory": _not_computed("Dory's attention has a scaled sigmoid output gate"),
     "hrm_text": _not_read("HRM's attention has a sigmoid output gate"),

@@ -28,6 +28,7 @@ from .family import (
     PER_HEAD,
     ClipQkv,
     Family,
+    Gate,
     QkNorm,
     attention_multiplier,
     falcon_heads,
@@ -556,6 +557,14 @@ register(
         qk_norm=_HUNYUAN_NORM,
     ),
     Family("hunyuan_v1_moe", defaults.HUNYUAN, tensors=_HUNYUAN, qk_norm=_HUNYUAN_NORM),
+    Family(  # a sigmoid gate of every feature; rope on the sliding layers only
+        "afmoe",
+        defaults.AFMOE,
+        windows=by_layer_types(pattern=4, key="global_attn_every_n_layers"),
+        rope=Rope(rotates=sliding_layers),
+        qk_norm=PER_HEAD,
+        gate=Gate(),
+    ),
     Family("hy_v3", defaults.HY_V3, rope=Rope(theta=11_158_840.0), qk_norm=PER_HEAD),
     Family(
         "ernie4_5",
