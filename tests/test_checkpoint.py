@@ -317,6 +317,7 @@ QK_NORMS = {"qwen3": ("head", 0.0), "gemma3_text": ("head", 1.0), "olmo2": ("all
             "apertus1p5_text": ("head", 0.0), "hy_v3": ("head", 0.0),
             "mellum": ("head", 0.0), "exaone4": ("head", 0.0),
             "minimax_m2": ("all", 0.0), "hunyuan_v1_dense": ("head", 0.0), "afmoe": ("head", 0.0),
+            "laguna": ("head", 0.0),
             "hunyuan_v1_moe": ("head", 0.0)}  # fmt: skip
 LAYER_NORMS = {"stablelm": ("qk_layernorm", "each_head"), "phi": ("qk_layernorm", "head"),
                "cohere": ("use_qk_norm", "each_head")}  # fmt: skip
@@ -390,7 +391,7 @@ def expected_settings(config, index, attention=None):
     if attention is not None and not ROTATES.get(model_type, lambda _: True)(attention):
         rotary = {"rope_theta": None, "rope_scaling": None, "rotary_dim": None,
                   "rotary_interleaved": False}  # fmt: skip
-    return {
+    expected = {
         "num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads,
         "head_dim": head_dim, **rotary, "window": window, "chunk": None,
         "softcap": config.attn_logit_softcapping if model_type in SOFTCAPPED else None,
@@ -400,9 +401,20 @@ def expected_settings(config, index, attention=None):
         else None,
         "clip_qkv": getattr(config, "clip_qkv", None), "qk_layernorm": bool(layer_norm),
         "qk_norm_after_rope": model_type.startswith("hunyuan"),
-        **({"output_gate": "sigmoid", "output_gate_per_head": False} if model_type == "afmoe"
-           else {}),
+        **_gate(model_type, attention),
     }  # fmt: skip
+    if model_type == "laguna":  # each layer its own heads
+        expected["num_heads"] = attention.num_heads
+    return expected
+
+
+def _gate(model_type, attention):
+    """The output gate's settings: AFMoE's sigmoid, Laguna's softplus (per head or not)."""
+    if model_type == "afmoe":
+        return {"output_gate": "sigmoid", "output_gate_per_head": False}
+    if model_type == "laguna":
+        return {"output_gate": "softplus", "output_gate_per_head": attention.gate_per_head}
+    return {}
 
 
 def parameter(module):
@@ -412,7 +424,7 @@ def parameter(module):
 def expected_weights(attention, settings):
     """The layer's weights in mha's layout, from transformers' attention module itself."""
     names = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "dense": "o",
-             "gate_proj": "g",
+             "gate_proj": "g", "g_proj": "g",
              "q_a_proj": "q_a", "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a",
              "kv_b_proj": "kv_b"}  # fmt: skip
     weights = {}

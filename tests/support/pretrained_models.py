@@ -192,6 +192,16 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # AFMoE: a sigmoid output gate (gate_proj), rope on the sliding layers only
     "afmoe": ("Afmoe", {"sliding_window": 5, "global_attn_every_n_layers": 2,
                         "num_dense_layers": 1, "num_shared_experts": 1, **MOE}),
+    # Laguna: a softplus gate per head, each layer its own heads, a rope per layer type
+    "laguna": ("Laguna", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING],
+                          "num_attention_heads_per_layer": [4, 6, 2],
+                          "shared_expert_intermediate_size": 16, **MOE,
+                          "rope_parameters": {
+                              FULL: {"rope_type": "default", "rope_theta": 3000.0,
+                                     "partial_rotary_factor": 0.5},
+                              SLIDING: {"rope_type": "default", "rope_theta": 100.0}}}),
+    "laguna_per_element": ("Laguna", {"gating": False, "num_hidden_layers": 1, "rope_parameters": {
+        FULL: {"rope_type": "default", "rope_theta": 3000.0}}}),
     # HunYuan: QK-norm per head after the rotation
     "hunyuan_v1_dense": ("HunYuanDenseV1", {"attention_bias": True}),
     "hunyuan_v1_moe": ("HunYuanMoEV1", {"num_experts": 4, "moe_topk": 2,

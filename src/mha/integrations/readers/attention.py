@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...errors import AttentionValueError
 from .config import SLIDING, Settings
 from .family import Family
 from .layouts import LatentProjections, Projections, Tensor
@@ -38,6 +39,8 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     """The settings and tensors of layer ``index`` of a multi-head attention."""
     E = read.positive("hidden_size")
     H, H_kv, d = heads = family.heads_of(read)
+    if family.heads_by_layer is not None:
+        H, H_kv, d = heads = (_layer_heads(family.heads_by_layer, read, index, H), H_kv, d)
     if not layout.grouped(heads):
         raise read.refuse(f"{H} heads of {d} features, which its {layout.qkv} cannot split")
     for option in family.refused():
@@ -61,7 +64,7 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
         "clip_qkv": family.clip_qkv.bound(read) if family.clip_qkv else None,
         "qk_layernorm": bool(norm and norm.layer),
         "qk_norm_after_rope": bool(norm and norm.after_rope),
-        **(family.gate.settings() if family.gate else {}),
+        **(family.gate.settings(read) if family.gate else {}),
     }
     if alibi is not None:  # the rope is then off
         settings["alibi"] = alibi
@@ -71,6 +74,20 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     if family.gate is not None:
         tensors |= family.gate.tensors(read, E, H, d)
     return layout.kind, settings, tensors
+
+
+def _layer_heads(key: str, read: Settings, index: int, H: int) -> int:
+    """Layer ``index``'s query heads from the config key ``key``'s list (``H``: none)."""
+    counts = read.get(key)
+    if counts is None:
+        return H
+    count = counts[index] if isinstance(counts, list) and index < len(counts) else None
+    if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+        raise AttentionValueError(
+            f"{read.path}: config.json has {read.name(key)}={counts!r}; a list of a positive "
+            f"number of heads for each of its layers is needed (layer {index})"
+        )
+    return count
 
 
 def rotary(

@@ -415,6 +415,20 @@ AFMOE: dict[str, Any] = {
     "layer_types": None,
     "global_attn_every_n_layers": 4,
 }
+LAGUNA: dict[str, Any] = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 48,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "attention_bias": False,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072,
+    "sliding_window": 512,
+    "layer_types": None,
+    "gating": True,
+    "num_attention_heads_per_layer": None,
+}
 HUNYUAN: dict[str, Any] = {
     **_SHAPE,
     "num_key_value_heads": None,

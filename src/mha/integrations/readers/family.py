@@ -144,20 +144,24 @@ def attention_multiplier(read: Settings) -> float | None:
 class Gate:
     """An output gate, ``act(x @ W_g)`` times the joined heads before ``o_proj``
     (:class:`mha.api.gates.OutputGate`): the tensor ``tensor`` under the attention (an
-    ``nn.Linear`` of one column a feature, or a head with ``per_head``), its activation and
-    its bias (where ``bias`` names a config key, when that key is true)."""
+    ``nn.Linear`` of one column a feature, or a head with ``per_head``: always, never, or as
+    a function of the config says), its activation and its bias (where ``bias`` names a
+    config key, when that key is true)."""
 
     tensor: str = "gate_proj"
     activation: str = "sigmoid"
-    per_head: bool = False
+    per_head: bool | Callable[[Settings], bool] = False
     bias: str | None = None
 
-    def settings(self) -> dict[str, Any]:
-        return {"output_gate": self.activation, "output_gate_per_head": self.per_head}
+    def is_per_head(self, read: Settings) -> bool:
+        return self.per_head(read) if callable(self.per_head) else self.per_head
+
+    def settings(self, read: Settings) -> dict[str, Any]:
+        return {"output_gate": self.activation, "output_gate_per_head": self.is_per_head(read)}
 
     def tensors(self, read: Settings, E: int, H: int, d: int) -> dict[str, Tensor]:
         """``W_g`` (and ``b_g``) of a layer of ``H`` heads ``d`` wide, model width ``E``."""
-        columns = H if self.per_head else H * d
+        columns = H if self.is_per_head(read) else H * d
         tensors = {f"{self.tensor}.weight": whole("W_g", columns, E)}
         if self.bias is not None and read.get(self.bias):
             tensors[f"{self.tensor}.bias"] = whole("b_g", columns)
@@ -238,6 +242,9 @@ class Family:
     qk_norm: QkNorm | None = None
     gate: Gate | None = None
     """The output gate (AFMoE's ``gate_proj``), when the attention has one."""
+    heads_by_layer: str | None = None
+    """The config key of the list of each layer's query heads, where layers differ
+    (Laguna's ``num_attention_heads_per_layer``; null: :attr:`heads`' for every layer)."""
     clip_qkv: ClipQkv | None = None
     """The config key of the projections' clamp (OLMo's ``clip_qkv``), when it has one."""
     sinks: bool = False

@@ -87,7 +87,6 @@ REFUSED = {
     "beam": _not_computed("Beam's attention has a sigmoid output gate with a per-head bias"),
     "dory": _not_computed("Dory's attention has a scaled sigmoid output gate"),
     "hrm_text": _not_read("HRM's attention has a sigmoid output gate"),
-    "laguna": _not_read("Laguna's attention has a softplus output gate (g_proj)"),
     "lfm3": _not_computed(
         "LFM3's attention has a sigmoid output gate per head and its other layers are short "
         "convolutions"

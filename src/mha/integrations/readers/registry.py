@@ -141,6 +141,13 @@ class DbrxBase(Unsupported):
 DBRX_BASE = DbrxBase("attn_config.rope_theta", "a rotary base transformers' DBRX ignores")
 
 
+def laguna_gate_per_head(read: Settings) -> bool:
+    """Laguna's ``gating``: a gate per head when ``true`` or ``"per-head"``, else one per
+    feature."""
+    gating = read.get("gating")
+    return gating is True or gating == "per-head"
+
+
 def dbrx_heads(read: Settings) -> tuple[int, int, int]:
     """DBRX's: ``attn_config.kv_n_heads`` key/value heads, each head ``d_model // n_heads``
     wide."""
@@ -564,6 +571,17 @@ register(
         rope=Rope(rotates=sliding_layers),
         qk_norm=PER_HEAD,
         gate=Gate(),
+    ),
+    Family(  # a softplus gate per head (gating) or per feature, each layer its own heads
+        "laguna",
+        defaults.LAGUNA,
+        windows=FULL_BY_DEFAULT,
+        rope=Rope(
+            per_layer_type={FULL: (None, 500_000.0), SLIDING: (None, 10_000.0)}, partial=True
+        ),
+        qk_norm=PER_HEAD,
+        gate=Gate("g_proj", "softplus", per_head=laguna_gate_per_head),
+        heads_by_layer="num_attention_heads_per_layer",
     ),
     Family("hy_v3", defaults.HY_V3, rope=Rope(theta=11_158_840.0), qk_norm=PER_HEAD),
     Family(
