@@ -84,8 +84,14 @@ REFUSED = {
     "dots3_note_text": _not_computed(
         f"dots3's attention has a per-head sigmoid output gate and {_TOP_K}"
     ),
-    "beam": _not_computed("Beam's attention has a sigmoid output gate with a per-head bias"),
-    "dory": _not_computed("Dory's attention has a scaled sigmoid output gate"),
+    "beam": _not_computed(
+        "Beam's query scale growing with the position (scalable softmax, (1 + (position + 1) "
+        "/ 2048) ** 0.1) on its layers without rope"
+    ),
+    "dory": _not_computed(
+        "Dory's nGPT attention (L2-normalised queries and keys, a per-feature query scale "
+        "after the rotation, an L2 norm of its output before o_proj) and its looped layers"
+    ),
     "hrm_text": _not_read("HRM's attention has a sigmoid output gate"),
     "lfm3": _not_computed(
         "LFM3's attention has a sigmoid output gate per head and its other layers are short "
