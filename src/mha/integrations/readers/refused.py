@@ -92,7 +92,11 @@ REFUSED = {
         "Dory's nGPT attention (L2-normalised queries and keys, a per-feature query scale "
         "after the rotation, an L2 norm of its output before o_proj) and its looped layers"
     ),
-    "hrm_text": _not_read("HRM's attention has a sigmoid output gate"),
+    "hrm_text": _not_read(
+        "HRM's attention has a sigmoid output gate in recurrent stacks (each layer of its L and "
+        "H stacks runs once a cycle, with a cache slot of its own: num_hidden_layers counts "
+        "slots, not layers)"
+    ),
     "lfm3": _not_computed(
         "LFM3's attention has a sigmoid output gate per head and its other layers are short "
         "convolutions"
