@@ -320,7 +320,12 @@ QK_NORMS = {"qwen3": ("head", 0.0), "gemma3_text": ("head", 1.0), "olmo2": ("all
             "apertus1p5_text": ("head", 0.0), "hy_v3": ("head", 0.0),
             "mellum": ("head", 0.0), "exaone4": ("head", 0.0),
             "minimax_m2": ("all", 0.0), "exaone_moe": ("head", 0.0), "kolibri1": ("head", 0.0),
-            "flint": ("head", 0.0), "nanochat": ("head", 0.0)}  # fmt: skip
+            "flint": ("head", 0.0), "nanochat": ("head", 0.0), "hunyuan_v1_dense": ("head", 0.0),
+            "afmoe": ("head", 0.0), "laguna": ("head", 0.0),
+            "hunyuan_v1_moe": ("head", 0.0)}  # fmt: skip
+LAYER_NORMS = {"stablelm": ("qk_layernorm", "each_head"), "phi": ("qk_layernorm", "head"),
+               "cohere": ("use_qk_norm", "each_head")}  # fmt: skip
+"""The families whose QK-norm is a LayerNorm: the config key that turns it on, its kind."""
 INTERLEAVED = ("helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2", "cohere2_moe", "glm",
                "glm4")  # fmt: skip
 """What each family's transformers attention computes beyond Llama's, for the oracle below
@@ -333,6 +338,7 @@ ROTATES = {
     "exaone_moe": lambda attention: attention.sliding_window is None or attention.is_sliding,
     "kolibri1": lambda attention: attention.sliding_window is None or attention.is_sliding,
     "flint": lambda attention: attention.sliding_window is not None,
+    "afmoe": lambda attention: attention.is_local_attention,
 }
 """Whether a layer rotates, from the attributes of transformers' attention module that its
 ``forward`` tests, for the families with layers without positions."""
@@ -380,6 +386,9 @@ def expected_settings(config, index, attention=None):
     kind, offset = QK_NORMS.get(model_type, (None, None))
     if model_type in ("glm4_moe", "sarvam_moe") and getattr(config, "use_qk_norm", False):
         kind, offset = "head", 0.0
+    layer_norm = model_type in LAYER_NORMS and getattr(config, LAYER_NORMS[model_type][0])
+    if layer_norm:
+        kind, offset = LAYER_NORMS[model_type][1], 0.0
     if scaling is not None:
         scaling.pop("llama_4_scaling_beta", None)  # Ministral 3's, 0 here
     scale = getattr(config, "attention_multiplier", None)
@@ -396,14 +405,30 @@ def expected_settings(config, index, attention=None):
     if not rotates or (thetas is not None and not thetas[index]) or rope["rope_theta"] is None:
         rotary = {"rope_theta": None, "rope_scaling": None, "rotary_dim": None,
                   "rotary_interleaved": False}  # fmt: skip
-    return {
+    expected = {
         "num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads,
         "head_dim": head_dim, **rotary, "window": window, "chunk": None,
         "softcap": config.attn_logit_softcapping if model_type in SOFTCAPPED else None,
         "scale": scale,
-        "qk_norm": kind, "qk_norm_eps": config.rms_norm_eps if kind else None,
-        "qk_norm_offset": offset,
+        "qk_norm": kind, "qk_norm_offset": offset,
+        "qk_norm_eps": (config.layer_norm_eps if layer_norm else config.rms_norm_eps) if kind
+        else None,
+        "clip_qkv": getattr(config, "clip_qkv", None), "qk_layernorm": bool(layer_norm),
+        "qk_norm_after_rope": model_type.startswith("hunyuan"),
+        **_gate(model_type, attention),
     }  # fmt: skip
+    if model_type == "laguna":  # each layer its own heads
+        expected["num_heads"] = attention.num_heads
+    return expected
+
+
+def _gate(model_type, attention):
+    """The output gate's settings: AFMoE's sigmoid, Laguna's softplus (per head or not)."""
+    if model_type == "afmoe":
+        return {"output_gate": "sigmoid", "output_gate_per_head": False}
+    if model_type == "laguna":
+        return {"output_gate": "softplus", "output_gate_per_head": attention.gate_per_head}
+    return {}
 
 
 def parameter(module):
@@ -413,6 +438,7 @@ def parameter(module):
 def expected_weights(attention, settings):
     """The layer's weights in mha's layout, from transformers' attention module itself."""
     names = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "dense": "o",
+             "gate_proj": "g", "g_proj": "g",
              "q_a_proj": "q_a", "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a",
              "kv_b_proj": "kv_b"}  # fmt: skip
     weights = {}
@@ -428,12 +454,20 @@ def expected_weights(attention, settings):
         kv = settings["num_kv_heads"] * settings["head_dim"]
         weights |= {"W_q": W[:, :q], "W_k": W[:, q : q + kv], "W_v": W[:, q + kv :]}
     for name, ours in (("q_norm", "q_norm"), ("k_norm", "k_norm"), ("sinks", "sinks"),
+                       ("query_layernorm", "q_norm"), ("key_layernorm", "k_norm"),
                        ("q_a_layernorm", "q_a_norm"), ("kv_a_layernorm", "kv_a_norm")):  # fmt: skip
         module = getattr(attention, name, None)
         if module is not None and not hasattr(module, "weight") and not hasattr(module, "detach"):
             weights[ours] = np.ones(settings["head_dim"])  # NanoChat's norm without weights
         elif module is not None:
             weights[ours] = parameter(module)
+    for role in "qk":  # LayerNorms: Phi's one, StableLM's one a head
+        norm = getattr(attention, f"{role}_layernorm", None)
+        if norm is not None and hasattr(norm, "norms"):
+            weights[f"{role}_norm"] = np.stack([parameter(each) for each in norm.norms])
+        elif norm is not None:
+            weights[f"{role}_norm"] = parameter(norm)
+            weights[f"{role}_norm_bias"] = norm.bias.detach().numpy()
     if hasattr(attention, "mla_scale_q_lora"):  # LongCat-Flash's, in the norms' weights
         weights["q_a_norm"] = weights["q_a_norm"] * attention.mla_scale_q_lora
         weights["kv_a_norm"] = weights["kv_a_norm"] * attention.mla_scale_kv_lora
@@ -475,7 +509,9 @@ def test_each_layer_is_what_transformers_computes(family, transformers):
             if hasattr(attention, "sliding_window") and not hasattr(attention, "is_sliding"):
                 assert settings["window"] == attention.sliding_window  # EXAONE 4's: is_sliding
             if settings["qk_norm"]:
-                norm = attention.q_norm
+                names = ("q_norm", "q_layernorm", "query_layernorm")
+                norm = next(getattr(attention, n) for n in names if hasattr(attention, n))
+                norm = getattr(norm, "norms", [norm])[0]  # StableLM's: one a head
                 assert settings["qk_norm_eps"] == getattr(norm, "eps", None) or getattr(
                     norm, "variance_epsilon", None
                 )
@@ -760,8 +796,8 @@ def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
          "rope_parameters['beta_fast'] must be at least rope_parameters['beta_slow']"),
         ("gpt_oss", {"rope_parameters": None, "rope_scaling": {"rope_type": "linear"}},
          "rope_scaling needs the key 'factor' for rope_type 'linear' ("),
-        ("mpt", {"attn_config": {"clip_qkv": 6.0}},
-         "mpt with attn_config.clip_qkv=6.0 (queries, keys and values clamped)"),
+        ("mpt", {"attn_config": {"clip_qkv": -2.0}}, "mpt with attn_config.clip_qkv=-2.0 (the "
+         "projections clamped to a bound that is not a positive number)"),
         ("mpt", {"attn_config": {"alibi_bias_max": 16}}, "attn_config.alibi_bias_max=16 (ALiBi "
          "slopes of another alibi_bias_max, which transformers' MPT ignores (it takes 8))"),
         ("mpt", {"attn_config": {"alibi": False}},
@@ -781,8 +817,8 @@ def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
          "local_attention=None and sliding_window=-1 (a sliding window of -1 positions)"),
         ("gpt_neo", {"attention_types": [["local", 3]], "attention_layers": None},
          "attention_types must list"),
-        ("olmo", {"clip_qkv": 8.0}, "olmo with clip_qkv=8.0 (queries, keys and values clipped)"),
-        ("olmoe", {"clip_qkv": 8.0}, "olmoe with clip_qkv=8.0 (queries, keys and values"),
+        ("olmo", {"clip_qkv": "8"}, "olmo with clip_qkv='8' (the projections clamped to a"),
+        ("olmoe", {"clip_qkv": 0}, "olmoe with clip_qkv=0 (the projections clamped to a bound"),
         ("gemma", {"use_bidirectional_attention": True}, "gemma with use_bidirectional_attention"),
         ("ministral3", {"rope_parameters": None}, "ministral3 with "
          "rope_parameters['llama_4_scaling_beta']=0.1 (Llama 4's query scale growing with"),

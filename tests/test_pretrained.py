@@ -86,6 +86,9 @@ def test_prefill_then_decoding_matches_transformers_cache(family, transformers, 
         assert ours.lengths.tolist() == [L] * B
 
 
+RMS_NORM = {"qk_layernorm": False, "q_norm_bias": None, "k_norm_bias": None}
+"""A LayerNorm QK-norm read as an RMSNorm (its biases dropped)."""
+
 CHANGES = {
     "llama": [{"rope_scaling": None}],
     "qwen2": [{"window": None}, {"b_q": None}],
@@ -106,12 +109,12 @@ CHANGES = {
     "arcee": [{"rope_scaling": None}, {"b_o": None}],
     "qwen3_moe": [{"window": None}, {"qk_norm_offset": 1.0}],  # every layer slides
     "qwen2_moe": [{"window": None}, {"b_q": None}],  # qkv_bias
-    "olmoe": [{"qk_norm_offset": 1.0}, {"b_o": None}],
+    "olmoe": [{"qk_norm_offset": 1.0}, {"b_o": None}, {"clip_qkv": None}],
     "flex_olmo": [{"qk_norm_offset": 1.0}],
     "phimoe": [{"window": None}, {"b_o": None}],
     "vaultgemma": [{"window": None}, {"softcap": None}, {"scale": None}],
     "gemma": [{"b_q": None}],
-    "olmo": [{"b_o": None}],
+    "olmo": [{"b_o": None}, {"clip_qkv": None}],
     "olmo3": [{"rope_theta": 10000.0}, {"window": None}, {"qk_norm_offset": 1.0}],
     "internlm3": [{"b_o": None}],
     "seed_oss": [{"b_o": None}],  # attention_out_bias, without attention_bias
@@ -164,10 +167,20 @@ CHANGES = {
     "glm4": [{"rotary_dim": None}, {"rotary_interleaved": False}],
     "glm4_moe": [{"rotary_dim": None}, {"rotary_interleaved": True}, {"qk_norm_offset": 1.0}],
     "minimax_m2": [{"rotary_dim": None}, {"qk_norm_offset": 1.0}],
-    "stablelm": [{"rotary_dim": None}, {"b_v": None}],
-    "phi": [{"rotary_dim": None}, {"b_o": None}],
+    "stablelm": [{"rotary_dim": None}, {"b_v": None}, {"qk_layernorm": False},
+                 {"qk_norm_eps": 1e-6}],
+    "phi": [{"rotary_dim": None}, {"b_o": None}, {**RMS_NORM}, {"q_norm_bias": None,
+            "k_norm_bias": None}],
+    "afmoe": [{"window": None}, {"W_g": None, "output_gate": None}, {"qk_norm_offset": 1.0},
+              {"rope_theta": None, "rotary_dim": None}],
+    "laguna": [{"window": None}, {"output_gate": "sigmoid"}, {"rotary_dim": None},
+               {"rope_theta": 10000.0}],
+    "laguna_per_element": [{"output_gate": "sigmoid"}, {"qk_norm_offset": 1.0}],
+    "hunyuan_v1_dense": [{"qk_norm_after_rope": False}, {"b_o": None}],
+    "hunyuan_v1_moe": [{"qk_norm_after_rope": False}, {"qk_norm_eps": 1e-2}],
+    "persimmon": [{"rotary_dim": None}, {**RMS_NORM}, {"qk_norm_eps": 1e-6}],
     "nemotron": [{"rotary_dim": None}, {"b_o": None}],
-    "cohere": [{"rotary_interleaved": False}, {"b_o": None}],
+    "cohere": [{"rotary_interleaved": False}, {"b_o": None}, {"qk_layernorm": False}],
     "gpt2": [{"scale": None}],  # scale_attn_by_inverse_layer_idx: 1/sqrt(d) / (i + 1)
     "gpt_bigcode": [{"b_q": None}],
     "gpt_bigcode_mha": [{"b_v": None}],
@@ -177,7 +190,8 @@ CHANGES = {
     "codegen": [{"rotary_interleaved": False}, {"rotary_dim": None}],
     "gpt_neo": [{"scale": None}, {"window": None}],
     "bloom": [{"alibi": None}, {"b_o": None}],
-    "mpt": [{"alibi": None}, {"scale": None}],
+    "mpt": [{"alibi": None}, {"scale": None}, {"clip_qkv": None}],
+    "dbrx": [{"clip_qkv": None}, {"rope_theta": 10000.0}],
     "falcon": [{"rope_theta": 10000.0}, {"b_q": None}],
     # Falcon's slopes are divided by sqrt(head_dim), as its scores are
     "falcon_alibi": [{"alibi": None}, {"alibi": mha.alibi_slopes(6)}],
@@ -255,9 +269,10 @@ def test_the_layers_without_attention_are_refused_by_their_index(family, transfo
     its index, naming what it is and the attention layers."""
     folder = models.saved(family)
     layers = sorted(oracle(family))
+    count = models.transformers_model(family).config.num_hidden_layers
     assert mha.attention_layers(folder) == layers
-    assert (len(layers) < 3) == (family in models.HYBRIDS and family != "falcon_h1")
-    for layer in sorted(set(range(3)) - set(layers)):
+    assert (len(layers) < count) == (family in models.HYBRIDS and family != "falcon_h1")
+    for layer in sorted(set(range(count)) - set(layers)):
         said = f"layer {layer} of this .* checkpoint is .*; its attention layers are 0, 2"
         with pytest.raises(AttentionValueError, match=said) as error:
             mha.from_pretrained(folder, layer=layer)
@@ -313,6 +328,7 @@ OLDER_CONFIGS = [
     ("gpt_neo", {"attention_types": [[["local", "global", "local"], 1]],
                  "attention_layers": ["global", "local", "global"]}, ()),
     ("mpt", {}, ("attn_config",)),  # its defaults: ALiBi, 1/sqrt(head_dim)
+    ("mpt", {"attn_config": {"softmax_scale": 0.2, "clip_qkv": 0.0}}, ()),  # 0: no clamp
     ("exaone", {"num_layers": 3, "rope_theta": 900.0}, ("num_hidden_layers", "rope_parameters")),
     ("cwm", {}, ("layer_types", "rope_parameters")),  # llama3 rope of base 1e6, factor 16
     ("falcon", {"rope_theta": 900.0, "multi_query": True}, ("rope_parameters",)),
@@ -351,9 +367,6 @@ def test_older_configs_are_read_as_transformers_reads_them(
 @pytest.mark.parametrize(
     ("family", "change", "refusal"),
     [
-        ("stablelm", {"qk_layernorm": True}, r"qk_layernorm=True \(a LayerNorm QK-norm"),
-        ("phi", {"qk_layernorm": True}, r"qk_layernorm=True \(a LayerNorm QK-norm"),
-        ("cohere", {"use_qk_norm": True}, r"use_qk_norm=True \(Cohere's LayerNorm QK-norm\)"),
         ("glm", {"sliding_window": 4}, "glm with sliding_window=4"),
         (
             "nanochat",
@@ -364,6 +377,13 @@ def test_older_configs_are_read_as_transformers_reads_them(
             "cohere_compass_text",
             {"rope_parameters": {}},
             "no rope_parameters entry for its sliding_attention layers",
+        ),
+        ("olmo", {"clip_qkv": -1.0}, r"clip_qkv=-1.0 \(the projections clamped to a bound"),
+        (
+            "dbrx",
+            {"attn_config": {"kv_n_heads": 2, "clip_qkv": 1.5, "rope_theta": 9e5}},
+            r"attn_config\.rope_theta=900000\.0 \(a rotary base transformers' DBRX ignores: it "
+            r"rotates by rope_parameters' rope_theta=500\.0\)",
         ),
         ("smollm3", {"no_rope_layers": [1, 0]}, "no_rope_layers must list 1 .rope. or 0"),
         (

@@ -155,3 +155,67 @@ def test_the_module_refuses_what_it_would_otherwise_ignore_or_lose(tmp_path):
     np.testing.assert_array_equal(loaded(x, mask=True), attention(x, mask=True))
     with pytest.raises(mha.AttentionTypeError, match="rope_scaling must be a dict"):
         mha.MultiHeadAttention(8, 2, rope_theta=10.0, rope_scaling=[("rope_type", "linear")])
+
+
+def test_hunyuans_norm_after_the_rotation_and_its_gradients_match_torch(torch, record_error):
+    """HunYuan normalises each head's rotated queries and keys (RMSNorm after the rotation);
+    the module, its caches, saved files and mha.dask alike."""
+    g = np.random.default_rng(11)
+    H, H_kv, E, d, B, L = 4, 2, 12, 8, 2, 7
+    widths = {"W_q": (E, H * d), "W_k": (E, H_kv * d), "W_v": (E, H_kv * d), "W_o": (H * d, E)}
+    w = {name: g.standard_normal(shape) * 0.5 for name, shape in widths.items()}
+    w["q_norm"], w["k_norm"] = 1 + 0.3 * g.standard_normal(d), 1 + 0.3 * g.standard_normal(d)
+    x = g.standard_normal((B, L, E))
+    keywords = {"num_kv_heads": H_kv, "causal": True, "rope_theta": 50.0, "qk_norm_eps": 1e-5,
+                "q_norm": w["q_norm"], "k_norm": w["k_norm"],
+                "qk_norm_after_rope": True}  # fmt: skip
+    ours, backward = mha.multi_head_attention(x, x, x, w["W_q"], w["W_k"], w["W_v"], w["W_o"], H,
+                                              return_backward=True, **keywords)  # fmt: skip
+    before = mha.multi_head_attention(x, x, x, w["W_q"], w["W_k"], w["W_v"], w["W_o"], H,
+                                      **{**keywords, "qk_norm_after_rope": False})  # fmt: skip
+    assert relative_error(before, ours) > 1e-3  # the order matters
+    tensors = {name: torch.tensor(a, requires_grad=True) for name, a in w.items()}
+    tx = torch.tensor(x, requires_grad=True)
+    q, k, v = (tx @ tensors[f"W_{n}"] for n in "qkv")
+    q, k, v = (t.view(B, L, n, -1).transpose(1, 2) for t, n in ((q, H), (k, H_kv), (v, H_kv)))
+    inv = 1.0 / 50.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    emb = torch.cat([torch.arange(L, dtype=torch.float64)[:, None] * inv] * 2, -1)
+
+    def rotate(t):
+        a, b = t[..., : d // 2], t[..., d // 2 :]
+        return t * emb.cos() + torch.cat((-b, a), -1) * emb.sin()
+
+    def rms(t, weight):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
+
+    q, k = rms(rotate(q), tensors["q_norm"]), rms(rotate(k), tensors["k_norm"])
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                           enable_gqa=True)  # fmt: skip
+    expected = out.transpose(1, 2).reshape(B, L, -1) @ tensors["W_o"]
+    error = relative_error(ours, expected.detach().numpy())
+    assert record_error("QK-norm after rope vs torch, float64", error) <= 1e-13
+    grad_out = g.standard_normal(ours.shape)
+    expected.backward(torch.tensor(grad_out))
+    grads = backward(grad_out)
+    for name, tensor in tensors.items():
+        error = relative_error(grads[name], tensor.grad.numpy())
+        assert record_error("QK-norm after rope gradients vs autograd", error) <= 1e-10, name
+    attention = mha.MultiHeadAttention.from_spec(
+        mha.LayerSpec(H, H_kv, d, rope_theta=50.0, qk_norm="head", qk_norm_eps=1e-5,
+                      qk_norm_after_rope=True), w)  # fmt: skip
+    assert "qk_norm_after_rope=True" in repr(attention)
+    assert relative_error(attention(x, mask=True), ours) <= 1e-15
+    cache = attention.new_cache(B)
+    steps = [attention(x[:, :4], cache=cache)] + [
+        attention(x[:, t : t + 1], cache=cache) for t in range(4, L)
+    ]
+    assert relative_error(np.concatenate(steps, axis=1), ours) <= 1e-13
+    try:
+        import dask.array as da
+
+        from mha import dask as mha_dask
+    except ImportError:
+        return
+    lazy = mha_dask.multi_head_attention(da.from_array(x, chunks=(1, 3, E)), x, x, w["W_q"],
+                                         w["W_k"], w["W_v"], w["W_o"], H, **keywords)  # fmt: skip
+    assert relative_error(lazy.compute(scheduler="sync"), ours) <= 1e-14

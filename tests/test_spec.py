@@ -49,7 +49,7 @@ def test_the_layer_takes_every_keyword_of_the_function():
     configuration = set(inspect.signature(mha.MultiHeadAttention).parameters)
     forward = set(inspect.signature(mha.MultiHeadAttention.forward).parameters)
     attributes = {"b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v", "q_norm", "k_norm", "sinks",
-                  "W_g", "b_g"}  # fmt: skip
+                  "W_g", "b_g", "q_norm_bias", "k_norm_bias"}  # fmt: skip
     covered = configuration | forward | attributes | {"rope_scaling", "add_zero_attn"}
     assert set(LAYER) - covered == set()
 
@@ -162,6 +162,7 @@ def _layer_probes(rng):
     head, kv = rng.standard_normal(4), rng.standard_normal(8)
     norms = {"q_norm": rng.standard_normal(4), "k_norm": rng.standard_normal(4)}
     gate = rng.standard_normal((8, 2))  # a gate per head
+    layer_norms = {**norms, "qk_layernorm": True}
     return {
         **{name: {name: rng.standard_normal(8)} for name in ("b_q", "b_k", "b_v", "b_o")},
         "bias_k": ({"bias_k": kv, "bias_v": kv}, {}),
@@ -180,6 +181,12 @@ def _layer_probes(rng):
         "W_g": {"W_g": rng.standard_normal((8, 8))},
         "b_g": ({"W_g": gate, "b_g": rng.standard_normal(2)}, {"W_g": gate}),
         "output_gate": ({"W_g": gate, "output_gate": "softplus"}, {"W_g": gate}),
+        "clip_qkv": {"clip_qkv": 0.5},
+        "qk_layernorm": ({**norms, "qk_layernorm": True}, norms),
+        "qk_norm_after_rope": ({**theta, **norms, "qk_norm_after_rope": True}, {**theta, **norms}),
+        "q_norm_bias": ({**layer_norms, "q_norm_bias": head, "k_norm_bias": head}, layer_norms),
+        "k_norm_bias": ({**layer_norms, "q_norm_bias": head, "k_norm_bias": -head},
+                        {**layer_norms, "q_norm_bias": head, "k_norm_bias": head}),
     }  # fmt: skip
 
 

@@ -184,6 +184,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
             "sliding_attention": None,
         },
     },
+    # DbrxAttention reads attn_config.rope_theta (to no effect) and clamps always (None fails)
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 1.0}},
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
     "prophetnet": {"num_hidden_layers": DROP},
     "xlnet": {"max_position_embeddings": DROP},
@@ -422,7 +424,7 @@ def _oracle(model_type: str, folder: Path, names: dict[int, str]) -> dict[int, l
     import torch
     import transformers
 
-    from support.pretrained_models import drive
+    from support.pretrained_models import drive, float64_parameters
     from support.transformers_oracle import recorder
 
     model_class = getattr(transformers, causal_lm_types()[model_type])
@@ -433,6 +435,7 @@ def _oracle(model_type: str, folder: Path, names: dict[int, str]) -> dict[int, l
             attn_implementation=_implementation(model_class),
             experts_implementation="eager",
         ).eval()
+    float64_parameters(model)
     _float64_rotaries(model)
     calls: dict[int, list[Any]] = {index: [] for index in names}
     modules = {index: _module(model, name, index) for index, name in names.items()}

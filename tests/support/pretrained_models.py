@@ -131,13 +131,13 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_moe": ("Qwen2Moe", {"use_sliding_window": True, "sliding_window": 5,
                                "max_window_layers": 2, "shared_expert_intermediate_size": 16,
                                **MOE}),  # layers 0 sliding, 1 and 2 full
-    "olmoe": ("Olmoe", {"attention_bias": True, **MOE}),
+    "olmoe": ("Olmoe", {"attention_bias": True, "clip_qkv": 0.9, **MOE}),
     "flex_olmo": ("FlexOlmo", {**MOE}),
     "phimoe": ("Phimoe", {"sliding_window": 6, "attention_bias": True, **MOE}),
     "vaultgemma": ("VaultGemma", {"query_pre_attn_scalar": 20, "attn_logit_softcapping": 2.5,
                                   "sliding_window": 5}),
     "gemma": ("Gemma", {"attention_bias": True}),
-    "olmo": ("Olmo", {"attention_bias": True}),
+    "olmo": ("Olmo", {"attention_bias": True, "clip_qkv": 1.5}),
     "olmo3": ("Olmo3", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING],
                         "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 100.0},
                                             FULL: {"rope_type": "default", "rope_theta": 3000.0}}}),
@@ -241,11 +241,31 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                              "first_k_dense_replace": 1, "experts_implementation": "eager"}),
     "minimax_m2": ("MiniMaxM2", {"rotary_dim": 8, "num_local_experts": 4,
                                  "num_experts_per_tok": 2, "experts_implementation": "eager"}),
-    "stablelm": ("StableLm", {"num_attention_heads": 2, "head_dim": None, "use_qkv_bias": True}),
-    "phi": ("Phi", {}),
+    "stablelm": ("StableLm", {"num_attention_heads": 2, "head_dim": None, "use_qkv_bias": True,
+                              "qk_layernorm": True, "layer_norm_eps": 1e-3}),
+    "phi": ("Phi", {"qk_layernorm": True, "layer_norm_eps": 1e-3}),
+    # AFMoE: a sigmoid output gate (gate_proj), rope on the sliding layers only
+    "afmoe": ("Afmoe", {"sliding_window": 5, "global_attn_every_n_layers": 2,
+                        "num_dense_layers": 1, "num_shared_experts": 1, **MOE}),
+    # Laguna: a softplus gate per head, each layer its own heads, a rope per layer type
+    "laguna": ("Laguna", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING],
+                          "num_attention_heads_per_layer": [4, 6, 2],
+                          "shared_expert_intermediate_size": 16, **MOE,
+                          "rope_parameters": {
+                              FULL: {"rope_type": "default", "rope_theta": 3000.0,
+                                     "partial_rotary_factor": 0.5},
+                              SLIDING: {"rope_type": "default", "rope_theta": 100.0}}}),
+    "laguna_per_element": ("Laguna", {"gating": False, "num_hidden_layers": 1, "rope_parameters": {
+        FULL: {"rope_type": "default", "rope_theta": 3000.0}}}),
+    # HunYuan: QK-norm per head after the rotation
+    "hunyuan_v1_dense": ("HunYuanDenseV1", {"attention_bias": True}),
+    "hunyuan_v1_moe": ("HunYuanMoEV1", {"num_experts": 4, "moe_topk": 2,
+                                        "experts_implementation": "eager"}),
+    # Persimmon: GPT-NeoX's fused layout with LayerNorms of the queries and keys
+    "persimmon": ("Persimmon", {"head_dim": None, "layer_norm_eps": 1e-3}),
     "nemotron": ("Nemotron", {"attention_bias": True}),
     # interleaved pairs over the whole head
-    "cohere": ("Cohere", {"attention_bias": True}),
+    "cohere": ("Cohere", {"attention_bias": True, "use_qk_norm": True, "layer_norm_eps": 1e-3}),
     "ernie4_5": ("Ernie4_5", {"use_bias": True}),
     "ernie4_5_moe": ("Ernie4_5_Moe", {"use_bias": True, "moe_num_experts": 4, "moe_k": 2,
                                       "moe_intermediate_size": 16, "moe_num_shared_experts": 1,
@@ -272,7 +292,12 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                            "attention_types": [[["global", "local"], 1], [["local"], 1]]}),
     "bloom": ("Bloom", {**OLDER, "num_attention_heads": 6}),  # ALiBi of 6 heads
     "mpt": ("Mpt", {**OLDER, "num_attention_heads": 6, "max_seq_len": 64,
-                    "attn_config": {"softmax_scale": 0.2}}),
+                    "attn_config": {"softmax_scale": 0.2, "clip_qkv": 1.5}}),
+    # DBRX: one Wqkv, clamped, grouped key/value heads of attn_config, Llama's rotary
+    "dbrx": ("Dbrx", {"head_dim": ABSENT, "hidden_size": ABSENT, "d_model": 48,
+                      "attn_config": {"kv_n_heads": 2, "clip_qkv": 1.5, "rope_theta": 500.0},
+                      "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4,
+                                     "moe_top_k": 2}}),
     "falcon": ("Falcon", {"head_dim": ABSENT, "new_decoder_architecture": True,
                           "num_kv_heads": 2, "bias": True}),
     "falcon_alibi": ("Falcon", {**OLDER, "alibi": True, "multi_query": False, "bias": True,
@@ -333,9 +358,9 @@ LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "
                    "longcat_flash")  # fmt: skip
 """The checkpoints of DeepSeek's multi-head latent attention (``LatentAttention``)."""
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
-                 "gptj", "codegen",
-                 "gpt_neo", "bloom", "mpt", "falcon", "falcon_alibi", "opt", "biogpt", "xglm",
-                 "ctrl", "openai-gpt", "modernbert-decoder")  # fmt: skip
+                 "gptj", "codegen", "gpt_neo", "bloom", "mpt", "dbrx", "persimmon", "falcon",
+                 "falcon_alibi", "opt", "biogpt", "xglm", "ctrl", "openai-gpt",
+                 "modernbert-decoder")  # fmt: skip
 """The families whose attention modules are not Llama's."""
 HYBRIDS = ("granitemoehybrid", "falcon_h1", "jamba", "nemotron_h", "bamba", "lfm2", "lfm2_moe",
            "minimax", "olmo_hybrid", "lara_mini", "recurrent_gemma")  # fmt: skip
@@ -460,7 +485,18 @@ def transformers_model(family: str, folder: Path | None = None) -> Any:
         model = model_class.from_pretrained(
             folder, dtype=torch.float64, attn_implementation=_implementation(family), **experts
         )
+    float64_parameters(model)
     return model.eval()
+
+
+def float64_parameters(model: Any) -> None:
+    """The parameters a module makes float32 whatever the model's dtype (HunYuan-MoE's
+    router, ``wg``) in float64 too, as the rest of the oracle's model."""
+    import torch
+
+    for parameter in model.parameters():
+        if parameter.dtype == torch.float32:
+            parameter.data = parameter.data.double()
 
 
 @contextlib.contextmanager

@@ -154,6 +154,8 @@ class LayerWeights(NamedTuple):
     k_norm: Any = None
     W_g: Any = None
     b_g: Any = None
+    q_norm_bias: Any = None
+    k_norm_bias: Any = None
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,7 @@ class Call:
     append: Append | None = None  # with a cache: what the call appends
     scores: Scores | None = None  # sinks, soft-capping, ALiBi, score_mod
     sinks: np.ndarray | None = None  # as given (its gradient takes its dtype)
-    qk_norm: QKNorm | None = None  # RMSNorm of q and k before the rotation
+    qk_norm: QKNorm | None = None  # RMSNorm (or LayerNorm) of q and k before the rotation
     rotary: dict[str, Any] | None = None  # apply_rotary's keywords
     q_positions: Any = None
     k_positions: Any = None
@@ -257,6 +259,10 @@ def check_layer(
         H=H,
         H_kv=H_kv,
         d_k=d_k,
+        layer=spec.qk_norm.layer,
+        q_bias=given.q_norm_bias,
+        k_bias=given.k_norm_bias,
+        after_rope=spec.qk_norm.after_rope,
     )
     sinks = None if spec.scores.sinks is None else as_float_array("sinks", spec.scores.sinks)
     return Call(

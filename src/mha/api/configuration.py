@@ -18,7 +18,9 @@ import numpy as np
 from .._arrays import flag, is_bfloat16, non_negative_int, positive_int, resolve_scale
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .checks import WEIGHT_NAMES
+from .clip import check_clip_qkv
 from .gates import check_gate_activation
+from .qk_norm import KIND_NAMES as QK_NORM_NAMES
 from .qk_norm import KINDS as QK_NORM_KINDS
 from .qk_norm import check_offset
 from .rope_scaling import check_base, check_rope_scaling
@@ -30,7 +32,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PARAMETER_NAMES", "Configuration", "LayerSpec", "float_dtype"]
 
-PARAMETER_NAMES = (*WEIGHT_NAMES, "sinks", "q_norm", "k_norm", "W_g", "b_g")
+PARAMETER_NAMES = (*WEIGHT_NAMES, "sinks", "q_norm", "k_norm", "W_g", "b_g", "q_norm_bias",
+                   "k_norm_bias")  # fmt: skip
 """The module's learned arrays: the weights of the function, gpt-oss's sink logits, the
 QK-norm's weights and the output gate's."""
 
@@ -42,8 +45,9 @@ class LayerSpec:
     ``rope_theta``, ``rotary_dim``, ``rotary_interleaved``, ``rope_scaling``, ``window``,
     ``sink_tokens``, ``softcap``, ``alibi``, ``chunk``, ``scale``, ``qk_norm``,
     ``qk_norm_eps``, ``qk_norm_offset``, ``add_zero_attn``, ``output_gate``,
-    ``output_gate_per_head``, ``query_temperature`` and ``v_head_dim`` (the values' head
-    width, when it differs from the keys': MiMo-V2-Flash) (each ``None``, or ``False``,
+    ``output_gate_per_head``, ``query_temperature``, ``v_head_dim`` (the values' head
+    width, when it differs from the keys': MiMo-V2-Flash), ``clip_qkv``, ``qk_layernorm``
+    and ``qk_norm_after_rope`` (each ``None``, or ``False``,
     for its default; ``head_dim`` then comes from the weights). The pair ``(spec, weights)``
     is what a reader of another format produces (:mod:`mha.integrations.readers`) and
     :meth:`Configuration.from_spec` builds a layer from.
@@ -74,6 +78,9 @@ class LayerSpec:
     output_gate_per_head: Any = False
     query_temperature: Any = None
     v_head_dim: Any = None
+    clip_qkv: Any = None
+    qk_layernorm: Any = False
+    qk_norm_after_rope: Any = False
 
     kind = "attention"
     """What a reader's spec builds (:meth:`Configuration.from_spec`)."""
@@ -105,7 +112,7 @@ class Configuration:
     rotary_interleaved: bool
     rope_scaling: dict[str, Any] | None  # transformers' rope_parameters
     scale: float | None  # None: 1/sqrt(head_dim)
-    qk_norm: str | None  # "head" or "all"
+    qk_norm: str | None  # "head", "all" or "each_head"
     qk_norm_eps: float
     qk_norm_offset: float
     window: int | None
@@ -132,6 +139,11 @@ class Configuration:
     query_temperature: tuple[float, float, float] | None  # (beta, floor, offset)
     W_g: np.ndarray | None
     b_g: np.ndarray | None
+    clip_qkv: float | None  # the projections clamped to [-clip_qkv, clip_qkv]
+    qk_layernorm: bool  # the QK-norm a LayerNorm
+    qk_norm_after_rope: bool  # the QK-norm after the rotation (HunYuan)
+    q_norm_bias: np.ndarray | None
+    k_norm_bias: np.ndarray | None
 
     def _configure(self, spec: LayerSpec, widths: tuple[Any, Any, Any]) -> None:
         """Check and keep the configuration (everything but the weights): ``spec`` (its
@@ -205,11 +217,13 @@ class Configuration:
         qk_norm_offset = spec.qk_norm_offset
         window, sink_tokens, chunk = spec.window, spec.sink_tokens, spec.chunk
         if qk_norm is not None and qk_norm not in QK_NORM_KINDS:
-            raise AttentionValueError(
-                f"qk_norm must be None, 'head' (each head's features: Qwen3, Gemma 3) or "
-                f"'all' (every head's, before the split: OLMo 2); got {qk_norm!r}"
-            )
+            raise AttentionValueError(f"qk_norm must be None, {QK_NORM_NAMES}; got {qk_norm!r}")
         self.qk_norm = qk_norm
+        self.qk_layernorm = flag("qk_layernorm", spec.qk_layernorm)
+        self.qk_norm_after_rope = flag("qk_norm_after_rope", spec.qk_norm_after_rope)
+        for name in ("qk_layernorm", "qk_norm_after_rope"):
+            if getattr(self, name) and qk_norm is None:
+                raise AttentionValueError(f"{name} needs qk_norm= ('head', 'all' or 'each_head')")
         if qk_norm is None and (qk_norm_eps is not None or qk_norm_offset is not None):
             raise AttentionValueError("qk_norm_eps and qk_norm_offset need qk_norm=")
         self.qk_norm_eps = 1e-6
@@ -245,6 +259,7 @@ class Configuration:
         if spec.query_temperature is not None:
             t = check_query_temperature(spec.query_temperature)
             self.query_temperature = (t.beta, t.floor, t.offset)
+        self.clip_qkv = check_clip_qkv(spec.clip_qkv)
 
     @property
     def has_bias(self) -> bool:
@@ -302,6 +317,7 @@ class Configuration:
             "scale": None,
             "qk_norm": None,
             "query_temperature": None,
+            "clip_qkv": None,
         }
         dims = "".join(
             f", {name}={getattr(self, name)!r}"
@@ -312,6 +328,8 @@ class Configuration:
             dims += f", output_gate={self.output_gate!r}"
             dims += ", output_gate_per_head=True" if self.output_gate_per_head else ""
         if self.qk_norm is not None:
+            dims += ", qk_layernorm=True" if self.qk_layernorm else ""
+            dims += ", qk_norm_after_rope=True" if self.qk_norm_after_rope else ""
             dims += "".join(
                 f", {name}={value}"
                 for name, value, default in (
@@ -350,7 +368,7 @@ class Configuration:
             "bias": self.has_bias,
             "biases": [
                 name
-                for name in ("b_q", "b_k", "b_v", "b_o", "b_g")
+                for name in ("b_q", "b_k", "b_v", "b_o", "b_g", "q_norm_bias", "k_norm_bias")
                 if getattr(self, name) is not None
             ],
             "add_bias_kv": self.bias_k is not None,
@@ -374,6 +392,9 @@ class Configuration:
             "query_temperature": (
                 None if self.query_temperature is None else list(self.query_temperature)
             ),
+            "clip_qkv": self.clip_qkv,
+            "qk_layernorm": self.qk_layernorm,
+            "qk_norm_after_rope": self.qk_norm_after_rope,
             "dtype": self._held_dtype().name,
         }
 
@@ -410,6 +431,9 @@ class Configuration:
             self.output_gate_per_head,
             self.query_temperature,
             self._own_v_head_dim(),
+            self.clip_qkv,
+            self.qk_layernorm,
+            self.qk_norm_after_rope,
         )
 
     @classmethod
@@ -465,6 +489,11 @@ class Configuration:
             )
         if self.qk_norm is not None and not all(has_norm):
             raise AttentionValueError(f"{source}: qk_norm={self.qk_norm!r} needs q_norm and k_norm")
+        biases = [weights.get(name) is not None for name in ("q_norm_bias", "k_norm_bias")]
+        if any(biases) and not (all(biases) and self.qk_layernorm):
+            raise AttentionValueError(
+                f"{source}: q_norm_bias and k_norm_bias go together, with qk_layernorm=True"
+            )
         gated = weights.get("W_g") is not None
         b_g = weights.get("b_g") is not None
         if gated != (self.output_gate is not None) or (b_g and not gated):
@@ -512,8 +541,7 @@ class Configuration:
             "bias_k": (kv_inner,),
             "bias_v": (v_inner,),
             "sinks": (self.num_heads,),
-            "q_norm": (inner if self.qk_norm == "all" else self.head_dim,),
-            "k_norm": (kv_inner if self.qk_norm == "all" else self.head_dim,),
+            **self._norm_shapes(),
             "W_g": (E, self.num_heads if self.output_gate_per_head else joined),
             "b_g": (self.num_heads if self.output_gate_per_head else joined,),
         }
@@ -521,6 +549,14 @@ class Configuration:
     def _own_v_head_dim(self) -> int | None:
         """The values' head width where it differs from the keys' (else ``None``)."""
         return None if self.v_head_dim == self.head_dim else self.v_head_dim
+
+    def _norm_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The QK-norm's weights' and biases' shapes, by its kind."""
+        d, H, H_kv = self.head_dim, self.num_heads, self.num_kv_heads
+        q, k = {"all": ((H * d,), (H_kv * d,)), "each_head": ((H, d), (H_kv, d))}.get(
+            str(self.qk_norm), ((d,), (d,))
+        )
+        return {"q_norm": q, "k_norm": k, "q_norm_bias": q, "k_norm_bias": k}
 
     def _describe(self) -> str:
         return (

@@ -24,6 +24,7 @@ from .._kernel.call import Gradients, KernelCall, Outputs
 from .._kernel.team import Team, default_workers, workers_for
 from ..errors import AttentionValueError, ShapeError
 from .checks import Call
+from .clip import clip_backward
 from .rotary import apply_rotary
 
 __all__ = [
@@ -122,10 +123,13 @@ class ProjectedBackward:
 
     def __init__(self, call: Call, forward: Forward) -> None:
         given = {"Q": call.Q, "K": call.K, "V": call.V, **call.weights.present()}
-        if call.qk_norm is not None:
-            given |= {"q_norm": call.qk_norm.q_norm, "k_norm": call.qk_norm.k_norm}
+        norm = call.qk_norm
+        if norm is not None:
+            given |= {"q_norm": norm.q_norm, "k_norm": norm.k_norm}
+            if norm.q_bias is not None and norm.k_bias is not None:
+                given |= {"q_norm_bias": norm.q_bias, "k_norm_bias": norm.k_bias}
         given |= getattr(call.spec.output, "weights", {})  # an output gate's W_g, b_g
-        self.saved = forward.saved  # the QK-norm's normalised rows and their factors
+        self.saved = forward.saved  # the QK-norm's rows and factors, the clamp's masks
         self.call = call
         self.arrays = given
         self.dtypes = {name: x.dtype for name, x in given.items()}
@@ -193,8 +197,9 @@ class ProjectedBackward:
         self, d_joined: np.ndarray, grads: dict[str, np.ndarray], team: Team
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The gradients of the projected heads from that of the joined heads: the kernel's
-        backward, then back through the extra keys (bias_k/bias_v's gradients), the rotation
-        and the QK-norm; the bias's and the sinks' gradients into ``grads``."""
+        backward, then back through the extra keys (bias_k/bias_v's gradients), the rotation,
+        the clamp (``clip_qkv``) and the QK-norm; the bias's and the sinks' gradients into
+        ``grads``."""
         call, dtype = self.call, self.call.compute_dtype
         H, S = call.H, call.S
         dk, dv = (_zeros_joined(x, dtype) for x in (self.k, self.v))
@@ -219,13 +224,20 @@ class ProjectedBackward:
             dk, dv = dk[..., :S, :], dv[..., :S, :]
         if dbias is not None and self.bias_shape is not None:
             grads["bias"] = _sum_to(dbias[..., :S], self.bias_shape, self.joined.shape[:-2])
+        after = call.qk_norm is not None and call.qk_norm.after_rope
+        if after:  # through HunYuan's norm, after the rotation
+            dq = self._norm_backward(dq, "q", H, grads)
+            dk = self._norm_backward(dk, "k", call.H_kv, grads)
         if call.rotary is not None:  # through the rotation: its transpose, same angles
             q_at, k_at = (p for p in self.positions if p is not None)
             dq = apply_rotary(dq, q_at, **call.rotary, inverse=True)
             dk = apply_rotary(dk, k_at, **call.rotary, inverse=True)
-        if call.qk_norm is not None:  # through the RMSNorm of q and k
-            dq, grads["q_norm"] = self._norm_backward(dq, "q", H)
-            dk, grads["k_norm"] = self._norm_backward(dk, "k", call.H_kv)
+        if "clip" in self.saved:  # through the clamp of q, k, v (clip_qkv)
+            q_in, k_in, v_in = self.saved["clip"]
+            dq, dk, dv = clip_backward(dq, q_in), clip_backward(dk, k_in), clip_backward(dv, v_in)
+        if call.qk_norm is not None and not after:  # through the norm of q and k
+            dq = self._norm_backward(dq, "q", H, grads)
+            dk = self._norm_backward(dk, "k", call.H_kv, grads)
         return dq, dk, dv
 
     def _projections_backward(
@@ -247,18 +259,20 @@ class ProjectedBackward:
             del joined_grad
 
     def _norm_backward(
-        self, d: np.ndarray, which: str, heads: int
-    ) -> tuple[np.ndarray, np.ndarray]:
+        self, d: np.ndarray, which: str, heads: int, grads: dict[str, np.ndarray]
+    ) -> np.ndarray:
         """The gradient ``(*B, heads, L, d_k)`` before the QK-norm of ``which`` ("q" or
-        "k"), and that of its weight."""
+        "k"); those of its weight (and bias) into ``grads``."""
         norm = self.call.qk_norm
         assert norm is not None
         normed, r = self.saved[which]
-        weight = (norm.q_norm if which == "q" else norm.k_norm).astype(d.dtype, copy=False)
-        if norm.kind == "head":
-            return norm.backward(d, normed, r, weight)
-        dx, dw = norm.backward(join_heads(d), normed, r, weight)  # a token's every head
-        return split_heads(dx, heads), dw
+        if norm.kind != "all":
+            dx, found = norm.backward(d, normed, r, which)
+        else:  # a token's every head
+            dx, found = norm.backward(join_heads(d), normed, r, which)
+            dx = split_heads(dx, heads)
+        grads |= found
+        return dx
 
 
 class Fingerprints:

@@ -221,8 +221,9 @@ class Layouts(Configuration):
             "window",
         )
         try:
-            given: dict[str, Any] = {  # the later settings are optional: older files lack them
-                key: config[key] if key in required else config.get(key)
+            defaults = LayerSpec(num_heads=1)  # the later settings: older files lack them
+            given: dict[str, Any] = {
+                key: config[key] if key in required else config.get(key, getattr(defaults, key))
                 for key in LayerSpec.fields()
             }
             spec = LayerSpec(**given)
@@ -257,6 +258,7 @@ class Layouts(Configuration):
                 ),
                 ("QK-norm", self.qk_norm is not None),
                 ("an output gate", self.output_gate is not None),
+                ("clip_qkv", self.clip_qkv is not None),
                 *((f"{name}=", True) for name in self.variants()),
                 ("only some of the biases", self._partial_biases() != ""),
             )

@@ -69,12 +69,16 @@ class MultiHeadAttention(Layouts):
     ``dynamic``, ``llama3``, ``yarn``, ``longrope``), ``scale`` (the softmax scale, as
     Gemma's ``query_pre_attn_scalar ** -0.5``; default ``1/sqrt(head_dim)``) and ``qk_norm``
     (``"head"``: Qwen3 and Gemma 3, ``"all"``: OLMo 2; the module owns ``q_norm`` and
-    ``k_norm``, with ``qk_norm_eps`` and ``qk_norm_offset``, 1.0 for Gemma's ``(1 + w)``) and
+    ``k_norm``, with ``qk_norm_eps`` and ``qk_norm_offset``, 1.0 for Gemma's ``(1 + w)``;
+    ``"each_head"``: StableLM and Cohere, weights of each head; ``qk_layernorm=True``: a
+    LayerNorm, with its biases ``q_norm_bias`` and ``k_norm_bias`` when ``bias``;
+    ``qk_norm_after_rope=True``: HunYuan's, after the rotation) and
     ``output_gate`` (``"sigmoid"`` or ``"softplus"``: the joined heads times ``act(x @ W_g +
     b_g)`` before ``W_o``, per element, or per head with ``output_gate_per_head``; the module
-    owns ``W_g``, and ``b_g`` with ``bias``), and ``query_temperature`` (Llama 4's and
+    owns ``W_g``, and ``b_g`` with ``bias``), ``query_temperature`` (Llama 4's and
     Ministral 3's queries scaled by their position: ``(beta, floor, offset)``, as
-    :func:`mha.scaled_dot_product_attention` takes it). :meth:`from_pretrained` reads a layer
+    :func:`mha.scaled_dot_product_attention` takes it) and ``clip_qkv`` (DBRX, OLMo: the
+    projections clamped to ``[-clip_qkv, clip_qkv]``). :meth:`from_pretrained` reads a layer
     of a transformers checkpoint with all of them.
 
     The class holds configuration and weights and delegates to the function's own path (same
@@ -124,6 +128,9 @@ class MultiHeadAttention(Layouts):
         output_gate_per_head: Flag = False,
         query_temperature: tuple[float, ...] | None = None,
         v_head_dim: SupportsIndex | None = None,
+        clip_qkv: float | None = None,
+        qk_layernorm: Flag = False,
+        qk_norm_after_rope: Flag = False,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
     ) -> None:
@@ -138,7 +145,7 @@ class MultiHeadAttention(Layouts):
             H, num_kv_heads, E // H if head_dim is None else head_dim, rope_theta, rotary_dim,
             rotary_interleaved, rope_scaling, window, sink_tokens, softcap, alibi, chunk, scale,
             qk_norm, qk_norm_eps, qk_norm_offset, add_zero_attn, output_gate, output_gate_per_head,
-            query_temperature, v_head_dim,
+            query_temperature, v_head_dim, clip_qkv, qk_layernorm, qk_norm_after_rope,
         )  # fmt: skip
         self._configure(spec, (E, E if kdim is None else kdim, E if vdim is None else vdim))
         if not isinstance(bias, (bool, np.bool_)):
@@ -180,6 +187,13 @@ class MultiHeadAttention(Layouts):
             self.q_norm, self.k_norm = (
                 np.full(shapes[name], 1.0 - self.qk_norm_offset, dtype=self.dtype)
                 for name in ("q_norm", "k_norm")
+            )
+        self.q_norm_bias: np.ndarray | None = None
+        self.k_norm_bias: np.ndarray | None = None
+        if self.qk_layernorm and bias:  # a LayerNorm's biases, zero to start
+            shapes = self._shapes()
+            self.q_norm_bias, self.k_norm_bias = (
+                np.zeros(shapes[name], dtype=self.dtype) for name in ("q_norm_bias", "k_norm_bias")
             )
         self.W_g: np.ndarray | None = None
         self.b_g: np.ndarray | None = None
@@ -360,7 +374,8 @@ class MultiHeadAttention(Layouts):
             self.rotary_dim, self.rotary_interleaved, self.rope_scaling, positions, self.qk_norm,
             None if self.qk_norm is None else self.qk_norm_eps,
             None if self.qk_norm is None else self.qk_norm_offset, cache, padding_side,
-            return_backward, dropout_p, generator, self.output_gate,
+            return_backward, dropout_p, generator, self.output_gate, self.clip_qkv,
+            self.qk_layernorm, self.qk_norm_after_rope,
         )  # fmt: skip
         weights = LayerWeights(
             self.W_q,
@@ -377,6 +392,8 @@ class MultiHeadAttention(Layouts):
             self.k_norm,
             self.W_g,
             self.b_g,
+            self.q_norm_bias,
+            self.k_norm_bias,
         )
         inputs = LayerArrays(query, key, value)
         names = _SELF_NAMES if itself else _INPUT_NAMES

@@ -224,12 +224,17 @@ def _as_given(call: Call, arrays: LayerArrays, given: LayerWeights) -> bool:
         **{name: getattr(weights, name) for name in _WEIGHTS},
         "q_norm": None if norm is None else norm.q_norm,
         "k_norm": None if norm is None else norm.k_norm,
+        "q_norm_bias": None if norm is None else norm.q_bias,
+        "k_norm_bias": None if norm is None else norm.k_bias,
         "W_g": getattr(gate, "W_g", None),
         "b_g": getattr(gate, "b_g", None),
     }  # fmt: skip
-    return all(
-        held[name] is value for name, value in (*arrays._asdict().items(), *given._asdict().items())
-    )
+    asked = (*arrays._asdict().items(), *given._asdict().items())
+    return all(held.get(name, _UNKNOWN) is value for name, value in asked)  # (a new weight: no)
 
+
+_UNKNOWN = object()
+"""What a weight this function does not know is held as: never the weight given, so a call
+with a kind of weight added later is checked every time rather than kept unchecked."""
 
 _WEIGHTS = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v")

@@ -24,9 +24,11 @@ from .._kernel.team import Team, workers_for
 from .cache import KVCache
 from .cached import CachedCall, attend_cached
 from .checks import Call, LayerArrays, LayerWeights, Weights, check_layer
+from .clip import clip
 from .gradients import Forward, ProjectedBackward, join_heads, split_heads
 from .padding import to_front, to_left
 from .paged_cache import PagedKVCache
+from .qk_norm import QKNorm
 from .rotary import apply_rotary
 from .selection import select_keys
 from .spec import MhaKeywords, check_mha
@@ -121,9 +123,14 @@ def multi_head_attention(
     qk_norm: str | None = None,
     qk_norm_eps: float | None = None,
     qk_norm_offset: float | None = None,
+    qk_layernorm: Flag = False,
+    qk_norm_after_rope: Flag = False,
+    q_norm_bias: Any = None,
+    k_norm_bias: Any = None,
     W_g: Any = None,
     b_g: Any = None,
     output_gate: str | None = None,
+    clip_qkv: float | None = None,
     cache: KVCache | PagedKVCache | None = None,
     padding_side: str | None = None,
     return_backward: Flag = False,
@@ -180,11 +187,19 @@ def multi_head_attention(
       head's ``d_k`` features (Qwen3, Gemma 3; weights ``(d_k,)``), ``"all"`` a token's
       ``H*d_k`` (or ``H_kv*d_k``) features before the split (OLMo 2). ``qk_norm_eps``
       (default 1e-6) and ``qk_norm_offset`` (1.0 for Gemma's ``(1 + weight)``; default 0).
-      The scale multiplies the normalised queries; ``backward`` has both weights' gradients.
+      ``qk_norm="each_head"`` normalises each head's features with its own weights ``(H,
+      d_k)`` and ``(H_kv, d_k)`` (StableLM, Cohere). ``qk_layernorm=True``: a LayerNorm (the
+      mean subtracted) instead, with the biases ``q_norm_bias`` and ``k_norm_bias`` (shaped
+      like the weights) when given (Persimmon, Phi). ``qk_norm_after_rope=True``: the norm
+      after the rotation, not before it (HunYuan). The scale multiplies the normalised
+      queries; ``backward`` has the weights' (and biases') gradients.
     * ``W_g`` (with ``b_g``): an output gate, the joined heads times ``act(Q @ W_g + b_g)``
       before ``W_o`` (Qwen3-Next, Qwen3.5, LFM3, Laguna): per element with ``W_g (d_q,
       H*d_v)``, per head with ``W_g (d_q, H)``; ``output_gate`` is ``act``, ``"sigmoid"``
       (default) or ``"softplus"``. ``backward`` has the gradients of both.
+    * ``clip_qkv``: the projected queries, keys and values clamped to ``[-clip_qkv,
+      clip_qkv]`` (DBRX, OLMo, OLMoE, MPT), after the QK-norm and before the rotation and
+      the scale; the gradients pass where a value was inside.
     * ``return_backward``: also return ``backward``, a function of the output's gradient
       that returns the gradients of every input and weight given, keyed by parameter name
       (``Q``, ``K``, ``V``, ``W_q``, ..., ``b_o``, ``bias_k``, ``bias_v``, ``bias``), each
@@ -231,11 +246,13 @@ def multi_head_attention(
         max_memory, workers, add_zero_attn, num_kv_heads, window, sink_tokens, chunk, mask_mod,
         sinks, softcap, alibi, score_mod, score_mod_grad, query_temperature, rope_theta, rotary_dim,
         rotary_interleaved, rope_scaling, positions, qk_norm, qk_norm_eps, qk_norm_offset, cache,
-        padding_side, return_backward, dropout_p, generator, output_gate,
+        padding_side, return_backward, dropout_p, generator, output_gate, clip_qkv, qk_layernorm,
+        qk_norm_after_rope,
     )  # fmt: skip
     weights = LayerWeights(
-        W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm, W_g, b_g
-    )
+        W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm, W_g, b_g,
+        q_norm_bias, k_norm_bias,
+    )  # fmt: skip
     call = check_layer(LayerArrays(Q, K, V), weights, num_heads, check_mha(keywords))
     return compute(call)
 
@@ -339,8 +356,9 @@ def project_heads(
     The scale goes where it costs least: into ``W_q`` when there are more query rows than
     input features, into the projected ``q`` otherwise. For self-attention with enough rows
     to pay for copying the weights, one GEMM against ``[W_q | W_k | W_v]`` projects all three.
-    With QK-norm the scale multiplies the normalised queries, and ``saved`` (when given)
-    receives what the norm's backward needs under ``"q"`` and ``"k"``.
+    With QK-norm (or ``clip_qkv``) the scale multiplies the normalised (clamped) queries, and
+    ``saved`` (when given) receives what the norm's backward needs under ``"q"`` and ``"k"``,
+    and where the clamp let each of q, k, v through under ``"clip"``.
     """
     dtype, scale, H, H_kv = call.compute_dtype, call.scale, call.H, call.H_kv
     Q, W_q, W_k, W_v, b_q, b_k, b_v = (
@@ -353,8 +371,8 @@ def project_heads(
         w.b_v,
     )
     rows = math.prod(Q.shape[:-1])
-    norm = call.qk_norm
-    late_scale = rows < Q.shape[-1] or norm is not None  # a norm undoes a scale before it
+    norm, c = call.qk_norm, call.spec.clip_qkv
+    late_scale = rows < Q.shape[-1] or norm is not None or c is not None  # both precede it
     if not late_scale:
         W_q, b_q = W_q * scale, None if b_q is None else b_q * scale
     heads = [(H, W_q.shape[1] // H), (H_kv, W_k.shape[1] // H_kv), (H_kv, W_v.shape[1] // H_kv)]
@@ -377,21 +395,39 @@ def project_heads(
                 (Q, K, V), (W_q, W_k, W_v), (b_q, b_k, b_v), heads, strict=True
             )
         )
-    if norm is not None and norm.kind == "all":  # OLMo 2: a token's features, every head's
-        (q, *q_saved), (k, *k_saved) = (
-            norm.apply(join_heads(x), weight) for x, weight in ((q, norm.q_norm), (k, norm.k_norm))
-        )
-        q, k = split_heads(q, H), split_heads(k, H_kv)
-    if norm is not None and norm.kind == "head":  # Qwen3, Gemma 3: each head's features
-        (q, *q_saved), (k, *k_saved) = norm.apply(q, norm.q_norm), norm.apply(k, norm.k_norm)
-    if late_scale:
+    after = norm is not None and norm.after_rope  # HunYuan's: the norm after the rotation
+    if norm is not None and not after:
+        q, k = normalise(norm, q, k, saved)
+    if c is not None:  # DBRX, OLMo, OLMoE: clamped after the norm
+        (q, q_in), (k, k_in), (v, v_in) = clip(q, c), clip(k, c), clip(v, c)
+        if saved is not None:
+            saved["clip"] = [q_in, k_in, v_in]
+    if late_scale and not after:
         q *= scale  # a buffer of this call's own: the projection's or the norm's
-    if saved is not None and norm is not None:
-        saved["q"], saved["k"] = q_saved, k_saved
     if call.rotary is not None:
         q = apply_rotary(q, call.q_positions, **call.rotary)
         k = apply_rotary(k, call.k_positions, **call.rotary)
+    if norm is not None and after:
+        q, k = normalise(norm, q, k, saved)
+        q *= scale
     return q, k, v
+
+
+def normalise(
+    norm: QKNorm, q: np.ndarray, k: np.ndarray, saved: dict[str, list[np.ndarray]] | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The heads ``q (*B, H, L, d_k)`` and ``k`` through the QK-norm, what its backward
+    needs into ``saved`` (when given) under ``"q"`` and ``"k"``."""
+    H, H_kv = q.shape[-3], k.shape[-3]
+    if norm.kind == "all":  # OLMo 2: a token's features, every head's
+        (q, *q_saved), (k, *k_saved) = (norm.apply(join_heads(q), "q"),
+                                        norm.apply(join_heads(k), "k"))  # fmt: skip
+        q, k = split_heads(q, H), split_heads(k, H_kv)
+    else:  # Qwen3, Gemma 3, StableLM, Cohere, HunYuan: each head's features
+        (q, *q_saved), (k, *k_saved) = norm.apply(q, "q"), norm.apply(k, "k")
+    if saved is not None:
+        saved["q"], saved["k"] = q_saved, k_saved
+    return q, k
 
 
 def with_extra_keys(visibility: Visibility, extra: int, dtype: np.dtype) -> Visibility:

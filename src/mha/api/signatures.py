@@ -91,9 +91,14 @@ class MhaOptions(_Keywords, total=False):
     qk_norm: str | None
     qk_norm_eps: float | None
     qk_norm_offset: float | None
+    qk_layernorm: Flag
+    qk_norm_after_rope: Flag
+    q_norm_bias: Any
+    k_norm_bias: Any
     W_g: Any
     b_g: Any
     output_gate: str | None
+    clip_qkv: float | None
 
 
 class ForwardOptions(_Keywords, total=False):

@@ -36,6 +36,7 @@ from .._kernel.call import DEFAULT_MAX_MEMORY
 from .._kernel.contract import MaskArrays, MaskRules
 from .._kernel.scores import Scores
 from ..errors import AttentionTypeError, AttentionValueError
+from .clip import check_clip_qkv
 from .gates import check_gate_activation
 from .padding import check_padding_side
 from .variants import check_scores
@@ -130,6 +131,9 @@ class MhaKeywords(NamedTuple):
     dropout_p: Any = None
     generator: Any = None
     output_gate: Any = None
+    clip_qkv: Any = None
+    qk_layernorm: Any = False
+    qk_norm_after_rope: Any = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -176,12 +180,15 @@ class RotaryRules(NamedTuple):
 
 
 class QKNormRules(NamedTuple):
-    """A layer's QK-norm as given (its weights are the layer's): ``"head"`` or ``"all"``,
-    epsilon and the gain's offset (checked with the weights, :mod:`.qk_norm`)."""
+    """A layer's QK-norm as given (its weights are the layer's): ``"head"``, ``"all"`` or
+    ``"each_head"``, epsilon, the gain's offset, whether it is a LayerNorm and whether it
+    follows the rotation (checked with the weights, :mod:`.qk_norm`)."""
 
     kind: Any = None
     eps: Any = None
     offset: Any = None
+    layer: bool = False
+    after_rope: bool = False
 
 
 class OutputStage(Protocol):
@@ -214,10 +221,10 @@ class AttentionSpec:
     """What an attention call computes, checked: the mask rules, the changes to the scores,
     the scale as given (checked against the head width and dtype when they are known), the
     dropout probability; and for a layer (:func:`mha.multi_head_attention`) its key/value
-    heads, rotary positions, QK-norm and torch's zero key. The ``output`` and ``selection``
-    stages are where a change before ``W_o`` and a selection of keys go: the layer's output
-    gate (``output_gate``, its activation, with weights ``W_g``) becomes its output stage
-    when its weights are checked."""
+    heads, rotary positions, QK-norm, the clamp of its projections and torch's zero key. The
+    ``output`` and ``selection`` stages are where a change before ``W_o`` and a selection of
+    keys go: the layer's output gate (``output_gate``, its activation, with weights ``W_g``)
+    becomes its output stage when its weights are checked."""
 
     mask: MaskRules = field(default_factory=MaskRules)
     scores: ScoreRules = field(default_factory=ScoreRules)
@@ -230,6 +237,7 @@ class AttentionSpec:
     output: OutputStage | None = None
     selection: KeySelection | None = None
     output_gate: str | None = None  # the activation of a gate of weights W_g (api/gates.py)
+    clip_qkv: float | None = None  # the projections clamped to [-clip_qkv, clip_qkv] (clip.py)
 
 
 @dataclass(frozen=True, eq=False)
@@ -337,12 +345,18 @@ def _check_mha(kw: MhaKeywords) -> Checked:
         kw.sinks, kw.softcap, kw.alibi, kw.score_mod, kw.score_mod_grad, kw.query_temperature
     )
     rotary = RotaryRules(kw.rope_theta, kw.rotary_dim, kw.rotary_interleaved, kw.rope_scaling)
-    norm = QKNormRules(kw.qk_norm, kw.qk_norm_eps, kw.qk_norm_offset)
+    norm = QKNormRules(
+        kw.qk_norm,
+        kw.qk_norm_eps,
+        kw.qk_norm_offset,
+        flag("qk_layernorm", kw.qk_layernorm),
+        flag("qk_norm_after_rope", kw.qk_norm_after_rope),
+    )
     zero = flag("add_zero_attn", kw.add_zero_attn)
     left = check_padding_side(kw.padding_side, kw.cache, arrays)
     gate = check_gate_activation(kw.output_gate)
     spec = AttentionSpec(rules, scores, kw.scale, drop_p, kw.num_kv_heads, rotary, norm, zero,
-                         output_gate=gate)  # fmt: skip
+                         output_gate=gate, clip_qkv=check_clip_qkv(kw.clip_qkv))  # fmt: skip
     given = CallInputs(arrays, kw.positions, kw.cache, left, kw.generator)
     return Checked(spec, given, request)
 

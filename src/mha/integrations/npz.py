@@ -24,7 +24,8 @@ FORMAT_VERSION = 2  # 2 added grouped-query heads, head_dim, rotary, window, sin
 # came later as optional keys: files without them load). bfloat16 weights are stored as
 # their uint16 bits.
 WEIGHT_NAMES = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v",
-                "sinks", "q_norm", "k_norm", "W_g", "b_g")  # fmt: skip
+                "sinks", "q_norm", "k_norm", "W_g", "b_g", "q_norm_bias",
+                "k_norm_bias")  # fmt: skip
 
 
 def save(path: Any, config: dict[str, Any], weights: dict[str, np.ndarray | None]) -> None:
@@ -152,15 +153,21 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "W_o": (joined, E),
     }
     widths = {"b_q": inner, "b_k": kv_inner, "b_v": v_inner, "b_o": E}
-    vectors = {name: (widths[name],) for name in config["biases"] if name in widths}
+    vectors: dict[str, tuple[int, ...]] = {
+        name: (widths[name],) for name in config["biases"] if name in widths
+    }
     if config["add_bias_kv"]:
         vectors |= {"bias_k": (kv_inner,), "bias_v": (v_inner,)}
     if config.get("sinks"):
         vectors["sinks"] = (int(config["num_heads"]),)
     if config.get("qk_norm") is not None:
-        across = config["qk_norm"] == "all"
-        vectors["q_norm"] = (inner if across else int(config["head_dim"]),)
-        vectors["k_norm"] = (kv_inner if across else int(config["head_dim"]),)
+        d, H, H_kv = (int(config[key]) for key in ("head_dim", "num_heads", "num_kv_heads"))
+        q, k = {"all": ((inner,), (kv_inner,)), "each_head": ((H, d), (H_kv, d))}.get(
+            config["qk_norm"], ((d,), (d,))
+        )
+        vectors |= {"q_norm": q, "k_norm": k}
+        if "q_norm_bias" in config.get("biases", []):
+            vectors |= {"q_norm_bias": q, "k_norm_bias": k}
     if config.get("output_gate") is not None:
         gates = int(config["num_heads"]) if config.get("output_gate_per_head") else joined
         shapes["W_g"] = (E, gates)

@@ -193,9 +193,14 @@ def multi_head_attention(
     qk_norm: str | None = None,
     qk_norm_eps: float | None = None,
     qk_norm_offset: float | None = None,
+    qk_layernorm: bool = False,
+    qk_norm_after_rope: bool = False,
+    q_norm_bias: Any = None,
+    k_norm_bias: Any = None,
     W_g: Any = None,
     b_g: Any = None,
     output_gate: str | None = None,
+    clip_qkv: float | None = None,
     cache: Any = None,
     padding_side: str | None = None,
     return_backward: bool = False,
@@ -211,8 +216,8 @@ def multi_head_attention(
     are NumPy arrays, sent to the cluster once. ``mask`` and ``bias`` may be Dask arrays,
     cut like the scores; ``key_lengths``, ``query_lengths`` and ``positions`` are small and
     read when the graph is built. Every other argument is the in-memory function's (the
-    same checked spec: rope scaling, QK-norm and the output gate too). ``workers`` counts
-    threads inside each task (default 1: Dask runs tasks in parallel);
+    same checked spec: rope scaling, QK-norm, ``clip_qkv`` and the output gate too).
+    ``workers`` counts threads inside each task (default 1: Dask runs tasks in parallel);
     ``split_every`` is the merge tree's fan-in. ``return_weights``, ``return_backward``,
     dropout and ``cache`` are in-memory only.
 
@@ -242,11 +247,13 @@ def multi_head_attention(
         score_mod, score_mod_grad, query_temperature, rope_theta, rotary_dim, rotary_interleaved,
         rope_scaling,
         small("positions", positions), qk_norm, qk_norm_eps, qk_norm_offset, cache, padding_side,
-        return_backward, dropout_p, generator, output_gate,
+        return_backward, dropout_p, generator, output_gate, clip_qkv, qk_layernorm,
+        qk_norm_after_rope,
     )  # fmt: skip
     weights = LayerWeights(
-        W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm, W_g, b_g
-    )
+        W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm, W_g, b_g,
+        q_norm_bias, k_norm_bias,
+    )  # fmt: skip
     return _mha(
         lazy,
         (sQ, sK, sV),

@@ -199,6 +199,8 @@ class MhaGraph:
         norm = call.qk_norm
         weights["q_norm"] = None if norm is None else norm.q_norm
         weights["k_norm"] = None if norm is None else norm.k_norm
+        weights["q_norm_bias"] = None if norm is None else norm.q_bias
+        weights["k_norm_bias"] = None if norm is None else norm.k_bias
         gate = call.spec.output  # an output gate's weights (no other stage reaches mha.dask)
         weights["W_g"] = getattr(gate, "W_g", None)
         weights["b_g"] = getattr(gate, "b_g", None)
@@ -207,6 +209,7 @@ class MhaGraph:
             call.scale, call.H, call.H_kv, call.request.budget, call.request.threads,
             lazy.fan_in, rotation, call.compute_dtype, call.result_dtype, call.scores,
             checked.spec.mask, checked.spec.scores, call.spec.add_zero_attn, call.qk_norm,
+            call.spec.clip_qkv,
         ))  # fmt: skip
         self.weights = weights
         self.w = self.graph.data("weights", weights)
@@ -254,6 +257,7 @@ class MhaGraph:
                 self.rotation.at(which, batch, at),
                 call.request.threads,
                 norm,
+                call.spec.clip_qkv,
             )
             inputs = (
                 [(self.Qd.name, *bb, n, 0)]

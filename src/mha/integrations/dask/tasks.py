@@ -16,6 +16,7 @@ from ..._kernel.scores import Scores, add_sinks
 from ..._kernel.team import Team, workers_for
 from ...api import checks
 from ...api.checks import LayerArrays, LayerWeights, check_layer
+from ...api.clip import clip
 from ...api.gates import OutputGate
 from ...api.gradients import join_heads, split_heads
 from ...api.projection import compute
@@ -40,6 +41,7 @@ class Projection:
     rotary: dict[str, Any] | None  # apply_rotary's positions and keywords for this chunk
     threads: int | None
     norm: QKNorm | None = None  # the QK-norm, with its weights
+    clip: float | None = None  # clip_qkv: the projections clamped to [-clip, clip]
 
 
 def project_chunk(inputs: list[np.ndarray], weights: Weights, plan: Projection) -> Any:
@@ -57,29 +59,42 @@ def heads(
     X: np.ndarray, W: np.ndarray, b: np.ndarray | None, plan: Projection, which: str
 ) -> np.ndarray:
     """``X @ W + b`` split into heads, for the queries (``which="q"``: times the scale), the
-    keys or the values: normalised by the QK-norm (the queries' scale after it) and rotated
-    (the queries and the keys), as :func:`mha.api.projection.project_heads` does."""
+    keys or the values: normalised by the QK-norm, clamped by ``clip_qkv`` (the queries' scale
+    after both) and rotated (the queries and the keys), as
+    :func:`mha.api.projection.project_heads` does."""
     count = plan.H if which == "q" else plan.H_kv
     W = W.astype(plan.dtype, copy=False)
     b = None if b is None else b.astype(plan.dtype, copy=False)
     norm = plan.norm if which != "v" else None
     scale = plan.scale if which == "q" else 1.0
-    if scale != 1.0 and norm is None:
+    late = norm is not None or plan.clip is not None  # the scale after both
+    if scale != 1.0 and not late:
         W, b = W * scale, None if b is None else b * scale
     with Team(workers_for(float(X.size) * W.shape[1], plan.threads)) as team:
         projected = team.matmul(X.astype(plan.dtype, copy=False), W, b)
-    if norm is not None:
-        weight = norm.q_norm if which == "q" else norm.k_norm
-        if norm.kind == "all":  # a token's features, every head's
-            projected = norm.apply(projected, weight)[0]
+    after = norm is not None and norm.after_rope  # HunYuan's: after the rotation
     x = split_heads(projected, count)
-    if norm is not None and norm.kind == "head":
-        x = norm.apply(x, norm.q_norm if which == "q" else norm.k_norm)[0]
-    if norm is not None and scale != 1.0:
+    if norm is not None and not after:
+        x = _normed(norm, x, which)
+    if plan.clip is not None:
+        x = clip(x, plan.clip)[0]
+    if late and scale != 1.0 and not after:
         x *= scale
     if which != "v" and plan.rotary is not None:
         x = apply_rotary(x, **plan.rotary)
+    if norm is not None and after:
+        x = _normed(norm, x, which)
+        if scale != 1.0:
+            x *= scale
     return x
+
+
+def _normed(norm: QKNorm, x: np.ndarray, which: str) -> np.ndarray:
+    """The heads ``x (b, heads, n, d)`` of ``which`` through the QK-norm."""
+    if norm.kind == "all":  # a token's features, every head's
+        return split_heads(norm.apply(join_heads(x), which)[0], x.shape[-3])
+    normed: np.ndarray = norm.apply(x, which)[0]
+    return normed
 
 
 @dataclass(frozen=True)

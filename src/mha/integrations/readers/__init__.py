@@ -49,7 +49,7 @@ from ..checkpoint import Checkpoint
 from .attention import completed, describe
 from .config import Settings, Source, layer_index
 from .family import Family
-from .layouts import attention_prefix, attentions_per_layer, check_names, lay_out
+from .layouts import attention_prefix, attentions_per_layer, check_names, lay_out, stack_heads
 from .registry import FAMILIES, REFUSED, SUPPORTED, family_of, register
 from .rope import check_rope
 
@@ -104,7 +104,7 @@ def layer_attention(
                 f"({read.summary()}) calls for {tensor.shape}"
             )
         weights.update(lay_out(array, tensor))
-    return kind, settings, completed(family, settings, weights)
+    return kind, settings, completed(family, settings, stack_heads(weights))
 
 
 def attention_layers(path: Any) -> list[int]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ...errors import AttentionValueError
 from .config import SLIDING, Settings
 from .family import Family
 from .layouts import LatentProjections, Projections, Tensor
@@ -41,6 +42,8 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     """The settings and tensors of layer ``index`` of a multi-head attention."""
     E = read.positive("hidden_size")
     H, H_kv, d = heads = family.heads_of(read)
+    if family.heads_by_layer is not None:
+        H, H_kv, d = heads = (_layer_heads(family.heads_by_layer, read, index, H), H_kv, d)
     if not layout.grouped(heads):
         raise read.refuse(f"{H} heads of {d} features, which its {layout.qkv} cannot split")
     for option in family.refused():
@@ -61,6 +64,10 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
         "qk_norm": norm.over if norm else None,
         "qk_norm_eps": float(read.get(norm.eps)) if norm else None,
         "qk_norm_offset": norm.offset if norm else None,
+        "clip_qkv": family.clip_qkv.bound(read) if family.clip_qkv else None,
+        "qk_layernorm": bool(norm and norm.layer),
+        "qk_norm_after_rope": bool(norm and norm.after_rope),
+        **(family.gate.settings(read) if family.gate else {}),
     }
     if alibi is not None:  # the rope is then off
         settings["alibi"] = alibi
@@ -72,7 +79,10 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
         )
     biased = family.biases.carried(read, "qkvo", index)
     stored_norm = settings["qk_norm"] if norm and norm.weighted else None
-    tensors = layout.tensors(E, heads, biased, stored_norm, family.sinks)
+    norm_biases = bool(norm and norm.bias)
+    tensors = layout.tensors(E, heads, biased, stored_norm, family.sinks, norm_biases)
+    if family.gate is not None:
+        tensors |= family.gate.tensors(read, E, H, d)
     return layout.kind, settings, tensors
 
 
@@ -103,6 +113,20 @@ def completed(
                 heads = x.reshape(*x.shape[:-1], -1, 2, half)
                 weights[name] = heads[..., ::-1, :].reshape(x.shape)
     return weights
+
+
+def _layer_heads(key: str, read: Settings, index: int, H: int) -> int:
+    """Layer ``index``'s query heads from the config key ``key``'s list (``H``: none)."""
+    counts = read.get(key)
+    if counts is None:
+        return H
+    count = counts[index] if isinstance(counts, list) and index < len(counts) else None
+    if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+        raise AttentionValueError(
+            f"{read.path}: config.json has {read.name(key)}={counts!r}; a list of a positive "
+            f"number of heads for each of its layers is needed (layer {index})"
+        )
+    return count
 
 
 def rotary(

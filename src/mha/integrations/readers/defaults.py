@@ -164,6 +164,15 @@ MPT: dict[str, Any] = {
     "attn_config.softmax_scale": None,
 }
 """MPT's; ``attn_config.*`` are the keys of its ``attn_config`` (``MptAttentionConfig``)."""
+DBRX: dict[str, Any] = {
+    "d_model": 2048,
+    "n_heads": 16,
+    "n_layers": 24,
+    "max_seq_len": 2048,
+    "attn_config.kv_n_heads": 1,
+    "attn_config.clip_qkv": None,
+}
+"""DBRX's; ``attn_config.*`` are the keys of its ``attn_config`` (``DbrxAttentionConfig``)."""
 FALCON: dict[str, Any] = {
     "hidden_size": 4544,
     "num_attention_heads": 71,
@@ -393,6 +402,42 @@ MINISTRAL3_ROPE: dict[str, Any] = {
 ARIA_TEXT: dict[str, Any] = {**LLAMA}
 EXAONE: dict[str, Any] = {**LLAMA, "num_key_value_heads": 8, "max_position_embeddings": 4096}
 APERTUS1P5_TEXT: dict[str, Any] = {**APERTUS}
+AFMOE: dict[str, Any] = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
+    "num_key_value_heads": None,
+    "head_dim": 128,
+    "attention_bias": False,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 16384,
+    "sliding_window": 1024,
+    "layer_types": None,
+    "global_attn_every_n_layers": 4,
+}
+LAGUNA: dict[str, Any] = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 48,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "attention_bias": False,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072,
+    "sliding_window": 512,
+    "layer_types": None,
+    "gating": True,
+    "num_attention_heads_per_layer": None,
+}
+HUNYUAN: dict[str, Any] = {
+    **_SHAPE,
+    "num_key_value_heads": None,
+    "head_dim": None,
+    "attention_bias": False,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 2048,
+}
+"""HunYuan's (dense and MoE alike)."""
 HY_V3: dict[str, Any] = {
     "hidden_size": 4096,
     "num_hidden_layers": 80,
@@ -487,7 +532,7 @@ _COHERE = {
     "attention_bias": False,
     "max_position_embeddings": 8192,
 }
-COHERE: dict[str, Any] = {**_COHERE, "use_qk_norm": False}
+COHERE: dict[str, Any] = {**_COHERE, "use_qk_norm": False, "layer_norm_eps": 1e-5}
 COHERE2: dict[str, Any] = {**_COHERE, "sliding_window": 4096, "layer_types": None}
 COHERE2_MOE: dict[str, Any] = {
     **COHERE2,
@@ -541,6 +586,7 @@ STABLELM: dict[str, Any] = {
     "num_key_value_heads": 32,
     "use_qkv_bias": False,
     "qk_layernorm": False,
+    "layer_norm_eps": 1e-5,
     "max_position_embeddings": 4096,
 }
 PHI: dict[str, Any] = {
@@ -549,7 +595,16 @@ PHI: dict[str, Any] = {
     "num_attention_heads": 32,
     "num_key_value_heads": None,
     "qk_layernorm": False,
+    "layer_norm_eps": 1e-5,
     "max_position_embeddings": 2048,
+}
+PERSIMMON: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 64,
+    "qk_layernorm": True,
+    "layer_norm_eps": 1e-5,
+    "max_position_embeddings": 16384,
 }
 NEMOTRON: dict[str, Any] = {
     "hidden_size": 6144,

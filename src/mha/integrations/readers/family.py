@@ -28,6 +28,8 @@ from .layouts import (
     BiasesByKey,
     LatentProjections,
     Projections,
+    Tensor,
+    whole,
 )
 from .rope import Rope
 from .windows import NO_WINDOWS, Windows
@@ -39,7 +41,9 @@ __all__ = [
     "LAYERNORM_QK",
     "PER_HEAD",
     "UNSUPPORTED",
+    "ClipQkv",
     "Family",
+    "Gate",
     "Heads",
     "QkNorm",
     "attention_multiplier",
@@ -93,9 +97,11 @@ def falcon_heads(read: Settings) -> tuple[int, int, int]:
 @dataclass(frozen=True)
 class QkNorm:
     """RMSNorm of the queries and keys before the rotation: per ``"head"`` (weights of the
-    head's width) or across ``"all"`` heads (before the split), the weight applied as
-    ``offset + weight``, its epsilon from the config key ``eps``; always, or with ``when``,
-    where that config key is true (GLM-4.5's ``use_qk_norm``). ``weighted=False``: a norm
+    head's width), across ``"all"`` heads (before the split) or per head with each head's
+    weights (``"each_head"``), the weight applied as ``offset + weight``, its epsilon from
+    the config key ``eps``; always, or with ``when``, where that config key is true
+    (GLM-4.5's ``use_qk_norm``). ``layer``: a LayerNorm instead, with biases when
+    ``bias``; ``after_rope``: after the rotation (HunYuan's). ``weighted=False``: a norm
     without weights (NanoChat's, after the rotation, with which it commutes: the rotation
     keeps each head's norm), read as weights of ones; a rope whose attention factor scales
     the rotation (``yarn``, ``longrope``) is then refused."""
@@ -105,6 +111,9 @@ class QkNorm:
     eps: str = "rms_norm_eps"
     when: str | None = None
     weighted: bool = True
+    layer: bool = False
+    bias: bool = False
+    after_rope: bool = False
 
     def applies(self, read: Settings) -> bool:
         return self.when is None or bool(read.get(self.when))
@@ -113,8 +122,9 @@ class QkNorm:
 PER_HEAD = QkNorm("head")
 ACROSS_HEADS = QkNorm("all")
 
-LAYERNORM_QK = Unsupported("qk_layernorm", "a LayerNorm QK-norm; mha's QK-norm is an RMSNorm")
-"""StableLM's and Phi's option of LayerNorms of the queries and keys."""
+LAYERNORM_QK = QkNorm("head", eps="layer_norm_eps", when="qk_layernorm", layer=True, bias=True)
+"""Phi's and Persimmon's option of LayerNorms (weights and biases shared by the heads) of
+the queries and keys."""
 
 
 def query_pre_attn_scalar(read: Settings) -> float:
@@ -135,10 +145,62 @@ def attention_multiplier(read: Settings) -> float | None:
     return None if scale is None else float(scale)
 
 
+@dataclass(frozen=True)
+class Gate:
+    """An output gate, ``act(x @ W_g)`` times the joined heads before ``o_proj``
+    (:class:`mha.api.gates.OutputGate`): the tensor ``tensor`` under the attention (an
+    ``nn.Linear`` of one column a feature, or a head with ``per_head``: always, never, or as
+    a function of the config says), its activation and its bias (where ``bias`` names a
+    config key, when that key is true)."""
+
+    tensor: str = "gate_proj"
+    activation: str = "sigmoid"
+    per_head: bool | Callable[[Settings], bool] = False
+    bias: str | None = None
+
+    def is_per_head(self, read: Settings) -> bool:
+        return self.per_head(read) if callable(self.per_head) else self.per_head
+
+    def settings(self, read: Settings) -> dict[str, Any]:
+        return {"output_gate": self.activation, "output_gate_per_head": self.is_per_head(read)}
+
+    def tensors(self, read: Settings, E: int, H: int, d: int) -> dict[str, Tensor]:
+        """``W_g`` (and ``b_g``) of a layer of ``H`` heads ``d`` wide, model width ``E``."""
+        columns = H if self.is_per_head(read) else H * d
+        tensors = {f"{self.tensor}.weight": whole("W_g", columns, E)}
+        if self.bias is not None and read.get(self.bias):
+            tensors[f"{self.tensor}.bias"] = whole("b_g", columns)
+        return tensors
+
+
 BIDIRECTIONAL = Unsupported("use_bidirectional_attention", "attention that is not causal")
 """Gemma's option of attention without the causal mask."""
-CLIP_QKV = Unsupported("clip_qkv", "queries, keys and values clipped", is_given)
-"""OLMo's and OLMoE's option of clamping the projections to ``[-clip_qkv, clip_qkv]``."""
+
+
+@dataclass(frozen=True)
+class ClipQkv:
+    """The clamp of the projections to ``[-c, c]`` (``clip_qkv=``), ``c`` from the config
+    key ``key``: ``null`` for none; ``0`` for none where the family tests the value's truth
+    (``zero_is_off``: MPT's ``if self.clip_qkv``), else refused (a clamp to zero)."""
+
+    key: str = "clip_qkv"
+    zero_is_off: bool = False
+
+    def bound(self, read: Settings) -> float | None:
+        value = read.get(self.key)
+        if value is None or (self.zero_is_off and value == 0 and not isinstance(value, str)):
+            return None
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not 0 < value < float("inf"):
+            raise read.refuse(
+                f"{read.name(self.key)}={value!r} (the projections clamped to a bound that is "
+                "not a positive number)"
+            )
+        return float(value)
+
+
+CLIP_QKV = ClipQkv()
+"""OLMo's, OLMoE's and DBRX's clamp of the projections to ``[-clip_qkv, clip_qkv]``."""
 
 UNSUPPORTED = (
     Unsupported("attention_chunk_size", "chunked attention", is_given),
@@ -183,6 +245,13 @@ class Family:
     softcap: str | None = None
     """The config key of the scores' soft-cap (Gemma 2's ``attn_logit_softcapping``)."""
     qk_norm: QkNorm | None = None
+    gate: Gate | None = None
+    """The output gate (AFMoE's ``gate_proj``), when the attention has one."""
+    heads_by_layer: str | None = None
+    """The config key of the list of each layer's query heads, where layers differ
+    (Laguna's ``num_attention_heads_per_layer``; null: :attr:`heads`' for every layer)."""
+    clip_qkv: ClipQkv | None = None
+    """The config key of the projections' clamp (OLMo's ``clip_qkv``), when it has one."""
     sinks: bool = False
     """One learned logit per head that takes part in the softmax (gpt-oss)."""
     unsupported: tuple[Unsupported, ...] = ()

@@ -57,6 +57,7 @@ __all__ = [
     "check_names",
     "lay_out",
     "module_path",
+    "stack_heads",
 ]
 
 IGNORED = ("rotary_emb.inv_freq",)
@@ -161,6 +162,31 @@ architecture, a group's queries, then its key and value; with one key/value head
 contiguous layout of multi-query BigCode and Falcon); four (CodeGen's ``mp_num``)."""
 
 
+def _norm_tensors(
+    weight: str, name: str, part: str, kind: str, d: int, heads: int
+) -> dict[str, Tensor]:
+    """The tensors of one QK-norm weight (or bias) ``weight`` of ``heads`` heads ``d`` wide:
+    one vector (``"head"``, ``"all"``), one ``(heads, d)`` matrix (Cohere's ``"each_head"``),
+    or, where ``name`` has ``{h}``, one vector a head (StableLM's ``norms.{h}``), each laid
+    out as row ``h`` of ``weight`` (:func:`stack_heads`)."""
+    if kind != "each_head":
+        return {f"{name}.{part}": whole(weight, d if kind == "head" else heads * d)}
+    if "{h}" not in name:
+        return {f"{name}.{part}": whole(weight, d, heads, transposed=True)}
+    return {f"{name.format(h=h)}.{part}": whole(f"{weight}[{h}]", d) for h in range(heads)}
+
+
+def stack_heads(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``weights`` with the rows ``name[h]`` of one weight a head stacked as ``name``."""
+    rows: dict[str, dict[int, np.ndarray]] = {}
+    for key in [key for key in weights if key.endswith("]")]:
+        name, _, h = key[:-1].partition("[")
+        rows.setdefault(name, {})[int(h)] = weights.pop(key)
+    for name, by_head in rows.items():
+        weights[name] = np.stack([by_head[h] for h in sorted(by_head)])
+    return weights
+
+
 @dataclass(frozen=True)
 class Projections:
     """transformers' names of a multi-head attention's modules: the query, key, value and
@@ -192,10 +218,12 @@ class Projections:
         biased: Iterable[str],
         qk_norm: str | None,
         sinks: bool,
+        norm_biases: bool = False,
     ) -> dict[str, Tensor]:
         """The tensors of a layer of ``heads`` (query heads, key/value heads, head width):
-        projections with the ``biased`` ones' biases, the QK-norm's weights (per ``"head"``
-        or across ``"all"`` heads) and the sinks."""
+        projections with the ``biased`` ones' biases, the QK-norm's weights (per ``"head"``,
+        across ``"all"`` heads, or ``"each_head"``'s own; with ``norm_biases``, a LayerNorm's
+        biases too) and the sinks."""
         H, H_kv, d = heads
         q, kv, E = H * d, H_kv * d, d_model
         widths = {"q": q, "k": kv, "v": kv, "o": E}
@@ -211,9 +239,10 @@ class Projections:
             tensors |= {f"{names[p]}.weight": whole(f"W_{p}", widths[p], E) for p in "qkv"}
         tensors |= self._biases(tuple(biased), widths, H, H_kv)
         if qk_norm is not None:
-            per_head = qk_norm == "head"
-            tensors[f"{self.q_norm}.weight"] = whole("q_norm", d if per_head else q)
-            tensors[f"{self.k_norm}.weight"] = whole("k_norm", d if per_head else kv)
+            roles = (("weight", ""), ("bias", "_bias")) if norm_biases else (("weight", ""),)
+            for role, name, count in (("q", self.q_norm, H), ("k", self.k_norm, H_kv)):
+                for part, suffix in roles:
+                    tensors |= _norm_tensors(f"{role}_norm{suffix}", name, part, qk_norm, d, count)
         if sinks:
             tensors[self.sinks] = whole("sinks", H)
         return tensors
@@ -273,6 +302,14 @@ CODEGEN = Projections(
 )
 GPT_NEO = Projections(o="out_proj", path="transformer.h.{i}.attn.attention")
 MPT = Projections(o="out_proj", qkv="Wqkv", path="transformer.blocks.{i}.attn")
+PERSIMMON = Projections(
+    o="dense",
+    qkv="query_key_value",
+    fusion="per_kv_head",
+    q_norm="q_layernorm",
+    k_norm="k_layernorm",
+)
+DBRX = Projections(o="out_proj", qkv="Wqkv", path="transformer.blocks.{i}.norm_attn_norm.attn")
 OPT = Projections(o="out_proj", path="model.decoder.layers.{i}.self_attn")
 BIOGPT = Projections(o="out_proj", path="biogpt.layers.{i}.self_attn")
 XGLM = Projections(o="out_proj")

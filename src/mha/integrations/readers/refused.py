@@ -84,11 +84,19 @@ REFUSED = {
     "dots3_note_text": _not_computed(
         f"dots3's attention has a per-head sigmoid output gate and {_TOP_K}"
     ),
-    "afmoe": _not_read("AFMoE's attention has a sigmoid output gate (gate_proj)"),
-    "beam": _not_computed("Beam's attention has a sigmoid output gate with a per-head bias"),
-    "dory": _not_computed("Dory's attention has a scaled sigmoid output gate"),
-    "hrm_text": _not_read("HRM's attention has a sigmoid output gate"),
-    "laguna": _not_read("Laguna's attention has a softplus output gate (g_proj)"),
+    "beam": _not_computed(
+        "Beam's query scale growing with the position (scalable softmax, (1 + (position + 1) "
+        "/ 2048) ** 0.1) on its layers without rope"
+    ),
+    "dory": _not_computed(
+        "Dory's nGPT attention (L2-normalised queries and keys, a per-feature query scale "
+        "after the rotation, an L2 norm of its output before o_proj) and its looped layers"
+    ),
+    "hrm_text": _not_read(
+        "HRM's attention has a sigmoid output gate in recurrent stacks (each layer of its L and "
+        "H stacks runs once a cycle, with a cache slot of its own: num_hidden_layers counts "
+        "slots, not layers)"
+    ),
     "lfm3": _not_computed(
         "LFM3's attention has a sigmoid output gate per head and its other layers are short "
         "convolutions"
@@ -135,15 +143,6 @@ REFUSED = {
     "bitnet": _not_computed("BitNet's RMSNorm of the attention's output before o_proj"),
     "zaya": _not_computed(
         "ZAYA's compressed convolutional attention (queries and keys through convolutions)"
-    ),
-    "hunyuan_v1_dense": _not_computed(
-        "HunYuan's QK-norm after the rotation (mha normalises before it)"
-    ),
-    "hunyuan_v1_moe": _not_computed(
-        "HunYuan's QK-norm after the rotation (mha normalises before it)"
-    ),
-    "persimmon": _not_computed(
-        "Persimmon's QK-norm, a LayerNorm (mean and bias) where mha's is an RMSNorm"
     ),
     "mimo_v2_flash": _not_computed(
         "MiMo-V2-Flash's attention has values narrower than its keys (v_head_dim=128, "

@@ -26,7 +26,9 @@ from .family import (
     CLIP_QKV,
     LAYERNORM_QK,
     PER_HEAD,
+    ClipQkv,
     Family,
+    Gate,
     QkNorm,
     attention_multiplier,
     falcon_heads,
@@ -110,7 +112,6 @@ ALWAYS = Biases()
 """Every projection biased (GPT-2's ``Conv1D``, BLOOM's, BioGPT's)."""
 NO_ROPE = Rope(applied=False)
 MPT_UNSUPPORTED = (
-    Unsupported("attn_config.clip_qkv", "queries, keys and values clamped"),
     # transformers' MPT builds its ALiBi without them: slopes of alibi_bias_max=8, always
     Unsupported(
         "attn_config.alibi_bias_max",
@@ -124,6 +125,10 @@ MPT_UNSUPPORTED = (
     ),
 )
 _ROTARY_DIM = Rope(interleave=True, dim_key="rotary_dim")
+_HUNYUAN = Projections(q_norm="query_layernorm", k_norm="key_layernorm")
+_HUNYUAN_NORM = QkNorm("head", after_rope=True)
+_DBRX_KEYS = {**_MPT_KEYS, "num_key_value_heads": "attn_config.kv_n_heads",
+              "max_position_embeddings": "max_seq_len"}  # fmt: skip
 
 
 def softmax_scale(read: Settings) -> float | None:
@@ -172,6 +177,38 @@ _MAMBA = "a Mamba layer"
 _MAMBA2 = "a Mamba-2 layer"
 _PATTERN = {"M": LINEAR, "E": MOE, "*": FULL, "-": MLP}
 """Nemotron-H's ``hybrid_override_pattern``: a character a layer."""
+
+
+class DbrxBase(Unsupported):
+    """DBRX's ``attn_config.rope_theta``, which transformers' DBRX keeps but does not rotate
+    by (its rotary takes ``rope_parameters``' base, 10000 by default): refused where the two
+    differ, as mha would rotate by the base that transformers does not."""
+
+    def check(self, read: Settings) -> None:
+        value = read.get(self.key)
+        rope = read.get("rope_parameters") or {}
+        base = rope.get("rope_theta", 10_000.0) if isinstance(rope, dict) else None
+        if value is not None and value != base:
+            raise read.refuse(
+                f"{read.name(self.key)}={value!r} ({self.feature}: it rotates by "
+                f"rope_parameters' rope_theta={base!r})"
+            )
+
+
+DBRX_BASE = DbrxBase("attn_config.rope_theta", "a rotary base transformers' DBRX ignores")
+
+
+def laguna_gate_per_head(read: Settings) -> bool:
+    """Laguna's ``gating``: a gate per head when ``true`` or ``"per-head"``, else one per
+    feature."""
+    gating = read.get("gating")
+    return gating is True or gating == "per-head"
+
+
+def dbrx_heads(read: Settings) -> tuple[int, int, int]:
+    """DBRX's: ``attn_config.kv_n_heads`` key/value heads, each head ``d_model // n_heads``
+    wide."""
+    return split_hidden(read, read.positive("num_key_value_heads"))
 
 
 def register(*families: Family) -> None:
@@ -320,7 +357,18 @@ register(
         rope=NO_ROPE,
         scale=softmax_scale,
         alibi=Alibi(alibi.bloom),
+        clip_qkv=ClipQkv("attn_config.clip_qkv", zero_is_off=True),
         unsupported=MPT_UNSUPPORTED,
+    ),
+    Family(  # one fused Wqkv, clamped to ±clip_qkv, then rotated as Llama's
+        "dbrx",
+        defaults.DBRX,
+        keys=_DBRX_KEYS,
+        tensors=layouts.DBRX,
+        heads=dbrx_heads,
+        biases=NO_BIASES,
+        clip_qkv=ClipQkv("attn_config.clip_qkv"),
+        unsupported=(DBRX_BASE,),
     ),
     Family(
         "falcon",
@@ -435,17 +483,27 @@ register(
         "stablelm",
         defaults.STABLELM,
         head_dim=None,
+        tensors=Projections(q_norm="q_layernorm.norms.{h}", k_norm="k_layernorm.norms.{h}"),
         biases=Biases("use_qkv_bias", roles=("q", "k", "v")),
         rope=Rope(partial=True, fraction=0.25),
-        unsupported=(LAYERNORM_QK,),
+        qk_norm=QkNorm("each_head", eps="layer_norm_eps", when="qk_layernorm", layer=True),
     ),
     Family(
         "phi",
         defaults.PHI,
-        tensors=Projections(o="dense"),
+        tensors=Projections(o="dense", q_norm="q_layernorm", k_norm="k_layernorm"),
         biases=ALL_BIASES,
         rope=Rope(partial=True, fraction=0.5),
-        unsupported=(LAYERNORM_QK,),
+        qk_norm=LAYERNORM_QK,
+    ),
+    Family(  # GPT-NeoX's fused layout, LayerNorms of the queries and keys by default
+        "persimmon",
+        defaults.PERSIMMON,
+        tensors=layouts.PERSIMMON,
+        heads=split_hidden,
+        biases=ALWAYS,
+        rope=Rope(partial=True, fraction=0.5),
+        qk_norm=LAYERNORM_QK,
     ),
     Family("nemotron", defaults.NEMOTRON, rope=Rope(partial=True, fraction=0.5)),
     # pairs (2i, 2i + 1) over the whole head
@@ -453,7 +511,8 @@ register(
         "cohere",
         defaults.COHERE,
         rope=Rope(theta=5e5, interleave=True),
-        unsupported=(Unsupported("use_qk_norm", "Cohere's LayerNorm QK-norm"),),
+        qk_norm=QkNorm("each_head", eps="layer_norm_eps", when="use_qk_norm", layer=True),
+        own=("use_qk_norm",),
     ),
     # (Helium and ERNIE 4.5 rotate (2i, 2i + 1) pairs too: their rows are below)
 )
@@ -467,7 +526,7 @@ register(
         biases=Biases("qkv_bias", roles=("q", "k", "v")),
         windows=QWEN2_MOE_WINDOWS,
     ),
-    Family("olmoe", defaults.OLMOE, qk_norm=ACROSS_HEADS, unsupported=(CLIP_QKV,)),
+    Family("olmoe", defaults.OLMOE, qk_norm=ACROSS_HEADS, clip_qkv=CLIP_QKV),
     Family("flex_olmo", defaults.FLEX_OLMO, rope=Rope(theta=500_000.0), qk_norm=ACROSS_HEADS),
     Family(
         "phimoe",
@@ -483,7 +542,7 @@ register(
         softcap="attn_logit_softcapping",
     ),
     Family("gemma", defaults.GEMMA, unsupported=(BIDIRECTIONAL,)),
-    Family("olmo", defaults.OLMO, unsupported=(CLIP_QKV,)),
+    Family("olmo", defaults.OLMO, clip_qkv=CLIP_QKV),
     Family(
         "olmo3",
         defaults.OLMO3,
@@ -551,6 +610,35 @@ register(
         defaults.APERTUS1P5_TEXT,
         rope=Rope(theta=12_000_000.0, parameters=defaults.APERTUS_ROPE),
         qk_norm=PER_HEAD,
+    ),
+    # HunYuan: QK-norm per head after the rotation (query_layernorm, key_layernorm); the
+    # dense model's "dynamic" rope with alpha is its own NTK scaling
+    Family(
+        "hunyuan_v1_dense",
+        defaults.HUNYUAN,
+        tensors=_HUNYUAN,
+        rope=Rope(scaled=False),
+        qk_norm=_HUNYUAN_NORM,
+    ),
+    Family("hunyuan_v1_moe", defaults.HUNYUAN, tensors=_HUNYUAN, qk_norm=_HUNYUAN_NORM),
+    Family(  # a sigmoid gate of every feature; rope on the sliding layers only
+        "afmoe",
+        defaults.AFMOE,
+        windows=by_layer_types(pattern=4, key="global_attn_every_n_layers"),
+        rope=Rope(rotates=sliding_layers),
+        qk_norm=PER_HEAD,
+        gate=Gate(),
+    ),
+    Family(  # a softplus gate per head (gating) or per feature, each layer its own heads
+        "laguna",
+        defaults.LAGUNA,
+        windows=FULL_BY_DEFAULT,
+        rope=Rope(
+            per_layer_type={FULL: (None, 500_000.0), SLIDING: (None, 10_000.0)}, partial=True
+        ),
+        qk_norm=PER_HEAD,
+        gate=Gate("g_proj", "softplus", per_head=laguna_gate_per_head),
+        heads_by_layer="num_attention_heads_per_layer",
     ),
     Family("hy_v3", defaults.HY_V3, rope=Rope(theta=11_158_840.0), qk_norm=PER_HEAD),
     Family(
