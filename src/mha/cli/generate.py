@@ -62,6 +62,7 @@ def command(args: argparse.Namespace) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        sys.stdout.flush()
     timing = model.timing
     print(
         f"prompt: {timing.prompt_tokens} tokens in {timing.prompt_seconds:.2f} s; "
