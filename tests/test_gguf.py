@@ -20,7 +20,8 @@ from support.transformers_oracle import AttentionRecorder
 import mha
 
 QUANTIZATIONS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
-CASES = [("llama", q) for q in QUANTIZATIONS] + [
+K_QUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+CASES = [("llama", q) for q in QUANTIZATIONS + K_QUANTS] + [
     ("qwen2", "Q8_0"), ("qwen2", "Q4_1"), ("qwen3", "F16"), ("qwen3", "Q4_0")
 ]  # fmt: skip
 
@@ -36,10 +37,11 @@ def gguf() -> Any:
     return gguf
 
 
-def tiny(transformers: Any, torch: Any, kind: str, seed: int) -> Any:
-    """A random ``{kind}ForCausalLM``, its rows multiples of llama.cpp's 32-wide blocks."""
+def tiny(transformers: Any, torch: Any, kind: str, seed: int, width: int = 64) -> Any:
+    """A random ``{kind}ForCausalLM``, its rows multiples of llama.cpp's 32-wide blocks
+    (``width=256``: of the K-quants' 256-wide ones)."""
     settings: dict[str, Any] = {
-        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "hidden_size": width, "intermediate_size": max(96, width), "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96,
         "max_position_embeddings": 128, "rope_theta": 5000.0, "rms_norm_eps": 1e-5,
         "tie_word_embeddings": kind != "llama",
@@ -73,7 +75,8 @@ def test_each_layer_matches_transformers_gguf_loader(
     kind, quantization, gguf, torch, transformers, tmp_path, record_error
 ):
     path = tmp_path / "model.gguf"
-    write_gguf(tiny(transformers, torch, kind, seed=len(kind)), path, quantization)
+    width = 256 if quantization in K_QUANTS else 64
+    write_gguf(tiny(transformers, torch, kind, seed=len(kind), width=width), path, quantization)
     model = load_gguf(transformers, torch, path)
     # the dequantized weights, as transformers holds them, bit for bit
     from mha.integrations.gguf_file import open_gguf

@@ -48,9 +48,29 @@ def permute(weights: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+"""Where each K-quant block keeps its float16 scales (``d``, and ``dmin`` where it has one)."""
+
+
+def random_k_quant(shape: tuple[int, ...], quantization: str, seed: int) -> np.ndarray:
+    """Random blocks of a K-quant type (which gguf cannot quantize to) for a matrix of
+    ``shape``: random bytes, each block's float16 scales set to small random numbers."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[quantization]]
+    rng = np.random.default_rng(seed)
+    rows, cols = shape
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for offset in K_SCALES[quantization]:
+        scales = rng.uniform(0.001, 0.02, (rows, cols // block)).astype(np.float16)
+        data[..., offset : offset + 2] = scales.view(np.uint8).reshape(rows, cols // block, 2)
+    return data.reshape(rows, cols // block * size)
+
+
 def write_gguf(model: Any, path: Path, quantization: str) -> None:
     """The transformers ``model`` as a GGUF file at ``path``, its matrices in
-    ``quantization`` (``"F32"``, ``"F16"``, ``"Q8_0"``, ``"Q4_0"``, ``"Q4_1"``...)."""
+    ``quantization`` (``"F32"``, ``"F16"``, ``"Q8_0"``, ``"Q4_0"``, ``"Q4_1"``...; a K-quant's
+    matrices are random blocks, :func:`random_k_quant`)."""
     import gguf
 
     config = model.config
@@ -83,6 +103,9 @@ def write_gguf(model: Any, path: Path, quantization: str) -> None:
             array = permute(array, config.num_key_value_heads)
         if array.ndim == 1:
             writer.add_tensor(gguf_name(name), array)
+        elif quantization in K_SCALES:
+            data = random_k_quant(array.shape, quantization, seed=len(name))
+            writer.add_tensor(gguf_name(name), data, raw_shape=data.shape, raw_dtype=kind)
         else:
             data = gguf.quants.quantize(array, kind)
             writer.add_tensor(gguf_name(name), data, raw_shape=data.shape, raw_dtype=kind)
