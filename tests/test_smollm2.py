@@ -154,3 +154,17 @@ def test_mha_plot_draws_a_layers_heads_over_the_tokens(gguf_path, tmp_path, caps
     output = tmp_path / "heads.png"
     assert main(["plot", "--model", str(gguf_path), "--text", text, "-o", str(output)]) == 0
     assert output.stat().st_size > 10_000 and "wrote" in capsys.readouterr().out
+
+
+def test_a_tokenizer_json_folder_reads_the_same(ours, theirs, tmp_path):
+    """The tokenizer transformers saves (tokenizer.json and its config) reads as the GGUF's."""
+    from mha.models import Tokenizer
+
+    _, tokenizer = theirs
+    tokenizer.save_pretrained(tmp_path)
+    folder = Tokenizer.from_path(tmp_path)
+    for text in PROMPTS + varied_strings(50, seed=1):
+        assert folder.encode(text) == ours.tokenizer.encode(text), repr(text)
+    message = [{"role": "user", "content": PROMPTS[0]}]
+    assert folder.chat(message) == ours.tokenizer.chat(message)
+    assert (folder.bos, folder.eos) == (ours.tokenizer.bos, ours.tokenizer.eos)
