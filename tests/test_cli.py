@@ -13,7 +13,7 @@ from PIL import Image
 import mha
 from mha.cli import _common
 
-COMMANDS = ["demo", "run", "plot", "bench", "check"]
+COMMANDS = ["demo", "run", "plot", "bench", "check", "generate"]
 
 
 def mha_command(*args, cwd, env=None):
@@ -282,3 +282,14 @@ def test_masked_cells_are_drawn_apart(tmp_path):
     assert text.count("<pattern") >= 1 and "<pattern" not in full  # the hatch
     shown = plot_attention(causal, tmp_path / "told.svg", visible=np.ones((4, 4), bool))
     assert "<pattern" not in shown.read_text()  # visible= overrides "exactly zero"
+
+
+def test_generate_refuses_in_one_line_what_it_cannot_read(tmp_path):
+    one_line_error(
+        mha_command("generate", "--model", tmp_path / "none", "--prompt-ids", 1, cwd=tmp_path),
+        "does not exist",
+    )
+    one_line_error(
+        mha_command("generate", "--model", tmp_path, "--prompt-ids", 1, "--chat", cwd=tmp_path),
+        "--chat takes a text --prompt",
+    )

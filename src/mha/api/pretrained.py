@@ -22,8 +22,8 @@ def from_pretrained(
     path: Any, layer: int = 0, dtype: Any = None
 ) -> MultiHeadAttention | LatentAttention:
     """Layer ``layer``'s attention of the transformers checkpoint at ``path`` (a
-    ``save_pretrained`` directory), in ``dtype`` (default: the checkpoint's), whichever kind
-    it is: the layer :meth:`mha.MultiHeadAttention.from_pretrained` or
+    ``save_pretrained`` directory, or a llama.cpp GGUF file), in ``dtype`` (default: the
+    checkpoint's), whichever kind it is: the layer :meth:`mha.MultiHeadAttention.from_pretrained` or
     :meth:`mha.LatentAttention.from_pretrained` reads. Only that layer's attention tensors are
     read; what mha cannot compute exactly is refused by the feature's name (docs/pretrained.md).
 

@@ -1,4 +1,5 @@
-"""The ``mha`` command: ``demo``, ``run``, ``plot``, ``bench`` and ``check``, one module each.
+"""The ``mha`` command: ``demo``, ``run``, ``plot``, ``bench``, ``check`` and ``generate``, one
+module each.
 
 Every mistake a user can make on the command line ends in one line on standard error and
 exit code 2; outputs are written atomically and never over an input file.
@@ -55,9 +56,9 @@ def build_parser() -> Parser:
     commands = parser.add_subparsers(title="commands", parser_class=Parser)
     # Imported here, not when the package is: ``python -m mha.cli.bench`` then runs a module
     # that nothing imported before it.
-    from . import bench, check, demo, plot, run
+    from . import bench, check, demo, generate, plot, run
 
-    for command in (demo, run, plot, bench, check):
+    for command in (demo, run, plot, bench, check, generate):
         command.add_parser(commands)
     return parser
 

@@ -29,11 +29,19 @@ def add_parser(commands: Any) -> None:
         "plot",
         help="per-head heat maps of attention weights",
         description="Plots weights saved by 'mha run --weights', or runs attention on "
-        "--input first. One panel per head and their average; masked cells in hatched grey.",
+        "--input first, or a whole model's layer (--model, --layer) over the tokens of --text. "
+        "One panel per head and their average; masked cells in hatched grey.",
     )
     source = plot.add_mutually_exclusive_group(required=True)
     source.add_argument("--weights", type=Path, metavar="W.npy", help="saved weights")
     source.add_argument("--input", type=Path, metavar="INPUT.npz", help="arrays to run first")
+    source.add_argument(
+        "--model", type=Path, help="a whole model (a save_pretrained folder or a .gguf file)"
+    )
+    plot.add_argument("--text", help="with --model: the text whose tokens are attended")
+    plot.add_argument(
+        "--layer", type=count(0), default=0, help="with --model: which layer (default 0)"
+    )
     plot.add_argument("--heads", type=count(1), help="number of heads, with --input")
     plot.add_argument("--module", type=Path, help="a saved MultiHeadAttention, with --input")
     masking_arguments(plot)
@@ -60,6 +68,13 @@ def command(args: argparse.Namespace) -> int:
         {"--weights": args.weights, "--input": args.input, "--module": args.module},
     )
     plot_format(args.output, "--output")
+    if args.model is not None:
+        if args.text is None:
+            raise UsageError("--model needs --text, the text whose tokens are attended")
+        weights, labels = model_weights(args.model, args.text, args.layer)
+        path = plotting.plot_attention(weights, args.output, query_tokens=labels)
+        print(f"wrote {path}")
+        return 0
     if args.weights is not None:
         for name in INPUT_ONLY:
             if getattr(args, name) is not None and getattr(args, name) is not False:
@@ -103,3 +118,29 @@ def _read_npy(path: Path) -> np.ndarray:
             "(L, S) as written by mha run --weights"
         )
     return array
+
+
+def model_weights(path: Path, text: str, layer: int) -> tuple[np.ndarray, list[str]]:
+    """Layer ``layer``'s attention weights ``(H, L, L)`` in the model at ``path`` over the
+    tokens of ``text``, causal, and each token's string (spaces shown as ``·``, newlines
+    as ``↵``)."""
+    from ..models import load
+
+    model = load(path, dtype=np.float64)  # rows that sum to 1 as the plot checks them
+    decoder = model.decoder
+    if not 0 <= layer < len(decoder.layers):
+        raise UsageError(f"--layer {layer}: the model has layers 0 to {len(decoder.layers) - 1}")
+    if model.tokenizer is None:
+        raise UsageError(f"{path} has no tokenizer: --text cannot be tokenized")
+    ids = model.tokenizer.encode(text)
+    caches = decoder.new_caches(1, capacity=len(ids))
+    x = decoder.embed[np.array([ids])]
+    if decoder.embed_scale is not None:
+        x = x * decoder.embed_scale
+    for index in range(layer):
+        x = decoder._decoder_layer(decoder.layers[index], x, caches[index], None)
+    before = decoder.layers[layer].norms[0]
+    h = x if before is None else decoder.family.norm(x, before, decoder.eps)
+    _, weights = decoder.layers[layer].attention(h, mask=True, return_weights=True)
+    labels = [model.tokenizer.decode([token]).replace(" ", "·").replace("\n", "↵") for token in ids]
+    return np.asarray(weights[0], dtype=np.float64), labels

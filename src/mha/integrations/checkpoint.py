@@ -43,7 +43,7 @@ import numpy as np
 from .._arrays import bfloat16_from_bits
 from ..errors import AttentionTypeError, WeightsFileError
 
-__all__ = ["DTYPES", "Checkpoint"]
+__all__ = ["DTYPES", "Checkpoint", "open_checkpoint"]
 
 DTYPES = {
     "F64": "<f8",
@@ -61,6 +61,14 @@ DTYPES = {
 
 CONFIG, SINGLE, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 LARGEST_HEADER = 100_000_000  # the safetensors package's own limit
+
+
+def open_checkpoint(path: Any) -> Any:
+    """The checkpoint at ``path``: a :class:`Checkpoint` folder, or a llama.cpp GGUF file
+    (:class:`~mha.integrations.gguf_file.GGUFFile`, the same keys and tensor names)."""
+    from .gguf_file import is_gguf, open_gguf
+
+    return open_gguf(path) if is_gguf(path) else Checkpoint(path)
 
 
 class Checkpoint:

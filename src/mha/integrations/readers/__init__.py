@@ -45,7 +45,7 @@ import numpy as np
 from ...api.configuration import LayerSpec
 from ...api.latent import LatentSpec
 from ...errors import WeightsFileError
-from ..checkpoint import Checkpoint
+from ..checkpoint import open_checkpoint
 from .attention import completed, describe
 from .config import Settings, Source, layer_index
 from .family import Family
@@ -68,11 +68,12 @@ __all__ = [
 def read_layer(
     path: Any, layer: Any, dtype: Any = None
 ) -> tuple[LayerSpec | LatentSpec, dict[str, np.ndarray]]:
-    """Layer ``layer``'s attention of the transformers checkpoint at ``path`` as the pair
+    """Layer ``layer``'s attention of the transformers checkpoint at ``path`` (or of the
+    llama.cpp GGUF file, :mod:`mha.integrations.gguf_file`) as the pair
     ``(spec, weights)`` that :meth:`mha.MultiHeadAttention.from_spec` (a
     :class:`~mha.LayerSpec`) or :meth:`mha.LatentAttention.from_spec` (a
     :class:`~mha.LatentSpec`) builds the layer from."""
-    kind, settings, weights = layer_attention(Checkpoint(path), layer, dtype)
+    kind, settings, weights = layer_attention(open_checkpoint(path), layer, dtype)
     spec = LatentSpec(**settings) if kind == "latent" else LayerSpec(**settings)
     return spec, weights
 
@@ -111,7 +112,7 @@ def attention_layers(path: Any) -> list[int]:
     """The indices of the layers of the transformers checkpoint at ``path`` whose attention
     mha reads: every layer, but in a hybrid family (Jamba, Bamba, Nemotron-H...) the
     attention layers alone, not its Mamba, linear-attention or convolution layers."""
-    source = Checkpoint(path)
+    source = open_checkpoint(path)
     family = family_of(source.config, source.path)
     read = Settings(source, family.name, family.defaults, family.keys)
     count = _layers(family, read)

@@ -1,0 +1,285 @@
+"""A llama.cpp GGUF file as a checkpoint: its metadata as transformers' ``config.json`` keys,
+its tensors under transformers' names, dequantized by the ``gguf`` package's own functions.
+
+llama.cpp names one value per architecture (``llama.block_count``,
+``llama.attention.head_count_kv``, ``llama.rope.freq_base``) and one tensor per layer and role
+(``blk.3.attn_q.weight``). Each architecture read is one row of :data:`ARCHITECTURES`: its
+``model_type``, the keys it maps beyond the common ones, its tensors' names, and whether its
+converter permuted the query and key rows for llama.cpp's interleaved rotary (``llama``'s:
+``convert_hf_to_gguf.py`` reorders each head's rows ``(2, d/2)`` to ``(d/2, 2)``; here they
+are put back, a permutation, exact). The dequantization is ``gguf.dequantize``, the
+reference llama.cpp ships, in float32, then cast to the asked dtype.
+
+What mha would compute differently is refused by name, never approximated: an architecture
+not in the table, a quantization type outside :data:`QUANTIZATIONS`, a metadata key of the
+architecture that this reader does not map (rope scaling, a sliding window, experts...), and
+llama 3's ``rope_freqs`` tensor. A tensor with no transformers name keeps its GGUF name, so
+that whoever reads the layers refuses it by that name.
+
+>>> ARCHITECTURES["llama"].model_type, "Q4_1" in QUANTIZATIONS
+('llama', True)
+>>> hf_name("blk.7.attn_q.weight", ARCHITECTURES["llama"])
+'model.layers.7.self_attn.q_proj.weight'
+>>> hf_name("blk.7.ffn_gate_exps.weight", ARCHITECTURES["llama"])
+'blk.7.ffn_gate_exps.weight'
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import AttentionTypeError, AttentionValueError, WeightsFileError
+
+__all__ = ["ARCHITECTURES", "QUANTIZATIONS", "GGUFFile", "hf_name", "is_gguf", "open_gguf"]
+
+QUANTIZATIONS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # fmt: skip
+"""The tensor types read: ``gguf.dequantize`` turns each into the float32 numbers llama.cpp
+computes with."""
+
+COMMON_KEYS = {
+    "block_count": "num_hidden_layers",
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+"""``{arch}.KEY`` metadata and the transformers config key it gives, in every architecture."""
+
+HEAD_WIDTHS = ("rope.dimension_count", "attention.key_length", "attention.value_length")
+"""Keys that must agree with the head width where the architecture does not read them."""
+
+TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+"""llama.cpp's name of each tensor of a layer (``blk.N.NAME``) and transformers' (under
+``model.layers.N.``), as Llama, Qwen2 and Qwen3 name them."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One ``general.architecture``: what transformers calls it, which ``{arch}.KEY`` values
+    it maps beyond :data:`COMMON_KEYS`, and whether its query and key rows were permuted."""
+
+    model_type: str
+    keys: Mapping[str, str] = field(default_factory=dict)
+    permuted: bool = False  # llama's converter reorders q and k rows for interleaved rotary
+    layer: Mapping[str, str] = field(default_factory=lambda: LAYER)
+
+
+ARCHITECTURES = {
+    "llama": Architecture("llama", {"rope.dimension_count": "head_dim"}, permuted=True),
+    "qwen2": Architecture("qwen2"),
+    "qwen3": Architecture("qwen3", {"attention.key_length": "head_dim"}),
+}
+"""The architectures read, by ``general.architecture``; others are refused by name."""
+
+IGNORED = ("general.", "tokenizer.", "GGUF.", "split.", "quantize.")
+"""Metadata that changes nothing computed: names, licences, the tokenizer (read apart)."""
+
+
+def is_gguf(path: Any) -> bool:
+    """Whether ``path`` names a GGUF file (by its first four bytes, ``GGUF``)."""
+    try:
+        with open(os.fspath(path), "rb") as handle:
+            return handle.read(4) == b"GGUF"
+    except (OSError, TypeError):
+        return False
+
+
+def open_gguf(path: Any) -> GGUFFile:
+    """The GGUF file at ``path``, parsed once while it is unchanged (each layer's reader
+    opens the file by its path)."""
+    resolved = Path(os.fspath(path)).resolve()
+    stat = resolved.stat()
+    return _opened(resolved, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _opened(path: Path, mtime: int, size: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def hf_name(name: str, architecture: Architecture) -> str:
+    """transformers' name of the GGUF tensor ``name``, or ``name`` itself where it has none."""
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if match and match.group(2) in architecture.layer:
+        index, role, kind = match.groups()
+        return f"model.layers.{index}.{architecture.layer[role]}.{kind}"
+    match = re.fullmatch(r"(\w+)\.(weight|bias)", name)
+    if match and match.group(1) in TOP:
+        return f"{TOP[match.group(1)]}.{match.group(2)}"
+    return name
+
+
+class GGUFFile:
+    """The config and tensors of a GGUF file, under transformers' keys and names: the same
+    ``config``, :meth:`keys` and :meth:`read` as :class:`~mha.integrations.checkpoint.Checkpoint`.
+    :attr:`metadata` holds every value of the file by its GGUF key (the tokenizer's among
+    them). Needs the ``gguf`` package (``pip install mha[models]``)."""
+
+    def __init__(self, path: Any) -> None:
+        self.path = Path(os.fspath(path))
+        reader = _reader(self.path)
+        self.metadata: dict[str, Any] = {
+            key: value.contents() for key, value in reader.fields.items()
+        }
+        arch = self.metadata.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise WeightsFileError(
+                f"{self.path}: mha reads the GGUF architectures {', '.join(ARCHITECTURES)}; "
+                f"this file's general.architecture is {arch!r}"
+            )
+        self.architecture = ARCHITECTURES[arch]
+        self._tensors = {hf_name(t.name, self.architecture): t for t in reader.tensors}
+        if "rope_freqs.weight" in self._tensors:
+            raise WeightsFileError(
+                f"{self.path} has rope_freqs.weight, llama 3's rope scaling factors, which mha "
+                "does not read from GGUF files"
+            )
+        self.config = self._config(arch)
+
+    def _config(self, arch: str) -> dict[str, Any]:
+        """``config.json``'s keys from the ``{arch}.`` metadata; a key that asks for what
+        these keys cannot say (rope scaling, a window, experts) is refused by name."""
+        config: dict[str, Any] = {"model_type": self.architecture.model_type}
+        keys = {**COMMON_KEYS, **self.architecture.keys}
+        widths = {}
+        for key, value in self.metadata.items():
+            if key.startswith(IGNORED):
+                continue
+            short = key[len(arch) + 1 :] if key.startswith(arch + ".") else None
+            if short in keys:
+                config[keys[short]] = value
+            elif short in HEAD_WIDTHS:
+                widths[key] = value
+            else:
+                raise WeightsFileError(
+                    f"{self.path}: mha does not read the GGUF metadata {key} = {value!r} "
+                    f"(of a {arch} model), so it would not compute what llama.cpp does"
+                )
+        if "vocab_size" not in config and "tokenizer.ggml.tokens" in self.metadata:
+            config["vocab_size"] = len(self.metadata["tokenizer.ggml.tokens"])
+        config["tie_word_embeddings"] = "lm_head.weight" not in self._tensors
+        for name, value in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
+            if f"tokenizer.ggml.{value}_token_id" in self.metadata:
+                config[name] = self.metadata[f"tokenizer.ggml.{value}_token_id"]
+        heads = config.get("num_attention_heads")
+        head_dim = config.get("head_dim") or (
+            config["hidden_size"] // heads if heads and "hidden_size" in config else None
+        )
+        for key, value in widths.items():
+            if value != head_dim:
+                raise WeightsFileError(
+                    f"{self.path}: {key} = {value}, but the heads are {head_dim} wide: mha "
+                    "does not compute partial rotary or unequal key and value widths from GGUF"
+                )
+        return config
+
+    def keys(self) -> list[str]:
+        """The tensors' names (transformers' where they have one), sorted."""
+        return sorted(self._tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __repr__(self) -> str:
+        return f"GGUFFile({str(self.path)!r}: {self.config['model_type']}, {len(self)} tensors)"
+
+    def tensor_type(self, name: str) -> str:
+        """The GGUF type the tensor ``name`` is stored in (``"Q4_1"``, ``"F32"``...)."""
+        return str(self._tensors[name].tensor_type.name)
+
+    def read(self, names: Iterable[str], dtype: Any = None) -> dict[str, np.ndarray]:
+        """The tensors ``names``, dequantized by ``gguf.dequantize`` (float32), their query
+        and key rows put back in transformers' order, in ``dtype`` (float32 by default)."""
+        import gguf
+
+        target = np.dtype(np.float32 if dtype is None else _dtype(dtype))
+        arrays = {}
+        for name in names:
+            if name not in self._tensors:
+                raise WeightsFileError(f"{self.path} has no tensor {name!r}")
+            tensor = self._tensors[name]
+            kind = tensor.tensor_type.name
+            if kind not in QUANTIZATIONS:
+                raise WeightsFileError(
+                    f"{self.path}: {tensor.name} is stored as {kind}, which mha does not read "
+                    f"(it reads {', '.join(QUANTIZATIONS)})"
+                )
+            array = np.asarray(gguf.dequantize(tensor.data, tensor.tensor_type), np.float32)
+            array = array.reshape([int(n) for n in reversed(tensor.shape)])
+            if self.architecture.permuted:
+                array = self._unpermute(name, array)
+            arrays[name] = array.astype(target, copy=True)
+        return arrays
+
+    def _unpermute(self, name: str, array: np.ndarray) -> np.ndarray:
+        """The query's and key's rows in transformers' order: llama.cpp's converter wrote
+        each head's ``d`` rows as ``(d/2, 2)`` pairs of the ``(2, d/2)`` halves."""
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            heads = self.config["num_attention_heads"]
+        elif name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            heads = self.config.get("num_key_value_heads") or self.config["num_attention_heads"]
+        else:
+            return array
+        rows = array.shape[0]
+        if rows % (2 * heads):
+            raise WeightsFileError(f"{self.path}: {name} has {rows} rows, not 2 per head pair")
+        w = array.reshape(heads, rows // heads // 2, 2, *array.shape[1:])
+        return w.swapaxes(1, 2).reshape(array.shape)
+
+
+def _reader(path: Path) -> Any:
+    try:
+        import gguf
+    except ImportError:
+        raise WeightsFileError(
+            f"{path} is a GGUF file: reading it needs the gguf package (pip install 'mha[models]')"
+        ) from None
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, KeyError) as error:
+        raise WeightsFileError(f"{path} is not a GGUF file mha can read ({error})") from None
+
+
+def _dtype(dtype: Any) -> np.dtype:
+    try:
+        target: np.dtype = np.dtype(dtype)
+    except TypeError:
+        raise AttentionTypeError(
+            f"dtype must be a NumPy dtype such as float32; got {dtype!r}"
+        ) from None
+    if target.kind != "f":
+        raise AttentionValueError(f"dtype must be a float dtype; got {target}")
+    return target

@@ -1,0 +1,236 @@
+# mypy: disable-error-code="no-any-return,assignment"
+"""What a decoder layer computes around its attention, in NumPy: the activations, the
+RMSNorms and the MLPs (dense, fused, and the mixtures of experts), each written from its
+family's ``modeling_<family>.py`` in transformers 5.24.
+
+RMSNorm computes in float32 whatever the compute dtype, as transformers does.
+
+>>> import numpy as np
+>>> float(silu(np.float64(0.0))), llama_norm(np.array([3.0, 4.0]), np.ones(2), 0.0).round(4)
+(0.0, array([0.8485, 1.1314]))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..errors import AttentionValueError
+
+__all__ = ["ACTIVATIONS", "Tensors", "UnsupportedModelError"]
+
+Function = Callable[[np.ndarray], np.ndarray]
+
+
+class UnsupportedModelError(AttentionValueError):
+    """A model mha cannot compute exactly (or cannot read), named by what it lacks."""
+
+
+# ---------------------------------------------------------------- activations and norms
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """``1 / (1 + exp(-x))``, as ``(1 + tanh(x / 2)) / 2`` (no overflow)."""
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x * sigmoid(x)
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh approximation (transformers' ``gelu_pytorch_tanh``)."""
+    return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x**3)))
+
+
+ACTIVATIONS = {"silu": silu, "swish": silu, "gelu_pytorch_tanh": gelu_tanh}
+
+
+def _normalise(x: np.ndarray, eps: float) -> np.ndarray:
+    """``x / rms(x)`` in float32, as every transformers RMSNorm computes it."""
+    x = x.astype(np.float32)
+    return x * (1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + eps))
+
+
+def llama_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Llama's RMSNorm: cast back to ``x``'s dtype, then times the weight."""
+    return weight * _normalise(x, eps).astype(x.dtype)
+
+
+def olmo2_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """OLMo 2's (and gpt-oss's): times the weight, then cast back."""
+    return (weight * _normalise(x, eps)).astype(x.dtype)
+
+
+def gemma_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Gemma's: times ``1 + weight`` in float32 (its weights start at zero), then cast back."""
+    return (_normalise(x, eps) * (1.0 + weight.astype(np.float32))).astype(x.dtype)
+
+
+# ---------------------------------------------------------------- MLPs
+
+
+class Tensors:
+    """One layer's tensors by their names under the layer's prefix; each MLP takes its own,
+    and what no one takes is refused (a tensor mha would not compute)."""
+
+    def __init__(self, prefix: str, arrays: dict[str, np.ndarray]) -> None:
+        self.prefix, self.arrays = prefix, dict(arrays)
+
+    def take(self, name: str) -> np.ndarray:
+        if name not in self.arrays:
+            raise UnsupportedModelError(f"the checkpoint has no {self.prefix}{name}")
+        return self.arrays.pop(name)
+
+    def get(self, name: str) -> np.ndarray | None:
+        return self.arrays.pop(name, None)
+
+    def check_all_taken(self) -> None:
+        if self.arrays:
+            names = ", ".join(self.prefix + name for name in sorted(self.arrays))
+            raise UnsupportedModelError(f"mha does not compute {names}")
+
+
+GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
+
+
+def linear(tensors: Tensors, name: str) -> Function:
+    """``nn.Linear`` ``name``: ``x @ weight.T + bias``, the bias where the checkpoint has one."""
+    weight, bias = tensors.take(f"{name}.weight"), tensors.get(f"{name}.bias")
+    return lambda x: x @ weight.T if bias is None else x @ weight.T + bias
+
+
+def gated_mlp(
+    tensors: Tensors, act: Function, prefix: str = "mlp.", names: tuple[str, ...] = GATE_UP_DOWN
+) -> Function:
+    """Llama's SwiGLU (Gemma's GELU): ``down(act(gate(h)) * up(h))``, its projections named
+    ``names`` under ``prefix``."""
+    gate, up, down = (linear(tensors, f"{prefix}{name}") for name in names)
+    return lambda h: down(act(gate(h)) * up(h))
+
+
+def fused_mlp(tensors: Tensors, act: Function) -> Function:
+    """Phi-3's: one ``gate_up_proj``, the gate its first half."""
+    gate_up, down = linear(tensors, "mlp.gate_up_proj"), linear(tensors, "mlp.down_proj")
+
+    def mlp(h: np.ndarray) -> np.ndarray:
+        gate, up = np.split(gate_up(h), 2, axis=-1)
+        return down(act(gate) * up)
+
+    return mlp
+
+
+def top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    """The indices of the ``k`` largest scores of each row, largest first (``torch.topk``)."""
+    return np.argsort(-scores, axis=-1, kind="stable")[..., :k]
+
+
+def mixture(experts: list[Function], h: np.ndarray, chosen: np.ndarray, weights: Any) -> Any:
+    """``sum_k weights[t, k] * experts[chosen[t, k]](h[t])`` for each token ``t`` of
+    ``h (N, D)``, expert by expert, as transformers' eager experts add them up."""
+    out = np.zeros_like(h)
+    for e, expert in enumerate(experts):
+        rows, slots = np.nonzero(chosen == e)  # each token picks an expert once at most
+        if rows.size:
+            out[rows] += expert(h[rows]) * weights[rows, slots, None]
+    return out
+
+
+def gpt_oss_mlp(tensors: Tensors, config: dict[str, Any]) -> Function:
+    """gpt-oss's mixture: a softmax over the ``num_experts_per_tok`` largest router logits;
+    experts ``(E, D, 2I)`` in the ``x @ W`` layout, gate and up interleaved, clamped to
+    ``swiglu_limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    router = linear(tensors, "mlp.router")
+    W_gate_up, b_gate_up = (tensors.take(f"mlp.experts.gate_up_proj{s}") for s in ("", "_bias"))
+    W_down, b_down = (tensors.take(f"mlp.experts.down_proj{s}") for s in ("", "_bias"))
+    k, alpha = int(config["num_experts_per_tok"]), float(config["swiglu_alpha"])
+    limit = float(config["swiglu_limit"])
+
+    def expert(e: int) -> Function:
+        def run(x: np.ndarray) -> np.ndarray:
+            gate_up = x @ W_gate_up[e] + b_gate_up[e]
+            gate = np.minimum(gate_up[..., ::2], limit)
+            up = np.clip(gate_up[..., 1::2], -limit, limit)
+            return ((up + 1.0) * (gate * sigmoid(gate * alpha))) @ W_down[e] + b_down[e]
+
+        return run
+
+    experts = [expert(e) for e in range(len(W_gate_up))]
+
+    def mlp(h: np.ndarray) -> np.ndarray:
+        x = h.reshape(-1, h.shape[-1])
+        logits = router(x)
+        chosen = top_k(logits, k)
+        top = np.take_along_axis(logits, chosen, axis=-1)
+        weights = np.exp(top - top[:, :1])
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+        return np.asarray(mixture(experts, x, chosen, weights).reshape(h.shape))
+
+    return mlp
+
+
+def softmax_experts(
+    tensors: Tensors, config: dict[str, Any], act: Function, layer: int, family: Any
+) -> Function:
+    """Mixtral's, Qwen3-MoE's and OLMoE's mixtures: in float32, a softmax over the router's
+    logits, the ``num_experts_per_tok`` best experts weighted by their probabilities
+    (renormalised where ``norm_topk_prob``, always in Mixtral), each a SwiGLU. Qwen3-MoE's
+    layers in ``mlp_only_layers``, or off its ``decoder_sparse_step``, are dense."""
+    prefix, names = family.experts
+    sparse = layer not in (config.get("mlp_only_layers") or []) and (
+        (layer + 1) % int(config.get("decoder_sparse_step") or 1) == 0
+    )
+    if not sparse:
+        return gated_mlp(tensors, act)
+    router = tensors.take(f"{prefix}gate.weight")
+    k, normalise = int(config["num_experts_per_tok"]), family.normalise or config["norm_topk_prob"]
+    experts = [gated_mlp(tensors, act, f"{prefix}experts.{e}.", names) for e in range(len(router))]
+
+    def mlp(h: np.ndarray) -> np.ndarray:
+        x = h.reshape(-1, h.shape[-1])
+        logits = (x @ router.T).astype(np.float32)
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+        chosen = top_k(probs, k)
+        weights = np.take_along_axis(probs, chosen, axis=-1)
+        if normalise:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return np.asarray(mixture(experts, x, chosen, weights.astype(x.dtype)).reshape(h.shape))
+
+    return mlp
+
+
+def deepseek_mlp(tensors: Tensors, config: dict[str, Any], act: Function, layer: int) -> Function:
+    """DeepSeek-V3's: a dense MLP in the first ``first_k_dense_replace`` layers; then, in
+    float32, sigmoid scores plus ``e_score_correction_bias`` choose the ``topk_group``
+    groups of experts with the largest two-best sums and the ``num_experts_per_tok`` best
+    experts in them, weighted by their scores (normalised with ``norm_topk_prob``) times
+    ``routed_scaling_factor``; a shared expert is added to the mixture."""
+    if layer < int(config.get("first_k_dense_replace") or 0):
+        return gated_mlp(tensors, act)
+    router = tensors.take("mlp.gate.weight").astype(np.float32)
+    bias = tensors.take("mlp.gate.e_score_correction_bias").astype(np.float32)
+    E, groups = len(router), int(config["n_group"])
+    k, k_groups = int(config["num_experts_per_tok"]), int(config["topk_group"])
+    scaling, normalise = float(config["routed_scaling_factor"]), config["norm_topk_prob"]
+    experts = [gated_mlp(tensors, act, f"mlp.experts.{e}.") for e in range(E)]
+    shared = gated_mlp(tensors, act, "mlp.shared_experts.")
+
+    def mlp(h: np.ndarray) -> np.ndarray:
+        x = h.reshape(-1, h.shape[-1])
+        scores = sigmoid(x.astype(np.float32) @ router.T)  # (N, E)
+        choice = (scores + bias).reshape(len(x), groups, E // groups)
+        best_two = np.sort(choice, axis=-1)[..., -2:].sum(axis=-1)  # (N, groups)
+        kept = np.zeros(best_two.shape, dtype=bool)
+        np.put_along_axis(kept, top_k(best_two, k_groups), True, axis=-1)
+        choice = np.where(kept[..., None], choice, -np.inf).reshape(len(x), E)
+        chosen = top_k(choice, k)
+        weights = np.take_along_axis(scores, chosen, axis=-1)
+        if normalise:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        mixed = mixture(experts, x, chosen, weights * scaling)
+        return np.asarray(mixed.reshape(h.shape) + shared(h))
+
+    return mlp
