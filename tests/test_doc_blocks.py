@@ -24,7 +24,11 @@ FENCE = re.compile(r"^```(.*?)\n(.*?)^```", flags=re.DOTALL | re.MULTILINE)
 
 # The checkpoint folders the docs name, as written, and the family of the tiny checkpoint
 # that stands in for each in the tests.
-CHECKPOINTS = {'"Qwen3-0.6B"': "qwen3", '"DeepSeek-V2-Lite"': "deepseek_v2"}
+CHECKPOINTS = {
+    '"Qwen3-0.6B"': "qwen3",
+    '"DeepSeek-V2-Lite"': "deepseek_v2",
+    '"Jamba-v0.1"': "jamba",
+}
 
 # Blocks run elsewhere or not run, found by a line they hold: (page, line) -> why.
 ELSEWHERE = {

@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import AttentionValueError
-from . import alibi, defaults, layouts
+from . import alibi, defaults, layouts, rules
 from .alibi import Alibi
-from .config import FULL, SLIDING, Settings, Unsupported
+from .config import FULL, SLIDING, Unsupported
 from .family import (
     ACROSS_HEADS,
     BIDIRECTIONAL,
@@ -32,7 +32,6 @@ from .family import (
     QkNorm,
     attention_multiplier,
     falcon_heads,
-    from_config,
     multi_query,
     query_pre_attn_scalar,
     split_hidden,
@@ -99,117 +98,6 @@ __all__ = ["FAMILIES", "REFUSED", "SUPPORTED", "family_of", "register"]
 FAMILIES: dict[str, Family] = {}
 """The families read, by ``model_type``."""
 
-_GPT2_KEYS = {"hidden_size": "n_embd", "num_attention_heads": "n_head",
-              "num_hidden_layers": "n_layer", "max_position_embeddings": "n_positions"}  # fmt: skip
-_GPT_NEO_KEYS = {"num_attention_heads": "num_heads", "num_hidden_layers": "num_layers",
-                 "layer_types": "attention_layers"}  # fmt: skip
-_NEOX_ROPE_KEYS = {"rope_theta": "rotary_emb_base", "partial_rotary_factor": "rotary_pct"}
-_MPT_KEYS = {"num_attention_heads": "n_heads", "hidden_size": "d_model",
-             "num_hidden_layers": "n_layers"}  # fmt: skip
-_XGLM_KEYS = {"num_attention_heads": "attention_heads", "hidden_size": "d_model",
-              "num_hidden_layers": "num_layers"}  # fmt: skip
-ALWAYS = Biases()
-"""Every projection biased (GPT-2's ``Conv1D``, BLOOM's, BioGPT's)."""
-NO_ROPE = Rope(applied=False)
-MPT_UNSUPPORTED = (
-    # transformers' MPT builds its ALiBi without them: slopes of alibi_bias_max=8, always
-    Unsupported(
-        "attn_config.alibi_bias_max",
-        "ALiBi slopes of another alibi_bias_max, which transformers' MPT ignores (it takes 8)",
-        lambda value: value != 8,
-    ),
-    Unsupported(
-        "attn_config.alibi",
-        "no ALiBi, which transformers' MPT applies all the same",
-        lambda value: not value,
-    ),
-)
-_ROTARY_DIM = Rope(interleave=True, dim_key="rotary_dim")
-_HUNYUAN = Projections(q_norm="query_layernorm", k_norm="key_layernorm")
-_HUNYUAN_NORM = QkNorm("head", after_rope=True)
-_DBRX_KEYS = {**_MPT_KEYS, "num_key_value_heads": "attn_config.kv_n_heads",
-              "max_position_embeddings": "max_seq_len"}  # fmt: skip
-
-
-def softmax_scale(read: Settings) -> float | None:
-    """MPT's ``attn_config.softmax_scale`` (``None``: ``1/sqrt(head_dim)``)."""
-    scale = read.get("attn_config.softmax_scale")
-    return None if scale is None else float(scale)
-
-
-def scale_attn_weights(read: Settings) -> float | None:
-    """GPT-2's: ``1/sqrt(head_dim)``, or 1 without ``scale_attn_weights``."""
-    return None if read.get("scale_attn_weights") else 1.0
-
-
-def key_multiplier(read: Settings) -> float:
-    """Falcon-H1's: ``1/sqrt(head_dim)`` times ``key_multiplier``, which multiplies its keys
-    (the scores are the same)."""
-    scale: float = from_config(read)[2] ** -0.5 * float(read.get("key_multiplier"))
-    return scale
-
-
-def rope_unless_null(read: Settings, index: int, layer_type: str) -> bool:
-    """OLMo-hybrid's: a rope unless its base is null (``rope_parameters``' ``rope_theta``,
-    or the older top-level one), as in its released checkpoints."""
-    parameters = read.given("rope_parameters")
-    if isinstance(parameters, dict) and "rope_theta" in parameters:
-        return parameters["rope_theta"] is not None
-    return not ("rope_theta" in read.config and read.config["rope_theta"] is None)
-
-
-def rope_position_embedding(read: Settings, index: int, layer_type: str) -> bool:
-    """Granite-MoE-hybrid's: a rope when ``position_embedding_type`` is ``"rope"``, else no
-    positions (its default)."""
-    return bool(read.get("position_embedding_type") == "rope")
-
-
-_LARA_MINI = [LINEAR, SLIDING, LINEAR, FULL, SLIDING]
-"""Lara-mini's default layer types, repeated (its released pattern)."""
-
-
-def lara_mini_types(read: Settings, count: int) -> list[str]:
-    """Lara-mini's default ``layer_types``: its released pattern of five, repeated."""
-    return [_LARA_MINI[i % len(_LARA_MINI)] for i in range(count)]
-
-
-_MAMBA = "a Mamba layer"
-_MAMBA2 = "a Mamba-2 layer"
-_PATTERN = {"M": LINEAR, "E": MOE, "*": FULL, "-": MLP}
-"""Nemotron-H's ``hybrid_override_pattern``: a character a layer."""
-
-
-class DbrxBase(Unsupported):
-    """DBRX's ``attn_config.rope_theta``, which transformers' DBRX keeps but does not rotate
-    by (its rotary takes ``rope_parameters``' base, 10000 by default): refused where the two
-    differ, as mha would rotate by the base that transformers does not."""
-
-    def check(self, read: Settings) -> None:
-        value = read.get(self.key)
-        rope = read.get("rope_parameters") or {}
-        base = rope.get("rope_theta", 10_000.0) if isinstance(rope, dict) else None
-        if value is not None and value != base:
-            raise read.refuse(
-                f"{read.name(self.key)}={value!r} ({self.feature}: it rotates by "
-                f"rope_parameters' rope_theta={base!r})"
-            )
-
-
-DBRX_BASE = DbrxBase("attn_config.rope_theta", "a rotary base transformers' DBRX ignores")
-
-
-def laguna_gate_per_head(read: Settings) -> bool:
-    """Laguna's ``gating``: a gate per head when ``true`` or ``"per-head"``, else one per
-    feature."""
-    gating = read.get("gating")
-    return gating is True or gating == "per-head"
-
-
-def dbrx_heads(read: Settings) -> tuple[int, int, int]:
-    """DBRX's: ``attn_config.kv_n_heads`` key/value heads, each head ``d_model // n_heads``
-    wide."""
-    return split_hidden(read, read.positive("num_key_value_heads"))
-
 
 def register(*families: Family) -> None:
     """Adds rows to the table (a later row of the same ``model_type`` replaces the first)."""
@@ -272,28 +160,28 @@ register(
     Family(
         "gpt2",
         defaults.GPT2,
-        keys=_GPT2_KEYS,
+        keys=rules.GPT2_KEYS,
         tensors=layouts.GPT2_LAYOUT,
         heads=split_hidden,
-        biases=ALWAYS,
-        rope=NO_ROPE,
-        scale=scale_attn_weights,
+        biases=rules.ALWAYS,
+        rope=rules.NO_ROPE,
+        scale=rules.scale_attn_weights,
         scale_by_layer="scale_attn_by_inverse_layer_idx",
     ),
     Family(
         "gpt_bigcode",
         defaults.GPT_BIGCODE,
-        keys=_GPT2_KEYS,
+        keys=rules.GPT2_KEYS,
         tensors=layouts.BIGCODE,
         heads=multi_query,
-        biases=ALWAYS,
-        rope=NO_ROPE,
-        scale=scale_attn_weights,
+        biases=rules.ALWAYS,
+        rope=rules.NO_ROPE,
+        scale=rules.scale_attn_weights,
     ),
     Family(
         "gpt_neox",
         defaults.GPT_NEOX,
-        keys=_NEOX_ROPE_KEYS,
+        keys=rules.NEOX_ROPE_KEYS,
         tensors=layouts.GPT_NEOX,
         heads=split_hidden,
         rope=Rope(partial=True, fraction=0.25),
@@ -301,7 +189,7 @@ register(
     Family(
         "gpt_neox_japanese",
         defaults.GPT_NEOX_JAPANESE,
-        keys=_NEOX_ROPE_KEYS,
+        keys=rules.NEOX_ROPE_KEYS,
         tensors=layouts.GPT_NEOX_JAPANESE,
         heads=split_hidden,
         biases=Biases(roles=("o",), last=("o",)),
@@ -311,30 +199,30 @@ register(
     Family(
         "gptj",
         defaults.GPTJ,
-        keys=_GPT2_KEYS,
+        keys=rules.GPT2_KEYS,
         tensors=layouts.GPTJ,
         heads=split_hidden,
         biases=NO_BIASES,
-        rope=_ROTARY_DIM,
+        rope=rules.ROTARY_DIM,
     ),
     Family(
         "codegen",
         defaults.CODEGEN,
-        keys=_GPT2_KEYS,
+        keys=rules.GPT2_KEYS,
         tensors=layouts.CODEGEN,
         heads=split_hidden,
         biases=NO_BIASES,
-        rope=_ROTARY_DIM,
+        rope=rules.ROTARY_DIM,
     ),
     Family(
         "gpt_neo",
         defaults.GPT_NEO,
-        keys=_GPT_NEO_KEYS,
+        keys=rules.GPT_NEO_KEYS,
         tensors=layouts.GPT_NEO,
         heads=split_hidden,
         biases=Biases(roles=("o",)),
         windows=GPT_NEO_WINDOWS,
-        rope=NO_ROPE,
+        rope=rules.NO_ROPE,
         scale=unscaled,
     ),
     Family(
@@ -343,32 +231,32 @@ register(
         keys={"num_attention_heads": "n_head", "num_hidden_layers": "n_layer"},
         tensors=layouts.BLOOM,
         heads=split_hidden,
-        biases=ALWAYS,
-        rope=NO_ROPE,
+        biases=rules.ALWAYS,
+        rope=rules.NO_ROPE,
         alibi=Alibi(alibi.bloom),
     ),
     Family(
         "mpt",
         defaults.MPT,
-        keys=_MPT_KEYS,
+        keys=rules.MPT_KEYS,
         tensors=layouts.MPT,
         heads=split_hidden,
         biases=NO_BIASES,
-        rope=NO_ROPE,
-        scale=softmax_scale,
+        rope=rules.NO_ROPE,
+        scale=rules.softmax_scale,
         alibi=Alibi(alibi.bloom),
         clip_qkv=ClipQkv("attn_config.clip_qkv", zero_is_off=True),
-        unsupported=MPT_UNSUPPORTED,
+        unsupported=rules.MPT_UNSUPPORTED,
     ),
     Family(  # one fused Wqkv, clamped to ±clip_qkv, then rotated as Llama's
         "dbrx",
         defaults.DBRX,
-        keys=_DBRX_KEYS,
+        keys=rules.DBRX_KEYS,
         tensors=layouts.DBRX,
-        heads=dbrx_heads,
+        heads=rules.dbrx_heads,
         biases=NO_BIASES,
         clip_qkv=ClipQkv("attn_config.clip_qkv"),
-        unsupported=(DBRX_BASE,),
+        unsupported=(rules.DBRX_BASE,),
     ),
     Family(
         "falcon",
@@ -385,42 +273,42 @@ register(
         tensors=layouts.OPT,
         heads=split_hidden,
         biases=Biases("enable_bias"),
-        rope=NO_ROPE,
+        rope=rules.NO_ROPE,
     ),
     Family(
         "biogpt",
         defaults.BIOGPT,
         tensors=layouts.BIOGPT,
         heads=split_hidden,
-        biases=ALWAYS,
-        rope=NO_ROPE,
+        biases=rules.ALWAYS,
+        rope=rules.NO_ROPE,
     ),
     Family(
         "xglm",
         defaults.XGLM,
-        keys=_XGLM_KEYS,
+        keys=rules.XGLM_KEYS,
         tensors=layouts.XGLM,
         heads=split_hidden,
-        biases=ALWAYS,
-        rope=NO_ROPE,
+        biases=rules.ALWAYS,
+        rope=rules.NO_ROPE,
     ),
     Family(
         "openai-gpt",
         defaults.OPENAI_GPT,
-        keys=_GPT2_KEYS,
+        keys=rules.GPT2_KEYS,
         tensors=layouts.GPT2_LAYOUT,
         heads=split_hidden,
-        biases=ALWAYS,
-        rope=NO_ROPE,
+        biases=rules.ALWAYS,
+        rope=rules.NO_ROPE,
     ),
     Family(
         "ctrl",
         defaults.CTRL,
-        keys=_GPT2_KEYS,
+        keys=rules.GPT2_KEYS,
         tensors=layouts.CTRL,
         heads=split_hidden,
-        biases=ALWAYS,
-        rope=NO_ROPE,
+        biases=rules.ALWAYS,
+        rope=rules.NO_ROPE,
     ),
     # layers without positions (NoPE): by no_rope_layers, the full layers, the full layers
     # of a windowed model
@@ -501,7 +389,7 @@ register(
         defaults.PERSIMMON,
         tensors=layouts.PERSIMMON,
         heads=split_hidden,
-        biases=ALWAYS,
+        biases=rules.ALWAYS,
         rope=Rope(partial=True, fraction=0.5),
         qk_norm=LAYERNORM_QK,
     ),
@@ -515,10 +403,7 @@ register(
         own=("use_qk_norm",),
     ),
     # (Helium and ERNIE 4.5 rotate (2i, 2i + 1) pairs too: their rows are below)
-)
-
-# families whose attention is one above under other names, defaults and config keys
-register(
+    # families whose attention is one above under other names, defaults and config keys
     Family("qwen3_moe", defaults.QWEN3_MOE, windows=QWEN_EVERY_LAYER, qk_norm=PER_HEAD),
     Family(
         "qwen2_moe",
@@ -616,11 +501,11 @@ register(
     Family(
         "hunyuan_v1_dense",
         defaults.HUNYUAN,
-        tensors=_HUNYUAN,
+        tensors=rules.HUNYUAN,
         rope=Rope(scaled=False),
-        qk_norm=_HUNYUAN_NORM,
+        qk_norm=rules.HUNYUAN_NORM,
     ),
-    Family("hunyuan_v1_moe", defaults.HUNYUAN, tensors=_HUNYUAN, qk_norm=_HUNYUAN_NORM),
+    Family("hunyuan_v1_moe", defaults.HUNYUAN, tensors=rules.HUNYUAN, qk_norm=rules.HUNYUAN_NORM),
     Family(  # a sigmoid gate of every feature; rope on the sliding layers only
         "afmoe",
         defaults.AFMOE,
@@ -637,7 +522,7 @@ register(
             per_layer_type={FULL: (None, 500_000.0), SLIDING: (None, 10_000.0)}, partial=True
         ),
         qk_norm=PER_HEAD,
-        gate=Gate("g_proj", "softplus", per_head=laguna_gate_per_head),
+        gate=Gate("g_proj", "softplus", per_head=rules.laguna_gate_per_head),
         heads_by_layer="num_attention_heads_per_layer",
     ),
     Family("hy_v3", defaults.HY_V3, rope=Rope(theta=11_158_840.0), qk_norm=PER_HEAD),
@@ -681,10 +566,7 @@ register(
         qk_norm=PER_HEAD,
         unsupported=(Unsupported("rope_scaling", "an old rope_scaling, which Mellum ignores"),),
     ),
-)
-
-# attentions above with other defaults, windows or rope (issue 32)
-register(
+    # attentions above with other defaults, windows or rope (issue 32)
     Family(  # EXAONE 4's attention (ExaoneMoeAttention)
         "exaone_moe",
         defaults.EXAONE_MOE,
@@ -768,31 +650,28 @@ register(
         rope=Rope(negated=True),
         qk_norm=QkNorm("head", weighted=False),
     ),
-)
-
-# hybrid models: the attention layers between Mamba, linear-attention or convolution layers
-# (each refused by its index); Falcon-H1's attention beside a Mamba mixer in every layer
-register(
+    # hybrid models: the attention layers between Mamba, linear-attention or convolution layers
+    # (each refused by its index); Falcon-H1's attention beside a Mamba mixer in every layer
     Family(
         "granitemoehybrid",
         defaults.GRANITEMOEHYBRID,
         keys={"layer_types": "layers_block_type"},
-        rope=Rope(rotates=rope_position_embedding),
+        rope=Rope(rotates=rules.rope_position_embedding),
         scale=attention_multiplier,
         hybrid=Hybrid(
-            "Granite-MoE-hybrid", from_layer_types(every_layer_of(LINEAR)), {LINEAR: _MAMBA2}
+            "Granite-MoE-hybrid", from_layer_types(every_layer_of(LINEAR)), {LINEAR: rules.MAMBA2}
         ),
     ),
-    Family("falcon_h1", defaults.FALCON_H1, scale=key_multiplier),
+    Family("falcon_h1", defaults.FALCON_H1, scale=rules.key_multiplier),
     Family(
         "jamba",
         defaults.JAMBA,
         biases=NO_BIASES,
-        rope=NO_ROPE,
+        rope=rules.NO_ROPE,
         hybrid=Hybrid(
             "Jamba",
             by_period("attn_layer_period", "attn_layer_offset"),
-            {LINEAR: _MAMBA},
+            {LINEAR: rules.MAMBA},
             keys=("attn_layer_period", "attn_layer_offset"),
         ),
     ),
@@ -802,12 +681,14 @@ register(
         keys={"layer_types": "layers_block_type"},
         tensors=Projections(path="backbone.layers.{i}.mixer"),
         biases=NO_BIASES,
-        rope=NO_ROPE,
+        rope=rules.NO_ROPE,
         hybrid=Hybrid(
             "Nemotron-H",
             from_layer_types(listed(LINEAR, MOE, FULL, MLP)),
-            {LINEAR: _MAMBA2, MOE: "a mixture-of-experts MLP layer", MLP: "an MLP layer"},
-            sources=(("hybrid_override_pattern", by_pattern("hybrid_override_pattern", _PATTERN)),),
+            {LINEAR: rules.MAMBA2, MOE: "a mixture-of-experts MLP layer", MLP: "an MLP layer"},
+            sources=(
+                ("hybrid_override_pattern", by_pattern("hybrid_override_pattern", rules.PATTERN)),
+            ),
             counts=True,
         ),
     ),
@@ -818,7 +699,7 @@ register(
         hybrid=Hybrid(
             "Bamba",
             by_indices("attn_layer_indices"),
-            {LINEAR: _MAMBA2},
+            {LINEAR: rules.MAMBA2},
             keys=("attn_layer_indices",),
         ),
     ),
@@ -847,7 +728,7 @@ register(
     Family(
         "olmo_hybrid",
         defaults.OLMO_HYBRID,
-        rope=Rope(rotates=rope_unless_null),
+        rope=Rope(rotates=rules.rope_unless_null),
         qk_norm=ACROSS_HEADS,
         hybrid=Hybrid(
             "OLMo-hybrid",
@@ -858,12 +739,12 @@ register(
     Family(
         "lara_mini",
         defaults.LARA_MINI,
-        windows=ByLayerTypes(lara_mini_types),
+        windows=ByLayerTypes(rules.lara_mini_types),
         rope=Rope(rotates=sliding_layers),
         qk_norm=PER_HEAD,
         hybrid=Hybrid(
             "Lara-mini",
-            from_layer_types(lara_mini_types),
+            from_layer_types(rules.lara_mini_types),
             {LINEAR: "a Gated DeltaNet linear-attention layer"},
         ),
     ),
