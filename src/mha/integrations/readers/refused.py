@@ -50,9 +50,9 @@ def _not_computed(what: str) -> str:
     return f"{what}, which mha does not compute"
 
 
-def _not_read(what: str) -> str:
-    """A feature mha computes (an output gate: ``W_g=``) that no row reads yet."""
-    return f"{what}, which mha computes (W_g=, output_gate=) but does not read from this family yet"
+def _not_read(what: str, keywords: str = "W_g=, output_gate=") -> str:
+    """Features mha computes (an output gate: ``W_g=``) that no row reads yet."""
+    return f"{what}, which mha computes ({keywords}) but does not read from this family yet"
 
 
 _QWEN_GATED = (
@@ -60,9 +60,10 @@ _QWEN_GATED = (
 )
 _TOP_K = "top-k sparse attention (an indexer picks the keys each query attends to)"
 _MAMBA = "Mamba state-space layers between its attention layers"
-_LLAMA4 = (
-    "Llama 4's attention (chunked layers, layers without rope, L2 QK-norm, temperature "
-    "tuning) is not supported"
+_LLAMA4 = _not_read(
+    "Llama 4's attention (chunked layers with an L2 QK-norm, layers without rope with a "
+    "query temperature)",
+    "chunk=, qk_norm=, query_temperature=",
 )
 
 REFUSED = {
@@ -144,9 +145,10 @@ REFUSED = {
     "zaya": _not_computed(
         "ZAYA's compressed convolutional attention (queries and keys through convolutions)"
     ),
-    "mimo_v2_flash": _not_computed(
-        "MiMo-V2-Flash's attention has values narrower than its keys (v_head_dim=128, "
-        "head_dim=192 by default) and twice the key/value heads in its sliding layers"
+    "mimo_v2_flash": _not_read(
+        "MiMo-V2-Flash's attention (values narrower than its keys, twice the key/value heads "
+        "and sinks in its sliding layers, its values scaled)",
+        "v_head_dim=, sinks=",
     ),
     "llama4_text": _LLAMA4,
     # not a decoder-only text model
