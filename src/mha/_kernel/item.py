@@ -54,6 +54,20 @@ class ItemVisibility:
     heads: slice = field(default_factory=lambda: slice(0, 1))  # mask_mod's h
     memo: Memo | None = None
     alike: bool = True  # every head sees the same keys
+    # read once a tile: the window as geometry takes it and the sink tokens' end, kept
+    _window: int = field(default=NO_WINDOW, init=False, repr=False, compare=False)
+    _sink_end: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        window = NO_WINDOW if self.window is None else self.window
+        object.__setattr__(self, "_window", window)
+        sink_end = 0
+        if self.sink_tokens and self.window is not None:
+            if self.held_sink_tokens:
+                sink_end = min(self.held_sink_tokens, self.key_end)
+            else:
+                sink_end = max(0, min(self._slot(self.sink_tokens), self.key_end))
+        object.__setattr__(self, "_sink_end", sink_end)
 
     def query_positions(self, r0: int, r1: int) -> np.ndarray:
         """The positions of rows ``[r0, r1)``, aligned with the keys' (ALiBi, chunks)."""
@@ -72,18 +86,14 @@ class ItemVisibility:
 
     def sink_token_end(self) -> int:
         """One past the last key slot holding a sink token (0 when there are none)."""
-        if not self.sink_tokens or self.window is None:
-            return 0
-        if self.held_sink_tokens:
-            return min(self.held_sink_tokens, self.key_end)
-        return max(0, min(self._slot(self.sink_tokens), self.key_end))
+        return self._sink_end
 
     def key_ranges(self, r0: int, r1: int) -> list[tuple[int, int]]:
         """The runs of keys ``[start, stop)`` that some query of rows ``[r0, r1)`` may see
         by the lengths, the causal mask, the window (and its sink tokens) and the chunks,
         in order; a mask or bias may hide more."""
         start, stop = geometry.keys_seen(
-            r0, r1, self.offset, self.key_end, self.causal, self._window_length()
+            r0, r1, self.offset, self.key_end, self.causal, self._window
         )
         first = last = 0
         if self.chunk is not None:  # positions of the first and past the last row's chunk
@@ -92,7 +102,7 @@ class ItemVisibility:
             last = ((r1 - 1 + self.offset + self.key_index) // c + 1) * c
             start, stop = max(start, self._slot(first)), min(stop, self._slot(last))
         ranges = []
-        sink_slots = self.sink_token_end()
+        sink_slots = self._sink_end
         if sink_slots and start > 0:
             lo, hi = 0, min(sink_slots, stop)
             if self.chunk is not None:
@@ -118,7 +128,7 @@ class ItemVisibility:
             if ranges and max(start, ranges[0][0]) < min(stop, ranges[-1][1]):
                 yield max(start, ranges[0][0]), min(stop, ranges[-1][1])
             return
-        sink_slots = self.sink_token_end()
+        sink_slots = self._sink_end
         for a, b in self.key_ranges(r0, r1):
             c0, b = max(a, start), min(b, stop)
             while c0 < b:
@@ -156,12 +166,12 @@ class ItemVisibility:
 
     def _window_length(self) -> int:
         """The window as :mod:`.geometry` takes it (:data:`.geometry.NO_WINDOW`: none)."""
-        return NO_WINDOW if self.window is None else self.window
+        return self._window
 
     def _band_window(self, c0: int) -> int:
         """The window where it bounds a block starting at key ``c0`` as a band, else
         :data:`.geometry.NO_WINDOW` (a block with sink tokens in it is bounded by them)."""
-        return self._window_length() if c0 >= self.sink_token_end() else NO_WINDOW
+        return self._window if c0 >= self._sink_end else NO_WINDOW
 
     def band(self, r0: int, r1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray] | None:
         """For each row of ``[r0, r1)``, the keys ``[lo, hi)`` of the block ``[c0, c1)`` (as
@@ -210,7 +220,7 @@ class ItemVisibility:
         loops stop at it. With ``band=False``, the causal mask and the window (where
         :meth:`band` can say it) are left to :meth:`band`."""
         hidden = None
-        w, window = c1 - c0, self._window_length()
+        w, window = c1 - c0, self._window
         if band and geometry.cut(r0, r1, c0, c1, self.offset, self.causal, NO_WINDOW):
             _, hi = geometry.band(np.arange(r0, r1)[:, None], c0, c1, self.offset, True, NO_WINDOW)
             hidden = np.arange(w) >= hi  # the keys after each row's own
@@ -218,7 +228,7 @@ class ItemVisibility:
         if (band or sink_tokens_apart) and geometry.cut(r0, r1, c0, c1, self.offset, False, window):
             lo, _ = geometry.band(np.arange(r0, r1)[:, None], c0, c1, self.offset, False, window)
             below = np.arange(w) < lo  # the keys before each row's window
-            sink_slots = self.sink_token_end()
+            sink_slots = self._sink_end
             if sink_slots > c0:  # sink tokens stay visible
                 below &= np.arange(c0, c1)[None, :] >= sink_slots
             hidden = _or(hidden, below)

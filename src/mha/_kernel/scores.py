@@ -24,6 +24,7 @@ so split keys, merged partials and every tile size add it exactly once.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -169,6 +170,11 @@ class Scores:
     sinks: np.ndarray | None = None
     temperature: QueryTemperature | None = None  # folded into the queries before the walks
 
+    @functools.cached_property
+    def _alibi(self) -> Alibi | None:  # (read once a tile: kept)
+        alibi: Alibi | None = self._first(Alibi)
+        return alibi
+
     def _first(self, kind: type) -> Any:
         return next((t for t in self.transforms if isinstance(t, kind)), None)
 
@@ -179,7 +185,7 @@ class Scores:
 
     @property
     def alibi(self) -> np.ndarray | None:
-        alibi = self._first(Alibi)
+        alibi = self._alibi
         return None if alibi is None else alibi.slopes
 
     @property
@@ -192,9 +198,10 @@ class Scores:
             return None
         return Scores(self.transforms, temperature=self.temperature)
 
-    @property
+    @functools.cached_property
     def nonlinear(self) -> bool:
-        """Whether the backward pass needs the raw scores and a derivative."""
+        """Whether the backward pass needs the raw scores and a derivative (read once a
+        tile: kept)."""
         return any(t.nonlinear for t in self.transforms)
 
     def apply(
@@ -227,7 +234,7 @@ class Scores:
         self, item: ItemVisibility, r0: int, r1: int, c0: int, G: int, dtype: np.dtype
     ) -> tuple[np.ndarray, np.ndarray]:
         """ALiBi for the compiled step (:meth:`Alibi.rows`)."""
-        alibi = self._first(Alibi)
+        alibi = self._alibi
         assert alibi is not None
         rows: tuple[np.ndarray, np.ndarray] = alibi.rows(item, r0, r1, c0, G, dtype)
         return rows
