@@ -250,20 +250,8 @@ def check_layer(
     _refuse_positional_with_extra_keys(weights, spec, scores)
     sizes = (H, d_k, S, weights.W_q.shape)
     rotary, q_positions, k_positions = _rotary(spec, inputs, Q, sizes, nq)
-    norm = check_qk_norm(
-        given.q_norm,
-        given.k_norm,
-        spec.qk_norm.kind,
-        spec.qk_norm.eps,
-        spec.qk_norm.offset,
-        H=H,
-        H_kv=H_kv,
-        d_k=d_k,
-        layer=spec.qk_norm.layer,
-        q_bias=given.q_norm_bias,
-        k_bias=given.k_norm_bias,
-        after_rope=spec.qk_norm.after_rope,
-    )
+    norm_weights = (given.q_norm, given.k_norm, given.q_norm_bias, given.k_norm_bias)
+    norm = check_qk_norm(spec.qk_norm, norm_weights, (H, H_kv, d_k))
     sinks = None if spec.scores.sinks is None else as_float_array("sinks", spec.scores.sinks)
     return Call(
         Q, K, V, weights, H, H_kv, d_k, d_v, B, L, S, result_dtype, compute_dtype, spec,

@@ -18,13 +18,16 @@ RMSNorm).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._arrays import as_float_array
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .rotary import positive_real
+
+if TYPE_CHECKING:
+    from .spec import QKNormRules
 
 __all__ = ["KINDS", "QKNorm", "check_offset", "check_qk_norm", "rms_norm", "rms_norm_backward"]
 
@@ -109,24 +112,16 @@ class QKNorm:
 
 
 def check_qk_norm(
-    q_norm: Any,
-    k_norm: Any,
-    kind: Any,
-    eps: Any,
-    offset: Any,
-    *,
-    H: int,
-    H_kv: int,
-    d_k: int,
-    layer: bool = False,
-    q_bias: Any = None,
-    k_bias: Any = None,
-    after_rope: bool = False,
+    rules: QKNormRules, weights: tuple[Any, Any, Any, Any], sizes: tuple[int, int, int]
 ) -> QKNorm | None:
-    """The QK-norm of a call with ``H`` query heads and ``H_kv`` key heads ``d_k`` wide,
-    or ``None`` when neither weight is given; with ``layer`` a LayerNorm, with the biases
-    ``q_bias`` and ``k_bias`` (of the weights' shapes) when given; with ``after_rope``
-    after the rotation (HunYuan)."""
+    """The QK-norm of a call with ``sizes = (H, H_kv, d_k)``: ``H`` query heads and ``H_kv``
+    key heads ``d_k`` wide, ``weights = (q_norm, k_norm, q_bias, k_bias)`` as given and
+    ``rules`` (its kind, epsilon, offset, ``layer``: a LayerNorm, with the biases (of the
+    weights' shapes) when given; ``after_rope``: after the rotation, HunYuan's); ``None``
+    when neither weight is given."""
+    q_norm, k_norm, q_bias, k_bias = weights
+    kind, eps, offset, layer, after_rope = rules
+    H, H_kv, d_k = sizes
     if q_norm is None and k_norm is None:
         options = (("qk_norm", kind), ("qk_norm_eps", eps), ("qk_norm_offset", offset),
                    ("qk_layernorm", layer or None), ("q_norm_bias", q_bias),

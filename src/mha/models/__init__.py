@@ -92,9 +92,12 @@ class Model:
         return stops
 
     def ids(
-        self, prompt: str | list[int], max_new_tokens: int = 64, chat: bool = False,
+        self,
+        prompt: str | list[int],
+        max_new_tokens: int = 64,
+        chat: bool = False,
         stop: bool = True,
-    ) -> Iterator[int]:  # fmt: skip
+    ) -> Iterator[int]:
         """The new token ids, greedily, each as soon as it is chosen; with ``stop``, up to
         the first end-of-sequence token (not yielded). :attr:`timing` says how long."""
         prompt_ids = self.encode(prompt, chat)
@@ -116,18 +119,24 @@ class Model:
             start = time.perf_counter()  # the caller's time is not the model's
 
     def stream(
-        self, prompt: str | list[int], max_new_tokens: int = 64, chat: bool = False,
+        self,
+        prompt: str | list[int],
+        max_new_tokens: int = 64,
+        chat: bool = False,
         stop: bool = True,
-    ) -> Iterator[str]:  # fmt: skip
+    ) -> Iterator[str]:
         """The new text piece by piece as it is generated (see :meth:`ids`)."""
         if self.tokenizer is None:
             raise UnsupportedModelError("this model has no tokenizer: use ids()")
         yield from self.tokenizer.stream(self.ids(prompt, max_new_tokens, chat, stop))
 
     def generate(
-        self, prompt: str | list[int], max_new_tokens: int = 64, chat: bool = False,
+        self,
+        prompt: str | list[int],
+        max_new_tokens: int = 64,
+        chat: bool = False,
         stop: bool = True,
-    ) -> str:  # fmt: skip
+    ) -> str:
         """The new text, whole (see :meth:`ids`)."""
         return "".join(self.stream(prompt, max_new_tokens, chat, stop))
 

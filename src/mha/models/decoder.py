@@ -72,8 +72,12 @@ FEW = 4  # tokens in a step whose matrix products run on one BLAS thread
 # ---------------------------------------------------------------- the families
 
 PRE = ("input_layernorm", None, "post_attention_layernorm", None)
-SANDWICH = ("input_layernorm", "post_attention_layernorm",
-            "pre_feedforward_layernorm", "post_feedforward_layernorm")  # fmt: skip
+SANDWICH = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
 POST = (None, "post_attention_layernorm", None, "post_feedforward_layernorm")
 
 
@@ -94,8 +98,9 @@ class Family:
 
 
 GEMMA = Family(SANDWICH, gemma_norm, activation_key="hidden_activation", embed_scale=True)
-MIXTRAL = Family(PRE, mlp="experts", experts=("block_sparse_moe.", ("w1", "w3", "w2")),
-                 normalise=True)  # fmt: skip
+MIXTRAL = Family(
+    PRE, mlp="experts", experts=("block_sparse_moe.", ("w1", "w3", "w2")), normalise=True
+)
 FAMILIES = {
     "llama": Family(PRE),
     "mistral": Family(PRE),
@@ -209,8 +214,9 @@ class Decoder:
             self.embed_scale = self.dtype.type(np.float32(hidden**0.5))
         self.head = self.embed if tied else weights["lm_head.weight"]
         self.norm = weights["model.norm.weight"]
-        layer_keys = [{key for key in keys if key.startswith(f"model.layers.{i}.")}
-                      for i in range(count)]  # fmt: skip
+        layer_keys = [
+            {key for key in keys if key.startswith(f"model.layers.{i}.")} for i in range(count)
+        ]
         others = keys.difference(top, ["lm_head.weight"], *layer_keys)
         if others:
             raise UnsupportedModelError(f"mha does not compute {', '.join(sorted(others))}")
@@ -224,16 +230,21 @@ class Decoder:
         names = sorted(key for key in held if not key.startswith(f"{prefix}self_attn."))
         arrays = self._read(checkpoint, names)
         tensors = Tensors(prefix, {name[len(prefix) :]: arrays[name] for name in names})
-        norms = tuple(tensors.take(f"{name}.weight") if name else None
-                      for name in self.family.norms)  # fmt: skip
+        norms = tuple(
+            tensors.take(f"{name}.weight") if name else None for name in self.family.norms
+        )
         kind, act = self.family.mlp, self.activation
         mlp = (
-            gated_mlp(tensors, act) if kind == "gated"
-            else fused_mlp(tensors, act) if kind == "fused"
-            else gpt_oss_mlp(tensors, self.config) if kind == "gpt_oss"
-            else softmax_experts(tensors, self.config, act, i, self.family) if kind == "experts"
+            gated_mlp(tensors, act)
+            if kind == "gated"
+            else fused_mlp(tensors, act)
+            if kind == "fused"
+            else gpt_oss_mlp(tensors, self.config)
+            if kind == "gpt_oss"
+            else softmax_experts(tensors, self.config, act, i, self.family)
+            if kind == "experts"
             else deepseek_mlp(tensors, self.config, act, i)
-        )  # fmt: skip
+        )
         tensors.check_all_taken()
         module = ATTENTION[self.family.attention]
         return Layer(module.from_pretrained(directory, layer=i, dtype=self.dtype), norms, mlp)
@@ -246,8 +257,9 @@ class Decoder:
         """One cache per layer, of the decoder's kind (a paged one with room for
         ``capacity`` tokens per sequence)."""
         if self.cache == "contiguous":
-            return [layer.attention.new_cache(batch_size, capacity=capacity)
-                    for layer in self.layers]  # fmt: skip
+            return [
+                layer.attention.new_cache(batch_size, capacity=capacity) for layer in self.layers
+            ]
         caches = []
         for layer in self.layers:
             attention = layer.attention
@@ -261,10 +273,13 @@ class Decoder:
             # the layer's window (the same bits as the contiguous window cache).
             size = KIVI_BLOCK if self.cache.startswith("kivi") else BLOCK
             cache = PagedKVCache(
-                batch_size * -(-capacity // size), size, attention.num_kv_heads,
-                attention.head_dim, dtype=self.dtype,
+                batch_size * -(-capacity // size),
+                size,
+                attention.num_kv_heads,
+                attention.head_dim,
+                dtype=self.dtype,
                 quantize=None if self.cache == "paged" else self.cache,
-            )  # fmt: skip
+            )
             for b in range(batch_size):
                 cache.add(b)
             caches.append(cache)
@@ -362,6 +377,8 @@ def _setting(config: dict[str, Any], name: str) -> Any:
     return config[name]
 
 
-ATTENTION: dict[str, Any] = {"MultiHeadAttention": MultiHeadAttention,
-                             "LatentAttention": LatentAttention}  # fmt: skip
+ATTENTION: dict[str, Any] = {
+    "MultiHeadAttention": MultiHeadAttention,
+    "LatentAttention": LatentAttention,
+}
 """mha's attention classes, by the name a :class:`Family` gives."""

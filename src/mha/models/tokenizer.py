@@ -30,9 +30,15 @@ QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-SPLITS = {"llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT, "llama-bpe": LLAMA3_SPLIT,
-          "smaug-bpe": LLAMA3_SPLIT, "dbrx": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT,
-          "deepseek-r1-qwen": QWEN2_SPLIT}  # fmt: skip
+SPLITS = {
+    "llama3": LLAMA3_SPLIT,
+    "llama-v3": LLAMA3_SPLIT,
+    "llama-bpe": LLAMA3_SPLIT,
+    "smaug-bpe": LLAMA3_SPLIT,
+    "dbrx": LLAMA3_SPLIT,
+    "qwen2": QWEN2_SPLIT,
+    "deepseek-r1-qwen": QWEN2_SPLIT,
+}
 """The text splits of ``tokenizer.ggml.pre`` values, before the byte-level BPE."""
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
@@ -40,8 +46,11 @@ CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
 
 def byte_alphabet() -> dict[int, str]:
     """GPT-2's spelling of each byte as a printable character (``bytes_to_unicode``)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     spelled, extra = {}, 0
     for byte in range(256):
         if byte in printable:
@@ -116,8 +125,10 @@ class Tokenizer:
         }
         merges = [tuple(merge.split(" ")) for merge in metadata.get("tokenizer.ggml.merges", [])]
         models, pre_tokenizers, decoders = (
-            tokenizers.models, tokenizers.pre_tokenizers, tokenizers.decoders
-        )  # fmt: skip
+            tokenizers.models,
+            tokenizers.pre_tokenizers,
+            tokenizers.decoders,
+        )
         backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
         split = SPLITS.get(metadata.get("tokenizer.ggml.pre", ""))
         if split is None:
@@ -133,13 +144,19 @@ class Tokenizer:
         added = tokenizers.AddedToken
         typed = list(zip(tokens, kinds, strict=False))
         backend.add_special_tokens(
-            [added(token, normalized=False, special=True)
-             for token, kind in typed if kind == CONTROL and set(token) <= alphabet]
-        )  # fmt: skip
+            [
+                added(token, normalized=False, special=True)
+                for token, kind in typed
+                if kind == CONTROL and set(token) <= alphabet
+            ]
+        )
         backend.add_tokens(
-            [added(token, normalized=False, special=False)
-             for token, kind in typed if kind == USER_DEFINED and token in vocab]
-        )  # fmt: skip
+            [
+                added(token, normalized=False, special=False)
+                for token, kind in typed
+                if kind == USER_DEFINED and token in vocab
+            ]
+        )
 
         def special(name: str) -> str | None:
             index = metadata.get(f"tokenizer.ggml.{name}_token_id")

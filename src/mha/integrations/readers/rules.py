@@ -54,15 +54,28 @@ __all__ = [
     "softmax_scale",
 ]
 
-GPT2_KEYS = {"hidden_size": "n_embd", "num_attention_heads": "n_head",
-              "num_hidden_layers": "n_layer", "max_position_embeddings": "n_positions"}  # fmt: skip
-GPT_NEO_KEYS = {"num_attention_heads": "num_heads", "num_hidden_layers": "num_layers",
-                 "layer_types": "attention_layers"}  # fmt: skip
+GPT2_KEYS = {
+    "hidden_size": "n_embd",
+    "num_attention_heads": "n_head",
+    "num_hidden_layers": "n_layer",
+    "max_position_embeddings": "n_positions",
+}
+GPT_NEO_KEYS = {
+    "num_attention_heads": "num_heads",
+    "num_hidden_layers": "num_layers",
+    "layer_types": "attention_layers",
+}
 NEOX_ROPE_KEYS = {"rope_theta": "rotary_emb_base", "partial_rotary_factor": "rotary_pct"}
-MPT_KEYS = {"num_attention_heads": "n_heads", "hidden_size": "d_model",
-             "num_hidden_layers": "n_layers"}  # fmt: skip
-XGLM_KEYS = {"num_attention_heads": "attention_heads", "hidden_size": "d_model",
-              "num_hidden_layers": "num_layers"}  # fmt: skip
+MPT_KEYS = {
+    "num_attention_heads": "n_heads",
+    "hidden_size": "d_model",
+    "num_hidden_layers": "n_layers",
+}
+XGLM_KEYS = {
+    "num_attention_heads": "attention_heads",
+    "hidden_size": "d_model",
+    "num_hidden_layers": "num_layers",
+}
 ALWAYS = Biases()
 """Every projection biased (GPT-2's ``Conv1D``, BLOOM's, BioGPT's)."""
 NO_ROPE = Rope(applied=False)
@@ -82,8 +95,11 @@ MPT_UNSUPPORTED = (
 ROTARY_DIM = Rope(interleave=True, dim_key="rotary_dim")
 HUNYUAN = Projections(q_norm="query_layernorm", k_norm="key_layernorm")
 HUNYUAN_NORM = QkNorm("head", after_rope=True)
-DBRX_KEYS = {**MPT_KEYS, "num_key_value_heads": "attn_config.kv_n_heads",
-              "max_position_embeddings": "max_seq_len"}  # fmt: skip
+DBRX_KEYS = {
+    **MPT_KEYS,
+    "num_key_value_heads": "attn_config.kv_n_heads",
+    "max_position_embeddings": "max_seq_len",
+}
 
 
 def softmax_scale(read: Settings) -> float | None:
