@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pytest
 from support.configs import relative_error
+from support.torch_reference import rope
 
 import mha
 from mha.errors import AttentionTypeError, AttentionValueError
@@ -47,15 +48,7 @@ def torch_clipped(torch, x, w, H, H_kv, c, theta, scale, eps=1e-5):
     q, k, v = (t.clamp(min=-c, max=c) for t in (q, k, v))
     q, k, v = (t.view(B, L, n, -1).transpose(1, 2) for t, n in ((q, H), (k, H_kv), (v, H_kv)))
     if theta is not None:
-        inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-        freqs = torch.arange(L, dtype=torch.float64)[:, None] * inv
-        emb = torch.cat((freqs, freqs), -1)
-
-        def rotate(t):
-            a, b = t[..., : d // 2], t[..., d // 2 :]
-            return t * emb.cos() + torch.cat((-b, a), -1) * emb.sin()
-
-        q, k = rotate(q), rotate(k)
+        q, k = rope(torch, q, range(L), theta), rope(torch, k, range(L), theta)
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, is_causal=True, scale=scale, enable_gqa=True
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from support.configs import relative_error
+from support.torch_reference import rope
 
 import mha
 from mha.errors import AttentionValueError, ShapeError
@@ -37,16 +38,7 @@ def torch_attention(torch, x, w, H, H_kv, kind, offset, eps, theta, positions, s
     if kind == "head":
         q, k = rms(q, w["q_norm"]), rms(k, w["k_norm"])
     if theta is not None:
-        d = q.shape[-1]
-        inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-        freqs = torch.as_tensor(positions, dtype=torch.float64)[:, None] * inv
-        emb = torch.cat((freqs, freqs), -1)
-
-        def rotate(t):
-            a, b = t[..., : d // 2], t[..., d // 2 :]
-            return t * emb.cos() + torch.cat((-b, a), -1) * emb.sin()
-
-        q, k = rotate(q), rotate(k)
+        q, k = rope(torch, q, positions, theta), rope(torch, k, positions, theta)
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, is_causal=True, scale=scale, enable_gqa=True
     )

@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 from support.configs import relative_error
+from support.torch_reference import rope
 
 import mha
 from mha._kernel import compiled, walk
@@ -135,16 +136,6 @@ def layer(**options):
                                   **options)  # fmt: skip
 
 
-def torch_rope(torch, x, theta):
-    """Rotary positions 0.. of ``x (..., L, d)``, halves rotated (transformers' Llama)."""
-    d, L = x.shape[-1], x.shape[-2]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    angles = torch.arange(L, dtype=torch.float64)[:, None] * inv_freq
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
-    return x * cos + half * sin
-
-
 def test_the_layer_scales_its_queries_by_position(torch, record_error):
     attention = layer(rope_theta=100.0)
     X = np.random.default_rng(6).standard_normal((2, 11, 16))
@@ -155,7 +146,7 @@ def test_the_layer_scales_its_queries_by_position(torch, record_error):
     q = (X @ attention.W_q).reshape(2, 11, 4, 4).transpose(0, 2, 1, 3)
     k = (X @ attention.W_k).reshape(2, 11, 2, 4).transpose(0, 2, 1, 3)
     v = (X @ attention.W_v).reshape(2, 11, 2, 4).transpose(0, 2, 1, 3)
-    q, k = (torch_rope(torch, torch.from_numpy(x), 100.0) for x in (q, k))
+    q, k = (rope(torch, torch.from_numpy(x), range(11), 100.0) for x in (q, k))
     heads_ = torch_attention(torch, q, k, torch.from_numpy(v), LLAMA4).numpy()
     expected = heads_.transpose(0, 2, 1, 3).reshape(2, 11, 16) @ attention.W_o
     assert record_error("query temperature, layer vs torch", relative_error(out, expected)) <= 1e-13

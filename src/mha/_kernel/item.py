@@ -164,10 +164,6 @@ class ItemVisibility:
             b = min(b, (rb1 - int(np.argmax(seen[::-1]))) * BLOCK)
         return a, max(a, b)
 
-    def _window_length(self) -> int:
-        """The window as :mod:`.geometry` takes it (:data:`.geometry.NO_WINDOW`: none)."""
-        return self._window
-
     def _band_window(self, c0: int) -> int:
         """The window where it bounds a block starting at key ``c0`` as a band, else
         :data:`.geometry.NO_WINDOW` (a block with sink tokens in it is bounded by them)."""

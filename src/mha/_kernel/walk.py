@@ -377,9 +377,7 @@ class ForwardPlan:
         if 0 < len(table) < workers:  # few items (decoding): split their keys
             table = self._split_keys(table, workers)
         self.table = table
-        R, cols, width = self.R, self.cols, self.cols if self.paged else 0
-        size = R * (cols + self.d_k + 2 * self.d_v + 3) + cols * min(R, flip_below)
-        size += width * (self.d_k + self.d_v)  # (the elements of _new_scratch's buffers)
+        size = sum(math.prod(shape) for shape in self._scratch_shapes())
         small = size * self.dtype.itemsize <= SPARE_MOST
         self.spare: list[tuple[np.ndarray, ...]] | None = [] if small else None
 
@@ -473,19 +471,23 @@ class ForwardPlan:
     def _new_scratch(self) -> tuple[np.ndarray, ...]:
         """One worker's buffers: ``(s, flipped, stacked, acc, m, ref, total, partial,
         k_tile, v_tile)``."""
-        dtype, R, cols, d_k, d_v = self.dtype, self.R, self.cols, self.d_k, self.d_v
+        return tuple(np.empty(shape, self.dtype) for shape in self._scratch_shapes())
+
+    def _scratch_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The shapes of :meth:`_new_scratch`'s buffers."""
+        R, cols, d_k, d_v = self.R, self.cols, self.d_k, self.d_v
         width = cols if self.paged else 0  # tiles copied from blocks apart
         return (
-            np.empty((R, cols), dtype),
-            np.empty(cols * min(R, self.flip_below), dtype),  # few rows' tiles, transposed
-            np.empty((R, d_k), dtype),
-            np.empty((R, d_v), dtype),
-            np.empty(R, dtype),  # the running maximum
-            np.empty(R, dtype),  # the maximum used for exp
-            np.empty(R, dtype),  # the running sum
-            np.empty((R, d_v), dtype),  # a decoding step's sums
-            np.empty((width, d_k), dtype),
-            np.empty((width, d_v), dtype),
+            (R, cols),
+            (cols * min(R, self.flip_below),),  # few rows' tiles, transposed
+            (R, d_k),
+            (R, d_v),
+            (R,),  # the running maximum
+            (R,),  # the maximum used for exp
+            (R,),  # the running sum
+            (R, d_v),  # a decoding step's sums
+            (width, d_k),
+            (width, d_v),
         )
 
 

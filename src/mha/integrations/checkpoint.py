@@ -34,7 +34,7 @@ import json
 import os
 import re
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ import numpy as np
 
 from .._arrays import bfloat16_from_bits
 from ..errors import AttentionTypeError, WeightsFileError
+from .sources import TensorNames
 
 __all__ = ["DTYPES", "Checkpoint", "open_checkpoint"]
 
@@ -71,7 +72,7 @@ def open_checkpoint(path: Any) -> Any:
     return open_gguf(path) if is_gguf(path) else Checkpoint(path)
 
 
-class Checkpoint:
+class Checkpoint(TensorNames):
     """The config and the safetensors weights of a transformers ``save_pretrained`` folder.
 
     ``config`` is ``config.json`` as a dict; :meth:`keys` names the tensors (from the index
@@ -122,19 +123,8 @@ class Checkpoint:
             "of safetensors weights? (PyTorch .bin weights are not read)"
         )
 
-    def keys(self) -> list[str]:
-        """The names of the checkpoint's tensors, sorted."""
-        return sorted(self._shards)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._shards
-
-    def __iter__(self) -> Iterator[str]:
-        """The tensors' names, in the order of :meth:`keys`."""
-        return iter(self.keys())
-
-    def __len__(self) -> int:
-        return len(self._shards)
+    def _where(self) -> dict[str, Path]:
+        return self._shards  # each tensor's shard
 
     def __repr__(self) -> str:
         files = len(set(self._shards.values()))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import AttentionTypeError, AttentionValueError, WeightsFileError
+from .sources import TensorNames
 
 __all__ = ["ARCHITECTURES", "QUANTIZATIONS", "GGUFFile", "hf_name", "is_gguf", "open_gguf"]
 
@@ -136,7 +137,7 @@ def hf_name(name: str, architecture: Architecture) -> str:
     return name
 
 
-class GGUFFile:
+class GGUFFile(TensorNames):
     """The config and tensors of a GGUF file, under transformers' keys and names: the same
     ``config``, :meth:`keys` and :meth:`read` as :class:`~mha.integrations.checkpoint.Checkpoint`.
     :attr:`metadata` holds every value of the file by its GGUF key (the tokenizer's among
@@ -200,18 +201,8 @@ class GGUFFile:
                 )
         return config
 
-    def keys(self) -> list[str]:
-        """The tensors' names (transformers' where they have one), sorted."""
-        return sorted(self._tensors)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._tensors
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.keys())
-
-    def __len__(self) -> int:
-        return len(self._tensors)
+    def _where(self) -> dict[str, Any]:
+        return self._tensors  # each tensor's record, by transformers' name where it has one
 
     def __repr__(self) -> str:
         return f"GGUFFile({str(self.path)!r}: {self.config['model_type']}, {len(self)} tensors)"
