@@ -27,13 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from .decoder import CACHES, FAMILIES, Decoder, attention_layer
+from .decoder import CACHES, Decoder, attention_layer
+from .families import FAMILIES, NOT_WRITTEN
 from .layers import UnsupportedModelError
 from .tokenizer import Tokenizer
 
 __all__ = [
     "CACHES",
     "FAMILIES",
+    "NOT_WRITTEN",
     "Decoder",
     "Model",
     "Timing",

@@ -5,38 +5,22 @@ or a llama.cpp GGUF file (:func:`mha.integrations.checkpoint.open_checkpoint`), 
 tensors at a time.
 
 Each layer's attention is ``mha.MultiHeadAttention.from_pretrained(path, layer=i)``
-(``mha.LatentAttention`` for DeepSeek-V3): heads, grouped keys, biases, the scale, rotary
-positions with their scaling, sliding or full attention, QK-norm, sinks and soft-capping, as
-the config says. Everything else is in :mod:`.layers`, written from each family's
-``modeling_<family>.py`` in transformers 5.24:
-
-* Llama, Mistral, Qwen2, Qwen3: RMSNorm before attention and before the SwiGLU MLP.
-* Phi-3: the same, with the MLP's gate and up projections fused in one ``gate_up_proj``.
-* OLMo 2: RMSNorm after attention and after the MLP only, ``(w * x)`` then cast.
-* Gemma 2 and Gemma 3: ``(1 + w)`` RMSNorms before and after both attention and the GELU
-  (tanh) MLP, embeddings times ``sqrt(hidden_size)``, Gemma 2's final soft-capping.
-* gpt-oss: OLMo 2's RMSNorm placed as Llama's; a mixture of experts, a softmax over the top
-  router logits, each expert a clamped SwiGLU.
-* DeepSeek-V3: Llama's norms; dense MLPs in the first layers, then a mixture of experts
-  routed by group-limited sigmoid scores, with a shared expert.
-* SmolLM3, Helium, Seed-OSS, CWM, InternLM 3: Llama's layer (their attention differs);
-  Gemma: Gemma's ``(1 + w)`` norms before attention and the MLP, embeddings scaled; OLMo 3
-  and EXAONE 4: OLMo 2's norms after attention and the MLP.
-* Mixtral, Qwen3-MoE, OLMoE: Llama's norms, a mixture of SwiGLU experts routed by a softmax
-  over the router's logits (the best ``num_experts_per_tok``, renormalised in Mixtral and
-  where ``norm_topk_prob``).
+(``mha.LatentAttention`` for the latent-attention families): heads, grouped keys, biases, the
+scale, rotary positions with their scaling, ALiBi, sliding or full attention, QK-norm, sinks
+and soft-capping, as the config says. Everything else is a row of :data:`.families.FAMILIES`
+(where the tensors lie, the norms, the residual stream, the MLP, the config's scales),
+computed by the functions of :mod:`.layers`.
 
 A config it cannot compute exactly is refused, naming the setting, never approximated.
 
 >>> sorted(FAMILIES)[:3]
-['cwm', 'deepseek_v3', 'exaone4']
+['arcee', 'bloom', 'codegen']
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -46,19 +30,21 @@ from ..api.latent import LatentAttention
 from ..api.module import MultiHeadAttention
 from ..api.paged_cache import PagedKVCache
 from ..integrations.checkpoint import open_checkpoint
+from ..integrations.readers import FAMILIES as READERS
+from ..integrations.readers.config import Settings
+from ..integrations.readers.layouts import attention_prefix
+from .families import FAMILIES, NOT_WRITTEN
 from .layers import (
     ACTIVATIONS,
-    GATE_UP_DOWN,
+    NORMS,
     Function,
     Tensors,
     UnsupportedModelError,
     deepseek_mlp,
     fused_mlp,
     gated_mlp,
-    gemma_norm,
     gpt_oss_mlp,
-    llama_norm,
-    olmo2_norm,
+    plain_mlp,
     softmax_experts,
 )
 
@@ -68,66 +54,6 @@ CACHES = ("contiguous", "paged", "int8", "int4", "kivi8", "kivi4")
 BLOCK = 16  # positions per block of a paged cache
 KIVI_BLOCK = 32  # a KIVI cache's: its keys' groups of 32 tokens lie within blocks
 FEW = 4  # tokens in a step whose matrix products run on one BLAS thread
-
-# ---------------------------------------------------------------- the families
-
-PRE = ("input_layernorm", None, "post_attention_layernorm", None)
-SANDWICH = (
-    "input_layernorm",
-    "post_attention_layernorm",
-    "pre_feedforward_layernorm",
-    "post_feedforward_layernorm",
-)
-POST = (None, "post_attention_layernorm", None, "post_feedforward_layernorm")
-
-
-@dataclass(frozen=True)
-class Family:
-    """What a family's decoder layer does around its attention."""
-
-    norms: tuple[str | None, ...]
-    """The layer's RMSNorms before attention, after it, before the MLP and after it."""
-    norm: Callable[[np.ndarray, np.ndarray, float], np.ndarray] = llama_norm
-    mlp: str = "gated"  # or "fused" (Phi-3), "gpt_oss", "deepseek", "experts"
-    activation_key: str = "hidden_act"
-    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size)
-    attention: str = "MultiHeadAttention"  # mha's class: LatentAttention for DeepSeek
-    experts: tuple[str, tuple[str, ...]] = ("mlp.", GATE_UP_DOWN)
-    """Where a mixture's router (``gate``) and experts lie, and each expert's projections."""
-    normalise: bool = False  # the top experts' weights renormalised whatever the config says
-
-
-GEMMA = Family(SANDWICH, gemma_norm, activation_key="hidden_activation", embed_scale=True)
-MIXTRAL = Family(
-    PRE, mlp="experts", experts=("block_sparse_moe.", ("w1", "w3", "w2")), normalise=True
-)
-FAMILIES = {
-    "llama": Family(PRE),
-    "mistral": Family(PRE),
-    "qwen2": Family(PRE),
-    "qwen3": Family(PRE),
-    "phi3": Family(PRE, mlp="fused"),
-    "olmo2": Family(POST, olmo2_norm),
-    "gemma2": GEMMA,
-    "gemma3_text": GEMMA,
-    "gpt_oss": Family(PRE, olmo2_norm, mlp="gpt_oss"),
-    "deepseek_v3": Family(PRE, mlp="deepseek", attention="LatentAttention"),
-    # families whose attention is one of the above's under other names (docs/pretrained.md)
-    "smollm3": Family(PRE),
-    "helium": Family(PRE),
-    "seed_oss": Family(PRE),
-    "cwm": Family(PRE),
-    "internlm3": Family(PRE),
-    "gemma": Family(PRE, gemma_norm, embed_scale=True),
-    "olmo3": Family(POST, olmo2_norm),
-    "exaone4": Family(POST),
-    "mixtral": MIXTRAL,
-    "qwen3_moe": Family(PRE, mlp="experts"),
-    "olmoe": Family(PRE, mlp="experts"),
-}
-"""The families whose decoder layers mha writes out, by ``model_type``; others are
-refused by name."""
-
 
 def attention_layer(directory: str | Path, layer: int, dtype: Any = np.float32) -> Any:
     """Layer ``layer``'s attention alone, as the decoder builds it: ``attention(x,
@@ -141,6 +67,11 @@ def attention_layer(directory: str | Path, layer: int, dtype: Any = np.float32) 
 
 
 def _unsupported(kind: Any) -> UnsupportedModelError:
+    if kind in NOT_WRITTEN:
+        return UnsupportedModelError(
+            f"mha reads the attention of model_type={kind!r} (mha.from_pretrained) but does "
+            f"not compute its whole decoder: {NOT_WRITTEN[kind]}"
+        )
     return UnsupportedModelError(
         f"mha computes the {', '.join(FAMILIES)} decoders; the config says model_type={kind!r}"
     )
@@ -149,12 +80,15 @@ def _unsupported(kind: Any) -> UnsupportedModelError:
 # ---------------------------------------------------------------- the decoder
 
 
+Weights = tuple[np.ndarray | None, np.ndarray | None]  # a norm's weight and bias
+
+
 class Layer(NamedTuple):
-    """One decoder layer: its attention, its RMSNorm weights before attention, after it,
-    before the MLP and after it (``None`` where the family has none), and its MLP."""
+    """One decoder layer: its attention, its norms' weights and biases before attention,
+    after it, before the MLP and after it (``None`` where the family has none), its MLP."""
 
     attention: Any
-    norms: tuple[np.ndarray | None, ...]
+    norms: tuple[Weights | None, ...]
     mlp: Function
 
 
@@ -187,66 +121,114 @@ class Decoder:
         kind = config.get("model_type")
         if kind not in FAMILIES:
             raise _unsupported(kind)
-        family = self.family = FAMILIES[kind]
-        activation = config.get(family.activation_key, "silu")
+        reader = READERS[kind]
+        self.settings = Settings(checkpoint, kind, reader.defaults, reader.keys)
+        get = self.settings.get
+        family = self.family = FAMILIES[kind].for_config(get)
+        activation = family.activation or get(family.activation_key, "silu")
         if activation not in ACTIVATIONS:
             raise UnsupportedModelError(
                 f"mha does not implement {family.activation_key}={activation!r}"
             )
         self.activation = ACTIVATIONS[activation]
-        self.eps = float(_setting(config, "rms_norm_eps"))
-        self.vocab_size = int(_setting(config, "vocab_size"))
-        count = int(_setting(config, "num_hidden_layers"))
-        self.softcap = config.get("final_logit_softcapping")
+        self.norm_kind = NORMS[family.norm]
+        self.eps = float(family.eps if family.eps is not None else self._setting(family.eps_key))
+        self.vocab_size = int(self._setting("vocab_size"))
+        count = int(self._setting("num_hidden_layers"))
+        self.softcap = get("final_logit_softcapping")
+        scales = family.scales
+        self.embed_scale, self.residual_scale, self.logit_scale = (
+            None if scale is None else self.dtype.type(np.float32(scale))
+            for scale in (scales.embed(get), scales.residual(get), scales.logits(get))
+        )
         # transformers' Phi-3 recomputes the cache when the sequence first passes this length
         # (its longrope switches from the short factors to the long ones there)
         self.recompute_at = None
         if kind == "phi3":
             self.recompute_at = config.get("original_max_position_embeddings")
+        top = family.top
         keys = set(checkpoint.keys())
-        top = ["model.embed_tokens.weight", "model.norm.weight"]
-        tied = config.get("tie_word_embeddings", False) or "lm_head.weight" not in keys
-        weights = self._read(checkpoint, top if tied else [*top, "lm_head.weight"])
-        self.embed = weights["model.embed_tokens.weight"]  # (vocab, hidden)
-        self.embed_scale = None
-        if family.embed_scale:  # a float32 scalar cast to the weights' dtype, as transformers
-            hidden = int(_setting(config, "hidden_size"))
-            self.embed_scale = self.dtype.type(np.float32(hidden**0.5))
-        self.head = self.embed if tied else weights["lm_head.weight"]
-        self.norm = weights["model.norm.weight"]
-        layer_keys = [
-            {key for key in keys if key.startswith(f"model.layers.{i}.")} for i in range(count)
-        ]
-        others = keys.difference(top, ["lm_head.weight"], *layer_keys)
+        tied = config.get("tie_word_embeddings", False) or f"{top.head}.weight" not in keys
+        names = [f"{top.embed}.weight"]
+        if top.positions is not None and top.positions.kind == "learned":
+            names.append(f"{top.positions.name}.weight")
+        for norm in (top.embed_norm, top.norm):
+            names += self._norm_names(norm, keys)
+        if top.head is not None and not tied:
+            names += [name for name in (f"{top.head}.weight", f"{top.head}.bias") if name in keys]
+        weights = self._read(checkpoint, names)
+        self.embed = weights[f"{top.embed}.weight"]  # (vocab, hidden)
+        self.positions = None
+        if top.positions is not None and top.positions.kind == "learned":
+            self.positions = weights[f"{top.positions.name}.weight"]
+        self.embed_norm = self._norm_weights(top.embed_norm, weights)
+        self.norm = self._norm_weights(top.norm, weights)
+        self.head = self.embed if tied else weights[f"{top.head}.weight"]
+        self.head_bias = None if tied else weights.get(f"{top.head}.bias")
+        layer_keys = [{key for key in keys if key.startswith(f"{top.layers}.{i}.")} for i in range(count)]
+        others = keys.difference(names, *layer_keys)
         if others:
             raise UnsupportedModelError(f"mha does not compute {', '.join(sorted(others))}")
         self.layers = [
             self._layer(checkpoint, directory, i, held) for i, held in enumerate(layer_keys)
         ]
 
+    def _setting(self, key: str) -> Any:
+        value = self.settings.get(key)
+        if value is None:
+            raise UnsupportedModelError(
+                f"config.json has no {self.settings.name(key)}, which mha needs"
+            )
+        return value
+
+    def _norm_names(self, name: str | None, keys: set[str]) -> list[str]:
+        """The tensors of norm ``name`` the family's kind of norm reads (its bias where the
+        checkpoint has one and the kind takes one)."""
+        if name is None:
+            return []
+        names = [f"{name}.weight"] if self.norm_kind.weight else []
+        if self.norm_kind.bias and f"{name}.bias" in keys:
+            names.append(f"{name}.bias")
+        return names
+
+    def _norm_weights(self, name: str | None, arrays: dict[str, np.ndarray]) -> Weights | None:
+        if name is None:
+            return None
+        return arrays.get(f"{name}.weight"), arrays.get(f"{name}.bias")
+
     def _layer(self, checkpoint: Any, directory: Any, i: int, held: set[str]) -> Layer:
         """Layer ``i``: its attention from mha, its norms and MLP read here."""
-        prefix = f"model.layers.{i}."
-        names = sorted(key for key in held if not key.startswith(f"{prefix}self_attn."))
+        family, top = self.family, self.family.top
+        prefix = f"{top.layers}.{i}."
+        inside = attention_prefix(checkpoint, i, READERS[self.config["model_type"]].tensors.path)
+        names = sorted(key for key in held if not key.startswith(inside))
         arrays = self._read(checkpoint, names)
         tensors = Tensors(prefix, {name[len(prefix) :]: arrays[name] for name in names})
         norms = tuple(
-            tensors.take(f"{name}.weight") if name else None for name in self.family.norms
+            None
+            if name is None
+            else (
+                tensors.take(f"{name}.weight") if self.norm_kind.weight else None,
+                tensors.get(f"{name}.bias") if self.norm_kind.bias else None,
+            )
+            for name in family.norms
         )
-        kind, act = self.family.mlp, self.activation
+        kind, act = family.mlp, self.activation
         mlp = (
-            gated_mlp(tensors, act)
+            gated_mlp(tensors, act, "", family.mlp_names)
             if kind == "gated"
+            else plain_mlp(tensors, act, family.mlp_names, family.conv1d)
+            if kind == "plain"
             else fused_mlp(tensors, act)
             if kind == "fused"
             else gpt_oss_mlp(tensors, self.config)
             if kind == "gpt_oss"
-            else softmax_experts(tensors, self.config, act, i, self.family)
+            else softmax_experts(tensors, self.config, act, i, family)
             if kind == "experts"
             else deepseek_mlp(tensors, self.config, act, i)
         )
         tensors.check_all_taken()
-        module = ATTENTION[self.family.attention]
+        module = ATTENTION[family.attention]
         return Layer(module.from_pretrained(directory, layer=i, dtype=self.dtype), norms, mlp)
 
     def _read(self, checkpoint: Any, names: list[str]) -> dict[str, np.ndarray]:
@@ -297,23 +279,64 @@ class Decoder:
         x = self.embed[ids]
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if self.positions is not None:
+            x = x + self._positions(ids.shape[1], caches[0])
+        if self.embed_norm is not None:
+            x = self._norm(x, self.embed_norm)
         with _one_blas_thread(ids.size <= FEW):
             for layer, cache in zip(self.layers, caches, strict=True):
                 x = self._decoder_layer(layer, x, cache, query_lengths)
-            logits = self.family.norm(x, self.norm, self.eps) @ self.head.T
+            if self.norm is not None:
+                x = self._norm(x, self.norm)
+            logits = x @ self.head.T
+        if self.head_bias is not None:
+            logits = logits + self.head_bias
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
         if self.softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
             logits = np.tanh(logits / float(self.softcap)) * float(self.softcap)
         return np.asarray(logits)
 
+    def _positions(self, length: int, cache: Any) -> np.ndarray:
+        """The learned position embeddings of the next ``length`` tokens of each sequence
+        (``(B, length, hidden)``), from the positions ``cache`` has seen."""
+        assert self.positions is not None and self.family.top.positions is not None
+        start = np.asarray(cache.lengths)[:, None] + self.family.top.positions.offset
+        rows = start + np.arange(length)
+        if rows.max() >= len(self.positions):
+            raise UnsupportedModelError(
+                f"position {int(rows.max())} is past the {len(self.positions)} positions "
+                f"this model has embeddings for"
+            )
+        return self.positions[rows]
+
+    def _norm(self, x: np.ndarray, weights: Weights) -> np.ndarray:
+        return self.norm_kind.function(x, *weights, self.eps)
+
     def _decoder_layer(self, layer: Layer, x: np.ndarray, cache: Any, lengths: Any) -> np.ndarray:
-        """``x + attention(x)`` then ``x + mlp(x)``, each with the family's norms."""
-        norm, eps = self.family.norm, self.eps
+        """The attention and the MLP added to the residual stream ``x`` as the family adds
+        them (:mod:`.families`), each with its norms."""
         before_attention, after_attention, before_mlp, after_mlp = layer.norms
-        h = x if before_attention is None else norm(x, before_attention, eps)
-        h = layer.attention(h, cache=cache, query_lengths=lengths)
-        x = x + (h if after_attention is None else norm(h, after_attention, eps))
-        h = layer.mlp(x if before_mlp is None else norm(x, before_mlp, eps))
-        return x + (h if after_mlp is None else norm(h, after_mlp, eps))
+        scale = self.residual_scale
+
+        def branch(sublayer: Any, before: Any, after: Any, h: np.ndarray) -> np.ndarray:
+            h = sublayer(h if before is None else self._norm(h, before))
+            h = h if after is None else self._norm(h, after)
+            return h if scale is None else h * scale
+
+        def attention(h: np.ndarray) -> np.ndarray:
+            return np.asarray(layer.attention(h, cache=cache, query_lengths=lengths))
+
+        residual = self.family.residual
+        if residual == "parallel":
+            a = self._norm(x, before_attention) if before_attention is not None else x
+            m = a if before_mlp is None else self._norm(x, before_mlp)
+            return x + attention(a) + layer.mlp(m)
+        if residual == "post":
+            x = self._norm(x + attention(x), after_attention)
+            return self._norm(x + layer.mlp(x), after_mlp)
+        x = x + branch(attention, before_attention, after_attention, x)
+        return x + branch(layer.mlp, before_mlp, after_mlp, x)
 
     def generate(self, prompt: list[int], new_tokens: int) -> tuple[list[int], list[np.ndarray]]:
         """Greedy decoding: the prompt's continuation and the logits of each chosen token.
@@ -371,10 +394,6 @@ def _open(directory: str | Path) -> Any:
         raise UnsupportedModelError(str(error)) from None
 
 
-def _setting(config: dict[str, Any], name: str) -> Any:
-    if config.get(name) is None:
-        raise UnsupportedModelError(f"config.json has no {name}, which mha needs")
-    return config[name]
 
 
 ATTENTION: dict[str, Any] = {

@@ -6,14 +6,15 @@ family's ``modeling_<family>.py`` in transformers 5.24.
 RMSNorm computes in float32 whatever the compute dtype, as transformers does.
 
 >>> import numpy as np
->>> float(silu(np.float64(0.0))), llama_norm(np.array([3.0, 4.0]), np.ones(2), 0.0).round(4)
+>>> float(silu(np.float64(0.0))), llama_norm(np.array([3.0, 4.0]), np.ones(2), None, 0.0).round(4)
 (0.0, array([0.8485, 1.1314]))
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -45,7 +46,42 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x**3)))
 
 
-ACTIVATIONS = {"silu": silu, "swish": silu, "gelu_pytorch_tanh": gelu_tanh}
+def gelu(x: np.ndarray) -> np.ndarray:
+    """GELU, exactly: ``x * (1 + erf(x / sqrt(2))) / 2`` (``erf`` from SciPy where installed,
+    else Python's ``math.erf`` element by element)."""
+    return 0.5 * x * (1.0 + _erf(x * 0.7071067811865476))
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    try:
+        from scipy.special import erf  # type: ignore[import-untyped]
+    except ImportError:
+        return np.asarray(np.vectorize(math.erf, otypes=[x.dtype])(x), x.dtype)
+    return np.asarray(erf(x), x.dtype)
+
+
+def relu(x: np.ndarray) -> np.ndarray:
+    return np.maximum(x, 0)
+
+
+def relu2(x: np.ndarray) -> np.ndarray:
+    """``relu(x) ** 2`` (Primer's squared ReLU)."""
+    return np.square(np.maximum(x, 0))
+
+
+ACTIVATIONS = {
+    "silu": silu,
+    "swish": silu,
+    "gelu": gelu,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_new": gelu_tanh,
+    "gelu_fast": lambda x: 0.5 * x * (1.0 + np.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
+    "bloom_gelu": lambda x: x * 0.5 * (1.0 + np.tanh(0.79788456 * x * (1.0 + 0.044715 * x * x))),
+    "relu": relu,
+    "relu2": relu2,
+}
+"""By transformers' names (``ACT2FN``): ``gelu_new`` is GELU's tanh approximation written
+out, the same function; ``gelu_fast`` the same with its constant rounded."""
 
 
 def _normalise(x: np.ndarray, eps: float) -> np.ndarray:
@@ -54,19 +90,48 @@ def _normalise(x: np.ndarray, eps: float) -> np.ndarray:
     return x * (1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + eps))
 
 
-def llama_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+def llama_norm(x: np.ndarray, weight: Any, bias: Any, eps: float) -> np.ndarray:
     """Llama's RMSNorm: cast back to ``x``'s dtype, then times the weight."""
     return weight * _normalise(x, eps).astype(x.dtype)
 
 
-def olmo2_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+def olmo2_norm(x: np.ndarray, weight: Any, bias: Any, eps: float) -> np.ndarray:
     """OLMo 2's (and gpt-oss's): times the weight, then cast back."""
     return (weight * _normalise(x, eps)).astype(x.dtype)
 
 
-def gemma_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+def gemma_norm(x: np.ndarray, weight: Any, bias: Any, eps: float) -> np.ndarray:
     """Gemma's: times ``1 + weight`` in float32 (its weights start at zero), then cast back."""
     return (_normalise(x, eps) * (1.0 + weight.astype(np.float32))).astype(x.dtype)
+
+
+def layer_norm(x: np.ndarray, weight: Any, bias: Any, eps: float) -> np.ndarray:
+    """``nn.LayerNorm`` in ``x``'s dtype: ``(x - mean) / sqrt(var + eps)``, times the
+    weight plus the bias where the norm has them."""
+    centred = x - x.mean(axis=-1, keepdims=True)
+    y = centred / np.sqrt(np.mean(np.square(centred), axis=-1, keepdims=True) + x.dtype.type(eps))
+    if weight is not None:
+        y = y * weight
+    return y if bias is None else y + bias
+
+
+class Norm(NamedTuple):
+    """A kind of norm: its function ``(x, weight, bias, eps)``, whether it has a weight and
+    whether it may have a bias (read where the checkpoint holds one)."""
+
+    function: Callable[[np.ndarray, Any, Any, float], np.ndarray]
+    weight: bool = True
+    bias: bool = False
+
+
+NORMS = {
+    "llama": Norm(llama_norm),
+    "olmo2": Norm(olmo2_norm),
+    "gemma": Norm(gemma_norm),
+    "layer": Norm(layer_norm, bias=True),
+    "layer_without_weights": Norm(layer_norm, weight=False),
+}
+"""The norms of the families, by the name a family's row gives."""
 
 
 # ---------------------------------------------------------------- MLPs
@@ -96,10 +161,12 @@ class Tensors:
 GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
 
 
-def linear(tensors: Tensors, name: str) -> Function:
-    """``nn.Linear`` ``name``: ``x @ weight.T + bias``, the bias where the checkpoint has one."""
+def linear(tensors: Tensors, name: str, transposed: bool = False) -> Function:
+    """``nn.Linear`` ``name``: ``x @ weight.T + bias``, the bias where the checkpoint has one
+    (``transposed``: a ``Conv1D``'s ``x @ weight + bias``)."""
     weight, bias = tensors.take(f"{name}.weight"), tensors.get(f"{name}.bias")
-    return lambda x: x @ weight.T if bias is None else x @ weight.T + bias
+    weight = weight if transposed else weight.T
+    return lambda x: x @ weight if bias is None else x @ weight + bias
 
 
 def gated_mlp(
@@ -109,6 +176,15 @@ def gated_mlp(
     ``names`` under ``prefix``."""
     gate, up, down = (linear(tensors, f"{prefix}{name}") for name in names)
     return lambda h: down(act(gate(h)) * up(h))
+
+
+def plain_mlp(
+    tensors: Tensors, act: Function, names: tuple[str, ...], transposed: bool = False
+) -> Function:
+    """GPT-2's MLP: ``down(act(up(h)))``, its two projections named ``names``; ``transposed``
+    where they are ``Conv1D``s, whose weights are stored ``(in, out)``."""
+    up, down = (linear(tensors, name, transposed) for name in names)
+    return lambda h: down(act(up(h)))
 
 
 def fused_mlp(tensors: Tensors, act: Function) -> Function:

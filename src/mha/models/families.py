@@ -1,0 +1,274 @@
+"""What each family's decoder computes around its attention, one row of :data:`FAMILIES` per
+``model_type``, written from its ``modeling_<family>.py`` in transformers 5.24: where its
+tensors lie (:class:`Top`), its norms and where they sit, how the residual stream adds the
+attention and the MLP, the MLP, and the scales from the config (:class:`Scales`). The
+attention of each layer is mha's (``from_pretrained(path, layer=i)``), whatever the row says.
+
+The shapes of layer the rows describe (``residual``):
+
+* ``"sequential"`` (Llama and most since): ``x + after(attention(before(x)))``, then the same
+  with the MLP and its two norms (either may be absent: OLMo 2 has only the ones after);
+* ``"parallel"`` (GPT-J, GPT-NeoX, Phi, Falcon, Cohere): ``x + attention(a) + mlp(m)``, with
+  ``a`` the input's first norm and ``m`` its third, or ``a`` again where there is no third;
+* ``"post"`` (GPT-1, OPT-350m): ``x = norm(x + attention(x))``, then
+  ``x = norm(x + mlp(x))``: the norms after the sums.
+
+>>> FAMILIES["gpt2"].residual, FAMILIES["gpt_neox"].top.layers
+('sequential', 'gpt_neox.layers')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .layers import GATE_UP_DOWN, UnsupportedModelError
+
+__all__ = ["FAMILIES", "NOT_WRITTEN", "Family", "Positions", "Scales", "Top"]
+
+Config = Callable[..., Any]
+"""A config's values as its class reads them: ``get(key, default)`` (the readers' Settings)."""
+
+PRE = ("input_layernorm", None, "post_attention_layernorm", None)
+SANDWICH = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+POST = (None, "post_attention_layernorm", None, "post_feedforward_layernorm")
+GPT2_NORMS = ("ln_1", None, "ln_2", None)
+SHARED = ("input_layernorm", None, None, None)  # one norm read by the attention and the MLP
+
+
+@dataclass(frozen=True)
+class Positions:
+    """Absolute positions added to the embeddings: ``learned`` (a table ``name``, row
+    ``position + offset``: OPT's and BioGPT's start at 2) or ``sinusoidal`` (XGLM's and
+    CTRL's tables, computed)."""
+
+    kind: str  # "learned" or "sinusoidal"
+    name: str = ""
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class Top:
+    """Where the model's own tensors lie: its layers (``{layers}.{i}.``), the token
+    embeddings, the positions, a norm of the embeddings (BLOOM's), the final norm (none in
+    GPT-1) and the head (``None``: the embeddings, tied)."""
+
+    layers: str = "model.layers"
+    embed: str = "model.embed_tokens"
+    norm: str | None = "model.norm"
+    head: str | None = "lm_head"
+    positions: Positions | None = None
+    embed_norm: str | None = None
+
+
+def _constant(key: str) -> Callable[[Config], float | None]:
+    return lambda get: get(key)
+
+
+def _sqrt_hidden(get: Config) -> float:
+    return float(get("hidden_size")) ** 0.5
+
+
+@dataclass(frozen=True)
+class Scales:
+    """The config's multipliers: of the embeddings, of each sublayer's output before it is
+    added to the residual stream, of the logits (``None``: 1)."""
+
+    embed: Callable[[Config], float | None] = lambda get: None
+    residual: Callable[[Config], float | None] = lambda get: None
+    logits: Callable[[Config], float | None] = lambda get: None
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a family's decoder layer does around its attention."""
+
+    norms: tuple[str | None, ...]
+    """The layer's norms before attention, after it, before the MLP and after it."""
+    norm: str = "llama"  # the kind of every norm: a key of layers.NORMS
+    eps_key: str = "rms_norm_eps"
+    eps: float | None = None  # where the config has no eps_key (OPT's norms: 1e-5)
+    residual: str = "sequential"  # or "parallel", "post"
+    mlp: str = "gated"  # or "plain", "fused" (Phi-3), "gpt_oss", "deepseek", "experts"
+    mlp_names: tuple[str, ...] = tuple(f"mlp.{name}" for name in GATE_UP_DOWN)
+    """The MLP's projections: gate, up and down (``"gated"``), up and down (``"plain"``)."""
+    conv1d: bool = False  # GPT-2's Conv1D projections: weights stored (in, out)
+    activation_key: str = "hidden_act"
+    activation: str | None = None  # the family's own, whatever the config says (BLOOM's)
+    attention: str = "MultiHeadAttention"  # mha's class: LatentAttention for DeepSeek
+    experts: tuple[str, tuple[str, ...]] = ("mlp.", GATE_UP_DOWN)
+    """Where a mixture's router (``gate``) and experts lie, and each expert's projections."""
+    normalise: bool = False  # the top experts' weights renormalised whatever the config says
+    top: Top = Top()
+    scales: Scales = Scales()
+    adapt: Callable[[Family, Config], Family] | None = None
+    """The row for a config whose layer differs (OPT's ``do_layer_norm_before``...), or a
+    refusal naming the setting."""
+
+    def for_config(self, get: Config) -> Family:
+        return self if self.adapt is None else self.adapt(self, get)
+
+
+def _refuse(get: Config, key: str, unless: Any, what: str) -> None:
+    if get(key, unless) != unless:
+        raise UnsupportedModelError(f"mha.models does not compute {what} ({key}={get(key)!r})")
+
+
+# ---------------------------------------------------------------- adaptations by config
+
+
+def _gpt_neox(family: Family, get: Config) -> Family:
+    """GPT-NeoX's ``use_parallel_residual``: its two norms both on the input, or in turn."""
+    if get("use_parallel_residual", True):
+        return family
+    return dataclasses.replace(family, residual="sequential")
+
+
+def _stablelm(family: Family, get: Config) -> Family:
+    """StableLM's ``use_parallel_residual``: one norm read by both, or Llama's layer."""
+    if not get("use_parallel_residual", False):
+        return family
+    return dataclasses.replace(family, norms=SHARED, residual="parallel")
+
+
+def _opt(family: Family, get: Config) -> Family:
+    _refuse(get, "word_embed_proj_dim", get("hidden_size"), "OPT's projections in and out of the embeddings")
+    _refuse(get, "layer_norm_elementwise_affine", True, "OPT's norms without weights")  # fmt: skip
+    if get("do_layer_norm_before", True):
+        return family
+    top = dataclasses.replace(family.top, norm=None)
+    norms = (None, "self_attn_layer_norm", None, "final_layer_norm")
+    return dataclasses.replace(family, norms=norms, residual="post", top=top)
+
+
+def _falcon(family: Family, get: Config) -> Family:
+    """Falcon's three layers: parallel with one norm (7B), with two (``ln_attn``, ``ln_mlp``:
+    40B's new decoder architecture), or sequential."""
+    if get("new_decoder_architecture"):
+        if get("num_ln_in_parallel_attn") in (None, 2):
+            return dataclasses.replace(family, norms=("ln_attn", None, "ln_mlp", None))
+        return family
+    if get("parallel_attn", True):
+        return family
+    norms = ("input_layernorm", None, "post_attention_layernorm", None)
+    return dataclasses.replace(family, norms=norms, residual="sequential")
+
+
+def _bloom(family: Family, get: Config) -> Family:
+    _refuse(get, "apply_residual_connection_post_layernorm", False, "BLOOM's residual after the norm")  # fmt: skip
+    return family
+
+
+# ---------------------------------------------------------------- the families
+
+LLAMA = Family(PRE)
+GEMMA = Family(SANDWICH, "gemma", activation_key="hidden_activation", scales=Scales(embed=_sqrt_hidden))
+MIXTRAL = Family(PRE, mlp="experts", experts=("block_sparse_moe.", ("w1", "w3", "w2")), normalise=True)
+GPT2 = Family(
+    GPT2_NORMS, "layer", "layer_norm_epsilon", mlp="plain", mlp_names=("mlp.c_fc", "mlp.c_proj"),
+    conv1d=True, activation_key="activation_function",
+    top=Top("transformer.h", "transformer.wte", "transformer.ln_f", None, Positions("learned", "transformer.wpe")),
+)
+PARALLEL_GPTJ = Family(
+    ("ln_1", None, None, None), "layer", "layer_norm_epsilon", "parallel", "plain",
+    ("mlp.fc_in", "mlp.fc_out"), activation_key="activation_function",
+    top=Top("transformer.h", "transformer.wte", "transformer.ln_f"),
+)
+FAMILIES: dict[str, Family] = {
+    "llama": LLAMA,
+    "mistral": LLAMA,
+    "qwen2": LLAMA,
+    "qwen3": LLAMA,
+    "phi3": Family(PRE, mlp="fused"),
+    "olmo2": Family(POST, "olmo2"),
+    "gemma2": GEMMA,
+    "gemma3_text": GEMMA,
+    "gpt_oss": Family(PRE, "olmo2", mlp="gpt_oss"),
+    "deepseek_v3": Family(PRE, mlp="deepseek", attention="LatentAttention"),
+    # families whose attention is one of the above's under other names (docs/pretrained.md)
+    "smollm3": LLAMA,
+    "helium": LLAMA,
+    "seed_oss": LLAMA,
+    "cwm": LLAMA,
+    "internlm3": LLAMA,
+    "gemma": Family(PRE, "gemma", scales=Scales(embed=_sqrt_hidden)),
+    "olmo3": Family(POST, "olmo2"),
+    "exaone4": Family(POST),
+    "mixtral": MIXTRAL,
+    "qwen3_moe": Family(PRE, mlp="experts"),
+    "olmoe": Family(PRE, mlp="experts"),
+    # GPT-2 and the older families: LayerNorms, plain MLPs, learned positions
+    "gpt2": GPT2,
+    "gpt-sw3": GPT2,
+    "gpt_bigcode": dataclasses.replace(GPT2, conv1d=False),
+    "gpt_neo": dataclasses.replace(GPT2, conv1d=False),
+    "openai-gpt": dataclasses.replace(
+        GPT2, norms=(None, "ln_1", None, "ln_2"), residual="post", activation_key="afn",
+        top=Top("transformer.h", "transformer.tokens_embed", None, None, Positions("learned", "transformer.positions_embed")),
+    ),
+    "opt": Family(
+        ("self_attn_layer_norm", None, "final_layer_norm", None), "layer", "layer_norm_eps", eps=1e-5,
+        mlp="plain", mlp_names=("fc1", "fc2"), activation_key="activation_function",
+        top=Top("model.decoder.layers", "model.decoder.embed_tokens", "model.decoder.final_layer_norm", None,
+                Positions("learned", "model.decoder.embed_positions", offset=2)),
+        adapt=_opt,
+    ),
+    "gptj": PARALLEL_GPTJ,
+    "codegen": PARALLEL_GPTJ,
+    "phi": Family(
+        SHARED, "layer", "layer_norm_eps", "parallel", "plain", ("mlp.fc1", "mlp.fc2"),
+        top=Top(norm="model.final_layernorm"),
+    ),
+    "gpt_neox": Family(
+        PRE, "layer", "layer_norm_eps", "parallel", "plain", ("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+        top=Top("gpt_neox.layers", "gpt_neox.embed_in", "gpt_neox.final_layer_norm", "embed_out"),
+        adapt=_gpt_neox,
+    ),
+    "falcon": Family(
+        SHARED, "layer", "layer_norm_epsilon", "parallel", "plain", ("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+        activation_key="activation",
+        top=Top("transformer.h", "transformer.word_embeddings", "transformer.ln_f"),
+        adapt=_falcon,
+    ),
+    "bloom": Family(
+        PRE, "layer", "layer_norm_epsilon", mlp="plain", mlp_names=("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+        activation="bloom_gelu",
+        top=Top("transformer.h", "transformer.word_embeddings", "transformer.ln_f", None,
+                embed_norm="transformer.word_embeddings_layernorm"),
+        adapt=_bloom,
+    ),
+    "starcoder2": Family(PRE, "layer", "norm_epsilon", mlp="plain", mlp_names=("mlp.c_fc", "mlp.c_proj")),
+    "stablelm": Family(PRE, "layer", "layer_norm_eps", adapt=_stablelm),
+    "persimmon": Family(
+        PRE, "layer", "layer_norm_eps", mlp="plain", mlp_names=("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+        top=Top(norm="model.final_layernorm"),
+    ),
+    "arcee": Family(PRE, mlp="plain", mlp_names=("mlp.up_proj", "mlp.down_proj")),
+    "jais2": Family(PRE, "layer", "layer_norm_eps", mlp="plain", mlp_names=("mlp.up_proj", "mlp.down_proj")),
+    "ernie4_5": LLAMA,
+    "iquestcoder": LLAMA,
+    "hunyuan_v1_dense": LLAMA,
+    "ministral": LLAMA,
+    "ministral3": LLAMA,
+    "youtu": Family(PRE, attention="LatentAttention"),
+    "glm": Family(PRE, mlp="fused"),
+    "glm4": Family(("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"), mlp="fused"),
+    "vaultgemma": Family(("input_layernorm", None, "pre_feedforward_layernorm", None), "gemma",
+                         activation_key="hidden_activation", scales=Scales(embed=_sqrt_hidden)),
+    "granite": Family(PRE, scales=Scales(_constant("embedding_multiplier"), _constant("residual_multiplier"),
+                                         lambda get: 1.0 / get("logits_scaling"))),
+}  # fmt: skip
+FAMILIES["granite_swa"] = FAMILIES["granite"]
+"""The families whose decoder layers mha writes out, by ``model_type``; others are
+refused by name."""
+
+NOT_WRITTEN: dict[str, str] = {}
+"""The families whose attention ``from_pretrained`` reads but whose decoder mha.models does
+not write out, each with what it lacks."""
