@@ -169,7 +169,7 @@ def test_the_decoder_refuses_what_it_cannot_compute_or_read(torch, transformers,
     saved = json.loads((tmp_path / "config.json").read_text())
     refusals = {
         "model_type='bert'": {"model_type": "bert"},
-        "hidden_act='gelu'": {"hidden_act": "gelu"},
+        "hidden_act='mish'": {"hidden_act": "mish"},
         "config.json has no rms_norm_eps, which": {"rms_norm_eps": None},
         "does not compute model.layers.3.": {"num_hidden_layers": 3},
     }

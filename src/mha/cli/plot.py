@@ -133,14 +133,7 @@ def model_weights(path: Path, text: str, layer: int) -> tuple[np.ndarray, list[s
     if model.tokenizer is None:
         raise UsageError(f"{path} has no tokenizer: --text cannot be tokenized")
     ids = model.tokenizer.encode(text)
-    caches = decoder.new_caches(1, capacity=len(ids))
-    x = decoder.embed[np.array([ids])]
-    if decoder.embed_scale is not None:
-        x = x * decoder.embed_scale
-    for index in range(layer):
-        x = decoder._decoder_layer(decoder.layers[index], x, caches[index], None)
-    before = decoder.layers[layer].norms[0]
-    h = x if before is None else decoder.family.norm(x, before, decoder.eps)
-    _, weights = decoder.layers[layer].attention(h, mask=True, return_weights=True)
+    h, attention = decoder.attention_input(np.array([ids]), layer)
+    _, weights = attention(h, mask=True, return_weights=True)
     labels = [model.tokenizer.decode([token]).replace(" ", "·").replace("\n", "↵") for token in ids]
     return np.asarray(weights[0], dtype=np.float64), labels

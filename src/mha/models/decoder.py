@@ -4,10 +4,10 @@ family's decoder layer a row of :data:`FAMILIES`, read from a transformers check
 or a llama.cpp GGUF file (:func:`mha.integrations.checkpoint.open_checkpoint`), one layer's
 tensors at a time.
 
-Each layer's attention is ``mha.MultiHeadAttention.from_pretrained(path, layer=i)``
-(``mha.LatentAttention`` for the latent-attention families): heads, grouped keys, biases, the
-scale, rotary positions with their scaling, ALiBi, sliding or full attention, QK-norm, sinks
-and soft-capping, as the config says. Everything else is a row of :data:`.families.FAMILIES`
+Each layer's attention is ``mha.from_pretrained(path, layer=i)`` (a ``mha.MultiHeadAttention``,
+or a ``mha.LatentAttention`` for the latent-attention families): heads, grouped keys, biases,
+the scale, rotary positions with their scaling, ALiBi, sliding or full attention, QK-norm,
+sinks and soft-capping, as the config says. Everything else is a row of :data:`.families.FAMILIES`
 (where the tensors lie, the norms, the residual stream, the MLP, the config's scales),
 computed by the functions of :mod:`.layers`.
 
@@ -26,9 +26,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..api.latent import LatentAttention
 from ..api.module import MultiHeadAttention
 from ..api.paged_cache import PagedKVCache
+from ..api.pretrained import from_pretrained
 from ..integrations.checkpoint import open_checkpoint
 from ..integrations.readers import FAMILIES as READERS
 from ..integrations.readers.config import Settings
@@ -48,12 +48,13 @@ from .layers import (
     softmax_experts,
 )
 
-__all__ = ["CACHES", "FAMILIES", "Decoder", "Family", "attention_layer"]
+__all__ = ["CACHES", "FAMILIES", "Decoder", "attention_layer"]
 
 CACHES = ("contiguous", "paged", "int8", "int4", "kivi8", "kivi4")
 BLOCK = 16  # positions per block of a paged cache
 KIVI_BLOCK = 32  # a KIVI cache's: its keys' groups of 32 tokens lie within blocks
 FEW = 4  # tokens in a step whose matrix products run on one BLAS thread
+
 
 def attention_layer(directory: str | Path, layer: int, dtype: Any = np.float32) -> Any:
     """Layer ``layer``'s attention alone, as the decoder builds it: ``attention(x,
@@ -62,8 +63,7 @@ def attention_layer(directory: str | Path, layer: int, dtype: Any = np.float32) 
     kind = _open(directory).config.get("model_type")
     if kind not in FAMILIES:
         raise _unsupported(kind)
-    module = ATTENTION[FAMILIES[kind].attention]
-    return module.from_pretrained(directory, layer=layer, dtype=dtype)
+    return from_pretrained(directory, layer=layer, dtype=dtype)
 
 
 def _unsupported(kind: Any) -> UnsupportedModelError:
@@ -73,7 +73,9 @@ def _unsupported(kind: Any) -> UnsupportedModelError:
             f"not compute its whole decoder: {NOT_WRITTEN[kind]}"
         )
     return UnsupportedModelError(
-        f"mha computes the {', '.join(FAMILIES)} decoders; the config says model_type={kind!r}"
+        f"mha.models computes the decoders of {len(FAMILIES)} families "
+        f"(mha.models.FAMILIES: {', '.join(sorted(FAMILIES)[:4])}, ...); the config says "
+        f"model_type={kind!r}"
     )
 
 
@@ -165,7 +167,9 @@ class Decoder:
         self.norm = self._norm_weights(top.norm, weights)
         self.head = self.embed if tied else weights[f"{top.head}.weight"]
         self.head_bias = None if tied else weights.get(f"{top.head}.bias")
-        layer_keys = [{key for key in keys if key.startswith(f"{top.layers}.{i}.")} for i in range(count)]
+        layer_keys = [
+            {key for key in keys if key.startswith(f"{top.layers}.{i}.")} for i in range(count)
+        ]
         others = keys.difference(names, *layer_keys)
         if others:
             raise UnsupportedModelError(f"mha does not compute {', '.join(sorted(others))}")
@@ -228,8 +232,7 @@ class Decoder:
             else deepseek_mlp(tensors, self.config, act, i)
         )
         tensors.check_all_taken()
-        module = ATTENTION[family.attention]
-        return Layer(module.from_pretrained(directory, layer=i, dtype=self.dtype), norms, mlp)
+        return Layer(from_pretrained(directory, layer=i, dtype=self.dtype), norms, mlp)
 
     def _read(self, checkpoint: Any, names: list[str]) -> dict[str, np.ndarray]:
         arrays: dict[str, np.ndarray] = checkpoint.read(names, dtype=self.dtype)
@@ -276,13 +279,7 @@ class Decoder:
             raise ValueError(f"ids must be integer token ids (B, L); got {ids.dtype} {ids.shape}")
         if len(caches) != len(self.layers):
             raise ValueError(f"one cache per layer: {len(self.layers)}; got {len(caches)}")
-        x = self.embed[ids]
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
-        if self.positions is not None:
-            x = x + self._positions(ids.shape[1], caches[0])
-        if self.embed_norm is not None:
-            x = self._norm(x, self.embed_norm)
+        x = self._embed(ids, caches[0])
         with _one_blas_thread(ids.size <= FEW):
             for layer, cache in zip(self.layers, caches, strict=True):
                 x = self._decoder_layer(layer, x, cache, query_lengths)
@@ -297,6 +294,33 @@ class Decoder:
             logits = np.tanh(logits / float(self.softcap)) * float(self.softcap)
         return np.asarray(logits)
 
+    def attention_input(self, ids: Any, layer: int) -> tuple[np.ndarray, Any]:
+        """What layer ``layer``'s attention reads for the token ids ``ids (B, L)``, whole
+        sequences from the start: its input ``(B, L, hidden)`` (after the layer's norm
+        before attention) and the attention (``attention(h, mask=True)`` computes its part
+        of the layer)."""
+        ids = np.asarray(ids)
+        caches = self.new_caches(len(ids), capacity=ids.shape[1])
+        x = self._embed(ids, caches[0])
+        for index in range(layer):
+            x = self._decoder_layer(self.layers[index], x, caches[index], None)
+        before = self.layers[layer].norms[0]
+        if self.family.residual != "post" and before is not None:
+            x = self._norm(x, before)
+        return x, self.layers[layer].attention
+
+    def _embed(self, ids: np.ndarray, cache: Any) -> np.ndarray:
+        """The embeddings of ``ids``: scaled, with the positions after those ``cache`` has
+        seen, normed, as the family does."""
+        x = self.embed[ids]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        if self.positions is not None:
+            x = x + self._positions(ids.shape[1], cache)
+        if self.embed_norm is not None:
+            x = self._norm(x, self.embed_norm)
+        return x
+
     def _positions(self, length: int, cache: Any) -> np.ndarray:
         """The learned position embeddings of the next ``length`` tokens of each sequence
         (``(B, length, hidden)``), from the positions ``cache`` has seen."""
@@ -310,7 +334,8 @@ class Decoder:
             )
         return self.positions[rows]
 
-    def _norm(self, x: np.ndarray, weights: Weights) -> np.ndarray:
+    def _norm(self, x: np.ndarray, weights: Weights | None) -> np.ndarray:
+        assert weights is not None
         return self.norm_kind.function(x, *weights, self.eps)
 
     def _decoder_layer(self, layer: Layer, x: np.ndarray, cache: Any, lengths: Any) -> np.ndarray:
@@ -392,12 +417,3 @@ def _open(directory: str | Path) -> Any:
         return open_checkpoint(directory)
     except (OSError, ValueError) as error:
         raise UnsupportedModelError(str(error)) from None
-
-
-
-
-ATTENTION: dict[str, Any] = {
-    "MultiHeadAttention": MultiHeadAttention,
-    "LatentAttention": LatentAttention,
-}
-"""mha's attention classes, by the name a :class:`Family` gives."""

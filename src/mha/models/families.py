@@ -20,6 +20,7 @@ The shapes of layer the rows describe (``residual``):
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -68,12 +69,16 @@ class Top:
     embed_norm: str | None = None
 
 
-def _constant(key: str) -> Callable[[Config], float | None]:
-    return lambda get: get(key)
+def _constant(key: str, default: float | None = None) -> Callable[[Config], float | None]:
+    return lambda get: get(key, default)
+
+
+def _divided_by(key: str) -> Callable[[Config], float]:
+    return lambda get: 1.0 / float(get(key, 1.0))
 
 
 def _sqrt_hidden(get: Config) -> float:
-    return float(get("hidden_size")) ** 0.5
+    return math.sqrt(float(get("hidden_size")))
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,6 @@ class Family:
     """The layer's norms before attention, after it, before the MLP and after it."""
     norm: str = "llama"  # the kind of every norm: a key of layers.NORMS
     eps_key: str = "rms_norm_eps"
-    eps: float | None = None  # where the config has no eps_key (OPT's norms: 1e-5)
     residual: str = "sequential"  # or "parallel", "post"
     mlp: str = "gated"  # or "plain", "fused" (Phi-3), "gpt_oss", "deepseek", "experts"
     mlp_names: tuple[str, ...] = tuple(f"mlp.{name}" for name in GATE_UP_DOWN)
@@ -102,7 +106,6 @@ class Family:
     conv1d: bool = False  # GPT-2's Conv1D projections: weights stored (in, out)
     activation_key: str = "hidden_act"
     activation: str | None = None  # the family's own, whatever the config says (BLOOM's)
-    attention: str = "MultiHeadAttention"  # mha's class: LatentAttention for DeepSeek
     experts: tuple[str, tuple[str, ...]] = ("mlp.", GATE_UP_DOWN)
     """Where a mixture's router (``gate``) and experts lie, and each expert's projections."""
     normalise: bool = False  # the top experts' weights renormalised whatever the config says
@@ -111,6 +114,8 @@ class Family:
     adapt: Callable[[Family, Config], Family] | None = None
     """The row for a config whose layer differs (OPT's ``do_layer_norm_before``...), or a
     refusal naming the setting."""
+
+    eps: float | None = None  # where the config has no eps_key (OPT's norms: 1e-5)
 
     def for_config(self, get: Config) -> Family:
         return self if self.adapt is None else self.adapt(self, get)
@@ -139,8 +144,13 @@ def _stablelm(family: Family, get: Config) -> Family:
 
 
 def _opt(family: Family, get: Config) -> Family:
-    _refuse(get, "word_embed_proj_dim", get("hidden_size"), "OPT's projections in and out of the embeddings")
-    _refuse(get, "layer_norm_elementwise_affine", True, "OPT's norms without weights")  # fmt: skip
+    _refuse(
+        get,
+        "word_embed_proj_dim",
+        get("hidden_size"),
+        "OPT's projections in and out of the embeddings",
+    )
+    _refuse(get, "layer_norm_elementwise_affine", True, "OPT's norms without weights")
     if get("do_layer_norm_before", True):
         return family
     top = dataclasses.replace(family.top, norm=None)
@@ -162,24 +172,72 @@ def _falcon(family: Family, get: Config) -> Family:
 
 
 def _bloom(family: Family, get: Config) -> Family:
-    _refuse(get, "apply_residual_connection_post_layernorm", False, "BLOOM's residual after the norm")  # fmt: skip
+    _refuse(
+        get, "apply_residual_connection_post_layernorm", False, "BLOOM's residual after the norm"
+    )
     return family
+
+
+def _hyperclovax(family: Family, get: Config) -> Family:
+    """HyperCLOVA X's ``use_post_norm``: RMSNorms after the attention and the MLP too."""
+    if not get("use_post_norm", True):
+        return family
+    norms = ("input_layernorm", "post_norm1", "post_attention_layernorm", "post_norm2")
+    return dataclasses.replace(family, norms=norms)
+
+
+def _minicpm3_residual(get: Config) -> float:
+    """MiniCPM3's branches scaled by ``scale_depth / sqrt(num_hidden_layers)``."""
+    return float(get("scale_depth", 1.4)) / math.sqrt(float(get("num_hidden_layers")))
+
+
+def _minicpm3_logits(get: Config) -> float:
+    """MiniCPM3's logits divided by ``hidden_size / dim_model_base``."""
+    base = get("dim_model_base", 256) or get("hidden_size")
+    return float(base) / float(get("hidden_size"))
 
 
 # ---------------------------------------------------------------- the families
 
 LLAMA = Family(PRE)
-GEMMA = Family(SANDWICH, "gemma", activation_key="hidden_activation", scales=Scales(embed=_sqrt_hidden))
-MIXTRAL = Family(PRE, mlp="experts", experts=("block_sparse_moe.", ("w1", "w3", "w2")), normalise=True)
+GEMMA = Family(
+    SANDWICH, "gemma", activation_key="hidden_activation", scales=Scales(embed=_sqrt_hidden)
+)
+MIXTRAL = Family(
+    PRE, mlp="experts", experts=("block_sparse_moe.", ("w1", "w3", "w2")), normalise=True
+)
 GPT2 = Family(
-    GPT2_NORMS, "layer", "layer_norm_epsilon", mlp="plain", mlp_names=("mlp.c_fc", "mlp.c_proj"),
-    conv1d=True, activation_key="activation_function",
-    top=Top("transformer.h", "transformer.wte", "transformer.ln_f", None, Positions("learned", "transformer.wpe")),
+    GPT2_NORMS,
+    "layer",
+    "layer_norm_epsilon",
+    mlp="plain",
+    mlp_names=("mlp.c_fc", "mlp.c_proj"),
+    conv1d=True,
+    activation_key="activation_function",
+    top=Top(
+        "transformer.h",
+        "transformer.wte",
+        "transformer.ln_f",
+        None,
+        Positions("learned", "transformer.wpe"),
+    ),
 )
 PARALLEL_GPTJ = Family(
-    ("ln_1", None, None, None), "layer", "layer_norm_epsilon", "parallel", "plain",
-    ("mlp.fc_in", "mlp.fc_out"), activation_key="activation_function",
+    ("ln_1", None, None, None),
+    "layer",
+    "layer_norm_epsilon",
+    "parallel",
+    "plain",
+    ("mlp.fc_in", "mlp.fc_out"),
+    activation_key="activation_function",
     top=Top("transformer.h", "transformer.wte", "transformer.ln_f"),
+)
+COHERE = Family(
+    SHARED,
+    "float32_layer",
+    "layer_norm_eps",
+    "parallel",
+    scales=Scales(logits=_constant("logit_scale", 0.0625)),
 )
 FAMILIES: dict[str, Family] = {
     "llama": LLAMA,
@@ -191,7 +249,7 @@ FAMILIES: dict[str, Family] = {
     "gemma2": GEMMA,
     "gemma3_text": GEMMA,
     "gpt_oss": Family(PRE, "olmo2", mlp="gpt_oss"),
-    "deepseek_v3": Family(PRE, mlp="deepseek", attention="LatentAttention"),
+    "deepseek_v3": Family(PRE, mlp="deepseek"),
     # families whose attention is one of the above's under other names (docs/pretrained.md)
     "smollm3": LLAMA,
     "helium": LLAMA,
@@ -210,65 +268,185 @@ FAMILIES: dict[str, Family] = {
     "gpt_bigcode": dataclasses.replace(GPT2, conv1d=False),
     "gpt_neo": dataclasses.replace(GPT2, conv1d=False),
     "openai-gpt": dataclasses.replace(
-        GPT2, norms=(None, "ln_1", None, "ln_2"), residual="post", activation_key="afn",
-        top=Top("transformer.h", "transformer.tokens_embed", None, None, Positions("learned", "transformer.positions_embed")),
+        GPT2,
+        norms=(None, "ln_1", None, "ln_2"),
+        residual="post",
+        activation_key="afn",
+        top=Top(
+            "transformer.h",
+            "transformer.tokens_embed",
+            None,
+            None,
+            Positions("learned", "transformer.positions_embed"),
+        ),
     ),
     "opt": Family(
-        ("self_attn_layer_norm", None, "final_layer_norm", None), "layer", "layer_norm_eps", eps=1e-5,
-        mlp="plain", mlp_names=("fc1", "fc2"), activation_key="activation_function",
-        top=Top("model.decoder.layers", "model.decoder.embed_tokens", "model.decoder.final_layer_norm", None,
-                Positions("learned", "model.decoder.embed_positions", offset=2)),
+        ("self_attn_layer_norm", None, "final_layer_norm", None),
+        "layer",
+        "layer_norm_eps",
+        eps=1e-5,
+        mlp="plain",
+        mlp_names=("fc1", "fc2"),
+        activation_key="activation_function",
+        top=Top(
+            "model.decoder.layers",
+            "model.decoder.embed_tokens",
+            "model.decoder.final_layer_norm",
+            None,
+            Positions("learned", "model.decoder.embed_positions", offset=2),
+        ),
         adapt=_opt,
     ),
     "gptj": PARALLEL_GPTJ,
     "codegen": PARALLEL_GPTJ,
     "phi": Family(
-        SHARED, "layer", "layer_norm_eps", "parallel", "plain", ("mlp.fc1", "mlp.fc2"),
+        SHARED,
+        "layer",
+        "layer_norm_eps",
+        "parallel",
+        "plain",
+        ("mlp.fc1", "mlp.fc2"),
         top=Top(norm="model.final_layernorm"),
     ),
     "gpt_neox": Family(
-        PRE, "layer", "layer_norm_eps", "parallel", "plain", ("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+        PRE,
+        "layer",
+        "layer_norm_eps",
+        "parallel",
+        "plain",
+        ("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
         top=Top("gpt_neox.layers", "gpt_neox.embed_in", "gpt_neox.final_layer_norm", "embed_out"),
         adapt=_gpt_neox,
     ),
     "falcon": Family(
-        SHARED, "layer", "layer_norm_epsilon", "parallel", "plain", ("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+        SHARED,
+        "layer",
+        "layer_norm_epsilon",
+        "parallel",
+        "plain",
+        ("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
         activation_key="activation",
         top=Top("transformer.h", "transformer.word_embeddings", "transformer.ln_f"),
         adapt=_falcon,
     ),
     "bloom": Family(
-        PRE, "layer", "layer_norm_epsilon", mlp="plain", mlp_names=("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+        PRE,
+        "layer",
+        "layer_norm_epsilon",
+        mlp="plain",
+        mlp_names=("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
         activation="bloom_gelu",
-        top=Top("transformer.h", "transformer.word_embeddings", "transformer.ln_f", None,
-                embed_norm="transformer.word_embeddings_layernorm"),
+        top=Top(
+            "transformer.h",
+            "transformer.word_embeddings",
+            "transformer.ln_f",
+            None,
+            embed_norm="transformer.word_embeddings_layernorm",
+        ),
         adapt=_bloom,
     ),
-    "starcoder2": Family(PRE, "layer", "norm_epsilon", mlp="plain", mlp_names=("mlp.c_fc", "mlp.c_proj")),
+    "starcoder2": Family(
+        PRE, "layer", "norm_epsilon", mlp="plain", mlp_names=("mlp.c_fc", "mlp.c_proj")
+    ),
     "stablelm": Family(PRE, "layer", "layer_norm_eps", adapt=_stablelm),
     "persimmon": Family(
-        PRE, "layer", "layer_norm_eps", mlp="plain", mlp_names=("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+        PRE,
+        "layer",
+        "layer_norm_eps",
+        mlp="plain",
+        mlp_names=("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
         top=Top(norm="model.final_layernorm"),
     ),
     "arcee": Family(PRE, mlp="plain", mlp_names=("mlp.up_proj", "mlp.down_proj")),
-    "jais2": Family(PRE, "layer", "layer_norm_eps", mlp="plain", mlp_names=("mlp.up_proj", "mlp.down_proj")),
+    "jais2": Family(
+        PRE, "layer", "layer_norm_eps", mlp="plain", mlp_names=("mlp.up_proj", "mlp.down_proj")
+    ),
     "ernie4_5": LLAMA,
     "iquestcoder": LLAMA,
     "hunyuan_v1_dense": LLAMA,
     "ministral": LLAMA,
     "ministral3": LLAMA,
-    "youtu": Family(PRE, attention="LatentAttention"),
+    "youtu": LLAMA,
     "glm": Family(PRE, mlp="fused"),
-    "glm4": Family(("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"), mlp="fused"),
-    "vaultgemma": Family(("input_layernorm", None, "pre_feedforward_layernorm", None), "gemma",
-                         activation_key="hidden_activation", scales=Scales(embed=_sqrt_hidden)),
-    "granite": Family(PRE, scales=Scales(_constant("embedding_multiplier"), _constant("residual_multiplier"),
-                                         lambda get: 1.0 / get("logits_scaling"))),
-}  # fmt: skip
+    "glm4": Family(
+        (
+            "input_layernorm",
+            "post_self_attn_layernorm",
+            "post_attention_layernorm",
+            "post_mlp_layernorm",
+        ),
+        mlp="fused",
+    ),
+    "vaultgemma": Family(
+        ("input_layernorm", None, "pre_feedforward_layernorm", None),
+        "gemma",
+        activation_key="hidden_activation",
+        scales=Scales(embed=_sqrt_hidden),
+    ),
+    "granite": Family(
+        PRE,
+        scales=Scales(
+            _constant("embedding_multiplier", 1.0),
+            _constant("residual_multiplier", 1.0),
+            _divided_by("logits_scaling"),
+        ),
+    ),
+    "cohere": COHERE,
+    "cohere2": COHERE,
+    "cohere_compass_text": dataclasses.replace(
+        COHERE, scales=Scales(logits=_constant("logit_scale"))
+    ),
+    "hyperclovax": Family(
+        PRE,
+        scales=Scales(
+            _constant("embedding_multiplier", 1.0),
+            _constant("residual_multiplier", 1.0),
+            _constant("logits_scaling", 1.0),
+        ),
+        adapt=_hyperclovax,
+    ),
+    "minicpm3": Family(
+        PRE, scales=Scales(_constant("scale_emb", 12), _minicpm3_residual, _minicpm3_logits)
+    ),
+    "nanochat": Family(
+        ("input_layernorm", None, "post_attention_layernorm", None),
+        "rms_without_weights",
+        mlp="plain",
+        mlp_names=("mlp.fc1", "mlp.fc2"),
+        top=Top(embed_norm="model.norm"),
+    ),
+    "nemotron": Family(
+        PRE, "layer_1p", "norm_eps", mlp="plain", mlp_names=("mlp.up_proj", "mlp.down_proj")
+    ),
+    "olmo": Family(PRE, "float32_layer_without_weights", eps=1e-5),
+}
 FAMILIES["granite_swa"] = FAMILIES["granite"]
 """The families whose decoder layers mha writes out, by ``model_type``; others are
 refused by name."""
 
-NOT_WRITTEN: dict[str, str] = {}
+
+def _not_written() -> dict[str, str]:
+    """What each family whose attention mha reads lacks here: a hybrid's other layers
+    (Mamba, linear attention, convolutions: named by the reader's row; Falcon-H1's Mamba
+    beside its attention), else its mixture of experts (each a router and experts of its own
+    kind)."""
+    from ..integrations.readers import FAMILIES as READERS
+
+    reasons = {}
+    for kind, reader in READERS.items():
+        if kind in FAMILIES:
+            continue
+        if kind == "falcon_h1":
+            reasons[kind] = "its Mamba-2 mixer, which runs beside the attention in each layer"
+        elif reader.hybrid is not None:
+            others = ", ".join(sorted(set(reader.hybrid.others.values())))
+            reasons[kind] = f"its layers that are not attention ({others})"
+        else:
+            reasons[kind] = MIXTURE
+    return reasons
+
+
+MIXTURE = "its mixture of experts (a router and experts of its own kind)"
+NOT_WRITTEN = _not_written()
 """The families whose attention ``from_pretrained`` reads but whose decoder mha.models does
 not write out, each with what it lacks."""

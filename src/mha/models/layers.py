@@ -115,6 +115,23 @@ def layer_norm(x: np.ndarray, weight: Any, bias: Any, eps: float) -> np.ndarray:
     return y if bias is None else y + bias
 
 
+def float32_layer_norm(x: np.ndarray, weight: Any, bias: Any, eps: float) -> np.ndarray:
+    """A LayerNorm in float32 whatever the compute dtype, then cast back: OLMo's (without
+    weights), Cohere's (a weight, no bias)."""
+    y = layer_norm(x.astype(np.float32), None, None, eps)
+    return (y if weight is None else y * weight.astype(np.float32)).astype(x.dtype)
+
+
+def layer_norm_1p(x: np.ndarray, weight: Any, bias: Any, eps: float) -> np.ndarray:
+    """Nemotron's ``LayerNorm1P``: a LayerNorm times ``1 + weight``, plus the bias."""
+    return layer_norm(x, weight + x.dtype.type(1.0), bias, eps)
+
+
+def weightless_rms_norm(x: np.ndarray, weight: Any, bias: Any, eps: float) -> np.ndarray:
+    """NanoChat's RMSNorm without weights: in float32, cast back."""
+    return _normalise(x, eps).astype(x.dtype)
+
+
 class Norm(NamedTuple):
     """A kind of norm: its function ``(x, weight, bias, eps)``, whether it has a weight and
     whether it may have a bias (read where the checkpoint holds one)."""
@@ -129,7 +146,10 @@ NORMS = {
     "olmo2": Norm(olmo2_norm),
     "gemma": Norm(gemma_norm),
     "layer": Norm(layer_norm, bias=True),
-    "layer_without_weights": Norm(layer_norm, weight=False),
+    "float32_layer": Norm(float32_layer_norm),
+    "float32_layer_without_weights": Norm(float32_layer_norm, weight=False),
+    "layer_1p": Norm(layer_norm_1p, bias=True),
+    "rms_without_weights": Norm(weightless_rms_norm, weight=False),
 }
 """The norms of the families, by the name a family's row gives."""
 
