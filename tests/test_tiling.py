@@ -157,6 +157,48 @@ def test_merging_fully_masked_partials():
     np.testing.assert_array_equal(merged_lse, 0.0)
 
 
+def test_merging_lses_in_base_2_as_flashinfer_keeps_them(record_error):
+    """FlashInfer's ``merge_state``, from its definition: a part's lse is ``log2 sum_j
+    2^(s_j)`` of its scores in base 2 (``s = q.k * scale * log2(e)``); the merged output is
+    ``sum_p 2^(lse_p) o_p / sum_p 2^(lse_p)`` and the merged lse ``log2 sum_p 2^(lse_p)``."""
+    rng = np.random.default_rng(7)
+    q, k, v = rng.standard_normal((3, 2, 3, 5, 8))
+    scale = 8**-0.5
+    parts = [(0, 2), (2, 5)]
+    outs, lses = [], []
+    for a, b in parts:
+        s2 = np.einsum("...ld,...sd->...ls", q, k[..., a:b, :]) * scale * np.log2(np.e)
+        lse2 = np.log2(np.sum(np.exp2(s2), axis=-1))
+        outs.append(np.exp2(s2 - lse2[..., None]) @ v[..., a:b, :])
+        lses.append(lse2)
+    weights = np.exp2(np.stack(lses))
+    want = (weights[..., None] * np.stack(outs)).sum(axis=0) / weights.sum(axis=0)[..., None]
+    want_lse = np.log2(weights.sum(axis=0))
+    merged, merged_lse = mha.merge_attention(outs, lses, base=2)
+    error = relative_error(merged, want)
+    assert record_error("merge_attention base 2 vs FlashInfer's formula", error) <= 1e-14
+    np.testing.assert_allclose(merged_lse, want_lse, rtol=1e-14, atol=0)
+    whole = mha.scaled_dot_product_attention(q, k, v)
+    assert relative_error(merged, whole) <= 1e-14
+    with pytest.raises(mha.AttentionValueError, match=r"base must be None .* or 2; got 10"):
+        mha.merge_attention(outs, lses, base=10)
+
+
+def test_an_lse_of_plus_infinity_is_a_part_that_saw_no_key():
+    """vLLM's ``merge_attn_states`` reads FlashAttention-2's ``+inf`` lse of an empty part
+    (a sequence of no keys) as ``-inf``: the part adds nothing, where the merge would give
+    NaN."""
+    rng = np.random.default_rng(8)
+    seen = rng.standard_normal((2, 3, 4))
+    seen_lse = rng.standard_normal((2, 3))
+    garbage = np.full((2, 3, 4), 7.0)  # what an empty part's output buffer held
+    merged, merged_lse = mha.merge_attention([garbage, seen], [np.full((2, 3), np.inf), seen_lse])
+    np.testing.assert_array_equal(merged, seen)
+    np.testing.assert_array_equal(merged_lse, seen_lse)
+    merged, merged_lse = mha.merge_attention([garbage], [np.full((2, 3), np.inf)])
+    assert np.all(merged == 0) and np.all(np.isneginf(merged_lse))
+
+
 @pytest.mark.parametrize(
     ("outputs", "lses", "kind", "message"),
     [

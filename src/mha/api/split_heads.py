@@ -268,7 +268,9 @@ def attention(q: Any, k: Any, v: Any, checked: Checked) -> np.ndarray | tuple[An
     return results[0] if len(results) == 1 else tuple(results)
 
 
-def merge_attention(outputs: Any, lses: Any, sinks: Any = None) -> tuple[np.ndarray, np.ndarray]:
+def merge_attention(
+    outputs: Any, lses: Any, sinks: Any = None, base: float | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Merge attention computed over disjoint key ranges into the attention over all of them.
 
     ``outputs`` and ``lses`` are lists: ``outputs[p] (..., L, d_v)`` and ``lses[p] (..., L)``
@@ -278,7 +280,11 @@ def merge_attention(outputs: Any, lses: Any, sinks: Any = None) -> tuple[np.ndar
     merged ``(out, lse)``. A part in which a row sees no key (``lse = -inf``) adds nothing;
     a row that sees no key in any part stays zero with ``lse = -inf``. ``sinks (H,)``
     (gpt-oss's logits, for lses ``(..., H, L)``) are added once to the merged softmax: give
-    the parts computed without them.
+    the parts computed without them. ``base=2`` reads and returns lses in base 2
+    (``log2 sum 2^s`` of scores ``s`` in base 2, as FlashInfer keeps them); by default they
+    are natural logarithms. An lse of ``+inf`` is read as ``-inf``, a part that saw no key
+    (FlashAttention-2 returns ``+inf`` for an empty sequence, FlashAttention-3 ``-inf``;
+    vLLM merges both so).
 
     >>> import numpy as np
     >>> from mha import merge_attention, scaled_dot_product_attention as sdpa
@@ -303,8 +309,13 @@ def merge_attention(outputs: Any, lses: Any, sinks: Any = None) -> tuple[np.ndar
                 f"(outputs[{p}] {out.shape}, lses[{p}] {lse.shape})"
             )
         same("outputs[0]", outs[0], f"outputs[{p}]", out, "shape {}", outs[0].shape, out.shape)
+    if base not in (None, 2, 2.0) or isinstance(base, bool):
+        raise AttentionValueError(f"base must be None (natural logarithms) or 2; got {base!r}")
     result_dtype, compute_dtype = result_and_compute_dtypes(*outs)
     _, lse_dtype = result_and_compute_dtypes(*outs, *logs)
+    logs = [np.where(lse == np.inf, -np.inf, lse) for lse in logs]  # +inf: an empty part
+    if base is not None:
+        logs = [lse * np.log(2.0) for lse in logs]
     scores = None
     if sinks is not None:
         if logs[0].ndim < 2:
@@ -327,6 +338,8 @@ def merge_attention(outputs: Any, lses: Any, sinks: Any = None) -> tuple[np.ndar
         )
         if scores is not None and scores.sinks is not None:
             add_sinks(merged, lse_merged, scores.sinks)
+    if base is not None:
+        lse_merged = lse_merged / np.log(2.0)
     return cast_result(merged, result_dtype), lse_merged
 
 
