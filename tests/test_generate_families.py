@@ -5,7 +5,9 @@ attention drawn at random too) generates what transformers' ``generate`` does in
 token for token, with the logits of every step; each family whose decoder mha.models does
 not write out (a mixture of experts of its own kind, a hybrid's Mamba layers) is refused
 naming what it lacks. A family added upstream and read by ``from_pretrained`` shows up here
-as unaccounted for."""
+as unaccounted for. A family of each mechanism of the older families (computed positions, a
+stage before the head, xIELU...) also computes in float64 what transformers does, within
+1e-10."""
 
 from __future__ import annotations
 
@@ -114,3 +116,101 @@ def test_a_family_generates_what_transformers_generates(
     assert record_error(f"mha.models {model_type}, float32 logits", max(errors)) <= 1e-4
     assert tokens == expected_tokens
     assert seconds < 30, f"{model_type}: {seconds:.1f} s for {NEW_TOKENS} tokens"
+
+
+FLOAT64_FAMILIES = {
+    "ctrl": "CTRL's sinusoidal positions, embeddings times sqrt(d), a tied head's own bias",
+    "xglm": "XGLM's sinusoidal positions from row 2, scale_embedding",
+    "biogpt": "BioGPT's learned positions from row 2, scale_embedding",
+    "modernbert-decoder": "the embeddings' norm, a first layer without one, GLU, a head stage",
+    "mpt": "LayerNorms without biases, exact GELU",
+}
+"""A family of each mechanism the decoders gained for the older families and ModernBERT
+(Apertus's xIELU: test_xielu_in_float64)."""
+
+
+def _float64_model(model_type: str, folder: Path):
+    import torch
+    import transformers
+
+    model_class = getattr(transformers, census.causal_lm_types()[model_type])
+    with census._quiet():
+        model = model_class.from_pretrained(
+            folder, dtype=torch.float64, attn_implementation=census._implementation(model_class)
+        ).eval()
+    census._float64_rotaries(model)  # its frequencies in float64, as mha's
+    return model
+
+
+def _replace_computed_positions(model_type: str, model) -> None:
+    """CTRL's and XGLM's tables of sinusoidal positions, which transformers computes in
+    float32 with torch's float32 ``exp``, ``pow``, ``sin`` and ``cos`` (within an ulp of the
+    exact value, not always the nearest float32), replaced by mha's (each value the nearest
+    float32), after checking them within 4 ulps of 1 of each other."""
+    import torch
+
+    from mha.models.layers import ctrl_positions, sinusoidal_positions
+
+    if model_type == "ctrl":
+        module, name = model.transformer, "pos_encoding"
+    elif model_type == "xglm":
+        module, name = model.model.embed_positions, "weights"
+    else:
+        return
+    theirs = getattr(module, name).numpy()
+    rows, width = np.arange(len(theirs)), theirs.shape[1]
+    if model_type == "ctrl":
+        ours = ctrl_positions(rows, width)
+    else:
+        ours = sinusoidal_positions(rows, width, model.config.pad_token_id)
+    assert ours.dtype == np.float32
+    assert np.abs(ours - theirs).max() <= 4 * np.finfo(np.float32).eps
+    setattr(module, name, torch.from_numpy(ours.astype(np.float64)))
+
+
+@pytest.mark.parametrize("model_type", sorted(FLOAT64_FAMILIES))
+def test_a_family_computes_what_transformers_computes_in_float64(
+    model_type, torch, transformers, tmp_path, record_error
+):
+    """A prefill and a step in float64, each logit within 1e-10 of transformers' float64
+    model run in float64 throughout (its float32 softmax and rotary too: float64_torch), its
+    computed positions mha's (:func:`_replace_computed_positions`)."""
+    from support.rope_oracle import float64_torch
+
+    from mha.models import Decoder
+
+    folder = build(model_type, tmp_path)
+    model = _float64_model(model_type, folder)
+    _replace_computed_positions(model_type, model)
+    decoder = Decoder(folder, dtype=np.float64)
+    caches = decoder.new_caches(1, capacity=len(PROMPT) + 1)
+    with torch.no_grad(), float64_torch():
+        first = model(torch.tensor([PROMPT]), use_cache=True)
+        step = first.logits[0, -1].argmax().reshape(1, 1)
+        second = model(step, cache=first.cache, use_cache=True)
+    ours_first = decoder.forward(np.array([PROMPT]), caches)
+    ours_second = decoder.forward(step.numpy(), caches)
+    assert ours_first.dtype == ours_second.dtype == np.float64
+    error = max(
+        relative_error(ours_first, first.logits.numpy()),
+        relative_error(ours_second, second.logits.numpy()),
+    )
+    assert record_error(f"mha.models {model_type}, float64 logits", error) <= 1e-10
+
+
+def test_xielu_in_float64(torch, transformers, tmp_path, record_error):
+    """Apertus's MLP with its xIELU (learned alphas, the checkpoint's beta and eps) in
+    float64, within 1e-10 of transformers' on inputs of both signs, in each layer. (Its whole
+    model differs by float32's rounding: its RMSNorms compute in float32 in both, transformers'
+    with ``rsqrt``.)"""
+    from mha.models import Decoder
+
+    folder = build("apertus", tmp_path)
+    model = _float64_model("apertus", folder)
+    decoder = Decoder(folder, dtype=np.float64)
+    h = np.random.default_rng(0).normal(0.0, 2.0, (3, 7, model.config.hidden_size))
+    for ours, theirs in zip(decoder.layers, model.model.layers, strict=True):
+        with torch.no_grad():
+            expected = theirs.mlp(torch.from_numpy(h)).numpy()
+        error = relative_error(ours.mlp(h), expected)
+        assert record_error("mha.models apertus, float64 xIELU MLP", error) <= 1e-10

@@ -14,7 +14,7 @@ computed by the functions of :mod:`.layers`.
 A config it cannot compute exactly is refused, naming the setting, never approximated.
 
 >>> sorted(FAMILIES)[:3]
-['arcee', 'bloom', 'codegen']
+['apertus', 'apertus1p5_text', 'arcee']
 """
 
 from __future__ import annotations
@@ -36,15 +36,18 @@ from ..integrations.readers.layouts import attention_prefix
 from .families import FAMILIES, NOT_WRITTEN
 from .layers import (
     ACTIVATIONS,
+    LEARNED_ACTIVATIONS,
     NORMS,
     Function,
     Tensors,
     UnsupportedModelError,
+    ctrl_positions,
     deepseek_mlp,
     fused_mlp,
     gated_mlp,
     gpt_oss_mlp,
     plain_mlp,
+    sinusoidal_positions,
     softmax_experts,
 )
 
@@ -127,12 +130,7 @@ class Decoder:
         self.settings = Settings(checkpoint, kind, reader.defaults, reader.keys)
         get = self.settings.get
         family = self.family = FAMILIES[kind].for_config(get)
-        activation = family.activation or get(family.activation_key, "silu")
-        if activation not in ACTIVATIONS:
-            raise UnsupportedModelError(
-                f"mha does not implement {family.activation_key}={activation!r}"
-            )
-        self.activation = ACTIVATIONS[activation]
+        self.activation = self._activation(family.activation, family.activation_key)
         self.norm_kind = NORMS[family.norm]
         self.eps = float(family.eps if family.eps is not None else self._setting(family.eps_key))
         self.vocab_size = int(self._setting("vocab_size"))
@@ -140,7 +138,7 @@ class Decoder:
         self.softcap = get("final_logit_softcapping")
         scales = family.scales
         self.embed_scale, self.residual_scale, self.logit_scale = (
-            None if scale is None else self.dtype.type(np.float32(scale))
+            None if scale is None else self.dtype.type(scale)
             for scale in (scales.embed(get), scales.residual(get), scales.logits(get))
         )
         # transformers' Phi-3 recomputes the cache when the sequence first passes this length
@@ -154,19 +152,23 @@ class Decoder:
         names = [f"{top.embed}.weight"]
         if top.positions is not None and top.positions.kind == "learned":
             names.append(f"{top.positions.name}.weight")
-        for norm in (top.embed_norm, top.norm):
+        stage = top.before_head
+        if stage is not None:
+            dense = (f"{stage.name}.dense.weight", f"{stage.name}.dense.bias")
+            names += [name for name in dense if name in keys]
+        for norm in (top.embed_norm, top.norm, None if stage is None else f"{stage.name}.norm"):
             names += self._norm_names(norm, keys)
-        if top.head is not None and not tied:
-            names += [name for name in (f"{top.head}.weight", f"{top.head}.bias") if name in keys]
+        if top.head is not None:  # a tied head's bias is its own (ModernBERT's)
+            head = [f"{top.head}.bias"] if tied else [f"{top.head}.weight", f"{top.head}.bias"]
+            names += [name for name in head if name in keys]
         weights = self._read(checkpoint, names)
         self.embed = weights[f"{top.embed}.weight"]  # (vocab, hidden)
-        self.positions = None
-        if top.positions is not None and top.positions.kind == "learned":
-            self.positions = weights[f"{top.positions.name}.weight"]
+        self.positions, self.position_count = self._position_embeddings(top.positions, weights)
         self.embed_norm = self._norm_weights(top.embed_norm, weights)
         self.norm = self._norm_weights(top.norm, weights)
+        self.before_head = None if stage is None else self._head_stage(stage, weights)
         self.head = self.embed if tied else weights[f"{top.head}.weight"]
-        self.head_bias = None if tied else weights.get(f"{top.head}.bias")
+        self.head_bias = weights.get(f"{top.head}.bias")
         layer_keys = [
             {key for key in keys if key.startswith(f"{top.layers}.{i}.")} for i in range(count)
         ]
@@ -184,6 +186,45 @@ class Decoder:
                 f"config.json has no {self.settings.name(key)}, which mha needs"
             )
         return value
+
+    def _activation(self, name: str | None, key: str) -> Any:
+        """The family's activation, else the config's ``key``: a function, or a builder
+        of each layer's from its tensors (:data:`.layers.LEARNED_ACTIVATIONS`)."""
+        name = name or self.settings.get(key, "silu")
+        if name in LEARNED_ACTIVATIONS:
+            return LEARNED_ACTIVATIONS[name]
+        if name not in ACTIVATIONS:
+            raise UnsupportedModelError(f"mha does not implement {key}={name!r}")
+        return ACTIVATIONS[name]
+
+    def _position_embeddings(self, positions: Any, weights: dict[str, np.ndarray]) -> Any:
+        """The position embeddings as a function of their rows (``None``: the family has
+        none) and how many rows there are (``None``: as many as asked). A table computed
+        in transformers (XGLM's, CTRL's) is computed in float32 as it is, then cast."""
+        if positions is None:
+            return None, None
+        if positions.kind == "learned":
+            table = weights[f"{positions.name}.weight"]
+            return (lambda rows: table[rows]), len(table)
+        width, dtype = self.embed.shape[1], self.dtype
+        if positions.kind == "ctrl":
+            count = int(self._setting("n_positions"))
+            return (lambda rows: ctrl_positions(rows, width).astype(dtype)), count
+        padding = positions.padding_key and self.settings.get(positions.padding_key)
+        return (lambda rows: sinusoidal_positions(rows, width, padding).astype(dtype)), None
+
+    def _head_stage(self, stage: Any, weights: dict[str, np.ndarray]) -> Function:
+        """ModernBERT's ``norm(act(dense(x)))`` before the head."""
+        act = self._activation(None, stage.activation_key)
+        dense, norm = f"{stage.name}.dense", f"{stage.name}.norm"
+        weight, bias = weights[f"{dense}.weight"].T, weights.get(f"{dense}.bias")
+        norm_weights = (weights.get(f"{norm}.weight"), weights.get(f"{norm}.bias"))
+
+        def before_head(x: np.ndarray) -> np.ndarray:
+            x = x @ weight if bias is None else x @ weight + bias
+            return self._norm(act(x), norm_weights)
+
+        return before_head
 
     def _norm_names(self, name: str | None, keys: set[str]) -> list[str]:
         """The tensors of norm ``name`` the family's kind of norm reads (its bias where the
@@ -215,9 +256,11 @@ class Decoder:
                 tensors.take(f"{name}.weight") if self.norm_kind.weight else None,
                 tensors.get(f"{name}.bias") if self.norm_kind.bias else None,
             )
-            for name in family.norms
+            for name in (family.first_norms if i == 0 and family.first_norms else family.norms)
         )
         kind, act = family.mlp, self.activation
+        if act in LEARNED_ACTIVATIONS.values():
+            act = act(tensors, family.act_fn)
         mlp = (
             gated_mlp(tensors, act, "", family.mlp_names)
             if kind == "gated"
@@ -225,6 +268,8 @@ class Decoder:
             if kind == "plain"
             else fused_mlp(tensors, act)
             if kind == "fused"
+            else fused_mlp(tensors, act, family.mlp_names)
+            if kind == "glu"
             else gpt_oss_mlp(tensors, self.config)
             if kind == "gpt_oss"
             else softmax_experts(tensors, self.config, act, i, family)
@@ -285,6 +330,8 @@ class Decoder:
                 x = self._decoder_layer(layer, x, cache, query_lengths)
             if self.norm is not None:
                 x = self._norm(x, self.norm)
+            if self.before_head is not None:
+                x = self.before_head(x)
             logits = x @ self.head.T
         if self.head_bias is not None:
             logits = logits + self.head_bias
@@ -322,17 +369,17 @@ class Decoder:
         return x
 
     def _positions(self, length: int, cache: Any) -> np.ndarray:
-        """The learned position embeddings of the next ``length`` tokens of each sequence
+        """The position embeddings of the next ``length`` tokens of each sequence
         (``(B, length, hidden)``), from the positions ``cache`` has seen."""
         assert self.positions is not None and self.family.top.positions is not None
         start = np.asarray(cache.lengths)[:, None] + self.family.top.positions.offset
         rows = start + np.arange(length)
-        if rows.max() >= len(self.positions):
+        if self.position_count is not None and rows.max() >= self.position_count:
             raise UnsupportedModelError(
-                f"position {int(rows.max())} is past the {len(self.positions)} positions "
+                f"position {int(rows.max())} is past the {self.position_count} positions "
                 f"this model has embeddings for"
             )
-        return self.positions[rows]
+        return self.positions(rows)
 
     def _norm(self, x: np.ndarray, weights: Weights | None) -> np.ndarray:
         assert weights is not None

@@ -27,7 +27,7 @@ from typing import Any
 
 from .layers import GATE_UP_DOWN, UnsupportedModelError
 
-__all__ = ["FAMILIES", "NOT_WRITTEN", "Family", "Positions", "Scales", "Top"]
+__all__ = ["FAMILIES", "NOT_WRITTEN", "Family", "HeadStage", "Positions", "Scales", "Top"]
 
 Config = Callable[..., Any]
 """A config's values as its class reads them: ``get(key, default)`` (the readers' Settings)."""
@@ -47,19 +47,23 @@ SHARED = ("input_layernorm", None, None, None)  # one norm read by the attention
 @dataclass(frozen=True)
 class Positions:
     """Absolute positions added to the embeddings: ``learned`` (a table ``name``, row
-    ``position + offset``: OPT's and BioGPT's start at 2) or ``sinusoidal`` (XGLM's and
-    CTRL's tables, computed)."""
+    ``position + offset``: OPT's and BioGPT's start at 2), or computed: ``sinusoidal``
+    (XGLM's, fairseq's: the sines of all the frequencies, then their cosines; row
+    ``position + offset``, the row the config's ``padding_key`` gives all zeros) or
+    ``ctrl`` (CTRL's: the sines of the even features' angles, then the cosines of the odd
+    ones')."""
 
-    kind: str  # "learned" or "sinusoidal"
+    kind: str  # "learned", "sinusoidal" or "ctrl"
     name: str = ""
     offset: int = 0
+    padding_key: str | None = None
 
 
 @dataclass(frozen=True)
 class Top:
     """Where the model's own tensors lie: its layers (``{layers}.{i}.``), the token
     embeddings, the positions, a norm of the embeddings (BLOOM's), the final norm (none in
-    GPT-1) and the head (``None``: the embeddings, tied)."""
+    GPT-1), the head (``None``: the embeddings, tied) and a stage before it (ModernBERT's)."""
 
     layers: str = "model.layers"
     embed: str = "model.embed_tokens"
@@ -67,6 +71,7 @@ class Top:
     head: str | None = "lm_head"
     positions: Positions | None = None
     embed_norm: str | None = None
+    before_head: HeadStage | None = None
 
 
 def _constant(key: str, default: float | None = None) -> Callable[[Config], float | None]:
@@ -100,15 +105,18 @@ class Family:
     norm: str = "llama"  # the kind of every norm: a key of layers.NORMS
     eps_key: str = "rms_norm_eps"
     residual: str = "sequential"  # or "parallel", "post"
-    mlp: str = "gated"  # or "plain", "fused" (Phi-3), "gpt_oss", "deepseek", "experts"
+    mlp: str = "gated"  # or "plain", "fused" (Phi-3), "glu", "gpt_oss", "deepseek", "experts"
     mlp_names: tuple[str, ...] = tuple(f"mlp.{name}" for name in GATE_UP_DOWN)
-    """The MLP's projections: gate, up and down (``"gated"``), up and down (``"plain"``)."""
+    """The MLP's projections: gate, up and down (``"gated"``), up and down (``"plain"``),
+    gate and up in one then down (``"glu"``: ModernBERT's ``Wi`` and ``Wo``)."""
     conv1d: bool = False  # GPT-2's Conv1D projections: weights stored (in, out)
     activation_key: str = "hidden_act"
     activation: str | None = None  # the family's own, whatever the config says (BLOOM's)
+    act_fn: str = "mlp.act_fn."  # where an activation with weights of its own has them (xIELU)
     experts: tuple[str, tuple[str, ...]] = ("mlp.", GATE_UP_DOWN)
     """Where a mixture's router (``gate``) and experts lie, and each expert's projections."""
     normalise: bool = False  # the top experts' weights renormalised whatever the config says
+    first_norms: tuple[str | None, ...] | None = None  # the first layer's, where they differ
     top: Top = Top()
     scales: Scales = Scales()
     adapt: Callable[[Family, Config], Family] | None = None
@@ -450,3 +458,82 @@ MIXTURE = "its mixture of experts (a router and experts of its own kind)"
 NOT_WRITTEN = _not_written()
 """The families whose attention ``from_pretrained`` reads but whose decoder mha.models does
 not write out, each with what it lacks."""
+
+
+# ---------------------------------------------------------------- positions, heads and activations
+# of the older families and ModernBERT's decoder
+
+
+@dataclass(frozen=True)
+class HeadStage:
+    """A dense layer, its activation and a norm between the final norm and the head
+    (ModernBERT's ``lm_head``): ``norm(act(dense(x)))``, the tensors ``{name}.dense`` and
+    ``{name}.norm``, the activation the config's ``activation_key``."""
+
+    name: str
+    activation_key: str
+
+
+def _scale_embedding(get: Config) -> float | None:
+    """``sqrt(hidden_size)`` where the config's ``scale_embedding`` says so (BioGPT, XGLM)."""
+    return _sqrt_hidden(get) if get("scale_embedding", False) else None
+
+
+def _ctrl(family: Family, get: Config) -> Family:
+    """CTRL's layers' norms have an eps of 1e-6 whatever the config says; its final norm the
+    config's ``layer_norm_epsilon``."""
+    _refuse(get, "layer_norm_epsilon", 1e-6, "CTRL's final norm with an eps of its own")
+    return family
+
+
+FAMILIES.update({
+    "ctrl": Family(
+        ("layernorm1", None, "layernorm2", None), "layer", eps=1e-6, mlp="plain",
+        mlp_names=("ffn.0", "ffn.2"), activation="relu",
+        top=Top("transformer.h", "transformer.w", "transformer.layernorm", "lm_head",
+                Positions("ctrl")),
+        scales=Scales(embed=_sqrt_hidden), adapt=_ctrl,
+    ),
+    "biogpt": Family(
+        ("self_attn_layer_norm", None, "final_layer_norm", None), "layer", eps=1e-5, mlp="plain",
+        mlp_names=("fc1", "fc2"),
+        top=Top("biogpt.layers", "biogpt.embed_tokens", "biogpt.layer_norm", "output_projection",
+                Positions("learned", "biogpt.embed_positions", offset=2)),
+        scales=Scales(embed=_scale_embedding),
+    ),
+    "xglm": Family(
+        ("self_attn_layer_norm", None, "final_layer_norm", None), "layer", eps=1e-5, mlp="plain",
+        mlp_names=("fc1", "fc2"), activation_key="activation_function",
+        top=Top("model.layers", "model.embed_tokens", "model.layer_norm",
+                positions=Positions("sinusoidal", offset=2, padding_key="pad_token_id")),
+        scales=Scales(embed=_scale_embedding),
+    ),
+    "modernbert-decoder": Family(
+        ("attn_norm", None, "mlp_norm", None), "layer", "norm_eps", mlp="glu",
+        mlp_names=("mlp.Wi", "mlp.Wo"), activation_key="hidden_activation",
+        first_norms=(None, None, "mlp_norm", None),
+        top=Top("model.layers", "model.embeddings.tok_embeddings", "model.final_norm", "decoder",
+                embed_norm="model.embeddings.norm",
+                before_head=HeadStage("lm_head", "classifier_activation")),
+    ),
+    "mpt": Family(
+        ("norm_1", None, "norm_2", None), "layer", "layer_norm_epsilon", mlp="plain",
+        mlp_names=("ffn.up_proj", "ffn.down_proj"), activation="gelu",
+        top=Top("transformer.blocks", "transformer.wte", "transformer.norm_f"),
+    ),
+    "gpt_neox_japanese": Family(
+        PRE, "layer", "layer_norm_eps", mlp="plain",
+        mlp_names=("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+        top=Top("gpt_neox_japanese.layers", "gpt_neox_japanese.embed_in",
+                "gpt_neox_japanese.final_layer_norm", "embed_out"),
+    ),
+    "apertus": Family(
+        ("attention_layernorm", None, "feedforward_layernorm", None), mlp="plain",
+        mlp_names=("mlp.up_proj", "mlp.down_proj"),
+    ),
+    "exaone": Family(
+        ("ln_1", None, "ln_2", None), mlp_names=("mlp.c_fc_0", "mlp.c_fc_1", "mlp.c_proj"),
+        top=Top("transformer.h", "transformer.wte", "transformer.ln_f"),
+    ),
+})  # fmt: skip
+FAMILIES["apertus1p5_text"] = FAMILIES["apertus"]

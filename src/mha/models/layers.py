@@ -207,9 +207,11 @@ def plain_mlp(
     return lambda h: down(act(up(h)))
 
 
-def fused_mlp(tensors: Tensors, act: Function) -> Function:
-    """Phi-3's: one ``gate_up_proj``, the gate its first half."""
-    gate_up, down = linear(tensors, "mlp.gate_up_proj"), linear(tensors, "mlp.down_proj")
+def fused_mlp(
+    tensors: Tensors, act: Function, names: tuple[str, ...] = ("mlp.gate_up_proj", "mlp.down_proj")
+) -> Function:
+    """Phi-3's: one ``gate_up_proj``, the gate its first half (ModernBERT's ``Wi``, ``Wo``)."""
+    gate_up, down = (linear(tensors, name) for name in names)
 
     def mlp(h: np.ndarray) -> np.ndarray:
         gate, up = np.split(gate_up(h), 2, axis=-1)
@@ -330,3 +332,80 @@ def deepseek_mlp(tensors: Tensors, config: dict[str, Any], act: Function, layer:
         return np.asarray(mixed.reshape(h.shape) + shared(h))
 
     return mlp
+
+
+# ---------------------------------------------------------------- sinusoidal positions, xIELU
+
+
+def sinusoidal_positions(rows: np.ndarray, width: int, padding: int | None) -> np.ndarray:
+    """XGLM's (fairseq's) sinusoidal positions of table rows ``rows``, ``(*rows.shape,
+    width)`` in float32: ``sin(row * f_k)`` then ``cos(row * f_k)`` for the ``width // 2``
+    frequencies ``f_k = exp(-k * log(10000) / (width // 2 - 1))``, a zero feature last
+    where ``width`` is odd, and row ``padding`` all zeros.
+
+    transformers computes the table in float32 and casts it to the compute dtype; the
+    products here are its float32 products, and each ``exp``, ``sin`` and ``cos`` is the
+    float32 nearest the exact value (torch's float32 functions are within one unit in the
+    last place of it).
+
+    >>> sinusoidal_positions(np.array([0, 2]), 4, padding=0).round(3)
+    array([[ 0.   ,  0.   ,  0.   ,  0.   ],
+           [ 0.909,  0.   , -0.416,  1.   ]], dtype=float32)
+    """
+    half = width // 2
+    step = np.float32(-math.log(10000) / (half - 1))
+    frequencies = _rounded(np.exp, np.arange(half, dtype=np.float32) * step)
+    angles = rows.astype(np.float32)[..., None] * frequencies
+    table = [_rounded(np.sin, angles), _rounded(np.cos, angles)]
+    if width % 2:
+        table.append(np.zeros((*rows.shape, 1), np.float32))
+    out = np.concatenate(table, axis=-1)
+    if padding is not None:
+        out[rows == padding] = 0.0
+    return out
+
+
+def ctrl_positions(rows: np.ndarray, width: int) -> np.ndarray:
+    """CTRL's sinusoidal positions of rows ``rows``, ``(*rows.shape, width)`` in float32:
+    feature ``i``'s angle ``row / 10000 ** (2 * (i // 2) / width)``, the sines of the even
+    features' angles, then the cosines of the odd ones' (float32 as
+    :func:`sinusoidal_positions`)."""
+    i = np.arange(width, dtype=np.float32)
+    exponents = (np.float32(2.0) * (i // np.float32(2.0))) / np.float32(width)
+    rates = np.float32(1.0) / _rounded(lambda e: np.power(10000.0, e), exponents)
+    angles = rows.astype(np.float32)[..., None] * rates
+    return np.concatenate(
+        [_rounded(np.sin, angles[..., 0::2]), _rounded(np.cos, angles[..., 1::2])], axis=-1
+    )
+
+
+def _rounded(function: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> np.ndarray:
+    """``function(x)`` of float32 ``x`` rounded to float32 from float64."""
+    return np.asarray(function(x.astype(np.float64)), np.float32)
+
+
+def xielu(tensors: Tensors, prefix: str) -> Function:
+    """Apertus's xIELU, its weights under ``prefix``: ``alpha_p * x * x + beta * x`` for
+    ``x > 0``, else ``(expm1(min(x, eps)) - x) * alpha_n + beta * x``, with ``alpha_p =
+    softplus(p)`` and ``alpha_n = beta + softplus(n)`` of the learned ``p``, ``n``, and
+    ``beta``, ``eps`` the checkpoint's."""
+    names = ("alpha_p", "alpha_n", "beta", "eps")
+    p, n, beta, eps = (tensors.take(f"{prefix}{name}") for name in names)
+    alpha_p, alpha_n = softplus(p), beta + softplus(n)
+
+    def act(x: np.ndarray) -> np.ndarray:
+        positive = alpha_p * x * x + beta * x
+        negative = (np.expm1(np.minimum(x, eps)) - x) * alpha_n + beta * x
+        return np.where(x > 0, positive, negative)
+
+    return act
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """``log(1 + exp(x))``, ``x`` itself above 20 (torch's ``softplus``)."""
+    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
+
+
+LEARNED_ACTIVATIONS = {"xielu": xielu}
+"""Activations with weights of their own in each layer, by transformers' names: each built
+from the layer's tensors under the family's ``act_fn``."""
