@@ -455,9 +455,6 @@ def _not_written() -> dict[str, str]:
 
 
 MIXTURE = "its mixture of experts (a router and experts of its own kind)"
-NOT_WRITTEN = _not_written()
-"""The families whose attention ``from_pretrained`` reads but whose decoder mha.models does
-not write out, each with what it lacks."""
 
 
 # ---------------------------------------------------------------- positions, heads and activations
@@ -537,3 +534,7 @@ FAMILIES.update({
     ),
 })  # fmt: skip
 FAMILIES["apertus1p5_text"] = FAMILIES["apertus"]
+
+NOT_WRITTEN = _not_written()
+"""The families whose attention ``from_pretrained`` reads but whose decoder mha.models does
+not write out, each with what it lacks."""
