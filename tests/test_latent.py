@@ -419,3 +419,59 @@ def test_a_cache_of_values_in_keys_refuses_other_values_and_stays_as_it_was():
     expected = mha.scaled_dot_product_attention(k, k, k[..., :4], causal=True)
     np.testing.assert_allclose(out, expected, rtol=1e-13, atol=1e-15)
     assert np.shares_memory(cache.k, cache.v) and cache.nbytes == cache.k.nbytes
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"q_lora_rank": 9, "bias": True},
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                          "mscale": 1.0, "mscale_all_dim": 0.707},
+         "scale": 0.3, "dtype": np.float32},
+    ],
+)  # fmt: skip
+def test_save_and_load_round_trip_bit_for_bit(overrides, tmp_path):
+    """The spec and every weight come back the same bits, and the layer computes the same."""
+    attention = LatentAttention(**settings(), **overrides, seed=11)
+    path = tmp_path / "latent.npz"
+    attention.save(path)
+    loaded = LatentAttention.load(path)
+    assert loaded.spec == attention.spec and loaded.dtype == attention.dtype
+    for name, W in attention.weights().items():
+        other = loaded.weights()[name]
+        assert (W is None) == (other is None), name
+        assert W is None or (W.dtype == other.dtype and np.array_equal(W, other)), name
+    x = np.random.default_rng(0).standard_normal((2, 6, attention.d_model)).astype(attention.dtype)
+    np.testing.assert_array_equal(loaded(x, mask=True), attention(x, mask=True))
+
+
+def test_a_bfloat16_layer_saves_its_bits(tmp_path):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    attention = LatentAttention(**settings(), dtype=ml_dtypes.bfloat16, seed=2)
+    attention.save(tmp_path / "latent.npz")
+    loaded = LatentAttention.load(tmp_path / "latent.npz")
+    assert loaded.W_o.dtype == ml_dtypes.bfloat16
+    assert np.array_equal(loaded.W_o.view(np.uint16), attention.W_o.view(np.uint16))
+
+
+def test_loading_refuses_what_is_not_a_latent_layer_file(tmp_path):
+    attention = LatentAttention(**settings(q_lora_rank=9), seed=0)
+    mha.MultiHeadAttention(8, 2, seed=0).save(tmp_path / "mha.npz")
+    with pytest.raises(mha.WeightsFileError, match=r"format is 'mha\.MultiHeadAttention'"):
+        LatentAttention.load(tmp_path / "mha.npz")
+    attention.save(tmp_path / "good.npz")
+    with np.load(tmp_path / "good.npz") as saved:
+        entries = dict(saved)
+    for change, words in (
+        ({"W_kv_b": None}, r"weights W_kv_b are missing"),
+        ({"W_o": np.zeros((3, 3))}, r"W_o has shape \(3, 3\) but this layer needs"),
+        ({"W_q": np.zeros((40, 40))}, r"weights W_q are not used by this layer"),
+    ):
+        given = {name: W for name, W in {**entries, **change}.items() if W is not None}
+        np.savez(tmp_path / "bad.npz", **given)
+        with pytest.raises(mha.WeightsFileError, match="cannot load .*bad.npz: " + words):
+            LatentAttention.load(tmp_path / "bad.npz")
+    with pytest.raises(mha.WeightsFileError, match="cannot save to"):
+        attention.save(tmp_path / "no-such-folder" / "latent.npz")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.npz", "good.npz", "mha.npz"]

@@ -12,6 +12,7 @@ DeepSeek-V3's sizes, where the expanded keys and values would take 40,960).
 
 from __future__ import annotations
 
+import dataclasses
 import reprlib
 from dataclasses import dataclass
 from typing import Any, Literal, SupportsIndex, overload
@@ -26,7 +27,7 @@ from .._arrays import (
     resolve_scale,
     result_and_compute_dtypes,
 )
-from ..errors import AttentionTypeError, AttentionValueError, ShapeError
+from ..errors import AttentionTypeError, AttentionValueError, ShapeError, WeightsFileError
 from . import formats
 from .cache import KVCache
 from .checks import check_mask_argument, random_generator
@@ -462,6 +463,37 @@ class LatentAttention:
          'W_o': (8, 16), 'b_o': None}
         """
         return {name: getattr(self, name) for name in PARAMETER_NAMES}
+
+    def save(self, path: Any) -> None:
+        """Write the spec and the weights to ``path`` as ``.npz`` (no pickle), atomically:
+        a complete file replaces any existing one, or nothing changes.
+
+        >>> from mha import LatentAttention
+        >>> import os, tempfile, numpy as np
+        >>> path = os.path.join(tempfile.mkdtemp(), "latent.npz")
+        >>> saved = LatentAttention(16, 2, kv_lora_rank=8, qk_nope_head_dim=4,
+        ...                         qk_rope_head_dim=2, v_head_dim=4, seed=0)
+        >>> saved.save(path)
+        >>> bool(np.array_equal(LatentAttention.load(path).W_kv_b, saved.W_kv_b))
+        True
+        """
+        config = {**dataclasses.asdict(self.spec), "dtype": np.dtype(self.dtype).name}
+        formats.get("npz.save_latent")(path, config, self.weights())
+
+    @classmethod
+    def load(cls, path: Any) -> LatentAttention:
+        """Read ``path``, a file written by :meth:`save` (never unpickling anything): each
+        weight's presence and shape checked against the spec it records."""
+        config, weights = formats.get("npz.load_latent")(path)
+        try:
+            fields = {field.name for field in dataclasses.fields(LatentSpec)}
+            unknown = sorted(set(config) - fields - {"format", "version", "dtype", "bfloat16"})
+            if unknown:
+                raise AttentionValueError(f"its config has unknown keys {unknown}")
+            spec = LatentSpec(**{key: value for key, value in config.items() if key in fields})
+            return cls.from_spec(spec, weights, config.get("dtype"))
+        except (AttentionValueError, TypeError) as error:
+            raise WeightsFileError(f"cannot load {path}: {error}") from None
 
     def __repr__(self) -> str:
         shown: dict[str, Any] = {

@@ -22,6 +22,8 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "pretrained.attention_layers": readers.attention_layers,
     "npz.save": npz.save,
     "npz.load": npz.load,
+    "npz.save_latent": npz.save_latent,
+    "npz.load_latent": npz.load_latent,
 }
 """Each function, by the name the API asks for."""
 

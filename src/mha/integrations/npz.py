@@ -16,7 +16,16 @@ from .._arrays import bfloat16_from_bits, is_bfloat16
 from .._files import UnreadableFileError, atomic_write, read_arrays, writable_problem
 from ..errors import WeightsFileError
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "WEIGHT_NAMES", "load", "save"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "LATENT_FORMAT",
+    "WEIGHT_NAMES",
+    "load",
+    "load_latent",
+    "save",
+    "save_latent",
+]
 
 FORMAT = "mha.MultiHeadAttention"
 FORMAT_VERSION = 2  # 2 added grouped-query heads, head_dim, rotary, window, single biases
@@ -28,10 +37,65 @@ WEIGHT_NAMES = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "bias_k"
                 "k_norm_bias")  # fmt: skip
 
 
+LATENT_FORMAT = "mha.LatentAttention"
+"""A :class:`mha.LatentAttention`'s file: its spec's keywords and its weights by name, each
+checked by :meth:`mha.LatentAttention.from_spec` when read back."""
+
+
 def save(path: Any, config: dict[str, Any], weights: dict[str, np.ndarray | None]) -> None:
     """``config`` and the ``weights`` that are not ``None`` as ``.npz``, written atomically."""
+    _save(path, {"format": FORMAT, "version": FORMAT_VERSION, **config}, weights)
+
+
+def save_latent(path: Any, config: dict[str, Any], weights: dict[str, np.ndarray | None]) -> None:
+    """A latent-attention layer's ``config`` and ``weights``, as :func:`save` writes them."""
+    _save(path, {"format": LATENT_FORMAT, "version": 1, **config}, weights)
+
+
+def load_latent(path: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The config and weights of a file written by :func:`save_latent` (the layer checks
+    every weight's presence and shape against the config)."""
     target = Path(os.fspath(path))
-    config = {"format": FORMAT, "version": FORMAT_VERSION, **config}
+    contents = _contents(target, "an .npz file written by LatentAttention.save()")
+    try:
+        config = json.loads(str(contents.pop("config")))
+        if config.get("format") != LATENT_FORMAT or config.get("version") != 1:
+            raise ValueError(
+                f"format is {config.get('format')!r} version {config.get('version')!r}, not "
+                f"{LATENT_FORMAT!r} version 1"
+            )
+    except (ValueError, TypeError, AttributeError) as error:
+        raise WeightsFileError(f"cannot load {target}: bad config entry ({error})") from None
+    return config, _with_bfloat16(target, config, contents)
+
+
+def _contents(target: Path, what: str) -> dict[str, np.ndarray]:
+    """The arrays of the ``.npz`` file ``target``, with its ``config`` entry."""
+    try:
+        contents = read_arrays(target, what)
+    except UnreadableFileError as error:
+        raise WeightsFileError(f"cannot load {error}") from None
+    if not isinstance(contents, dict):
+        raise WeightsFileError(
+            f"cannot load {target}: it holds a single array, not an .npz file written by save()"
+        )
+    if "config" not in contents:
+        raise WeightsFileError(f"cannot load {target}: it has no 'config' entry")
+    return contents
+
+
+def _with_bfloat16(
+    target: Path, config: dict[str, Any], contents: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """``contents`` with the arrays the config names as bfloat16 read back from their bits."""
+    held = config.get("bfloat16", [])  # the names of the arrays stored as bfloat16 bits
+    if not isinstance(held, list) or not set(held) <= set(contents):
+        raise WeightsFileError(f"cannot load {target}: bad config entry (bfloat16={held!r})")
+    return contents | {name: _bfloat16(target, contents[name]) for name in held}
+
+
+def _save(path: Any, config: dict[str, Any], weights: dict[str, np.ndarray | None]) -> None:
+    target = Path(os.fspath(path))
     config["bfloat16"] = sorted(  # stored as their bits: NumPy files cannot name the dtype
         name for name, W in weights.items() if W is not None and is_bfloat16(W.dtype)
     )
@@ -54,16 +118,7 @@ def load(path: Any) -> tuple[dict[str, Any], dict[str, np.ndarray | None]]:
     """The config and weights of a file written by :func:`save`, each entry's presence and
     shape checked against the config, which a damaged array cannot change."""
     target = Path(os.fspath(path))
-    try:
-        contents = read_arrays(target, "an .npz file written by MultiHeadAttention.save()")
-    except UnreadableFileError as error:
-        raise WeightsFileError(f"cannot load {error}") from None
-    if not isinstance(contents, dict):
-        raise WeightsFileError(
-            f"cannot load {target}: it holds a single array, not an .npz file written by save()"
-        )
-    if "config" not in contents:
-        raise WeightsFileError(f"cannot load {target}: it has no 'config' entry")
+    contents = _contents(target, "an .npz file written by MultiHeadAttention.save()")
     try:
         config = json.loads(str(contents.pop("config")))
         if config.get("format") != FORMAT:
@@ -98,10 +153,7 @@ def load(path: Any) -> tuple[dict[str, Any], dict[str, np.ndarray | None]]:
                 f"cannot load {target}: {name} has shape {contents[name].shape} but its config "
                 f"({summary}) calls for {shape}"
             )
-    held = config.get("bfloat16", [])  # the names of the arrays stored as bfloat16 bits
-    if not isinstance(held, list) or not set(held) <= set(contents):
-        raise WeightsFileError(f"cannot load {target}: bad config entry (bfloat16={held!r})")
-    contents |= {name: _bfloat16(target, contents[name]) for name in held}
+    contents = _with_bfloat16(target, config, contents)
     return config, {name: contents.get(name) for name in WEIGHT_NAMES}
 
 
