@@ -17,6 +17,9 @@ penalises the short calls most:
 1. Each variant, as a ratio to plain causal attention (``causal=True``).
 2. Each ``mask_mod`` or ``score_mod`` form beside the built-in keyword it spells out, after
    checking that the two give the same output.
+3. The variants of the whole layer (``multi_head_attention``, d_model = 8 x 64 = 512, its
+   four projections): an output gate per element (``W_g (512, 512)``: a GEMM as large as a
+   projection) and per head (``W_g (512, 8)``), as a ratio to the same layer without it.
 
 Where the environment sets ``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE`` (which hold OpenBLAS
 to an older kernel), the measurement is repeated in a child process without them, and both
@@ -103,6 +106,21 @@ FORMS: list[tuple[str, str, dict[str, Any], str, float | None]] = [
 ]  # fmt: skip
 
 
+# (name, keywords as shown, the gate's columns or None, target ratio to the plain layer)
+LAYERS: list[tuple[str, str, int | None, float | None]] = [
+    ("plain causal layer", "causal=True", None, None),
+    ("gate per element", "causal=True, W_g (512, 512)", H * D, 1.1),
+    ("gate per head", "causal=True, W_g (512, 8)", H, 1.1),
+]
+
+
+def _layer(X: Any, weights: list[Any], W_g: Any) -> Callable[[], Any]:
+    def run() -> Any:
+        return mha.multi_head_attention(X, X, X, *weights, H, causal=True, W_g=W_g)
+
+    return run
+
+
 def _attention(q: Any, k: Any, v: Any, keywords: dict[str, Any]) -> Callable[[], Any]:
     def run() -> Any:
         return mha.scaled_dot_product_attention(q, k, v, **keywords)
@@ -134,10 +152,16 @@ def measure(quick: bool) -> dict[str, Any]:
             "max_abs_difference": float(np.max(np.abs(ours - theirs))),
             "dtype": str(ours.dtype),
         }
+    X = rng.standard_normal((B, L, H * D), dtype=np.float32)
+    weights = [(rng.standard_normal((H * D, H * D)) / (H * D) ** 0.5).astype(np.float32)
+               for _ in range(4)]  # fmt: skip
+    for name, _, columns, _ in LAYERS:
+        W_g = None if columns is None else rng.standard_normal((H * D, columns), dtype=np.float32)
+        functions[name] = _layer(X, weights, None if W_g is None else W_g / (H * D) ** 0.5)
     repeats = 3 if quick else 15
     times = interleaved_medians(functions, repeats, pause=0.0)
     seconds = {name: float(np.median(t)) for name, t in times.items()}
-    base = seconds["plain causal"]
+    base, layer = seconds["plain causal"], seconds[LAYERS[0][0]]
     return {
         "environment": environment(torch),
         "shape": {"B": B, "H": H, "L": L, "D": D, "dtype": "float32"},
@@ -154,6 +178,12 @@ def measure(quick: bool) -> dict[str, Any]:
              "ratio": seconds[form] / seconds[builtin], "target": target,
              "meets_target": _meets(seconds[form] / seconds[builtin], target), **same[form]}
             for form, shown, _, builtin, target in FORMS
+        ],
+        "layers": [
+            {"name": name, "keywords": shown, "seconds": seconds[name],
+             "all_seconds": times[name], "ratio": seconds[name] / layer, "target": target,
+             "meets_target": _meets(seconds[name] / layer, target)}
+            for name, shown, _, target in LAYERS
         ],
     }  # fmt: skip
 
@@ -200,6 +230,19 @@ def markdown(runs: list[dict[str, Any]]) -> str:
                 f"| {row['ratio']:.2f}x | {_target(row['target'])} "
                 f"| {_meets_text(row['meets_target'])} "
                 f"| {'yes' if row['same_result'] else 'NO'} |"
+            )
+        lines += [
+            "",
+            "The whole layer (`multi_head_attention`, d_model 512, its four projections):",
+            "",
+            "| layer | keywords | ms | / plain layer | target | meets target |",
+            "|:---|:---|---:|---:|:---:|:---:|",
+        ]
+        for row in results.get("layers", []):
+            lines.append(
+                f"| {row['name']} | `{row['keywords']}` | {row['seconds'] * 1e3:.1f} "
+                f"| {row['ratio']:.2f}x | {_target(row['target'])} "
+                f"| {_meets_text(row['meets_target'])} |"
             )
         lines.append("")
     return "\n".join(lines)
