@@ -483,7 +483,16 @@ class LatentAttention:
     @classmethod
     def load(cls, path: Any) -> LatentAttention:
         """Read ``path``, a file written by :meth:`save` (never unpickling anything): each
-        weight's presence and shape checked against the spec it records."""
+        weight's presence and shape checked against the spec it records.
+
+        >>> from mha import LatentAttention
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "latent.npz")
+        >>> LatentAttention(16, 2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2,
+        ...                 v_head_dim=4, q_lora_rank=6, seed=0).save(path)
+        >>> LatentAttention.load(path).q_lora_rank
+        6
+        """
         config, weights = formats.get("npz.load_latent")(path)
         try:
             fields = {field.name for field in dataclasses.fields(LatentSpec)}
