@@ -3,7 +3,7 @@ text out, greedily.
 
 ``mha.models.load(path)`` reads a transformers ``save_pretrained`` folder or a llama.cpp GGUF
 file (:mod:`mha.integrations.gguf_file`) with its tokenizer (:mod:`.tokenizer`); the model's
-layers are :class:`.decoder.Decoder`'s, each family a row of :data:`.decoder.FAMILIES`.
+layers are :class:`.decoder.Decoder`'s, each family a row of :data:`.families.FAMILIES`.
 
     model = mha.models.load("SmolLM2-135M-Instruct.Q4_1.gguf")
     for piece in model.stream("What is the capital of France?", chat=True):
