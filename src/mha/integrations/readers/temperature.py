@@ -127,7 +127,7 @@ def ministral3_layer(read: Settings, index: int, settings: dict[str, Any]) -> di
     if beta == 0:
         return {"query_temperature": None}
     length = rope.get("original_max_position_embeddings")
-    if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
+    if isinstance(length, bool) or not isinstance(length, (int, float)) or not length > 0:
         raise read.refuse(
             f"rope_parameters['llama_4_scaling_beta']={beta!r} and original_max_position_"
             f"embeddings={length!r} (Llama 4's query scale growing with the position needs a "
