@@ -322,7 +322,7 @@ QK_NORMS = {"qwen3": ("head", 0.0), "gemma3_text": ("head", 1.0), "olmo2": ("all
             "minimax_m2": ("all", 0.0), "exaone_moe": ("head", 0.0), "kolibri1": ("head", 0.0),
             "flint": ("head", 0.0), "nanochat": ("head", 0.0), "hunyuan_v1_dense": ("head", 0.0),
             "afmoe": ("head", 0.0), "laguna": ("head", 0.0),
-            "hunyuan_v1_moe": ("head", 0.0)}  # fmt: skip
+            "hunyuan_v1_moe": ("head", 0.0), "beam": ("head", 0.0)}  # fmt: skip
 LAYER_NORMS = {"stablelm": ("qk_layernorm", "each_head"), "phi": ("qk_layernorm", "head"),
                "cohere": ("use_qk_norm", "each_head")}  # fmt: skip
 """The families whose QK-norm is a LayerNorm: the config key that turns it on, its kind."""
@@ -339,6 +339,7 @@ ROTATES = {
     "kolibri1": lambda attention: attention.sliding_window is None or attention.is_sliding,
     "flint": lambda attention: attention.sliding_window is not None,
     "afmoe": lambda attention: attention.is_local_attention,
+    "llama4_text": lambda attention: attention.use_rope,
 }
 """Whether a layer rotates, from the attributes of transformers' attention module that its
 ``forward`` tests, for the families with layers without positions."""
@@ -419,12 +420,40 @@ def expected_settings(config, index, attention=None):
     }  # fmt: skip
     if model_type == "laguna":  # each layer its own heads
         expected["num_heads"] = attention.num_heads
-    return expected
+    return expected | _temperature(config, index, attention, expected)
+
+
+def _temperature(config, index, attention, expected):
+    """Llama 4's settings from its attention module (its rope layers chunked, with its L2
+    QK-norm after the (2i, 2i + 1) rotation; its other layers' query temperature) and
+    Ministral 3's query temperature from its rope parameters, Beam's on its layers without
+    rope."""
+    if config.model_type == "ministral3":
+        rope = config.rope_parameters
+        beta, length = rope["llama_4_scaling_beta"], rope.get("original_max_position_embeddings")
+        return {"query_temperature": (beta, float(length), 0.0) if beta else None}
+    if config.model_type == "beam":  # compute_attention_scaling on the layers without rope
+        return {
+            "query_temperature": None if expected["rope_theta"] else (0.1, 2048.0, 1.0, "power")
+        }
+    if config.model_type != "llama4_text":
+        return {}
+    chunked = config.layer_types[index] == "chunked_attention"
+    temperature = (attention.attn_scale, float(attention.floor_scale), 1.0)
+    norm = getattr(attention, "qk_norm", None)
+    return {
+        "rotary_interleaved": attention.use_rope,
+        "chunk": config.attention_chunk_size if chunked else None,
+        "qk_norm": "head" if norm else None, "qk_norm_offset": 0.0 if norm else None,
+        "qk_norm_eps": norm.eps if norm else None, "qk_norm_after_rope": bool(norm),
+        "query_temperature": None if attention.use_rope or not attention.attn_temperature_tuning
+        else temperature,
+    }  # fmt: skip
 
 
 def _gate(model_type, attention):
     """The output gate's settings: AFMoE's sigmoid, Laguna's softplus (per head or not)."""
-    if model_type == "afmoe":
+    if model_type in ("afmoe", "beam"):
         return {"output_gate": "sigmoid", "output_gate_per_head": False}
     if model_type == "laguna":
         return {"output_gate": "softplus", "output_gate_per_head": attention.gate_per_head}
@@ -461,6 +490,10 @@ def expected_weights(attention, settings):
             weights[ours] = np.ones(settings["head_dim"])  # NanoChat's norm without weights
         elif module is not None:
             weights[ours] = parameter(module)
+    if hasattr(attention, "gate_bias"):  # Beam's: one a head, over the head's features
+        weights["b_g"] = np.repeat(parameter(attention.gate_bias), settings["head_dim"])
+    if getattr(attention, "qk_norm", None) is not None:  # Llama 4's L2 norm, without weights
+        weights |= {name: np.ones(settings["head_dim"]) for name in ("q_norm", "k_norm")}
     for role in "qk":  # LayerNorms: Phi's one, StableLM's one a head
         norm = getattr(attention, f"{role}_layernorm", None)
         if norm is not None and hasattr(norm, "norms"):
@@ -509,7 +542,7 @@ def test_each_layer_is_what_transformers_computes(family, transformers):
             if hasattr(attention, "sliding_window") and not hasattr(attention, "is_sliding"):
                 assert settings["window"] == attention.sliding_window  # EXAONE 4's: is_sliding
             if settings["qk_norm"]:
-                names = ("q_norm", "q_layernorm", "query_layernorm")
+                names = ("q_norm", "q_layernorm", "query_layernorm", "qk_norm")
                 norm = next(getattr(attention, n) for n in names if hasattr(attention, n))
                 norm = getattr(norm, "norms", [norm])[0]  # StableLM's: one a head
                 assert settings["qk_norm_eps"] == getattr(norm, "eps", None) or getattr(
@@ -766,7 +799,11 @@ def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
         ("llama", {"model_type": "bert"}, "model_type 'bert': an encoder run as a decoder"),
         ("llama", {"model_type": "qwen3_next"}, "Qwen3-Next's attention has a sigmoid output"),
         ("llama", {"model_type": None}, "config.json names no model_type"),
-        ("llama", {"model_type": "llama4_text"}, "Llama 4's attention (chunked layers"),
+        ("llama4_text", {"layer_types": ["full_attention", "sliding_attention", "full_attention"]},
+         "llama4_text with layer_types=['full_attention', 'sliding_attention', 'full_attention'] "
+         "(transformers' Llama 4 masks one full_attention or chunked_attention layer type"),
+        ("ministral3", {"rope_parameters": {"rope_type": "default", "llama_4_scaling_beta": None}},
+         "ministral3 with rope_parameters without llama_4_scaling_beta"),
         ("qwen2", {"model_type": "qwen2_vl"}, "multimodal rope (mrope)"),
         ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
         ("gemma3", {"use_bidirectional_attention": True}, "gemma3_text with use_bidirectional"),
@@ -820,10 +857,8 @@ def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
         ("olmo", {"clip_qkv": "8"}, "olmo with clip_qkv='8' (the projections clamped to a"),
         ("olmoe", {"clip_qkv": 0}, "olmoe with clip_qkv=0 (the projections clamped to a bound"),
         ("gemma", {"use_bidirectional_attention": True}, "gemma with use_bidirectional_attention"),
-        ("ministral3", {"rope_parameters": None}, "ministral3 with "
-         "rope_parameters['llama_4_scaling_beta']=0.1 (Llama 4's query scale growing with"),
         ("ministral3", {"rope_parameters": {"rope_type": "default", "llama_4_scaling_beta": 0.5}},
-         "rope_parameters['llama_4_scaling_beta']=0.5"),
+         "rope_parameters['llama_4_scaling_beta']=0.5 and original_max_position_embeddings=None"),
         ("phimoe", {"rope_parameters": LONGROPE}, "phimoe with rope_type 'longrope', which "
          "transformers' phimoe rotary embedding scales by its own factors"),
         ("mellum", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},

@@ -215,6 +215,13 @@ CHANGES = {
     "olmo_hybrid": [{"rope_theta": 500.0}, {"qk_norm_offset": 1.0}],
     "lara_mini": [{"rope_theta": 500.0}, {"window": None}, {"qk_norm_offset": 1.0}],
     "recurrent_gemma": [{"window": None}, {"rotary_dim": None}, {"b_o": None}],
+    # position-dependent query temperatures (layer 1 of Llama 4; every layer of Ministral 3)
+    "llama4_text": [{"query_temperature": None}, {"chunk": None}, {"qk_norm": None,
+                    "qk_norm_eps": None, "qk_norm_offset": None, "qk_norm_after_rope": False,
+                    "q_norm": None, "k_norm": None}, {"rotary_interleaved": False}],
+    "ministral3_scaled": [{"query_temperature": None}, {"window": None}],
+    "beam": [{"query_temperature": None}, {"window": None}, {"qk_norm_offset": 1.0},
+             {"b_g": None}],  # Beam's power law, from 1.0 at position 0 to 1.0012 at 23
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3

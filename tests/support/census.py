@@ -162,7 +162,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
             "partial_rotary_factor": 0.5,
         }
     },
-    "ministral3": {  # yarn past 16 positions, without Llama 4's query scale (0.1 by default)
+    "ministral3": {  # yarn and Llama 4's query scale past 16 positions
         "rope_parameters": {
             "rope_type": "yarn",
             "rope_theta": 1e6,
@@ -172,9 +172,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
             "mscale": 1.0,
             "mscale_all_dim": 1.0,
             "original_max_position_embeddings": 16,
-            "llama_4_scaling_beta": 0.0,
+            "llama_4_scaling_beta": 0.5,
         }
     },
+    # Llama 4's chunks and query temperature within the census's 24 positions
+    "llama4_text": {"attention_chunk_size": 8, "floor_scale": 4, "intermediate_size_mlp": 32},
     "zaya": {"num_experts_per_tok": 1},
     "longcat_flash": {"num_layers": 2, "head_dim": 8},  # its rotary is head_dim wide
     "cohere_compass_text": {  # its rotary embedding takes a rope per layer type (none: {})

@@ -344,6 +344,22 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "lfm2_moe": ("Lfm2Moe", {"layer_types": [FULL, "conv", FULL], "num_experts": 4,
                              "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                              "num_dense_layers": 1, "experts_implementation": "eager"}),
+    # position-dependent query temperatures: Llama 4's chunked rope layers with its L2
+    # QK-norm and its layer without rope (1) with attn_temperature_tuning past floor_scale
+    # (4); Ministral 3's llama_4_scaling_beta past original_max_position_embeddings
+    "llama4_text": ("Llama4Text", {"no_rope_layers": [1, 0, 1], "attention_chunk_size": 8,
+                                   "floor_scale": 4, "attn_scale": 0.5, "use_qk_norm": True,
+                                   "intermediate_size_mlp": 32, "num_local_experts": 2,
+                                   "experts_implementation": "eager"}),
+    "ministral3_scaled": ("Ministral3", {"sliding_window": 6, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "beta_fast": 8.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5,
+        "original_max_position_embeddings": 6}}),
+    # Beam: sliding layers with rope, a full one without whose queries grow by the power
+    # law; QK-norm per head, a sigmoid gate per feature with a bias a head (gate_bias)
+    "beam": ("Beam", {"layer_types": [SLIDING, FULL, SLIDING], "sliding_window": 5,
+                      "attention_bias": True, "rope_parameters": {
+                          SLIDING: {"rope_type": "default", "rope_theta": 500.0}, FULL: None}}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,

@@ -14,7 +14,8 @@ Under it, transformers' own ``ROPE_INIT_FUNCTIONS`` and the models' own
 transformers' own ``dynamic_rope_update`` for the stateful ``dynamic`` and ``longrope``
 updates (run under the mode), and computes the angles, cosines and sines as the module's
 ``forward`` does, in float64: each angle for features ``i`` and ``i + r/2`` (Llama's
-``cat``), for ``2i`` and ``2i + 1`` (Cohere's ``repeat_interleave``) or once (gpt-oss), over
+``cat``), for ``2i`` and ``2i + 1`` (Cohere's ``repeat_interleave``), once (gpt-oss) or as
+one complex number of each pair (Llama 4's ``torch.polar``, complex128), over
 the rotated width ``r`` of a partial rotary. The new cosines and sines are checked against
 those of the module's own ``forward`` at float32 precision, so the layout and the width are
 transformers'. The attention's ``apply_rotary_pos_emb`` (which pairs, which features)
@@ -126,6 +127,8 @@ def _make_float64(rotary: Any) -> None:
         layout = "pairs"  # Cohere: each angle for features 2i and 2i + 1
     elif "emb = freqs\n" in source:  # gpt-oss: the half-width angles
         layout = "once"
+    elif "torch.polar(torch.ones_like(freqs), freqs)" in source:  # Llama 4: complex pairs
+        layout = "polar"
     elif "torch.cat((freqs_thw, freqs_thw), dim=-1)" in _recomposition(rotary):
         layout = "sections"  # a multimodal rope's sections, of text positions: the halves'
     else:
@@ -171,6 +174,8 @@ def _make_float64(rotary: Any) -> None:
                 raise NotImplementedError("multimodal positions: the oracle takes text ones")
             position_ids = position_ids[0]
         freqs = position_ids[..., None].double() * inv_freq.double()
+        if layout == "polar":  # one complex128 rotation of each pair (2i, 2i + 1)
+            return torch.polar(torch.ones_like(freqs), freqs) * scaling
         angles = {
             "halves": lambda: torch.cat((freqs, freqs), dim=-1),
             "sections": lambda: torch.cat((freqs, freqs), dim=-1),
@@ -214,6 +219,9 @@ def _angles(rotary: Any, forward: Any, dtype: Any) -> list[Any]:
     angles = []
     for layer_type in _layer_types(rotary):
         keywords = {} if layer_type is None else {"layer_type": layer_type}
-        cos, sin = forward(x, positions, **keywords)
-        angles.append(torch.cat((cos, sin), dim=-1))
+        rotation = forward(x, positions, **keywords)
+        if isinstance(rotation, tuple):
+            angles.append(torch.cat(rotation, dim=-1))
+        else:  # Llama 4's complex rotation: its cosines and sines, side by side
+            angles.append(torch.view_as_real(rotation).flatten(-2))
     return angles

@@ -104,10 +104,10 @@ def recorder(module: Any, calls: list[tuple[np.ndarray, np.ndarray]]) -> Any:
     return record
 
 
-ATTENTION_TYPES = ("full_attention", "sliding_attention", "hybrid")
-"""transformers' layer types whose layer has an attention module (``hybrid``: Falcon-H1's,
-beside a Mamba mixer); the others (``linear_attention``: Mamba or linear attention,
-``conv``, ``moe``, ``mlp``) have none that mha reads."""
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "hybrid")
+"""transformers' layer types whose layer has an attention module (``chunked_attention``:
+Llama 4's; ``hybrid``: Falcon-H1's, beside a Mamba mixer); the others (``linear_attention``:
+Mamba or linear attention, ``conv``, ``moe``, ``mlp``) have none that mha reads."""
 
 
 def attention_layers(model: Any) -> list[int]:

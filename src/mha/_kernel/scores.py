@@ -144,21 +144,34 @@ class Alibi:
 
 @dataclass(frozen=True)
 class QueryTemperature:
-    """A temperature of each query that grows with its position (Llama 4's
-    ``attn_temperature_tuning``, Ministral 3's ``llama_4_scaling_beta``): the scores of the
-    query at position ``p`` times ``t(p) = 1 + beta * log(1 + floor((p + offset) / floor))``
-    (Llama 4: ``beta = attn_scale``, ``floor = floor_scale``, ``offset = 1``). It is a
-    factor of the query's row, so the kernel folds it into the queries
-    (:meth:`mha._kernel.call.KernelCall.folded`), as the models do: every walk, compiled or
-    not, takes the call, and the queries' gradient is the folded one's times ``t(p)``."""
+    """A temperature of each query that grows with its position: the scores of the query at
+    position ``p`` times ``t(p)``, by one of two laws of ``x = (p + offset) / floor``:
+    ``"log"``, ``t(p) = 1 + beta * log(1 + floor(x))`` (Llama 4's ``attn_temperature_tuning``:
+    ``beta = attn_scale``, ``floor = floor_scale``, ``offset = 1``; Ministral 3's and
+    Mistral 4's ``llama_4_scaling_beta``: ``floor = original_max_position_embeddings``,
+    ``offset = 0``), or ``"power"``, ``t(p) = (1 + x) ** beta`` (Beam's scalable softmax:
+    ``(0.1, 2048, 1)``). It is a factor of the query's row, so the kernel folds it into the
+    queries (:meth:`mha._kernel.call.KernelCall.folded`), as the models do: every walk,
+    compiled or not, takes the call, and the queries' gradient is the folded one's times
+    ``t(p)``."""
 
     beta: float
     floor: float
     offset: float = 0.0
+    law: str = "log"
 
     def factors(self, positions: np.ndarray) -> np.ndarray:
         """``t(p)`` of integer ``positions``, in float64."""
-        return 1.0 + self.beta * np.log1p(np.floor((positions + self.offset) / self.floor))
+        x = (positions + self.offset) / self.floor
+        if self.law == "power":
+            return np.exp(self.beta * np.log1p(x))  # (1 + x) ** beta, as Beam computes it
+        return 1.0 + self.beta * np.log1p(np.floor(x))
+
+    def keyword(self) -> tuple[float | str, ...]:
+        """The keyword ``query_temperature`` that gives this temperature: ``(beta, floor,
+        offset)``, and the law when it is ``"power"``."""
+        given = (self.beta, self.floor, self.offset)
+        return given if self.law == "log" else (*given, self.law)
 
 
 @dataclass(frozen=True, eq=False)

@@ -136,7 +136,7 @@ class Configuration:
     k_norm: np.ndarray | None
     output_gate: str | None  # "sigmoid" or "softplus"
     output_gate_per_head: bool
-    query_temperature: tuple[float, float, float] | None  # (beta, floor, offset)
+    query_temperature: tuple[float | str, ...] | None  # (beta, floor, offset[, law])
     W_g: np.ndarray | None
     b_g: np.ndarray | None
     clip_qkv: float | None  # the projections clamped to [-clip_qkv, clip_qkv]
@@ -257,8 +257,7 @@ class Configuration:
             raise AttentionValueError("output_gate_per_head needs output_gate= ('sigmoid', ...)")
         self.query_temperature = None
         if spec.query_temperature is not None:
-            t = check_query_temperature(spec.query_temperature)
-            self.query_temperature = (t.beta, t.floor, t.offset)
+            self.query_temperature = check_query_temperature(spec.query_temperature).keyword()
         self.clip_qkv = check_clip_qkv(spec.clip_qkv)
 
     @property

@@ -76,7 +76,7 @@ class MultiHeadAttention(Layouts):
     ``output_gate`` (``"sigmoid"`` or ``"softplus"``: the joined heads times ``act(x @ W_g +
     b_g)`` before ``W_o``, per element, or per head with ``output_gate_per_head``; the module
     owns ``W_g``, and ``b_g`` with ``bias``), ``query_temperature`` (Llama 4's and
-    Ministral 3's queries scaled by their position: ``(beta, floor, offset)``, as
+    Ministral 3's and Beam's queries scaled by their position: ``(beta, floor, offset[, law])``, as
     :func:`mha.scaled_dot_product_attention` takes it) and ``clip_qkv`` (DBRX, OLMo: the
     projections clamped to ``[-clip_qkv, clip_qkv]``). :meth:`from_pretrained` reads a layer
     of a transformers checkpoint with all of them.
@@ -126,7 +126,7 @@ class MultiHeadAttention(Layouts):
         qk_norm_offset: float | None = None,
         output_gate: str | None = None,
         output_gate_per_head: Flag = False,
-        query_temperature: tuple[float, ...] | None = None,
+        query_temperature: tuple[float | str, ...] | None = None,
         v_head_dim: SupportsIndex | None = None,
         clip_qkv: float | None = None,
         qk_layernorm: Flag = False,

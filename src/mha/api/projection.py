@@ -112,7 +112,7 @@ def multi_head_attention(
     alibi: Any = None,
     score_mod: ScoreMod | None = None,
     score_mod_grad: ScoreMod | None = None,
-    query_temperature: tuple[float, ...] | None = None,
+    query_temperature: tuple[float | str, ...] | None = None,
     rope_theta: float | None = None,
     rotary_dim: SupportsIndex | None = None,
     rotary_interleaved: Flag = False,

@@ -60,7 +60,7 @@ class SdpaOptions(_Keywords, total=False):
     sinks: Any
     softcap: float | None
     alibi: Any
-    query_temperature: tuple[float, ...] | None
+    query_temperature: tuple[float | str, ...] | None
 
 
 class MhaOptions(_Keywords, total=False):
@@ -85,7 +85,7 @@ class MhaOptions(_Keywords, total=False):
     sinks: Any
     softcap: float | None
     alibi: Any
-    query_temperature: tuple[float, ...] | None
+    query_temperature: tuple[float | str, ...] | None
     q_norm: Any
     k_norm: Any
     qk_norm: str | None

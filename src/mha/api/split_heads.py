@@ -121,7 +121,7 @@ def scaled_dot_product_attention(
     alibi: Any = None,
     score_mod: ScoreMod | None = None,
     score_mod_grad: ScoreMod | None = None,
-    query_temperature: tuple[float, ...] | None = None,
+    query_temperature: tuple[float | str, ...] | None = None,
     scale: float | None = None,
     return_weights: Flag = False,
     return_lse: Flag = False,
@@ -164,10 +164,12 @@ def scaled_dot_product_attention(
       ``score_mod_grad``: gpt-oss's sinks, Gemma 2's soft-capping, ALiBi and FlexAttention's
       score functions (:mod:`mha._kernel.scores`). docs/variants.md says how each is
       computed and written.
-    * ``query_temperature``: ``(beta, floor)`` or ``(beta, floor, offset)``: the scores of
-      the query at position ``p`` (its row's, as the causal alignment places it: a cache's
-      length plus its row) times ``1 + beta * log(1 + floor((p + offset) / floor))``, as
-      Llama 4 (``(attn_scale, floor_scale, 1)``) and Ministral 3 scale their queries.
+    * ``query_temperature``: ``(beta, floor)``, ``(beta, floor, offset)`` or ``(beta, floor,
+      offset, "power")``: the scores of the query at position ``p`` (its row's, as the
+      causal alignment places it: a cache's length plus its row) times ``1 + beta * log(1 +
+      floor((p + offset) / floor))``, as Llama 4 (``(attn_scale, floor_scale, 1)``) and
+      Ministral 3 scale their queries, or with ``"power"`` times ``(1 + (p + offset) /
+      floor) ** beta``, as Beam does (``(0.1, 2048, 1, "power")``).
     * ``scale``: the factor on ``q k^T``; default ``1/sqrt(d_k)``.
     * ``return_weights``: also return the weights ``(..., H, L, S)`` (this builds the full
       score matrix, which the default path never does).

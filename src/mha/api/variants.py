@@ -95,30 +95,43 @@ def check_scores(
 
 
 def check_query_temperature(value: Any) -> QueryTemperature:
-    """``query_temperature=(beta, floor)`` or ``(beta, floor, offset)``, checked: the scores of
-    the query at position ``p`` times ``1 + beta * log(1 + floor((p + offset) / floor))``
-    (:class:`~mha._kernel.scores.QueryTemperature`; Llama 4: ``(attn_scale, floor_scale,
-    1)``, Ministral 3: ``(llama_4_scaling_beta, original_max_position_embeddings)``)."""
+    """``query_temperature=(beta, floor)``, ``(beta, floor, offset)`` or ``(beta, floor,
+    offset, law)``, checked: the scores of the query at position ``p`` times ``1 + beta *
+    log(1 + floor((p + offset) / floor))`` (``law="log"``, the default) or ``(1 + (p +
+    offset) / floor) ** beta`` (``law="power"``) (:class:`~mha._kernel.scores.QueryTemperature`;
+    Llama 4: ``(attn_scale, floor_scale, 1)``, Ministral 3: ``(llama_4_scaling_beta,
+    original_max_position_embeddings)``, Beam: ``(0.1, 2048, 1, "power")``)."""
     if (
         isinstance(value, np.ndarray)
         or not isinstance(value, (tuple, list))
-        or not (2 <= len(value) <= 3)
+        or not (2 <= len(value) <= 4)
+        or (len(value) == 4 and not isinstance(value[3], str))
     ):
         raise AttentionTypeError(
-            "query_temperature must be (beta, floor) or (beta, floor, offset), numbers: the "
-            "scores of the query at position p times 1 + beta * log(1 + floor((p + offset) / "
-            f"floor)); got {value!r}"
+            "query_temperature must be (beta, floor), (beta, floor, offset) or (beta, floor, "
+            "offset, law), numbers and a law 'log' or 'power': the scores of the query at "
+            "position p times 1 + beta * log(1 + floor((p + offset) / floor)) ('log') or "
+            f"(1 + (p + offset) / floor) ** beta ('power'); got {value!r}"
         )
-    beta, floor, offset = (*value, 0.0)[:3]
+    given: tuple[Any, ...] = (*tuple(value), *(0.0, "log")[len(value) - 2 :])
+    beta, floor, offset, law = given
     for name, number in (("beta", beta), ("offset", offset)):
         real = isinstance(number, (int, float, np.integer, np.floating))
         if not real or isinstance(number, (bool, np.bool_)) or not np.isfinite(number):
             raise AttentionValueError(
                 f"query_temperature's {name} must be a finite number; got {value!r}"
             )
-    return QueryTemperature(
-        float(beta), positive_real("query_temperature's floor", floor), float(offset)
-    )
+    if law not in ("log", "power"):
+        raise AttentionValueError(
+            f"query_temperature's law must be 'log' or 'power'; got {law!r} in {value!r}"
+        )
+    floor = positive_real("query_temperature's floor", floor)
+    if law == "power" and not float(offset) > -floor:
+        raise AttentionValueError(
+            "query_temperature's power law needs offset > -floor (1 + (p + offset) / floor "
+            f"positive at every position p >= 0); got {value!r}"
+        )
+    return QueryTemperature(float(beta), floor, float(offset), str(law))
 
 
 def _per_head(name: str, value: Any, H: int, what: str) -> np.ndarray:

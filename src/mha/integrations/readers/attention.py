@@ -69,6 +69,8 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
         "qk_norm_after_rope": bool(norm and norm.after_rope),
         **(family.gate.settings(read) if family.gate else {}),
     }
+    if family.by_layer is not None:
+        settings |= family.by_layer(read, index, settings)
     if alibi is not None:  # the rope is then off
         settings["alibi"] = alibi
     scaled = (settings["rope_scaling"] or {}).get("rope_type")
@@ -91,7 +93,8 @@ def completed(
 ) -> dict[str, np.ndarray]:
     """The layer's ``weights`` with what its family computes without tensors of its own:
     QK-norm weights of ones for a norm without weights, the latent norms' weights times
-    LongCat-Flash's scales (:attr:`.LatentProjections.lora_scaled`), and each head's halves
+    LongCat-Flash's scales (:attr:`.LatentProjections.lora_scaled`), a gate's bias of one
+    value a head over the head's features (:attr:`.Gate.head_bias`), and each head's halves
     swapped in the query and key projections for a rotation by the negated angles
     (:attr:`.Rope.negated`)."""
     if settings.get("qk_norm") and not (family.qk_norm and family.qk_norm.weighted):
@@ -101,6 +104,9 @@ def completed(
             widths = {"q": settings["num_heads"] * d, "k": settings["num_kv_heads"] * d}
         dtype = weights["W_q"].dtype
         weights |= {f"{p}_norm": np.ones(width, dtype) for p, width in widths.items()}
+    gate = family.gate
+    if gate is not None and gate.head_bias and not settings["output_gate_per_head"]:
+        weights["b_g"] = np.repeat(weights["b_g"], settings["head_dim"])  # Beam's gate_bias
     if isinstance(family.tensors, LatentProjections) and family.tensors.lora_scaled:
         E = settings["d_model"]
         weights["q_a_norm"] = weights["q_a_norm"] * (E / settings["q_lora_rank"]) ** 0.5

@@ -397,8 +397,8 @@ MINISTRAL3_ROPE: dict[str, Any] = {
     "mscale": 1.0,
     "llama_4_scaling_beta": 0.1,
 }
-"""Ministral 3's ``rope_parameters`` when the config gives none (refused: its
-``llama_4_scaling_beta``)."""
+"""Ministral 3's ``rope_parameters`` when the config gives none (its ``llama_4_scaling_beta``:
+the query temperature, :mod:`.temperature`)."""
 ARIA_TEXT: dict[str, Any] = {**LLAMA}
 EXAONE: dict[str, Any] = {**LLAMA, "num_key_value_heads": 8, "max_position_embeddings": 4096}
 APERTUS1P5_TEXT: dict[str, Any] = {**APERTUS}

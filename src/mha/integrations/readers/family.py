@@ -151,12 +151,14 @@ class Gate:
     (:class:`mha.api.gates.OutputGate`): the tensor ``tensor`` under the attention (an
     ``nn.Linear`` of one column a feature, or a head with ``per_head``: always, never, or as
     a function of the config says), its activation and its bias (where ``bias`` names a
-    config key, when that key is true)."""
+    config key, when that key is true; ``head_bias``: the tensor of one bias a head, over the
+    head's features, Beam's ``gate_bias``)."""
 
     tensor: str = "gate_proj"
     activation: str = "sigmoid"
     per_head: bool | Callable[[Settings], bool] = False
     bias: str | None = None
+    head_bias: str | None = None
 
     def is_per_head(self, read: Settings) -> bool:
         return self.per_head(read) if callable(self.per_head) else self.per_head
@@ -170,6 +172,8 @@ class Gate:
         tensors = {f"{self.tensor}.weight": whole("W_g", columns, E)}
         if self.bias is not None and read.get(self.bias):
             tensors[f"{self.tensor}.bias"] = whole("b_g", columns)
+        if self.head_bias is not None:  # (H,): repeated over each head's features
+            tensors[self.head_bias] = whole("b_g", H)
         return tensors
 
 
@@ -261,6 +265,11 @@ class Family:
     hybrid: Hybrid | None = None
     """Which layers are attention in a hybrid family (:mod:`.hybrid`); the others are
     refused by their index and what they compute (``None``: every layer is attention)."""
+
+    by_layer: Callable[[Settings, int, dict[str, Any]], dict[str, Any]] | None = None
+    """The family's own settings of layer ``index``, given those read so far, which they
+    replace (Llama 4's chunks and QK-norm on its rope layers, its query temperature on the
+    others; Ministral 3's and Beam's query temperature: :mod:`.temperature`)."""
 
     own: tuple[str, ...] = ()
     """Keys of :data:`UNSUPPORTED` that mean something else in this family, read as its row

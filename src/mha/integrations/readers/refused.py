@@ -60,12 +60,6 @@ _QWEN_GATED = (
 )
 _TOP_K = "top-k sparse attention (an indexer picks the keys each query attends to)"
 _MAMBA = "Mamba state-space layers between its attention layers"
-_LLAMA4 = _not_read(
-    "Llama 4's attention (chunked layers with an L2 QK-norm, layers without rope with a "
-    "query temperature)",
-    "chunk=, qk_norm=, query_temperature=",
-)
-
 REFUSED = {
     # decoder-only families whose attention (or other layers) mha does not compute
     "qwen3_next": _not_computed(f"Qwen3-Next's {_QWEN_GATED}"),
@@ -84,10 +78,6 @@ REFUSED = {
     "hy_v4": _not_computed(f"HY-V4's attention has a sigmoid output gate and {_TOP_K}"),
     "dots3_note_text": _not_computed(
         f"dots3's attention has a per-head sigmoid output gate and {_TOP_K}"
-    ),
-    "beam": _not_computed(
-        "Beam's query scale growing with the position (scalable softmax, (1 + (position + 1) "
-        "/ 2048) ** 0.1) on its layers without rope"
     ),
     "dory": _not_computed(
         "Dory's nGPT attention (L2-normalised queries and keys, a per-feature query scale "
@@ -150,7 +140,6 @@ REFUSED = {
         "and sinks in its sliding layers, its values scaled)",
         "v_head_dim=, sinks=",
     ),
-    "llama4_text": _LLAMA4,
     # not a decoder-only text model
     **dict.fromkeys(SEQ2SEQ, _SEQ2SEQ),
     **dict.fromkeys(ENCODERS, _ENCODER),
@@ -169,7 +158,7 @@ REFUSED = {
     "qwen3_5_moe": _multimodal("Qwen3.5-MoE", "qwen3_5_moe_text"),
     "qwen4_exp": _multimodal("Qwen4-Exp", "qwen4_exp_text"),
     "dots3_note": _multimodal("dots3", "dots3_note_text"),
-    "llama4": _LLAMA4 + " (and this is the multimodal Llama 4: its text model is llama4_text)",
+    "llama4": _multimodal("Llama 4", "llama4_text"),
     "fuyu": _multimodal("Fuyu", "persimmon"),
     "got_ocr2": _multimodal("GOT-OCR2", "qwen2"),
     "emu3": _multimodal("Emu3", "emu3_text_model"),

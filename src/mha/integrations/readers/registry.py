@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import AttentionValueError
-from . import alibi, defaults, layouts, rules
+from . import alibi, defaults, layouts, rules, temperature
 from .alibi import Alibi
 from .config import FULL, SLIDING, Unsupported
 from .family import (
@@ -472,16 +472,6 @@ register(
     Family("hyperclovax", defaults.HYPERCLOVAX, scale=attention_multiplier),
     Family("iquestcoder", defaults.IQUESTCODER),  # LlamaForCausalLM
     Family("jais2", defaults.JAIS2),
-    Family(
-        "ministral3",
-        defaults.MINISTRAL3,
-        biases=NO_BIASES,
-        windows=EVERY_LAYER,
-        rope=Rope(
-            parameters=defaults.MINISTRAL3_ROPE,
-            refused={"llama_4_scaling_beta": "Llama 4's query scale growing with the position"},
-        ),
-    ),
     Family("aria_text", defaults.ARIA_TEXT),
     Family(  # Llama's attention (LlamaForCausalLM) under EXAONE 3's names
         "exaone",
@@ -776,6 +766,7 @@ register(
         ),
     ),
 )
+register(*temperature.ROWS)
 
 SUPPORTED = tuple(FAMILIES)
 """The families of the table as mha defines it (before any :func:`register`)."""

@@ -154,6 +154,9 @@ class Rope:
     refused: Mapping[str, str] = field(default_factory=dict)
     """Keys of the rope parameters whose value, unless 0, asks for a feature mha does not
     compute, by that feature's name (Ministral 3's ``llama_4_scaling_beta``)."""
+    apart: tuple[str, ...] = ()
+    """Keys of the rope parameters that are no part of the rotation, read apart by the row
+    (Ministral 3's ``llama_4_scaling_beta``, its query temperature): dropped from them."""
     rotates: LayerRotates = every_layer
     """Which layers rotate; the others have no positions (NoPE)."""
     text_mrope: bool = False
@@ -266,7 +269,8 @@ def check_refused(read: Settings, rope: Rope, parameters: dict[str, Any]) -> dic
         value = parameters.get(key)
         if value != 0:
             raise read.refuse(f"rope_parameters['{key}']={value!r} ({feature})")
-    return {key: value for key, value in parameters.items() if key not in rope.refused}
+    dropped = (*rope.refused, *rope.apart)
+    return {key: value for key, value in parameters.items() if key not in dropped}
 
 
 def partial_rotary(read: Settings, rope: Rope, parameters: Mapping[str, Any], d: int) -> Any:
