@@ -76,8 +76,6 @@ REFUSED = {
         "DiffLlama's differential attention (the difference of two softmaxes, weighted by a "
         "learned lambda)"
     ),
-    "deepseek_v32": _not_computed(f"DeepSeek-V3.2's {_TOP_K}"),
-    "glm_moe_dsa": _not_computed(f"GLM-MoE-DSA's DeepSeek {_TOP_K}"),
     "deepseek_v4": _not_computed(f"DeepSeek-V4's attention over compressed keys with {_TOP_K}"),
     "minimax_m3_vl_text": _not_computed(f"MiniMax-M3's {_TOP_K} in its sparse layers"),
     "axk2": _not_computed(f"AXK2's attention has a sigmoid output gate and {_TOP_K}"),
