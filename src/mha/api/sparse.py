@@ -263,7 +263,7 @@ def _visible(mask: Any, causal: bool, batch: tuple[int, ...], L: int) -> np.ndar
     if mask is None or isinstance(mask, (bool, np.bool_)):
         return visible
     given = np.asarray(mask)
-    if given.ndim == len(batch) + 2 and given.ndim == 4 and given.shape[1] != 1:
+    if given.ndim == 4 and given.shape[1] != 1:
         raise ShapeError(
             f"sparse top-k attention picks one set of keys for every head: its mask must "
             f"not differ by head (got shape {given.shape}; give (B, 1, L, L) or (B, L, L))"
