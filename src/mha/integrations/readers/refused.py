@@ -77,11 +77,24 @@ REFUSED = {
         "learned lambda)"
     ),
     "deepseek_v4": _not_computed(f"DeepSeek-V4's attention over compressed keys with {_TOP_K}"),
-    "minimax_m3_vl_text": _not_computed(f"MiniMax-M3's {_TOP_K} in its sparse layers"),
-    "axk2": _not_computed(f"AXK2's attention has a sigmoid output gate and {_TOP_K}"),
-    "hy_v4": _not_computed(f"HY-V4's attention has a sigmoid output gate and {_TOP_K}"),
+    "minimax_m3_vl_text": _not_computed(
+        "MiniMax-M3's block-sparse attention in its sparse layers (an indexer picks, per head, "
+        "the blocks of keys each query attends to, with the local blocks before it)"
+    ),
+    "axk2": _not_computed(
+        f"AXK2's latent attention has a sigmoid output gate fused with its query projection "
+        f"(q_gate_proj, fed the query latent and the compressed input) beside {_TOP_K}; "
+        f"mha.LatentAttention computes the top-k (as DeepSeek-V3.2's) but no output gate"
+    ),
+    "hy_v4": _not_computed(
+        f"HY-V4's latent attention has a sigmoid output gate and attention sinks beside {_TOP_K} "
+        f"(an indexer rotating its last features, layers sharing an earlier layer's choice); "
+        f"mha.LatentAttention computes DeepSeek-V3.2's top-k but neither the gate nor the sinks"
+    ),
     "dots3_note_text": _not_computed(
-        f"dots3's attention has a per-head sigmoid output gate and {_TOP_K}"
+        f"dots3's latent attention has a per-head sigmoid output gate and sliding windows beside "
+        f"{_TOP_K}; mha.LatentAttention computes the top-k (as DeepSeek-V3.2's) but neither "
+        f"the gate nor a window"
     ),
     "beam": _not_computed(
         "Beam's query scale growing with the position (scalable softmax, (1 + (position + 1) "
