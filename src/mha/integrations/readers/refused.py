@@ -87,9 +87,10 @@ REFUSED = {
         f"mha.LatentAttention computes the top-k (as DeepSeek-V3.2's) but no output gate"
     ),
     "hy_v4": _not_computed(
-        f"HY-V4's latent attention has a sigmoid output gate and attention sinks beside {_TOP_K} "
-        f"(an indexer rotating its last features, layers sharing an earlier layer's choice); "
-        f"mha.LatentAttention computes DeepSeek-V3.2's top-k but neither the gate nor the sinks"
+        f"HY-V4's latent attention has a sigmoid output gate, attention sinks, an indexer "
+        f"rotating its last features and layers reusing an earlier layer's choice beside "
+        f"{_TOP_K}; mha.LatentAttention computes DeepSeek-V3.2's top-k but neither the gate "
+        f"nor the sinks"
     ),
     "dots3_note_text": _not_computed(
         f"dots3's latent attention has a per-head sigmoid output gate and sliding windows beside "
