@@ -135,9 +135,11 @@ def index_scores(
     q = q_low @ W["W_index_q"]
     q = np.moveaxis(q.reshape(*q.shape[:-1], n, d), -2, -3)  # (*B, n, L, d)
     q = _rotated(plan, spec, q, at)
-    relu = np.maximum(q @ np.swapaxes(keys, -1, -2) * d**-0.5, 0.0)  # (*B, n, L, S)
     weights = x @ W["W_index_weights"] * n**-0.5  # (*B, L, n)
-    scores: np.ndarray = np.einsum("...hls,...lh->...ls", relu, weights)
+    k_t = np.swapaxes(keys[..., 0, :, :], -1, -2)  # (*B, d, S)
+    scores = np.zeros((*q.shape[:-3], q.shape[-2], k_t.shape[-1]), q.dtype)
+    for h in range(n):  # head by head: (*B, L, S) at a time, not (*B, n, L, S)
+        scores += weights[..., h, None] * np.maximum(q[..., h, :, :] @ k_t * d**-0.5, 0.0)
     return scores
 
 
