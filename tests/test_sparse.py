@@ -31,7 +31,7 @@ from support.configs import relative_error
 import mha
 from mha.api.sparse import IndexerSpec, SparseKVCache
 from mha.api.topk import top_k
-from mha.errors import AttentionTypeError, AttentionValueError, ShapeError
+from mha.errors import AttentionTypeError, AttentionValueError, ShapeError, WeightsFileError
 
 B, L, PREFILL = 2, 24, 10
 TOLERANCE = 1e-10
@@ -275,3 +275,26 @@ def test_a_layer_that_reuses_another_layers_choice_is_refused_by_its_index(tmp_p
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(AttentionValueError, match=r"layer 2 reuses the top-k keys"):
         mha.LatentAttention.from_pretrained(folder, layer=2)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        ({"q_lora_rank": None}, AttentionValueError, r"q_lora_rank=null \(its indexer's queries"),
+        ({"index_topk": 0}, AttentionValueError, "index_topk"),
+        (
+            {"index_head_dim": 4},
+            WeightsFileError,
+            r"indexer.wq_b.weight has shape .*index_head_dim=4",
+        ),
+    ],
+)
+def test_a_config_the_indexer_cannot_take_is_refused_by_its_key(
+    change, error, message, tmp_path, transformers
+):
+    folder = tmp_path / "deepseek_v32"
+    shutil.copytree(models.saved("deepseek_v32"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(error, match=message):
+        mha.from_pretrained(folder, layer=0)
