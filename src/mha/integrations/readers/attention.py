@@ -206,7 +206,9 @@ def latent(family: Family, layout: LatentProjections, read: Settings, index: int
         "rotary_interleaved": family.rope.interleaved(read),
         "norm_eps": 1e-6,  # q_a_ and kv_a_layernorm: RMSNorm's default, not rms_norm_eps
         "scale": scale,
-        "indexer": layout.indexer(read, index),
     }
+    indexer = layout.indexer(read, index)
+    if indexer is not None:  # sparse top-k attention
+        settings["indexer"] = indexer
     biased = family.biases.carried(read, layout.biasable(settings))
     return layout.kind, settings, layout.tensors(settings, biased)
