@@ -19,6 +19,7 @@ from support import pretrained_models as models
 from support.transformers_oracle import ATTENTION_TYPES
 
 import mha
+from mha.api.sparse import IndexerSpec
 from mha.errors import AttentionTypeError, AttentionValueError, WeightsFileError
 from mha.integrations import checkpoint as checkpoint_module
 from mha.integrations.checkpoint import Checkpoint
@@ -310,7 +311,7 @@ def test_a_tensor_missing_from_the_shard_its_index_names_is_refused(tmp_path):
 
 
 LATENT_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "sarvam_mla", "axk1",
-                "minicpm3", "longcat_flash")  # fmt: skip
+                "minicpm3", "longcat_flash", "deepseek_v32", "glm_moe_dsa")  # fmt: skip
 EVERY_LAYER_SLIDES = ("mistral", "phi3", "mixtral", "phimoe", "starcoder2", "ministral3",
                       "qwen3_moe")  # fmt: skip
 SOFTCAPPED = ("gemma2", "vaultgemma")
@@ -367,13 +368,18 @@ def expected_settings(config, index, attention=None):
     scaling = None if rope["rope_type"] == "default" else {
         **rope, "max_position_embeddings": config.max_position_embeddings}  # fmt: skip
     if model_type in LATENT_TYPES:
-        return {"d_model": config.hidden_size, "num_heads": config.num_attention_heads,
+        latent = {"d_model": config.hidden_size, "num_heads": config.num_attention_heads,
                 "q_lora_rank": config.q_lora_rank, "kv_lora_rank": config.kv_lora_rank,
                 "qk_nope_head_dim": config.qk_nope_head_dim,
                 "qk_rope_head_dim": config.qk_rope_head_dim, "v_head_dim": config.v_head_dim,
                 "rope_theta": rope["rope_theta"], "rope_scaling": scaling,
                 "rotary_interleaved": getattr(config, "rope_interleave",
                                               model_type != "minicpm3")}  # fmt: skip
+        if model_type in ("deepseek_v32", "glm_moe_dsa"):  # sparse top-k: its indexer
+            latent["indexer"] = IndexerSpec(
+                config.index_topk, config.index_n_heads, config.index_head_dim,
+                rotary_interleaved=model_type == "glm_moe_dsa")  # fmt: skip
+        return latent
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if attention is not None:  # StableLM's: hidden_size // heads, whatever the config says
         head_dim = attention.head_dim
@@ -501,6 +507,13 @@ def expected_weights(attention, settings):
         elif norm is not None:
             weights[f"{role}_norm"] = parameter(norm)
             weights[f"{role}_norm_bias"] = norm.bias.detach().numpy()
+    if getattr(attention, "indexer", None) is not None:  # sparse top-k attention's indexer
+        indexer = attention.indexer
+        weights |= {"W_index_q": indexer.wq_b.weight.detach().numpy().T,
+                    "W_index_k": indexer.wk.weight.detach().numpy().T,
+                    "index_k_norm": parameter(indexer.k_norm),
+                    "b_index_k_norm": indexer.k_norm.bias.detach().numpy(),
+                    "W_index_weights": indexer.weights_proj.weight.detach().numpy().T}  # fmt: skip
     if hasattr(attention, "mla_scale_q_lora"):  # LongCat-Flash's, in the norms' weights
         weights["q_a_norm"] = weights["q_a_norm"] * attention.mla_scale_q_lora
         weights["kv_a_norm"] = weights["kv_a_norm"] * attention.mla_scale_kv_lora

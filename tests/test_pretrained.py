@@ -34,6 +34,7 @@ from support import pretrained_models as models
 from support.configs import relative_error
 
 import mha
+from mha.api.sparse import IndexerSpec
 from mha.errors import AttentionValueError
 from mha.integrations import readers
 from mha.integrations.readers import defaults
@@ -88,6 +89,9 @@ def test_prefill_then_decoding_matches_transformers_cache(family, transformers, 
 
 RMS_NORM = {"qk_layernorm": False, "q_norm_bias": None, "k_norm_bias": None}
 """A LayerNorm QK-norm read as an RMSNorm (its biases dropped)."""
+
+DENSE = {"indexer": None, **dict.fromkeys(mha.api.sparse.INDEXER_WEIGHTS)}
+"""A sparse top-k attention read as dense (its indexer and the indexer's weights dropped)."""
 
 CHANGES = {
     "llama": [{"rope_scaling": None}],
@@ -222,6 +226,13 @@ CHANGES = {
     "ministral3_scaled": [{"query_temperature": None}, {"window": None}],
     "beam": [{"query_temperature": None}, {"window": None}, {"qk_norm_offset": 1.0},
              {"b_g": None}],  # Beam's power law, from 1.0 at position 0 to 1.0012 at 23
+    # sparse top-k attention: dense instead, another top-k, the indexer's other rope pairs
+    "deepseek_v32": [DENSE, {"indexer": IndexerSpec(5, 3, 12)},
+                     {"indexer": IndexerSpec(4, 3, 12, rotary_interleaved=True)},
+                     {"b_index_k_norm": None}],
+    "glm_moe_dsa": [DENSE, {"indexer": IndexerSpec(4, 2, 10, rotary_interleaved=True)},
+                    {"indexer": IndexerSpec(5, 2, 10, rotary_interleaved=False)},
+                    {"b_index_k_norm": None}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3

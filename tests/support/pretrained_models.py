@@ -360,6 +360,11 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "beam": ("Beam", {"layer_types": [SLIDING, FULL, SLIDING], "sliding_window": 5,
                       "attention_bias": True, "rope_parameters": {
                           SLIDING: {"rope_type": "default", "rope_theta": 500.0}, FULL: None}}),
+    # sparse top-k attention: each query attends to the 4 keys its indexer picks
+    "deepseek_v32": ("DeepseekV32", {**DEEPSEEK, "index_topk": 4, "index_n_heads": 3,
+                                     "index_head_dim": 12}),
+    "glm_moe_dsa": ("GlmMoeDsa", {**DEEPSEEK, "index_topk": 5, "index_n_heads": 2,
+                                  "index_head_dim": 10}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
@@ -371,7 +376,7 @@ query's low-rank projection (``q_lora_rank=None``), with biases and halves rotar
 
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
 LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "axk1", "minicpm3",
-                   "longcat_flash")  # fmt: skip
+                   "longcat_flash", "deepseek_v32", "glm_moe_dsa")  # fmt: skip
 """The checkpoints of DeepSeek's multi-head latent attention (``LatentAttention``)."""
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen", "gpt_neo", "bloom", "mpt", "dbrx", "persimmon", "falcon",

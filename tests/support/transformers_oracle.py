@@ -94,8 +94,9 @@ def recorder(module: Any, calls: list[tuple[np.ndarray, np.ndarray]]) -> Any:
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         parts = output if isinstance(output, (tuple, list)) else (output,)  # GPT-1's: a list
         out = parts[0]
-        if len(parts) > 2 and hasattr(parts[2], "detach"):  # its output bias, apart
-            out = out + parts[2]
+        bias = parts[2] if len(parts) > 2 else None  # GLM-MoE-DSA's third: its top-k indices
+        if hasattr(bias, "is_floating_point") and bias.is_floating_point():  # output bias apart
+            out = out + bias
         if "residual" in parameters:
             bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
             out = out - bound.arguments["residual"]
@@ -104,10 +105,17 @@ def recorder(module: Any, calls: list[tuple[np.ndarray, np.ndarray]]) -> Any:
     return record
 
 
-ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "hybrid")
+ATTENTION_TYPES = (
+    "full_attention",
+    "sliding_attention",
+    "chunked_attention",
+    "hybrid",
+    "indexed_attention",
+)
 """transformers' layer types whose layer has an attention module (``chunked_attention``:
-Llama 4's; ``hybrid``: Falcon-H1's, beside a Mamba mixer); the others (``linear_attention``:
-Mamba or linear attention, ``conv``, ``moe``, ``mlp``) have none that mha reads."""
+Llama 4's; ``hybrid``: Falcon-H1's, beside a Mamba mixer; ``indexed_attention``: sparse
+top-k attention's); the others (``linear_attention``: Mamba or linear attention, ``conv``,
+``moe``, ``mlp``) have none that mha reads."""
 
 
 def attention_layers(model: Any) -> list[int]:

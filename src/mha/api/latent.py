@@ -35,6 +35,7 @@ from .configuration import float_dtype
 from .latent_math import LatentPlan, latent_forward
 from .rotary import check_positions, check_rotary_options, positive_real
 from .signatures import Backward, Flag
+from .sparse import INDEXER_WEIGHTS, IndexerSpec, SparseKVCache
 
 __all__ = ["LatentAttention", "LatentSpec"]
 
@@ -60,9 +61,10 @@ class LatentSpec:
     constructor's keywords name it: ``d_model``, ``num_heads``, ``kv_lora_rank``,
     ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``q_lora_rank`` (``None``:
     the queries projected directly), ``rope_theta``, ``rope_scaling``,
-    ``rotary_interleaved``, ``norm_eps`` and ``scale`` (``None``: ``1/sqrt(qk_nope_head_dim
-    + qk_rope_head_dim)``). A reader's pair ``(spec, weights)`` builds a layer by
-    :meth:`LatentAttention.from_spec`.
+    ``rotary_interleaved``, ``norm_eps``, ``scale`` (``None``: ``1/sqrt(qk_nope_head_dim
+    + qk_rope_head_dim)``) and ``indexer`` (an :class:`~mha.api.sparse.IndexerSpec`: sparse
+    top-k attention, DeepSeek-V3.2's; ``None``: dense). A reader's pair ``(spec,
+    weights)`` builds a layer by :meth:`LatentAttention.from_spec`.
 
     >>> import mha
     >>> mha.LatentSpec(16, 2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2,
@@ -82,6 +84,7 @@ class LatentSpec:
     rotary_interleaved: Any = True
     norm_eps: Any = 1e-6
     scale: Any = None
+    indexer: Any = None
 
     kind = "latent"
     """What a reader's spec builds (:meth:`LatentAttention.from_spec`)."""
@@ -112,6 +115,11 @@ class LatentAttention:
     whose permuted layout gives the same dot products) or ``(i, i + rope/2)``. The RMSNorms
     take ``norm_eps``. ``scale`` is the softmax scale, ``(nope + rope) ** -0.5`` by default
     (DeepSeek's yarn checkpoints correct it by their ``mscale``: give it here).
+    ``indexer`` (an :class:`~mha.api.sparse.IndexerSpec`, with ``q_lora_rank``) makes the
+    attention sparse, DeepSeek-V3.2's: each query attends to the ``topk`` keys a lightning
+    indexer scores highest (its weights ``W_index_q``, ``W_index_k``, ``index_k_norm``,
+    ``b_index_k_norm`` and ``W_index_weights``, see :mod:`mha.api.sparse`), and
+    :meth:`new_cache` keeps the indexer's keys beside the latent.
     ``dtype`` is the weights' floating dtype (default float64; bfloat16 and float16 are
     computed in float32). The initialisation is torch's ``nn.Linear`` one,
     ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``, with zero biases and unit norm weights; ``seed``
@@ -145,6 +153,7 @@ class LatentAttention:
         rotary_interleaved: Flag = True,
         norm_eps: float = 1e-6,
         scale: float | None = None,
+        indexer: IndexerSpec | None = None,
         bias: Flag = False,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
@@ -163,14 +172,15 @@ class LatentAttention:
                 rotary_interleaved,
                 norm_eps,
                 scale,
+                indexer,
             )
         )
         with_bias = flag("bias", bias)
         self.dtype = float_dtype(dtype)
         rng = random_generator(seed)
         shapes = self._shapes()
-        weights: dict[str, np.ndarray | None] = dict.fromkeys(PARAMETER_NAMES)
-        for name in PARAMETER_NAMES:
+        weights: dict[str, np.ndarray | None] = dict.fromkeys(PARAMETER_NAMES + INDEXER_WEIGHTS)
+        for name in weights:
             if name not in shapes or (name.startswith("b_") and not with_bias):
                 continue
             shape = shapes[name]
@@ -206,6 +216,7 @@ class LatentAttention:
             self.rotary_interleaved,
             self.norm_eps,
             self._given_scale,
+            self.indexer,
         )
 
     @classmethod
@@ -253,7 +264,7 @@ class LatentAttention:
         attention._set_weights(
             {
                 name: arrays[name].astype(attention.dtype, copy=True) if name in arrays else None
-                for name in PARAMETER_NAMES
+                for name in PARAMETER_NAMES + INDEXER_WEIGHTS
             }
         )
         return attention
@@ -355,7 +366,7 @@ class LatentAttention:
         want_backward = flag("return_backward", return_backward)
         at = self._positions(x, positions, cache, want_backward)
         check_mask_argument(mask)
-        given = self.parameters()
+        given = {name: W for name, W in self.weights().items() if W is not None}
         shapes = self._shapes()
         for name, W in given.items():  # attributes may have been reassigned since
             if W.shape != shapes[name]:
@@ -417,7 +428,8 @@ class LatentAttention:
     def new_cache(self, batch_size: int, capacity: int = 256, dtype: Any = None) -> KVCache:
         """An empty :class:`mha.KVCache` of the latent for ``batch_size`` sequences:
         ``kv_lora_rank + qk_rope_head_dim`` numbers per token in one buffer, whose first
-        ``kv_lora_rank`` are the values (a view, ``values_in_keys=True``). ``capacity``
+        ``kv_lora_rank`` are the values (a view, ``values_in_keys=True``); with an indexer, a
+        :class:`~mha.api.sparse.SparseKVCache` that also holds its keys. ``capacity``
         positions are preallocated; more are added as needed. ``dtype`` is what it stores,
         by default the weights' dtype.
 
@@ -429,29 +441,36 @@ class LatentAttention:
         >>> cache.k.shape, cache.v.shape, bool(np.shares_memory(cache.k, cache.v))
         ((3, 1, 32, 10), (3, 1, 32, 8), True)
         """
-        return KVCache(
-            batch_size,
-            1,
-            self.kv_lora_rank + self.qk_rope_head_dim,
-            value_dim=self.kv_lora_rank,
-            values_in_keys=True,
-            capacity=capacity,
-            dtype=self.dtype if dtype is None else dtype,
-        )
+        shape = (batch_size, 1, self.kv_lora_rank + self.qk_rope_head_dim)
+        keywords: dict[str, Any] = {
+            "value_dim": self.kv_lora_rank,
+            "values_in_keys": True,
+            "capacity": capacity,
+            "dtype": self.dtype if dtype is None else dtype,
+        }
+        if self.indexer is not None:
+            return SparseKVCache(*shape, index_head_dim=self.indexer.head_dim, **keywords)
+        return KVCache(*shape, **keywords)
 
     def parameters(self) -> dict[str, np.ndarray]:
         """The weights an optimiser updates, by attribute name: the arrays themselves (update
-        them in place), only those present; their gradients have the same names.
+        them in place), only those present; their gradients have the same names. An
+        indexer's weights are not among them (its choice of keys has no gradient).
 
         >>> from mha import LatentAttention
         >>> sorted(LatentAttention(16, 2, kv_lora_rank=8, qk_nope_head_dim=4,
         ...                        qk_rope_head_dim=2, v_head_dim=4).parameters())
         ['W_kv_a', 'W_kv_b', 'W_o', 'W_q', 'kv_a_norm']
         """
-        return {name: W for name, W in self.weights().items() if W is not None}
+        return {
+            name: W
+            for name, W in self.weights().items()
+            if W is not None and name not in INDEXER_WEIGHTS
+        }
 
     def weights(self) -> dict[str, np.ndarray | None]:
-        """Every weight by attribute name, ``None`` where absent: the arrays, not copies.
+        """Every weight by attribute name, ``None`` where absent: the arrays, not copies (an
+        indexer's after the layer's).
 
         >>> from mha import LatentAttention
         >>> attention = LatentAttention(16, 2, kv_lora_rank=8, qk_nope_head_dim=4,
@@ -462,7 +481,8 @@ class LatentAttention:
          'W_kv_a': (16, 10), 'b_kv_a': None, 'kv_a_norm': (8,), 'W_kv_b': (8, 16),
          'W_o': (8, 16), 'b_o': None}
         """
-        return {name: getattr(self, name) for name in PARAMETER_NAMES}
+        names = PARAMETER_NAMES + (INDEXER_WEIGHTS if self.indexer is not None else ())
+        return {name: getattr(self, name) for name in names}
 
     def save(self, path: Any) -> None:
         """Write the spec and the weights to ``path`` as ``.npz`` (no pickle), atomically:
@@ -518,6 +538,7 @@ class LatentAttention:
             ("rotary_interleaved", self.rotary_interleaved, True),
             ("norm_eps", self.norm_eps, 1e-6),
             ("scale", self._given_scale, None),
+            ("indexer", self.indexer, None),
         ):
             if value != default:
                 shown[name] = value
@@ -535,7 +556,7 @@ class LatentAttention:
         qk_nope_head_dim, qk_rope_head_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim
         v_head_dim, q_lora_rank, rope_theta = spec.v_head_dim, spec.q_lora_rank, spec.rope_theta
         rope_scaling, rotary_interleaved = spec.rope_scaling, spec.rotary_interleaved
-        norm_eps, scale = spec.norm_eps, spec.scale
+        norm_eps, scale, indexer = spec.norm_eps, spec.scale, spec.indexer
         self.d_model = positive_int("d_model", d_model)
         self.num_heads = positive_int("num_heads", num_heads)
         self.kv_lora_rank = positive_int("kv_lora_rank", kv_lora_rank)
@@ -543,6 +564,13 @@ class LatentAttention:
         self.qk_rope_head_dim = positive_int("qk_rope_head_dim", qk_rope_head_dim)
         self.v_head_dim = positive_int("v_head_dim", v_head_dim)
         self.q_lora_rank = None if q_lora_rank is None else positive_int("q_lora_rank", q_lora_rank)
+        if indexer is not None and not isinstance(indexer, IndexerSpec):
+            raise AttentionTypeError(
+                f"indexer must be None or an IndexerSpec; got {reprlib.repr(indexer)}"
+            )
+        self.indexer = (
+            None if indexer is None else indexer.checked(self.qk_rope_head_dim, self.q_lora_rank)
+        )
         _, self.rope_theta, self.rotary_interleaved = check_rotary_options(
             self.qk_rope_head_dim,
             rope_theta,
@@ -585,6 +613,8 @@ class LatentAttention:
             W_o=(H * d_v, E),
             b_o=(E,),
         )
+        if self.indexer is not None and self.q_lora_rank is not None:
+            shapes.update(self.indexer.shapes(E, self.q_lora_rank))
         return shapes
 
     def _sizes_of(self, name: str) -> str:
@@ -604,7 +634,7 @@ class LatentAttention:
             "W_kv_b": f"{r}; {H} heads of {n} + {d_v}",
             "W_o": f"{H} heads of {d_v}, {E}",
             "b_o": E,
-        }[name]
+        }.get(name, f"{E}, q_lora_rank={q}, indexer {self.indexer}")
 
     def _set_weights(self, weights: dict[str, np.ndarray | None]) -> None:
         self.W_q, self.W_q_a, self.b_q_a, self.q_a_norm, self.W_q_b = (
@@ -613,6 +643,8 @@ class LatentAttention:
         self.W_kv_a, self.b_kv_a, self.kv_a_norm, self.W_kv_b, self.W_o, self.b_o = (
             weights[name] for name in PARAMETER_NAMES[5:]
         )
+        for name in INDEXER_WEIGHTS:
+            setattr(self, name, weights.get(name))
 
     def _plan(self) -> LatentPlan:
         rotary: dict[str, Any] = {"theta": self.rope_theta, "interleaved": self.rotary_interleaved}
@@ -627,4 +659,5 @@ class LatentAttention:
             self.norm_eps,
             self.scale,
             rotary,
+            self.indexer,
         )

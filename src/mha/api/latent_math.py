@@ -30,6 +30,7 @@ from .._arrays import cast_result
 from .gradients import Fingerprints, gradient, join_heads, split_heads
 from .qk_norm import rms_norm, rms_norm_backward
 from .rotary import apply_rotary
+from .sparse import IndexerSpec, choose_keys
 from .split_heads import scaled_dot_product_attention
 
 __all__ = ["LatentPlan", "latent_forward"]
@@ -38,7 +39,8 @@ __all__ = ["LatentPlan", "latent_forward"]
 @dataclass(frozen=True)
 class LatentPlan:
     """What one call computes besides its arrays: the sizes, the norms' epsilon, the
-    softmax scale and the rotary embedding's keywords (:func:`mha.apply_rotary`'s)."""
+    softmax scale, the rotary embedding's keywords (:func:`mha.apply_rotary`'s) and the
+    indexer of a sparse top-k attention (:mod:`.sparse`), if any."""
 
     H: int
     r: int
@@ -48,6 +50,7 @@ class LatentPlan:
     eps: float
     scale: float
     rotary: dict[str, Any]
+    indexer: IndexerSpec | None = None
 
     def rotate(self, x: np.ndarray, positions: np.ndarray, inverse: bool = False) -> np.ndarray:
         """``x (*B, heads, L, p)`` rotated at ``positions``; ``inverse`` applies the
@@ -80,6 +83,7 @@ def latent_forward(
     X = x.astype(dtype, copy=False)
     H, r, n = plan.H, plan.r, plan.n
     saved: dict[str, Any] = {}
+    choice = None
     if "W_q" in W:
         q = X @ W["W_q"]
     else:
@@ -88,6 +92,9 @@ def latent_forward(
         )
         saved["q_low"] = q_low
         q = q_low @ W["W_q_b"]
+        if plan.indexer is not None:  # the keys each query attends to: the mask
+            choice = choose_keys(plan, plan.indexer, X, q_low, W, positions, attention)
+            attention = choice.attention
     q = split_heads(q, H)  # (*B, H, L, n + p)
     kv = _linear(X, W["W_kv_a"], W.get("b_kv_a"))  # (*B, L, r + p)
     c, saved["c_normalised"], saved["c_inverse_rms"] = rms_norm(
@@ -101,6 +108,8 @@ def latent_forward(
         query, key, key[..., :r], scale=plan.scale, return_backward=want_backward, **attention
     )
     latent, attention_backward = result if want_backward else (result, None)
+    if choice is not None:
+        choice.commit()
     joined = join_heads(latent @ W_uv)  # (*B, L, H*d_v)
     out = _linear(joined, W["W_o"], W.get("b_o"))
     if attention_backward is None:

@@ -34,7 +34,7 @@ def describe(family: Family, read: Settings, index: int) -> Described:
     """Layer ``index``'s kind, settings and tensors, as the row's layout says."""
     layout = family.tensors
     if isinstance(layout, LatentProjections):
-        return latent(family, layout, read)
+        return latent(family, layout, read, index)
     return multi_head(family, layout, read, index)
 
 
@@ -179,7 +179,7 @@ def _scale(family: Family, read: Settings, index: int, d: int) -> float | None:
     return scale
 
 
-def latent(family: Family, layout: LatentProjections, read: Settings) -> Described:
+def latent(family: Family, layout: LatentProjections, read: Settings, index: int) -> Described:
     """The settings and tensors of DeepSeek's multi-head latent attention."""
     E, H = read.positive("hidden_size"), read.positive("num_attention_heads")
     q_rank = read.positive("q_lora_rank", optional=True)
@@ -213,5 +213,8 @@ def latent(family: Family, layout: LatentProjections, read: Settings) -> Describ
         "norm_eps": 1e-6,  # q_a_ and kv_a_layernorm: RMSNorm's default, not rms_norm_eps
         "scale": scale,
     }
+    indexer = layout.indexer(read, index)
+    if indexer is not None:  # sparse top-k attention
+        settings["indexer"] = indexer
     biased = family.biases.carried(read, layout.biasable(settings))
     return layout.kind, settings, layout.tensors(settings, biased)

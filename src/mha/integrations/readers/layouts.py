@@ -376,6 +376,11 @@ class LatentProjections:
         """The projections that may carry a bias: ``q_a`` (when there is one), ``kv_a``, ``o``."""
         return ("kv_a", "o") + (() if settings["q_lora_rank"] is None else ("q_a",))
 
+    def indexer(self, read: Settings, index: int) -> Any:
+        """Layer ``index``'s sparse top-k indexer (:class:`mha.api.sparse.IndexerSpec`), or
+        ``None`` for dense attention (every row here; :mod:`.sparse`'s rows have one)."""
+        return None
+
 
 LATENT = LatentProjections()
 """DeepSeek V2's and V3's modules."""

@@ -70,14 +70,26 @@ REFUSED = {
         "DiffLlama's differential attention (the difference of two softmaxes, weighted by a "
         "learned lambda)"
     ),
-    "deepseek_v32": _not_computed(f"DeepSeek-V3.2's {_TOP_K}"),
-    "glm_moe_dsa": _not_computed(f"GLM-MoE-DSA's DeepSeek {_TOP_K}"),
     "deepseek_v4": _not_computed(f"DeepSeek-V4's attention over compressed keys with {_TOP_K}"),
-    "minimax_m3_vl_text": _not_computed(f"MiniMax-M3's {_TOP_K} in its sparse layers"),
-    "axk2": _not_computed(f"AXK2's attention has a sigmoid output gate and {_TOP_K}"),
-    "hy_v4": _not_computed(f"HY-V4's attention has a sigmoid output gate and {_TOP_K}"),
+    "minimax_m3_vl_text": _not_computed(
+        "MiniMax-M3's block-sparse attention in its sparse layers (an indexer picks, per head, "
+        "the blocks of keys each query attends to, with the local blocks before it)"
+    ),
+    "axk2": _not_computed(
+        f"AXK2's latent attention has a sigmoid output gate fused with its query projection "
+        f"(q_gate_proj, fed the query latent and the compressed input) beside {_TOP_K}; "
+        f"mha.LatentAttention computes the top-k (as DeepSeek-V3.2's) but no output gate"
+    ),
+    "hy_v4": _not_computed(
+        f"HY-V4's latent attention has a sigmoid output gate, attention sinks, an indexer "
+        f"rotating its last features and layers reusing an earlier layer's choice beside "
+        f"{_TOP_K}; mha.LatentAttention computes DeepSeek-V3.2's top-k but neither the gate "
+        f"nor the sinks"
+    ),
     "dots3_note_text": _not_computed(
-        f"dots3's attention has a per-head sigmoid output gate and {_TOP_K}"
+        f"dots3's latent attention has a per-head sigmoid output gate and sliding windows beside "
+        f"{_TOP_K}; mha.LatentAttention computes the top-k (as DeepSeek-V3.2's) but neither "
+        f"the gate nor a window"
     ),
     "dory": _not_computed(
         "Dory's nGPT attention (L2-normalised queries and keys, a per-feature query scale "
