@@ -215,6 +215,14 @@ CHANGES = {
     "olmo_hybrid": [{"rope_theta": 500.0}, {"qk_norm_offset": 1.0}],
     "lara_mini": [{"rope_theta": 500.0}, {"window": None}, {"qk_norm_offset": 1.0}],
     "recurrent_gemma": [{"window": None}, {"rotary_dim": None}, {"b_o": None}],
+    "qwen3_next": [{"W_g": None, "b_g": None, "output_gate": None}, {"b_g": None},
+                   {"qk_norm_offset": 0.0}, {"rotary_dim": None}],
+    "qwen3_5_text": [{"W_g": None, "output_gate": None}, {"qk_norm_offset": 0.0},
+                     {"rotary_dim": None}],
+    "qwen3_5_moe_text": [{"W_g": None, "output_gate": None}, {"qk_norm_offset": 0.0},
+                         {"rotary_dim": None}],
+    "lfm3": [{"W_g": None, "output_gate": None, "output_gate_per_head": False}, {"window": None},
+             {"rope_scaling": None}, {"rope_theta": 10000.0}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3
