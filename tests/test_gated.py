@@ -1,5 +1,6 @@
 """The gated hybrid families (issue 33; readers/gated.py): Qwen3-Next's and Qwen3.5's gate
-fused into ``q_proj`` (each head's query, then its gate) and LFM3's gate per head, read from
+fused into ``q_proj`` (each head's query, then its gate), LFM3's gate per head and
+Bailing-hybrid's on DeepSeek's latent attention (:class:`mha.LatentAttention`), read from
 the tiny checkpoints of support.pretrained_models (their layers are compared with
 transformers' in test_pretrained.py and the census).
 
@@ -142,7 +143,9 @@ def captured(family):
     return model, calls
 
 
-@pytest.mark.parametrize(("family", "layer"), [("qwen3_next", 0), ("lfm3", 0), ("lfm3", 2)])
+@pytest.mark.parametrize(
+    ("family", "layer"), [("qwen3_next", 0), ("lfm3", 0), ("lfm3", 2), ("bailing_hybrid", 2)]
+)
 def test_gradients_through_the_gate_match_autograd(family, layer, torch, transformers):
     """Each parameter's gradient, transformers' tensor laid out as the reader lays it out
     (Qwen3-Next's ``q_proj`` into ``W_q`` and ``W_g``), and the hidden state's."""
@@ -160,14 +163,18 @@ def test_gradients_through_the_gate_match_autograd(family, layer, torch, transfo
         (expected * torch.tensor(grad_out)).sum().backward()
 
     folder = models.saved(family)
-    attention = mha.MultiHeadAttention.from_pretrained(folder, layer=layer, dtype=np.float64)
+    attention = mha.from_pretrained(folder, layer=layer, dtype=np.float64)
     out, backward = attention(x, mask=True, return_backward=True)
     assert relative_error(out, expected.detach().numpy()) <= 1e-12
     grads = backward(grad_out)
     row = readers.FAMILIES[family]
     read = settings(json.loads((folder / "config.json").read_text()), family)
     _, _, tensors = describe(row, read, layer)
-    renamed = {"g_proj.weight": "gate_proj.weight"}  # transformers' module, its saved name
+    renamed = {  # transformers' modules, their saved names
+        "g_proj.weight": "gate_proj.weight" if family == "lfm3" else "g_proj.weight",
+        "o_proj.weight": "dense.weight" if family == "bailing_hybrid" else "o_proj.weight",
+        "o_proj.bias": "dense.bias" if family == "bailing_hybrid" else "o_proj.bias",
+    }
     compared = set()
     for name, parameter in module.named_parameters():
         theirs = lay_out(parameter.grad.numpy(), tensors[renamed.get(name, name)])
@@ -175,6 +182,36 @@ def test_gradients_through_the_gate_match_autograd(family, layer, torch, transfo
             assert np.abs(expected_grad).max() > 1e-3, (name, ours)  # every gradient matters
             assert relative_error(grads[ours], expected_grad) <= TOLERANCE, (name, ours)
             compared.add(ours)
-    assert "W_g" in compared and set(grads) == compared | {"query", "key", "value"}
-    shared = grads["query"] + grads["key"] + grads["value"]
+    inputs = set(grads) - compared  # the latent attention's one input: "query"
+    latent = family in models.LATENT_FAMILIES
+    assert "W_g" in compared and inputs == ({"query"} if latent else {"query", "key", "value"})
+    shared = sum(grads[name] for name in sorted(inputs))
     assert relative_error(shared, tx.grad.numpy()) <= TOLERANCE
+
+
+LATENT = {"kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 2, "v_head_dim": 4}
+
+
+def test_a_latent_gate_is_one_per_head_and_its_mistakes_are_refused_by_name():
+    gated_layer = mha.LatentAttention(16, 2, **LATENT, output_gate="sigmoid", seed=0)
+    plain = mha.LatentAttention(16, 2, **LATENT, seed=0)
+    assert gated_layer.W_g.shape == (16, 2) and "output_gate='sigmoid'" in repr(gated_layer)
+    x = np.random.default_rng(1).standard_normal((2, 5, 16))
+    whole = gated_layer(x, mask=True)
+    assert relative_error(whole, plain(x, mask=True)) > 1e-3  # the gate changes the output
+    copy = mha.LatentAttention.from_spec(gated_layer.spec, gated_layer.weights())
+    assert np.array_equal(copy(x, mask=True), whole)
+    cache = gated_layer.new_cache(2)
+    steps = [gated_layer(x[:, :3], cache=cache)] + [
+        gated_layer(x[:, t : t + 1], cache=cache) for t in range(3, 5)
+    ]
+    assert relative_error(np.concatenate(steps, axis=1), whole) <= 1e-13
+    weights = gated_layer.weights()
+    with pytest.raises(mha.ShapeError, match=r"W_g has shape \(16, 8\) but this layer needs"):
+        mha.LatentAttention.from_spec(gated_layer.spec, {**weights, "W_g": np.ones((16, 8))})
+    with pytest.raises(AttentionValueError, match="weights W_g are missing"):
+        mha.LatentAttention.from_spec(gated_layer.spec, {**weights, "W_g": None})
+    with pytest.raises(AttentionValueError, match="weights W_g are not used by this layer"):
+        mha.LatentAttention.from_spec(plain.spec, weights)
+    with pytest.raises(AttentionValueError, match="output_gate must be one of"):
+        mha.LatentAttention(16, 2, **LATENT, output_gate="relu")

@@ -223,6 +223,8 @@ CHANGES = {
                          {"rotary_dim": None}],
     "lfm3": [{"W_g": None, "output_gate": None, "output_gate_per_head": False}, {"window": None},
              {"rope_scaling": None}, {"rope_theta": 10000.0}],
+    "bailing_hybrid": [{"W_g": None, "output_gate": None}, {"scale": None},
+                       {"rope_scaling": None}, {"b_o": None}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3

@@ -72,6 +72,11 @@ DEEPSEEK = {
     "experts_implementation": "eager",
 }  # fmt: skip
 
+LATENT_SIZES = ("rope_parameters", "head_dim", "num_key_value_heads", "q_lora_rank",
+                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                "rms_norm_eps")  # fmt: skip
+"""DeepSeek's latent attention of :data:`DEEPSEEK`, without its experts."""
+
 HYBRID_MAMBA = {"mamba_n_heads": 4, "mamba_d_head": 24, "mamba_n_groups": 1}
 """Mamba heads that divide the expanded width (2 * 48)."""
 ABSENT = "absent"
@@ -369,6 +374,11 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                           SLIDING: {"rope_type": "default", "rope_theta": 100.0},
                           FULL: {"rope_type": "proportional", "rope_theta": 3000.0,
                                  "partial_rotary_factor": 0.5}}}),
+    # Bailing-hybrid: DeepSeek's latent attention (yarn, biases) with a gate per head, its
+    # layer 1 Kimi Delta Attention
+    "bailing_hybrid": ("BailingHybrid", {
+        **{key: DEEPSEEK[key] for key in LATENT_SIZES}, "attention_bias": True,
+        "layer_types": [FULL, "linear_attention", FULL], "mlp_layer_types": ["dense"] * 3}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
@@ -380,7 +390,7 @@ query's low-rank projection (``q_lora_rank=None``), with biases and halves rotar
 
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
 LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "axk1", "minicpm3",
-                   "longcat_flash")  # fmt: skip
+                   "longcat_flash", "bailing_hybrid")  # fmt: skip
 """The checkpoints of DeepSeek's multi-head latent attention (``LatentAttention``)."""
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen", "gpt_neo", "bloom", "mpt", "dbrx", "persimmon", "falcon",
@@ -389,7 +399,7 @@ OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox
 """The families whose attention modules are not Llama's."""
 HYBRIDS = ("granitemoehybrid", "falcon_h1", "jamba", "nemotron_h", "bamba", "lfm2", "lfm2_moe",
            "minimax", "olmo_hybrid", "lara_mini", "recurrent_gemma", "qwen3_next", "qwen3_5_text",
-           "qwen3_5_moe_text", "lfm3")  # fmt: skip
+           "qwen3_5_moe_text", "lfm3", "bailing_hybrid")  # fmt: skip
 """The hybrid models: attention layers between Mamba or convolution layers (Falcon-H1's
 beside a Mamba mixer in each layer)."""
 LLAMA_LAYOUT = tuple(family for family in FAMILIES if family not in OTHER_LAYOUTS + HYBRIDS)

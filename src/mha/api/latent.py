@@ -31,6 +31,7 @@ from . import formats
 from .cache import KVCache
 from .checks import check_mask_argument, random_generator
 from .configuration import float_dtype
+from .gates import check_gate_activation
 from .latent_math import LatentPlan, latent_forward
 from .rotary import check_positions, check_rotary_options, positive_real
 from .signatures import Backward, Flag
@@ -49,6 +50,7 @@ PARAMETER_NAMES = (
     "W_kv_b",
     "W_o",
     "b_o",
+    "W_g",
 )
 """The weights' attribute names, in the order the layer applies them."""
 
@@ -60,8 +62,9 @@ class LatentSpec:
     ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``q_lora_rank`` (``None``:
     the queries projected directly), ``rope_theta``, ``rope_scaling``,
     ``rotary_interleaved``, ``norm_eps`` and ``scale`` (``None``: ``1/sqrt(qk_nope_head_dim
-    + qk_rope_head_dim)``). A reader's pair ``(spec, weights)`` builds a layer by
-    :meth:`LatentAttention.from_spec`.
+    + qk_rope_head_dim)``) and ``output_gate`` (the activation of a gate per head,
+    ``W_g (E, H)``: Bailing-hybrid's; ``None``: none). A reader's pair ``(spec, weights)``
+    builds a layer by :meth:`LatentAttention.from_spec`.
 
     >>> import mha
     >>> mha.LatentSpec(16, 2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2,
@@ -81,6 +84,7 @@ class LatentSpec:
     rotary_interleaved: Any = True
     norm_eps: Any = 1e-6
     scale: Any = None
+    output_gate: Any = None
 
     kind = "latent"
     """What a reader's spec builds (:meth:`LatentAttention.from_spec`)."""
@@ -103,7 +107,9 @@ class LatentAttention:
       v_head_dim))`` [kv_b_proj], per head its ``nope`` key columns then its ``v_head_dim``
       value columns;
     * ``W_o (H*v_head_dim, E)`` [o_proj]; with ``bias=True`` also ``b_q_a``, ``b_kv_a`` and
-      ``b_o`` (transformers' ``attention_bias``), ``None`` otherwise.
+      ``b_o`` (transformers' ``attention_bias``), ``None`` otherwise;
+    * with ``output_gate`` (``"sigmoid"``), ``W_g (E, H)`` [g_proj]: each head's output
+      times ``sigmoid(x @ W_g)`` before ``W_o`` (:class:`mha.api.gates.OutputGate`).
 
     The rotary embedding has base ``rope_theta`` and ``rope_scaling``, transformers'
     ``rope_parameters`` for a scaled rope (yarn, say; None for the default), and pairs
@@ -144,6 +150,7 @@ class LatentAttention:
         rotary_interleaved: Flag = True,
         norm_eps: float = 1e-6,
         scale: float | None = None,
+        output_gate: str | None = None,
         bias: Flag = False,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
@@ -162,6 +169,7 @@ class LatentAttention:
                 rotary_interleaved,
                 norm_eps,
                 scale,
+                output_gate,
             )
         )
         with_bias = flag("bias", bias)
@@ -205,6 +213,7 @@ class LatentAttention:
             self.rotary_interleaved,
             self.norm_eps,
             self._given_scale,
+            self.output_gate,
         )
 
     @classmethod
@@ -459,7 +468,7 @@ class LatentAttention:
         ... # doctest: +NORMALIZE_WHITESPACE
         {'W_q': None, 'W_q_a': (16, 6), 'b_q_a': None, 'q_a_norm': (6,), 'W_q_b': (6, 12),
          'W_kv_a': (16, 10), 'b_kv_a': None, 'kv_a_norm': (8,), 'W_kv_b': (8, 16),
-         'W_o': (8, 16), 'b_o': None}
+         'W_o': (8, 16), 'b_o': None, 'W_g': None}
         """
         return {name: getattr(self, name) for name in PARAMETER_NAMES}
 
@@ -477,6 +486,7 @@ class LatentAttention:
             ("rotary_interleaved", self.rotary_interleaved, True),
             ("norm_eps", self.norm_eps, 1e-6),
             ("scale", self._given_scale, None),
+            ("output_gate", self.output_gate, None),
         ):
             if value != default:
                 shown[name] = value
@@ -517,6 +527,7 @@ class LatentAttention:
             )
         self.rope_scaling = None if rope_scaling is None else dict(rope_scaling)
         self.norm_eps = positive_real("norm_eps", norm_eps)
+        self.output_gate = check_gate_activation(spec.output_gate)
         self._given_scale = None if scale is None else resolve_scale(scale, 1, np.dtype(np.float64))
         self.scale = (
             resolve_scale(None, self.qk_nope_head_dim + self.qk_rope_head_dim, np.dtype(np.float64))
@@ -544,6 +555,8 @@ class LatentAttention:
             W_o=(H * d_v, E),
             b_o=(E,),
         )
+        if self.output_gate is not None:
+            shapes["W_g"] = (E, H)
         return shapes
 
     def _sizes_of(self, name: str) -> str:
@@ -563,13 +576,14 @@ class LatentAttention:
             "W_kv_b": f"{r}; {H} heads of {n} + {d_v}",
             "W_o": f"{H} heads of {d_v}, {E}",
             "b_o": E,
+            "W_g": f"{E}, {H}: output_gate={self.output_gate!r}, one gate a head",
         }[name]
 
     def _set_weights(self, weights: dict[str, np.ndarray | None]) -> None:
         self.W_q, self.W_q_a, self.b_q_a, self.q_a_norm, self.W_q_b = (
             weights[name] for name in PARAMETER_NAMES[:5]
         )
-        self.W_kv_a, self.b_kv_a, self.kv_a_norm, self.W_kv_b, self.W_o, self.b_o = (
+        self.W_kv_a, self.b_kv_a, self.kv_a_norm, self.W_kv_b, self.W_o, self.b_o, self.W_g = (
             weights[name] for name in PARAMETER_NAMES[5:]
         )
 
@@ -586,4 +600,5 @@ class LatentAttention:
             self.norm_eps,
             self.scale,
             rotary,
+            self.output_gate,
         )

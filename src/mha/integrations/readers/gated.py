@@ -10,9 +10,12 @@
   ``use_attention_gate`` (:class:`OptionalGate`); sliding and full layers between short
   convolutions, a rope per layer type (the full layers' ``proportional``: the first
   ``partial_rotary_factor`` of the pairs rotate).
+* Bailing-hybrid (Ling 3): DeepSeek's multi-head latent attention (:class:`mha.LatentAttention`)
+  with a gate per head (``g_proj``), the last layer of each ``layer_group_size`` between
+  Kimi Delta Attention (linear-attention) layers.
 
 >>> [row.name for row in ROWS]
-['qwen3_next', 'qwen3_5_text', 'qwen3_5_moe_text', 'lfm3']
+['qwen3_next', 'qwen3_5_text', 'qwen3_5_moe_text', 'lfm3', 'bailing_hybrid']
 >>> from mha.integrations.readers.layouts import lay_out
 >>> import numpy as np
 >>> fused = QueryGate(bias=None).tensors(None, 1, 2, 2)["q_proj.weight"]  # q0 g0 q1 g1, 2 rows each
@@ -28,11 +31,13 @@ from typing import Any
 from .config import FULL, SLIDING, Settings
 from .family import Family, Gate, QkNorm
 from .hybrid import CONV, LINEAR, Hybrid, from_layer_types
-from .layouts import Tensor
+from .layouts import LatentProjections, Tensor
 from .rope import Rope
 from .windows import ByLayerTypes
 
 __all__ = [
+    "BAILING_HYBRID",
+    "BAILING_LAYOUT",
     "LFM3",
     "QWEN3_5_MOE_TEXT",
     "QWEN3_5_TEXT",
@@ -40,6 +45,7 @@ __all__ = [
     "ROWS",
     "OptionalGate",
     "QueryGate",
+    "by_group",
     "every_interval",
     "lfm3_types",
 ]
@@ -74,6 +80,22 @@ LFM3: dict[str, Any] = {
     "sliding_window": 256,
     "layer_types": None,
     "use_attention_gate": True,
+}
+BAILING_HYBRID: dict[str, Any] = {
+    "hidden_size": 2560,
+    "num_hidden_layers": 42,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "attention_bias": False,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "rope_theta": 6_000_000.0,
+    "max_position_embeddings": 262144,
+    "layer_types": None,
+    "layer_group_size": 6,
 }
 
 
@@ -122,6 +144,18 @@ def lfm3_types(read: Settings, count: int) -> list[str]:
     return [FULL if i % 4 == 2 else SLIDING if i % 4 == 0 and i > 0 else CONV for i in range(count)]
 
 
+BAILING_LAYOUT = LatentProjections(o="dense", path="model.layers.{i}.attention")
+"""Bailing-hybrid's own names (``attention``, ``dense``), which transformers renames to
+DeepSeek's (``self_attn``, ``o_proj``) when it loads them and back when it saves."""
+
+
+def by_group(read: Settings, count: int) -> list[str]:
+    """Bailing-hybrid's default layer types: full attention at the last layer of each
+    ``layer_group_size`` layers, Kimi Delta Attention (linear) elsewhere."""
+    size = read.positive("layer_group_size")
+    return [FULL if (i + 1) % size == 0 else LINEAR for i in range(count)]
+
+
 _DELTANET = {LINEAR: "a Gated DeltaNet linear-attention layer"}
 
 
@@ -155,6 +189,18 @@ ROWS: tuple[Family, ...] = (
         qk_norm=QkNorm("head", eps="norm_eps"),
         gate=OptionalGate(per_head=True),  # g_proj, saved as gate_proj
         hybrid=Hybrid("LFM3", from_layer_types(lfm3_types), {CONV: "a short-convolution layer"}),
+    ),
+    Family(  # DeepSeek's latent attention with a sigmoid gate per head (g_proj)
+        "bailing_hybrid",
+        BAILING_HYBRID,
+        tensors=BAILING_LAYOUT,
+        rope=Rope(interleave=True),
+        gate=Gate("g_proj", per_head=True),
+        hybrid=Hybrid(
+            "Bailing-hybrid",
+            from_layer_types(by_group),
+            {LINEAR: "a Kimi Delta Attention (linear-attention) layer"},
+        ),
     ),
 )
 """The rows of these families, registered by :mod:`.registry`."""

@@ -96,10 +96,6 @@ REFUSED = {
         "H stacks runs once a cycle, with a cache slot of its own: num_hidden_layers counts "
         "slots, not layers)"
     ),
-    "bailing_hybrid": _not_computed(
-        "Bailing-hybrid's attention has a sigmoid output gate and its other layers are "
-        "linear attention"
-    ),
     "kimi_linear": "Kimi-Linear's Kimi Delta Attention (linear attention) layers, which mha "
     "does not compute, and its attention layers' DeepSeek latent attention without rope (NoPE), "
     "which mha.LatentAttention does not compute (it always rotates)",
