@@ -735,6 +735,12 @@ def test_configs_are_read_as_transformers_reads_them(tmp_path, family, change, d
         ("minimax", {}, ("layer_types",)),  # every other layer from 0
         ("olmo_hybrid", {}, ("layer_types",)),  # every fourth, else the last
         ("falcon_h1", {}, ()),  # every layer's attention beside its Mamba mixer
+        ("qwen3_next", {"full_attention_interval": 2}, ("layer_types",)),
+        ("qwen3_5_text", {"full_attention_interval": 1}, ("layer_types",)),
+        ("qwen3_5_moe_text", {}, ("layer_types",)),  # every fourth: none of 3
+        ("lfm3", {"num_hidden_layers": 5}, ("layer_types",)),  # convolutions, full at 2
+        ("bailing_hybrid", {"layer_group_size": 3}, ("layer_types",)),
+        ("bailing_hybrid", {"layer_group_size": 1}, ("layer_types",)),
     ],
 )  # fmt: skip
 def test_a_hybrids_attention_layers_are_transformers_own(

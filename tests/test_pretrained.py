@@ -233,6 +233,16 @@ CHANGES = {
     "glm_moe_dsa": [DENSE, {"indexer": IndexerSpec(4, 2, 10, rotary_interleaved=True)},
                     {"indexer": IndexerSpec(5, 2, 10, rotary_interleaved=False)},
                     {"b_index_k_norm": None}],
+    "qwen3_next": [{"W_g": None, "b_g": None, "output_gate": None}, {"b_g": None},
+                   {"qk_norm_offset": 0.0}, {"rotary_dim": None}],
+    "qwen3_5_text": [{"W_g": None, "output_gate": None}, {"qk_norm_offset": 0.0},
+                     {"rotary_dim": None}],
+    "qwen3_5_moe_text": [{"W_g": None, "output_gate": None}, {"qk_norm_offset": 0.0},
+                         {"rotary_dim": None}],
+    "lfm3": [{"W_g": None, "output_gate": None, "output_gate_per_head": False}, {"window": None},
+             {"rope_scaling": None}, {"rope_theta": 10000.0}],
+    "bailing_hybrid": [{"W_g": None, "output_gate": None}, {"scale": None},
+                       {"rope_scaling": None}, {"b_o": None}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3

@@ -178,6 +178,16 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # Llama 4's chunks and query temperature within the census's 24 positions
     "llama4_text": {"attention_chunk_size": 8, "floor_scale": 4, "intermediate_size_mlp": 32},
     "zaya": {"num_experts_per_tok": 1},
+    **{  # half of each head rotated (a quarter, 3 features, cannot pair)
+        family: {
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            }
+        }
+        for family in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+    },
     "longcat_flash": {"num_layers": 2, "head_dim": 8},  # its rotary is head_dim wide
     "cohere_compass_text": {  # its rotary embedding takes a rope per layer type (none: {})
         "layer_types": ["full_attention", "sliding_attention"] * 2,

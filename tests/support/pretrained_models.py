@@ -72,6 +72,11 @@ DEEPSEEK = {
     "experts_implementation": "eager",
 }  # fmt: skip
 
+LATENT_SIZES = ("rope_parameters", "head_dim", "num_key_value_heads", "q_lora_rank",
+                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                "rms_norm_eps")  # fmt: skip
+"""DeepSeek's latent attention of :data:`DEEPSEEK`, without its experts."""
+
 HYBRID_MAMBA = {"mamba_n_heads": 4, "mamba_d_head": 24, "mamba_n_groups": 1}
 """Mamba heads that divide the expanded width (2 * 48)."""
 ABSENT = "absent"
@@ -82,6 +87,13 @@ MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
        "experts_implementation": "eager"}  # fmt: skip
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 4.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": LONG}  # fmt: skip
+
+GATED_DELTANET = {"linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                  "linear_key_head_dim": 8, "linear_value_head_dim": 8}  # fmt: skip
+"""Gated DeltaNet layers of the hidden size 48 (Qwen3-Next's, Qwen3.5's)."""
+QWEN3_5_ROPE = {**ROPE, "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 1],
+                "mrope_interleaved": True}  # fmt: skip
+"""Qwen3.5's multimodal rope over the 3 rotated pairs of its heads (text: one position)."""
 
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("Llama", {"attention_bias": True, "rope_parameters": {
@@ -365,6 +377,29 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                      "index_head_dim": 12}),
     "glm_moe_dsa": ("GlmMoeDsa", {**DEEPSEEK, "index_topk": 5, "index_n_heads": 2,
                                   "index_head_dim": 10}),
+    # the gated hybrids (issue 33): Qwen3-Next's gate fused into q_proj (biased), half of each
+    # head rotated, QK-norm of 1 + weight, Qwen3.5's multimodal rope as text's, between Gated
+    # DeltaNet layers; LFM3's gate per head, a proportional rope on its full layers
+    "qwen3_next": ("Qwen3Next", {"layer_types": [FULL, "linear_attention", FULL],
+                                 "attention_bias": True, **GATED_DELTANET, **MOE,
+                                 "shared_expert_intermediate_size": 16, "rope_parameters": {
+                                     **ROPE, "partial_rotary_factor": 0.5}}),
+    "qwen3_5_text": ("Qwen3_5Text", {"layer_types": [FULL, "linear_attention", FULL],
+                                     **GATED_DELTANET, "rope_parameters": QWEN3_5_ROPE}),
+    "qwen3_5_moe_text": ("Qwen3_5MoeText", {"layer_types": [FULL, "linear_attention", FULL],
+                                            **GATED_DELTANET, **MOE,
+                                            "rope_parameters": QWEN3_5_ROPE,
+                                            "shared_expert_intermediate_size": 16}),
+    "lfm3": ("Lfm3", {"layer_types": [FULL, "conv", SLIDING], "sliding_window": 5,
+                      "norm_eps": 1e-5, "rope_parameters": {
+                          SLIDING: {"rope_type": "default", "rope_theta": 100.0},
+                          FULL: {"rope_type": "proportional", "rope_theta": 3000.0,
+                                 "partial_rotary_factor": 0.5}}}),
+    # Bailing-hybrid: DeepSeek's latent attention (yarn, biases) with a gate per head, its
+    # layer 1 Kimi Delta Attention
+    "bailing_hybrid": ("BailingHybrid", {
+        **{key: DEEPSEEK[key] for key in LATENT_SIZES}, "attention_bias": True,
+        "layer_types": [FULL, "linear_attention", FULL], "mlp_layer_types": ["dense"] * 3}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
@@ -376,7 +411,8 @@ query's low-rank projection (``q_lora_rank=None``), with biases and halves rotar
 
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
 LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "axk1", "minicpm3",
-                   "longcat_flash", "deepseek_v32", "glm_moe_dsa")  # fmt: skip
+                   "longcat_flash", "deepseek_v32", "glm_moe_dsa",
+                   "bailing_hybrid")  # fmt: skip
 """The checkpoints of DeepSeek's multi-head latent attention (``LatentAttention``)."""
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen", "gpt_neo", "bloom", "mpt", "dbrx", "persimmon", "falcon",
@@ -384,7 +420,8 @@ OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox
                  "modernbert-decoder")  # fmt: skip
 """The families whose attention modules are not Llama's."""
 HYBRIDS = ("granitemoehybrid", "falcon_h1", "jamba", "nemotron_h", "bamba", "lfm2", "lfm2_moe",
-           "minimax", "olmo_hybrid", "lara_mini", "recurrent_gemma")  # fmt: skip
+           "minimax", "olmo_hybrid", "lara_mini", "recurrent_gemma", "qwen3_next", "qwen3_5_text",
+           "qwen3_5_moe_text", "lfm3", "bailing_hybrid")  # fmt: skip
 """The hybrid models: attention layers between Mamba or convolution layers (Falcon-H1's
 beside a Mamba mixer in each layer)."""
 LLAMA_LAYOUT = tuple(family for family in FAMILIES if family not in OTHER_LAYOUTS + HYBRIDS)

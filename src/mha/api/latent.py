@@ -32,6 +32,7 @@ from . import formats
 from .cache import KVCache
 from .checks import check_mask_argument, random_generator
 from .configuration import float_dtype
+from .gates import check_gate_activation
 from .latent_math import LatentPlan, latent_forward
 from .rotary import check_positions, check_rotary_options, positive_real
 from .signatures import Backward, Flag
@@ -51,6 +52,7 @@ PARAMETER_NAMES = (
     "W_kv_b",
     "W_o",
     "b_o",
+    "W_g",
 )
 """The weights' attribute names, in the order the layer applies them."""
 
@@ -62,9 +64,10 @@ class LatentSpec:
     ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``q_lora_rank`` (``None``:
     the queries projected directly), ``rope_theta``, ``rope_scaling``,
     ``rotary_interleaved``, ``norm_eps``, ``scale`` (``None``: ``1/sqrt(qk_nope_head_dim
-    + qk_rope_head_dim)``) and ``indexer`` (an :class:`~mha.api.sparse.IndexerSpec`: sparse
-    top-k attention, DeepSeek-V3.2's; ``None``: dense). A reader's pair ``(spec,
-    weights)`` builds a layer by :meth:`LatentAttention.from_spec`.
+    + qk_rope_head_dim)``), ``indexer`` (an :class:`~mha.api.sparse.IndexerSpec`: sparse
+    top-k attention, DeepSeek-V3.2's; ``None``: dense) and ``output_gate`` (the activation
+    of a gate per head, ``W_g (E, H)``: Bailing-hybrid's; ``None``: none). A reader's pair
+    ``(spec, weights)`` builds a layer by :meth:`LatentAttention.from_spec`.
 
     >>> import mha
     >>> mha.LatentSpec(16, 2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2,
@@ -85,6 +88,7 @@ class LatentSpec:
     norm_eps: Any = 1e-6
     scale: Any = None
     indexer: Any = None
+    output_gate: Any = None
 
     kind = "latent"
     """What a reader's spec builds (:meth:`LatentAttention.from_spec`)."""
@@ -107,7 +111,9 @@ class LatentAttention:
       v_head_dim))`` [kv_b_proj], per head its ``nope`` key columns then its ``v_head_dim``
       value columns;
     * ``W_o (H*v_head_dim, E)`` [o_proj]; with ``bias=True`` also ``b_q_a``, ``b_kv_a`` and
-      ``b_o`` (transformers' ``attention_bias``), ``None`` otherwise.
+      ``b_o`` (transformers' ``attention_bias``), ``None`` otherwise;
+    * with ``output_gate`` (``"sigmoid"``), ``W_g (E, H)`` [g_proj]: each head's output
+      times ``sigmoid(x @ W_g)`` before ``W_o`` (:class:`mha.api.gates.OutputGate`).
 
     The rotary embedding has base ``rope_theta`` and ``rope_scaling``, transformers'
     ``rope_parameters`` for a scaled rope (yarn, say; None for the default), and pairs
@@ -154,6 +160,7 @@ class LatentAttention:
         norm_eps: float = 1e-6,
         scale: float | None = None,
         indexer: IndexerSpec | None = None,
+        output_gate: str | None = None,
         bias: Flag = False,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
@@ -173,6 +180,7 @@ class LatentAttention:
                 norm_eps,
                 scale,
                 indexer,
+                output_gate,
             )
         )
         with_bias = flag("bias", bias)
@@ -217,6 +225,7 @@ class LatentAttention:
             self.norm_eps,
             self._given_scale,
             self.indexer,
+            self.output_gate,
         )
 
     @classmethod
@@ -479,7 +488,7 @@ class LatentAttention:
         ... # doctest: +NORMALIZE_WHITESPACE
         {'W_q': None, 'W_q_a': (16, 6), 'b_q_a': None, 'q_a_norm': (6,), 'W_q_b': (6, 12),
          'W_kv_a': (16, 10), 'b_kv_a': None, 'kv_a_norm': (8,), 'W_kv_b': (8, 16),
-         'W_o': (8, 16), 'b_o': None}
+         'W_o': (8, 16), 'b_o': None, 'W_g': None}
         """
         names = PARAMETER_NAMES + (INDEXER_WEIGHTS if self.indexer is not None else ())
         return {name: getattr(self, name) for name in names}
@@ -519,7 +528,10 @@ class LatentAttention:
             unknown = sorted(set(config) - fields - {"format", "version", "dtype", "bfloat16"})
             if unknown:
                 raise AttentionValueError(f"its config has unknown keys {unknown}")
-            spec = LatentSpec(**{key: value for key, value in config.items() if key in fields})
+            given = {key: value for key, value in config.items() if key in fields}
+            if isinstance(given.get("indexer"), dict):  # saved as its fields
+                given["indexer"] = IndexerSpec(**given["indexer"])
+            spec = LatentSpec(**given)
             return cls.from_spec(spec, weights, config.get("dtype"))
         except (AttentionValueError, TypeError) as error:
             raise WeightsFileError(f"cannot load {path}: {error}") from None
@@ -539,6 +551,7 @@ class LatentAttention:
             ("norm_eps", self.norm_eps, 1e-6),
             ("scale", self._given_scale, None),
             ("indexer", self.indexer, None),
+            ("output_gate", self.output_gate, None),
         ):
             if value != default:
                 shown[name] = value
@@ -586,6 +599,7 @@ class LatentAttention:
             )
         self.rope_scaling = None if rope_scaling is None else dict(rope_scaling)
         self.norm_eps = positive_real("norm_eps", norm_eps)
+        self.output_gate = check_gate_activation(spec.output_gate)
         self._given_scale = None if scale is None else resolve_scale(scale, 1, np.dtype(np.float64))
         self.scale = (
             resolve_scale(None, self.qk_nope_head_dim + self.qk_rope_head_dim, np.dtype(np.float64))
@@ -615,6 +629,8 @@ class LatentAttention:
         )
         if self.indexer is not None and self.q_lora_rank is not None:
             shapes.update(self.indexer.shapes(E, self.q_lora_rank))
+        if self.output_gate is not None:
+            shapes["W_g"] = (E, H)
         return shapes
 
     def _sizes_of(self, name: str) -> str:
@@ -634,13 +650,14 @@ class LatentAttention:
             "W_kv_b": f"{r}; {H} heads of {n} + {d_v}",
             "W_o": f"{H} heads of {d_v}, {E}",
             "b_o": E,
+            "W_g": f"{E}, {H}: output_gate={self.output_gate!r}, one gate a head",
         }.get(name, f"{E}, q_lora_rank={q}, indexer {self.indexer}")
 
     def _set_weights(self, weights: dict[str, np.ndarray | None]) -> None:
         self.W_q, self.W_q_a, self.b_q_a, self.q_a_norm, self.W_q_b = (
             weights[name] for name in PARAMETER_NAMES[:5]
         )
-        self.W_kv_a, self.b_kv_a, self.kv_a_norm, self.W_kv_b, self.W_o, self.b_o = (
+        self.W_kv_a, self.b_kv_a, self.kv_a_norm, self.W_kv_b, self.W_o, self.b_o, self.W_g = (
             weights[name] for name in PARAMETER_NAMES[5:]
         )
         for name in INDEXER_WEIGHTS:
@@ -660,4 +677,5 @@ class LatentAttention:
             self.scale,
             rotary,
             self.indexer,
+            self.output_gate,
         )

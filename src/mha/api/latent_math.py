@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from .._arrays import cast_result
+from .gates import OutputGate
 from .gradients import Fingerprints, gradient, join_heads, split_heads
 from .qk_norm import rms_norm, rms_norm_backward
 from .rotary import apply_rotary
@@ -51,6 +52,14 @@ class LatentPlan:
     scale: float
     rotary: dict[str, Any]
     indexer: IndexerSpec | None = None
+    gate: str | None = None
+    """The activation of the output gate per head (``W_g (E, H)``), when the layer has one."""
+
+    def output_gate(self, W: dict[str, np.ndarray], E: int) -> OutputGate | None:
+        """The gate of the weights ``W`` (``None`` without ``W_g``): :mod:`.gates`'."""
+        if "W_g" not in W:
+            return None
+        return OutputGate.check(self.gate, W["W_g"], None, self.H, self.d_v, E)
 
     def rotate(self, x: np.ndarray, positions: np.ndarray, inverse: bool = False) -> np.ndarray:
         """``x (*B, heads, L, p)`` rotated at ``positions``; ``inverse`` applies the
@@ -111,6 +120,9 @@ def latent_forward(
     if choice is not None:
         choice.commit()
     joined = join_heads(latent @ W_uv)  # (*B, L, H*d_v)
+    gate = plan.output_gate(W, X.shape[-1])
+    if gate is not None:  # the joined heads gated before W_o
+        joined, saved["gate"] = gate.forward(joined, X)
     out = _linear(joined, W["W_o"], W.get("b_o"))
     if attention_backward is None:
         return out, None
@@ -155,7 +167,12 @@ class LatentBackward:
         grads["W_o"] = _rows(saved["joined"]).T @ _rows(grad)
         if "b_o" in W:
             grads["b_o"] = _rows(grad).sum(0)
-        d_heads = split_heads(grad @ W["W_o"].T, H)  # (*B, H, L, d_v)
+        d_joined, d_x_gate = grad @ W["W_o"].T, None
+        gate = plan.output_gate(W, X.shape[-1])
+        if gate is not None:
+            d_joined, d_x_gate, gate_grads = gate.backward(d_joined, saved["gate"])
+            grads |= gate_grads
+        d_heads = split_heads(d_joined, H)  # (*B, H, L, d_v)
         d_W_uv = _per_head(saved["latent"]).transpose(0, 2, 1) @ _per_head(d_heads)  # (H, r, d_v)
         attention = self.attention_backward(d_heads @ W_uv.transpose(0, 2, 1))
         dq, dk = attention["q"], attention["k"]  # (*B, H, L, r + p), (*B, 1, L, r + p)
@@ -199,7 +216,7 @@ class LatentBackward:
             if "b_q_a" in W:
                 grads["b_q_a"] = _rows(d_q_a).sum(0)
             d_x += d_q_a @ W["W_q_a"].T
-        grads["query"] = d_x
+        grads["query"] = d_x if d_x_gate is None else d_x + d_x_gate
         return {name: cast_result(g, self.dtypes[name]) for name, g in grads.items()}
 
 

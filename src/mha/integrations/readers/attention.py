@@ -217,4 +217,8 @@ def latent(family: Family, layout: LatentProjections, read: Settings, index: int
     if indexer is not None:  # sparse top-k attention
         settings["indexer"] = indexer
     biased = family.biases.carried(read, layout.biasable(settings))
-    return layout.kind, settings, layout.tensors(settings, biased)
+    tensors = layout.tensors(settings, biased)
+    if family.gate is not None:  # a gate per head (Bailing-hybrid's)
+        settings["output_gate"] = family.gate.activation
+        tensors |= family.gate.tensors(read, E, H, 1)
+    return layout.kind, settings, tensors

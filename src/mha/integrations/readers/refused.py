@@ -6,8 +6,8 @@ text model (an encoder, an encoder-decoder's decoder, a multimodal wrapper). A f
 attention mha could compute once a row reads it is not here: it is refused as "not supported"
 until then.
 
->>> REFUSED["qwen3_next"].split(" and its")[0]
-"Qwen3-Next's attention has a sigmoid output gate"
+>>> REFUSED["qwen4_exp_text"].split(" (")[0]
+"Qwen4-Exp's attention picks the keys each query attends to"
 >>> REFUSED["bart"]
 'a decoder of an encoder-decoder model: mha reads decoder-only families'
 """
@@ -55,17 +55,15 @@ def _not_read(what: str, keywords: str = "W_g=, output_gate=") -> str:
     return f"{what}, which mha computes ({keywords}) but does not read from this family yet"
 
 
-_QWEN_GATED = (
-    "attention has a sigmoid output gate and its other layers are Gated DeltaNet linear attention"
-)
 _TOP_K = "top-k sparse attention (an indexer picks the keys each query attends to)"
 _MAMBA = "Mamba state-space layers between its attention layers"
 REFUSED = {
     # decoder-only families whose attention (or other layers) mha does not compute
-    "qwen3_next": _not_computed(f"Qwen3-Next's {_QWEN_GATED}"),
-    "qwen3_5_text": _not_computed(f"Qwen3.5's {_QWEN_GATED}"),
-    "qwen3_5_moe_text": _not_computed(f"Qwen3.5-MoE's {_QWEN_GATED}"),
-    "qwen4_exp_text": _not_computed(f"Qwen4-Exp's {_QWEN_GATED}"),
+    "qwen4_exp_text": _not_computed(
+        "Qwen4-Exp's attention picks the keys each query attends to (its QSA indexer: "
+        f"{_TOP_K.split(' (')[0]} over blocks of averaged keys, in every indexed_attention "
+        "layer), and its other layers are Gated DeltaNet linear attention"
+    ),
     "diffllama": _not_computed(
         "DiffLlama's differential attention (the difference of two softmaxes, weighted by a "
         "learned lambda)"
@@ -99,14 +97,6 @@ REFUSED = {
         "HRM's attention has a sigmoid output gate in recurrent stacks (each layer of its L and "
         "H stacks runs once a cycle, with a cache slot of its own: num_hidden_layers counts "
         "slots, not layers)"
-    ),
-    "lfm3": _not_computed(
-        "LFM3's attention has a sigmoid output gate per head and its other layers are short "
-        "convolutions"
-    ),
-    "bailing_hybrid": _not_computed(
-        "Bailing-hybrid's attention has a sigmoid output gate and its other layers are "
-        "linear attention"
     ),
     "kimi_linear": "Kimi-Linear's Kimi Delta Attention (linear attention) layers, which mha "
     "does not compute, and its attention layers' DeepSeek latent attention without rope (NoPE), "

@@ -275,9 +275,11 @@ def check_refused(read: Settings, rope: Rope, parameters: dict[str, Any]) -> dic
 
 def partial_rotary(read: Settings, rope: Rope, parameters: Mapping[str, Any], d: int) -> Any:
     """How many of a head's ``d`` features rotate (``None``: all of them): the layer's
-    ``partial_rotary_factor``, refused where the family's attention does not apply it."""
+    ``partial_rotary_factor``, refused where the family's attention does not apply it (a
+    ``proportional`` rope rotates every feature, its later pairs by the angle 0: its
+    frequencies read the factor)."""
     factor = parameters.get("partial_rotary_factor")
-    if factor is None or factor == 1.0:
+    if factor is None or factor == 1.0 or parameters.get("rope_type") == "proportional":
         return None
     if not rope.partial:
         raise read.refuse(
