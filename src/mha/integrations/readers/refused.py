@@ -1,6 +1,6 @@
 """The families mha refuses by ``model_type``, each with the feature that blocks it, as
 transformers 5.24 computes it: what their attention does that mha does not (an output gate,
-differential or top-k sparse attention), the layers that are not attention at all (Mamba,
+top-k sparse attention), the layers that are not attention at all (Mamba,
 linear attention, short convolutions), or what the checkpoint is instead of a decoder-only
 text model (an encoder, an encoder-decoder's decoder, a multimodal wrapper). A family whose
 attention mha could compute once a row reads it is not here: it is refused as "not supported"
@@ -72,10 +72,6 @@ REFUSED = {
     "qwen3_5_text": _not_computed(f"Qwen3.5's {_QWEN_GATED}"),
     "qwen3_5_moe_text": _not_computed(f"Qwen3.5-MoE's {_QWEN_GATED}"),
     "qwen4_exp_text": _not_computed(f"Qwen4-Exp's {_QWEN_GATED}"),
-    "diffllama": _not_computed(
-        "DiffLlama's differential attention (the difference of two softmaxes, weighted by a "
-        "learned lambda)"
-    ),
     "deepseek_v32": _not_computed(f"DeepSeek-V3.2's {_TOP_K}"),
     "glm_moe_dsa": _not_computed(f"GLM-MoE-DSA's DeepSeek {_TOP_K}"),
     "deepseek_v4": _not_computed(f"DeepSeek-V4's attention over compressed keys with {_TOP_K}"),
@@ -144,11 +140,6 @@ REFUSED = {
     "bitnet": _not_computed("BitNet's RMSNorm of the attention's output before o_proj"),
     "zaya": _not_computed(
         "ZAYA's compressed convolutional attention (queries and keys through convolutions)"
-    ),
-    "mimo_v2_flash": _not_read(
-        "MiMo-V2-Flash's attention (values narrower than its keys, twice the key/value heads "
-        "and sinks in its sliding layers, its values scaled)",
-        "v_head_dim=, sinks=",
     ),
     "llama4_text": _LLAMA4,
     # not a decoder-only text model
