@@ -103,8 +103,9 @@ def completed(
     QK-norm weights of ones for a norm without weights, the latent norms' weights times
     LongCat-Flash's scales (:attr:`.LatentProjections.lora_scaled`), each head's halves
     swapped in the query and key projections for a rotation by the negated angles
-    (:attr:`.Rope.negated`), and the values' projection times their scale
-    (:attr:`.Family.values`)."""
+    (:attr:`.Rope.negated`), the values' projection times their scale
+    (:attr:`.Family.values`), and each query head's two value heads joined
+    (:attr:`.Family.differential`)."""
     if family.differential is not None:  # each query head's two value heads, joined
         columns = family.differential.columns(settings["num_kv_heads"], settings["head_dim"])
         weights |= {name: weights[name][..., columns] for name in ("W_v", "b_v") if name in weights}

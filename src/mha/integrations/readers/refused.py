@@ -115,7 +115,12 @@ REFUSED = {
         "per-layer adapters when use_shared_attention_adapter"
     ),
     "reformer": _not_computed("Reformer's LSH and chunked local attention"),
-    "cpmant": _not_computed("CPM-Ant's learned relative position bias in the scores"),
+    "cpmant": _not_computed(
+        "CPM-Ant's attention: bidirectional over its whole input (its prompt tokens prepended), "
+        "a bucketed position bias in the scores that depends on each token's segment (prompt, "
+        "text or token id 0), from a table its layers share outside their attention "
+        "(cpmant.position_bias)"
+    ),
     "doge": _not_computed("Doge's dynamic mask attention (a mask computed from the values)"),
     "jetmoe": _not_computed(
         "JetMoE's mixture of attention heads (experts pick each token's query and output "
