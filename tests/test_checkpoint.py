@@ -426,6 +426,9 @@ def expected_settings(config, index, attention=None):
     }  # fmt: skip
     if model_type == "laguna":  # each layer its own heads
         expected["num_heads"] = attention.num_heads
+    if model_type == "mimo_v2_flash":  # twice the key/value heads when sliding; values' width
+        expected["num_kv_heads"] = attention.k_proj.out_features // head_dim
+        expected["v_head_dim"] = attention.v_head_dim
     return expected | _temperature(config, index, attention, expected)
 
 
@@ -517,6 +520,9 @@ def expected_weights(attention, settings):
     if hasattr(attention, "mla_scale_q_lora"):  # LongCat-Flash's, in the norms' weights
         weights["q_a_norm"] = weights["q_a_norm"] * attention.mla_scale_q_lora
         weights["kv_a_norm"] = weights["kv_a_norm"] * attention.mla_scale_kv_lora
+    if hasattr(attention, "v_scale"):  # MiMo-V2-Flash's scale of the values, in W_v and b_v
+        weights["W_v"] = weights["W_v"] * attention.v_scale
+        weights["b_v"] = weights["b_v"] * attention.v_scale
     if type(attention).__name__ == "NanoChatAttention":  # its rotation by negated angles
         half = settings["head_dim"] // 2
         for name in [name for name in ("W_q", "W_k", "b_q", "b_k") if name in weights]:

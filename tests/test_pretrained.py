@@ -61,6 +61,7 @@ def oracle(family):
 
 def load(family, layer):
     kind = mha.LatentAttention if family in models.LATENT_FAMILIES else mha.MultiHeadAttention
+    kind = mha.DifferentialAttention if family == "diffllama" else kind
     return kind.from_pretrained(models.saved(family), layer=layer, dtype=np.float64)
 
 
@@ -243,6 +244,10 @@ CHANGES = {
              {"rope_scaling": None}, {"rope_theta": 10000.0}],
     "bailing_hybrid": [{"W_g": None, "output_gate": None}, {"scale": None},
                        {"rope_scaling": None}, {"b_o": None}],
+    "mimo_v2_flash": [{"sinks": None}, {"window": None}, {"rotary_dim": None},
+                      {"rope_theta": 10000.0}, {"b_v": None}],
+    "diffllama": [{"lambda_init": 0.1}, {"differential_eps": 1e-6}, {"rope_theta": 10000.0},
+                  {"b_o": None}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3
@@ -274,6 +279,7 @@ def test_every_setting_read_matters_in_these_models(family, monkeypatch, transfo
     [
         ("nanochat", "rope", {"negated": False}),
         ("longcat_flash", "tensors", {"lora_scaled": False}),
+        ("mimo_v2_flash", "values", {"scale": None}),
     ],
 )
 def test_what_is_read_into_the_weights_matters(family, field, change, monkeypatch, transformers):

@@ -13,6 +13,7 @@ from . import module as module
 from . import rotary as rotary
 from .api.cache import KVCache
 from .api.configuration import LayerSpec
+from .api.differential import DifferentialAttention, DifferentialSpec
 from .api.latent import LatentAttention, LatentSpec
 from .api.module import MultiHeadAttention
 from .api.paged import cascade_attention, paged_attention
@@ -35,6 +36,8 @@ __all__ = [
     "AttentionError",
     "AttentionTypeError",
     "AttentionValueError",
+    "DifferentialAttention",
+    "DifferentialSpec",
     "KVCache",
     "LatentAttention",
     "LatentSpec",

@@ -400,6 +400,19 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "bailing_hybrid": ("BailingHybrid", {
         **{key: DEEPSEEK[key] for key in LATENT_SIZES}, "attention_bias": True,
         "layer_types": [FULL, "linear_attention", FULL], "mlp_layer_types": ["dense"] * 3}),
+    # MiMo-V2-Flash: values 8 wide beside keys of 12, scaled; in the sliding layers twice
+    # the key/value heads and sinks; a partial rope of its own base per layer type
+    "mimo_v2_flash": ("MiMoV2Flash", {
+        "v_head_dim": 8, "attention_value_scale": 1.7, "sliding_window": 5,
+        "layer_types": [SLIDING, FULL, SLIDING], "attention_bias": True, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 16, "experts_implementation": "eager",
+        "rope_parameters": {
+            FULL: {"rope_type": "default", "rope_theta": 3000.0, "partial_rotary_factor": 0.334},
+            SLIDING: {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.5}}}),
+    # DiffLlama: differential attention, 4 pairs of heads over 4 key/value heads (two
+    # halves of 2: each query head's values two of them joined)
+    "diffllama": ("DiffLlama", {"num_attention_heads": 8, "num_key_value_heads": 4,
+                                "attention_bias": True, "rms_norm_eps": 1e-2}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
@@ -417,8 +430,8 @@ LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen", "gpt_neo", "bloom", "mpt", "dbrx", "persimmon", "falcon",
                  "falcon_alibi", "opt", "biogpt", "xglm", "ctrl", "openai-gpt",
-                 "modernbert-decoder")  # fmt: skip
-"""The families whose attention modules are not Llama's."""
+                 "modernbert-decoder", "diffllama")  # fmt: skip
+"""The families whose attention modules are not Llama's (DiffLlama's: differential)."""
 HYBRIDS = ("granitemoehybrid", "falcon_h1", "jamba", "nemotron_h", "bamba", "lfm2", "lfm2_moe",
            "minimax", "olmo_hybrid", "lara_mini", "recurrent_gemma", "qwen3_next", "qwen3_5_text",
            "qwen3_5_moe_text", "lfm3", "bailing_hybrid")  # fmt: skip
@@ -498,7 +511,8 @@ def attention_path(model: Any) -> str:
 
 
 EAGER = ("gemma2", "gpt_oss", "vaultgemma", "gpt_neo", "bloom", "mpt", "xglm", "openai-gpt",
-         "gpt_neox_japanese", "flint", "granite_swa", "granitemoe_swa")  # fmt: skip
+         "gpt_neox_japanese", "flint", "granite_swa", "granitemoe_swa",
+         "mimo_v2_flash")  # fmt: skip
 """The families whose attention is eager only (Gemma 2's and VaultGemma's soft-capping,
 gpt-oss's, Flint's and GraniteSWA's sinks, the older families' own attention code)."""
 

@@ -225,7 +225,7 @@ def check_layer(
     spec, inputs, request = checked.spec, checked.given, checked.request
     Q, K, V = _layer_inputs(arrays, names)
     weights = _weights(given, (Q, K, V), names)
-    H, H_kv, d_k, d_v = _heads(weights, num_heads, spec.num_kv_heads)
+    H, H_kv, d_k, d_v = _heads(weights, num_heads, spec.num_kv_heads, spec.output)
     weights = with_biases(weights, given)
     spec = _with_gate(spec, given, H, d_v, Q.shape[-1])
     gate_weights = getattr(spec.output, "weights", {}).values()
@@ -313,8 +313,12 @@ def _weights(
     return Weights(W_q, W_k, W_v, W_o)
 
 
-def _heads(weights: Weights, num_heads: Any, num_kv_heads: Any) -> tuple[int, int, int, int]:
-    """``(H, H_kv, d_k, d_v)`` from the head counts and the weights' widths, checked."""
+def _heads(
+    weights: Weights, num_heads: Any, num_kv_heads: Any, stage: Any = None
+) -> tuple[int, int, int, int]:
+    """``(H, H_kv, d_k, d_v)`` from the head counts and the weights' widths, checked (``W_o``
+    against what an output ``stage`` makes of the joined heads, where it changes their width:
+    differential attention's)."""
     W_q, W_k, W_v, W_o = weights.W_q, weights.W_k, weights.W_v, weights.W_o
     H = positive_int("num_heads", num_heads)
     H_kv = H if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
@@ -338,10 +342,12 @@ def _heads(weights: Weights, num_heads: Any, num_kv_heads: Any) -> tuple[int, in
             f"W_k has {W_k.shape[1]} columns but {H_kv} key heads of width {d_k} (from W_q "
             f"{W_q.shape} and num_heads={H}) need {H_kv * d_k} (W_k {W_k.shape})"
         )
-    if W_o.shape[0] != H * d_v:
+    staged = getattr(stage, "staged_width", None)
+    joined = H * d_v if staged is None else staged(H, d_v)
+    if W_o.shape[0] != joined:
         raise ShapeError(
             f"W_o has {W_o.shape[0]} rows but the {H} joined heads of width {d_v} (from W_v "
-            f"{W_v.shape}) are {H * d_v} wide (W_v {W_v.shape}, W_o {W_o.shape}); they feed W_o"
+            f"{W_v.shape}) feed it {joined} (W_v {W_v.shape}, W_o {W_o.shape})"
         )
     return H, H_kv, d_k, d_v
 

@@ -176,10 +176,15 @@ class Layouts(Configuration):
         families, and what each reads, are in docs/pretrained.md.
         """
         spec, weights = formats.get("pretrained")(path, layer, dtype)
-        if getattr(spec, "kind", None) != "attention":
+        kind = getattr(spec, "kind", None)
+        if kind != getattr(cls, "kind", "attention"):
+            what, by = {
+                "latent": ("multi-head latent attention", "LatentAttention"),
+                "differential": ("differential attention", "DifferentialAttention"),
+            }.get(str(kind), ("multi-head attention", "MultiHeadAttention"))
             raise AttentionValueError(
-                f"layer {layer} of {path} is multi-head latent attention: load it with "
-                f"mha.LatentAttention.from_pretrained(path, layer={layer})"
+                f"layer {layer} of {path} is {what}: load it with "
+                f"mha.{by}.from_pretrained(path, layer={layer})"
             )
         return cls.from_spec(spec, weights, f"{path}, layer {layer}")
 

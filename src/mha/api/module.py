@@ -25,7 +25,7 @@ from .layouts import Layouts
 from .paged_cache import PagedKVCache
 from .plans import checked_layer
 from .projection import compute
-from .spec import MhaKeywords, check_mha
+from .spec import Checked, MhaKeywords, check_mha
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -397,12 +397,18 @@ class MultiHeadAttention(Layouts):
         )
         inputs = LayerArrays(query, key, value)
         names = _SELF_NAMES if itself else _INPUT_NAMES
-        call = checked_layer(self, inputs, weights, self.num_heads, check_mha(keywords), names)
+        checked = self._checked(check_mha(keywords))
+        call = checked_layer(self, inputs, weights, self.num_heads, checked, names)
         result = compute(call)
         if not call.request.backward:
             return result
         *outputs, backward = result
         return (*outputs, _Renamed(backward))
+
+    def _checked(self, checked: Checked) -> Checked:
+        """A call's checked keywords, with what a subclass computes beyond them (its output
+        stage: :class:`mha.DifferentialAttention`)."""
+        return checked
 
     def parameters(self) -> dict[str, np.ndarray]:
         """The weights an optimiser updates, by attribute name: the arrays themselves (update

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import formats
+from .differential import DifferentialAttention, DifferentialSpec
 from .latent import LatentAttention, LatentSpec
 from .module import MultiHeadAttention
 
@@ -36,6 +37,8 @@ def from_pretrained(
     spec, weights = formats.get("pretrained")(path, layer, dtype)
     if isinstance(spec, LatentSpec):
         return LatentAttention.from_spec(spec, weights)
+    if isinstance(spec, DifferentialSpec):
+        return DifferentialAttention.from_spec(spec, weights, f"{path}, layer {layer}")
     return MultiHeadAttention.from_spec(spec, weights, f"{path}, layer {layer}")
 
 

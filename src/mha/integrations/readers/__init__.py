@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from ...api.configuration import LayerSpec
+from ...api.differential import DifferentialSpec
 from ...api.latent import LatentSpec
 from ...errors import WeightsFileError
 from ..checkpoint import open_checkpoint
@@ -74,8 +75,8 @@ def read_layer(
     :class:`~mha.LayerSpec`) or :meth:`mha.LatentAttention.from_spec` (a
     :class:`~mha.LatentSpec`) builds the layer from."""
     kind, settings, weights = layer_attention(open_checkpoint(path), layer, dtype)
-    spec = LatentSpec(**settings) if kind == "latent" else LayerSpec(**settings)
-    return spec, weights
+    kinds = {"latent": LatentSpec, "differential": DifferentialSpec}
+    return kinds.get(kind, LayerSpec)(**settings), weights
 
 
 def layer_attention(
@@ -105,7 +106,7 @@ def layer_attention(
                 f"({read.summary()}) calls for {tensor.shape}"
             )
         weights.update(lay_out(array, tensor))
-    return kind, settings, completed(family, settings, stack_heads(weights))
+    return kind, settings, completed(family, settings, stack_heads(weights), read)
 
 
 def attention_layers(path: Any) -> list[int]:

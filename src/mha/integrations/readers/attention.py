@@ -44,11 +44,14 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     H, H_kv, d = heads = family.heads_of(read)
     if family.heads_by_layer is not None:
         H, H_kv, d = heads = (_layer_heads(family.heads_by_layer, read, index, H), H_kv, d)
+    layer_type = family.windows.layer_type(read, index)
+    own = family.sliding if layer_type == SLIDING else None
+    if own is not None:
+        H, H_kv, d = heads = (H, H_kv * own.kv_heads, d)
     if not layout.grouped(heads):
         raise read.refuse(f"{H} heads of {d} features, which its {layout.qkv} cannot split")
     for option in family.refused():
         option.check(read)
-    layer_type = family.windows.layer_type(read, index)
     alibi = family.alibi.slopes(read, H, d) if family.alibi and family.alibi.on(read) else None
     window = family.windows.size(read) if layer_type == SLIDING else None
     norm = family.qk_norm if family.qk_norm and family.qk_norm.applies(read) else None
@@ -71,6 +74,9 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     }
     if family.by_layer is not None:
         settings |= family.by_layer(read, index, settings)
+    d_v = read.positive(family.values.width) if family.values else None
+    if d_v is not None:
+        settings["v_head_dim"] = d_v
     if alibi is not None:  # the rope is then off
         settings["alibi"] = alibi
     scaled = (settings["rope_scaling"] or {}).get("rope_type")
@@ -82,21 +88,35 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     biased = family.biases.carried(read, "qkvo", index)
     stored_norm = settings["qk_norm"] if norm and norm.weighted else None
     norm_biases = bool(norm and norm.bias)
-    tensors = layout.tensors(E, heads, biased, stored_norm, family.sinks, norm_biases)
+    sinks = family.sinks or bool(own and own.sinks)
+    tensors = layout.tensors(E, heads, biased, stored_norm, sinks, norm_biases, d_v)
     if family.gate is not None:
         tensors |= family.gate.tensors(read, E, H, d)
+    if family.differential is not None:
+        settings |= family.differential.settings(read, index, heads)
+        return "differential", settings, tensors | family.differential.tensors(d)
     return layout.kind, settings, tensors
 
 
 def completed(
-    family: Family, settings: dict[str, Any], weights: dict[str, np.ndarray]
+    family: Family, settings: dict[str, Any], weights: dict[str, np.ndarray], read: Settings
 ) -> dict[str, np.ndarray]:
     """The layer's ``weights`` with what its family computes without tensors of its own:
     QK-norm weights of ones for a norm without weights, the latent norms' weights times
     LongCat-Flash's scales (:attr:`.LatentProjections.lora_scaled`), a gate's bias of one
     value a head over the head's features (:attr:`.Gate.head_bias`), and each head's halves
     swapped in the query and key projections for a rotation by the negated angles
-    (:attr:`.Rope.negated`)."""
+    (:attr:`.Rope.negated`), the values' projection times their scale
+    (:attr:`.Family.values`), and each query head's two value heads joined
+    (:attr:`.Family.differential`)."""
+    if family.differential is not None:  # each query head's two value heads, joined
+        columns = family.differential.columns(settings["num_kv_heads"], settings["head_dim"])
+        weights |= {name: weights[name][..., columns] for name in ("W_v", "b_v") if name in weights}
+    s = family.values.factor(read) if family.values else 1.0
+    for name in ("W_v", "b_v") if s != 1.0 else ():
+        if weights.get(name) is not None:
+            x = weights[name]
+            weights[name] = (x.astype(np.float64) * s).astype(x.dtype)
     if settings.get("qk_norm") and not (family.qk_norm and family.qk_norm.weighted):
         d = settings["head_dim"]
         widths = {"q": d, "k": d}

@@ -14,9 +14,12 @@ lacks (:class:`~.config.Unsupported`), refused by that feature's name.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from .alibi import Alibi
 from .config import Settings, Unsupported, is_given
@@ -42,10 +45,13 @@ __all__ = [
     "PER_HEAD",
     "UNSUPPORTED",
     "ClipQkv",
+    "Differential",
     "Family",
     "Gate",
     "Heads",
     "QkNorm",
+    "SlidingLayers",
+    "Values",
     "attention_multiplier",
     "falcon_heads",
     "from_config",
@@ -206,6 +212,69 @@ class ClipQkv:
 CLIP_QKV = ClipQkv()
 """OLMo's, OLMoE's and DBRX's clamp of the projections to ``[-clip_qkv, clip_qkv]``."""
 
+
+@dataclass(frozen=True)
+class Values:
+    """Values of their own head width, the config key ``width`` (MiMo-V2-Flash's
+    ``v_head_dim``, narrower than its keys), multiplied after their projection by the config
+    key ``scale`` (null: 1), which the reader folds into ``W_v`` and ``b_v``."""
+
+    width: str = "v_head_dim"
+    scale: str | None = None
+
+    def factor(self, read: Settings) -> float:
+        value = read.get(self.scale) if self.scale else None
+        if value is None or self.scale is None:
+            return 1.0
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not abs(value) < float("inf"):
+            raise read.refuse(f"{read.name(self.scale)}={value!r} (values scaled by no number)")
+        return float(value)
+
+
+@dataclass(frozen=True)
+class SlidingLayers:
+    """What a family's sliding layers have beyond a window (MiMo-V2-Flash's): ``kv_heads``
+    times the key/value heads of its full layers, and learned sinks when ``sinks``."""
+
+    kv_heads: int = 1
+    sinks: bool = False
+
+
+@dataclass(frozen=True)
+class Differential:
+    """DiffLlama's differential attention (:class:`mha.DifferentialAttention`): heads ``i``
+    and ``i + H/2`` subtracted, weighted by ``lambda`` (the vectors ``lambda_q1``,
+    ``lambda_k1``, ``lambda_q2``, ``lambda_k2`` under the attention), each result normalised
+    (epsilon: the config key ``eps``) and times ``1 - lambda_init``, ``0.8 - 0.6 * exp(-0.3 *
+    i)`` in layer ``i``. A query head's values are its key/value head's two halves' joined:
+    the value heads ``c mod n`` and ``n + c mod n`` of ``n = H_kv / 2``, read into ``W_v``
+    (``2 * head_dim`` a head)."""
+
+    eps: str = "rms_norm_eps"
+    names: tuple[str, ...] = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+
+    def settings(self, read: Settings, index: int, heads: tuple[int, int, int]) -> dict[str, Any]:
+        H, H_kv, d = heads
+        if H % 2 or H_kv % 2:
+            raise read.refuse(
+                f"{H} heads and {H_kv} key/value heads (its attention pairs both halves: even "
+                "numbers are needed)"
+            )
+        lambda_init = 0.8 - 0.6 * math.exp(-0.3 * index)
+        eps = float(read.get(self.eps))
+        return {"v_head_dim": 2 * d, "lambda_init": lambda_init, "differential_eps": eps}
+
+    def tensors(self, d: int) -> dict[str, Tensor]:
+        return {name: whole(name, d) for name in self.names}
+
+    def columns(self, H_kv: int, d: int) -> np.ndarray:
+        """The columns of ``W_v`` (and ``b_v``) that make the ``2d``-wide values."""
+        n = H_kv // 2
+        heads = [(c % n, n + c % n) for c in range(H_kv)]
+        return np.array([h * d + j for pair in heads for h in pair for j in range(d)])
+
+
 UNSUPPORTED = (
     Unsupported("attention_chunk_size", "chunked attention", is_given),
     Unsupported("use_qk_norm", "Llama 4's L2 QK-norm"),
@@ -258,6 +327,12 @@ class Family:
     """The config key of the projections' clamp (OLMo's ``clip_qkv``), when it has one."""
     sinks: bool = False
     """One learned logit per head that takes part in the softmax (gpt-oss)."""
+    differential: Differential | None = None
+    """DiffLlama's differential attention (the layer a :class:`mha.DifferentialAttention`)."""
+    values: Values | None = None
+    """The values' own head width and scale, where they differ from the keys' (MiMo-V2-Flash)."""
+    sliding: SlidingLayers | None = None
+    """More key/value heads and sinks in the sliding layers alone (MiMo-V2-Flash)."""
     unsupported: tuple[Unsupported, ...] = ()
     """The family's config keys that ask for what mha does not compute (checked before
     :data:`UNSUPPORTED`)."""

@@ -219,20 +219,23 @@ class Projections:
         qk_norm: str | None,
         sinks: bool,
         norm_biases: bool = False,
+        v_head_dim: int | None = None,
     ) -> dict[str, Tensor]:
         """The tensors of a layer of ``heads`` (query heads, key/value heads, head width):
         projections with the ``biased`` ones' biases, the QK-norm's weights (per ``"head"``,
         across ``"all"`` heads, or ``"each_head"``'s own; with ``norm_biases``, a LayerNorm's
-        biases too) and the sinks."""
+        biases too) and the sinks; the values ``v_head_dim`` wide a head where given."""
         H, H_kv, d = heads
+        d_v = d if v_head_dim is None else v_head_dim
         q, kv, E = H * d, H_kv * d, d_model
-        widths = {"q": q, "k": kv, "v": kv, "o": E}
-        tensors = {f"{self.o}.weight": whole("W_o", E, q, transposed=self.conv1d)}
+        widths = {"q": q, "k": kv, "v": H_kv * d_v, "o": E}
+        tensors = {f"{self.o}.weight": whole("W_o", E, H * d_v, transposed=self.conv1d)}
         if self.qkv is not None:
             G = FUSIONS[self.fusion](H, H_kv)
             parts = tuple((f"W_{p}", widths[p] // G) for p in self.order)
+            rows = q + kv + widths["v"]
             tensors[f"{self.qkv}.weight"] = Tensor(
-                (E, q + 2 * kv) if self.conv1d else (q + 2 * kv, E), parts, G, self.conv1d
+                (E, rows) if self.conv1d else (rows, E), parts, G, self.conv1d
             )
         else:
             names = {"q": self.q, "k": self.k, "v": self.v}

@@ -1,6 +1,6 @@
 """The families mha refuses by ``model_type``, each with the feature that blocks it, as
 transformers 5.24 computes it: what their attention does that mha does not (an output gate,
-differential or top-k sparse attention), the layers that are not attention at all (Mamba,
+top-k sparse attention), the layers that are not attention at all (Mamba,
 linear attention, short convolutions), or what the checkpoint is instead of a decoder-only
 text model (an encoder, an encoder-decoder's decoder, a multimodal wrapper). A family whose
 attention mha could compute once a row reads it is not here: it is refused as "not supported"
@@ -64,10 +64,6 @@ REFUSED = {
         f"{_TOP_K.split(' (')[0]} over blocks of averaged keys, in every indexed_attention "
         "layer), and its other layers are Gated DeltaNet linear attention"
     ),
-    "diffllama": _not_computed(
-        "DiffLlama's differential attention (the difference of two softmaxes, weighted by a "
-        "learned lambda)"
-    ),
     "deepseek_v4": _not_computed(f"DeepSeek-V4's attention over compressed keys with {_TOP_K}"),
     "minimax_m3_vl_text": _not_computed(
         "MiniMax-M3's block-sparse attention in its sparse layers (an indexer picks, per head, "
@@ -111,7 +107,12 @@ REFUSED = {
         "per-layer adapters when use_shared_attention_adapter"
     ),
     "reformer": _not_computed("Reformer's LSH and chunked local attention"),
-    "cpmant": _not_computed("CPM-Ant's learned relative position bias in the scores"),
+    "cpmant": _not_computed(
+        "CPM-Ant's attention: bidirectional over its whole input (its prompt tokens prepended), "
+        "a bucketed position bias in the scores that depends on each token's segment (prompt, "
+        "text or token id 0), from a table its layers share outside their attention "
+        "(cpmant.position_bias)"
+    ),
     "doge": _not_computed("Doge's dynamic mask attention (a mask computed from the values)"),
     "jetmoe": _not_computed(
         "JetMoE's mixture of attention heads (experts pick each token's query and output "
@@ -136,11 +137,6 @@ REFUSED = {
     "bitnet": _not_computed("BitNet's RMSNorm of the attention's output before o_proj"),
     "zaya": _not_computed(
         "ZAYA's compressed convolutional attention (queries and keys through convolutions)"
-    ),
-    "mimo_v2_flash": _not_read(
-        "MiMo-V2-Flash's attention (values narrower than its keys, twice the key/value heads "
-        "and sinks in its sliding layers, its values scaled)",
-        "v_head_dim=, sinks=",
     ),
     # not a decoder-only text model
     **dict.fromkeys(SEQ2SEQ, _SEQ2SEQ),

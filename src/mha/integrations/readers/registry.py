@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import AttentionValueError
-from . import alibi, defaults, gated, layouts, rules, sparse, temperature
+from . import alibi, defaults, gated, layouts, mimo, rules, sparse, temperature
 from .alibi import Alibi
 from .config import FULL, SLIDING, Unsupported
 from .family import (
@@ -769,6 +769,7 @@ register(
 register(*temperature.ROWS)
 register(*sparse.ROWS)
 register(*gated.ROWS)
+register(*mimo.ROWS)
 
 SUPPORTED = tuple(FAMILIES)
 """The families of the table as mha defines it (before any :func:`register`)."""
