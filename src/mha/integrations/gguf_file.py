@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,7 @@ QUANTIZATIONS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
 """The tensor types read: ``gguf.dequantize`` turns each into the float32 numbers llama.cpp
 computes with."""
 
-COMMON_KEYS = {
+COMMON_KEYS: dict[str, str | None] = {
     "block_count": "num_hidden_layers",
     "context_length": "max_position_embeddings",
     "embedding_length": "hidden_size",
@@ -57,12 +57,14 @@ COMMON_KEYS = {
     "rope.freq_base": "rope_theta",
     "vocab_size": "vocab_size",
 }
-"""``{arch}.KEY`` metadata and the transformers config key it gives, in every architecture."""
+"""``{arch}.KEY`` metadata and the transformers config key it gives, as transformers reads
+Llama's (``GGUF_CONFIG_MAPPING``); each row says how its own differ."""
 
 HEAD_WIDTHS = ("rope.dimension_count", "attention.key_length", "attention.value_length")
 """Keys that must agree with the head width where the architecture does not read them."""
 
 TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+"""llama.cpp's name of each tensor outside the layers and transformers', as Llama names them."""
 
 LAYER = {
     "attn_norm": "input_layernorm",
@@ -80,24 +82,200 @@ LAYER = {
 """llama.cpp's name of each tensor of a layer (``blk.N.NAME``) and transformers' (under
 ``model.layers.N.``), as Llama, Qwen2 and Qwen3 name them."""
 
+GEMMA_LAYER = {
+    **LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+GPT2_LAYER = {
+    "attn_norm": "ln_1",
+    "attn_qkv": "attn.c_attn",
+    "attn_output": "attn.c_proj",
+    "ffn_norm": "ln_2",
+    "ffn_up": "mlp.c_fc",
+    "ffn_down": "mlp.c_proj",
+}
+BLOOM_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_qkv": "self_attention.query_key_value",
+    "attn_output": "self_attention.dense",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_up": "mlp.dense_h_to_4h",
+    "ffn_down": "mlp.dense_4h_to_h",
+}
+GPT2_KEYS: dict[str, str | None] = {
+    "block_count": "n_layer",
+    "context_length": "n_ctx",
+    "embedding_length": "n_embd",
+    "feed_forward_length": "feed_forward_length",  # GPT2Config reads none: its MLP is 4 wide
+    "attention.head_count": "n_head",
+    "attention.layer_norm_epsilon": "layer_norm_epsilon",
+}
+BLOOM_KEYS: dict[str, str | None] = {
+    "block_count": "n_layer",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "n_head",
+    "vocab_size": "vocab_size",
+    "attention.layer_norm_epsilon": "layer_norm_epsilon",
+}
+UNREAD = dict.fromkeys(("rope.dimension_count",))
+"""Keys transformers reads and drops (``None`` in its mapping): the config class's default
+stands (StableLM's and Nemotron's partial rotary fractions)."""
+
+
+def _stablelm(names: Collection[str]) -> dict[str, Any]:
+    """StableLM's settings that transformers reads from the tensors: biases on the query,
+    key and value; a parallel residual where the layers have no ``ffn_norm``."""
+    return {
+        "use_qkv_bias": any(re.search(r"\.attn_[qkv]\.bias$", name) for name in names),
+        "use_parallel_residual": not any(".ffn_norm." in name for name in names),
+    }
+
 
 @dataclass(frozen=True)
 class Architecture:
-    """One ``general.architecture``: what transformers calls it, which ``{arch}.KEY`` values
-    it maps beyond :data:`COMMON_KEYS`, and whether its query and key rows were permuted."""
+    """One ``general.architecture``: what transformers calls it, the ``{arch}.KEY`` values
+    it maps (to ``None``: read and dropped, the config class's default standing), its
+    tensors' names, and what llama.cpp's converter did to its tensors that is undone here."""
 
     model_type: str
-    keys: Mapping[str, str] = field(default_factory=dict)
+    keys: Mapping[str, str | None] = field(default_factory=lambda: COMMON_KEYS)
     permuted: bool = False  # llama's converter reorders q and k rows for interleaved rotary
     layer: Mapping[str, str] = field(default_factory=lambda: LAYER)
+    top: Mapping[str, str] = field(default_factory=lambda: TOP)
+    layers: str = "model.layers"
+    plus_one: bool = False  # every norm weight written as 1 + w (Gemma's, Nemotron's)
+    transposed: tuple[str, ...] = ()  # GPT-2's Conv1D weights, written as Linear ones
+    qkv_by_head: bool = False  # BLOOM's fused rows, written as all q, all k, all v
+    tied: bool | None = None  # whatever the file holds (BLOOM's and Falcon's: always)
+    derived: Callable[[Collection[str]], dict[str, Any]] | None = None
+    """Settings transformers reads from the tensors' names (StableLM's)."""
 
 
 ARCHITECTURES = {
-    "llama": Architecture("llama", {"rope.dimension_count": "head_dim"}, permuted=True),
+    "llama": Architecture(
+        "llama", {**COMMON_KEYS, "rope.dimension_count": "head_dim"}, permuted=True
+    ),
     "qwen2": Architecture("qwen2"),
-    "qwen3": Architecture("qwen3", {"attention.key_length": "head_dim"}),
+    "qwen3": Architecture("qwen3", {**COMMON_KEYS, "attention.key_length": "head_dim"}),
+    "phi3": Architecture(
+        "phi3",
+        {
+            **COMMON_KEYS,
+            "rope.scaling.original_context_length": None,
+            "attention.sliding_window": None,
+        },
+        layer={**LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    ),
+    "gemma2": Architecture(
+        "gemma2",
+        {
+            **COMMON_KEYS,
+            "attention.key_length": "head_dim",
+            "attention.value_length": None,
+            "attention.sliding_window": "sliding_window",
+            "attn_logit_softcapping": None,
+            "final_logit_softcapping": None,
+        },
+        layer=GEMMA_LAYER,
+        plus_one=True,
+    ),
+    "gemma3": Architecture(
+        "gemma3_text",
+        {
+            **COMMON_KEYS,
+            "attention.key_length": "head_dim",
+            "attention.value_length": None,
+            "attention.sliding_window": "sliding_window",
+        },
+        layer=GEMMA_LAYER,
+        plus_one=True,
+    ),
+    "nemotron": Architecture(
+        "nemotron",
+        {
+            **COMMON_KEYS,
+            **UNREAD,
+            "attention.layer_norm_rms_epsilon": "norm_eps",
+            "attention.layer_norm_epsilon": None,
+        },
+        plus_one=True,
+    ),
+    "stablelm": Architecture(
+        "stablelm",
+        {
+            **COMMON_KEYS,
+            **UNREAD,
+            "attention.layer_norm_epsilon": "layer_norm_eps",
+            "rope.freq_base": None,
+            "use_parallel_residual": None,
+        },
+        derived=_stablelm,
+    ),
+    "starcoder2": Architecture(
+        "starcoder2",
+        {
+            "block_count": "num_hidden_layers",
+            "context_length": "max_position_embeddings",
+            "embedding_length": "hidden_size",
+            "feed_forward_length": "intermediate_size",
+            "attention.head_count": "num_attention_heads",
+            "attention.head_count_kv": "num_key_value_heads",
+            "attention.layer_norm_epsilon": "norm_epsilon",
+            "rope.freq_base": None,
+        },
+        layer={**LAYER, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
+    ),
+    "gpt2": Architecture(
+        "gpt2",
+        GPT2_KEYS,
+        layer=GPT2_LAYER,
+        top={
+            "token_embd": "transformer.wte",
+            "position_embd": "transformer.wpe",
+            "output_norm": "transformer.ln_f",
+            "output": "lm_head",
+        },
+        layers="transformer.h",
+        transposed=("attn_qkv", "attn_output", "ffn_up", "ffn_down"),
+    ),
+    "bloom": Architecture(
+        "bloom",
+        {
+            **BLOOM_KEYS,
+            "context_length": None,
+            "feed_forward_length": None,
+            "attention.head_count_kv": None,
+        },
+        layer=BLOOM_LAYER,
+        top={
+            "token_embd": "transformer.word_embeddings",
+            "token_embd_norm": "transformer.word_embeddings_layernorm",
+            "output_norm": "transformer.ln_f",
+            "output": "lm_head",
+        },
+        layers="transformer.h",
+        qkv_by_head=True,
+        tied=True,
+    ),
 }
 """The architectures read, by ``general.architecture``; others are refused by name."""
+
+NOT_READ = {
+    "qwen2moe": "its mixture of experts' stacked tensors",
+    "qwen3moe": "its mixture of experts' stacked tensors",
+    "falcon": "Falcon's fused query, key and value rows",
+    "t5": "an encoder-decoder (T5)",
+    "t5encoder": "an encoder (T5)",
+    "mamba": "Mamba's state-space layers (no attention)",
+    "lfm2": "LFM2's convolution layers",
+    "deci": "Deci's per-layer head counts",
+    "gpt-oss": "gpt-oss's experts",
+    "minimax-m2": "MiniMax-M2's experts",
+    "gemma4": "Gemma 4's layers",
+}
+"""Architectures transformers reads from GGUF that mha does not, each with what it lacks."""
 
 IGNORED = ("general.", "tokenizer.", "GGUF.", "split.", "quantize.")
 """Metadata that changes nothing computed: names, licences, the tokenizer (read apart)."""
@@ -130,10 +308,10 @@ def hf_name(name: str, architecture: Architecture) -> str:
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if match and match.group(2) in architecture.layer:
         index, role, kind = match.groups()
-        return f"model.layers.{index}.{architecture.layer[role]}.{kind}"
+        return f"{architecture.layers}.{index}.{architecture.layer[role]}.{kind}"
     match = re.fullmatch(r"(\w+)\.(weight|bias)", name)
-    if match and match.group(1) in TOP:
-        return f"{TOP[match.group(1)]}.{match.group(2)}"
+    if match and match.group(1) in architecture.top:
+        return f"{architecture.top[match.group(1)]}.{match.group(2)}"
     return name
 
 
@@ -151,31 +329,39 @@ class GGUFFile(TensorNames):
         }
         arch = self.metadata.get("general.architecture")
         if arch not in ARCHITECTURES:
+            lacks = f" ({NOT_READ[arch]})" if arch in NOT_READ else ""
             raise WeightsFileError(
                 f"{self.path}: mha reads the GGUF architectures {', '.join(ARCHITECTURES)}; "
-                f"this file's general.architecture is {arch!r}"
+                f"this file's general.architecture is {arch!r}, which it does not{lacks}"
             )
-        self.architecture = ARCHITECTURES[arch]
-        self._tensors = {hf_name(t.name, self.architecture): t for t in reader.tensors}
+        self.architecture = row = ARCHITECTURES[arch]
+        self._tensors = {hf_name(t.name, row): t for t in reader.tensors}
+        if row.tied and "lm_head.weight" in self._tensors:
+            del self._tensors["lm_head.weight"]  # the embeddings' copy: transformers ties them
         if "rope_freqs.weight" in self._tensors:
             raise WeightsFileError(
                 f"{self.path} has rope_freqs.weight, llama 3's rope scaling factors, which mha "
                 "does not read from GGUF files"
             )
-        self.config = self._config(arch)
+        self.config = self._config(self.metadata["general.architecture"])
+        if row.derived is not None:
+            self.config.update(row.derived([t.name for t in reader.tensors]))
 
     def _config(self, arch: str) -> dict[str, Any]:
-        """``config.json``'s keys from the ``{arch}.`` metadata; a key that asks for what
-        these keys cannot say (rope scaling, a window, experts) is refused by name."""
+        """``config.json``'s keys from the ``{arch}.`` metadata, as transformers maps them;
+        a key that asks for what these keys cannot say (rope scaling, experts) is refused by
+        name."""
         config: dict[str, Any] = {"model_type": self.architecture.model_type}
-        keys = {**COMMON_KEYS, **self.architecture.keys}
+        keys = self.architecture.keys
         widths = {}
         for key, value in self.metadata.items():
             if key.startswith(IGNORED):
                 continue
-            short = key[len(arch) + 1 :] if key.startswith(arch + ".") else None
+            short = key[len(arch) + 1 :] if key.startswith(arch + ".") else ""
             if short in keys:
-                config[keys[short]] = value
+                name = keys[short]
+                if name is not None:
+                    config[name] = value
             elif short in HEAD_WIDTHS:
                 widths[key] = value
             else:
@@ -185,14 +371,15 @@ class GGUFFile(TensorNames):
                 )
         if "vocab_size" not in config and "tokenizer.ggml.tokens" in self.metadata:
             config["vocab_size"] = len(self.metadata["tokenizer.ggml.tokens"])
-        config["tie_word_embeddings"] = "lm_head.weight" not in self._tensors
+        config["tie_word_embeddings"] = self.architecture.tied or (
+            "lm_head.weight" not in self._tensors
+        )
         for name, value in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
             if f"tokenizer.ggml.{value}_token_id" in self.metadata:
                 config[name] = self.metadata[f"tokenizer.ggml.{value}_token_id"]
-        heads = config.get("num_attention_heads")
-        head_dim = config.get("head_dim") or (
-            config["hidden_size"] // heads if heads and "hidden_size" in config else None
-        )
+        if widths:
+            heads = config["num_attention_heads"]
+            head_dim = config.get("head_dim") or config["hidden_size"] // heads
         for key, value in widths.items():
             if value != head_dim:
                 raise WeightsFileError(
@@ -230,10 +417,30 @@ class GGUFFile(TensorNames):
                 )
             array = np.asarray(gguf.dequantize(tensor.data, tensor.tensor_type), np.float32)
             array = array.reshape([int(n) for n in reversed(tensor.shape)])
-            if self.architecture.permuted:
-                array = self._unpermute(name, array)
-            arrays[name] = array.astype(target, copy=True)
+            arrays[name] = self._undo(tensor.name, name, array).astype(target, copy=True)
         return arrays
+
+    def _undo(self, gguf_name: str, name: str, array: np.ndarray) -> np.ndarray:
+        """The tensor as transformers holds it: what llama.cpp's converter did, undone
+        (each an exact permutation, transpose or subtraction, as transformers' reader does)."""
+        row = self.architecture
+        role = gguf_name.split(".")[-2]
+        if row.permuted:
+            array = self._unpermute(name, array)
+        if row.plus_one and gguf_name.endswith("norm.weight"):
+            array = array - np.float32(1.0)
+        if role in row.transposed and gguf_name.endswith(".weight"):
+            array = array.T
+        if row.qkv_by_head and role == "attn_qkv":
+            array = self._by_head(array)
+        return array
+
+    def _by_head(self, array: np.ndarray) -> np.ndarray:
+        """BLOOM's fused rows back in its order, each head's query, key and value together:
+        llama.cpp's converter wrote all the queries, then the keys, then the values."""
+        heads = self.config["n_head"]
+        q, k, v = (part.reshape(heads, -1, *array.shape[1:]) for part in np.split(array, 3))
+        return np.stack([q, k, v], axis=1).reshape(array.shape)
 
     def _unpermute(self, name: str, array: np.ndarray) -> np.ndarray:
         """The query's and key's rows in transformers' order: llama.cpp's converter wrote
