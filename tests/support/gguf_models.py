@@ -18,9 +18,15 @@ from typing import Any
 
 import numpy as np
 
-ARCH = {"mistral": "llama", "gemma3_text": "gemma3"}
+ARCH = {
+    "mistral": "llama",
+    "gemma3_text": "gemma3",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+}
 """``general.architecture`` where it is not the ``model_type``: llama.cpp writes Mistral as
-Llama (``general.name`` tells transformers), and Gemma 3's text model as ``gemma3``."""
+Llama (``general.name`` tells transformers), Gemma 3's text model as ``gemma3``, the
+Qwen-MoEs without the underscore."""
 
 PLUS_ONE = ("gemma2", "gemma3_text", "nemotron")
 TRANSPOSED = ("c_attn.weight", "c_proj.weight", "c_fc.weight")  # GPT-2's Conv1D weights
@@ -121,7 +127,13 @@ def add_metadata(writer: Any, config: Any) -> None:
         writer.add_rope_dimension_count(head_dim)
     if kind == "phi3":
         writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
-    if kind in ("qwen3", "gemma2", "gemma3_text"):
+    if kind in ("qwen2_moe", "qwen3_moe"):
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if kind == "qwen2_moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if kind in ("qwen3", "qwen3_moe", "gemma2", "gemma3_text"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if kind in ("gemma2", "gemma3_text"):
@@ -169,7 +181,17 @@ def write_gguf(model: Any, path: Path, quantization: str) -> None:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         array = tensor.detach().numpy().astype(np.float32)
-        tensors[gguf_name(name, arch, layers)] = converted(name, array, config)
+        if name.endswith("mlp.experts.gate_up_proj"):  # (experts, 2 * width, hidden)
+            gate, up = np.split(array, 2, axis=1)
+            index = name.split(".")[2]
+            tensors[f"blk.{index}.ffn_gate_exps.weight"] = np.ascontiguousarray(gate)
+            tensors[f"blk.{index}.ffn_up_exps.weight"] = np.ascontiguousarray(up)
+        elif name.endswith("mlp.experts.down_proj"):
+            tensors[f"blk.{name.split('.')[2]}.ffn_down_exps.weight"] = array
+        elif name.endswith("shared_expert_gate.weight"):  # llama.cpp's is a vector
+            tensors[gguf_name(name, arch, layers)] = array[0]
+        else:
+            tensors[gguf_name(name, arch, layers)] = converted(name, array, config)
     if kind in ("gpt2", "bloom"):  # their converters write the tied head as a copy
         tensors["output.weight"] = tensors["token_embd.weight"]
     qtype = gguf.GGMLQuantizationType[quantization]

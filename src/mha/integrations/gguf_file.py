@@ -88,6 +88,24 @@ GEMMA_LAYER = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+MOE_LAYER = {
+    **LAYER,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+"""Qwen-MoE's experts, stacked in one tensor per projection (``blk.N.ffn_up_exps``), and
+each expert's projection (``model.layers.N.mlp.experts.E.up_proj``)."""
+MOE_KEYS: dict[str, str | None] = {
+    **COMMON_KEYS,
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": None,  # transformers reads none: the class's default
+    "expert_shared_feed_forward_length": None,
+}
 GPT2_LAYER = {
     "attn_norm": "ln_1",
     "attn_qkv": "attn.c_attn",
@@ -151,6 +169,8 @@ class Architecture:
     tied: bool | None = None  # whatever the file holds (BLOOM's and Falcon's: always)
     derived: Callable[[Collection[str]], dict[str, Any]] | None = None
     """Settings transformers reads from the tensors' names (StableLM's)."""
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    """Settings transformers' reader gives whatever the file says (Qwen3-MoE's)."""
 
 
 ARCHITECTURES = {
@@ -159,6 +179,13 @@ ARCHITECTURES = {
     ),
     "qwen2": Architecture("qwen2"),
     "qwen3": Architecture("qwen3", {**COMMON_KEYS, "attention.key_length": "head_dim"}),
+    "qwen2moe": Architecture("qwen2_moe", MOE_KEYS, layer=MOE_LAYER),
+    "qwen3moe": Architecture(
+        "qwen3_moe",
+        {**MOE_KEYS, "attention.key_length": "head_dim"},
+        layer=MOE_LAYER,
+        settings={"norm_topk_prob": True},  # llama.cpp always renormalises the top experts
+    ),
     "phi3": Architecture(
         "phi3",
         {
@@ -263,8 +290,6 @@ ARCHITECTURES = {
 """The architectures read, by ``general.architecture``; others are refused by name."""
 
 NOT_READ = {
-    "qwen2moe": "its mixture of experts' stacked tensors",
-    "qwen3moe": "its mixture of experts' stacked tensors",
     "falcon": "Falcon's fused query, key and value rows",
     "t5": "an encoder-decoder (T5)",
     "t5encoder": "an encoder (T5)",
@@ -336,6 +361,15 @@ class GGUFFile(TensorNames):
             )
         self.architecture = row = ARCHITECTURES[arch]
         self._tensors = {hf_name(t.name, row): t for t in reader.tensors}
+        self._slices: dict[str, int] = {}  # an expert's name: its index in the stack
+        for tensor in reader.tensors:
+            match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", tensor.name)
+            if match and match.group(2) in EXPERTS:
+                del self._tensors[tensor.name]
+                for e in range(int(tensor.shape[-1])):
+                    name = f"{row.layers}.{match.group(1)}.mlp.experts.{e}"
+                    name = f"{name}.{EXPERTS[match.group(2)]}.weight"
+                    self._tensors[name], self._slices[name] = tensor, e
         if row.tied and "lm_head.weight" in self._tensors:
             del self._tensors["lm_head.weight"]  # the embeddings' copy: transformers ties them
         if "rope_freqs.weight" in self._tensors:
@@ -344,6 +378,7 @@ class GGUFFile(TensorNames):
                 "does not read from GGUF files"
             )
         self.config = self._config(self.metadata["general.architecture"])
+        self.config.update(row.settings)
         if row.derived is not None:
             self.config.update(row.derived([t.name for t in reader.tensors]))
 
@@ -405,6 +440,7 @@ class GGUFFile(TensorNames):
 
         target = np.dtype(np.float32 if dtype is None else _dtype(dtype))
         arrays = {}
+        stacks: dict[str, np.ndarray] = {}  # each tensor dequantized once (experts: per call)
         for name in names:
             if name not in self._tensors:
                 raise WeightsFileError(f"{self.path} has no tensor {name!r}")
@@ -415,8 +451,14 @@ class GGUFFile(TensorNames):
                     f"{self.path}: {tensor.name} is stored as {kind}, which mha does not read "
                     f"(it reads {', '.join(QUANTIZATIONS)})"
                 )
-            array = np.asarray(gguf.dequantize(tensor.data, tensor.tensor_type), np.float32)
-            array = array.reshape([int(n) for n in reversed(tensor.shape)])
+            if tensor.name not in stacks:
+                array = np.asarray(gguf.dequantize(tensor.data, tensor.tensor_type), np.float32)
+                stacks[tensor.name] = array.reshape([int(n) for n in reversed(tensor.shape)])
+            array = stacks[tensor.name]
+            if name in self._slices:
+                array = array[self._slices[name]]
+            else:
+                del stacks[tensor.name]
             arrays[name] = self._undo(tensor.name, name, array).astype(target, copy=True)
         return arrays
 
@@ -433,6 +475,8 @@ class GGUFFile(TensorNames):
             array = array.T
         if row.qkv_by_head and role == "attn_qkv":
             array = self._by_head(array)
+        if role == "ffn_gate_inp_shexp":
+            array = array[None]  # Qwen2-MoE's shared expert's gate, (1, hidden)
         return array
 
     def _by_head(self, array: np.ndarray) -> np.ndarray:
