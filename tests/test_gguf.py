@@ -27,6 +27,7 @@ ADDED = {
     "phi3": "Q8_0", "gemma2": "Q5_1", "gemma3_text": "Q4_1",
     "nemotron": "Q5_0", "stablelm": "Q8_0", "starcoder2": "Q4_0", "gpt2": "Q4_1",
     "bloom": "Q8_0", "qwen2_moe": "Q8_0", "qwen3_moe": "Q4_0",
+    "falcon": "Q5_1",
 }  # fmt: skip
 """The architectures read beyond Llama's and Qwen's, each with the quantization it is
 checked in beside F32."""
@@ -70,6 +71,9 @@ def tiny(transformers: Any, torch: Any, kind: str, seed: int, width: int = 64) -
     if kind in ("stablelm", "starcoder2"):  # transformers reads no rope base: the default
         del settings["rope_theta"], settings["rms_norm_eps"]
         settings["use_qkv_bias"] = kind == "stablelm"
+    if kind == "falcon":  # Falcon-7B's layers: one key and value head, parallel
+        settings = {"hidden_size": width, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "vocab_size": 96}  # fmt: skip
     if kind in ("gpt2", "bloom"):
         settings = {"hidden_size": width, "n_layer": 2, "n_head": 4, "vocab_size": 96,
                     "layer_norm_epsilon": 1e-5}  # fmt: skip
@@ -224,14 +228,28 @@ def test_what_mha_cannot_compute_is_refused_by_name(gguf, torch, transformers, t
         mha.from_pretrained(tmp_path / "scaled.gguf", layer=0)
     # an architecture not read
     other = tmp_path / "other.gguf"
-    writer = gguf.GGUFWriter(str(other), "falcon")
+    writer = gguf.GGUFWriter(str(other), "mamba")
     writer.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(mha.WeightsFileError, match=r"general\.architecture is 'falcon'.*fused"):
+    with pytest.raises(
+        mha.WeightsFileError, match=r"general\.architecture is 'mamba'.*state-space"
+    ):
         mha.from_pretrained(other, layer=0)
+    # a Falcon file with more than one key and value head (Falcon-40B's layout)
+    falcon = tmp_path / "falcon.gguf"
+    writer = gguf.GGUFWriter(str(falcon), "falcon")
+    writer.add_head_count(8)
+    writer.add_head_count_kv(2)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(mha.WeightsFileError, match=r"attention\.head_count_kv = 2"):
+        mha.from_pretrained(falcon, layer=0)
     # a quantization type not read (IQ4_NL), named
     from mha.integrations.gguf_file import GGUFFile
 

@@ -7,8 +7,9 @@ embeddings where it writes one), each matrix quantized by the ``gguf`` package's
 ``quantize`` (norms and biases in float32, as llama.cpp keeps every 1-D tensor).
 
 ``write_gguf(model, path, "Q4_0")`` writes a transformers ``LlamaForCausalLM`` (or
-Mistral's, Qwen2's, Qwen3's, Phi-3's, Gemma 2's, Gemma 3's, Nemotron's, StableLM's,
-StarCoder2's, GPT-2's, BLOOM's); transformers' GGUF loader reads it back.
+Mistral's, Qwen2's, Qwen3's, Qwen2-MoE's, Qwen3-MoE's, Phi-3's, Gemma 2's, Gemma 3's,
+Nemotron's, StableLM's, StarCoder2's, GPT-2's, BLOOM's, Falcon-7B's); transformers' GGUF
+loader reads it back.
 """
 
 from __future__ import annotations
@@ -96,6 +97,16 @@ def add_metadata(writer: Any, config: Any) -> None:
             writer.add_context_length(config.hidden_size)  # BLOOM's config gives none
             writer.add_head_count_kv(config.n_head)
             writer.add_vocab_size(config.vocab_size)
+        return
+    if kind == "falcon":
+        writer.add_context_length(2048)  # its converter's: Falcon's config gives none
+        writer.add_tensor_data_layout("jploski")
+        writer.add_embedding_length(config.hidden_size)
+        writer.add_feed_forward_length(4 * config.hidden_size)
+        writer.add_block_count(config.num_hidden_layers)
+        writer.add_head_count(config.num_attention_heads)
+        writer.add_head_count_kv(1 if config.multi_query else config.num_kv_heads)
+        writer.add_layer_norm_eps(float(config.layer_norm_epsilon))
         return
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)

@@ -171,6 +171,9 @@ class Architecture:
     """Settings transformers reads from the tensors' names (StableLM's)."""
     settings: Mapping[str, Any] = field(default_factory=dict)
     """Settings transformers' reader gives whatever the file says (Qwen3-MoE's)."""
+    requires: Mapping[str, Any] = field(default_factory=dict)
+    """``{arch}.KEY`` values the file must hold, else refused: what transformers' model
+    of it assumes (Falcon-7B's one key and value head)."""
 
 
 ARCHITECTURES = {
@@ -254,6 +257,30 @@ ARCHITECTURES = {
         },
         layer={**LAYER, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
     ),
+    "falcon": Architecture(
+        "falcon",
+        {
+            **COMMON_KEYS,
+            "attention.head_count_kv": None,  # one, multi-query: Falcon-7B's
+            "attention.layer_norm_epsilon": None,
+            "tensor_data_layout": None,
+        },
+        layer={
+            "attn_norm": "input_layernorm",
+            "attn_qkv": "self_attention.query_key_value",
+            "attn_output": "self_attention.dense",
+            "ffn_up": "mlp.dense_h_to_4h",
+            "ffn_down": "mlp.dense_4h_to_h",
+        },
+        top={
+            "token_embd": "transformer.word_embeddings",
+            "output_norm": "transformer.ln_f",
+            "output": "lm_head",
+        },
+        layers="transformer.h",
+        tied=True,
+        requires={"attention.head_count_kv": 1},
+    ),
     "gpt2": Architecture(
         "gpt2",
         GPT2_KEYS,
@@ -290,7 +317,6 @@ ARCHITECTURES = {
 """The architectures read, by ``general.architecture``; others are refused by name."""
 
 NOT_READ = {
-    "falcon": "Falcon's fused query, key and value rows",
     "t5": "an encoder-decoder (T5)",
     "t5encoder": "an encoder (T5)",
     "mamba": "Mamba's state-space layers (no attention)",
@@ -379,6 +405,13 @@ class GGUFFile(TensorNames):
             )
         self.config = self._config(self.metadata["general.architecture"])
         self.config.update(row.settings)
+        for key, value in row.requires.items():
+            given = self.metadata.get(f"{self.metadata['general.architecture']}.{key}", value)
+            if given != value:
+                raise WeightsFileError(
+                    f"{self.path}: {key} = {given!r}; mha reads {arch} GGUF files with "
+                    f"{key} = {value!r}, as transformers' model of them assumes"
+                )
         if row.derived is not None:
             self.config.update(row.derived([t.name for t in reader.tensors]))
 

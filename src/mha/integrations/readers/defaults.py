@@ -189,6 +189,8 @@ FALCON: dict[str, Any] = {
     "multi_query": True,
     "bias": False,
     "max_position_embeddings": 2048,
+    "layer_norm_epsilon": 1e-5,
+    "activation": "gelu",
 }
 OPT: dict[str, Any] = {
     "hidden_size": 768,
