@@ -4,17 +4,22 @@ its tensors under transformers' names, dequantized by the ``gguf`` package's own
 llama.cpp names one value per architecture (``llama.block_count``,
 ``llama.attention.head_count_kv``, ``llama.rope.freq_base``) and one tensor per layer and role
 (``blk.3.attn_q.weight``). Each architecture read is one row of :data:`ARCHITECTURES`: its
-``model_type``, the keys it maps beyond the common ones, its tensors' names, and whether its
-converter permuted the query and key rows for llama.cpp's interleaved rotary (``llama``'s:
-``convert_hf_to_gguf.py`` reorders each head's rows ``(2, d/2)`` to ``(d/2, 2)``; here they
-are put back, a permutation, exact). The dequantization is ``gguf.dequantize``, the
-reference llama.cpp ships, in float32, then cast to the asked dtype.
+``model_type``, the keys it maps as transformers' GGUF reader maps them (a key mapped to
+``None`` is read and dropped: the config class's default stands, as in transformers), its
+tensors' names, and what its ``convert_hf_to_gguf.py`` did to the tensors, undone here
+exactly as transformers' reader undoes it: llama's query and key rows reordered for
+interleaved rotary (each head's ``(2, d/2)`` rows as ``(d/2, 2)``), Gemma's and Nemotron's
+norm weights written as ``1 + w``, GPT-2's Conv1D weights transposed, BLOOM's fused rows
+regrouped, Qwen-MoE's experts stacked one tensor per projection (read here one expert at a
+time). The dequantization is ``gguf.dequantize``, the reference llama.cpp ships, in float32,
+then cast to the asked dtype.
 
 What mha would compute differently is refused by name, never approximated: an architecture
-not in the table, a quantization type outside :data:`QUANTIZATIONS`, a metadata key of the
-architecture that this reader does not map (rope scaling, a sliding window, experts...), and
-llama 3's ``rope_freqs`` tensor. A tensor with no transformers name keeps its GGUF name, so
-that whoever reads the layers refuses it by that name.
+not in the table (those transformers reads are named in :data:`NOT_READ` with what they
+lack), a quantization type outside :data:`QUANTIZATIONS`, a metadata key of the architecture
+that this reader does not map (rope scaling...), and llama 3's ``rope_freqs`` tensor. A
+tensor with no transformers name keeps its GGUF name, so that whoever reads the layers
+refuses it by that name.
 
 >>> ARCHITECTURES["llama"].model_type, "Q4_1" in QUANTIZATIONS
 ('llama', True)
@@ -22,6 +27,8 @@ that whoever reads the layers refuses it by that name.
 'model.layers.7.self_attn.q_proj.weight'
 >>> hf_name("blk.7.ffn_gate_exps.weight", ARCHITECTURES["llama"])
 'blk.7.ffn_gate_exps.weight'
+>>> hf_name("blk.0.attn_qkv.weight", ARCHITECTURES["gpt2"])
+'transformer.h.0.attn.c_attn.weight'
 """
 
 from __future__ import annotations
@@ -39,7 +46,15 @@ import numpy as np
 from ..errors import AttentionTypeError, AttentionValueError, WeightsFileError
 from .sources import TensorNames
 
-__all__ = ["ARCHITECTURES", "QUANTIZATIONS", "GGUFFile", "hf_name", "is_gguf", "open_gguf"]
+__all__ = [
+    "ARCHITECTURES",
+    "NOT_READ",
+    "QUANTIZATIONS",
+    "GGUFFile",
+    "hf_name",
+    "is_gguf",
+    "open_gguf",
+]
 
 QUANTIZATIONS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                  "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # fmt: skip
@@ -129,6 +144,7 @@ GPT2_KEYS: dict[str, str | None] = {
     "feed_forward_length": "feed_forward_length",  # GPT2Config reads none: its MLP is 4 wide
     "attention.head_count": "n_head",
     "attention.layer_norm_epsilon": "layer_norm_epsilon",
+    "vocab_size": None,  # transformers counts the tokenizer's tokens
 }
 BLOOM_KEYS: dict[str, str | None] = {
     "block_count": "n_layer",
@@ -254,6 +270,7 @@ ARCHITECTURES = {
             "attention.head_count_kv": "num_key_value_heads",
             "attention.layer_norm_epsilon": "norm_epsilon",
             "rope.freq_base": None,
+            "vocab_size": None,  # transformers counts the tokenizer's tokens
         },
         layer={**LAYER, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
     ),
@@ -467,8 +484,8 @@ class GGUFFile(TensorNames):
         return str(self._tensors[name].tensor_type.name)
 
     def read(self, names: Iterable[str], dtype: Any = None) -> dict[str, np.ndarray]:
-        """The tensors ``names``, dequantized by ``gguf.dequantize`` (float32), their query
-        and key rows put back in transformers' order, in ``dtype`` (float32 by default)."""
+        """The tensors ``names``, dequantized by ``gguf.dequantize`` (float32), as
+        transformers holds them (:meth:`_undo`), in ``dtype`` (float32 by default)."""
         import gguf
 
         target = np.dtype(np.float32 if dtype is None else _dtype(dtype))
