@@ -27,7 +27,7 @@ ADDED = {
     "phi3": "Q8_0", "gemma2": "Q5_1", "gemma3_text": "Q4_1",
     "nemotron": "Q5_0", "stablelm": "Q8_0", "starcoder2": "Q4_0", "gpt2": "Q4_1",
     "bloom": "Q8_0", "qwen2_moe": "Q8_0", "qwen3_moe": "Q4_0",
-    "falcon": "Q5_1",
+    "falcon": "Q5_1", "lfm2": "Q8_0",
 }  # fmt: skip
 """The architectures read beyond Llama's and Qwen's, each with the quantization it is
 checked in beside F32."""
@@ -71,6 +71,9 @@ def tiny(transformers: Any, torch: Any, kind: str, seed: int, width: int = 64) -
     if kind in ("stablelm", "starcoder2"):  # transformers reads no rope base: the default
         del settings["rope_theta"], settings["rms_norm_eps"]
         settings["use_qkv_bias"] = kind == "stablelm"
+    if kind == "lfm2":  # a convolution layer, then an attention layer
+        settings.update(full_attn_idxs=[1], block_auto_adjust_ff_dim=False)
+        settings["norm_eps"] = settings.pop("rms_norm_eps")
     if kind == "falcon":  # Falcon-7B's layers: one key and value head, parallel
         settings = {"hidden_size": width, "num_hidden_layers": 2, "num_attention_heads": 4,
                     "vocab_size": 96}  # fmt: skip
@@ -151,7 +154,7 @@ def test_each_layer_matches_transformers_gguf_loader(
     with torch.no_grad(), float64_torch():
         model(ids)
     recorder.close()
-    for layer, calls in enumerate(recorder.calls):
+    for layer, calls in zip(recorder.layers, recorder.calls, strict=True):  # LFM2: attention alone
         ((x, expected),) = calls
         attention = mha.from_pretrained(path, layer=layer, dtype=np.float64)
         error = relative_error(attention(x, mask=True), expected)

@@ -8,7 +8,7 @@ embeddings where it writes one), each matrix quantized by the ``gguf`` package's
 
 ``write_gguf(model, path, "Q4_0")`` writes a transformers ``LlamaForCausalLM`` (or
 Mistral's, Qwen2's, Qwen3's, Qwen2-MoE's, Qwen3-MoE's, Phi-3's, Gemma 2's, Gemma 3's,
-Nemotron's, StableLM's, StarCoder2's, GPT-2's, BLOOM's, Falcon-7B's); transformers' GGUF
+Nemotron's, StableLM's, StarCoder2's, GPT-2's, BLOOM's, Falcon-7B's, LFM2's); transformers' GGUF
 loader reads it back.
 """
 
@@ -113,6 +113,14 @@ def add_metadata(writer: Any, config: Any) -> None:
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
+    if kind == "lfm2":  # its converter's: the key and value heads per layer, none in a conv
+        kv = config.num_key_value_heads
+        writer.add_head_count_kv([kv if t == "full_attention" else 0 for t in config.layer_types])
+        writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_shortconv_l_cache(config.conv_L_cache)
+        writer.add_layer_norm_rms_eps(float(config.norm_eps))
+        return
     writer.add_head_count_kv(config.num_key_value_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = config.rope_parameters
@@ -167,6 +175,8 @@ def converted(name: str, array: np.ndarray, config: Any) -> np.ndarray:
         return np.ascontiguousarray(array.T)
     if kind == "bloom" and "query_key_value" in name:
         return bloom_qkv(array, config.n_head)
+    if kind == "lfm2" and name.endswith("conv.conv.weight"):
+        return array[:, 0]  # (channels, width): llama.cpp's convolution takes it 2-D
     return array
 
 
@@ -207,7 +217,7 @@ def write_gguf(model: Any, path: Path, quantization: str) -> None:
         tensors["output.weight"] = tensors["token_embd.weight"]
     qtype = gguf.GGMLQuantizationType[quantization]
     for name, array in tensors.items():
-        if array.ndim == 1:
+        if array.ndim == 1 or array.shape[-1] % 32:  # not whole blocks: kept in F32
             writer.add_tensor(name, array)
         elif quantization in K_SCALES:
             data = random_k_quant(array.shape, quantization, seed=len(name))

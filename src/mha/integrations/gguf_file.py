@@ -158,6 +158,18 @@ UNREAD = dict.fromkeys(("rope.dimension_count",))
 stands (StableLM's and Nemotron's partial rotary fractions)."""
 
 
+def _lfm2(config: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's layers as transformers reads them: the key and value heads given per layer
+    (none in a convolution layer) make ``full_attn_idxs``, their largest the count."""
+    heads = config["num_key_value_heads"]
+    heads = list(heads) if isinstance(heads, list | tuple) else [heads]
+    return {
+        "num_key_value_heads": max(heads),
+        "full_attn_idxs": [i for i, n in enumerate(heads) if n > 0],
+        "block_auto_adjust_ff_dim": False,
+    }
+
+
 def _stablelm(names: Collection[str]) -> dict[str, Any]:
     """StableLM's settings that transformers reads from the tensors: biases on the query,
     key and value; a parallel residual where the layers have no ``ffn_norm``."""
@@ -185,8 +197,11 @@ class Architecture:
     tied: bool | None = None  # whatever the file holds (BLOOM's and Falcon's: always)
     derived: Callable[[Collection[str]], dict[str, Any]] | None = None
     """Settings transformers reads from the tensors' names (StableLM's)."""
+    adapted: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    """Settings transformers derives from the others (LFM2's attention layers)."""
     settings: Mapping[str, Any] = field(default_factory=dict)
     """Settings transformers' reader gives whatever the file says (Qwen3-MoE's)."""
+    unsqueezed: tuple[str, ...] = ()  # LFM2's convolutions, written (channels, width)
     requires: Mapping[str, Any] = field(default_factory=dict)
     """``{arch}.KEY`` values the file must hold, else refused: what transformers' model
     of it assumes (Falcon-7B's one key and value head)."""
@@ -204,6 +219,27 @@ ARCHITECTURES = {
         {**MOE_KEYS, "attention.key_length": "head_dim"},
         layer=MOE_LAYER,
         settings={"norm_topk_prob": True},  # llama.cpp always renormalises the top experts
+    ),
+    "lfm2": Architecture(
+        "lfm2",
+        {**COMMON_KEYS, "rope.dimension_count": None, "shortconv.l_cache": "conv_L_cache"},
+        layer={
+            **LAYER,
+            "attn_output": "self_attn.out_proj",
+            "attn_q_norm": "self_attn.q_layernorm",
+            "attn_k_norm": "self_attn.k_layernorm",
+            "attn_norm": "operator_norm",
+            "ffn_norm": "ffn_norm",
+            "ffn_gate": "feed_forward.w1",
+            "ffn_up": "feed_forward.w3",
+            "ffn_down": "feed_forward.w2",
+            "shortconv.conv": "conv.conv",
+            "shortconv.in_proj": "conv.in_proj",
+            "shortconv.out_proj": "conv.out_proj",
+        },
+        top={**TOP, "token_embd_norm": "model.embedding_norm"},
+        unsqueezed=("shortconv.conv",),
+        adapted=_lfm2,
     ),
     "phi3": Architecture(
         "phi3",
@@ -337,7 +373,6 @@ NOT_READ = {
     "t5": "an encoder-decoder (T5)",
     "t5encoder": "an encoder (T5)",
     "mamba": "Mamba's state-space layers (no attention)",
-    "lfm2": "LFM2's convolution layers",
     "deci": "Deci's per-layer head counts",
     "gpt-oss": "gpt-oss's experts",
     "minimax-m2": "MiniMax-M2's experts",
@@ -373,7 +408,7 @@ def _opened(path: Path, mtime: int, size: int) -> GGUFFile:
 
 def hf_name(name: str, architecture: Architecture) -> str:
     """transformers' name of the GGUF tensor ``name``, or ``name`` itself where it has none."""
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    match = re.fullmatch(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)", name)
     if match and match.group(2) in architecture.layer:
         index, role, kind = match.groups()
         return f"{architecture.layers}.{index}.{architecture.layer[role]}.{kind}"
@@ -422,6 +457,8 @@ class GGUFFile(TensorNames):
             )
         self.config = self._config(self.metadata["general.architecture"])
         self.config.update(row.settings)
+        if row.adapted is not None:
+            self.config.update(row.adapted(self.config))
         for key, value in row.requires.items():
             given = self.metadata.get(f"{self.metadata['general.architecture']}.{key}", value)
             if given != value:
@@ -516,7 +553,7 @@ class GGUFFile(TensorNames):
         """The tensor as transformers holds it: what llama.cpp's converter did, undone
         (each an exact permutation, transpose or subtraction, as transformers' reader does)."""
         row = self.architecture
-        role = gguf_name.split(".")[-2]
+        role = gguf_name.split(".", 2)[-1].rsplit(".", 1)[0] if gguf_name.startswith("blk.") else ""
         if row.permuted:
             array = self._unpermute(name, array)
         if row.plus_one and gguf_name.endswith("norm.weight"):
@@ -525,6 +562,8 @@ class GGUFFile(TensorNames):
             array = array.T
         if row.qkv_by_head and role == "attn_qkv":
             array = self._by_head(array)
+        if role in row.unsqueezed:
+            array = array[:, None]
         if role == "ffn_gate_inp_shexp":
             array = array[None]  # Qwen2-MoE's shared expert's gate, (1, hidden)
         return array
