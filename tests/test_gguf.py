@@ -28,6 +28,7 @@ ADDED = {
     "nemotron": "Q5_0", "stablelm": "Q8_0", "starcoder2": "Q4_0", "gpt2": "Q4_1",
     "bloom": "Q8_0", "qwen2_moe": "Q8_0", "qwen3_moe": "Q4_0",
     "falcon": "Q5_1", "lfm2": "Q8_0",
+    "minimax_m2": "Q4_1",
 }  # fmt: skip
 """The architectures read beyond Llama's and Qwen's, each with the quantization it is
 checked in beside F32."""
@@ -35,7 +36,8 @@ CASES = [("llama", q) for q in QUANTIZATIONS + K_QUANTS] + [
     ("qwen2", "Q8_0"), ("qwen2", "Q4_1"), ("qwen3", "F16"), ("qwen3", "Q4_0")
 ] + [(kind, q) for kind, quantization in ADDED.items() for q in ("F32", quantization)]  # fmt: skip
 CLASSES = {"gemma3_text": "Gemma3TextConfig", "stablelm": "StableLmConfig", "gpt2": "GPT2Config",
-           "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig"}  # fmt: skip
+           "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig",
+           "minimax_m2": "MiniMaxM2Config"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +64,12 @@ def tiny(transformers: Any, torch: Any, kind: str, seed: int, width: int = 64) -
     }  # fmt: skip
     if kind == "qwen3":  # transformers reads no head width from a qwen3 GGUF: its default
         settings.update(head_dim=128, num_attention_heads=2, num_key_value_heads=1)
-    if kind in ("mistral", "gemma2", "gemma3_text", "qwen3_moe"):
+    if kind in ("mistral", "gemma2", "gemma3_text", "qwen3_moe", "minimax_m2"):
         settings.update(head_dim=width // 4)
     if kind in ("qwen2_moe", "qwen3_moe"):  # the experts' widths: the defaults, unread
         settings.update(num_experts=4, num_experts_per_tok=2)
+    if kind == "minimax_m2":
+        settings.update(num_local_experts=4, num_experts_per_tok=2, rotary_dim=width // 8)
     if kind == "nemotron":
         settings["norm_eps"] = settings.pop("rms_norm_eps")
     if kind in ("stablelm", "starcoder2"):  # transformers reads no rope base: the default

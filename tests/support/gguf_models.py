@@ -8,8 +8,8 @@ embeddings where it writes one), each matrix quantized by the ``gguf`` package's
 
 ``write_gguf(model, path, "Q4_0")`` writes a transformers ``LlamaForCausalLM`` (or
 Mistral's, Qwen2's, Qwen3's, Qwen2-MoE's, Qwen3-MoE's, Phi-3's, Gemma 2's, Gemma 3's,
-Nemotron's, StableLM's, StarCoder2's, GPT-2's, BLOOM's, Falcon-7B's, LFM2's); transformers' GGUF
-loader reads it back.
+Nemotron's, StableLM's, StarCoder2's, GPT-2's, BLOOM's, Falcon-7B's, LFM2's, MiniMax-M2's);
+transformers' GGUF loader reads it back.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ ARCH = {
     "gemma3_text": "gemma3",
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
+    "minimax_m2": "minimax-m2",
 }
 """``general.architecture`` where it is not the ``model_type``: llama.cpp writes Mistral as
 Llama (``general.name`` tells transformers), Gemma 3's text model as ``gemma3``, the
@@ -84,6 +85,8 @@ def random_k_quant(shape: tuple[int, ...], quantization: str, seed: int) -> np.n
 
 def add_metadata(writer: Any, config: Any) -> None:
     """The ``{arch}.`` keys llama.cpp's converter writes for the model's config."""
+    import gguf
+
     kind = config.model_type
     if kind in ("gpt2", "bloom"):
         writer.add_block_count(config.n_layer)
@@ -146,13 +149,19 @@ def add_metadata(writer: Any, config: Any) -> None:
         writer.add_rope_dimension_count(head_dim)
     if kind == "phi3":
         writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+    if kind == "minimax_m2":
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_rope_dimension_count(config.rotary_dim)  # partial rotary
     if kind in ("qwen2_moe", "qwen3_moe"):
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if kind == "qwen2_moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    if kind in ("qwen3", "qwen3_moe", "gemma2", "gemma3_text"):
+    if kind in ("qwen3", "qwen3_moe", "minimax_m2", "gemma2", "gemma3_text"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if kind in ("gemma2", "gemma3_text"):
@@ -209,6 +218,8 @@ def write_gguf(model: Any, path: Path, quantization: str) -> None:
             tensors[f"blk.{index}.ffn_up_exps.weight"] = np.ascontiguousarray(up)
         elif name.endswith("mlp.experts.down_proj"):
             tensors[f"blk.{name.split('.')[2]}.ffn_down_exps.weight"] = array
+        elif name.endswith("mlp.e_score_correction_bias"):
+            tensors[f"blk.{name.split('.')[2]}.exp_probs_b.bias"] = array
         elif name.endswith("shared_expert_gate.weight"):  # llama.cpp's is a vector
             tensors[gguf_name(name, arch, layers)] = array[0]
         else:

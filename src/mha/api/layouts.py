@@ -164,7 +164,7 @@ class Layouts(Configuration):
         listed in ``model.safetensors.index.json``), or a llama.cpp GGUF file (each
         architecture of :data:`mha.integrations.gguf_file.ARCHITECTURES`: llama, qwen2,
         qwen3, qwen2moe, qwen3moe, phi3, gemma2, gemma3, nemotron, stablelm, starcoder2,
-        gpt2, bloom, falcon, lfm2; dequantized by the ``gguf`` package, ``pip install
+        gpt2, bloom, falcon, lfm2, minimax-m2; dequantized by the ``gguf`` package, ``pip install
         'mha[models]'``: float32 unless ``dtype`` says otherwise), reading that layer's
         tensors alone.
 

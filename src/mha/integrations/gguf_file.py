@@ -158,6 +158,14 @@ UNREAD = dict.fromkeys(("rope.dimension_count",))
 stands (StableLM's and Nemotron's partial rotary fractions)."""
 
 
+def _minimax_m2(config: dict[str, Any]) -> dict[str, Any]:
+    """MiniMax-M2's scoring of the experts, given by llama.cpp as a number."""
+    scoring = config.get("scoring_func")
+    if not isinstance(scoring, int):
+        return {}
+    return {"scoring_func": {0: "none", 1: "softmax", 2: "sigmoid"}.get(scoring, "softmax")}
+
+
 def _lfm2(config: dict[str, Any]) -> dict[str, Any]:
     """LFM2's layers as transformers reads them: the key and value heads given per layer
     (none in a convolution layer) make ``full_attn_idxs``, their largest the count."""
@@ -202,6 +210,9 @@ class Architecture:
     settings: Mapping[str, Any] = field(default_factory=dict)
     """Settings transformers' reader gives whatever the file says (Qwen3-MoE's)."""
     unsqueezed: tuple[str, ...] = ()  # LFM2's convolutions, written (channels, width)
+    bare: Mapping[str, str] = field(default_factory=dict)
+    """Tensors whose transformers name has no ``.weight`` or ``.bias`` (MiniMax-M2's
+    routing bias), by llama.cpp's ``role.kind``."""
     requires: Mapping[str, Any] = field(default_factory=dict)
     """``{arch}.KEY`` values the file must hold, else refused: what transformers' model
     of it assumes (Falcon-7B's one key and value head)."""
@@ -219,6 +230,21 @@ ARCHITECTURES = {
         {**MOE_KEYS, "attention.key_length": "head_dim"},
         layer=MOE_LAYER,
         settings={"norm_topk_prob": True},  # llama.cpp always renormalises the top experts
+    ),
+    "minimax-m2": Architecture(
+        "minimax_m2",
+        {
+            **MOE_KEYS,
+            "rope.dimension_count": "rotary_dim",
+            "attention.key_length": "head_dim",
+            "attention.value_length": None,
+            "expert_count": "num_local_experts",
+            "expert_gating_func": "scoring_func",
+        },
+        layer=MOE_LAYER,
+        bare={"exp_probs_b.bias": "mlp.e_score_correction_bias"},
+        settings={"use_routing_bias": True},
+        adapted=_minimax_m2,
     ),
     "lfm2": Architecture(
         "lfm2",
@@ -375,7 +401,6 @@ NOT_READ = {
     "mamba": "Mamba's state-space layers (no attention)",
     "deci": "Deci's per-layer head counts",
     "gpt-oss": "gpt-oss's experts",
-    "minimax-m2": "MiniMax-M2's experts",
     "gemma4": "Gemma 4's layers",
 }
 """Architectures transformers reads from GGUF that mha does not, each with what it lacks."""
@@ -409,6 +434,9 @@ def _opened(path: Path, mtime: int, size: int) -> GGUFFile:
 def hf_name(name: str, architecture: Architecture) -> str:
     """transformers' name of the GGUF tensor ``name``, or ``name`` itself where it has none."""
     match = re.fullmatch(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)", name)
+    if match and f"{match.group(2)}.{match.group(3)}" in architecture.bare:
+        index, role, kind = match.groups()
+        return f"{architecture.layers}.{index}.{architecture.bare[f'{role}.{kind}']}"
     if match and match.group(2) in architecture.layer:
         index, role, kind = match.groups()
         return f"{architecture.layers}.{index}.{architecture.layer[role]}.{kind}"
