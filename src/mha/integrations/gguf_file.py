@@ -396,12 +396,12 @@ ARCHITECTURES = {
 """The architectures read, by ``general.architecture``; others are refused by name."""
 
 NOT_READ = {
-    "t5": "an encoder-decoder (T5)",
-    "t5encoder": "an encoder (T5)",
-    "mamba": "Mamba's state-space layers (no attention)",
-    "deci": "Deci's per-layer head counts",
-    "gpt-oss": "gpt-oss's experts",
-    "gemma4": "Gemma 4's layers",
+    "t5": "an encoder-decoder, T5, whose checkpoints mha does not read either",
+    "t5encoder": "an encoder, T5's, whose checkpoints mha does not read either",
+    "mamba": "Mamba's state-space layers, which have no attention",
+    "deci": "DeciLM's layers, whose checkpoints mha does not read either",
+    "gemma4": "Gemma 4's layers, whose checkpoints mha does not read either",
+    "gpt-oss": "gpt-oss's sinks, YaRN scaling and MXFP4 experts, not mapped from GGUF yet",
 }
 """Architectures transformers reads from GGUF that mha does not, each with what it lacks."""
 
@@ -483,12 +483,12 @@ class GGUFFile(TensorNames):
                 f"{self.path} has rope_freqs.weight, llama 3's rope scaling factors, which mha "
                 "does not read from GGUF files"
             )
-        self.config = self._config(self.metadata["general.architecture"])
+        self.config = self._config(arch)
         self.config.update(row.settings)
         if row.adapted is not None:
             self.config.update(row.adapted(self.config))
         for key, value in row.requires.items():
-            given = self.metadata.get(f"{self.metadata['general.architecture']}.{key}", value)
+            given = self.metadata.get(f"{arch}.{key}", value)
             if given != value:
                 raise WeightsFileError(
                     f"{self.path}: {key} = {given!r}; mha reads {arch} GGUF files with "
