@@ -161,9 +161,12 @@ class Layouts(Configuration):
     def from_pretrained(cls, path: Any, layer: int = 0, *, dtype: Any = None) -> Self:
         """Layer ``layer``'s attention of a transformers checkpoint: the directory that
         ``save_pretrained`` writes (``config.json`` with ``model.safetensors``, or shards
-        listed in ``model.safetensors.index.json``), or a llama.cpp GGUF file (llama, qwen2,
-        qwen3; dequantized by the ``gguf`` package, ``pip install 'mha[models]'``: float32
-        unless ``dtype`` says otherwise), reading that layer's tensors alone.
+        listed in ``model.safetensors.index.json``), or a llama.cpp GGUF file (each
+        architecture of :data:`mha.integrations.gguf_file.ARCHITECTURES`: llama, qwen2,
+        qwen3, qwen2moe, qwen3moe, phi3, gemma2, gemma3, nemotron, stablelm, starcoder2,
+        gpt2, bloom, falcon, lfm2, minimax-m2; dequantized by the ``gguf`` package, ``pip install
+        'mha[models]'``: float32 unless ``dtype`` says otherwise), reading that layer's
+        tensors alone.
 
         The result computes what that layer computes: its heads and key/value heads, head
         width, biases, scale (``query_pre_attn_scalar``), rotary positions with the config's

@@ -226,7 +226,7 @@ GPT2 = Family(
         "transformer.h",
         "transformer.wte",
         "transformer.ln_f",
-        None,
+        "lm_head",  # tied in GPT-2's checkpoints; a GGUF file holds a copy
         Positions("learned", "transformer.wpe"),
     ),
 )

@@ -1,5 +1,6 @@
 """What each family's config class (transformers 5.24) fills in for the keys the readers
-read, when ``config.json`` leaves them out: one dict per ``model_type``, a row's
+(and mha.models' decoders: activations, final soft-capping) read, when ``config.json`` (or a
+GGUF file's metadata) leaves them out: one dict per ``model_type``, a row's
 ``defaults``. tests/test_checkpoint.py checks each value against the class's own."""
 
 from __future__ import annotations
@@ -61,12 +62,16 @@ GEMMA2: dict[str, Any] = {
     "attn_logit_softcapping": 50.0,
     "use_bidirectional_attention": None,
     "max_position_embeddings": 8192,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "final_logit_softcapping": 30.0,
 }
 GEMMA3_TEXT: dict[str, Any] = {
     **_GEMMA,
     "use_bidirectional_attention": False,
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 131072,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "final_logit_softcapping": None,
 }
 OLMO2: dict[str, Any] = {
     **_SHAPE,
@@ -128,6 +133,7 @@ GPT2: dict[str, Any] = {
     **_GPT2_SHAPE,
     "scale_attn_weights": True,
     "scale_attn_by_inverse_layer_idx": False,
+    "activation_function": "gelu_new",
 }
 GPT_BIGCODE: dict[str, Any] = {**_GPT2_SHAPE, "scale_attn_weights": True, "multi_query": True}
 GPT_NEOX: dict[str, Any] = {
@@ -183,6 +189,8 @@ FALCON: dict[str, Any] = {
     "multi_query": True,
     "bias": False,
     "max_position_embeddings": 2048,
+    "layer_norm_epsilon": 1e-5,
+    "activation": "gelu",
 }
 OPT: dict[str, Any] = {
     "hidden_size": 768,
@@ -345,6 +353,7 @@ STARCODER2: dict[str, Any] = {
     "use_bias": True,
     "sliding_window": None,
     "max_position_embeddings": 4096,
+    "hidden_act": "gelu_pytorch_tanh",
 }
 SOLAR_OPEN: dict[str, Any] = {
     "hidden_size": 4096,
@@ -614,6 +623,7 @@ NEMOTRON: dict[str, Any] = {
     "head_dim": None,
     "attention_bias": False,
     "max_position_embeddings": 4096,
+    "hidden_act": "relu2",
 }
 EXAONE_MOE: dict[str, Any] = {**EXAONE4}
 KOLIBRI1: dict[str, Any] = {
