@@ -25,6 +25,7 @@ from .qk_norm import KINDS as QK_NORM_KINDS
 from .qk_norm import check_offset
 from .rope_scaling import check_base, check_rope_scaling
 from .rotary import check_rotary_options, positive_real
+from .v_norm import check_v_norm
 from .variants import alibi_slopes, check_query_temperature, check_scores
 
 if TYPE_CHECKING:
@@ -46,8 +47,8 @@ class LayerSpec:
     ``sink_tokens``, ``softcap``, ``alibi``, ``chunk``, ``scale``, ``qk_norm``,
     ``qk_norm_eps``, ``qk_norm_offset``, ``add_zero_attn``, ``output_gate``,
     ``output_gate_per_head``, ``query_temperature``, ``v_head_dim`` (the values' head
-    width, when it differs from the keys': MiMo-V2-Flash), ``clip_qkv``, ``qk_layernorm``
-    and ``qk_norm_after_rope`` (each ``None``, or ``False``,
+    width, when it differs from the keys': MiMo-V2-Flash), ``clip_qkv``, ``qk_layernorm``,
+    ``qk_norm_after_rope`` and ``v_norm`` (each ``None``, or ``False``,
     for its default; ``head_dim`` then comes from the weights). The pair ``(spec, weights)``
     is what a reader of another format produces (:mod:`mha.integrations.readers`) and
     :meth:`Configuration.from_spec` builds a layer from.
@@ -81,6 +82,7 @@ class LayerSpec:
     clip_qkv: Any = None
     qk_layernorm: Any = False
     qk_norm_after_rope: Any = False
+    v_norm: Any = None
 
     kind = "attention"
     """What a reader's spec builds (:meth:`Configuration.from_spec`)."""
@@ -142,6 +144,7 @@ class Configuration:
     clip_qkv: float | None  # the projections clamped to [-clip_qkv, clip_qkv]
     qk_layernorm: bool  # the QK-norm a LayerNorm
     qk_norm_after_rope: bool  # the QK-norm after the rotation (HunYuan)
+    v_norm: float | None  # the epsilon of the values' RMSNorm without weights (Gemma 3n, 4)
     q_norm_bias: np.ndarray | None
     k_norm_bias: np.ndarray | None
 
@@ -260,6 +263,7 @@ class Configuration:
             t = check_query_temperature(spec.query_temperature)
             self.query_temperature = (t.beta, t.floor, t.offset)
         self.clip_qkv = check_clip_qkv(spec.clip_qkv)
+        self.v_norm = check_v_norm(spec.v_norm)
 
     @property
     def has_bias(self) -> bool:
@@ -318,6 +322,7 @@ class Configuration:
             "qk_norm": None,
             "query_temperature": None,
             "clip_qkv": None,
+            "v_norm": None,
         }
         dims = "".join(
             f", {name}={getattr(self, name)!r}"
@@ -395,6 +400,7 @@ class Configuration:
             "clip_qkv": self.clip_qkv,
             "qk_layernorm": self.qk_layernorm,
             "qk_norm_after_rope": self.qk_norm_after_rope,
+            "v_norm": self.v_norm,
             "dtype": self._held_dtype().name,
         }
 
@@ -434,6 +440,7 @@ class Configuration:
             self.clip_qkv,
             self.qk_layernorm,
             self.qk_norm_after_rope,
+            self.v_norm,
         )
 
     @classmethod

@@ -77,9 +77,10 @@ class MultiHeadAttention(Layouts):
     b_g)`` before ``W_o``, per element, or per head with ``output_gate_per_head``; the module
     owns ``W_g``, and ``b_g`` with ``bias``), ``query_temperature`` (Llama 4's and
     Ministral 3's queries scaled by their position: ``(beta, floor, offset)``, as
-    :func:`mha.scaled_dot_product_attention` takes it) and ``clip_qkv`` (DBRX, OLMo: the
-    projections clamped to ``[-clip_qkv, clip_qkv]``). :meth:`from_pretrained` reads a layer
-    of a transformers checkpoint with all of them.
+    :func:`mha.scaled_dot_product_attention` takes it), ``clip_qkv`` (DBRX, OLMo: the
+    projections clamped to ``[-clip_qkv, clip_qkv]``) and ``v_norm`` (Gemma 3n, Gemma 4: the
+    epsilon of an RMSNorm without weights of each value head). :meth:`from_pretrained` reads
+    a layer of a transformers checkpoint with all of them.
 
     The class holds configuration and weights and delegates to the function's own path (same
     inputs, same bits): its settings and weights are checked in :mod:`.configuration`, the
@@ -131,6 +132,7 @@ class MultiHeadAttention(Layouts):
         clip_qkv: float | None = None,
         qk_layernorm: Flag = False,
         qk_norm_after_rope: Flag = False,
+        v_norm: float | None = None,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
     ) -> None:
@@ -145,7 +147,7 @@ class MultiHeadAttention(Layouts):
             H, num_kv_heads, E // H if head_dim is None else head_dim, rope_theta, rotary_dim,
             rotary_interleaved, rope_scaling, window, sink_tokens, softcap, alibi, chunk, scale,
             qk_norm, qk_norm_eps, qk_norm_offset, add_zero_attn, output_gate, output_gate_per_head,
-            query_temperature, v_head_dim, clip_qkv, qk_layernorm, qk_norm_after_rope,
+            query_temperature, v_head_dim, clip_qkv, qk_layernorm, qk_norm_after_rope, v_norm,
         )  # fmt: skip
         self._configure(spec, (E, E if kdim is None else kdim, E if vdim is None else vdim))
         if not isinstance(bias, (bool, np.bool_)):
@@ -375,7 +377,7 @@ class MultiHeadAttention(Layouts):
             None if self.qk_norm is None else self.qk_norm_eps,
             None if self.qk_norm is None else self.qk_norm_offset, cache, padding_side,
             return_backward, dropout_p, generator, self.output_gate, self.clip_qkv,
-            self.qk_layernorm, self.qk_norm_after_rope,
+            self.qk_layernorm, self.qk_norm_after_rope, self.v_norm,
         )  # fmt: skip
         weights = LayerWeights(
             self.W_q,
