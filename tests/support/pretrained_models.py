@@ -344,6 +344,29 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "lfm2_moe": ("Lfm2Moe", {"layer_types": [FULL, "conv", FULL], "num_experts": 4,
                              "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                              "num_dense_layers": 1, "experts_implementation": "eager"}),
+    # the values' norm; layer 2 attends with layer 0's keys and values (KV sharing)
+    "gemma3n": ("Gemma3nText", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING],
+                                "num_kv_shared_layers": 1, "laurel_rank": 8,
+                                "hidden_size_per_layer_input": 8,
+                                "vocab_size_per_layer_input": 64, "rope_parameters": {
+                                    SLIDING: {"rope_type": "default", "rope_theta": 100.0},
+                                    FULL: {"rope_type": "default", "rope_theta": 3000.0}}}),
+    # full layers of wider heads, one key/value head, values that are the keys' projection
+    # and a proportional rope; layer 2 attends with layer 1's keys and values
+    "gemma4": ("Gemma4Text", {"sliding_window": 5, "layer_types": [SLIDING, FULL, FULL],
+                              "num_kv_shared_layers": 1, "attention_k_eq_v": True,
+                              "global_head_dim": 16, "num_global_key_value_heads": 1,
+                              "hidden_size_per_layer_input": 8,
+                              "vocab_size_per_layer_input": 64, "rope_parameters": {
+                                  SLIDING: {"rope_type": "default", "rope_theta": 100.0},
+                                  FULL: {"rope_type": "proportional", "rope_theta": 3000.0,
+                                         "partial_rotary_factor": 0.5}}}),
+    "gemma4_unified": ("Gemma4UnifiedText", {"sliding_window": 5, "global_head_dim": 8,
+                                             "layer_types": [SLIDING, SLIDING, FULL],
+                                             "rope_parameters": {
+        SLIDING: {"rope_type": "default", "rope_theta": 100.0},
+        FULL: {"rope_type": "proportional", "rope_theta": 3000.0,
+               "partial_rotary_factor": 0.25}}}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,

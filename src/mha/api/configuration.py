@@ -48,7 +48,7 @@ class LayerSpec:
     ``qk_norm_eps``, ``qk_norm_offset``, ``add_zero_attn``, ``output_gate``,
     ``output_gate_per_head``, ``query_temperature``, ``v_head_dim`` (the values' head
     width, when it differs from the keys': MiMo-V2-Flash), ``clip_qkv``, ``qk_layernorm``,
-    ``qk_norm_after_rope`` and ``v_norm`` (each ``None``, or ``False``,
+    ``qk_norm_after_rope``, ``v_norm`` and ``shares_kv_with`` (each ``None``, or ``False``,
     for its default; ``head_dim`` then comes from the weights). The pair ``(spec, weights)``
     is what a reader of another format produces (:mod:`mha.integrations.readers`) and
     :meth:`Configuration.from_spec` builds a layer from.
@@ -83,6 +83,7 @@ class LayerSpec:
     qk_layernorm: Any = False
     qk_norm_after_rope: Any = False
     v_norm: Any = None
+    shares_kv_with: Any = None
 
     kind = "attention"
     """What a reader's spec builds (:meth:`Configuration.from_spec`)."""
@@ -145,6 +146,7 @@ class Configuration:
     qk_layernorm: bool  # the QK-norm a LayerNorm
     qk_norm_after_rope: bool  # the QK-norm after the rotation (HunYuan)
     v_norm: float | None  # the epsilon of the values' RMSNorm without weights (Gemma 3n, 4)
+    shares_kv_with: int | None  # the layer whose keys and values it attends with (shared_kv.py)
     q_norm_bias: np.ndarray | None
     k_norm_bias: np.ndarray | None
 
@@ -264,6 +266,9 @@ class Configuration:
             self.query_temperature = (t.beta, t.floor, t.offset)
         self.clip_qkv = check_clip_qkv(spec.clip_qkv)
         self.v_norm = check_v_norm(spec.v_norm)
+        self.shares_kv_with = None
+        if spec.shares_kv_with is not None:
+            self.shares_kv_with = non_negative_int("shares_kv_with", spec.shares_kv_with)
 
     @property
     def has_bias(self) -> bool:
@@ -323,6 +328,7 @@ class Configuration:
             "query_temperature": None,
             "clip_qkv": None,
             "v_norm": None,
+            "shares_kv_with": None,
         }
         dims = "".join(
             f", {name}={getattr(self, name)!r}"
@@ -401,6 +407,7 @@ class Configuration:
             "qk_layernorm": self.qk_layernorm,
             "qk_norm_after_rope": self.qk_norm_after_rope,
             "v_norm": self.v_norm,
+            "shares_kv_with": self.shares_kv_with,
             "dtype": self._held_dtype().name,
         }
 
@@ -441,6 +448,7 @@ class Configuration:
             self.qk_layernorm,
             self.qk_norm_after_rope,
             self.v_norm,
+            self.shares_kv_with,
         )
 
     @classmethod

@@ -25,6 +25,7 @@ from .layouts import Layouts
 from .paged_cache import PagedKVCache
 from .plans import checked_layer
 from .projection import compute
+from .shared_kv import shared_view
 from .spec import MhaKeywords, check_mha
 
 if TYPE_CHECKING:
@@ -79,7 +80,10 @@ class MultiHeadAttention(Layouts):
     Ministral 3's queries scaled by their position: ``(beta, floor, offset)``, as
     :func:`mha.scaled_dot_product_attention` takes it), ``clip_qkv`` (DBRX, OLMo: the
     projections clamped to ``[-clip_qkv, clip_qkv]``) and ``v_norm`` (Gemma 3n, Gemma 4: the
-    epsilon of an RMSNorm without weights of each value head). :meth:`from_pretrained` reads
+    epsilon of an RMSNorm without weights of each value head). ``shares_kv_with``: the index
+    of the layer whose keys and values this one attends with (Gemma 3n's and Gemma 4's KV
+    sharing): it is called with that layer's cache, after that layer's call on the same
+    tokens, and reads it without appending (:mod:`.shared_kv`). :meth:`from_pretrained` reads
     a layer of a transformers checkpoint with all of them.
 
     The class holds configuration and weights and delegates to the function's own path (same
@@ -133,6 +137,7 @@ class MultiHeadAttention(Layouts):
         qk_layernorm: Flag = False,
         qk_norm_after_rope: Flag = False,
         v_norm: float | None = None,
+        shares_kv_with: SupportsIndex | None = None,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
     ) -> None:
@@ -148,6 +153,7 @@ class MultiHeadAttention(Layouts):
             rotary_interleaved, rope_scaling, window, sink_tokens, softcap, alibi, chunk, scale,
             qk_norm, qk_norm_eps, qk_norm_offset, add_zero_attn, output_gate, output_gate_per_head,
             query_temperature, v_head_dim, clip_qkv, qk_layernorm, qk_norm_after_rope, v_norm,
+            shares_kv_with,
         )  # fmt: skip
         self._configure(spec, (E, E if kdim is None else kdim, E if vdim is None else vdim))
         if not isinstance(bias, (bool, np.bool_)):
@@ -322,6 +328,8 @@ class MultiHeadAttention(Layouts):
             "additive mask of 0 and -inf pass bias=",
         )
         query = as_float_array("query", query)
+        if self.shares_kv_with is not None:  # another layer's cache, read (shared_kv.py)
+            cache = shared_view(cache, query.shape[-2], query_lengths, self.shares_kv_with)
         if key is None and value is not None:
             raise AttentionValueError(
                 "forward got value= without key=: give key= too (value defaults to key)"

@@ -44,11 +44,13 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     H, H_kv, d = heads = family.heads_of(read)
     if family.heads_by_layer is not None:
         H, H_kv, d = heads = (_layer_heads(family.heads_by_layer, read, index, H), H_kv, d)
+    layer_type = family.windows.layer_type(read, index)
+    if family.values is not None:  # Gemma 4's heads of each layer
+        H, H_kv, d = heads = family.values.layer_heads(read, index, layer_type, heads)
     if not layout.grouped(heads):
         raise read.refuse(f"{H} heads of {d} features, which its {layout.qkv} cannot split")
     for option in family.refused():
         option.check(read)
-    layer_type = family.windows.layer_type(read, index)
     alibi = family.alibi.slopes(read, H, d) if family.alibi and family.alibi.on(read) else None
     window = family.windows.size(read) if layer_type == SLIDING else None
     norm = family.qk_norm if family.qk_norm and family.qk_norm.applies(read) else None
@@ -71,6 +73,10 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     }
     if alibi is not None:  # the rope is then off
         settings["alibi"] = alibi
+    if family.values is not None:  # Gemma 3n's and Gemma 4's v_norm and KV sharing
+        count = read.positive("num_hidden_layers")
+        types = [family.windows.layer_type(read, j) for j in range(count)]
+        settings |= family.values.settings(read, family.values.source(read, index, types))
     scaled = (settings["rope_scaling"] or {}).get("rope_type")
     if norm and not norm.weighted and scaled in ("yarn", "longrope"):
         raise read.refuse(
@@ -83,6 +89,8 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     tensors = layout.tensors(E, heads, biased, stored_norm, family.sinks, norm_biases)
     if family.gate is not None:
         tensors |= family.gate.tensors(read, E, H, d)
+    if family.values is not None and family.values.keys_are_values(read, layer_type):
+        tensors = {name: t for name, t in tensors.items() if not name.startswith("v_proj.")}
     return layout.kind, settings, tensors
 
 
@@ -101,6 +109,10 @@ def completed(
             widths = {"q": settings["num_heads"] * d, "k": settings["num_kv_heads"] * d}
         dtype = weights["W_q"].dtype
         weights |= {f"{p}_norm": np.ones(width, dtype) for p, width in widths.items()}
+    if family.values is not None and "W_v" not in weights:  # Gemma 4's values: the keys'
+        weights["W_v"] = weights["W_k"].copy()
+        if weights.get("b_k") is not None:
+            weights["b_v"] = weights["b_k"].copy()
     if isinstance(family.tensors, LatentProjections) and family.tensors.lora_scaled:
         E = settings["d_model"]
         weights["q_a_norm"] = weights["q_a_norm"] * (E / settings["q_lora_rank"]) ** 0.5

@@ -32,6 +32,7 @@ from .layouts import (
     whole,
 )
 from .rope import Rope
+from .values import Values
 from .windows import NO_WINDOWS, Windows
 
 __all__ = [
@@ -254,6 +255,9 @@ class Family:
     """The config key of the projections' clamp (OLMo's ``clip_qkv``), when it has one."""
     sinks: bool = False
     """One learned logit per head that takes part in the softmax (gpt-oss)."""
+    values: Values | None = None
+    """The values' norm, values that are the keys' projection, heads of each layer and
+    layers that share an earlier layer's keys and values (Gemma 3n, Gemma 4: :mod:`.values`)."""
     unsupported: tuple[Unsupported, ...] = ()
     """The family's config keys that ask for what mha does not compute (checked before
     :data:`UNSUPPORTED`)."""

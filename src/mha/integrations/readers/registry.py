@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import AttentionValueError
-from . import alibi, defaults, layouts, rules
+from . import alibi, defaults, gemma4, layouts, rules
 from .alibi import Alibi
 from .config import FULL, SLIDING, Unsupported
 from .family import (
@@ -776,6 +776,8 @@ register(
         ),
     ),
 )
+
+register(*gemma4.ROWS)
 
 SUPPORTED = tuple(FAMILIES)
 """The families of the table as mha defines it (before any :func:`register`)."""

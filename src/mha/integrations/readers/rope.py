@@ -273,8 +273,8 @@ def partial_rotary(read: Settings, rope: Rope, parameters: Mapping[str, Any], d:
     """How many of a head's ``d`` features rotate (``None``: all of them): the layer's
     ``partial_rotary_factor``, refused where the family's attention does not apply it."""
     factor = parameters.get("partial_rotary_factor")
-    if factor is None or factor == 1.0:
-        return None
+    if factor is None or factor == 1.0 or parameters.get("rope_type") == "proportional":
+        return None  # (proportional: the whole head turns, some pairs by a frequency of 0)
     if not rope.partial:
         raise read.refuse(
             f"partial_rotary_factor={factor}, which transformers' {read.family} attention "
