@@ -110,3 +110,177 @@ def test_v_norm_errors_name_the_keyword(torch):
         mha.multi_head_attention(x, x, x, w["W_q"], w["W_k"], w["W_v"], w["W_o"], 2, v_norm=0.0)
     with pytest.raises(AttentionValueError, match=r"torch\.nn\.MultiheadAttention cannot hold"):
         mha.MultiHeadAttention(8, 2, v_norm=1e-6).to_torch()
+
+
+def test_v_norm_in_dask_is_the_in_memory_value():
+    da = pytest.importorskip("dask.array")
+    import mha.dask
+
+    w, x = layer(4, 4, 2)
+    keywords = {"num_kv_heads": 2, "causal": True, "rope_theta": 100.0, "scale": 1.0,
+                "q_norm": w["q_norm"], "k_norm": w["k_norm"], "v_norm": EPS}  # fmt: skip
+    exact = mha.multi_head_attention(x, x, x, w["W_q"], w["W_k"], w["W_v"], w["W_o"], 4, **keywords)
+    lazy = mha.dask.multi_head_attention(
+        da.from_array(x, chunks=(1, 4, E)), x, x, w["W_q"], w["W_k"], w["W_v"], w["W_o"], 4,
+        **keywords,
+    )  # fmt: skip
+    assert relative_error(lazy.compute(scheduler="sync"), exact) <= 1e-14
+
+
+# KV sharing ----------------------------------------------------------------------------
+
+
+def sharing_pair(window=None):
+    """Layer 0 and a layer 3 attending with layer 0's keys and values, and a reference for
+    layer 3: the same queries, over keys and values projected by layer 0's weights."""
+    settings = {"num_kv_heads": 2, "head_dim": d, "rope_theta": 100.0, "scale": 1.0,
+                "qk_norm": "head", "v_norm": EPS, "window": window}  # fmt: skip
+    owner = mha.MultiHeadAttention(E, 4, seed=0, **settings)
+    shared = mha.MultiHeadAttention(E, 4, seed=1, shares_kv_with=0, **settings)
+    reference = mha.MultiHeadAttention(E, 4, seed=1, **settings)
+    reference.W_k, reference.W_v, reference.k_norm = owner.W_k, owner.W_v, owner.k_norm
+    return owner, shared, reference
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_shared_layer_reads_the_owners_cache_without_appending(window):
+    """Whole sequences (the owner's cache without a window) and a prefill then one token at
+    a time (the owner's own cache, with its window): the queries of the sharing layer over
+    the owner's keys and values, which its calls leave as they are."""
+    owner, shared, reference = sharing_pair(window)
+    g = np.random.default_rng(2)
+    x_owner, x = g.standard_normal((2, B, 9, E))
+    expected = reference(x, key=x_owner, mask=True)
+    cache = mha.KVCache(B, 2, d)
+    owner(x_owner, cache=cache)
+    held = cache.k.copy()
+    assert relative_error(shared(x, cache=cache), expected) <= 1e-15
+    assert cache.lengths.tolist() == [9, 9] and np.array_equal(cache.k, held)
+    cache = owner.new_cache(B)
+    steps = []
+    for start, stop in [(0, 4), *((t, t + 1) for t in range(4, 9))]:
+        owner(x_owner[:, start:stop], cache=cache)
+        steps.append(shared(x[:, start:stop], cache=cache))
+    assert relative_error(np.concatenate(steps, axis=1), expected) <= 1e-14
+    assert "shares_kv_with=0" in repr(shared) and shared.spec.shares_kv_with == 0
+
+
+def test_a_shared_layer_refuses_what_it_cannot_read(tmp_path):
+    owner, shared, _ = sharing_pair(window=3)
+    x = np.random.default_rng(3).standard_normal((B, 9, E))
+    with pytest.raises(AttentionValueError, match="attends with layer 0's keys and values"):
+        shared(x, mask=True)
+    with pytest.raises(AttentionTypeError, match=r"an mha\.KVCache; got PagedKVCache"):
+        shared(x, cache=mha.PagedKVCache(num_blocks=4, block_size=4, num_kv_heads=2, head_dim=d))
+    cache = owner.new_cache(B)
+    owner(x, cache=cache)  # a prompt longer than the window: the first positions are gone
+    with pytest.raises(AttentionValueError, match="no longer holds the positions"):
+        shared(x, cache=cache)
+    with pytest.raises(AttentionValueError, match="fewer than the 10 new tokens"):
+        shared(np.concatenate([x, x[:, :1]], axis=1), cache=cache)
+    with pytest.raises(AttentionValueError, match="query_lengths= cannot be combined"):
+        shared(x[:, :1], cache=cache, query_lengths=[1, 1])
+    shared.save(tmp_path / "shared.npz")
+    assert mha.MultiHeadAttention.load(tmp_path / "shared.npz").shares_kv_with == 0
+
+
+# The checkpoints' layers against transformers' modules -----------------------------------
+
+
+@pytest.mark.parametrize("family", ["gemma3n", "gemma4", "gemma4_unified"])
+def test_each_layer_reads_what_transformers_modules_hold(family, transformers):
+    """Settings against transformers' attention modules (their width, heads, scaling,
+    window, norms' epsilons, which layer's keys and values they take), weights against
+    the modules' own: a sharing layer's keys and values are its owner's, a layer whose
+    values are its keys' projection has ``W_v == W_k``."""
+    from support import pretrained_models as models
+
+    from mha.integrations.checkpoint import Checkpoint
+    from mha.integrations.readers import layer_attention
+
+    model = models.transformers_model(family)
+    config, modules = model.config, models.attention_modules(model)
+    modes = config.kv_sharing_modes
+    for index, attention in enumerate(modules):
+        _, settings, weights = layer_attention(Checkpoint(models.saved(family)), index, np.float64)
+        heads = attention.q_proj.out_features // attention.head_dim
+        assert (settings["num_heads"], settings["head_dim"]) == (heads, attention.head_dim)
+        assert settings["scale"] == attention.scaling == 1.0
+        assert settings["window"] == attention.sliding_window
+        assert settings["v_norm"] == settings["qk_norm_eps"] == config.rms_norm_eps
+        owner = index
+        if modes[index] == "reuse":
+            owner = settings["shares_kv_with"]
+            assert modes[owner] == "store" and attention.layer_type == modules[owner].layer_type
+        else:
+            assert settings["shares_kv_with"] is None
+        source = modules[owner]
+        assert settings["num_kv_heads"] == source.k_proj.out_features // attention.head_dim
+        own = {"W_q": attention.q_proj, "W_o": attention.o_proj, "W_k": source.k_proj}
+        own |= {"W_v": source.v_proj if source.v_proj is not None else source.k_proj}
+        for name, module in own.items():
+            assert np.array_equal(weights[name], module.weight.detach().numpy().T), name
+        assert np.array_equal(weights["q_norm"], attention.q_norm.weight.detach().numpy())
+        assert np.array_equal(weights["k_norm"], source.k_norm.weight.detach().numpy())
+        keys_as_values = getattr(source, "use_alternative_attention", False)
+        assert keys_as_values == (family == "gemma4" and index > 0)
+        assert sorted(weights) == ["W_k", "W_o", "W_q", "W_v", "k_norm", "q_norm"]
+
+
+def test_the_values_of_keys_as_values_are_read_from_the_keys(monkeypatch, transformers):
+    """Gemma 4's full layers with ``attention_k_eq_v`` have no ``v_proj``: a row that does
+    not read the key would look for one, and not find it."""
+    from dataclasses import replace
+
+    from support import pretrained_models as models
+
+    from mha.integrations import readers
+
+    row = readers.FAMILIES["gemma4_text"]
+    unread = replace(row, values=replace(row.values, keys=None))
+    monkeypatch.setitem(readers.FAMILIES, "gemma4_text", unread)
+    with pytest.raises(mha.WeightsFileError, match=r"lacks v_proj\.weight"):
+        mha.from_pretrained(models.saved("gemma4"), layer=1)
+
+
+@pytest.mark.parametrize(
+    ("change", "refusal"),
+    [
+        ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all'"),
+        ({"per_layer_config": {"1": {"sliding_window": 3}}}, r"per_layer_config\[1\] overriding"),
+        ({"per_layer_config": {"1": {"head_dim": 0}}}, "its positive head_dim"),
+        ({"num_kv_shared_layers": 5}, "num_kv_shared_layers=5; a number of its 3 layers"),
+    ],
+)
+def test_what_gemma4_computes_beyond_mha_is_refused_by_name(tmp_path, change, refusal,
+                                                            transformers):  # fmt: skip
+    import json
+    import shutil
+
+    from support import pretrained_models as models
+
+    folder = shutil.copytree(models.saved("gemma4"), tmp_path / "gemma4")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(AttentionValueError, match=refusal) as error:
+        mha.from_pretrained(folder, layer=1)
+    assert str(folder) in str(error.value)
+
+
+def test_older_gemma4_configs_give_the_full_layers_heads_by_global_keys(tmp_path, transformers):
+    """A config without ``per_layer_config``: the full layers' ``global_head_dim`` and, with
+    ``attention_k_eq_v``, ``num_global_key_value_heads``, as the config class reads them."""
+    import json
+    import shutil
+
+    from support import pretrained_models as models
+
+    folder = shutil.copytree(models.saved("gemma4"), tmp_path / "gemma4")
+    config = json.loads((folder / "config.json").read_text())
+    del config["per_layer_config"]
+    config |= {"global_head_dim": 16, "num_global_key_value_heads": 1}
+    (folder / "config.json").write_text(json.dumps(config))
+    for index in range(3):
+        ours = mha.from_pretrained(folder, layer=index)
+        theirs = mha.from_pretrained(models.saved("gemma4"), layer=index)
+        assert ours.spec == theirs.spec, index

@@ -389,7 +389,13 @@ HYBRIDS = ("granitemoehybrid", "falcon_h1", "jamba", "nemotron_h", "bamba", "lfm
            "minimax", "olmo_hybrid", "lara_mini", "recurrent_gemma")  # fmt: skip
 """The hybrid models: attention layers between Mamba or convolution layers (Falcon-H1's
 beside a Mamba mixer in each layer)."""
-LLAMA_LAYOUT = tuple(family for family in FAMILIES if family not in OTHER_LAYOUTS + HYBRIDS)
+GEMMA_VALUES = ("gemma3n", "gemma4", "gemma4_unified")
+"""Gemma 3n's and Gemma 4's: layers without keys and values of their own (KV sharing), keys
+as values, heads of each layer's own width (their layers' settings and weights are checked
+against transformers' modules in test_gemma4.py)."""
+LLAMA_LAYOUT = tuple(
+    family for family in FAMILIES if family not in OTHER_LAYOUTS + HYBRIDS + GEMMA_VALUES
+)
 """The families whose attention is Llama's module in every layer, ``model.layers[i].self_attn``,
 with its attributes (``scaling``, ``head_dim``, ``q_proj``, ...)."""
 

@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from ..errors import AttentionTypeError
-from .qk_norm import rms_norm
 from .rotary import positive_real
 
 __all__ = ["check_v_norm", "v_norm", "v_norm_backward"]
@@ -44,7 +43,9 @@ def check_v_norm(eps: Any) -> float | None:
 def v_norm(v: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The heads ``v (*B, H_kv, S, d_v)`` normalised, with what the backward needs: ``(y,
     y, r)`` (the normalised rows are the output: there is no weight)."""
-    return rms_norm(v, np.ones((), v.dtype), eps)
+    r = 1.0 / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps)
+    normed = v * r
+    return normed, normed, r
 
 
 def v_norm_backward(dy: np.ndarray, normed: np.ndarray, r: np.ndarray) -> np.ndarray:
