@@ -1,8 +1,13 @@
-"""``v_norm`` (Gemma 3n, Gemma 4): each value head divided by its root mean square, without
-weights, after the projection. The forward against a torch transcription of transformers'
-layer (QK-norm, rotation, the value norm, a scale of 1), the backward against torch.autograd,
-in float64; the module's caches (holding the normalised values) and saved files; the errors.
-The families' own layers are compared in tests/test_pretrained.py."""
+"""What Gemma 3n and Gemma 4 add to the attention. ``v_norm``: each value head divided by its
+root mean square, without weights, after the projection; the forward against a torch
+transcription of transformers' layer (QK-norm, rotation, the value norm, a scale of 1), the
+backward against torch.autograd, in float64; the module's caches (holding the normalised
+values), saved files and mha.dask; the errors. KV sharing (``shares_kv_with``): a layer
+reading another layer's cache without appending, against the same queries over that
+layer's keys and values. The checkpoints' layers against transformers' attention modules
+(their settings and weights: a sharing layer's keys and values are its owner's, keys as
+values), and what mha refuses of Gemma 4's configs. The families' layers are compared with
+transformers' outputs in tests/test_pretrained.py and the census."""
 
 from __future__ import annotations
 
@@ -248,7 +253,7 @@ def test_the_values_of_keys_as_values_are_read_from_the_keys(monkeypatch, transf
     [
         ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all'"),
         ({"per_layer_config": {"1": {"sliding_window": 3}}}, r"per_layer_config\[1\] overriding"),
-        ({"per_layer_config": {"1": {"head_dim": 0}}}, "its positive head_dim"),
+        ({"per_layer_config": {"1": {"head_dim": 0}}}, "heads of layer 1 .* must be positive"),
         ({"num_kv_shared_layers": 5}, "num_kv_shared_layers=5; a number of its 3 layers"),
     ],
 )
@@ -284,3 +289,11 @@ def test_older_gemma4_configs_give_the_full_layers_heads_by_global_keys(tmp_path
         ours = mha.from_pretrained(folder, layer=index)
         theirs = mha.from_pretrained(models.saved("gemma4"), layer=index)
         assert ours.spec == theirs.spec, index
+    del config["global_head_dim"]  # the config class's 512
+    config["layer_types"] = ["sliding_attention"] * 3  # the last layer full all the same
+    (folder / "config.json").write_text(json.dumps(config))
+    assert mha.from_pretrained(folder, layer=0).window == 5
+    with pytest.raises(mha.WeightsFileError, match=r"lacks v_proj\.weight"):  # a sliding layer
+        mha.from_pretrained(folder, layer=1)
+    with pytest.raises(AttentionValueError, match="no layer before layer 2 is a full_attention"):
+        mha.from_pretrained(folder, layer=2)

@@ -87,17 +87,17 @@ def gemma4_heads(
     read: Settings, index: int, layer_type: str, heads: tuple[int, int, int]
 ) -> tuple[int, int, int]:
     """Gemma 4's heads of layer ``index``: its ``per_layer_config`` entry's ``head_dim`` and
-    ``num_key_value_heads``; without one (an older config), the full layers'
-    ``global_head_dim`` and, with ``attention_k_eq_v``, ``num_global_key_value_heads``."""
+    ``num_key_value_heads``; without one (an older config), as its config class fills it
+    in: the full layers' ``global_head_dim`` (512 by default) and, with
+    ``attention_k_eq_v``, ``num_global_key_value_heads``."""
     H, H_kv, d = heads
     overrides = read.get("per_layer_config")
     if overrides is None:
         if layer_type != FULL:
             return heads
-        d = read.positive("global_head_dim")
-        if read.get("attention_k_eq_v"):
-            H_kv = read.positive("num_global_key_value_heads", optional=True) or H_kv
-        return H, H_kv, d
+        wide = {"head_dim": read.given("global_head_dim", 512)}
+        shared = read.given("num_global_key_value_heads") if read.get("attention_k_eq_v") else None
+        overrides = {str(index): wide | ({} if shared is None else {"num_key_value_heads": shared})}
     entry: Any = None
     if isinstance(overrides, dict):
         entry = overrides.get(str(index), overrides.get(index))
@@ -105,13 +105,11 @@ def gemma4_heads(
             return heads
     sizes = [entry.get(key, 1) for key in ("head_dim", "num_key_value_heads")] if isinstance(
         entry, dict) else [None]  # fmt: skip
-    if not isinstance(entry, dict) or not all(
-        isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes
-    ):
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
         raise AttentionValueError(
-            f"{read.path}: config.json has per_layer_config={overrides!r}; an object of layer "
-            f"indices, each with its positive head_dim and num_key_value_heads, is needed "
-            f"(layer {index})"
+            f"{read.path}: config.json's heads of layer {index} ({overrides!r}) must be "
+            "positive numbers: per_layer_config's (or global_head_dim and "
+            "num_global_key_value_heads) head_dim and num_key_value_heads"
         )
     refused = sorted(set(entry) & set(_ATTENTION_KEYS))
     if refused:
