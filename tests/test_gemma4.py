@@ -86,7 +86,8 @@ def test_v_norm_forward_and_backward_match_torch(H, H_kv, rotary, torch, record_
 
 def test_v_norm_module_cache_and_saved_file_match_the_function(tmp_path):
     """The module computes the function's values; a cache holds the normalised values, and
-    a prefill then one token at a time gives the whole sequence's outputs."""
+    a prefill then one token at a time gives the whole sequence's outputs (a paged cache
+    too)."""
     w, x = layer(3, 4, 2)
     attention = mha.MultiHeadAttention(E, 4, num_kv_heads=2, head_dim=d, rope_theta=100.0,
                                        scale=1.0, qk_norm="head", v_norm=EPS, seed=0)  # fmt: skip
@@ -101,6 +102,11 @@ def test_v_norm_module_cache_and_saved_file_match_the_function(tmp_path):
     held = cache.v[:, :, :L]
     assert np.allclose(np.mean(held * held, axis=-1), 1.0, atol=1e-5)  # the normalised ones
     assert attention.spec.v_norm == EPS and "v_norm=1e-06" in repr(attention)
+    paged = mha.PagedKVCache(16, 4, 2, d, dtype=np.float64)
+    paged.add("a")
+    paged.add("b")
+    steps = [attention(x[:, :5], cache=paged), attention(x[:, 5:], cache=paged)]
+    assert relative_error(np.concatenate(steps, axis=1), whole) <= 1e-13
     attention.save(tmp_path / "layer.npz")
     loaded = mha.MultiHeadAttention.load(tmp_path / "layer.npz")
     assert loaded.v_norm == EPS
