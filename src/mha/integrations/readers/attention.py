@@ -44,13 +44,14 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     H, H_kv, d = heads = family.heads_of(read)
     if family.heads_by_layer is not None:
         H, H_kv, d = heads = (_layer_heads(family.heads_by_layer, read, index, H), H_kv, d)
-    layer_type = family.windows.layer_type(read, index)
-    if family.values is not None:  # Gemma 4's heads of each layer
-        H, H_kv, d = heads = family.values.layer_heads(read, index, layer_type, heads)
+    if family.values is not None:  # Gemma 4's heads of each layer (by its type)
+        kind = family.windows.layer_type(read, index)
+        H, H_kv, d = heads = family.values.layer_heads(read, index, kind, heads)
     if not layout.grouped(heads):
         raise read.refuse(f"{H} heads of {d} features, which its {layout.qkv} cannot split")
     for option in family.refused():
         option.check(read)
+    layer_type = family.windows.layer_type(read, index)
     alibi = family.alibi.slopes(read, H, d) if family.alibi and family.alibi.on(read) else None
     window = family.windows.size(read) if layer_type == SLIDING else None
     norm = family.qk_norm if family.qk_norm and family.qk_norm.applies(read) else None
