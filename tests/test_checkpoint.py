@@ -822,7 +822,8 @@ def test_gemma3_keeps_no_softcap_as_its_attention_does(tmp_path, transformers):
         ("llama", {"model_type": "made_up"}, "model_type 'made_up': it is not supported; the "
          "model types mha reads are llama, mistral, qwen2, qwen3, gemma2, gemma3_text, olmo2"),
         ("llama", {"model_type": "bert"}, "model_type 'bert': an encoder run as a decoder"),
-        ("llama", {"model_type": "qwen3_next"}, "layer 0 of this Qwen3-Next checkpoint is a Gated DeltaNet linear-attention layer"),
+        ("llama", {"model_type": "qwen3_next"},
+         "layer 0 of this Qwen3-Next checkpoint is a Gated DeltaNet linear-attention layer"),
         ("llama", {"model_type": None}, "config.json names no model_type"),
         ("llama4_text", {"layer_types": ["full_attention", "sliding_attention", "full_attention"]},
          "llama4_text with layer_types=['full_attention', 'sliding_attention', 'full_attention'] "

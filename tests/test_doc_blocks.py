@@ -28,6 +28,7 @@ CHECKPOINTS = {
     '"Qwen3-0.6B"': "qwen3",
     '"DeepSeek-V2-Lite"': "deepseek_v2",
     '"Jamba-v0.1"': "jamba",
+    '"gemma-3n-E2B"': "gemma3n",
 }
 
 # Blocks run elsewhere or not run, found by a line they hold: (page, line) -> why.

@@ -92,7 +92,8 @@ CASES = [
         "W_v vs W_o",
         lambda: call(W_o=W[3][:6]),
         ShapeError,
-        r"W_o has 6 rows but the 2 joined heads of width 4 \(from W_v \(8, 8\)\) feed it 8 \(W_v \(8, 8\), W_o \(6, 8\)\)",
+        r"W_o has 6 rows but the 2 joined heads of width 4 \(from W_v \(8, 8\)\) feed it 8 "
+        r"\(W_v \(8, 8\), W_o \(6, 8\)\)",
     ),
     (
         "Q rank",

@@ -65,12 +65,26 @@ def load(family, layer):
     return kind.from_pretrained(models.saved(family), layer=layer, dtype=np.float64)
 
 
+def whole(family, layer):
+    """Layer ``layer``'s output on its whole sequence. A layer that attends with another's
+    keys and values (Gemma 3n's and Gemma 4's KV sharing) reads that layer's cache, filled by
+    that layer's call on its own input (a cache without a window: the whole prompt)."""
+    attention, (x, _) = load(family, layer), oracle(family)[layer][0]
+    source = getattr(attention, "shares_kv_with", None)
+    if source is None:
+        return attention(x, mask=True)
+    owner = load(family, source)
+    cache = mha.KVCache(B, owner.num_kv_heads, owner.head_dim)
+    owner(oracle(family)[source][0][0], cache=cache)
+    return attention(x, cache=cache)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_whole_sequences_match_transformers(family, transformers, record_error):
     for layer, calls in oracle(family).items():
         x, expected = calls[0]
         assert x.shape == (B, L, 48) and np.abs(expected).max() > 0.1
-        error = relative_error(load(family, layer)(x, mask=True), expected)
+        error = relative_error(whole(family, layer), expected)
         assert record_error(f"pretrained {family}, float64", error) <= TOLERANCE, layer
 
 
@@ -78,9 +92,13 @@ def test_whole_sequences_match_transformers(family, transformers, record_error):
 def test_prefill_then_decoding_matches_transformers_cache(family, transformers, record_error):
     for layer, calls in oracle(family).items():
         attention = load(family, layer)
-        ours = attention.new_cache(B)
+        source = getattr(attention, "shares_kv_with", None)  # KV sharing: that layer's cache
+        owner = None if source is None else load(family, source)
+        ours = (owner or attention).new_cache(B)
         assert len(calls) == 2 + L - PREFILL
-        for x, expected in calls[1:]:
+        for step, (x, expected) in enumerate(calls[1:], 1):
+            if owner is not None:  # the owner's step first, as transformers runs the layers
+                owner(oracle(family)[source][step][0], cache=ours)
             error = relative_error(attention(x, cache=ours), expected)
             assert record_error(f"pretrained {family} cached decoding, float64", error) <= (
                 TOLERANCE
@@ -248,6 +266,12 @@ CHANGES = {
                       {"rope_theta": 10000.0}, {"b_v": None}],
     "diffllama": [{"lambda_init": 0.1}, {"differential_eps": 1e-6}, {"rope_theta": 10000.0},
                   {"b_o": None}],
+    # the values' norm; layer 2 attending with its own keys and values (layer 0's weights)
+    "gemma3n": [{"v_norm": None}, {"shares_kv_with": None}, {"scale": None}, {"window": None},
+                {"qk_norm_offset": 1.0}],
+    "gemma4": [{"v_norm": None}, {"shares_kv_with": None}, {"rope_scaling": None},
+               {"scale": None}, {"window": None}],
+    "gemma4_unified": [{"v_norm": None}, {"rope_scaling": None}, {"window": None}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3
@@ -262,12 +286,9 @@ def test_every_setting_read_matters_in_these_models(family, monkeypatch, transfo
     baseline = None
     for change in CHANGES[family]:
         monkeypatch.setattr(readers, "layer_attention", models.changed(read, change))
-        whole = {layer: calls[0] for layer, calls in oracle(family).items()}  # (x, expected)
-        outputs = [load(family, layer)(x, mask=True) for layer, (x, _) in whole.items()]
-        errors = [
-            relative_error(out, expected)
-            for out, (_, expected) in zip(outputs, whole.values(), strict=True)
-        ]
+        expected = [calls[0][1] for calls in oracle(family).values()]
+        outputs = [whole(family, layer) for layer in oracle(family)]
+        errors = [relative_error(out, e) for out, e in zip(outputs, expected, strict=True)]
         assert max(errors) > 1e-4, (change, errors)
         if family == "phi3" and "rotary_dim" in change:  # against the change before it
             assert max(relative_error(a, b) for a, b in zip(outputs, baseline, strict=True)) > 1e-4

@@ -182,6 +182,7 @@ def _layer_probes(rng):
         "b_g": ({"W_g": gate, "b_g": rng.standard_normal(2)}, {"W_g": gate}),
         "output_gate": ({"W_g": gate, "output_gate": "softplus"}, {"W_g": gate}),
         "clip_qkv": {"clip_qkv": 0.5},
+        "v_norm": {"v_norm": 1e-6},
         "qk_layernorm": ({**norms, "qk_layernorm": True}, norms),
         "qk_norm_after_rope": ({**theta, **norms, "qk_norm_after_rope": True}, {**theta, **norms}),
         "q_norm_bias": ({**layer_norms, "q_norm_bias": head, "k_norm_bias": head}, layer_norms),

@@ -413,6 +413,29 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # halves of 2: each query head's values two of them joined)
     "diffllama": ("DiffLlama", {"num_attention_heads": 8, "num_key_value_heads": 4,
                                 "attention_bias": True, "rms_norm_eps": 1e-2}),
+    # the values' norm; layer 2 attends with layer 0's keys and values (KV sharing)
+    "gemma3n": ("Gemma3nText", {"sliding_window": 5, "layer_types": [SLIDING, FULL, SLIDING],
+                                "num_kv_shared_layers": 1, "laurel_rank": 8,
+                                "hidden_size_per_layer_input": 8,
+                                "vocab_size_per_layer_input": 64, "rope_parameters": {
+                                    SLIDING: {"rope_type": "default", "rope_theta": 100.0},
+                                    FULL: {"rope_type": "default", "rope_theta": 3000.0}}}),
+    # full layers of wider heads, one key/value head, values that are the keys' projection
+    # and a proportional rope; layer 2 attends with layer 1's keys and values
+    "gemma4": ("Gemma4Text", {"sliding_window": 5, "layer_types": [SLIDING, FULL, FULL],
+                              "num_kv_shared_layers": 1, "attention_k_eq_v": True,
+                              "global_head_dim": 16, "num_global_key_value_heads": 1,
+                              "hidden_size_per_layer_input": 8,
+                              "vocab_size_per_layer_input": 64, "rope_parameters": {
+                                  SLIDING: {"rope_type": "default", "rope_theta": 100.0},
+                                  FULL: {"rope_type": "proportional", "rope_theta": 3000.0,
+                                         "partial_rotary_factor": 0.5}}}),
+    "gemma4_unified": ("Gemma4UnifiedText", {"sliding_window": 5, "global_head_dim": 8,
+                                             "layer_types": [SLIDING, SLIDING, FULL],
+                                             "rope_parameters": {
+        SLIDING: {"rope_type": "default", "rope_theta": 100.0},
+        FULL: {"rope_type": "proportional", "rope_theta": 3000.0,
+               "partial_rotary_factor": 0.25}}}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
@@ -437,7 +460,13 @@ HYBRIDS = ("granitemoehybrid", "falcon_h1", "jamba", "nemotron_h", "bamba", "lfm
            "qwen3_5_moe_text", "lfm3", "bailing_hybrid")  # fmt: skip
 """The hybrid models: attention layers between Mamba or convolution layers (Falcon-H1's
 beside a Mamba mixer in each layer)."""
-LLAMA_LAYOUT = tuple(family for family in FAMILIES if family not in OTHER_LAYOUTS + HYBRIDS)
+GEMMA_VALUES = ("gemma3n", "gemma4", "gemma4_unified")
+"""Gemma 3n's and Gemma 4's: layers without keys and values of their own (KV sharing), keys
+as values, heads of each layer's own width (their layers' settings and weights are checked
+against transformers' modules in test_gemma4.py)."""
+LLAMA_LAYOUT = tuple(
+    family for family in FAMILIES if family not in OTHER_LAYOUTS + HYBRIDS + GEMMA_VALUES
+)
 """The families whose attention is Llama's module in every layer, ``model.layers[i].self_attn``,
 with its attributes (``scaling``, ``head_dim``, ``q_proj``, ...)."""
 

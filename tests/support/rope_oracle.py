@@ -138,8 +138,13 @@ def _make_float64(rotary: Any) -> None:
         prefix = "" if layer_type is None else f"{layer_type}_"
         rope_type = rotary.rope_type if layer_type is None else rotary.rope_type[layer_type]
         keywords = {} if layer_type is None else {"layer_type": layer_type}
+        config = rotary.config
+        if layer_type is not None and "per_layer_config[layer_type]" in inspect.getsource(
+            type(rotary).__init__
+        ):  # Gemma 4: the config of that layer type (its heads' width)
+            config = config.per_layer_config[layer_type]
         with float64_torch():
-            inv_freq, attention = init_function(rotary, rope_type)(rotary.config, **keywords)
+            inv_freq, attention = init_function(rotary, rope_type)(config, **keywords)
         single = getattr(rotary, f"{prefix}original_inv_freq")
         error = ((inv_freq - single.double()).abs() / single.double().abs().clamp_min(1e-300)).max()
         if inv_freq.dtype != torch.float64 or not error <= FAITHFUL:

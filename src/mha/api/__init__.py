@@ -12,6 +12,8 @@
 * ``cache``: :class:`mha.KVCache`; ``rotary``: :func:`mha.apply_rotary`, with
   ``rope_scaling``: transformers' rope types;
 * ``qk_norm``: the RMSNorm of queries and keys (Qwen3, Gemma 3, OLMo 2), both ways;
+  ``v_norm``: the values' RMSNorm without weights (Gemma 3n, Gemma 4); ``shared_kv``: a
+  layer attending with another layer's cache, read without appending (KV sharing);
 * ``latent``, ``latent_math``: :class:`mha.LatentAttention` (DeepSeek's multi-head latent
   attention, by the absorbed form on the same kernel);
 * ``signatures``: the keyword options behind the entry points' typed overloads.

@@ -25,6 +25,7 @@ from .qk_norm import KINDS as QK_NORM_KINDS
 from .qk_norm import check_offset
 from .rope_scaling import check_base, check_rope_scaling
 from .rotary import check_rotary_options, positive_real
+from .v_norm import check_v_norm
 from .variants import alibi_slopes, check_query_temperature, check_scores
 
 if TYPE_CHECKING:
@@ -46,8 +47,8 @@ class LayerSpec:
     ``sink_tokens``, ``softcap``, ``alibi``, ``chunk``, ``scale``, ``qk_norm``,
     ``qk_norm_eps``, ``qk_norm_offset``, ``add_zero_attn``, ``output_gate``,
     ``output_gate_per_head``, ``query_temperature``, ``v_head_dim`` (the values' head
-    width, when it differs from the keys': MiMo-V2-Flash), ``clip_qkv``, ``qk_layernorm``
-    and ``qk_norm_after_rope`` (each ``None``, or ``False``,
+    width, when it differs from the keys': MiMo-V2-Flash), ``clip_qkv``, ``qk_layernorm``,
+    ``qk_norm_after_rope``, ``v_norm`` and ``shares_kv_with`` (each ``None``, or ``False``,
     for its default; ``head_dim`` then comes from the weights). The pair ``(spec, weights)``
     is what a reader of another format produces (:mod:`mha.integrations.readers`) and
     :meth:`Configuration.from_spec` builds a layer from.
@@ -81,6 +82,8 @@ class LayerSpec:
     clip_qkv: Any = None
     qk_layernorm: Any = False
     qk_norm_after_rope: Any = False
+    v_norm: Any = None
+    shares_kv_with: Any = None
 
     kind = "attention"
     """What a reader's spec builds (:meth:`Configuration.from_spec`)."""
@@ -142,6 +145,8 @@ class Configuration:
     clip_qkv: float | None  # the projections clamped to [-clip_qkv, clip_qkv]
     qk_layernorm: bool  # the QK-norm a LayerNorm
     qk_norm_after_rope: bool  # the QK-norm after the rotation (HunYuan)
+    v_norm: float | None  # the epsilon of the values' RMSNorm without weights (Gemma 3n, 4)
+    shares_kv_with: int | None  # the layer whose keys and values it attends with (shared_kv.py)
     q_norm_bias: np.ndarray | None
     k_norm_bias: np.ndarray | None
 
@@ -259,6 +264,10 @@ class Configuration:
         if spec.query_temperature is not None:
             self.query_temperature = check_query_temperature(spec.query_temperature).keyword()
         self.clip_qkv = check_clip_qkv(spec.clip_qkv)
+        self.v_norm = check_v_norm(spec.v_norm)
+        self.shares_kv_with = None
+        if spec.shares_kv_with is not None:
+            self.shares_kv_with = non_negative_int("shares_kv_with", spec.shares_kv_with)
 
     @property
     def has_bias(self) -> bool:
@@ -317,6 +326,8 @@ class Configuration:
             "qk_norm": None,
             "query_temperature": None,
             "clip_qkv": None,
+            "v_norm": None,
+            "shares_kv_with": None,
         }
         dims = "".join(
             f", {name}={getattr(self, name)!r}"
@@ -394,6 +405,8 @@ class Configuration:
             "clip_qkv": self.clip_qkv,
             "qk_layernorm": self.qk_layernorm,
             "qk_norm_after_rope": self.qk_norm_after_rope,
+            "v_norm": self.v_norm,
+            "shares_kv_with": self.shares_kv_with,
             "dtype": self._held_dtype().name,
         }
 
@@ -433,6 +446,8 @@ class Configuration:
             self.clip_qkv,
             self.qk_layernorm,
             self.qk_norm_after_rope,
+            self.v_norm,
+            self.shares_kv_with,
         )
 
     @classmethod

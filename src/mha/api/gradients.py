@@ -26,6 +26,7 @@ from ..errors import AttentionValueError, ShapeError
 from .checks import Call
 from .clip import clip_backward
 from .rotary import apply_rotary
+from .v_norm import v_norm_backward
 
 __all__ = [
     "Fingerprints",
@@ -235,6 +236,8 @@ class ProjectedBackward:
         if "clip" in self.saved:  # through the clamp of q, k, v (clip_qkv)
             q_in, k_in, v_in = self.saved["clip"]
             dq, dk, dv = clip_backward(dq, q_in), clip_backward(dk, k_in), clip_backward(dv, v_in)
+        if "v" in self.saved:  # through the values' norm (v_norm)
+            dv = v_norm_backward(dv, *self.saved["v"])
         if call.qk_norm is not None and not after:  # through the norm of q and k
             dq = self._norm_backward(dq, "q", H, grads)
             dk = self._norm_backward(dk, "k", call.H_kv, grads)

@@ -25,6 +25,7 @@ from .layouts import Layouts
 from .paged_cache import PagedKVCache
 from .plans import checked_layer
 from .projection import compute
+from .shared_kv import shared_view
 from .spec import Checked, MhaKeywords, check_mha
 
 if TYPE_CHECKING:
@@ -77,9 +78,13 @@ class MultiHeadAttention(Layouts):
     b_g)`` before ``W_o``, per element, or per head with ``output_gate_per_head``; the module
     owns ``W_g``, and ``b_g`` with ``bias``), ``query_temperature`` (Llama 4's and
     Ministral 3's and Beam's queries scaled by their position: ``(beta, floor, offset[, law])``, as
-    :func:`mha.scaled_dot_product_attention` takes it) and ``clip_qkv`` (DBRX, OLMo: the
-    projections clamped to ``[-clip_qkv, clip_qkv]``). :meth:`from_pretrained` reads a layer
-    of a transformers checkpoint with all of them.
+    :func:`mha.scaled_dot_product_attention` takes it), ``clip_qkv`` (DBRX, OLMo: the
+    projections clamped to ``[-clip_qkv, clip_qkv]``) and ``v_norm`` (Gemma 3n, Gemma 4: the
+    epsilon of an RMSNorm without weights of each value head). ``shares_kv_with``: the index
+    of the layer whose keys and values this one attends with (Gemma 3n's and Gemma 4's KV
+    sharing): it is called with that layer's cache, after that layer's call on the same
+    tokens, and reads it without appending (:mod:`.shared_kv`). :meth:`from_pretrained` reads
+    a layer of a transformers checkpoint with all of them.
 
     The class holds configuration and weights and delegates to the function's own path (same
     inputs, same bits): its settings and weights are checked in :mod:`.configuration`, the
@@ -131,6 +136,8 @@ class MultiHeadAttention(Layouts):
         clip_qkv: float | None = None,
         qk_layernorm: Flag = False,
         qk_norm_after_rope: Flag = False,
+        v_norm: float | None = None,
+        shares_kv_with: SupportsIndex | None = None,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
     ) -> None:
@@ -145,7 +152,8 @@ class MultiHeadAttention(Layouts):
             H, num_kv_heads, E // H if head_dim is None else head_dim, rope_theta, rotary_dim,
             rotary_interleaved, rope_scaling, window, sink_tokens, softcap, alibi, chunk, scale,
             qk_norm, qk_norm_eps, qk_norm_offset, add_zero_attn, output_gate, output_gate_per_head,
-            query_temperature, v_head_dim, clip_qkv, qk_layernorm, qk_norm_after_rope,
+            query_temperature, v_head_dim, clip_qkv, qk_layernorm, qk_norm_after_rope, v_norm,
+            shares_kv_with,
         )  # fmt: skip
         self._configure(spec, (E, E if kdim is None else kdim, E if vdim is None else vdim))
         if not isinstance(bias, (bool, np.bool_)):
@@ -320,6 +328,8 @@ class MultiHeadAttention(Layouts):
             "additive mask of 0 and -inf pass bias=",
         )
         query = as_float_array("query", query)
+        if self.shares_kv_with is not None:  # another layer's cache, read (shared_kv.py)
+            cache = shared_view(cache, query.shape[-2], query_lengths, self.shares_kv_with)
         if key is None and value is not None:
             raise AttentionValueError(
                 "forward got value= without key=: give key= too (value defaults to key)"
@@ -375,7 +385,7 @@ class MultiHeadAttention(Layouts):
             None if self.qk_norm is None else self.qk_norm_eps,
             None if self.qk_norm is None else self.qk_norm_offset, cache, padding_side,
             return_backward, dropout_p, generator, self.output_gate, self.clip_qkv,
-            self.qk_layernorm, self.qk_norm_after_rope,
+            self.qk_layernorm, self.qk_norm_after_rope, self.v_norm,
         )  # fmt: skip
         weights = LayerWeights(
             self.W_q,

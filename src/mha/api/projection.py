@@ -32,6 +32,7 @@ from .qk_norm import QKNorm
 from .rotary import apply_rotary
 from .selection import select_keys
 from .spec import MhaKeywords, check_mha
+from .v_norm import v_norm
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -131,6 +132,7 @@ def multi_head_attention(
     b_g: Any = None,
     output_gate: str | None = None,
     clip_qkv: float | None = None,
+    v_norm: float | None = None,
     cache: KVCache | PagedKVCache | None = None,
     padding_side: str | None = None,
     return_backward: Flag = False,
@@ -200,6 +202,9 @@ def multi_head_attention(
     * ``clip_qkv``: the projected queries, keys and values clamped to ``[-clip_qkv,
       clip_qkv]`` (DBRX, OLMo, OLMoE, MPT), after the QK-norm and before the rotation and
       the scale; the gradients pass where a value was inside.
+    * ``v_norm``: the epsilon of an RMSNorm without weights of each value head (Gemma 3n,
+      Gemma 4), after the projection (and before the cache: it holds the normalised
+      values); ``None`` for none.
     * ``return_backward``: also return ``backward``, a function of the output's gradient
       that returns the gradients of every input and weight given, keyed by parameter name
       (``Q``, ``K``, ``V``, ``W_q``, ..., ``b_o``, ``bias_k``, ``bias_v``, ``bias``), each
@@ -247,7 +252,7 @@ def multi_head_attention(
         sinks, softcap, alibi, score_mod, score_mod_grad, query_temperature, rope_theta, rotary_dim,
         rotary_interleaved, rope_scaling, positions, qk_norm, qk_norm_eps, qk_norm_offset, cache,
         padding_side, return_backward, dropout_p, generator, output_gate, clip_qkv, qk_layernorm,
-        qk_norm_after_rope,
+        qk_norm_after_rope, v_norm,
     )  # fmt: skip
     weights = LayerWeights(
         W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm, W_g, b_g,
@@ -398,6 +403,10 @@ def project_heads(
     after = norm is not None and norm.after_rope  # HunYuan's: the norm after the rotation
     if norm is not None and not after:
         q, k = normalise(norm, q, k, saved)
+    if call.spec.v_norm is not None:  # Gemma 3n, Gemma 4: each value head's RMSNorm
+        v, *v_saved = v_norm(v, call.spec.v_norm)
+        if saved is not None:
+            saved["v"] = v_saved
     if c is not None:  # DBRX, OLMo, OLMoE: clamped after the norm
         (q, q_in), (k, k_in), (v, v_in) = clip(q, c), clip(k, c), clip(v, c)
         if saved is not None:

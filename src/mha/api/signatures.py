@@ -99,6 +99,7 @@ class MhaOptions(_Keywords, total=False):
     b_g: Any
     output_gate: str | None
     clip_qkv: float | None
+    v_norm: float | None
 
 
 class ForwardOptions(_Keywords, total=False):

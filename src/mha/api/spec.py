@@ -39,6 +39,7 @@ from ..errors import AttentionTypeError, AttentionValueError
 from .clip import check_clip_qkv
 from .gates import check_gate_activation
 from .padding import check_padding_side
+from .v_norm import check_v_norm
 from .variants import check_scores
 
 __all__ = [
@@ -134,6 +135,7 @@ class MhaKeywords(NamedTuple):
     clip_qkv: Any = None
     qk_layernorm: Any = False
     qk_norm_after_rope: Any = False
+    v_norm: Any = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -238,6 +240,7 @@ class AttentionSpec:
     selection: KeySelection | None = None
     output_gate: str | None = None  # the activation of a gate of weights W_g (api/gates.py)
     clip_qkv: float | None = None  # the projections clamped to [-clip_qkv, clip_qkv] (clip.py)
+    v_norm: float | None = None  # the epsilon of the values' RMSNorm without weights (v_norm.py)
 
 
 @dataclass(frozen=True, eq=False)
@@ -356,7 +359,8 @@ def _check_mha(kw: MhaKeywords) -> Checked:
     left = check_padding_side(kw.padding_side, kw.cache, arrays)
     gate = check_gate_activation(kw.output_gate)
     spec = AttentionSpec(rules, scores, kw.scale, drop_p, kw.num_kv_heads, rotary, norm, zero,
-                         output_gate=gate, clip_qkv=check_clip_qkv(kw.clip_qkv))  # fmt: skip
+                         output_gate=gate, clip_qkv=check_clip_qkv(kw.clip_qkv),
+                         v_norm=check_v_norm(kw.v_norm))  # fmt: skip
     given = CallInputs(arrays, kw.positions, kw.cache, left, kw.generator)
     return Checked(spec, given, request)
 

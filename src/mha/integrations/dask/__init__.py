@@ -201,6 +201,7 @@ def multi_head_attention(
     b_g: Any = None,
     output_gate: str | None = None,
     clip_qkv: float | None = None,
+    v_norm: float | None = None,
     cache: Any = None,
     padding_side: str | None = None,
     return_backward: bool = False,
@@ -216,7 +217,8 @@ def multi_head_attention(
     are NumPy arrays, sent to the cluster once. ``mask`` and ``bias`` may be Dask arrays,
     cut like the scores; ``key_lengths``, ``query_lengths`` and ``positions`` are small and
     read when the graph is built. Every other argument is the in-memory function's (the
-    same checked spec: rope scaling, QK-norm, ``clip_qkv`` and the output gate too).
+    same checked spec: rope scaling, QK-norm, ``clip_qkv``, ``v_norm`` and the output gate
+    too).
     ``workers`` counts threads inside each task (default 1: Dask runs tasks in parallel);
     ``split_every`` is the merge tree's fan-in. ``return_weights``, ``return_backward``,
     dropout and ``cache`` are in-memory only.
@@ -248,7 +250,7 @@ def multi_head_attention(
         rope_scaling,
         small("positions", positions), qk_norm, qk_norm_eps, qk_norm_offset, cache, padding_side,
         return_backward, dropout_p, generator, output_gate, clip_qkv, qk_layernorm,
-        qk_norm_after_rope,
+        qk_norm_after_rope, v_norm,
     )  # fmt: skip
     weights = LayerWeights(
         W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm, W_g, b_g,

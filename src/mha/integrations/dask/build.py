@@ -209,7 +209,7 @@ class MhaGraph:
             call.scale, call.H, call.H_kv, call.request.budget, call.request.threads,
             lazy.fan_in, rotation, call.compute_dtype, call.result_dtype, call.scores,
             checked.spec.mask, checked.spec.scores, call.spec.add_zero_attn, call.qk_norm,
-            call.spec.clip_qkv,
+            call.spec.clip_qkv, call.spec.v_norm,
         ))  # fmt: skip
         self.weights = weights
         self.w = self.graph.data("weights", weights)
@@ -258,6 +258,7 @@ class MhaGraph:
                 call.request.threads,
                 norm,
                 call.spec.clip_qkv,
+                call.spec.v_norm,
             )
             inputs = (
                 [(self.Qd.name, *bb, n, 0)]

@@ -24,6 +24,7 @@ from ...api.qk_norm import QKNorm
 from ...api.rotary import apply_rotary
 from ...api.spec import Checked
 from ...api.split_heads import attention
+from ...api.v_norm import v_norm
 
 WEIGHT_NAMES = checks.WEIGHT_NAMES
 
@@ -42,6 +43,7 @@ class Projection:
     threads: int | None
     norm: QKNorm | None = None  # the QK-norm, with its weights
     clip: float | None = None  # clip_qkv: the projections clamped to [-clip, clip]
+    v_norm: float | None = None  # the epsilon of the values' RMSNorm without weights
 
 
 def project_chunk(inputs: list[np.ndarray], weights: Weights, plan: Projection) -> Any:
@@ -59,7 +61,8 @@ def heads(
     X: np.ndarray, W: np.ndarray, b: np.ndarray | None, plan: Projection, which: str
 ) -> np.ndarray:
     """``X @ W + b`` split into heads, for the queries (``which="q"``: times the scale), the
-    keys or the values: normalised by the QK-norm, clamped by ``clip_qkv`` (the queries' scale
+    keys or the values: normalised by the QK-norm (the values by ``v_norm``), clamped by
+    ``clip_qkv`` (the queries' scale
     after both) and rotated (the queries and the keys), as
     :func:`mha.api.projection.project_heads` does."""
     count = plan.H if which == "q" else plan.H_kv
@@ -76,6 +79,8 @@ def heads(
     x = split_heads(projected, count)
     if norm is not None and not after:
         x = _normed(norm, x, which)
+    if which == "v" and plan.v_norm is not None:  # Gemma 3n's and Gemma 4's
+        x = v_norm(x, plan.v_norm)[0]
     if plan.clip is not None:
         x = clip(x, plan.clip)[0]
     if late and scale != 1.0 and not after:

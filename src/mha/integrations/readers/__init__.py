@@ -95,14 +95,20 @@ def layer_attention(
     prefix = attention_prefix(source, index, family.tensors.path)
     kind, settings, tensors = describe(family, read, index)
     check_rope(read, settings, index)
-    check_names(source, prefix, tensors, read)
-    arrays = source.read([prefix + name for name in tensors], dtype=dtype)
+    # each tensor's prefix: the layer's, but a layer that attends with another's keys and
+    # values (Gemma 3n, Gemma 4) reads their projections and norm from that layer
+    at = dict.fromkeys(tensors, prefix)
+    if family.values is not None and settings.get("shares_kv_with") is not None:
+        other = attention_prefix(source, settings["shares_kv_with"], family.tensors.path)
+        at |= {name: other for name in tensors if name.startswith(family.values.borrowed)}
+    check_names(source, prefix, [name for name in tensors if at[name] == prefix], read)
+    arrays = source.read([at[name] + name for name in tensors], dtype=dtype)
     weights: dict[str, np.ndarray] = {}
     for name, tensor in tensors.items():
-        array = arrays[prefix + name]
+        array = arrays[at[name] + name]
         if array.shape != tensor.shape:
             raise WeightsFileError(
-                f"{source.path}: {prefix + name} has shape {array.shape}, but the config "
+                f"{source.path}: {at[name] + name} has shape {array.shape}, but the config "
                 f"({read.summary()}) calls for {tensor.shape}"
             )
         weights.update(lay_out(array, tensor))

@@ -45,6 +45,8 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     if family.heads_by_layer is not None:
         H, H_kv, d = heads = (_layer_heads(family.heads_by_layer, read, index, H), H_kv, d)
     layer_type = family.windows.layer_type(read, index)
+    if family.values is not None:  # Gemma 4's heads of each layer (by its type)
+        H, H_kv, d = heads = family.values.layer_heads(read, index, layer_type, heads)
     own = family.sliding if layer_type == SLIDING else None
     if own is not None:
         H, H_kv, d = heads = (H, H_kv * own.kv_heads, d)
@@ -74,11 +76,15 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     }
     if family.by_layer is not None:
         settings |= family.by_layer(read, index, settings)
-    d_v = read.positive(family.values.width) if family.values else None
+    d_v = read.positive(family.value_width.width) if family.value_width else None
     if d_v is not None:
         settings["v_head_dim"] = d_v
     if alibi is not None:  # the rope is then off
         settings["alibi"] = alibi
+    if family.values is not None:  # Gemma 3n's and Gemma 4's v_norm and KV sharing
+        count = read.positive("num_hidden_layers")
+        types = [family.windows.layer_type(read, j) for j in range(count)]
+        settings |= family.values.settings(read, family.values.source(read, index, types))
     scaled = (settings["rope_scaling"] or {}).get("rope_type")
     if norm and not norm.weighted and scaled in ("yarn", "longrope"):
         raise read.refuse(
@@ -92,6 +98,8 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     tensors = layout.tensors(E, heads, biased, stored_norm, sinks, norm_biases, d_v)
     if family.gate is not None:
         tensors |= family.gate.tensors(read, E, H, d)
+    if family.values is not None and family.values.keys_are_values(read, layer_type):
+        tensors = {name: t for name, t in tensors.items() if not name.startswith("v_proj.")}
     if family.differential is not None:
         settings |= family.differential.settings(read, index, heads)
         return "differential", settings, tensors | family.differential.tensors(d)
@@ -107,12 +115,12 @@ def completed(
     value a head over the head's features (:attr:`.Gate.head_bias`), and each head's halves
     swapped in the query and key projections for a rotation by the negated angles
     (:attr:`.Rope.negated`), the values' projection times their scale
-    (:attr:`.Family.values`), and each query head's two value heads joined
+    (:attr:`.Family.value_width`), and each query head's two value heads joined
     (:attr:`.Family.differential`)."""
     if family.differential is not None:  # each query head's two value heads, joined
         columns = family.differential.columns(settings["num_kv_heads"], settings["head_dim"])
         weights |= {name: weights[name][..., columns] for name in ("W_v", "b_v") if name in weights}
-    s = family.values.factor(read) if family.values else 1.0
+    s = family.value_width.factor(read) if family.value_width else 1.0
     for name in ("W_v", "b_v") if s != 1.0 else ():
         if weights.get(name) is not None:
             x = weights[name]
@@ -127,6 +135,10 @@ def completed(
     gate = family.gate
     if gate is not None and gate.head_bias and not settings["output_gate_per_head"]:
         weights["b_g"] = np.repeat(weights["b_g"], settings["head_dim"])  # Beam's gate_bias
+    if family.values is not None and "W_v" not in weights:  # Gemma 4's values: the keys'
+        weights["W_v"] = weights["W_k"].copy()
+        if weights.get("b_k") is not None:
+            weights["b_v"] = weights["b_k"].copy()
     if isinstance(family.tensors, LatentProjections) and family.tensors.lora_scaled:
         E = settings["d_model"]
         weights["q_a_norm"] = weights["q_a_norm"] * (E / settings["q_lora_rank"]) ** 0.5

@@ -35,6 +35,7 @@ from .layouts import (
     whole,
 )
 from .rope import Rope
+from .values import Values
 from .windows import NO_WINDOWS, Windows
 
 __all__ = [
@@ -51,7 +52,7 @@ __all__ = [
     "Heads",
     "QkNorm",
     "SlidingLayers",
-    "Values",
+    "ValueWidth",
     "attention_multiplier",
     "falcon_heads",
     "from_config",
@@ -214,7 +215,7 @@ CLIP_QKV = ClipQkv()
 
 
 @dataclass(frozen=True)
-class Values:
+class ValueWidth:
     """Values of their own head width, the config key ``width`` (MiMo-V2-Flash's
     ``v_head_dim``, narrower than its keys), multiplied after their projection by the config
     key ``scale`` (null: 1), which the reader folds into ``W_v`` and ``b_v``."""
@@ -329,10 +330,13 @@ class Family:
     """One learned logit per head that takes part in the softmax (gpt-oss)."""
     differential: Differential | None = None
     """DiffLlama's differential attention (the layer a :class:`mha.DifferentialAttention`)."""
-    values: Values | None = None
+    value_width: ValueWidth | None = None
     """The values' own head width and scale, where they differ from the keys' (MiMo-V2-Flash)."""
     sliding: SlidingLayers | None = None
     """More key/value heads and sinks in the sliding layers alone (MiMo-V2-Flash)."""
+    values: Values | None = None
+    """The values' norm, values that are the keys' projection, heads of each layer and
+    layers that share an earlier layer's keys and values (Gemma 3n, Gemma 4: :mod:`.values`)."""
     unsupported: tuple[Unsupported, ...] = ()
     """The family's config keys that ask for what mha does not compute (checked before
     :data:`UNSUPPORTED`)."""

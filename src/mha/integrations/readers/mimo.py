@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import FULL, SLIDING, Settings
-from .family import Differential, Family, SlidingLayers, Values
+from .family import Differential, Family, SlidingLayers, ValueWidth
 from .layouts import QKV_ATTENTION_BIAS, Projections
 from .rope import Rope
 from .windows import ByLayerTypes
@@ -83,7 +83,7 @@ ROWS: tuple[Family, ...] = (
             partial=True,
             fraction=0.334,
         ),
-        values=Values(scale="attention_value_scale"),
+        value_width=ValueWidth(scale="attention_value_scale"),
         sliding=SlidingLayers(kv_heads=2, sinks=True),
     ),
     # two softmaxes (heads i and i + H/2) weighted by lambda, a group norm: DiffLlama's

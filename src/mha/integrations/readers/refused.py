@@ -125,15 +125,6 @@ REFUSED = {
     "inkling2_loop_text": _not_computed(
         "Inkling2-Loop's relative position bias in the scores and short convolutions"
     ),
-    "gemma3n_text": _not_computed(
-        "Gemma 3n's last layers attend with an earlier layer's keys and values (KV sharing)"
-    ),
-    "gemma4_text": _not_computed(
-        "Gemma 4's attention normalises its values (v_norm, an RMSNorm without weights)"
-    ),
-    "gemma4_unified_text": _not_computed(
-        "Gemma 4's attention normalises its values (v_norm, an RMSNorm without weights)"
-    ),
     "bitnet": _not_computed("BitNet's RMSNorm of the attention's output before o_proj"),
     "zaya": _not_computed(
         "ZAYA's compressed convolutional attention (queries and keys through convolutions)"

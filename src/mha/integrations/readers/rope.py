@@ -280,7 +280,7 @@ def partial_rotary(read: Settings, rope: Rope, parameters: Mapping[str, Any], d:
     frequencies read the factor)."""
     factor = parameters.get("partial_rotary_factor")
     if factor is None or factor == 1.0 or parameters.get("rope_type") == "proportional":
-        return None
+        return None  # (proportional: the whole head turns, some pairs by a frequency of 0)
     if not rope.partial:
         raise read.refuse(
             f"partial_rotary_factor={factor}, which transformers' {read.family} attention "
