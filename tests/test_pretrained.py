@@ -300,7 +300,7 @@ def test_every_setting_read_matters_in_these_models(family, monkeypatch, transfo
     [
         ("nanochat", "rope", {"negated": False}),
         ("longcat_flash", "tensors", {"lora_scaled": False}),
-        ("mimo_v2_flash", "values", {"scale": None}),
+        ("mimo_v2_flash", "value_width", {"scale": None}),
     ],
 )
 def test_what_is_read_into_the_weights_matters(family, field, change, monkeypatch, transformers):

@@ -148,8 +148,8 @@ class DifferentialSpec(LayerSpec):
     ``softcap``, ``alibi``, ``chunk``, ``scale``, ``qk_norm``, ``qk_norm_eps``,
     ``qk_norm_offset``, ``add_zero_attn``, ``output_gate``, ``output_gate_per_head``,
     ``query_temperature``, ``v_head_dim``, ``clip_qkv``, ``qk_layernorm``,
-    ``qk_norm_after_rope``), with ``lambda_init`` and the group norm's epsilon
-    ``differential_eps``.
+    ``qk_norm_after_rope``, ``v_norm``, ``shares_kv_with``), with ``lambda_init`` and the
+    group norm's epsilon ``differential_eps``.
 
     >>> DifferentialSpec(num_heads=4, lambda_init=0.2).kind
     'differential'

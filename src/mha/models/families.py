@@ -427,6 +427,7 @@ FAMILIES: dict[str, Family] = {
         PRE, "layer_1p", "norm_eps", mlp="plain", mlp_names=("mlp.up_proj", "mlp.down_proj")
     ),
     "olmo": Family(PRE, "float32_layer_without_weights", eps=1e-5),
+    "diffllama": LLAMA,
 }
 FAMILIES["granite_swa"] = FAMILIES["granite"]
 """The families whose decoder layers mha writes out, by ``model_type``; others are
@@ -444,8 +445,8 @@ def _not_written() -> dict[str, str]:
     for kind, reader in READERS.items():
         if kind in FAMILIES:
             continue
-        if kind == "falcon_h1":
-            reasons[kind] = "its Mamba-2 mixer, which runs beside the attention in each layer"
+        if kind in OWN_REASONS:
+            reasons[kind] = OWN_REASONS[kind]
         elif reader.hybrid is not None:
             others = ", ".join(sorted(set(reader.hybrid.others.values())))
             reasons[kind] = f"its layers that are not attention ({others})"
@@ -455,6 +456,15 @@ def _not_written() -> dict[str, str]:
 
 
 MIXTURE = "its mixture of experts (a router and experts of its own kind)"
+OWN_REASONS = {
+    "falcon_h1": "its Mamba-2 mixer, which runs beside the attention in each layer",
+    "gemma3n_text": "its AltUp and LAuReL blocks, per-layer inputs and layers that share "
+    "another's keys and values",
+    "gemma4_text": "its per-layer inputs (embed_tokens_per_layer), layer scalars and layers "
+    "that share another's keys and values",
+    "gemma4_unified_text": "its layer scalars and layers that share another's keys and values",
+}
+"""What the families that are neither a mixture nor a hybrid of the readers' kind lack."""
 
 
 # ---------------------------------------------------------------- positions, heads and activations
