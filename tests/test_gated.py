@@ -114,33 +114,14 @@ def captured(family):
     """The float64 transformers model of ``family`` and the keywords each attention layer's
     ``self_attn`` got in a forward over ``B`` sequences of ``L`` tokens."""
     import torch
-    from support.rope_oracle import float64_rotary, float64_torch
+    from support.rope_oracle import float64_rotary
+    from support.transformers_oracle import attention_keywords
 
     model = models.transformers_model(family)
     float64_rotary(model)
-    calls = {}
-
-    def hook(index):
-        def save(module, args, kwargs):
-            calls[index] = {**kwargs, **({"hidden_states": args[0]} if args else {})}
-
-        return save
-
-    handles = [
-        layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True)
-        for i, layer in enumerate(model.model.layers)
-        if hasattr(layer, "self_attn")
-    ]
-    ids = torch.randint(
-        0, model.config.vocab_size, (B, L), generator=torch.Generator().manual_seed(0)
-    )
-    try:
-        with torch.no_grad(), float64_torch():
-            model(ids, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return model, calls
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (B, L), generator=generator)
+    return model, attention_keywords(model, ids)
 
 
 @pytest.mark.parametrize(

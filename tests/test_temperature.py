@@ -217,29 +217,14 @@ def captured(family):
     """The float64 transformers model of ``family`` (its float64 rotary) and, per layer, the
     keywords its ``self_attn`` got in a forward of 2 sequences of 24 tokens."""
     import torch
-    from support.rope_oracle import float64_rotary, float64_torch
+    from support.rope_oracle import float64_rotary
+    from support.transformers_oracle import attention_keywords
 
     model = models.transformers_model(family)
     float64_rotary(model)
-    calls = [None] * len(model.model.layers)
-
-    def hook(index):
-        def save(module, args, kwargs):
-            calls[index] = {**kwargs, **({"hidden_states": args[0]} if args else {})}
-
-        return save
-
-    handles = [layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True)
-               for i, layer in enumerate(model.model.layers)]  # fmt: skip
-    ids = torch.randint(0, model.config.vocab_size, (2, 24),
-                        generator=torch.Generator().manual_seed(0))  # fmt: skip
-    try:
-        with torch.no_grad(), float64_torch():
-            model(ids, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return model, calls
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=generator)
+    return model, attention_keywords(model, ids)
 
 
 def mha_name(name):

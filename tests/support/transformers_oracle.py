@@ -154,3 +154,34 @@ class AttentionRecorder:
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def attention_keywords(model: Any, ids: Any) -> list[dict[str, Any] | None]:
+    """The keywords each layer's ``self_attn`` gets in a float64 forward of the token ids
+    ``ids`` through ``model`` (transformers' decoder, its rotary already float64:
+    rope_oracle.float64_rotary), its hidden states among them; ``None`` for a layer without
+    one (a hybrid's other layers). What a test then calls the module with, changed."""
+    import torch
+
+    from .rope_oracle import float64_torch
+
+    calls: list[dict[str, Any] | None] = [None] * len(model.model.layers)
+
+    def hook(index: int) -> Any:
+        def save(module: Any, args: Any, kwargs: Any) -> None:
+            calls[index] = {**kwargs, **({"hidden_states": args[0]} if args else {})}
+
+        return save
+
+    handles = [
+        layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True)
+        for i, layer in enumerate(model.model.layers)
+        if hasattr(layer, "self_attn")
+    ]
+    try:
+        with torch.no_grad(), float64_torch():
+            model(ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
