@@ -176,7 +176,7 @@ def test_gradients_given_the_choice_match_autograd(
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_cache_keeps_the_indexers_keys_through_truncate_and_reorder(family):
+def test_the_cache_keeps_the_indexers_keys_through_truncate_and_reorder(family, transformers):
     attention = load(family, 1)
     x = np.random.default_rng(3).standard_normal((B, L, 48))
     cache = attention.new_cache(B, capacity=4)  # grown on the way
