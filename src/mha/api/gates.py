@@ -43,12 +43,26 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * z))
 
 
-def _activation(kind: str, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The gate ``act(z)`` and its derivative."""
+def _activation(kind: str, z: np.ndarray) -> np.ndarray:
+    """The gate ``act(z)``; a sigmoid is computed in ``z``'s own memory (the logits, which
+    only the gate holds), as ``_sigmoid`` computes it, step for step."""
     if kind == "sigmoid":
-        g = _sigmoid(z)
-        return g, g * (1.0 - g)
-    return np.logaddexp(0.0, z).astype(z.dtype, copy=False), _sigmoid(z)  # softplus
+        z *= 0.5
+        np.tanh(z, out=z)
+        z += 1.0
+        z *= 0.5
+        return z
+    softplus: np.ndarray = np.logaddexp(0.0, z).astype(z.dtype, copy=False)
+    return softplus
+
+
+def _slope(kind: str, g: np.ndarray, z: np.ndarray | None) -> np.ndarray:
+    """The derivative of the gate ``g = act(z)``: ``g (1 - g)`` for a sigmoid, ``sigmoid(z)``
+    for softplus."""
+    if kind == "sigmoid":
+        return g * (1.0 - g)
+    assert z is not None
+    return _sigmoid(z)
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,6 +97,8 @@ class OutputGate:
                 )
         return cls(kind, W, b, H, d_v)
 
+    uses_matmul = True  # the logits' product shared by the layer's thread team
+
     @property
     def weights(self) -> dict[str, np.ndarray]:
         """The gate's weights, by parameter name (``backward`` gives their gradients)."""
@@ -92,30 +108,45 @@ class OutputGate:
     def per_head(self) -> bool:
         return self.W_g.shape[1] == self.heads and self.d_v != 1
 
-    def _logits(self, inputs: np.ndarray, dtype: np.dtype) -> np.ndarray:
-        z: np.ndarray = inputs.astype(dtype, copy=False) @ self.W_g.astype(dtype, copy=False)
-        if self.b_g is not None:
-            z += self.b_g.astype(dtype, copy=False)
+    def _logits(self, inputs: np.ndarray, dtype: np.dtype, matmul: Any = None) -> np.ndarray:
+        x, W = inputs.astype(dtype, copy=False), self.W_g.astype(dtype, copy=False)
+        b = None if self.b_g is None else self.b_g.astype(dtype, copy=False)
+        if matmul is not None:
+            by_team: np.ndarray = matmul(x, W, b)
+            return by_team
+        z: np.ndarray = x @ W
+        if b is not None:
+            z += b
         return z
 
-    def _spread(self, g: np.ndarray) -> np.ndarray:
-        """A gate per head over each head's ``d_v`` features: ``(*B, L, H*d_v)``."""
+    def _gated(self, x: np.ndarray, g: np.ndarray) -> np.ndarray:
+        """``x (*B, L, H*d_v)`` times the gate: a gate per head over each head's ``d_v``
+        features (broadcast, never spread into a copy)."""
         if not self.per_head:
-            return g
-        spread: np.ndarray = np.repeat(g, self.d_v, axis=-1)
-        return spread
+            gated: np.ndarray = x * g
+            return gated
+        by_head: np.ndarray = x.reshape(*x.shape[:-1], self.heads, self.d_v) * g[..., None]
+        return by_head.reshape(x.shape)
 
-    def forward(self, joined: np.ndarray, inputs: np.ndarray) -> tuple[np.ndarray, Any]:
+    def forward(
+        self, joined: np.ndarray, inputs: np.ndarray, matmul: Any = None
+    ) -> tuple[np.ndarray, Any]:
         """``joined`` gated by the gate of ``inputs (*B, L, d_q)``, and what the backward
-        reads: the joined heads, the gate, its derivative and the inputs."""
-        g, slope = _activation(self.activation, self._logits(inputs, joined.dtype))
-        return joined * self._spread(g), (joined, g, slope, inputs)
+        reads: the joined heads, the gate, the logits (softplus's derivative reads them)
+        and the inputs; the derivative itself is computed by the backward alone.
+        ``matmul(x, W, b)``: the layer's matrix product (its thread team's), for the
+        logits."""
+        z = self._logits(inputs, joined.dtype, matmul)
+        kept = None if self.activation == "sigmoid" else z
+        g = _activation(self.activation, z)
+        return self._gated(joined, g), (joined, g, kept, inputs)
 
     def backward(
         self, d_out: np.ndarray, saved: Any
     ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         """The gradients of the joined heads, of the inputs and of ``W_g`` (and ``b_g``)."""
-        joined, g, slope, inputs = saved
+        joined, g, z, inputs = saved
+        slope = _slope(self.activation, g, z)
         dtype = d_out.dtype
         d_gate = d_out * joined
         if self.per_head:  # a head's gate multiplied each of its d_v features
@@ -128,4 +159,4 @@ class OutputGate:
         if self.b_g is not None:
             grads["b_g"] = by_row.sum(axis=0)
         d_inputs = d_logits @ self.W_g.astype(dtype, copy=False).T
-        return d_out * self._spread(g), d_inputs, grads
+        return self._gated(d_out, g), d_inputs, grads

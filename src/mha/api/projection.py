@@ -298,7 +298,10 @@ def compute(call: Call) -> np.ndarray | tuple[Any, ...]:
         joined, outputs, kernel = _attend(call, (q, k, v), visibility, dropout, team)
         staged, stage_state = joined, None
         if call.spec.output is not None:  # a change between the heads and W_o
-            staged, stage_state = call.spec.output.forward(joined, call.Q)
+            output = call.spec.output
+            shared = getattr(output, "uses_matmul", False)
+            product: tuple[Any, ...] = (team.matmul,) if shared else ()
+            staged, stage_state = output.forward(joined, call.Q, *product)
         out = team.matmul(staged, w.W_o, w.b_o)
     if call.given.left_padded:
         assert call.counts is not None

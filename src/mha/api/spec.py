@@ -199,7 +199,9 @@ class OutputStage(Protocol):
     needs; and its backward: the gradient of its input and of its own weights, by name."""
 
     def forward(self, joined: np.ndarray, inputs: np.ndarray) -> tuple[np.ndarray, Any]:
-        """``joined`` changed, for the layer's queries' inputs ``inputs (*B, L, d_q)``."""
+        """``joined`` changed, for the layer's queries' inputs ``inputs (*B, L, d_q)``. A
+        stage whose ``uses_matmul`` is true is also given the layer's matrix product
+        ``matmul(x, W, b)`` (its thread team's), as a third argument."""
 
     def backward(
         self, d_out: np.ndarray, saved: Any
