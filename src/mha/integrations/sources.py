@@ -4,18 +4,20 @@ names, as a mapping's keys."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 __all__ = ["TensorNames"]
 
 
-class TensorNames:
+class TensorNames(ABC):
     """The names of a source's tensors: :meth:`_where` maps each to where it lies (a shard,
     a GGUF tensor record)."""
 
+    @abstractmethod
     def _where(self) -> Mapping[str, Any]:
-        raise NotImplementedError
+        """Each tensor's name and where it lies (each source says)."""
 
     def keys(self) -> list[str]:
         """The tensors' names, sorted."""

@@ -25,7 +25,7 @@ _QWEN = {
     "max_window_layers": 28,
     "max_position_embeddings": 32768,
 }
-_MLA = {
+MLA = {
     "attention_bias": False,
     "q_lora_rank": 1536,
     "kv_lora_rank": 512,
@@ -108,12 +108,12 @@ GPT_OSS_ROPE: dict[str, Any] = {
     _OMPE: 4096,
 }
 """gpt-oss's ``rope_parameters`` when the config gives none."""
-DEEPSEEK_V2: dict[str, Any] = {**_SHAPE, **_MLA, "max_position_embeddings": 2048}
+DEEPSEEK_V2: dict[str, Any] = {**_SHAPE, **MLA, "max_position_embeddings": 2048}
 DEEPSEEK_V3: dict[str, Any] = {
     "hidden_size": 7168,
     "num_hidden_layers": 61,
     "num_attention_heads": 128,
-    **_MLA,
+    **MLA,
     "rope_interleave": True,
     "max_position_embeddings": 4096,
 }
@@ -314,7 +314,7 @@ GLM4_MOE_LITE: dict[str, Any] = {
     "hidden_size": 2048,
     "num_hidden_layers": 47,
     "num_attention_heads": 20,
-    **_MLA,
+    **MLA,
     "q_lora_rank": 768,
     "qk_nope_head_dim": 192,
     "v_head_dim": 256,
@@ -325,7 +325,7 @@ YOUTU: dict[str, Any] = {
     "hidden_size": 2048,
     "num_hidden_layers": 32,
     "num_attention_heads": 16,
-    **_MLA,
+    **MLA,
     "rope_interleave": True,
     "max_position_embeddings": 131072,
 }

@@ -20,6 +20,7 @@ from typing import Any
 
 from ...api.sparse import IndexerSpec
 from .config import Settings
+from .defaults import MLA
 from .family import Family
 from .layouts import LatentProjections, Tensor, whole
 from .rope import Rope
@@ -31,12 +32,7 @@ DEEPSEEK_V32: dict[str, Any] = {
     "hidden_size": 7168,
     "num_hidden_layers": 61,
     "num_attention_heads": 128,
-    "attention_bias": False,
-    "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
+    **MLA,
     "max_position_embeddings": 163840,
     **_INDEXER,
     "index_n_heads": 64,
