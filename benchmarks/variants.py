@@ -19,7 +19,8 @@ penalises the short calls most:
    checking that the two give the same output.
 3. The variants of the whole layer (``multi_head_attention``, d_model = 8 x 64 = 512, its
    four projections): an output gate per element (``W_g (512, 512)``: a GEMM as large as a
-   projection) and per head (``W_g (512, 8)``), as a ratio to the same layer without it.
+   projection) and per head (``W_g (512, 8)``), as a ratio to the same layer without it;
+   and the per-element gate's floor: the plain layer followed by the gate's GEMM alone.
 
 Where the environment sets ``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE`` (which hold OpenBLAS
 to an older kernel), the measurement is repeated in a child process without them, and both
@@ -111,12 +112,22 @@ LAYERS: list[tuple[str, str, int | None, float | None]] = [
     ("plain causal layer", "causal=True", None, None),
     ("gate per element", "causal=True, W_g (512, 512)", H * D, 1.1),
     ("gate per head", "causal=True, W_g (512, 8)", H, 1.1),
+    ("plain layer, then X @ W_g alone", "causal=True; X @ W_g (512, 512)", -H * D, None),
 ]
+"""The last row is the per-element gate's floor: the plain layer and the gate's GEMM (as
+large as a projection) alone, without the gate's sigmoid and product."""
 
 
 def _layer(X: Any, weights: list[Any], W_g: Any) -> Callable[[], Any]:
     def run() -> Any:
         return mha.multi_head_attention(X, X, X, *weights, H, causal=True, W_g=W_g)
+
+    return run
+
+
+def _layer_then_product(X: Any, weights: list[Any], W_g: Any) -> Callable[[], Any]:
+    def run() -> Any:
+        return mha.multi_head_attention(X, X, X, *weights, H, causal=True), X @ W_g
 
     return run
 
@@ -156,8 +167,10 @@ def measure(quick: bool) -> dict[str, Any]:
     weights = [(rng.standard_normal((H * D, H * D)) / (H * D) ** 0.5).astype(np.float32)
                for _ in range(4)]  # fmt: skip
     for name, _, columns, _ in LAYERS:
-        W_g = None if columns is None else rng.standard_normal((H * D, columns), dtype=np.float32)
-        functions[name] = _layer(X, weights, None if W_g is None else W_g / (H * D) ** 0.5)
+        size = None if columns is None else abs(columns)
+        W_g = None if size is None else rng.standard_normal((H * D, size), dtype=np.float32)
+        made = _layer_then_product if columns is not None and columns < 0 else _layer
+        functions[name] = made(X, weights, None if W_g is None else W_g / (H * D) ** 0.5)
     repeats = 3 if quick else 15
     times = interleaved_medians(functions, repeats, pause=0.0)
     seconds = {name: float(np.median(t)) for name, t in times.items()}

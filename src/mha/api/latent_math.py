@@ -32,6 +32,7 @@ from .gradients import Fingerprints, gradient, join_heads, split_heads
 from .qk_norm import rms_norm, rms_norm_backward
 from .rotary import apply_rotary
 from .sparse import IndexerSpec, choose_keys
+from .sparse_walk import attend_chosen, walks_chosen
 from .split_heads import scaled_dot_product_attention
 
 __all__ = ["LatentPlan", "latent_forward"]
@@ -113,10 +114,17 @@ def latent_forward(
     q_nope = q[..., :n]
     query = np.concatenate([q_nope @ W_uk, plan.rotate(q[..., n:], positions)], axis=-1)
     key = np.concatenate([c[..., None, :, :], plan.rotate(kv[..., None, :, r:], positions)], -1)
-    result = scaled_dot_product_attention(  # (*B, H, L, r): one key/value head for all H
-        query, key, key[..., :r], scale=plan.scale, return_backward=want_backward, **attention
-    )
-    latent, attention_backward = result if want_backward else (result, None)
+    if choice is not None and not want_backward and walks_chosen(attention, dtype):
+        chosen = attention["mask"][..., 0, :, :]  # over the chosen keys alone: (*B, H, L, r)
+        latent, attention_backward = (
+            attend_chosen(query, key, r, plan.scale, chosen, attention),
+            None,
+        )
+    else:
+        result = scaled_dot_product_attention(  # (*B, H, L, r): one key/value head for all H
+            query, key, key[..., :r], scale=plan.scale, return_backward=want_backward, **attention
+        )
+        latent, attention_backward = result if want_backward else (result, None)
     if choice is not None:
         choice.commit()
     joined = join_heads(latent @ W_uv)  # (*B, L, H*d_v)

@@ -45,6 +45,10 @@ INDEXER_WEIGHTS = ("W_index_q", "W_index_k", "index_k_norm", "b_index_k_norm", "
 ``indexer.wk``, ``indexer.k_norm`` weight and bias, ``indexer.weights_proj``)."""
 
 
+INDEX_TILE_BYTES = 1 << 22
+"""The indexer's products of query heads and keys held at once: 4 MiB."""
+
+
 class LayerRope(Protocol):
     """What the indexer reads of its layer's plan (:class:`~.latent_math.LatentPlan`): the
     rotated width ``p`` and the rope's keywords (:func:`mha.apply_rotary`'s)."""
@@ -136,10 +140,26 @@ def index_scores(
     q = np.moveaxis(q.reshape(*q.shape[:-1], n, d), -2, -3)  # (*B, n, L, d)
     q = _rotated(plan, spec, q, at)
     weights = x @ W["W_index_weights"] * n**-0.5  # (*B, L, n)
-    k_t = np.swapaxes(keys[..., 0, :, :], -1, -2)  # (*B, d, S)
-    scores = np.zeros((*q.shape[:-3], q.shape[-2], k_t.shape[-1]), q.dtype)
-    for h in range(n):  # head by head: (*B, L, S) at a time, not (*B, n, L, S)
-        scores += weights[..., h, None] * np.maximum(q[..., h, :, :] @ k_t * d**-0.5, 0.0)
+    batch, L = q.shape[:-3], q.shape[-2]
+    heads = np.moveaxis(q, -3, -2)  # (*B, L, n, d)
+    k = keys[..., 0, :, :]  # (*B, S, d)
+    S = k.shape[-2]
+    scores = np.empty((*batch, L, S), np.result_type(q, k))
+    # Tiles of queries and keys: every head's products of a tile in one GEMM, the keys read
+    # once per tile of queries, at most INDEX_TILE_BYTES of products at a time.
+    rows = min(L, 64)
+    step = max(64, INDEX_TILE_BYTES // (rows * n * scores.itemsize))
+    for i in range(0, L, rows):
+        stop_i = min(L, i + rows)
+        tile_q = heads[..., i:stop_i, :, :].reshape(*batch, (stop_i - i) * n, d)
+        per_query = weights[..., i:stop_i, :, None]  # (*B, rows, n, 1)
+        for j in range(0, S, step):
+            stop_j = min(S, j + step)
+            dots = k[..., j:stop_j, :] @ np.swapaxes(tile_q, -1, -2)  # (*B, keys, rows * n)
+            dots *= d**-0.5
+            np.maximum(dots, 0.0, out=dots)
+            per_head = np.swapaxes(dots.reshape(*dots.shape[:-1], stop_i - i, n), -2, -3)
+            scores[..., i:stop_i, j:stop_j] = (per_head @ per_query)[..., 0]  # sum over heads
     return scores
 
 

@@ -1,0 +1,139 @@
+"""Sparse top-k attention at the cost of the keys it reads: the attention of a
+:class:`mha.LatentAttention` with an indexer (:mod:`.sparse`) over the keys each query chose,
+gathered, rather than over every key with the rest masked.
+
+The indexer keeps ``topk`` keys per query of the ``S`` it sees. For each sequence and each
+tile of queries, the keys any query of the tile chose are gathered, in order, and the
+library's one kernel (:func:`mha.scaled_dot_product_attention`) attends over them, each
+query masked to its own choice (no mask where the tile's queries chose the same keys, as
+one query always does: a decoding step reads ``topk`` keys, not ``S``). A tile whose
+queries chose together more than half the keys is walked over all of them, masked, as
+the dense path does. The scores, the softmax and the output are the dense path's over the
+same keys, in the same order; only the tiles' split of the sum differs (float rounding).
+
+>>> import numpy as np
+>>> q = np.ones((1, 2, 1, 3)); keys = np.arange(12.0).reshape(1, 1, 4, 3)
+>>> chosen = np.array([[[True, False, True, False]]])
+>>> out = attend_chosen(q, keys, 2, 1.0, chosen, {"cache": None})
+>>> bool(np.allclose(out, attend_chosen(q, keys, 2, 1.0, chosen, {"cache": None})))
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .cache import KVCache
+from .split_heads import scaled_dot_product_attention
+
+__all__ = ["attend_chosen", "walks_chosen"]
+
+GATHERED_BYTES = 1 << 25
+"""At most this many bytes of keys gathered for one tile of queries (32 MiB)."""
+
+_KERNEL_KEYWORDS = ("max_memory", "workers")
+_TAKEN = frozenset({"mask", "causal", "cache", "query_lengths", "key_lengths", *_KERNEL_KEYWORDS})
+
+
+def walks_chosen(attention: dict[str, Any], dtype: np.dtype) -> bool:
+    """Whether :func:`attend_chosen` computes a call of these keywords in ``dtype``: the
+    layer's plain keywords (no variant that reads the keys' positions), and no cache or a
+    contiguous cache of ``dtype`` without a window (the others are walked masked)."""
+    if set(attention) - _TAKEN:
+        return False
+    cache = attention.get("cache")
+    return cache is None or (
+        type(cache).__name__ == "SparseKVCache"
+        and isinstance(cache, KVCache)
+        and cache.window is None
+        and cache.dtype == dtype
+    )
+
+
+def attend_chosen(
+    query: np.ndarray,
+    key: np.ndarray,
+    r: int,
+    scale: float,
+    chosen: np.ndarray,
+    attention: dict[str, Any],
+) -> np.ndarray:
+    """The latent attention ``(*B, H, L, r)`` of ``query (*B, H, L, D)`` over the keys
+    ``chosen (*B, L, S)`` marks, of ``key (*B, 1, L, D)`` (the new tokens'; the values are
+    the keys' first ``r`` features) and, with ``attention["cache"]``, the cached ones before
+    them: the new keys are appended and committed once the attention is computed."""
+    cache = attention.get("cache")
+    kernel = {name: attention[name] for name in _KERNEL_KEYWORDS if attention.get(name)}
+    batch, (H, L, D) = query.shape[:-3], query.shape[-3:]
+    q = query.reshape(-1, H, L, D)
+    picked = chosen.reshape(-1, L, chosen.shape[-1])
+    if cache is None:
+        keys = key.reshape(-1, 1, key.shape[-2], D)
+        return _walk(q, keys, picked, r, scale, kernel).reshape(*batch, H, L, r)
+    B = q.shape[0]
+    cache._check_fit(B, 1, D, r, f"query {query.shape}, key {key.shape}")
+    counts = np.full(B, L, np.int64)
+    saved = cache._snapshot()
+    try:
+        filled = cache._append(key, key[..., :r], counts)
+        keys = cache._attended(int(filled.max(initial=0)))[0]
+        out = _walk(q, keys, picked, r, scale, kernel)
+    except BaseException:
+        cache._restore(saved)
+        raise
+    cache._commit(counts)
+    return out.reshape(*batch, H, L, r)
+
+
+def _walk(
+    q: np.ndarray,
+    keys: np.ndarray,
+    chosen: np.ndarray,
+    r: int,
+    scale: float,
+    kernel: dict[str, Any],
+) -> np.ndarray:
+    """``q (B, H, L, D)`` over ``keys (B, 1, S, D)`` where ``chosen (B, L, S)``."""
+    B, H, L, D = q.shape
+    out = np.zeros((B, H, L, r), q.dtype)
+    for b in range(B):
+        counts = chosen[b].sum(-1)
+        # As many queries a tile as keep their keys within GATHERED_BYTES, at least one.
+        tile = max(1, GATHERED_BYTES // max(1, int(counts.max(initial=1)) * D * q.itemsize))
+        start = 0
+        while start < L:
+            stop = min(L, start + tile)
+            used = np.flatnonzero(chosen[b, start:stop].any(0))
+            if stop - start > 1 and used.size > 2 * counts[start:stop].max():
+                stop = start + 1  # the tile's queries share few keys: one query at a time
+                used = np.flatnonzero(chosen[b, start])
+            _attend_tile(q[b, :, start:stop], keys[b], chosen[b, start:stop], used, r, scale,
+                         kernel, out[b, :, start:stop])  # fmt: skip
+            start = stop
+    return out
+
+
+def _attend_tile(
+    q: np.ndarray,
+    keys: np.ndarray,
+    picked: np.ndarray,
+    used: np.ndarray,
+    r: int,
+    scale: float,
+    kernel: dict[str, Any],
+    out: np.ndarray,
+) -> None:
+    """``out (H, T, r)``: the queries ``q (H, T, D)`` over the keys ``used`` of ``keys (1,
+    S, D)``, each query over those it ``picked (T, S)``: gathered, or (most of the keys)
+    all of them masked."""
+    if used.size == 0:
+        return  # no key chosen: zeros, as a row the mask hides whole
+    mask: np.ndarray | None
+    if 2 * used.size > keys.shape[-2]:
+        k, mask = keys, picked[None]
+    else:
+        k, sub = keys[:, used], picked[:, used]
+        mask = None if sub.all() else sub[None]
+    out[...] = scaled_dot_product_attention(q, k, k[..., :r], mask=mask, scale=scale, **kernel)
