@@ -243,6 +243,7 @@ CHANGES = {
                     "qk_norm_eps": None, "qk_norm_offset": None, "qk_norm_after_rope": False,
                     "q_norm": None, "k_norm": None}, {"rotary_interleaved": False}],
     "ministral3_scaled": [{"query_temperature": None}, {"window": None}],
+    "mistral4": [{"query_temperature": None}, {"scale": None}, {"rotary_interleaved": False}],
     "beam": [{"query_temperature": None}, {"window": None}, {"qk_norm_offset": 1.0},
              {"b_g": None}],  # Beam's power law, from 1.0 at position 0 to 1.0012 at 23
     # sparse top-k attention: dense instead, another top-k, the indexer's other rope pairs

@@ -303,3 +303,73 @@ def test_the_float64_oracle_is_transformers_own_computation(torch, transformers)
         oracle = outputs()
     for layer, (theirs, ours) in enumerate(zip(as_is, oracle, strict=True)):
         assert 1e-12 < relative_error(theirs, ours) <= 1e-5, layer
+
+
+LATENT_NAMES = {
+    "q_a_proj.weight": ("W_q_a", True),
+    "q_a_layernorm.weight": ("q_a_norm", False),
+    "q_b_proj.weight": ("W_q_b", True),
+    "kv_a_proj_with_mqa.weight": ("W_kv_a", True),
+    "kv_a_layernorm.weight": ("kv_a_norm", False),
+    "kv_b_proj.weight": ("W_kv_b", True),
+    "o_proj.weight": ("W_o", True),
+}
+"""mha's names of transformers' latent attention parameters, and whether transposed."""
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_mistral4_gradients_match_autograd_through_transformers_layers(
+    layer, torch, transformers, record_error
+):
+    """Mistral 4's latent attention with its query temperature (24 positions, past
+    ``original_max_position_embeddings`` 6): every weight's gradient and the input's."""
+    from support.rope_oracle import float64_torch
+
+    model, calls = captured("mistral4")
+    module = model.model.layers[layer].self_attn
+    g = np.random.default_rng(layer)
+    x = 0.7 * g.standard_normal((2, 24, 48))
+    grad_out = g.standard_normal((2, 24, 48))
+    module.zero_grad(set_to_none=True)
+    tx = torch.tensor(x, requires_grad=True)
+    with float64_torch():
+        expected = module(**{**calls[layer], "cache": None, "hidden_states": tx})[0]
+        (expected * torch.tensor(grad_out)).sum().backward()
+    attention = mha.from_pretrained(models.saved("mistral4"), layer=layer, dtype=np.float64)
+    assert attention.query_temperature == (0.5, 6.0, 0.0)
+    out, backward = attention(x, mask=True, return_backward=True)
+    error = relative_error(out, expected.detach().numpy())
+    assert record_error("temperature mistral4 gradients forward", error) <= 1e-12
+    grads = backward(grad_out)
+    label = "temperature mistral4 gradients vs autograd, float64"
+    for name, parameter in module.named_parameters():
+        ours, transposed = LATENT_NAMES[name]
+        theirs = parameter.grad.numpy()
+        theirs = theirs.T if transposed else theirs
+        assert np.abs(theirs).max() > 1e-3, name
+        assert record_error(label, relative_error(grads[ours], theirs)) <= 1e-10, (name, layer)
+    assert record_error(label, relative_error(grads["query"], tx.grad.numpy())) <= 1e-10
+
+
+def test_a_latent_layer_keeps_its_temperature_in_its_spec_file_and_cache(tmp_path):
+    """LatentAttention's query_temperature: saved and loaded, shown, the same whole and
+    decoded token by token, and refused with positions it would not scale by."""
+    sizes = {"kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 2, "v_head_dim": 4}
+    attention = mha.LatentAttention(16, 2, query_temperature=(0.5, 3.0), seed=0, **sizes)
+    plain = mha.LatentAttention(16, 2, seed=0, **sizes)
+    x = np.random.default_rng(0).standard_normal((2, 9, 16))
+    whole = attention(x, mask=True)
+    assert relative_error(whole[:, :3], plain(x, mask=True)[:, :3]) <= 1e-15  # p < 3: 1
+    assert relative_error(whole[:, 3:], plain(x, mask=True)[:, 3:]) > 1e-3
+    cache = attention.new_cache(2)
+    steps = [attention(x[:, :4], cache=cache)]
+    steps += [attention(x[:, t : t + 1], cache=cache) for t in range(4, 9)]
+    assert relative_error(np.concatenate(steps, axis=1), whole) <= 1e-14
+    path = tmp_path / "latent.npz"
+    attention.save(path)
+    assert mha.LatentAttention.load(path).query_temperature == (0.5, 3.0, 0.0)
+    assert "query_temperature=(0.5, 3.0, 0.0)" in repr(attention)
+    with pytest.raises(mha.AttentionValueError, match=r"positions= other than 0\.\.8"):
+        attention(x, mask=True, positions=np.arange(9) + 1)
+    with pytest.raises(mha.AttentionTypeError, match="query_temperature must be"):
+        mha.LatentAttention(16, 2, query_temperature=0.5, **sizes)

@@ -377,6 +377,10 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                      "index_head_dim": 12}),
     "glm_moe_dsa": ("GlmMoeDsa", {**DEEPSEEK, "index_topk": 5, "index_n_heads": 2,
                                   "index_head_dim": 10}),
+    # Mistral 4: DeepSeek's latent attention, its queries scaled past position 6
+    "mistral4": ("Mistral4", {**DEEPSEEK, "rope_parameters": {
+        **DEEPSEEK["rope_parameters"], "llama_4_scaling_beta": 0.5,
+        "original_max_position_embeddings": 6, "partial_rotary_factor": 0.5}}),
     # the gated hybrids (issue 33): Qwen3-Next's gate fused into q_proj (biased), half of each
     # head rotated, QK-norm of 1 + weight, Qwen3.5's multimodal rope as text's, between Gated
     # DeltaNet layers; LFM3's gate per head, a proportional rope on its full layers
@@ -448,7 +452,7 @@ query's low-rank projection (``q_lora_rank=None``), with biases and halves rotar
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
 LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "axk1", "minicpm3",
                    "longcat_flash", "deepseek_v32", "glm_moe_dsa",
-                   "bailing_hybrid")  # fmt: skip
+                   "bailing_hybrid", "mistral4")  # fmt: skip
 """The checkpoints of DeepSeek's multi-head latent attention (``LatentAttention``)."""
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen", "gpt_neo", "bloom", "mpt", "dbrx", "persimmon", "falcon",
@@ -486,7 +490,8 @@ def _settings(family: str) -> tuple[str, str, dict[str, Any]]:
         del settings[key]
     model_type = getattr(transformers, f"{name}Config").model_type
     causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    return f"{name}Config", causal[model_type], settings
+    # Mistral 4's causal LM is outside transformers' (5.24) causal-LM mapping
+    return f"{name}Config", causal.get(model_type, f"{name}ForCausalLM"), settings
 
 
 def build(family: str, seed: int = 0) -> Any:
@@ -577,8 +582,10 @@ def transformers_model(family: str, folder: Path | None = None) -> Any:
     import torch
     import transformers
 
-    _, _, settings = _settings(family)
+    _, model_name, settings = _settings(family)
     model_class = transformers.AutoModelForCausalLM
+    if model_name == "Mistral4ForCausalLM":  # outside the causal-LM mapping (transformers 5.24)
+        model_class = transformers.Mistral4ForCausalLM
     folder = saved(family) if folder is None else folder
     # the experts' grouped matrix products take no float64: their loop does
     experts = {"experts_implementation": "eager"} if "experts_implementation" in settings else {}

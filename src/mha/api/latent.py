@@ -37,6 +37,7 @@ from .latent_math import LatentPlan, latent_forward
 from .rotary import check_positions, check_rotary_options, positive_real
 from .signatures import Backward, Flag
 from .sparse import INDEXER_WEIGHTS, IndexerSpec, SparseKVCache
+from .variants import check_query_temperature
 
 __all__ = ["LatentAttention", "LatentSpec"]
 
@@ -66,7 +67,9 @@ class LatentSpec:
     ``rotary_interleaved``, ``norm_eps``, ``scale`` (``None``: ``1/sqrt(qk_nope_head_dim
     + qk_rope_head_dim)``), ``indexer`` (an :class:`~mha.api.sparse.IndexerSpec`: sparse
     top-k attention, DeepSeek-V3.2's; ``None``: dense) and ``output_gate`` (the activation
-    of a gate per head, ``W_g (E, H)``: Bailing-hybrid's; ``None``: none). A reader's pair
+    of a gate per head, ``W_g (E, H)``: Bailing-hybrid's; ``None``: none) and
+    ``query_temperature`` (the queries scaled by their position, Mistral 4's: the keyword of
+    :func:`mha.scaled_dot_product_attention`; ``None``: none). A reader's pair
     ``(spec, weights)`` builds a layer by :meth:`LatentAttention.from_spec`.
 
     >>> import mha
@@ -89,6 +92,7 @@ class LatentSpec:
     scale: Any = None
     indexer: Any = None
     output_gate: Any = None
+    query_temperature: Any = None
 
     kind = "latent"
     """What a reader's spec builds (:meth:`LatentAttention.from_spec`)."""
@@ -161,6 +165,7 @@ class LatentAttention:
         scale: float | None = None,
         indexer: IndexerSpec | None = None,
         output_gate: str | None = None,
+        query_temperature: tuple[float | str, ...] | None = None,
         bias: Flag = False,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
@@ -181,6 +186,7 @@ class LatentAttention:
                 scale,
                 indexer,
                 output_gate,
+                query_temperature,
             )
         )
         with_bias = flag("bias", bias)
@@ -226,6 +232,7 @@ class LatentAttention:
             self._given_scale,
             self.indexer,
             self.output_gate,
+            self.query_temperature,
         )
 
     @classmethod
@@ -393,6 +400,8 @@ class LatentAttention:
             "max_memory": max_memory,
             "workers": workers,
         }
+        if self.query_temperature is not None:  # at the kernel's positions: checked above
+            attention["query_temperature"] = self.query_temperature
         threads = None if workers is None else positive_int("workers", workers)
         out, backward = latent_forward(
             self._plan(), x, given, dtype, at, attention, want_backward, threads
@@ -410,7 +419,14 @@ class LatentAttention:
             if positions is None:
                 return np.arange(L)
             check_positions(positions, x.shape, f"x {x.shape}")
-            return np.asarray(positions)
+            given = np.asarray(positions)
+            if self.query_temperature is not None and not (given == np.arange(L)).all():
+                raise AttentionValueError(
+                    f"positions= other than 0..{L - 1} cannot be combined with this layer's "
+                    f"query_temperature={self.query_temperature}, which scales each query at "
+                    "its row's position (a cache's length plus its row): give a cache instead"
+                )
+            return given
         refused = [
             why
             for why, given in (
@@ -552,6 +568,7 @@ class LatentAttention:
             ("scale", self._given_scale, None),
             ("indexer", self.indexer, None),
             ("output_gate", self.output_gate, None),
+            ("query_temperature", self.query_temperature, None),
         ):
             if value != default:
                 shown[name] = value
@@ -600,6 +617,11 @@ class LatentAttention:
         self.rope_scaling = None if rope_scaling is None else dict(rope_scaling)
         self.norm_eps = positive_real("norm_eps", norm_eps)
         self.output_gate = check_gate_activation(spec.output_gate)
+        self.query_temperature = (
+            None
+            if spec.query_temperature is None
+            else check_query_temperature(spec.query_temperature).keyword()
+        )
         self._given_scale = None if scale is None else resolve_scale(scale, 1, np.dtype(np.float64))
         self.scale = (
             resolve_scale(None, self.qk_nope_head_dim + self.qk_rope_head_dim, np.dtype(np.float64))

@@ -225,8 +225,12 @@ def latent(family: Family, layout: LatentProjections, read: Settings, index: int
         raise read.refuse(f"num_key_value_heads={kv_heads} != num_attention_heads={H}")
     rope = rope_parameters(read, family.rope, None)
     rope = check_refused(read, family.rope, rope)
-    if partial_rotary(read, family.rope, rope, rope_dim) is not None:  # no latent row has it
+    factor = rope.get("partial_rotary_factor")
+    mla_share = factor is not None and int((nope + rope_dim) * factor) == rope_dim  # Mistral 4
+    if not mla_share and partial_rotary(read, family.rope, rope, rope_dim) is not None:
         raise read.refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}")
+    if mla_share:  # the rotated share is qk_rope_head_dim itself
+        rope = {key: value for key, value in rope.items() if key != "partial_rotary_factor"}
     scale = (nope + rope_dim) ** (-0.5)  # DeepseekV3Attention's, with yarn_apply_mscale
     if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim", 0):
         mscale = yarn_mscale(rope["factor"], rope["mscale_all_dim"])
@@ -253,4 +257,6 @@ def latent(family: Family, layout: LatentProjections, read: Settings, index: int
     if family.gate is not None:  # a gate per head (Bailing-hybrid's)
         settings["output_gate"] = family.gate.activation
         tensors |= family.gate.tensors(read, E, H, 1)
+    if family.by_layer is not None:  # a query temperature (Mistral 4's)
+        settings |= family.by_layer(read, index, settings)
     return layout.kind, settings, tensors

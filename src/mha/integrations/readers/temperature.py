@@ -33,6 +33,7 @@ __all__ = [
     "beam_layer_types",
     "llama4_layer",
     "ministral3_layer",
+    "scaling_beta",
 ]
 
 LLAMA4_TEXT: dict[str, Any] = {
@@ -113,15 +114,21 @@ def llama4_layer(read: Settings, index: int, settings: dict[str, Any]) -> dict[s
 
 
 def ministral3_layer(read: Settings, index: int, settings: dict[str, Any]) -> dict[str, Any]:
-    """Ministral 3's query temperature, ``1 + beta * log(1 + floor(p / m))`` at position
-    ``p``: ``beta`` the rope parameters' ``llama_4_scaling_beta`` (0: none), ``m`` their
-    ``original_max_position_embeddings``, which transformers' attention needs."""
-    rope = rope_parameters(read, _MINISTRAL3_ROPE, None)
+    """Ministral 3's query temperature (:func:`scaling_beta`)."""
+    return scaling_beta(read, _MINISTRAL3_ROPE)
+
+
+def scaling_beta(read: Settings, rope_row: Rope) -> dict[str, Any]:
+    """The query temperature ``1 + beta * log(1 + floor(p / m))`` at position ``p`` of
+    Ministral 3 and Mistral 4: ``beta`` the rope parameters' ``llama_4_scaling_beta`` (0:
+    none), ``m`` their ``original_max_position_embeddings``, which transformers' attention
+    needs."""
+    rope = rope_parameters(read, rope_row, None)
     beta = rope.get("llama_4_scaling_beta")
     if beta is None:
         raise read.refuse(
-            "rope_parameters without llama_4_scaling_beta (transformers' Ministral 3 attention "
-            "scales its queries by it: it needs one, 0 for none)"
+            f"rope_parameters without llama_4_scaling_beta (transformers' {read.family} "
+            "attention scales its queries by it: it needs one, 0 for none)"
         )
     beta = _number(read, "rope_parameters['llama_4_scaling_beta']", beta)
     if beta == 0:
