@@ -592,7 +592,12 @@ def table(entries: list[Entry]) -> str:
         detail = _blocker(item).replace("|", "\\|")
         lines.append(f"| `{item.family}` | {item.kind} | {result} | {detail} |")
     summary = ", ".join(f"{count} {label}" for label, count in sorted(counts.items()))
-    return f"{len(entries)} model types: {summary}.\n\n" + "\n".join(lines) + "\n"
+    decoders = [item for item in entries if item.kind == DECODER]
+    read = sum(item.result == READ for item in decoders)
+    return (
+        f"{len(entries)} model types: {summary}. Of the {len(decoders)} decoder-only families, "
+        f"{read} read.\n\n" + "\n".join(lines) + "\n"
+    )
 
 
 def _blocker(item: Entry) -> str:
