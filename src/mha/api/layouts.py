@@ -270,6 +270,7 @@ class Layouts(Configuration):
                 ("an output gate", self.output_gate is not None),
                 ("clip_qkv", self.clip_qkv is not None),
                 ("v_norm", self.v_norm is not None),
+                ("an output norm", self.output_norm is not None),
                 *((f"{name}=", True) for name in self.variants()),
                 ("only some of the biases", self._partial_biases() != ""),
             )

@@ -125,7 +125,6 @@ REFUSED = {
     "inkling2_loop_text": _not_computed(
         "Inkling2-Loop's relative position bias in the scores and short convolutions"
     ),
-    "bitnet": _not_computed("BitNet's RMSNorm of the attention's output before o_proj"),
     "zaya": _not_computed(
         "ZAYA's compressed convolutional attention (queries and keys through convolutions)"
     ),
