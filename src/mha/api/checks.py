@@ -158,6 +158,7 @@ class LayerWeights(NamedTuple):
     q_norm_bias: Any = None
     k_norm_bias: Any = None
     o_norm: Any = None
+    q_scale: Any = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,7 @@ class Call:
     rotary: dict[str, Any] | None = None  # apply_rotary's keywords
     q_positions: Any = None
     k_positions: Any = None
+    q_scale: np.ndarray | None = None  # each query feature's factor after the rotation
 
     @property
     def extra(self) -> int:
@@ -256,10 +258,11 @@ def check_layer(
     norm_weights = (given.q_norm, given.k_norm, given.q_norm_bias, given.k_norm_bias)
     norm = check_qk_norm(spec.qk_norm, norm_weights, (H, H_kv, d_k))
     sinks = None if spec.scores.sinks is None else as_float_array("sinks", spec.scores.sinks)
+    q_scale = _query_scale(given.q_scale, H, d_k)
     return Call(
         Q, K, V, weights, H, H_kv, d_k, d_v, B, L, S, result_dtype, compute_dtype, spec,
         inputs, request, scale, visibility, append, scores, sinks, norm, rotary, q_positions,
-        k_positions,
+        k_positions, q_scale,
     )  # fmt: skip
 
 
@@ -276,6 +279,20 @@ def _with_gate(
         raise AttentionValueError("W_g: this call's spec has an output stage already")
     gate = OutputGate.check(spec.output_gate, given.W_g, given.b_g, H, d_v, d_q)
     return replace(spec, output=gate)
+
+
+def _query_scale(q_scale: Any, H: int, d_k: int) -> np.ndarray | None:
+    """``q_scale (H*d_k,)``: each query head's factors of its features after the rotation
+    (Dory's nGPT ``sqk``), checked."""
+    if q_scale is None:
+        return None
+    s = as_float_array("q_scale", q_scale)
+    if s.shape != (H * d_k,):
+        raise ShapeError(
+            f"q_scale must have shape (H*d_k,) = ({H * d_k},), one factor a query feature; "
+            f"got shape {s.shape}"
+        )
+    return s
 
 
 def _with_output_norm(spec: AttentionSpec, given: LayerWeights, width: int) -> AttentionSpec:

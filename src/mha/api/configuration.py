@@ -35,9 +35,9 @@ if TYPE_CHECKING:
 __all__ = ["PARAMETER_NAMES", "Configuration", "LayerSpec", "float_dtype"]
 
 PARAMETER_NAMES = (*WEIGHT_NAMES, "sinks", "q_norm", "k_norm", "W_g", "b_g", "q_norm_bias",
-                   "k_norm_bias", "o_norm")  # fmt: skip
+                   "k_norm_bias", "o_norm", "q_scale")  # fmt: skip
 """The module's learned arrays: the weights of the function, gpt-oss's sink logits, the
-QK-norm's weights, the output gate's and the output norm's."""
+QK-norm's weights, the output gate's, the output norm's and the queries' factors."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,7 @@ class Configuration:
     output_norm: str | None  # the joined heads' norm before W_o: "rms" or "l2" (output_norm.py)
     output_norm_eps: float | None
     o_norm: np.ndarray | None  # the weight of an output_norm="rms"
+    q_scale: np.ndarray | None  # each query feature's factor after the rotation (Dory's sqk)
 
     def _configure(self, spec: LayerSpec, widths: tuple[Any, Any, Any]) -> None:
         """Check and keep the configuration (everything but the weights): ``spec`` (its
@@ -365,6 +366,7 @@ class Configuration:
                 ("add_bias_kv", self.bias_k is not None),
                 ("add_zero_attn", self.add_zero_attn),
                 ("sinks", self.sinks is not None),
+                ("query_scale", self.q_scale is not None),
                 ("alibi", self.alibi is not None and self._standard_slopes()),
             )
             if on
@@ -399,6 +401,7 @@ class Configuration:
             "rotary_interleaved": self.rotary_interleaved,
             "window": self.window,
             "sinks": self.sinks is not None,
+            "q_scale": self.q_scale is not None,
             "sink_tokens": self.sink_tokens,
             "softcap": self.softcap,
             "chunk": self.chunk,
@@ -576,6 +579,7 @@ class Configuration:
             "W_g": (E, self.num_heads if self.output_gate_per_head else joined),
             "b_g": (self.num_heads if self.output_gate_per_head else joined,),
             "o_norm": (joined,),
+            "q_scale": (inner,),
         }
 
     def _own_v_head_dim(self) -> int | None:

@@ -86,8 +86,9 @@ class MultiHeadAttention(Layouts):
     tokens, and reads it without appending (:mod:`.shared_kv`). ``output_norm`` (``"rms"``:
     BitNet's RMSNorm of the joined heads before ``W_o``, the module owns its weight
     ``o_norm``; ``"l2"``: nGPT's L2 norm, no weights) with ``output_norm_eps`` (default
-    1e-6). :meth:`from_pretrained` reads a layer of a transformers checkpoint with all of
-    them.
+    1e-6); ``query_scale=True`` (Dory's nGPT ``sqk``: the module owns ``q_scale``, one
+    factor a query feature after the rotation, one to start). :meth:`from_pretrained` reads
+    a layer of a transformers checkpoint with all of them.
 
     The class holds configuration and weights and delegates to the function's own path (same
     inputs, same bits): its settings and weights are checked in :mod:`.configuration`, the
@@ -143,6 +144,7 @@ class MultiHeadAttention(Layouts):
         shares_kv_with: SupportsIndex | None = None,
         output_norm: str | None = None,
         output_norm_eps: float | None = None,
+        query_scale: Flag = False,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
     ) -> None:
@@ -218,6 +220,9 @@ class MultiHeadAttention(Layouts):
         self.o_norm: np.ndarray | None = None
         if self.output_norm == "rms":  # a gain of one to start
             self.o_norm = np.ones(self._shapes()["o_norm"], dtype=self.dtype)
+        self.q_scale: np.ndarray | None = None
+        if flag("query_scale", query_scale):  # each query feature's factor, one to start
+            self.q_scale = np.ones(inner, dtype=self.dtype)
 
     # One overload per combination of the return_* flags; the last for run-time flags.
     # fmt: off
@@ -414,6 +419,7 @@ class MultiHeadAttention(Layouts):
             self.q_norm_bias,
             self.k_norm_bias,
             self.o_norm,
+            self.q_scale,
         )
         inputs = LayerArrays(query, key, value)
         names = _SELF_NAMES if itself else _INPUT_NAMES

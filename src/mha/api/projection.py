@@ -133,6 +133,7 @@ def multi_head_attention(
     output_gate: str | None = None,
     clip_qkv: float | None = None,
     v_norm: float | None = None,
+    q_scale: Any = None,
     o_norm: Any = None,
     output_norm: str | None = None,
     output_norm_eps: float | None = None,
@@ -208,6 +209,8 @@ def multi_head_attention(
     * ``v_norm``: the epsilon of an RMSNorm without weights of each value head (Gemma 3n,
       Gemma 4), after the projection (and before the cache: it holds the normalised
       values); ``None`` for none.
+    * ``q_scale (H*d_k,)``: each query head's features times their factor after the
+      rotation and the scale (Dory's nGPT ``sqk``); ``backward`` has its gradient.
     * ``output_norm``: a norm of the joined heads over all their ``H*d_v`` features before
       ``W_o`` (after the output gate), ``"rms"`` (an RMSNorm with the weight ``o_norm
       (H*d_v,)``: BitNet) or ``"l2"`` (the L2 norm, no weights: Dory's nGPT attention);
@@ -264,7 +267,7 @@ def multi_head_attention(
     )  # fmt: skip
     weights = LayerWeights(
         W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm, W_g, b_g,
-        q_norm_bias, k_norm_bias, o_norm,
+        q_norm_bias, k_norm_bias, o_norm, q_scale,
     )  # fmt: skip
     call = check_layer(LayerArrays(Q, K, V), weights, num_heads, check_mha(keywords))
     return compute(call)
@@ -430,6 +433,10 @@ def project_heads(
     if norm is not None and after:
         q, k = normalise(norm, q, k, saved)
         q *= scale
+    if call.q_scale is not None:  # Dory's: each query feature's factor, after the rotation
+        if saved is not None:
+            saved["q_scale"] = [q]
+        q = q * call.q_scale.astype(q.dtype, copy=False).reshape(H, 1, -1)
     return q, k, v
 
 

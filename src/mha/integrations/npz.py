@@ -34,7 +34,7 @@ FORMAT_VERSION = 2  # 2 added grouped-query heads, head_dim, rotary, window, sin
 # are stored as their uint16 bits.
 WEIGHT_NAMES = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v",
                 "sinks", "q_norm", "k_norm", "W_g", "b_g", "q_norm_bias",
-                "k_norm_bias", "o_norm")  # fmt: skip
+                "k_norm_bias", "o_norm", "q_scale")  # fmt: skip
 
 
 LATENT_FORMAT = "mha.LatentAttention"
@@ -227,4 +227,6 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             vectors["b_g"] = (gates,)
     if config.get("output_norm") == "rms":
         vectors["o_norm"] = (joined,)
+    if config.get("q_scale"):
+        vectors["q_scale"] = (inner,)
     return {**shapes, **vectors}

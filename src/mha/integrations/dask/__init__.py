@@ -203,6 +203,7 @@ def multi_head_attention(
     output_gate: str | None = None,
     clip_qkv: float | None = None,
     v_norm: float | None = None,
+    q_scale: Any = None,
     o_norm: Any = None,
     output_norm: str | None = None,
     output_norm_eps: float | None = None,
@@ -225,7 +226,8 @@ def multi_head_attention(
     too).
     ``workers`` counts threads inside each task (default 1: Dask runs tasks in parallel);
     ``split_every`` is the merge tree's fan-in. ``return_weights``, ``return_backward``,
-    dropout, ``cache`` and ``output_norm`` (with ``o_norm``) are in-memory only.
+    dropout, ``cache``, ``q_scale`` and ``output_norm`` (with ``o_norm``) are in-memory
+    only.
 
     Returns the lazy ``(B, L, d_out)`` (``(L, d_out)`` unbatched), chunked like ``Q``.
 
@@ -258,7 +260,7 @@ def multi_head_attention(
     )  # fmt: skip
     weights = LayerWeights(
         W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm, W_g, b_g,
-        q_norm_bias, k_norm_bias, o_norm,
+        q_norm_bias, k_norm_bias, o_norm, q_scale,
     )  # fmt: skip
     return _mha(
         lazy,
@@ -288,6 +290,11 @@ def _mha(
     if checked.spec.output_norm is not None or weights.o_norm is not None:
         raise AttentionValueError(
             "output_norm: mha.dask does not compute the norm of the joined heads before W_o; "
+            "call mha.multi_head_attention on a slice that fits in memory"
+        )
+    if weights.q_scale is not None:
+        raise AttentionValueError(
+            "q_scale: mha.dask does not compute the queries' factors after the rotation; "
             "call mha.multi_head_attention on a slice that fits in memory"
         )
     call = check_layer(LayerArrays(*standins), weights, num_heads, checked)

@@ -86,8 +86,8 @@ REFUSED = {
         f"the gate nor a window"
     ),
     "dory": _not_computed(
-        "Dory's nGPT attention (L2-normalised queries and keys, a per-feature query scale "
-        "after the rotation, an L2 norm of its output before o_proj) and its looped layers"
+        "Dory's per-feature query scale after the rotation (nGPT's sqk) and its looped "
+        "layers (the recurrent section run n_recurrent_loops times, a cache per loop)"
     ),
     "hrm_text": _not_read(
         "HRM's attention has a sigmoid output gate in recurrent stacks (each layer of its L and "
