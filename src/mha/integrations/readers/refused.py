@@ -85,9 +85,11 @@ REFUSED = {
         f"{_TOP_K}; mha.LatentAttention computes the top-k (as DeepSeek-V3.2's) but neither "
         f"the gate nor a window"
     ),
-    "dory": _not_computed(
-        "Dory's per-feature query scale after the rotation (nGPT's sqk) and its looped "
-        "layers (the recurrent section run n_recurrent_loops times, a cache per loop)"
+    "dory": _not_read(
+        "Dory's nGPT attention (unit queries and keys, each query feature's factor sqk after "
+        "the rotation, an output gate of scaled logits, the L2 norm of its output) in looped "
+        "layers (the recurrent section run n_recurrent_loops times, a cache per loop)",
+        "qk_norm=, q_scale=, W_g=, output_norm='l2'",
     ),
     "hrm_text": _not_read(
         "HRM's attention has a sigmoid output gate in recurrent stacks (each layer of its L and "
