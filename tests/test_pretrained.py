@@ -273,6 +273,9 @@ CHANGES = {
     "gemma4": [{"v_norm": None}, {"shares_kv_with": None}, {"rope_scaling": None},
                {"scale": None}, {"window": None}],
     "gemma4_unified": [{"v_norm": None}, {"rope_scaling": None}, {"window": None}],
+    "bitnet": [{"output_norm": None, "output_norm_eps": None, "o_norm": None},
+               {"output_norm_eps": 1e-6}, {"output_norm": "l2", "o_norm": None},
+               {"rope_theta": 10000.0}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3

@@ -41,6 +41,7 @@ CASES = [  # family, layer, its type: a sliding and a full layer where the famil
     ("llama", 0, FULL),  # Llama 3 rope scaling
     ("gpt_oss", 0, SLIDING),
     ("gpt_oss", 1, FULL),
+    ("bitnet", 1, FULL),  # the RMSNorm of the joined heads before o_proj
 ]
 
 
@@ -54,6 +55,8 @@ def mha_name(name):
         return name.removesuffix(".weight"), False
     if name == "sinks":
         return name, False
+    if name == "attn_sub_norm.weight":  # BitNet's output norm
+        return "o_norm", False
     raise KeyError(f"no mha name for the attention parameter {name!r}")
 
 

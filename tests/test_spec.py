@@ -49,7 +49,7 @@ def test_the_layer_takes_every_keyword_of_the_function():
     configuration = set(inspect.signature(mha.MultiHeadAttention).parameters)
     forward = set(inspect.signature(mha.MultiHeadAttention.forward).parameters)
     attributes = {"b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v", "q_norm", "k_norm", "sinks",
-                  "W_g", "b_g", "q_norm_bias", "k_norm_bias"}  # fmt: skip
+                  "W_g", "b_g", "q_norm_bias", "k_norm_bias", "o_norm", "q_scale"}  # fmt: skip
     covered = configuration | forward | attributes | {"rope_scaling", "add_zero_attn"}
     assert set(LAYER) - covered == set()
 
@@ -188,6 +188,10 @@ def _layer_probes(rng):
         "q_norm_bias": ({**layer_norms, "q_norm_bias": head, "k_norm_bias": head}, layer_norms),
         "k_norm_bias": ({**layer_norms, "q_norm_bias": head, "k_norm_bias": -head},
                         {**layer_norms, "q_norm_bias": head, "k_norm_bias": head}),
+        "o_norm": ({"output_norm": "rms", "o_norm": kv}, {"output_norm": "rms", "o_norm": -kv}),
+        "output_norm": {"output_norm": "l2"},
+        "q_scale": ({**theta, "q_scale": kv}, theta),
+        "output_norm_eps": ({"output_norm": "l2", "output_norm_eps": 0.5}, {"output_norm": "l2"}),
     }  # fmt: skip
 
 

@@ -440,6 +440,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         SLIDING: {"rope_type": "default", "rope_theta": 100.0},
         FULL: {"rope_type": "proportional", "rope_theta": 3000.0,
                "partial_rotary_factor": 0.25}}}),
+    # BitNet: an RMSNorm of the joined heads before o_proj, of a large epsilon
+    "bitnet": ("BitNet", {"rms_norm_eps": 0.3}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,

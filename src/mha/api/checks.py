@@ -32,6 +32,7 @@ from .._kernel.scores import Scores
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .cached import Append, CacheFit, check_cache
 from .gates import OutputGate
+from .output_norm import OutputNorm, Stages
 from .qk_norm import QKNorm, check_qk_norm
 from .rope_scaling import check_base, check_rope_scaling
 from .rotary import check_positions, check_rotary_options
@@ -156,6 +157,8 @@ class LayerWeights(NamedTuple):
     b_g: Any = None
     q_norm_bias: Any = None
     k_norm_bias: Any = None
+    o_norm: Any = None
+    q_scale: Any = None
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,7 @@ class Call:
     rotary: dict[str, Any] | None = None  # apply_rotary's keywords
     q_positions: Any = None
     k_positions: Any = None
+    q_scale: np.ndarray | None = None  # each query feature's factor after the rotation
 
     @property
     def extra(self) -> int:
@@ -228,6 +232,7 @@ def check_layer(
     H, H_kv, d_k, d_v = _heads(weights, num_heads, spec.num_kv_heads, spec.output)
     weights = with_biases(weights, given)
     spec = _with_gate(spec, given, H, d_v, Q.shape[-1])
+    spec = _with_output_norm(spec, given, H * d_v)
     gate_weights = getattr(spec.output, "weights", {}).values()
     result_dtype, compute_dtype = result_and_compute_dtypes(
         Q, K, V, *weights.present().values(), *gate_weights
@@ -253,10 +258,11 @@ def check_layer(
     norm_weights = (given.q_norm, given.k_norm, given.q_norm_bias, given.k_norm_bias)
     norm = check_qk_norm(spec.qk_norm, norm_weights, (H, H_kv, d_k))
     sinks = None if spec.scores.sinks is None else as_float_array("sinks", spec.scores.sinks)
+    q_scale = _query_scale(given.q_scale, H, d_k)
     return Call(
         Q, K, V, weights, H, H_kv, d_k, d_v, B, L, S, result_dtype, compute_dtype, spec,
         inputs, request, scale, visibility, append, scores, sinks, norm, rotary, q_positions,
-        k_positions,
+        k_positions, q_scale,
     )  # fmt: skip
 
 
@@ -273,6 +279,32 @@ def _with_gate(
         raise AttentionValueError("W_g: this call's spec has an output stage already")
     gate = OutputGate.check(spec.output_gate, given.W_g, given.b_g, H, d_v, d_q)
     return replace(spec, output=gate)
+
+
+def _query_scale(q_scale: Any, H: int, d_k: int) -> np.ndarray | None:
+    """``q_scale (H*d_k,)``: each query head's factors of its features after the rotation
+    (Dory's nGPT ``sqk``), checked."""
+    if q_scale is None:
+        return None
+    s = as_float_array("q_scale", q_scale)
+    if s.shape != (H * d_k,):
+        raise ShapeError(
+            f"q_scale must have shape (H*d_k,) = ({H * d_k},), one factor a query feature; "
+            f"got shape {s.shape}"
+        )
+    return s
+
+
+def _with_output_norm(spec: AttentionSpec, given: LayerWeights, width: int) -> AttentionSpec:
+    """``spec`` with the norm of the joined heads (``output_norm``, weight ``o_norm``) as its
+    output stage, after its output gate where it has one."""
+    if spec.output_norm is None:
+        if given.o_norm is not None:
+            raise AttentionValueError("o_norm needs output_norm='rms'")
+        return spec
+    norm = OutputNorm.check(spec.output_norm, given.o_norm, width)
+    stage = norm if spec.output is None else Stages(spec.output, norm)
+    return replace(spec, output=stage)
 
 
 def _layer_inputs(

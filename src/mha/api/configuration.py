@@ -20,6 +20,7 @@ from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .checks import WEIGHT_NAMES
 from .clip import check_clip_qkv
 from .gates import check_gate_activation
+from .output_norm import check_output_norm
 from .qk_norm import KIND_NAMES as QK_NORM_NAMES
 from .qk_norm import KINDS as QK_NORM_KINDS
 from .qk_norm import check_offset
@@ -34,9 +35,9 @@ if TYPE_CHECKING:
 __all__ = ["PARAMETER_NAMES", "Configuration", "LayerSpec", "float_dtype"]
 
 PARAMETER_NAMES = (*WEIGHT_NAMES, "sinks", "q_norm", "k_norm", "W_g", "b_g", "q_norm_bias",
-                   "k_norm_bias")  # fmt: skip
+                   "k_norm_bias", "o_norm", "q_scale")  # fmt: skip
 """The module's learned arrays: the weights of the function, gpt-oss's sink logits, the
-QK-norm's weights and the output gate's."""
+QK-norm's weights, the output gate's, the output norm's and the queries' factors."""
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,11 @@ class LayerSpec:
     ``qk_norm_eps``, ``qk_norm_offset``, ``add_zero_attn``, ``output_gate``,
     ``output_gate_per_head``, ``query_temperature``, ``v_head_dim`` (the values' head
     width, when it differs from the keys': MiMo-V2-Flash), ``clip_qkv``, ``qk_layernorm``,
-    ``qk_norm_after_rope``, ``v_norm`` and ``shares_kv_with`` (each ``None``, or ``False``,
-    for its default; ``head_dim`` then comes from the weights). The pair ``(spec, weights)``
-    is what a reader of another format produces (:mod:`mha.integrations.readers`) and
-    :meth:`Configuration.from_spec` builds a layer from.
+    ``qk_norm_after_rope``, ``v_norm``, ``shares_kv_with``, ``output_norm`` and
+    ``output_norm_eps`` (each ``None``, or ``False``, for its default; ``head_dim`` then
+    comes from the weights). The pair ``(spec, weights)`` is what a reader of another
+    format produces (:mod:`mha.integrations.readers`) and :meth:`Configuration.from_spec`
+    builds a layer from.
 
     >>> import mha
     >>> mha.LayerSpec(num_heads=4, num_kv_heads=2, window=16).window
@@ -84,6 +86,8 @@ class LayerSpec:
     qk_norm_after_rope: Any = False
     v_norm: Any = None
     shares_kv_with: Any = None
+    output_norm: Any = None
+    output_norm_eps: Any = None
 
     kind = "attention"
     """What a reader's spec builds (:meth:`Configuration.from_spec`)."""
@@ -149,6 +153,10 @@ class Configuration:
     shares_kv_with: int | None  # the layer whose keys and values it attends with (shared_kv.py)
     q_norm_bias: np.ndarray | None
     k_norm_bias: np.ndarray | None
+    output_norm: str | None  # the joined heads' norm before W_o: "rms" or "l2" (output_norm.py)
+    output_norm_eps: float | None
+    o_norm: np.ndarray | None  # the weight of an output_norm="rms"
+    q_scale: np.ndarray | None  # each query feature's factor after the rotation (Dory's sqk)
 
     def _configure(self, spec: LayerSpec, widths: tuple[Any, Any, Any]) -> None:
         """Check and keep the configuration (everything but the weights): ``spec`` (its
@@ -268,6 +276,8 @@ class Configuration:
         self.shares_kv_with = None
         if spec.shares_kv_with is not None:
             self.shares_kv_with = non_negative_int("shares_kv_with", spec.shares_kv_with)
+        norm = check_output_norm(spec.output_norm, spec.output_norm_eps)
+        self.output_norm, self.output_norm_eps = (None, None) if norm is None else norm
 
     @property
     def has_bias(self) -> bool:
@@ -328,6 +338,8 @@ class Configuration:
             "clip_qkv": None,
             "v_norm": None,
             "shares_kv_with": None,
+            "output_norm": None,
+            "output_norm_eps": None,
         }
         dims = "".join(
             f", {name}={getattr(self, name)!r}"
@@ -354,6 +366,7 @@ class Configuration:
                 ("add_bias_kv", self.bias_k is not None),
                 ("add_zero_attn", self.add_zero_attn),
                 ("sinks", self.sinks is not None),
+                ("query_scale", self.q_scale is not None),
                 ("alibi", self.alibi is not None and self._standard_slopes()),
             )
             if on
@@ -388,6 +401,7 @@ class Configuration:
             "rotary_interleaved": self.rotary_interleaved,
             "window": self.window,
             "sinks": self.sinks is not None,
+            "q_scale": self.q_scale is not None,
             "sink_tokens": self.sink_tokens,
             "softcap": self.softcap,
             "chunk": self.chunk,
@@ -407,6 +421,8 @@ class Configuration:
             "qk_norm_after_rope": self.qk_norm_after_rope,
             "v_norm": self.v_norm,
             "shares_kv_with": self.shares_kv_with,
+            "output_norm": self.output_norm,
+            "output_norm_eps": self.output_norm_eps,
             "dtype": self._held_dtype().name,
         }
 
@@ -448,6 +464,8 @@ class Configuration:
             self.qk_norm_after_rope,
             self.v_norm,
             self.shares_kv_with,
+            self.output_norm,
+            self.output_norm_eps,
         )
 
     @classmethod
@@ -515,6 +533,8 @@ class Configuration:
                 f"{source}: W_g (with b_g, if any) and output_gate= ('sigmoid' or 'softplus') "
                 "go together"
             )
+        if (weights.get("o_norm") is not None) != (self.output_norm == "rms"):
+            raise AttentionValueError(f"{source}: o_norm and output_norm='rms' go together")
         present = [a for a in weights.values() if a is not None]
         self.dtype = float_dtype(np.result_type(*present))
         for name in PARAMETER_NAMES:
@@ -558,6 +578,8 @@ class Configuration:
             **self._norm_shapes(),
             "W_g": (E, self.num_heads if self.output_gate_per_head else joined),
             "b_g": (self.num_heads if self.output_gate_per_head else joined,),
+            "o_norm": (joined,),
+            "q_scale": (inner,),
         }
 
     def _own_v_head_dim(self) -> int | None:

@@ -148,8 +148,9 @@ class DifferentialSpec(LayerSpec):
     ``softcap``, ``alibi``, ``chunk``, ``scale``, ``qk_norm``, ``qk_norm_eps``,
     ``qk_norm_offset``, ``add_zero_attn``, ``output_gate``, ``output_gate_per_head``,
     ``query_temperature``, ``v_head_dim``, ``clip_qkv``, ``qk_layernorm``,
-    ``qk_norm_after_rope``, ``v_norm``, ``shares_kv_with``), with ``lambda_init`` and the
-    group norm's epsilon ``differential_eps``.
+    ``qk_norm_after_rope``, ``v_norm``, ``shares_kv_with``, ``output_norm``,
+    ``output_norm_eps``), with ``lambda_init`` and the group norm's epsilon
+    ``differential_eps``.
 
     >>> DifferentialSpec(num_heads=4, lambda_init=0.2).kind
     'differential'
@@ -200,11 +201,12 @@ class DifferentialAttention(MultiHeadAttention):
         seed: int | np.random.Generator | None = None,
         **options: Any,
     ) -> None:
-        if options.get("output_gate") is not None:
-            raise AttentionValueError(
-                "output_gate: a DifferentialAttention's output stage is its own (the "
-                "difference of its heads' pairs, normalised)"
-            )
+        for name in ("output_gate", "output_norm"):
+            if options.get(name) is not None:
+                raise AttentionValueError(
+                    f"{name}: a DifferentialAttention's output stage is its own (the "
+                    "difference of its heads' pairs, normalised)"
+                )
         H, E = positive_int("num_heads", num_heads), positive_int("d_model", d_model)
         if options.get("v_head_dim") is None:
             d = options.get("head_dim") or (E // H if E % H == 0 else None)
@@ -281,8 +283,9 @@ class DifferentialAttention(MultiHeadAttention):
         lambda_init = getattr(spec, "lambda_init", None)
         if lambda_init is None:
             raise AttentionValueError(f"{source}: differential attention needs lambda_init")
-        if spec.output_gate is not None:
-            raise AttentionValueError(f"{source}: output_gate: differential attention has none")
+        for name in ("output_gate", "output_norm"):
+            if getattr(spec, name) is not None:
+                raise AttentionValueError(f"{source}: {name}: differential attention has none")
         plain = LayerSpec(**{f.name: getattr(spec, f.name) for f in fields(LayerSpec)})
         others = {name: x for name, x in weights.items() if name not in LAMBDAS}
         self = super().from_spec(plain, others, source)

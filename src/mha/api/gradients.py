@@ -130,6 +130,8 @@ class ProjectedBackward:
             if norm.q_bias is not None and norm.k_bias is not None:
                 given |= {"q_norm_bias": norm.q_bias, "k_norm_bias": norm.k_bias}
         given |= getattr(call.spec.output, "weights", {})  # an output gate's W_g, b_g
+        if call.q_scale is not None:
+            given["q_scale"] = call.q_scale
         self.saved = forward.saved  # the QK-norm's rows and factors, the clamp's masks
         self.call = call
         self.arrays = given
@@ -225,6 +227,11 @@ class ProjectedBackward:
             dk, dv = dk[..., :S, :], dv[..., :S, :]
         if dbias is not None and self.bias_shape is not None:
             grads["bias"] = _sum_to(dbias[..., :S], self.bias_shape, self.joined.shape[:-2])
+        if call.q_scale is not None:  # through each query feature's factor (q_scale)
+            (before,) = self.saved["q_scale"]  # the scaled, rotated q it multiplied
+            by_feature = (dq * before).reshape(-1, H, dq.shape[-2], dq.shape[-1]).sum(axis=(0, 2))
+            grads["q_scale"] = by_feature.reshape(-1) / call.scale  # dq carries the scale
+            dq = dq * self._in(dtype, "q_scale").reshape(H, 1, -1)
         after = call.qk_norm is not None and call.qk_norm.after_rope
         if after:  # through HunYuan's norm, after the rotation
             dq = self._norm_backward(dq, "q", H, grads)

@@ -246,7 +246,7 @@ class Layouts(Configuration):
         differences = [
             f"{key}={config.get(key)!r} but the weights give {found[key]!r}"
             for key in found
-            if config.get(key, False if key == "sinks" else None) != found[key]
+            if config.get(key, False if key in ("sinks", "q_scale") else None) != found[key]
         ]
         if differences:
             raise WeightsFileError(f"cannot load {path}: its config says " + "; ".join(differences))
@@ -270,6 +270,8 @@ class Layouts(Configuration):
                 ("an output gate", self.output_gate is not None),
                 ("clip_qkv", self.clip_qkv is not None),
                 ("v_norm", self.v_norm is not None),
+                ("an output norm", self.output_norm is not None),
+                ("a query scale", self.q_scale is not None),
                 *((f"{name}=", True) for name in self.variants()),
                 ("only some of the biases", self._partial_biases() != ""),
             )

@@ -83,7 +83,11 @@ class MultiHeadAttention(Layouts):
     epsilon of an RMSNorm without weights of each value head). ``shares_kv_with``: the index
     of the layer whose keys and values this one attends with (Gemma 3n's and Gemma 4's KV
     sharing): it is called with that layer's cache, after that layer's call on the same
-    tokens, and reads it without appending (:mod:`.shared_kv`). :meth:`from_pretrained` reads
+    tokens, and reads it without appending (:mod:`.shared_kv`). ``output_norm`` (``"rms"``:
+    BitNet's RMSNorm of the joined heads before ``W_o``, the module owns its weight
+    ``o_norm``; ``"l2"``: nGPT's L2 norm, no weights) with ``output_norm_eps`` (default
+    1e-6); ``query_scale=True`` (Dory's nGPT ``sqk``: the module owns ``q_scale``, one
+    factor a query feature after the rotation, one to start). :meth:`from_pretrained` reads
     a layer of a transformers checkpoint with all of them.
 
     The class holds configuration and weights and delegates to the function's own path (same
@@ -138,6 +142,9 @@ class MultiHeadAttention(Layouts):
         qk_norm_after_rope: Flag = False,
         v_norm: float | None = None,
         shares_kv_with: SupportsIndex | None = None,
+        output_norm: str | None = None,
+        output_norm_eps: float | None = None,
+        query_scale: Flag = False,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
     ) -> None:
@@ -153,7 +160,7 @@ class MultiHeadAttention(Layouts):
             rotary_interleaved, rope_scaling, window, sink_tokens, softcap, alibi, chunk, scale,
             qk_norm, qk_norm_eps, qk_norm_offset, add_zero_attn, output_gate, output_gate_per_head,
             query_temperature, v_head_dim, clip_qkv, qk_layernorm, qk_norm_after_rope, v_norm,
-            shares_kv_with,
+            shares_kv_with, output_norm, output_norm_eps,
         )  # fmt: skip
         self._configure(spec, (E, E if kdim is None else kdim, E if vdim is None else vdim))
         if not isinstance(bias, (bool, np.bool_)):
@@ -210,6 +217,12 @@ class MultiHeadAttention(Layouts):
             bound = _xavier_bound(rows, columns)
             self.W_g = _uniform(rng, (columns, rows), bound, self.dtype).T.copy()
             self.b_g = np.zeros(columns, dtype=self.dtype) if bias else None
+        self.o_norm: np.ndarray | None = None
+        if self.output_norm == "rms":  # a gain of one to start
+            self.o_norm = np.ones(self._shapes()["o_norm"], dtype=self.dtype)
+        self.q_scale: np.ndarray | None = None
+        if flag("query_scale", query_scale):  # each query feature's factor, one to start
+            self.q_scale = np.ones(inner, dtype=self.dtype)
 
     # One overload per combination of the return_* flags; the last for run-time flags.
     # fmt: off
@@ -385,7 +398,8 @@ class MultiHeadAttention(Layouts):
             None if self.qk_norm is None else self.qk_norm_eps,
             None if self.qk_norm is None else self.qk_norm_offset, cache, padding_side,
             return_backward, dropout_p, generator, self.output_gate, self.clip_qkv,
-            self.qk_layernorm, self.qk_norm_after_rope, self.v_norm,
+            self.qk_layernorm, self.qk_norm_after_rope, self.v_norm, self.output_norm,
+            self.output_norm_eps,
         )  # fmt: skip
         weights = LayerWeights(
             self.W_q,
@@ -404,6 +418,8 @@ class MultiHeadAttention(Layouts):
             self.b_g,
             self.q_norm_bias,
             self.k_norm_bias,
+            self.o_norm,
+            self.q_scale,
         )
         inputs = LayerArrays(query, key, value)
         names = _SELF_NAMES if itself else _INPUT_NAMES

@@ -226,8 +226,8 @@ def _as_given(call: Call, arrays: LayerArrays, given: LayerWeights) -> bool:
         "k_norm": None if norm is None else norm.k_norm,
         "q_norm_bias": None if norm is None else norm.q_bias,
         "k_norm_bias": None if norm is None else norm.k_bias,
-        "W_g": getattr(gate, "W_g", None),
-        "b_g": getattr(gate, "b_g", None),
+        "W_g": None, "b_g": None, "o_norm": None, "q_scale": call.q_scale,
+        **getattr(gate, "weights", {}),  # the output stages' (a gate's, a norm's)
     }  # fmt: skip
     asked = (*arrays._asdict().items(), *given._asdict().items())
     return all(held.get(name, _UNKNOWN) is value for name, value in asked)  # (a new weight: no)

@@ -133,6 +133,10 @@ def multi_head_attention(
     output_gate: str | None = None,
     clip_qkv: float | None = None,
     v_norm: float | None = None,
+    q_scale: Any = None,
+    o_norm: Any = None,
+    output_norm: str | None = None,
+    output_norm_eps: float | None = None,
     cache: KVCache | PagedKVCache | None = None,
     padding_side: str | None = None,
     return_backward: Flag = False,
@@ -205,6 +209,13 @@ def multi_head_attention(
     * ``v_norm``: the epsilon of an RMSNorm without weights of each value head (Gemma 3n,
       Gemma 4), after the projection (and before the cache: it holds the normalised
       values); ``None`` for none.
+    * ``q_scale (H*d_k,)``: each query head's features times their factor after the
+      rotation and the scale (Dory's nGPT ``sqk``); ``backward`` has its gradient.
+    * ``output_norm``: a norm of the joined heads over all their ``H*d_v`` features before
+      ``W_o`` (after the output gate), ``"rms"`` (an RMSNorm with the weight ``o_norm
+      (H*d_v,)``: BitNet) or ``"l2"`` (the L2 norm, no weights: Dory's nGPT attention);
+      ``output_norm_eps`` is added to the mean square (the sum of squares for ``"l2"``),
+      ``1e-6`` by default. ``backward`` has the gradient of ``o_norm``.
     * ``return_backward``: also return ``backward``, a function of the output's gradient
       that returns the gradients of every input and weight given, keyed by parameter name
       (``Q``, ``K``, ``V``, ``W_q``, ..., ``b_o``, ``bias_k``, ``bias_v``, ``bias``), each
@@ -252,11 +263,11 @@ def multi_head_attention(
         sinks, softcap, alibi, score_mod, score_mod_grad, query_temperature, rope_theta, rotary_dim,
         rotary_interleaved, rope_scaling, positions, qk_norm, qk_norm_eps, qk_norm_offset, cache,
         padding_side, return_backward, dropout_p, generator, output_gate, clip_qkv, qk_layernorm,
-        qk_norm_after_rope, v_norm,
+        qk_norm_after_rope, v_norm, output_norm, output_norm_eps,
     )  # fmt: skip
     weights = LayerWeights(
         W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm, W_g, b_g,
-        q_norm_bias, k_norm_bias,
+        q_norm_bias, k_norm_bias, o_norm, q_scale,
     )  # fmt: skip
     call = check_layer(LayerArrays(Q, K, V), weights, num_heads, check_mha(keywords))
     return compute(call)
@@ -422,6 +433,10 @@ def project_heads(
     if norm is not None and after:
         q, k = normalise(norm, q, k, saved)
         q *= scale
+    if call.q_scale is not None:  # Dory's: each query feature's factor, after the rotation
+        if saved is not None:
+            saved["q_scale"] = [q]
+        q = q * call.q_scale.astype(q.dtype, copy=False).reshape(H, 1, -1)
     return q, k, v
 
 

@@ -100,6 +100,10 @@ class MhaOptions(_Keywords, total=False):
     output_gate: str | None
     clip_qkv: float | None
     v_norm: float | None
+    q_scale: Any
+    o_norm: Any
+    output_norm: str | None
+    output_norm_eps: float | None
 
 
 class ForwardOptions(_Keywords, total=False):

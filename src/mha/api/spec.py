@@ -38,6 +38,7 @@ from .._kernel.scores import Scores
 from ..errors import AttentionTypeError, AttentionValueError
 from .clip import check_clip_qkv
 from .gates import check_gate_activation
+from .output_norm import check_output_norm
 from .padding import check_padding_side
 from .v_norm import check_v_norm
 from .variants import check_scores
@@ -136,6 +137,8 @@ class MhaKeywords(NamedTuple):
     qk_layernorm: Any = False
     qk_norm_after_rope: Any = False
     v_norm: Any = None
+    output_norm: Any = None
+    output_norm_eps: Any = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -243,6 +246,7 @@ class AttentionSpec:
     output_gate: str | None = None  # the activation of a gate of weights W_g (api/gates.py)
     clip_qkv: float | None = None  # the projections clamped to [-clip_qkv, clip_qkv] (clip.py)
     v_norm: float | None = None  # the epsilon of the values' RMSNorm without weights (v_norm.py)
+    output_norm: tuple[str, float] | None = None  # the joined heads' norm (output_norm.py)
 
 
 @dataclass(frozen=True, eq=False)
@@ -360,9 +364,11 @@ def _check_mha(kw: MhaKeywords) -> Checked:
     zero = flag("add_zero_attn", kw.add_zero_attn)
     left = check_padding_side(kw.padding_side, kw.cache, arrays)
     gate = check_gate_activation(kw.output_gate)
+    output_norm = check_output_norm(kw.output_norm, kw.output_norm_eps)
     spec = AttentionSpec(rules, scores, kw.scale, drop_p, kw.num_kv_heads, rotary, norm, zero,
                          output_gate=gate, clip_qkv=check_clip_qkv(kw.clip_qkv),
-                         v_norm=check_v_norm(kw.v_norm))  # fmt: skip
+                         v_norm=check_v_norm(kw.v_norm),
+                         output_norm=output_norm)  # fmt: skip
     given = CallInputs(arrays, kw.positions, kw.cache, left, kw.generator)
     return Checked(spec, given, request)
 

@@ -29,12 +29,12 @@ __all__ = [
 
 FORMAT = "mha.MultiHeadAttention"
 FORMAT_VERSION = 2  # 2 added grouped-query heads, head_dim, rotary, window, single biases
-# (the variants' settings and sinks, rope scaling, the scale, QK-norm and the output gate
-# came later as optional keys: files without them load). bfloat16 weights are stored as
-# their uint16 bits.
+# (the variants' settings and sinks, rope scaling, the scale, QK-norm, the output gate and
+# the output norm came later as optional keys: files without them load). bfloat16 weights
+# are stored as their uint16 bits.
 WEIGHT_NAMES = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v",
                 "sinks", "q_norm", "k_norm", "W_g", "b_g", "q_norm_bias",
-                "k_norm_bias")  # fmt: skip
+                "k_norm_bias", "o_norm", "q_scale")  # fmt: skip
 
 
 LATENT_FORMAT = "mha.LatentAttention"
@@ -225,4 +225,8 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         shapes["W_g"] = (E, gates)
         if "b_g" in config.get("biases", []):
             vectors["b_g"] = (gates,)
+    if config.get("output_norm") == "rms":
+        vectors["o_norm"] = (joined,)
+    if config.get("q_scale"):
+        vectors["q_scale"] = (inner,)
     return {**shapes, **vectors}

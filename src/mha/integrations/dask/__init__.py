@@ -36,6 +36,7 @@ from ..._kernel.contract import ScoreShape, Visibility
 from ...api import checks
 from ...api.checks import LayerArrays, LayerWeights, check_layer
 from ...api.spec import Checked, MhaKeywords, SdpaKeywords, check_mha, check_sdpa
+from ...errors import AttentionValueError
 from .arrays import import_dask, lazy_or_array, small, standin
 from .build import Lazy, MhaGraph, SdpaGraph
 from .inputs import Masks, Rotation, check_fan_in, refuse_in_memory_only
@@ -202,6 +203,10 @@ def multi_head_attention(
     output_gate: str | None = None,
     clip_qkv: float | None = None,
     v_norm: float | None = None,
+    q_scale: Any = None,
+    o_norm: Any = None,
+    output_norm: str | None = None,
+    output_norm_eps: float | None = None,
     cache: Any = None,
     padding_side: str | None = None,
     return_backward: bool = False,
@@ -221,7 +226,8 @@ def multi_head_attention(
     too).
     ``workers`` counts threads inside each task (default 1: Dask runs tasks in parallel);
     ``split_every`` is the merge tree's fan-in. ``return_weights``, ``return_backward``,
-    dropout and ``cache`` are in-memory only.
+    dropout, ``cache``, ``q_scale`` and ``output_norm`` (with ``o_norm``) are in-memory
+    only.
 
     Returns the lazy ``(B, L, d_out)`` (``(L, d_out)`` unbatched), chunked like ``Q``.
 
@@ -250,11 +256,11 @@ def multi_head_attention(
         rope_scaling,
         small("positions", positions), qk_norm, qk_norm_eps, qk_norm_offset, cache, padding_side,
         return_backward, dropout_p, generator, output_gate, clip_qkv, qk_layernorm,
-        qk_norm_after_rope, v_norm,
+        qk_norm_after_rope, v_norm, output_norm, output_norm_eps,
     )  # fmt: skip
     weights = LayerWeights(
         W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, bias_k, bias_v, q_norm, k_norm, W_g, b_g,
-        q_norm_bias, k_norm_bias,
+        q_norm_bias, k_norm_bias, o_norm, q_scale,
     )  # fmt: skip
     return _mha(
         lazy,
@@ -281,6 +287,16 @@ def _mha(
     num_heads, checked = heads
     mask, bias, positions = given
     _refuse_in_memory_only(checked)
+    if checked.spec.output_norm is not None or weights.o_norm is not None:
+        raise AttentionValueError(
+            "output_norm: mha.dask does not compute the norm of the joined heads before W_o; "
+            "call mha.multi_head_attention on a slice that fits in memory"
+        )
+    if weights.q_scale is not None:
+        raise AttentionValueError(
+            "q_scale: mha.dask does not compute the queries' factors after the rotation; "
+            "call mha.multi_head_attention on a slice that fits in memory"
+        )
     call = check_layer(LayerArrays(*standins), weights, num_heads, checked)
     masks = Masks.check(mask, bias, da).fit_scores(call.B, call.H, call.L, call.S)
     fan_in = check_fan_in(split_every)

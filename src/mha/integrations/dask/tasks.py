@@ -249,7 +249,7 @@ def mha_block(
 ) -> np.ndarray:
     """One batch block by the in-memory function (one chunk of queries and of keys)."""
     checked = _with_arrays(plan.checked, mask, bias)
-    given = LayerWeights(*(weights[name] for name in LayerWeights._fields))
+    given = LayerWeights(*(weights.get(name) for name in LayerWeights._fields))
     call = check_layer(LayerArrays(Q, K, V), given, plan.num_heads, checked)
     out = compute(call)
     assert isinstance(out, np.ndarray)  # the output alone: nothing else asked for

@@ -73,6 +73,7 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
         "qk_layernorm": bool(norm and norm.layer),
         "qk_norm_after_rope": bool(norm and norm.after_rope),
         **(family.gate.settings(read) if family.gate else {}),
+        **(family.output_norm.settings(read) if family.output_norm else {}),
     }
     if family.by_layer is not None:
         settings |= family.by_layer(read, index, settings)
@@ -98,6 +99,8 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     tensors = layout.tensors(E, heads, biased, stored_norm, sinks, norm_biases, d_v)
     if family.gate is not None:
         tensors |= family.gate.tensors(read, E, H, d)
+    if family.output_norm is not None:
+        tensors |= family.output_norm.tensors(H * (d_v or d))
     if family.values is not None and family.values.keys_are_values(read, layer_type):
         tensors = {name: t for name, t in tensors.items() if not name.startswith("v_proj.")}
     if family.differential is not None:

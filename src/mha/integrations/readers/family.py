@@ -50,6 +50,7 @@ __all__ = [
     "Family",
     "Gate",
     "Heads",
+    "OutputNorm",
     "QkNorm",
     "SlidingLayers",
     "ValueWidth",
@@ -182,6 +183,26 @@ class Gate:
         if self.head_bias is not None:  # (H,): repeated over each head's features
             tensors[self.head_bias] = whole("b_g", H)
         return tensors
+
+
+@dataclass(frozen=True)
+class OutputNorm:
+    """A norm of the joined heads over all their features before ``o_proj``
+    (:class:`mha.api.output_norm.OutputNorm`): ``"rms"``, an RMSNorm of the weight
+    ``tensor`` under the attention (BitNet's ``attn_sub_norm``), or ``"l2"`` without
+    weights (Dory's); its epsilon from the config key ``eps``, or ``eps`` itself (a number)."""
+
+    kind: str = "rms"
+    tensor: str | None = "attn_sub_norm.weight"
+    eps: str | float = "rms_norm_eps"
+
+    def settings(self, read: Settings) -> dict[str, Any]:
+        eps = float(read.get(self.eps)) if isinstance(self.eps, str) else self.eps
+        return {"output_norm": self.kind, "output_norm_eps": eps}
+
+    def tensors(self, width: int) -> dict[str, Tensor]:
+        """``o_norm`` of the joined heads ``width`` features wide (none for ``"l2"``)."""
+        return {} if self.tensor is None else {self.tensor: whole("o_norm", width)}
 
 
 BIDIRECTIONAL = Unsupported("use_bidirectional_attention", "attention that is not causal")
@@ -321,6 +342,8 @@ class Family:
     qk_norm: QkNorm | None = None
     gate: Gate | None = None
     """The output gate (AFMoE's ``gate_proj``), when the attention has one."""
+    output_norm: OutputNorm | None = None
+    """The norm of the joined heads before ``o_proj`` (BitNet's ``attn_sub_norm``)."""
     heads_by_layer: str | None = None
     """The config key of the list of each layer's query heads, where layers differ
     (Laguna's ``num_attention_heads_per_layer``; null: :attr:`heads`' for every layer)."""

@@ -85,9 +85,11 @@ REFUSED = {
         f"{_TOP_K}; mha.LatentAttention computes the top-k (as DeepSeek-V3.2's) but neither "
         f"the gate nor a window"
     ),
-    "dory": _not_computed(
-        "Dory's nGPT attention (L2-normalised queries and keys, a per-feature query scale "
-        "after the rotation, an L2 norm of its output before o_proj) and its looped layers"
+    "dory": _not_read(
+        "Dory's nGPT attention (unit queries and keys, each query feature's factor sqk after "
+        "the rotation, an output gate of scaled logits, the L2 norm of its output) in looped "
+        "layers (the recurrent section run n_recurrent_loops times, a cache per loop)",
+        "qk_norm=, q_scale=, W_g=, output_norm='l2'",
     ),
     "hrm_text": _not_read(
         "HRM's attention has a sigmoid output gate in recurrent stacks (each layer of its L and "
@@ -125,7 +127,6 @@ REFUSED = {
     "inkling2_loop_text": _not_computed(
         "Inkling2-Loop's relative position bias in the scores and short convolutions"
     ),
-    "bitnet": _not_computed("BitNet's RMSNorm of the attention's output before o_proj"),
     "zaya": _not_computed(
         "ZAYA's compressed convolutional attention (queries and keys through convolutions)"
     ),

@@ -17,7 +17,19 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import AttentionValueError
-from . import alibi, defaults, gated, gemma4, layouts, mimo, mistral4, rules, sparse, temperature
+from . import (
+    alibi,
+    defaults,
+    gated,
+    gemma4,
+    layouts,
+    mimo,
+    mistral4,
+    outnorm,
+    rules,
+    sparse,
+    temperature,
+)
 from .alibi import Alibi
 from .config import FULL, SLIDING, Unsupported
 from .family import (
@@ -772,6 +784,7 @@ register(*gated.ROWS)
 register(*mimo.ROWS)
 register(*gemma4.ROWS)
 register(*mistral4.ROWS)
+register(*outnorm.ROWS)
 
 SUPPORTED = tuple(FAMILIES)
 """The families of the table as mha defines it (before any :func:`register`)."""
