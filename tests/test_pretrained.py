@@ -272,6 +272,11 @@ CHANGES = {
     "gemma4": [{"v_norm": None}, {"shares_kv_with": None}, {"rope_scaling": None},
                {"scale": None}, {"window": None}],
     "gemma4_unified": [{"v_norm": None}, {"rope_scaling": None}, {"window": None}],
+    # the gate per feature, the sinks, the indexer's last features rotated (its first
+    # instead), its LayerNorm's rms_norm_eps (LayerNorm's 1e-6 instead), dense instead
+    "hy_v4": [{"W_g": None, "output_gate": None}, {"sinks": None},
+              {"indexer": IndexerSpec(4, 3, 12, norm_eps=2.0)},
+              {"indexer": IndexerSpec(4, 3, 12, rotate_last=True)}, DENSE],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3

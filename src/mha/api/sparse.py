@@ -10,7 +10,8 @@ normalised query latent ``q_low (*B, L, q_lora_rank)``, its one key per token fr
     s_ij  = sum_h w_ih * relu(q_ih . k_j / sqrt(d))
 
 where ``p`` is the layer's ``qk_rope_head_dim``, rotated at the tokens' positions by the
-layer's rope, in pairs ``(i, i + p/2)`` (DeepSeek-V3.2) or ``(2i, 2i + 1)`` (GLM-MoE-DSA).
+layer's rope, in pairs ``(i, i + p/2)`` (DeepSeek-V3.2) or ``(2i, 2i + 1)`` (GLM-MoE-DSA);
+HY-V4's indexer rotates its last ``p`` features instead (``rotate_last``).
 Query ``i`` attends to the ``topk`` keys of the highest ``s_ij`` among those its mask lets
 it see (all of them when it sees fewer), chosen as ``torch.topk`` chooses, ties included
 (:mod:`.topk`). The choice is a boolean mask over the keys, ANDed with the layer's own, so
@@ -60,15 +61,16 @@ class LayerRope(Protocol):
 class IndexerSpec:
     """A lightning indexer's settings: ``topk`` keys per query (``index_topk``),
     ``num_heads`` heads (``index_n_heads``) of ``head_dim`` features (``index_head_dim``),
-    whose first ``qk_rope_head_dim`` are rotated in pairs ``(2i, 2i + 1)`` when
-    ``rotary_interleaved`` (GLM-MoE-DSA's), else ``(i, i + p/2)`` (DeepSeek-V3.2's);
-    ``norm_eps`` is its key LayerNorm's."""
+    whose first ``qk_rope_head_dim`` (its last with ``rotate_last``, HY-V4's) are rotated in
+    pairs ``(2i, 2i + 1)`` when ``rotary_interleaved`` (GLM-MoE-DSA's), else ``(i, i + p/2)``
+    (DeepSeek-V3.2's); ``norm_eps`` is its key LayerNorm's."""
 
     topk: Any
     num_heads: Any
     head_dim: Any
     rotary_interleaved: Any = False
     norm_eps: Any = 1e-6
+    rotate_last: Any = False
 
     def checked(self, rope_dim: int, q_lora_rank: int | None) -> IndexerSpec:
         """The settings checked against the layer's (its rotary width, its query latent)."""
@@ -90,6 +92,7 @@ class IndexerSpec:
             d,
             flag("rotary_interleaved", self.rotary_interleaved),
             positive_real("norm_eps", self.norm_eps),
+            flag("rotate_last", self.rotate_last),
         )
 
     def shapes(self, d_model: int, q_lora_rank: int) -> dict[str, tuple[int, ...]]:
@@ -144,10 +147,13 @@ def index_scores(
 
 
 def _rotated(plan: LayerRope, spec: IndexerSpec, x: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """``x (..., L, d)`` with its first ``p`` features rotated by the layer's rope, paired as
-    the indexer pairs them."""
+    """``x (..., L, d)`` with its first ``p`` features (its last, ``rotate_last``) rotated by
+    the layer's rope, paired as the indexer pairs them."""
     rotary = {**plan.rotary, "interleaved": spec.rotary_interleaved}
     p = plan.p
+    if spec.rotate_last:
+        cut = x.shape[-1] - p
+        return np.concatenate([x[..., :cut], apply_rotary(x[..., cut:], at, **rotary)], axis=-1)
     return np.concatenate([apply_rotary(x[..., :p], at, **rotary), x[..., p:]], axis=-1)
 
 

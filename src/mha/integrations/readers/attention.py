@@ -250,7 +250,8 @@ def latent(family: Family, layout: LatentProjections, read: Settings, index: int
         settings["indexer"] = indexer
     biased = family.biases.carried(read, layout.biasable(settings))
     tensors = layout.tensors(settings, biased)
-    if family.gate is not None:  # a gate per head (Bailing-hybrid's)
+    if family.gate is not None:  # a gate per head (Bailing-hybrid's) or feature (HY-V4's)
         settings["output_gate"] = family.gate.activation
-        tensors |= family.gate.tensors(read, E, H, 1)
+        settings["output_gate_per_head"] = family.gate.is_per_head(read)
+        tensors |= family.gate.tensors(read, E, H, v)
     return layout.kind, settings, tensors
