@@ -437,11 +437,12 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         FULL: {"rope_type": "proportional", "rope_theta": 3000.0,
                "partial_rotary_factor": 0.25}}}),
     # HY-V4: sparse top-k attention (4 keys of 3 indexer heads, their last 8 features
-    # rotated, its LayerNorm of rms_norm_eps), a sigmoid gate per feature, a sink a head,
-    # yarn and biases
+    # rotated, its LayerNorm of rms_norm_eps; layer 1 reusing layer 0's choice), a sigmoid
+    # gate per feature, a sink a head, yarn and biases
     "hy_v4": ("HYV4", {**{key: DEEPSEEK[key] for key in LATENT_SIZES}, "attention_bias": True,
                        "index_topk": 4, "index_n_heads": 3, "index_head_dim": 12,
-                       "indexer_types": ["full"] * 3, "mlp_layer_types": ["dense"] * 3,
+                       "indexer_types": ["full", "shared", "full"],
+                       "mlp_layer_types": ["dense"] * 3,
                        "hc_mult": 2, "rms_norm_eps": 2.0}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM

@@ -23,6 +23,7 @@ from .._arrays import (
     as_float_array,
     cast_result,
     flag,
+    non_negative_int,
     positive_int,
     resolve_scale,
     result_and_compute_dtypes,
@@ -36,7 +37,7 @@ from .gates import check_gate_activation
 from .latent_math import LatentPlan, latent_forward
 from .rotary import check_positions, check_rotary_options, positive_real
 from .signatures import Backward, Flag
-from .sparse import INDEXER_WEIGHTS, IndexerSpec, SparseKVCache
+from .sparse import INDEXER_WEIGHTS, IndexerSpec, SparseKVCache, check_shared_choice
 
 __all__ = ["LatentAttention", "LatentSpec"]
 
@@ -69,7 +70,9 @@ class LatentSpec:
     top-k attention, DeepSeek-V3.2's; ``None``: dense), ``output_gate`` (the activation
     of a gate, ``W_g (E, H)``: Bailing-hybrid's; ``None``: none) and
     ``output_gate_per_head`` (``False``: a gate per feature, ``W_g (E, H*v_head_dim)``,
-    HY-V4's). A reader's pair
+    HY-V4's), ``shares_choice_with`` (the index of the layer whose indexer's choice this
+    layer, without an indexer, attends with: HY-V4's ``"shared"`` layers, :mod:`.sparse`).
+    A reader's pair
     ``(spec, weights)`` builds a layer by :meth:`LatentAttention.from_spec`.
 
     >>> import mha
@@ -93,6 +96,7 @@ class LatentSpec:
     indexer: Any = None
     output_gate: Any = None
     output_gate_per_head: Any = True
+    shares_choice_with: Any = None
 
     kind = "latent"
     """What a reader's spec builds (:meth:`LatentAttention.from_spec`)."""
@@ -132,7 +136,9 @@ class LatentAttention:
     attention sparse, DeepSeek-V3.2's: each query attends to the ``topk`` keys a lightning
     indexer scores highest (its weights ``W_index_q``, ``W_index_k``, ``index_k_norm``,
     ``b_index_k_norm`` and ``W_index_weights``, see :mod:`mha.api.sparse`), and
-    :meth:`new_cache` keeps the indexer's keys beside the latent.
+    :meth:`new_cache` keeps the indexer's keys beside the latent. ``shares_choice_with=j``
+    makes a layer without an indexer attend to the keys layer ``j``'s indexer chose: each
+    call takes that choice as its ``mask`` (layer ``j``'s cache's ``chosen``).
     ``dtype`` is the weights' floating dtype (default float64; bfloat16 and float16 are
     computed in float32). The initialisation is torch's ``nn.Linear`` one,
     ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``, with zero biases and unit norm weights; ``seed``
@@ -169,6 +175,7 @@ class LatentAttention:
         indexer: IndexerSpec | None = None,
         output_gate: str | None = None,
         output_gate_per_head: Flag = True,
+        shares_choice_with: SupportsIndex | None = None,
         sinks: Flag = False,
         bias: Flag = False,
         dtype: Any = np.float64,
@@ -191,6 +198,7 @@ class LatentAttention:
                 indexer,
                 output_gate,
                 output_gate_per_head,
+                shares_choice_with,
             )
         )
         with_bias, with_sinks = flag("bias", bias), flag("sinks", sinks)
@@ -239,6 +247,7 @@ class LatentAttention:
             self.indexer,
             self.output_gate,
             self.output_gate_per_head,
+            self.shares_choice_with,
         )
 
     @classmethod
@@ -388,6 +397,8 @@ class LatentAttention:
         want_backward = flag("return_backward", return_backward)
         at = self._positions(x, positions, cache, want_backward)
         check_mask_argument(mask)
+        if self.shares_choice_with is not None:
+            check_shared_choice(mask, self.shares_choice_with)
         given = {name: W for name, W in self.weights().items() if W is not None}
         shapes = self._shapes()
         for name, W in given.items():  # attributes may have been reassigned since
@@ -566,6 +577,7 @@ class LatentAttention:
             ("indexer", self.indexer, None),
             ("output_gate", self.output_gate, None),
             ("output_gate_per_head", self.output_gate_per_head, True),
+            ("shares_choice_with", self.shares_choice_with, None),
         ):
             if value != default:
                 shown[name] = value
@@ -617,6 +629,14 @@ class LatentAttention:
         self.norm_eps = positive_real("norm_eps", norm_eps)
         self.output_gate = check_gate_activation(spec.output_gate)
         self.output_gate_per_head = flag("output_gate_per_head", spec.output_gate_per_head)
+        shared, self.shares_choice_with = spec.shares_choice_with, None
+        if shared is not None:
+            self.shares_choice_with = non_negative_int("shares_choice_with", shared)
+            if self.indexer is not None:
+                raise AttentionValueError(
+                    f"a layer that reuses layer {self.shares_choice_with}'s choice of keys "
+                    "(shares_choice_with) has no indexer of its own: give indexer=None"
+                )
         self._given_scale = None if scale is None else resolve_scale(scale, 1, np.dtype(np.float64))
         self.scale = (
             resolve_scale(None, self.qk_nope_head_dim + self.qk_rope_head_dim, np.dtype(np.float64))

@@ -19,6 +19,11 @@ the attention is the library's one kernel over exactly the chosen keys; it is pi
 constant in the weights, and the layer's gradient is the attention's given the choice (as
 transformers' indexer runs without gradient).
 
+A layer may reuse an earlier layer's choice instead (HY-V4's and GLM-MoE-DSA's ``"shared"``
+layers: ``shares_choice_with``, that layer's index): it has no indexer, and each call takes
+the choice as its ``mask``, the chooser's :attr:`SparseKVCache.chosen` after the chooser's
+call on the same tokens (a whole sequence: a call with a new cache).
+
 >>> import numpy as np
 >>> spec = IndexerSpec(topk=2, num_heads=2, head_dim=4)
 >>> spec.shapes(d_model=8, q_lora_rank=6)["W_index_q"]
@@ -39,7 +44,7 @@ from .cache import KVCache, read_only
 from .rotary import apply_rotary, positive_real
 from .topk import top_k
 
-__all__ = ["INDEXER_WEIGHTS", "IndexerSpec", "SparseKVCache", "choose_keys"]
+__all__ = ["INDEXER_WEIGHTS", "IndexerSpec", "SparseKVCache", "check_shared_choice", "choose_keys"]
 
 INDEXER_WEIGHTS = ("W_index_q", "W_index_k", "index_k_norm", "b_index_k_norm", "W_index_weights")
 """The indexer's weights, in the "x @ W" layout (transformers' names: ``indexer.wq_b``,
@@ -180,6 +185,14 @@ class SparseKVCache(KVCache):
             dtype=self.dtype,
             values_in_keys=True,
         )
+        self._chosen = np.zeros((self.batch_size, 0, 0), bool)
+
+    @property
+    def chosen(self) -> np.ndarray:
+        """The keys each query of the last call attended to, ``(B, L, S)`` (its ``L``
+        queries, the ``S`` positions the cache held then), read-only: the ``mask`` of a
+        layer that reuses this layer's choice, for its call on the same tokens."""
+        return read_only(self._chosen)
 
     @property
     def index_keys(self) -> np.ndarray:
@@ -253,9 +266,11 @@ def choose_keys(
 
         def commit() -> None:
             cache._index._commit(counts)
+            cache._chosen = chosen
 
     scores = index_scores(plan, spec, q_low, x, W, at, keys)
     chosen = top_k(np.where(visible, scores, -np.inf), spec.topk) & visible
+
     return Choice({**attention, "mask": chosen[..., None, :, :], "causal": False}, commit)
 
 
@@ -286,3 +301,15 @@ def _visible(mask: Any, causal: bool, batch: tuple[int, ...], L: int) -> np.ndar
             f"{visible.shape} of this call"
         ) from None
     return seen
+
+
+def check_shared_choice(mask: Any, layer: int) -> None:
+    """``mask`` checked as the choice of layer ``layer``, which a layer reusing that layer's
+    choice attends with: a boolean array (:attr:`SparseKVCache.chosen`)."""
+    if isinstance(mask, np.ndarray) and mask.dtype == bool and mask.ndim >= 2:
+        return
+    raise AttentionValueError(
+        f"this layer attends to the keys layer {layer}'s indexer chose (it reuses that "
+        f"layer's top-k choice): give mask= that choice, layer {layer}'s cache.chosen after "
+        f"layer {layer}'s call on the same tokens (got mask={mask!r:.40})"
+    )

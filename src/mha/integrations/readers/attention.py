@@ -248,6 +248,9 @@ def latent(family: Family, layout: LatentProjections, read: Settings, index: int
     indexer = layout.indexer(read, index)
     if indexer is not None:  # sparse top-k attention
         settings["indexer"] = indexer
+    chooser = layout.choice_from(read, index)
+    if chooser is not None:  # another layer's choice of keys
+        settings["shares_choice_with"] = chooser
     biased = family.biases.carried(read, layout.biasable(settings))
     tensors = layout.tensors(settings, biased)
     if family.gate is not None:  # a gate per head (Bailing-hybrid's) or feature (HY-V4's)
