@@ -19,7 +19,7 @@ the attention is the library's one kernel over exactly the chosen keys; it is pi
 constant in the weights, and the layer's gradient is the attention's given the choice (as
 transformers' indexer runs without gradient).
 
-A layer may reuse an earlier layer's choice instead (HY-V4's and GLM-MoE-DSA's ``"shared"``
+A layer may reuse an earlier layer's choice instead (HY-V4's ``"shared"``
 layers: ``shares_choice_with``, that layer's index): it has no indexer, and each call takes
 the choice as its ``mask``, the chooser's :attr:`SparseKVCache.chosen` after the chooser's
 call on the same tokens (a whole sequence: a call with a new cache).
