@@ -68,9 +68,16 @@ def load(family, layer):
 def whole(family, layer):
     """Layer ``layer``'s output on its whole sequence. A layer that attends with another's
     keys and values (Gemma 3n's and Gemma 4's KV sharing) reads that layer's cache, filled by
-    that layer's call on its own input (a cache without a window: the whole prompt)."""
+    that layer's call on its own input (a cache without a window: the whole prompt). A layer
+    that reuses another's choice of keys (HY-V4's "shared" layers) attends with the choice
+    of that layer's call on its own input."""
     attention, (x, _) = load(family, layer), oracle(family)[layer][0]
     source = getattr(attention, "shares_kv_with", None)
+    chooser = getattr(attention, "shares_choice_with", None)
+    if chooser is not None:
+        cache = load(family, chooser).new_cache(B)
+        load(family, chooser)(oracle(family)[chooser][0][0], cache=cache)
+        return attention(x, mask=cache.chosen)
     if source is None:
         return attention(x, mask=True)
     owner = load(family, source)
@@ -95,11 +102,18 @@ def test_prefill_then_decoding_matches_transformers_cache(family, transformers, 
         source = getattr(attention, "shares_kv_with", None)  # KV sharing: that layer's cache
         owner = None if source is None else load(family, source)
         ours = (owner or attention).new_cache(B)
+        chooser = getattr(attention, "shares_choice_with", None)  # another layer's choice
+        chosen_by = None if chooser is None else load(family, chooser)
+        choices = None if chosen_by is None else chosen_by.new_cache(B)
         assert len(calls) == 2 + L - PREFILL
         for step, (x, expected) in enumerate(calls[1:], 1):
             if owner is not None:  # the owner's step first, as transformers runs the layers
                 owner(oracle(family)[source][step][0], cache=ours)
-            error = relative_error(attention(x, cache=ours), expected)
+            chosen = {}
+            if chosen_by is not None:  # the chooser's step first, its choice the mask
+                chosen_by(oracle(family)[chooser][step][0], cache=choices)
+                chosen = {"mask": choices.chosen}
+            error = relative_error(attention(x, cache=ours, **chosen), expected)
             assert record_error(f"pretrained {family} cached decoding, float64", error) <= (
                 TOLERANCE
             ), layer
@@ -276,6 +290,13 @@ CHANGES = {
     "bitnet": [{"output_norm": None, "output_norm_eps": None, "o_norm": None},
                {"output_norm_eps": 1e-6}, {"output_norm": "l2", "o_norm": None},
                {"rope_theta": 10000.0}],
+    # the gate per feature, the sinks, the indexer's last features rotated (its first
+    # instead), its LayerNorm's rms_norm_eps (LayerNorm's 1e-6 instead), layer 1 without
+    # layer 0's choice (dense)
+    "hy_v4": [{"W_g": None, "output_gate": None}, {"sinks": None},
+              {"indexer": IndexerSpec(4, 3, 12, norm_eps=2.0)},
+              {"indexer": IndexerSpec(4, 3, 12, rotate_last=True)},
+              {"shares_choice_with": None}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3

@@ -14,6 +14,10 @@ sliding window), under ``float64_torch`` so that the RMSNorms' float32 upcast st
 and ``(out * grad_out).sum()`` is differentiated. Every parameter's gradient (weights
 transposed: mha's ``W_q`` is ``q_proj.weight.T``) and the hidden state's (the sum of mha's
 ``query``, ``key`` and ``value`` gradients) must agree to 1e-10.
+
+The same comparison for the latent families is in their own files: HY-V4's (its gate per
+feature, its sinks, its sparse layers and the layer reusing another's choice of keys) in
+test_hyv4.py.
 """
 
 from __future__ import annotations

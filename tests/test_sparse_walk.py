@@ -142,3 +142,15 @@ def test_the_walk_takes_each_of_its_ways(monkeypatch):
     layer(7)(x, mask=True)
     layer(30)(x, mask=True)
     assert {(True, True, False), (False, True, True), (False, False, True)} <= ways, ways
+
+
+def test_sinks_are_walked_with_the_chosen_keys(monkeypatch):
+    """HY-V4's sinks (one logit a head, no position) beside the gathered keys."""
+    attention = mha.LatentAttention(
+        32, 4, q_lora_rank=12, indexer=IndexerSpec(5, 2, 6), sinks=True, seed=2, **SIZES
+    )
+    attention.sinks[...] = np.random.default_rng(3).standard_normal(4)
+    x = np.random.default_rng(4).standard_normal((2, 30, 32))
+    gathered = attention(x, mask=True)
+    masked(monkeypatch)
+    assert relative_error(gathered, attention(x, mask=True)) <= 1e-14

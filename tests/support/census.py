@@ -213,6 +213,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "layer_types": ["sliding_attention", "full_attention"] * 2,
     },
     "gemma4_text": {"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 64},
+    # HY-V4: each query attends to 6 of its keys (2048 by default, every key of 24)
+    "hy_v4": {"index_topk": 6, "index_n_heads": 2, "index_head_dim": 16},
 }
 """Per-family changes where the generic shrink does not build, or builds what the family's
 real configs are not (a rotary of 3 features, GPT-J's 64 of 12; by ``model_type``)."""
@@ -380,6 +382,10 @@ def _compared(model_type: str, kind: str, config: Any) -> Entry:
     for index, attention in read.items():
         (x, expected), *steps = calls[index]
         source = getattr(attention, "shares_kv_with", None)
+        chooser = getattr(attention, "shares_choice_with", None)
+        if chooser is not None:  # another layer's choice of keys: its calls' (HY-V4's)
+            worst = max(worst, _choice_reused(attention, read[chooser], calls, index, chooser))
+            continue
         if source is None:
             worst = max(worst, relative_error(attention(x, mask=True), expected))
             cache = attention.new_cache(B)
@@ -395,6 +401,23 @@ def _compared(model_type: str, kind: str, config: Any) -> Entry:
             worst = max(worst, relative_error(attention(x, cache=cache), expected))
     result = READ if worst <= TOLERANCE else WRONG
     return Entry(model_type, kind, result, "; ".join(refused), worst, tuple(read), layers)
+
+
+def _choice_reused(attention: Any, chooser: Any, calls: Any, index: int, at: int) -> float:
+    """The worst error of layer ``index``, which attends to the keys layer ``at``'s indexer
+    chose: each of its calls given as its mask the choice of layer ``at``'s call on that
+    layer's own input (the whole sequence, then the prefill and each step)."""
+    from support.configs import relative_error
+
+    worst = 0.0
+    for step, (x, expected) in enumerate(calls[index]):
+        if step < 2:  # the whole sequence, then the prefill: new caches
+            choices, cache = chooser.new_cache(B), attention.new_cache(B)
+        chooser(calls[at][step][0], cache=choices)
+        keywords = {"cache": cache} if step else {}
+        out = attention(x, mask=choices.chosen, **keywords)
+        worst = max(worst, relative_error(out, expected))
+    return worst
 
 
 def _model_layers(config: Any) -> int:

@@ -442,6 +442,14 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                "partial_rotary_factor": 0.25}}}),
     # BitNet: an RMSNorm of the joined heads before o_proj, of a large epsilon
     "bitnet": ("BitNet", {"rms_norm_eps": 0.3}),
+    # HY-V4: sparse top-k attention (4 keys of 3 indexer heads, their last 8 features
+    # rotated, its LayerNorm of rms_norm_eps; layer 1 reusing layer 0's choice), a sigmoid
+    # gate per feature, a sink a head, yarn and biases
+    "hy_v4": ("HYV4", {**{key: DEEPSEEK[key] for key in LATENT_SIZES}, "attention_bias": True,
+                       "index_topk": 4, "index_n_heads": 3, "index_head_dim": 12,
+                       "indexer_types": ["full", "shared", "full"],
+                       "mlp_layer_types": ["dense"] * 3,
+                       "hc_mult": 2, "rms_norm_eps": 2.0}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
@@ -454,7 +462,7 @@ query's low-rank projection (``q_lora_rank=None``), with biases and halves rotar
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
 LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "axk1", "minicpm3",
                    "longcat_flash", "deepseek_v32", "glm_moe_dsa",
-                   "bailing_hybrid", "mistral4")  # fmt: skip
+                   "bailing_hybrid", "mistral4", "hy_v4")  # fmt: skip
 """The checkpoints of DeepSeek's multi-head latent attention (``LatentAttention``)."""
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen", "gpt_neo", "bloom", "mpt", "dbrx", "persimmon", "falcon",
@@ -548,9 +556,9 @@ def attention_path(model: Any) -> str:
 
 EAGER = ("gemma2", "gpt_oss", "vaultgemma", "gpt_neo", "bloom", "mpt", "xglm", "openai-gpt",
          "gpt_neox_japanese", "flint", "granite_swa", "granitemoe_swa",
-         "mimo_v2_flash")  # fmt: skip
+         "mimo_v2_flash", "hy_v4")  # fmt: skip
 """The families whose attention is eager only (Gemma 2's and VaultGemma's soft-capping,
-gpt-oss's, Flint's and GraniteSWA's sinks, the older families' own attention code)."""
+gpt-oss's, Flint's, GraniteSWA's and HY-V4's sinks, the older families' own attention code)."""
 
 
 def _implementation(family: str) -> str:

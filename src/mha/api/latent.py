@@ -23,6 +23,7 @@ from .._arrays import (
     as_float_array,
     cast_result,
     flag,
+    non_negative_int,
     positive_int,
     resolve_scale,
     result_and_compute_dtypes,
@@ -36,7 +37,7 @@ from .gates import check_gate_activation
 from .latent_math import LatentPlan, latent_forward
 from .rotary import check_positions, check_rotary_options, positive_real
 from .signatures import Backward, Flag
-from .sparse import INDEXER_WEIGHTS, IndexerSpec, SparseKVCache
+from .sparse import INDEXER_WEIGHTS, IndexerSpec, SparseKVCache, check_shared_choice
 from .variants import check_query_temperature
 
 __all__ = ["LatentAttention", "LatentSpec"]
@@ -54,6 +55,7 @@ PARAMETER_NAMES = (
     "W_o",
     "b_o",
     "W_g",
+    "sinks",
 )
 """The weights' attribute names, in the order the layer applies them."""
 
@@ -66,10 +68,13 @@ class LatentSpec:
     the queries projected directly), ``rope_theta``, ``rope_scaling``,
     ``rotary_interleaved``, ``norm_eps``, ``scale`` (``None``: ``1/sqrt(qk_nope_head_dim
     + qk_rope_head_dim)``), ``indexer`` (an :class:`~mha.api.sparse.IndexerSpec`: sparse
-    top-k attention, DeepSeek-V3.2's; ``None``: dense) and ``output_gate`` (the activation
-    of a gate per head, ``W_g (E, H)``: Bailing-hybrid's; ``None``: none) and
-    ``query_temperature`` (the queries scaled by their position, Mistral 4's: the keyword of
-    :func:`mha.scaled_dot_product_attention`; ``None``: none). A reader's pair
+    top-k attention, DeepSeek-V3.2's; ``None``: dense), ``output_gate`` (the activation
+    of a gate, ``W_g (E, H)``: Bailing-hybrid's; ``None``: none),
+    ``output_gate_per_head`` (``False``: a gate per feature, ``W_g (E, H*v_head_dim)``,
+    HY-V4's), ``shares_choice_with`` (the index of the layer whose indexer's choice this
+    layer, without an indexer, attends with: HY-V4's ``"shared"`` layers, :mod:`.sparse`) and
+    ``query_temperature`` (the queries scaled by their position, Mistral 4's: the keyword
+    of :func:`mha.scaled_dot_product_attention`; ``None``: none). A reader's pair
     ``(spec, weights)`` builds a layer by :meth:`LatentAttention.from_spec`.
 
     >>> import mha
@@ -93,6 +98,8 @@ class LatentSpec:
     indexer: Any = None
     output_gate: Any = None
     query_temperature: Any = None
+    output_gate_per_head: Any = True
+    shares_choice_with: Any = None
 
     kind = "latent"
     """What a reader's spec builds (:meth:`LatentAttention.from_spec`)."""
@@ -117,7 +124,10 @@ class LatentAttention:
     * ``W_o (H*v_head_dim, E)`` [o_proj]; with ``bias=True`` also ``b_q_a``, ``b_kv_a`` and
       ``b_o`` (transformers' ``attention_bias``), ``None`` otherwise;
     * with ``output_gate`` (``"sigmoid"``), ``W_g (E, H)`` [g_proj]: each head's output
-      times ``sigmoid(x @ W_g)`` before ``W_o`` (:class:`mha.api.gates.OutputGate`).
+      times ``sigmoid(x @ W_g)`` before ``W_o`` (:class:`mha.api.gates.OutputGate`); with
+      ``output_gate_per_head=False``, ``W_g (E, H*v_head_dim)`` [gate_proj], one a feature;
+    * with ``sinks=True``, ``sinks (H,)`` [sinks]: one learned logit a head in every
+      softmax's denominator (gpt-oss's attention sinks; zero to start).
 
     The rotary embedding has base ``rope_theta`` and ``rope_scaling``, transformers'
     ``rope_parameters`` for a scaled rope (yarn, say; None for the default), and pairs
@@ -129,7 +139,9 @@ class LatentAttention:
     attention sparse, DeepSeek-V3.2's: each query attends to the ``topk`` keys a lightning
     indexer scores highest (its weights ``W_index_q``, ``W_index_k``, ``index_k_norm``,
     ``b_index_k_norm`` and ``W_index_weights``, see :mod:`mha.api.sparse`), and
-    :meth:`new_cache` keeps the indexer's keys beside the latent.
+    :meth:`new_cache` keeps the indexer's keys beside the latent. ``shares_choice_with=j``
+    makes a layer without an indexer attend to the keys layer ``j``'s indexer chose: each
+    call takes that choice as its ``mask`` (layer ``j``'s cache's ``chosen``).
     ``dtype`` is the weights' floating dtype (default float64; bfloat16 and float16 are
     computed in float32). The initialisation is torch's ``nn.Linear`` one,
     ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``, with zero biases and unit norm weights; ``seed``
@@ -166,6 +178,9 @@ class LatentAttention:
         indexer: IndexerSpec | None = None,
         output_gate: str | None = None,
         query_temperature: tuple[float | str, ...] | None = None,
+        output_gate_per_head: Flag = True,
+        shares_choice_with: SupportsIndex | None = None,
+        sinks: Flag = False,
         bias: Flag = False,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
@@ -187,9 +202,11 @@ class LatentAttention:
                 indexer,
                 output_gate,
                 query_temperature,
+                output_gate_per_head,
+                shares_choice_with,
             )
         )
-        with_bias = flag("bias", bias)
+        with_bias, with_sinks = flag("bias", bias), flag("sinks", sinks)
         self.dtype = float_dtype(dtype)
         rng = random_generator(seed)
         shapes = self._shapes()
@@ -197,8 +214,10 @@ class LatentAttention:
         for name in weights:
             if name not in shapes or (name.startswith("b_") and not with_bias):
                 continue
+            if name == "sinks" and not with_sinks:
+                continue
             shape = shapes[name]
-            if name.startswith("b_"):
+            if name.startswith("b_") or name == "sinks":
                 weights[name] = np.zeros(shape, self.dtype)
             elif name.endswith("_norm"):
                 weights[name] = np.ones(shape, self.dtype)
@@ -233,6 +252,8 @@ class LatentAttention:
             self.indexer,
             self.output_gate,
             self.query_temperature,
+            self.output_gate_per_head,
+            self.shares_choice_with,
         )
 
     @classmethod
@@ -263,7 +284,7 @@ class LatentAttention:
                 f"{attention.q_lora_rank}); its weights are {', '.join(sorted(shapes))}"
             )
         arrays = {name: as_float_array(name, W) for name, W in weights.items() if W is not None}
-        missing = [name for name in shapes if name not in arrays and not name.startswith("b_")]
+        missing = [name for name in shapes if name not in arrays and not _optional(name)]
         if missing:
             raise AttentionValueError(
                 f"weights {', '.join(missing)} are missing (q_lora_rank={attention.q_lora_rank})"
@@ -382,6 +403,8 @@ class LatentAttention:
         want_backward = flag("return_backward", return_backward)
         at = self._positions(x, positions, cache, want_backward)
         check_mask_argument(mask)
+        if self.shares_choice_with is not None:
+            check_shared_choice(mask, self.shares_choice_with)
         given = {name: W for name, W in self.weights().items() if W is not None}
         shapes = self._shapes()
         for name, W in given.items():  # attributes may have been reassigned since
@@ -504,7 +527,7 @@ class LatentAttention:
         ... # doctest: +NORMALIZE_WHITESPACE
         {'W_q': None, 'W_q_a': (16, 6), 'b_q_a': None, 'q_a_norm': (6,), 'W_q_b': (6, 12),
          'W_kv_a': (16, 10), 'b_kv_a': None, 'kv_a_norm': (8,), 'W_kv_b': (8, 16),
-         'W_o': (8, 16), 'b_o': None, 'W_g': None}
+         'W_o': (8, 16), 'b_o': None, 'W_g': None, 'sinks': None}
         """
         names = PARAMETER_NAMES + (INDEXER_WEIGHTS if self.indexer is not None else ())
         return {name: getattr(self, name) for name in names}
@@ -569,9 +592,13 @@ class LatentAttention:
             ("indexer", self.indexer, None),
             ("output_gate", self.output_gate, None),
             ("query_temperature", self.query_temperature, None),
+            ("output_gate_per_head", self.output_gate_per_head, True),
+            ("shares_choice_with", self.shares_choice_with, None),
         ):
             if value != default:
                 shown[name] = value
+        if self.sinks is not None:
+            shown["sinks"] = True
         settings = "".join(f", {name}={value!r}" for name, value in shown.items())
         return (
             f"LatentAttention(d_model={self.d_model}, num_heads={self.num_heads}{settings}, "
@@ -622,6 +649,15 @@ class LatentAttention:
             if spec.query_temperature is None
             else check_query_temperature(spec.query_temperature).keyword()
         )
+        self.output_gate_per_head = flag("output_gate_per_head", spec.output_gate_per_head)
+        shared, self.shares_choice_with = spec.shares_choice_with, None
+        if shared is not None:
+            self.shares_choice_with = non_negative_int("shares_choice_with", shared)
+            if self.indexer is not None:
+                raise AttentionValueError(
+                    f"a layer that reuses layer {self.shares_choice_with}'s choice of keys "
+                    "(shares_choice_with) has no indexer of its own: give indexer=None"
+                )
         self._given_scale = None if scale is None else resolve_scale(scale, 1, np.dtype(np.float64))
         self.scale = (
             resolve_scale(None, self.qk_nope_head_dim + self.qk_rope_head_dim, np.dtype(np.float64))
@@ -648,11 +684,12 @@ class LatentAttention:
             W_kv_b=(r, H * (n + d_v)),
             W_o=(H * d_v, E),
             b_o=(E,),
+            sinks=(H,),
         )
         if self.indexer is not None and self.q_lora_rank is not None:
             shapes.update(self.indexer.shapes(E, self.q_lora_rank))
         if self.output_gate is not None:
-            shapes["W_g"] = (E, H)
+            shapes["W_g"] = (E, H) if self.output_gate_per_head else (E, H * d_v)
         return shapes
 
     def _sizes_of(self, name: str) -> str:
@@ -672,16 +709,19 @@ class LatentAttention:
             "W_kv_b": f"{r}; {H} heads of {n} + {d_v}",
             "W_o": f"{H} heads of {d_v}, {E}",
             "b_o": E,
-            "W_g": f"{E}, {H}: output_gate={self.output_gate!r}, one gate a head",
+            "W_g": f"{E}, {H} heads"
+            + (" of one gate" if self.output_gate_per_head else f" of {d_v}: one gate a feature"),
+            "sinks": f"{H}: one sink a head",
         }.get(name, f"{E}, q_lora_rank={q}, indexer {self.indexer}")
 
     def _set_weights(self, weights: dict[str, np.ndarray | None]) -> None:
         self.W_q, self.W_q_a, self.b_q_a, self.q_a_norm, self.W_q_b = (
             weights[name] for name in PARAMETER_NAMES[:5]
         )
-        self.W_kv_a, self.b_kv_a, self.kv_a_norm, self.W_kv_b, self.W_o, self.b_o, self.W_g = (
-            weights[name] for name in PARAMETER_NAMES[5:]
+        self.W_kv_a, self.b_kv_a, self.kv_a_norm, self.W_kv_b, self.W_o, self.b_o = (
+            weights[name] for name in PARAMETER_NAMES[5:11]
         )
+        self.W_g, self.sinks = weights["W_g"], weights["sinks"]
         for name in INDEXER_WEIGHTS:
             setattr(self, name, weights.get(name))
 
@@ -701,3 +741,8 @@ class LatentAttention:
             self.indexer,
             self.output_gate,
         )
+
+
+def _optional(name: str) -> bool:
+    """Whether weight ``name`` may be absent from a spec's weights: the biases and the sinks."""
+    return name.startswith("b_") or name == "sinks"

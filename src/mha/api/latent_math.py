@@ -114,15 +114,23 @@ def latent_forward(
     q_nope = q[..., :n]
     query = np.concatenate([q_nope @ W_uk, plan.rotate(q[..., n:], positions)], axis=-1)
     key = np.concatenate([c[..., None, :, :], plan.rotate(kv[..., None, :, r:], positions)], -1)
+    sinks = W.get("sinks")
     if choice is not None and not want_backward and walks_chosen(attention, dtype):
         chosen = attention["mask"][..., 0, :, :]  # over the chosen keys alone: (*B, H, L, r)
+        gathered = {**attention, "sinks": sinks}
         latent, attention_backward = (
-            attend_chosen(query, key, r, plan.scale, chosen, attention),
+            attend_chosen(query, key, r, plan.scale, chosen, gathered),
             None,
         )
     else:
         result = scaled_dot_product_attention(  # (*B, H, L, r): one key/value head for all H
-            query, key, key[..., :r], scale=plan.scale, return_backward=want_backward, **attention
+            query,
+            key,
+            key[..., :r],
+            scale=plan.scale,
+            sinks=sinks,
+            return_backward=want_backward,
+            **attention,
         )
         latent, attention_backward = result if want_backward else (result, None)
     if choice is not None:
@@ -185,6 +193,8 @@ class LatentBackward:
         attention = self.attention_backward(d_heads @ W_uv.transpose(0, 2, 1))
         dq, dk = attention["q"], attention["k"]  # (*B, H, L, r + p), (*B, 1, L, r + p)
         dk[..., :r] += attention["v"]  # the values are the keys' first r features
+        if "sinks" in W:
+            grads["sinks"] = attention["sinks"]
         d_W_uk = _per_head(saved["q_nope"]).transpose(0, 2, 1) @ _per_head(dq[..., :r])
         grads["W_kv_b"] = np.concatenate(  # (H, n, r) and (H, r, d_v) back to (r, H*(n + d_v))
             [d_W_uk.transpose(2, 0, 1), d_W_uv.transpose(1, 0, 2)], axis=-1

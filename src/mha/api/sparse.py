@@ -10,13 +10,19 @@ normalised query latent ``q_low (*B, L, q_lora_rank)``, its one key per token fr
     s_ij  = sum_h w_ih * relu(q_ih . k_j / sqrt(d))
 
 where ``p`` is the layer's ``qk_rope_head_dim``, rotated at the tokens' positions by the
-layer's rope, in pairs ``(i, i + p/2)`` (DeepSeek-V3.2) or ``(2i, 2i + 1)`` (GLM-MoE-DSA).
+layer's rope, in pairs ``(i, i + p/2)`` (DeepSeek-V3.2) or ``(2i, 2i + 1)`` (GLM-MoE-DSA);
+HY-V4's indexer rotates its last ``p`` features instead (``rotate_last``).
 Query ``i`` attends to the ``topk`` keys of the highest ``s_ij`` among those its mask lets
 it see (all of them when it sees fewer), chosen as ``torch.topk`` chooses, ties included
 (:mod:`.topk`). The choice is a boolean mask over the keys, ANDed with the layer's own, so
 the attention is the library's one kernel over exactly the chosen keys; it is piecewise
 constant in the weights, and the layer's gradient is the attention's given the choice (as
 transformers' indexer runs without gradient).
+
+A layer may reuse an earlier layer's choice instead (HY-V4's ``"shared"``
+layers: ``shares_choice_with``, that layer's index): it has no indexer, and each call takes
+the choice as its ``mask``, the chooser's :attr:`SparseKVCache.chosen` after the chooser's
+call on the same tokens (a whole sequence: a call with a new cache).
 
 >>> import numpy as np
 >>> spec = IndexerSpec(topk=2, num_heads=2, head_dim=4)
@@ -38,7 +44,7 @@ from .cache import KVCache, read_only
 from .rotary import apply_rotary, positive_real
 from .topk import top_k
 
-__all__ = ["INDEXER_WEIGHTS", "IndexerSpec", "SparseKVCache", "choose_keys"]
+__all__ = ["INDEXER_WEIGHTS", "IndexerSpec", "SparseKVCache", "check_shared_choice", "choose_keys"]
 
 INDEXER_WEIGHTS = ("W_index_q", "W_index_k", "index_k_norm", "b_index_k_norm", "W_index_weights")
 """The indexer's weights, in the "x @ W" layout (transformers' names: ``indexer.wq_b``,
@@ -64,15 +70,16 @@ class LayerRope(Protocol):
 class IndexerSpec:
     """A lightning indexer's settings: ``topk`` keys per query (``index_topk``),
     ``num_heads`` heads (``index_n_heads``) of ``head_dim`` features (``index_head_dim``),
-    whose first ``qk_rope_head_dim`` are rotated in pairs ``(2i, 2i + 1)`` when
-    ``rotary_interleaved`` (GLM-MoE-DSA's), else ``(i, i + p/2)`` (DeepSeek-V3.2's);
-    ``norm_eps`` is its key LayerNorm's."""
+    whose first ``qk_rope_head_dim`` (its last with ``rotate_last``, HY-V4's) are rotated in
+    pairs ``(2i, 2i + 1)`` when ``rotary_interleaved`` (GLM-MoE-DSA's), else ``(i, i + p/2)``
+    (DeepSeek-V3.2's); ``norm_eps`` is its key LayerNorm's."""
 
     topk: Any
     num_heads: Any
     head_dim: Any
     rotary_interleaved: Any = False
     norm_eps: Any = 1e-6
+    rotate_last: Any = False
 
     def checked(self, rope_dim: int, q_lora_rank: int | None) -> IndexerSpec:
         """The settings checked against the layer's (its rotary width, its query latent)."""
@@ -94,6 +101,7 @@ class IndexerSpec:
             d,
             flag("rotary_interleaved", self.rotary_interleaved),
             positive_real("norm_eps", self.norm_eps),
+            flag("rotate_last", self.rotate_last),
         )
 
     def shapes(self, d_model: int, q_lora_rank: int) -> dict[str, tuple[int, ...]]:
@@ -164,10 +172,13 @@ def index_scores(
 
 
 def _rotated(plan: LayerRope, spec: IndexerSpec, x: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """``x (..., L, d)`` with its first ``p`` features rotated by the layer's rope, paired as
-    the indexer pairs them."""
+    """``x (..., L, d)`` with its first ``p`` features (its last, ``rotate_last``) rotated by
+    the layer's rope, paired as the indexer pairs them."""
     rotary = {**plan.rotary, "interleaved": spec.rotary_interleaved}
     p = plan.p
+    if spec.rotate_last:
+        cut = x.shape[-1] - p
+        return np.concatenate([x[..., :cut], apply_rotary(x[..., cut:], at, **rotary)], axis=-1)
     return np.concatenate([apply_rotary(x[..., :p], at, **rotary), x[..., p:]], axis=-1)
 
 
@@ -194,6 +205,14 @@ class SparseKVCache(KVCache):
             dtype=self.dtype,
             values_in_keys=True,
         )
+        self._chosen = np.zeros((self.batch_size, 0, 0), bool)
+
+    @property
+    def chosen(self) -> np.ndarray:
+        """The keys each query of the last call attended to, ``(B, L, S)`` (its ``L``
+        queries, the ``S`` positions the cache held then), read-only: the ``mask`` of a
+        layer that reuses this layer's choice, for its call on the same tokens."""
+        return read_only(self._chosen)
 
     @property
     def index_keys(self) -> np.ndarray:
@@ -267,9 +286,11 @@ def choose_keys(
 
         def commit() -> None:
             cache._index._commit(counts)
+            cache._chosen = chosen
 
     scores = index_scores(plan, spec, q_low, x, W, at, keys)
     chosen = top_k(np.where(visible, scores, -np.inf), spec.topk) & visible
+
     return Choice({**attention, "mask": chosen[..., None, :, :], "causal": False}, commit)
 
 
@@ -300,3 +321,15 @@ def _visible(mask: Any, causal: bool, batch: tuple[int, ...], L: int) -> np.ndar
             f"{visible.shape} of this call"
         ) from None
     return seen
+
+
+def check_shared_choice(mask: Any, layer: int) -> None:
+    """``mask`` checked as the choice of layer ``layer``, which a layer reusing that layer's
+    choice attends with: a boolean array (:attr:`SparseKVCache.chosen`)."""
+    if isinstance(mask, np.ndarray) and mask.dtype == bool and mask.ndim >= 2:
+        return
+    raise AttentionValueError(
+        f"this layer attends to the keys layer {layer}'s indexer chose (it reuses that "
+        f"layer's top-k choice): give mask= that choice, layer {layer}'s cache.chosen after "
+        f"layer {layer}'s call on the same tokens (got mask={mask!r:.40})"
+    )

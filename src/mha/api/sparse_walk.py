@@ -33,14 +33,15 @@ __all__ = ["attend_chosen", "walks_chosen"]
 GATHERED_BYTES = 1 << 25
 """At most this many bytes of keys gathered for one tile of queries (32 MiB)."""
 
-_KERNEL_KEYWORDS = ("max_memory", "workers")
+_KERNEL_KEYWORDS = ("max_memory", "workers", "sinks")
 _TAKEN = frozenset({"mask", "causal", "cache", "query_lengths", "key_lengths", *_KERNEL_KEYWORDS})
 
 
 def walks_chosen(attention: dict[str, Any], dtype: np.dtype) -> bool:
     """Whether :func:`attend_chosen` computes a call of these keywords in ``dtype``: the
-    layer's plain keywords (no variant that reads the keys' positions), and no cache or a
-    contiguous cache of ``dtype`` without a window (the others are walked masked)."""
+    layer's plain keywords and sinks (no variant that reads the keys' positions), and no
+    cache or a contiguous cache of ``dtype`` without a window (the others are walked
+    masked)."""
     if set(attention) - _TAKEN:
         return False
     cache = attention.get("cache")
@@ -65,7 +66,7 @@ def attend_chosen(
     the keys' first ``r`` features) and, with ``attention["cache"]``, the cached ones before
     them: the new keys are appended and committed once the attention is computed."""
     cache = attention.get("cache")
-    kernel = {name: attention[name] for name in _KERNEL_KEYWORDS if attention.get(name)}
+    kernel = {name: attention[name] for name in _KERNEL_KEYWORDS if attention.get(name) is not None}
     batch, (H, L, D) = query.shape[:-3], query.shape[-3:]
     q = query.reshape(-1, H, L, D)
     picked = chosen.reshape(-1, L, chosen.shape[-1])

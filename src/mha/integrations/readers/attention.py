@@ -255,11 +255,15 @@ def latent(family: Family, layout: LatentProjections, read: Settings, index: int
     indexer = layout.indexer(read, index)
     if indexer is not None:  # sparse top-k attention
         settings["indexer"] = indexer
+    chooser = layout.choice_from(read, index)
+    if chooser is not None:  # another layer's choice of keys
+        settings["shares_choice_with"] = chooser
     biased = family.biases.carried(read, layout.biasable(settings))
     tensors = layout.tensors(settings, biased)
-    if family.gate is not None:  # a gate per head (Bailing-hybrid's)
+    if family.gate is not None:  # a gate per head (Bailing-hybrid's) or feature (HY-V4's)
         settings["output_gate"] = family.gate.activation
-        tensors |= family.gate.tensors(read, E, H, 1)
+        settings["output_gate_per_head"] = family.gate.is_per_head(read)
+        tensors |= family.gate.tensors(read, E, H, v)
     if family.by_layer is not None:  # a query temperature (Mistral 4's)
         settings |= family.by_layer(read, index, settings)
     return layout.kind, settings, tensors

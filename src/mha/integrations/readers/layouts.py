@@ -384,6 +384,11 @@ class LatentProjections:
         ``None`` for dense attention (every row here; :mod:`.sparse`'s rows have one)."""
         return None
 
+    def choice_from(self, read: Settings, index: int) -> int | None:
+        """The earlier layer whose indexer's choice of keys layer ``index`` attends with
+        (``shares_choice_with``: HY-V4's ``"shared"`` layers), or ``None``."""
+        return None
+
 
 LATENT = LatentProjections()
 """DeepSeek V2's and V3's modules."""

@@ -74,12 +74,6 @@ REFUSED = {
         f"(q_gate_proj, fed the query latent and the compressed input) beside {_TOP_K}; "
         f"mha.LatentAttention computes the top-k (as DeepSeek-V3.2's) but no output gate"
     ),
-    "hy_v4": _not_computed(
-        f"HY-V4's latent attention has a sigmoid output gate, attention sinks, an indexer "
-        f"rotating its last features and layers reusing an earlier layer's choice beside "
-        f"{_TOP_K}; mha.LatentAttention computes DeepSeek-V3.2's top-k but neither the gate "
-        f"nor the sinks"
-    ),
     "dots3_note_text": _not_computed(
         f"dots3's latent attention has a per-head sigmoid output gate and sliding windows beside "
         f"{_TOP_K}; mha.LatentAttention computes the top-k (as DeepSeek-V3.2's) but neither "

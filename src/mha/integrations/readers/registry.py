@@ -22,6 +22,7 @@ from . import (
     defaults,
     gated,
     gemma4,
+    hyv4,
     layouts,
     mimo,
     mistral4,
@@ -785,6 +786,7 @@ register(*mimo.ROWS)
 register(*gemma4.ROWS)
 register(*mistral4.ROWS)
 register(*outnorm.ROWS)
+register(*hyv4.ROWS)
 
 SUPPORTED = tuple(FAMILIES)
 """The families of the table as mha defines it (before any :func:`register`)."""

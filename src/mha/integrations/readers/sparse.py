@@ -61,7 +61,7 @@ class IndexedLatentProjections(LatentProjections):
     interleaved: bool = False
     shared_key: str | None = None
 
-    def indexer(self, read: Settings, index: int) -> IndexerSpec:
+    def indexer(self, read: Settings, index: int) -> IndexerSpec | None:
         """Layer ``index``'s indexer, from ``index_topk``, ``index_n_heads`` and
         ``index_head_dim``; a layer that reuses another's choice is refused."""
         if read.positive("q_lora_rank", optional=True) is None:
