@@ -65,8 +65,10 @@ class LatentSpec:
     the queries projected directly), ``rope_theta``, ``rope_scaling``,
     ``rotary_interleaved``, ``norm_eps``, ``scale`` (``None``: ``1/sqrt(qk_nope_head_dim
     + qk_rope_head_dim)``), ``indexer`` (an :class:`~mha.api.sparse.IndexerSpec`: sparse
-    top-k attention, DeepSeek-V3.2's; ``None``: dense) and ``output_gate`` (the activation
-    of a gate per head, ``W_g (E, H)``: Bailing-hybrid's; ``None``: none). A reader's pair
+    top-k attention, DeepSeek-V3.2's; ``None``: dense), ``output_gate`` (the activation
+    of a gate per head, ``W_g (E, H)``: Bailing-hybrid's; ``None``: none) and ``rotate``
+    (``False``: the ``qk_rope_head_dim`` features are not rotated, Kimi-Linear's latent
+    attention without positions, NoPE; its rope settings are then not read). A reader's pair
     ``(spec, weights)`` builds a layer by :meth:`LatentAttention.from_spec`.
 
     >>> import mha
@@ -89,6 +91,7 @@ class LatentSpec:
     scale: Any = None
     indexer: Any = None
     output_gate: Any = None
+    rotate: Any = True
 
     kind = "latent"
     """What a reader's spec builds (:meth:`LatentAttention.from_spec`)."""
@@ -121,6 +124,8 @@ class LatentAttention:
     whose permuted layout gives the same dot products) or ``(i, i + rope/2)``. The RMSNorms
     take ``norm_eps``. ``scale`` is the softmax scale, ``(nope + rope) ** -0.5`` by default
     (DeepSeek's yarn checkpoints correct it by their ``mscale``: give it here).
+    ``rotate=False`` leaves the ``qk_rope_head_dim`` features of the queries and of the
+    shared key unrotated: attention without positions (Kimi-Linear's NoPE).
     ``indexer`` (an :class:`~mha.api.sparse.IndexerSpec`, with ``q_lora_rank``) makes the
     attention sparse, DeepSeek-V3.2's: each query attends to the ``topk`` keys a lightning
     indexer scores highest (its weights ``W_index_q``, ``W_index_k``, ``index_k_norm``,
@@ -161,6 +166,7 @@ class LatentAttention:
         scale: float | None = None,
         indexer: IndexerSpec | None = None,
         output_gate: str | None = None,
+        rotate: Flag = True,
         bias: Flag = False,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
@@ -181,6 +187,7 @@ class LatentAttention:
                 scale,
                 indexer,
                 output_gate,
+                rotate,
             )
         )
         with_bias = flag("bias", bias)
@@ -226,6 +233,7 @@ class LatentAttention:
             self._given_scale,
             self.indexer,
             self.output_gate,
+            self.rotate,
         )
 
     @classmethod
@@ -552,6 +560,7 @@ class LatentAttention:
             ("scale", self._given_scale, None),
             ("indexer", self.indexer, None),
             ("output_gate", self.output_gate, None),
+            ("rotate", self.rotate, True),
         ):
             if value != default:
                 shown[name] = value
@@ -584,8 +593,14 @@ class LatentAttention:
         self.indexer = (
             None if indexer is None else indexer.checked(self.qk_rope_head_dim, self.q_lora_rank)
         )
+        self.rotate = flag("rotate", spec.rotate)
+        if self.indexer is not None and not self.rotate:
+            raise AttentionValueError(
+                "rotate=False (no positions) cannot be combined with an indexer, whose keys "
+                "are rotated"
+            )
         _, self.rope_theta, self.rotary_interleaved = check_rotary_options(
-            self.qk_rope_head_dim,
+            self.qk_rope_head_dim if self.rotate else 2,  # unrotated features need not pair
             rope_theta,
             None,
             rotary_interleaved,
@@ -606,7 +621,7 @@ class LatentAttention:
             if self._given_scale is None
             else self._given_scale
         )
-        if self.rope_scaling is not None:  # checked now, as every call will check it
+        if self.rope_scaling is not None and self.rotate:  # checked now, as calls will
             self._plan().rotate(np.zeros((1, self.qk_rope_head_dim)), np.zeros(1))
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:
@@ -678,4 +693,5 @@ class LatentAttention:
             rotary,
             self.indexer,
             self.output_gate,
+            self.rotate,
         )

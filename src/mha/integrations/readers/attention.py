@@ -223,8 +223,9 @@ def latent(family: Family, layout: LatentProjections, read: Settings, index: int
     kv_heads = read.given("num_key_value_heads")
     if kv_heads not in (None, H):  # transformers' latent attention expands a key per head
         raise read.refuse(f"num_key_value_heads={kv_heads} != num_attention_heads={H}")
-    rope = rope_parameters(read, family.rope, None)
-    rope = check_refused(read, family.rope, rope)
+    rope: dict[str, Any] = {"rope_theta": 10000.0, "rope_type": "default"}  # none: no rotation
+    if family.rope.applied:
+        rope = check_refused(read, family.rope, rope_parameters(read, family.rope, None))
     if partial_rotary(read, family.rope, rope, rope_dim) is not None:  # no latent row has it
         raise read.refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}")
     scale = (nope + rope_dim) ** (-0.5)  # DeepseekV3Attention's, with yarn_apply_mscale
@@ -245,6 +246,8 @@ def latent(family: Family, layout: LatentProjections, read: Settings, index: int
         "norm_eps": 1e-6,  # q_a_ and kv_a_layernorm: RMSNorm's default, not rms_norm_eps
         "scale": scale,
     }
+    if not family.rope.applied:  # Kimi-Linear's: the rope features unrotated (NoPE)
+        settings |= {"rotate": False, "rotary_interleaved": False, "rope_scaling": None}
     indexer = layout.indexer(read, index)
     if indexer is not None:  # sparse top-k attention
         settings["indexer"] = indexer
