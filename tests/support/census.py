@@ -215,6 +215,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_text": {"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 64},
     # HY-V4: each query attends to 6 of its keys (2048 by default, every key of 24)
     "hy_v4": {"index_topk": 6, "index_n_heads": 2, "index_head_dim": 16},
+    # Kimi-Linear's latent keys expanded one a query head; its full attention at layers 1, 3
+    "kimi_linear": {"num_key_value_heads": 4, "layer_types": _ATTENTION_13},
+    # Zamba's and Zamba2's shared attention blocks at layers 1 and 3, between Mamba layers
+    "zamba": {"layers_block_type": ["linear_attention", "hybrid"] * 2},
+    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"] * 2, "n_mamba_heads": 4},
 }
 """Per-family changes where the generic shrink does not build, or builds what the family's
 real configs are not (a rotary of 3 features, GPT-J's 64 of 12; by ``model_type``)."""
@@ -357,7 +362,7 @@ def _compared(model_type: str, kind: str, config: Any) -> Entry:
     import mha
     from mha.integrations import readers
     from mha.integrations.checkpoint import Checkpoint
-    from mha.integrations.readers.layouts import attention_prefix
+    from mha.integrations.readers.layouts import attention_prefix, module_path
     from support.configs import relative_error
 
     folder = checkpoint(model_type, config)
@@ -375,8 +380,14 @@ def _compared(model_type: str, kind: str, config: Any) -> Entry:
     source = Checkpoint(folder)
     # the row's module path (GPT-2's transformer.h.{i}.attn), by the config's model_type
     # (GPT-SW3's is gpt2)
-    path = readers.FAMILIES[source.config["model_type"]].tensors.path
-    names = {index: attention_prefix(source, index, path).rstrip(".") for index in read}
+    row = readers.FAMILIES[source.config["model_type"]]
+    path = row.tensors.path
+    names = {  # a block shared across layers (Zamba's) is kept once: its modules by path
+        index: module_path(path, index)
+        if row.shared is not None
+        else attention_prefix(source, index, path).rstrip(".")
+        for index in read
+    }
     calls = _oracle(model_type, folder, names)
     worst = 0.0
     for index, attention in read.items():

@@ -450,6 +450,22 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                        "indexer_types": ["full", "shared", "full"],
                        "mlp_layer_types": ["dense"] * 3,
                        "hc_mult": 2, "rms_norm_eps": 2.0}),
+    # Kimi-Linear's latent attention without rope between its KDA layers; Zamba's attention
+    # block shared by layers 0 and 2 (grouped heads of attention_head_dim), Zamba2's two
+    # blocks in turn (layers 0 and 3 share one) with per-layer adapters and a rope, each
+    # reading the hidden states joined to the embeddings (96 wide)
+    "kimi_linear": ("KimiLinear", {
+        "head_dim": ABSENT, "rope_parameters": ABSENT, "num_key_value_heads": 4,
+        "layer_types": [FULL, "linear_attention", FULL], "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 10, "linear_head_dim": 12,
+        "linear_num_heads": 4, **MOE, "num_experts_per_tok": ABSENT,
+        "num_experts_per_token": 2}),
+    "zamba": ("Zamba", {"rope_parameters": ABSENT, "n_mamba_heads": 2,
+                        "layers_block_type": ["hybrid", "linear_attention", "hybrid"]}),
+    "zamba2": ("Zamba2", {"head_dim": ABSENT, "num_key_value_heads": 4, "num_hidden_layers": 4,
+                          "layers_block_type": ["hybrid", "linear_attention", "hybrid", "hybrid"],
+                          "n_mamba_heads": 4, "num_mem_blocks": 2, "adapter_rank": 8,
+                          "use_shared_attention_adapter": True, "use_mem_rope": True}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
@@ -462,7 +478,7 @@ query's low-rank projection (``q_lora_rank=None``), with biases and halves rotar
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
 LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "axk1", "minicpm3",
                    "longcat_flash", "deepseek_v32", "glm_moe_dsa",
-                   "bailing_hybrid", "mistral4", "hy_v4")  # fmt: skip
+                   "bailing_hybrid", "mistral4", "hy_v4", "kimi_linear")  # fmt: skip
 """The checkpoints of DeepSeek's multi-head latent attention (``LatentAttention``)."""
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen", "gpt_neo", "bloom", "mpt", "dbrx", "persimmon", "falcon",
@@ -471,7 +487,11 @@ OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox
 """The families whose attention modules are not Llama's (DiffLlama's: differential)."""
 HYBRIDS = ("granitemoehybrid", "falcon_h1", "jamba", "nemotron_h", "bamba", "lfm2", "lfm2_moe",
            "minimax", "olmo_hybrid", "lara_mini", "recurrent_gemma", "qwen3_next", "qwen3_5_text",
-           "qwen3_5_moe_text", "lfm3", "bailing_hybrid")  # fmt: skip
+           "qwen3_5_moe_text", "lfm3", "bailing_hybrid", "kimi_linear", "zamba",
+           "zamba2")  # fmt: skip
+JOINED = ("zamba", "zamba2")
+"""The families whose attention reads the hidden states joined to the embeddings, twice the
+hidden size wide (``qdim``)."""
 """The hybrid models: attention layers between Mamba or convolution layers (Falcon-H1's
 beside a Mamba mixer in each layer)."""
 GEMMA_VALUES = ("gemma3n", "gemma4", "gemma4_unified")

@@ -113,6 +113,7 @@ class Configuration:
     v_head_dim: int  # the values' head width (head_dim unless the spec says otherwise)
     kdim: int
     vdim: int
+    qdim: int  # the queries' input width (d_model unless the weights say otherwise)
     add_zero_attn: bool
     rope_theta: float | None
     rotary_dim: int | None
@@ -158,15 +159,15 @@ class Configuration:
     o_norm: np.ndarray | None  # the weight of an output_norm="rms"
     q_scale: np.ndarray | None  # each query feature's factor after the rotation (Dory's sqk)
 
-    def _configure(self, spec: LayerSpec, widths: tuple[Any, Any, Any]) -> None:
+    def _configure(self, spec: LayerSpec, widths: tuple[Any, Any, Any, Any]) -> None:
         """Check and keep the configuration (everything but the weights): ``spec`` (its
-        ``head_dim`` given), and the widths ``(d_model, kdim, vdim)``."""
+        ``head_dim`` given), and the widths ``(d_model, kdim, vdim, qdim)``."""
         self._configure_heads(spec, widths)
         self._configure_rotary(spec)
         self._configure_variants(spec)
 
-    def _configure_heads(self, spec: LayerSpec, widths: tuple[Any, Any, Any]) -> None:
-        d_model, kdim, vdim = widths
+    def _configure_heads(self, spec: LayerSpec, widths: tuple[Any, Any, Any, Any]) -> None:
+        d_model, kdim, vdim, qdim = widths
         num_heads, num_kv_heads = spec.num_heads, spec.num_kv_heads
         self.d_model, self.num_heads = d_model, num_heads
         self.num_kv_heads = (
@@ -182,6 +183,7 @@ class Configuration:
         if spec.v_head_dim is not None:
             self.v_head_dim = positive_int("v_head_dim", spec.v_head_dim)
         self.kdim, self.vdim = positive_int("kdim", kdim), positive_int("vdim", vdim)
+        self.qdim = positive_int("qdim", qdim)
         self.add_zero_attn = flag("add_zero_attn", spec.add_zero_attn)
         self.scale = None
         if spec.scale is not None:
@@ -324,6 +326,7 @@ class Configuration:
             "v_head_dim": self.head_dim,
             "kdim": self.d_model,
             "vdim": self.d_model,
+            "qdim": self.d_model,
             "rope_theta": None,
             "rotary_dim": None,
             "rotary_interleaved": False,
@@ -388,6 +391,7 @@ class Configuration:
             "v_head_dim": self._own_v_head_dim(),
             "kdim": self.kdim,
             "vdim": self.vdim,
+            "qdim": self.qdim,
             "bias": self.has_bias,
             "biases": [
                 name
@@ -475,7 +479,8 @@ class Configuration:
         """A layer computing ``spec`` with ``weights`` (by attribute name: ``W_q``, ...,
         ``b_o``, ``bias_k``, ``bias_v``, ``sinks``, ``q_norm``, ``k_norm``; those absent
         may be left out), each checked against the spec and the others (``source`` names
-        them in messages). The widths (``d_model``, ``kdim``, ``vdim``) are the weights'.
+        them in messages). The widths are the weights': ``d_model`` ``W_o``'s columns, ``kdim``,
+        ``vdim`` and ``qdim`` the rows of ``W_k``, ``W_v`` and ``W_q``.
 
         >>> import numpy as np, mha
         >>> W = {name: np.eye(4) for name in ("W_q", "W_k", "W_v", "W_o")}
@@ -504,7 +509,7 @@ class Configuration:
         )
         if spec.v_head_dim is None and W_v.shape[1] != W_k.shape[1]:  # the values' own width
             spec = replace(spec, v_head_dim=W_v.shape[1] // (spec.num_kv_heads or H))
-        self._configure(spec, (W_q.shape[0], W_k.shape[0], W_v.shape[0]))
+        self._configure(spec, (W_o.shape[1], W_k.shape[0], W_v.shape[0], W_q.shape[0]))
         for name, shape in self._shapes().items():
             array = weights.get(name)
             if array is not None and array.shape != shape:
@@ -564,7 +569,7 @@ class Configuration:
         kv_inner = self.num_kv_heads * self.head_dim
         v_inner, joined = self.num_kv_heads * self.v_head_dim, self.num_heads * self.v_head_dim
         return {
-            "W_q": (E, inner),
+            "W_q": (self.qdim, inner),
             "W_k": (self.kdim, kv_inner),
             "W_v": (self.vdim, v_inner),
             "W_o": (joined, E),
@@ -576,7 +581,7 @@ class Configuration:
             "bias_v": (v_inner,),
             "sinks": (self.num_heads,),
             **self._norm_shapes(),
-            "W_g": (E, self.num_heads if self.output_gate_per_head else joined),
+            "W_g": (self.qdim, self.num_heads if self.output_gate_per_head else joined),
             "b_g": (self.num_heads if self.output_gate_per_head else joined,),
             "o_norm": (joined,),
             "q_scale": (inner,),
@@ -598,7 +603,7 @@ class Configuration:
         return (
             f"d_model={self.d_model}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, kdim={self.kdim}, "
-            f"vdim={self.vdim}"
+            f"vdim={self.vdim}" + (f", qdim={self.qdim}" if self.qdim != self.d_model else "")
         )
 
 

@@ -72,9 +72,11 @@ class LatentSpec:
     of a gate, ``W_g (E, H)``: Bailing-hybrid's; ``None``: none),
     ``output_gate_per_head`` (``False``: a gate per feature, ``W_g (E, H*v_head_dim)``,
     HY-V4's), ``shares_choice_with`` (the index of the layer whose indexer's choice this
-    layer, without an indexer, attends with: HY-V4's ``"shared"`` layers, :mod:`.sparse`) and
+    layer, without an indexer, attends with: HY-V4's ``"shared"`` layers, :mod:`.sparse`),
     ``query_temperature`` (the queries scaled by their position, Mistral 4's: the keyword
-    of :func:`mha.scaled_dot_product_attention`; ``None``: none). A reader's pair
+    of :func:`mha.scaled_dot_product_attention`; ``None``: none) and ``rotate``
+    (``False``: the ``qk_rope_head_dim`` features are not rotated, Kimi-Linear's latent
+    attention without positions, NoPE; its rope settings are then not read). A reader's pair
     ``(spec, weights)`` builds a layer by :meth:`LatentAttention.from_spec`.
 
     >>> import mha
@@ -100,6 +102,7 @@ class LatentSpec:
     query_temperature: Any = None
     output_gate_per_head: Any = True
     shares_choice_with: Any = None
+    rotate: Any = True
 
     kind = "latent"
     """What a reader's spec builds (:meth:`LatentAttention.from_spec`)."""
@@ -135,6 +138,8 @@ class LatentAttention:
     whose permuted layout gives the same dot products) or ``(i, i + rope/2)``. The RMSNorms
     take ``norm_eps``. ``scale`` is the softmax scale, ``(nope + rope) ** -0.5`` by default
     (DeepSeek's yarn checkpoints correct it by their ``mscale``: give it here).
+    ``rotate=False`` leaves the ``qk_rope_head_dim`` features of the queries and of the
+    shared key unrotated: attention without positions (Kimi-Linear's NoPE).
     ``indexer`` (an :class:`~mha.api.sparse.IndexerSpec`, with ``q_lora_rank``) makes the
     attention sparse, DeepSeek-V3.2's: each query attends to the ``topk`` keys a lightning
     indexer scores highest (its weights ``W_index_q``, ``W_index_k``, ``index_k_norm``,
@@ -181,6 +186,7 @@ class LatentAttention:
         output_gate_per_head: Flag = True,
         shares_choice_with: SupportsIndex | None = None,
         sinks: Flag = False,
+        rotate: Flag = True,
         bias: Flag = False,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
@@ -204,6 +210,7 @@ class LatentAttention:
                 query_temperature,
                 output_gate_per_head,
                 shares_choice_with,
+                rotate,
             )
         )
         with_bias, with_sinks = flag("bias", bias), flag("sinks", sinks)
@@ -254,6 +261,7 @@ class LatentAttention:
             self.query_temperature,
             self.output_gate_per_head,
             self.shares_choice_with,
+            self.rotate,
         )
 
     @classmethod
@@ -594,6 +602,7 @@ class LatentAttention:
             ("query_temperature", self.query_temperature, None),
             ("output_gate_per_head", self.output_gate_per_head, True),
             ("shares_choice_with", self.shares_choice_with, None),
+            ("rotate", self.rotate, True),
         ):
             if value != default:
                 shown[name] = value
@@ -628,8 +637,14 @@ class LatentAttention:
         self.indexer = (
             None if indexer is None else indexer.checked(self.qk_rope_head_dim, self.q_lora_rank)
         )
+        self.rotate = flag("rotate", spec.rotate)
+        if self.indexer is not None and not self.rotate:
+            raise AttentionValueError(
+                "rotate=False (no positions) cannot be combined with an indexer, whose keys "
+                "are rotated"
+            )
         _, self.rope_theta, self.rotary_interleaved = check_rotary_options(
-            self.qk_rope_head_dim,
+            self.qk_rope_head_dim if self.rotate else 2,  # unrotated features need not pair
             rope_theta,
             None,
             rotary_interleaved,
@@ -664,7 +679,7 @@ class LatentAttention:
             if self._given_scale is None
             else self._given_scale
         )
-        if self.rope_scaling is not None:  # checked now, as every call will check it
+        if self.rope_scaling is not None and self.rotate:  # checked now, as calls will
             self._plan().rotate(np.zeros((1, self.qk_rope_head_dim)), np.zeros(1))
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:
@@ -740,6 +755,7 @@ class LatentAttention:
             rotary,
             self.indexer,
             self.output_gate,
+            self.rotate,
         )
 
 

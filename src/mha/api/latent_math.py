@@ -41,8 +41,8 @@ __all__ = ["LatentPlan", "latent_forward"]
 @dataclass(frozen=True)
 class LatentPlan:
     """What one call computes besides its arrays: the sizes, the norms' epsilon, the
-    softmax scale, the rotary embedding's keywords (:func:`mha.apply_rotary`'s) and the
-    indexer of a sparse top-k attention (:mod:`.sparse`), if any."""
+    softmax scale, the rotary embedding's keywords (:func:`mha.apply_rotary`'s), the indexer
+    of a sparse top-k attention (:mod:`.sparse`), if any, and the output gate's activation."""
 
     H: int
     r: int
@@ -55,6 +55,8 @@ class LatentPlan:
     indexer: IndexerSpec | None = None
     gate: str | None = None
     """The activation of the output gate per head (``W_g (E, H)``), when the layer has one."""
+    rotates: bool = True
+    """Whether the ``p`` features rotate (``False``: Kimi-Linear's NoPE)."""
 
     def output_gate(self, W: dict[str, np.ndarray], E: int) -> OutputGate | None:
         """The gate of the weights ``W`` (``None`` without ``W_g``): :mod:`.gates`'."""
@@ -64,7 +66,10 @@ class LatentPlan:
 
     def rotate(self, x: np.ndarray, positions: np.ndarray, inverse: bool = False) -> np.ndarray:
         """``x (*B, heads, L, p)`` rotated at ``positions``; ``inverse`` applies the
-        transpose of the rotation (the gradient's way back)."""
+        transpose of the rotation (the gradient's way back); ``x`` itself without a rotary
+        embedding."""
+        if not self.rotates:
+            return x
         return apply_rotary(x, positions, inverse=inverse, **self.rotary)
 
     def absorbed(self, W_kv_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

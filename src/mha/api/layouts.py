@@ -246,7 +246,10 @@ class Layouts(Configuration):
         differences = [
             f"{key}={config.get(key)!r} but the weights give {found[key]!r}"
             for key in found
-            if config.get(key, False if key in ("sinks", "q_scale") else None) != found[key]
+            if config.get(
+                key, {"sinks": False, "q_scale": False, "qdim": found["d_model"]}.get(key)
+            )
+            != found[key]
         ]
         if differences:
             raise WeightsFileError(f"cannot load {path}: its config says " + "; ".join(differences))
@@ -259,6 +262,7 @@ class Layouts(Configuration):
             for what, present in (
                 ("grouped key/value heads", self.num_kv_heads != self.num_heads),
                 ("head_dim * num_heads != d_model", self.head_dim * self.num_heads != self.d_model),
+                ("queries of another width than d_model (qdim)", self.qdim != self.d_model),
                 ("values of another head width", self.v_head_dim != self.head_dim),
                 ("rotary embeddings", self.rope_theta is not None),
                 ("a sliding window", self.window is not None),

@@ -50,12 +50,14 @@ class MultiHeadAttention(Layouts):
     **bias defaults to False** (the specification's weights-only layer), where
     ``torch.nn.MultiheadAttention`` defaults to ``bias=True``: pass ``bias=True`` for
     torch's layout. ``kdim``/``vdim`` are the key and value input widths (default
-    ``d_model``); ``add_bias_kv`` and ``add_zero_attn`` are torch's extra keys; ``dtype``
-    is the weights' floating dtype (default float64). The random initialisation follows
-    torch's: Xavier/Glorot uniform over the packed ``(3*d_model, d_model)`` in-projection
-    (or over each of W_q, W_k, W_v when their shapes differ), ``U(-1/sqrt(d_model),
-    1/sqrt(d_model))`` for ``W_o`` and zero biases; ``seed`` (an int or a
-    ``np.random.Generator``) makes it reproducible.
+    ``d_model``), ``qdim`` the queries' (default ``d_model``; ``W_q (qdim, H*head_dim)``:
+    Zamba's attention reads the hidden states joined to the embeddings, ``2*d_model`` wide,
+    and self-attention then needs ``kdim = vdim = qdim``); ``add_bias_kv`` and
+    ``add_zero_attn`` are torch's extra keys; ``dtype`` is the weights' floating dtype
+    (default float64). The random initialisation follows torch's: Xavier/Glorot uniform
+    over the packed ``(3*d_model, d_model)`` in-projection (or over each of W_q, W_k, W_v
+    when their shapes differ), ``U(-1/sqrt(d_model), 1/sqrt(d_model))`` for ``W_o`` and zero
+    biases; ``seed`` (an int or a ``np.random.Generator``) makes it reproducible.
 
     For decoder models: ``num_kv_heads`` (grouped-query attention, default ``num_heads``),
     ``rope_theta`` (rotary position embeddings of q and k after projection, with
@@ -116,6 +118,7 @@ class MultiHeadAttention(Layouts):
         head_dim: SupportsIndex | None = None,
         kdim: SupportsIndex | None = None,
         vdim: SupportsIndex | None = None,
+        qdim: SupportsIndex | None = None,
         bias: Flag = False,
         add_bias_kv: Flag = False,
         add_zero_attn: Flag = False,
@@ -162,7 +165,8 @@ class MultiHeadAttention(Layouts):
             query_temperature, v_head_dim, clip_qkv, qk_layernorm, qk_norm_after_rope, v_norm,
             shares_kv_with, output_norm, output_norm_eps,
         )  # fmt: skip
-        self._configure(spec, (E, E if kdim is None else kdim, E if vdim is None else vdim))
+        kdim, vdim, qdim = (E if width is None else width for width in (kdim, vdim, qdim))
+        self._configure(spec, (E, kdim, vdim, qdim))
         if not isinstance(bias, (bool, np.bool_)):
             raise AttentionTypeError(f"bias must be True or False; got {bias!r}")
         self.dtype = float_dtype(dtype)
@@ -171,13 +175,13 @@ class MultiHeadAttention(Layouts):
 
         inner, kv_inner = H * self.head_dim, self.num_kv_heads * self.head_dim
         v_inner, joined = self.num_kv_heads * self.v_head_dim, H * self.v_head_dim
-        if self.kdim == E and self.vdim == E and inner == E and kv_inner == E == v_inner:
+        if self.kdim == self.vdim == self.qdim == E and inner == E and kv_inner == E == v_inner:
             in_proj = _uniform(rng, (3 * E, E), _xavier_bound(E, 3 * E), self.dtype)
             self.W_q, self.W_k, self.W_v = (part.T.copy() for part in np.split(in_proj, 3))
         else:
             self.W_q, self.W_k, self.W_v = (
                 _uniform(rng, (width, d_in), _xavier_bound(d_in, width), self.dtype).T.copy()
-                for d_in, width in ((E, inner), (self.kdim, kv_inner), (self.vdim, v_inner))
+                for d_in, width in ((self.qdim, inner), (self.kdim, kv_inner), (self.vdim, v_inner))
             )
         bound = 1.0 / float(np.sqrt(joined))
         self.W_o = _uniform(rng, (E, joined), bound, self.dtype).T.copy()
@@ -348,16 +352,17 @@ class MultiHeadAttention(Layouts):
                 "forward got value= without key=: give key= too (value defaults to key)"
             )
         itself = key is None  # self-attention: the query is its own key and value
-        if itself and (self.kdim, self.vdim) != (self.d_model, self.d_model):
+        q_label = "d_model" if self.qdim == self.d_model else "qdim"
+        if itself and (self.kdim, self.vdim) != (self.qdim, self.qdim):
             raise AttentionValueError(
                 f"this MultiHeadAttention takes keys {self.kdim} and values {self.vdim} wide "
-                f"(kdim, vdim), not d_model={self.d_model}: it cannot attend over the query "
+                f"(kdim, vdim), not {q_label}={self.qdim}: it cannot attend over the query "
                 "itself; pass key= (and value=)"
             )
         key = query if itself else as_float_array("key", key)
         value = key if value is None else as_float_array("value", value)
         for name, array, width, label in (
-            ("query", query, self.d_model, "d_model"),
+            ("query", query, self.qdim, q_label),
             ("key", key, self.kdim, "kdim"),
             ("value", value, self.vdim, "vdim"),
         ):

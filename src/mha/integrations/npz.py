@@ -191,6 +191,7 @@ def _upgraded(config: dict[str, Any]) -> dict[str, Any]:
 def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The shape of every weight a file with this config holds."""
     E, kdim, vdim = (int(config[key]) for key in ("d_model", "kdim", "vdim"))
+    qdim = int(config.get("qdim") or E)  # (later files: optional)
     inner = int(config["num_heads"]) * int(config["head_dim"])
     kv_inner = int(config["num_kv_heads"]) * int(config["head_dim"])
     v_head_dim = int(config.get("v_head_dim") or config["head_dim"])  # (later files: optional)
@@ -199,7 +200,7 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         int(config["num_heads"]) * v_head_dim,
     )
     shapes = {
-        "W_q": (E, inner),
+        "W_q": (qdim, inner),
         "W_k": (kdim, kv_inner),
         "W_v": (vdim, v_inner),
         "W_o": (joined, E),
@@ -222,7 +223,7 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             vectors |= {"q_norm_bias": q, "k_norm_bias": k}
     if config.get("output_gate") is not None:
         gates = int(config["num_heads"]) if config.get("output_gate_per_head") else joined
-        shapes["W_g"] = (E, gates)
+        shapes["W_g"] = (qdim, gates)
         if "b_g" in config.get("biases", []):
             vectors["b_g"] = (gates,)
     if config.get("output_norm") == "rms":

@@ -92,8 +92,17 @@ def layer_attention(
     index = layer_index(layer, count, source.path)
     if family.hybrid is not None:
         family.hybrid.check(read, index, count)
-    prefix = attention_prefix(source, index, family.tensors.path)
+    held, others = index, []  # the layer that keeps the tensors, and others' kept there
+    if family.shared is not None and family.hybrid is not None:  # Zamba's shared blocks
+        layers = family.hybrid.attention_layers(read, count)
+        held, others = (
+            family.shared.source(read, index, layers),
+            family.shared.others(read, index, layers),
+        )
+    prefix = attention_prefix(source, held, family.tensors.path)
     kind, settings, tensors = describe(family, read, index)
+    if family.shared is not None and family.hybrid is not None:
+        tensors = family.shared.tensors(read, index, layers, tensors)
     check_rope(read, settings, index)
     # each tensor's prefix: the layer's, but a layer that attends with another's keys and
     # values (Gemma 3n, Gemma 4) reads their projections and norm from that layer
@@ -101,7 +110,7 @@ def layer_attention(
     if family.values is not None and settings.get("shares_kv_with") is not None:
         other = attention_prefix(source, settings["shares_kv_with"], family.tensors.path)
         at |= {name: other for name in tensors if name.startswith(family.values.borrowed)}
-    check_names(source, prefix, [name for name in tensors if at[name] == prefix], read)
+    check_names(source, prefix, [name for name in tensors if at[name] == prefix] + others, read)
     arrays = source.read([at[name] + name for name in tensors], dtype=dtype)
     weights: dict[str, np.ndarray] = {}
     for name, tensor in tensors.items():
@@ -112,7 +121,10 @@ def layer_attention(
                 f"({read.summary()}) calls for {tensor.shape}"
             )
         weights.update(lay_out(array, tensor))
-    return kind, settings, completed(family, settings, stack_heads(weights), read)
+    weights = completed(family, settings, stack_heads(weights), read)
+    if family.shared is not None:
+        weights = family.shared.folded(read, weights)
+    return kind, settings, weights
 
 
 def attention_layers(path: Any) -> list[int]:

@@ -226,8 +226,9 @@ def latent(family: Family, layout: LatentProjections, read: Settings, index: int
     kv_heads = read.given("num_key_value_heads")
     if kv_heads not in (None, H):  # transformers' latent attention expands a key per head
         raise read.refuse(f"num_key_value_heads={kv_heads} != num_attention_heads={H}")
-    rope = rope_parameters(read, family.rope, None)
-    rope = check_refused(read, family.rope, rope)
+    rope: dict[str, Any] = {"rope_theta": 10000.0, "rope_type": "default"}  # none: no rotation
+    if family.rope.applied:
+        rope = check_refused(read, family.rope, rope_parameters(read, family.rope, None))
     factor = rope.get("partial_rotary_factor")
     mla_share = factor is not None and int((nope + rope_dim) * factor) == rope_dim  # Mistral 4
     if not mla_share and partial_rotary(read, family.rope, rope, rope_dim) is not None:
@@ -252,6 +253,8 @@ def latent(family: Family, layout: LatentProjections, read: Settings, index: int
         "norm_eps": 1e-6,  # q_a_ and kv_a_layernorm: RMSNorm's default, not rms_norm_eps
         "scale": scale,
     }
+    if not family.rope.applied:  # Kimi-Linear's: the rope features unrotated (NoPE)
+        settings |= {"rotate": False, "rotary_interleaved": False, "rope_scaling": None}
     indexer = layout.indexer(read, index)
     if indexer is not None:  # sparse top-k attention
         settings["indexer"] = indexer

@@ -35,6 +35,7 @@ from .layouts import (
     whole,
 )
 from .rope import Rope
+from .shared_blocks import SharedBlocks
 from .values import Values
 from .windows import NO_WINDOWS, Windows
 
@@ -367,6 +368,10 @@ class Family:
     hybrid: Hybrid | None = None
     """Which layers are attention in a hybrid family (:mod:`.hybrid`); the others are
     refused by their index and what they compute (``None``: every layer is attention)."""
+
+    shared: SharedBlocks | None = None
+    """Attention blocks shared by the attention layers, read from the layer that keeps each
+    block, with each layer's adapters folded in (Zamba's, Zamba2's: :mod:`.shared_blocks`)."""
 
     by_layer: Callable[[Settings, int, dict[str, Any]], dict[str, Any]] | None = None
     """The family's own settings of layer ``index``, given those read so far, which they

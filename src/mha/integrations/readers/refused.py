@@ -90,18 +90,6 @@ REFUSED = {
         "H stacks runs once a cycle, with a cache slot of its own: num_hidden_layers counts "
         "slots, not layers)"
     ),
-    "kimi_linear": "Kimi-Linear's Kimi Delta Attention (linear attention) layers, which mha "
-    "does not compute, and its attention layers' DeepSeek latent attention without rope (NoPE), "
-    "which mha.LatentAttention does not compute (it always rotates)",
-    "zamba": _not_computed(
-        f"Zamba's {_MAMBA}, and its attention block shared across layers, which reads the "
-        "hidden states joined to the embeddings (2 * hidden_size in, hidden_size out)"
-    ),
-    "zamba2": _not_computed(
-        f"Zamba2's {_MAMBA}, and its attention blocks shared across layers, which read the "
-        "hidden states joined to the embeddings (2 * hidden_size in, hidden_size out), with "
-        "per-layer adapters when use_shared_attention_adapter"
-    ),
     "reformer": _not_computed("Reformer's LSH and chunked local attention"),
     "cpmant": _not_computed(
         "CPM-Ant's attention: bidirectional over its whole input (its prompt tokens prepended), "

@@ -26,6 +26,7 @@ from . import (
     layouts,
     mimo,
     mistral4,
+    nope,
     outnorm,
     rules,
     sparse,
@@ -787,6 +788,7 @@ register(*gemma4.ROWS)
 register(*mistral4.ROWS)
 register(*outnorm.ROWS)
 register(*hyv4.ROWS)
+register(*nope.ROWS)
 
 SUPPORTED = tuple(FAMILIES)
 """The families of the table as mha defines it (before any :func:`register`)."""
