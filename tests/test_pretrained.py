@@ -272,6 +272,8 @@ CHANGES = {
     "gemma4": [{"v_norm": None}, {"shares_kv_with": None}, {"rope_scaling": None},
                {"scale": None}, {"window": None}],
     "gemma4_unified": [{"v_norm": None}, {"rope_scaling": None}, {"window": None}],
+    # A.X-K2: its gate a softplus, not a sigmoid; dense; the softmax scale without yarn's
+    "axk2": [{"output_gate": "softplus"}, DENSE, {"scale": None}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3

@@ -436,6 +436,10 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         SLIDING: {"rope_type": "default", "rope_theta": 100.0},
         FULL: {"rope_type": "proportional", "rope_theta": 3000.0,
                "partial_rotary_factor": 0.25}}}),
+    # A.X-K2: DeepSeek-V3.2's indexer (top 4), the query and a sigmoid gate per feature
+    # fused in q_gate_proj, both reading the query latent after and before its norm
+    "axk2": ("AXK2", {**DEEPSEEK, "index_topk": 4, "index_n_heads": 3, "index_head_dim": 12,
+                      "gated_norm_rank": 4}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
@@ -448,7 +452,7 @@ query's low-rank projection (``q_lora_rank=None``), with biases and halves rotar
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
 LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "axk1", "minicpm3",
                    "longcat_flash", "deepseek_v32", "glm_moe_dsa",
-                   "bailing_hybrid")  # fmt: skip
+                   "bailing_hybrid", "axk2")  # fmt: skip
 """The checkpoints of DeepSeek's multi-head latent attention (``LatentAttention``)."""
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen", "gpt_neo", "bloom", "mpt", "dbrx", "persimmon", "falcon",

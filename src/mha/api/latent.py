@@ -65,9 +65,11 @@ class LatentSpec:
     the queries projected directly), ``rope_theta``, ``rope_scaling``,
     ``rotary_interleaved``, ``norm_eps``, ``scale`` (``None``: ``1/sqrt(qk_nope_head_dim
     + qk_rope_head_dim)``), ``indexer`` (an :class:`~mha.api.sparse.IndexerSpec`: sparse
-    top-k attention, DeepSeek-V3.2's; ``None``: dense) and ``output_gate`` (the activation
-    of a gate per head, ``W_g (E, H)``: Bailing-hybrid's; ``None``: none). A reader's pair
-    ``(spec, weights)`` builds a layer by :meth:`LatentAttention.from_spec`.
+    top-k attention, DeepSeek-V3.2's; ``None``: dense), ``output_gate`` (the activation
+    of a gate per head, ``W_g (E, H)``: Bailing-hybrid's; ``None``: none) and
+    ``query_gate`` (A.X-K2's query and gate per element from the query latent beside its
+    normalised form). A reader's pair ``(spec, weights)`` builds a layer by
+    :meth:`LatentAttention.from_spec`.
 
     >>> import mha
     >>> mha.LatentSpec(16, 2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2,
@@ -89,6 +91,7 @@ class LatentSpec:
     scale: Any = None
     indexer: Any = None
     output_gate: Any = None
+    query_gate: Any = False
 
     kind = "latent"
     """What a reader's spec builds (:meth:`LatentAttention.from_spec`)."""
@@ -113,7 +116,12 @@ class LatentAttention:
     * ``W_o (H*v_head_dim, E)`` [o_proj]; with ``bias=True`` also ``b_q_a``, ``b_kv_a`` and
       ``b_o`` (transformers' ``attention_bias``), ``None`` otherwise;
     * with ``output_gate`` (``"sigmoid"``), ``W_g (E, H)`` [g_proj]: each head's output
-      times ``sigmoid(x @ W_g)`` before ``W_o`` (:class:`mha.api.gates.OutputGate`).
+      times ``sigmoid(x @ W_g)`` before ``W_o`` (:class:`mha.api.gates.OutputGate`);
+    * with ``query_gate`` (A.X-K2's ``q_gate_proj``, with ``q_lora_rank``), the query and a
+      gate per feature both read ``[norm(a), a]``, the query latent ``a = x @ W_q_a`` after
+      and before its RMSNorm: ``W_q_b (2*q_lora_rank, H*(nope + rope))`` the query and
+      ``W_g (2*q_lora_rank, H*v_head_dim)`` the gate's logits, ``output_gate`` its
+      activation (``"sigmoid"`` by default).
 
     The rotary embedding has base ``rope_theta`` and ``rope_scaling``, transformers'
     ``rope_parameters`` for a scaled rope (yarn, say; None for the default), and pairs
@@ -161,6 +169,7 @@ class LatentAttention:
         scale: float | None = None,
         indexer: IndexerSpec | None = None,
         output_gate: str | None = None,
+        query_gate: Flag = False,
         bias: Flag = False,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
@@ -181,6 +190,7 @@ class LatentAttention:
                 scale,
                 indexer,
                 output_gate,
+                query_gate,
             )
         )
         with_bias = flag("bias", bias)
@@ -226,6 +236,7 @@ class LatentAttention:
             self._given_scale,
             self.indexer,
             self.output_gate,
+            self.query_gate,
         )
 
     @classmethod
@@ -552,6 +563,7 @@ class LatentAttention:
             ("scale", self._given_scale, None),
             ("indexer", self.indexer, None),
             ("output_gate", self.output_gate, None),
+            ("query_gate", self.query_gate, False),
         ):
             if value != default:
                 shown[name] = value
@@ -600,6 +612,13 @@ class LatentAttention:
         self.rope_scaling = None if rope_scaling is None else dict(rope_scaling)
         self.norm_eps = positive_real("norm_eps", norm_eps)
         self.output_gate = check_gate_activation(spec.output_gate)
+        self.query_gate = flag("query_gate", spec.query_gate)
+        if self.query_gate:
+            if self.q_lora_rank is None:
+                raise AttentionValueError(
+                    "query_gate needs q_lora_rank: its query and gate read the query latent"
+                )
+            self.output_gate = self.output_gate or "sigmoid"
         self._given_scale = None if scale is None else resolve_scale(scale, 1, np.dtype(np.float64))
         self.scale = (
             resolve_scale(None, self.qk_nope_head_dim + self.qk_rope_head_dim, np.dtype(np.float64))
@@ -618,7 +637,8 @@ class LatentAttention:
             shapes["W_q"] = (E, H * (n + p))
         else:
             q = self.q_lora_rank
-            shapes.update(W_q_a=(E, q), b_q_a=(q,), q_a_norm=(q,), W_q_b=(q, H * (n + p)))
+            q_in = 2 * q if self.query_gate else q  # [norm(a), a] with a query gate
+            shapes.update(W_q_a=(E, q), b_q_a=(q,), q_a_norm=(q,), W_q_b=(q_in, H * (n + p)))
         shapes.update(
             W_kv_a=(E, r + p),
             b_kv_a=(r + p,),
@@ -629,7 +649,9 @@ class LatentAttention:
         )
         if self.indexer is not None and self.q_lora_rank is not None:
             shapes.update(self.indexer.shapes(E, self.q_lora_rank))
-        if self.output_gate is not None:
+        if self.query_gate:
+            shapes["W_g"] = (2 * (self.q_lora_rank or 0), H * d_v)
+        elif self.output_gate is not None:
             shapes["W_g"] = (E, H)
         return shapes
 
@@ -643,14 +665,17 @@ class LatentAttention:
             "W_q_a": f"{E}, q_lora_rank={q}",
             "b_q_a": f"q_lora_rank={q}",
             "q_a_norm": f"q_lora_rank={q}",
-            "W_q_b": f"q_lora_rank={q}; {H} heads of {n} + {p}",
+            "W_q_b": f"q_lora_rank={q}{' (twice: query_gate)' * self.query_gate}; "
+            f"{H} heads of {n} + {p}",
             "W_kv_a": f"{E}, {r} + {p}",
             "b_kv_a": f"{r} + {p}",
             "kv_a_norm": r,
             "W_kv_b": f"{r}; {H} heads of {n} + {d_v}",
             "W_o": f"{H} heads of {d_v}, {E}",
             "b_o": E,
-            "W_g": f"{E}, {H}: output_gate={self.output_gate!r}, one gate a head",
+            "W_g": f"twice q_lora_rank={q}, {H} heads of {d_v}: query_gate, a gate a feature"
+            if self.query_gate
+            else f"{E}, {H}: output_gate={self.output_gate!r}, one gate a head",
         }.get(name, f"{E}, q_lora_rank={q}, indexer {self.indexer}")
 
     def _set_weights(self, weights: dict[str, np.ndarray | None]) -> None:
@@ -678,4 +703,5 @@ class LatentAttention:
             rotary,
             self.indexer,
             self.output_gate,
+            self.query_gate,
         )

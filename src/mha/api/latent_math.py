@@ -54,12 +54,17 @@ class LatentPlan:
     indexer: IndexerSpec | None = None
     gate: str | None = None
     """The activation of the output gate per head (``W_g (E, H)``), when the layer has one."""
+    query_gate: bool = False
+    """Whether the query and a gate per feature read ``[norm(a), a]``, the query latent after
+    and before its norm (A.X-K2's ``q_gate_proj``), rather than the query ``norm(a)`` alone
+    and the gate ``x``."""
 
     def output_gate(self, W: dict[str, np.ndarray], E: int) -> OutputGate | None:
         """The gate of the weights ``W`` (``None`` without ``W_g``): :mod:`.gates`'."""
         if "W_g" not in W:
             return None
-        return OutputGate.check(self.gate, W["W_g"], None, self.H, self.d_v, E)
+        d_in = W["W_q_a"].shape[1] * 2 if self.query_gate else E
+        return OutputGate.check(self.gate, W["W_g"], None, self.H, self.d_v, d_in)
 
     def rotate(self, x: np.ndarray, positions: np.ndarray, inverse: bool = False) -> np.ndarray:
         """``x (*B, heads, L, p)`` rotated at ``positions``; ``inverse`` applies the
@@ -92,15 +97,19 @@ def latent_forward(
     X = x.astype(dtype, copy=False)
     H, r, n = plan.H, plan.r, plan.n
     saved: dict[str, Any] = {}
-    choice = None
+    choice, gate_inputs = None, X
     if "W_q" in W:
         q = X @ W["W_q"]
     else:
+        q_a = _linear(X, W["W_q_a"], W.get("b_q_a"))
         q_low, saved["q_normalised"], saved["q_inverse_rms"] = rms_norm(
-            _linear(X, W["W_q_a"], W.get("b_q_a")), W["q_a_norm"], plan.eps
+            q_a, W["q_a_norm"], plan.eps
         )
-        saved["q_low"] = q_low
-        q = q_low @ W["W_q_b"]
+        q_in = np.concatenate([q_low, q_a], axis=-1) if plan.query_gate else q_low
+        saved["q_low"] = q_in
+        if plan.query_gate:  # the gate reads the query's inputs
+            gate_inputs = q_in
+        q = q_in @ W["W_q_b"]
         if plan.indexer is not None:  # the keys each query attends to: the mask
             choice = choose_keys(plan, plan.indexer, X, q_low, W, positions, attention)
             attention = choice.attention
@@ -122,7 +131,7 @@ def latent_forward(
     joined = join_heads(latent @ W_uv)  # (*B, L, H*d_v)
     gate = plan.output_gate(W, X.shape[-1])
     if gate is not None:  # the joined heads gated before W_o
-        joined, saved["gate"] = gate.forward(joined, X)
+        joined, saved["gate"] = gate.forward(joined, gate_inputs)
     out = _linear(joined, W["W_o"], W.get("b_o"))
     if attention_backward is None:
         return out, None
@@ -206,12 +215,19 @@ class LatentBackward:
             d_x += d_q @ W["W_q"].T
         else:
             grads["W_q_b"] = _rows(saved["q_low"]).T @ _rows(d_q)
+            d_q_in = d_q @ W["W_q_b"].T
+            if plan.query_gate:  # [norm(a), a] fed the query and the gate
+                d_q_in += d_x_gate
+                q = d_q_in.shape[-1] // 2
+                d_q_in, d_q_raw, d_x_gate = d_q_in[..., :q], d_q_in[..., q:], None
             d_q_a, grads["q_a_norm"] = rms_norm_backward(
-                d_q @ W["W_q_b"].T,
+                d_q_in,
                 saved["q_normalised"],
                 saved["q_inverse_rms"],
                 W["q_a_norm"],
             )
+            if plan.query_gate:
+                d_q_a += d_q_raw
             grads["W_q_a"] = _rows(X).T @ _rows(d_q_a)
             if "b_q_a" in W:
                 grads["b_q_a"] = _rows(d_q_a).sum(0)

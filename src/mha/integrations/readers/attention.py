@@ -245,6 +245,8 @@ def latent(family: Family, layout: LatentProjections, read: Settings, index: int
         "norm_eps": 1e-6,  # q_a_ and kv_a_layernorm: RMSNorm's default, not rms_norm_eps
         "scale": scale,
     }
+    if layout.query_gate and q_rank is not None:  # A.X-K2's query and gate, fused
+        settings |= {"query_gate": True, "output_gate": "sigmoid"}
     indexer = layout.indexer(read, index)
     if indexer is not None:  # sparse top-k attention
         settings["indexer"] = indexer

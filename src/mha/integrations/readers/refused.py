@@ -69,11 +69,6 @@ REFUSED = {
         "MiniMax-M3's block-sparse attention in its sparse layers (an indexer picks, per head, "
         "the blocks of keys each query attends to, with the local blocks before it)"
     ),
-    "axk2": _not_computed(
-        f"AXK2's latent attention has a sigmoid output gate fused with its query projection "
-        f"(q_gate_proj, fed the query latent and the compressed input) beside {_TOP_K}; "
-        f"mha.LatentAttention computes the top-k (as DeepSeek-V3.2's) but no output gate"
-    ),
     "hy_v4": _not_computed(
         f"HY-V4's latent attention has a sigmoid output gate, attention sinks, an indexer "
         f"rotating its last features and layers reusing an earlier layer's choice beside "
