@@ -58,13 +58,17 @@ def captured(family):
     return model, attention_keywords(model, ids)
 
 
-@pytest.mark.parametrize(("family", "layer"), [("axk2", 0), ("axk2", 2)])
+@pytest.mark.parametrize(
+    ("family", "layer"),
+    [("axk2", 0), ("axk2", 2), ("dots3_note_text", 0), ("dots3_note_text", 2)],
+)
 def test_gradients_given_the_choice_match_autograd(
     family, layer, torch, transformers, record_error
 ):
     """Each parameter's gradient, transformers' tensor laid out as the reader lays it out
-    (``q_gate_proj`` into ``W_q_b`` and ``W_g``), and the hidden state's; the indexer's
-    choice has none."""
+    (``q_gate_proj`` into ``W_q_b`` and ``W_g``; dots3's norms' weights times their
+    scales, whose gradients are transformers' divided by them), and the hidden state's; the
+    indexer's choice has none."""
     from support.rope_oracle import float64_torch
 
     model, calls = captured(family)
@@ -87,6 +91,10 @@ def test_gradients_given_the_choice_match_autograd(
     _, _, tensors = describe(readers.FAMILIES[family], settings(folder, family), layer)
     label = f"latent gates {family} gradients vs autograd, float64"
     compared = set()
+    scales = {  # dots3's norms: mha's weight is transformers' times the scale
+        "q_a_norm": getattr(module, "q_lora_scale", 1.0),
+        "kv_a_norm": getattr(module, "kv_lora_scale", 1.0),
+    }
     for name, parameter in module.named_parameters():
         if name.startswith("indexer."):  # the choice has no gradient
             assert parameter.grad is None, name
@@ -94,7 +102,7 @@ def test_gradients_given_the_choice_match_autograd(
         theirs = lay_out(parameter.grad.numpy(), tensors[RENAMED.get(name, name)])
         for ours, expected_grad in theirs.items():
             assert np.abs(expected_grad).max() > 1e-3, (name, ours)  # every gradient matters
-            error = relative_error(grads[ours], expected_grad)
+            error = relative_error(grads[ours], expected_grad / scales.get(ours, 1.0))
             assert record_error(label, error) <= TOLERANCE, (name, ours)
             compared.add(ours)
     assert compared == set(attention.parameters()) and "W_g" in compared
@@ -165,3 +173,74 @@ def test_a_query_gates_mistakes_are_refused_by_name():
         mha.LatentAttention.from_spec(attention.spec, {**weights, "W_q_b": np.ones((6, 12))})
     with pytest.raises(AttentionValueError, match="weights W_g are missing"):
         mha.LatentAttention.from_spec(attention.spec, {**weights, "W_g": None})
+
+
+def test_a_window_is_the_banded_mask_and_survives_the_cache_and_save(tmp_path):
+    """dots3's sliding layers: the window hides the keys ``window`` or more behind, as a
+    banded mask does; decoding keeps every token and reads the window; the window and the
+    rotary key's norm are saved."""
+    attention = mha.LatentAttention(
+        16, 2, **LATENT, q_lora_rank=6, window=3, rope_key_norm=True, output_gate="sigmoid",
+        seed=0,
+    )  # fmt: skip
+    attention.k_pe_norm[...] = [0.6, 1.3]
+    x = np.random.default_rng(1).standard_normal((2, 9, 16))
+    whole = attention(x, mask=True)
+    i = np.arange(9)
+    band = (i[:, None] >= i) & (i[:, None] - i < 3)
+    unwindowed = dataclasses.replace(attention.spec, window=None)
+    banded = mha.LatentAttention.from_spec(unwindowed, attention.weights())
+    assert relative_error(banded(x, mask=band), whole) <= 1e-15
+    assert relative_error(banded(x, mask=True), whole) > 1e-3
+    cache = attention.new_cache(2)
+    steps = [attention(x[:, :4], cache=cache)]
+    steps += [attention(x[:, t : t + 1], cache=cache) for t in range(4, 9)]
+    assert relative_error(np.concatenate(steps, axis=1), whole) <= 1e-13
+    attention.save(tmp_path / "dots3.npz")
+    loaded = mha.LatentAttention.load(tmp_path / "dots3.npz")
+    assert (loaded.window, loaded.rope_key_norm) == (3, True)
+    assert np.array_equal(loaded(x, mask=True), whole)
+    unnormalised = dataclasses.replace(attention.spec, rope_key_norm=False)
+    weights = {**attention.weights(), "k_pe_norm": None}
+    plain = mha.LatentAttention.from_spec(unnormalised, weights)
+    assert relative_error(plain(x, mask=True), whole) > 1e-3
+
+
+def test_a_window_and_the_rotary_keys_norm_are_refused_by_name_where_wrong():
+    indexer = mha.api.sparse.IndexerSpec(4, 2, 4)
+    with pytest.raises(AttentionValueError, match="window=3 cannot be combined with an indexer"):
+        mha.LatentAttention(16, 2, **LATENT, q_lora_rank=6, indexer=indexer, window=3)
+    with pytest.raises(AttentionValueError, match="window"):
+        mha.LatentAttention(16, 2, **LATENT, window=0)
+    attention = mha.LatentAttention(16, 2, **LATENT, rope_key_norm=True, seed=0)
+    weights = attention.weights()
+    with pytest.raises(mha.ShapeError, match=r"k_pe_norm has shape \(3,\) .*rope_key_norm"):
+        mha.LatentAttention.from_spec(attention.spec, {**weights, "k_pe_norm": np.ones(3)})
+    with pytest.raises(AttentionValueError, match="weights k_pe_norm are missing"):
+        mha.LatentAttention.from_spec(attention.spec, {**weights, "k_pe_norm": None})
+
+
+def test_dots3_without_per_layer_config_reads_the_swa_keys(tmp_path, transformers):
+    """A config.json as the released checkpoints write it (the sliding layers' sizes and
+    base in ``swa_*`` keys, no ``layer_types``, ``per_layer_config`` or nested
+    ``rope_parameters``) gives the layers the config class builds from it."""
+    import shutil
+
+    folder = tmp_path / "dots3"
+    shutil.copytree(models.saved("dots3_note_text"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    sliding = config.pop("per_layer_config")["2"]
+    for key in ("layer_types", "rope_parameters"):
+        config.pop(key)
+    config |= {f"swa_{key}": value for key, value in sliding.items()}
+    config |= {"swa_qk_nope_head_dim": 8, "rope_theta": 500.0, "swa_rope_theta": 100.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    x = np.random.default_rng(4).standard_normal((2, 9, 48))
+    for layer in range(3):
+        expected = mha.from_pretrained(models.saved("dots3_note_text"), layer=layer)
+        assert np.array_equal(mha.from_pretrained(folder, layer=layer)(x, mask=True),
+                              expected(x, mask=True))  # fmt: skip
+    config["layer_types"] = ["indexed_attention", "chunked_attention", "sliding_attention"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(AttentionValueError, match=r"layer_types=.*layer 1's type"):
+        mha.from_pretrained(folder, layer=1)

@@ -53,6 +53,7 @@ PARAMETER_NAMES = (
     "W_o",
     "b_o",
     "W_g",
+    "k_pe_norm",
 )
 """The weights' attribute names, in the order the layer applies them."""
 
@@ -68,7 +69,9 @@ class LatentSpec:
     top-k attention, DeepSeek-V3.2's; ``None``: dense), ``output_gate`` (the activation
     of a gate per head, ``W_g (E, H)``: Bailing-hybrid's; ``None``: none) and
     ``query_gate`` (A.X-K2's query and gate per element from the query latent beside its
-    normalised form). A reader's pair ``(spec, weights)`` builds a layer by
+    normalised form), ``window`` (a sliding window; ``None``: none) and ``rope_key_norm``
+    (an RMSNorm of the shared rotary key before its rotation, ``k_pe_norm``: dots3's).
+    A reader's pair ``(spec, weights)`` builds a layer by
     :meth:`LatentAttention.from_spec`.
 
     >>> import mha
@@ -92,6 +95,8 @@ class LatentSpec:
     indexer: Any = None
     output_gate: Any = None
     query_gate: Any = False
+    window: Any = None
+    rope_key_norm: Any = False
 
     kind = "latent"
     """What a reader's spec builds (:meth:`LatentAttention.from_spec`)."""
@@ -121,7 +126,13 @@ class LatentAttention:
       gate per feature both read ``[norm(a), a]``, the query latent ``a = x @ W_q_a`` after
       and before its RMSNorm: ``W_q_b (2*q_lora_rank, H*(nope + rope))`` the query and
       ``W_g (2*q_lora_rank, H*v_head_dim)`` the gate's logits, ``output_gate`` its
-      activation (``"sigmoid"`` by default).
+      activation (``"sigmoid"`` by default);
+    * with ``rope_key_norm``, ``k_pe_norm (qk_rope_head_dim,)`` [k_rope_only_layernorm]: the
+      shared rotary key RMS-normalised (``norm_eps``) before its rotation (dots3's).
+
+    ``window`` makes the attention a sliding window, as ``MultiHeadAttention``'s: query
+    ``i`` sees key ``j`` only if ``i - j < window`` (the cache keeps every token); not
+    with an indexer (a top-k over a window is not computed).
 
     The rotary embedding has base ``rope_theta`` and ``rope_scaling``, transformers'
     ``rope_parameters`` for a scaled rope (yarn, say; None for the default), and pairs
@@ -170,6 +181,8 @@ class LatentAttention:
         indexer: IndexerSpec | None = None,
         output_gate: str | None = None,
         query_gate: Flag = False,
+        window: SupportsIndex | None = None,
+        rope_key_norm: Flag = False,
         bias: Flag = False,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
@@ -191,6 +204,8 @@ class LatentAttention:
                 indexer,
                 output_gate,
                 query_gate,
+                window,
+                rope_key_norm,
             )
         )
         with_bias = flag("bias", bias)
@@ -237,6 +252,8 @@ class LatentAttention:
             self.indexer,
             self.output_gate,
             self.query_gate,
+            self.window,
+            self.rope_key_norm,
         )
 
     @classmethod
@@ -403,6 +420,7 @@ class LatentAttention:
             "cache": cache,
             "max_memory": max_memory,
             "workers": workers,
+            "window": self.window,
         }
         threads = None if workers is None else positive_int("workers", workers)
         out, backward = latent_forward(
@@ -499,7 +517,7 @@ class LatentAttention:
         ... # doctest: +NORMALIZE_WHITESPACE
         {'W_q': None, 'W_q_a': (16, 6), 'b_q_a': None, 'q_a_norm': (6,), 'W_q_b': (6, 12),
          'W_kv_a': (16, 10), 'b_kv_a': None, 'kv_a_norm': (8,), 'W_kv_b': (8, 16),
-         'W_o': (8, 16), 'b_o': None, 'W_g': None}
+         'W_o': (8, 16), 'b_o': None, 'W_g': None, 'k_pe_norm': None}
         """
         names = PARAMETER_NAMES + (INDEXER_WEIGHTS if self.indexer is not None else ())
         return {name: getattr(self, name) for name in names}
@@ -564,6 +582,8 @@ class LatentAttention:
             ("indexer", self.indexer, None),
             ("output_gate", self.output_gate, None),
             ("query_gate", self.query_gate, False),
+            ("window", self.window, None),
+            ("rope_key_norm", self.rope_key_norm, False),
         ):
             if value != default:
                 shown[name] = value
@@ -619,6 +639,13 @@ class LatentAttention:
                     "query_gate needs q_lora_rank: its query and gate read the query latent"
                 )
             self.output_gate = self.output_gate or "sigmoid"
+        self.window = None if spec.window is None else positive_int("window", spec.window)
+        if self.window is not None and self.indexer is not None:
+            raise AttentionValueError(
+                f"window={self.window} cannot be combined with an indexer: a top-k over a "
+                "sliding window (sparse top-k attention within it) is not computed"
+            )
+        self.rope_key_norm = flag("rope_key_norm", spec.rope_key_norm)
         self._given_scale = None if scale is None else resolve_scale(scale, 1, np.dtype(np.float64))
         self.scale = (
             resolve_scale(None, self.qk_nope_head_dim + self.qk_rope_head_dim, np.dtype(np.float64))
@@ -649,6 +676,8 @@ class LatentAttention:
         )
         if self.indexer is not None and self.q_lora_rank is not None:
             shapes.update(self.indexer.shapes(E, self.q_lora_rank))
+        if self.rope_key_norm:
+            shapes["k_pe_norm"] = (p,)
         if self.query_gate:
             shapes["W_g"] = (2 * (self.q_lora_rank or 0), H * d_v)
         elif self.output_gate is not None:
@@ -670,6 +699,7 @@ class LatentAttention:
             "W_kv_a": f"{E}, {r} + {p}",
             "b_kv_a": f"{r} + {p}",
             "kv_a_norm": r,
+            "k_pe_norm": f"{p}: rope_key_norm",
             "W_kv_b": f"{r}; {H} heads of {n} + {d_v}",
             "W_o": f"{H} heads of {d_v}, {E}",
             "b_o": E,
@@ -683,8 +713,9 @@ class LatentAttention:
             weights[name] for name in PARAMETER_NAMES[:5]
         )
         self.W_kv_a, self.b_kv_a, self.kv_a_norm, self.W_kv_b, self.W_o, self.b_o, self.W_g = (
-            weights[name] for name in PARAMETER_NAMES[5:]
+            weights[name] for name in PARAMETER_NAMES[5:12]
         )
+        self.k_pe_norm = weights["k_pe_norm"]
         for name in INDEXER_WEIGHTS:
             setattr(self, name, weights.get(name))
 

@@ -121,7 +121,12 @@ def latent_forward(
     W_uk, W_uv = plan.absorbed(W["W_kv_b"])
     q_nope = q[..., :n]
     query = np.concatenate([q_nope @ W_uk, plan.rotate(q[..., n:], positions)], axis=-1)
-    key = np.concatenate([c[..., None, :, :], plan.rotate(kv[..., None, :, r:], positions)], -1)
+    k_pe = kv[..., None, :, r:]
+    if "k_pe_norm" in W:  # the shared rotary key normalised before its rotation
+        k_pe, saved["k_pe_normalised"], saved["k_pe_inverse_rms"] = rms_norm(
+            k_pe, W["k_pe_norm"], plan.eps
+        )
+    key = np.concatenate([c[..., None, :, :], plan.rotate(k_pe, positions)], -1)
     result = scaled_dot_product_attention(  # (*B, H, L, r): one key/value head for all H
         query, key, key[..., :r], scale=plan.scale, return_backward=want_backward, **attention
     )
@@ -203,7 +208,12 @@ class LatentBackward:
         d_c, grads["kv_a_norm"] = rms_norm_backward(
             dk[..., 0, :, :r], saved["c_normalised"], saved["c_inverse_rms"], W["kv_a_norm"]
         )
-        d_k_pe = plan.rotate(dk[..., r:], self.positions, inverse=True)[..., 0, :, :]
+        d_k_pe = plan.rotate(dk[..., r:], self.positions, inverse=True)
+        if "k_pe_norm" in W:
+            d_k_pe, grads["k_pe_norm"] = rms_norm_backward(
+                d_k_pe, saved["k_pe_normalised"], saved["k_pe_inverse_rms"], W["k_pe_norm"]
+            )
+        d_k_pe = d_k_pe[..., 0, :, :]
         d_kv = np.concatenate([d_c, d_k_pe], axis=-1)  # (*B, L, r + p)
         grads["W_kv_a"] = _rows(X).T @ _rows(d_kv)
         if "b_kv_a" in W:

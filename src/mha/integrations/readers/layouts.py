@@ -386,6 +386,14 @@ class LatentProjections:
         """The projections that may carry a bias: ``q_a`` (when there is one), ``kv_a``, ``o``."""
         return ("kv_a", "o") + (() if settings["q_lora_rank"] is None else ("q_a",))
 
+    def layer(self, read: Settings, index: int) -> Settings:
+        """Layer ``index``'s config: ``read`` itself (every layer alike, here)."""
+        return read
+
+    def settings(self, read: Settings, index: int) -> dict[str, Any]:
+        """Settings of layer ``index`` beside DeepSeek's (none, here)."""
+        return {}
+
     def indexer(self, read: Settings, index: int) -> Any:
         """Layer ``index``'s sparse top-k indexer (:class:`mha.api.sparse.IndexerSpec`), or
         ``None`` for dense attention (every row here; :mod:`.sparse`'s rows have one)."""

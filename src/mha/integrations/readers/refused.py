@@ -75,11 +75,6 @@ REFUSED = {
         f"{_TOP_K}; mha.LatentAttention computes DeepSeek-V3.2's top-k but neither the gate "
         f"nor the sinks"
     ),
-    "dots3_note_text": _not_computed(
-        f"dots3's latent attention has a per-head sigmoid output gate and sliding windows beside "
-        f"{_TOP_K}; mha.LatentAttention computes the top-k (as DeepSeek-V3.2's) but neither "
-        f"the gate nor a window"
-    ),
     "dory": _not_computed(
         "Dory's nGPT attention (L2-normalised queries and keys, a per-feature query scale "
         "after the rotation, an L2 norm of its output before o_proj) and its looped layers"
