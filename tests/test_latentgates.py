@@ -206,10 +206,30 @@ def test_a_window_is_the_banded_mask_and_survives_the_cache_and_save(tmp_path):
     assert relative_error(plain(x, mask=True), whole) > 1e-3
 
 
+def test_a_window_beside_an_indexer_takes_the_top_k_within_the_window():
+    """The indexer's top-k among the keys the window shows, as transformers' indexer takes
+    its layer's (sliding) mask: the banded mask given instead is the same layer; cached
+    decoding, the same outputs."""
+    indexer = mha.api.sparse.IndexerSpec(3, 2, 4)
+    attention = mha.LatentAttention(
+        16, 2, **LATENT, q_lora_rank=6, indexer=indexer, window=5, seed=2
+    )
+    x = np.random.default_rng(5).standard_normal((2, 12, 16))
+    whole = attention(x, mask=True)
+    i = np.arange(12)
+    band = (i[:, None] >= i) & (i[:, None] - i < 5)
+    unwindowed = dataclasses.replace(attention.spec, window=None)
+    banded = mha.LatentAttention.from_spec(unwindowed, attention.weights())
+    assert relative_error(banded(x, mask=band), whole) <= 1e-15
+    # without the window, other keys
+    assert relative_error(banded(x, mask=True), whole) > 1e-3
+    cache = attention.new_cache(2)
+    steps = [attention(x[:, :4], cache=cache)]
+    steps += [attention(x[:, t : t + 1], cache=cache) for t in range(4, 12)]
+    assert relative_error(np.concatenate(steps, axis=1), whole) <= 1e-13
+
+
 def test_a_window_and_the_rotary_keys_norm_are_refused_by_name_where_wrong():
-    indexer = mha.api.sparse.IndexerSpec(4, 2, 4)
-    with pytest.raises(AttentionValueError, match="window=3 cannot be combined with an indexer"):
-        mha.LatentAttention(16, 2, **LATENT, q_lora_rank=6, indexer=indexer, window=3)
     with pytest.raises(AttentionValueError, match="window"):
         mha.LatentAttention(16, 2, **LATENT, window=0)
     attention = mha.LatentAttention(16, 2, **LATENT, rope_key_norm=True, seed=0)

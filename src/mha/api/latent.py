@@ -131,8 +131,9 @@ class LatentAttention:
       shared rotary key RMS-normalised (``norm_eps``) before its rotation (dots3's).
 
     ``window`` makes the attention a sliding window, as ``MultiHeadAttention``'s: query
-    ``i`` sees key ``j`` only if ``i - j < window`` (the cache keeps every token); not
-    with an indexer (a top-k over a window is not computed).
+    ``i`` sees key ``j`` only if ``i - j < window`` (the cache keeps every token); with an
+    indexer, the top-k keys are those of the highest scores within the window (the
+    indexer's scores masked by the window, as transformers masks them).
 
     The rotary embedding has base ``rope_theta`` and ``rope_scaling``, transformers'
     ``rope_parameters`` for a scaled rope (yarn, say; None for the default), and pairs
@@ -640,11 +641,6 @@ class LatentAttention:
                 )
             self.output_gate = self.output_gate or "sigmoid"
         self.window = None if spec.window is None else positive_int("window", spec.window)
-        if self.window is not None and self.indexer is not None:
-            raise AttentionValueError(
-                f"window={self.window} cannot be combined with an indexer: a top-k over a "
-                "sliding window (sparse top-k attention within it) is not computed"
-            )
         self.rope_key_norm = flag("rope_key_norm", spec.rope_key_norm)
         self._given_scale = None if scale is None else resolve_scale(scale, 1, np.dtype(np.float64))
         self.scale = (

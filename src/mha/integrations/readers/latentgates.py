@@ -58,7 +58,7 @@ DOTS3_NOTE_TEXT: dict[str, Any] = {
     "hidden_size": 5120,
     "num_hidden_layers": 46,
     "num_attention_heads": 128,
-    "num_key_value_heads": None,
+    "num_key_value_heads": 128,
     "head_dim": 256,
     "q_lora_rank": 1024,
     "max_position_embeddings": 524288,
@@ -184,7 +184,7 @@ ROWS: tuple[Family, ...] = (
         "dots3_note_text",
         DOTS3_NOTE_TEXT,
         tensors=Dots3Projections(interleaved=True, lora_scaled=True),
-        rope=Rope(interleave=True),
+        rope=Rope(theta=80_000_000.0, interleave=True),
         gate=Gate("g_proj", per_head=True),
     ),
 )
