@@ -106,7 +106,7 @@ def latent_forward(
             q_a, W["q_a_norm"], plan.eps
         )
         q_in = np.concatenate([q_low, q_a], axis=-1) if plan.query_gate else q_low
-        saved["q_low"] = q_in
+        saved["q_low"] = q_in  # what W_q_b reads
         if plan.query_gate:  # the gate reads the query's inputs
             gate_inputs = q_in
         q = q_in @ W["W_q_b"]

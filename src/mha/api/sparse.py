@@ -214,10 +214,9 @@ def choose_keys(
 ) -> Choice:
     """The keys each query of ``x (*B, L, E)`` attends to, as the attention's mask
     (``(*B, 1, L, S)``, the layer's own mask and window ANDed in, the top-k taken among
-    the keys they show, as transformers' indexer takes its layer's mask): over ``x`` itself,
-    or over the
-    cache's tokens and ``x``'s, whose indexer keys it appends (committed by the choice's
-    ``commit`` once the attention succeeded)."""
+    the keys they show, as transformers' indexer takes its layer's mask): over ``x``
+    itself, or over the cache's tokens and ``x``'s, whose indexer keys it appends
+    (committed by the choice's ``commit`` once the attention succeeded)."""
     for name in ("query_lengths", "key_lengths"):
         if attention.get(name) is not None:
             raise AttentionValueError(
