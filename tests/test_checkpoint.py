@@ -311,7 +311,8 @@ def test_a_tensor_missing_from_the_shard_its_index_names_is_refused(tmp_path):
 
 
 LATENT_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "sarvam_mla", "axk1",
-                "minicpm3", "longcat_flash", "deepseek_v32", "glm_moe_dsa")  # fmt: skip
+                "minicpm3", "longcat_flash", "deepseek_v32", "glm_moe_dsa", "axk2",
+                "dots3_note_text")  # fmt: skip
 EVERY_LAYER_SLIDES = ("mistral", "phi3", "mixtral", "phimoe", "starcoder2", "ministral3",
                       "qwen3_moe")  # fmt: skip
 SOFTCAPPED = ("gemma2", "vaultgemma")
@@ -367,6 +368,24 @@ def expected_settings(config, index, attention=None):
         rope = {"rope_type": "default", "rope_theta": None}
     scaling = None if rope["rope_type"] == "default" else {
         **rope, "max_position_embeddings": config.max_position_embeddings}  # fmt: skip
+    if model_type == "dots3_note_text":  # each layer's own sizes, from its module
+        latent = {name: getattr(attention, name) for name in (
+            "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+            "v_head_dim")}  # fmt: skip
+        latent |= {"d_model": config.hidden_size, "num_heads": attention.num_heads,
+                   "rope_theta": rope["rope_theta"], "rope_scaling": scaling,
+                   "rotary_interleaved": True, "output_gate": "sigmoid",
+                   "rope_key_norm": True}  # fmt: skip
+        if attention.sliding_window is not None:
+            latent["window"] = attention.sliding_window
+        if attention.indexer is not None:  # GLM-MoE-DSA's
+            latent["indexer"] = IndexerSpec(
+                config.index_topk,
+                config.index_n_heads,
+                config.index_head_dim,
+                rotary_interleaved=True,
+            )
+        return latent
     if model_type in LATENT_TYPES:
         latent = {"d_model": config.hidden_size, "num_heads": config.num_attention_heads,
                 "q_lora_rank": config.q_lora_rank, "kv_lora_rank": config.kv_lora_rank,
@@ -375,10 +394,12 @@ def expected_settings(config, index, attention=None):
                 "rope_theta": rope["rope_theta"], "rope_scaling": scaling,
                 "rotary_interleaved": getattr(config, "rope_interleave",
                                               model_type != "minicpm3")}  # fmt: skip
-        if model_type in ("deepseek_v32", "glm_moe_dsa"):  # sparse top-k: its indexer
+        if model_type in ("deepseek_v32", "glm_moe_dsa", "axk2"):  # sparse top-k: its indexer
             latent["indexer"] = IndexerSpec(
                 config.index_topk, config.index_n_heads, config.index_head_dim,
                 rotary_interleaved=model_type == "glm_moe_dsa")  # fmt: skip
+        if model_type == "axk2":  # its query and gate per feature fused in q_gate_proj
+            latent |= {"query_gate": True, "output_gate": "sigmoid"}
         return latent
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if attention is not None:  # StableLM's: hidden_size // heads, whatever the config says
@@ -517,6 +538,16 @@ def expected_weights(attention, settings):
                     "index_k_norm": parameter(indexer.k_norm),
                     "b_index_k_norm": indexer.k_norm.bias.detach().numpy(),
                     "W_index_weights": indexer.weights_proj.weight.detach().numpy().T}  # fmt: skip
+    if hasattr(attention, "q_gate_proj"):  # A.X-K2's: each head's query rows, then its gate's
+        W = attention.q_gate_proj.weight.detach().numpy().T
+        H, v = settings["num_heads"], settings["v_head_dim"]
+        heads = W.reshape(W.shape[0], H, -1)
+        weights["W_q_b"] = heads[..., :-v].reshape(W.shape[0], -1)
+        weights["W_g"] = heads[..., -v:].reshape(W.shape[0], -1)
+    if hasattr(attention, "k_rope_only_layernorm"):  # dots3's, its norms scaled as LongCat's
+        weights["k_pe_norm"] = parameter(attention.k_rope_only_layernorm)
+        weights["q_a_norm"] = weights["q_a_norm"] * attention.q_lora_scale
+        weights["kv_a_norm"] = weights["kv_a_norm"] * attention.kv_lora_scale
     if hasattr(attention, "mla_scale_q_lora"):  # LongCat-Flash's, in the norms' weights
         weights["q_a_norm"] = weights["q_a_norm"] * attention.mla_scale_q_lora
         weights["kv_a_norm"] = weights["kv_a_norm"] * attention.mla_scale_kv_lora
@@ -552,8 +583,10 @@ def test_each_layer_is_what_transformers_computes(family, transformers):
         if kind == "latent":
             assert settings.pop("scale") == attention.scaling
             assert settings.pop("norm_eps") == attention.kv_a_layernorm.variance_epsilon
-            if attention.q_a_layernorm is not None:
+            if attention.q_a_layernorm is not None and family != "dots3_note_text":
                 assert attention.q_a_layernorm.variance_epsilon == 1e-6 != config.rms_norm_eps
+            elif family == "dots3_note_text":  # every norm's rms_norm_eps
+                assert attention.q_a_layernorm.variance_epsilon == config.rms_norm_eps
         else:
             scale = settings["scale"] or settings["head_dim"] ** -0.5  # Helium's: 1 / sqrt(d)
             assert scale == pytest.approx(attention.scaling, rel=1e-15, abs=0)

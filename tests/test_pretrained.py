@@ -301,6 +301,12 @@ CHANGES = {
     "kimi_linear": [{"rotate": True}],
     "zamba": [{"scale": None}],
     "zamba2": [{"rope_theta": None}, {"scale": None}],
+    # A.X-K2: its gate a softplus, not a sigmoid; dense; the softmax scale without yarn's
+    "axk2": [{"output_gate": "softplus"}, DENSE, {"scale": None}],
+    # dots3: no gate; no window (layer 2); dense (layers 0, 1); the rotary key unnormalised;
+    # each layer type's base replaced
+    "dots3_note_text": [{"W_g": None, "output_gate": None}, {"window": None}, DENSE,
+                        {"rope_key_norm": False, "k_pe_norm": None}, {"rope_theta": 10000.0}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3
@@ -330,6 +336,7 @@ def test_every_setting_read_matters_in_these_models(family, monkeypatch, transfo
         ("nanochat", "rope", {"negated": False}),
         ("longcat_flash", "tensors", {"lora_scaled": False}),
         ("mimo_v2_flash", "value_width", {"scale": None}),
+        ("dots3_note_text", "tensors", {"lora_scaled": False}),
     ],
 )
 def test_what_is_read_into_the_weights_matters(family, field, change, monkeypatch, transformers):

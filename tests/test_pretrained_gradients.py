@@ -15,9 +15,11 @@ and ``(out * grad_out).sum()`` is differentiated. Every parameter's gradient (we
 transposed: mha's ``W_q`` is ``q_proj.weight.T``) and the hidden state's (the sum of mha's
 ``query``, ``key`` and ``value`` gradients) must agree to 1e-10.
 
-The same comparison for the latent families is in their own files: HY-V4's (its gate per
-feature, its sinks, its sparse layers and the layer reusing another's choice of keys) in
-test_hyv4.py.
+The latent attentions' (``mha.LatentAttention``) are checked the same way beside their
+readers: DeepSeek-V3.2's and GLM-MoE-DSA's in test_sparse.py, Bailing-hybrid's in
+test_gated.py, A.X-K2's (layers 0, 2) and dots3's (an indexed layer 0, a sliding layer 2)
+in test_latentgates.py, HY-V4's in test_hyv4.py, every weight laid out as the reader lays
+out its tensor.
 """
 
 from __future__ import annotations

@@ -466,6 +466,21 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                           "layers_block_type": ["hybrid", "linear_attention", "hybrid", "hybrid"],
                           "n_mamba_heads": 4, "num_mem_blocks": 2, "adapter_rank": 8,
                           "use_shared_attention_adapter": True, "use_mem_rope": True}),
+    # A.X-K2: DeepSeek-V3.2's indexer (top 4), the query and a sigmoid gate per feature
+    # fused in q_gate_proj, both reading the query latent after and before its norm
+    "axk2": ("AXK2", {**DEEPSEEK, "index_topk": 4, "index_n_heads": 3, "index_head_dim": 12,
+                      "gated_norm_rank": 4}),
+    # dots3: a gate per head; layers 0 and 1 GLM-MoE-DSA's indexer (top 4), layer 2 a
+    # window of 5 and its own sizes (2 heads, ranks 12 and 8, half the rope)
+    "dots3_note_text": ("Dots3NoteText", {
+        **{key: DEEPSEEK[key] for key in LATENT_SIZES if key != "rope_parameters"},
+        "head_dim": 16, "rope_parameters": ABSENT, "rope_theta": 500.0, "swa_rope_theta": 100.0,
+        "index_topk": 4, "index_n_heads": 3, "index_head_dim": 12, "sliding_window": 5,
+        "swa_num_attention_heads": 2, "swa_num_key_value_heads": 2, "swa_q_lora_rank": 12,
+        "swa_kv_lora_rank": 8, "swa_head_dim": 12, "swa_qk_nope_head_dim": 8,
+        "swa_v_head_dim": 6, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "shared_experts_intermediate_size": 16,
+        "experts_implementation": "eager"}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
@@ -478,7 +493,8 @@ query's low-rank projection (``q_lora_rank=None``), with biases and halves rotar
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
 LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "axk1", "minicpm3",
                    "longcat_flash", "deepseek_v32", "glm_moe_dsa",
-                   "bailing_hybrid", "mistral4", "hy_v4", "kimi_linear")  # fmt: skip
+                   "bailing_hybrid", "mistral4", "hy_v4", "kimi_linear", "axk2",
+                   "dots3_note_text")  # fmt: skip
 """The checkpoints of DeepSeek's multi-head latent attention (``LatentAttention``)."""
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen", "gpt_neo", "bloom", "mpt", "dbrx", "persimmon", "falcon",

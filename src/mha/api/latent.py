@@ -56,6 +56,7 @@ PARAMETER_NAMES = (
     "b_o",
     "W_g",
     "sinks",
+    "k_pe_norm",
 )
 """The weights' attribute names, in the order the layer applies them."""
 
@@ -74,10 +75,14 @@ class LatentSpec:
     HY-V4's), ``shares_choice_with`` (the index of the layer whose indexer's choice this
     layer, without an indexer, attends with: HY-V4's ``"shared"`` layers, :mod:`.sparse`),
     ``query_temperature`` (the queries scaled by their position, Mistral 4's: the keyword
-    of :func:`mha.scaled_dot_product_attention`; ``None``: none) and ``rotate``
+    of :func:`mha.scaled_dot_product_attention`; ``None``: none), ``rotate``
     (``False``: the ``qk_rope_head_dim`` features are not rotated, Kimi-Linear's latent
-    attention without positions, NoPE; its rope settings are then not read). A reader's pair
-    ``(spec, weights)`` builds a layer by :meth:`LatentAttention.from_spec`.
+    attention without positions, NoPE; its rope settings are then not read),
+    ``query_gate`` (A.X-K2's query and gate per element from the query latent beside its
+    normalised form), ``window`` (a sliding window; ``None``: none) and ``rope_key_norm``
+    (an RMSNorm of the shared rotary key before its rotation, ``k_pe_norm``: dots3's).
+    A reader's pair ``(spec, weights)`` builds a layer by
+    :meth:`LatentAttention.from_spec`.
 
     >>> import mha
     >>> mha.LatentSpec(16, 2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2,
@@ -103,6 +108,9 @@ class LatentSpec:
     output_gate_per_head: Any = True
     shares_choice_with: Any = None
     rotate: Any = True
+    query_gate: Any = False
+    window: Any = None
+    rope_key_norm: Any = False
 
     kind = "latent"
     """What a reader's spec builds (:meth:`LatentAttention.from_spec`)."""
@@ -131,6 +139,18 @@ class LatentAttention:
       ``output_gate_per_head=False``, ``W_g (E, H*v_head_dim)`` [gate_proj], one a feature;
     * with ``sinks=True``, ``sinks (H,)`` [sinks]: one learned logit a head in every
       softmax's denominator (gpt-oss's attention sinks; zero to start).
+    * with ``query_gate`` (A.X-K2's ``q_gate_proj``, with ``q_lora_rank``), the query and a
+      gate per feature both read ``[norm(a), a]``, the query latent ``a = x @ W_q_a`` after
+      and before its RMSNorm: ``W_q_b (2*q_lora_rank, H*(nope + rope))`` the query and
+      ``W_g (2*q_lora_rank, H*v_head_dim)`` the gate's logits, ``output_gate`` its
+      activation (``"sigmoid"`` by default);
+    * with ``rope_key_norm``, ``k_pe_norm (qk_rope_head_dim,)`` [k_rope_only_layernorm]: the
+      shared rotary key RMS-normalised (``norm_eps``) before its rotation (dots3's).
+
+    ``window`` makes the attention a sliding window, as ``MultiHeadAttention``'s: query
+    ``i`` sees key ``j`` only if ``i - j < window`` (the cache keeps every token); with an
+    indexer, the top-k keys are those of the highest scores within the window (the
+    indexer's scores masked by the window, as transformers masks them).
 
     The rotary embedding has base ``rope_theta`` and ``rope_scaling``, transformers'
     ``rope_parameters`` for a scaled rope (yarn, say; None for the default), and pairs
@@ -187,6 +207,9 @@ class LatentAttention:
         shares_choice_with: SupportsIndex | None = None,
         sinks: Flag = False,
         rotate: Flag = True,
+        query_gate: Flag = False,
+        window: SupportsIndex | None = None,
+        rope_key_norm: Flag = False,
         bias: Flag = False,
         dtype: Any = np.float64,
         seed: int | np.random.Generator | None = None,
@@ -211,6 +234,9 @@ class LatentAttention:
                 output_gate_per_head,
                 shares_choice_with,
                 rotate,
+                query_gate,
+                window,
+                rope_key_norm,
             )
         )
         with_bias, with_sinks = flag("bias", bias), flag("sinks", sinks)
@@ -262,6 +288,9 @@ class LatentAttention:
             self.output_gate_per_head,
             self.shares_choice_with,
             self.rotate,
+            self.query_gate,
+            self.window,
+            self.rope_key_norm,
         )
 
     @classmethod
@@ -430,6 +459,7 @@ class LatentAttention:
             "cache": cache,
             "max_memory": max_memory,
             "workers": workers,
+            "window": self.window,
         }
         if self.query_temperature is not None:  # at the kernel's positions: checked above
             attention["query_temperature"] = self.query_temperature
@@ -535,7 +565,7 @@ class LatentAttention:
         ... # doctest: +NORMALIZE_WHITESPACE
         {'W_q': None, 'W_q_a': (16, 6), 'b_q_a': None, 'q_a_norm': (6,), 'W_q_b': (6, 12),
          'W_kv_a': (16, 10), 'b_kv_a': None, 'kv_a_norm': (8,), 'W_kv_b': (8, 16),
-         'W_o': (8, 16), 'b_o': None, 'W_g': None, 'sinks': None}
+         'W_o': (8, 16), 'b_o': None, 'W_g': None, 'sinks': None, 'k_pe_norm': None}
         """
         names = PARAMETER_NAMES + (INDEXER_WEIGHTS if self.indexer is not None else ())
         return {name: getattr(self, name) for name in names}
@@ -603,6 +633,9 @@ class LatentAttention:
             ("output_gate_per_head", self.output_gate_per_head, True),
             ("shares_choice_with", self.shares_choice_with, None),
             ("rotate", self.rotate, True),
+            ("query_gate", self.query_gate, False),
+            ("window", self.window, None),
+            ("rope_key_norm", self.rope_key_norm, False),
         ):
             if value != default:
                 shown[name] = value
@@ -673,6 +706,15 @@ class LatentAttention:
                     f"a layer that reuses layer {self.shares_choice_with}'s choice of keys "
                     "(shares_choice_with) has no indexer of its own: give indexer=None"
                 )
+        self.query_gate = flag("query_gate", spec.query_gate)
+        if self.query_gate:
+            if self.q_lora_rank is None:
+                raise AttentionValueError(
+                    "query_gate needs q_lora_rank: its query and gate read the query latent"
+                )
+            self.output_gate = self.output_gate or "sigmoid"
+        self.window = None if spec.window is None else positive_int("window", spec.window)
+        self.rope_key_norm = flag("rope_key_norm", spec.rope_key_norm)
         self._given_scale = None if scale is None else resolve_scale(scale, 1, np.dtype(np.float64))
         self.scale = (
             resolve_scale(None, self.qk_nope_head_dim + self.qk_rope_head_dim, np.dtype(np.float64))
@@ -691,7 +733,8 @@ class LatentAttention:
             shapes["W_q"] = (E, H * (n + p))
         else:
             q = self.q_lora_rank
-            shapes.update(W_q_a=(E, q), b_q_a=(q,), q_a_norm=(q,), W_q_b=(q, H * (n + p)))
+            q_in = 2 * q if self.query_gate else q  # [norm(a), a] with a query gate
+            shapes.update(W_q_a=(E, q), b_q_a=(q,), q_a_norm=(q,), W_q_b=(q_in, H * (n + p)))
         shapes.update(
             W_kv_a=(E, r + p),
             b_kv_a=(r + p,),
@@ -703,7 +746,11 @@ class LatentAttention:
         )
         if self.indexer is not None and self.q_lora_rank is not None:
             shapes.update(self.indexer.shapes(E, self.q_lora_rank))
-        if self.output_gate is not None:
+        if self.rope_key_norm:
+            shapes["k_pe_norm"] = (p,)
+        if self.query_gate:
+            shapes["W_g"] = (2 * (self.q_lora_rank or 0), H * d_v)
+        elif self.output_gate is not None:
             shapes["W_g"] = (E, H) if self.output_gate_per_head else (E, H * d_v)
         return shapes
 
@@ -717,14 +764,18 @@ class LatentAttention:
             "W_q_a": f"{E}, q_lora_rank={q}",
             "b_q_a": f"q_lora_rank={q}",
             "q_a_norm": f"q_lora_rank={q}",
-            "W_q_b": f"q_lora_rank={q}; {H} heads of {n} + {p}",
+            "W_q_b": f"q_lora_rank={q}{' (twice: query_gate)' * self.query_gate}; "
+            f"{H} heads of {n} + {p}",
             "W_kv_a": f"{E}, {r} + {p}",
             "b_kv_a": f"{r} + {p}",
             "kv_a_norm": r,
+            "k_pe_norm": f"{p}: rope_key_norm",
             "W_kv_b": f"{r}; {H} heads of {n} + {d_v}",
             "W_o": f"{H} heads of {d_v}, {E}",
             "b_o": E,
-            "W_g": f"{E}, {H} heads"
+            "W_g": f"twice q_lora_rank={q}, {H} heads of {d_v}: query_gate, a gate a feature"
+            if self.query_gate
+            else f"{E}, {H} heads"
             + (" of one gate" if self.output_gate_per_head else f" of {d_v}: one gate a feature"),
             "sinks": f"{H}: one sink a head",
         }.get(name, f"{E}, q_lora_rank={q}, indexer {self.indexer}")
@@ -737,6 +788,7 @@ class LatentAttention:
             weights[name] for name in PARAMETER_NAMES[5:11]
         )
         self.W_g, self.sinks = weights["W_g"], weights["sinks"]
+        self.k_pe_norm = weights["k_pe_norm"]
         for name in INDEXER_WEIGHTS:
             setattr(self, name, weights.get(name))
 
@@ -756,6 +808,7 @@ class LatentAttention:
             self.indexer,
             self.output_gate,
             self.rotate,
+            self.query_gate,
         )
 
 

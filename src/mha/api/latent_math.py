@@ -57,12 +57,17 @@ class LatentPlan:
     """The activation of the output gate per head (``W_g (E, H)``), when the layer has one."""
     rotates: bool = True
     """Whether the ``p`` features rotate (``False``: Kimi-Linear's NoPE)."""
+    query_gate: bool = False
+    """Whether the query and a gate per feature read ``[norm(a), a]``, the query latent after
+    and before its norm (A.X-K2's ``q_gate_proj``), rather than the query ``norm(a)`` alone
+    and the gate ``x``."""
 
     def output_gate(self, W: dict[str, np.ndarray], E: int) -> OutputGate | None:
         """The gate of the weights ``W`` (``None`` without ``W_g``): :mod:`.gates`'."""
         if "W_g" not in W:
             return None
-        return OutputGate.check(self.gate, W["W_g"], None, self.H, self.d_v, E)
+        d_in = W["W_q_a"].shape[1] * 2 if self.query_gate else E
+        return OutputGate.check(self.gate, W["W_g"], None, self.H, self.d_v, d_in)
 
     def rotate(self, x: np.ndarray, positions: np.ndarray, inverse: bool = False) -> np.ndarray:
         """``x (*B, heads, L, p)`` rotated at ``positions``; ``inverse`` applies the
@@ -98,15 +103,19 @@ def latent_forward(
     X = x.astype(dtype, copy=False)
     H, r, n = plan.H, plan.r, plan.n
     saved: dict[str, Any] = {}
-    choice = None
+    choice, gate_inputs = None, X
     if "W_q" in W:
         q = X @ W["W_q"]
     else:
+        q_a = _linear(X, W["W_q_a"], W.get("b_q_a"))
         q_low, saved["q_normalised"], saved["q_inverse_rms"] = rms_norm(
-            _linear(X, W["W_q_a"], W.get("b_q_a")), W["q_a_norm"], plan.eps
+            q_a, W["q_a_norm"], plan.eps
         )
-        saved["q_low"] = q_low
-        q = q_low @ W["W_q_b"]
+        q_in = np.concatenate([q_low, q_a], axis=-1) if plan.query_gate else q_low
+        saved["q_low"] = q_in  # what W_q_b reads
+        if plan.query_gate:  # the gate reads the query's inputs
+            gate_inputs = q_in
+        q = q_in @ W["W_q_b"]
         if plan.indexer is not None:  # the keys each query attends to: the mask
             choice = choose_keys(plan, plan.indexer, X, q_low, W, positions, attention)
             attention = choice.attention
@@ -118,7 +127,12 @@ def latent_forward(
     W_uk, W_uv = plan.absorbed(W["W_kv_b"])
     q_nope = q[..., :n]
     query = np.concatenate([q_nope @ W_uk, plan.rotate(q[..., n:], positions)], axis=-1)
-    key = np.concatenate([c[..., None, :, :], plan.rotate(kv[..., None, :, r:], positions)], -1)
+    k_pe = kv[..., None, :, r:]
+    if "k_pe_norm" in W:  # the shared rotary key normalised before its rotation
+        k_pe, saved["k_pe_normalised"], saved["k_pe_inverse_rms"] = rms_norm(
+            k_pe, W["k_pe_norm"], plan.eps
+        )
+    key = np.concatenate([c[..., None, :, :], plan.rotate(k_pe, positions)], -1)
     sinks = W.get("sinks")
     if choice is not None and not want_backward and walks_chosen(attention, dtype):
         chosen = attention["mask"][..., 0, :, :]  # over the chosen keys alone: (*B, H, L, r)
@@ -143,7 +157,7 @@ def latent_forward(
     joined = join_heads(latent @ W_uv)  # (*B, L, H*d_v)
     gate = plan.output_gate(W, X.shape[-1])
     if gate is not None:  # the joined heads gated before W_o
-        joined, saved["gate"] = gate.forward(joined, X)
+        joined, saved["gate"] = gate.forward(joined, gate_inputs)
     out = _linear(joined, W["W_o"], W.get("b_o"))
     if attention_backward is None:
         return out, None
@@ -217,7 +231,12 @@ class LatentBackward:
         d_c, grads["kv_a_norm"] = rms_norm_backward(
             dk[..., 0, :, :r], saved["c_normalised"], saved["c_inverse_rms"], W["kv_a_norm"]
         )
-        d_k_pe = plan.rotate(dk[..., r:], self.positions, inverse=True)[..., 0, :, :]
+        d_k_pe = plan.rotate(dk[..., r:], self.positions, inverse=True)
+        if "k_pe_norm" in W:
+            d_k_pe, grads["k_pe_norm"] = rms_norm_backward(
+                d_k_pe, saved["k_pe_normalised"], saved["k_pe_inverse_rms"], W["k_pe_norm"]
+            )
+        d_k_pe = d_k_pe[..., 0, :, :]
         d_kv = np.concatenate([d_c, d_k_pe], axis=-1)  # (*B, L, r + p)
         grads["W_kv_a"] = _rows(X).T @ _rows(d_kv)
         if "b_kv_a" in W:
@@ -229,12 +248,19 @@ class LatentBackward:
             d_x += d_q @ W["W_q"].T
         else:
             grads["W_q_b"] = _rows(saved["q_low"]).T @ _rows(d_q)
+            d_q_in = d_q @ W["W_q_b"].T
+            if plan.query_gate:  # [norm(a), a] fed the query and the gate
+                d_q_in += d_x_gate
+                q = d_q_in.shape[-1] // 2
+                d_q_in, d_q_raw, d_x_gate = d_q_in[..., :q], d_q_in[..., q:], None
             d_q_a, grads["q_a_norm"] = rms_norm_backward(
-                d_q @ W["W_q_b"].T,
+                d_q_in,
                 saved["q_normalised"],
                 saved["q_inverse_rms"],
                 W["q_a_norm"],
             )
+            if plan.query_gate:
+                d_q_a += d_q_raw
             grads["W_q_a"] = _rows(X).T @ _rows(d_q_a)
             if "b_q_a" in W:
                 grads["b_q_a"] = _rows(d_q_a).sum(0)

@@ -252,9 +252,10 @@ def choose_keys(
     attention: dict[str, Any],
 ) -> Choice:
     """The keys each query of ``x (*B, L, E)`` attends to, as the attention's mask
-    (``(*B, 1, L, S)``, the layer's own mask ANDed in): over ``x`` itself, or over the
-    cache's tokens and ``x``'s, whose indexer keys it appends (committed by the choice's
-    ``commit`` once the attention succeeded)."""
+    (``(*B, 1, L, S)``, the layer's own mask and window ANDed in, the top-k taken among
+    the keys they show, as transformers' indexer takes its layer's mask): over ``x``
+    itself, or over the cache's tokens and ``x``'s, whose indexer keys it appends
+    (committed by the choice's ``commit`` once the attention succeeded)."""
     for name in ("query_lengths", "key_lengths"):
         if attention.get(name) is not None:
             raise AttentionValueError(
@@ -288,6 +289,10 @@ def choose_keys(
             cache._index._commit(counts)
             cache._chosen = chosen
 
+    window = attention.get("window")
+    if window is not None:  # a sliding window's keys alone compete (transformers' mask)
+        rows = np.arange(L)[:, None] if cache is None else at[..., None]
+        visible = visible & (rows - np.arange(visible.shape[-1]) < window)
     scores = index_scores(plan, spec, q_low, x, W, at, keys)
     chosen = top_k(np.where(visible, scores, -np.inf), spec.topk) & visible
 

@@ -216,6 +216,7 @@ def _scale(family: Family, read: Settings, index: int, d: int) -> float | None:
 
 def latent(family: Family, layout: LatentProjections, read: Settings, index: int) -> Described:
     """The settings and tensors of DeepSeek's multi-head latent attention."""
+    read = layout.layer(read, index)
     E, H = read.positive("hidden_size"), read.positive("num_attention_heads")
     q_rank = read.positive("q_lora_rank", optional=True)
     rank, nope, rope_dim = (
@@ -255,6 +256,9 @@ def latent(family: Family, layout: LatentProjections, read: Settings, index: int
     }
     if not family.rope.applied:  # Kimi-Linear's: the rope features unrotated (NoPE)
         settings |= {"rotate": False, "rotary_interleaved": False, "rope_scaling": None}
+    if layout.query_gate and q_rank is not None:  # A.X-K2's query and gate, fused
+        settings |= {"query_gate": True, "output_gate": "sigmoid"}
+    settings |= layout.settings(read, index)
     indexer = layout.indexer(read, index)
     if indexer is not None:  # sparse top-k attention
         settings["indexer"] = indexer

@@ -350,6 +350,10 @@ class LatentProjections:
     """Whether the query is multiplied by ``sqrt(hidden_size / q_lora_rank)`` and the
     normalised latent by ``sqrt(hidden_size / kv_lora_rank)`` (LongCat-Flash's), read into
     the weights of the two norms."""
+    query_gate: bool = False
+    """Whether ``q_b`` fuses the query's projection with a gate per feature, both reading
+    the query latent after and before its norm (A.X-K2's ``q_gate_proj``, saved as
+    ``q_b_proj``: each head's query rows then its gate's)."""
 
     def tensors(self, settings: Mapping[str, Any], biased: Iterable[str]) -> dict[str, Tensor]:
         """The tensors of a latent layer of these ``settings`` (:class:`mha.LatentSpec`'s
@@ -370,6 +374,9 @@ class LatentProjections:
             tensors[f"{self.q_a}.weight"] = whole("W_q_a", q_rank, E)
             tensors[f"{self.q_a_norm}.weight"] = whole("q_a_norm", q_rank)
             tensors[f"{self.q_b}.weight"] = whole("W_q_b", head, q_rank)
+        if q_rank is not None and self.query_gate:
+            parts = (("W_q_b", nope + rope), ("W_g", v))
+            tensors[f"{self.q_b}.weight"] = Tensor((H * (nope + rope + v), 2 * q_rank), parts, H)
         widths = {"kv_a": rank + rope, "o": E, "q_a": q_rank}
         names = {"kv_a": self.kv_a, "o": self.o, "q_a": self.q_a}
         tensors |= {f"{names[p]}.bias": whole(f"b_{p}", widths[p]) for p in biased}
@@ -378,6 +385,14 @@ class LatentProjections:
     def biasable(self, settings: Mapping[str, Any]) -> tuple[str, ...]:
         """The projections that may carry a bias: ``q_a`` (when there is one), ``kv_a``, ``o``."""
         return ("kv_a", "o") + (() if settings["q_lora_rank"] is None else ("q_a",))
+
+    def layer(self, read: Settings, index: int) -> Settings:
+        """Layer ``index``'s config: ``read`` itself (every layer alike, here)."""
+        return read
+
+    def settings(self, read: Settings, index: int) -> dict[str, Any]:
+        """Settings of layer ``index`` beside DeepSeek's (none, here)."""
+        return {}
 
     def indexer(self, read: Settings, index: int) -> Any:
         """Layer ``index``'s sparse top-k indexer (:class:`mha.api.sparse.IndexerSpec`), or

@@ -69,16 +69,6 @@ REFUSED = {
         "MiniMax-M3's block-sparse attention in its sparse layers (an indexer picks, per head, "
         "the blocks of keys each query attends to, with the local blocks before it)"
     ),
-    "axk2": _not_computed(
-        f"AXK2's latent attention has a sigmoid output gate fused with its query projection "
-        f"(q_gate_proj, fed the query latent and the compressed input) beside {_TOP_K}; "
-        f"mha.LatentAttention computes the top-k (as DeepSeek-V3.2's) but no output gate"
-    ),
-    "dots3_note_text": _not_computed(
-        f"dots3's latent attention has a per-head sigmoid output gate and sliding windows beside "
-        f"{_TOP_K}; mha.LatentAttention computes the top-k (as DeepSeek-V3.2's) but neither "
-        f"the gate nor a window"
-    ),
     "dory": _not_read(
         "Dory's nGPT attention (unit queries and keys, each query feature's factor sqk after "
         "the rotation, an output gate of scaled logits, the L2 norm of its output) in looped "

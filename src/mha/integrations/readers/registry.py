@@ -23,6 +23,7 @@ from . import (
     gated,
     gemma4,
     hyv4,
+    latentgates,
     layouts,
     mimo,
     mistral4,
@@ -789,6 +790,7 @@ register(*mistral4.ROWS)
 register(*outnorm.ROWS)
 register(*hyv4.ROWS)
 register(*nope.ROWS)
+register(*latentgates.ROWS)
 
 SUPPORTED = tuple(FAMILIES)
 """The families of the table as mha defines it (before any :func:`register`)."""
