@@ -436,12 +436,24 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         SLIDING: {"rope_type": "default", "rope_theta": 100.0},
         FULL: {"rope_type": "proportional", "rope_theta": 3000.0,
                "partial_rotary_factor": 0.25}}}),
+    # block-sparse top-k attention: MiniMax-M3's sparse layers 0 and 2 keep, per group of
+    # heads, 3 blocks of 4 keys of the 6 (2 of them local), its layer 1 dense; half rotated
+    "minimax_m3_vl_text": ("MiniMaxM3VLText", {
+        "layer_types": ["minimax_m3_sparse", FULL, "minimax_m3_sparse"], "index_n_heads": 2,
+        "index_head_dim": 10, "index_block_size": 4, "index_topk_blocks": 3,
+        "index_local_blocks": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "dense_intermediate_size": 32, "shared_intermediate_size": 16,
+        "experts_implementation": "eager",
+        "rope_parameters": {**ROPE, "partial_rotary_factor": 0.5}}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
 ``LlamaForCausalLM`` for InternLM 3's) and what its config changes from ``COMMON``."""
 
 FAMILIES = tuple(MODELS)
+BLOCK_SPARSE = ("minimax_m3_vl_text",)
+"""The checkpoints of block-sparse attention (``BlockSparseAttention`` in their sparse layers,
+read by ``mha.from_pretrained``)."""
 """The checkpoints :func:`saved` builds; ``deepseek_v3_mha`` is DeepSeek V3 without the
 query's low-rank projection (``q_lora_rank=None``), with biases and halves rotary."""
 

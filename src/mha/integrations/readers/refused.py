@@ -65,10 +65,6 @@ REFUSED = {
         "layer), and its other layers are Gated DeltaNet linear attention"
     ),
     "deepseek_v4": _not_computed(f"DeepSeek-V4's attention over compressed keys with {_TOP_K}"),
-    "minimax_m3_vl_text": _not_computed(
-        "MiniMax-M3's block-sparse attention in its sparse layers (an indexer picks, per head, "
-        "the blocks of keys each query attends to, with the local blocks before it)"
-    ),
     "axk2": _not_computed(
         f"AXK2's latent attention has a sigmoid output gate fused with its query projection "
         f"(q_gate_proj, fed the query latent and the compressed input) beside {_TOP_K}; "
