@@ -213,6 +213,14 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "layer_types": ["sliding_attention", "full_attention"] * 2,
     },
     "gemma4_text": {"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 64},
+    # MiniMax-M3's sparse layers (all dense by default): 2 blocks of 4 keys of 6 kept
+    "minimax_m3_vl_text": {
+        "layer_types": ["minimax_m3_sparse", "full_attention"] * 2,
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_block_size": 4,
+        "index_topk_blocks": 2,
+    },
 }
 """Per-family changes where the generic shrink does not build, or builds what the family's
 real configs are not (a rotary of 3 features, GPT-J's 64 of 12; by ``model_type``)."""

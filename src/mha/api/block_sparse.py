@@ -15,12 +15,14 @@ layer's rotated width, rotated as the layer's keys are, at the tokens' positions
 floored at block 0) score ``+inf``; query ``i`` keeps the ``topk_blocks`` blocks of the
 highest ``t_ic`` (all of them when there are fewer), chosen as ``torch.topk`` chooses, ties
 included (:mod:`.topk`), but a block of no visible key. It attends to the keys of its kept
-blocks at or before its position: a boolean mask ``(*B, H, L, S)`` handed to the layer's
-attention, so that the attention is the library's one kernel over exactly those keys (the
-walk skips the tiles the mask hides whole). The choice is piecewise constant in the weights:
-the layer's gradient is the attention's given the choice (transformers' indexer has none
-that reaches its output). With a cache (:class:`~.sparse.SparseKVCache`, from
-:meth:`BlockSparseAttention.new_cache`) the indexer's keys grow beside the layer's.
+blocks at or before its position: the choice ``(B, n, L, S)`` is the layer's ``mask_mod``
+(:class:`ChosenKeys`), so that the attention is the library's one kernel over exactly those
+keys, and the kernel's block map of it lets the walk skip every tile of keys that no query
+of the tile's rows chose (with blocks of 128 keys, MiniMax-M3's, the map's). The choice is
+piecewise constant in the weights: the layer's gradient is the attention's given the choice
+(transformers' indexer has none that reaches its output). With a cache
+(:class:`~.sparse.SparseKVCache`, from :meth:`BlockSparseAttention.new_cache`) the indexer's
+keys grow beside the layer's.
 
 >>> import numpy as np
 >>> spec = BlockIndexerSpec(block_size=4, topk_blocks=2, local_blocks=1, num_heads=2,
@@ -173,6 +175,21 @@ def choose_blocks(
     return chosen
 
 
+class ChosenKeys:
+    """The indexer's choice ``chosen (B, n, L, S)`` as the layer's ``mask_mod``: query
+    position ``q`` of sequence ``b`` (row ``q - start[b]``) keeps key ``kv`` in head ``h``
+    where its indexer head ``h // group`` chose it. The kernel's block map of it skips the
+    tiles of keys no query of the tile's rows chose. (An object, not a function: a call's
+    keywords holding one are checked afresh, never kept.)"""
+
+    def __init__(self, chosen: np.ndarray, start: np.ndarray, group: int) -> None:
+        self.chosen, self.start, self.group = chosen, start, group
+
+    def __call__(self, b: np.ndarray, h: np.ndarray, q: np.ndarray, kv: np.ndarray) -> np.ndarray:
+        kept: np.ndarray = self.chosen[b, h // self.group, q - self.start[b], kv]
+        return kept
+
+
 @dataclass(frozen=True)
 class BlockSparseSpec(LayerSpec):
     """What a :class:`BlockSparseAttention` computes besides its weights: the keywords of
@@ -312,8 +329,8 @@ class BlockSparseAttention(MultiHeadAttention):
 
     def forward(self, query: Any, mask: Any = None, *misplaced: Any, **keywords: Any) -> Any:
         """:meth:`mha.MultiHeadAttention.forward` over the keys the indexer picks for each
-        query (self-attention, causal; ``key_lengths``, ``query_lengths`` and
-        ``padding_side`` are not taken: give a boolean mask, or call each sequence on its
+        query (self-attention, causal; ``key_lengths``, ``query_lengths``, ``padding_side``
+        and ``mask_mod`` are not taken: give a boolean mask, or call each sequence on its
         own)."""
         for name in ("key", "value", "key_lengths", "query_lengths", "padding_side"):
             if keywords.get(name) is not None:
@@ -321,21 +338,25 @@ class BlockSparseAttention(MultiHeadAttention):
                     f"{name}= is not taken by block-sparse attention (its indexer picks keys "
                     "among the query's own tokens, by position)"
                 )
+        if keywords.get("mask_mod") is not None:
+            raise AttentionValueError(
+                "mask_mod= is not taken by block-sparse attention: its indexer's choice is the "
+                "layer's mask_mod; give a boolean mask"
+            )
         x = as_float_array("query", query)
         if x.ndim not in (2, 3) or x.shape[-1] != self.d_model:
             raise ShapeError(
                 f"query must have shape (B, L, {self.d_model}) or (L, {self.d_model}); "
                 f"got shape {x.shape}"
             )
-        single = x.ndim == 2
-        x3 = x[None] if single else x
+        x3 = x[None] if x.ndim == 2 else x
         dtype = np.result_type(x3.dtype, self.dtype, np.float32)
         x3 = x3.astype(dtype, copy=False)
         W = {name: getattr(self, name).astype(dtype, copy=False) for name in BLOCK_INDEXER_WEIGHTS}
         cache, positions = keywords.get("cache"), keywords.get("positions")
         B, L = x3.shape[:2]
-        new = None
         if cache is None:
+            start = np.zeros(B, np.int64)
             at = np.broadcast_to(np.arange(L) if positions is None else positions, (B, L))
             keys = index_keys(self.indexer, x3, W, at, self._rotary())
         else:
@@ -351,18 +372,17 @@ class BlockSparseAttention(MultiHeadAttention):
                     "a mask array cannot be combined with cache= in block-sparse attention: "
                     "the cached tokens are attended causally"
                 )
-            start = cache.lengths[:, None] + np.arange(L)
-            at = np.broadcast_to(start if positions is None else positions, (B, L))
+            start = cache.lengths.astype(np.int64)
+            at = np.broadcast_to(start[:, None] + np.arange(L) if positions is None else positions,
+                                 (B, L))  # fmt: skip
             new = index_keys(self.indexer, x3, W, at, self._rotary())
             counts = np.full(B, L, np.int64)
             filled = cache._index._append(new, new, counts)
             keys = cache._index._attended(int(filled.max(initial=0)))[0]
-        at = np.asarray(at)
-        chosen = choose_blocks(self.indexer, x3, W, at, keys, self._rotary())
-        chosen = np.repeat(chosen, self.num_heads // self.indexer.num_heads, axis=1)
-        if cache is None and mask is not None and not isinstance(mask, (bool, np.bool_)):
-            chosen = chosen & np.asarray(mask, bool)
-        result = super().forward(query, chosen[0] if single else chosen, *misplaced, **keywords)
+        chosen = choose_blocks(self.indexer, x3, W, np.asarray(at), keys, self._rotary())
+        group = self.num_heads // self.indexer.num_heads
+        choice = ChosenKeys(chosen, start, group)
+        result = super().forward(query, mask, *misplaced, **keywords, mask_mod=choice)
         if cache is not None:
             cache._index._commit(counts)
         return result
