@@ -35,6 +35,7 @@ from support.configs import relative_error
 
 import mha
 from mha.api.block_sparse import BlockIndexerSpec
+from mha.api.qsa import QSAIndexerSpec
 from mha.api.sparse import IndexerSpec
 from mha.errors import AttentionValueError
 from mha.integrations import readers
@@ -280,6 +281,11 @@ CHANGES = {
                            {"block_indexer": BlockIndexerSpec(4, 3, 1, 2, 10)},
                            {"block_indexer": BlockIndexerSpec(6, 2, 1, 2, 10)},
                            {"qk_norm_offset": 0.0}],
+    # every block kept (dense), 3 blocks of 2 keys, a budget of one block; the gate
+    "qwen4_exp_text": [{"block_indexer": QSAIndexerSpec(24, 3, 2, 12)},
+                       {"block_indexer": QSAIndexerSpec(6, 2, 2, 12)},
+                       {"block_indexer": QSAIndexerSpec(3, 3, 2, 12)},
+                       {"output_gate": None, "W_g": None}, {"qk_norm_offset": 0.0}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3

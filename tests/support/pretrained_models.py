@@ -445,13 +445,20 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "dense_intermediate_size": 32, "shared_intermediate_size": 16,
         "experts_implementation": "eager",
         "rope_parameters": {**ROPE, "partial_rotary_factor": 0.5}}),
+    # Qwen4-Exp's QSA: each query keeps 2 blocks of 3 averaged keys beside its tail, in its
+    # indexed layers 0 and 2 (Qwen3.5's gated attention), layer 1 Gated DeltaNet
+    "qwen4_exp_text": ("Qwen4ExpText", {
+        "layer_types": ["indexed_attention", "linear_attention", "indexed_attention"],
+        **GATED_DELTANET, **MOE, "shared_expert_intermediate_size": 16, "hc_count": 2,
+        "hc_lowrank": 8, "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 12,
+        "indexer_budget": 6, "indexer_compress_ratio": 3, "rope_parameters": QWEN3_5_ROPE}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
 ``LlamaForCausalLM`` for InternLM 3's) and what its config changes from ``COMMON``."""
 
 FAMILIES = tuple(MODELS)
-BLOCK_SPARSE = ("minimax_m3_vl_text",)
+BLOCK_SPARSE = ("minimax_m3_vl_text", "qwen4_exp_text")
 """The checkpoints of block-sparse attention (``BlockSparseAttention`` in their sparse layers,
 read by ``mha.from_pretrained``)."""
 """The checkpoints :func:`saved` builds; ``deepseek_v3_mha`` is DeepSeek V3 without the
@@ -469,7 +476,7 @@ OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox
 """The families whose attention modules are not Llama's (DiffLlama's: differential)."""
 HYBRIDS = ("granitemoehybrid", "falcon_h1", "jamba", "nemotron_h", "bamba", "lfm2", "lfm2_moe",
            "minimax", "olmo_hybrid", "lara_mini", "recurrent_gemma", "qwen3_next", "qwen3_5_text",
-           "qwen3_5_moe_text", "lfm3", "bailing_hybrid")  # fmt: skip
+           "qwen3_5_moe_text", "lfm3", "bailing_hybrid", "qwen4_exp_text")  # fmt: skip
 """The hybrid models: attention layers between Mamba or convolution layers (Falcon-H1's
 beside a Mamba mixer in each layer)."""
 GEMMA_VALUES = ("gemma3n", "gemma4", "gemma4_unified")

@@ -44,6 +44,7 @@ from .._arrays import as_float_array, non_negative_int, positive_int
 from ..errors import AttentionValueError, ShapeError
 from .configuration import LayerSpec, float_dtype
 from .module import MultiHeadAttention
+from .qsa import QSA_WEIGHTS, QSAIndexerSpec
 from .rotary import apply_rotary, positive_real
 from .sparse import SparseKVCache
 from .topk import top_k
@@ -103,6 +104,30 @@ class BlockIndexerSpec:
             positive_real("norm_eps", self.norm_eps),
             float(offset),
         )
+
+    names = BLOCK_INDEXER_WEIGHTS
+
+    @property
+    def groups(self) -> int:
+        """The choices a query makes: one an indexer head."""
+        return int(self.num_heads)
+
+    def keys(
+        self, x: np.ndarray, W: Mapping[str, np.ndarray], at: np.ndarray, rotary: Any
+    ) -> np.ndarray:
+        """The indexer's keys (:func:`index_keys`)."""
+        return index_keys(self, x, W, at, rotary)
+
+    def choose(
+        self,
+        x: np.ndarray,
+        W: Mapping[str, np.ndarray],
+        at: np.ndarray,
+        keys: np.ndarray,
+        rotary: Any,
+    ) -> np.ndarray:
+        """The keys each query keeps (:func:`choose_blocks`)."""
+        return choose_blocks(self, x, W, at, keys, rotary)
 
     def shapes(self, d_model: int) -> dict[str, tuple[int, ...]]:
         """Each indexer weight's shape, for inputs ``d_model`` wide."""
@@ -209,7 +234,9 @@ class BlockSparseAttention(MultiHeadAttention):
     """A :class:`~mha.MultiHeadAttention` whose queries attend to the blocks of keys its
     indexer picks (MiniMax-M3's sparse layers; the module's docstring has the formulas):
     ``indexer`` a :class:`BlockIndexerSpec`, its weights ``W_index_q``, ``W_index_k``,
-    ``index_q_norm`` and ``index_k_norm`` (normal, by ``seed``). The attention is causal
+    ``index_q_norm`` and ``index_k_norm`` (normal, by ``seed``); or Qwen4-Exp's QSA
+    indexer, a :class:`~mha.api.qsa.QSAIndexerSpec` (weights ``W_index_qk``,
+    ``index_q_norm``, ``index_k_norm``). The attention is causal
     (the indexer hides the keys past each query); a boolean ``mask`` combines with the
     choice by AND. :meth:`new_cache` keeps the indexer's keys beside the layer's.
     ``backward`` is the attention's given the choice: the indexer's weights have no
@@ -229,7 +256,7 @@ class BlockSparseAttention(MultiHeadAttention):
     W_index_k: np.ndarray
     index_q_norm: np.ndarray
     index_k_norm: np.ndarray
-    indexer: BlockIndexerSpec
+    indexer: BlockIndexerSpec | QSAIndexerSpec
     kind = "block_sparse"
     """What a reader's spec builds (:class:`BlockSparseSpec`'s kind)."""
 
@@ -238,7 +265,7 @@ class BlockSparseAttention(MultiHeadAttention):
         d_model: SupportsIndex,
         num_heads: SupportsIndex,
         *,
-        indexer: BlockIndexerSpec,
+        indexer: BlockIndexerSpec | QSAIndexerSpec,
         seed: int | np.random.Generator | None = None,
         **options: Any,
     ) -> None:
@@ -253,9 +280,10 @@ class BlockSparseAttention(MultiHeadAttention):
             setattr(self, name, W.astype(self.dtype))
 
     def _configure_indexer(self, indexer: Any) -> None:
-        if not isinstance(indexer, BlockIndexerSpec):
+        if not isinstance(indexer, (BlockIndexerSpec, QSAIndexerSpec)):
             raise AttentionValueError(
-                f"indexer must be a BlockIndexerSpec; got {reprlib.repr(indexer)}"
+                f"indexer must be a BlockIndexerSpec or a QSAIndexerSpec; got "
+                f"{reprlib.repr(indexer)}"
             )
         if self.rotary_interleaved:
             raise AttentionValueError(
@@ -280,7 +308,7 @@ class BlockSparseAttention(MultiHeadAttention):
 
     def weights(self) -> dict[str, np.ndarray | None]:
         """The weights by attribute name, the indexer's last."""
-        return {**super().weights(), **{n: getattr(self, n) for n in BLOCK_INDEXER_WEIGHTS}}
+        return {**super().weights(), **{n: getattr(self, n) for n in self.indexer.names}}
 
     @property
     def spec(self) -> BlockSparseSpec:
@@ -299,7 +327,7 @@ class BlockSparseAttention(MultiHeadAttention):
         if indexer is None:
             raise AttentionValueError(f"{source}: block-sparse attention needs block_indexer")
         plain = LayerSpec(**{f.name: getattr(spec, f.name) for f in fields(LayerSpec)})
-        others = {n: x for n, x in weights.items() if n not in BLOCK_INDEXER_WEIGHTS}
+        others = {n: x for n, x in weights.items() if n not in BLOCK_INDEXER_WEIGHTS + QSA_WEIGHTS}
         self = super().from_spec(plain, others, source)
         self._configure_indexer(indexer)
         for name, shape in self.indexer.shapes(self.d_model).items():
@@ -352,13 +380,19 @@ class BlockSparseAttention(MultiHeadAttention):
         x3 = x[None] if x.ndim == 2 else x
         dtype = np.result_type(x3.dtype, self.dtype, np.float32)
         x3 = x3.astype(dtype, copy=False)
-        W = {name: getattr(self, name).astype(dtype, copy=False) for name in BLOCK_INDEXER_WEIGHTS}
+        W = {name: getattr(self, name).astype(dtype, copy=False) for name in self.indexer.names}
         cache, positions = keywords.get("cache"), keywords.get("positions")
+        array = mask is not None and not isinstance(mask, (bool, np.bool_))
+        if array and isinstance(self.indexer, QSAIndexerSpec):
+            raise AttentionValueError(
+                "a mask array is not taken by a QSA indexer's layer: its blocks are of the "
+                "tokens each query sees causally; give mask=True"
+            )
         B, L = x3.shape[:2]
         if cache is None:
             start = np.zeros(B, np.int64)
             at = np.broadcast_to(np.arange(L) if positions is None else positions, (B, L))
-            keys = index_keys(self.indexer, x3, W, at, self._rotary())
+            keys = self.indexer.keys(x3, W, at, self._rotary())
         else:
             if not isinstance(cache, SparseKVCache) or cache.index_keys.shape[-1] != (
                 self.indexer.head_dim
@@ -375,12 +409,12 @@ class BlockSparseAttention(MultiHeadAttention):
             start = cache.lengths.astype(np.int64)
             at = np.broadcast_to(start[:, None] + np.arange(L) if positions is None else positions,
                                  (B, L))  # fmt: skip
-            new = index_keys(self.indexer, x3, W, at, self._rotary())
+            new = self.indexer.keys(x3, W, at, self._rotary())
             counts = np.full(B, L, np.int64)
             filled = cache._index._append(new, new, counts)
             keys = cache._index._attended(int(filled.max(initial=0)))[0]
-        chosen = choose_blocks(self.indexer, x3, W, np.asarray(at), keys, self._rotary())
-        group = self.num_heads // self.indexer.num_heads
+        chosen = self.indexer.choose(x3, W, np.asarray(at), keys, self._rotary())
+        group = self.num_heads // self.indexer.groups
         choice = ChosenKeys(chosen, start, group)
         result = super().forward(query, mask, *misplaced, **keywords, mask_mod=choice)
         if cache is not None:
