@@ -241,3 +241,122 @@ def test_the_walk_skips_the_blocks_of_keys_no_query_chose():
     )
     expected = plain(x, mask=np.repeat(chosen, 2, axis=1))
     assert relative_error(layer(x, mask=True), expected) <= 1e-13
+
+
+QWEN4 = "qwen4_exp_text"
+
+
+@functools.cache
+def captured_qwen4():
+    """As :func:`captured`, for Qwen4-Exp, whose decoder gives ``position_embeddings`` by
+    position: each indexed layer's keywords, by layer index."""
+    import torch
+    from support.rope_oracle import float64_rotary, float64_torch
+
+    model = models.transformers_model(QWEN4)
+    float64_rotary(model)
+    ids = torch.randint(0, 64, (B, L), generator=torch.Generator().manual_seed(0))
+    calls = {}
+
+    def hook(index):
+        def save(module, args, kwargs):
+            names = ("hidden_states", "position_embeddings")
+            calls[index] = {**kwargs, **dict(zip(names, args, strict=False))}
+
+        return save
+
+    handles = [model.model.layers[i].self_attn.register_forward_pre_hook(hook(i), with_kwargs=True)
+               for i in (0, 2)]  # fmt: skip
+    try:
+        with torch.no_grad(), float64_torch():
+            model(ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return model, calls
+
+
+def test_qsa_blocks_tied_in_score_are_chosen_as_transformers_chooses(transformers):
+    """Qwen4-Exp's QSA with every score 0 (its query rows zeroed): which blocks each query
+    keeps is torch.topk's tie order over the blocks it sees, whole and in decoding."""
+    import torch
+    from support.rope_oracle import float64_torch
+
+    model, calls = captured_qwen4()
+    module = model.model.layers[0].self_attn
+    x = np.random.default_rng(8).standard_normal((B, L, 48))
+    cos, sin = calls[0]["position_embeddings"]
+    causal = torch.ones((B, 1, L, L), dtype=torch.bool).tril()
+
+    def called(start, stop, cache=None):  # the layer on x[:, start:stop], its keys' rope whole
+        return module(
+            hidden_states=torch.tensor(x[:, start:stop]),
+            position_embeddings=(cos[:, :stop], sin[:, :stop]),
+            attention_mask=causal[:, :, start:stop, :stop],
+            cache=cache,
+        )[0].numpy()
+
+    weight = module.indexer.index_qk_proj.weight
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad(), float64_torch():
+            weight[: 2 * 12].zero_()  # the indexer's 2 query heads of 12
+            expected = called(0, L)
+            cache = models.new_cache(model)
+            steps = [called(0, PREFILL, cache)]
+            steps += [called(t, t + 1, cache) for t in range(PREFILL, L)]
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    attention = mha.from_pretrained(models.saved(QWEN4), layer=0, dtype=np.float64)
+    attention.W_index_qk[:, : 2 * 12] = 0.0
+    assert relative_error(attention(x, mask=True), expected) <= 1e-12
+    ours = attention.new_cache(B)
+    ours = [attention(x[:, :PREFILL], cache=ours)] + [
+        attention(x[:, t : t + 1], cache=ours) for t in range(PREFILL, L)
+    ]
+    for step, theirs in zip(ours, steps, strict=True):
+        assert relative_error(step, theirs) <= 1e-12
+    with pytest.raises(AttentionValueError, match="a mask array is not taken by a QSA"):
+        attention(x, mask=np.tri(L, dtype=bool))
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_qsa_gradients_given_the_choice_match_autograd(layer, torch, transformers, record_error):
+    """The gradient of Qwen4-Exp's gated attention given its QSA choice, every weight's (the
+    query and gate rows of q_proj apart) and the input's, to 1e-10."""
+    from support.rope_oracle import float64_torch
+
+    model, calls = captured_qwen4()
+    module = model.model.layers[layer].self_attn
+    g = np.random.default_rng(layer + 9)
+    x = 0.7 * g.standard_normal((B, L, 48))
+    grad_out = g.standard_normal((B, L, 48))
+    module.zero_grad(set_to_none=True)
+    tx = torch.tensor(x, requires_grad=True)
+    with float64_torch():
+        expected = module(**{**calls[layer], "hidden_states": tx})[0]
+        (expected * torch.tensor(grad_out)).sum().backward()
+    attention = mha.from_pretrained(models.saved(QWEN4), layer=layer, dtype=np.float64)
+    out, backward = attention(x, mask=True, return_backward=True)
+    assert relative_error(out, expected.detach().numpy()) <= 1e-12
+    grads = backward(grad_out)
+    grads["query"] = grads["query"] + grads["key"] + grads["value"]  # the shared input's
+    H, d = attention.num_heads, attention.head_dim
+    theirs = {name: p.grad for name, p in module.named_parameters()}
+    assert all(theirs[name] is None for name in theirs if name.startswith("indexer."))
+    fused = theirs["q_proj.weight"].numpy().reshape(H, 2, d, 48)  # each head: query, gate
+    expected_grads = {
+        "W_q": fused[:, 0].reshape(H * d, 48).T,
+        "W_g": fused[:, 1].reshape(H * d, 48).T,
+        "W_k": theirs["k_proj.weight"].numpy().T,
+        "W_v": theirs["v_proj.weight"].numpy().T,
+        "W_o": theirs["o_proj.weight"].numpy().T,
+        "q_norm": theirs["q_norm.weight"].numpy(),
+        "k_norm": theirs["k_norm.weight"].numpy(),
+        "query": tx.grad.numpy(),
+    }
+    label = f"pretrained {QWEN4} gradients vs autograd, float64"
+    for name, value in expected_grads.items():
+        assert np.abs(value).max() > 1e-3, name
+        assert record_error(label, relative_error(grads[name], value)) <= 1e-10, name

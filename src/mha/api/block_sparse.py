@@ -68,7 +68,11 @@ class BlockIndexerSpec:
     ``topk_blocks`` of them kept a query (``index_topk_blocks``), the ``local_blocks``
     ending with the query's own always kept (``index_local_blocks``), ``num_heads`` heads
     (``index_n_heads``) of ``head_dim`` features (``index_head_dim``), its RMSNorms'
-    epsilon ``norm_eps`` and the offset of their weights ``norm_offset``."""
+    epsilon ``norm_eps`` and the offset of their weights ``norm_offset``.
+
+    >>> BlockIndexerSpec(128, 16, 1, 4, 128).checked(64, 64).norm_offset
+    1.0
+    """
 
     block_size: Any
     topk_blocks: Any
@@ -80,7 +84,13 @@ class BlockIndexerSpec:
 
     def checked(self, num_heads: int, rotated: int) -> BlockIndexerSpec:
         """The settings checked against the layer's ``num_heads`` query heads and its
-        rotated width ``rotated`` (0: no rotation)."""
+        rotated width ``rotated`` (0: no rotation).
+
+        >>> BlockIndexerSpec(4, 2, 1, 3, 8).checked(4, 8)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        mha.AttentionValueError: the block indexer's num_heads=3 does not divide ...
+        """
         n, d = positive_int("num_heads", self.num_heads), positive_int("head_dim", self.head_dim)
         if num_heads % n:
             raise AttentionValueError(
@@ -109,13 +119,24 @@ class BlockIndexerSpec:
 
     @property
     def groups(self) -> int:
-        """The choices a query makes: one an indexer head."""
+        """The choices a query makes: one an indexer head.
+
+        >>> BlockIndexerSpec(4, 2, 1, 2, 8).groups
+        2
+        """
         return int(self.num_heads)
 
     def keys(
         self, x: np.ndarray, W: Mapping[str, np.ndarray], at: np.ndarray, rotary: Any
     ) -> np.ndarray:
-        """The indexer's keys (:func:`index_keys`)."""
+        """The indexer's keys (:func:`index_keys`).
+
+        >>> import numpy as np
+        >>> spec = BlockIndexerSpec(2, 1, 1, 1, 4)
+        >>> W = {"W_index_k": np.eye(4), "index_k_norm": np.zeros(4)}
+        >>> spec.keys(np.ones((1, 3, 4)), W, np.arange(3)[None], None)[0, 0, 0].round(3)
+        array([1., 1., 1., 1.])
+        """
         return index_keys(self, x, W, at, rotary)
 
     def choose(
@@ -126,11 +147,25 @@ class BlockIndexerSpec:
         keys: np.ndarray,
         rotary: Any,
     ) -> np.ndarray:
-        """The keys each query keeps (:func:`choose_blocks`)."""
+        """The keys each query keeps (:func:`choose_blocks`).
+
+        >>> import numpy as np
+        >>> spec = BlockIndexerSpec(2, 1, 1, 1, 4)
+        >>> W = {"W_index_q": np.eye(4), "W_index_k": np.eye(4),
+        ...      "index_q_norm": np.zeros(4), "index_k_norm": np.zeros(4)}
+        >>> x, at = np.random.default_rng(0).standard_normal((1, 4, 4)), np.arange(4)[None]
+        >>> keys = spec.keys(x, W, at, None)
+        >>> spec.choose(x, W, at, keys, None)[0, 0, 3].tolist()  # its own block alone
+        [False, False, True, True]
+        """
         return choose_blocks(self, x, W, at, keys, rotary)
 
     def shapes(self, d_model: int) -> dict[str, tuple[int, ...]]:
-        """Each indexer weight's shape, for inputs ``d_model`` wide."""
+        """Each indexer weight's shape, for inputs ``d_model`` wide.
+
+        >>> BlockIndexerSpec(4, 2, 1, 2, 8).shapes(16)["W_index_k"]
+        (16, 8)
+        """
         n, d = self.num_heads, self.head_dim
         return {
             "W_index_q": (d_model, n * d),
@@ -307,12 +342,22 @@ class BlockSparseAttention(MultiHeadAttention):
         }
 
     def weights(self) -> dict[str, np.ndarray | None]:
-        """The weights by attribute name, the indexer's last."""
+        """The weights by attribute name, the indexer's last.
+
+        >>> layer = BlockSparseAttention(8, 2, indexer=BlockIndexerSpec(2, 1, 1, 2, 4))
+        >>> list(layer.weights())[-2:]
+        ['index_q_norm', 'index_k_norm']
+        """
         return {**super().weights(), **{n: getattr(self, n) for n in self.indexer.names}}
 
     @property
     def spec(self) -> BlockSparseSpec:
-        """What this layer computes besides its weights (:meth:`from_spec` takes it back)."""
+        """What this layer computes besides its weights (:meth:`from_spec` takes it back).
+
+        >>> layer = BlockSparseAttention(8, 2, indexer=BlockIndexerSpec(2, 1, 1, 2, 4))
+        >>> layer.spec.block_indexer.topk_blocks
+        1
+        """
         plain = super().spec
         given = {f.name: getattr(plain, f.name) for f in fields(plain)}
         return BlockSparseSpec(**given, block_indexer=self.indexer)
@@ -322,7 +367,12 @@ class BlockSparseAttention(MultiHeadAttention):
         cls, spec: LayerSpec, weights: Mapping[str, Any], source: str = "weights"
     ) -> Self:
         """A layer computing ``spec`` (a :class:`BlockSparseSpec`) with ``weights``, the
-        indexer's among them (``source`` names them in messages)."""
+        indexer's among them (``source`` names them in messages).
+
+        >>> layer = BlockSparseAttention(8, 2, indexer=BlockIndexerSpec(2, 1, 1, 2, 4), seed=0)
+        >>> BlockSparseAttention.from_spec(layer.spec, layer.weights()).W_index_q.shape
+        (8, 8)
+        """
         indexer = getattr(spec, "block_indexer", None)
         if indexer is None:
             raise AttentionValueError(f"{source}: block-sparse attention needs block_indexer")
@@ -344,7 +394,15 @@ class BlockSparseAttention(MultiHeadAttention):
         self, batch_size: int, *, capacity: int = 256, dtype: Any = None
     ) -> SparseKVCache:
         """An empty :class:`~mha.api.sparse.SparseKVCache`: the layer's keys and values and
-        the indexer's keys, which grow together."""
+        the indexer's keys, which grow together.
+
+        >>> import numpy as np
+        >>> layer = BlockSparseAttention(8, 2, indexer=BlockIndexerSpec(2, 1, 1, 2, 4), seed=0)
+        >>> cache = layer.new_cache(1)
+        >>> _ = layer(np.ones((1, 3, 8)), cache=cache)
+        >>> cache.index_keys.shape
+        (1, 3, 4)
+        """
         return SparseKVCache(
             batch_size,
             self.num_kv_heads,
@@ -359,7 +417,13 @@ class BlockSparseAttention(MultiHeadAttention):
         """:meth:`mha.MultiHeadAttention.forward` over the keys the indexer picks for each
         query (self-attention, causal; ``key_lengths``, ``query_lengths``, ``padding_side``
         and ``mask_mod`` are not taken: give a boolean mask, or call each sequence on its
-        own)."""
+        own).
+
+        >>> import numpy as np
+        >>> layer = BlockSparseAttention(8, 2, indexer=BlockIndexerSpec(2, 1, 1, 2, 4), seed=0)
+        >>> layer.forward(np.ones((1, 5, 8)), True).shape
+        (1, 5, 8)
+        """
         for name in ("key", "value", "key_lengths", "query_lengths", "padding_side"):
             if keywords.get(name) is not None:
                 raise AttentionValueError(
@@ -428,7 +492,14 @@ class BlockSparseAttention(MultiHeadAttention):
         return f"BlockSparseAttention(indexer={self.indexer}, {plain}"
 
     def save(self, path: Any) -> None:
-        """Refused, whatever ``path``: a saved file has no place for the indexer yet."""
+        """Refused, whatever ``path``: a saved file has no place for the indexer yet.
+
+        >>> layer = BlockSparseAttention(8, 2, indexer=BlockIndexerSpec(2, 1, 1, 2, 4))
+        >>> layer.save("a.npz")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        mha.AttentionValueError: a BlockSparseAttention is not saved to .npz files ...
+        """
         raise AttentionValueError(
             "a BlockSparseAttention is not saved to .npz files (its indexer has no place in "
             "them yet): keep attention.spec and its weights()"
