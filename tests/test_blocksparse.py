@@ -160,6 +160,7 @@ def test_what_a_caller_can_get_wrong_is_named(transformers):
     for keywords, said in [
         ({"key": x}, "key= is not taken by block-sparse attention"),
         ({"query_lengths": [6, 5]}, "query_lengths= is not taken"),
+        ({"mask_mod": lambda b, h, q, kv: q >= kv}, "its indexer's choice is the layer's"),
         ({"cache": mha.KVCache(B, 2, 12)}, "keeps its indexer's keys beside its own"),
         ({"cache": attention.new_cache(B), "mask": np.ones((6, 6), bool)}, "mask array"),
     ]:

@@ -129,7 +129,8 @@ class BlockIndexerSpec:
     def keys(
         self, x: np.ndarray, W: Mapping[str, np.ndarray], at: np.ndarray, rotary: Any
     ) -> np.ndarray:
-        """The indexer's keys (:func:`index_keys`).
+        """The indexer's keys of the tokens ``x`` at positions ``at`` (``W`` its weights,
+        ``rotary`` the layer's rope: :func:`index_keys`).
 
         >>> import numpy as np
         >>> spec = BlockIndexerSpec(2, 1, 1, 1, 4)
@@ -147,7 +148,8 @@ class BlockIndexerSpec:
         keys: np.ndarray,
         rotary: Any,
     ) -> np.ndarray:
-        """The keys each query keeps (:func:`choose_blocks`).
+        """The keys each query of ``x`` at positions ``at`` keeps among ``keys`` (``W``
+        the indexer's weights, ``rotary`` the layer's rope: :func:`choose_blocks`).
 
         >>> import numpy as np
         >>> spec = BlockIndexerSpec(2, 1, 1, 1, 4)
@@ -253,8 +255,14 @@ class ChosenKeys:
 @dataclass(frozen=True)
 class BlockSparseSpec(LayerSpec):
     """What a :class:`BlockSparseAttention` computes besides its weights: the keywords of
-    :class:`~mha.LayerSpec`, with its indexer ``block_indexer`` (a
-    :class:`BlockIndexerSpec`).
+    :class:`~mha.LayerSpec` (``num_heads``, ``num_kv_heads``, ``head_dim``, ``rope_theta``,
+    ``rotary_dim``, ``rotary_interleaved``, ``rope_scaling``, ``window``, ``sink_tokens``,
+    ``softcap``, ``alibi``, ``chunk``, ``scale``, ``qk_norm``, ``qk_norm_eps``,
+    ``qk_norm_offset``, ``add_zero_attn``, ``output_gate``, ``output_gate_per_head``,
+    ``query_temperature``, ``v_head_dim``, ``clip_qkv``, ``qk_layernorm``,
+    ``qk_norm_after_rope``, ``v_norm``, ``shares_kv_with``), with its indexer
+    ``block_indexer`` (a :class:`BlockIndexerSpec` or a
+    :class:`~mha.api.qsa.QSAIndexerSpec`).
 
     >>> BlockSparseSpec(num_heads=4, block_indexer=BlockIndexerSpec(4, 2, 1, 2, 8)).kind
     'block_sparse'
@@ -266,12 +274,14 @@ class BlockSparseSpec(LayerSpec):
 
 
 class BlockSparseAttention(MultiHeadAttention):
-    """A :class:`~mha.MultiHeadAttention` whose queries attend to the blocks of keys its
-    indexer picks (MiniMax-M3's sparse layers; the module's docstring has the formulas):
+    """A :class:`~mha.MultiHeadAttention` of ``d_model`` and ``num_heads`` heads whose
+    queries attend to the blocks of keys its indexer picks (MiniMax-M3's sparse layers; the
+    module's docstring has the formulas):
     ``indexer`` a :class:`BlockIndexerSpec`, its weights ``W_index_q``, ``W_index_k``,
     ``index_q_norm`` and ``index_k_norm`` (normal, by ``seed``); or Qwen4-Exp's QSA
     indexer, a :class:`~mha.api.qsa.QSAIndexerSpec` (weights ``W_index_qk``,
-    ``index_q_norm``, ``index_k_norm``). The attention is causal
+    ``index_q_norm``, ``index_k_norm``). The other keywords (``options``) are
+    :class:`~mha.MultiHeadAttention`'s. The attention is causal
     (the indexer hides the keys past each query); a boolean ``mask`` combines with the
     choice by AND. :meth:`new_cache` keeps the indexer's keys beside the layer's.
     ``backward`` is the attention's given the choice: the indexer's weights have no
@@ -393,8 +403,9 @@ class BlockSparseAttention(MultiHeadAttention):
     def new_cache(
         self, batch_size: int, *, capacity: int = 256, dtype: Any = None
     ) -> SparseKVCache:
-        """An empty :class:`~mha.api.sparse.SparseKVCache`: the layer's keys and values and
-        the indexer's keys, which grow together.
+        """An empty :class:`~mha.api.sparse.SparseKVCache` for ``batch_size`` sequences: the
+        layer's keys and values and the indexer's keys, which grow together (``capacity``
+        and ``dtype`` as :meth:`mha.MultiHeadAttention.new_cache` takes them).
 
         >>> import numpy as np
         >>> layer = BlockSparseAttention(8, 2, indexer=BlockIndexerSpec(2, 1, 1, 2, 4), seed=0)
@@ -414,8 +425,9 @@ class BlockSparseAttention(MultiHeadAttention):
         )
 
     def forward(self, query: Any, mask: Any = None, *misplaced: Any, **keywords: Any) -> Any:
-        """:meth:`mha.MultiHeadAttention.forward` over the keys the indexer picks for each
-        query (self-attention, causal; ``key_lengths``, ``query_lengths``, ``padding_side``
+        """:meth:`mha.MultiHeadAttention.forward` of ``query`` (with ``mask`` and the
+        ``keywords`` it takes) over the keys the indexer picks for each query
+        (self-attention, causal; ``key_lengths``, ``query_lengths``, ``padding_side``
         and ``mask_mod`` are not taken: give a boolean mask, or call each sequence on its
         own).
 
@@ -430,7 +442,7 @@ class BlockSparseAttention(MultiHeadAttention):
                     f"{name}= is not taken by block-sparse attention (its indexer picks keys "
                     "among the query's own tokens, by position)"
                 )
-        if keywords.get("mask_mod") is not None:
+        if keywords.pop("mask_mod", None) is not None:
             raise AttentionValueError(
                 "mask_mod= is not taken by block-sparse attention: its indexer's choice is the "
                 "layer's mask_mod; give a boolean mask"
