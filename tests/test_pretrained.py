@@ -34,6 +34,8 @@ from support import pretrained_models as models
 from support.configs import relative_error
 
 import mha
+from mha.api.block_sparse import BlockIndexerSpec
+from mha.api.qsa import QSAIndexerSpec
 from mha.api.sparse import IndexerSpec
 from mha.errors import AttentionValueError
 from mha.integrations import readers
@@ -60,6 +62,8 @@ def oracle(family):
 
 
 def load(family, layer):
+    if family in models.BLOCK_SPARSE:  # a BlockSparseAttention or not, by the layer's type
+        return mha.from_pretrained(models.saved(family), layer=layer, dtype=np.float64)
     kind = mha.LatentAttention if family in models.LATENT_FAMILIES else mha.MultiHeadAttention
     kind = mha.DifferentialAttention if family == "diffllama" else kind
     return kind.from_pretrained(models.saved(family), layer=layer, dtype=np.float64)
@@ -307,6 +311,16 @@ CHANGES = {
     # each layer type's base replaced
     "dots3_note_text": [{"W_g": None, "output_gate": None}, {"window": None}, DENSE,
                         {"rope_key_norm": False, "k_pe_norm": None}, {"rope_theta": 10000.0}],
+    # every block kept (dense), one local block, 2 blocks of 6 keys, QK-norm of weight alone
+    "minimax_m3_vl_text": [{"block_indexer": BlockIndexerSpec(4, 6, 2, 2, 10)},
+                           {"block_indexer": BlockIndexerSpec(4, 3, 1, 2, 10)},
+                           {"block_indexer": BlockIndexerSpec(6, 2, 1, 2, 10)},
+                           {"qk_norm_offset": 0.0}],
+    # every block kept (dense), 3 blocks of 2 keys, a budget of one block; the gate
+    "qwen4_exp_text": [{"block_indexer": QSAIndexerSpec(24, 3, 2, 12)},
+                       {"block_indexer": QSAIndexerSpec(6, 2, 2, 12)},
+                       {"block_indexer": QSAIndexerSpec(3, 3, 2, 12)},
+                       {"output_gate": None, "W_g": None}, {"qk_norm_offset": 0.0}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3

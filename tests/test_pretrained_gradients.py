@@ -2,7 +2,8 @@
 layers of transformers' own models, in float64: QK-norm per head (Qwen3), with ``1 + w``,
 ``query_pre_attn_scalar`` and the local rope base (Gemma 3), across heads (OLMo 2), Llama 3's
 rope scaling, gpt-oss's sinks and yarn, on a sliding and a full layer where the family has
-both.
+both; MiniMax-M3's block-sparse layer, given the blocks its indexer chose (whose weights
+have no gradient).
 
 The models are the tiny bfloat16 checkpoints of support.pretrained_models, loaded by
 transformers in float64 with the float64 rotary of support.rope_oracle, as in
@@ -48,6 +49,7 @@ CASES = [  # family, layer, its type: a sliding and a full layer where the famil
     ("gpt_oss", 0, SLIDING),
     ("gpt_oss", 1, FULL),
     ("bitnet", 1, FULL),  # the RMSNorm of the joined heads before o_proj
+    ("minimax_m3_vl_text", 0, "minimax_m3_sparse"),  # given its indexer's choice of blocks
 ]
 
 
@@ -98,7 +100,12 @@ def test_gradients_match_autograd_through_transformers_layers(
     x = 0.7 * g.standard_normal((B, L, config.hidden_size))
     grad_out = g.standard_normal((B, L, config.hidden_size))
 
-    parameters = dict(attention_module.named_parameters())
+    # an indexer's choice has no gradient (MiniMax-M3's: block indices)
+    parameters = {
+        name: p
+        for name, p in attention_module.named_parameters()
+        if not name.startswith("indexer.")
+    }
     attention_module.zero_grad(set_to_none=True)
     tx = torch.tensor(x, requires_grad=True)
     with float64_torch():
@@ -106,9 +113,7 @@ def test_gradients_match_autograd_through_transformers_layers(
         (expected * torch.tensor(grad_out)).sum().backward()
     assert expected.dtype == torch.float64
 
-    attention = mha.MultiHeadAttention.from_pretrained(
-        models.saved(family), layer=layer, dtype=np.float64
-    )
+    attention = mha.from_pretrained(models.saved(family), layer=layer, dtype=np.float64)
     out, backward = attention(x, mask=True, return_backward=True)
     error = relative_error(out, expected.detach().numpy())
     forward = f"pretrained {family} gradients forward, float64"

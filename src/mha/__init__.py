@@ -11,6 +11,7 @@ from . import cache as cache
 from . import functional as functional
 from . import module as module
 from . import rotary as rotary
+from .api.block_sparse import BlockIndexerSpec, BlockSparseAttention, BlockSparseSpec
 from .api.cache import KVCache
 from .api.configuration import LayerSpec
 from .api.differential import DifferentialAttention, DifferentialSpec
@@ -36,6 +37,9 @@ __all__ = [
     "AttentionError",
     "AttentionTypeError",
     "AttentionValueError",
+    "BlockIndexerSpec",
+    "BlockSparseAttention",
+    "BlockSparseSpec",
     "DifferentialAttention",
     "DifferentialSpec",
     "KVCache",

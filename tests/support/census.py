@@ -220,6 +220,29 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # Zamba's and Zamba2's shared attention blocks at layers 1 and 3, between Mamba layers
     "zamba": {"layers_block_type": ["linear_attention", "hybrid"] * 2},
     "zamba2": {"layers_block_type": ["linear_attention", "hybrid"] * 2, "n_mamba_heads": 4},
+    # MiniMax-M3's sparse layers (all dense by default): 2 blocks of 4 keys of 6 kept
+    "minimax_m3_vl_text": {
+        "layer_types": ["minimax_m3_sparse", "full_attention"] * 2,
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_block_size": 4,
+        "index_topk_blocks": 2,
+    },
+    # Qwen4-Exp's QSA (its config class sets none, which its attention cannot build without):
+    # 2 blocks of 3 averaged keys, in its indexed layers 1 and 3; small Gated DeltaNet layers
+    "qwen4_exp_text": {
+        "layer_types": ["linear_attention", "indexed_attention"] * 2,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 12,
+        "indexer_budget": 6,
+        "indexer_compress_ratio": 3,
+        "hc_lowrank": 8,
+    },
 }
 """Per-family changes where the generic shrink does not build, or builds what the family's
 real configs are not (a rotary of 3 features, GPT-J's 64 of 12; by ``model_type``)."""

@@ -481,12 +481,31 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "swa_v_head_dim": 6, "n_routed_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 16, "shared_experts_intermediate_size": 16,
         "experts_implementation": "eager"}),
+    # block-sparse top-k attention: MiniMax-M3's sparse layers 0 and 2 keep, per group of
+    # heads, 3 blocks of 4 keys of the 6 (2 of them local), its layer 1 dense; half rotated
+    "minimax_m3_vl_text": ("MiniMaxM3VLText", {
+        "layer_types": ["minimax_m3_sparse", FULL, "minimax_m3_sparse"], "index_n_heads": 2,
+        "index_head_dim": 10, "index_block_size": 4, "index_topk_blocks": 3,
+        "index_local_blocks": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "dense_intermediate_size": 32, "shared_intermediate_size": 16,
+        "experts_implementation": "eager",
+        "rope_parameters": {**ROPE, "partial_rotary_factor": 0.5}}),
+    # Qwen4-Exp's QSA: each query keeps 2 blocks of 3 averaged keys beside its tail, in its
+    # indexed layers 0 and 2 (Qwen3.5's gated attention), layer 1 Gated DeltaNet
+    "qwen4_exp_text": ("Qwen4ExpText", {
+        "layer_types": ["indexed_attention", "linear_attention", "indexed_attention"],
+        **GATED_DELTANET, **MOE, "shared_expert_intermediate_size": 16, "hc_count": 2,
+        "hc_lowrank": 8, "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 12,
+        "indexer_budget": 6, "indexer_compress_ratio": 3, "rope_parameters": QWEN3_5_ROPE}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
 ``LlamaForCausalLM`` for InternLM 3's) and what its config changes from ``COMMON``."""
 
 FAMILIES = tuple(MODELS)
+BLOCK_SPARSE = ("minimax_m3_vl_text", "qwen4_exp_text")
+"""The checkpoints of block-sparse attention (``BlockSparseAttention`` in their sparse layers,
+read by ``mha.from_pretrained``)."""
 """The checkpoints :func:`saved` builds; ``deepseek_v3_mha`` is DeepSeek V3 without the
 query's low-rank projection (``q_lora_rank=None``), with biases and halves rotary."""
 
@@ -508,6 +527,7 @@ HYBRIDS = ("granitemoehybrid", "falcon_h1", "jamba", "nemotron_h", "bamba", "lfm
 JOINED = ("zamba", "zamba2")
 """The families whose attention reads the hidden states joined to the embeddings, twice the
 hidden size wide (``qdim``)."""
+           "qwen3_5_moe_text", "lfm3", "bailing_hybrid", "qwen4_exp_text")  # fmt: skip
 """The hybrid models: attention layers between Mamba or convolution layers (Falcon-H1's
 beside a Mamba mixer in each layer)."""
 GEMMA_VALUES = ("gemma3n", "gemma4", "gemma4_unified")

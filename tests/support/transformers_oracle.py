@@ -111,11 +111,13 @@ ATTENTION_TYPES = (
     "chunked_attention",
     "hybrid",
     "indexed_attention",
+    "minimax_m3_sparse",
 )
 """transformers' layer types whose layer has an attention module (``chunked_attention``:
 Llama 4's; ``hybrid``: Falcon-H1's, beside a Mamba mixer; ``indexed_attention``: sparse
-top-k attention's); the others (``linear_attention``: Mamba or linear attention, ``conv``,
-``moe``, ``mlp``) have none that mha reads."""
+top-k attention's; ``minimax_m3_sparse``: MiniMax-M3's block-sparse attention); the others
+(``linear_attention``: Mamba or linear attention, ``conv``, ``moe``, ``mlp``) have none that
+mha reads."""
 
 
 def attention_layers(model: Any) -> list[int]:

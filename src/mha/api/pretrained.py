@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import formats
+from .block_sparse import BlockSparseAttention, BlockSparseSpec
 from .differential import DifferentialAttention, DifferentialSpec
 from .latent import LatentAttention, LatentSpec
 from .module import MultiHeadAttention
@@ -37,6 +38,8 @@ def from_pretrained(
     spec, weights = formats.get("pretrained")(path, layer, dtype)
     if isinstance(spec, LatentSpec):
         return LatentAttention.from_spec(spec, weights)
+    if isinstance(spec, BlockSparseSpec):
+        return BlockSparseAttention.from_spec(spec, weights, f"{path}, layer {layer}")
     if isinstance(spec, DifferentialSpec):
         return DifferentialAttention.from_spec(spec, weights, f"{path}, layer {layer}")
     return MultiHeadAttention.from_spec(spec, weights, f"{path}, layer {layer}")

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from ...api.block_sparse import BlockSparseSpec
 from ...api.configuration import LayerSpec
 from ...api.differential import DifferentialSpec
 from ...api.latent import LatentSpec
@@ -76,6 +77,7 @@ def read_layer(
     :class:`~mha.LatentSpec`) builds the layer from."""
     kind, settings, weights = layer_attention(open_checkpoint(path), layer, dtype)
     kinds = {"latent": LatentSpec, "differential": DifferentialSpec}
+    kinds["block_sparse"] = BlockSparseSpec
     return kinds.get(kind, LayerSpec)(**settings), weights
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import AttentionValueError
+from .blocksparse import indexer_tensors
 from .config import SLIDING, Settings
 from .family import Family
 from .layouts import LatentProjections, Projections, Tensor
@@ -106,6 +107,8 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     if family.differential is not None:
         settings |= family.differential.settings(read, index, heads)
         return "differential", settings, tensors | family.differential.tensors(d)
+    if settings.get("block_indexer") is not None:  # block-sparse attention (blocksparse.py)
+        return "block_sparse", settings, tensors | indexer_tensors(settings["block_indexer"], E)
     return layout.kind, settings, tensors
 
 

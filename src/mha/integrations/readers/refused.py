@@ -6,8 +6,8 @@ text model (an encoder, an encoder-decoder's decoder, a multimodal wrapper). A f
 attention mha could compute once a row reads it is not here: it is refused as "not supported"
 until then.
 
->>> REFUSED["qwen4_exp_text"].split(" (")[0]
-"Qwen4-Exp's attention picks the keys each query attends to"
+>>> REFUSED["deepseek_v4"].split(" (")[0]
+"DeepSeek-V4's attention over compressed keys with top-k sparse attention"
 >>> REFUSED["bart"]
 'a decoder of an encoder-decoder model: mha reads decoder-only families'
 """
@@ -59,16 +59,7 @@ _TOP_K = "top-k sparse attention (an indexer picks the keys each query attends t
 _MAMBA = "Mamba state-space layers between its attention layers"
 REFUSED = {
     # decoder-only families whose attention (or other layers) mha does not compute
-    "qwen4_exp_text": _not_computed(
-        "Qwen4-Exp's attention picks the keys each query attends to (its QSA indexer: "
-        f"{_TOP_K.split(' (')[0]} over blocks of averaged keys, in every indexed_attention "
-        "layer), and its other layers are Gated DeltaNet linear attention"
-    ),
     "deepseek_v4": _not_computed(f"DeepSeek-V4's attention over compressed keys with {_TOP_K}"),
-    "minimax_m3_vl_text": _not_computed(
-        "MiniMax-M3's block-sparse attention in its sparse layers (an indexer picks, per head, "
-        "the blocks of keys each query attends to, with the local blocks before it)"
-    ),
     "dory": _not_read(
         "Dory's nGPT attention (unit queries and keys, each query feature's factor sqk after "
         "the rotation, an output gate of scaled logits, the L2 norm of its output) in looped "

@@ -19,6 +19,7 @@ from typing import Any
 from ...errors import AttentionValueError
 from . import (
     alibi,
+    blocksparse,
     defaults,
     gated,
     gemma4,
@@ -791,6 +792,7 @@ register(*outnorm.ROWS)
 register(*hyv4.ROWS)
 register(*nope.ROWS)
 register(*latentgates.ROWS)
+register(*blocksparse.ROWS)
 
 SUPPORTED = tuple(FAMILIES)
 """The families of the table as mha defines it (before any :func:`register`)."""
