@@ -272,6 +272,8 @@ CHANGES = {
     "gemma4": [{"v_norm": None}, {"shares_kv_with": None}, {"rope_scaling": None},
                {"scale": None}, {"window": None}],
     "gemma4_unified": [{"v_norm": None}, {"rope_scaling": None}, {"window": None}],
+    # the gate of every feature in each cache slot of HRM's recurrent stacks
+    "hrm_text": [{"W_g": None, "output_gate": None}, {"rope_theta": 10000.0}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3

@@ -41,6 +41,7 @@ CASES = [  # family, layer, its type: a sliding and a full layer where the famil
     ("llama", 0, FULL),  # Llama 3 rope scaling
     ("gpt_oss", 0, SLIDING),
     ("gpt_oss", 1, FULL),
+    ("hrm_text", 2, FULL),  # the H stack's first layer (a gate of every feature)
 ]
 
 
@@ -82,7 +83,7 @@ def test_gradients_match_autograd_through_transformers_layers(
     model, calls = captured(family)
     config = model.config
     assert (getattr(config, "layer_types", None) or [FULL] * (layer + 1))[layer] == kind
-    attention_module = model.model.layers[layer].self_attn
+    attention_module = models.attention_modules(model)[layer]
     keywords = {**calls[layer], "cache": None}
     assert keywords["hidden_states"].shape == (B, L, config.hidden_size)
     g = np.random.default_rng(len(family) * 10 + layer)

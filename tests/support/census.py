@@ -213,6 +213,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "layer_types": ["sliding_attention", "full_attention"] * 2,
     },
     "gemma4_text": {"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 64},
+    # 2 layers a stack, 2 L cycles: 12 cache slots (its 4 and 3: 32)
+    "hrm_text": {"num_hidden_layers": 2, "L_cycles": 2},
 }
 """Per-family changes where the generic shrink does not build, or builds what the family's
 real configs are not (a rotary of 3 features, GPT-J's 64 of 12; by ``model_type``)."""
@@ -472,7 +474,7 @@ def _oracle(model_type: str, folder: Path, names: dict[int, str]) -> dict[int, l
     calls: dict[int, list[Any]] = {index: [] for index in names}
     modules = {index: _module(model, name, index) for index, name in names.items()}
     handles = [
-        module.register_forward_hook(recorder(module, calls[index]), with_kwargs=True)
+        module.register_forward_hook(recorder(module, calls[index], index), with_kwargs=True)
         for index, module in modules.items()
     ]
     try:
@@ -494,6 +496,9 @@ def _module(model: Any, name: str, index: int) -> Any:
             return model.get_submodule(path)
         except AttributeError:
             pass
+    if name.endswith(".attn"):  # HRM's saved attn, which transformers loads as self_attn
+        with contextlib.suppress(AttributeError):
+            return model.get_submodule(name.removesuffix("attn") + "self_attn")
     return model.get_submodule(SEPARATE_QKV.path.format(i=index))
 
 

@@ -436,6 +436,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         SLIDING: {"rope_type": "default", "rope_theta": 100.0},
         FULL: {"rope_type": "proportional", "rope_theta": 3000.0,
                "partial_rotary_factor": 0.25}}}),
+    # recurrent stacks of 2 layers, 2 H cycles of 1 L cycle: 8 cache slots (L0 L1 H0 H1 twice)
+    "hrm_text": ("HrmText", {"num_hidden_layers": 2, "H_cycles": 2, "L_cycles": 1}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
@@ -453,8 +455,9 @@ LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen", "gpt_neo", "bloom", "mpt", "dbrx", "persimmon", "falcon",
                  "falcon_alibi", "opt", "biogpt", "xglm", "ctrl", "openai-gpt",
-                 "modernbert-decoder", "diffllama")  # fmt: skip
-"""The families whose attention modules are not Llama's (DiffLlama's: differential)."""
+                 "modernbert-decoder", "diffllama", "hrm_text")  # fmt: skip
+"""The families whose attention modules are not Llama's (DiffLlama's: differential; HRM's,
+in its two stacks, each run in several cache slots)."""
 HYBRIDS = ("granitemoehybrid", "falcon_h1", "jamba", "nemotron_h", "bamba", "lfm2", "lfm2_moe",
            "minimax", "olmo_hybrid", "lara_mini", "recurrent_gemma", "qwen3_next", "qwen3_5_text",
            "qwen3_5_moe_text", "lfm3", "bailing_hybrid")  # fmt: skip
@@ -519,8 +522,8 @@ def attention_modules(model: Any) -> list[Any]:
     from mha.integrations.readers.layouts import module_path
     from support.transformers_oracle import attention_layers
 
-    path = attention_path(model)
-    return [model.get_submodule(module_path(path, i)) for i in attention_layers(model)]
+    path, config = attention_path(model), model.config.to_dict()
+    return [model.get_submodule(module_path(path, i, config)) for i in attention_layers(model)]
 
 
 def attention_path(model: Any) -> str:
@@ -532,11 +535,13 @@ def attention_path(model: Any) -> str:
 
     path = str(readers.FAMILIES[model.config.model_type].tensors.path)
     path = path.replace("backbone.", "model.")  # Nemotron-H's saved names, loaded renamed
-    try:
-        model.get_submodule(path.format(i=attention_layers(model)[0], j=0))
-    except AttributeError:
-        return "model.layers.{i}.self_attn"
-    return path
+    for candidate in (path, path.removesuffix(".attn") + ".self_attn"):  # HRM's, loaded
+        try:
+            model.get_submodule(candidate.format(i=attention_layers(model)[0], j=0, stack="L"))
+        except AttributeError:
+            continue
+        return candidate
+    return "model.layers.{i}.self_attn"
 
 
 EAGER = ("gemma2", "gpt_oss", "vaultgemma", "gpt_neo", "bloom", "mpt", "xglm", "openai-gpt",

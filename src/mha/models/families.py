@@ -463,6 +463,7 @@ OWN_REASONS = {
     "gemma4_text": "its per-layer inputs (embed_tokens_per_layer), layer scalars and layers "
     "that share another's keys and values",
     "gemma4_unified_text": "its layer scalars and layers that share another's keys and values",
+    "hrm_text": "its recurrent L and H stacks (each layer run once a cycle)",
 }
 """What the families that are neither a mixture nor a hybrid of the readers' kind lack."""
 

@@ -89,11 +89,6 @@ REFUSED = {
         "Dory's nGPT attention (L2-normalised queries and keys, a per-feature query scale "
         "after the rotation, an L2 norm of its output before o_proj) and its looped layers"
     ),
-    "hrm_text": _not_read(
-        "HRM's attention has a sigmoid output gate in recurrent stacks (each layer of its L and "
-        "H stacks runs once a cycle, with a cache slot of its own: num_hidden_layers counts "
-        "slots, not layers)"
-    ),
     "kimi_linear": "Kimi-Linear's Kimi Delta Attention (linear attention) layers, which mha "
     "does not compute, and its attention layers' DeepSeek latent attention without rope (NoPE), "
     "which mha.LatentAttention does not compute (it always rotates)",
@@ -113,7 +108,11 @@ REFUSED = {
         "text or token id 0), from a table its layers share outside their attention "
         "(cpmant.position_bias)"
     ),
-    "doge": _not_computed("Doge's dynamic mask attention (a mask computed from the values)"),
+    "doge": _not_computed(
+        "Doge's dynamic mask attention (a bias of each key/value head and key computed from the "
+        "values, exp(A * softplus(dt_proj(v))), added to the scores, and each query's "
+        "keep_window_size keys of the largest bias kept)"
+    ),
     "jetmoe": _not_computed(
         "JetMoE's mixture of attention heads (experts pick each token's query and output "
         "projections)"

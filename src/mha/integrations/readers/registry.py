@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import AttentionValueError
-from . import alibi, defaults, gated, gemma4, layouts, mimo, rules, sparse, temperature
+from . import alibi, defaults, gated, gemma4, layouts, mimo, recurrent, rules, sparse, temperature
 from .alibi import Alibi
 from .config import FULL, SLIDING, Unsupported
 from .family import (
@@ -771,6 +771,7 @@ register(*sparse.ROWS)
 register(*gated.ROWS)
 register(*mimo.ROWS)
 register(*gemma4.ROWS)
+register(*recurrent.ROWS)
 
 SUPPORTED = tuple(FAMILIES)
 """The families of the table as mha defines it (before any :func:`register`)."""
