@@ -111,3 +111,19 @@ def test_doge_is_refused_by_its_dynamic_mask(tmp_path):
     (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     with pytest.raises(AttentionValueError, match="Doge's dynamic mask attention"):
         mha.from_pretrained(folder, layer=0)
+
+
+def test_each_slot_decodes_with_a_paged_cache(transformers, record_error):
+    """Prefill then token-by-token decoding of each slot on a paged cache of its own, against
+    transformers' calls in that slot with its DynamicCache."""
+    for slot, calls in oracle().items():
+        attention = load(slot)
+        cache = mha.PagedKVCache(
+            16, 4, attention.num_kv_heads, attention.head_dim, dtype=np.float64
+        )
+        cache.add(0)
+        cache.add(1)
+        for x, expected in calls[1:]:
+            error = relative_error(attention(x, cache=cache), expected)
+            assert record_error("pretrained hrm_text paged decoding, float64", error) <= 1e-12
+        assert cache.lengths.tolist() == [L, L]
