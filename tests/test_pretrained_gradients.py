@@ -42,11 +42,16 @@ CASES = [  # family, layer, its type: a sliding and a full layer where the famil
     ("gpt_oss", 0, SLIDING),
     ("gpt_oss", 1, FULL),
     ("hrm_text", 2, FULL),  # the H stack's first layer (a gate of every feature)
+    ("doge", 1, FULL),  # the dynamic mask: the values' gradient through the bias too
 ]
 
 
 def mha_name(name):
     """mha's name of a transformers attention parameter, and whether it is transposed."""
+    if name.startswith("dt_proj.") or name == "A":  # Doge's dynamic mask
+        return {"dt_proj.weight": ("W_dt", True), "dt_proj.bias": ("b_dt", False)}.get(
+            name, (name, False)
+        )
     if name.endswith("_proj.weight"):
         return f"W_{name[0]}", True
     if name.endswith("_proj.bias"):
@@ -98,9 +103,7 @@ def test_gradients_match_autograd_through_transformers_layers(
         (expected * torch.tensor(grad_out)).sum().backward()
     assert expected.dtype == torch.float64
 
-    attention = mha.MultiHeadAttention.from_pretrained(
-        models.saved(family), layer=layer, dtype=np.float64
-    )
+    attention = mha.from_pretrained(models.saved(family), layer=layer, dtype=np.float64)
     out, backward = attention(x, mask=True, return_backward=True)
     error = relative_error(out, expected.detach().numpy())
     forward = f"pretrained {family} gradients forward, float64"

@@ -3,7 +3,7 @@
 compared with transformers' own call of that module in that slot (``cycle_offset``) in
 test_pretrained.py; here, that another slot's module would differ, that the slots are
 numbered as transformers numbers them, and that what the reader does not compute is refused
-by name. Doge's dynamic mask attention is refused by its feature."""
+by name (Doge's dynamic mask attention: test_dynamic_mask.py)."""
 
 from __future__ import annotations
 
@@ -101,16 +101,6 @@ def test_the_slots_default_to_the_config_class_s_cycles(tmp_path, transformers):
         np.array_equal(weight, load(7, folder).weights()[name])  # slot 7 of 3 L cycles: H1
         for name, weight in reference.weights().items()
     )
-
-
-def test_doge_is_refused_by_its_dynamic_mask(tmp_path):
-    folder = tmp_path / "doge"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "doge"}))
-    header = json.dumps({}).encode()  # an empty safetensors file: the config is refused first
-    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
-    with pytest.raises(AttentionValueError, match="Doge's dynamic mask attention"):
-        mha.from_pretrained(folder, layer=0)
 
 
 def test_each_slot_decodes_with_a_paged_cache(transformers, record_error):

@@ -14,6 +14,7 @@ from . import rotary as rotary
 from .api.cache import KVCache
 from .api.configuration import LayerSpec
 from .api.differential import DifferentialAttention, DifferentialSpec
+from .api.dynamic_mask import DynamicMaskAttention, DynamicMaskSpec
 from .api.latent import LatentAttention, LatentSpec
 from .api.module import MultiHeadAttention
 from .api.paged import cascade_attention, paged_attention
@@ -38,6 +39,8 @@ __all__ = [
     "AttentionValueError",
     "DifferentialAttention",
     "DifferentialSpec",
+    "DynamicMaskAttention",
+    "DynamicMaskSpec",
     "KVCache",
     "LatentAttention",
     "LatentSpec",

@@ -215,6 +215,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_text": {"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 64},
     # 2 layers a stack, 2 L cycles: 12 cache slots (its 4 and 3: 32)
     "hrm_text": {"num_hidden_layers": 2, "L_cycles": 2},
+    # its top-k within the census's 24 positions (2048), over 24 tokens that do not repeat
+    # (equal tokens' equal biases: which of them torch.topk keeps is unspecified)
+    "doge": {"keep_window_size": 8, "vocab_size": 1000},
 }
 """Per-family changes where the generic shrink does not build, or builds what the family's
 real configs are not (a rotary of 3 features, GPT-J's 64 of 12; by ``model_type``)."""
@@ -443,6 +446,8 @@ def _randomized(model: Any) -> None:
                 parameter.add_(torch.randn_like(parameter) * 0.3)
             elif name.endswith("sinks"):
                 parameter.normal_(0.0, 1.5)
+            elif name.endswith(".A"):  # Doge's dynamic mask: zeros (a bias of one) at first
+                parameter.normal_(0.0, 1.0)
 
 
 def _implementation(model_class: Any) -> str:

@@ -438,6 +438,9 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                "partial_rotary_factor": 0.25}}}),
     # recurrent stacks of 2 layers, 2 H cycles of 1 L cycle: 8 cache slots (L0 L1 H0 H1 twice)
     "hrm_text": ("HrmText", {"num_hidden_layers": 2, "H_cycles": 2, "L_cycles": 1}),
+    # the dynamic mask's top 6 keys of each query's (of 24 positions), every bias; 24 tokens
+    # that do not repeat (equal biases: which of them torch.topk keeps is unspecified)
+    "doge": ("Doge", {"keep_window_size": 6, "attention_bias": True, "vocab_size": 1000}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
@@ -455,9 +458,9 @@ LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen", "gpt_neo", "bloom", "mpt", "dbrx", "persimmon", "falcon",
                  "falcon_alibi", "opt", "biogpt", "xglm", "ctrl", "openai-gpt",
-                 "modernbert-decoder", "diffllama", "hrm_text")  # fmt: skip
+                 "modernbert-decoder", "diffllama", "hrm_text", "doge")  # fmt: skip
 """The families whose attention modules are not Llama's (DiffLlama's: differential; HRM's,
-in its two stacks, each run in several cache slots)."""
+in its two stacks, each run in several cache slots; Doge's, with its dynamic mask)."""
 HYBRIDS = ("granitemoehybrid", "falcon_h1", "jamba", "nemotron_h", "bamba", "lfm2", "lfm2_moe",
            "minimax", "olmo_hybrid", "lara_mini", "recurrent_gemma", "qwen3_next", "qwen3_5_text",
            "qwen3_5_moe_text", "lfm3", "bailing_hybrid")  # fmt: skip
@@ -513,6 +516,8 @@ def build(family: str, seed: int = 0) -> Any:
                 parameter.normal_(1.0 if "gemma" not in family else 0.0, 0.3)
             elif name.endswith("sinks"):
                 parameter.normal_(0.0, 1.5)
+            elif name == "A":  # Doge's dynamic mask: zeros (a bias of one) at first
+                parameter.normal_(0.0, 1.0)
     return model
 
 

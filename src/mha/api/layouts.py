@@ -184,6 +184,7 @@ class Layouts(Configuration):
             what, by = {
                 "latent": ("multi-head latent attention", "LatentAttention"),
                 "differential": ("differential attention", "DifferentialAttention"),
+                "dynamic_mask": ("dynamic mask attention", "DynamicMaskAttention"),
             }.get(str(kind), ("multi-head attention", "MultiHeadAttention"))
             raise AttentionValueError(
                 f"layer {layer} of {path} is {what}: load it with "

@@ -13,6 +13,7 @@ from typing import Any
 
 from . import formats
 from .differential import DifferentialAttention, DifferentialSpec
+from .dynamic_mask import DynamicMaskAttention, DynamicMaskSpec
 from .latent import LatentAttention, LatentSpec
 from .module import MultiHeadAttention
 
@@ -37,6 +38,8 @@ def from_pretrained(
     spec, weights = formats.get("pretrained")(path, layer, dtype)
     if isinstance(spec, LatentSpec):
         return LatentAttention.from_spec(spec, weights)
+    if isinstance(spec, DynamicMaskSpec):
+        return DynamicMaskAttention.from_spec(spec, weights, f"{path}, layer {layer}")
     if isinstance(spec, DifferentialSpec):
         return DifferentialAttention.from_spec(spec, weights, f"{path}, layer {layer}")
     return MultiHeadAttention.from_spec(spec, weights, f"{path}, layer {layer}")

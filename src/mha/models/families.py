@@ -464,6 +464,7 @@ OWN_REASONS = {
     "that share another's keys and values",
     "gemma4_unified_text": "its layer scalars and layers that share another's keys and values",
     "hrm_text": "its recurrent L and H stacks (each layer run once a cycle)",
+    "doge": "its dynamic mask attention's decoder (and its experts when is_moe)",
 }
 """What the families that are neither a mixture nor a hybrid of the readers' kind lack."""
 

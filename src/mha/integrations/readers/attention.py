@@ -103,6 +103,9 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
     if family.differential is not None:
         settings |= family.differential.settings(read, index, heads)
         return "differential", settings, tensors | family.differential.tensors(d)
+    if family.dynamic_mask is not None:  # Doge's: a bias of each key from the values
+        settings |= family.dynamic_mask.settings(read)
+        return "dynamic_mask", settings, tensors | family.dynamic_mask.tensors(read, H_kv, d)
     return layout.kind, settings, tensors
 
 

@@ -1,4 +1,5 @@
-"""The families whose attention layers run more than once a forward (issue 33).
+"""Two families of issue 33 with attention of their own: HRM's recurrent stacks and Doge's
+dynamic mask attention.
 
 * HRM (``hrm_text``): two stacks of ``num_layers_per_stack`` layers, L and H; each of
   ``H_cycles`` cycles runs the L stack ``L_cycles`` times, then the H stack once, and each run
@@ -12,9 +13,14 @@
   into ``self_attn``'s ``gate_proj``, ``q_proj``, ``k_proj`` and ``v_proj`` on loading. The
   prefix-LM mask (``prefix_lm``, instruction tokens attending bidirectionally) applies only
   where ``token_type_ids`` are given; without them the attention is causal, as mha's.
+* Doge (``doge``): dynamic mask attention (:class:`mha.DynamicMaskAttention`): a bias of each
+  key/value head and key, ``exp(A * softplus(dt_proj(v)))``, added to the scores, each
+  query's ``keep_window_size`` keys of the largest bias kept; QK-norm per head, grouped
+  key/value heads, biases by ``attention_bias`` (``dt_proj``'s too). Its ``sliding_window``
+  is refused (the top-k is computed over the causal keys alone).
 
 >>> [row.name for row in ROWS]
-['hrm_text']
+['hrm_text', 'doge']
 >>> ROWS[0].tensors.path
 'model.{stack}_module.layers.{i}.attn'
 >>> from mha.integrations.readers.layouts import lay_out
@@ -29,11 +35,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .config import Settings, Unsupported
-from .family import Family, Gate
+from .config import FULL, Settings, Unsupported
+from .family import PER_HEAD, DynamicMask, Family, Gate
 from .layouts import Projections, Tensor
 
-__all__ = ["HRM_LAYOUT", "HRM_TEXT", "ROWS", "FusedGate", "hrm_heads", "hrm_slots"]
+__all__ = [
+    "DOGE",
+    "HRM_LAYOUT",
+    "HRM_TEXT",
+    "ROWS",
+    "FusedGate",
+    "NoDynamicWindow",
+    "hrm_heads",
+    "hrm_slots",
+]
 
 HRM_TEXT: dict[str, Any] = {
     "hidden_size": 1536,
@@ -49,6 +64,19 @@ HRM_TEXT: dict[str, Any] = {
 }
 """HrmTextConfig's defaults (its ``num_hidden_layers``: the slots, once the class has set
 ``num_layers_per_stack``)."""
+
+DOGE: dict[str, Any] = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 8,
+    "num_key_value_heads": None,
+    "attention_bias": False,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 2048,
+    "sliding_window": None,
+    "keep_window_size": 2048,
+}
+"""DogeConfig's defaults."""
 
 HRM_LAYOUT = Projections(qkv="gqkv_proj", path="model.{stack}_module.layers.{i}.attn")
 """HRM's saved names in its two stacks: slot ``i``'s attention is in the L or the H stack
@@ -66,6 +94,24 @@ class FusedGate(Gate):
     def tensors(self, read: Settings, E: int, H: int, d: int) -> dict[str, Tensor]:
         parts = tuple((f"W_{p}", H * d) for p in "gqkv")
         return {f"{self.tensor}.weight": Tensor((4 * H * d, E), parts)}
+
+
+@dataclass(frozen=True)
+class NoDynamicWindow:
+    """Doge's layers: full; a ``sliding_window`` (transformers' sliding mask under the dynamic
+    mask) is refused."""
+
+    def layer_type(self, read: Settings, index: int) -> str:
+        window = read.get("sliding_window")
+        if window is not None:
+            raise read.refuse(
+                f"sliding_window={window} (a window under Doge's dynamic mask, whose top-k "
+                "mha computes over every causal key)"
+            )
+        return FULL
+
+    def size(self, read: Settings) -> Any:
+        return None
 
 
 def hrm_heads(read: Settings) -> tuple[int, int, int]:
@@ -105,6 +151,13 @@ ROWS: tuple[Family, ...] = (
         gate=FusedGate(),
         by_layer=hrm_slots,
         unsupported=(Unsupported("attention_bias", "biases beside HRM's fused gqkv_proj"),),
+    ),
+    Family(  # a bias of each key from the values, the top keep_window_size keys kept
+        "doge",
+        DOGE,
+        qk_norm=PER_HEAD,
+        windows=NoDynamicWindow(),
+        dynamic_mask=DynamicMask(),
     ),
 )
 """The rows of these families, registered by :mod:`.registry`."""

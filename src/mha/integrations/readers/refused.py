@@ -108,11 +108,6 @@ REFUSED = {
         "text or token id 0), from a table its layers share outside their attention "
         "(cpmant.position_bias)"
     ),
-    "doge": _not_computed(
-        "Doge's dynamic mask attention (a bias of each key/value head and key computed from the "
-        "values, exp(A * softplus(dt_proj(v))), added to the scores, and each query's "
-        "keep_window_size keys of the largest bias kept)"
-    ),
     "jetmoe": _not_computed(
         "JetMoE's mixture of attention heads (experts pick each token's query and output "
         "projections)"
