@@ -432,8 +432,9 @@ def checkpoint(model_type: str, config: Any = None) -> Path:
 
 
 def _randomized(model: Any) -> None:
-    """Every attention bias nonzero, every attention norm weight and sink away from its
-    initial value: no part of a layer's attention is left to its neutral value."""
+    """Every attention bias nonzero, every attention norm weight and sink (and Doge's ``A``)
+    away from its initial value: no part of a layer's attention is left to its neutral
+    value."""
     import torch
 
     with torch.no_grad():

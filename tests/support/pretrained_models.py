@@ -2,7 +2,7 @@
 
 Each family's model is built once per test session with transformers 5.24, its weights drawn
 so that every part of the attention matters (``initializer_range`` 0.2, nonzero biases,
-random QK-norm weights and gpt-oss sinks), cast to bfloat16 and written by
+random QK-norm weights, gpt-oss sinks and Doge's ``A``), cast to bfloat16 and written by
 ``save_pretrained`` in shards of 20 KB, so that a checkpoint has many shards and an index, as
 big models do. :func:`saved` returns the folder; :func:`transformers_model` loads it back in
 float64 for the oracle comparisons (its weights are the bfloat16 values, exactly).
