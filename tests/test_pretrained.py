@@ -66,6 +66,7 @@ def load(family, layer):
         return mha.from_pretrained(models.saved(family), layer=layer, dtype=np.float64)
     kind = mha.LatentAttention if family in models.LATENT_FAMILIES else mha.MultiHeadAttention
     kind = mha.DifferentialAttention if family == "diffllama" else kind
+    kind = mha.DynamicMaskAttention if family == "doge" else kind
     return kind.from_pretrained(models.saved(family), layer=layer, dtype=np.float64)
 
 
@@ -321,6 +322,10 @@ CHANGES = {
                        {"block_indexer": QSAIndexerSpec(6, 2, 2, 12)},
                        {"block_indexer": QSAIndexerSpec(3, 3, 2, 12)},
                        {"output_gate": None, "W_g": None}, {"qk_norm_offset": 0.0}],
+    # the gate of every feature in each cache slot of HRM's recurrent stacks
+    "hrm_text": [{"W_g": None, "output_gate": None}, {"rope_theta": 10000.0}],
+    # every key kept, or more of them (the bias itself: test_dynamic_mask.py)
+    "doge": [{"keep_window_size": None}, {"keep_window_size": 12}, {"qk_norm_offset": 1.0}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3

@@ -50,11 +50,17 @@ CASES = [  # family, layer, its type: a sliding and a full layer where the famil
     ("gpt_oss", 1, FULL),
     ("bitnet", 1, FULL),  # the RMSNorm of the joined heads before o_proj
     ("minimax_m3_vl_text", 0, "minimax_m3_sparse"),  # given its indexer's choice of blocks
+    ("hrm_text", 2, FULL),  # the H stack's first layer (a gate of every feature)
+    ("doge", 1, FULL),  # the dynamic mask: the values' gradient through the bias too
 ]
 
 
 def mha_name(name):
     """mha's name of a transformers attention parameter, and whether it is transposed."""
+    if name.startswith("dt_proj.") or name == "A":  # Doge's dynamic mask
+        return {"dt_proj.weight": ("W_dt", True), "dt_proj.bias": ("b_dt", False)}.get(
+            name, (name, False)
+        )
     if name.endswith("_proj.weight"):
         return f"W_{name[0]}", True
     if name.endswith("_proj.bias"):
@@ -93,7 +99,7 @@ def test_gradients_match_autograd_through_transformers_layers(
     model, calls = captured(family)
     config = model.config
     assert (getattr(config, "layer_types", None) or [FULL] * (layer + 1))[layer] == kind
-    attention_module = model.model.layers[layer].self_attn
+    attention_module = models.attention_modules(model)[layer]
     keywords = {**calls[layer], "cache": None}
     assert keywords["hidden_states"].shape == (B, L, config.hidden_size)
     g = np.random.default_rng(len(family) * 10 + layer)

@@ -15,6 +15,7 @@ from .api.block_sparse import BlockIndexerSpec, BlockSparseAttention, BlockSpars
 from .api.cache import KVCache
 from .api.configuration import LayerSpec
 from .api.differential import DifferentialAttention, DifferentialSpec
+from .api.dynamic_mask import DynamicMaskAttention, DynamicMaskSpec
 from .api.latent import LatentAttention, LatentSpec
 from .api.module import MultiHeadAttention
 from .api.paged import cascade_attention, paged_attention
@@ -42,6 +43,8 @@ __all__ = [
     "BlockSparseSpec",
     "DifferentialAttention",
     "DifferentialSpec",
+    "DynamicMaskAttention",
+    "DynamicMaskSpec",
     "KVCache",
     "LatentAttention",
     "LatentSpec",

@@ -243,6 +243,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "indexer_compress_ratio": 3,
         "hc_lowrank": 8,
     },
+    # 2 layers a stack, 2 L cycles: 12 cache slots (its 4 and 3: 32)
+    "hrm_text": {"num_hidden_layers": 2, "L_cycles": 2},
+    # its top-k within the census's 24 positions (2048), over 24 tokens that do not repeat
+    # (equal tokens' equal biases: which of them torch.topk keeps is unspecified)
+    "doge": {"keep_window_size": 8, "vocab_size": 1000},
 }
 """Per-family changes where the generic shrink does not build, or builds what the family's
 real configs are not (a rotary of 3 features, GPT-J's 64 of 12; by ``model_type``)."""
@@ -484,8 +489,9 @@ def checkpoint(model_type: str, config: Any = None) -> Path:
 
 
 def _randomized(model: Any) -> None:
-    """Every attention bias nonzero, every attention norm weight and sink away from its
-    initial value: no part of a layer's attention is left to its neutral value."""
+    """Every attention bias nonzero, every attention norm weight and sink (and Doge's ``A``)
+    away from its initial value: no part of a layer's attention is left to its neutral
+    value."""
     import torch
 
     with torch.no_grad():
@@ -498,6 +504,8 @@ def _randomized(model: Any) -> None:
                 parameter.add_(torch.randn_like(parameter) * 0.3)
             elif name.endswith("sinks"):
                 parameter.normal_(0.0, 1.5)
+            elif name.endswith(".A"):  # Doge's dynamic mask: zeros (a bias of one) at first
+                parameter.normal_(0.0, 1.0)
 
 
 def _implementation(model_class: Any) -> str:
@@ -529,7 +537,7 @@ def _oracle(model_type: str, folder: Path, names: dict[int, str]) -> dict[int, l
     calls: dict[int, list[Any]] = {index: [] for index in names}
     modules = {index: _module(model, name, index) for index, name in names.items()}
     handles = [
-        module.register_forward_hook(recorder(module, calls[index]), with_kwargs=True)
+        module.register_forward_hook(recorder(module, calls[index], index), with_kwargs=True)
         for index, module in modules.items()
     ]
     try:
@@ -551,6 +559,9 @@ def _module(model: Any, name: str, index: int) -> Any:
             return model.get_submodule(path)
         except AttributeError:
             pass
+    if name.endswith(".attn"):  # HRM's saved attn, which transformers loads as self_attn
+        with contextlib.suppress(AttributeError):
+            return model.get_submodule(name.removesuffix("attn") + "self_attn")
     return model.get_submodule(SEPARATE_QKV.path.format(i=index))
 
 

@@ -2,7 +2,7 @@
 
 Each family's model is built once per test session with transformers 5.24, its weights drawn
 so that every part of the attention matters (``initializer_range`` 0.2, nonzero biases,
-random QK-norm weights and gpt-oss sinks), cast to bfloat16 and written by
+random QK-norm weights, gpt-oss sinks and Doge's ``A``), cast to bfloat16 and written by
 ``save_pretrained`` in shards of 20 KB, so that a checkpoint has many shards and an index, as
 big models do. :func:`saved` returns the folder; :func:`transformers_model` loads it back in
 float64 for the oracle comparisons (its weights are the bfloat16 values, exactly).
@@ -497,17 +497,22 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         **GATED_DELTANET, **MOE, "shared_expert_intermediate_size": 16, "hc_count": 2,
         "hc_lowrank": 8, "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 12,
         "indexer_budget": 6, "indexer_compress_ratio": 3, "rope_parameters": QWEN3_5_ROPE}),
+    # recurrent stacks of 2 layers, 2 H cycles of 1 L cycle: 8 cache slots (L0 L1 H0 H1 twice)
+    "hrm_text": ("HrmText", {"num_hidden_layers": 2, "H_cycles": 2, "L_cycles": 1}),
+    # the dynamic mask's top 6 keys of each query's (of 24 positions), every bias; 24 tokens
+    # that do not repeat (equal biases: which of them torch.topk keeps is unspecified)
+    "doge": ("Doge", {"keep_window_size": 6, "attention_bias": True, "vocab_size": 1000}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
 ``LlamaForCausalLM`` for InternLM 3's) and what its config changes from ``COMMON``."""
 
 FAMILIES = tuple(MODELS)
+"""The checkpoints :func:`saved` builds; ``deepseek_v3_mha`` is DeepSeek V3 without the
+query's low-rank projection (``q_lora_rank=None``), with biases and halves rotary."""
 BLOCK_SPARSE = ("minimax_m3_vl_text", "qwen4_exp_text")
 """The checkpoints of block-sparse attention (``BlockSparseAttention`` in their sparse layers,
 read by ``mha.from_pretrained``)."""
-"""The checkpoints :func:`saved` builds; ``deepseek_v3_mha`` is DeepSeek V3 without the
-query's low-rank projection (``q_lora_rank=None``), with biases and halves rotary."""
 
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v3_mha")
 LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "axk1", "minicpm3",
@@ -518,18 +523,18 @@ LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen", "gpt_neo", "bloom", "mpt", "dbrx", "persimmon", "falcon",
                  "falcon_alibi", "opt", "biogpt", "xglm", "ctrl", "openai-gpt",
-                 "modernbert-decoder", "diffllama")  # fmt: skip
-"""The families whose attention modules are not Llama's (DiffLlama's: differential)."""
+                 "modernbert-decoder", "diffllama", "hrm_text", "doge")  # fmt: skip
+"""The families whose attention modules are not Llama's (DiffLlama's: differential; HRM's,
+in its two stacks, each run in several cache slots; Doge's, with its dynamic mask)."""
 HYBRIDS = ("granitemoehybrid", "falcon_h1", "jamba", "nemotron_h", "bamba", "lfm2", "lfm2_moe",
            "minimax", "olmo_hybrid", "lara_mini", "recurrent_gemma", "qwen3_next", "qwen3_5_text",
-           "qwen3_5_moe_text", "lfm3", "bailing_hybrid", "kimi_linear", "zamba",
-           "zamba2")  # fmt: skip
+           "qwen3_5_moe_text", "lfm3", "bailing_hybrid", "kimi_linear", "zamba", "zamba2",
+           "qwen4_exp_text")  # fmt: skip
+"""The hybrid models: attention layers between Mamba or convolution layers (Falcon-H1's
+beside a Mamba mixer in each layer)."""
 JOINED = ("zamba", "zamba2")
 """The families whose attention reads the hidden states joined to the embeddings, twice the
 hidden size wide (``qdim``)."""
-           "qwen3_5_moe_text", "lfm3", "bailing_hybrid", "qwen4_exp_text")  # fmt: skip
-"""The hybrid models: attention layers between Mamba or convolution layers (Falcon-H1's
-beside a Mamba mixer in each layer)."""
 GEMMA_VALUES = ("gemma3n", "gemma4", "gemma4_unified")
 """Gemma 3n's and Gemma 4's: layers without keys and values of their own (KV sharing), keys
 as values, heads of each layer's own width (their layers' settings and weights are checked
@@ -581,6 +586,8 @@ def build(family: str, seed: int = 0) -> Any:
                 parameter.normal_(1.0 if "gemma" not in family else 0.0, 0.3)
             elif name.endswith("sinks"):
                 parameter.normal_(0.0, 1.5)
+            elif name == "A":  # Doge's dynamic mask: zeros (a bias of one) at first
+                parameter.normal_(0.0, 1.0)
     return model
 
 
@@ -590,8 +597,8 @@ def attention_modules(model: Any) -> list[Any]:
     from mha.integrations.readers.layouts import module_path
     from support.transformers_oracle import attention_layers
 
-    path = attention_path(model)
-    return [model.get_submodule(module_path(path, i)) for i in attention_layers(model)]
+    path, config = attention_path(model), model.config.to_dict()
+    return [model.get_submodule(module_path(path, i, config)) for i in attention_layers(model)]
 
 
 def attention_path(model: Any) -> str:
@@ -603,11 +610,13 @@ def attention_path(model: Any) -> str:
 
     path = str(readers.FAMILIES[model.config.model_type].tensors.path)
     path = path.replace("backbone.", "model.")  # Nemotron-H's saved names, loaded renamed
-    try:
-        model.get_submodule(path.format(i=attention_layers(model)[0], j=0))
-    except AttributeError:
-        return "model.layers.{i}.self_attn"
-    return path
+    for candidate in (path, path.removesuffix(".attn") + ".self_attn"):  # HRM's, loaded
+        try:
+            model.get_submodule(candidate.format(i=attention_layers(model)[0], j=0, stack="L"))
+        except AttributeError:
+            continue
+        return candidate
+    return "model.layers.{i}.self_attn"
 
 
 EAGER = ("gemma2", "gpt_oss", "vaultgemma", "gpt_neo", "bloom", "mpt", "xglm", "openai-gpt",

@@ -83,14 +83,20 @@ def attention_settings(model: Any) -> dict[str, Any]:
     }
 
 
-def recorder(module: Any, calls: list[tuple[np.ndarray, np.ndarray]]) -> Any:
+def recorder(
+    module: Any, calls: list[tuple[np.ndarray, np.ndarray]], slot: int | None = None
+) -> Any:
     """A forward hook (``with_kwargs``) of the attention ``module`` that appends each call's
     input and output to ``calls``, as NumPy: without the residual a module adds to its output
     (BLOOM's, given ``residual``), with the output bias one returns apart
-    (GPT-NeoX-Japanese's)."""
+    (GPT-NeoX-Japanese's). A module that runs once a cycle (HRM's, given ``cycle_offset``)
+    is recorded in its cache slot ``slot`` alone (``layer_idx + cycle_offset``)."""
     parameters = inspect.signature(module.forward).parameters
 
     def record(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        offset = kwargs.get("cycle_offset")
+        if slot is not None and offset is not None and module.layer_idx + offset != slot:
+            return
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         parts = output if isinstance(output, (tuple, list)) else (output,)  # GPT-1's: a list
         out = parts[0]
@@ -143,7 +149,8 @@ class AttentionRecorder:
         from mha.integrations.readers.layouts import module_path
 
         self.layers = attention_layers(model)
-        modules = [model.get_submodule(module_path(path, i)) for i in self.layers]
+        config = model.config.to_dict()
+        modules = [model.get_submodule(module_path(path, i, config)) for i in self.layers]
         self.calls: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in modules]
         self._handles = [
             module.register_forward_hook(self._hook(i, module), with_kwargs=True)
@@ -151,7 +158,7 @@ class AttentionRecorder:
         ]
 
     def _hook(self, index: int, module: Any) -> Any:
-        return recorder(module, self.calls[index])
+        return recorder(module, self.calls[index], self.layers[index])
 
     def close(self) -> None:
         for handle in self._handles:
@@ -167,7 +174,18 @@ def attention_keywords(model: Any, ids: Any) -> list[dict[str, Any] | None]:
 
     from .rope_oracle import float64_torch
 
-    calls: list[dict[str, Any] | None] = [None] * len(model.model.layers)
+    layers = getattr(model.model, "layers", None)
+    if layers is not None:
+        modules = {
+            i: layer.self_attn for i, layer in enumerate(layers) if hasattr(layer, "self_attn")
+        }
+    else:  # HRM's stacks: the module of each cache slot (each module runs in several)
+        from .pretrained_models import attention_modules
+
+        modules = dict(zip(attention_layers(model), attention_modules(model), strict=True))
+    calls: list[dict[str, Any] | None] = [None] * (
+        len(layers) if layers is not None else len(modules)
+    )
 
     def hook(index: int) -> Any:
         def save(module: Any, args: Any, kwargs: Any) -> None:
@@ -176,9 +194,7 @@ def attention_keywords(model: Any, ids: Any) -> list[dict[str, Any] | None]:
         return save
 
     handles = [
-        layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True)
-        for i, layer in enumerate(model.model.layers)
-        if hasattr(layer, "self_attn")
+        module.register_forward_pre_hook(hook(i), with_kwargs=True) for i, module in modules.items()
     ]
     try:
         with torch.no_grad(), float64_torch():

@@ -185,6 +185,7 @@ class Layouts(Configuration):
                 "latent": ("multi-head latent attention", "LatentAttention"),
                 "differential": ("differential attention", "DifferentialAttention"),
                 "block_sparse": ("block-sparse attention", "BlockSparseAttention"),
+                "dynamic_mask": ("dynamic mask attention", "DynamicMaskAttention"),
             }.get(str(kind), ("multi-head attention", "MultiHeadAttention"))
             raise AttentionValueError(
                 f"layer {layer} of {path} is {what}: load it with "

@@ -14,6 +14,7 @@ from typing import Any
 from . import formats
 from .block_sparse import BlockSparseAttention, BlockSparseSpec
 from .differential import DifferentialAttention, DifferentialSpec
+from .dynamic_mask import DynamicMaskAttention, DynamicMaskSpec
 from .latent import LatentAttention, LatentSpec
 from .module import MultiHeadAttention
 
@@ -40,6 +41,8 @@ def from_pretrained(
         return LatentAttention.from_spec(spec, weights)
     if isinstance(spec, BlockSparseSpec):
         return BlockSparseAttention.from_spec(spec, weights, f"{path}, layer {layer}")
+    if isinstance(spec, DynamicMaskSpec):
+        return DynamicMaskAttention.from_spec(spec, weights, f"{path}, layer {layer}")
     if isinstance(spec, DifferentialSpec):
         return DifferentialAttention.from_spec(spec, weights, f"{path}, layer {layer}")
     return MultiHeadAttention.from_spec(spec, weights, f"{path}, layer {layer}")

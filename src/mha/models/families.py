@@ -463,6 +463,8 @@ OWN_REASONS = {
     "gemma4_text": "its per-layer inputs (embed_tokens_per_layer), layer scalars and layers "
     "that share another's keys and values",
     "gemma4_unified_text": "its layer scalars and layers that share another's keys and values",
+    "hrm_text": "its recurrent L and H stacks (each layer run once a cycle)",
+    "doge": "its dynamic mask attention's decoder (and its experts when is_moe)",
 }
 """What the families that are neither a mixture nor a hybrid of the readers' kind lack."""
 

@@ -45,6 +45,7 @@ import numpy as np
 from ...api.block_sparse import BlockSparseSpec
 from ...api.configuration import LayerSpec
 from ...api.differential import DifferentialSpec
+from ...api.dynamic_mask import DynamicMaskSpec
 from ...api.latent import LatentSpec
 from ...errors import WeightsFileError
 from ..checkpoint import open_checkpoint
@@ -76,7 +77,8 @@ def read_layer(
     :class:`~mha.LayerSpec`) or :meth:`mha.LatentAttention.from_spec` (a
     :class:`~mha.LatentSpec`) builds the layer from."""
     kind, settings, weights = layer_attention(open_checkpoint(path), layer, dtype)
-    kinds = {"latent": LatentSpec, "differential": DifferentialSpec}
+    kinds = {"latent": LatentSpec, "differential": DifferentialSpec,
+             "dynamic_mask": DynamicMaskSpec}  # fmt: skip
     kinds["block_sparse"] = BlockSparseSpec
     return kinds.get(kind, LayerSpec)(**settings), weights
 

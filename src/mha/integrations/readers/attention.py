@@ -109,6 +109,9 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
         return "differential", settings, tensors | family.differential.tensors(d)
     if settings.get("block_indexer") is not None:  # block-sparse attention (blocksparse.py)
         return "block_sparse", settings, tensors | indexer_tensors(settings["block_indexer"], E)
+    if family.dynamic_mask is not None:  # Doge's: a bias of each key from the values
+        settings |= family.dynamic_mask.settings(read)
+        return "dynamic_mask", settings, tensors | family.dynamic_mask.tensors(read, H_kv, d)
     return layout.kind, settings, tensors
 
 

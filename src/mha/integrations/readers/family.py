@@ -48,6 +48,7 @@ __all__ = [
     "UNSUPPORTED",
     "ClipQkv",
     "Differential",
+    "DynamicMask",
     "Family",
     "Gate",
     "Heads",
@@ -298,6 +299,26 @@ class Differential:
         return np.array([h * d + j for pair in heads for h in pair for j in range(d)])
 
 
+@dataclass(frozen=True)
+class DynamicMask:
+    """Doge's dynamic mask attention (:class:`mha.DynamicMaskAttention`): a bias of each
+    key/value head and key, ``exp(A * softplus(dt_proj(v)))``, added to the scores, and each
+    query's config key ``keep`` keys of the largest bias kept; ``dt_proj`` biased where the
+    config key ``bias`` is true."""
+
+    keep: str = "keep_window_size"
+    bias: str = "attention_bias"
+
+    def settings(self, read: Settings) -> dict[str, Any]:
+        return {"keep_window_size": read.positive(self.keep)}
+
+    def tensors(self, read: Settings, H_kv: int, d: int) -> dict[str, Tensor]:
+        tensors = {"dt_proj.weight": whole("W_dt", H_kv, H_kv * d), "A": whole("A", H_kv)}
+        if read.get(self.bias):
+            tensors["dt_proj.bias"] = whole("b_dt", H_kv)
+        return tensors
+
+
 UNSUPPORTED = (
     Unsupported("attention_chunk_size", "chunked attention", is_given),
     Unsupported("use_qk_norm", "Llama 4's L2 QK-norm"),
@@ -354,6 +375,8 @@ class Family:
     """One learned logit per head that takes part in the softmax (gpt-oss)."""
     differential: Differential | None = None
     """DiffLlama's differential attention (the layer a :class:`mha.DifferentialAttention`)."""
+    dynamic_mask: DynamicMask | None = None
+    """Doge's dynamic mask attention (the layer a :class:`mha.DynamicMaskAttention`)."""
     value_width: ValueWidth | None = None
     """The values' own head width and scale, where they differ from the keys' (MiMo-V2-Flash)."""
     sliding: SlidingLayers | None = None

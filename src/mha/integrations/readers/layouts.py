@@ -58,6 +58,7 @@ __all__ = [
     "lay_out",
     "module_path",
     "stack_heads",
+    "stack_slot",
 ]
 
 IGNORED = ("rotary_emb.inv_freq",)
@@ -411,14 +412,35 @@ LONGCAT_FLASH = LatentProjections(path="model.layers.{i}.self_attn.{j}", lora_sc
 """LongCat-Flash's: two latent attentions in each decoder layer."""
 
 
-def module_path(path: str, index: int) -> str:
+def module_path(path: str, index: int, config: Mapping[str, Any] | None = None) -> str:
     """The module of layer ``index``'s attention under ``path``: decoder layer ``{i}``'s, or,
     where the path names ``{j}``, attention ``j`` of the two each decoder layer holds
     (LongCat-Flash's ``self_attn.0`` and ``.1``), layer ``2i + j`` as transformers numbers
-    them."""
+    them; where it names ``{stack}``, the layer that cache slot ``index`` runs in recurrent
+    stacks (:func:`stack_slot`, of ``config``)."""
+    if "{stack}" in path:
+        stack, layer = stack_slot(config or {}, index)
+        return path.format(stack=stack, i=layer)
     if "{j}" in path:
         return path.format(i=index // 2, j=index % 2)
     return path.format(i=index)
+
+
+def stack_slot(config: Mapping[str, Any], index: int) -> tuple[str, int]:
+    """HRM's recurrent stacks: each of ``H_cycles`` cycles runs the L stack ``L_cycles`` times,
+    then the H stack once, each run of each of its ``num_layers_per_stack`` layers with a
+    cache slot of its own, numbered in that order. Slot ``index``'s stack (``"L"`` or
+    ``"H"``) and layer in it. ``config.json`` omits the config class's defaults (3 L cycles);
+    an older one without ``num_layers_per_stack`` counts a stack's layers in
+    ``num_hidden_layers`` (its row refuses it).
+
+    >>> [stack_slot({"num_layers_per_stack": 2, "L_cycles": 1}, s) for s in range(5)]
+    [('L', 0), ('L', 1), ('H', 0), ('H', 1), ('L', 0)]
+    """
+    per_stack = int(config.get("num_layers_per_stack") or config.get("num_hidden_layers") or 1)
+    runs = int(config.get("L_cycles", 3)) + 1
+    run, layer = divmod(index, per_stack)
+    return ("H" if run % runs == runs - 1 else "L"), layer
 
 
 def attentions_per_layer(path: str) -> int:
@@ -430,7 +452,7 @@ def attention_prefix(source: Source, index: int, path: str = SEPARATE_QKV.path) 
     """Where layer ``index``'s attention tensors are: at the layout's ``path`` (a causal
     LM's checkpoint: ``model.layers.{i}.self_attn``), or below its first name (a bare
     model's: ``layers.{i}.self_attn``)."""
-    full = module_path(path, index) + "."
+    full = module_path(path, index, source.config) + "."
     candidates = (full, full.split(".", 1)[1])
     keys = list(source)
     for prefix in candidates:

@@ -66,11 +66,6 @@ REFUSED = {
         "layers (the recurrent section run n_recurrent_loops times, a cache per loop)",
         "qk_norm=, q_scale=, W_g=, output_norm='l2'",
     ),
-    "hrm_text": _not_read(
-        "HRM's attention has a sigmoid output gate in recurrent stacks (each layer of its L and "
-        "H stacks runs once a cycle, with a cache slot of its own: num_hidden_layers counts "
-        "slots, not layers)"
-    ),
     "reformer": _not_computed("Reformer's LSH and chunked local attention"),
     "cpmant": _not_computed(
         "CPM-Ant's attention: bidirectional over its whole input (its prompt tokens prepended), "
@@ -78,7 +73,6 @@ REFUSED = {
         "text or token id 0), from a table its layers share outside their attention "
         "(cpmant.position_bias)"
     ),
-    "doge": _not_computed("Doge's dynamic mask attention (a mask computed from the values)"),
     "jetmoe": _not_computed(
         "JetMoE's mixture of attention heads (experts pick each token's query and output "
         "projections)"

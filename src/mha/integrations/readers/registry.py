@@ -30,6 +30,7 @@ from . import (
     mistral4,
     nope,
     outnorm,
+    recurrent,
     rules,
     sparse,
     temperature,
@@ -793,6 +794,7 @@ register(*hyv4.ROWS)
 register(*nope.ROWS)
 register(*latentgates.ROWS)
 register(*blocksparse.ROWS)
+register(*recurrent.ROWS)
 
 SUPPORTED = tuple(FAMILIES)
 """The families of the table as mha defines it (before any :func:`register`)."""
