@@ -118,12 +118,25 @@ REFUSED = {
         "JetMoE's mixture of attention heads (experts pick each token's query and output "
         "projections)"
     ),
-    "inkling_text": _not_computed("Inkling's relative-position logits and short convolutions"),
+    "inkling_text": _not_computed(
+        "Inkling's relative-position logits, computed from each query's hidden state "
+        "(r_proj times the bank rel_logits_proj.proj, one logit per backward distance below "
+        "rel_extent: no learned table of buckets), and its short convolutions of the keys and "
+        "values (k_sconv, v_sconv: causal depthwise conv1d with a cached state)"
+    ),
     "inkling2_text": _not_computed(
-        "Inkling2's relative position bias in the scores and short convolutions"
+        "Inkling2's relative position bias, computed from each query's hidden state "
+        "(relative_position_bias: a linear map, a position-scaled norm, then the bank proj, "
+        "one logit per backward distance below rel_extent: no learned table of buckets), and "
+        "its short convolutions of the projections (sconv: causal depthwise conv1d with a "
+        "cached state)"
     ),
     "inkling2_loop_text": _not_computed(
-        "Inkling2-Loop's relative position bias in the scores and short convolutions"
+        "Inkling2-Loop's relative position bias, computed from each query's hidden state "
+        "(relative_position_bias: a linear map, a position-scaled norm, then the bank proj, "
+        "one logit per backward distance below rel_extent: no learned table of buckets), and "
+        "its short convolutions of the projections (sconv: causal depthwise conv1d with a "
+        "cached state)"
     ),
     "bitnet": _not_computed("BitNet's RMSNorm of the attention's output before o_proj"),
     "zaya": _not_computed(
