@@ -35,8 +35,17 @@ LAWS = ("bidirectional", "causal", "segments")
 def position_buckets(
     relative: np.ndarray, num_buckets: int, max_distance: int, bidirectional: bool
 ) -> np.ndarray:
-    """T5's bucket of each ``relative = key position - query position`` (int64), as
-    transformers' ``_relative_position_bucket`` computes it (its float32 logarithm)."""
+    """T5's bucket of each ``relative = key position - query position`` (int64), among
+    ``num_buckets`` (half of them for keys after the query when ``bidirectional``, none
+    when not: those keys take bucket 0), log-scaled up to ``max_distance``, as transformers'
+    ``_relative_position_bucket`` computes it (its float32 logarithm).
+
+    >>> import mha
+    >>> mha.position_buckets([-9, -1, 0, 1, 9, 100], 8, 16, True).tolist()
+    [3, 1, 0, 5, 7, 7]
+    >>> mha.position_buckets([-9, -1, 0, 1], 8, 16, False).tolist()
+    [6, 1, 0, 0]
+    """
     relative = np.asarray(relative, dtype=np.int64)
     buckets = np.zeros(relative.shape, np.int64)
     if bidirectional:

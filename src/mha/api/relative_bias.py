@@ -31,7 +31,8 @@ def relative_position_bias(
     """A learned relative-position bias, for ``score_mod=``: ``table (H, T)`` one logit per
     head and bucket, added to head ``h``'s score of query ``i`` and key ``j`` at
     ``table[h, bucket(i, j)]``. ``law``: ``"bidirectional"`` (T5's encoder), ``"causal"``
-    (T5's decoder), both with ``T = num_buckets`` (default: the table's width), or
+    (T5's decoder), both with ``T = num_buckets`` (default: the table's width) and
+    ``max_distance`` (where the log-scaled buckets end; farther keys take the last), or
     ``"segments"`` (CPM-Ant: the bidirectional bucket within a segment, the bucket
     ``num_buckets + s_i * num_segments + s_j`` across two, ``T = num_buckets +
     num_segments ** 2``), with ``segments (P,)`` or ``(B, P)``, the segment of every
