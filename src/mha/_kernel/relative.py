@@ -19,7 +19,7 @@ Its gradient is the scores' gradient summed per head over the cells of each buck
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -79,6 +79,13 @@ class RelativeBias:
     num_segments: int = 0
     nonlinear = False
     compiled = False
+
+    def block(self, sequences: np.ndarray) -> RelativeBias:
+        """This bias for the batch block of the call's flat ``sequences``, numbered from 0."""
+        segments = self.segments
+        if segments is None or segments.shape[0] == 1:
+            return self
+        return replace(self, segments=segments[sequences])
 
     def buckets(self, item: ItemVisibility, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
         """The bucket of rows ``[r0, r1)`` against key slots ``[c0, c1)``, ``(n, w)``."""

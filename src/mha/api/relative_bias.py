@@ -35,8 +35,9 @@ def relative_position_bias(
     ``max_distance`` (where the log-scaled buckets end; farther keys take the last), or
     ``"segments"`` (CPM-Ant: the bidirectional bucket within a segment, the bucket
     ``num_buckets + s_i * num_segments + s_j`` across two, ``T = num_buckets +
-    num_segments ** 2`` for ``num_segments`` segments), with ``segments (P,)`` or ``(B, P)``,
-    the segment of every position the call reaches (a cache's too).
+    num_segments ** 2`` for ``num_segments`` segments), with ``segments (P,)`` or ``(B,
+    P)`` (``B`` the batch flattened), the segment of every position the call reaches (a
+    cache's too).
 
     >>> import numpy as np, mha
     >>> rng = np.random.default_rng(0)

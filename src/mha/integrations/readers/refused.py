@@ -108,10 +108,11 @@ REFUSED = {
     ),
     "reformer": _not_computed("Reformer's LSH and chunked local attention"),
     "cpmant": _not_computed(
-        "CPM-Ant's attention: bidirectional over its whole input (its prompt tokens prepended), "
-        "a bucketed position bias in the scores that depends on each token's segment (prompt, "
-        "text or token id 0), from a table its layers share outside their attention "
-        "(cpmant.position_bias)"
+        "CPM-Ant's attention that is not causal: bidirectional over its whole input (its "
+        "prompt tokens prepended), a prefill through the KV cache included, which mha's cache "
+        "does not compute (it attends causally); its bucketed position bias by each token's "
+        "segment, from the table its layers share (cpmant.position_bias), is "
+        "mha.relative_position_bias(..., 'segments')"
     ),
     "doge": _not_computed("Doge's dynamic mask attention (a mask computed from the values)"),
     "jetmoe": _not_computed(
