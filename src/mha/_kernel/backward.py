@@ -313,7 +313,7 @@ class _ItemBackward:
             self._bias_gradient(ds, r0, r1, c0, c1)
         if self.relative is not None:  # an additive change: its gradient is ds
             relative, dtable = self.relative
-            relative.gradient(ds, Tile(self.item, r0, r1, c0, c1), dtable)
+            relative.table_gradient(ds, Tile(self.item, r0, r1, c0, c1), dtable)
         if factor is not None:  # through soft-capping and score_mod to the scaled scores
             ds *= factor
             if hidden is not None:

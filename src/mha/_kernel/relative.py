@@ -13,7 +13,7 @@ float32 ratio, then truncated), so that a bucket at the edge of two falls as the
   position's segment is the call's ``segments (B or 1, P)``.
 
 Its gradient is the scores' gradient summed per head over the cells of each bucket
-(:meth:`RelativeBias.gradient`).
+(:meth:`RelativeBias.table_gradient`).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class RelativeBias:
         stacked += bias.astype(s.dtype, copy=False)
         return None
 
-    def gradient(self, ds: np.ndarray, tile: Tile, into: np.ndarray) -> None:
+    def table_gradient(self, ds: np.ndarray, tile: Tile, into: np.ndarray) -> None:
         """The scores' gradient ``ds (G, group * n, w)`` of a tile into the table's
         gradient ``into (H, T)``: each head's cells summed per bucket."""
         item, r0, r1, c0, c1 = tile

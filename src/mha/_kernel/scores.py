@@ -194,7 +194,7 @@ class Scores:
     @property
     def relative(self) -> Any:
         """The relative-position bias among the transforms (:mod:`.relative`), or ``None``."""
-        return next((t for t in self.transforms if hasattr(t, "gradient")), None)
+        return next((t for t in self.transforms if hasattr(t, "table_gradient")), None)
 
     @property
     def softcap(self) -> float | None:
