@@ -198,6 +198,8 @@ def test_errors_name_the_argument() -> None:
     )
     with pytest.raises(mha.AttentionValueError, match="segments holds the segment of 2"):
         mha.scaled_dot_product_attention(q, q, q, score_mod=short)
+    with pytest.raises(mha.AttentionValueError, match="reaches position -2"):
+        mha.scaled_dot_product_attention(q, q[:, :, :2], q[:, :, :2], score_mod=short)
 
 
 # ------------------------------------------ CPM-Ant's attention, transformers' own code

@@ -98,12 +98,14 @@ class RelativeBias:
         segments = self.segments
         assert segments is not None
         row = segments[0 if segments.shape[0] == 1 else item.sequence]
-        last = max(int(q_at[-1]) if len(q_at) else 0, int(k_at[-1]) if len(k_at) else 0)
-        if last >= row.shape[0]:
+        first = min(q_at.min(initial=0), k_at.min(initial=0))
+        last = max(q_at.max(initial=0), k_at.max(initial=0))
+        if first < 0 or last >= row.shape[0]:
             raise AttentionValueError(
                 f"segments holds the segment of {row.shape[0]} positions, but the call "
-                f"reaches position {last}: give one segment per position, the cached ones "
-                "included"
+                f"reaches position {last if first >= 0 else first}: give one segment per "
+                "position, the cached ones included (queries past the keys sit at negative "
+                "positions: give the keys of every query)"
             )
         seg_q, seg_k = row[q_at][:, None], row[k_at][None, :]
         across = self.num_buckets + seg_q * self.num_segments + seg_k
