@@ -109,10 +109,9 @@ REFUSED = {
     "reformer": _not_computed("Reformer's LSH and chunked local attention"),
     "cpmant": _not_computed(
         "CPM-Ant's attention that is not causal: bidirectional over its whole input (its "
-        "prompt tokens prepended), a prefill through the KV cache included, which mha's cache "
-        "does not compute (it attends causally); its bucketed position bias by each token's "
-        "segment, from the table its layers share (cpmant.position_bias), is "
-        "mha.relative_position_bias(..., 'segments')"
+        "prompt tokens prepended), a prefill of several tokens through the KV cache included "
+        "(its bucketed position bias by each token's segment, from the table its layers share "
+        "in cpmant.position_bias, is mha.relative_position_bias(..., 'segments'))"
     ),
     "doge": _not_computed("Doge's dynamic mask attention (a mask computed from the values)"),
     "jetmoe": _not_computed(
