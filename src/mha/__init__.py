@@ -22,6 +22,7 @@ from .api.paged import cascade_attention, paged_attention
 from .api.paged_cache import PagedKVCache
 from .api.pretrained import attention_layers, from_pretrained
 from .api.projection import multi_head_attention
+from .api.relative_bias import position_buckets, relative_position_bias
 from .api.rotary import apply_rotary
 from .api.split_heads import merge_attention, scaled_dot_product_attention
 from .api.variants import alibi_slopes
@@ -62,6 +63,8 @@ __all__ = [
     "merge_attention",
     "multi_head_attention",
     "paged_attention",
+    "position_buckets",
+    "relative_position_bias",
     "scaled_dot_product_attention",
 ]
 __version__ = "0.1.0"

@@ -39,7 +39,7 @@ import numpy as np
 from . import walk
 from .call import Gradients, KernelCall, Outputs
 from .forward import Tiles, _cast, _product, _stack, plan_tiles
-from .scores import sink_gradient
+from .scores import Tile, sink_gradient
 from .team import Team
 
 __all__ = ["attend_backward"]
@@ -137,6 +137,7 @@ class _BackwardWalk:
 
     def run(self, items: list[tuple[tuple[int, ...], slice]], team: Team) -> None:
         sums: list[np.ndarray] = []  # each worker's bias gradient
+        tables: list[np.ndarray] = []  # each worker's relative-position table's
 
         def make_worker() -> Callable[[Any], None]:
             dtype, tiles, group = self.grads.dq.dtype, self.tiles, self.call.group
@@ -146,12 +147,19 @@ class _BackwardWalk:
             if self.grads.dbias is not None:
                 own = np.zeros(self.grads.dbias.shape, dtype)
                 sums.append(own)
-            return lambda task: _ItemBackward(self, task, scratch, own).run()
+            table = None
+            if self.grads.dtable is not None:
+                table = np.zeros(self.grads.dtable.shape, dtype)
+                tables.append(table)
+            return lambda task: _ItemBackward(self, task, scratch, own, table).run()
 
         team.run(items, make_worker)
         if self.grads.dbias is not None:
             for part in sums:
                 self.grads.dbias += part
+        if self.grads.dtable is not None:
+            for part in tables:
+                self.grads.dtable += part
 
 
 @dataclass(slots=True)
@@ -183,6 +191,7 @@ class _ItemBackward:
         task: tuple[tuple[int, ...], slice],
         scratch: _Scratch,
         dbias: np.ndarray | None,
+        dtable: np.ndarray | None = None,
     ) -> None:
         call, forward, grads = walk.call, walk.forward, walk.grads
         batch, kv = task
@@ -197,6 +206,9 @@ class _ItemBackward:
         self.item = call.visibility.item(batch, heads)
         self.scale, self.dq_scale = call.scale, call.scale * grads.dq_factor
         self.scores, self.tiles, self.scratch = call.scores, walk.tiles, scratch
+        self.relative = None  # a relative-position bias and its table's gradient
+        if dtable is not None and call.scores is not None:
+            self.relative = call.scores.relative, dtable
         self.dtype, self.G = grads.dq.dtype, self.k.shape[0]
         self.dropout = None
         if call.dropout is not None:  # its flat batch index and first head, for its mask
@@ -299,6 +311,9 @@ class _ItemBackward:
                 attended = ~np.broadcast_to(hidden, ds.shape)
         if self.dbias is not None:
             self._bias_gradient(ds, r0, r1, c0, c1)
+        if self.relative is not None:  # an additive change: its gradient is ds
+            relative, dtable = self.relative
+            relative.table_gradient(ds, Tile(self.item, r0, r1, c0, c1), dtable)
         if factor is not None:  # through soft-capping and score_mod to the scaled scores
             ds *= factor
             if hidden is not None:

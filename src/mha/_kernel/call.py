@@ -79,8 +79,9 @@ class Gradients:
     """Where the backward writes: ``dq`` (written; it may be the output's gradient itself),
     ``dk``, ``dv`` and ``dbias`` (shaped like the visibility's bias: the bias's own size,
     never the scores'), arriving zeroed and accumulated, and ``dsinks (H,)`` when the
-    sinks' gradient is wanted. ``dq`` comes out times ``dq_factor`` (the chain rule of a
-    scale the caller folded into ``q``)."""
+    sinks' gradient is wanted, ``dtable (H, T)`` when a relative-position bias's table's
+    is. ``dq`` comes out times ``dq_factor`` (the chain rule of a scale the caller folded
+    into ``q``)."""
 
     dq: np.ndarray
     dk: np.ndarray
@@ -88,3 +89,4 @@ class Gradients:
     dbias: np.ndarray | None = None
     dsinks: np.ndarray | None = None
     dq_factor: float = 1.0
+    dtable: np.ndarray | None = None  # a relative-position bias's table (relative.py)

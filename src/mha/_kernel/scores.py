@@ -192,6 +192,11 @@ class Scores:
         return next((t for t in self.transforms if isinstance(t, kind)), None)
 
     @property
+    def relative(self) -> Any:
+        """The relative-position bias among the transforms (:mod:`.relative`), or ``None``."""
+        return next((t for t in self.transforms if hasattr(t, "table_gradient")), None)
+
+    @property
     def softcap(self) -> float | None:
         cap = self._first(SoftCap)
         return None if cap is None else float(cap.cap)

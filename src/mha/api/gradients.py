@@ -84,20 +84,23 @@ class SplitHeadsBackward:
         dsinks = None
         if call.scores is not None and call.scores.sinks is not None:
             dsinks = np.zeros(call.scores.sinks.shape, dtype)
+        dtable = _table_gradient(call.scores, dtype)
         cost = float(math.prod(q.shape[:-1])) * k.shape[-2] * 2 * (q.shape[-1] + v.shape[-1])
         with (
             np.errstate(invalid="ignore", over="ignore"),
             Team(workers_for(cost, self.threads)) as team,
         ):
             if q.shape[-3]:  # (no query heads: no gradient)
-                into = Gradients(dq, dk, dv, dbias, dsinks)
+                into = Gradients(dq, dk, dv, dbias, dsinks, dtable=dtable)
                 attend_backward(call, self.forward, grad, into, team)
         grads = {"q": dq, "k": dk, "v": dv}
         if dsinks is not None:
             grads["sinks"] = dsinks
+        if dtable is not None:
+            grads["relative_bias"] = dtable
         if dbias is not None and self.bias_shape is not None:
             grads["bias"] = _sum_to(dbias, self.bias_shape, q.shape[:-3])
-        return {name: cast_result(g, self.dtypes[name]) for name, g in grads.items()}
+        return {name: cast_result(g, self.dtypes.get(name, dtype)) for name, g in grads.items()}
 
 
 @dataclass(frozen=True)
@@ -213,11 +216,14 @@ class ProjectedBackward:
         if self.bias_shape is not None and self.visibility.bias is not None:
             dbias = np.zeros(self.visibility.bias.shape, dtype)  # the bias's own size
         dsinks = None if call.sinks is None else np.zeros(call.sinks.shape, dtype)
-        into = Gradients(dq, dk, dv, dbias, dsinks, dq_factor=call.scale)  # q's scale
+        dtable = _table_gradient(self.kernel.scores, dtype)
+        into = Gradients(dq, dk, dv, dbias, dsinks, dq_factor=call.scale, dtable=dtable)
         forward = Outputs(split_heads(self.joined, H), lse=self.lse)
         attend_backward(self.kernel, forward, split_heads(d_joined, H), into, team)
         if dsinks is not None:
             grads["sinks"] = dsinks
+        if dtable is not None:
+            grads["relative_bias"] = dtable
         del d_joined  # memory: each intermediate goes as soon as it is used (dq keeps it)
         if call.extra:  # the appended keys: bias_k/bias_v's gradients, then drop them
             if "bias_k" in self.arrays:  # (*B, H_kv, d) at the first appended key
@@ -392,3 +398,9 @@ def _rows(x: np.ndarray) -> np.ndarray:
 def _weight_grad(x: np.ndarray, grad: np.ndarray, team: Team) -> np.ndarray:
     """``d(x @ W)/dW`` for ``x (..., m)`` and ``grad (..., n)``: ``x^T @ grad`` over rows."""
     return team.matmul(_rows(x).T, _rows(grad))
+
+
+def _table_gradient(scores: Any, dtype: np.dtype) -> np.ndarray | None:
+    """A zeroed gradient for the table of the call's relative-position bias, if it has one."""
+    relative = None if scores is None else scores.relative
+    return None if relative is None else np.zeros(relative.table.shape, dtype)

@@ -21,6 +21,7 @@ from .._kernel.scores import (
     SoftCap,
 )
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
+from .relative_bias import RelativeBias, check_relative_bias
 from .rotary import positive_real
 
 __all__ = ["alibi_slopes", "check_query_temperature", "check_scores"]
@@ -70,6 +71,9 @@ def check_scores(
         slopes = (alibi_slopes(H) if H else np.zeros(0)) if alibi else None  # 0 heads: none
     elif alibi is not None:
         slopes = _per_head("alibi", alibi, H, "one slope")
+    relative = None
+    if isinstance(score_mod, RelativeBias):  # a learned relative-position bias
+        relative, score_mod = check_relative_bias(score_mod, H), None
     for name, function in (("score_mod", score_mod), ("score_mod_grad", score_mod_grad)):
         if function is not None:
             check_function(name, function, "(score, b, h, q_idx, kv_idx) -> score", 5)
@@ -88,6 +92,8 @@ def check_scores(
         transforms.append(ScoreMod(score_mod, score_mod_grad))
     if slopes is not None:
         transforms.append(Alibi(slopes))
+    if relative is not None:  # last: its gradient is the final scores'
+        transforms.append(relative)
     folded = None if temperature is None else check_query_temperature(temperature)
     if sink_logits is None and not transforms and folded is None:
         return None

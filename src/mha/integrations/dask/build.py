@@ -17,6 +17,7 @@ import numpy as np
 from ..._kernel.contract import MaskArrays, Visibility
 from ...api.checks import Call
 from ...api.projection import append_keys
+from ...api.relative_bias import RelativeBias
 from ...api.spec import CallInputs, Checked
 from .graph import Graph, Grid
 from .inputs import Masks, Rotation, with_batch_axis
@@ -66,8 +67,11 @@ def block_checked(
     if sequences is not None and spec.mask.mask_mod is not None:
         rules = replace(spec.mask, mask_mod=InBlock(spec.mask.mask_mod, sequences, False))
         spec = replace(spec, mask=rules)
-    if sequences is not None and spec.scores.score_mod is not None:
-        scores = replace(spec.scores, score_mod=InBlock(spec.scores.score_mod, sequences, True))
+    score_mod = spec.scores.score_mod
+    if sequences is not None and isinstance(score_mod, RelativeBias):  # the block's segments
+        spec = replace(spec, scores=replace(spec.scores, score_mod=score_mod.block(sequences)))
+    elif sequences is not None and score_mod is not None:
+        scores = replace(spec.scores, score_mod=InBlock(score_mod, sequences, True))
         spec = replace(spec, scores=scores)
     request = replace(checked.request, lse=True)
     return Checked(spec, CallInputs(arrays, positions), request)

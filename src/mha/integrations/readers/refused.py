@@ -68,21 +68,34 @@ REFUSED = {
     ),
     "reformer": _not_computed("Reformer's LSH and chunked local attention"),
     "cpmant": _not_computed(
-        "CPM-Ant's attention: bidirectional over its whole input (its prompt tokens prepended), "
-        "a bucketed position bias in the scores that depends on each token's segment (prompt, "
-        "text or token id 0), from a table its layers share outside their attention "
-        "(cpmant.position_bias)"
+        "CPM-Ant's attention that is not causal: bidirectional over its whole input (its "
+        "prompt tokens prepended), a prefill of several tokens through the KV cache included "
+        "(its bucketed position bias by each token's segment, from the table its layers share "
+        "in cpmant.position_bias, is mha.relative_position_bias(..., 'segments'))"
     ),
     "jetmoe": _not_computed(
         "JetMoE's mixture of attention heads (experts pick each token's query and output "
         "projections)"
     ),
-    "inkling_text": _not_computed("Inkling's relative-position logits and short convolutions"),
+    "inkling_text": _not_computed(
+        "Inkling's relative-position logits, computed from each query's hidden state "
+        "(r_proj times the bank rel_logits_proj.proj, one logit per backward distance below "
+        "rel_extent: no learned table of buckets), and its short convolutions of the keys and "
+        "values (k_sconv, v_sconv: causal depthwise conv1d with a cached state)"
+    ),
     "inkling2_text": _not_computed(
-        "Inkling2's relative position bias in the scores and short convolutions"
+        "Inkling2's relative position bias, computed from each query's hidden state "
+        "(relative_position_bias: a linear map, a position-scaled norm, then the bank proj, "
+        "one logit per backward distance below rel_extent: no learned table of buckets), and "
+        "its short convolutions of the projections (sconv: causal depthwise conv1d with a "
+        "cached state)"
     ),
     "inkling2_loop_text": _not_computed(
-        "Inkling2-Loop's relative position bias in the scores and short convolutions"
+        "Inkling2-Loop's relative position bias, computed from each query's hidden state "
+        "(relative_position_bias: a linear map, a position-scaled norm, then the bank proj, "
+        "one logit per backward distance below rel_extent: no learned table of buckets), and "
+        "its short convolutions of the projections (sconv: causal depthwise conv1d with a "
+        "cached state)"
     ),
     "zaya": _not_computed(
         "ZAYA's compressed convolutional attention (queries and keys through convolutions)"
