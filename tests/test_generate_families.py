@@ -11,7 +11,6 @@ stage before the head, xIELU...) also computes in float64 what transformers does
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -60,8 +59,8 @@ def build(model_type: str, folder: Path, **changes: Any) -> Path:
                 tensor.normal_(0.0, 0.3) if name.endswith("bias") else tensor.add_(
                     torch.randn_like(tensor) * 0.3
                 )
-            elif name.endswith("correct_output_scale"):  # Gemma 3n's AltUp: zeros at first
-                tensor.normal_(1.0, 0.3)
+            elif name.endswith(("correct_output_scale", "router.scale", "per_expert_scale")):
+                tensor.normal_(1.0, 0.3)  # Gemma 3n's AltUp's (zeros), Gemma 4's router's (ones)
         for name, tensor in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4's: ones at first
                 tensor.uniform_(0.5, 1.5)
@@ -124,7 +123,9 @@ def test_a_family_generates_what_transformers_generates(
 
 def _generates_what_transformers_generates(
     folder: Path, model_type: str, label: str, record_error
-) -> None:
+) -> np.ndarray:
+    """The check of :func:`test_a_family_generates_what_transformers_generates`; the
+    prompt's last logits of transformers' model."""
     from mha.models import Decoder
 
     expected_tokens, expected_logits = transformers_generate(folder, model_type)
@@ -137,6 +138,7 @@ def _generates_what_transformers_generates(
     assert record_error(f"mha.models {label}, float32 logits", max(errors)) <= 1e-4
     assert tokens == expected_tokens
     assert seconds < 30, f"{label}: {seconds:.1f} s for {NEW_TOKENS} tokens"
+    return expected_logits[0]
 
 
 _SHARING = {
@@ -144,41 +146,57 @@ _SHARING = {
     "per_layer_config": {"1": {"head_dim": 16}, "3": {"head_dim": 16}},
 }
 GEMMA_VARIANTS = {
-    "gemma4_text": {
-        "num_kv_shared_layers": 2,
-        "attention_k_eq_v": True,
-        "use_double_wide_mlp": True,
-        "final_logit_softcapping": 30.0,
-        **_SHARING,
-    },
-    "gemma4_unified_text": {"num_kv_shared_layers": 2, "use_double_wide_mlp": True, **_SHARING},
-    "gemma3n_text": {"activation_sparsity_pattern": [0.95, 0.5, 0.0, 0.3]},
-}
+    "gemma4_text": ("gemma4_text", {
+        "num_kv_shared_layers": 2, "attention_k_eq_v": True, "use_double_wide_mlp": True,
+        "final_logit_softcapping": 30.0, **_SHARING,
+    }),
+    "gemma4_text, experts": ("gemma4_text", {
+        "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+        "moe_intermediate_size": 16,
+    }),
+    "gemma4_unified_text": ("gemma4_unified_text", {
+        "num_kv_shared_layers": 2, "use_double_wide_mlp": True, **_SHARING,
+    }),
+    "gemma3n_text": ("gemma3n_text", {"activation_sparsity_pattern": [0.95, 0.5, 0.0, 0.3]}),
+}  # fmt: skip
 """What the census's tiny Gemma configs lack: Gemma 4's last two layers attending with the
 keys and values of layers 0 and 1 (its sliding and full layers alternating, the full ones'
 heads 16 wide), with the values of the full layers their keys' projection, the sharing
-layers' MLPs twice as wide and the logits capped; Gemma 3n's activation sparsity (its MLPs'
-gates cut below their mean plus a normal quantile of standard deviations)."""
+layers' MLPs twice as wide and the logits capped; Gemma 4's mixture of experts beside its
+MLP (its router's scales drawn at random, each of them and the mixture's norm shown to
+matter: read as ones, the prompt's logits are not within 1e-2); Gemma 3n's activation
+sparsity (its MLPs' gates cut below their mean plus a normal quantile of standard
+deviations)."""
 
 
-@pytest.mark.parametrize("model_type", sorted(GEMMA_VARIANTS))
+EXPERT_TENSORS = ("router.scale", "router.per_expert_scale", "post_feedforward_layernorm_2.weight")
+
+
+@pytest.mark.parametrize("variant", sorted(GEMMA_VARIANTS))
 def test_gemma_variants_generate_what_transformers_generates(
-    model_type, torch, transformers, tmp_path, record_error
+    variant, torch, transformers, tmp_path, record_error, monkeypatch
 ):
-    from mha.models import Decoder, UnsupportedModelError
+    from mha.models import Decoder, UnsupportedModelError, layers
 
-    folder = build(model_type, tmp_path, **GEMMA_VARIANTS[model_type])
-    _generates_what_transformers_generates(
-        folder, model_type, f"{model_type} (variant)", record_error
+    model_type, changes = GEMMA_VARIANTS[variant]
+    folder = build(model_type, tmp_path, **changes)
+    first = _generates_what_transformers_generates(
+        folder, model_type, f"{variant} (variant)", record_error
     )
-    if model_type != "gemma3n_text":  # a sharing layer reads its owner's mha.KVCache
+    take = layers.Tensors.take
+    for name in EXPERT_TENSORS if changes.get("enable_moe_block") else ():
+
+        def ones(self, key, name=name):
+            array = take(self, key)
+            return np.ones_like(array) if key == name else array
+
+        monkeypatch.setattr(layers.Tensors, "take", ones)
+        _, logits = Decoder(folder).generate(PROMPT, 1)
+        assert relative_error(logits[0], first) > 1e-2, name
+    monkeypatch.undo()
+    if changes.get("num_kv_shared_layers"):  # a sharing layer reads its owner's mha.KVCache
         with pytest.raises(UnsupportedModelError, match="use the contiguous cache"):
             Decoder(folder, cache="paged").generate(PROMPT, 1)
-    if model_type == "gemma4_text":  # Gemma 4's experts beside its MLP: refused by name
-        config = json.loads((folder / "config.json").read_text())
-        (folder / "config.json").write_text(json.dumps(config | {"enable_moe_block": True}))
-        with pytest.raises(UnsupportedModelError, match="enable_moe_block=True"):
-            Decoder(folder)
 
 
 def _without_scalars(decoder) -> None:

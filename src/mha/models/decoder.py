@@ -35,7 +35,15 @@ from ..integrations.readers import FAMILIES as READERS
 from ..integrations.readers.config import Settings
 from ..integrations.readers.layouts import attention_prefix
 from .families import FAMILIES, NOT_WRITTEN
-from .gemma import GemmaLayer, PerLayerInputs, altup_layer, merge, sparse_mlp, spread
+from .gemma import (
+    GemmaLayer,
+    PerLayerInputs,
+    altup_layer,
+    gemma4_moe,
+    merge,
+    sparse_mlp,
+    spread,
+)
 from .layers import (
     ACTIVATIONS,
     LEARNED_ACTIVATIONS,
@@ -314,6 +322,12 @@ class Decoder:
             if kind == "experts"
             else deepseek_mlp(tensors, self.config, act, i)
         )
+        if family.stages is not None and self.settings.get("enable_moe_block"):
+            k = int(self._setting("top_k_experts"))  # Gemma 4's experts beside its MLP
+            before = norms[2]
+            assert before is not None  # its pre_feedforward_layernorm
+            mlp = gemma4_moe(tensors, act, mlp, before[0], self._rms, self.eps, k)
+            norms = (*norms[:2], None, norms[3])  # the MLP's first norm inside it
         stages = None
         if family.stages is not None:
             altup = None

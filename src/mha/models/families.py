@@ -221,11 +221,6 @@ def _minicpm3_logits(get: Config) -> float:
     return float(base) / float(get("hidden_size"))
 
 
-def _gemma4(family: Family, get: Config) -> Family:
-    _refuse(get, "enable_moe_block", False, "Gemma 4's mixture of experts beside its MLP")
-    return family
-
-
 # ---------------------------------------------------------------- the families
 
 LLAMA = Family(PRE)
@@ -453,9 +448,9 @@ FAMILIES: dict[str, Family] = {
 FAMILIES["granite_swa"] = FAMILIES["granite"]
 """The families whose decoder layers mha writes out, by ``model_type``; others are
 refused by name."""
-# Gemma 4 (its norms' weights as they are, layer scalars, per-layer inputs but in unified) and
-# Gemma 3n (AltUp and LAuReL too): the stages of .gemma
-GEMMA4 = dataclasses.replace(GEMMA, norm="gemma4", stages=Stages(scalar=True), adapt=_gemma4)
+# Gemma 4 (its norms' weights as they are, layer scalars, per-layer inputs but in unified,
+# experts beside the MLP with enable_moe_block) and Gemma 3n (AltUp and LAuReL too): .gemma
+GEMMA4 = dataclasses.replace(GEMMA, norm="gemma4", stages=Stages(scalar=True))
 FAMILIES["gemma4_text"] = GEMMA4
 FAMILIES["gemma4_unified_text"] = dataclasses.replace(
     GEMMA4, stages=Stages(per_layer=False, scalar=True)

@@ -8,6 +8,7 @@ NumPy, written from ``modeling_gemma3n.py`` and ``modeling_gemma4.py`` in transf
   embedding times ``hidden_size ** -0.5``, times ``2 ** -0.5``, ``P`` features for each layer;
   each layer ends with ``x + norm(projection(act(gate(x)) * p))`` of its own ``p``;
 * layer scalars (Gemma 4): each layer's output times its ``layer_scalar``;
+* Gemma 4's mixture of experts beside its MLP (``enable_moe_block``): :func:`gemma4_moe`;
 * AltUp and LAuReL (Gemma 3n): the residual stream is ``altup_num_inputs`` streams, the
   first the embeddings and the others their projections rescaled to the same RMS; each
   layer predicts every stream from all of them (coefficients routed by the active stream),
@@ -39,10 +40,22 @@ from .layers import (
     Tensors,
     UnsupportedModelError,
     linear,
+    mixture,
     scaled_rms_norm,
+    top_k,
+    weightless_rms_norm,
 )
 
-__all__ = ["AltUp", "GemmaLayer", "PerLayerInputs", "altup_layer", "merge", "sparse_mlp", "spread"]
+__all__ = [
+    "AltUp",
+    "GemmaLayer",
+    "PerLayerInputs",
+    "altup_layer",
+    "gemma4_moe",
+    "merge",
+    "sparse_mlp",
+    "spread",
+]
 
 Norm = Callable[[np.ndarray, np.ndarray], np.ndarray]
 """An RMSNorm of the model's epsilon: ``norm(x, weight)``."""
@@ -130,6 +143,58 @@ class GemmaLayer:
         if self.per_layer is not None:
             x = x + self.per_layer(x, p)
         return x if self.scalar is None else x * self.scalar
+
+
+def gemma4_moe(
+    tensors: Tensors, act: Function, dense: Function, before: Any, norm: Norm, eps: float, k: int
+) -> Function:
+    """Gemma 4's MLP with its mixture of experts beside it (``enable_moe_block``), a
+    function of the residual stream ``x``: the MLP's output normed
+    (``post_feedforward_layernorm_1``) plus the mixture's (``post_feedforward_layernorm_2``),
+    the MLP reading ``x`` through ``pre_feedforward_layernorm`` (its weight ``before``) and
+    the experts through
+    ``pre_feedforward_layernorm_2``. The router reads ``x`` through an RMSNorm without
+    weights, times its ``scale`` and ``hidden_size ** -0.5``; a softmax in float32 over its
+    logits chooses the ``top_k_experts`` most probable experts, their probabilities
+    renormalised and times each one's ``per_expert_scale``. Each expert is
+    ``down(act(gate(h)) * up(h))``, gate and up one projection ``(2I, D)``."""
+    after_dense, before_experts, after_experts = (
+        tensors.take(f"{name}.weight")
+        for name in (
+            "post_feedforward_layernorm_1",
+            "pre_feedforward_layernorm_2",
+            "post_feedforward_layernorm_2",
+        )
+    )
+    router = tensors.take("router.proj.weight").T
+    router_scale, per_expert = tensors.take("router.scale"), tensors.take("router.per_expert_scale")
+    gate_up, down = tensors.take("experts.gate_up_proj"), tensors.take("experts.down_proj")
+    root = router.dtype.type(router.shape[0] ** -0.5)
+
+    def expert(e: int) -> Function:
+        def run(h: np.ndarray) -> np.ndarray:
+            gate, up = np.split(h @ gate_up[e].T, 2, axis=-1)
+            return (act(gate) * up) @ down[e].T
+
+        return run
+
+    experts = [expert(e) for e in range(len(gate_up))]
+
+    def mlp(x: np.ndarray) -> np.ndarray:
+        flat = x.reshape(-1, x.shape[-1])
+        logits = ((weightless_rms_norm(flat, None, None, eps) * router_scale) * root) @ router
+        logits = logits.astype(np.float32)
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+        chosen = top_k(probs, k)
+        weights = np.take_along_axis(probs, chosen, axis=-1)
+        weights = weights / weights.sum(axis=-1, keepdims=True) * per_expert[chosen]
+        mixed = mixture(experts, norm(flat, before_experts), chosen, weights)
+        return norm(dense(norm(x, before)), after_dense) + norm(
+            mixed.reshape(x.shape), after_experts
+        )
+
+    return mlp
 
 
 # ---------------------------------------------------------------- AltUp and LAuReL
