@@ -151,12 +151,11 @@ def gemma4_moe(
     """Gemma 4's MLP with its mixture of experts beside it (``enable_moe_block``), a
     function of the residual stream ``x``: the MLP's output normed
     (``post_feedforward_layernorm_1``) plus the mixture's (``post_feedforward_layernorm_2``),
-    the MLP reading ``x`` through ``pre_feedforward_layernorm`` (its weight ``before``) and
-    the experts through
-    ``pre_feedforward_layernorm_2``. The router reads ``x`` through an RMSNorm without
-    weights, times its ``scale`` and ``hidden_size ** -0.5``; a softmax in float32 over its
-    logits chooses the ``top_k_experts`` most probable experts, their probabilities
-    renormalised and times each one's ``per_expert_scale``. Each expert is
+    the MLP reading ``x`` through ``pre_feedforward_layernorm`` (its weight ``before``), the
+    experts through ``pre_feedforward_layernorm_2``. The router reads ``x`` through an
+    RMSNorm without weights, times its ``scale`` and ``hidden_size ** -0.5``; a softmax in
+    float32 over its logits chooses the ``top_k_experts`` most probable experts, their
+    probabilities renormalised and times each one's ``per_expert_scale``. Each expert is
     ``down(act(gate(h)) * up(h))``, gate and up one projection ``(2I, D)``."""
     after_dense, before_experts, after_experts = (
         tensors.take(f"{name}.weight")
