@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -37,14 +38,17 @@ def read_families() -> list[str]:
     ]
 
 
-def build(model_type: str, folder: Path) -> Path:
-    """``model_type``'s tiny model, every norm weight and bias outside the attention
-    drawn at random (a misplaced norm or bias would not show at their initial values),
-    saved in bfloat16 in shards."""
+def build(model_type: str, folder: Path, **changes: Any) -> Path:
+    """``model_type``'s tiny model (its config with ``changes``), every norm weight and bias
+    outside the attention drawn at random (a misplaced norm or bias would not show at their
+    initial values), saved in bfloat16 in shards."""
     import torch
     import transformers
 
     config = census.tiny_config(model_type)
+    if changes:
+        with census._quiet():
+            config = type(config)(**(config.to_dict() | changes))
     model_class = getattr(transformers, census.causal_lm_types()[model_type])
     torch.manual_seed(0)
     with census._quiet():
@@ -55,6 +59,11 @@ def build(model_type: str, folder: Path) -> Path:
                 tensor.normal_(0.0, 0.3) if name.endswith("bias") else tensor.add_(
                     torch.randn_like(tensor) * 0.3
                 )
+            elif name.endswith(("correct_output_scale", "router.scale", "per_expert_scale")):
+                tensor.normal_(1.0, 0.3)  # Gemma 3n's AltUp's (zeros), Gemma 4's router's (ones)
+        for name, tensor in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's: ones at first
+                tensor.uniform_(0.5, 1.5)
     with census._quiet():
         model.to(torch.bfloat16).save_pretrained(folder, max_shard_size=census.SHARD_SIZE)
     return folder
@@ -88,7 +97,7 @@ def test_every_family_read_is_generated_or_refused_by_name(transformers):
         kind for kind in read_families() if kind not in FAMILIES and kind not in NOT_WRITTEN
     ]
     assert not unaccounted, f"read by from_pretrained, neither generated nor refused: {unaccounted}"
-    assert len([kind for kind in read_families() if kind in FAMILIES]) >= 60
+    assert len([kind for kind in read_families() if kind in FAMILIES]) >= 69
 
 
 @pytest.mark.parametrize("model_type", [kind for kind in read_families()])
@@ -109,6 +118,16 @@ def test_a_family_generates_what_transformers_generates(
             keys = list(open_checkpoint(folder))
             assert any(word in key for key in keys for word in ("expert", "router")), keys
         return
+    _generates_what_transformers_generates(folder, model_type, model_type, record_error)
+
+
+def _generates_what_transformers_generates(
+    folder: Path, model_type: str, label: str, record_error
+) -> np.ndarray:
+    """The check of :func:`test_a_family_generates_what_transformers_generates`; the
+    prompt's last logits of transformers' model."""
+    from mha.models import Decoder
+
     expected_tokens, expected_logits = transformers_generate(folder, model_type)
     start = time.perf_counter()
     tokens, logits = Decoder(folder).generate(PROMPT, NEW_TOKENS)
@@ -116,9 +135,125 @@ def test_a_family_generates_what_transformers_generates(
     errors = [
         relative_error(ours, theirs) for ours, theirs in zip(logits, expected_logits, strict=True)
     ]
-    assert record_error(f"mha.models {model_type}, float32 logits", max(errors)) <= 1e-4
+    assert record_error(f"mha.models {label}, float32 logits", max(errors)) <= 1e-4
     assert tokens == expected_tokens
-    assert seconds < 30, f"{model_type}: {seconds:.1f} s for {NEW_TOKENS} tokens"
+    assert seconds < 30, f"{label}: {seconds:.1f} s for {NEW_TOKENS} tokens"
+    return expected_logits[0]
+
+
+_SHARING = {
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "per_layer_config": {"1": {"head_dim": 16}, "3": {"head_dim": 16}},
+}
+GEMMA_VARIANTS = {
+    "gemma4_text": ("gemma4_text", {
+        "num_kv_shared_layers": 2, "attention_k_eq_v": True, "use_double_wide_mlp": True,
+        "final_logit_softcapping": 30.0, **_SHARING,
+    }),
+    "gemma4_text, experts": ("gemma4_text", {
+        "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+        "moe_intermediate_size": 16,
+    }),
+    "gemma4_unified_text": ("gemma4_unified_text", {
+        "num_kv_shared_layers": 2, "use_double_wide_mlp": True, **_SHARING,
+    }),
+    "gemma3n_text": ("gemma3n_text", {"activation_sparsity_pattern": [0.95, 0.5, 0.0, 0.3]}),
+}  # fmt: skip
+"""What the census's tiny Gemma configs lack: Gemma 4's last two layers attending with the
+keys and values of layers 0 and 1 (its sliding and full layers alternating, the full ones'
+heads 16 wide), with the values of the full layers their keys' projection, the sharing
+layers' MLPs twice as wide and the logits capped; Gemma 4's mixture of experts beside its
+MLP (its router's scales drawn at random, each of them and the mixture's norm shown to
+matter: read as ones, the prompt's logits are not within 1e-2); Gemma 3n's activation
+sparsity (its MLPs' gates cut below their mean plus a normal quantile of standard
+deviations)."""
+
+
+EXPERT_TENSORS = ("router.scale", "router.per_expert_scale", "post_feedforward_layernorm_2.weight")
+
+
+@pytest.mark.parametrize("variant", sorted(GEMMA_VARIANTS))
+def test_gemma_variants_generate_what_transformers_generates(
+    variant, torch, transformers, tmp_path, record_error, monkeypatch
+):
+    from mha.models import Decoder, UnsupportedModelError, layers
+
+    model_type, changes = GEMMA_VARIANTS[variant]
+    folder = build(model_type, tmp_path, **changes)
+    first = _generates_what_transformers_generates(
+        folder, model_type, f"{variant} (variant)", record_error
+    )
+    take = layers.Tensors.take
+    for name in EXPERT_TENSORS if changes.get("enable_moe_block") else ():
+
+        def ones(self, key, name=name):
+            array = take(self, key)
+            return np.ones_like(array) if key == name else array
+
+        monkeypatch.setattr(layers.Tensors, "take", ones)
+        _, logits = Decoder(folder).generate(PROMPT, 1)
+        assert relative_error(logits[0], first) > 1e-2, name
+    monkeypatch.undo()
+    if changes.get("num_kv_shared_layers"):  # a sharing layer reads its owner's mha.KVCache
+        with pytest.raises(UnsupportedModelError, match="use the contiguous cache"):
+            Decoder(folder, cache="paged").generate(PROMPT, 1)
+
+
+def _without_scalars(decoder) -> None:
+    for layer in decoder.layers:
+        layer.stages.scalar = None
+
+
+def _without_per_layer_inputs(decoder) -> None:
+    inputs = decoder.per_layer_inputs
+    decoder.per_layer_inputs = lambda ids, x: inputs(ids, x) * 0.0
+
+
+def _without_laurel(decoder) -> None:
+    for layer in decoder.layers:
+        layer.stages.laurel = lambda h: h
+
+
+def _without_correction_scale(decoder) -> None:
+    for layer in decoder.layers:
+        layer.stages.altup.output_scale = None
+
+
+def _one_stream(decoder) -> None:
+    spread = decoder.streams[0]
+    decoder.streams = ([W * 0.0 for W in spread], decoder.streams[1])
+
+
+GEMMA_STAGES = {
+    "gemma4_text": (_without_scalars, _without_per_layer_inputs),
+    "gemma3n_text": (
+        _without_per_layer_inputs, _without_laurel, _without_correction_scale, _one_stream
+    ),
+}  # fmt: skip
+"""Each stage of Gemma 4's and Gemma 3n's decoders (:mod:`mha.models.gemma`) left out."""
+
+
+@pytest.mark.parametrize("model_type", sorted(GEMMA_STAGES))
+def test_each_gemma_stage_matters(model_type, torch, transformers, tmp_path):
+    """The prompt's logits within 1e-4 of transformers', and not within 1e-2 without any
+    one of the stages (each drawn at random in the tiny model, as its norms)."""
+    from mha.models import Decoder
+
+    folder = build(model_type, tmp_path)
+    model_class = getattr(transformers, census.causal_lm_types()[model_type])
+    with census._quiet():
+        model = model_class.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model(torch.tensor([PROMPT])).logits[0].numpy()
+
+    def logits(decoder) -> np.ndarray:
+        return decoder.forward(np.array([PROMPT]), decoder.new_caches(1, len(PROMPT)))[0]
+
+    assert relative_error(logits(Decoder(folder)), expected) <= 1e-4
+    for leave_out in GEMMA_STAGES[model_type]:
+        decoder = Decoder(folder)
+        leave_out(decoder)
+        assert relative_error(logits(decoder), expected) > 1e-2, leave_out.__name__
 
 
 FLOAT64_FAMILIES = {

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..api.cache import KVCache
 from ..api.module import MultiHeadAttention
 from ..api.paged_cache import PagedKVCache
 from ..api.pretrained import from_pretrained
@@ -34,6 +35,15 @@ from ..integrations.readers import FAMILIES as READERS
 from ..integrations.readers.config import Settings
 from ..integrations.readers.layouts import attention_prefix
 from .families import FAMILIES, NOT_WRITTEN
+from .gemma import (
+    GemmaLayer,
+    PerLayerInputs,
+    altup_layer,
+    gemma4_moe,
+    merge,
+    sparse_mlp,
+    spread,
+)
 from .layers import (
     ACTIVATIONS,
     LEARNED_ACTIVATIONS,
@@ -90,11 +100,13 @@ Weights = tuple[np.ndarray | None, np.ndarray | None]  # a norm's weight and bia
 
 class Layer(NamedTuple):
     """One decoder layer: its attention, its norms' weights and biases before attention,
-    after it, before the MLP and after it (``None`` where the family has none), its MLP."""
+    after it, before the MLP and after it (``None`` where the family has none), its MLP,
+    and Gemma 3n's or Gemma 4's stages of its own."""
 
     attention: Any
     norms: tuple[Weights | None, ...]
     mlp: Function
+    stages: GemmaLayer | None = None  # Gemma 3n's and Gemma 4's (.gemma)
 
 
 class Decoder:
@@ -107,7 +119,8 @@ class Decoder:
     ``"paged"`` (``mha.PagedKVCache``, blocks of 16), ``"int8"`` and ``"int4"`` (a
     paged cache quantized per token, groups of 32; float32 only), or ``"kivi8"`` and
     ``"kivi4"`` (KIVI: keys per channel over groups of 32 tokens, values per token, blocks
-    of 32; float32 only).
+    of 32; float32 only). A model whose layers share another's keys and values (Gemma 3n's,
+    Gemma 4's) takes the contiguous cache alone.
     """
 
     def __init__(
@@ -161,8 +174,10 @@ class Decoder:
         if top.head is not None:  # a tied head's bias is its own (ModernBERT's)
             head = [f"{top.head}.bias"] if tied else [f"{top.head}.weight", f"{top.head}.bias"]
             names += [name for name in head if name in keys]
+        names += self._stage_names()
         weights = self._read(checkpoint, names)
         self.embed = weights[f"{top.embed}.weight"]  # (vocab, hidden)
+        self.per_layer_inputs, self.streams = self._stages(weights, count)
         self.positions, self.position_count = self._position_embeddings(top.positions, weights)
         self.embed_norm = self._norm_weights(top.embed_norm, weights)
         self.norm = self._norm_weights(top.norm, weights)
@@ -178,6 +193,34 @@ class Decoder:
         self.layers = [
             self._layer(checkpoint, directory, i, held) for i, held in enumerate(layer_keys)
         ]
+
+    def _stage_names(self) -> list[str]:
+        """The tensors of Gemma 3n's and Gemma 4's stages outside the layers: the per-layer
+        inputs' and the projections in and out of AltUp's streams."""
+        stages, get = self.family.stages, self.settings.get
+        names: list[str] = []
+        if stages is not None and stages.per_layer and get("hidden_size_per_layer_input", 256):
+            names += PerLayerInputs.NAMES
+        if self.family.residual == "altup":
+            n = int(get("altup_num_inputs", 4))
+            for kind in ("altup_projections", "altup_unembed_projections"):
+                names += [f"model.{kind}.{i}.weight" for i in range(n - 1)]
+        return names
+
+    def _stages(self, weights: dict[str, np.ndarray], count: int) -> tuple[Any, Any]:
+        """The per-layer inputs (``None``: none) and AltUp's projections in and out of its
+        streams (``None``: one stream)."""
+        per_layer = streams = None
+        if PerLayerInputs.NAMES[0] in weights:
+            assert self.family.stages is not None
+            per_layer = PerLayerInputs(weights, count, self.eps, self.family.stages.clamp)
+        if self.family.residual == "altup":
+            n = int(self.settings.get("altup_num_inputs", 4))
+            streams = tuple(
+                [weights[f"model.{kind}.{i}.weight"] for i in range(n - 1)]
+                for kind in ("altup_projections", "altup_unembed_projections")
+            )
+        return per_layer, streams
 
     def _setting(self, key: str) -> Any:
         value = self.settings.get(key)
@@ -261,8 +304,11 @@ class Decoder:
         kind, act = family.mlp, self.activation
         if act in LEARNED_ACTIVATIONS.values():
             act = act(tensors, family.act_fn)
+        sparsity = self._sparsity(i)
         mlp = (
-            gated_mlp(tensors, act, "", family.mlp_names)
+            sparse_mlp(tensors, act, sparsity)
+            if sparsity
+            else gated_mlp(tensors, act, "", family.mlp_names)
             if kind == "gated"
             else plain_mlp(tensors, act, family.mlp_names, family.conv1d)
             if kind == "plain"
@@ -276,8 +322,44 @@ class Decoder:
             if kind == "experts"
             else deepseek_mlp(tensors, self.config, act, i)
         )
+        if family.stages is not None and self.settings.get("enable_moe_block"):
+            k = int(self._setting("top_k_experts"))  # Gemma 4's experts beside its MLP
+            before = norms[2]
+            assert before is not None  # its pre_feedforward_layernorm
+            mlp = gemma4_moe(tensors, act, mlp, before[0], self._rms, self.eps, k)
+            norms = (*norms[:2], None, norms[3])  # the MLP's first norm inside it
+        stages = None
+        if family.stages is not None:
+            altup = None
+            if family.residual == "altup":
+                altup = {
+                    "n": int(self.settings.get("altup_num_inputs", 4)),
+                    "active": int(self.settings.get("altup_active_idx", 0)),
+                    "correct_scale": bool(self.settings.get("altup_correct_scale", True)),
+                    "D": self.embed.shape[1],
+                }
+            per_layer = self.per_layer_inputs is not None
+            stages = GemmaLayer(tensors, act, self._rms, per_layer, family.stages.scalar, altup)
         tensors.check_all_taken()
-        return Layer(from_pretrained(directory, layer=i, dtype=self.dtype), norms, mlp)
+        attention = from_pretrained(directory, layer=i, dtype=self.dtype)
+        return Layer(attention, norms, mlp, stages)
+
+    def _sparsity(self, i: int) -> float:
+        """Gemma 3n's activation sparsity of layer ``i``'s MLP (0: none); as its config
+        class fills it in, 0.95 in the first ten layers of a model of more than ten."""
+        if self.family.residual != "altup":
+            return 0.0
+        count = int(self._setting("num_hidden_layers"))
+        pattern = self.settings.get("activation_sparsity_pattern")
+        if pattern is None:
+            pattern = [0.95 if count > 10 and j < 10 else 0.0 for j in range(count)]
+        if isinstance(pattern, (int, float)):
+            pattern = [pattern] * count
+        return float(pattern[i])
+
+    def _rms(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """The family's norm with a weight and no bias (Gemma 3n's and Gemma 4's stages)."""
+        return self.norm_kind.function(x, weight, None, self.eps)
 
     def _read(self, checkpoint: Any, names: list[str]) -> dict[str, np.ndarray]:
         arrays: dict[str, np.ndarray] = checkpoint.read(names, dtype=self.dtype)
@@ -286,10 +368,16 @@ class Decoder:
     def new_caches(self, batch_size: int, capacity: int = 256) -> list[Any]:
         """One cache per layer, of the decoder's kind (a paged one with room for
         ``capacity`` tokens per sequence)."""
+        sources = [getattr(layer.attention, "shares_kv_with", None) for layer in self.layers]
         if self.cache == "contiguous":
-            return [
-                layer.attention.new_cache(batch_size, capacity=capacity) for layer in self.layers
-            ]
+            return self._contiguous_caches(batch_size, capacity, sources)
+        if any(source is not None for source in sources):
+            raise UnsupportedModelError(
+                f"a {self.cache} cache is not an mha.KVCache, which the layers of this model "
+                f"that attend with another layer's keys and values read (layers "
+                f"{[i for i, source in enumerate(sources) if source is not None]}): use the "
+                "contiguous cache for this model"
+            )
         caches = []
         for layer in self.layers:
             attention = layer.attention
@@ -315,6 +403,33 @@ class Decoder:
             caches.append(cache)
         return caches
 
+    def _contiguous_caches(self, batch_size: int, capacity: int, sources: list[Any]) -> list[Any]:
+        """One ``mha.KVCache`` per layer; a layer that attends with another's keys and values
+        (KV sharing) is given that layer's cache, which keeps every position whatever its
+        layer's window (the sharing layer's queries of a prompt see more than the window's
+        last positions; the owner's calls attend within its window all the same)."""
+        owners = {source for source in sources if source is not None}
+        caches: list[Any] = []
+        for i, (layer, source) in enumerate(zip(self.layers, sources, strict=True)):
+            attention = layer.attention
+            if source is not None:
+                caches.append(caches[source])
+            elif i in owners:
+                caches.append(
+                    KVCache(
+                        batch_size,
+                        attention.num_kv_heads,
+                        attention.head_dim,
+                        value_dim=attention.v_head_dim,
+                        capacity=capacity,
+                        dtype=attention.dtype,
+                        sink_tokens=attention.sink_tokens,
+                    )
+                )
+            else:
+                caches.append(attention.new_cache(batch_size, capacity=capacity))
+        return caches
+
     def forward(self, ids: Any, caches: list[Any], query_lengths: Any = None) -> np.ndarray:
         """Logits ``(B, L, vocab)`` for the next tokens ``ids (B, L)`` of each sequence,
         appended to ``caches`` (with ``query_lengths``, only the first ``query_lengths[b]``
@@ -325,9 +440,15 @@ class Decoder:
         if len(caches) != len(self.layers):
             raise ValueError(f"one cache per layer: {len(self.layers)}; got {len(caches)}")
         x = self._embed(ids, caches[0])
+        inputs = None if self.per_layer_inputs is None else self.per_layer_inputs(ids, x)
+        if self.streams is not None:
+            x = spread(x, self.streams[0])
         with _one_blas_thread(ids.size <= FEW):
-            for layer, cache in zip(self.layers, caches, strict=True):
-                x = self._decoder_layer(layer, x, cache, query_lengths)
+            for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+                p = None if inputs is None else inputs[:, :, i]
+                x = self._decoder_layer(layer, x, cache, query_lengths, p)
+            if self.streams is not None:
+                x = merge(x, self.streams[1])
             if self.norm is not None:
                 x = self._norm(x, self.norm)
             if self.before_head is not None:
@@ -349,8 +470,15 @@ class Decoder:
         ids = np.asarray(ids)
         caches = self.new_caches(len(ids), capacity=ids.shape[1])
         x = self._embed(ids, caches[0])
+        inputs = None if self.per_layer_inputs is None else self.per_layer_inputs(ids, x)
+        if self.streams is not None:
+            x = spread(x, self.streams[0])
         for index in range(layer):
-            x = self._decoder_layer(self.layers[index], x, caches[index], None)
+            p = None if inputs is None else inputs[:, :, index]
+            x = self._decoder_layer(self.layers[index], x, caches[index], None, p)
+        stages = self.layers[layer].stages
+        if stages is not None and stages.altup is not None:  # the active stream's prediction
+            x = stages.altup.predict(x)[stages.altup.active]
         before = self.layers[layer].norms[0]
         if self.family.residual != "post" and before is not None:
             x = self._norm(x, before)
@@ -385,9 +513,12 @@ class Decoder:
         assert weights is not None
         return self.norm_kind.function(x, *weights, self.eps)
 
-    def _decoder_layer(self, layer: Layer, x: np.ndarray, cache: Any, lengths: Any) -> np.ndarray:
+    def _decoder_layer(
+        self, layer: Layer, x: np.ndarray, cache: Any, lengths: Any, p: Any = None
+    ) -> np.ndarray:
         """The attention and the MLP added to the residual stream ``x`` as the family adds
-        them (:mod:`.families`), each with its norms."""
+        them (:mod:`.families`), each with its norms; ``p``: the layer's per-layer input
+        (Gemma 3n's and Gemma 4's, :mod:`.gemma`)."""
         before_attention, after_attention, before_mlp, after_mlp = layer.norms
         scale = self.residual_scale
 
@@ -400,6 +531,8 @@ class Decoder:
             return np.asarray(layer.attention(h, cache=cache, query_lengths=lengths))
 
         residual = self.family.residual
+        if residual == "altup":
+            return altup_layer(layer, x, attention, self._rms, p)
         if residual == "parallel":
             a = self._norm(x, before_attention) if before_attention is not None else x
             m = a if before_mlp is None else self._norm(x, before_mlp)
@@ -408,7 +541,8 @@ class Decoder:
             x = self._norm(x + attention(x), after_attention)
             return self._norm(x + layer.mlp(x), after_mlp)
         x = x + branch(attention, before_attention, after_attention, x)
-        return x + branch(layer.mlp, before_mlp, after_mlp, x)
+        x = x + branch(layer.mlp, before_mlp, after_mlp, x)
+        return x if layer.stages is None else layer.stages.finish(x, p)
 
     def generate(self, prompt: list[int], new_tokens: int) -> tuple[list[int], list[np.ndarray]]:
         """Greedy decoding: the prompt's continuation and the logits of each chosen token.

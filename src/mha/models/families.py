@@ -11,7 +11,10 @@ The shapes of layer the rows describe (``residual``):
 * ``"parallel"`` (GPT-J, GPT-NeoX, Phi, Falcon, Cohere): ``x + attention(a) + mlp(m)``, with
   ``a`` the input's first norm and ``m`` its third, or ``a`` again where there is no third;
 * ``"post"`` (GPT-1, OPT-350m): ``x = norm(x + attention(x))``, then
-  ``x = norm(x + mlp(x))``: the norms after the sums.
+  ``x = norm(x + mlp(x))``: the norms after the sums;
+* ``"altup"`` (Gemma 3n): Gemma 2's sandwich on the active one of several residual streams,
+  with AltUp's predictions and corrections of them and LAuReL beside the attention
+  (:mod:`.gemma`).
 
 >>> FAMILIES["gpt2"].residual, FAMILIES["gpt_neox"].top.layers
 ('sequential', 'gpt_neox.layers')
@@ -27,7 +30,7 @@ from typing import Any
 
 from .layers import GATE_UP_DOWN, UnsupportedModelError
 
-__all__ = ["FAMILIES", "NOT_WRITTEN", "Family", "HeadStage", "Positions", "Scales", "Top"]
+__all__ = ["FAMILIES", "NOT_WRITTEN", "Family", "HeadStage", "Positions", "Scales", "Stages", "Top"]
 
 Config = Callable[..., Any]
 """A config's values as its class reads them: ``get(key, default)`` (the readers' Settings)."""
@@ -97,6 +100,18 @@ class Scales:
 
 
 @dataclass(frozen=True)
+class Stages:
+    """Gemma 3n's and Gemma 4's stages beyond the sandwich of norms (:mod:`.gemma`): per-layer
+    inputs where the config's ``hidden_size_per_layer_input`` (default 256) is set
+    (``clamp``: ids outside their table read its row 0), each layer's ``layer_scalar``, and
+    AltUp with LAuReL (``residual="altup"``)."""
+
+    per_layer: bool = True
+    clamp: bool = False
+    scalar: bool = False
+
+
+@dataclass(frozen=True)
 class Family:
     """What a family's decoder layer does around its attention."""
 
@@ -104,7 +119,7 @@ class Family:
     """The layer's norms before attention, after it, before the MLP and after it."""
     norm: str = "llama"  # the kind of every norm: a key of layers.NORMS
     eps_key: str = "rms_norm_eps"
-    residual: str = "sequential"  # or "parallel", "post"
+    residual: str = "sequential"  # or "parallel", "post", "altup" (Gemma 3n's streams)
     mlp: str = "gated"  # or "plain", "fused" (Phi-3), "glu", "gpt_oss", "deepseek", "experts"
     mlp_names: tuple[str, ...] = tuple(f"mlp.{name}" for name in GATE_UP_DOWN)
     """The MLP's projections: gate, up and down (``"gated"``), up and down (``"plain"``),
@@ -124,6 +139,7 @@ class Family:
     refusal naming the setting."""
 
     eps: float | None = None  # where the config has no eps_key (OPT's norms: 1e-5)
+    stages: Stages | None = None  # Gemma 3n's and Gemma 4's
 
     def for_config(self, get: Config) -> Family:
         return self if self.adapt is None else self.adapt(self, get)
@@ -432,6 +448,16 @@ FAMILIES: dict[str, Family] = {
 FAMILIES["granite_swa"] = FAMILIES["granite"]
 """The families whose decoder layers mha writes out, by ``model_type``; others are
 refused by name."""
+# Gemma 4 (its norms' weights as they are, layer scalars, per-layer inputs but in unified,
+# experts beside the MLP with enable_moe_block) and Gemma 3n (AltUp and LAuReL too): .gemma
+GEMMA4 = dataclasses.replace(GEMMA, norm="gemma4", stages=Stages(scalar=True))
+FAMILIES["gemma4_text"] = GEMMA4
+FAMILIES["gemma4_unified_text"] = dataclasses.replace(
+    GEMMA4, stages=Stages(per_layer=False, scalar=True)
+)
+FAMILIES["gemma3n_text"] = dataclasses.replace(
+    GEMMA, norm="gemma4", residual="altup", stages=Stages(clamp=True)
+)
 
 
 def _not_written() -> dict[str, str]:
@@ -458,11 +484,6 @@ def _not_written() -> dict[str, str]:
 MIXTURE = "its mixture of experts (a router and experts of its own kind)"
 OWN_REASONS = {
     "falcon_h1": "its Mamba-2 mixer, which runs beside the attention in each layer",
-    "gemma3n_text": "its AltUp and LAuReL blocks, per-layer inputs and layers that share "
-    "another's keys and values",
-    "gemma4_text": "its per-layer inputs (embed_tokens_per_layer), layer scalars and layers "
-    "that share another's keys and values",
-    "gemma4_unified_text": "its layer scalars and layers that share another's keys and values",
     "hrm_text": "its recurrent L and H stacks (each layer run once a cycle)",
     "doge": "its dynamic mask attention's decoder (and its experts when is_moe)",
 }

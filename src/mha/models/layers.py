@@ -105,6 +105,12 @@ def gemma_norm(x: np.ndarray, weight: Any, bias: Any, eps: float) -> np.ndarray:
     return (_normalise(x, eps) * (1.0 + weight.astype(np.float32))).astype(x.dtype)
 
 
+def scaled_rms_norm(x: np.ndarray, weight: Any, bias: Any, eps: float) -> np.ndarray:
+    """Gemma 3n's and Gemma 4's: times the weight as it is (not ``1 + weight``), in
+    float32, then cast back."""
+    return (_normalise(x, eps) * weight.astype(np.float32)).astype(x.dtype)
+
+
 def layer_norm(x: np.ndarray, weight: Any, bias: Any, eps: float) -> np.ndarray:
     """``nn.LayerNorm`` in ``x``'s dtype: ``(x - mean) / sqrt(var + eps)``, times the
     weight plus the bias where the norm has them."""
@@ -145,6 +151,7 @@ NORMS = {
     "llama": Norm(llama_norm),
     "olmo2": Norm(olmo2_norm),
     "gemma": Norm(gemma_norm),
+    "gemma4": Norm(scaled_rms_norm),
     "layer": Norm(layer_norm, bias=True),
     "float32_layer": Norm(float32_layer_norm),
     "float32_layer_without_weights": Norm(float32_layer_norm, weight=False),
