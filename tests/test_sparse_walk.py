@@ -92,6 +92,7 @@ def test_calls_it_does_not_take_are_walked_masked():
     assert sparse_walk.walks_chosen({"mask": None, "cache": None}, np.dtype(np.float64))
     assert not sparse_walk.walks_chosen({"cache": float32}, np.dtype(np.float64))
     assert not sparse_walk.walks_chosen({"cache": None, "window": 4}, np.dtype(np.float64))
+    assert sparse_walk.walks_chosen({"cache": None, "window": None}, np.dtype(np.float64))
     assert not sparse_walk.walks_chosen({"cache": mha.KVCache(1, 1, 4)}, np.dtype(np.float64))
 
 

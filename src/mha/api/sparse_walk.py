@@ -42,8 +42,8 @@ def walks_chosen(attention: dict[str, Any], dtype: np.dtype) -> bool:
     layer's plain keywords and sinks (no variant that reads the keys' positions), and no
     cache or a contiguous cache of ``dtype`` without a window (the others are walked
     masked)."""
-    if set(attention) - _TAKEN:
-        return False
+    if any(value is not None for name, value in attention.items() if name not in _TAKEN):
+        return False  # a variant set (a window, a temperature): the masked walk
     cache = attention.get("cache")
     return cache is None or (
         type(cache).__name__ == "SparseKVCache"
