@@ -396,7 +396,7 @@ def test_every_row_of_the_table_has_a_tiny_model_compared_here(transformers):
     }
     assert set(readers.FAMILIES) <= compared, set(readers.FAMILIES) - compared
     causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    assert set(readers.FAMILIES) <= set(causal)
+    assert set(readers.FAMILIES) - set(causal) <= {"mistral4"}  # outside it in 5.24
 
 
 def test_a_renamed_family_is_one_row(tmp_path, monkeypatch, transformers, record_error):

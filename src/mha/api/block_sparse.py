@@ -260,7 +260,8 @@ class BlockSparseSpec(LayerSpec):
     ``softcap``, ``alibi``, ``chunk``, ``scale``, ``qk_norm``, ``qk_norm_eps``,
     ``qk_norm_offset``, ``add_zero_attn``, ``output_gate``, ``output_gate_per_head``,
     ``query_temperature``, ``v_head_dim``, ``clip_qkv``, ``qk_layernorm``,
-    ``qk_norm_after_rope``, ``v_norm``, ``shares_kv_with``), with its indexer
+    ``qk_norm_after_rope``, ``v_norm``, ``shares_kv_with``, ``output_norm``,
+    ``output_norm_eps``), with its indexer
     ``block_indexer`` (a :class:`BlockIndexerSpec` or a
     :class:`~mha.api.qsa.QSAIndexerSpec`).
 

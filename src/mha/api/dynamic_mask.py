@@ -64,7 +64,8 @@ class DynamicMaskSpec(LayerSpec):
     ``softcap``, ``alibi``, ``chunk``, ``scale``, ``qk_norm``, ``qk_norm_eps``,
     ``qk_norm_offset``, ``add_zero_attn``, ``output_gate``, ``output_gate_per_head``,
     ``query_temperature``, ``v_head_dim``, ``clip_qkv``, ``qk_layernorm``,
-    ``qk_norm_after_rope``, ``v_norm``, ``shares_kv_with``), with ``keep_window_size``
+    ``qk_norm_after_rope``, ``v_norm``, ``shares_kv_with``, ``output_norm``,
+    ``output_norm_eps``), with ``keep_window_size``
     (``None``: every key kept).
 
     >>> DynamicMaskSpec(num_heads=4, keep_window_size=8).kind

@@ -486,6 +486,8 @@ OWN_REASONS = {
     "falcon_h1": "its Mamba-2 mixer, which runs beside the attention in each layer",
     "hrm_text": "its recurrent L and H stacks (each layer run once a cycle)",
     "doge": "its dynamic mask attention's decoder (and its experts when is_moe)",
+    "bitnet": "its MLP's RMSNorm before down_proj (ffn_sub_norm) and its attention's output "
+    "norm in the decoder",
 }
 """What the families that are neither a mixture nor a hybrid of the readers' kind lack."""
 

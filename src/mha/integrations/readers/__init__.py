@@ -47,13 +47,13 @@ from ...api.configuration import LayerSpec
 from ...api.differential import DifferentialSpec
 from ...api.dynamic_mask import DynamicMaskSpec
 from ...api.latent import LatentSpec
-from ...errors import WeightsFileError
+from ...errors import AttentionValueError, WeightsFileError
 from ..checkpoint import open_checkpoint
 from .attention import completed, describe
 from .config import Settings, Source, layer_index
 from .family import Family
 from .layouts import attention_prefix, attentions_per_layer, check_names, lay_out, stack_heads
-from .registry import FAMILIES, REFUSED, SUPPORTED, family_of, register
+from .registry import FAMILIES, REFUSED, SUPPORTED, register
 from .rope import check_rope
 
 __all__ = [
@@ -151,3 +151,18 @@ def _layers(family: Family, read: Settings) -> int:
     if family.hybrid is not None and family.hybrid.counts:
         return len(family.hybrid.types(read, None))
     return int(read.positive("num_hidden_layers")) * attentions_per_layer(family.tensors.path)
+
+
+def family_of(config: dict[str, Any], path: Any) -> Family:
+    """The row of ``config``'s ``model_type``, or a refusal that names it and the reason."""
+    model_type = config.get("model_type")
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is not None:
+        return family
+    reason = "config.json names no model_type"
+    if isinstance(model_type, str):
+        reason = REFUSED.get(model_type, "it is not supported")
+    raise AttentionValueError(
+        f"{path}: model_type {model_type!r}: {reason}; the model types mha reads are "
+        f"{', '.join(FAMILIES)}"
+    )

@@ -14,9 +14,6 @@ function (a window rule, a scale) and a row that names it. Rows registered later
 
 from __future__ import annotations
 
-from typing import Any
-
-from ...errors import AttentionValueError
 from . import (
     alibi,
     blocksparse,
@@ -110,7 +107,7 @@ from .windows import (
     by_layer_types,
 )
 
-__all__ = ["FAMILIES", "REFUSED", "SUPPORTED", "family_of", "register"]
+__all__ = ["FAMILIES", "REFUSED", "SUPPORTED", "register"]
 
 FAMILIES: dict[str, Family] = {}
 """The families read, by ``model_type``."""
@@ -798,18 +795,3 @@ register(*recurrent.ROWS)
 
 SUPPORTED = tuple(FAMILIES)
 """The families of the table as mha defines it (before any :func:`register`)."""
-
-
-def family_of(config: dict[str, Any], path: Any) -> Family:
-    """The row of ``config``'s ``model_type``, or a refusal that names it and the reason."""
-    model_type = config.get("model_type")
-    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
-    if family is not None:
-        return family
-    reason = "config.json names no model_type"
-    if isinstance(model_type, str):
-        reason = REFUSED.get(model_type, "it is not supported")
-    raise AttentionValueError(
-        f"{path}: model_type {model_type!r}: {reason}; the model types mha reads are "
-        f"{', '.join(FAMILIES)}"
-    )
