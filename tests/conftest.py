@@ -12,6 +12,8 @@ import pytest
 from support.fuzz import tally as fuzz_tally
 
 REQUIRE_TORCH = os.environ.get("MHA_REQUIRE_TORCH") == "1"
+# the model oracles (transformers): the full tier's, which sets MHA_REQUIRE_TRANSFORMERS=1
+REQUIRE_TRANSFORMERS = os.environ.get("MHA_REQUIRE_TRANSFORMERS") == "1"
 
 # Worst relative error seen per comparison family, printed at the end of the run.
 WORST_ERRORS: dict[str, float] = defaultdict(float)
@@ -32,13 +34,16 @@ def torch() -> Any:
 
 @pytest.fixture(scope="session")
 def transformers(torch: Any) -> Any:
-    """Hugging Face transformers for the model oracles: required with torch in CI."""
+    """Hugging Face transformers for the model oracles (the ``transformers`` extra): required
+    in the full tier (MHA_REQUIRE_TRANSFORMERS=1); the torch tier runs without them."""
     try:
         import transformers
     except ImportError:
-        if REQUIRE_TORCH:
-            pytest.fail("MHA_REQUIRE_TORCH=1 but transformers cannot be imported")
-        pytest.skip("transformers is not installed: its comparisons skipped")
+        if REQUIRE_TRANSFORMERS:
+            pytest.fail("MHA_REQUIRE_TRANSFORMERS=1 but transformers cannot be imported")
+        pytest.skip(
+            "transformers is not installed (the transformers extra): its comparisons skipped"
+        )
     return transformers
 
 

@@ -132,7 +132,9 @@ def test_split_head_gradients_with_groups_and_windows_match_autograd(seed, torch
         assert record_error("split-head gradients vs autograd, float64", error) <= 1e-10, name
 
 
-def test_a_decoder_layer_with_rotary_groups_and_a_window_matches_autograd(torch, record_error):
+def test_a_decoder_layer_with_rotary_groups_and_a_window_matches_autograd(
+    torch, transformers, record_error
+):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     attention = mha.MultiHeadAttention(

@@ -515,7 +515,7 @@ def test_gradients_match_autograd(case, seed, torch, record_error):
         assert record_error("variant gradients vs autograd", error) <= 1e-10, name
 
 
-def test_sinks_match_gpt_oss_and_alibi_matches_bloom(torch, record_error):
+def test_sinks_match_gpt_oss_and_alibi_matches_bloom(torch, transformers, record_error):
     from transformers.models.bloom.modeling_bloom import build_alibi_tensor
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
