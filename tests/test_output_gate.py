@@ -43,6 +43,28 @@ def torch_gated(torch, t, per_head, act, memory=None):
     return gated.reshape(B, -1, E) @ t["W_o"]
 
 
+@pytest.mark.parametrize("rows", [4, 1000])
+@pytest.mark.parametrize(("per_head", "act"), KINDS, ids=IDS)
+def test_the_gate_made_by_blocks_of_rows_matches_torch(per_head, act, rows, torch, tuned):
+    """Two workers share the gate's product by blocks of 4 rows (each gating its rows of the
+    joined heads as it makes them) or, with too few rows to go round, by columns: torch's
+    answer either way, and the same gradients."""
+    tuned(matmul_rows=rows, matmul_max_rows=rows)
+    X, W_q, W_k, W_v, W_o, W_g, b_g = arrays(2, per_head)
+    given = dict(X=X, W_q=W_q, W_k=W_k, W_v=W_v, W_o=W_o, W_g=W_g, b_g=b_g)
+    out, backward = mha.multi_head_attention(
+        X, X, X, W_q, W_k, W_v, W_o, H, causal=True, W_g=W_g, b_g=b_g, output_gate=act,
+        workers=2, return_backward=True,
+    )  # fmt: skip
+    t = {name: torch.tensor(a, requires_grad=True) for name, a in given.items()}
+    expected = torch_gated(torch, t, per_head, act)
+    assert relative_error(out, expected.detach().numpy()) <= 1e-13
+    grad = np.random.default_rng(3).standard_normal(out.shape)
+    (expected * torch.from_numpy(grad)).sum().backward()
+    ours = backward(grad)
+    assert relative_error(ours["W_g"], t["W_g"].grad.numpy()) <= 1e-10
+
+
 @pytest.mark.parametrize(("per_head", "act"), KINDS, ids=IDS)
 def test_the_gate_and_its_gradients_match_torch(per_head, act, torch, record_error):
     X, W_q, W_k, W_v, W_o, W_g, b_g = arrays(0, per_head)

@@ -128,21 +128,30 @@ def test_the_indexer_scores_in_tiles_equal_its_formula(tile_bytes, monkeypatch):
 
 def test_the_walk_takes_each_of_its_ways(monkeypatch):
     """The cases above reach tiles of several queries (masked among the keys they
-    gathered), single queries (no mask) and tiles walked over all keys."""
+    gathered), tiles walked over all keys, and queries walked alone, gathered, several in
+    one call of the kernel (their keys' counts as its key lengths where they differ)."""
     ways = set()
-    attend = sparse_walk._attend_tile
+    attend, alone = sparse_walk._attend_tile, sparse_walk.scaled_dot_product_attention
 
     def spy(q, keys, picked, used, *rest):
         gathered = 2 * used.size <= keys.shape[-2]
         ways.add((q.shape[1] > 1, gathered, bool(picked[:, used].all())))
         return attend(q, keys, picked, used, *rest)
 
+    def spy_alone(q, k, v, **keywords):
+        if keywords.get("mask") is None:  # the queries walked alone
+            ways.add(("alone", q.shape[0] > 1, keywords["key_lengths"] is not None))
+        return alone(q, k, v, **keywords)
+
     monkeypatch.setattr(sparse_walk, "_attend_tile", spy)
+    monkeypatch.setattr(sparse_walk, "scaled_dot_product_attention", spy_alone)
     monkeypatch.setattr(sparse_walk, "GATHERED_BYTES", 5000)
     x = np.random.default_rng(7).standard_normal((1, 40, 32))
     layer(7)(x, mask=True)
     layer(30)(x, mask=True)
-    assert {(True, True, False), (False, True, True), (False, False, True)} <= ways, ways
+    expected = {(True, True, False), (False, False, True), ("alone", True, True),
+                ("alone", True, False)}  # fmt: skip
+    assert expected <= ways, ways
 
 
 def test_sinks_are_walked_with_the_chosen_keys(monkeypatch):

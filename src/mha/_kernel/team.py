@@ -215,12 +215,20 @@ class Team:
             raise
 
     def matmul(
-        self, x: np.ndarray, W: np.ndarray, b: np.ndarray | None = None, overwrite: bool = False
+        self,
+        x: np.ndarray,
+        W: np.ndarray,
+        b: np.ndarray | None = None,
+        overwrite: bool = False,
+        then: Callable[[slice, np.ndarray], None] | None = None,
     ) -> np.ndarray:
         """``x @ W (+ b)`` for ``x (..., n)``, shared among the workers by blocks of rows, or
         by blocks of ``W``'s columns when there are too few rows to go round. ``overwrite``:
         the result may take ``x``'s memory (block by block through a small buffer), when
-        ``W`` is square and ``x`` contiguous in the result's dtype; ``x`` is then lost."""
+        ``W`` is square and ``x`` contiguous in the result's dtype; ``x`` is then lost.
+        ``then(rows, block)``: called on each block of the result's rows (``rows`` a slice
+        of the flattened rows) by the worker that made it, while it is in cache (on the
+        whole result, once, when the blocks are of columns)."""
         n, m = math.prod(x.shape[:-1]), W.shape[1]
         rows = x.reshape(n, x.shape[-1])  # not (-1, width): the width may be 0
         dtype = np.result_type(x, W)
@@ -234,7 +242,7 @@ class Team:
             and x.dtype == dtype
             and x.flags.c_contiguous
         ):
-            return self._matmul_over(x, rows, W)
+            return self._matmul_over(x, rows, W)  # (not with then: never asked together)
         out = np.empty((n, m), dtype=dtype)
         if by_rows:
             step = self._rows_per_task(n)
@@ -249,10 +257,14 @@ class Team:
                 np.matmul(rows[lo], W[:, cols], out=out[lo, cols])
                 if b is not None:
                     out[lo, cols] += b[cols]
+                if then is not None and by_rows:
+                    then(lo, out[lo])
 
             return multiply
 
         self.run(spans, make_worker)
+        if then is not None and not by_rows:
+            then(slice(None), out)
         return out.reshape((*x.shape[:-1], m))
 
     def matmul_heads(

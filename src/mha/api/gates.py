@@ -136,10 +136,32 @@ class OutputGate:
         and the inputs; the derivative itself is computed by the backward alone.
         ``matmul(x, W, b)``: the layer's matrix product (its thread team's), for the
         logits."""
+        if matmul is not None and self.activation == "sigmoid":
+            return self._fused(joined, inputs, matmul)
         z = self._logits(inputs, joined.dtype, matmul)
         kept = None if self.activation == "sigmoid" else z
         g = _activation(self.activation, z)
         return self._gated(joined, g), (joined, g, kept, inputs)
+
+    def _fused(self, joined: np.ndarray, inputs: np.ndarray, matmul: Any) -> tuple[Any, Any]:
+        """:meth:`forward`'s sigmoid gate by the layer's thread team: each worker turns its
+        block of logits into the gate and gates its rows of the joined heads while the
+        block is in cache (the same operations, row by row, as the unfused path)."""
+        gated = np.empty_like(joined)
+        rows_in = joined.reshape(-1, joined.shape[-1])
+        rows_out = gated.reshape(rows_in.shape)
+
+        def then(rows: slice, z: np.ndarray) -> None:
+            g = _activation("sigmoid", z)
+            if self.per_head:
+                rows_out[rows] = self._gated(rows_in[rows], g)
+            else:
+                np.multiply(rows_in[rows], g, out=rows_out[rows])
+
+        x, W = inputs.astype(joined.dtype, copy=False), self.W_g.astype(joined.dtype, copy=False)
+        b = None if self.b_g is None else self.b_g.astype(joined.dtype, copy=False)
+        g = matmul(x, W, b, then=then)
+        return gated, (joined, g, None, inputs)
 
     def backward(
         self, d_out: np.ndarray, saved: Any

@@ -99,6 +99,7 @@ def _walk(
     """``q (B, H, L, D)`` over ``keys (B, 1, S, D)`` where ``chosen (B, L, S)``."""
     B, H, L, D = q.shape
     out = np.zeros((B, H, L, r), q.dtype)
+    alone: list[tuple[int, int, np.ndarray]] = []  # (sequence, query, its keys)
     for b in range(B):
         counts = chosen[b].sum(-1)
         # As many queries a tile as keep their keys within GATHERED_BYTES, at least one.
@@ -110,10 +111,50 @@ def _walk(
             if stop - start > 1 and used.size > 2 * counts[start:stop].max():
                 stop = start + 1  # the tile's queries share few keys: one query at a time
                 used = np.flatnonzero(chosen[b, start])
-            _attend_tile(q[b, :, start:stop], keys[b], chosen[b, start:stop], used, r, scale,
-                         kernel, out[b, :, start:stop])  # fmt: skip
+            if stop - start == 1 and 0 < 2 * used.size <= keys.shape[-2]:
+                alone.append((b, start, used))
+            else:
+                _attend_tile(q[b, :, start:stop], keys[b], chosen[b, start:stop], used, r,
+                             scale, kernel, out[b, :, start:stop])  # fmt: skip
             start = stop
+    _attend_alone(q, keys, alone, r, scale, kernel, out)
     return out
+
+
+def _attend_alone(
+    q: np.ndarray,
+    keys: np.ndarray,
+    alone: list[tuple[int, int, np.ndarray]],
+    r: int,
+    scale: float,
+    kernel: dict[str, Any],
+    out: np.ndarray,
+) -> None:
+    """The queries walked alone, ``(b, l, keys chosen)``, each over its own keys, gathered:
+    as many in one call of the kernel (one a row of its batch, its keys' count the row's
+    key length) as keep their keys within ``GATHERED_BYTES``. A decoding step's sequences
+    are attended together, as a dense step's are."""
+    D, start = q.shape[-1], 0
+    while start < len(alone):
+        stop, width = start + 1, alone[start][2].size
+        while stop < len(alone):
+            wider = max(width, alone[stop][2].size)
+            if (stop + 1 - start) * wider * D * q.itemsize > GATHERED_BYTES:
+                break
+            stop, width = stop + 1, wider
+        rows = alone[start:stop]
+        at = np.zeros((len(rows), width), np.intp)  # a row's keys, then its first key again
+        lengths = np.array([used.size for _, _, used in rows])
+        for i, (_, _, used) in enumerate(rows):
+            at[i, : used.size] = used
+        seq, query = np.array([row[0] for row in rows]), np.array([row[1] for row in rows])
+        k = keys[seq[:, None], 0, at][:, None]  # (n, 1, width, D)
+        short = None if (lengths == width).all() else lengths
+        got = scaled_dot_product_attention(
+            q[seq, :, query][:, :, None], k, k[..., :r], key_lengths=short, scale=scale, **kernel
+        )
+        out[seq, :, query] = got[:, :, 0]
+        start = stop
 
 
 def _attend_tile(
