@@ -298,6 +298,9 @@ class BlockSparseAttention(MultiHeadAttention):
     [2, 2, 2, 2]
     """
 
+    not_saved = "its indexer"
+    not_torch = "block-sparse attention (an indexer picks the keys)"
+
     W_index_q: np.ndarray
     W_index_k: np.ndarray
     index_q_norm: np.ndarray
@@ -503,23 +506,3 @@ class BlockSparseAttention(MultiHeadAttention):
     def __repr__(self) -> str:
         plain = super().__repr__().removeprefix("MultiHeadAttention(")
         return f"BlockSparseAttention(indexer={self.indexer}, {plain}"
-
-    def save(self, path: Any) -> None:
-        """Refused, whatever ``path``: a saved file has no place for the indexer yet.
-
-        >>> layer = BlockSparseAttention(8, 2, indexer=BlockIndexerSpec(2, 1, 1, 2, 4))
-        >>> layer.save("a.npz")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        mha.AttentionValueError: a BlockSparseAttention is not saved to .npz files ...
-        """
-        raise AttentionValueError(
-            "a BlockSparseAttention is not saved to .npz files (its indexer has no place in "
-            "them yet): keep attention.spec and its weights()"
-        )
-
-    def _check_torch_layout(self) -> None:
-        raise AttentionValueError(
-            "torch.nn.MultiheadAttention cannot hold block-sparse attention (an indexer picks "
-            f"the keys): {self!r}"
-        )

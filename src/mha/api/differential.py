@@ -181,6 +181,9 @@ class DifferentialAttention(MultiHeadAttention):
     ((1, 6, 16), (4,))
     """
 
+    not_saved = "its lambda vectors and lambda_init"
+    not_torch = "differential attention (two softmaxes weighted by lambda, a group norm)"
+
     lambda_q1: np.ndarray
     lambda_k1: np.ndarray
     lambda_q2: np.ndarray
@@ -303,22 +306,3 @@ class DifferentialAttention(MultiHeadAttention):
     def __repr__(self) -> str:
         plain = super().__repr__().removeprefix("MultiHeadAttention(")
         return f"DifferentialAttention(lambda_init={self.lambda_init}, {plain}"
-
-    def save(self, path: Any) -> None:
-        """Refused, whatever ``path``: a saved file has no place for ``lambda`` yet.
-
-        >>> DifferentialAttention(8, 2).save("a.npz")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        mha.AttentionValueError: a DifferentialAttention is not saved to .npz files ...
-        """
-        raise AttentionValueError(
-            "a DifferentialAttention is not saved to .npz files (its lambda vectors and "
-            "lambda_init have no place in them yet): keep attention.spec and its weights()"
-        )
-
-    def _check_torch_layout(self) -> None:
-        raise AttentionValueError(
-            "torch.nn.MultiheadAttention cannot hold differential attention (two softmaxes "
-            f"weighted by lambda, a group norm): {self!r}"
-        )

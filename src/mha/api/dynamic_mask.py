@@ -134,6 +134,9 @@ class DynamicMaskAttention(MultiHeadAttention):
     ['A', 'W_dt', 'W_k']
     """
 
+    not_saved = "W_dt, b_dt, A and keep_window_size"
+    not_torch = "dynamic mask attention (a bias of each key computed from the values)"
+
     W_dt: np.ndarray
     b_dt: np.ndarray | None
     A: np.ndarray
@@ -333,22 +336,3 @@ class DynamicMaskAttention(MultiHeadAttention):
     def __repr__(self) -> str:
         plain = super().__repr__().removeprefix("MultiHeadAttention(")
         return f"DynamicMaskAttention(keep_window_size={self.keep_window_size}, {plain}"
-
-    def save(self, path: Any) -> None:
-        """Refused, whatever ``path``: a saved file has no place for the dynamic mask yet.
-
-        >>> DynamicMaskAttention(8, 2).save("a.npz")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        mha.AttentionValueError: a DynamicMaskAttention is not saved to .npz files ...
-        """
-        raise AttentionValueError(
-            "a DynamicMaskAttention is not saved to .npz files (W_dt, b_dt, A and "
-            "keep_window_size have no place in them yet): keep attention.spec and its weights()"
-        )
-
-    def _check_torch_layout(self) -> None:
-        raise AttentionValueError(
-            "torch.nn.MultiheadAttention cannot hold dynamic mask attention (a bias of each "
-            f"key computed from the values): {self!r}"
-        )

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -23,7 +23,14 @@ __all__ = ["Layouts"]
 
 
 class Layouts(Configuration):
-    """Loading and exporting weights (see :class:`mha.MultiHeadAttention`)."""
+    """Loading and exporting weights (see :class:`mha.MultiHeadAttention`). A subclass whose
+    layer holds more than a saved file or torch's module has a place for names it in
+    ``not_saved`` and ``not_torch``, and :meth:`save` and the torch export refuse it."""
+
+    not_saved: ClassVar[str | None] = None
+    """What a saved file has no place for yet (``save`` refuses the layer, naming it)."""
+    not_torch: ClassVar[str | None] = None
+    """The attention ``torch.nn.MultiheadAttention`` cannot hold (the export refuses it)."""
 
     @classmethod
     def from_torch(
@@ -205,6 +212,11 @@ class Layouts(Configuration):
         >>> os.listdir(os.path.dirname(path))
         ['attention.npz']
         """
+        if self.not_saved is not None:
+            raise AttentionValueError(
+                f"a {type(self).__name__} is not saved to .npz files ({self.not_saved}: no "
+                "place in them yet): keep attention.spec and its weights()"
+            )
         formats.get("npz.save")(path, self._config(), self.weights())
 
     @classmethod
@@ -259,6 +271,10 @@ class Layouts(Configuration):
 
     def _check_torch_layout(self) -> None:
         """Refuse what ``torch.nn.MultiheadAttention`` cannot hold."""
+        if self.not_torch is not None:
+            raise AttentionValueError(
+                f"torch.nn.MultiheadAttention cannot hold {self.not_torch}: {self!r}"
+            )
         beyond = [
             what
             for what, present in (
