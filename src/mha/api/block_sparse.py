@@ -44,7 +44,7 @@ from .._arrays import as_float_array, non_negative_int, positive_int
 from ..errors import AttentionValueError, ShapeError
 from .configuration import LayerSpec, float_dtype
 from .module import MultiHeadAttention
-from .qsa import QSA_WEIGHTS, QSAIndexerSpec
+from .qsa import QSA_WEIGHTS, QSAIndexerSpec, indexer_head
 from .rotary import apply_rotary, positive_real
 from .sparse import SparseKVCache
 from .topk import top_k
@@ -91,20 +91,13 @@ class BlockIndexerSpec:
         ...
         mha.AttentionValueError: the block indexer's num_heads=3 does not divide ...
         """
-        n, d = positive_int("num_heads", self.num_heads), positive_int("head_dim", self.head_dim)
+        n = positive_int("num_heads", self.num_heads)
         if num_heads % n:
             raise AttentionValueError(
                 f"the block indexer's num_heads={n} does not divide the layer's {num_heads} "
                 "query heads (each indexer head chooses for a group of them)"
             )
-        if d < rotated:
-            raise AttentionValueError(
-                f"the block indexer's head_dim={d} is narrower than the layer's rotated width "
-                f"{rotated}, which it rotates"
-            )
-        offset = self.norm_offset
-        if isinstance(offset, bool) or not isinstance(offset, (int, float)):
-            raise AttentionValueError(f"norm_offset must be a number; got {offset!r}")
+        d, offset = indexer_head(self, rotated, "the block indexer")
         return BlockIndexerSpec(
             positive_int("block_size", self.block_size),
             positive_int("topk_blocks", self.topk_blocks),
@@ -112,7 +105,7 @@ class BlockIndexerSpec:
             n,
             d,
             positive_real("norm_eps", self.norm_eps),
-            float(offset),
+            offset,
         )
 
     names = BLOCK_INDEXER_WEIGHTS

@@ -57,6 +57,21 @@ def rotated(x: np.ndarray, at: Any, rotary: Mapping[str, Any] | None) -> np.ndar
     return np.concatenate([apply_rotary(x[..., :r], at, **rotary), x[..., r:]], axis=-1)
 
 
+def indexer_head(spec: Any, rotated: int, who: str) -> tuple[int, float]:
+    """An indexer's ``head_dim`` and ``norm_offset`` checked: the head as wide as the layer's
+    rotated width ``rotated`` at least (the indexer rotates it), the offset a number."""
+    d = positive_int("head_dim", spec.head_dim)
+    if d < rotated:
+        raise AttentionValueError(
+            f"{who}'s head_dim={d} is narrower than the layer's rotated width {rotated}, "
+            "which it rotates"
+        )
+    offset = spec.norm_offset
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+        raise AttentionValueError(f"norm_offset must be a number; got {offset!r}")
+    return d, float(offset)
+
+
 @dataclass(frozen=True)
 class QSAIndexerSpec:
     """A QSA indexer's settings: ``budget`` tokens of complete blocks kept a query
@@ -87,17 +102,9 @@ class QSAIndexerSpec:
                 f"the QSA indexer's budget={budget} is not a multiple of its "
                 f"compress_ratio={c} (it keeps whole blocks)"
             )
-        d = positive_int("head_dim", self.head_dim)
-        if d < rotated:
-            raise AttentionValueError(
-                f"the QSA indexer's head_dim={d} is narrower than the layer's rotated width "
-                f"{rotated}, which it rotates"
-            )
-        offset = self.norm_offset
-        if isinstance(offset, bool) or not isinstance(offset, (int, float)):
-            raise AttentionValueError(f"norm_offset must be a number; got {offset!r}")
+        d, offset = indexer_head(self, rotated, "the QSA indexer")
         n, eps = positive_int("num_heads", self.num_heads), positive_real("norm_eps", self.norm_eps)
-        return QSAIndexerSpec(budget, c, n, d, eps, float(offset))
+        return QSAIndexerSpec(budget, c, n, d, eps, offset)
 
     def shapes(self, d_model: int) -> dict[str, tuple[int, ...]]:
         """Each indexer weight's shape, for inputs ``d_model`` wide."""
