@@ -37,18 +37,10 @@ B, L, PREFILL = 2, 24, 10
 FAMILY = "minimax_m3_vl_text"
 
 
-@functools.cache
 def captured():
     """The float64 transformers model and each layer's ``self_attn`` keywords in a forward
     over ``B`` sequences of ``L`` tokens."""
-    import torch
-    from support.rope_oracle import float64_rotary
-    from support.transformers_oracle import attention_keywords
-
-    model = models.transformers_model(FAMILY)
-    float64_rotary(model)
-    ids = torch.randint(0, 64, (B, L), generator=torch.Generator().manual_seed(0))
-    return model, attention_keywords(model, ids)
+    return models.captured(FAMILY, B, L, 64)
 
 
 def load(layer):

@@ -14,7 +14,6 @@ parameter's gradient laid out as the reader lays out its tensor.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import shutil
 
@@ -109,19 +108,10 @@ def _variant(tmp_path, family, change, drop=()):
     return folder
 
 
-@functools.cache
 def captured(family):
     """The float64 transformers model of ``family`` and the keywords each attention layer's
     ``self_attn`` got in a forward over ``B`` sequences of ``L`` tokens."""
-    import torch
-    from support.rope_oracle import float64_rotary
-    from support.transformers_oracle import attention_keywords
-
-    model = models.transformers_model(family)
-    float64_rotary(model)
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (B, L), generator=generator)
-    return model, attention_keywords(model, ids)
+    return models.captured(family, B, L)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,6 @@ the choice a shared layer is given, and the errors a caller can cause, by name.
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 
@@ -49,18 +48,10 @@ NAMES = {
 """mha's names of transformers' HY-V4 attention parameters, and whether transposed."""
 
 
-@functools.cache
 def captured():
     """The float64 transformers model and each layer's ``self_attn`` keywords in a forward
     over ``B`` sequences of ``L`` tokens."""
-    import torch
-    from support.rope_oracle import float64_rotary
-    from support.transformers_oracle import attention_keywords
-
-    model = models.transformers_model(FAMILY)
-    float64_rotary(model)
-    ids = torch.randint(0, 64, (B, L), generator=torch.Generator().manual_seed(0))
-    return model, attention_keywords(model, ids)
+    return models.captured(FAMILY, B, L, 64)
 
 
 def load(layer):

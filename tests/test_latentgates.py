@@ -17,7 +17,6 @@ name.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 
 import numpy as np
@@ -46,16 +45,8 @@ def settings(folder, family):
     return Settings(source, family, row.defaults, row.keys)
 
 
-@functools.cache
 def captured(family):
-    import torch
-    from support.rope_oracle import float64_rotary
-    from support.transformers_oracle import attention_keywords
-
-    model = models.transformers_model(family)
-    float64_rotary(model)
-    ids = torch.randint(0, 64, (B, L), generator=torch.Generator().manual_seed(0))
-    return model, attention_keywords(model, ids)
+    return models.captured(family, B, L, 64)
 
 
 @pytest.mark.parametrize(

@@ -25,8 +25,6 @@ out its tensor.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 from support import pretrained_models as models
@@ -74,20 +72,10 @@ def mha_name(name):
     raise KeyError(f"no mha name for the attention parameter {name!r}")
 
 
-@functools.cache
 def captured(family):
     """The float64 transformers model of ``family`` and, for each layer, the keywords its
     ``self_attn`` got in a forward over ``B`` sequences of ``L`` tokens."""
-    import torch
-    from support.rope_oracle import float64_rotary
-    from support.transformers_oracle import attention_keywords
-
-    model = models.transformers_model(family)
-    float64_rotary(model)
-    ids = torch.randint(
-        0, model.config.vocab_size, (B, L), generator=torch.Generator().manual_seed(0)
-    )
-    return model, attention_keywords(model, ids)
+    return models.captured(family, B, L)
 
 
 @pytest.mark.parametrize(("family", "layer", "kind"), CASES)

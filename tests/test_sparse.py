@@ -19,7 +19,6 @@ them, under ``float64_torch`` (the RMSNorms' and the indexer's float32 become fl
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 
@@ -72,18 +71,10 @@ def test_top_k_of_rows_without_ties_is_the_k_largest():
     assert top_k(rows, 100).all()
 
 
-@functools.cache
 def captured(family):
     """The float64 transformers model of ``family`` and each layer's ``self_attn``
     keywords in a forward over ``B`` sequences of ``L`` tokens."""
-    import torch
-    from support.rope_oracle import float64_rotary
-    from support.transformers_oracle import attention_keywords
-
-    model = models.transformers_model(family)
-    float64_rotary(model)
-    ids = torch.randint(0, 64, (B, L), generator=torch.Generator().manual_seed(0))
-    return model, attention_keywords(model, ids)
+    return models.captured(family, B, L, 64)
 
 
 def load(family, layer):

@@ -16,7 +16,6 @@ float32 computation, at float32 precision.
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 
@@ -212,19 +211,10 @@ def test_configs_mha_cannot_read_are_refused_by_name(tmp_path, family, change, s
     assert str(folder) in str(error.value) and said in str(error.value), str(error.value)
 
 
-@functools.cache
 def captured(family):
     """The float64 transformers model of ``family`` (its float64 rotary) and, per layer, the
     keywords its ``self_attn`` got in a forward of 2 sequences of 24 tokens."""
-    import torch
-    from support.rope_oracle import float64_rotary
-    from support.transformers_oracle import attention_keywords
-
-    model = models.transformers_model(family)
-    float64_rotary(model)
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=generator)
-    return model, attention_keywords(model, ids)
+    return models.captured(family, 2, 24)
 
 
 def mha_name(name):

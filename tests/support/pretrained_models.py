@@ -41,6 +41,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import functools
 import inspect
 import shutil
 import tempfile
@@ -648,6 +649,24 @@ def saved(family: str) -> Path:
             )
         _SAVED[family] = folder
     return _SAVED[family]
+
+
+@functools.cache
+def captured(family: str, batch: int, length: int, vocab: int | None = None) -> Any:
+    """``(model, keywords)``: the float64 transformers model of ``family`` (its rotary in
+    float64) and, for each layer, the keywords its ``self_attn`` got in a forward over
+    ``batch`` sequences of ``length`` token ids drawn (seed 0) below ``vocab`` (default: the
+    config's vocabulary); ``None`` for a layer without one."""
+    import torch
+
+    from support.rope_oracle import float64_rotary
+    from support.transformers_oracle import attention_keywords
+
+    model = transformers_model(family)
+    float64_rotary(model)
+    below = model.config.vocab_size if vocab is None else vocab
+    ids = torch.randint(0, below, (batch, length), generator=torch.Generator().manual_seed(0))
+    return model, attention_keywords(model, ids)
 
 
 def transformers_model(family: str, folder: Path | None = None) -> Any:
