@@ -148,7 +148,7 @@ class OutputGate:
         block of logits into the gate and gates its rows of the joined heads while the
         block is in cache (the same operations, row by row, as the unfused path)."""
         gated = np.empty_like(joined)
-        rows_in = joined.reshape(-1, joined.shape[-1])
+        rows_in = joined.reshape(math.prod(joined.shape[:-1]), joined.shape[-1])  # any may be 0
         rows_out = gated.reshape(rows_in.shape)
 
         def then(rows: slice, z: np.ndarray) -> None:
