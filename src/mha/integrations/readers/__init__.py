@@ -148,6 +148,8 @@ def _layers(family: Family, read: Settings) -> int:
     """The checkpoint's attention layers as mha numbers them: ``num_hidden_layers`` (times
     two for LongCat-Flash's two attentions a decoder layer), or (Nemotron-H's config, which
     counts its layer types) as many as its layers' types."""
+    if family.slots is not None:  # Dory's looped layers, a cache slot a loop
+        return family.slots(read)
     if family.hybrid is not None and family.hybrid.counts:
         return len(family.hybrid.types(read, None))
     return int(read.positive("num_hidden_layers")) * attentions_per_layer(family.tensors.path)
