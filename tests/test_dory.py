@@ -6,6 +6,7 @@ rule), the cache slots of the looped section, and what is refused by name."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -96,3 +97,44 @@ def test_sections_that_do_not_add_up_are_refused(tmp_path, transformers):
     assert mha.attention_layers(models.saved("dory")) == list(range(count))
     with pytest.raises(mha.AttentionValueError, match="layer=5 is out of range"):
         mha.from_pretrained(models.saved("dory"), layer=count)
+
+
+def _released(name):
+    """The name of a tensor in a released checkpoint: each decoder layer ``i`` two blocks,
+    its attention ``layers.{2i}.mixer`` and its mlp ``layers.{2i+1}.mixer``, the residual
+    rates ``attn_alpha`` and ``mlp_alpha`` (what transformers' ``LayerPairCollapse`` loads)."""
+    match = re.match(r"backbone\.layers\.(\d+)\.(self_attn|mlp|lambda_1|lambda_2)(.*)", name)
+    if match is None:
+        return name
+    i, part, rest = int(match[1]), match[2], match[3]
+    block = 2 * i + (part in ("mlp", "lambda_2"))
+    new = {"lambda_1": "attn_alpha", "lambda_2": "mlp_alpha"}.get(part, "mixer")
+    return f"backbone.layers.{block}.{new}{rest}"
+
+
+def test_a_released_checkpoint_of_two_blocks_a_layer_is_read_the_same(
+    tmp_path, torch, transformers
+):
+    """The attention blocks of a released checkpoint (``backbone.layers.{2i}.mixer``), which
+    transformers loads as the same model, are read as the same layers."""
+    from safetensors.torch import load_file, save_file
+
+    saved, folder = models.saved("dory"), tmp_path / "released"
+    state = {}
+    for shard in sorted(saved.glob("*.safetensors")):
+        state |= load_file(shard)
+    folder.mkdir()
+    renamed = {_released(name): tensor.contiguous() for name, tensor in state.items()}
+    assert "backbone.layers.2.mixer.sqk" in renamed
+    save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(saved / "config.json", folder / "config.json")
+    theirs = models.transformers_model("dory", folder).state_dict()
+    ours = models.transformers_model("dory").state_dict()
+    assert theirs.keys() == ours.keys()
+    assert all(torch.equal(theirs[name], ours[name]) for name in ours)
+    for layer in mha.attention_layers(saved):
+        read = mha.from_pretrained(folder, layer=layer, dtype=np.float64).parameters()
+        expected = mha.from_pretrained(saved, layer=layer, dtype=np.float64).parameters()
+        assert read.keys() == expected.keys()
+        for name, W in expected.items():
+            assert (W is None and read[name] is None) or np.array_equal(read[name], W), name

@@ -144,8 +144,10 @@ def attention_layers(model: Any) -> list[int]:
     types = getattr(config, "layer_types", None)
     if types is None:
         return list(range(cache_slots(config)))
-    slots = range(int(config.num_hidden_layers), cache_slots(config))  # a loop's later runs
-    return [i for i, kind in enumerate(types) if kind in ATTENTION_TYPES] + list(slots)
+    later: list[int] = []  # a looped layer's later runs (Dory's)
+    if getattr(config, "n_recurrent_loops", None) is not None:
+        later = list(range(int(config.num_hidden_layers), cache_slots(config)))
+    return [i for i, kind in enumerate(types) if kind in ATTENTION_TYPES] + later
 
 
 class AttentionRecorder:

@@ -18,7 +18,10 @@
 
 Released configs list an ``"mlp"`` block after each attention block in ``layer_types`` and
 count both in ``num_hidden_layers`` and the sections' sizes, which ``DoryConfig`` halves
-(:func:`~.layouts.loop_sections`); so does this reader.
+(:func:`~.layouts.loop_sections`); so does this reader. Released checkpoints keep layer
+``i``'s attention as the block ``backbone.layers.{2i}.mixer`` (``g_proj`` its gate), which
+transformers loads as ``layers.{i}.self_attn`` and saves under ``backbone.layers.{i}.self_attn``:
+either is read (:attr:`~.layouts.Projections.paired`).
 
 >>> [row.name for row in ROWS]
 ['dory']
@@ -193,7 +196,9 @@ ROWS: tuple[Family, ...] = (
     Family(  # nGPT's attention; the looped section a cache slot a loop
         "dory",
         DORY,
-        tensors=Projections(path="backbone.layers.{looped}.self_attn"),
+        tensors=Projections(
+            path="backbone.layers.{looped}.self_attn", paired="backbone.layers.{block}.mixer"
+        ),
         windows=LOOP_WINDOWS,
         rope=Rope(per_layer_type={FULL: (None, 10_000_000.0), SLIDING: (None, 10_000.0)}),
         gate=Gate("g_proj"),

@@ -213,6 +213,11 @@ class Projections:
     k_norm: str = "k_norm"
     sinks: str = "sinks"
     path: str = "model.layers.{i}.self_attn"
+    paired: str | None = None
+    """Where a checkpoint that keeps each decoder layer as two blocks, attention then mlp,
+    has layer ``{i}``'s attention (``{block}``: ``2i``; Dory's released checkpoints,
+    ``backbone.layers.{block}.mixer``, which transformers' ``LayerPairCollapse`` loads as
+    its ``layers.{i}.self_attn``), tried after :attr:`path`."""
 
     def tensors(
         self,
@@ -420,9 +425,11 @@ def module_path(path: str, index: int, config: Mapping[str, Any] | None = None) 
     (LongCat-Flash's ``self_attn.0`` and ``.1``), layer ``2i + j`` as transformers numbers
     them; where it names ``{stack}``, the layer that cache slot ``index`` runs in recurrent
     stacks (:func:`stack_slot`, of ``config``); where it names ``{looped}``, the decoder
-    layer that cache slot ``index`` runs in a looped section (:func:`loop_slot`)."""
-    if "{looped}" in path:
-        return path.format(looped=loop_slot(config or {}, index))
+    layer that cache slot ``index`` runs in a looped section (:func:`loop_slot`), or its
+    attention block ``{block}`` in a checkpoint of two blocks a layer (twice its index)."""
+    if "{looped}" in path or "{block}" in path:
+        layer = loop_slot(config or {}, index)
+        return path.format(looped=layer, block=2 * layer)
     if "{stack}" in path:
         stack, layer = stack_slot(config or {}, index)
         return path.format(stack=stack, i=layer)
@@ -483,12 +490,17 @@ def attentions_per_layer(path: str) -> int:
     return 2 if "{j}" in path else 1
 
 
-def attention_prefix(source: Source, index: int, path: str = SEPARATE_QKV.path) -> str:
+def attention_prefix(
+    source: Source, index: int, path: str = SEPARATE_QKV.path, paired: str | None = None
+) -> str:
     """Where layer ``index``'s attention tensors are: at the layout's ``path`` (a causal
     LM's checkpoint: ``model.layers.{i}.self_attn``), or below its first name (a bare
-    model's: ``layers.{i}.self_attn``)."""
-    full = module_path(path, index, source.config) + "."
-    candidates = (full, full.split(".", 1)[1])
+    model's: ``layers.{i}.self_attn``), else at its ``paired`` path, where it has one
+    (:attr:`Projections.paired`)."""
+    candidates: tuple[str, ...] = ()
+    for each in (path,) if paired is None else (path, paired):
+        full = module_path(each, index, source.config) + "."
+        candidates += (full, full.split(".", 1)[1])
     keys = list(source)
     for prefix in candidates:
         if any(key.startswith(prefix) for key in keys):
