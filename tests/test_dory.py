@@ -33,7 +33,9 @@ def test_the_cache_slots_of_the_looped_section():
 
 
 @pytest.mark.parametrize("layer", [1, 4])  # the recurrent layer's first loop and its third
-def test_gradients_match_autograd_through_transformers_layer(layer, torch, transformers):
+def test_gradients_match_autograd_through_transformers_layer(
+    layer, torch, transformers, record_error
+):
     from support.rope_oracle import float64_rotary, float64_torch
     from support.transformers_oracle import attention_keywords
 
@@ -52,7 +54,8 @@ def test_gradients_match_autograd_through_transformers_layer(layer, torch, trans
 
     attention = mha.from_pretrained(models.saved("dory"), layer=layer, dtype=np.float64)
     out, backward = attention(x, mask=True, return_backward=True)
-    assert relative_error(out, expected.detach().numpy()) <= 1e-12
+    error = relative_error(out, expected.detach().numpy())
+    assert record_error("pretrained dory gradients forward, float64", error) <= 1e-12
     grads = backward(grad_out)
     d, E = module.head_dim, 48
     a, b = d**0.5 / 0.2, E**0.25 / 0.2  # sqk's and s_gate's stored scale (initializer_range)
@@ -67,12 +70,13 @@ def test_gradients_match_autograd_through_transformers_layer(layer, torch, trans
     for p in "qkvo":
         ours[f"{p}_proj.weight"] = grads[f"W_{p}"].T
         ours[f"{p}_proj.bias"] = grads[f"b_{p}"]
+    label = "pretrained dory gradients vs autograd, float64"
     for name, parameter in module.named_parameters():
         theirs = parameter.grad.numpy()
         assert np.abs(theirs).max() > 1e-3, name  # every gradient matters
-        assert relative_error(ours[name], theirs) <= TOLERANCE, name
+        assert record_error(label, relative_error(ours[name], theirs)) <= TOLERANCE, name
     shared = grads["query"] + grads["key"] + grads["value"]
-    assert relative_error(shared, tx.grad.numpy()) <= TOLERANCE
+    assert record_error(label, relative_error(shared, tx.grad.numpy())) <= TOLERANCE
 
 
 def _variant(tmp_path, **changes):
