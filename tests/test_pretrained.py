@@ -326,6 +326,13 @@ CHANGES = {
     "hrm_text": [{"W_g": None, "output_gate": None}, {"rope_theta": 10000.0}],
     # every key kept, or more of them (the bias itself: test_dynamic_mask.py)
     "doge": [{"keep_window_size": None}, {"keep_window_size": 12}, {"qk_norm_offset": 1.0}],
+    # Dory: no gate; no L2 norm of the joined heads; no query factors; no unit queries and
+    # keys; no window; the sliding layers' base on the full layer
+    "dory": [{"W_g": None, "output_gate": None}, {"output_norm": None, "output_norm_eps": None},
+             {"q_scale": None},
+             {"qk_norm": None, "qk_norm_eps": None, "qk_norm_offset": None, "q_norm": None,
+              "k_norm": None},
+             {"window": None}, {"rope_theta": 500.0}],
 }  # fmt: skip
 """Settings changed (or weights, given as None, removed) that each family's tiny model
 exercises: with the change, a layer differs from transformers'. The second change of Phi-3

@@ -20,7 +20,8 @@ The latent attentions' (``mha.LatentAttention``) are checked the same way beside
 readers: DeepSeek-V3.2's and GLM-MoE-DSA's in test_sparse.py, Bailing-hybrid's in
 test_gated.py, A.X-K2's (layers 0, 2) and dots3's (an indexed layer 0, a sliding layer 2)
 in test_latentgates.py, HY-V4's in test_hyv4.py, every weight laid out as the reader lays
-out its tensor.
+out its tensor. Dory's (its ``sqk`` and ``s_gate`` folded into ``q_scale`` and ``W_g``, their
+gradients by the chain rule) are checked in test_dory.py.
 """
 
 from __future__ import annotations

@@ -248,6 +248,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # its top-k within the census's 24 positions (2048), over 24 tokens that do not repeat
     # (equal tokens' equal biases: which of them torch.topk keeps is unspecified)
     "doge": {"keep_window_size": 8, "vocab_size": 1000},
+    # one input, 2 recurrent (run twice: 6 cache slots) and one output layer (its 8 of 36),
+    # a full layer in the loop
+    "dory": {
+        "n_input_layers": 1,
+        "n_output_layers": 1,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+    },
 }
 """Per-family changes where the generic shrink does not build, or builds what the family's
 real configs are not (a rotary of 3 features, GPT-J's 64 of 12; by ``model_type``)."""
@@ -460,9 +467,12 @@ def _choice_reused(attention: Any, chooser: Any, calls: Any, index: int, at: int
 
 
 def _model_layers(config: Any) -> int:
-    """The config's layers (one where it has no single count, as an encoder-decoder's)."""
+    """The config's layers by cache slot (Dory's later loops after them), one where it has
+    no single count (an encoder-decoder's)."""
+    from support.transformers_oracle import cache_slots
+
     try:
-        return int(config.num_hidden_layers)
+        return cache_slots(config)
     except Exception:
         return 1
 
@@ -489,9 +499,9 @@ def checkpoint(model_type: str, config: Any = None) -> Path:
 
 
 def _randomized(model: Any) -> None:
-    """Every attention bias nonzero, every attention norm weight and sink (and Doge's ``A``)
-    away from its initial value: no part of a layer's attention is left to its neutral
-    value."""
+    """Every attention bias nonzero, every attention norm weight and sink (and Doge's ``A``,
+    Dory's ``sqk`` and ``s_gate``) away from its initial value: no part of a layer's
+    attention is left to its neutral value."""
     import torch
 
     with torch.no_grad():
@@ -506,6 +516,8 @@ def _randomized(model: Any) -> None:
                 parameter.normal_(0.0, 1.5)
             elif name.endswith(".A"):  # Doge's dynamic mask: zeros (a bias of one) at first
                 parameter.normal_(0.0, 1.0)
+            elif name.endswith((".sqk", ".s_gate")):  # Dory's nGPT scales: constants at first
+                parameter.mul_(1.0 + 0.3 * torch.randn_like(parameter))
 
 
 def _implementation(model_class: Any) -> str:

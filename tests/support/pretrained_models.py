@@ -503,6 +503,12 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # the dynamic mask's top 6 keys of each query's (of 24 positions), every bias; 24 tokens
     # that do not repeat (equal biases: which of them torch.topk keeps is unspecified)
     "doge": ("Doge", {"keep_window_size": 6, "attention_bias": True, "vocab_size": 1000}),
+    # nGPT's attention (biases, a window of 6); its recurrent layer 1 run in 3 loops: 5 cache
+    # slots (layers 0 1 2, then layer 1's later loops), each layer type's base
+    "dory": ("Dory", {"n_input_layers": 1, "n_output_layers": 1, "n_recurrent_loops": 3,
+                      "layer_types": [SLIDING, SLIDING, FULL], "sliding_window": 6,
+                      "attention_bias": True,
+                      "rope_parameters": {SLIDING: ROPE, FULL: {**ROPE, "rope_theta": 5000.0}}}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
@@ -524,7 +530,7 @@ LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen", "gpt_neo", "bloom", "mpt", "dbrx", "persimmon", "falcon",
                  "falcon_alibi", "opt", "biogpt", "xglm", "ctrl", "openai-gpt",
-                 "modernbert-decoder", "diffllama", "hrm_text", "doge")  # fmt: skip
+                 "modernbert-decoder", "diffllama", "hrm_text", "doge", "dory")  # fmt: skip
 """The families whose attention modules are not Llama's (DiffLlama's: differential; HRM's,
 in its two stacks, each run in several cache slots; Doge's, with its dynamic mask)."""
 HYBRIDS = ("granitemoehybrid", "falcon_h1", "jamba", "nemotron_h", "bamba", "lfm2", "lfm2_moe",
@@ -589,6 +595,8 @@ def build(family: str, seed: int = 0) -> Any:
                 parameter.normal_(0.0, 1.5)
             elif name == "A":  # Doge's dynamic mask: zeros (a bias of one) at first
                 parameter.normal_(0.0, 1.0)
+            elif name in ("sqk", "s_gate"):  # Dory's nGPT scales: constants at first
+                parameter.mul_(1.0 + 0.3 * torch.randn_like(parameter))
     return model
 
 
@@ -613,7 +621,8 @@ def attention_path(model: Any) -> str:
     path = path.replace("backbone.", "model.")  # Nemotron-H's saved names, loaded renamed
     for candidate in (path, path.removesuffix(".attn") + ".self_attn"):  # HRM's, loaded
         try:
-            model.get_submodule(candidate.format(i=attention_layers(model)[0], j=0, stack="L"))
+            first = attention_layers(model)[0]
+            model.get_submodule(candidate.format(i=first, j=0, stack="L", looped=0))
         except AttributeError:
             continue
         return candidate

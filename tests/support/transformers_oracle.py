@@ -90,11 +90,12 @@ def recorder(
     input and output to ``calls``, as NumPy: without the residual a module adds to its output
     (BLOOM's, given ``residual``), with the output bias one returns apart
     (GPT-NeoX-Japanese's). A module that runs once a cycle (HRM's, given ``cycle_offset``)
-    is recorded in its cache slot ``slot`` alone (``layer_idx + cycle_offset``)."""
+    or a loop (Dory's, given ``cache_offset``) is recorded in its cache slot ``slot`` alone
+    (``layer_idx`` plus the offset)."""
     parameters = inspect.signature(module.forward).parameters
 
     def record(module: Any, args: Any, kwargs: Any, output: Any) -> None:
-        offset = kwargs.get("cycle_offset")
+        offset = kwargs.get("cycle_offset", kwargs.get("cache_offset"))
         if slot is not None and offset is not None and module.layer_idx + offset != slot:
             return
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
@@ -126,14 +127,27 @@ top-k attention's; ``minimax_m3_sparse``: MiniMax-M3's block-sparse attention); 
 mha reads."""
 
 
+def cache_slots(config: Any) -> int:
+    """The cache slots of a model's layers: ``num_hidden_layers``, and the copies of Dory's
+    recurrent layers that its later loops run in (``n_recurrent_loops - 1`` of them)."""
+    loops = getattr(config, "n_recurrent_loops", 1)
+    return int(config.num_hidden_layers) + (loops - 1) * (
+        getattr(config, "n_recurrent_layers", 0) or 0
+    )
+
+
 def attention_layers(model: Any) -> list[int]:
     """The layers of ``model`` with an attention module, by transformers' own
-    ``config.layer_types`` (every layer where the config has none)."""
+    ``config.layer_types`` (every layer where the config has none), by cache slot (Dory's
+    later loops after the model's layers, :func:`cache_slots`)."""
     config = model.config
     types = getattr(config, "layer_types", None)
     if types is None:
-        return list(range(config.num_hidden_layers))
-    return [i for i, kind in enumerate(types) if kind in ATTENTION_TYPES]
+        return list(range(cache_slots(config)))
+    later: list[int] = []  # a looped layer's later runs (Dory's)
+    if getattr(config, "n_recurrent_loops", None) is not None:
+        later = list(range(int(config.num_hidden_layers), cache_slots(config)))
+    return [i for i, kind in enumerate(types) if kind in ATTENTION_TYPES] + later
 
 
 class AttentionRecorder:

@@ -488,6 +488,9 @@ OWN_REASONS = {
     "doge": "its dynamic mask attention's decoder (and its experts when is_moe)",
     "bitnet": "its MLP's RMSNorm before down_proj (ffn_sub_norm) and its attention's output "
     "norm in the decoder",
+    "dory": "its nGPT decoder (hidden states on the unit sphere, moved toward each block's "
+    "output at the rates lambda_1 and lambda_2; the MLP's suv scales; the logits' scale) and "
+    "its recurrent section run n_recurrent_loops times",
 }
 """What the families that are neither a mixture nor a hybrid of the readers' kind lack."""
 

@@ -52,7 +52,14 @@ from ..checkpoint import open_checkpoint
 from .attention import completed, describe
 from .config import Settings, Source, layer_index
 from .family import Family
-from .layouts import attention_prefix, attentions_per_layer, check_names, lay_out, stack_heads
+from .layouts import (
+    Projections,
+    attention_prefix,
+    attentions_per_layer,
+    check_names,
+    lay_out,
+    stack_heads,
+)
 from .registry import FAMILIES, REFUSED, SUPPORTED, register
 from .rope import check_rope
 
@@ -103,7 +110,8 @@ def layer_attention(
             family.shared.source(read, index, layers),
             family.shared.others(read, index, layers),
         )
-    prefix = attention_prefix(source, held, family.tensors.path)
+    paired = family.tensors.paired if isinstance(family.tensors, Projections) else None
+    prefix = attention_prefix(source, held, family.tensors.path, paired)
     kind, settings, tensors = describe(family, read, index)
     if family.shared is not None and family.hybrid is not None:
         tensors = family.shared.tensors(read, index, layers, tensors)
@@ -148,6 +156,8 @@ def _layers(family: Family, read: Settings) -> int:
     """The checkpoint's attention layers as mha numbers them: ``num_hidden_layers`` (times
     two for LongCat-Flash's two attentions a decoder layer), or (Nemotron-H's config, which
     counts its layer types) as many as its layers' types."""
+    if family.slots is not None:  # Dory's looped layers, a cache slot a loop
+        return family.slots(read)
     if family.hybrid is not None and family.hybrid.counts:
         return len(family.hybrid.types(read, None))
     return int(read.positive("num_hidden_layers")) * attentions_per_layer(family.tensors.path)

@@ -102,6 +102,8 @@ def multi_head(family: Family, layout: Projections, read: Settings, index: int) 
         tensors |= family.gate.tensors(read, E, H, d)
     if family.output_norm is not None:
         tensors |= family.output_norm.tensors(H * (d_v or d))
+    if family.own_weights is not None:
+        tensors |= family.own_weights.tensors(read, settings)
     if family.values is not None and family.values.keys_are_values(read, layer_type):
         tensors = {name: t for name, t in tensors.items() if not name.startswith("v_proj.")}
     if family.differential is not None:
@@ -159,6 +161,8 @@ def completed(
                 x = weights[name]
                 heads = x.reshape(*x.shape[:-1], -1, 2, half)
                 weights[name] = heads[..., ::-1, :].reshape(x.shape)
+    if family.own_weights is not None:  # Dory's scales, folded into the weights
+        weights = family.own_weights.folded(read, settings, weights)
     return weights
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -53,6 +53,7 @@ __all__ = [
     "Gate",
     "Heads",
     "OutputNorm",
+    "OwnWeights",
     "QkNorm",
     "SlidingLayers",
     "ValueWidth",
@@ -205,6 +206,17 @@ class OutputNorm:
     def tensors(self, width: int) -> dict[str, Tensor]:
         """``o_norm`` of the joined heads ``width`` features wide (none for ``"l2"``)."""
         return {} if self.tensor is None else {self.tensor: whole("o_norm", width)}
+
+
+class OwnWeights(Protocol):
+    """Tensors of a family's own under its attention, folded into mha's weights (Dory's nGPT
+    scales)."""
+
+    def tensors(self, read: Settings, settings: dict[str, Any]) -> dict[str, Tensor]: ...
+
+    def folded(
+        self, read: Settings, settings: dict[str, Any], weights: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]: ...
 
 
 BIDIRECTIONAL = Unsupported("use_bidirectional_attention", "attention that is not causal")
@@ -395,6 +407,13 @@ class Family:
     shared: SharedBlocks | None = None
     """Attention blocks shared by the attention layers, read from the layer that keeps each
     block, with each layer's adapters folded in (Zamba's, Zamba2's: :mod:`.shared_blocks`)."""
+
+    own_weights: OwnWeights | None = None
+    """Tensors of the family's own, folded into the weights (Dory's ``sqk`` and ``s_gate``)."""
+
+    slots: Callable[[Settings], int] | None = None
+    """The attention layers as ``layer=`` numbers them, where ``num_hidden_layers`` does not
+    count them: Dory's cache slots, the looped layers once a loop."""
 
     by_layer: Callable[[Settings, int, dict[str, Any]], dict[str, Any]] | None = None
     """The family's own settings of layer ``index``, given those read so far, which they

@@ -56,6 +56,8 @@ __all__ = [
     "attentions_per_layer",
     "check_names",
     "lay_out",
+    "loop_sections",
+    "loop_slot",
     "module_path",
     "stack_heads",
     "stack_slot",
@@ -211,6 +213,11 @@ class Projections:
     k_norm: str = "k_norm"
     sinks: str = "sinks"
     path: str = "model.layers.{i}.self_attn"
+    paired: str | None = None
+    """Where a checkpoint that keeps each decoder layer as two blocks, attention then mlp,
+    has layer ``{i}``'s attention (``{block}``: ``2i``; Dory's released checkpoints,
+    ``backbone.layers.{block}.mixer``, which transformers' ``LayerPairCollapse`` loads as
+    its ``layers.{i}.self_attn``), tried after :attr:`path`."""
 
     def tensors(
         self,
@@ -417,7 +424,12 @@ def module_path(path: str, index: int, config: Mapping[str, Any] | None = None) 
     where the path names ``{j}``, attention ``j`` of the two each decoder layer holds
     (LongCat-Flash's ``self_attn.0`` and ``.1``), layer ``2i + j`` as transformers numbers
     them; where it names ``{stack}``, the layer that cache slot ``index`` runs in recurrent
-    stacks (:func:`stack_slot`, of ``config``)."""
+    stacks (:func:`stack_slot`, of ``config``); where it names ``{looped}``, the decoder
+    layer that cache slot ``index`` runs in a looped section (:func:`loop_slot`), or its
+    attention block ``{block}`` in a checkpoint of two blocks a layer (twice its index)."""
+    if "{looped}" in path or "{block}" in path:
+        layer = loop_slot(config or {}, index)
+        return path.format(looped=layer, block=2 * layer)
     if "{stack}" in path:
         stack, layer = stack_slot(config or {}, index)
         return path.format(stack=stack, i=layer)
@@ -443,17 +455,52 @@ def stack_slot(config: Mapping[str, Any], index: int) -> tuple[str, int]:
     return ("H" if run % runs == runs - 1 else "L"), layer
 
 
+def loop_sections(config: Mapping[str, Any]) -> tuple[int, int, int, int]:
+    """Dory's layers as its config class reads ``config.json`` (its defaults where it has
+    none): ``(layers, input layers, recurrent layers, loops)``. A ``layer_types`` that lists
+    an ``"mlp"`` block after each attention block (as released configs and ``to_dict``
+    write it) counts every layer twice: each count is halved, as ``DoryConfig`` does."""
+    layers, first = config.get("num_hidden_layers", 36), config.get("n_input_layers", 8)
+    last, recurrent = config.get("n_output_layers", 8), config.get("n_recurrent_layers")
+    types = config.get("layer_types")
+    if isinstance(types, list) and "mlp" in types:
+        layers, first, last = layers // 2, first // 2, last // 2
+        recurrent = None if recurrent is None else recurrent // 2
+    if recurrent is None:
+        recurrent = layers - first - last
+    return layers, first, recurrent, config.get("n_recurrent_loops", 2)
+
+
+def loop_slot(config: Mapping[str, Any], index: int) -> int:
+    """Dory's looped section: the ``n_recurrent_layers`` after its ``n_input_layers`` run
+    ``n_recurrent_loops`` times, the first run in the layers' own cache slots, each later
+    loop's in a copy of them after the model's layers (transformers' ``cache_offset``).
+    The decoder layer whose attention runs in cache slot ``index``.
+
+    >>> config = {"num_hidden_layers": 4, "n_input_layers": 1, "n_output_layers": 1}
+    >>> [loop_slot(config, s) for s in range(6)]
+    [0, 1, 2, 3, 1, 2]
+    """
+    layers, first, recurrent, _ = loop_sections(config)
+    return index if index < layers else first + (index - layers) % recurrent
+
+
 def attentions_per_layer(path: str) -> int:
     """How many attention layers each decoder layer holds (:func:`module_path`)."""
     return 2 if "{j}" in path else 1
 
 
-def attention_prefix(source: Source, index: int, path: str = SEPARATE_QKV.path) -> str:
+def attention_prefix(
+    source: Source, index: int, path: str = SEPARATE_QKV.path, paired: str | None = None
+) -> str:
     """Where layer ``index``'s attention tensors are: at the layout's ``path`` (a causal
     LM's checkpoint: ``model.layers.{i}.self_attn``), or below its first name (a bare
-    model's: ``layers.{i}.self_attn``)."""
-    full = module_path(path, index, source.config) + "."
-    candidates = (full, full.split(".", 1)[1])
+    model's: ``layers.{i}.self_attn``), else at its ``paired`` path, where it has one
+    (:attr:`Projections.paired`)."""
+    candidates: tuple[str, ...] = ()
+    for each in (path,) if paired is None else (path, paired):
+        full = module_path(each, index, source.config) + "."
+        candidates += (full, full.split(".", 1)[1])
     keys = list(source)
     for prefix in candidates:
         if any(key.startswith(prefix) for key in keys):

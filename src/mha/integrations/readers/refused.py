@@ -60,12 +60,6 @@ _MAMBA = "Mamba state-space layers between its attention layers"
 REFUSED = {
     # decoder-only families whose attention (or other layers) mha does not compute
     "deepseek_v4": _not_computed(f"DeepSeek-V4's attention over compressed keys with {_TOP_K}"),
-    "dory": _not_read(
-        "Dory's nGPT attention (unit queries and keys, each query feature's factor sqk after "
-        "the rotation, an output gate of scaled logits, the L2 norm of its output) in looped "
-        "layers (the recurrent section run n_recurrent_loops times, a cache per loop)",
-        "qk_norm=, q_scale=, W_g=, output_norm='l2'",
-    ),
     "reformer": _not_computed("Reformer's LSH and chunked local attention"),
     "cpmant": _not_computed(
         "CPM-Ant's attention that is not causal: bidirectional over its whole input (its "

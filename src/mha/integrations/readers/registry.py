@@ -18,6 +18,7 @@ from . import (
     alibi,
     blocksparse,
     defaults,
+    dory,
     gated,
     gemma4,
     hyv4,
@@ -792,6 +793,7 @@ register(*nope.ROWS)
 register(*latentgates.ROWS)
 register(*blocksparse.ROWS)
 register(*recurrent.ROWS)
+register(*dory.ROWS)
 
 SUPPORTED = tuple(FAMILIES)
 """The families of the table as mha defines it (before any :func:`register`)."""
