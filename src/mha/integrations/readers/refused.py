@@ -50,11 +50,6 @@ def _not_computed(what: str) -> str:
     return f"{what}, which mha does not compute"
 
 
-def _not_read(what: str, keywords: str = "W_g=, output_gate=") -> str:
-    """Features mha computes (an output gate: ``W_g=``) that no row reads yet."""
-    return f"{what}, which mha computes ({keywords}) but does not read from this family yet"
-
-
 _TOP_K = "top-k sparse attention (an indexer picks the keys each query attends to)"
 _MAMBA = "Mamba state-space layers between its attention layers"
 REFUSED = {
