@@ -67,12 +67,6 @@ REFUSED = {
         "qk_norm=, q_scale=, W_g=, output_norm='l2'",
     ),
     "reformer": _not_computed("Reformer's LSH and chunked local attention"),
-    "cpmant": _not_computed(
-        "CPM-Ant's attention that is not causal: bidirectional over its whole input (its "
-        "prompt tokens prepended), a prefill of several tokens through the KV cache included "
-        "(its bucketed position bias by each token's segment, from the table its layers share "
-        "in cpmant.position_bias, is mha.relative_position_bias(..., 'segments'))"
-    ),
     "jetmoe": _not_computed(
         "JetMoE's mixture of attention heads (experts pick each token's query and output "
         "projections)"

@@ -17,6 +17,7 @@ from __future__ import annotations
 from . import (
     alibi,
     blocksparse,
+    cpmant,
     defaults,
     gated,
     gemma4,
@@ -792,6 +793,7 @@ register(*nope.ROWS)
 register(*latentgates.ROWS)
 register(*blocksparse.ROWS)
 register(*recurrent.ROWS)
+register(*cpmant.ROWS)
 
 SUPPORTED = tuple(FAMILIES)
 """The families of the table as mha defines it (before any :func:`register`)."""
