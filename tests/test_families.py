@@ -22,7 +22,7 @@ from support.configs import relative_error
 import mha
 from mha.integrations import readers
 
-READ_AT_LEAST = 130
+READ_AT_LEAST = 131
 """The families read today: a change that reads fewer fails (raise it as rows are added)."""
 
 GENERIC: frozenset[str] = frozenset()

@@ -44,7 +44,8 @@ from mha.integrations.readers.family import Family
 from mha.integrations.readers.layouts import NO_BIASES
 from mha.integrations.readers.windows import EVERY_LAYER
 
-FAMILIES = [family for family in models.FAMILIES if family != "deepseek_v2"]
+# DeepSeek V2's and CPM-Ant's (its calls' segments and mask of the token ids) in their files
+FAMILIES = [family for family in models.FAMILIES if family not in ("deepseek_v2", "cpmant")]
 B, L, PREFILL = 2, 24, 10
 TOLERANCE = 1e-12
 

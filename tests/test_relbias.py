@@ -267,9 +267,8 @@ def _bias(model: Any, segments: np.ndarray) -> Any:
 def test_cpmant_whole_sequence_and_decoding(transformers: Any, torch: Any) -> None:
     """Each layer's attention of CPM-Ant from its table (``cpmant.position_bias``, outside
     the layers) and the tokens' segments: a left-padded sequence whole (the mask of its
-    padding given), then decoding token by token over a cache filled with the prefill's keys
-    (transformers' prefill itself is bidirectional over the cache, which mha's cache does
-    not compute: its output is compared without the cache)."""
+    padding given), then a prefill through the cache (bidirectional: ``causal=False``) and
+    decoding token by token."""
     model = _cpmant(transformers, torch)
     calls, handles = _recorded(model)
     B, L, prefill = 2, 13, 6
@@ -293,9 +292,9 @@ def test_cpmant_whole_sequence_and_decoding(transformers: Any, torch: Any) -> No
         got = layer(x, mask=mask, score_mod=_bias(model, segments))
         worst = max(worst, np.abs(got - expected).max() / np.abs(expected).max())
         bias = _bias(model, decoded)
-        worst = max(worst, np.abs(layer(x0, score_mod=bias) - e0).max() / np.abs(e0).max())
         kv = layer.new_cache(B)
-        layer(x0, cache=kv, score_mod=bias)  # the prefill's keys and values
+        prefilled = layer(x0, cache=kv, score_mod=bias, causal=False)
+        worst = max(worst, np.abs(prefilled - e0).max() / np.abs(e0).max())
         assert len(steps) == L - prefill
         for x_t, e_t in steps:
             got = layer(x_t, cache=kv, score_mod=bias)

@@ -24,6 +24,7 @@ from .api.pretrained import attention_layers, from_pretrained
 from .api.projection import multi_head_attention
 from .api.relative_bias import position_buckets, relative_position_bias
 from .api.rotary import apply_rotary
+from .api.segment_bias import SegmentBiasAttention, SegmentBiasSpec
 from .api.split_heads import merge_attention, scaled_dot_product_attention
 from .api.variants import alibi_slopes
 from .errors import (
@@ -53,6 +54,8 @@ __all__ = [
     "MultiHeadAttention",
     "PagedKVCache",
     "PoolExhaustedError",
+    "SegmentBiasAttention",
+    "SegmentBiasSpec",
     "ShapeError",
     "WeightsFileError",
     "alibi_slopes",

@@ -255,6 +255,16 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "n_output_layers": 1,
         "layer_types": ["sliding_attention", "full_attention"] * 2,
     },
+    # CPM-Ant's bias of 16 buckets (logarithmic past 4) and 3 segments, 4 prompt tokens
+    "cpmant": {
+        "dim_head": 12,
+        "dim_ff": 32,
+        "prompt_types": 3,
+        "prompt_length": 4,
+        "position_bias_num_buckets": 16,
+        "position_bias_max_distance": 40,
+        "segment_types": 3,
+    },
 }
 """Per-family changes where the generic shrink does not build, or builds what the family's
 real configs are not (a rotary of 3 features, GPT-J's 64 of 12; by ``model_type``)."""
@@ -432,8 +442,9 @@ def _compared(model_type: str, kind: str, config: Any) -> Entry:
         if chooser is not None:  # another layer's choice of keys: its calls' (HY-V4's)
             worst = max(worst, _choice_reused(attention, read[chooser], calls, index, chooser))
             continue
+        keywords = CALLS.get(model_type, _causal)
         if source is None:
-            worst = max(worst, relative_error(attention(x, mask=True), expected))
+            worst = max(worst, relative_error(attention(x, **keywords(attention, 0)), expected))
             cache = attention.new_cache(B)
         else:  # KV sharing: the cache of layer `source`, filled by its own call first
             owner = read[source]
@@ -444,9 +455,35 @@ def _compared(model_type: str, kind: str, config: Any) -> Entry:
         for step, (x, expected) in enumerate(steps, 1):
             if source is not None:
                 read[source](calls[source][step][0], cache=cache)
-            worst = max(worst, relative_error(attention(x, cache=cache), expected))
+            out = attention(x, cache=cache, **keywords(attention, step))
+            worst = max(worst, relative_error(out, expected))
     result = READ if worst <= TOLERANCE else WRONG
     return Entry(model_type, kind, result, "; ".join(refused), worst, tuple(read), layers)
+
+
+def _causal(attention: Any, step: int) -> dict[str, Any]:
+    """A call's keywords beside the cache: the whole sequence (step 0) causal."""
+    return {"mask": True} if step == 0 else {}
+
+
+def _cpmant(attention: Any, step: int) -> dict[str, Any]:
+    """CPM-Ant's segments and mask (SegmentBiasAttention.token_inputs) of the token ids
+    support.pretrained_models.drive runs, its prompt prepended: the whole sequence's, the
+    prefill's, and each step's row over the positions so far."""
+    from support.pretrained_models import token_ids
+
+    ids = token_ids(SIZES["vocab_size"], B, L)
+    inputs: dict[str, Any] = attention.token_inputs(
+        ids[:, : L if step == 0 else PREFILL + step - 1]
+    )
+    if step > 1:
+        inputs["mask"] = inputs["mask"][:, -1:]
+    return inputs
+
+
+CALLS = {"cpmant": _cpmant}
+"""The keywords of each call of a family's layers (default :func:`_causal`), by step: the
+whole sequence, the prefill, then each decoding step."""
 
 
 def _choice_reused(attention: Any, chooser: Any, calls: Any, index: int, at: int) -> float:

@@ -509,6 +509,11 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                       "layer_types": [SLIDING, SLIDING, FULL], "sliding_window": 6,
                       "attention_bias": True,
                       "rope_parameters": {SLIDING: ROPE, FULL: {**ROPE, "rope_theta": 5000.0}}}),
+    # not causal, a bias by segment: 16 buckets of distances to 40 (logarithmic past 4), its
+    # 3 segments (prompt 0, text 2) over 4 prompt tokens and the text
+    "cpmant": ("CpmAnt", {"dim_head": 12, "dim_ff": 32, "position_bias_num_buckets": 16,
+                          "position_bias_max_distance": 40, "segment_types": 3,
+                          "prompt_types": 3, "prompt_length": 4, "init_std": 0.3}),
 }  # fmt: skip
 """Each family's config class's name (``{name}Config``; the model is the causal LM
 transformers maps its ``model_type`` to, ``Gemma3ForCausalLM`` for Gemma 3's text config,
@@ -530,9 +535,11 @@ LATENT_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe_lite", "youtu", "sarvam_mla", "
 OTHER_LAYOUTS = ("gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neox", "gpt_neox_japanese",
                  "gptj", "codegen", "gpt_neo", "bloom", "mpt", "dbrx", "persimmon", "falcon",
                  "falcon_alibi", "opt", "biogpt", "xglm", "ctrl", "openai-gpt",
-                 "modernbert-decoder", "diffllama", "hrm_text", "doge", "dory")  # fmt: skip
+                 "modernbert-decoder", "diffllama", "hrm_text", "doge", "dory",
+                 "cpmant")  # fmt: skip
 """The families whose attention modules are not Llama's (DiffLlama's: differential; HRM's,
-in its two stacks, each run in several cache slots; Doge's, with its dynamic mask)."""
+in its two stacks, each run in several cache slots; Doge's, with its dynamic mask;
+CPM-Ant's, with its bias by segment)."""
 HYBRIDS = ("granitemoehybrid", "falcon_h1", "jamba", "nemotron_h", "bamba", "lfm2", "lfm2_moe",
            "minimax", "olmo_hybrid", "lara_mini", "recurrent_gemma", "qwen3_next", "qwen3_5_text",
            "qwen3_5_moe_text", "lfm3", "bailing_hybrid", "kimi_linear", "zamba", "zamba2",
@@ -631,7 +638,7 @@ def attention_path(model: Any) -> str:
 
 EAGER = ("gemma2", "gpt_oss", "vaultgemma", "gpt_neo", "bloom", "mpt", "xglm", "openai-gpt",
          "gpt_neox_japanese", "flint", "granite_swa", "granitemoe_swa",
-         "mimo_v2_flash", "hy_v4")  # fmt: skip
+         "mimo_v2_flash", "hy_v4", "cpmant")  # fmt: skip
 """The families whose attention is eager only (Gemma 2's and VaultGemma's soft-capping,
 gpt-oss's, Flint's, GraniteSWA's and HY-V4's sinks, the older families' own attention code)."""
 
@@ -767,10 +774,22 @@ def new_cache(model: Any) -> Any:
     return transformers.DynamicCache(config=model.config)
 
 
+WHOLE_IDS = ("cpmant",)
+"""The families whose model takes each decoding step's whole token ids (CPM-Ant's, which
+prepends its prompt and cuts the cached positions off)."""
+
 POSITIONS_GIVEN = ("bamba",)
 """The families whose model numbers a step's positions from 0 whatever its cache holds
 (``BambaModel``: ``arange`` of the input's length): their decoding steps are given their
 ``position_ids``, as ``generate`` gives them."""
+
+
+def token_ids(vocab_size: int, B: int, L: int) -> Any:
+    """The token ids :func:`drive` runs: ``(B, L)`` integers, seeded."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (B, L), generator=generator).numpy()
 
 
 def drive(model: Any, B: int, L: int, prefill: int, calls: Any) -> None:
@@ -785,9 +804,7 @@ def drive(model: Any, B: int, L: int, prefill: int, calls: Any) -> None:
 
     from support.rope_oracle import float64_torch
 
-    ids = torch.randint(
-        0, model.config.vocab_size, (B, L), generator=torch.Generator().manual_seed(0)
-    )
+    ids = torch.tensor(token_ids(model.config.vocab_size, B, L))
     cached = "cache" in inspect.signature(model.forward).parameters
     with torch.no_grad(), float64_torch():
         model(ids)
@@ -798,7 +815,8 @@ def drive(model: Any, B: int, L: int, prefill: int, calls: Any) -> None:
                 positions = {}
                 if model.config.model_type in POSITIONS_GIVEN:
                     positions = {"position_ids": torch.arange(t, t + 1)[None]}
-                model(ids[:, t : t + 1], cache=cache, use_cache=True, **positions)
+                start = 0 if model.config.model_type in WHOLE_IDS else t
+                model(ids[:, start : t + 1], cache=cache, use_cache=True, **positions)
         else:
             for t in range(prefill, L + 1):
                 model(ids[:, :t])

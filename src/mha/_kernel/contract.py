@@ -96,7 +96,7 @@ class MaskRules:
     the sliding window, the sink tokens beside it, the chunks and ``mask_mod``. Checked
     once by :meth:`check`; a part of a layer's spec."""
 
-    causal: bool = False
+    causal: bool | None = False  # None: not given (causal over a cache, else not)
     alignment: str | None = None  # None: "bottom_right", not given
     window: int | None = None
     sink_tokens: int | None = None  # None: not given (no sink tokens)
@@ -117,7 +117,9 @@ class MaskRules:
         """The rules of the keywords as given (``mask=True`` is the causal mask; a mask
         array is the call's own, :class:`MaskArrays`), or the error that names one."""
         mask_is_causal, _ = split_mask(mask)
-        causal = flag("causal", causal) or mask_is_causal
+        given = [flag("causal", causal)] if causal is not None else []
+        given += [mask_is_causal] if isinstance(mask, (bool, np.bool_)) else []
+        causal = any(given) if given else None  # causal=False or mask=False: not causal
         if causal_alignment is not None and (
             not isinstance(causal_alignment, str) or causal_alignment not in CAUSAL_ALIGNMENTS
         ):
@@ -243,7 +245,7 @@ class Visibility:
                 "query_lengths", lengths[1], batch_shape, L, "query", context
             ),
             bias_hides_keys=hides,
-            causal=rules.causal,
+            causal=bool(rules.causal),
             window=rules.window,
             offsets=cached.offsets,
             sink_tokens=rules.sink_tokens or 0,

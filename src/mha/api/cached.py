@@ -6,6 +6,8 @@ window and sink tokens), :class:`mha.PagedKVCache` (blocks, shared prefixes, qua
 pools). :func:`check_cache` checks what a call would append before the cache changes;
 :func:`attend_cached` appends, attends (each sequence aligned to its own length) and commits
 the new lengths only once the attention is computed, restoring the cache when anything fails.
+The new tokens attend causally unless the call says ``causal=False`` (or ``mask=False``):
+then each sees every cached key of its sequence and every new one (CPM-Ant's prefill).
 """
 
 from __future__ import annotations
@@ -179,10 +181,10 @@ def _check_dtype(cache: Any, dtype: np.dtype, where: str) -> None:
 
 def _refuse_by_position(cache: Any, rules: MaskRules, arrays: MaskArrays) -> None:
     """What a cache's call cannot take: key lengths, a mask or bias over the slots of a
-    window's cache, top-left alignment."""
+    window's cache, a window without the causal mask, top-left alignment."""
     if arrays.key_lengths is not None:
         raise AttentionValueError(
-            "cache= attends causally over the cached tokens; key_lengths cannot be combined "
+            "cache= attends over the cached tokens; key_lengths cannot be combined "
             "with it (the cache's lengths say which keys each sequence has)"
         )
     given = {"bias": arrays.bias is not None, "mask": arrays.mask is not None}
@@ -191,6 +193,13 @@ def _refuse_by_position(cache: Any, rules: MaskRules, arrays: MaskArrays) -> Non
         raise AttentionValueError(
             f"{' and '.join(by_position)} with cache= index keys by position, but a cache "
             f"with a window drops old positions, so its slots are not positions: {cache!r}"
+        )
+    if rules.causal is False and (cache.window is not None or rules.window is not None):
+        raise AttentionValueError(
+            "causal=False (or mask=False) with cache= attends to every cached key and every "
+            f"new one, but a window hides keys by distance (window={rules.window}, "
+            f"{cache!r}): a window's cache is for causal attention (leave causal and the "
+            "window out, or make the cache without one)"
         )
     if rules.alignment not in (None, "bottom_right"):
         raise AttentionValueError(
@@ -269,7 +278,7 @@ def _append_and_attend(
     B, L = q.shape[0], q.shape[-2]
     dtype = cache.compute_dtype  # a bfloat16 cache's tiles are read in float32
     held_sink_tokens = cache.sink_tokens if cache.window is not None else 0
-    rules = replace(append.rules, causal=True)
+    rules = replace(append.rules, causal=append.rules.causal is not False)  # unless refused
 
     def visibility_for(filled: np.ndarray) -> Visibility:
         lengths = MaskArrays(append.arrays.mask, append.arrays.bias, filled, counts)

@@ -342,7 +342,7 @@ class LatentAttention:
         x: Any,
         mask: Any = None,
         *,
-        causal: Flag = False,
+        causal: Flag | None = None,
         positions: Any = None,
         cache: KVCache | None = None,
         query_lengths: Any = None,

@@ -193,6 +193,7 @@ class Layouts(Configuration):
                 "differential": ("differential attention", "DifferentialAttention"),
                 "block_sparse": ("block-sparse attention", "BlockSparseAttention"),
                 "dynamic_mask": ("dynamic mask attention", "DynamicMaskAttention"),
+                "segment_bias": ("attention with a bias by segment", "SegmentBiasAttention"),
             }.get(str(kind), ("multi-head attention", "MultiHeadAttention"))
             raise AttentionValueError(
                 f"layer {layer} of {path} is {what}: load it with "

@@ -264,7 +264,7 @@ class MultiHeadAttention(Layouts):
         *misplaced: Any,
         key: Any = None,
         value: Any = None,
-        causal: Flag = False,
+        causal: Flag | None = None,
         causal_alignment: str | None = None,
         key_lengths: Any = None,
         query_lengths: Any = None,
@@ -304,7 +304,8 @@ class MultiHeadAttention(Layouts):
         ``positions`` (``(L,)`` or ``(B, L)``) places the tokens for the rotary embedding.
         ``cache`` (from :meth:`new_cache`) makes ``query`` the next tokens of each sequence:
         they are projected, rotated at their true positions, appended, and attend causally
-        over everything cached; with ``query_lengths`` only the first ``query_lengths[b]``
+        over everything cached (every key, the new ones too, with ``mask=False`` or
+        ``causal=False``); with ``query_lengths`` only the first ``query_lengths[b]``
         rows of sequence ``b`` are real tokens (the last ones with ``padding_side="left"``,
         a left-padded prompt). A :class:`mha.PagedKVCache` serves too (its sequences, in
         the order added, are the batch).

@@ -17,6 +17,7 @@ from .differential import DifferentialAttention, DifferentialSpec
 from .dynamic_mask import DynamicMaskAttention, DynamicMaskSpec
 from .latent import LatentAttention, LatentSpec
 from .module import MultiHeadAttention
+from .segment_bias import SegmentBiasAttention, SegmentBiasSpec
 
 __all__ = ["attention_layers", "from_pretrained"]
 
@@ -43,6 +44,8 @@ def from_pretrained(
         return BlockSparseAttention.from_spec(spec, weights, f"{path}, layer {layer}")
     if isinstance(spec, DynamicMaskSpec):
         return DynamicMaskAttention.from_spec(spec, weights, f"{path}, layer {layer}")
+    if isinstance(spec, SegmentBiasSpec):
+        return SegmentBiasAttention.from_spec(spec, weights, f"{path}, layer {layer}")
     if isinstance(spec, DifferentialSpec):
         return DifferentialAttention.from_spec(spec, weights, f"{path}, layer {layer}")
     return MultiHeadAttention.from_spec(spec, weights, f"{path}, layer {layer}")

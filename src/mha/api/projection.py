@@ -87,7 +87,7 @@ def multi_head_attention(
     num_heads: SupportsIndex,
     *,
     mask: Any = None,
-    causal: Flag = False,
+    causal: Flag | None = None,
     causal_alignment: str | None = None,
     key_lengths: Any = None,
     query_lengths: Any = None,
@@ -227,7 +227,8 @@ def multi_head_attention(
     * ``cache``: a :class:`mha.KVCache` or :class:`mha.PagedKVCache`: ``Q``, ``K``, ``V``
       are the next tokens ``(B, L, d)`` of each sequence (with ``query_lengths``, only the
       first ``query_lengths[b]`` rows of sequence ``b`` are real). Their keys and values are
-      appended and the queries attend causally over everything cached, as in
+      appended and the queries attend causally (unless ``causal=False`` or ``mask=False``)
+      over everything cached, as in
       :func:`scaled_dot_product_attention` (a ``mask`` or ``bias`` is over positions).
       ``padding_side="left"``: the real rows are each sequence's last ``query_lengths[b]``
       (a left-padded prompt); their outputs stay there.

@@ -33,7 +33,7 @@ ScoreMod = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 class _Keywords(TypedDict, total=False):
-    causal: Flag
+    causal: Flag | None
     causal_alignment: str | None
     key_lengths: Any
     query_lengths: Any

@@ -296,7 +296,7 @@ def choose_keys(
     scores = index_scores(plan, spec, q_low, x, W, at, keys)
     chosen = top_k(np.where(visible, scores, -np.inf), spec.topk) & visible
 
-    return Choice({**attention, "mask": chosen[..., None, :, :], "causal": False}, commit)
+    return Choice({**attention, "mask": chosen[..., None, :, :], "causal": None}, commit)
 
 
 def _nothing() -> None:

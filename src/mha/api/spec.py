@@ -66,7 +66,7 @@ class SdpaKeywords(NamedTuple):
     """:func:`mha.scaled_dot_product_attention`'s keywords, as given, in its order."""
 
     mask: Any = None
-    causal: Any = False
+    causal: Any = None
     causal_alignment: Any = None
     key_lengths: Any = None
     query_lengths: Any = None
@@ -98,7 +98,7 @@ class MhaKeywords(NamedTuple):
     weights and head counts are checked apart, against the inputs)."""
 
     mask: Any = None
-    causal: Any = False
+    causal: Any = None
     causal_alignment: Any = None
     key_lengths: Any = None
     query_lengths: Any = None

@@ -107,7 +107,7 @@ def scaled_dot_product_attention(
     v: Any,
     *,
     mask: Any = None,
-    causal: Flag = False,
+    causal: Flag | None = None,
     causal_alignment: str | None = None,
     key_lengths: Any = None,
     query_lengths: Any = None,
@@ -191,7 +191,9 @@ def scaled_dot_product_attention(
       ``(B, H_kv, L, d)``: they are appended to the cache after each sequence's length (only
       the first ``query_lengths[b]`` rows of sequence ``b``, when given) and ``q`` attends
       causally over everything cached, each sequence aligned to its own length, within the
-      cache's window. ``mask`` and ``bias`` are then over positions: key ``j`` is position
+      cache's window; with ``causal=False`` (or ``mask=False``) each new query sees every
+      key of its sequence, the new ones after it too (refused with a window). ``mask`` and
+      ``bias`` are then over positions: key ``j`` is position
       ``j``, ``S`` the longest sequence's length after the append (refused with a window's
       cache, whose slots are not positions). ``key_lengths``, ``return_weights`` and a
       top-left alignment are refused with a cache, and a refused call leaves it unchanged.

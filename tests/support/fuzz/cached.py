@@ -68,6 +68,8 @@ def attend_call(draw: Any, session: Any) -> Call:
         del kw["mask"]
     if session.window is not None and "window" in kw and kw["window"] > session.window:
         drawn.refuse.add("window")
+    if bidirectional(kw) and (session.window is not None or "window" in kw):
+        drawn.refuse.add("window")  # every key seen: a window has no place
     if (
         session.window is not None
         and kw.get("sink_tokens") not in (None, session.sink_tokens)
@@ -189,11 +191,18 @@ def check_cached(session: Any, call: Call, result: Any, lazy: str | None,
     return error
 
 
+def bidirectional(kw: dict[str, Any]) -> bool:
+    """``causal=False`` or ``mask=False`` (and neither ``True``): a cached call's new tokens
+    see every key of their sequence, the new ones after them too."""
+    flags = [kw[name] for name in ("causal", "mask") if isinstance(kw.get(name), (bool, np.bool_))]
+    return bool(flags) and not any(flags)
+
+
 def cached_scene(session: Any, q: Any, held: list[tuple[np.ndarray, np.ndarray]],
                  before: np.ndarray, counts: np.ndarray, left: bool,
                  kw: dict[str, Any]) -> dense.Scene:  # fmt: skip
     """Each sequence's new queries at its positions ``before[b] + i`` over its keys at
-    ``0..`` (causal, within the call's window or the cache's)."""
+    ``0..`` (causal unless :func:`bidirectional`, within the call's window or the cache's)."""
     qa = as_float64(q)
     B, H, L, d_k = qa.shape
     if left:  # each sequence's real rows first
@@ -226,7 +235,8 @@ def cached_scene(session: Any, q: Any, held: list[tuple[np.ndarray, np.ndarray]]
     return dense.Scene(
         q=qa, k=keys, v=vals, scale=1 / math.sqrt(d_k) if scale is None else float(scale),
         q_pos=at, k_pos=j, q_idx=at, k_idx=j, rows=i < counts.reshape(B, 1, 1, 1),
-        keys=j < after.reshape(B, 1, 1, 1), causal=True, window=window, sink_tokens=sinks,
+        keys=j < after.reshape(B, 1, 1, 1), causal=not bidirectional(kw), window=window,
+        sink_tokens=sinks,
         chunk=kw.get("chunk"), mask=over_positions("mask"), bias=over_positions("bias"),
         mask_mod=kw.get("mask_mod"), score_mod=kw.get("score_mod"), softcap=kw.get("softcap"),
         slopes=slopes, sinks=None if kw.get("sinks") is None else np.asarray(kw["sinks"], float),

@@ -91,7 +91,8 @@ def lengths(rng: np.random.Generator, batch: tuple[int, ...], top: int, form: in
 def masking(draw: Any, rng: np.random.Generator, batch: tuple[int, ...], H: int, L: int, S: int,
             cached: bool = False) -> dict[str, Any]:  # fmt: skip
     """The mask contract's keywords for scores ``(*batch, H, L, S)``, each given or not.
-    ``cached``: a call with a cache (always causal; no key lengths, no top-left)."""
+    ``cached``: a call with a cache (no key lengths, no top-left; causal unless
+    ``causal=False`` or ``mask=False``)."""
     kw: dict[str, Any] = {}
     use = lambda name, p: draw(chance(p), label=name)  # noqa: E731
     if use("mask", 0.25):

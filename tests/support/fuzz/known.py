@@ -49,11 +49,14 @@ def mask_mod_refused_after_dropout_draw() -> None:
 
 def mask_false_with_a_window_cache() -> None:
     """``mask=False`` (no causal mask, no array) counts as a mask over positions with a
-    cache, so a window's cache refuses it ("mask with cache= index keys by position")."""
+    cache, so a window's cache refuses it ("mask with cache= index keys by position").
+    Since attention that is not causal through a cache (``mask=False``: every key seen), a
+    window's cache refuses it by the window."""
     cache = mha.KVCache(1, 1, 2, window=2)
     q = np.ones((1, 1, 1, 2))
-    mha.scaled_dot_product_attention(q, q, q, cache=cache, mask=False)
-    assert cache.lengths.tolist() == [1]
+    with pytest.raises(mha.AttentionValueError, match=r"mask=False\) with cache=.* window"):
+        mha.scaled_dot_product_attention(q, q, q, cache=cache, mask=False)
+    assert cache.lengths.tolist() == [0]
 
 
 def rope_scaling_without_keys() -> None:

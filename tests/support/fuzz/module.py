@@ -203,6 +203,8 @@ def forward_call(draw: Any, layer: Any, cache: Any) -> Call:
         if kw.get("mask") is False or (len(args) > 1 and args[1] is False):
             kw.pop("mask", None)
             del args[1:]
+        if kw.get("causal") is False and (layer.window is not None or "window" in kw):
+            drawn.refuse.add("window")  # every key seen: a window has no place
     backward = cache is None and draw(chance(0.2), label="return_backward")
     if backward:
         kw["return_backward"] = True

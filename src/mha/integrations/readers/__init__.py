@@ -47,6 +47,7 @@ from ...api.configuration import LayerSpec
 from ...api.differential import DifferentialSpec
 from ...api.dynamic_mask import DynamicMaskSpec
 from ...api.latent import LatentSpec
+from ...api.segment_bias import SegmentBiasSpec
 from ...errors import AttentionValueError, WeightsFileError
 from ..checkpoint import open_checkpoint
 from .attention import completed, describe
@@ -58,6 +59,7 @@ from .layouts import (
     attentions_per_layer,
     check_names,
     lay_out,
+    outside_layers,
     stack_heads,
 )
 from .registry import FAMILIES, REFUSED, SUPPORTED, register
@@ -86,7 +88,7 @@ def read_layer(
     kind, settings, weights = layer_attention(open_checkpoint(path), layer, dtype)
     kinds = {"latent": LatentSpec, "differential": DifferentialSpec,
              "dynamic_mask": DynamicMaskSpec}  # fmt: skip
-    kinds["block_sparse"] = BlockSparseSpec
+    kinds |= {"block_sparse": BlockSparseSpec, "segment_bias": SegmentBiasSpec}
     return kinds.get(kind, LayerSpec)(**settings), weights
 
 
@@ -119,6 +121,10 @@ def layer_attention(
     # each tensor's prefix: the layer's, but a layer that attends with another's keys and
     # values (Gemma 3n, Gemma 4) reads their projections and norm from that layer
     at = dict.fromkeys(tensors, prefix)
+    shared = getattr(family.tensors, "shared", None)  # tensors outside the layers (CPM-Ant's)
+    for name, tensor in (shared(read, settings) if shared else {}).items():
+        name = outside_layers(prefix, family.tensors.path, name)
+        tensors[name], at[name] = tensor, ""
     if family.values is not None and settings.get("shares_kv_with") is not None:
         other = attention_prefix(source, settings["shares_kv_with"], family.tensors.path)
         at |= {name: other for name in tensors if name.startswith(family.values.borrowed)}

@@ -59,6 +59,7 @@ __all__ = [
     "loop_sections",
     "loop_slot",
     "module_path",
+    "outside_layers",
     "stack_heads",
     "stack_slot",
 ]
@@ -509,6 +510,13 @@ def attention_prefix(
         f"{source.path} has no attention weights of layer {index} under "
         f"{' or '.join(candidates)}; it holds {len(keys)} tensors under {tensor_prefixes(keys)}"
     )
+
+
+def outside_layers(prefix: str, path: str, name: str) -> str:
+    """The checkpoint's name of a tensor outside the layers, given under a causal LM's full
+    names (``cpmant.position_bias...``): as it is, or without its first name where the
+    layers' ``prefix`` lacks the first name of their ``path`` (a bare model's checkpoint)."""
+    return name if prefix.startswith(path.split(".", 1)[0] + ".") else name.split(".", 1)[1]
 
 
 def check_names(source: Source, prefix: str, names: Iterable[str], read: Settings) -> None:

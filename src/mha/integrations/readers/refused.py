@@ -56,12 +56,6 @@ REFUSED = {
     # decoder-only families whose attention (or other layers) mha does not compute
     "deepseek_v4": _not_computed(f"DeepSeek-V4's attention over compressed keys with {_TOP_K}"),
     "reformer": _not_computed("Reformer's LSH and chunked local attention"),
-    "cpmant": _not_computed(
-        "CPM-Ant's attention that is not causal: bidirectional over its whole input (its "
-        "prompt tokens prepended), a prefill of several tokens through the KV cache included "
-        "(its bucketed position bias by each token's segment, from the table its layers share "
-        "in cpmant.position_bias, is mha.relative_position_bias(..., 'segments'))"
-    ),
     "jetmoe": _not_computed(
         "JetMoE's mixture of attention heads (experts pick each token's query and output "
         "projections)"

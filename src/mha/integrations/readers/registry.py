@@ -17,6 +17,7 @@ from __future__ import annotations
 from . import (
     alibi,
     blocksparse,
+    cpmant,
     defaults,
     dory,
     gated,
@@ -781,19 +782,11 @@ register(
         ),
     ),
 )
-register(*temperature.ROWS)
-register(*sparse.ROWS)
-register(*gated.ROWS)
-register(*mimo.ROWS)
-register(*gemma4.ROWS)
-register(*mistral4.ROWS)
-register(*outnorm.ROWS)
-register(*hyv4.ROWS)
-register(*nope.ROWS)
-register(*latentgates.ROWS)
-register(*blocksparse.ROWS)
-register(*recurrent.ROWS)
-register(*dory.ROWS)
+# the rows of the topic modules, in the order they came
+TOPICS = (temperature, sparse, gated, mimo, gemma4, mistral4, outnorm, hyv4, nope,
+          latentgates, blocksparse, recurrent, dory, cpmant)  # fmt: skip
+for topic in TOPICS:
+    register(*topic.ROWS)
 
 SUPPORTED = tuple(FAMILIES)
 """The families of the table as mha defines it (before any :func:`register`)."""
