@@ -129,25 +129,31 @@ class OutputGate:
         return by_head.reshape(x.shape)
 
     def forward(
-        self, joined: np.ndarray, inputs: np.ndarray, matmul: Any = None
+        self, joined: np.ndarray, inputs: np.ndarray, matmul: Any = None, overwrite: bool = False
     ) -> tuple[np.ndarray, Any]:
         """``joined`` gated by the gate of ``inputs (*B, L, d_q)``, and what the backward
         reads: the joined heads, the gate, the logits (softplus's derivative reads them)
         and the inputs; the derivative itself is computed by the backward alone.
-        ``matmul(x, W, b)``: the layer's matrix product (its thread team's), for the
-        logits."""
+        ``matmul(x, W, b, then=)``: the layer's matrix product (its thread team's), for the
+        logits; ``overwrite``: the gated heads may take ``joined``'s memory (a call without
+        a backward, which would read it)."""
         if matmul is not None and self.activation == "sigmoid":
-            return self._fused(joined, inputs, matmul)
+            return self._fused(joined, inputs, matmul, overwrite)
         z = self._logits(inputs, joined.dtype, matmul)
         kept = None if self.activation == "sigmoid" else z
         g = _activation(self.activation, z)
         return self._gated(joined, g), (joined, g, kept, inputs)
 
-    def _fused(self, joined: np.ndarray, inputs: np.ndarray, matmul: Any) -> tuple[Any, Any]:
+    def _fused(
+        self, joined: np.ndarray, inputs: np.ndarray, matmul: Any, overwrite: bool
+    ) -> tuple[Any, Any]:
         """:meth:`forward`'s sigmoid gate by the layer's thread team: each worker turns its
         block of logits into the gate and gates its rows of the joined heads while the
-        block is in cache (the same operations, row by row, as the unfused path)."""
-        gated = np.empty_like(joined)
+        block is in cache (the same operations, row by row, as the unfused path), in place
+        when it may overwrite them: a layer of 4,096 tokens and 512 features measured 1.07x
+        of the layer without the gate in place, 1.18x through a new array (AMD EPYC, 2
+        cores: the W_o product after it ran at half speed, reading the new pages)."""
+        gated = joined if overwrite and joined.flags.c_contiguous else np.empty_like(joined)
         rows_in = joined.reshape(math.prod(joined.shape[:-1]), joined.shape[-1])  # any may be 0
         rows_out = gated.reshape(rows_in.shape)
 

@@ -133,9 +133,9 @@ class Stages:
         return {**self.first.weights, **self.then.weights}
 
     def forward(
-        self, joined: np.ndarray, inputs: np.ndarray, *matmul: Any
+        self, joined: np.ndarray, inputs: np.ndarray, *product: Any
     ) -> tuple[np.ndarray, Any]:
-        staged, first = self.first.forward(joined, inputs, *matmul)
+        staged, first = self.first.forward(joined, inputs, *product)
         out, then = self.then.forward(staged, inputs)
         return out, (first, then)
 
