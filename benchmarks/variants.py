@@ -20,7 +20,8 @@ penalises the short calls most:
 3. The variants of the whole layer (``multi_head_attention``, d_model = 8 x 64 = 512, its
    four projections): an output gate per element (``W_g (512, 512)``: a GEMM as large as a
    projection) and per head (``W_g (512, 8)``), as a ratio to the same layer without it;
-   and the per-element gate's floor: the plain layer followed by the gate's GEMM alone.
+   and the per-element gate's floor: the plain layer followed by the gate's GEMM alone;
+   timed in a set of their own, 41 rounds (``LAYER_REPEATS``).
 
 Where the environment sets ``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE`` (which hold OpenBLAS
 to an older kernel), the measurement is repeated in a child process without them, and both
@@ -116,6 +117,10 @@ LAYERS: list[tuple[str, str, int | None, float | None]] = [
 ]
 """The last row is the per-element gate's floor: the plain layer and the gate's GEMM (as
 large as a projection) alone, without the gate's sigmoid and product."""
+LAYER_REPEATS = 41
+"""The layer rows are timed apart, 41 times each: a gate adds 5-10% to a layer of 200 ms,
+and one layer call of 15 here ran from 185 to 383 ms on the shared 2-core machine (a median
+of 15 moved the per-element gate's ratio from 1.03x to 1.29x between runs)."""
 
 
 def _layer(X: Any, weights: list[Any], W_g: Any) -> Callable[[], Any]:
@@ -166,19 +171,22 @@ def measure(quick: bool) -> dict[str, Any]:
     X = rng.standard_normal((B, L, H * D), dtype=np.float32)
     weights = [(rng.standard_normal((H * D, H * D)) / (H * D) ** 0.5).astype(np.float32)
                for _ in range(4)]  # fmt: skip
+    layers = {}
     for name, _, columns, _ in LAYERS:
         size = None if columns is None else abs(columns)
         W_g = None if size is None else rng.standard_normal((H * D, size), dtype=np.float32)
         made = _layer_then_product if columns is not None and columns < 0 else _layer
-        functions[name] = made(X, weights, None if W_g is None else W_g / (H * D) ** 0.5)
-    repeats = 3 if quick else 15
+        layers[name] = made(X, weights, None if W_g is None else W_g / (H * D) ** 0.5)
+    repeats, layer_repeats = (3, 3) if quick else (15, LAYER_REPEATS)
     times = interleaved_medians(functions, repeats, pause=0.0)
+    times.update(interleaved_medians(layers, layer_repeats, pause=0.0))
     seconds = {name: float(np.median(t)) for name, t in times.items()}
     base, layer = seconds["plain causal"], seconds[LAYERS[0][0]]
     return {
         "environment": environment(torch),
         "shape": {"B": B, "H": H, "L": L, "D": D, "dtype": "float32"},
         "repeats": repeats,
+        "layer_repeats": layer_repeats,
         "variants": [
             {"name": name, "keywords": shown, "seconds": seconds[name],
              "all_seconds": times[name], "ratio": seconds[name] / base, "target": target,
@@ -246,7 +254,9 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             )
         lines += [
             "",
-            "The whole layer (`multi_head_attention`, d_model 512, its four projections):",
+            "The whole layer (`multi_head_attention`, d_model 512, its four projections; "
+            f"medians of {results.get('layer_repeats', results['repeats'])} interleaved runs "
+            "of these four rows):",
             "",
             "| layer | keywords | ms | / plain layer | target | meets target |",
             "|:---|:---|---:|---:|:---:|:---:|",

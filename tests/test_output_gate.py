@@ -48,7 +48,8 @@ def torch_gated(torch, t, per_head, act, memory=None):
 def test_the_gate_made_by_blocks_of_rows_matches_torch(per_head, act, rows, torch, tuned):
     """Two workers share the gate's product by blocks of 4 rows (each gating its rows of the
     joined heads as it makes them) or, with too few rows to go round, by columns: torch's
-    answer either way, and the same gradients."""
+    answer either way, and the same gradients; without a backward, in place, the gate made
+    block by block in each worker's buffer."""
     tuned(matmul_rows=rows, matmul_max_rows=rows)
     X, W_q, W_k, W_v, W_o, W_g, b_g = arrays(2, per_head)
     given = dict(X=X, W_q=W_q, W_k=W_k, W_v=W_v, W_o=W_o, W_g=W_g, b_g=b_g)
@@ -59,6 +60,11 @@ def test_the_gate_made_by_blocks_of_rows_matches_torch(per_head, act, rows, torc
     t = {name: torch.tensor(a, requires_grad=True) for name, a in given.items()}
     expected = torch_gated(torch, t, per_head, act)
     assert relative_error(out, expected.detach().numpy()) <= 1e-13
+    alone = mha.multi_head_attention(
+        X, X, X, W_q, W_k, W_v, W_o, H, causal=True, W_g=W_g, b_g=b_g, output_gate=act,
+        workers=2,
+    )  # fmt: skip
+    assert relative_error(alone, expected.detach().numpy()) <= 1e-13
     grad = np.random.default_rng(3).standard_normal(out.shape)
     (expected * torch.from_numpy(grad)).sum().backward()
     ours = backward(grad)

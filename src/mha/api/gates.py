@@ -97,7 +97,7 @@ class OutputGate:
                 )
         return cls(kind, W, b, H, d_v)
 
-    uses_matmul = True  # the logits' product shared by the layer's thread team
+    uses_matmul = True  # the logits' product made by the layer's thread team
 
     @property
     def weights(self) -> dict[str, np.ndarray]:
@@ -108,11 +108,11 @@ class OutputGate:
     def per_head(self) -> bool:
         return self.W_g.shape[1] == self.heads and self.d_v != 1
 
-    def _logits(self, inputs: np.ndarray, dtype: np.dtype, matmul: Any = None) -> np.ndarray:
+    def _logits(self, inputs: np.ndarray, dtype: np.dtype, team: Any = None) -> np.ndarray:
         x, W = inputs.astype(dtype, copy=False), self.W_g.astype(dtype, copy=False)
         b = None if self.b_g is None else self.b_g.astype(dtype, copy=False)
-        if matmul is not None:
-            by_team: np.ndarray = matmul(x, W, b)
+        if team is not None:
+            by_team: np.ndarray = team.matmul(x, W, b)
             return by_team
         z: np.ndarray = x @ W
         if b is not None:
@@ -129,32 +129,34 @@ class OutputGate:
         return by_head.reshape(x.shape)
 
     def forward(
-        self, joined: np.ndarray, inputs: np.ndarray, matmul: Any = None, overwrite: bool = False
+        self, joined: np.ndarray, inputs: np.ndarray, team: Any = None, overwrite: bool = False
     ) -> tuple[np.ndarray, Any]:
         """``joined`` gated by the gate of ``inputs (*B, L, d_q)``, and what the backward
         reads: the joined heads, the gate, the logits (softplus's derivative reads them)
         and the inputs; the derivative itself is computed by the backward alone.
-        ``matmul(x, W, b, then=)``: the layer's matrix product (its thread team's), for the
+        ``team``: the layer's thread team (:class:`mha._kernel.team.Team`), which makes the
         logits; ``overwrite``: the gated heads may take ``joined``'s memory (a call without
         a backward, which would read it)."""
-        if matmul is not None and self.activation == "sigmoid":
-            return self._fused(joined, inputs, matmul, overwrite)
-        z = self._logits(inputs, joined.dtype, matmul)
+        if team is not None and self.activation == "sigmoid":
+            return self._fused(joined, inputs, team, overwrite)
+        z = self._logits(inputs, joined.dtype, team)
         kept = None if self.activation == "sigmoid" else z
         g = _activation(self.activation, z)
         return self._gated(joined, g), (joined, g, kept, inputs)
 
     def _fused(
-        self, joined: np.ndarray, inputs: np.ndarray, matmul: Any, overwrite: bool
+        self, joined: np.ndarray, inputs: np.ndarray, team: Any, overwrite: bool
     ) -> tuple[Any, Any]:
         """:meth:`forward`'s sigmoid gate by the layer's thread team: each worker turns its
         block of logits into the gate and gates its rows of the joined heads while the
-        block is in cache (the same operations, row by row, as the unfused path), in place
-        when it may overwrite them: a layer of 4,096 tokens and 512 features measured 1.07x
-        of the layer without the gate in place, 1.18x through a new array (AMD EPYC, 2
-        cores: the W_o product after it ran at half speed, reading the new pages)."""
-        gated = joined if overwrite and joined.flags.c_contiguous else np.empty_like(joined)
+        block is in cache (the same operations, row by row, as the unfused path). When it
+        may overwrite them, in place, and the gate is not kept: a layer of 4,096 tokens and
+        512 features took 1.03-1.15x the time of the layer without the gate so, 1.18-1.29x
+        through a new array and the whole gate (AMD EPYC, 2 cores: the W_o product after
+        it ran at half speed, reading new pages)."""
         rows_in = joined.reshape(math.prod(joined.shape[:-1]), joined.shape[-1])  # any may be 0
+        in_place = overwrite and joined.flags.c_contiguous
+        gated = joined if in_place else np.empty_like(joined)
         rows_out = gated.reshape(rows_in.shape)
 
         def then(rows: slice, z: np.ndarray) -> None:
@@ -166,7 +168,10 @@ class OutputGate:
 
         x, W = inputs.astype(joined.dtype, copy=False), self.W_g.astype(joined.dtype, copy=False)
         b = None if self.b_g is None else self.b_g.astype(joined.dtype, copy=False)
-        g = matmul(x, W, b, then=then)
+        if in_place:  # no backward: the gate is not kept
+            team.each_product(x, W, b, then)
+            return gated, None
+        g = team.matmul(x, W, b, then=then)
         return gated, (joined, g, None, inputs)
 
     def backward(

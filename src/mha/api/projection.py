@@ -312,7 +312,7 @@ def compute(call: Call) -> np.ndarray | tuple[Any, ...]:
         if call.spec.output is not None:  # a change between the heads and W_o
             output = call.spec.output
             shared = getattr(output, "uses_matmul", False)  # and may overwrite the heads
-            product: tuple[Any, ...] = (team.matmul, not request.backward) if shared else ()
+            product: tuple[Any, ...] = (team, not request.backward) if shared else ()
             staged, stage_state = output.forward(joined, call.Q, *product)
         out = team.matmul(staged, w.W_o, w.b_o)
     if call.given.left_padded:

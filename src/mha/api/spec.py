@@ -203,9 +203,9 @@ class OutputStage(Protocol):
 
     def forward(self, joined: np.ndarray, inputs: np.ndarray) -> tuple[np.ndarray, Any]:
         """``joined`` changed, for the layer's queries' inputs ``inputs (*B, L, d_q)``. A
-        stage whose ``uses_matmul`` is true is also given the layer's matrix product
-        ``matmul(x, W, b, then=)`` (its thread team's) and whether it may overwrite
-        ``joined`` (no backward reads it), as a third and fourth argument."""
+        stage whose ``uses_matmul`` is true is also given the layer's thread team (its
+        matrix products: ``team.matmul``, ``team.each_product``) and whether it may
+        overwrite ``joined`` (no backward reads it), as a third and fourth argument."""
 
     def backward(
         self, d_out: np.ndarray, saved: Any
