@@ -33,6 +33,14 @@ __all__ = ["attend_chosen", "walks_chosen"]
 GATHERED_BYTES = 1 << 25
 """At most this many bytes of keys gathered for one tile of queries (32 MiB)."""
 
+SHARED = 1.25
+"""A tile of queries is walked together while the keys they chose together are at most this
+many times those of the query that chose most; past it, each query alone (over its own
+keys, with others' queries). A tile computes every query's scores against all its keys: at
+twice as many keys as each query's, 16 queries a sequence of a 32k-token decoding chunk
+took 212 ms (tiles of 2 queries masked among ~4,000 keys: a quarter of the time, for an
+eighth of the queries); at 1.25, every query alone (``benchmarks/sparse.py``)."""
+
 _KERNEL_KEYWORDS = ("max_memory", "workers", "sinks")
 _TAKEN = frozenset({"mask", "causal", "cache", "query_lengths", "key_lengths", *_KERNEL_KEYWORDS})
 
@@ -108,7 +116,7 @@ def _walk(
         while start < L:
             stop = min(L, start + tile)
             used = np.flatnonzero(chosen[b, start:stop].any(0))
-            if stop - start > 1 and used.size > 2 * counts[start:stop].max():
+            if stop - start > 1 and used.size > SHARED * counts[start:stop].max():
                 stop = start + 1  # the tile's queries share few keys: one query at a time
                 used = np.flatnonzero(chosen[b, start])
             if stop - start == 1 and 0 < 2 * used.size <= keys.shape[-2]:
