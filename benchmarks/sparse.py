@@ -20,6 +20,9 @@ interleaved, medians:
 3. ``dense 2048``: the same layer without an indexer, a step over 2,048 cached tokens.
 4. ``indexer``: the indexer alone: its scores of the 4 queries against the 32k keys and the
    top-k choice (``mha.api.sparse.index_scores``, ``mha.api.topk.top_k``).
+5. ``sparse, choice given``: the sparse step with the indexer's choice made once, before
+   the timing: the layer's work but the indexer's, measured rather than the difference of
+   two noisy medians. The target compares it with the dense step.
 
 A chunk of 16 tokens per sequence (chunked prefill) is timed the same way.
 """
@@ -87,6 +90,26 @@ def _masked(step: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
+def _choice_given(step: Callable[[], Any]) -> Callable[[], Any]:
+    """``step`` with its indexer's choice made on the first call and given to every call
+    after it (the indexer's keys, scores and top-k not computed again)."""
+    from mha.api import latent_math
+    from mha.api.sparse import Choice
+
+    real, made = latent_math.choose_keys, {}
+
+    def chosen(plan: Any, spec: Any, x: Any, q_low: Any, W: Any, at: Any, attention: Any) -> Any:
+        if "mask" not in made:
+            made["mask"] = real(plan, spec, x, q_low, W, at, attention).attention["mask"]
+        return Choice({**attention, "mask": made["mask"], "causal": None}, lambda: None)
+
+    def run() -> Any:
+        with mock.patch("mha.api.latent_math.choose_keys", chosen):
+            return step()
+
+    return run
+
+
 def _indexer(layer: mha.LatentAttention, cache: Any, x: np.ndarray) -> Callable[[], Any]:
     """The indexer's scores of ``x``'s tokens against the cache's keys, and its choice."""
     W = {name: w for name, w in layer.weights().items() if w is not None}
@@ -121,6 +144,7 @@ def measure(quick: bool) -> dict[str, Any]:
         step = _step(sparse, long, x)
         rows[f"sparse, L={L}"] = step
         rows[f"sparse masked walk, L={L}"] = _masked(step)
+        rows[f"sparse, choice given, L={L}"] = _choice_given(step)
         rows[f"dense {TOPK}, L={L}"] = _step(dense, short, x)
         rows[f"indexer, L={L}"] = _indexer(sparse, long, x)
     repeats = 3 if quick else 9
@@ -130,6 +154,7 @@ def measure(quick: bool) -> dict[str, Any]:
     for L in (1, 16):
         sparse_s, dense_s = seconds[f"sparse, L={L}"], seconds[f"dense {TOPK}, L={L}"]
         indexer_s = seconds[f"indexer, L={L}"]
+        given_s = seconds[f"sparse, choice given, L={L}"]
         results.append({
             "queries_per_sequence": L,
             "sparse_seconds": sparse_s,
@@ -138,8 +163,10 @@ def measure(quick: bool) -> dict[str, Any]:
             "indexer_seconds": indexer_s,
             "ratio_to_dense": sparse_s / dense_s,
             "ratio_without_indexer": (sparse_s - indexer_s) / dense_s,
+            "choice_given_seconds": given_s,
+            "ratio_choice_given": given_s / dense_s,
             "target": TARGET,
-            "meets_target": bool(sparse_s <= TARGET * dense_s + indexer_s),
+            "meets_target": bool(given_s <= TARGET * dense_s),
             "all_seconds": {name: t for name, t in times.items() if name.endswith(f"L={L}")},
         })  # fmt: skip
     return {
@@ -164,15 +191,18 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             f"{results['repeats']} interleaved runs.",
             "",
             "| queries per sequence | sparse ms | masked walk ms | dense 2048 ms | indexer ms "
-            "| sparse / dense | (sparse - indexer) / dense | target | meets |",
-            "|---:|---:|---:|---:|---:|---:|---:|:---:|:---:|",
+            "| sparse / dense | (sparse - indexer) / dense | choice given ms "
+            "| choice given / dense | target | meets |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|:---:|",
         ]
         for row in results["rows"]:
             lines.append(
                 f"| {row['queries_per_sequence']} | {row['sparse_seconds'] * 1e3:.1f} "
                 f"| {row['masked_walk_seconds'] * 1e3:.1f} | {row['dense_seconds'] * 1e3:.1f} "
                 f"| {row['indexer_seconds'] * 1e3:.1f} | {row['ratio_to_dense']:.2f}x "
-                f"| {row['ratio_without_indexer']:.2f}x | <= {TARGET}x + indexer "
+                f"| {row['ratio_without_indexer']:.2f}x "
+                f"| {row['choice_given_seconds'] * 1e3:.1f} | {row['ratio_choice_given']:.2f}x "
+                f"| <= {TARGET}x "
                 f"| {'yes' if row['meets_target'] else 'NO'} |"
             )
         lines.append("")
