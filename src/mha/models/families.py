@@ -491,6 +491,8 @@ OWN_REASONS = {
     "dory": "its nGPT decoder (hidden states on the unit sphere, moved toward each block's "
     "output at the rates lambda_1 and lambda_2; the MLP's suv scales; the logits' scale) and "
     "its recurrent section run n_recurrent_loops times",
+    "cpmant": "its decoder (the prompt tokens it prepends, segment embeddings, its FFN and "
+    "norms; its attention, not causal with a bias by segment, is read)",
 }
 """What the families that are neither a mixture nor a hybrid of the readers' kind lack."""
 
