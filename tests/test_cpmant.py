@@ -266,3 +266,14 @@ def test_cpmant_errors_name_what_is_missing(transformers: Any) -> None:
         mha.MultiHeadAttention.from_pretrained(models.saved("cpmant"), layer=0)
     with pytest.raises(mha.ShapeError, match="relative_bias must have shape"):
         mha.SegmentBiasAttention.from_spec(layer.spec, {**layer.weights(), "relative_bias": None})
+
+
+def test_files_and_torch_refuse_the_layer_by_name(tmp_path: Any) -> None:
+    """A saved file and torch's module have no place for the bias table: refused, naming it,
+    nothing written."""
+    layer = mha.SegmentBiasAttention(8, 2)
+    with pytest.raises(mha.AttentionValueError, match="relative_bias and its buckets"):
+        layer.save(tmp_path / "layer.npz")
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(mha.AttentionValueError, match="relative-position bias by segment"):
+        layer.to_torch()

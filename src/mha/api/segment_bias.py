@@ -97,6 +97,9 @@ class SegmentBiasAttention(MultiHeadAttention):
     (2, 8)
     """
 
+    not_saved = "relative_bias and its buckets"
+    not_torch = "a relative-position bias by segment"
+
     relative_bias: np.ndarray
     num_buckets: int
     max_distance: int
@@ -262,21 +265,3 @@ class SegmentBiasAttention(MultiHeadAttention):
         plain = super().__repr__().removeprefix("MultiHeadAttention(")
         own = ", ".join(f"{name}={getattr(self, name)}" for name in _OWN)
         return f"SegmentBiasAttention({own}, {plain}"
-
-    def save(self, path: Any) -> None:
-        """Refused, whatever ``path``: a saved file has no place for the bias table yet.
-
-        >>> SegmentBiasAttention(8, 2).save("a.npz")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        mha.AttentionValueError: a SegmentBiasAttention is not saved to .npz files ...
-        """
-        raise AttentionValueError(
-            "a SegmentBiasAttention is not saved to .npz files (relative_bias and its "
-            "buckets have no place in them yet): keep attention.spec and its weights()"
-        )
-
-    def _check_torch_layout(self) -> None:
-        raise AttentionValueError(
-            f"torch.nn.MultiheadAttention cannot hold a relative-position bias by segment: {self!r}"
-        )
