@@ -97,7 +97,7 @@ def test_every_family_read_is_generated_or_refused_by_name(transformers):
         kind for kind in read_families() if kind not in FAMILIES and kind not in NOT_WRITTEN
     ]
     assert not unaccounted, f"read by from_pretrained, neither generated nor refused: {unaccounted}"
-    assert len([kind for kind in read_families() if kind in FAMILIES]) >= 69
+    assert len([kind for kind in read_families() if kind in FAMILIES]) >= 70
 
 
 @pytest.mark.parametrize("model_type", [kind for kind in read_families()])
@@ -352,3 +352,91 @@ def test_xielu_in_float64(torch, transformers, tmp_path, record_error):
             expected = theirs.mlp(torch.from_numpy(h)).numpy()
         error = relative_error(ours.mlp(h), expected)
         assert record_error("mha.models apertus, float64 xIELU MLP", error) <= 1e-10
+
+
+CPMANT_PROMPTS = ([7], [3, 0, 9, 12, 5], [0, 0, 4, 8], PROMPT)
+"""CPM-Ant's prompts of several lengths (its prompt tokens prepended to each), with token
+id 0 among them (segment 0) and left padding (leading zeros)."""
+
+
+@pytest.mark.parametrize("prompt", CPMANT_PROMPTS, ids=lambda prompt: f"{len(prompt)} tokens")
+def test_cpmant_generates_what_transformers_generates_in_float64(
+    prompt, torch, transformers, tmp_path, record_error, monkeypatch
+):
+    """CPM-Ant's decoder (:mod:`mha.models.cpmant`) in float64: 12 new tokens, each the one
+    transformers' float64 ``generate`` chooses, every step's logits within 1e-10 (its
+    RMSNorms' mean taken in float64, as mha's: transformers' in float32)."""
+    from support.rope_oracle import float64_torch
+    from transformers.models.cpmant import modeling_cpmant
+
+    from mha.models import Decoder
+    from mha.models.cpmant import CpmAntDecoder
+
+    def float64_norm(self, x):
+        variance = x.pow(2).mean(dim=-1, keepdim=True)
+        return x * torch.rsqrt(variance + self.eps) * self.weight
+
+    monkeypatch.setattr(modeling_cpmant.CpmAntLayerNorm, "forward", float64_norm)
+    folder = build("cpmant", tmp_path)
+    model = _float64_model("cpmant", folder)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    with torch.no_grad(), float64_torch():
+        generated = model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+            return_dict_in_generate=True, output_logits=True,
+        )  # fmt: skip
+    decoder = Decoder(folder, dtype=np.float64)
+    assert isinstance(decoder, CpmAntDecoder)
+    tokens, logits = decoder.generate(prompt, 12)
+    assert tokens == generated.sequences[0, len(prompt) :].tolist()
+    error = max(
+        relative_error(ours, theirs[0].numpy())
+        for ours, theirs in zip(logits, generated.logits, strict=True)
+    )
+    assert logits[0].dtype == np.float64
+    assert record_error("mha.models cpmant, float64 logits", error) <= 1e-10
+
+
+def _cpmant_without_prompt(decoder) -> None:
+    decoder.prompt_ids = decoder.prompt_ids - decoder.prompt_length  # the next prompt type's
+
+
+def _cpmant_without_segments(decoder) -> None:
+    decoder.segment_embed = decoder.segment_embed * 0.0
+
+
+def _cpmant_causal(decoder) -> None:
+    class Causal:
+        def __init__(self, layer) -> None:
+            self.layer, self.new_cache, self.token_inputs = (
+                layer,
+                layer.new_cache,
+                layer.token_inputs,
+            )
+
+        def __call__(self, h, **keywords):
+            return self.layer(h, **keywords, causal=True)
+
+    decoder.layers = [(Causal(layer), *rest) for layer, *rest in decoder.layers]
+
+
+@pytest.mark.parametrize(
+    "leave_out", [_cpmant_without_prompt, _cpmant_without_segments, _cpmant_causal]
+)
+def test_each_cpmant_piece_matters(leave_out, torch, transformers, tmp_path):
+    """CPM-Ant's prompt tokens (another prompt type's), its segment embeddings and its
+    attention that is not causal: without any one the prompt's logits are not within 1e-2
+    of the decoder's; a cache of another kind and ragged tokens are refused by name."""
+    from mha.models import Decoder, UnsupportedModelError
+
+    folder = build("cpmant", tmp_path)
+    _, expected = Decoder(folder, dtype=np.float64).generate(PROMPT, 2)
+    decoder = Decoder(folder, dtype=np.float64)
+    leave_out(decoder)
+    _, logits = decoder.generate(PROMPT, 2)
+    assert relative_error(logits[1], expected[1]) > 1e-2
+    with pytest.raises(UnsupportedModelError, match="cache='paged'"):
+        Decoder(folder, cache="paged")
+    with pytest.raises(ValueError, match="query_lengths=None"):
+        decoder.forward(np.array([PROMPT]), decoder.new_caches(1), query_lengths=[3])

@@ -123,6 +123,16 @@ class Decoder:
     Gemma 4's) takes the contiguous cache alone.
     """
 
+    def __new__(
+        cls, directory: str | Path, dtype: Any = np.float32, cache: str = "contiguous"
+    ) -> Any:
+        """A :class:`Decoder`, or CPM-Ant's decoder of its own (:mod:`.cpmant`)."""
+        if cls is Decoder and _open(directory).config.get("model_type") == "cpmant":
+            from .cpmant import CpmAntDecoder
+
+            return CpmAntDecoder(directory, dtype, cache)
+        return super().__new__(cls)
+
     def __init__(
         self, directory: str | Path, dtype: Any = np.float32, cache: str = "contiguous"
     ) -> None:

@@ -455,6 +455,14 @@ FAMILIES["gemma4_text"] = GEMMA4
 FAMILIES["gemma4_unified_text"] = dataclasses.replace(
     GEMMA4, stages=Stages(per_layer=False, scalar=True)
 )
+# CPM-Ant's decoder is a class of its own (.cpmant.CpmAntDecoder, which Decoder returns for
+# it); its row names its norms and MLP for the tables that list every family
+FAMILIES["cpmant"] = Family(
+    ("self_att.layernorm_before_attention", None, "ffn.layernorm_before_ffn", None),
+    eps_key="eps",
+    mlp_names=("ffn.ffn.w_in.w_0", "ffn.ffn.w_in.w_1", "ffn.ffn.w_out"),
+    activation="gelu",
+)
 FAMILIES["gemma3n_text"] = dataclasses.replace(
     GEMMA, norm="gemma4", residual="altup", stages=Stages(clamp=True)
 )
@@ -491,8 +499,6 @@ OWN_REASONS = {
     "dory": "its nGPT decoder (hidden states on the unit sphere, moved toward each block's "
     "output at the rates lambda_1 and lambda_2; the MLP's suv scales; the logits' scale) and "
     "its recurrent section run n_recurrent_loops times",
-    "cpmant": "its decoder (the prompt tokens it prepends, segment embeddings, its FFN and "
-    "norms; its attention, not causal with a bias by segment, is read)",
 }
 """What the families that are neither a mixture nor a hybrid of the readers' kind lack."""
 
