@@ -21,7 +21,6 @@ whole ids every step.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ import numpy as np
 
 from ..api.pretrained import from_pretrained
 from ..integrations.checkpoint import open_checkpoint
+from .greedy import Greedy
 from .layers import UnsupportedModelError, gelu
 
 __all__ = ["Caches", "CpmAntDecoder"]
@@ -53,7 +53,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return np.asarray(x / np.sqrt(variance + x.dtype.type(eps)) * weight)
 
 
-class CpmAntDecoder:
+class CpmAntDecoder(Greedy):
     """CPM-Ant's causal language model (the module's docstring), with
     :class:`~mha.models.Decoder`'s public methods: ``CpmAntDecoder(directory,
     dtype=np.float32)`` in float32 or float64, each layer's cache a contiguous
@@ -165,30 +165,3 @@ class CpmAntDecoder:
         if first:  # the prompt's rows dropped
             x = x[:, self.prompt_length :]
         return np.asarray(x @ self.head.T)
-
-    def generate(self, prompt: list[int], new_tokens: int) -> tuple[list[int], list[np.ndarray]]:
-        """Greedy decoding: the prompt's continuation and the logits of each chosen token."""
-        steps = list(self.stream(prompt, new_tokens))
-        return [token for token, _ in steps], [logits for _, logits in steps]
-
-    def stream(self, prompt: list[int], new_tokens: int) -> Iterator[tuple[int, np.ndarray]]:
-        """Greedy decoding, one token at a time: each new token with the logits it was
-        chosen from (``(vocab,)``), as soon as it is chosen."""
-        if not prompt or new_tokens < 0:
-            raise ValueError(f"a non-empty prompt and new_tokens >= 0; got {prompt}, {new_tokens}")
-        outside = [token for token in prompt if not 0 <= token < self.vocab_size]
-        if outside:
-            raise ValueError(
-                f"token ids {outside} are outside the vocabulary of {self.vocab_size} "
-                f"(ids 0 to {self.vocab_size - 1})"
-            )
-        if not new_tokens:
-            return
-        caches = self.new_caches(1, capacity=len(prompt) + new_tokens)
-        logits = self.forward(np.array([prompt]), caches)[0, -1]
-        for step in range(new_tokens):
-            token = int(np.argmax(logits))
-            yield token, logits
-            if step == new_tokens - 1:
-                return
-            logits = self.forward(np.array([[token]]), caches)[0, -1]

@@ -20,7 +20,6 @@ A config it cannot compute exactly is refused, naming the setting, never approxi
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -44,6 +43,7 @@ from .gemma import (
     sparse_mlp,
     spread,
 )
+from .greedy import Greedy
 from .layers import (
     ACTIVATIONS,
     LEARNED_ACTIVATIONS,
@@ -109,7 +109,7 @@ class Layer(NamedTuple):
     stages: GemmaLayer | None = None  # Gemma 3n's and Gemma 4's (.gemma)
 
 
-class Decoder:
+class Decoder(Greedy):
     """A causal language model: embeddings, decoder layers of attention and MLP, head.
 
     ``Decoder(directory, dtype=np.float32)`` computes in ``dtype`` (float32 or float64),
@@ -553,40 +553,6 @@ class Decoder:
         x = x + branch(attention, before_attention, after_attention, x)
         x = x + branch(layer.mlp, before_mlp, after_mlp, x)
         return x if layer.stages is None else layer.stages.finish(x, p)
-
-    def generate(self, prompt: list[int], new_tokens: int) -> tuple[list[int], list[np.ndarray]]:
-        """Greedy decoding: the prompt's continuation and the logits of each chosen token.
-        ``prompt`` is a non-empty list of token ids below the vocabulary size."""
-        steps = list(self.stream(prompt, new_tokens))
-        return [token for token, _ in steps], [logits for _, logits in steps]
-
-    def stream(self, prompt: list[int], new_tokens: int) -> Iterator[tuple[int, np.ndarray]]:
-        """Greedy decoding, one token at a time: each new token with the logits it was
-        chosen from (``(vocab,)``), as soon as it is chosen."""
-        if not prompt or new_tokens < 0:
-            raise ValueError(f"a non-empty prompt and new_tokens >= 0; got {prompt}, {new_tokens}")
-        outside = [token for token in prompt if not 0 <= token < self.vocab_size]
-        if outside:
-            raise ValueError(
-                f"token ids {outside} are outside the vocabulary of {self.vocab_size} "
-                f"(ids 0 to {self.vocab_size - 1})"
-            )
-        sequence = list(prompt)
-        if not new_tokens:
-            return
-        caches = self.new_caches(1, capacity=len(prompt) + new_tokens)
-        logits = self.forward(np.array([sequence]), caches)[0, -1]
-        for step in range(new_tokens):
-            token = int(np.argmax(logits))
-            yield token, logits
-            if step == new_tokens - 1:
-                return
-            sequence.append(token)
-            if len(sequence) == (self.recompute_at or 0) + 1:  # Phi-3 past its short rope
-                caches = self.new_caches(1, capacity=len(prompt) + new_tokens)
-                logits = self.forward(np.array([sequence]), caches)[0, -1]
-            else:
-                logits = self.forward(np.array([sequence[-1:]]), caches)[0, -1]
 
 
 def _one_blas_thread(few: bool) -> Any:
