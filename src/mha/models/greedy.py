@@ -4,11 +4,24 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 __all__ = ["Greedy"]
+
+
+class _Runs(Protocol):
+    """What :class:`Greedy` needs of the decoder it is mixed into."""
+
+    vocab_size: int
+    recompute_at: int | None
+
+    def forward(self, ids: Any, caches: Any) -> np.ndarray: ...
+
+    def new_caches(self, batch_size: int, capacity: int = 256) -> Any: ...
+
+    def stream(self, prompt: list[int], new_tokens: int) -> Iterator[tuple[int, np.ndarray]]: ...
 
 
 class Greedy:
@@ -17,22 +30,17 @@ class Greedy:
     ``recompute_at`` is a length recomputes its caches from the whole sequence once the
     sequence passes it (Phi-3 past its short rope)."""
 
-    vocab_size: int
     recompute_at: int | None = None
 
-    def forward(self, ids: Any, caches: Any) -> np.ndarray:
-        raise NotImplementedError
-
-    def new_caches(self, batch_size: int, capacity: int = 256) -> Any:
-        raise NotImplementedError
-
-    def generate(self, prompt: list[int], new_tokens: int) -> tuple[list[int], list[np.ndarray]]:
+    def generate(
+        self: _Runs, prompt: list[int], new_tokens: int
+    ) -> tuple[list[int], list[np.ndarray]]:
         """Greedy decoding: the prompt's continuation and the logits of each chosen token.
         ``prompt`` is a non-empty list of token ids below the vocabulary size."""
         steps = list(self.stream(prompt, new_tokens))
         return [token for token, _ in steps], [logits for _, logits in steps]
 
-    def stream(self, prompt: list[int], new_tokens: int) -> Iterator[tuple[int, np.ndarray]]:
+    def stream(self: _Runs, prompt: list[int], new_tokens: int) -> Iterator[tuple[int, np.ndarray]]:
         """Greedy decoding, one token at a time: each new token with the logits it was
         chosen from (``(vocab,)``), as soon as it is chosen."""
         if not prompt or new_tokens < 0:
