@@ -217,3 +217,23 @@ def attention_keywords(model: Any, ids: Any) -> list[dict[str, Any] | None]:
         for handle in handles:
             handle.remove()
     return calls
+
+
+def compare_gradients(
+    module: Any, grads: dict[str, Any], names: dict[str, Any], label: str, record: Any,
+    tolerance: float,
+) -> None:  # fmt: skip
+    """Each parameter's gradient of transformers' ``module`` (after its backward) against
+    ours in ``grads``, by ``names`` (transformers' name: ``(ours, transposed)``), each one
+    that matters (above 1e-3), its error given to ``record(label, error)``; the indexer's
+    parameters have none (its choice of keys has no gradient)."""
+    from support.configs import relative_error
+
+    for name, parameter in module.named_parameters():
+        if name.startswith("indexer."):
+            assert parameter.grad is None, name
+            continue
+        ours, transposed = names[name]
+        theirs = parameter.grad.numpy().T if transposed else parameter.grad.numpy()
+        assert np.abs(theirs).max() > 1e-3, name
+        assert record(label, relative_error(grads[ours], theirs)) <= tolerance, name
