@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from support import pretrained_models as models
 from support.configs import relative_error
+from support.transformers_oracle import zeroed_calls
 
 import mha
 from mha.api.block_sparse import BlockIndexerSpec, choose_blocks, index_keys
@@ -79,35 +80,14 @@ def test_the_keys_chosen_are_transformers_indexers(layer, transformers):
 def test_blocks_tied_in_score_are_chosen_as_transformers_chooses(transformers):
     """Every visible score 0: which blocks beside the local ones each query keeps is
     torch.topk's tie order alone."""
-    import torch
-    from support.rope_oracle import float64_torch
 
     model, calls = captured()
     module = model.model.layers[0].self_attn
     x = np.random.default_rng(2).standard_normal((B, L, 48))
     cos, sin = calls[0]["position_embeddings"]
-    causal = torch.ones((B, 1, L, L), dtype=torch.bool).tril()
-
-    def called(start, stop, cache=None):  # the layer on x[:, start:stop]
-        return module(
-            hidden_states=torch.tensor(x[:, start:stop]),
-            position_embeddings=(cos[:, start:stop], sin[:, start:stop]),
-            attention_mask=causal[:, :, start:stop, :stop],
-            position_ids=torch.arange(start, stop)[None],
-            cache=cache,
-        )[0].numpy()
-
-    saved = module.indexer.q_proj.weight.detach().clone()
-    try:
-        with torch.no_grad(), float64_torch():
-            module.indexer.q_proj.weight.zero_()
-            expected = called(0, L)
-            cache = models.new_cache(model)
-            steps = [called(0, PREFILL, cache)]
-            steps += [called(t, t + 1, cache) for t in range(PREFILL, L)]
-    finally:
-        with torch.no_grad():
-            module.indexer.q_proj.weight.copy_(saved)
+    expected, steps = zeroed_calls(
+        model, module, module.indexer.q_proj.weight, x, (cos, sin), PREFILL, position_ids=True
+    )
     attention = load(0)
     attention.W_index_q[...] = 0.0
     assert relative_error(attention(x, mask=True), expected) <= 1e-12

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from support import pretrained_models as models
 from support.configs import relative_error
-from support.transformers_oracle import compare_gradients
+from support.transformers_oracle import compare_gradients, zeroed_calls
 
 import mha
 from mha.api.sparse import IndexerSpec, SparseKVCache
@@ -85,34 +85,14 @@ def load(family, layer):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_keys_tied_in_score_are_chosen_as_transformers_chooses(family, transformers):
     """Every score 0: which keys each query keeps is torch.topk's tie order alone."""
-    import torch
-    from support.rope_oracle import float64_torch
 
     model, calls = captured(family)
     module = model.model.layers[0].self_attn
     x = np.random.default_rng(2).standard_normal((B, L, 48))
     cos, sin = calls[0]["position_embeddings"]
-    causal = torch.ones((B, 1, L, L), dtype=torch.bool).tril()
-
-    def called(start, stop, cache=None):  # the layer on x[:, start:stop]
-        return module(
-            hidden_states=torch.tensor(x[:, start:stop]),
-            position_embeddings=(cos[:, start:stop], sin[:, start:stop]),
-            attention_mask=causal[:, :, start:stop, :stop],
-            cache=cache,
-        )[0].numpy()
-
-    saved = module.indexer.wq_b.weight.detach().clone()
-    try:
-        with torch.no_grad(), float64_torch():
-            module.indexer.wq_b.weight.zero_()
-            expected = called(0, L)
-            cache = models.new_cache(model)
-            steps = [called(0, PREFILL, cache)]
-            steps += [called(t, t + 1, cache) for t in range(PREFILL, L)]
-    finally:
-        with torch.no_grad():
-            module.indexer.wq_b.weight.copy_(saved)
+    expected, steps = zeroed_calls(
+        model, module, module.indexer.wq_b.weight, x, (cos, sin), PREFILL
+    )
     attention = load(family, 0)
     attention.W_index_q[...] = 0.0
     assert relative_error(attention(x, mask=True), expected) <= 1e-12

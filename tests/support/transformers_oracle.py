@@ -237,3 +237,43 @@ def compare_gradients(
         theirs = parameter.grad.numpy().T if transposed else parameter.grad.numpy()
         assert np.abs(theirs).max() > 1e-3, name
         assert record(label, relative_error(grads[ours], theirs)) <= tolerance, name
+
+
+def zeroed_calls(
+    model: Any, module: Any, weight: Any, x: np.ndarray, rotary: Any, prefill: int,
+    position_ids: bool = False,
+) -> tuple[np.ndarray, list[np.ndarray]]:  # fmt: skip
+    """transformers' attention ``module`` of ``model`` on ``x (B, L, E)``, causal, in float64,
+    with its parameter ``weight`` zeroed (put back afterwards): the whole sequence, then the
+    prefill of ``prefill`` tokens and each later token on the model's cache. ``rotary``: the
+    ``(cos, sin)`` of the whole sequence; ``position_ids``: the calls take their positions
+    too."""
+    import torch
+
+    from support.pretrained_models import new_cache
+    from support.rope_oracle import float64_torch
+
+    B, L = x.shape[:2]
+    cos, sin = rotary
+    causal = torch.ones((B, 1, L, L), dtype=torch.bool).tril()
+
+    def called(start: int, stop: int, cache: Any = None) -> np.ndarray:
+        at = {"position_ids": torch.arange(start, stop)[None]} if position_ids else {}
+        out: np.ndarray = module(
+            hidden_states=torch.tensor(x[:, start:stop]),
+            position_embeddings=(cos[:, start:stop], sin[:, start:stop]),
+            attention_mask=causal[:, :, start:stop, :stop], cache=cache, **at,
+        )[0].numpy()  # fmt: skip
+        return out
+
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad(), float64_torch():
+            weight.zero_()
+            whole, cache = called(0, L), new_cache(model)
+            steps = [called(0, prefill, cache)]
+            steps += [called(t, t + 1, cache) for t in range(prefill, L)]
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    return whole, steps
