@@ -5,16 +5,20 @@ on the same file, interleaved runs, medians.
     python benchmarks/generate.py            # results in benchmarks/results/generate.*
     python benchmarks/generate.py --quick    # fewer repeats and tokens
 
-1. Decoding: tokens per second after the chat prompt's 37 tokens (``eos_token_id=None``),
-   and the per-token floor: the bytes of the float32 weights each token reads (every
+1. Decoding: tokens per second after the chat prompt's 37 tokens (``eos_token_id=None``):
+   the time of its new tokens but the first (generating them all, less generating one), and
+   the per-token floor: the bytes of the float32 weights each token reads (every
    layer's matrices and the tied head) over this machine's bandwidth (a large ``np.sum`` on
    one thread).
 2. The prompt's pass: 37 and 512 tokens, each into a fresh cache.
+3. Peak memory: each side alone in a child process (its imports, the model read from the
+   file, the chat prompt and 64 new tokens), the child's largest resident set.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,6 +52,41 @@ def bandwidth(gib: float = 0.5, repeats: int = 5) -> float:
     return data.nbytes / min(best)
 
 
+PEAK = {  # each side's whole run, in a child process of its own
+    "mha": """
+import mha.models
+model = mha.models.load(PATH)
+model.decoder.generate(PROMPT, 64)
+""",
+    "transformers": """
+import torch, transformers
+from transformers.utils import logging
+logging.set_verbosity_error()
+model = transformers.AutoModelForCausalLM.from_pretrained(
+    PATH.parent, gguf_file=PATH.name, dtype=torch.float32
+).eval()
+with torch.no_grad():
+    model.generate(
+        torch.tensor([PROMPT]), max_new_tokens=64, do_sample=False, eos_token_id=None,
+        pad_token_id=0,
+    )
+""",
+}
+
+
+def peak_memory(side: str, prompt: list[int]) -> int:
+    """The largest resident set, in bytes, of a child process running ``side``'s whole run
+    (:data:`PEAK`) on the token ids ``prompt``."""
+    code = (
+        f"from pathlib import Path\nPATH = Path({str(gguf_path())!r})\nPROMPT = {prompt!r}\n"
+        + PEAK[side]
+        + "import resource\nprint(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
+    command = [sys.executable, "-c", code]
+    child = subprocess.run(command, capture_output=True, text=True, check=True)
+    return int(child.stdout.split()[-1]) * 1024  # (Linux gives KiB)
+
+
 def measure(quick: bool) -> dict[str, Any]:
     import torch
     import transformers
@@ -68,16 +107,22 @@ def measure(quick: bool) -> dict[str, Any]:
     long_prompt = (prompt * 20)[:512]
     tokens: dict[str, list[int]] = {}
 
-    def generate_ours() -> None:
-        tokens["mha"] = decoder.generate(prompt, new_tokens)[0]
+    def generate_ours(count: int) -> Any:
+        def run() -> None:
+            tokens[f"mha {count}"] = decoder.generate(prompt, count)[0]
 
-    def generate_theirs() -> None:
-        with torch.no_grad():
-            out = theirs.generate(
-                torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
-        tokens["transformers"] = out[0, len(prompt) :].tolist()
+        return run
+
+    def generate_theirs(count: int) -> Any:
+        def run() -> None:
+            with torch.no_grad():
+                out = theirs.generate(
+                    torch.tensor([prompt]), max_new_tokens=count, do_sample=False,
+                    eos_token_id=None, pad_token_id=0,
+                )  # fmt: skip
+            tokens[f"transformers {count}"] = out[0, len(prompt) :].tolist()
+
+        return run
 
     def prefill_ours(ids: list[int]) -> Any:
         return lambda: decoder.forward(np.array([ids]), decoder.new_caches(1, len(ids)))
@@ -91,7 +136,9 @@ def measure(quick: bool) -> dict[str, Any]:
 
     times = interleaved_medians(
         {
-            "mha generate": generate_ours, "transformers generate": generate_theirs,
+            "mha generate": generate_ours(new_tokens),
+            "transformers generate": generate_theirs(new_tokens),
+            "mha generate 1": generate_ours(1), "transformers generate 1": generate_theirs(1),
             "mha prompt 37": prefill_ours(prompt), "transformers prompt 37": prefill_theirs(prompt),
             "mha prompt 512": prefill_ours(long_prompt),
             "transformers prompt 512": prefill_theirs(long_prompt),
@@ -107,16 +154,18 @@ def measure(quick: bool) -> dict[str, Any]:
     )
     floor = (weights + decoder.head.nbytes) / bandwidth()
     per_token = {
-        name: (seconds[f"{name} generate"] - seconds[f"{name} prompt 37"]) / (new_tokens - 1)
+        name: (seconds[f"{name} generate"] - seconds[f"{name} generate 1"]) / (new_tokens - 1)
         for name in ("mha", "transformers")
     }
+    peak = {side: peak_memory(side, prompt) for side in PEAK}
     return {
         "environment": environment(torch),
+        "peak_memory_bytes": peak,
         "new_tokens": new_tokens,
         "seconds": seconds,
         "tokens_per_second": {name: 1.0 / t for name, t in per_token.items()},
         "per_token_floor_seconds": floor,
-        "same_tokens": tokens["mha"] == tokens["transformers"],
+        "same_tokens": tokens[f"mha {new_tokens}"] == tokens[f"transformers {new_tokens}"],
     }
 
 
@@ -124,7 +173,7 @@ def markdown(runs: list[dict[str, Any]]) -> str:
     lines = []
     for results in runs:
         s, rate = results["seconds"], results["tokens_per_second"]
-        floor = results["per_token_floor_seconds"]
+        floor, peak = results["per_token_floor_seconds"], results["peak_memory_bytes"]
         lines += [
             measured_on(results["environment"]),
             "",
@@ -137,6 +186,11 @@ def markdown(runs: list[dict[str, Any]]) -> str:
                 f"{1e3 * s[f'transformers prompt {n}']:.0f} | "
                 f"{s[f'mha prompt {n}'] / s[f'transformers prompt {n}']:.2f}x time |"
                 for n in (37, 512)
+            ),
+            "| peak memory, MiB | {:.0f} | {:.0f} | {:.2f}x |".format(
+                peak["mha"] / 2**20,
+                peak["transformers"] / 2**20,
+                peak["mha"] / peak["transformers"],
             ),
             "",
             f"Per token, mha takes {1 / rate['mha'] / floor:.1f}x its bytes floor "

@@ -156,7 +156,9 @@ def test_an_unsharded_float32_checkpoint_generates_the_same(torch, transformers,
     build("gemma2").save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").is_file()
     decoder = Decoder(tmp_path)
-    assert decoder.head is decoder.embed  # Gemma 2 ties them: no lm_head.weight saved
+    # Gemma 2 ties them (no lm_head.weight saved): one array, read both ways
+    assert np.shares_memory(decoder.head, decoder.embed)
+    np.testing.assert_array_equal(decoder.head, decoder.embed)
     expected, expected_logits = transformers_generate(tmp_path, "gemma2", PROMPT, 8)
     tokens, logits = decoder.generate(PROMPT, 8)
     assert tokens == expected
@@ -308,3 +310,37 @@ def test_sliding_models_decode_with_a_paged_cache(family, torch, transformers, t
         np.testing.assert_array_equal(a, b)
     with pytest.raises(UnsupportedModelError, match="caches one latent per token"):
         Decoder(checkpoint("deepseek_v3", tmp_path / "ds"), cache="paged").new_caches(1)
+
+
+def test_the_last_position_alone_and_a_pass_on_one_team(torch, transformers, tmp_path, monkeypatch):
+    """``forward(last=True)`` (what ``generate`` asks of the prompt's pass) is the whole
+    pass's last row, each sequence's last real one when right-padded; a pass of
+    ``TEAM_FROM`` tokens or more runs on one team (mha.models.layers.one_team), the same
+    logits as on BLAS's own threads, up to rounding."""
+    from mha.models import layers
+    from mha.models.decoder import Decoder
+
+    build("llama").save_pretrained(tmp_path)
+    decoder = Decoder(tmp_path, dtype=np.float64)
+    ids = np.array([PROMPT + PROMPT[:8], PROMPT[::-1] + PROMPT[:8]])  # 20 tokens each
+    assert ids.shape[1] >= layers.TEAM_FROM
+    whole = decoder.forward(ids, decoder.new_caches(2, 20))
+    last = decoder.forward(ids, decoder.new_caches(2, 20), last=True)
+    assert last.shape == (2, 1, whole.shape[-1])
+    np.testing.assert_allclose(last[:, 0], whole[:, -1], rtol=1e-12, atol=1e-12)
+    lengths = np.array([20, 13])  # right-padded: the second sequence's real rows end at 13
+    ragged = decoder.forward(ids, decoder.new_caches(2, 20), query_lengths=lengths, last=True)
+    alone = decoder.forward(ids[1:, :13], decoder.new_caches(1, 13))
+    np.testing.assert_allclose(ragged[1, 0], alone[0, -1], rtol=1e-12, atol=1e-12)
+    monkeypatch.setattr(layers, "TEAM_FROM", 10**9)  # every pass on BLAS's own threads
+    on_blas = decoder.forward(ids, decoder.new_caches(2, 20))
+    np.testing.assert_allclose(on_blas, whole, rtol=1e-12, atol=1e-12)
+
+
+def test_silu_in_place_is_the_sigmoid_formula():
+    from mha.models.layers import sigmoid, silu
+
+    x = np.random.default_rng(0).standard_normal((3, 50)).astype(np.float32) * 30
+    for values in (x, x.astype(np.float64), x[:, ::3]):
+        np.testing.assert_array_equal(silu(values), values * sigmoid(values))
+    assert float(silu(np.float64(0.0))) == 0.0

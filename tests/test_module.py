@@ -133,3 +133,30 @@ def test_unbatched_input():
     attention = MultiHeadAttention(8, 2, seed=4)
     X = r.standard_normal((5, 8))
     np.testing.assert_array_equal(attention(X, mask=True), attention(X[None], mask=True)[0])
+
+
+def test_the_projections_lie_side_by_side_and_may_be_replaced():
+    """Every layer mha makes holds ``W_q``, ``W_k``, ``W_v`` as views of one matrix, read
+    in one product (mha.api.projection.side_by_side); updated in place they stay so, and
+    replaced by arrays of their own the call reads those (the same result, up to the
+    rounding of three products against one)."""
+    from mha.api.projection import side_by_side
+
+    rng = np.random.default_rng(8)
+    made = MultiHeadAttention(24, 4, num_kv_heads=2, rope_theta=100.0, seed=1)
+    weights = {name: rng.standard_normal(W.shape) for name, W in made.parameters().items()}
+    read = MultiHeadAttention.from_spec(mha.LayerSpec(num_heads=4, num_kv_heads=2), weights)
+    x = rng.standard_normal((2, 7, 24))
+    for layer in (made, read):
+        joined = side_by_side(layer.W_q, layer.W_k, layer.W_v)
+        assert joined is not None and joined.shape == (24, 24 + 12 + 12)
+        fused = layer(x, mask=True)
+        layer.W_v *= 2.0  # in place: still one matrix
+        assert side_by_side(layer.W_q, layer.W_k, layer.W_v) is joined
+        doubled = layer(x, mask=True)
+        layer.W_v = layer.W_v / 2.0  # an array of its own
+        assert side_by_side(layer.W_q, layer.W_k, layer.W_v) is None
+        np.testing.assert_allclose(layer(x, mask=True), fused, rtol=1e-13, atol=1e-14)
+        assert not np.allclose(doubled, fused)
+    assert side_by_side(weights["W_q"], weights["W_k"], weights["W_v"]) is None
+    np.testing.assert_array_equal(read.W_q, weights["W_q"])  # the given weights, copied

@@ -243,8 +243,53 @@ def test_a_layer_check_is_not_kept_for_weights_it_converted():
     np.testing.assert_array_equal(layer(x.tolist()), fresh(layer, x))
 
 
-def test_a_layer_with_a_cache_is_checked_every_call():
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"rope_theta": 100.0},
+        {"rope_theta": 100.0, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0,
+                                               "max_position_embeddings": 8}},
+        {"num_kv_heads": 2, "window": 4, "qk_norm": "head"},
+    ],
+)  # fmt: skip
+def test_a_layer_with_a_cache_keeps_its_check_and_checks_the_cache_every_call(options):
+    """A decoding loop's calls are checked once; what depends on the cache (what it holds,
+    where the new tokens sit, its room) is worked out every call: the same bits and the
+    same refusals as calls checked afresh, each with a cache of its own."""
+    layer = mha.MultiHeadAttention(16, 4, seed=3, **options)
+    twin = mha.MultiHeadAttention(16, 4, seed=3, **options)  # checked afresh every call
+    kept_cache, fresh_cache = layer.new_cache(2, capacity=12), twin.new_cache(2, capacity=12)
+    steps = [r.standard_normal((2, n, 16)) for n in (5, 1, 1, 2, 1)]
+    for x in steps:
+        np.testing.assert_array_equal(layer(x, cache=kept_cache), fresh(twin, x, cache=fresh_cache))
+        # (a dict-valued keyword, the rope scaling, is the call's own: checked every call)
+        assert (layer in runtime.DEFAULT.layer_checks) == ("rope_scaling" not in options)
+    np.testing.assert_array_equal(kept_cache.lengths, [10, 10])  # (past 12: grown)
+    H_kv = options.get("num_kv_heads", 4)
+    wrong = mha.KVCache(2, H_kv, 4, dtype=np.float32)  # the kept call's, but float32
+    messages = []
+    for call in (layer, twin):
+        with pytest.raises(mha.AttentionTypeError, match="holds float32") as refused:
+            call(steps[1], cache=wrong) if call is layer else fresh(twin, steps[1], cache=wrong)
+        messages.append(str(refused.value))
+        np.testing.assert_array_equal(wrong.lengths, [0, 0])  # unchanged
+    assert messages[0] == messages[1]
+    other, others = layer.new_cache(3), twin.new_cache(3)  # another cache, another batch
+    x = r.standard_normal((3, 2, 16))
+    np.testing.assert_array_equal(layer(x, cache=other), fresh(twin, x, cache=others))
+    with pytest.raises(mha.ShapeError, match="batch"):  # the kept check is the new call's
+        layer(r.standard_normal((2, 1, 16)), cache=other)
+
+
+def test_a_kept_check_does_not_hold_the_cache():
+    import gc
+    import weakref
+
     layer, x = layer_and_input()
     cache = layer.new_cache(2)
     layer(x, cache=cache)
-    assert layer not in runtime.DEFAULT.layer_checks
+    assert layer in runtime.DEFAULT.layer_checks
+    gone = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert gone() is None

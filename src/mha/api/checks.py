@@ -266,6 +266,32 @@ def check_layer(
     )  # fmt: skip
 
 
+def with_cache_state(call: Call, checked: Checked, names: Mapping[str, str]) -> Call:
+    """A call :func:`check_layer` checked with a cache, for the cache ``checked`` carries
+    now: what it appends (:func:`.cached.check_cache`, which checks the cache's state) and
+    the rotary positions its lengths give, as :func:`check_layer` works them out; the rest
+    of the call is the same for every call with these keywords, inputs and weights."""
+    inputs, spec, Q = checked.given, call.spec, call.Q
+    nq, nk = names["Q"], names["K"]
+    context = f"{nq} {Q.shape}" if nk == nq else f"{nq} {Q.shape}, {nk} {call.K.shape}"
+    fit = CacheFit(Q.shape[0], call.H_kv, call.d_k, call.d_v, call.L, call.S)
+    append = check_cache(inputs.cache, spec.mask, inputs.arrays, fit, call.compute_dtype, context)
+    sizes = (call.H, call.d_k, call.S, call.weights.W_q.shape)
+    rotary, q_positions, k_positions = _rotary(spec, inputs, Q, sizes, nq)
+    return with_fields(
+        call, given=inputs, append=append, rotary=rotary, q_positions=q_positions,
+        k_positions=k_positions,
+    )  # fmt: skip
+
+
+def with_fields(call: Call, **fields: Any) -> Call:
+    """``call`` with ``fields`` in place of its own (without ``dataclasses.replace``'s
+    checks, which cost microseconds a call)."""
+    again: Call = object.__new__(Call)
+    again.__dict__.update(call.__dict__, **fields)
+    return again
+
+
 def _with_gate(
     spec: AttentionSpec, given: LayerWeights, H: int, d_v: int, d_q: int
 ) -> AttentionSpec:

@@ -544,8 +544,21 @@ class Configuration:
         self.dtype = float_dtype(np.result_type(*present))
         for name in PARAMETER_NAMES:
             array = weights.get(name)
-            setattr(self, name, None if array is None else np.array(array, dtype=self.dtype))
+            setattr(self, name, None if array is None else np.array(array, self.dtype, order="C"))
+        self._side_by_side()
         return self
+
+    def _side_by_side(self) -> None:
+        """``W_q``, ``W_k`` and ``W_v`` as views of one matrix ``[W_q | W_k | W_v]`` (when they
+        have as many rows), which a call reads in one product (:func:`.projection.
+        side_by_side`); every layer mha makes holds its projections so, the same bits
+        whichever way it was made. Replacing one of them by another array undoes it."""
+        W_q, W_k, W_v = self.W_q, self.W_k, self.W_v
+        if W_q.shape[0] == W_k.shape[0] == W_v.shape[0]:
+            joined = np.concatenate([W_q, W_k, W_v], axis=1)
+            q_end, k_end = W_q.shape[1], W_q.shape[1] + W_k.shape[1]
+            self.W_q, self.W_k = joined[:, :q_end], joined[:, q_end:k_end]
+            self.W_v = joined[:, k_end:]
 
     def _held_dtype(self) -> np.dtype:
         """The weights' common dtype (the module's, unless an array was replaced by one of

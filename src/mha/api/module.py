@@ -183,6 +183,7 @@ class MultiHeadAttention(Layouts):
                 _uniform(rng, (width, d_in), _xavier_bound(d_in, width), self.dtype).T.copy()
                 for d_in, width in ((self.qdim, inner), (self.kdim, kv_inner), (self.vdim, v_inner))
             )
+        self._side_by_side()
         bound = 1.0 / float(np.sqrt(joined))
         self.W_o = _uniform(rng, (E, joined), bound, self.dtype).T.copy()
         self.b_q, self.b_k, self.b_v, self.b_o = (

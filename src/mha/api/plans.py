@@ -19,6 +19,7 @@ non-finite value at a hidden key) sends the call back to the unplanned path, whi
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -29,8 +30,16 @@ from .._kernel.call import KernelCall, Outputs
 from .._kernel.contract import ScoreShape, Visibility
 from .._kernel.forward import plan_tiles
 from .._kernel.team import Team, default_workers, workers_for
-from .checks import Call, LayerArrays, LayerWeights, check_layer, checked_heads
-from .spec import Checked
+from .checks import (
+    Call,
+    LayerArrays,
+    LayerWeights,
+    check_layer,
+    checked_heads,
+    with_cache_state,
+    with_fields,
+)
+from .spec import Checked, same_keywords
 
 __all__ = ["checked_layer", "planned_attention"]
 
@@ -158,7 +167,13 @@ class _KeptCheck:
     def __init__(
         self, call: Call, arrays: LayerArrays, given: LayerWeights, key: tuple[Any, Any, Any]
     ) -> None:
-        self.call, (self.checked, self.num_heads, self.names) = call, key
+        checked, self.num_heads, self.names = key
+        cache = checked.given.cache
+        self.cache_kind = None if cache is None else type(cache)
+        if cache is not None:  # what depends on the cache is worked out each call: not kept
+            call = with_fields(call, given=None, append=None, q_positions=None, k_positions=None)
+            checked = checked._replace(given=replace(checked.given, cache=None))
+        self.call, self.checked = call, checked
         self.inputs = _inputs_signature(arrays)
         self.weights = tuple(given)
         self.sizes = tuple(None if w is None else (w.shape, w.dtype) for w in given)
@@ -169,7 +184,7 @@ class _KeptCheck:
         """The kept call with ``arrays`` as its inputs, or ``None`` when this call differs in
         anything its checks read."""
         if (
-            checked is not self.checked
+            not same_keywords(checked, self.checked, self.cache_kind)
             or num_heads != self.num_heads
             or names is not self.names
             or _inputs_signature(arrays) != self.inputs
@@ -178,11 +193,9 @@ class _KeptCheck:
         for w, was, size in zip(given, self.weights, self.sizes, strict=True):
             if w is not was or (size is not None and (w.shape, w.dtype) != size):
                 return None
-        call: Call = object.__new__(Call)
-        fields = call.__dict__
-        fields.update(self.call.__dict__)
-        fields["Q"], fields["K"], fields["V"] = arrays  # (the checks took them as they are)
-        return call
+        Q, K, V = arrays  # (the checks took them as they are)
+        call = with_fields(self.call, Q=Q, K=K, V=V)
+        return call if self.cache_kind is None else with_cache_state(call, checked, names)
 
 
 def _inputs_signature(arrays: LayerArrays) -> tuple[Any, ...] | None:
@@ -202,8 +215,9 @@ def checked_layer(
 ) -> Call:
     """:func:`check_layer` of a layer ``owner``'s call, by the checked call kept for the
     layer's last call (made now when this call differs from it in what the checks read).
-    Kept for calls with plain keywords (``checked.kept``: no cache, no arrays of their own)
-    on NumPy arrays taken as they are."""
+    Kept for calls with plain keywords (``checked.kept``: no arrays of their own; with a
+    cache, what its state decides worked out each call) on NumPy arrays taken as they
+    are."""
     layers = runtime.DEFAULT.layer_checks
     kept: _KeptCheck | None = layers.get(owner)
     if kept is not None:

@@ -12,7 +12,7 @@ frequencies past the training length as transformers' rope types do (:mod:`.rope
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -77,25 +77,60 @@ def apply_rotary(
     """
     array = as_float_array("x", x)
     result_dtype, dtype = result_and_compute_dtypes(array)
+    turn = rotation(
+        array.shape, positions, dtype, theta=theta, rotary_dim=rotary_dim,
+        interleaved=interleaved, scaling=scaling, inverse=inverse, seq_len=seq_len,
+    )  # fmt: skip
+    return rotate(array, turn).astype(result_dtype, copy=False)
+
+
+class Rotation(NamedTuple):
+    """The rotation of :func:`apply_rotary` for one shape and its positions: the rotated
+    width, whether pairs interleave, and the cosines and sines ``(..., L, r/2)`` in the
+    compute dtype (the attention scaling, and the inverse's sign, in them)."""
+
+    r: int
+    interleaved: bool
+    cos: np.ndarray
+    sin: np.ndarray
+
+
+def rotation(shape: tuple[int, ...], positions: Any, dtype: Any, **options: Any) -> Rotation:
+    """:func:`apply_rotary`'s checks and angles for an ``x`` of ``shape`` computing in
+    ``dtype``, made once for every array of that shape at those positions (a layer's
+    queries and keys at the cache's positions: :func:`rotate` each)."""
+    inverse = options.pop("inverse", False)
     r, angles, interleaved, attention = check_rotary(
-        array.shape, positions, theta, rotary_dim, interleaved, scaling=scaling, seq_len=seq_len
+        shape,
+        positions,
+        options.pop("theta", 10000.0),
+        options.pop("rotary_dim", None),
+        options.pop("interleaved", False),
+        **options,
     )
     cos, sin = np.cos(angles), np.sin(angles)
     if attention != 1.0:
         cos, sin = cos * attention, sin * attention
     if flag("inverse", inverse):  # the transpose: rotation by minus the angle
         sin = -sin
-    cos, sin = cos.astype(dtype), sin.astype(dtype)
-    out = array.astype(dtype, copy=True)
-    if interleaved:
-        a, b = array[..., 0:r:2].astype(dtype), array[..., 1:r:2].astype(dtype)
+    return Rotation(r, interleaved, cos.astype(dtype), sin.astype(dtype))
+
+
+def rotate(x: np.ndarray, turn: Rotation) -> np.ndarray:
+    """``x (..., L, d)`` rotated by ``turn`` (:func:`rotation` of its shape), in the
+    rotation's dtype: a new array."""
+    r, cos, sin = turn.r, turn.cos, turn.sin
+    dtype = cos.dtype
+    out = x.astype(dtype, copy=True)
+    if turn.interleaved:
+        a, b = x[..., 0:r:2].astype(dtype), x[..., 1:r:2].astype(dtype)
         out[..., 0:r:2] = a * cos - b * sin
         out[..., 1:r:2] = b * cos + a * sin
     else:
-        a, b = array[..., : r // 2].astype(dtype), array[..., r // 2 : r].astype(dtype)
+        a, b = x[..., : r // 2].astype(dtype), x[..., r // 2 : r].astype(dtype)
         out[..., : r // 2] = a * cos - b * sin
         out[..., r // 2 : r] = b * cos + a * sin
-    return out.astype(result_dtype, copy=False)
+    return out
 
 
 def check_rotary(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import types
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -336,9 +336,44 @@ def _check_sdpa(kw: SdpaKeywords) -> Checked:
 
 
 def check_mha(keywords: MhaKeywords) -> Checked:
-    """:func:`mha.multi_head_attention`'s keywords, checked (kept per record)."""
-    checked: Checked = _kept(_check_mha, keywords)
-    return checked
+    """:func:`mha.multi_head_attention`'s keywords, checked (kept per record; a record with
+    a cache by the cache's kind and window, all that the checks read of it, the cache itself
+    put back into the checked inputs: a decoding loop's calls check their keywords once)."""
+    cache = keywords.cache
+    if cache is None or not hasattr(cache, "_append"):  # (not a cache: refused by the checks)
+        checked: Checked = _kept(_check_mha, keywords)
+        return checked
+    kind = CacheKind(type(cache), getattr(cache, "window", None))
+    checked = _kept(_check_mha, keywords._replace(cache=kind))
+    return checked._replace(given=replace(checked.given, cache=cache))
+
+
+class CacheKind(NamedTuple):
+    """What the keyword checks read of a cache (:func:`check_mha`): its type and window
+    (the call's own checks take the cache itself)."""
+
+    kind: type
+    window: Any
+
+
+def same_keywords(checked: Checked, kept: Checked, kind: type | None) -> bool:
+    """Whether ``checked`` has the keywords of ``kept``: the same kept object, or the same
+    kept record with a cache of type ``kind`` put back in (:func:`check_mha`; ``kept``
+    itself holds no cache)."""
+    if checked is kept:
+        return True
+    given, other = checked.given, kept.given
+    return (
+        checked.kept
+        and kept.kept
+        and checked.spec is kept.spec
+        and checked.request is kept.request
+        and given.arrays is other.arrays
+        and given.positions is other.positions
+        and given.left_padded is other.left_padded
+        and given.generator is other.generator
+        and type(given.cache) is kind
+    )
 
 
 def _check_mha(kw: MhaKeywords) -> Checked:
@@ -386,6 +421,7 @@ _KEEPABLE = frozenset(
         np.float64,
         np.float32,
         types.FunctionType,
+        CacheKind,
     }
 )
 """The types of the values a kept record may hold: small and stateless (an array, a cache

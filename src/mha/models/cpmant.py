@@ -132,11 +132,13 @@ class CpmAntDecoder(Greedy):
         caches.ids = np.zeros((batch_size, 0), np.int64)
         return caches
 
-    def forward(self, ids: Any, caches: Caches, query_lengths: Any = None) -> np.ndarray:
+    def forward(
+        self, ids: Any, caches: Caches, query_lengths: Any = None, last: bool = False
+    ) -> np.ndarray:
         """Logits ``(B, L, vocab)`` for the next tokens ``ids (B, L)`` of each sequence,
-        appended to ``caches`` (from :meth:`new_caches`: their token ids too). Every
-        sequence takes all its ``L`` tokens (``query_lengths`` is refused: CPM-Ant's
-        padding is on the left)."""
+        appended to ``caches`` (from :meth:`new_caches`: their token ids too); ``last``:
+        the last position's alone, ``(B, 1, vocab)``. Every sequence takes all its ``L``
+        tokens (``query_lengths`` is refused: CPM-Ant's padding is on the left)."""
         ids = np.asarray(ids)
         if ids.ndim != 2 or ids.dtype.kind not in "iu":
             raise ValueError(f"ids must be integer token ids (B, L); got {ids.dtype} {ids.shape}")
@@ -164,4 +166,6 @@ class CpmAntDecoder(Greedy):
         x = rms_norm(x, self.norm, self.eps)
         if first:  # the prompt's rows dropped
             x = x[:, self.prompt_length :]
+        if last:
+            x = x[:, -1:]
         return np.asarray(x @ self.head.T)

@@ -17,7 +17,7 @@ class _Runs(Protocol):
     vocab_size: int
     recompute_at: int | None
 
-    def forward(self, ids: Any, caches: Any) -> np.ndarray: ...
+    def forward(self, ids: Any, caches: Any, query_lengths: Any = ..., last: bool = ...) -> Any: ...
 
     def new_caches(self, batch_size: int, capacity: int = 256) -> Any: ...
 
@@ -55,7 +55,7 @@ class Greedy:
         if not new_tokens:
             return
         caches = self.new_caches(1, capacity=len(prompt) + new_tokens)
-        logits = self.forward(np.array([sequence]), caches)[0, -1]
+        logits = self.forward(np.array([sequence]), caches, last=True)[0, -1]
         for step in range(new_tokens):
             token = int(np.argmax(logits))
             yield token, logits
@@ -64,6 +64,6 @@ class Greedy:
             sequence.append(token)
             if len(sequence) == (self.recompute_at or 0) + 1:
                 caches = self.new_caches(1, capacity=len(prompt) + new_tokens)
-                logits = self.forward(np.array([sequence]), caches)[0, -1]
+                logits = self.forward(np.array([sequence]), caches, last=True)[0, -1]
             else:
-                logits = self.forward(np.array([sequence[-1:]]), caches)[0, -1]
+                logits = self.forward(np.array([sequence[-1:]]), caches, last=True)[0, -1]
