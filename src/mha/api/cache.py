@@ -114,6 +114,18 @@ class KVCache:
         # the position held in the first slot after the sink tokens' (slot 0 without them)
         self._first = np.full(B, self._sink_tokens, np.int64)
 
+    def _read_only(self, name: str) -> np.ndarray:
+        """The read-only view of the state array ``name``, made once for each array the
+        state holds there (a view sees the array's changes; a call reads the lengths a few
+        times, and each view costs microseconds)."""
+        array = getattr(self, name)
+        views = self.__dict__.setdefault("_views", {})
+        held = views.get(name)
+        if held is None or held[0] is not array:
+            held = views[name] = (array, read_only(array))
+        view: np.ndarray = held[1]
+        return view
+
     @property
     def window(self) -> int | None:
         """The sliding window the cache was made for: it keeps the last ``window - 1``
@@ -178,7 +190,7 @@ class KVCache:
         >>> KVCache(2, 1, 4).lengths
         array([0, 0])
         """
-        return read_only(self._lengths)
+        return self._read_only("_lengths")
 
     @property
     def first(self) -> np.ndarray:
@@ -188,7 +200,7 @@ class KVCache:
         >>> KVCache(2, 1, 4, window=8).first
         array([0, 0])
         """
-        return read_only(self._first)
+        return self._read_only("_first")
 
     @property
     def k(self) -> np.ndarray:
