@@ -10,7 +10,9 @@ on the same file, interleaved runs, medians.
    the per-token floor: the bytes of the float32 weights each token reads (every
    layer's matrices and the tied head) over this machine's bandwidth (a large ``np.sum`` on
    one thread).
-2. The prompt's pass: 37 and 512 tokens, each into a fresh cache.
+2. The prompt's pass: 37 and 512 tokens, each into a fresh cache, to the logits of the
+   last position (those that choose the first new token; transformers' ``logits_to_keep=1``,
+   as its ``generate`` asks).
 3. Peak memory: each side alone in a child process (its imports, the model read from the
    file, the chat prompt and 64 new tokens), the child's largest resident set.
 """
@@ -76,12 +78,12 @@ with torch.no_grad():
 
 def peak_memory(side: str, prompt: list[int]) -> int:
     """The largest resident set, in bytes, of a child process running ``side``'s whole run
-    (:data:`PEAK`) on the token ids ``prompt``."""
+    (:data:`PEAK`) on the token ids ``prompt`` (Linux's ``VmHWM``)."""
     code = (
         f"from pathlib import Path\nPATH = Path({str(gguf_path())!r})\nPROMPT = {prompt!r}\n"
         + PEAK[side]
-        + "import resource\nprint(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
-    )
+        + "print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])\n"
+    )  # (VmHWM, not ru_maxrss: a child starts with its parent's ru_maxrss on Linux)
     command = [sys.executable, "-c", code]
     child = subprocess.run(command, capture_output=True, text=True, check=True)
     return int(child.stdout.split()[-1]) * 1024  # (Linux gives KiB)
@@ -125,12 +127,13 @@ def measure(quick: bool) -> dict[str, Any]:
         return run
 
     def prefill_ours(ids: list[int]) -> Any:
-        return lambda: decoder.forward(np.array([ids]), decoder.new_caches(1, len(ids)))
+        caches = decoder.new_caches
+        return lambda: decoder.forward(np.array([ids]), caches(1, len(ids)), last=True)
 
     def prefill_theirs(ids: list[int]) -> Any:
         def run() -> None:
             with torch.no_grad():
-                theirs(torch.tensor([ids]), use_cache=True)
+                theirs(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
 
         return run
 

@@ -210,7 +210,7 @@ def inputs_first(weight: np.ndarray) -> np.ndarray:
 _RUNNING = threading.local()  # each thread's team of the model's pass, if any
 
 
-TEAM_FROM = 16
+TEAM_FROM = 64
 """The fewest tokens in a pass that runs on one team (:func:`one_team`)."""
 
 
@@ -221,10 +221,11 @@ def one_team(tokens: int) -> Iterator[Team | None]:
     threads, BLAS held to one thread throughout; not BLAS's own threads for some products
     and mha's for others, which on 2 cores wait spinning after each product and take a core
     from mha's (a layer's attention call of 512 tokens: 10.5 ms, 16.7 right after a
-    multi-threaded GEMM; SmolLM2's pass of 512 tokens, 1.13 s against 1.23-1.39, of 37
-    tokens 136 ms against 155). A step of fewer tokens (decoding) keeps BLAS's threads: its
-    layers' attention runs on one thread, and BLAS's products of a few rows beat the
-    team's split by columns (SmolLM2, a token: 40 ms against 50)."""
+    multi-threaded GEMM). SmolLM2's pass to the last position's logits, interleaved medians
+    (AMD EPYC, 2 cores), on one team against BLAS's threads: 512 tokens 833 ms against
+    1,046, 128: 270 against 302, 64: 181 against 179, 37: 148 against 141, 16: 110 against
+    85. Fewer tokens (a decoding step: its layers' attention on one thread) keep BLAS's
+    threads, whose products of a few rows beat the team's split by columns."""
     if tokens < TEAM_FROM:
         yield None
         return
