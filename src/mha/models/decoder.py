@@ -19,6 +19,7 @@ A config it cannot compute exactly is refused, naming the setting, never approxi
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -50,6 +51,7 @@ from .layers import (
     Function,
     Tensors,
     UnsupportedModelError,
+    attention_workers,
     ctrl_positions,
     deepseek_mlp,
     fused_mlp,
@@ -557,7 +559,11 @@ class Decoder(Greedy):
             return h if scale is None else h * scale
 
         def attention(h: np.ndarray) -> np.ndarray:
-            return np.asarray(layer.attention(h, cache=cache, query_lengths=lengths))
+            options = {"query_lengths": lengths}
+            workers = attention_workers()
+            if workers is not None and _takes_workers(layer.attention):
+                options["workers"] = workers
+            return np.asarray(layer.attention(h, cache=cache, **options))
 
         residual = self.family.residual
         if residual == "altup":
@@ -572,6 +578,18 @@ class Decoder(Greedy):
         x = x + branch(attention, before_attention, after_attention, x)
         x = x + branch(layer.mlp, before_mlp, after_mlp, x)
         return x if layer.stages is None else layer.stages.finish(x, p)
+
+
+_TAKES_WORKERS: dict[type, bool] = {}
+
+
+def _takes_workers(attention: Any) -> bool:
+    """Whether an attention layer's call takes ``workers=`` (the variants' own calls may
+    not), found once for each class."""
+    kind = type(attention)
+    if kind not in _TAKES_WORKERS:
+        _TAKES_WORKERS[kind] = "workers" in inspect.signature(kind.forward).parameters
+    return _TAKES_WORKERS[kind]
 
 
 def _open(directory: str | Path) -> Any:

@@ -207,35 +207,46 @@ def inputs_first(weight: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(weight.T)
 
 
-_RUNNING = threading.local()  # each thread's team of the model's pass, if any
+_RUNNING = threading.local()  # each thread's pass: its team (or none), its attention's workers
 
 
-TEAM_FROM = 64
+TEAM_FROM = 128
 """The fewest tokens in a pass that runs on one team (:func:`one_team`)."""
 
 
 @contextlib.contextmanager
 def one_team(tokens: int) -> Iterator[Team | None]:
-    """For a model's pass of ``tokens`` tokens, from :data:`TEAM_FROM` on, a team of every
-    core: its matrix products (:func:`product`) and its attention layers' run on the team's
-    threads, BLAS held to one thread throughout; not BLAS's own threads for some products
-    and mha's for others, which on 2 cores wait spinning after each product and take a core
-    from mha's (a layer's attention call of 512 tokens: 10.5 ms, 16.7 right after a
-    multi-threaded GEMM). SmolLM2's pass to the last position's logits, interleaved medians
-    (AMD EPYC, 2 cores), on one team against BLAS's threads: 512 tokens 833 ms against
-    1,046, 128: 270 against 302, 64: 181 against 179, 37: 148 against 141, 16: 110 against
-    85. Fewer tokens (a decoding step: its layers' attention on one thread) keep BLAS's
-    threads, whose products of a few rows beat the team's split by columns."""
-    if tokens < TEAM_FROM:
-        yield None
-        return
-    outer = getattr(_RUNNING, "team", None)
-    with Team(cores()) as team:
-        _RUNNING.team = team
-        try:
+    """How a model's pass of ``tokens`` tokens runs. From :data:`TEAM_FROM` tokens on, on a
+    team of every core: its matrix products (:func:`product`) and its attention layers' on
+    the team's threads, BLAS held to one thread throughout; not BLAS's own threads for some
+    products and mha's for others, which on 2 cores wait spinning after each product and
+    take a core from mha's (a layer's attention call of 512 tokens: 10.5 ms, 16.7 right
+    after a multi-threaded GEMM). Below, the products on BLAS's threads, whose products of a
+    few rows beat the team's split by columns, and the attention layers on one worker
+    (:func:`attention_workers`), whose helper would wait for a core. SmolLM2's pass to the
+    last position's logits, interleaved medians (AMD EPYC, 2 cores), on one team against
+    BLAS's threads and one worker: 512 tokens 860 ms against 1,092, 256: 461 against 524,
+    128: 281 against 283, 64: 190 against 175, 37: 142 against 129, 16: 111 against 95;
+    37 tokens on BLAS's threads with the attention's own choice of workers: 124 ms against
+    117 on one."""
+    outer = getattr(_RUNNING, "team", None), getattr(_RUNNING, "workers", None)
+    try:
+        if tokens < TEAM_FROM:
+            _RUNNING.team, _RUNNING.workers = None, 1
+            yield None
+            return
+        with Team(cores()) as team:
+            _RUNNING.team, _RUNNING.workers = team, None
             yield team
-        finally:
-            _RUNNING.team = outer
+    finally:
+        _RUNNING.team, _RUNNING.workers = outer
+
+
+def attention_workers() -> int | None:
+    """The workers of the attention layers' calls in this thread's pass (``None``: their
+    own choice; 1 in a pass on BLAS's threads, :func:`one_team`)."""
+    workers: int | None = getattr(_RUNNING, "workers", None)
+    return workers
 
 
 def product(x: np.ndarray, W: np.ndarray) -> np.ndarray:
