@@ -276,8 +276,12 @@ def with_cache_state(call: Call, checked: Checked, names: Mapping[str, str]) -> 
     context = f"{nq} {Q.shape}" if nk == nq else f"{nq} {Q.shape}, {nk} {call.K.shape}"
     fit = CacheFit(Q.shape[0], call.H_kv, call.d_k, call.d_v, call.L, call.S)
     append = check_cache(inputs.cache, spec.mask, inputs.arrays, fit, call.compute_dtype, context)
-    sizes = (call.H, call.d_k, call.S, call.weights.W_q.shape)
-    rotary, q_positions, k_positions = _rotary(spec, inputs, Q, sizes, nq)
+    rotary: dict[str, Any] | None = call.rotary
+    if rotary is not None and "scaling" not in rotary:  # its keywords as kept
+        q_positions, k_positions = _rotary_positions(None, inputs.cache, Q, call.S, nq)
+    else:  # (a scaling's length follows the positions)
+        sizes = (call.H, call.d_k, call.S, call.weights.W_q.shape)
+        rotary, q_positions, k_positions = _rotary(spec, inputs, Q, sizes, nq)
     return with_fields(
         call, given=inputs, append=append, rotary=rotary, q_positions=q_positions,
         k_positions=k_positions,

@@ -19,6 +19,7 @@ The parameters come as transformers' ``rope_parameters`` dict plus the model's
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -133,9 +134,12 @@ class RopeScaling:
         return frequencies, self.attention_factor
 
 
+@functools.lru_cache(maxsize=64)
 def default_frequencies(theta: float, r: int) -> np.ndarray:
-    """``theta^(-2i/r)`` for the ``r/2`` pairs, in float64 (unscaled rotary embeddings)."""
+    """``theta^(-2i/r)`` for the ``r/2`` pairs, in float64 (unscaled rotary embeddings):
+    read-only, made once for each ``theta`` and ``r`` (a layer's calls share them)."""
     frequencies: np.ndarray = theta ** (-np.arange(0, r, 2, dtype=np.float64) / r)
+    frequencies.flags.writeable = False
     return frequencies
 
 
