@@ -95,18 +95,23 @@ class Rotation(NamedTuple):
     sin: np.ndarray
 
 
-def rotation(shape: tuple[int, ...], positions: Any, dtype: Any, **options: Any) -> Rotation:
+def rotation(
+    shape: tuple[int, ...],
+    positions: Any,
+    dtype: Any,
+    *,
+    theta: float = 10000.0,
+    rotary_dim: int | None = None,
+    interleaved: bool = False,
+    scaling: Mapping[str, Any] | RopeScaling | None = None,
+    inverse: bool = False,
+    seq_len: float | None = None,
+) -> Rotation:
     """:func:`apply_rotary`'s checks and angles for an ``x`` of ``shape`` computing in
-    ``dtype``, made once for every array of that shape at those positions (a layer's
-    queries and keys at the cache's positions: :func:`rotate` each)."""
-    inverse = options.pop("inverse", False)
+    ``dtype`` (its keywords), made once for every array of that shape at those positions
+    (a layer's queries and keys at the cache's positions: :func:`rotate` each)."""
     r, angles, interleaved, attention = check_rotary(
-        shape,
-        positions,
-        options.pop("theta", 10000.0),
-        options.pop("rotary_dim", None),
-        options.pop("interleaved", False),
-        **options,
+        shape, positions, theta, rotary_dim, interleaved, scaling=scaling, seq_len=seq_len
     )
     cos, sin = np.cos(angles), np.sin(angles)
     if attention != 1.0:

@@ -29,7 +29,7 @@ import numpy as np
 from ..api.pretrained import from_pretrained
 from ..integrations.checkpoint import open_checkpoint
 from .greedy import Greedy
-from .layers import UnsupportedModelError, gelu
+from .layers import UnsupportedModelError, compute_dtype, gelu
 
 __all__ = ["Caches", "CpmAntDecoder"]
 
@@ -62,9 +62,7 @@ class CpmAntDecoder(Greedy):
     def __init__(
         self, directory: str | Path, dtype: Any = np.float32, cache: str = "contiguous"
     ) -> None:
-        self.dtype = np.dtype(dtype)
-        if self.dtype not in (np.float32, np.float64):
-            raise ValueError(f"dtype must be float32 or float64; got {self.dtype}")
+        self.dtype = compute_dtype(dtype)
         if cache != "contiguous":
             raise UnsupportedModelError(
                 f"{directory}: CPM-Ant's decoder keeps a contiguous mha.KVCache per layer "

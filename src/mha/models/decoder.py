@@ -52,6 +52,7 @@ from .layers import (
     Tensors,
     UnsupportedModelError,
     attention_workers,
+    compute_dtype,
     ctrl_positions,
     deepseek_mlp,
     fused_mlp,
@@ -139,9 +140,7 @@ class Decoder(Greedy):
     def __init__(
         self, directory: str | Path, dtype: Any = np.float32, cache: str = "contiguous"
     ) -> None:
-        self.dtype = np.dtype(dtype)
-        if self.dtype not in (np.float32, np.float64):
-            raise ValueError(f"dtype must be float32 or float64; got {self.dtype}")
+        self.dtype = compute_dtype(dtype)
         if cache not in CACHES:
             raise ValueError(f"cache must be one of {', '.join(CACHES)}; got {cache!r}")
         if cache not in ("contiguous", "paged") and self.dtype != np.float32:

@@ -32,6 +32,14 @@ class UnsupportedModelError(AttentionValueError):
     """A model mha cannot compute exactly (or cannot read), named by what it lacks."""
 
 
+def compute_dtype(dtype: Any) -> np.dtype:
+    """A decoder's compute dtype: float32 or float64 (``ValueError`` otherwise)."""
+    checked = np.dtype(dtype)
+    if checked not in (np.float32, np.float64):
+        raise ValueError(f"dtype must be float32 or float64; got {checked}")
+    return checked
+
+
 # ---------------------------------------------------------------- activations and norms
 
 
@@ -267,22 +275,26 @@ def gated_mlp(
     tensors: Tensors, act: Function, prefix: str = "mlp.", names: tuple[str, ...] = GATE_UP_DOWN
 ) -> Function:
     """Llama's SwiGLU (Gemma's GELU): ``down(act(gate(h)) * up(h))``, its projections named
-    ``names`` under ``prefix``; the gate's and the up projection's weights side by side in
-    one matrix (one product reads both), where neither has a bias."""
+    ``names`` under ``prefix``; the gate's and the up projection's weights (and biases,
+    where the checkpoint has them) side by side in one matrix, which one product reads."""
     gate_name, up_name, down_name = (f"{prefix}{name}" for name in names)
-    if f"{gate_name}.bias" in tensors.arrays or f"{up_name}.bias" in tensors.arrays:
-        gate, up, down = (linear(tensors, name) for name in (gate_name, up_name, down_name))
-        return lambda h: down(act(gate(h)) * up(h))
     both = [tensors.take(f"{name}.weight") for name in (gate_name, up_name)]
+    biases = [tensors.get(f"{name}.bias") for name in (gate_name, up_name)]
+    width = len(both[0])
     gate_up = inputs_first(np.concatenate(both))  # (in, 2 * intermediate)
+    bias = None
+    if biases[0] is not None or biases[1] is not None:
+        bias = np.concatenate([np.zeros(len(W), W.dtype) if b is None else b
+                               for b, W in zip(biases, both, strict=True)])  # fmt: skip
     del both
-    width = gate_up.shape[1] // 2
     down = linear(tensors, down_name)
 
     def mlp(h: np.ndarray) -> np.ndarray:
-        both = product(h, gate_up)
-        gated = act(both[..., :width])  # a new array
-        gated *= both[..., width:]
+        products = product(h, gate_up)
+        if bias is not None:
+            products += bias
+        gated = act(products[..., :width])  # a new array
+        gated *= products[..., width:]
         return down(gated)
 
     return mlp
