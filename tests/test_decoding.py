@@ -842,3 +842,135 @@ def test_a_window_cache_refuses_a_bias_over_positions():
     x = np.ones((1, 1, 1, 8))
     with pytest.raises(mha.AttentionValueError, match="bias with cache= index keys by position"):
         mha.scaled_dot_product_attention(x, x, x, cache=cache, bias=np.zeros((1, 1, 1, 1)))
+
+
+def _general_route(monkeypatch):
+    """Every cached call through :meth:`Visibility.build` and :func:`attend`, as before the
+    decoding steps' own route."""
+    from mha.api import cached
+
+    monkeypatch.setattr(cached, "_lone_queries", lambda call, L: False)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_decoding_steps_take_their_own_route_to_the_same_bits(dtype, workers, monkeypatch):
+    """A decoding step (one query per sequence, causal, no mask) skips the visibility's
+    checks and the walk's choice: the same bits as the general route, over a prompt then
+    ragged steps of a batch whose sequences have different lengths, with GQA and rotary,
+    and the route is taken (the prompt's call is not a decoding step)."""
+    from mha.api import cached
+
+    rng = np.random.default_rng(31)
+    layer = mha.MultiHeadAttention(64, 8, num_kv_heads=2, rope_theta=10000.0, seed=3,
+                                   dtype=dtype)  # fmt: skip
+    prompt = rng.standard_normal((3, 5, 64)).astype(dtype)
+    steps = [rng.standard_normal((3, 1, 64)).astype(dtype) for _ in range(6)]
+    lengths = np.array([5, 2, 4])
+
+    def run():
+        cache = layer.new_cache(3, capacity=8)  # it grows on the way
+        outs = [layer(prompt, cache=cache, query_lengths=lengths, workers=workers)]
+        outs += [layer(x, cache=cache, workers=workers) for x in steps]
+        return outs, cache
+
+    taken = []
+    real = cached._attend_lone
+    monkeypatch.setattr(cached, "_attend_lone", lambda *a: taken.append(1) or real(*a))
+    own, own_cache = run()
+    assert len(taken) == len(steps)
+    with monkeypatch.context() as m:
+        _general_route(m)
+        general, general_cache = run()
+    assert len(taken) == len(steps)
+    for a, b in zip(own, general, strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(own_cache.lengths, general_cache.lengths)
+    np.testing.assert_array_equal(own_cache.k, general_cache.k)
+
+
+def test_a_decoding_steps_visibility_is_the_one_the_checks_build():
+    """The visibility the decoding route makes without checks is field for field the one
+    :meth:`Visibility.build` gives the same step (a ragged batch)."""
+    from mha._kernel.contract import CachedPositions, MaskArrays, MaskRules, ScoreShape, Visibility
+
+    filled, counts = np.array([6, 3, 9]), np.ones(3, np.int64)
+    positions, first = filled - counts, np.zeros(3, np.int64)
+    built = Visibility.build(
+        MaskRules(causal=True), MaskArrays(None, None, filled, counts), ScoreShape((3,), 4, 1, 9),
+        np.float32, "", CachedPositions(filled - counts, positions, first, 0),
+    )  # fmt: skip
+    made = Visibility(
+        index_shape=(3, 4), L=1, S=9, causal_offset=8, key_lengths=filled, query_lengths=counts,
+        causal=True, offsets=filled - counts, query_index=positions, key_index=first,
+    )  # fmt: skip
+    for name in Visibility.__dataclass_fields__:
+        a, b = getattr(built, name), getattr(made, name)
+        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+        else:
+            assert a == b, name
+
+
+def test_a_decoding_step_the_walk_leaves_is_computed_from_the_start(monkeypatch):
+    """When the compiled walk leaves a task (as it does a non-finite value at a hidden key)
+    the decoding route's call is computed whole by :func:`attend`, which gives the task to
+    the NumPy walk: the general route's output."""
+    from mha._kernel import compiled, walk
+    from mha._kernel import forward as kernel_forward
+
+    if not compiled.walk_available():
+        pytest.skip("the compiled walk needs numba (the fast extra)")
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((2, 4, 1, 16))
+    k, v = rng.standard_normal((2, 2, 2, 1, 16))
+    prompt = rng.standard_normal((2, 2, 7, 16))
+
+    def run():
+        cache = mha.KVCache(2, 2, 16, capacity=16, dtype=np.float64)
+        mha.scaled_dot_product_attention(np.repeat(prompt, 2, 1), prompt, prompt, cache=cache)
+        return mha.scaled_dot_product_attention(q, k, v, cache=cache)
+
+    expected = run()
+    real_run, real_attend = walk.ForwardPlan.run, kernel_forward.attend
+    attended = []
+
+    def leaves_one(self, views, k, team):
+        failed, parts = real_run(self, views, k, team)
+        failed[:1] = True
+        return failed, parts
+
+    monkeypatch.setattr(walk.ForwardPlan, "run", leaves_one)
+    monkeypatch.setattr(kernel_forward, "attend", lambda *a: attended.append(1) or real_attend(*a))
+    np.testing.assert_allclose(run(), expected, rtol=0, atol=1e-15)
+    assert len(attended) == 1  # the step the walk left (the prompt: cached.py's own attend)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_kept_rotation_rotates_to_the_same_bits(interleaved, dtype):
+    """A decoding step's rotation is made once for every layer at its positions (kept,
+    read-only) and applied in four passes over whole rows: the same bits as the rotation
+    made afresh and applied by halves, partial widths by halves; a refused option is still
+    refused after a kept rotation of the equal value (``1`` is not ``True``)."""
+    from mha.api import rotary
+
+    rng = np.random.default_rng(8)
+    for shape, at in [((2, 4, 1, 16), [[3], [40]]), ((1, 2, 3, 8), [[0, 1, 2]])]:
+        positions = np.array(at)
+        x = rng.standard_normal(shape).astype(dtype)
+        rotary._ROTATIONS.clear()
+        options = {"theta": 500.0, "interleaved": interleaved}
+        kept = rotary.rotation(shape, positions, dtype, **options)
+        assert kept.whole is not None and not kept.cos.flags.writeable
+        assert rotary.rotation(shape, positions.copy(), dtype, **options) is kept
+        by_halves = kept._replace(whole=None)
+        np.testing.assert_array_equal(rotary.rotate(x, kept), rotary.rotate(x, by_halves))
+        np.testing.assert_array_equal(
+            rotary.rotate(x, kept),
+            mha.apply_rotary(x, positions, theta=500.0, interleaved=interleaved),
+        )
+        partial = rotary.rotation(shape, positions, dtype, rotary_dim=4, **options)
+        assert partial.whole is None  # (the rest of the row passes through)
+    with pytest.raises(mha.AttentionTypeError, match="interleaved"):
+        rotary.rotation(shape, positions, dtype, theta=500.0, interleaved=int(interleaved))

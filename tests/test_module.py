@@ -137,10 +137,10 @@ def test_unbatched_input():
 
 def test_the_projections_lie_side_by_side_and_may_be_replaced():
     """Every layer mha makes holds ``W_q``, ``W_k``, ``W_v`` as views of one matrix, read
-    in one product (mha.api.projection.side_by_side); updated in place they stay so, and
+    in one product (mha.api.checks.side_by_side); updated in place they stay so, and
     replaced by arrays of their own the call reads those (the same result, up to the
     rounding of three products against one)."""
-    from mha.api.projection import side_by_side
+    from mha.api.checks import side_by_side
 
     rng = np.random.default_rng(8)
     made = MultiHeadAttention(24, 4, num_kv_heads=2, rope_theta=100.0, seed=1)

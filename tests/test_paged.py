@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from support.interleavings import History, interleave
 
 import mha
-from mha._kernel import compiled, walk
+from mha._kernel import compiled
 
 
 def gathered(pool, table, length):
@@ -217,7 +217,7 @@ def test_the_same_bits_as_a_contiguous_cache(monkeypatch, path):
     KVCache give the same bits, on either walk: the same tiles, each key tile either read
     from its blocks in place (decoding's few rows) or copied from them for the GEMMs."""
     if path == "NumPy walk":
-        monkeypatch.setattr(walk, "forward_walkable", lambda *args: None)
+        monkeypatch.setattr(compiled, "walk_available", lambda: False)
     elif not compiled.walk_available():
         if os.environ.get("MHA_REQUIRE_NUMBA") == "1":
             pytest.fail("MHA_REQUIRE_NUMBA=1 but the compiled walks are unavailable")
@@ -471,7 +471,7 @@ def test_a_quantized_cache_attends_to_what_its_codes_stand_for(record_error, mon
     codes: the same bits as a float32 cache holding those values (both on the NumPy walk,
     which a quantized cache takes), and a dense float64 computation over them; the distance
     from a float32 cache of the original values is recorded."""
-    monkeypatch.setattr(walk, "forward_walkable", lambda *args: None)
+    monkeypatch.setattr(compiled, "walk_available", lambda: False)
     rng = np.random.default_rng(12)
     H, H_kv, d = 8, 2, 64
     quantized = mha.PagedKVCache(64, 16, H_kv, d, quantize=quantize)

@@ -289,13 +289,12 @@ def test_rows_narrowed_per_key_tile_match_autograd(L, S, max_memory, call, path,
     """Tiles of many rows over key tiles of 512: only the rows that can see a key tile are
     computed for it, forward and backward: in the compiled walks (where numba is), and in
     the Python walk on the compiled and on NumPy's softmax step."""
-    from mha._kernel import compiled, contract, walk
+    from mha._kernel import compiled, contract
 
     if path == "walk" and not compiled.walk_available():
         pytest.skip("the compiled walks need numba (test_walk.py fails without it in CI)")
     if path != "walk":  # the Python walk, which asks rows_seeing
-        monkeypatch.setattr(walk, "forward_walkable", lambda *args: None)
-        monkeypatch.setattr(walk, "backward_walkable", lambda *args: False)
+        monkeypatch.setattr(compiled, "walk_available", lambda: False)
     if path == "numpy":
         monkeypatch.setattr(compiled, "available", lambda: False)
     narrowed = []

@@ -68,8 +68,7 @@ def counted(monkeypatch):
 
 def numpy_walk(monkeypatch):
     """The NumPy walk for the rest of a ``monkeypatch.context()``."""
-    monkeypatch.setattr(walk, "forward_walkable", lambda *args: None)
-    monkeypatch.setattr(walk, "backward_walkable", lambda *args: False)
+    monkeypatch.setattr(compiled, "walk_available", lambda: False)
 
 
 def dense(q, k, v, *, causal=False, window=None, key_lengths=None, query_lengths=None):

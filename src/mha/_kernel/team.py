@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import os
 import queue
@@ -289,7 +290,7 @@ class Team:
         sequences = math.prod(batch)
         dtype = np.result_type(x, W)
         outs = [np.empty((sequences, H, L, d), dtype) for H, d in parts]
-        cuts = np.cumsum([0] + [H * d for H, d in parts])
+        cuts = list(itertools.accumulate((H * d for H, d in parts), initial=0))
         n = sequences * L
         rows = x.reshape(n, x.shape[-1])
 

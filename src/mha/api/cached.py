@@ -28,7 +28,7 @@ from .._kernel.contract import (
     Visibility,
     check_lengths,
 )
-from .._kernel.forward import attend
+from .._kernel.forward import attend, attend_band
 from .._kernel.team import Team, workers_for
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .padding import to_front, to_left
@@ -165,7 +165,9 @@ def check_cache(
     _refuse_by_position(cache, rules, arrays)
     counts = check_lengths("query_lengths", arrays.query_lengths, (fit.B,), fit.L, "query", context)
     counts = np.full(fit.B, fit.L, np.int64) if counts is None else counts
-    return Append(cache, counts, replace(rules, window=window, sink_tokens=tokens), arrays)
+    if (window, tokens) != (rules.window, rules.sink_tokens):
+        rules = replace(rules, window=window, sink_tokens=tokens)
+    return Append(cache, counts, rules, arrays)
 
 
 def _check_dtype(cache: Any, dtype: np.dtype, where: str) -> None:
@@ -288,6 +290,8 @@ def _append_and_attend(
         shape = ScoreShape((B,), q.shape[-3], L, int(filled.max(initial=0)))
         return Visibility.build(rules, lengths, shape, dtype, "", cached)
 
+    if _lone_queries(call, L):  # a decoding step: its visibility needs no checks
+        return _attend_lone(call, team, positions)
     # Without a window a cache's slots are its positions: the call's mask and bias are
     # checked against them before anything is written (a window's cache moves them).
     visibility = visibility_for(cache.lengths + counts) if cache.window is None else None
@@ -307,4 +311,68 @@ def _append_and_attend(
             q, keys, values, visibility, call.scale, call.scores, budget=request.budget
         )
         attend(kernel, outputs, team)
+    return outputs.out, outputs.lse
+
+
+_PLAIN_CAUSAL = (MaskRules(causal=None), MaskRules(causal=True))
+
+
+def _lone_queries(call: CachedCall, L: int) -> bool:
+    """Whether ``call`` is a decoding step that :func:`_attend_lone` computes: one query
+    per sequence, causal over a cache without a window, no mask, bias, lengths or changes
+    to the scores, float32 or float64 throughout (what :func:`.walk.choose` gives the
+    compiled walk)."""
+    append = call.append
+    cache = append.cache
+    return (
+        L == 1
+        and call.scores is None
+        and _no_arrays(append.arrays)
+        and append.rules in _PLAIN_CAUSAL
+        and cache.window is None
+        and call.q.dtype in _WALKED
+        and cache.dtype == call.q.dtype
+    )
+
+
+_WALKED = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _no_arrays(arrays: MaskArrays) -> bool:
+    return (
+        arrays.mask is None
+        and arrays.bias is None
+        and arrays.key_lengths is None
+        and arrays.query_lengths is None
+    )
+
+
+def _attend_lone(
+    call: CachedCall, team: Team | None, positions: np.ndarray
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """:func:`_append_and_attend` of a decoding step (:func:`_lone_queries`): its
+    visibility is the one :meth:`Visibility.build` gives it (each query the last of its
+    sequence, seeing every key), made without checks, and the compiled walk takes it
+    without being chosen (:func:`attend_band`, which leaves to :func:`attend` what it
+    cannot do)."""
+    q, cache, request = call.q, call.append.cache, call.request
+    counts = call.append.counts
+    filled = cache._append(call.k, call.v, counts)
+    S = int(filled.max(initial=0))
+    keys, values = cache._attended(S)
+    B, H = q.shape[0], q.shape[1]
+    visibility = Visibility(
+        index_shape=(B, H), L=1, S=S, causal_offset=S - 1, key_lengths=filled,
+        query_lengths=counts, causal=True, offsets=filled - counts, query_index=positions,
+        key_index=cache.first,
+    )  # fmt: skip
+    kernel = KernelCall(q, keys, values, visibility, call.scale, budget=request.budget)
+    outputs = Outputs(np.zeros((*q.shape[:-1], values.shape[-1]), dtype=q.dtype))
+    if request.lse:
+        outputs.lse = np.full(q.shape[:-1], -np.inf, dtype=q.dtype)
+    with np.errstate(invalid="ignore", over="ignore"), ExitStack() as stack:
+        if team is None:
+            cost = float(B * H) * S * (q.shape[-1] + values.shape[-1])
+            team = stack.enter_context(Team(workers_for(cost, request.threads)))
+        attend_band(kernel, outputs, team)
     return outputs.out, outputs.lse

@@ -49,6 +49,7 @@ __all__ = [
     "checked_heads",
     "kv_heads",
     "same",
+    "side_by_side",
 ]
 
 INPUT_NAMES: Mapping[str, str] = {
@@ -116,12 +117,29 @@ class Weights:
     bias_v: np.ndarray | None = None
 
     def in_dtype(self, dtype: np.dtype) -> Weights:
-        """The weights in ``dtype`` (the same arrays where they already are)."""
+        """The weights in ``dtype`` (the same arrays where they already are), found once
+        per dtype: a kept call's weights are the same object call after call."""
+        memo = self.__dict__.setdefault("_memo", {})  # (a frozen dataclass's own dict)
+        if dtype in memo:
+            cast_weights: Weights = memo[dtype]
+            return cast_weights
         present = self.present()
         if all(x.dtype == dtype for x in present.values()):
-            return self  # (replace() costs microseconds a call)
+            memo[dtype] = self  # (replace() costs microseconds a call)
+            return self
         cast = {name: x.astype(dtype, copy=False) for name, x in present.items()}
-        return replace(self, **cast)
+        cast_weights = memo[dtype] = replace(self, **cast)
+        return cast_weights
+
+    def joined(self) -> np.ndarray | None:
+        """The one matrix whose blocks of columns ``W_q``, ``W_k`` and ``W_v`` are, when
+        they are (:func:`side_by_side`), found once: an array's layout does not change
+        while a kept call holds it (the kept check compares the shapes)."""
+        memo = self.__dict__.setdefault("_memo", {})
+        if "joined" not in memo:
+            memo["joined"] = side_by_side(self.W_q, self.W_k, self.W_v)
+        joined: np.ndarray | None = memo["joined"]
+        return joined
 
     def present(self) -> dict[str, np.ndarray]:
         """The weights given, by parameter name."""
@@ -610,3 +628,21 @@ def random_generator(seed: Any) -> np.random.Generator:
             f"seed must be None, a non-negative integer or a np.random.Generator; "
             f"got {reprlib.repr(seed)} ({error})"
         ) from None
+
+
+def side_by_side(*matrices: np.ndarray) -> np.ndarray | None:
+    """The one C-contiguous matrix whose consecutive blocks of columns ``matrices`` are, in
+    order (a read checkpoint's ``W_q``, ``W_k`` and ``W_v``: :meth:`mha.MultiHeadAttention.
+    from_spec` lays them out so), else ``None``: a call projects all three with one product
+    (a decoding step of SmolLM2's layer: 114 us against 172 for three, one thread)."""
+    whole = matrices[0].base
+    if not isinstance(whole, np.ndarray) or whole.ndim != 2 or not whole.flags.c_contiguous:
+        return None
+    at = whole.ctypes.data
+    for W in matrices:
+        if W.base is not whole or W.strides != whole.strides or len(W) != len(whole):
+            return None
+        if W.ctypes.data != at:
+            return None
+        at += W.shape[1] * W.itemsize
+    return whole if at == whole.ctypes.data + whole.shape[1] * whole.itemsize else None

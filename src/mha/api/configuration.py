@@ -550,7 +550,7 @@ class Configuration:
 
     def _side_by_side(self) -> None:
         """``W_q``, ``W_k`` and ``W_v`` as views of one matrix ``[W_q | W_k | W_v]`` (when they
-        have as many rows), which a call reads in one product (:func:`.projection.
+        have as many rows), which a call reads in one product (:func:`.checks.
         side_by_side`); every layer mha makes holds its projections so, the same bits
         whichever way it was made. Replacing one of them by another array undoes it."""
         W_q, W_k, W_v = self.W_q, self.W_k, self.W_v

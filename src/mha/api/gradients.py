@@ -359,7 +359,8 @@ def split_heads(x: np.ndarray, H: int) -> np.ndarray:
 
 def join_heads(x: np.ndarray) -> np.ndarray:
     """``(*B, H, L, d)`` to ``(*B, L, H*d)`` (no ``-1`` in the shape: any size may be 0)."""
-    return np.moveaxis(x, -3, -2).reshape((*x.shape[:-3], x.shape[-2], x.shape[-3] * x.shape[-1]))
+    joined = x.swapaxes(-3, -2)  # (np.moveaxis's: adjacent axes, without its checks)
+    return joined.reshape((*x.shape[:-3], x.shape[-2], x.shape[-3] * x.shape[-1]))
 
 
 def _sum_to(full: np.ndarray, shape: tuple[int, ...], batch_shape: tuple[int, ...]) -> np.ndarray:

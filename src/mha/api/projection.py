@@ -288,17 +288,20 @@ def compute(call: Call) -> np.ndarray | tuple[Any, ...]:
     # Everything is checked: the dropout's seed may be drawn.
     drop_p = call.spec.dropout_p
 
-    keys = S if call.cache is None else int(call.cache.lengths.max(initial=0)) + L  # attended
-    cost = float(math.prod(B)) * (  # multiply-adds of the projections and of attention
-        L * given.W_q.size
-        + S * (given.W_k.size + given.W_v.size)
-        + L * given.W_o.size
-        + H * L * keys * (call.d_k + d_v)
-    )
+    workers = request.threads
+    if workers is None:  # the default for the call's multiply-adds
+        keys = S if call.cache is None else int(call.cache.lengths.max(initial=0)) + L
+        cost = float(math.prod(B)) * (  # the projections' and the attention's
+            L * given.W_q.size
+            + S * (given.W_k.size + given.W_v.size)
+            + L * given.W_o.size
+            + H * L * keys * (call.d_k + d_v)
+        )
+        workers = workers_for(cost, None)
     with (  # the seed drawn once everything is checked, put back if the call still fails
         drawn(drop_p, call.given.generator, H, L) as dropout,
         np.errstate(invalid="ignore", over="ignore"),
-        Team(workers_for(cost, request.threads)) as team,
+        Team(workers) as team,
     ):
         saved: dict[str, list[np.ndarray]] = {}  # the QK-norm's, for the backward
         q, k, v = project_heads(call, w, team, saved if request.backward else None)
@@ -392,7 +395,7 @@ def project_heads(
     )
     rows = math.prod(Q.shape[:-1])
     norm, c = call.qk_norm, call.spec.clip_qkv
-    joined = side_by_side(W_q, W_k, W_v) if call.self_attention else None
+    joined = w.joined() if call.self_attention else None
     late_scale = rows < Q.shape[-1] or norm is not None or c is not None  # both precede it
     late_scale = late_scale or joined is not None
     if not late_scale:
@@ -448,24 +451,6 @@ def project_heads(
             saved["q_scale"] = [q]
         q = q * call.q_scale.astype(q.dtype, copy=False).reshape(H, 1, -1)
     return q, k, v
-
-
-def side_by_side(*matrices: np.ndarray) -> np.ndarray | None:
-    """The one C-contiguous matrix whose consecutive blocks of columns ``matrices`` are, in
-    order (a read checkpoint's ``W_q``, ``W_k`` and ``W_v``: :meth:`mha.MultiHeadAttention.
-    from_spec` lays them out so), else ``None``: a call projects all three with one product
-    (a decoding step of SmolLM2's layer: 114 us against 172 for three, one thread)."""
-    whole = matrices[0].base
-    if not isinstance(whole, np.ndarray) or whole.ndim != 2 or not whole.flags.c_contiguous:
-        return None
-    at = whole.ctypes.data
-    for W in matrices:
-        if W.base is not whole or W.strides != whole.strides or len(W) != len(whole):
-            return None
-        if W.ctypes.data != at:
-            return None
-        at += W.shape[1] * W.itemsize
-    return whole if at == whole.ctypes.data + whole.shape[1] * whole.itemsize else None
 
 
 def normalise(

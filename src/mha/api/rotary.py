@@ -93,6 +93,11 @@ class Rotation(NamedTuple):
     interleaved: bool
     cos: np.ndarray
     sin: np.ndarray
+    whole: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    """For a rotation of whole rows (``r`` the width): ``x``'s features in the order each
+    is rotated with (its pair's other half), and the cosines and sines ``(..., L, r)`` at
+    every feature, the sines negative where :func:`rotate` subtracts: ``x * cos +
+    x[..., order] * sin``, the same products and sums, the same bits, in four passes."""
 
 
 def rotation(
@@ -110,6 +115,11 @@ def rotation(
     """:func:`apply_rotary`'s checks and angles for an ``x`` of ``shape`` computing in
     ``dtype`` (its keywords), made once for every array of that shape at those positions
     (a layer's queries and keys at the cache's positions: :func:`rotate` each)."""
+    key = _rotation_key(shape, positions, dtype, theta, rotary_dim, interleaved, inverse)
+    if key is not None and scaling is None and seq_len is None:
+        kept = _ROTATIONS.get(key)
+        if kept is not None:
+            return kept
     r, angles, interleaved, attention = check_rotary(
         shape, positions, theta, rotary_dim, interleaved, scaling=scaling, seq_len=seq_len
     )
@@ -118,7 +128,55 @@ def rotation(
         cos, sin = cos * attention, sin * attention
     if flag("inverse", inverse):  # the transpose: rotation by minus the angle
         sin = -sin
-    return Rotation(r, interleaved, cos.astype(dtype), sin.astype(dtype))
+    turn = Rotation(r, interleaved, cos.astype(dtype), sin.astype(dtype))
+    if key is not None and scaling is None and seq_len is None:
+        turn = turn._replace(whole=_whole(turn) if r == shape[-1] else None)
+        for table in (turn.cos, turn.sin, *(turn.whole or ())):
+            table.flags.writeable = False
+        if len(_ROTATIONS) >= _KEPT_ROTATIONS:
+            _ROTATIONS.clear()
+        _ROTATIONS[key] = turn
+    return turn
+
+
+_KEPT_ROTATIONS = 16
+_ROTATIONS: dict[tuple[Any, ...], Rotation] = {}
+"""The last rotations made for small position arrays (a decoding step's: every layer of a
+model rotates its queries and keys at the same positions, so the first layer's angles serve
+the rest): at most ``_KEPT_ROTATIONS``, their cosines and sines read-only."""
+
+
+def _rotation_key(
+    shape: tuple[int, ...], positions: Any, dtype: Any, *options: Any
+) -> tuple[Any, ...] | None:
+    """What :func:`rotation`'s result depends on, as a key, for positions given as a small
+    NumPy array of integers (or none); ``None`` for anything else (kept from nothing)."""
+    if positions is None:
+        held: Any = None
+    elif type(positions) is np.ndarray and positions.dtype.kind in "iu" and positions.size <= 64:
+        held = (positions.shape, positions.dtype.str, positions.tobytes())
+    else:
+        return None
+    key = (shape, held, dtype, *((type(o), o) for o in options))  # (1 is not True here)
+    try:
+        hash(key)
+    except TypeError:  # an option the checks will refuse
+        return None
+    return key
+
+
+def _whole(turn: Rotation) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:attr:`Rotation.whole` of a rotation of whole rows."""
+    r, cos, sin = turn.r, turn.cos, turn.sin
+    half = np.arange(r // 2)
+    if turn.interleaved:  # pairs (0, 1), (2, 3), ...
+        order = np.stack([2 * half + 1, 2 * half], -1).reshape(r)
+        cosines = np.stack([cos, cos], -1).reshape((*cos.shape[:-1], r))
+        sines = np.stack([-sin, sin], -1).reshape((*sin.shape[:-1], r))
+    else:  # pairs (i, i + r/2)
+        order = np.concatenate([half + r // 2, half])
+        cosines, sines = np.concatenate([cos, cos], -1), np.concatenate([-sin, sin], -1)
+    return order, cosines, sines
 
 
 def rotate(x: np.ndarray, turn: Rotation) -> np.ndarray:
@@ -126,6 +184,12 @@ def rotate(x: np.ndarray, turn: Rotation) -> np.ndarray:
     rotation's dtype: a new array."""
     r, cos, sin = turn.r, turn.cos, turn.sin
     dtype = cos.dtype
+    if turn.whole is not None and x.shape[-1] == r:  # (a kept rotation of whole rows)
+        order, cosines, sines = turn.whole
+        x = x.astype(dtype, copy=False)
+        out = x * cosines
+        out += x[..., order] * sines
+        return out
     out = x.astype(dtype, copy=True)
     if turn.interleaved:
         a, b = x[..., 0:r:2].astype(dtype), x[..., 1:r:2].astype(dtype)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import types
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -345,7 +345,16 @@ def check_mha(keywords: MhaKeywords) -> Checked:
         return checked
     kind = CacheKind(type(cache), getattr(cache, "window", None))
     checked = _kept(_check_mha, keywords._replace(cache=kind))
-    return checked._replace(given=replace(checked.given, cache=cache))
+    return checked._replace(given=_with_cache(checked.given, cache))
+
+
+def _with_cache(given: CallInputs, cache: Any) -> CallInputs:
+    """``given`` with ``cache`` (``dataclasses.replace`` without its checks, which cost
+    microseconds a decoding step)."""
+    again: CallInputs = object.__new__(CallInputs)
+    again.__dict__.update(given.__dict__, cache=cache)
+    again.__dict__.pop("empty", None)  # (worked out again, for this cache)
+    return again
 
 
 class CacheKind(NamedTuple):

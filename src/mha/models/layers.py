@@ -104,14 +104,16 @@ out, the same function; ``gelu_fast`` the same with its constant rounded."""
 
 
 def _normalise(x: np.ndarray, eps: float) -> np.ndarray:
-    """``x / rms(x)`` in float32, as every transformers RMSNorm computes it."""
-    x = x.astype(np.float32)
-    return x * (1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + eps))
+    """``x / rms(x)`` in float32, as every transformers RMSNorm computes it (the mean as
+    ``np.mean`` takes it, the sum over the count, without its wrapper's microseconds)."""
+    x = x.astype(np.float32, copy=False)
+    mean = np.add.reduce(np.square(x), axis=-1, keepdims=True) / x.shape[-1]
+    return x * (1.0 / np.sqrt(mean + eps))
 
 
 def llama_norm(x: np.ndarray, weight: Any, bias: Any, eps: float) -> np.ndarray:
     """Llama's RMSNorm: cast back to ``x``'s dtype, then times the weight."""
-    return weight * _normalise(x, eps).astype(x.dtype)
+    return weight * _normalise(x, eps).astype(x.dtype, copy=False)
 
 
 def olmo2_norm(x: np.ndarray, weight: Any, bias: Any, eps: float) -> np.ndarray:
