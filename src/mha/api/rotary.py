@@ -187,9 +187,9 @@ def rotate(x: np.ndarray, turn: Rotation) -> np.ndarray:
     if turn.whole is not None and x.shape[-1] == r:  # (a kept rotation of whole rows)
         order, cosines, sines = turn.whole
         x = x.astype(dtype, copy=False)
-        out = x * cosines
-        out += x[..., order] * sines
-        return out
+        whole: np.ndarray = x * cosines
+        whole += x[..., order] * sines
+        return whole
     out = x.astype(dtype, copy=True)
     if turn.interleaved:
         a, b = x[..., 0:r:2].astype(dtype), x[..., 1:r:2].astype(dtype)
