@@ -19,6 +19,7 @@ non-finite value at a hidden key) sends the call back to the unplanned path, whi
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import replace
 from typing import Any
 
@@ -176,7 +177,8 @@ class _KeptCheck:
         self.call, self.checked = call, checked
         self.inputs = _inputs_signature(arrays)
         self.weights = tuple(given)
-        self.sizes = tuple(None if w is None else (w.shape, w.dtype) for w in given)
+        self.present = [i for i, w in enumerate(given) if w is not None]
+        self.sizes = [(given[i].shape, given[i].dtype) for i in self.present]
 
     def call_for(
         self, arrays: LayerArrays, given: LayerWeights, num_heads: Any, checked: Checked, names: Any
@@ -190,9 +192,10 @@ class _KeptCheck:
             or _inputs_signature(arrays) != self.inputs
         ):
             return None
-        for w, was, size in zip(given, self.weights, self.sizes, strict=True):
-            if w is not was or (size is not None and (w.shape, w.dtype) != size):
-                return None
+        if not all(map(operator.is_, given, self.weights)):
+            return None
+        if [(given[i].shape, given[i].dtype) for i in self.present] != self.sizes:
+            return None  # (an array's shape set in place)
         Q, K, V = arrays  # (the checks took them as they are)
         call = with_fields(self.call, Q=Q, K=K, V=V)
         return call if self.cache_kind is None else with_cache_state(call, checked, names)
