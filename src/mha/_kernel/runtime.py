@@ -7,6 +7,7 @@
 * ``records``: the checked keywords, kept per record of plain values (:mod:`mha.api.spec`);
 * ``layer_checks``: each layer's last checked call, by the layer (weakly: a layer dropped
   drops its own; :mod:`mha.api.plans`);
+* ``layer_steps``: each layer's decoding step, by the layer (weakly; :mod:`mha.api.decoding`);
 * ``compiled``: the compiled kernels and what their first calls cost (:mod:`.compiled`);
 * ``helpers``: the team's helper threads (:mod:`.team`), made on first use.
 
@@ -101,6 +102,7 @@ class Runtime:
         self.compiled = Compiled()
         self.helpers: Any = None  # mha._kernel.team's pool, made on first use
         self.layer_checks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self.layer_steps: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self._tuning = threading.Lock()
 
     def forget(self) -> None:
@@ -108,6 +110,7 @@ class Runtime:
         self.plans.forget()
         self.records.forget()
         self.layer_checks.clear()
+        self.layer_steps.clear()
 
     @contextlib.contextmanager
     def tuned(self, **changes: Any) -> Iterator[Thresholds]:

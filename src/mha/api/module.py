@@ -21,6 +21,7 @@ from .checks import (
     random_generator,
 )
 from .configuration import LayerSpec, float_dtype
+from .decoding import keep_step, kept_step
 from .layouts import Layouts
 from .paged_cache import PagedKVCache
 from .plans import checked_layer
@@ -331,6 +332,35 @@ class MultiHeadAttention(Layouts):
         >>> attention(X, key=memory).shape                # cross-attention: key= by name
         (1, 3, 4)
         """
+        if (
+            cache is not None
+            and not misplaced
+            and mask is None
+            and key is None
+            and value is None
+            and causal is None
+            and causal_alignment is None
+            and key_lengths is None
+            and query_lengths is None
+            and bias is None
+            and window is None
+            and scale is None
+            and return_weights is False
+            and positions is None
+            and padding_side is None
+            and return_backward is False
+            and dropout_p is None
+            and generator is None
+            and max_memory is None
+            and mask_mod is None
+            and score_mod is None
+            and score_mod_grad is None
+        ):  # a decoding step: the layer's kept one, when this call is its (decoding.py)
+            step = kept_step(self)
+            if step is not None:
+                out = step(self, query, cache, workers)
+                if out is not None:
+                    return out
         if cache is not None and (key is not None or value is not None):
             raise AttentionValueError(
                 "cache= appends the query tokens' own keys and values: key= and value= "
@@ -433,6 +463,8 @@ class MultiHeadAttention(Layouts):
         checked = self._checked(check_mha(keywords))
         call = checked_layer(self, inputs, weights, self.num_heads, checked, names)
         result = compute(call)
+        if call.append is not None and type(self) is MultiHeadAttention:
+            keep_step(self, call, workers)  # (a subclass may compute more than the step)
         if not call.request.backward:
             return result
         *outputs, backward = result

@@ -39,7 +39,14 @@ if TYPE_CHECKING:
 
     from .signatures import Backward, Flag, MaskMod, MhaOptions, ScoreMod
 
-__all__ = ["append_keys", "compute", "multi_head_attention", "project_heads"]
+__all__ = [
+    "append_keys",
+    "compute",
+    "layer_sizes",
+    "layer_workers",
+    "multi_head_attention",
+    "project_heads",
+]
 
 
 # One overload per combination of the return_* flags; the last for flags known at run time.
@@ -279,7 +286,7 @@ def compute(call: Call) -> np.ndarray | tuple[Any, ...]:
     ``backward`` if asked for."""
     if call.given.left_padded:  # each sequence's real rows first, as for right padding
         call = _real_rows_first(call)
-    H, d_v, B, L, S = call.H, call.d_v, call.B, call.L, call.S
+    H, L, S = call.H, call.L, call.S
     dtype, given, request = call.compute_dtype, call.weights, call.request
     w = given.in_dtype(dtype)
     visibility = call.visibility
@@ -291,13 +298,7 @@ def compute(call: Call) -> np.ndarray | tuple[Any, ...]:
     workers = request.threads
     if workers is None:  # the default for the call's multiply-adds
         keys = S if call.cache is None else int(call.cache.lengths.max(initial=0)) + L
-        cost = float(math.prod(B)) * (  # the projections' and the attention's
-            L * given.W_q.size
-            + S * (given.W_k.size + given.W_v.size)
-            + L * given.W_o.size
-            + H * L * keys * (call.d_k + d_v)
-        )
-        workers = workers_for(cost, None)
+        workers = layer_workers(layer_sizes(call), keys)
     with (  # the seed drawn once everything is checked, put back if the call still fails
         drawn(drop_p, call.given.generator, H, L) as dropout,
         np.errstate(invalid="ignore", over="ignore"),
@@ -331,6 +332,24 @@ def compute(call: Call) -> np.ndarray | tuple[Any, ...]:
         forward = Forward(kernel, joined, outputs.lse, saved, stage)
         results.append(ProjectedBackward(call, forward))
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def layer_workers(sizes: tuple[Any, ...], keys: int) -> int:
+    """The default workers of a layer's call of ``sizes`` (:func:`layer_sizes`) whose
+    queries attend over ``keys`` keys: :func:`workers_for` its multiply-adds, the
+    projections' and the attention's."""
+    sequences, L, S, W_q, W_kv, W_o, H, width = sizes
+    cost = float(sequences) * (L * W_q + S * W_kv + L * W_o + H * L * keys * width)
+    return workers_for(cost, None)
+
+
+def layer_sizes(call: Call) -> tuple[Any, ...]:
+    """What :func:`layer_workers` reads of a call."""
+    w = call.weights
+    return (
+        math.prod(call.B), call.L, call.S, w.W_q.size, w.W_k.size + w.W_v.size, w.W_o.size,
+        call.H, call.d_k + call.d_v,
+    )  # fmt: skip
 
 
 def _attend(

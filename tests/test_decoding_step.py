@@ -1,0 +1,178 @@
+"""A layer's kept decoding step (:mod:`mha.api.decoding`): the same bits as the general
+path call after call, taken only while everything it was made from holds, and never where
+the general path would refuse or compute something else."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+import mha
+from mha._kernel import runtime
+from mha.api import decoding, module
+
+
+def _general(monkeypatch):
+    """Every call through the checks and :func:`mha.api.projection.compute`."""
+    monkeypatch.setattr(module, "kept_step", lambda layer: None)
+
+
+def _spy(monkeypatch):
+    taken = []
+    real = decoding.DecodingStep._run
+    monkeypatch.setattr(decoding.DecodingStep, "_run", lambda *a: taken.append(1) or real(*a))
+    return taken
+
+
+CONFIGS = {
+    "gqa, rotary": dict(num_heads=8, num_kv_heads=2, rope_theta=10000.0),
+    "interleaved, partial rotary": dict(
+        num_heads=4, num_kv_heads=4, rope_theta=500.0, rotary_dim=8, rotary_interleaved=True
+    ),
+    "biases, no rotary": dict(num_heads=4, num_kv_heads=1, bias=True),
+    "one kv head, rotary": dict(num_heads=4, num_kv_heads=1, rope_theta=10000.0),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("workers", [None, 1, 2])
+def test_the_kept_step_gives_the_general_paths_bits(name, dtype, workers, monkeypatch):
+    """A prompt of ragged lengths, then steps of a batch of 3 (the cache growing on the
+    way): every output, the cache's keys, values and lengths, bit for bit the general
+    path's; the step is taken for every step but the first (which makes it)."""
+    rng = np.random.default_rng(7)
+    layer = mha.MultiHeadAttention(32, seed=2, dtype=dtype, **CONFIGS[name])
+    prompt = rng.standard_normal((3, 5, 32)).astype(dtype)
+    steps = [rng.standard_normal((3, 1, 32)).astype(dtype) for _ in range(7)]
+
+    def run():
+        runtime.DEFAULT.forget()  # (no step kept from an earlier run)
+        cache = layer.new_cache(3, capacity=6)
+        outs = [layer(prompt, cache=cache, query_lengths=[5, 2, 4], workers=workers)]
+        outs += [layer(x, cache=cache, workers=workers) for x in steps]
+        return outs, cache
+
+    taken = _spy(monkeypatch)
+    own, own_cache = run()
+    assert len(taken) == len(steps) - 1
+    with monkeypatch.context() as m:
+        _general(m)
+        general, general_cache = run()
+    for a, b in zip(own, general, strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+    for field in ("lengths", "k", "v"):
+        np.testing.assert_array_equal(getattr(own_cache, field), getattr(general_cache, field))
+
+
+def _layer_and_cache(rng, **options):
+    layer = mha.MultiHeadAttention(16, 4, num_kv_heads=2, rope_theta=10000.0, seed=1, **options)
+    cache = layer.new_cache(2, capacity=16)
+    layer(rng.standard_normal((2, 3, 16)), cache=cache)
+    layer(rng.standard_normal((2, 1, 16)), cache=cache)  # the step made
+    return layer, cache
+
+
+def _twin(layer, cache):
+    """The same layer state and cache, on their own (for the general path)."""
+    twin = mha.MultiHeadAttention(16, 4, num_kv_heads=2, rope_theta=10000.0, seed=1)
+    for name, value in vars(layer).items():
+        setattr(twin, name, value.copy() if isinstance(value, np.ndarray) else value)
+    copy = twin.new_cache(2, capacity=16)
+    copy._k, copy._v = cache._k.copy(), cache._v.copy()
+    copy._lengths, copy._first = cache._lengths.copy(), cache._first.copy()
+    return twin, copy
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["W_q replaced", "W_o updated in place", "window set", "scale set", "softcap set"],
+)
+def test_a_changed_layer_is_computed_as_it_is_now(change, monkeypatch):
+    """After the step is made, an attribute assigned (a weight, a window, the scale, a
+    variant) sends the call the general way, and a weight updated in place is read as it
+    is now: the output of a layer made afresh in that state."""
+    rng = np.random.default_rng(3)
+    layer, cache = _layer_and_cache(rng)
+    taken = _spy(monkeypatch)
+    if change == "W_q replaced":
+        layer.W_q = layer.W_q * 1.5
+    elif change == "W_o updated in place":
+        layer.W_o *= 0.5
+    elif change == "window set":
+        layer.window = 2
+    elif change == "scale set":
+        layer.scale = 0.1
+    else:
+        layer.softcap = 5.0
+    twin, copy = _twin(layer, cache)
+    x = rng.standard_normal((2, 1, 16))
+    out = layer(x, cache=cache)
+    assert len(taken) == (1 if change == "W_o updated in place" else 0)
+    with monkeypatch.context() as m:
+        _general(m)
+        expected = twin(x, cache=copy)
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_calls_the_step_does_not_take_are_checked_as_ever(monkeypatch):
+    """With a step kept, a cache of another dtype, batch or kind, a query of another shape,
+    other workers or any other keyword go the general way: the same refusals (the cache
+    unchanged), the same results."""
+    rng = np.random.default_rng(5)
+    layer, cache = _layer_and_cache(rng)
+    taken = _spy(monkeypatch)
+    before = cache.lengths.copy()
+    with pytest.raises(mha.AttentionTypeError, match="float32"):
+        layer(rng.standard_normal((2, 1, 16)), cache=mha.KVCache(2, 2, 4, dtype=np.float32))
+    with pytest.raises(mha.ShapeError, match="batch"):
+        layer(rng.standard_normal((2, 1, 16)), cache=mha.KVCache(3, 2, 4, dtype=np.float64))
+    with pytest.raises(mha.ShapeError, match="width"):
+        layer(rng.standard_normal((2, 1, 17)), cache=cache)
+    np.testing.assert_array_equal(cache.lengths, before)
+    paged = mha.PagedKVCache(8, 4, 2, 4, dtype=np.float64)
+    paged.add("a")
+    paged.add("b")
+    x = rng.standard_normal((2, 1, 16))
+    layer(x, cache=paged)
+    layer(x, cache=cache, query_lengths=[1, 0])
+    layer(x, cache=cache, workers=2)
+    assert not taken
+    np.testing.assert_array_equal(cache.lengths, np.add(before, [2, 1]))
+
+
+def test_subclasses_and_variants_get_no_step():
+    """A subclass computes more than the step (DifferentialAttention's output stage), and a
+    layer with sinks, ALiBi or a windowed cache changes the scores or the keys: none keeps
+    a step."""
+    rng = np.random.default_rng(6)
+    layers = [
+        mha.DifferentialAttention(16, 4, seed=1),
+        mha.MultiHeadAttention(16, 4, sinks=True, seed=1),
+        mha.MultiHeadAttention(16, 4, alibi=True, seed=1),
+        mha.MultiHeadAttention(16, 4, window=4, seed=1),
+    ]
+    for layer in layers:
+        cache = layer.new_cache(1, capacity=8)
+        for _ in range(3):
+            layer(rng.standard_normal((1, 1, 16)), cache=cache)
+        assert layer not in runtime.DEFAULT.layer_steps, type(layer).__name__
+
+
+def test_the_step_holds_neither_the_cache_nor_the_layer():
+    """A kept step holds no cache (a cache dropped is freed) and goes with its layer."""
+    rng = np.random.default_rng(9)
+    layer, cache = _layer_and_cache(rng)
+    assert layer in runtime.DEFAULT.layer_steps
+    dropped = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert dropped() is None
+    gone = weakref.ref(layer)
+    del layer
+    gc.collect()
+    assert gone() is None
