@@ -344,3 +344,28 @@ def test_silu_in_place_is_the_sigmoid_formula():
     for values in (x, x.astype(np.float64), x[:, ::3]):
         np.testing.assert_array_equal(silu(values), values * sigmoid(values))
     assert float(silu(np.float64(0.0))) == 0.0
+
+
+@pytest.mark.parametrize("rows", [1, 7, 600])
+@pytest.mark.parametrize("biased", [False, True])
+def test_the_gate_is_applied_block_by_block_to_the_same_bits(rows, biased):
+    """A gated MLP's ``act(gate) * up``: on a team, each worker gates the rows it made; on
+    BLAS's threads, the whole product: the same bits as the formula written out on the
+    whole product, for a few rows (split by columns) and many (by rows)."""
+    from mha.models import layers
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, rows, 48)).astype(np.float32)
+    W = rng.standard_normal((48, 2 * 40)).astype(np.float32)
+    b = rng.standard_normal(80).astype(np.float32) if biased else None
+
+    def written_out():
+        products = layers.product(x, W)  # (the team's product, on a team)
+        if b is not None:
+            products += b
+        return layers.silu(products[..., :40]) * products[..., 40:]
+
+    np.testing.assert_array_equal(layers.gated_product(x, W, b, layers.silu, 40), written_out())
+    with layers.one_team(10**6):  # (a pass that runs on a team)
+        teamed = layers.gated_product(x, W, b, layers.silu, 40)
+        np.testing.assert_array_equal(teamed, written_out())

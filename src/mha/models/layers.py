@@ -265,6 +265,33 @@ def product(x: np.ndarray, W: np.ndarray) -> np.ndarray:
     return x @ W if team is None else team.matmul(x, W)
 
 
+def gated_product(
+    x: np.ndarray, W: np.ndarray, b: np.ndarray | None, act: Function, width: int
+) -> np.ndarray:
+    """``act(gate) * up`` of ``x @ W (+ b)`` (its first ``width`` columns the gate's, the
+    rest the up projection's), on the pass's team where there is one: each worker gates the
+    block of rows it made while the block is in cache (an elementwise step: the same bits
+    as on the whole product)."""
+    product_dtype = np.result_type(x, W)
+    gated = np.empty((*x.shape[:-1], width), product_dtype)
+    rows = gated.reshape(-1, width)
+
+    def gate(span: slice, block: np.ndarray) -> None:
+        g = act(block[:, :width])  # a new array
+        g *= block[:, width:]
+        rows[span] = g
+
+    team = getattr(_RUNNING, "team", None)
+    if team is not None:
+        team.matmul(x, W, b, then=gate)
+        return gated
+    products = x @ W
+    if b is not None:
+        products += b
+    gate(slice(None), products.reshape(-1, W.shape[1]))
+    return gated
+
+
 def linear(tensors: Tensors, name: str, transposed: bool = False) -> Function:
     """``nn.Linear`` ``name``: ``x @ weight.T + bias``, the bias where the checkpoint has one
     (``transposed``: a ``Conv1D``'s ``x @ weight + bias``)."""
@@ -292,12 +319,7 @@ def gated_mlp(
     down = linear(tensors, down_name)
 
     def mlp(h: np.ndarray) -> np.ndarray:
-        products = product(h, gate_up)
-        if bias is not None:
-            products += bias
-        gated = act(products[..., :width])  # a new array
-        gated *= products[..., width:]
-        return down(gated)
+        return down(gated_product(h, gate_up, bias, act, width))
 
     return mlp
 
