@@ -849,7 +849,7 @@ def _general_route(monkeypatch):
     decoding steps' own route."""
     from mha.api import cached
 
-    monkeypatch.setattr(cached, "_lone_queries", lambda call, L: False)
+    monkeypatch.setattr(cached, "lone_queries", lambda *args: False)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -875,8 +875,8 @@ def test_decoding_steps_take_their_own_route_to_the_same_bits(dtype, workers, mo
         return outs, cache
 
     taken = []
-    real = cached._attend_lone
-    monkeypatch.setattr(cached, "_attend_lone", lambda *a: taken.append(1) or real(*a))
+    real = cached._lone_visibility
+    monkeypatch.setattr(cached, "_lone_visibility", lambda *a: taken.append(1) or real(*a))
     own, own_cache = run()
     assert len(taken) == len(steps)
     with monkeypatch.context() as m:
@@ -953,13 +953,14 @@ def test_a_kept_rotation_rotates_to_the_same_bits(interleaved, dtype):
     read-only) and applied in four passes over whole rows: the same bits as the rotation
     made afresh and applied by halves, partial widths by halves; a refused option is still
     refused after a kept rotation of the equal value (``1`` is not ``True``)."""
+    from mha._kernel import runtime
     from mha.api import rotary
 
     rng = np.random.default_rng(8)
     for shape, at in [((2, 4, 1, 16), [[3], [40]]), ((1, 2, 3, 8), [[0, 1, 2]])]:
         positions = np.array(at)
         x = rng.standard_normal(shape).astype(dtype)
-        rotary._ROTATIONS.clear()
+        runtime.DEFAULT.rotations.forget()
         options = {"theta": 500.0, "interleaved": interleaved}
         kept = rotary.rotation(shape, positions, dtype, **options)
         assert kept.whole is not None and not kept.cos.flags.writeable

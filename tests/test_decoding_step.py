@@ -22,8 +22,8 @@ def _general(monkeypatch):
 
 def _spy(monkeypatch):
     taken = []
-    real = decoding.DecodingStep._run
-    monkeypatch.setattr(decoding.DecodingStep, "_run", lambda *a: taken.append(1) or real(*a))
+    real = decoding.compute  # (the step's; the general path's is module.py's)
+    monkeypatch.setattr(decoding, "compute", lambda *a: taken.append(1) or real(*a))
     return taken
 
 
@@ -69,8 +69,8 @@ def test_the_kept_step_gives_the_general_paths_bits(name, dtype, workers, monkey
         np.testing.assert_array_equal(getattr(own_cache, field), getattr(general_cache, field))
 
 
-def _layer_and_cache(rng, **options):
-    layer = mha.MultiHeadAttention(16, 4, num_kv_heads=2, rope_theta=10000.0, seed=1, **options)
+def _layer_and_cache(rng, bias=False):
+    layer = mha.MultiHeadAttention(16, 4, num_kv_heads=2, rope_theta=10000.0, seed=1, bias=bias)
     cache = layer.new_cache(2, capacity=16)
     layer(rng.standard_normal((2, 3, 16)), cache=cache)
     layer(rng.standard_normal((2, 1, 16)), cache=cache)  # the step made
@@ -79,7 +79,7 @@ def _layer_and_cache(rng, **options):
 
 def _twin(layer, cache):
     """The same layer state and cache, on their own (for the general path)."""
-    twin = mha.MultiHeadAttention(16, 4, num_kv_heads=2, rope_theta=10000.0, seed=1)
+    twin = mha.MultiHeadAttention(16, 4, num_kv_heads=2, rope_theta=10000.0, seed=1, bias=True)
     for name, value in vars(layer).items():
         setattr(twin, name, value.copy() if isinstance(value, np.ndarray) else value)
     copy = twin.new_cache(2, capacity=16)
@@ -90,16 +90,23 @@ def _twin(layer, cache):
 
 @pytest.mark.parametrize(
     "change",
-    ["W_q replaced", "W_o updated in place", "window set", "scale set", "softcap set"],
-)
+    [
+        "W_q replaced", "W_o updated in place", "b_q updated in place", "window set",
+        "scale set", "softcap set",
+    ],
+)  # fmt: skip
 def test_a_changed_layer_is_computed_as_it_is_now(change, monkeypatch):
     """After the step is made, an attribute assigned (a weight, a window, the scale, a
     variant) sends the call the general way, and a weight updated in place is read as it
     is now: the output of a layer made afresh in that state."""
     rng = np.random.default_rng(3)
-    layer, cache = _layer_and_cache(rng)
+    layer, cache = _layer_and_cache(rng, bias=True)
     taken = _spy(monkeypatch)
-    if change == "W_q replaced":
+    kept = runtime.DEFAULT.layer_steps.get(layer)
+    assert kept is not None
+    if change == "b_q updated in place":
+        layer.b_q += 1.0
+    elif change == "W_q replaced":
         layer.W_q = layer.W_q * 1.5
     elif change == "W_o updated in place":
         layer.W_o *= 0.5
@@ -112,7 +119,11 @@ def test_a_changed_layer_is_computed_as_it_is_now(change, monkeypatch):
     twin, copy = _twin(layer, cache)
     x = rng.standard_normal((2, 1, 16))
     out = layer(x, cache=cache)
-    assert len(taken) == (1 if change == "W_o updated in place" else 0)
+    in_place = change.endswith("in place")
+    assert len(taken) == in_place
+    now = runtime.DEFAULT.layer_steps.get(layer)
+    assert (now is kept) == in_place  # a stale step dropped (a new one made where plain)
+    assert (now is None) == (change in ("window set", "softcap set"))
     with monkeypatch.context() as m:
         _general(m)
         expected = twin(x, cache=copy)
@@ -176,3 +187,60 @@ def test_the_step_holds_neither_the_cache_nor_the_layer():
     del layer
     gc.collect()
     assert gone() is None
+
+
+def test_a_step_is_kept_only_from_a_call_with_every_keyword_left_out(monkeypatch):
+    """A cached call with its own scale (or budget) makes no step: the next plain call is
+    computed with the layer's scale, as the general path computes it."""
+    rng = np.random.default_rng(12)
+    layer = mha.MultiHeadAttention(16, 4, rope_theta=10000.0, seed=1)
+    cache = layer.new_cache(1, capacity=8)
+    twin_cache = layer.new_cache(1, capacity=8)
+    xs = rng.standard_normal((4, 1, 1, 16))
+    for x in xs[:2]:
+        layer(x, cache=cache, scale=3.0)
+        layer(x, cache=cache, max_memory=2**16)
+    with monkeypatch.context() as m:
+        _general(m)
+        for x in xs[:2]:
+            layer(x, cache=twin_cache, scale=3.0)
+            layer(x, cache=twin_cache, max_memory=2**16)
+        expected = layer(xs[2], cache=twin_cache)
+    np.testing.assert_array_equal(layer(xs[2], cache=cache), expected)
+
+
+def test_weights_cast_for_a_call_are_cast_again_after_an_update_in_place():
+    """A float32 layer called with float64 queries computes with its weights cast to
+    float64, cast again each call: an update in place is seen, as by a layer made with
+    the new values."""
+    rng = np.random.default_rng(13)
+    layer = mha.MultiHeadAttention(16, 4, seed=1, dtype=np.float32)
+    x = rng.standard_normal((1, 3, 16))
+    layer(x)
+    layer.W_q *= 2.0
+    fresh = mha.MultiHeadAttention(16, 4, seed=1, dtype=np.float32)
+    fresh.W_q = layer.W_q.copy()
+    np.testing.assert_array_equal(layer(x), fresh(x))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("lse", [False, True])
+def test_a_decoding_steps_features_are_the_bands(dtype, lse):
+    """What a decoding step's kernel call sets (:func:`mha._kernel.walk.features`) is
+    within what ``attend_band`` asks the compiled walk about, so the walk it takes is the
+    one ``walk.choose`` would give it."""
+    from mha._kernel import forward, walk
+    from mha._kernel.call import KernelCall, Outputs
+    from mha.api import cached
+
+    filled, counts = np.array([3, 5]), np.ones(2, np.int64)
+    q = np.zeros((2, 4, 1, 8), dtype)
+    k = np.zeros((2, 2, 5, 8), dtype)
+    visibility = cached._lone_visibility(q, filled, counts, filled - 1, np.zeros(2, np.int64))
+    outputs = Outputs(np.zeros((2, 4, 1, 8), dtype))
+    if lse:
+        outputs.lse = np.zeros((2, 4, 1), dtype)
+    call = KernelCall(q, k, k, visibility, 0.5, budget=2**20)
+    arrays = (q, k, k, outputs.out) if not lse else (q, k, k, outputs.out, outputs.lse)
+    needs = walk.features(call, outputs, arrays)
+    assert needs <= {*forward.BAND_FEATURES, f"dtype {np.dtype(dtype).name}"}

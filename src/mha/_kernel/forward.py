@@ -55,7 +55,15 @@ from .scores import add_sinks
 from .tasks import Parts, Task, merge_partials
 from .team import Team
 
-__all__ = ["DEFAULT_MAX_MEMORY", "Tiles", "attend", "attend_band", "merge_partials", "plan_tiles"]
+__all__ = [
+    "BAND_FEATURES",
+    "DEFAULT_MAX_MEMORY",
+    "Tiles",
+    "attend",
+    "attend_band",
+    "merge_partials",
+    "plan_tiles",
+]
 
 # The sizes the tiles turn on (keys per tile, the rows under which a tile is wide, the keys
 # per BLAS call of a few rows' product, the scores from which the compiled softmax step
@@ -161,19 +169,29 @@ def attend(call: KernelCall, outputs: Outputs, team: Team | None = None) -> None
         _add_sinks(outputs, sinks)
 
 
+BAND_FEATURES = (
+    "visibility.causal", "visibility.causal_offset", "visibility.offsets",
+    "visibility.key_lengths", "visibility.query_lengths", "visibility.query_index",
+    "visibility.key_index", "budget", "lse",
+)  # fmt: skip
+"""What a call given to :func:`attend_band` may set (:func:`.walk.features`; its dtype's
+besides): the walk it takes is the one :func:`.walk.choose` would give such a call."""
+
+
 def attend_band(call: KernelCall, outputs: Outputs, team: Team) -> None:
-    """:func:`attend` of a call known to be one the compiled forward walk takes (a band, no
-    changes to the scores, float32 or float64 throughout: what :func:`.walk.choose` picks
-    it for, as it does a cache's decoding step) without asking :func:`.walk.choose` and
-    with the tiles of :func:`plan_tiles`: the same walk, the same bits, microseconds less a
-    call. What the compiled walk does not take here (a paged cache's pools, arrays it
-    cannot read as they are, an empty one, a non-finite value at a hidden key)
-    :func:`attend` computes, from the start."""
+    """:func:`attend` of a call that sets no more than :data:`BAND_FEATURES` (a band, no
+    changes to the scores, one float dtype throughout: a cache's decoding step) without
+    asking :func:`.walk.choose` of its features (the compiled forward walk is asked about
+    these instead), with the tiles of :func:`plan_tiles`: the same walk, the same bits,
+    microseconds less a call. What the compiled walk does not take here (a paged cache's
+    pools, arrays it cannot read as they are, an empty one, a non-finite value at a hidden
+    key) :func:`attend` computes, from the start."""
     q, k, v, out, lse = call.q, call.k, call.v, outputs.out, outputs.lse
     written = (out,) if lse is None else (out, lse[..., None])
     views = None
     arrays = type(k) is np.ndarray and type(v) is np.ndarray  # (a paged cache's: attend)
-    if arrays and q.size and k.size and v.size and compiled.walk_available():
+    needs = (*BAND_FEATURES, f"dtype {out.dtype.name}")
+    if arrays and q.size and k.size and v.size and walk.COMPILED_FORWARD.takes(needs):
         views = walk.walk_views((q, k, v), written, operands=(q, k, v))
     if views is not None:
         L, S, H_kv, d_k, d_v = q.shape[-2], k.shape[-2], k.shape[-3], q.shape[-1], v.shape[-1]

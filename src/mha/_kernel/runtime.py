@@ -8,6 +8,8 @@
 * ``layer_checks``: each layer's last checked call, by the layer (weakly: a layer dropped
   drops its own; :mod:`mha.api.plans`);
 * ``layer_steps``: each layer's decoding step, by the layer (weakly; :mod:`mha.api.decoding`);
+* ``rotations``: the rotary angles of the last positions rotated (:mod:`mha.api.rotary`: a
+  decoding step's, which every layer rotates at);
 * ``compiled``: the compiled kernels and what their first calls cost (:mod:`.compiled`);
 * ``helpers``: the team's helper threads (:mod:`.team`), made on first use.
 
@@ -103,6 +105,7 @@ class Runtime:
         self.helpers: Any = None  # mha._kernel.team's pool, made on first use
         self.layer_checks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self.layer_steps: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self.rotations = Kept(16)
         self._tuning = threading.Lock()
 
     def forget(self) -> None:
@@ -111,6 +114,7 @@ class Runtime:
         self.records.forget()
         self.layer_checks.clear()
         self.layer_steps.clear()
+        self.rotations.forget()
 
     @contextlib.contextmanager
     def tuned(self, **changes: Any) -> Iterator[Thresholds]:

@@ -12,6 +12,7 @@ then each sees every cached key of its sequence and every new one (CPM-Ant's pre
 
 from __future__ import annotations
 
+import math
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Protocol
@@ -34,7 +35,17 @@ from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .padding import to_front, to_left
 from .spec import Checked, Request
 
-__all__ = ["Append", "Cache", "CacheFit", "attend_cached", "attend_split_cached", "check_cache"]
+__all__ = [
+    "PLAIN_CAUSAL",
+    "Append",
+    "Cache",
+    "CacheFit",
+    "attend_cached",
+    "attend_split_cached",
+    "check_cache",
+    "lone_queries",
+    "plain_append",
+]
 
 
 class Cache(Protocol):
@@ -275,7 +286,7 @@ def _append_and_attend(
     call: CachedCall, team: Team | None, positions: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """:func:`attend_cached`'s work before the commit."""
-    q, append, request = call.q, call.append, call.request
+    q, append = call.q, call.append
     cache, counts = append.cache, append.counts
     B, L = q.shape[0], q.shape[-2]
     dtype = cache.compute_dtype  # a bfloat16 cache's tiles are read in float32
@@ -290,89 +301,87 @@ def _append_and_attend(
         shape = ScoreShape((B,), q.shape[-3], L, int(filled.max(initial=0)))
         return Visibility.build(rules, lengths, shape, dtype, "", cached)
 
-    if _lone_queries(call, L):  # a decoding step: its visibility needs no checks
-        return _attend_lone(call, team, positions)
+    if lone_queries(call.append, call.scores, q):  # a decoding step (_lone_visibility)
+        filled = cache._append(call.k, call.v, counts)
+        lone = _lone_visibility(q, filled, counts, positions, cache.first)
+        return _attend_held(call, team, lone, attend_band)
     # Without a window a cache's slots are its positions: the call's mask and bias are
     # checked against them before anything is written (a window's cache moves them).
-    visibility = visibility_for(cache.lengths + counts) if cache.window is None else None
+    checked = visibility_for(cache.lengths + counts) if cache.window is None else None
     filled = cache._append(call.k, call.v, counts)
-    S = int(filled.max(initial=0))
-    if visibility is None:
-        visibility = visibility_for(filled)
+    visibility = checked if checked is not None else visibility_for(filled)
+    return _attend_held(call, team, visibility, attend)
+
+
+def _attend_held(
+    call: CachedCall, team: Team | None, visibility: Visibility, route: Any
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The call's queries over the keys the cache holds now (appended), within
+    ``visibility``, by ``route`` (:func:`attend`, or :func:`attend_band` for a decoding
+    step): ``(out, lse or None)`` in the cache's compute dtype."""
+    q, request, cache = call.q, call.request, call.append.cache
+    dtype = cache.compute_dtype  # a bfloat16 cache's tiles are read in float32
+    S = visibility.S
     keys, values = cache._attended(S)
     outputs = Outputs(np.zeros((*q.shape[:-1], values.shape[-1]), dtype=dtype))
     if request.lse:
         outputs.lse = np.full(q.shape[:-1], -np.inf, dtype=dtype)
-    cost = float(B * q.shape[-3] * L) * S * (q.shape[-1] + values.shape[-1])
+    cost = float(math.prod(q.shape[:-1])) * S * (q.shape[-1] + values.shape[-1])
     with np.errstate(invalid="ignore", over="ignore"), ExitStack() as stack:
         if team is None:
             team = stack.enter_context(Team(workers_for(cost, request.threads)))
         kernel = KernelCall(
             q, keys, values, visibility, call.scale, call.scores, budget=request.budget
         )
-        attend(kernel, outputs, team)
+        route(kernel, outputs, team)
     return outputs.out, outputs.lse
 
 
-_PLAIN_CAUSAL = (MaskRules(causal=None), MaskRules(causal=True))
+PLAIN_CAUSAL = (MaskRules(causal=None), MaskRules(causal=True))
+"""The mask rules of a plain decoding step: causal (given or not), nothing else."""
 
 
-def _lone_queries(call: CachedCall, L: int) -> bool:
-    """Whether ``call`` is a decoding step that :func:`_attend_lone` computes: one query
-    per sequence, causal over a cache without a window, no mask, bias, lengths or changes
-    to the scores, float32 or float64 throughout (what :func:`.walk.choose` gives the
-    compiled walk)."""
-    append = call.append
-    cache = append.cache
+def plain_append(append: Append) -> bool:
+    """Whether ``append``'s call hides keys by the causal mask alone: no window, sink
+    tokens, chunks or ``mask_mod``, no mask, bias or lengths of its own."""
+    arrays = append.arrays
     return (
-        L == 1
-        and call.scores is None
-        and _no_arrays(append.arrays)
-        and append.rules in _PLAIN_CAUSAL
-        and cache.window is None
-        and call.q.dtype in _WALKED
-        and cache.dtype == call.q.dtype
-    )
-
-
-_WALKED = (np.dtype(np.float32), np.dtype(np.float64))
-
-
-def _no_arrays(arrays: MaskArrays) -> bool:
-    return (
-        arrays.mask is None
+        append.rules in PLAIN_CAUSAL
+        and arrays.mask is None
         and arrays.bias is None
         and arrays.key_lengths is None
         and arrays.query_lengths is None
     )
 
 
-def _attend_lone(
-    call: CachedCall, team: Team | None, positions: np.ndarray
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """:func:`_append_and_attend` of a decoding step (:func:`_lone_queries`): its
-    visibility is the one :meth:`Visibility.build` gives it (each query the last of its
-    sequence, seeing every key), made without checks, and the compiled walk takes it
-    without being chosen (:func:`attend_band`, which leaves to :func:`attend` what it
-    cannot do)."""
-    q, cache, request = call.q, call.append.cache, call.request
-    counts = call.append.counts
-    filled = cache._append(call.k, call.v, counts)
+def lone_queries(append: Append, scores: Any, q: np.ndarray) -> bool:
+    """Whether a cached call of queries ``q (B, H, L, d)`` is a decoding step of the
+    compiled walk's (:func:`_lone_visibility`, :func:`attend_band`): one query per
+    sequence (``L == 1``), :func:`plain_append`, no changes to the scores, a cache without
+    a window holding ``q``'s dtype, float32 or float64."""
+    cache = append.cache
+    return (
+        q.shape[-2] == 1
+        and scores is None
+        and plain_append(append)
+        and cache.window is None
+        and q.dtype in _WALKED
+        and cache.dtype == q.dtype
+    )
+
+
+_WALKED = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _lone_visibility(
+    q: np.ndarray, filled: np.ndarray, counts: np.ndarray, positions: np.ndarray, first: Any
+) -> Visibility:
+    """The visibility :meth:`Visibility.build` gives a decoding step (:func:`lone_queries`;
+    each query the last of its sequence, seeing every key), made without its checks
+    (``tests/test_decoding.py`` compares the two field by field)."""
     S = int(filled.max(initial=0))
-    keys, values = cache._attended(S)
-    B, H = q.shape[0], q.shape[1]
-    visibility = Visibility(
-        index_shape=(B, H), L=1, S=S, causal_offset=S - 1, key_lengths=filled,
+    return Visibility(
+        index_shape=q.shape[:2], L=1, S=S, causal_offset=S - 1, key_lengths=filled,
         query_lengths=counts, causal=True, offsets=filled - counts, query_index=positions,
-        key_index=cache.first,
+        key_index=first,
     )  # fmt: skip
-    kernel = KernelCall(q, keys, values, visibility, call.scale, budget=request.budget)
-    outputs = Outputs(np.zeros((*q.shape[:-1], values.shape[-1]), dtype=q.dtype))
-    if request.lse:
-        outputs.lse = np.full(q.shape[:-1], -np.inf, dtype=q.dtype)
-    with np.errstate(invalid="ignore", over="ignore"), ExitStack() as stack:
-        if team is None:
-            cost = float(B * H) * S * (q.shape[-1] + values.shape[-1])
-            team = stack.enter_context(Team(workers_for(cost, request.threads)))
-        attend_band(kernel, outputs, team)
-    return outputs.out, outputs.lse

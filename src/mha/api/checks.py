@@ -45,11 +45,13 @@ __all__ = [
     "LayerArrays",
     "LayerWeights",
     "Weights",
+    "cache_positions",
     "check_layer",
     "checked_heads",
     "kv_heads",
     "same",
     "side_by_side",
+    "side_by_side_bias",
 ]
 
 INPUT_NAMES: Mapping[str, str] = {
@@ -117,19 +119,18 @@ class Weights:
     bias_v: np.ndarray | None = None
 
     def in_dtype(self, dtype: np.dtype) -> Weights:
-        """The weights in ``dtype`` (the same arrays where they already are), found once
-        per dtype: a kept call's weights are the same object call after call."""
+        """The weights in ``dtype`` (the same arrays where they already are: found once per
+        dtype, a kept call's weights being the same object call after call; a cast is made
+        afresh every call, so a weight updated in place is read as it is now)."""
         memo = self.__dict__.setdefault("_memo", {})  # (a frozen dataclass's own dict)
-        if dtype in memo:
-            cast_weights: Weights = memo[dtype]
-            return cast_weights
+        if memo.get(dtype) is True:
+            return self
         present = self.present()
         if all(x.dtype == dtype for x in present.values()):
-            memo[dtype] = self  # (replace() costs microseconds a call)
+            memo[dtype] = True  # (replace() costs microseconds a call)
             return self
         cast = {name: x.astype(dtype, copy=False) for name, x in present.items()}
-        cast_weights = memo[dtype] = replace(self, **cast)
-        return cast_weights
+        return replace(self, **cast)
 
     def joined(self) -> np.ndarray | None:
         """The one matrix whose blocks of columns ``W_q``, ``W_k`` and ``W_v`` are, when
@@ -140,6 +141,11 @@ class Weights:
             memo["joined"] = side_by_side(self.W_q, self.W_k, self.W_v)
         joined: np.ndarray | None = memo["joined"]
         return joined
+
+    def joined_bias(self) -> np.ndarray | None:
+        """The bias of :meth:`joined`'s product (:func:`side_by_side_bias`), made every
+        call: a bias may be updated in place."""
+        return side_by_side_bias((self.b_q, self.W_q), (self.b_k, self.W_k), (self.b_v, self.W_v))
 
     def present(self) -> dict[str, np.ndarray]:
         """The weights given, by parameter name."""
@@ -548,6 +554,12 @@ def _refuse_with_cache(
         raise AttentionValueError(f"cache= cannot be combined with {'; '.join(refused)}")
 
 
+def cache_positions(cache: Any, L: int) -> np.ndarray:
+    """The positions ``(B, L)`` of the next ``L`` tokens of each sequence of ``cache``."""
+    at: np.ndarray = cache.lengths[:, None] + np.arange(L)  # each sequence's own
+    return at
+
+
 def _rotary_positions(
     positions: Any, cache: Any, Q: np.ndarray, S: int, nq: str
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -556,7 +568,7 @@ def _rotary_positions(
     last ``L`` of them."""
     L = Q.shape[-2]
     if cache is not None:
-        at = cache.lengths[:, None] + np.arange(L)  # each sequence's own next positions
+        at = cache_positions(cache, L)
         return at, at
     if positions is not None:
         if L != S:
@@ -646,3 +658,11 @@ def side_by_side(*matrices: np.ndarray) -> np.ndarray | None:
             return None
         at += W.shape[1] * W.itemsize
     return whole if at == whole.ctypes.data + whole.shape[1] * whole.itemsize else None
+
+
+def side_by_side_bias(*parts: tuple[np.ndarray | None, np.ndarray]) -> np.ndarray | None:
+    """The biases ``b`` of the products by matrices ``W`` side by side, ``parts = ((b,
+    W), ...)``, as one (zeros for those absent), or ``None`` when none has one."""
+    if all(b is None for b, _ in parts):
+        return None
+    return np.concatenate([np.zeros(W.shape[1], W.dtype) if b is None else b for b, W in parts])

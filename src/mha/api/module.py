@@ -332,8 +332,9 @@ class MultiHeadAttention(Layouts):
         >>> attention(X, key=memory).shape                # cross-attention: key= by name
         (1, 3, 4)
         """
-        if (
+        plain_step = (  # a decoding step's call: every keyword left out but these
             cache is not None
+            and type(self) is MultiHeadAttention  # (a subclass may compute more)
             and not misplaced
             and mask is None
             and key is None
@@ -355,10 +356,11 @@ class MultiHeadAttention(Layouts):
             and mask_mod is None
             and score_mod is None
             and score_mod_grad is None
-        ):  # a decoding step: the layer's kept one, when this call is its (decoding.py)
+        )
+        if plain_step:  # the layer's kept step, when this call is its (decoding.py)
             step = kept_step(self)
             if step is not None:
-                out = step(self, query, cache, workers)
+                out: np.ndarray | None = step(self, query, cache, workers)
                 if out is not None:
                     return out
         if cache is not None and (key is not None or value is not None):
@@ -463,8 +465,8 @@ class MultiHeadAttention(Layouts):
         checked = self._checked(check_mha(keywords))
         call = checked_layer(self, inputs, weights, self.num_heads, checked, names)
         result = compute(call)
-        if call.append is not None and type(self) is MultiHeadAttention:
-            keep_step(self, call, workers)  # (a subclass may compute more than the step)
+        if plain_step:
+            keep_step(self, call, workers)
         if not call.request.backward:
             return result
         *outputs, backward = result

@@ -23,7 +23,14 @@ from .._kernel.forward import attend
 from .._kernel.team import Team, workers_for
 from .cache import KVCache
 from .cached import CachedCall, attend_cached
-from .checks import Call, LayerArrays, LayerWeights, Weights, check_layer
+from .checks import (
+    Call,
+    LayerArrays,
+    LayerWeights,
+    Weights,
+    check_layer,
+    side_by_side_bias,
+)
 from .clip import clip
 from .gradients import Forward, ProjectedBackward, join_heads, split_heads
 from .padding import to_front, to_left
@@ -422,14 +429,7 @@ def project_heads(
     heads = [(H, W_q.shape[1] // H), (H_kv, W_k.shape[1] // H_kv), (H_kv, W_v.shape[1] // H_kv)]
     if joined is not None or (call.self_attention and rows >= Q.shape[-1]):
         W_qkv = np.concatenate([W_q, W_k, W_v], axis=1) if joined is None else joined
-        b_qkv = None
-        if b_q is not None or b_k is not None or b_v is not None:
-            b_qkv = np.concatenate(
-                [
-                    np.zeros(W.shape[1], W.dtype) if b is None else b
-                    for b, W in ((b_q, W_q), (b_k, W_k), (b_v, W_v))
-                ]
-            )
+        b_qkv = side_by_side_bias((b_q, W_q), (b_k, W_k), (b_v, W_v))
         q, k, v = team.matmul_heads(Q, W_qkv, b_qkv, heads)
     else:
         K, V = call.K.astype(dtype, copy=False), call.V.astype(dtype, copy=False)

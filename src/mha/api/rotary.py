@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._arrays import as_array, as_float_array, flag, positive_int, result_and_compute_dtypes
+from .._kernel import runtime
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .rope_scaling import RopeScaling, check_base, check_rope_scaling, default_frequencies
 
@@ -114,10 +115,14 @@ def rotation(
 ) -> Rotation:
     """:func:`apply_rotary`'s checks and angles for an ``x`` of ``shape`` computing in
     ``dtype`` (its keywords), made once for every array of that shape at those positions
-    (a layer's queries and keys at the cache's positions: :func:`rotate` each)."""
+    (a layer's queries and keys at the cache's positions: :func:`rotate` each). A rotation
+    at a small array of positions without scaling is kept (``runtime.DEFAULT.rotations``,
+    the last 16, read-only): a decoding step's every layer rotates at the same positions,
+    and the first layer's angles, and their whole rows (:attr:`Rotation.whole`), serve
+    the rest."""
     key = _rotation_key(shape, positions, dtype, theta, rotary_dim, interleaved, inverse)
     if key is not None and scaling is None and seq_len is None:
-        kept = _ROTATIONS.get(key)
+        kept: Rotation | None = runtime.DEFAULT.rotations.get(key)
         if kept is not None:
             return kept
     r, angles, interleaved, attention = check_rotary(
@@ -133,17 +138,8 @@ def rotation(
         turn = turn._replace(whole=_whole(turn) if r == shape[-1] else None)
         for table in (turn.cos, turn.sin, *(turn.whole or ())):
             table.flags.writeable = False
-        if len(_ROTATIONS) >= _KEPT_ROTATIONS:
-            _ROTATIONS.clear()
-        _ROTATIONS[key] = turn
+        runtime.DEFAULT.rotations.keep(key, turn)
     return turn
-
-
-_KEPT_ROTATIONS = 16
-_ROTATIONS: dict[tuple[Any, ...], Rotation] = {}
-"""The last rotations made for small position arrays (a decoding step's: every layer of a
-model rotates its queries and keys at the same positions, so the first layer's angles serve
-the rest): at most ``_KEPT_ROTATIONS``, their cosines and sines read-only."""
 
 
 def _rotation_key(

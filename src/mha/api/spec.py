@@ -59,6 +59,7 @@ __all__ = [
     "check_mha",
     "check_sdpa",
     "kernel_options",
+    "with_cache",
 ]
 
 
@@ -345,10 +346,10 @@ def check_mha(keywords: MhaKeywords) -> Checked:
         return checked
     kind = CacheKind(type(cache), getattr(cache, "window", None))
     checked = _kept(_check_mha, keywords._replace(cache=kind))
-    return checked._replace(given=_with_cache(checked.given, cache))
+    return checked._replace(given=with_cache(checked.given, cache))
 
 
-def _with_cache(given: CallInputs, cache: Any) -> CallInputs:
+def with_cache(given: CallInputs, cache: Any) -> CallInputs:
     """``given`` with ``cache`` (``dataclasses.replace`` without its checks, which cost
     microseconds a decoding step)."""
     again: CallInputs = object.__new__(CallInputs)
