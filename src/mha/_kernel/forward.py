@@ -43,6 +43,7 @@ the log-sum-exp merge (flash-decoding).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -178,6 +179,12 @@ BAND_FEATURES = (
 besides): the walk it takes is the one :func:`.walk.choose` would give such a call."""
 
 
+@functools.cache
+def _band_needs(dtype: np.dtype) -> tuple[str, ...]:
+    """:data:`BAND_FEATURES` and ``dtype``'s feature."""
+    return (*BAND_FEATURES, walk.dtype_feature(dtype))
+
+
 def attend_band(call: KernelCall, outputs: Outputs, team: Team) -> None:
     """:func:`attend` of a call that sets no more than :data:`BAND_FEATURES` (a band, no
     changes to the scores, one float dtype throughout: a cache's decoding step) without
@@ -190,7 +197,7 @@ def attend_band(call: KernelCall, outputs: Outputs, team: Team) -> None:
     written = (out,) if lse is None else (out, lse[..., None])
     views = None
     arrays = type(k) is np.ndarray and type(v) is np.ndarray  # (a paged cache's: attend)
-    needs = (*BAND_FEATURES, f"dtype {out.dtype.name}")
+    needs = _band_needs(out.dtype)
     if arrays and q.size and k.size and v.size and walk.COMPILED_FORWARD.takes(needs):
         views = walk.walk_views((q, k, v), written, operands=(q, k, v))
     if views is not None:

@@ -44,6 +44,7 @@ __all__ = [
     "Walk",
     "backward_walkable",
     "choose",
+    "dtype_feature",
     "features",
     "forward_walkable",
     "run_backward",
@@ -154,11 +155,12 @@ def _features(
         dtypes.add(read.dtype)
         if read.size == 0:
             yield "empty"
-    yield _dtype_feature(dtypes.pop()) if len(dtypes) == 1 else "dtypes mixed"
+    yield dtype_feature(dtypes.pop()) if len(dtypes) == 1 else "dtypes mixed"
 
 
 @functools.cache
-def _dtype_feature(dtype: np.dtype) -> str:
+def dtype_feature(dtype: np.dtype) -> str:
+    """The feature of arrays all of ``dtype`` (:func:`features`)."""
     return f"dtype {dtype.name}"
 
 

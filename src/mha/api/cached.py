@@ -290,6 +290,10 @@ def _append_and_attend(
     cache, counts = append.cache, append.counts
     B, L = q.shape[0], q.shape[-2]
     dtype = cache.compute_dtype  # a bfloat16 cache's tiles are read in float32
+    if lone_queries(append, call.scores, q):  # a decoding step (_lone_visibility)
+        filled = cache._append(call.k, call.v, counts)
+        lone = _lone_visibility(q, filled, counts, positions, cache.first)
+        return _attend_held(call, team, lone, attend_band)
     held_sink_tokens = cache.sink_tokens if cache.window is not None else 0
     rules = replace(append.rules, causal=append.rules.causal is not False)  # unless refused
 
@@ -301,10 +305,6 @@ def _append_and_attend(
         shape = ScoreShape((B,), q.shape[-3], L, int(filled.max(initial=0)))
         return Visibility.build(rules, lengths, shape, dtype, "", cached)
 
-    if lone_queries(call.append, call.scores, q):  # a decoding step (_lone_visibility)
-        filled = cache._append(call.k, call.v, counts)
-        lone = _lone_visibility(q, filled, counts, positions, cache.first)
-        return _attend_held(call, team, lone, attend_band)
     # Without a window a cache's slots are its positions: the call's mask and bias are
     # checked against them before anything is written (a window's cache moves them).
     checked = visibility_for(cache.lengths + counts) if cache.window is None else None

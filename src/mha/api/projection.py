@@ -9,6 +9,7 @@ heads, ``L`` query positions, ``S`` key positions, ``d_k``/``d_v`` per-head widt
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, overload
@@ -307,7 +308,7 @@ def compute(call: Call) -> np.ndarray | tuple[Any, ...]:
         keys = S if call.cache is None else int(call.cache.lengths.max(initial=0)) + L
         workers = layer_workers(layer_sizes(call), keys)
     with (  # the seed drawn once everything is checked, put back if the call still fails
-        drawn(drop_p, call.given.generator, H, L) as dropout,
+        drawn(drop_p, call.given.generator, H, L) if drop_p else _NO_DROPOUT as dropout,
         np.errstate(invalid="ignore", over="ignore"),
         Team(workers) as team,
     ):
@@ -339,6 +340,11 @@ def compute(call: Call) -> np.ndarray | tuple[Any, ...]:
         forward = Forward(kernel, joined, outputs.lse, saved, stage)
         results.append(ProjectedBackward(call, forward))
     return results[0] if len(results) == 1 else tuple(results)
+
+
+_NO_DROPOUT = contextlib.nullcontext()
+"""A call's dropout when it has none (``drawn``'s ``None``, without its generator's
+microseconds)."""
 
 
 def layer_workers(sizes: tuple[Any, ...], keys: int) -> int:
