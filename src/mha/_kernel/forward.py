@@ -200,16 +200,13 @@ def attend_band(call: KernelCall, outputs: Outputs, team: Team) -> None:
     needs = _band_needs(out.dtype)
     if arrays and q.size and k.size and v.size and walk.COMPILED_FORWARD.takes(needs):
         views = walk.walk_views((q, k, v), written, operands=(q, k, v))
-    if views is not None:
-        L, S, H_kv, d_k, d_v = q.shape[-2], k.shape[-2], k.shape[-3], q.shape[-1], v.shape[-1]
-        size, group = out.dtype.itemsize, call.group
-        tiles = plan_tiles(L, S, H_kv, d_k, d_v, size, call.budget, False, group, False)
+    if views is not None:  # attend's compiled half, its tiles and its walk
         tuned = runtime.DEFAULT.thresholds
-        plan = walk.ForwardPlan(
-            call, tiles, team.workers, tuned.wide_below_rows, tuned.product_chunk
-        )
-        failed, parts = plan.run(views, k, team)
-        if not failed.any():
+        left, parts = walk.run_forward(
+            call, views, _call_tiles(call, outputs), team, tuned.wide_below_rows,
+            tuned.product_chunk,
+        )  # fmt: skip
+        if not left:
             if parts is not None:
                 parts.merge_into(out, lse)
             return
