@@ -975,3 +975,28 @@ def test_a_kept_rotation_rotates_to_the_same_bits(interleaved, dtype):
         assert partial.whole is None  # (the rest of the row passes through)
     with pytest.raises(mha.AttentionTypeError, match="interleaved"):
         rotary.rotation(shape, positions, dtype, theta=500.0, interleaved=int(interleaved))
+
+
+def test_a_prompts_rotation_is_kept_alone_and_a_longer_one_not_at_all():
+    """The rotation of a longer array of positions (a prompt's, which every layer of its
+    pass rotates at) is kept as the last one alone, beside the 16 small ones, and rotates
+    as one made afresh; one of more than ``LONG`` positions is made afresh every time."""
+    from mha._kernel import runtime
+    from mha.api import rotary
+
+    runtime.DEFAULT.forget()
+    x = np.random.default_rng(9).standard_normal((1, 2, 300, 16))
+    positions = np.arange(300)[None]
+    kept = rotary.rotation(x.shape, positions, np.float64)
+    assert rotary.rotation(x.shape, np.arange(300)[None], np.float64) is kept
+    assert not kept.cos.flags.writeable and len(runtime.DEFAULT.rotations) == 0
+    assert kept.whole is None  # (applied by halves: whole rows' gather is slower here)
+    small = rotary.rotation((1, 2, 3, 16), np.arange(3)[None], np.float64)
+    assert rotary.rotation(x.shape, positions, np.float64) is kept  # still kept beside it
+    shifted = rotary.rotation(x.shape, positions + 1, np.float64)  # the next prompt's
+    assert shifted is not kept and rotary.rotation(x.shape, positions, np.float64) is not kept
+    assert rotary.rotation((1, 2, 3, 16), np.arange(3)[None], np.float64) is small
+    many = np.arange(rotary.LONG + 1)[None]
+    shape = (1, 1, rotary.LONG + 1, 4)
+    assert rotary.rotation(shape, many, np.float64) is not rotary.rotation(shape, many, np.float64)
+    np.testing.assert_array_equal(rotary.rotate(x, kept), mha.apply_rotary(x, positions))

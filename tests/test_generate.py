@@ -337,6 +337,40 @@ def test_the_last_position_alone_and_a_pass_on_one_team(torch, transformers, tmp
     np.testing.assert_allclose(on_blas, whole, rtol=1e-12, atol=1e-12)
 
 
+def test_a_pass_of_few_tokens_projects_on_blas_threads(torch, transformers, tmp_path, monkeypatch):
+    """Below ``TEAM_FROM`` tokens a pass runs its products on BLAS's own threads, its
+    attention layers' projections too (their calls of one worker leave BLAS alone); from
+    ``TEAM_FROM`` on, the team holds BLAS to one thread."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from mha._kernel import team as parallel
+    from mha.models import layers
+    from mha.models.decoder import Decoder
+
+    build("llama").save_pretrained(tmp_path)
+    decoder = Decoder(tmp_path, dtype=np.float32)
+    seen: list[int] = []
+    original = parallel.Team.matmul
+
+    def spy(self, *args, **kwargs):
+        seen.extend(p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(parallel.Team, "matmul", spy)
+    ids = np.array([PROMPT])
+    with threadpool_limits(limits=2, user_api="blas"):
+        decoder.forward(ids, decoder.new_caches(1, ids.shape[1]))
+        assert seen and set(seen) == {2}
+        seen.clear()
+        monkeypatch.setattr(layers, "TEAM_FROM", 4)
+        decoder.forward(ids, decoder.new_caches(1, ids.shape[1]))
+        assert seen and set(seen) == {1}
+        seen.clear()
+        x = np.ones((1, 3, decoder.config["hidden_size"]), np.float32)
+        decoder.layers[0].attention.forward(x, workers=1)  # outside a pass: held
+        assert seen and set(seen) == {1}
+
+
 def test_silu_in_place_is_the_sigmoid_formula():
     from mha.models.layers import sigmoid, silu
 
@@ -369,3 +403,24 @@ def test_the_gate_is_applied_block_by_block_to_the_same_bits(rows, biased):
     with layers.one_team(10**6):  # (a pass that runs on a team)
         teamed = layers.gated_product(x, W, b, layers.silu, 40)
         np.testing.assert_array_equal(teamed, written_out())
+
+
+@pytest.mark.parametrize("rows", [1, 7, 601])
+def test_a_norm_on_the_team_gives_the_same_bits(rows):
+    """A pass on a team normalises blocks of rows on its workers: each row's norm as on the
+    whole array, for every norm kind."""
+    import functools
+
+    from mha.models import layers
+
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((1, rows, 48)) * 5).astype(np.float32)
+    weight, bias = rng.standard_normal((2, 48)).astype(np.float32)
+    for norm in layers.NORMS.values():
+        function = functools.partial(norm.function, weight=weight, bias=bias, eps=1e-5)
+        whole = function(x)
+        with layers.one_team(10**6):
+            on_team = layers.by_rows(function, x)
+        assert on_team.dtype == whole.dtype
+        np.testing.assert_array_equal(on_team, whole)
+    assert layers.by_rows(np.negative, x) is not x  # no team: the function itself

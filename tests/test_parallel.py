@@ -26,6 +26,33 @@ def test_blas_is_limited_inside_the_team_and_restored_after():
     assert blas_threads() == before
 
 
+def test_a_team_of_one_leaves_blas_its_threads_only_where_asked():
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=2, user_api="blas"):
+        with parallel.Team(1):
+            assert blas_threads() == [1]  # held: the reproducibility promise
+        with parallel.one_worker_on_blas_threads():
+            with parallel.Team(1):
+                assert blas_threads() == [2]
+            with parallel.Team(2):  # a team of more workers still holds it
+                assert blas_threads() == [1]
+            assert blas_threads() == [2]
+            seen = []
+            other = threading.Thread(target=lambda: seen.append(held_in_a_team_of_one()))
+            other.start()
+            other.join()
+            assert seen == [[1]]  # another thread's teams are not this thread's
+        with parallel.Team(1):
+            assert blas_threads() == [1]
+        assert blas_threads() == [2]
+
+
+def held_in_a_team_of_one():
+    with parallel.Team(1):
+        return blas_threads()
+
+
 def test_a_worker_error_reaches_the_caller():
     def make_worker():
         def work(task):

@@ -9,7 +9,8 @@
   drops its own; :mod:`mha.api.plans`);
 * ``layer_steps``: each layer's decoding step, by the layer (weakly; :mod:`mha.api.decoding`);
 * ``rotations``: the rotary angles of the last positions rotated (:mod:`mha.api.rotary`: a
-  decoding step's, which every layer rotates at);
+  decoding step's, which every layer rotates at), and ``long_rotation``: the last of a
+  longer array of positions (a prompt's, which every layer of its pass rotates at);
 * ``compiled``: the compiled kernels and what their first calls cost (:mod:`.compiled`);
 * ``helpers``: the team's helper threads (:mod:`.team`), made on first use.
 
@@ -106,6 +107,7 @@ class Runtime:
         self.layer_checks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self.layer_steps: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self.rotations = Kept(16)
+        self.long_rotation = Kept(1)
         self._tuning = threading.Lock()
 
     def forget(self) -> None:
@@ -115,6 +117,7 @@ class Runtime:
         self.layer_checks.clear()
         self.layer_steps.clear()
         self.rotations.forget()
+        self.long_rotation.forget()
 
     @contextlib.contextmanager
     def tuned(self, **changes: Any) -> Iterator[Thresholds]:

@@ -11,6 +11,8 @@ Every team holds BLAS to one thread, a team of one worker too. That makes each G
 rounding independent of the BLAS thread setting and of other calls running at the same time
 (OpenBLAS rounds some shapes differently on one thread and on two), so a call's result
 depends only on its inputs, ``max_memory`` and ``workers``: the reproducibility promise.
+One exception, asked for by a caller whose own products run on BLAS's threads anyway
+(:func:`one_worker_on_blas_threads`): a team of one worker then leaves BLAS its threads.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 
 from . import blas, runtime
 
-__all__ = ["Team", "cores", "default_workers", "workers_for"]
+__all__ = ["Team", "cores", "default_workers", "one_worker_on_blas_threads", "workers_for"]
 
 Task = TypeVar("Task")
 
@@ -148,11 +150,29 @@ def _blas_control() -> Iterator[None]:
 
 _BLAS_LIMIT = _BlasLimit()
 
+_ON_BLAS_THREADS = threading.local()  # this thread's teams of one worker leave BLAS alone
+
+
+@contextlib.contextmanager
+def one_worker_on_blas_threads() -> Iterator[None]:
+    """Within it, this thread's teams of one worker leave NumPy's BLAS its own threads
+    instead of holding it to one: their GEMMs (a layer's projections, say) run on BLAS's
+    threads and round as BLAS's threads do, like every other product of a caller that runs
+    on them (:mod:`mha.models`' passes of few tokens: a 37-token prompt's projections took
+    twice as long on one thread). Teams of more workers still hold BLAS to one thread."""
+    outer = getattr(_ON_BLAS_THREADS, "on", False)
+    _ON_BLAS_THREADS.on = True
+    try:
+        yield
+    finally:
+        _ON_BLAS_THREADS.on = outer
+
 
 class Team:
     """``workers`` threads for the length of a ``with`` block (none when ``workers`` is 1).
 
-    While a team runs, NumPy's BLAS is held to one thread in the whole process (when
+    While a team runs (of one worker too, but where :func:`one_worker_on_blas_threads`
+    asks otherwise), NumPy's BLAS is held to one thread in the whole process (when
     threadpoolctl is installed; another BLAS library that NumPy does not use, SciPy's say,
     keeps its setting when NumPy's is OpenBLAS), so another thread's large NumPy matmul runs
     single-threaded for that time too.
@@ -161,9 +181,12 @@ class Team:
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self._entered = False
+        self._holds = False  # whether this team holds BLAS to one thread
 
     def __enter__(self) -> Team:
-        _BLAS_LIMIT.__enter__()
+        self._holds = self.workers != 1 or not getattr(_ON_BLAS_THREADS, "on", False)
+        if self._holds:
+            _BLAS_LIMIT.__enter__()
         self._entered = True
         return self
 
@@ -175,7 +198,8 @@ class Team:
     ) -> None:
         if self._entered:
             self._entered = False
-            _BLAS_LIMIT.__exit__()
+            if self._holds:
+                _BLAS_LIMIT.__exit__()
 
     def run(self, tasks: Sequence[Task], make_worker: Callable[[], Callable[[Task], None]]) -> None:
         """Run every task. Each thread calls ``make_worker()`` once (for its own buffers) and

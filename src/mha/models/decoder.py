@@ -52,6 +52,7 @@ from .layers import (
     Tensors,
     UnsupportedModelError,
     attention_workers,
+    by_rows,
     compute_dtype,
     ctrl_positions,
     deepseek_mlp,
@@ -541,7 +542,8 @@ class Decoder(Greedy):
 
     def _norm(self, x: np.ndarray, weights: Weights | None) -> np.ndarray:
         assert weights is not None
-        return self.norm_kind.function(x, *weights, self.eps)
+        function, eps = self.norm_kind.function, self.eps
+        return by_rows(lambda rows: function(rows, *weights, eps), x)
 
     def _decoder_layer(
         self, layer: Layer, x: np.ndarray, cache: Any, lengths: Any, p: Any = None

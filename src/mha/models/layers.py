@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._kernel.team import Team, cores
+from .._kernel.team import Team, cores, one_worker_on_blas_threads
 from ..errors import AttentionValueError
 
 __all__ = ["ACTIVATIONS", "Tensors", "UnsupportedModelError"]
@@ -220,7 +220,7 @@ def inputs_first(weight: np.ndarray) -> np.ndarray:
 _RUNNING = threading.local()  # each thread's pass: its team (or none), its attention's workers
 
 
-TEAM_FROM = 128
+TEAM_FROM = 464
 """The fewest tokens in a pass that runs on one team (:func:`one_team`)."""
 
 
@@ -231,19 +231,22 @@ def one_team(tokens: int) -> Iterator[Team | None]:
     the team's threads, BLAS held to one thread throughout; not BLAS's own threads for some
     products and mha's for others, which on 2 cores wait spinning after each product and
     take a core from mha's (a layer's attention call of 512 tokens: 10.5 ms, 16.7 right
-    after a multi-threaded GEMM). Below, the products on BLAS's threads, whose products of a
-    few rows beat the team's split by columns, and the attention layers on one worker
+    after a multi-threaded GEMM). Below, every product on BLAS's threads, whose products of
+    a few rows beat the team's split by columns, the attention layers' projections too
+    (:func:`~mha._kernel.team.one_worker_on_blas_threads`: a 37-token prompt's 60
+    projections took 41 ms on one thread), and their attention on one worker
     (:func:`attention_workers`), whose helper would wait for a core. SmolLM2's pass to the
-    last position's logits, interleaved medians (AMD EPYC, 2 cores), on one team against
-    BLAS's threads and one worker: 512 tokens 860 ms against 1,092, 256: 461 against 524,
-    128: 281 against 283, 64: 190 against 175, 37: 142 against 129, 16: 111 against 95;
-    37 tokens on BLAS's threads with the attention's own choice of workers: 124 ms against
-    117 on one."""
+    last position's logits, interleaved medians in one process (AMD EPYC, 2 cores), on
+    BLAS's threads over on one team: 64 tokens 0.95, 128: 0.93, 256: 0.88, 384: 0.92, 448:
+    0.91 and 0.96, 480: 1.11, 512: 1.21 and 1.05, 640: 1.27. Before the projections ran on
+    BLAS's threads, 37 tokens took 129 ms on BLAS's threads against 142 on one team, 128:
+    283 against 281."""
     outer = getattr(_RUNNING, "team", None), getattr(_RUNNING, "workers", None)
     try:
         if tokens < TEAM_FROM:
             _RUNNING.team, _RUNNING.workers = None, 1
-            yield None
+            with one_worker_on_blas_threads():
+                yield None
             return
         with Team(cores()) as team:
             _RUNNING.team, _RUNNING.workers = team, None
@@ -263,6 +266,29 @@ def product(x: np.ndarray, W: np.ndarray) -> np.ndarray:
     """``x @ W``, on the pass's team (:func:`one_team`) where there is one."""
     team = getattr(_RUNNING, "team", None)
     return x @ W if team is None else team.matmul(x, W)
+
+
+def by_rows(function: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> np.ndarray:
+    """``function(x)`` for a ``function`` of each row of ``x (..., n)`` alone (a norm), on
+    the pass's team where there is one: each worker takes a block of rows (the same bits;
+    a 512-token pass's 61 norms on the main thread alone took 2.4% of it)."""
+    team = getattr(_RUNNING, "team", None)
+    if team is None:
+        return function(x)
+    rows = x.reshape(-1, x.shape[-1])
+    first = function(rows[:0])  # its dtype and width
+    out = np.empty((rows.shape[0], first.shape[-1]), first.dtype)
+    step = -(-rows.shape[0] // team.workers)
+    spans = [slice(i, i + step) for i in range(0, rows.shape[0], step)]
+
+    def make_worker() -> Callable[[slice], None]:
+        def work(span: slice) -> None:
+            out[span] = function(rows[span])
+
+        return work
+
+    team.run(spans, make_worker)
+    return out.reshape((*x.shape[:-1], out.shape[-1]))
 
 
 def gated_product(
