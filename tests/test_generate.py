@@ -405,7 +405,7 @@ def test_the_gate_is_applied_block_by_block_to_the_same_bits(rows, biased):
         np.testing.assert_array_equal(teamed, written_out())
 
 
-@pytest.mark.parametrize("rows", [1, 7, 601])
+@pytest.mark.parametrize("rows", [0, 1, 7, 601])
 def test_a_norm_on_the_team_gives_the_same_bits(rows):
     """A pass on a team normalises blocks of rows on its workers: each row's norm as on the
     whole array, for every norm kind."""

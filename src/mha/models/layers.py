@@ -278,7 +278,7 @@ def by_rows(function: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> np.n
     rows = x.reshape(-1, x.shape[-1])
     first = function(rows[:0])  # its dtype and width
     out = np.empty((rows.shape[0], first.shape[-1]), first.dtype)
-    step = -(-rows.shape[0] // team.workers)
+    step = max(1, -(-rows.shape[0] // team.workers))
     spans = [slice(i, i + step) for i in range(0, rows.shape[0], step)]
 
     def make_worker() -> Callable[[slice], None]:
