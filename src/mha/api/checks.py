@@ -142,11 +142,6 @@ class Weights:
         joined: np.ndarray | None = memo["joined"]
         return joined
 
-    def joined_bias(self) -> np.ndarray | None:
-        """The bias of :meth:`joined`'s product (:func:`side_by_side_bias`), made every
-        call: a bias may be updated in place."""
-        return side_by_side_bias((self.b_q, self.W_q), (self.b_k, self.W_k), (self.b_v, self.W_v))
-
     def present(self) -> dict[str, np.ndarray]:
         """The weights given, by parameter name."""
         arrays = {name: getattr(self, name) for name in WEIGHT_NAMES}
