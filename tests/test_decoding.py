@@ -847,9 +847,10 @@ def test_a_window_cache_refuses_a_bias_over_positions():
 def _general_route(monkeypatch):
     """Every cached call through :meth:`Visibility.build` and :func:`attend`, as before the
     decoding steps' own route."""
-    from mha.api import cached
+    from mha.api import cached, module
 
     monkeypatch.setattr(cached, "lone_queries", lambda *args: False)
+    monkeypatch.setattr(module, "kept_step", lambda layer: None)  # (a layer's own route)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -875,8 +876,8 @@ def test_decoding_steps_take_their_own_route_to_the_same_bits(dtype, workers, mo
         return outs, cache
 
     taken = []
-    real = cached._lone_visibility
-    monkeypatch.setattr(cached, "_lone_visibility", lambda *a: taken.append(1) or real(*a))
+    real = cached.lone_visibility
+    monkeypatch.setattr(cached, "lone_visibility", lambda *a: taken.append(1) or real(*a))
     own, own_cache = run()
     assert len(taken) == len(steps)
     with monkeypatch.context() as m:
@@ -912,10 +913,12 @@ def test_a_decoding_steps_visibility_is_the_one_the_checks_build():
             assert a == b, name
 
 
-def test_a_decoding_step_the_walk_leaves_is_computed_from_the_start(monkeypatch):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_decoding_step_the_walk_leaves_is_computed_from_the_start(monkeypatch, workers):
     """When the compiled walk leaves a task (as it does a non-finite value at a hidden key)
     the decoding route's call is computed whole by :func:`attend`, which gives the task to
-    the NumPy walk: the general route's output."""
+    the NumPy walk: the general route's output. On one worker the step's walk runs without a
+    plan (:func:`.walk.run_lone`), on two from :class:`.walk.ForwardPlan`: both hand it on."""
     from mha._kernel import compiled, walk
     from mha._kernel import forward as kernel_forward
 
@@ -929,21 +932,22 @@ def test_a_decoding_step_the_walk_leaves_is_computed_from_the_start(monkeypatch)
     def run():
         cache = mha.KVCache(2, 2, 16, capacity=16, dtype=np.float64)
         mha.scaled_dot_product_attention(np.repeat(prompt, 2, 1), prompt, prompt, cache=cache)
-        return mha.scaled_dot_product_attention(q, k, v, cache=cache)
+        return mha.scaled_dot_product_attention(q, k, v, cache=cache, workers=workers)
 
     expected = run()
-    real_run, real_attend = walk.ForwardPlan.run, kernel_forward.attend
-    attended = []
+    real_walk, real_attend, real_lone = compiled.forward_walk, kernel_forward.attend, walk.run_lone
+    attended, lone = [], []
 
-    def leaves_one(self, views, k, team):
-        failed, parts = real_run(self, views, k, team)
-        failed[:1] = True
-        return failed, parts
+    def leaves_one(dtype, work, *rest):
+        real_walk(dtype, work, *rest)
+        work[2][:1] = True
 
-    monkeypatch.setattr(walk.ForwardPlan, "run", leaves_one)
+    monkeypatch.setattr(compiled, "forward_walk", leaves_one)
     monkeypatch.setattr(kernel_forward, "attend", lambda *a: attended.append(1) or real_attend(*a))
+    monkeypatch.setattr(walk, "run_lone", lambda *a: lone.append(1) or real_lone(*a))
     np.testing.assert_allclose(run(), expected, rtol=0, atol=1e-15)
     assert len(attended) == 1  # the step the walk left (the prompt: cached.py's own attend)
+    assert len(lone) == (workers == 1)
 
 
 @pytest.mark.parametrize("interleaved", [False, True])

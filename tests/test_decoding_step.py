@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import mha
-from mha._kernel import runtime
+from mha._kernel import compiled, runtime
 from mha.api import decoding, module
 
 
@@ -21,9 +21,17 @@ def _general(monkeypatch):
 
 
 def _spy(monkeypatch):
+    """The calls the kept step computed (on one worker itself, else by ``compute``)."""
     taken = []
-    real = decoding.compute  # (the step's; the general path's is module.py's)
-    monkeypatch.setattr(decoding, "compute", lambda *a: taken.append(1) or real(*a))
+    real = decoding.DecodingStep.__call__
+
+    def step(*args):
+        out = real(*args)
+        if out is not None:
+            taken.append(1)
+        return out
+
+    monkeypatch.setattr(decoding.DecodingStep, "__call__", step)
     return taken
 
 
@@ -43,7 +51,8 @@ CONFIGS = {
 def test_the_kept_step_gives_the_general_paths_bits(name, dtype, workers, monkeypatch):
     """A prompt of ragged lengths, then steps of a batch of 3 (the cache growing on the
     way): every output, the cache's keys, values and lengths, bit for bit the general
-    path's; the step is taken for every step but the first (which makes it)."""
+    path's; the step is taken for every step but the first (which makes it), on one
+    worker by itself (:meth:`DecodingStep._on_one_worker`) but where the cache grows."""
     rng = np.random.default_rng(7)
     layer = mha.MultiHeadAttention(32, seed=2, dtype=dtype, **CONFIGS[name])
     prompt = rng.standard_normal((3, 5, 32)).astype(dtype)
@@ -57,8 +66,19 @@ def test_the_kept_step_gives_the_general_paths_bits(name, dtype, workers, monkey
         return outs, cache
 
     taken = _spy(monkeypatch)
+    itself, on_one_worker = [], decoding.DecodingStep._on_one_worker
+
+    def spied(*args):
+        out = on_one_worker(*args)
+        itself.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decoding.DecodingStep, "_on_one_worker", spied)
     own, own_cache = run()
     assert len(taken) == len(steps) - 1
+    one_worker = workers == 1 or workers is None  # (None: one, for calls this small)
+    walked = compiled.walk_available()  # (its walk: without numba, compute's)
+    assert itself == ([False, *[walked] * 5] if one_worker else [])  # (grown at the first)
     with monkeypatch.context() as m:
         _general(m)
         general, general_cache = run()
@@ -236,7 +256,7 @@ def test_a_decoding_steps_features_are_the_bands(dtype, lse):
     filled, counts = np.array([3, 5]), np.ones(2, np.int64)
     q = np.zeros((2, 4, 1, 8), dtype)
     k = np.zeros((2, 2, 5, 8), dtype)
-    visibility = cached._lone_visibility(q, filled, counts, filled - 1, np.zeros(2, np.int64))
+    visibility = cached.lone_visibility(q, filled, counts, filled - 1, np.zeros(2, np.int64))
     outputs = Outputs(np.zeros((2, 4, 1, 8), dtype))
     if lse:
         outputs.lse = np.zeros((2, 4, 1), dtype)

@@ -297,3 +297,54 @@ def test_a_helpers_error_reaches_the_caller_after_another_share_was_withdrawn(mo
     caller.start()
     caller.join(timeout=10)
     assert not caller.is_alive() and len(outcome) == 1
+
+
+def test_an_idle_helper_watches_for_the_next_job_awake_then_sleeps():
+    """:func:`compiled.job_wait`: a change of the signal ends the wait at once; without one
+    the wait ends after ``helper_wait_us`` (none at 0); where the compiled code cannot run
+    there is no wait (the helpers sleep on their queue, as without numba)."""
+    from mha._kernel import compiled
+
+    wait = compiled.job_wait()
+    if wait is None:
+        if compiled.walk_available():
+            pytest.fail("the compiled walks run but the helpers' wait does not")
+        pytest.skip("numba missing: helpers sleep on their queue")
+    signal = np.zeros(1, np.int64)
+    with runtime.DEFAULT.tuned(helper_wait_us=20_000_000):  # 20 s unless the signal changes
+        raise_later = threading.Timer(0.05, lambda: signal.__setitem__(0, 1))
+        raise_later.start()
+        start = time.perf_counter()
+        assert wait(signal, 0)
+        assert time.perf_counter() - start < 5
+        assert wait(signal, 0)  # changed already: at once
+    with runtime.DEFAULT.tuned(helper_wait_us=20_000):
+        start = time.perf_counter()
+        assert not wait(signal, 1)
+        assert 0.002 < time.perf_counter() - start < 5  # (a clock of counted reads)
+    with runtime.DEFAULT.tuned(helper_wait_us=0):
+        assert not wait(signal, 1)
+
+
+@pytest.mark.parametrize("wait_us", [0, 1000])
+def test_helpers_serve_every_job_waiting_awake_or_asleep(wait_us):
+    """Jobs handed over one after another, with and without the helpers' awake wait, with
+    pauses past it: each call's tasks all run, the helpers' share among them."""
+    ran_by = []
+    with runtime.DEFAULT.tuned(helper_wait_us=wait_us), parallel.Team(2) as team:
+        for call in range(40):
+            done = []
+
+            def make_worker(done=done):
+                def work(task):
+                    time.sleep(0.001)
+                    done.append(task)
+                    ran_by.append(threading.current_thread().name)
+
+                return work
+
+            team.run(list(range(6)), make_worker)
+            assert sorted(done) == list(range(6))
+            if call % 10 == 9:
+                time.sleep(0.01)  # past the wait: the helper sleeps, and is woken
+    assert any(name.startswith("mha-") for name in ran_by)

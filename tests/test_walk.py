@@ -285,6 +285,41 @@ def test_the_walk_serves_decoding_with_a_cache_and_sinks(walks, counted):
     np.testing.assert_allclose(out[1, :3], alone[0], rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("heads", "kv_heads", "tile"), [(4, 2, 8192), (6, 2, 16), (3, 3, 7)])
+def test_a_lone_walk_gives_its_plans_bits(walks, monkeypatch, dtype, heads, kv_heads, tile):
+    """A decoding step on one worker runs the compiled walk without a plan
+    (:func:`.walk.run_lone`): the bits of the same step through :class:`.walk.ForwardPlan`
+    (what :func:`.forward.attend` runs), for ragged sequences, grouped heads and key tiles
+    of one key to many."""
+    from mha._kernel import runtime, walk
+
+    rng = np.random.default_rng(heads * 10 + tile)
+    prompt = rng.standard_normal((3, 40, 8 * heads)).astype(dtype)
+    steps = rng.standard_normal((5, 3, 1, 8 * heads)).astype(dtype)
+    attention = mha.MultiHeadAttention(8 * heads, heads, num_kv_heads=kv_heads, seed=1,
+                                       rope_theta=500.0, dtype=dtype)  # fmt: skip
+
+    def decode(lone):
+        cache = attention.new_cache(batch_size=3)
+        attention(prompt, cache=cache, query_lengths=[40, 17, 1])
+        calls = []
+        real = walk.run_lone
+
+        def run_lone(*args):
+            calls.append(1)
+            return lone and real(*args)  # False: attend computes the step, by a plan
+
+        monkeypatch.setattr(walk, "run_lone", run_lone)
+        out = [attention(x, cache=cache, workers=1) for x in steps]
+        monkeypatch.setattr(walk, "run_lone", real)
+        assert len(calls) == len(steps) if lone else len(calls) >= len(steps)
+        return np.concatenate(out, axis=1)
+
+    with runtime.DEFAULT.tuned(wide_key_tile=tile):
+        np.testing.assert_array_equal(decode(lone=True), decode(lone=False))
+
+
 def test_gemm_entry_points_are_numpys_own_blas(walks):
     """A GEMM through the addresses gives np.matmul's bits; the thread setting is NumPy's."""
     from numba import njit

@@ -201,15 +201,19 @@ def attend_band(call: KernelCall, outputs: Outputs, team: Team) -> None:
     if arrays and q.size and k.size and v.size and walk.COMPILED_FORWARD.takes(needs):
         views = walk.walk_views((q, k, v), written, operands=(q, k, v))
     if views is not None:  # attend's compiled half, its tiles and its walk
-        tuned = runtime.DEFAULT.thresholds
-        left, parts = walk.run_forward(
-            call, views, _call_tiles(call, outputs), team, tuned.wide_below_rows,
-            tuned.product_chunk,
-        )  # fmt: skip
-        if not left:
-            if parts is not None:
-                parts.merge_into(out, lse)
-            return
+        tuned, tiles = runtime.DEFAULT.thresholds, _call_tiles(call, outputs)
+        if team.workers == 1 and lse is None and q.shape[-2] == 1:  # one query row a head
+            band = walk.band_of(call.visibility, q.shape[:-3], 1, k.shape[-2])
+            if walk.run_lone(views, band, call.scale, tiles.cols):
+                return
+        else:
+            left, parts = walk.run_forward(
+                call, views, tiles, team, tuned.wide_below_rows, tuned.product_chunk
+            )
+            if not left:
+                if parts is not None:
+                    parts.merge_into(out, lse)
+                return
         out[...] = 0  # the outputs as they were, for attend
         if lse is not None:
             lse[...] = -np.inf

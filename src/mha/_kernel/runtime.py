@@ -47,6 +47,7 @@ class Thresholds:
     walk_rows: int = 256  # query rows of a compiled forward work item, at most
     backward_rows: int = 512  # query rows of a compiled backward tile, at most
     split_min_keys: int = 2048  # the fewest keys worth a chunk when keys are split
+    helper_wait_us: int = 1000  # how long an idle helper watches for a job before it sleeps
 
 
 class Kept:
@@ -93,6 +94,7 @@ class Compiled:
     ready: dict[tuple[str, Any], tuple[Any, Any]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    wait: Any = None  # the helpers' wait and its reads per microsecond (compiled.job_wait)
 
 
 class Runtime:

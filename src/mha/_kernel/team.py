@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import blas, runtime
+from . import blas, compiled, runtime
 
 __all__ = ["Team", "cores", "default_workers", "one_worker_on_blas_threads", "workers_for"]
 
@@ -422,22 +422,36 @@ class _Helpers:
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.threads = 0
+        self._signal = np.zeros(1, np.int64)  # raised with each job queued
 
     def submit(self, work: Callable[[], None], threads: int) -> _Job:
         """Queue ``work`` for the first of at least ``threads`` helpers that is free."""
         if self.threads < threads:
             with self._lock:
+                wait = compiled.job_wait()  # (made here: a new helper serves at once)
                 while self.threads < threads:
                     name = f"mha-{self.threads + 1}"
-                    threading.Thread(target=self._serve, name=name, daemon=True).start()
+                    serve = functools.partial(self._serve, wait)
+                    threading.Thread(target=serve, name=name, daemon=True).start()
                     self.threads += 1
         job = _Job(work)
         self._jobs.put(job)
+        self._signal[0] += 1  # (a change is what a helper watches for: a lost count is one)
         return job
 
-    def _serve(self) -> None:
+    def _serve(self, wait: Callable[[np.ndarray, int], bool] | None) -> None:
+        """Run jobs as they come: between them, watch for the next one awake for a while
+        (``wait``, :func:`.compiled.job_wait`, where it can), then sleep on the queue."""
+        signal = self._signal
         while True:
-            self._jobs.get().run()
+            seen = int(signal[0])  # (read first: a job queued after it changes it)
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                if wait is not None and wait(signal, seen):
+                    continue
+                job = self._jobs.get()
+            job.run()
 
 
 class _Job:

@@ -43,12 +43,15 @@ __all__ = [
     "ForwardPlan",
     "Walk",
     "backward_walkable",
+    "band_of",
     "choose",
     "dtype_feature",
     "features",
     "forward_walkable",
     "run_backward",
     "run_forward",
+    "run_lone",
+    "scratch_shapes",
     "walk_views",
 ]
 
@@ -299,7 +302,7 @@ def _merged_batch(array: np.ndarray) -> np.ndarray | None:
     return merged
 
 
-def _band(
+def band_of(
     visibility: Visibility, batch_shape: tuple[int, ...], L: int, S: int
 ) -> tuple[bool, int, np.ndarray, np.ndarray, np.ndarray]:
     """The band as the compiled walks take it, for ``L`` queries and ``S`` keys: ``(causal,
@@ -367,7 +370,7 @@ class ForwardPlan:
         H_kv, S = k.shape[-3], k.shape[-2]
         self.batch_shape = batch_shape = q_shape[:-3]
         self.d_v, self.dtype, self.scale = call.v.shape[-1], call.q.dtype, call.scale
-        self.band = _band(call.visibility, batch_shape, L, S)
+        self.band = band_of(call.visibility, batch_shape, L, S)
         self.rows = max(1, min(tiles.rows, runtime.DEFAULT.thresholds.walk_rows))
         self.L, self.group, self.cols = L, call.group, tiles.cols
         self.R, self.paged = self.group * self.rows, isinstance(k, PagedKV)
@@ -479,20 +482,56 @@ class ForwardPlan:
 
     def _scratch_shapes(self) -> tuple[tuple[int, ...], ...]:
         """The shapes of :meth:`_new_scratch`'s buffers."""
-        R, cols, d_k, d_v = self.R, self.cols, self.d_k, self.d_v
-        width = cols if self.paged else 0  # tiles copied from blocks apart
-        return (
-            (R, cols),
-            (cols * min(R, self.flip_below),),  # few rows' tiles, transposed
-            (R, d_k),
-            (R, d_v),
-            (R,),  # the running maximum
-            (R,),  # the maximum used for exp
-            (R,),  # the running sum
-            (R, d_v),  # a decoding step's sums
-            (width, d_k),
-            (width, d_v),
-        )
+        return scratch_shapes(self.R, self.cols, self.d_k, self.d_v, self.paged, self.flip_below)
+
+
+def scratch_shapes(
+    R: int, cols: int, d_k: int, d_v: int, paged: bool, flip_below: int
+) -> tuple[tuple[int, ...], ...]:
+    """The shapes of a forward walk's buffers for tiles of ``R`` stacked rows by ``cols``
+    keys: ``(s, flipped, stacked, acc, m, ref, total, partial, k_tile, v_tile)``."""
+    width = cols if paged else 0  # tiles copied from blocks apart
+    return (
+        (R, cols),
+        (cols * min(R, flip_below),),  # few rows' tiles, transposed
+        (R, d_k),
+        (R, d_v),
+        (R,),  # the running maximum
+        (R,),  # the maximum used for exp
+        (R,),  # the running sum
+        (R, d_v),  # a decoding step's sums
+        (width, d_k),
+        (width, d_v),
+    )
+
+
+def run_lone(views: list[np.ndarray], band: tuple[Any, ...], scale: float, cols: int) -> bool:
+    """A decoding step's compiled walk on the calling thread alone: ``views = (q, keys,
+    values, out)`` (:func:`walk_views`: ``q (B, H, 1, d_k)``, ``keys`` and ``values``
+    ``(B, H_kv, S, d)``, ``out (B, H, 1, d_v)``), within ``band`` (:func:`band_of`), in
+    tiles of ``cols`` keys. The tasks, sizes and buffers a :class:`ForwardPlan` of one
+    worker gives a call of one query row per head (its rows are one tile; its keys and
+    values are read where they lie): the same walk, the same bits, without the plan's
+    Python (a few of a decoding step's tens of microseconds). ``False`` when a task was
+    left undone (a non-finite value at a hidden key): the caller then computes the call
+    afresh (:func:`.forward.attend`)."""
+    q, keys, values, out = views
+    B, H, _, d_k = q.shape
+    H_kv, S, d_v = keys.shape[1], keys.shape[2], values.shape[-1]
+    dtype, tuned = q.dtype, runtime.DEFAULT.thresholds
+    table = compiled.plan_walk(B, H_kv, 1, 1, band)
+    work = (table, np.zeros(1, np.int64), np.zeros(len(table), bool))
+    flip_below = tuned.wide_below_rows
+    shapes = scratch_shapes(H // H_kv, cols, d_k, d_v, False, flip_below)
+    scratch = tuple(np.empty(shape, dtype) for shape in shapes)
+    blocks, block = np.arange(B, dtype=np.int64)[:, None], max(S, 1)
+    key_pool = (keys.transpose(0, 2, 1, 3), blocks, block, _NO_SCALES, _NO_SCALES)
+    value_pool = (values.transpose(0, 2, 1, 3), blocks, block, _NO_SCALES, _NO_SCALES)
+    lse, part_out, part_lse = _no_outputs(dtype)
+    sizes = (scale, cols, flip_below, tuned.product_chunk)
+    outputs = (out, lse, part_out, part_lse)
+    compiled.forward_walk(dtype, work, (q, key_pool, value_pool), outputs, band, sizes, scratch)
+    return not work[2].any()
 
 
 SPARE_MOST = 256 * 2**10
@@ -586,7 +625,7 @@ def run_backward(
     views = _backward_views(call, forward, grad_out, grads)
     assert views is not None  # checked by backward_walkable
     q4, k4, v4, out4, lse4, do4, dq4, dk4, dv4 = views
-    band = _band(call.visibility, q.shape[:-3], L, S)
+    band = band_of(call.visibility, q.shape[:-3], L, S)
     rows = max(1, min(tiles.rows, runtime.DEFAULT.thresholds.backward_rows))
     operands = (q4, _packed(k4, L, rows), _packed(v4, L, rows), out4, lse4[..., 0], do4)
     sizes = (call.scale, call.scale * grads.dq_factor, rows, tiles.cols)

@@ -44,6 +44,7 @@ __all__ = [
     "attend_split_cached",
     "check_cache",
     "lone_queries",
+    "lone_visibility",
     "plain_append",
 ]
 
@@ -290,9 +291,9 @@ def _append_and_attend(
     cache, counts = append.cache, append.counts
     B, L = q.shape[0], q.shape[-2]
     dtype = cache.compute_dtype  # a bfloat16 cache's tiles are read in float32
-    if lone_queries(append, call.scores, q):  # a decoding step (_lone_visibility)
+    if lone_queries(append, call.scores, q):  # a decoding step (lone_visibility)
         filled = cache._append(call.k, call.v, counts)
-        lone = _lone_visibility(q, filled, counts, positions, cache.first)
+        lone = lone_visibility(q, filled, counts, positions, cache.first)
         return _attend_held(call, team, lone, attend_band)
     held_sink_tokens = cache.sink_tokens if cache.window is not None else 0
     rules = replace(append.rules, causal=append.rules.causal is not False)  # unless refused
@@ -356,7 +357,7 @@ def plain_append(append: Append) -> bool:
 
 def lone_queries(append: Append, scores: Any, q: np.ndarray) -> bool:
     """Whether a cached call of queries ``q (B, H, L, d)`` is a decoding step of the
-    compiled walk's (:func:`_lone_visibility`, :func:`attend_band`): one query per
+    compiled walk's (:func:`lone_visibility`, :func:`attend_band`): one query per
     sequence (``L == 1``), :func:`plain_append`, no changes to the scores, a cache without
     a window holding ``q``'s dtype, float32 or float64."""
     cache = append.cache
@@ -373,7 +374,7 @@ def lone_queries(append: Append, scores: Any, q: np.ndarray) -> bool:
 _WALKED = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _lone_visibility(
+def lone_visibility(
     q: np.ndarray, filled: np.ndarray, counts: np.ndarray, positions: np.ndarray, first: Any
 ) -> Visibility:
     """The visibility :meth:`Visibility.build` gives a decoding step (:func:`lone_queries`;
