@@ -849,7 +849,7 @@ def _general_route(monkeypatch):
     decoding steps' own route."""
     from mha.api import cached, module
 
-    monkeypatch.setattr(cached, "lone_queries", lambda *args: False)
+    monkeypatch.setattr(cached, "plain_queries", lambda *args: False)
     monkeypatch.setattr(module, "kept_step", lambda layer: None)  # (a layer's own route)
 
 
@@ -876,8 +876,8 @@ def test_decoding_steps_take_their_own_route_to_the_same_bits(dtype, workers, mo
         return outs, cache
 
     taken = []
-    real = cached.lone_visibility
-    monkeypatch.setattr(cached, "lone_visibility", lambda *a: taken.append(1) or real(*a))
+    real = cached.plain_visibility
+    monkeypatch.setattr(cached, "plain_visibility", lambda *a: taken.append(1) or real(*a))
     own, own_cache = run()
     assert len(taken) == len(steps)
     with monkeypatch.context() as m:
@@ -890,21 +890,51 @@ def test_decoding_steps_take_their_own_route_to_the_same_bits(dtype, workers, mo
     np.testing.assert_array_equal(own_cache.k, general_cache.k)
 
 
-def test_a_decoding_steps_visibility_is_the_one_the_checks_build():
-    """The visibility the decoding route makes without checks is field for field the one
-    :meth:`Visibility.build` gives the same step (a ragged batch)."""
-    from mha._kernel.contract import CachedPositions, MaskArrays, MaskRules, ScoreShape, Visibility
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_prompts_take_the_plain_route_to_the_same_bits(dtype, workers, monkeypatch):
+    """A prompt into a cache, then more of it (the queries after cached keys), then steps:
+    through the plain route (:func:`plain_queries`) the general route's bits, and the route
+    is taken by every call."""
+    from mha.api import cached
 
-    filled, counts = np.array([6, 3, 9]), np.ones(3, np.int64)
+    rng = np.random.default_rng(32)
+    layer = mha.MultiHeadAttention(64, 8, num_kv_heads=2, rope_theta=10000.0, seed=4,
+                                   dtype=dtype)  # fmt: skip
+    calls = [rng.standard_normal((2, n, 64)).astype(dtype) for n in (37, 5, 1, 1, 300)]
+
+    def run():
+        cache = layer.new_cache(2, capacity=16)  # it grows on the way
+        return [layer(x, cache=cache, workers=workers) for x in calls], cache
+
+    taken = []
+    real = cached.plain_visibility
+    monkeypatch.setattr(cached, "plain_visibility", lambda *a: taken.append(1) or real(*a))
+    own, own_cache = run()
+    assert len(taken) >= 3  # the prompts' (the steps may take a layer's kept step)
+    with monkeypatch.context() as m:
+        _general_route(m)
+        general, general_cache = run()
+    for a, b in zip(own, general, strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(own_cache.k, general_cache.k)
+
+
+@pytest.mark.parametrize("L", [1, 3])
+def test_a_plain_cached_calls_visibility_is_the_one_the_checks_build(L):
+    """The visibility the plain route makes without checks (:func:`plain_visibility`: a
+    decoding step, or a prompt of ``L`` tokens) is field for field the one
+    :meth:`Visibility.build` gives the same call (a ragged batch)."""
+    from mha._kernel.contract import CachedPositions, MaskArrays, MaskRules, ScoreShape, Visibility
+    from mha.api.cached import plain_visibility
+
+    filled, counts = np.array([6, 3, 9]), np.full(3, L, np.int64)
     positions, first = filled - counts, np.zeros(3, np.int64)
     built = Visibility.build(
-        MaskRules(causal=True), MaskArrays(None, None, filled, counts), ScoreShape((3,), 4, 1, 9),
+        MaskRules(causal=True), MaskArrays(None, None, filled, counts), ScoreShape((3,), 4, L, 9),
         np.float32, "", CachedPositions(filled - counts, positions, first, 0),
     )  # fmt: skip
-    made = Visibility(
-        index_shape=(3, 4), L=1, S=9, causal_offset=8, key_lengths=filled, query_lengths=counts,
-        causal=True, offsets=filled - counts, query_index=positions, key_index=first,
-    )  # fmt: skip
+    made = plain_visibility(np.zeros((3, 4, L, 8), np.float32), filled, counts, positions, first)
     for name in Visibility.__dataclass_fields__:
         a, b = getattr(built, name), getattr(made, name)
         if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
@@ -916,9 +946,10 @@ def test_a_decoding_steps_visibility_is_the_one_the_checks_build():
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_decoding_step_the_walk_leaves_is_computed_from_the_start(monkeypatch, workers):
     """When the compiled walk leaves a task (as it does a non-finite value at a hidden key)
-    the decoding route's call is computed whole by :func:`attend`, which gives the task to
-    the NumPy walk: the general route's output. On one worker the step's walk runs without a
-    plan (:func:`.walk.run_lone`), on two from :class:`.walk.ForwardPlan`: both hand it on."""
+    the plain route's call (a prompt's, a decoding step's) is computed whole by
+    :func:`attend`, which gives the task to the NumPy walk: the general route's output. On
+    one worker the step's walk runs without a plan (:func:`.walk.run_lone`), on two from
+    :class:`.walk.ForwardPlan`: both hand it on."""
     from mha._kernel import compiled, walk
     from mha._kernel import forward as kernel_forward
 
@@ -946,7 +977,7 @@ def test_a_decoding_step_the_walk_leaves_is_computed_from_the_start(monkeypatch,
     monkeypatch.setattr(kernel_forward, "attend", lambda *a: attended.append(1) or real_attend(*a))
     monkeypatch.setattr(walk, "run_lone", lambda *a: lone.append(1) or real_lone(*a))
     np.testing.assert_allclose(run(), expected, rtol=0, atol=1e-15)
-    assert len(attended) == 1  # the step the walk left (the prompt: cached.py's own attend)
+    assert len(attended) == 2  # the prompt's call and the step's, each left one task
     assert len(lone) == (workers == 1)
 
 

@@ -256,7 +256,7 @@ def test_a_decoding_steps_features_are_the_bands(dtype, lse):
     filled, counts = np.array([3, 5]), np.ones(2, np.int64)
     q = np.zeros((2, 4, 1, 8), dtype)
     k = np.zeros((2, 2, 5, 8), dtype)
-    visibility = cached.lone_visibility(q, filled, counts, filled - 1, np.zeros(2, np.int64))
+    visibility = cached.plain_visibility(q, filled, counts, filled - 1, np.zeros(2, np.int64))
     outputs = Outputs(np.zeros((2, 4, 1, 8), dtype))
     if lse:
         outputs.lse = np.zeros((2, 4, 1), dtype)

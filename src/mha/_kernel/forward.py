@@ -187,7 +187,7 @@ def _band_needs(dtype: np.dtype) -> tuple[str, ...]:
 
 def attend_band(call: KernelCall, outputs: Outputs, team: Team) -> None:
     """:func:`attend` of a call that sets no more than :data:`BAND_FEATURES` (a band, no
-    changes to the scores, one float dtype throughout: a cache's decoding step) without
+    changes to the scores, one float dtype throughout: a cache's decoding step or prompt) without
     asking :func:`.walk.choose` of its features (the compiled forward walk is asked about
     these instead), with the tiles of :func:`plan_tiles`: the same walk, the same bits,
     microseconds less a call. What the compiled walk does not take here (a paged cache's

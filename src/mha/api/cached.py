@@ -43,9 +43,9 @@ __all__ = [
     "attend_cached",
     "attend_split_cached",
     "check_cache",
-    "lone_queries",
-    "lone_visibility",
     "plain_append",
+    "plain_queries",
+    "plain_visibility",
 ]
 
 
@@ -291,10 +291,10 @@ def _append_and_attend(
     cache, counts = append.cache, append.counts
     B, L = q.shape[0], q.shape[-2]
     dtype = cache.compute_dtype  # a bfloat16 cache's tiles are read in float32
-    if lone_queries(append, call.scores, q):  # a decoding step (lone_visibility)
+    if plain_queries(append, call.scores, q):  # a decoding step, a prompt (plain_visibility)
         filled = cache._append(call.k, call.v, counts)
-        lone = lone_visibility(q, filled, counts, positions, cache.first)
-        return _attend_held(call, team, lone, attend_band)
+        visibility = plain_visibility(q, filled, counts, positions, cache.first)
+        return _attend_held(call, team, visibility, attend_band)
     held_sink_tokens = cache.sink_tokens if cache.window is not None else 0
     rules = replace(append.rules, causal=append.rules.causal is not False)  # unless refused
 
@@ -355,15 +355,15 @@ def plain_append(append: Append) -> bool:
     )
 
 
-def lone_queries(append: Append, scores: Any, q: np.ndarray) -> bool:
-    """Whether a cached call of queries ``q (B, H, L, d)`` is a decoding step of the
-    compiled walk's (:func:`lone_visibility`, :func:`attend_band`): one query per
-    sequence (``L == 1``), :func:`plain_append`, no changes to the scores, a cache without
-    a window holding ``q``'s dtype, float32 or float64."""
+def plain_queries(append: Append, scores: Any, q: np.ndarray) -> bool:
+    """Whether a cached call of queries ``q (B, H, L, d)`` takes the compiled walk's own
+    route (:func:`plain_visibility`, :func:`attend_band`): :func:`plain_append` (causal,
+    nothing else hidden, as many new tokens in each sequence: a decoding step, or a prompt),
+    no changes to the scores, a cache without a window holding ``q``'s dtype, float32 or
+    float64."""
     cache = append.cache
     return (
-        q.shape[-2] == 1
-        and scores is None
+        scores is None
         and plain_append(append)
         and cache.window is None
         and q.dtype in _WALKED
@@ -374,15 +374,15 @@ def lone_queries(append: Append, scores: Any, q: np.ndarray) -> bool:
 _WALKED = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def lone_visibility(
+def plain_visibility(
     q: np.ndarray, filled: np.ndarray, counts: np.ndarray, positions: np.ndarray, first: Any
 ) -> Visibility:
-    """The visibility :meth:`Visibility.build` gives a decoding step (:func:`lone_queries`;
-    each query the last of its sequence, seeing every key), made without its checks
-    (``tests/test_decoding.py`` compares the two field by field)."""
-    S = int(filled.max(initial=0))
+    """The visibility :meth:`Visibility.build` gives a call of :func:`plain_queries` (each
+    sequence's ``L`` queries its last, each seeing the keys up to its own), made without
+    its checks (``tests/test_decoding.py`` compares the two field by field)."""
+    S, L = int(filled.max(initial=0)), q.shape[-2]
     return Visibility(
-        index_shape=q.shape[:2], L=1, S=S, causal_offset=S - 1, key_lengths=filled,
+        index_shape=q.shape[:2], L=L, S=S, causal_offset=S - L, key_lengths=filled,
         query_lengths=counts, causal=True, offsets=filled - counts, query_index=positions,
         key_index=first,
     )  # fmt: skip

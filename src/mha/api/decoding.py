@@ -145,7 +145,7 @@ class DecodingStep:
             views = walk.walk_views((q, keys, values), (out,), operands=(q, keys, values))
             if views is None:
                 return None
-            lone = cached.lone_visibility(q, filled, counts, at[:, 0], cache.first)
+            lone = cached.plain_visibility(q, filled, counts, at[:, 0], cache.first)
             band = walk.band_of(lone, (B,), 1, S)
             budget = call.request.budget
             tiles = plan_tiles(1, S, H_kv, d_k, d_v, dtype.itemsize, budget, False, H // H_kv)
