@@ -377,8 +377,6 @@ class ForwardPlan:
         self.flip_below = flip_below
         self.sizes = (self.scale, self.cols, flip_below, product_chunk)
         B = math.prod(batch_shape)
-        self.blocks = np.arange(B, dtype=np.int64)[:, None]  # contiguous: a block each
-        self.block = max(S, 1)
         table = compiled.plan_walk(B, H_kv, L, self.rows, self.band)
         self.split: tuple[list[Task], list[list[Task]]] | None = None
         if 0 < len(table) < workers:  # few items (decoding): split their keys
@@ -459,10 +457,9 @@ class ForwardPlan:
         block, scales, zeros)``, ``scales`` and ``zeros`` empty (float pools)."""
         if isinstance(k, PagedKV):  # the pools and the block tables as they are
             keys, values, table, block = views[1], views[2], k.table, k.block_size
-        else:  # one block per sequence: (B, S, H_kv, d) views of the arrays
-            L, rows, table, block = self.L, self.rows, self.blocks, self.block
-            keys = _packed(views[1], L, rows).transpose(0, 2, 1, 3)
-            values = _packed(views[2], L, rows).transpose(0, 2, 1, 3)
+        else:
+            L, rows = self.L, self.rows
+            return _array_pools(_packed(views[1], L, rows), _packed(views[2], L, rows))
         none = _NO_SCALES
         return (keys, table, block, none, none), (values, table, block, none, none)
 
@@ -517,21 +514,30 @@ def run_lone(views: list[np.ndarray], band: tuple[Any, ...], scale: float, cols:
     afresh (:func:`.forward.attend`)."""
     q, keys, values, out = views
     B, H, _, d_k = q.shape
-    H_kv, S, d_v = keys.shape[1], keys.shape[2], values.shape[-1]
+    H_kv, d_v = keys.shape[1], values.shape[-1]
     dtype, tuned = q.dtype, runtime.DEFAULT.thresholds
     table = compiled.plan_walk(B, H_kv, 1, 1, band)
     work = (table, np.zeros(1, np.int64), np.zeros(len(table), bool))
     flip_below = tuned.wide_below_rows
     shapes = scratch_shapes(H // H_kv, cols, d_k, d_v, False, flip_below)
     scratch = tuple(np.empty(shape, dtype) for shape in shapes)
-    blocks, block = np.arange(B, dtype=np.int64)[:, None], max(S, 1)
-    key_pool = (keys.transpose(0, 2, 1, 3), blocks, block, _NO_SCALES, _NO_SCALES)
-    value_pool = (values.transpose(0, 2, 1, 3), blocks, block, _NO_SCALES, _NO_SCALES)
     lse, part_out, part_lse = _no_outputs(dtype)
     sizes = (scale, cols, flip_below, tuned.product_chunk)
     outputs = (out, lse, part_out, part_lse)
-    compiled.forward_walk(dtype, work, (q, key_pool, value_pool), outputs, band, sizes, scratch)
+    operands = (q, *_array_pools(keys, values))
+    compiled.forward_walk(dtype, work, operands, outputs, band, sizes, scratch)
     return not work[2].any()
+
+
+def _array_pools(keys: np.ndarray, values: np.ndarray) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """Keys and values ``(B, H_kv, S, d)`` as the compiled walk's pools: one block per
+    sequence, ``(B, S, H_kv, d)`` views of the arrays (float pools: no scales)."""
+    B, S = keys.shape[0], keys.shape[2]
+    blocks, block, none = np.arange(B, dtype=np.int64)[:, None], max(S, 1), _NO_SCALES
+    return (
+        (keys.transpose(0, 2, 1, 3), blocks, block, none, none),
+        (values.transpose(0, 2, 1, 3), blocks, block, none, none),
+    )
 
 
 SPARE_MOST = 256 * 2**10

@@ -30,12 +30,10 @@ from typing import Any
 import numpy as np
 
 from .._arrays import cast_result
-from .._kernel import compiled, runtime, walk
-from .._kernel.forward import plan_tiles
+from .._kernel import compiled, runtime
 from .._kernel.team import Team
-from . import cached
 from .cache import KVCache
-from .cached import Append, plain_append
+from .cached import Append, CachedCall, attend_cached, plain_append
 from .checks import Call, cache_positions, side_by_side_bias, with_fields
 from .gradients import join_heads
 from .projection import compute, layer_sizes, layer_workers
@@ -105,28 +103,27 @@ class DecodingStep:
     def _on_one_worker(self, query: np.ndarray, cache: KVCache, at: np.ndarray) -> Any:
         """The step on one worker as :func:`.projection.compute` computes it, the same
         functions in the same order (the same bits), without the general path's Python
-        between them (a SmolLM2 layer's step, its weights in cache: 178 us against 222
-        through ``compute``, medians of interleaved runs): the projection of the
-        query, key and value in one product, the rotation, the append, the compiled walk
-        without a plan (:func:`.walk.run_lone`), the output's product. ``None`` (nothing
-        changed) where it does not apply: the weights not side by side, the cache full,
-        the compiled walk unavailable or a task left undone (a non-finite value at a
-        hidden key), a cache of another dtype."""
+        between them (a SmolLM2 layer's step, its weights in cache: 198 us against 222
+        through ``compute``, medians of interleaved runs): the projection of the query, key
+        and value in one product, the rotation, the cache's plain route
+        (:func:`.cached.attend_cached`: the append, the compiled walk without a plan, the
+        commit), the output's product. ``None`` (nothing changed) where it does not apply:
+        the weights not side by side, a cache of another dtype or full (it grows on the
+        general path), the compiled walk unavailable."""
         call = self.call
         dtype = call.compute_dtype
         w = call.weights.in_dtype(dtype)
         W_qkv = w.joined()
-        held = cache._held()
         if (
             W_qkv is None
             or dtype.type not in (np.float32, np.float64)  # (the compiled walk's)
             or cache.dtype != dtype
-            or int(held.max(initial=0)) >= cache.capacity
+            or int(cache._held().max(initial=0)) >= cache.capacity
             or not compiled.walk_available()
         ):
             return None
         H, H_kv, d_k, d_v = self.heads
-        B, counts = len(query), self.counts
+        B = len(query)
         with np.errstate(invalid="ignore", over="ignore"), Team(1) as team:
             b_qkv = side_by_side_bias((w.b_q, w.W_q), (w.b_k, w.W_k), (w.b_v, w.W_v))
             qkv = team.matmul(query.astype(dtype, copy=False).reshape(B, -1), W_qkv, b_qkv)
@@ -138,20 +135,8 @@ class DecodingStep:
             if call.rotary is not None:
                 turn = rotation(q.shape, at, dtype, **call.rotary)
                 q, k = rotate(q, turn), rotate(k, turn)
-            filled = cache._append(k, v, counts)
-            S = int(filled.max(initial=0))
-            keys, values = cache._attended(S)
-            out = np.zeros((B, H, 1, d_v), dtype)
-            views = walk.walk_views((q, keys, values), (out,), operands=(q, keys, values))
-            if views is None:
-                return None
-            lone = cached.plain_visibility(q, filled, counts, at[:, 0], cache.first)
-            band = walk.band_of(lone, (B,), 1, S)
-            budget = call.request.budget
-            tiles = plan_tiles(1, S, H_kv, d_k, d_v, dtype.itemsize, budget, False, H // H_kv)
-            if not walk.run_lone(views, band, 1.0, tiles.cols):
-                return None  # (the cache's lengths not advanced: the general path appends)
-            cache._commit(counts)
+            append = Append(cache, self.counts, self.rules, self.arrays)
+            out, _ = attend_cached(CachedCall(q, k, v, append, 1.0, None, call.request), team)
             result = team.matmul(join_heads(out), w.W_o, w.b_o)
         return cast_result(result, call.result_dtype)
 
