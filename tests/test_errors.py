@@ -217,7 +217,8 @@ CASES = [
         "unknown alignment",
         lambda: call(causal=True, causal_alignment="top-left"),
         AttentionValueError,
-        r"causal_alignment must be one of \('bottom_right', 'top_left'\); "
+        r"causal_alignment must be one of \('bottom_right', 'top_left', "
+        r"'bottom_right_per_sequence'\); "
         r"got 'top-left'",
     ),
     (

@@ -55,7 +55,15 @@ def test_there_are_no_import_cycles(runtime_only):
         visit(module, [])
 
 
-PUBLIC_PATHS = ("functional", "module", "cache", "rotary", "dask", "torch_compat")
+PUBLIC_PATHS = (
+    "functional",
+    "module",
+    "cache",
+    "rotary",
+    "dask",
+    "torch_compat",
+    "flash_compat",
+)
 """Modules that only re-export, so that the import paths users know stay where they were."""
 
 
@@ -69,6 +77,8 @@ PUBLIC_PATHS = ("functional", "module", "cache", "rotary", "dask", "torch_compat
         ("integrations.npz", ("api", "cli", *PUBLIC_PATHS)),
         ("integrations.dask", ("cli", *PUBLIC_PATHS)),
         ("integrations.torch_functional", ("cli", *PUBLIC_PATHS)),
+        ("integrations.flash_attention", ("cli", *PUBLIC_PATHS)),
+        ("integrations.flash_kvcache", ("cli", *PUBLIC_PATHS)),
         ("cli", PUBLIC_PATHS),
     ],
 )

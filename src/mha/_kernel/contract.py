@@ -8,9 +8,12 @@ every one of these that was given allows it:
   An array with the batch axes and ``(L, S)`` but no head axis (``(B, L, S)``) is accepted
   and applies to every head.
 * ``causal``: ``j <= i + offset`` with ``offset = S - L`` (``causal_alignment=
-  "bottom_right"``, the default: the last query sees every key) or ``offset = 0``
-  (``"top_left"``, PyTorch's ``is_causal``). ``causal_alignment`` without a causal mask or a
-  window is refused: it would change nothing.
+  "bottom_right"``, the default: the last query sees every key), ``offset = 0``
+  (``"top_left"``, PyTorch's ``is_causal``), or for each sequence ``b`` its own
+  ``offset = key_lengths[b] - query_lengths[b]`` (``"bottom_right_per_sequence"``,
+  FlashAttention's rule for variable lengths: each sequence's last real query sees its last
+  real key). ``causal_alignment`` without a causal mask or a window is refused: it would
+  change nothing.
 * ``window``: a sliding window, ``(i + offset) - j < window`` (transformers'
   ``sliding_window``): each query sees at most ``window`` keys, itself included.
 * ``key_lengths``: integers of the batch shape; keys at index ``>= length`` are padding.
@@ -78,7 +81,7 @@ __all__ = [
     "split_mask",
 ]
 
-CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
+CAUSAL_ALIGNMENTS = ("bottom_right", "top_left", "bottom_right_per_sequence")
 
 
 class ScoreShape(NamedTuple):
@@ -191,7 +194,8 @@ class Visibility:
     bias_hides_keys: bool = False
     causal: bool = False
     window: int | None = None
-    offsets: np.ndarray | None = None  # per sequence, overriding causal_offset (the KV cache)
+    offsets: np.ndarray | None = None  # per sequence, overriding causal_offset (a KV cache's,
+    # or each sequence's own lengths': causal_alignment="bottom_right_per_sequence")
     sink_tokens: int = 0
     chunk: int | None = None
     mask_mod: Callable[..., Any] | None = None
@@ -231,8 +235,15 @@ class Visibility:
             with np.errstate(over="ignore"):
                 bias_array = bias_array.astype(dtype, copy=False)
             hides = bool(np.isneginf(bias_array).any())
-        lengths = given.key_lengths, given.query_lengths
+        lengths = (
+            check_lengths("key_lengths", given.key_lengths, batch_shape, S, "key", context),
+            check_lengths("query_lengths", given.query_lengths, batch_shape, L, "query", context),
+        )
         cached = cached or CachedPositions()
+        offsets = cached.offsets
+        if rules.alignment == "bottom_right_per_sequence":  # (a cache's call refuses it)
+            key_ends = np.full(batch_shape, S, np.int64) if lengths[0] is None else lengths[0]
+            offsets = key_ends - (L if lengths[1] is None else lengths[1])
         return cls(
             index_shape=(*batch_shape, H),
             L=L,
@@ -240,14 +251,12 @@ class Visibility:
             mask=mask_array,
             bias=bias_array,
             causal_offset=offset,
-            key_lengths=check_lengths("key_lengths", lengths[0], batch_shape, S, "key", context),
-            query_lengths=check_lengths(
-                "query_lengths", lengths[1], batch_shape, L, "query", context
-            ),
+            key_lengths=lengths[0],
+            query_lengths=lengths[1],
             bias_hides_keys=hides,
             causal=bool(rules.causal),
             window=rules.window,
-            offsets=cached.offsets,
+            offsets=offsets,
             sink_tokens=rules.sink_tokens or 0,
             chunk=rules.chunk,
             mask_mod=rules.mask_mod,
@@ -332,7 +341,7 @@ class Visibility:
         own instead). Positions stay the call's, and so do the sequence numbers (``b``) of a
         ``mask_mod``."""
         r0, r1, c0, c1 = rows.start, rows.stop, cols.start, cols.stop
-        if self.held_sink_tokens or self.offsets is not None:
+        if self.held_sink_tokens or self.key_index is not None:
             raise ValueError("a cached call's visibility is not cut into blocks")
         sizes = _sizes(batch, self.index_shape[:-1])
 
@@ -361,6 +370,7 @@ class Visibility:
             mask=part(self.mask),
             bias=part(self.bias),
             causal_offset=self.causal_offset + r0 - c0,
+            offsets=None if self.offsets is None else self.offsets[batch] + (r0 - c0),
             key_lengths=cut(self.key_lengths, c0, c1),
             query_lengths=cut(self.query_lengths, r0, r1),
             bias_hides_keys=self.bias_hides_keys,

@@ -44,6 +44,10 @@ def paged_attention(
     scale: float | None = None,
     softcap: float | None = None,
     sinks: Any = None,
+    alibi: Any = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
+    cu_seqlens_q: Any = None,
     return_lse: bool = False,
     max_memory: int | None = None,
     workers: int | None = None,
@@ -69,8 +73,15 @@ def paged_attention(
       seq_lens[b] - L - j < window`` (with ``causal``, FlashAttention's
       ``window_size=(window - 1, 0)``; without, keys after a query stay visible).
     * ``scale`` (default ``1/sqrt(d_k)``), ``softcap`` (Gemma 2's ``softcap *
-      tanh(s / softcap)``), ``sinks (H,)`` (gpt-oss's per-head logits), as in
-      :func:`mha.scaled_dot_product_attention`.
+      tanh(s / softcap)``), ``sinks (H,)`` (gpt-oss's per-head logits), ``alibi`` (``True``
+      or slopes ``(H,)``: ``-slope * (i + seq_lens[b] - L - j)``), ``mask_mod`` and
+      ``score_mod`` (FlexAttention's functions, their ``q_idx`` and ``kv_idx`` the tokens'
+      positions in their sequence), as in :func:`mha.scaled_dot_product_attention`.
+    * ``cu_seqlens_q (num_seqs + 1,)``: each sequence's own number of new queries, packed
+      one sequence after another as vLLM and FlashAttention's varlen calls keep them: ``q
+      (total_q, H, d_k)``, sequence ``b``'s rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``,
+      its last ``L_b`` positions. The output is packed the same way, ``(total_q, H,
+      d_v)``, and the log-sum-exp ``(H, total_q)`` (FlashAttention's varlen layout).
     * ``return_lse``: also return each row's log-sum-exp ``(num_seqs, H, L)``, as
       FlashAttention's ``softmax_lse``.
     * ``max_memory``, ``workers``: the kernel's scratch per worker and its threads, as in
@@ -96,10 +107,38 @@ def paged_attention(
     >>> bool(np.allclose(out[:1], dense.transpose(0, 2, 1, 3), rtol=1e-13, atol=0))
     True
     """
-    rules = MaskRules.check(None, causal, None, window, None, None, None)
-    spec = AttentionSpec(rules, ScoreRules(sinks, softcap), scale)
+    rules = MaskRules.check(None, causal, None, window, None, None, mask_mod)
+    spec = AttentionSpec(rules, ScoreRules(sinks, softcap, alibi, score_mod), scale)
     request = Request.check(False, return_lse, False, max_memory, workers)
-    return _paged(q, (key_cache, value_cache), (block_table, seq_lens), spec, request)
+    pools, tables = (key_cache, value_cache), (block_table, seq_lens)
+    if cu_seqlens_q is None:
+        return _paged(q, pools, tables, spec, request)
+    return _packed(q, cu_seqlens_q, pools, tables, spec, request)
+
+
+def _packed(
+    q: Any,
+    cu_seqlens_q: Any,
+    pools: tuple[Any, Any],
+    tables: tuple[Any, Any],
+    spec: AttentionSpec,
+    request: Request,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """:func:`paged_attention` of packed queries ``q (total_q, H, d_k)``, sequence ``b``'s
+    at ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``: padded to ``(num_seqs, max L_b, H, d_k)``,
+    each sequence's real rows first and aligned on its own count, then packed back."""
+    q = as_float_array("q", q)
+    if q.ndim != 3:
+        raise ShapeError(
+            f"q must have shape (total_q, H, d_k) with cu_seqlens_q; got shape {q.shape}"
+        )
+    padded, counts, rows = _padded_queries(q, cu_seqlens_q)
+    result = _paged(padded, pools, tables, spec, request, counts)
+    if not request.lse:
+        packed: np.ndarray = np.asarray(result)[rows]
+        return packed
+    out, lse = result
+    return out[rows], np.ascontiguousarray(lse.transpose(1, 0, 2)[:, rows])
 
 
 def _paged(
@@ -108,22 +147,31 @@ def _paged(
     tables: tuple[Any, Any],
     spec: AttentionSpec,
     request: Request,
+    counts: np.ndarray | None = None,
+    positions: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """:func:`paged_attention` of ``q`` over the ``pools`` (keys, values) through the
-    ``tables`` (block table, lengths), for its checked spec and request."""
+    ``tables`` (block table, lengths), for its checked spec and request; ``counts``: each
+    sequence's real query rows (the first ``counts[b]``, its last positions), all ``L``
+    without; ``positions``: each sequence's ``(first query's position, first key's
+    position)`` when they are not its last rows and 0 (a cascade's parts), the causal mask
+    then comparing positions."""
     q, key_cache, value_cache, shapes = _operands(q, *pools)
     B, L, H, d_k = q.shape
     num_blocks, block_size = key_cache.shape[:2]
-    table, lengths = _table_and_lengths(*tables, B, num_blocks, block_size)
+    source = "q's first axis" if counts is None else "the sequences of cu_seqlens_q"
+    table, lengths = _table_and_lengths(*tables, B, num_blocks, block_size, source)
     result_dtype, compute_dtype = result_and_compute_dtypes(q, key_cache, value_cache)
     scale = resolve_scale(spec.scale, d_k, compute_dtype)
     scores = spec.scores.fit(H, want_backward=False)
     S = max(int(lengths.max(initial=0)), 1)
-    cached = CachedPositions(lengths - L, lengths - L, np.zeros(B, np.int64))
+    first = lengths - (L if counts is None else counts)  # each sequence's first new position
+    cached = CachedPositions(first, first, np.zeros(B, np.int64))
+    if positions is not None:  # the band's offsets in slots: positions less the first key's
+        cached = CachedPositions(positions[0] - positions[1], positions[0], positions[1])
     shape = ScoreShape((B,), H, L, S)
-    visibility = Visibility.build(
-        spec.mask, MaskArrays(key_lengths=lengths), shape, compute_dtype, shapes, cached
-    )
+    given = MaskArrays(key_lengths=lengths, query_lengths=counts)
+    visibility = Visibility.build(spec.mask, given, shape, compute_dtype, shapes, cached)
     queries = q.transpose(0, 2, 1, 3)  # (B, H, L, d_k): a view
     outputs = Outputs(np.zeros((B, H, L, value_cache.shape[-1]), compute_dtype))
     if request.lse:
@@ -182,10 +230,15 @@ def _pool(name: str, pool: Any) -> np.ndarray:
 
 
 def _table_and_lengths(
-    block_table: Any, seq_lens: Any, B: int, num_blocks: int, block_size: int
+    block_table: Any,
+    seq_lens: Any,
+    B: int,
+    num_blocks: int,
+    block_size: int,
+    source: str = "q's first axis",
 ) -> tuple[np.ndarray, np.ndarray]:
     """The block table and the lengths as int64 arrays, checked: every block a sequence
-    reads names a block of the pool."""
+    reads names a block of the pool (``source``: where the ``B`` sequences were counted)."""
     table = as_array("block_table", block_table)
     lengths = as_array("seq_lens", seq_lens)
     for name, array, shape, ndim in (
@@ -196,7 +249,7 @@ def _table_and_lengths(
             raise AttentionTypeError(f"{name} must hold integers; got dtype {array.dtype}")
         if array.ndim != ndim or array.shape[0] != B:
             raise ShapeError(
-                f"{name} must have shape {shape} with num_seqs = {B} (q's first axis); got "
+                f"{name} must have shape {shape} with num_seqs = {B} ({source}); got "
                 f"shape {array.shape}"
             )
     table, lengths = table.astype(np.int64), lengths.astype(np.int64)
@@ -227,7 +280,14 @@ def cascade_attention(
     seq_lens: Any,
     *,
     causal: bool = False,
+    window: int | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Any = None,
+    alibi: Any = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
+    cu_seqlens_q: Any = None,
     return_lse: bool = False,
     max_memory: int | None = None,
     workers: int | None = None,
@@ -244,9 +304,16 @@ def cascade_attention(
     queries to its own keys, and the two are merged by their log-sum-exps (cascade
     attention, FlashInfer's name): equal to :func:`paged_attention` over the whole
     sequences up to rounding. ``causal`` hides a sequence's own later keys as there (the
-    new queries come after the prefix, which they all see: ``seq_lens >= L``); ``scale``,
-    ``return_lse`` (``(num_seqs, H, L)``), ``max_memory`` and ``workers`` are
-    :func:`paged_attention`'s.
+    new queries come after the prefix, which they all see: ``seq_lens >= L``).
+
+    ``window``, ``softcap``, ``sinks``, ``alibi``, ``mask_mod``, ``score_mod`` and
+    ``cu_seqlens_q`` (a different number of queries per sequence, packed) are
+    :func:`paged_attention`'s, at the tokens' positions in the whole sequence (the prefix's
+    ``0..prefix_len-1``, then each sequence's own); the sinks are added once, where the two
+    parts merge. With a window, ALiBi, a ``mask_mod`` or a ``score_mod`` each query's
+    prefix part depends on its position, and the prefix is read once per sequence (still
+    one call); ``scale``, ``return_lse`` (``(num_seqs, H, L)``, or ``(H, total_q)``
+    packed), ``max_memory`` and ``workers`` are :func:`paged_attention`'s.
 
     >>> import numpy as np, mha
     >>> rng = np.random.default_rng(0)
@@ -259,37 +326,96 @@ def cascade_attention(
     True
     """
     q = as_float_array("q", q)
-    if q.ndim != 4:
-        raise ShapeError(f"q must have shape (num_seqs, L, H, d_k); got shape {q.shape}")
-    B, L, H, d_k = q.shape
+    packed = cu_seqlens_q is not None
+    if q.ndim != (3 if packed else 4):
+        layout = "(total_q, H, d_k) with cu_seqlens_q" if packed else "(num_seqs, L, H, d_k)"
+        raise ShapeError(f"q must have shape {layout}; got shape {q.shape}")
     pool = _pool("key_cache", key_cache)
     if pool.ndim != 4:
         raise ShapeError(
             f"key_cache must have shape (num_blocks, block_size, H_kv, d); got shape {pool.shape}"
         )
     prefix = _prefix(prefix_blocks, prefix_len, *pool.shape[:2])
+    n = int(prefix_len)
+    if packed:
+        queries, counts, rows = _padded_queries(q, cu_seqlens_q)
+    else:
+        queries, counts, rows = q, np.full(q.shape[0], q.shape[1], np.int64), None
+    B, L, H, d_k = queries.shape
     own = as_array("seq_lens", seq_lens)
-    if flag("causal", causal) and own.size and own.min() < L:
+    if own.dtype.kind not in "iu" and own.size:
+        raise AttentionTypeError(f"seq_lens must hold integers; got dtype {own.dtype}")
+    if own.shape != (B,):
+        raise ShapeError(f"seq_lens must have shape (num_seqs,) = ({B},); got shape {own.shape}")
+    if flag("causal", causal) and (own < counts).any():
         raise AttentionValueError(
-            f"causal cascade_attention needs each sequence's own positions to hold its {L} "
-            f"new queries (seq_lens >= L), since every query sees the whole prefix; got "
-            f"seq_lens {own.tolist()}: use paged_attention over the whole sequences"
+            f"causal cascade_attention needs each sequence's own positions to hold its new "
+            f"queries (seq_lens >= L, its number of queries: {counts.tolist()}), since every "
+            f"query sees the whole prefix; got seq_lens {own.tolist()}: use paged_attention "
+            "over the whole sequences"
         )
     pools = (key_cache, value_cache)
     request = Request.check(False, True, False, max_memory, workers)
-    spec = AttentionSpec(MaskRules.check(None, False, None, None, None, None, None), scale=scale)
-    prefix_table = (prefix[None], [int(prefix_len)])
-    shared, shared_lse = _paged(q.reshape(1, B * L, H, d_k), pools, prefix_table, spec, request)
-    spec = replace(spec, mask=MaskRules.check(None, causal, None, None, None, None, None))
-    own, own_lse = _paged(q, pools, (block_table, seq_lens), spec, request)
+    rules = MaskRules.check(None, causal, None, window, None, None, mask_mod)
+    scores = ScoreRules(None, softcap, alibi, score_mod)
+    spec = AttentionSpec(rules, scores, scale)
+    with_sinks = ScoreRules(sinks).fit(H, want_backward=False) if sinks is not None else None
+    sink_logits = None if with_sinks is None else with_sinks.sinks
     heads_first = (0, 2, 1, 3)  # (B, H, L, d), as merge_attention takes them
-    d_v = own.shape[-1]  # (named: a reshape cannot infer it when B * L is 0)
+    starts = n + own - counts  # each sequence's first query's position
+    if window is None and alibi is None and mask_mod is None and score_mod is None:
+        # the prefix's part is the same function of every query: one call of all the rows
+        shared_spec = replace(spec, mask=MaskRules.check(None, False, None, None, None, None, None))
+        everything = queries[rows] if packed else queries.reshape(B * L, H, d_k)
+        shared, shared_lse = _paged(everything[None], pools, (prefix[None], [n]), shared_spec,
+                                    request)  # fmt: skip
+        d_v = shared.shape[-1]  # (named: a reshape cannot infer it when there are no rows)
+        shared_out = np.zeros((B, L, H, d_v), shared.dtype)
+        shared_log = np.full((B, H, L), -np.inf, shared_lse.dtype)
+        if packed:
+            shared_out[rows], shared_log.transpose(0, 2, 1)[rows] = shared[0], shared_lse[0].T
+        else:
+            shared_out[:] = shared.reshape(B, L, H, d_v)
+            shared_log[:] = shared_lse.reshape(H, B, L).transpose(1, 0, 2)
+    else:  # at each sequence's own positions, the prefix in every row of the table
+        table = np.broadcast_to(prefix, (B, prefix.size))
+        at = (starts, np.zeros(B, np.int64))
+        shared_out, shared_log = _paged(queries, pools, (table, np.full(B, n)), spec, request,
+                                        counts, at)  # fmt: skip
+    at = (starts, np.full(B, n, np.int64))  # the own keys sit after the prefix
+    own_out, own_lse = _paged(queries, pools, (block_table, own), spec, request, counts, at)
     out, lse = merge_attention(
-        [shared.reshape(B, L, H, d_v).transpose(heads_first), own.transpose(heads_first)],
-        [shared_lse.reshape(H, B, L).transpose(1, 0, 2), own_lse],
+        [shared_out.transpose(heads_first), own_out.transpose(heads_first)],
+        [shared_log, own_lse],
+        sinks=sink_logits,  # added once, to the merged softmax
     )
     result = out.transpose(heads_first)
+    if packed:
+        result, lse = result[rows], np.ascontiguousarray(lse.transpose(1, 0, 2)[:, rows])
     return (result, lse) if flag("return_lse", return_lse) else result
+
+
+def _padded_queries(q: np.ndarray, cu_seqlens_q: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Packed ``q (total_q, H, d_k)`` as ``(num_seqs, max L_b, H, d_k)``, each sequence's
+    rows first: the padded queries, each sequence's count, and where its real rows are
+    (``(num_seqs, max L_b)`` booleans)."""
+    starts = as_array("cu_seqlens_q", cu_seqlens_q)
+    if starts.ndim != 1 or not starts.size or starts.dtype.kind not in "iu":
+        raise ShapeError(
+            f"cu_seqlens_q must be integers of shape (num_seqs + 1,); got {starts.dtype} "
+            f"{starts.shape}"
+        )
+    starts = starts.astype(np.int64)
+    if starts[0] != 0 or (np.diff(starts) < 0).any() or starts[-1] != len(q):
+        raise AttentionValueError(
+            f"cu_seqlens_q must start at 0, never decrease and end at q's {len(q)} rows; got "
+            f"{starts.tolist()}"
+        )
+    counts = np.diff(starts)
+    padded = np.zeros((len(counts), int(counts.max(initial=0)), *q.shape[1:]), q.dtype)
+    rows = np.arange(padded.shape[1]) < counts[:, None]  # (B, L): the real rows, first
+    padded[rows] = q
+    return padded, counts, rows
 
 
 def _prefix(blocks: Any, length: Any, num_blocks: int, block_size: int) -> np.ndarray:

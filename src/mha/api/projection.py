@@ -177,7 +177,9 @@ def multi_head_attention(
     * ``causal``: hide key ``j`` from query ``i`` when ``j > i + (S - L)`` (the last query
       sees every key); for ``L == S`` the usual lower triangle.
     * ``causal_alignment``: ``"top_left"`` for ``j > i`` instead (PyTorch's
-      ``is_causal``); only with a causal mask.
+      ``is_causal``), or ``"bottom_right_per_sequence"``: each sequence aligned on its own
+      lengths, its last real query seeing its last real key (FlashAttention's rule for
+      variable lengths); only with a causal mask or a window.
     * ``key_lengths``: ``(B,)`` integers (one number for unbatched input): keys at index
       ``>= length`` are padding.
     * ``query_lengths``: ``(B,)`` integers: rows at index ``>= length`` are padding; their

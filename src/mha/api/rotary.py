@@ -40,6 +40,8 @@ def apply_rotary(
     scaling: Mapping[str, Any] | RopeScaling | None = None,
     inverse: bool = False,
     seq_len: float | None = None,
+    cos: Any = None,
+    sin: Any = None,
 ) -> np.ndarray:
     """``x (..., L, d)`` rotated at ``positions``: a new array, ``x`` is not modified.
 
@@ -62,6 +64,12 @@ def apply_rotary(
       transformers does per forward call. Give the whole call's when rotating it in parts.
     * ``inverse``: apply the transpose of the rotation instead (the angle negated, the same
       frequencies and attention scaling): the backward pass of the forward one.
+    * ``cos``, ``sin``: the cosines and sines given as tables ``(P, r/2)`` of positions
+      ``0..P-1`` (FlashAttention's ``rotary_cos``/``rotary_sin``, an engine's own cache of
+      them) instead of computed from ``theta`` and ``scaling``: position ``p`` turns pair
+      ``i`` by ``cos[p, i]``, ``sin[p, i]``, the first ``r = 2 * (r/2)`` features rotated
+      (``rotary_dim``, if given, must say the same); ``positions`` are then integers below
+      ``P``, and ``theta``, ``scaling`` and ``seq_len`` are left out.
 
     >>> import numpy as np
     >>> x = np.array([[1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])   # (L=2, d=4)
@@ -78,6 +86,17 @@ def apply_rotary(
     """
     array = as_float_array("x", x)
     result_dtype, dtype = result_and_compute_dtypes(array)
+    if cos is not None or sin is not None:
+        if theta != 10000.0 or scaling is not None or seq_len is not None:
+            raise AttentionValueError(
+                "cos= and sin= are the rotation's tables: theta, scaling and seq_len compute "
+                "them instead; give one or the other"
+            )
+        turn = table_rotation(
+            array.shape, positions, dtype, cos, sin, rotary_dim=rotary_dim,
+            interleaved=interleaved, inverse=inverse,
+        )  # fmt: skip
+        return rotate(array, turn).astype(result_dtype, copy=False)
     turn = rotation(
         array.shape, positions, dtype, theta=theta, rotary_dim=rotary_dim,
         interleaved=interleaved, scaling=scaling, inverse=inverse, seq_len=seq_len,
@@ -149,6 +168,54 @@ def rotation(
             table.flags.writeable = False
         kept_in.keep(key, turn)
     return turn
+
+
+def table_rotation(
+    shape: tuple[int, ...],
+    positions: Any,
+    dtype: Any,
+    cos: Any,
+    sin: Any,
+    *,
+    rotary_dim: Any = None,
+    interleaved: Any = False,
+    inverse: Any = False,
+) -> Rotation:
+    """The rotation of an ``x`` of ``shape`` at integer ``positions`` by given tables ``cos``
+    and ``sin`` ``(P, r/2)`` (:func:`apply_rotary`'s ``cos=``, ``sin=``), checked."""
+    subject = f"x {shape}"
+    if len(shape) < 2:
+        raise ShapeError(f"x must have shape (..., L, d); got shape {shape}")
+    if cos is None or sin is None:
+        raise AttentionValueError("cos= and sin= come together: give both tables, or neither")
+    tables = [as_float_array(name, t) for name, t in (("cos", cos), ("sin", sin))]
+    if tables[0].ndim != 2 or tables[0].shape != tables[1].shape:
+        raise ShapeError(
+            f"cos and sin must be tables of the same shape (P, r/2); got cos "
+            f"{tables[0].shape}, sin {tables[1].shape}"
+        )
+    r = 2 * tables[0].shape[1]
+    if r > shape[-1] or (rotary_dim is not None and positive_int("rotary_dim", rotary_dim) != r):
+        raise ShapeError(
+            f"cos and sin {tables[0].shape} rotate {r} features: at most the head width "
+            f"{shape[-1]}, and rotary_dim={rotary_dim} if given ({subject})"
+        )
+    given = as_array("positions", positions)
+    if given.dtype.kind not in "iu":
+        raise AttentionTypeError(
+            f"positions must be integers with cos= and sin= (rows of the tables); got dtype "
+            f"{given.dtype}"
+        )
+    at = check_positions(given, shape, subject).astype(np.int64)
+    if at.size and (at.min() < 0 or at.max() >= len(tables[0])):
+        raise AttentionValueError(
+            f"positions must lie in [0, {len(tables[0])}), the rows of cos and sin; got "
+            f"{int(at.min())}..{int(at.max())} ({subject})"
+        )
+    cosines, sines = (t[at].astype(dtype) for t in tables)  # (..., L, r/2)
+    if flag("inverse", inverse):
+        sines = -sines
+    return Rotation(r, flag("interleaved", interleaved), cosines, sines)
 
 
 FEW, LONG, WHOLE = 64, 4096, 16

@@ -148,8 +148,10 @@ def scaled_dot_product_attention(
       additive mask of 0 and ``-inf`` goes in ``bias``.
     * ``causal``: hide key ``j`` from query ``i`` when ``j > i + (S - L)``: the last query
       sees every key ("bottom_right" alignment, what cached decoding needs).
-    * ``causal_alignment``: ``"top_left"`` for ``j > i`` instead (PyTorch's ``is_causal``);
-      only with a causal mask.
+    * ``causal_alignment``: ``"top_left"`` for ``j > i`` instead (PyTorch's ``is_causal``),
+      or ``"bottom_right_per_sequence"`` for ``j > i + key_lengths[b] - query_lengths[b]``
+      (each sequence's last real query sees its last real key, as FlashAttention aligns
+      variable lengths); only with a causal mask or a window, which it aligns too.
     * ``key_lengths``: one integer per sequence (shape of the batch axes, or a single number
       without them): keys at index ``>= length`` are padding.
     * ``query_lengths``: likewise for query rows: padding rows see no key and get zeros.

@@ -1,0 +1,366 @@
+"""FlashAttention's Python interface on NumPy arrays (:mod:`mha.flash_compat`):
+``flash_attn_func`` and ``flash_attn_varlen_func``, their parameters, order, defaults and
+semantics, computed by :func:`mha.scaled_dot_product_attention`, so that an engine author
+can diff a kernel's output against mha's by changing one import.
+
+The semantics, as FlashAttention 2 defines them (its ``flash_attn_interface`` docstrings and
+the reference its tests compare against):
+
+* Layout ``(batch, seqlen, nheads, headdim)`` (``(total, nheads, headdim)`` packed for the
+  varlen function); ``nheads_k`` divides ``nheads`` (grouped-query attention).
+* ``causal``: bottom-right aligned, each sequence on its own lengths: query ``i`` of a
+  sequence of ``sq`` queries and ``sk`` keys sees key ``j <= i + sk - sq``.
+* ``window_size=(left, right)``: query ``i`` sees key ``j`` only if ``i + sk - sq - left <=
+  j <= i + sk - sq + right``; ``-1`` leaves that side unbounded. ``causal`` sets ``right``
+  to 0.
+* ``softcap > 0``: each scaled score becomes ``softcap * tanh(s / softcap)``.
+* ``alibi_slopes (nheads,)`` or ``(batch, nheads)``: ``-slope * |i + sk - sq - j|`` added
+  to the (soft-capped) score.
+* A query that sees no key gets a zero output and a log-sum-exp of ``+inf``, as
+  FlashAttention 2 writes it (:func:`mha.merge_attention` reads both ``+inf`` and ``-inf``
+  so).
+
+Where it differs, by necessity: ``dropout_p`` must be 0 (FlashAttention's random mask
+cannot be reproduced; mha's own dropout is :func:`mha.scaled_dot_product_attention`'s
+``dropout_p`` with a generator); ``deterministic`` changes nothing (mha is deterministic);
+``return_attn_probs`` returns the attention probabilities themselves as the third value
+(FlashAttention's ``S_dmask``, meant for its tests); the log-sum-exp is in the inputs'
+compute dtype (float64 for float64 inputs; FlashAttention's is float32). Any float dtype is
+taken, as everywhere in mha.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._arrays import as_array, as_float_array, flag, non_negative_int
+from ..api.split_heads import scaled_dot_product_attention
+from ..errors import AttentionTypeError, AttentionValueError, ShapeError
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func"]
+
+
+def flash_attn_func(
+    q: Any,
+    k: Any,
+    v: Any,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
+    """FlashAttention's ``flash_attn_func``: ``q (batch, seqlen_q, nheads, headdim)``, ``k
+    (batch, seqlen_k, nheads_k, headdim)``, ``v (batch, seqlen_k, nheads_k, headdim_v)``;
+    returns ``out (batch, seqlen_q, nheads, headdim_v)``, and with ``return_attn_probs``
+    ``(out, softmax_lse (batch, nheads, seqlen_q), probabilities (batch, nheads, seqlen_q,
+    seqlen_k))``. The semantics are the module's (:mod:`mha.flash_compat`).
+
+    >>> import numpy as np
+    >>> from mha.flash_compat import flash_attn_func
+    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 2, 5, 4, 8))
+    >>> out = flash_attn_func(q, k, v, causal=True, window_size=(2, 0))
+    >>> out.shape
+    (2, 5, 4, 8)
+    """
+    q, k, v = _operands(q, k, v, 4, "(batch, seqlen, nheads, headdim)")
+    batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ShapeError(
+            f"q, k and v must have the same batch: q {q.shape}, k {k.shape}, v {v.shape}"
+        )
+    lengths = (np.full(batch, seqlen_q, np.int64), np.full(batch, seqlen_k, np.int64))
+    options = flash_options(dropout_p, causal, window_size, softcap, alibi_slopes, q, deterministic)
+    results = attend_heads(
+        q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+        lengths, softmax_scale, options, flag("return_attn_probs", return_attn_probs),
+    )  # fmt: skip
+    out = results[0].transpose(0, 2, 1, 3)
+    return out if len(results) == 1 else (out, *results[1:])
+
+
+def flash_attn_varlen_func(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Any = None,
+) -> Any:
+    """FlashAttention's ``flash_attn_varlen_func``: sequences packed one after another,
+    ``q (total_q, nheads, headdim)``, ``k (total_k, nheads_k, headdim)``, ``v (total_k,
+    nheads_k, headdim_v)``, sequence ``b``'s queries at ``cu_seqlens_q[b]:cu_seqlens_q[b +
+    1]`` and its keys at ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` (``(batch + 1,)``
+    integers from 0); ``max_seqlen_q``, ``max_seqlen_k`` at least the longest. With
+    ``block_table (batch, max_blocks)``, ``k`` and ``v`` are pools of blocks ``(num_blocks,
+    block_size, nheads_k, headdim)`` and sequence ``b``'s key ``j`` lies in block
+    ``block_table[b, j // block_size]`` (its length still ``cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b]``). Returns ``out (total_q, nheads, headdim_v)``, and with
+    ``return_attn_probs`` ``(out, softmax_lse (nheads, total_q), probabilities (batch,
+    nheads, max_seqlen_q, max_seqlen_k))``, each sequence causal on its own lengths.
+
+    >>> import numpy as np
+    >>> from mha.flash_compat import flash_attn_varlen_func
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 7, 2, 8))   # sequences of 3 and 4 tokens
+    >>> cu = np.array([0, 3, 7])
+    >>> flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, causal=True).shape
+    (7, 2, 8)
+    """
+    paged = block_table is not None
+    layout = "(num_blocks, block_size, nheads_k, headdim)" if paged else "(total, nheads, headdim)"
+    q = as_float_array("q", q)
+    if q.ndim != 3:
+        raise ShapeError(f"q must have shape (total_q, nheads, headdim); got shape {q.shape}")
+    k, v = (as_float_array(name, x) for name, x in (("k", k), ("v", v)))
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != (4 if paged else 3):
+            raise ShapeError(f"{name} must have shape {layout}; got shape {x.shape}")
+    starts_q = _cumulative("cu_seqlens_q", cu_seqlens_q, len(q))
+    starts_k = _cumulative("cu_seqlens_k", cu_seqlens_k, None if paged else len(k))
+    if len(starts_q) != len(starts_k):
+        raise ShapeError(
+            f"cu_seqlens_q and cu_seqlens_k must have one entry per sequence and one more: "
+            f"got {len(starts_q)} and {len(starts_k)}"
+        )
+    lengths = (np.diff(starts_q), np.diff(starts_k))
+    for name, given, found in (
+        ("max_seqlen_q", max_seqlen_q, lengths[0]),
+        ("max_seqlen_k", max_seqlen_k, lengths[1]),
+    ):
+        longest = int(found.max(initial=0))
+        if non_negative_int(name, given) < longest:
+            raise AttentionValueError(
+                f"{name}={given} is less than the longest sequence's {longest} "
+                f"({name[-1]} lengths {found.tolist()})"
+            )
+    batch = len(lengths[0])
+    if paged:
+        keys, values = gathered(k, v, block_table, lengths[1], max_seqlen_k)
+    else:
+        if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
+            raise ShapeError(
+                f"k and v must have the same tokens and heads: k {k.shape}, v {v.shape}"
+            )
+        keys, values = (_padded(x, starts_k, lengths[1], max_seqlen_k) for x in (k, v))
+    queries = _padded(q, starts_q, lengths[0], max_seqlen_q)
+    options = flash_options(dropout_p, causal, window_size, softcap, alibi_slopes, q, deterministic)
+    if alibi_slopes is not None and np.ndim(alibi_slopes) == 2 and len(alibi_slopes) != batch:
+        raise ShapeError(
+            f"alibi_slopes must have shape (nheads,) or (batch, nheads) = ({q.shape[1]},) or "
+            f"({batch}, {q.shape[1]}); got {np.shape(alibi_slopes)}"
+        )
+    results = attend_heads(
+        queries, keys, values, lengths, softmax_scale, options,
+        flag("return_attn_probs", return_attn_probs),
+    )  # fmt: skip
+    rows = [(b, i) for b in range(batch) for i in range(int(lengths[0][b]))]
+    take_b = np.array([b for b, _ in rows], np.int64)
+    take_i = np.array([i for _, i in rows], np.int64)
+    out = results[0][take_b, :, take_i]  # (total_q, nheads, headdim_v)
+    if len(results) == 1:
+        return out
+    lse = results[1][take_b, :, take_i].T  # (nheads, total_q)
+    return out, np.ascontiguousarray(lse), results[2]
+
+
+def _operands(q: Any, k: Any, v: Any, ndim: int, layout: str) -> tuple[np.ndarray, ...]:
+    arrays = tuple(as_float_array(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
+    for name, x in zip("qkv", arrays, strict=True):
+        if x.ndim != ndim:
+            raise ShapeError(f"{name} must have shape {layout}; got shape {x.shape}")
+    return arrays
+
+
+def _cumulative(name: str, given: Any, total: int | None) -> np.ndarray:
+    """``cu_seqlens``, checked: 1-D integers from 0, never decreasing, ending at ``total``
+    (the packed tokens; ``None``: a paged cache's, any end)."""
+    starts = as_array(name, given)
+    if starts.ndim != 1 or len(starts) < 1:
+        raise ShapeError(f"{name} must have shape (batch + 1,); got shape {starts.shape}")
+    if starts.dtype.kind not in "iu":
+        raise AttentionTypeError(f"{name} must hold integers; got dtype {starts.dtype}")
+    starts = starts.astype(np.int64)
+    if starts[0] != 0 or (np.diff(starts) < 0).any():
+        raise AttentionValueError(
+            f"{name} must start at 0 and never decrease; got {starts.tolist()}"
+        )
+    if total is not None and starts[-1] != total:
+        raise ShapeError(
+            f"{name} must end at the packed tokens' count {total}; got {starts.tolist()}"
+        )
+    return starts
+
+
+def _padded(x: np.ndarray, starts: np.ndarray, lengths: np.ndarray, width: int) -> np.ndarray:
+    """Packed ``x (total, H, d)`` as ``(batch, H, width, d)``, each sequence's rows first,
+    zeros after."""
+    out = np.zeros((len(lengths), x.shape[1], width, x.shape[2]), x.dtype)
+    for b, (start, length) in enumerate(zip(starts[:-1], lengths, strict=True)):
+        out[b, :, :length] = x[start : start + length].transpose(1, 0, 2)
+    return out
+
+
+def gathered(
+    k: np.ndarray, v: np.ndarray, block_table: Any, lengths: np.ndarray, width: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each sequence's keys and values gathered from the pools ``k``, ``v`` ``(num_blocks,
+    block_size, H_kv, d)`` by ``block_table``, its first ``lengths[b]``, as ``(batch, H_kv,
+    width, d)`` (zeros after)."""
+    table = as_array("block_table", block_table)
+    if table.ndim != 2 or table.dtype.kind not in "iu":
+        raise ShapeError(
+            f"block_table must be integers of shape (batch, max_blocks); got {table.dtype} "
+            f"{table.shape}"
+        )
+    if k.shape[:3] != v.shape[:3]:
+        raise ShapeError(f"k and v must be pools of the same blocks: k {k.shape}, v {v.shape}")
+    num_blocks, size = k.shape[:2]
+    if len(table) != len(lengths):
+        raise ShapeError(
+            f"block_table must have one row per sequence ({len(lengths)}); got {table.shape}"
+        )
+    keys = np.zeros((len(lengths), k.shape[2], width, k.shape[3]), k.dtype)
+    values = np.zeros((len(lengths), v.shape[2], width, v.shape[3]), v.dtype)
+    for b, length in enumerate(lengths):
+        used = -(-int(length) // size)
+        if used > table.shape[1]:
+            raise ShapeError(
+                f"sequence {b}'s {length} keys need {used} blocks of {size}; block_table has "
+                f"{table.shape[1]} per sequence"
+            )
+        blocks = table[b, :used]
+        if used and (blocks.min() < 0 or blocks.max() >= num_blocks):
+            raise AttentionValueError(
+                f"block_table[{b}] names blocks outside the pool of {num_blocks}: {blocks.tolist()}"
+            )
+        for pool, out in ((k, keys), (v, values)):
+            rows = pool[blocks].reshape(used * size, *pool.shape[2:])[:length]
+            out[b, :, :length] = rows.transpose(1, 0, 2)
+    return keys, values
+
+
+def flash_options(
+    dropout_p: Any,
+    causal: Any,
+    window_size: Any,
+    softcap: Any,
+    alibi_slopes: Any,
+    q: np.ndarray,
+    deterministic: Any,
+) -> dict[str, Any]:
+    """The checked FlashAttention options of queries ``q (..., nheads, headdim)``: the
+    window's two sides (``None`` unbounded; ``right`` 0 when causal), ``softcap`` (``None``
+    off) and the slopes ``(H,)`` or ``(B, H)``."""
+    flag("deterministic", deterministic)
+    if not isinstance(dropout_p, (int, float, np.floating, np.integer)) or dropout_p != 0:
+        raise AttentionValueError(
+            f"dropout_p must be 0 here; got {dropout_p!r}: FlashAttention's random dropout "
+            "mask cannot be reproduced (mha's own dropout is scaled_dot_product_attention's "
+            "dropout_p with a generator)"
+        )
+    causal = flag("causal", causal)
+    try:
+        left, right = (int(side) for side in window_size)
+    except (TypeError, ValueError):
+        raise AttentionTypeError(
+            f"window_size must be a pair of integers (left, right), -1 for unbounded; got "
+            f"{window_size!r}"
+        ) from None
+    if left < -1 or right < -1:
+        raise AttentionValueError(
+            f"window_size must be a pair of integers >= -1 (-1 for unbounded); got {window_size!r}"
+        )
+    if causal:
+        right = 0  # (as FlashAttention sets it)
+    cap = float(softcap)
+    if cap < 0 or cap != cap:
+        raise AttentionValueError(f"softcap must be >= 0 (0 turns it off); got {softcap!r}")
+    H = q.shape[-2]
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = as_float_array("alibi_slopes", alibi_slopes).astype(np.float64)
+        if not (slopes.shape == (H,) or (slopes.ndim == 2 and slopes.shape[1] == H)):
+            raise ShapeError(
+                f"alibi_slopes must have shape (nheads,) or (batch, nheads), nheads = {H}; "
+                f"got {slopes.shape}"
+            )
+    return {
+        "left": None if left < 0 else left,
+        "right": None if right < 0 else right,
+        "softcap": cap or None,
+        "slopes": slopes,
+    }
+
+
+def attend_heads(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    lengths: tuple[np.ndarray, np.ndarray],
+    scale: Any,
+    options: dict[str, Any],
+    probabilities: bool,
+    lse_only: bool = False,
+) -> tuple[np.ndarray, ...]:
+    """Heads-first ``q (B, H, Lq, d)``, ``k``, ``v`` (``(B, H_kv, Lk, d)``) of sequences of
+    ``lengths`` (queries, keys), each aligned on its own lengths, with the checked
+    :func:`flash_options`: ``(out,)``; with ``probabilities`` ``(out, lse, weights)``, with
+    ``lse_only`` ``(out, lse)``; the lse ``+inf`` where a row sees no key."""
+    query_lengths, key_lengths = lengths
+    offsets = key_lengths - query_lengths  # each sequence's bottom-right alignment
+    left, right, slopes = options["left"], options["right"], options["slopes"]
+    keywords: dict[str, Any] = {
+        "key_lengths": key_lengths,
+        "query_lengths": query_lengths,
+        "scale": scale,
+        "softcap": options["softcap"],
+    }
+    if right == 0:  # causal, and the window's left side
+        keywords["causal"] = True
+    if left is not None:
+        keywords["window"] = left + 1  # (i + offset) - j < left + 1
+    if right == 0 or left is not None:
+        keywords["causal_alignment"] = "bottom_right_per_sequence"
+    if right is not None and right > 0:  # keys up to `right` after the query's own
+
+        def ahead(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return kv_idx <= q_idx + offsets[b] + right
+
+        keywords["mask_mod"] = ahead
+    if slopes is not None:
+        if right == 0 and slopes.ndim == 1:  # the visible keys are at or before the query's
+            keywords["alibi"] = slopes
+        else:
+            per_sequence = np.broadcast_to(slopes, (len(offsets), slopes.shape[-1]))
+
+            def alibi(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+                distance = np.abs(q_idx + offsets[b] - kv_idx)
+                return score - (per_sequence[b, h] * distance).astype(score.dtype)
+
+            keywords["score_mod"] = alibi
+    if not probabilities and not lse_only:
+        return (scaled_dot_product_attention(q, k, v, **keywords),)
+    if lse_only:
+        out, lse = scaled_dot_product_attention(q, k, v, return_lse=True, **keywords)
+        return out, np.where(np.isneginf(lse), np.inf, lse)
+    out, weights, lse = scaled_dot_product_attention(
+        q, k, v, return_weights=True, return_lse=True, **keywords
+    )
+    lse = np.where(np.isneginf(lse), np.inf, lse)  # a row that sees no key: FlashAttention 2's
+    return out, lse, weights
