@@ -245,6 +245,12 @@ def test_per_sequence_alignment_in_dask():
             da.from_array(k, chunks=(1, 2, keys, 4)), v, **keywords,
         )  # fmt: skip
         np.testing.assert_allclose(lazy.compute(), want, rtol=0, atol=1e-12)
+    _, natural = mha.scaled_dot_product_attention(q, k, v, return_lse=True, **keywords)
+    _, lazy_lse = mha.dask.scaled_dot_product_attention(
+        da.from_array(q, chunks=(1, 2, 3, 4)), k, v, return_lse=True, lse_base=2, **keywords
+    )  # (the lse in base 2 from the Dask graph too)
+    seen = np.isfinite(natural)
+    np.testing.assert_allclose(lazy_lse.compute()[seen], natural[seen] / np.log(2), rtol=1e-13)
 
 
 @pytest.mark.parametrize(

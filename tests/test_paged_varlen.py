@@ -196,3 +196,55 @@ def test_cascade_attention_with_the_variants(name, packed):
     seen = np.isfinite(want_lse)
     assert np.array_equal(seen, np.isfinite(lse))
     np.testing.assert_allclose(lse[seen], want_lse[seen], rtol=1e-12)
+
+
+def test_lse_in_base_2_on_request():
+    """FlashInfer's log-sum-exp, ``log2 sum 2^(s log2 e)``, from every entry point that
+    returns one, and read back by ``merge_attention(base=2)``."""
+    rng = np.random.default_rng(14)
+    q, k, v = rng.standard_normal((3, 2, 4, 6, 8))
+    out = mha.scaled_dot_product_attention(q, k, v, causal=True)
+    out2, lse2 = mha.scaled_dot_product_attention(q, k, v, causal=True, return_lse=True,
+                                                  lse_base=2)  # fmt: skip
+    scores = np.einsum("bhld,bhsd->bhls", q, k) / np.sqrt(8)
+    scores = np.where(np.tril(np.ones((6, 6), bool)), scores, -np.inf)
+    want = np.log2(np.sum(np.exp2(scores * np.log2(np.e)), axis=-1))  # FlashInfer's definition
+    np.testing.assert_allclose(lse2, want, rtol=1e-14, atol=1e-14)
+    assert np.array_equal(out2, out)
+    _, _, lse_w = mha.scaled_dot_product_attention(
+        q, k, v, causal=True, return_weights=True, return_lse=True, lse_base=2
+    )
+    np.testing.assert_allclose(lse_w, want, rtol=1e-14, atol=1e-14)
+    halves = [mha.scaled_dot_product_attention(q, k[..., a:b, :], v[..., a:b, :],
+                                               return_lse=True, lse_base=2)
+              for a, b in ((0, 2), (2, 6))]  # fmt: skip
+    merged, merged_lse = mha.merge_attention(*zip(*halves, strict=True), base=2)
+    whole, whole_lse = mha.scaled_dot_product_attention(q, k, v, return_lse=True, lse_base=2)
+    np.testing.assert_allclose(merged, whole, rtol=0, atol=1e-14)
+    np.testing.assert_allclose(merged_lse, whole_lse, rtol=1e-14, atol=1e-14)
+    pool_k, pool_v, table = paged(rng, [5, 7])
+    queries = rng.standard_normal((2, 1, 4, 8))
+    _, natural = mha.paged_attention(queries, pool_k, pool_v, table, [5, 7], return_lse=True)
+    _, base2 = mha.paged_attention(queries, pool_k, pool_v, table, [5, 7], return_lse=True,
+                                   lse_base=2)  # fmt: skip
+    np.testing.assert_allclose(base2, natural / np.log(2), rtol=1e-15, atol=1e-15)
+    prefix = np.array([len(pool_k) - 1])
+    keywords = dict(prefix_blocks=prefix, prefix_len=4, block_table=table, seq_lens=[5, 7],
+                    return_lse=True)  # fmt: skip
+    _, natural = mha.cascade_attention(queries, pool_k, pool_v, **keywords)
+    _, base2 = mha.cascade_attention(queries, pool_k, pool_v, lse_base=2, **keywords)
+    np.testing.assert_allclose(base2, natural / np.log(2), rtol=1e-15, atol=1e-15)
+
+
+@pytest.mark.parametrize(
+    ("keywords", "named"),
+    [({"lse_base": 2}, "give return_lse=True"), ({"return_lse": True, "lse_base": 10}, "lse_base"),
+     ({"return_lse": True, "lse_base": True}, "lse_base")],
+)  # fmt: skip
+def test_lse_base_refusals(keywords, named):
+    q = np.ones((1, 2, 3, 4))
+    with pytest.raises(AttentionError, match=named):
+        mha.scaled_dot_product_attention(q, q, q, **keywords)
+    pool_k, pool_v, table = paged(np.random.default_rng(0), [3])
+    with pytest.raises(AttentionError, match=named):
+        mha.paged_attention(np.ones((1, 1, 4, 8)), pool_k, pool_v, table, [3], **keywords)

@@ -27,7 +27,7 @@ from .._kernel.team import Team, workers_for
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .checks import kv_heads
 from .spec import AttentionSpec, Request, ScoreRules
-from .split_heads import merge_attention
+from .split_heads import check_lse_base, in_base_2, merge_attention
 
 __all__ = ["cascade_attention", "paged_attention"]
 
@@ -51,6 +51,7 @@ def paged_attention(
     return_lse: bool = False,
     max_memory: int | None = None,
     workers: int | None = None,
+    lse_base: float | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Attention of each sequence's new queries over its cached keys and values, which lie
     in blocks of a pool, as ``flash_attn_with_kvcache(q, k_cache, v_cache,
@@ -83,7 +84,7 @@ def paged_attention(
       its last ``L_b`` positions. The output is packed the same way, ``(total_q, H,
       d_v)``, and the log-sum-exp ``(H, total_q)`` (FlashAttention's varlen layout).
     * ``return_lse``: also return each row's log-sum-exp ``(num_seqs, H, L)``, as
-      FlashAttention's ``softmax_lse``.
+      FlashAttention's ``softmax_lse``; in base 2 with ``lse_base=2`` (FlashInfer's).
     * ``max_memory``, ``workers``: the kernel's scratch per worker and its threads, as in
       :func:`mha.scaled_dot_product_attention`.
 
@@ -111,9 +112,15 @@ def paged_attention(
     spec = AttentionSpec(rules, ScoreRules(sinks, softcap, alibi, score_mod), scale)
     request = Request.check(False, return_lse, False, max_memory, workers)
     pools, tables = (key_cache, value_cache), (block_table, seq_lens)
+    base2 = check_lse_base(lse_base, return_lse)
     if cu_seqlens_q is None:
-        return _paged(q, pools, tables, spec, request)
-    return _packed(q, cu_seqlens_q, pools, tables, spec, request)
+        result = _paged(q, pools, tables, spec, request)
+    else:
+        result = _packed(q, cu_seqlens_q, pools, tables, spec, request)
+    if base2:
+        out, lse = result
+        return out, in_base_2(lse)
+    return result
 
 
 def _packed(
@@ -291,6 +298,7 @@ def cascade_attention(
     return_lse: bool = False,
     max_memory: int | None = None,
     workers: int | None = None,
+    lse_base: float | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """:func:`paged_attention` for sequences that share a prefix (a system prompt, the
     samples of one prompt), with the prefix's attention computed once for all of them.
@@ -313,7 +321,7 @@ def cascade_attention(
     parts merge. With a window, ALiBi, a ``mask_mod`` or a ``score_mod`` each query's
     prefix part depends on its position, and the prefix is read once per sequence (still
     one call); ``scale``, ``return_lse`` (``(num_seqs, H, L)``, or ``(H, total_q)``
-    packed), ``max_memory`` and ``workers`` are :func:`paged_attention`'s.
+    packed), ``lse_base``, ``max_memory`` and ``workers`` are :func:`paged_attention`'s.
 
     >>> import numpy as np, mha
     >>> rng = np.random.default_rng(0)
@@ -337,6 +345,7 @@ def cascade_attention(
         )
     prefix = _prefix(prefix_blocks, prefix_len, *pool.shape[:2])
     n = int(prefix_len)
+    base2 = check_lse_base(lse_base, return_lse)
     if packed:
         queries, counts, rows = _padded_queries(q, cu_seqlens_q)
     else:
@@ -392,7 +401,9 @@ def cascade_attention(
     result = out.transpose(heads_first)
     if packed:
         result, lse = result[rows], np.ascontiguousarray(lse.transpose(1, 0, 2)[:, rows])
-    return (result, lse) if flag("return_lse", return_lse) else result
+    if not flag("return_lse", return_lse):
+        return result
+    return result, in_base_2(lse) if base2 else lse
 
 
 def _padded_queries(q: np.ndarray, cu_seqlens_q: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -61,6 +61,7 @@ class SdpaOptions(_Keywords, total=False):
     softcap: float | None
     alibi: Any
     query_temperature: tuple[float | str, ...] | None
+    lse_base: float | None
 
 
 class MhaOptions(_Keywords, total=False):

@@ -132,6 +132,7 @@ def scaled_dot_product_attention(
     padding_side: str | None = None,
     max_memory: SupportsIndex | None = None,
     workers: SupportsIndex | None = None,
+    lse_base: float | None = None,
 ) -> np.ndarray | tuple[Any, ...]:
     """Attention over already split heads: ``softmax(q k^T * scale + bias) v`` per head.
 
@@ -177,7 +178,8 @@ def scaled_dot_product_attention(
       score matrix, which the default path never does).
     * ``return_lse``: also return the log-sum-exp of each row's logits ``(..., H, L)``
       (``-inf`` for a row that sees no key; float32 for float16 inputs), for
-      :func:`merge_attention`.
+      :func:`merge_attention`; ``lse_base=2`` returns it in base 2, ``log2 sum 2^(s log2
+      e)`` (FlashInfer's), which ``merge_attention(base=2)`` reads.
     * ``return_backward``: also return ``backward``, a function of the output's gradient
       ``grad_out`` that returns ``{"q": dq, "k": dk, "v": dv}`` (and ``"bias"``, ``"sinks"``
       when given), each shaped like its input, in its dtype: FlashAttention-2's backward pass,
@@ -223,7 +225,35 @@ def scaled_dot_product_attention(
         scale, return_weights, return_lse, return_backward, dropout_p, generator, cache,
         padding_side, max_memory, workers,
     )  # fmt: skip
-    return attention(q, k, v, check_sdpa(keywords))
+    base2 = check_lse_base(lse_base, return_lse)
+    result = attention(q, k, v, check_sdpa(keywords))
+    if not base2:
+        return result
+    at = 2 if return_weights else 1  # (out, weights?, lse, backward?)
+    parts = list(result)
+    parts[at] = in_base_2(parts[at])
+    return tuple(parts)
+
+
+def check_lse_base(lse_base: Any, return_lse: Any) -> bool:
+    """Whether ``lse_base`` asks the log-sum-exp in base 2: ``None`` (natural) or 2, and
+    only with ``return_lse``."""
+    if lse_base is None:
+        return False
+    if isinstance(lse_base, (bool, np.bool_)) or lse_base not in (2, 2.0):
+        raise AttentionValueError(
+            f"lse_base must be None (natural logarithms) or 2 (FlashInfer's); got {lse_base!r}"
+        )
+    if not (isinstance(return_lse, (bool, np.bool_)) and return_lse):
+        raise AttentionValueError(
+            "lse_base=2 is the base of the returned log-sum-exp: give return_lse=True with it"
+        )
+    return True
+
+
+def in_base_2(lse: Any) -> Any:
+    """A natural log-sum-exp in base 2 (the inverse of :func:`merge_attention`'s reading)."""
+    return lse / np.log(2.0)
 
 
 def attention(q: Any, k: Any, v: Any, checked: Checked) -> np.ndarray | tuple[Any, ...]:

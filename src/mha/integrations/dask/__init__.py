@@ -36,6 +36,7 @@ from ..._kernel.contract import ScoreShape, Visibility
 from ...api import checks
 from ...api.checks import LayerArrays, LayerWeights, check_layer
 from ...api.spec import Checked, MhaKeywords, SdpaKeywords, check_mha, check_sdpa
+from ...api.split_heads import check_lse_base, in_base_2
 from ...errors import AttentionValueError
 from .arrays import import_dask, lazy_or_array, small, standin
 from .build import Lazy, MhaGraph, SdpaGraph
@@ -79,6 +80,7 @@ def scaled_dot_product_attention(
     max_memory: int | None = None,
     workers: int | None = 1,
     split_every: int = SPLIT_EVERY,
+    lse_base: float | None = None,
 ) -> Any:
     """:func:`mha.scaled_dot_product_attention` over ``dask.array`` inputs, lazily.
 
@@ -94,7 +96,8 @@ def scaled_dot_product_attention(
     dropout and ``cache`` are in-memory only.
 
     Returns the lazy output ``(..., H, L, d_v)`` chunked like ``q``, and with
-    ``return_lse=True`` the lazy log-sum-exp ``(..., H, L)`` too.
+    ``return_lse=True`` the lazy log-sum-exp ``(..., H, L)`` too (in base 2 with
+    ``lse_base=2``).
 
     >>> import numpy as np, dask.array as da, mha, mha.dask
     >>> q, k, v = np.random.default_rng(0).standard_normal((3, 1, 2, 64, 8))
@@ -117,7 +120,12 @@ def scaled_dot_product_attention(
         return_lse, return_backward, dropout_p, generator, cache, padding_side, max_memory,
         workers,
     )  # fmt: skip
-    return _sdpa(lazy, check_sdpa(keywords), (mask, bias), split_every, da)
+    base2 = check_lse_base(lse_base, return_lse)
+    result = _sdpa(lazy, check_sdpa(keywords), (mask, bias), split_every, da)
+    if base2:
+        out, lse = result
+        return out, in_base_2(lse)
+    return result
 
 
 def _sdpa(
