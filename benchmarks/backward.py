@@ -1,7 +1,7 @@
 """Gradients' speed and memory: mha's forward + backward beside PyTorch autograd's.
 
     python benchmarks/backward.py                     # results in benchmarks/results/backward.*
-    python benchmarks/backward.py --readme README.md  # and the README's table
+    python benchmarks/backward.py --readme docs/benchmarks.md  # and its table in docs/benchmarks.md
     python benchmarks/backward.py --quick             # fewer repeats, S1 and S3 only
 
 For the forward benchmark's shapes S1-S4, in float32 and float64, one interleaved run of:

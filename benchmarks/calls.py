@@ -1,7 +1,7 @@
 """Small calls: what one call costs when there is little to compute.
 
     python benchmarks/calls.py                     # results in benchmarks/results/calls.*
-    python benchmarks/calls.py --readme README.md  # and the README's table
+    python benchmarks/calls.py --readme docs/benchmarks.md  # and its table in docs/benchmarks.md
     python benchmarks/calls.py --quick             # fewer repeats
 
 The calls a small model or a generation loop makes thousands of times, each timed as a run

@@ -1,7 +1,7 @@
 """mha.dask on a two-worker LocalCluster (one thread each) against the in-memory call.
 
     python benchmarks/cluster.py                    # results in benchmarks/results/dask.*
-    python benchmarks/cluster.py --readme README.md # and the README's Dask table
+    python benchmarks/cluster.py --readme docs/benchmarks.md  # and its table in docs/benchmarks.md
     python benchmarks/cluster.py --quick            # fewer repeats
 
 1. Parallel over the batch: self-attention, B=16, L=1024, d_model=512, 8 heads, float32,

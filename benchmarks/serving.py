@@ -1,7 +1,7 @@
 """Serving many sequences: decoding steps over a padded cache and over a paged one.
 
     python benchmarks/serving.py                     # results in benchmarks/results/serving.*
-    python benchmarks/serving.py --readme README.md  # and the README's table
+    python benchmarks/serving.py --readme docs/benchmarks.md  # and its table in docs/benchmarks.md
     python benchmarks/serving.py --quick             # fewer repeats, shorter sequences
 
 64 sequences (32 query heads, 8 key/value heads, head dim 128, float32):

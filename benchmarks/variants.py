@@ -3,7 +3,7 @@ chunks and windows cost beside plain causal attention, and what the ``mask_mod``
 forms cost beside the built-in keywords.
 
     python benchmarks/variants.py                    # results in benchmarks/results/variants.*
-    python benchmarks/variants.py --readme README.md # and the README's variants table
+    python benchmarks/variants.py --readme docs/benchmarks.md  # and its table in docs/benchmarks.md
     python benchmarks/variants.py --quick            # fewer repeats
 
 Causal self-attention, B=1, 8 heads, head dim 64, float32, L=4096, with mha's

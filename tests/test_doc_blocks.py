@@ -213,7 +213,7 @@ def test_the_api_reference_has_every_public_name():
             assert "::: mha.errors" in page
         else:
             assert f"::: mha.{name}\n" in page, name
-    for module in ("cache", "torch_compat", "dask", "cli"):
+    for module in ("cache", "torch_compat", "flash_compat", "dask", "cli"):
         assert f"::: mha.{module}\n" in (ROOT / "docs" / "api" / f"{module}.md").read_text()
 
 

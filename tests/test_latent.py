@@ -475,3 +475,40 @@ def test_loading_refuses_what_is_not_a_latent_layer_file(tmp_path):
     with pytest.raises(mha.WeightsFileError, match="cannot save to"):
         attention.save(tmp_path / "no-such-folder" / "latent.npz")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.npz", "good.npz", "mha.npz"]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_a_paged_cache_gives_the_contiguous_caches_answer(dtype):
+    """Decoding with new_paged_cache, step after step, against the contiguous cache; then a
+    sequence forked from another (its blocks shared) against a contiguous cache that saw
+    the same tokens."""
+    layer = LatentAttention(32, 4, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2,
+                            v_head_dim=4, seed=0, dtype=dtype)  # fmt: skip
+    rng = np.random.default_rng(0)
+    contiguous = layer.new_cache(2)
+    paged = layer.new_paged_cache(num_blocks=16, block_size=4)
+    paged.add("a")
+    paged.add("b")
+    tolerance = 0 if dtype == np.float64 else 1e-6
+    inputs = [rng.standard_normal((2, 5, 32)).astype(dtype)]
+    inputs += [rng.standard_normal((2, 1, 32)).astype(dtype) for _ in range(3)]
+    for x in inputs:
+        want, got = layer(x, cache=contiguous), layer(x, cache=paged)
+        np.testing.assert_allclose(got, want, rtol=0, atol=tolerance)
+    assert paged.lengths.tolist() == contiguous.lengths.tolist() == [8, 8]
+    paged.fork("a", "c")  # c continues a: their blocks shared until they differ
+    paged.release("b")
+    alone = layer.new_cache(1)
+    for x in inputs:
+        layer(x[:1], cache=alone)  # a's tokens
+    x = rng.standard_normal((2, 1, 32)).astype(dtype)
+    got = layer(x, cache=paged)  # a and c each take their own next token
+    np.testing.assert_allclose(got[1:], layer(x[1:], cache=alone), rtol=0, atol=tolerance)
+    assert paged.lengths.tolist() == [9, 9]
+
+
+def test_a_paged_cache_of_another_type_is_refused():
+    layer = LatentAttention(16, 2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2,
+                            v_head_dim=4, seed=0)  # fmt: skip
+    with pytest.raises(mha.AttentionTypeError, match=r"KVCache or mha\.PagedKVCache"):
+        layer(np.ones((1, 2, 16)), cache=object())

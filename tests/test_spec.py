@@ -79,6 +79,7 @@ def _probes(rng, B=1, H=2, L=4, d=4):
         "query_temperature": {"query_temperature": (0.5, 2.0)},
         "scale": {"scale": 0.3}, "return_weights": {"return_weights": True},
         "return_lse": {"return_lse": True}, "return_backward": {"return_backward": True},
+        "lse_base": ({"return_lse": True, "lse_base": 2}, {"return_lse": True}),
         "dropout_p": ({"dropout_p": 0.5, "generator": np.random.default_rng(0)},
                       {"dropout_p": 0.0, "generator": np.random.default_rng(0)}),
         "generator": ({"dropout_p": 0.5, "generator": np.random.default_rng(0)},

@@ -26,7 +26,7 @@ from .api.relative_bias import position_buckets, relative_position_bias
 from .api.rotary import apply_rotary
 from .api.segment_bias import SegmentBiasAttention, SegmentBiasSpec
 from .api.split_heads import merge_attention, scaled_dot_product_attention
-from .api.variants import alibi_slopes
+from .api.variants import alibi_slopes, symmetric_alibi
 from .errors import (
     AttentionError,
     AttentionTypeError,
@@ -69,6 +69,7 @@ __all__ = [
     "position_buckets",
     "relative_position_bias",
     "scaled_dot_product_attention",
+    "symmetric_alibi",
 ]
 __version__ = "0.1.0"
 

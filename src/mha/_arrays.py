@@ -133,6 +133,12 @@ def non_negative_int(name: str, value: Any) -> int:
     return _whole(name, value, 0, "a non-negative integer")
 
 
+def int_at_least(name: str, value: Any, least: int, what: str) -> int:
+    """A Python int ``>= least`` from an int-like value (bools and floats are refused);
+    ``what`` says what was wanted in the message."""
+    return _whole(name, value, least, what)
+
+
 def _whole(name: str, value: Any, least: int, what: str) -> int:
     if isinstance(value, (bool, np.bool_)):
         raise AttentionTypeError(f"{name} must be {what}; got {value!r}")

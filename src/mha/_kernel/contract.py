@@ -15,7 +15,10 @@ every one of these that was given allows it:
   real key). ``causal_alignment`` without a causal mask or a window is refused: it would
   change nothing.
 * ``window``: a sliding window, ``(i + offset) - j < window`` (transformers'
-  ``sliding_window``): each query sees at most ``window`` keys, itself included.
+  ``sliding_window``): each query sees at most ``window`` keys, itself included. A pair
+  ``window=(left, right)`` bounds both sides as FlashAttention's ``window_size``: ``i +
+  offset - left <= j <= i + offset + right``, ``-1`` leaving a side unbounded (``window=w``
+  is ``(w - 1, -1)``; with ``causal`` the right side is 0).
 * ``key_lengths``: integers of the batch shape; keys at index ``>= length`` are padding.
 * ``query_lengths``: integers of the batch shape; query rows at index ``>= length`` are
   padding, see no key, and get a zero attention output (after the output projection of
@@ -60,6 +63,7 @@ from .._arrays import (
     broadcasts_to,
     check_function,
     flag,
+    int_at_least,
     non_negative_int,
     positive_int,
 )
@@ -79,6 +83,7 @@ __all__ = [
     "check_variants",
     "fit_to_scores",
     "split_mask",
+    "window_sides",
 ]
 
 CAUSAL_ALIGNMENTS = ("bottom_right", "top_left", "bottom_right_per_sequence")
@@ -105,6 +110,7 @@ class MaskRules:
     sink_tokens: int | None = None  # None: not given (no sink tokens)
     chunk: int | None = None
     mask_mod: Callable[..., Any] | None = None
+    ahead: int | None = None  # a right window: keys visible after the query's own (None: all)
 
     @classmethod
     def check(
@@ -116,9 +122,12 @@ class MaskRules:
         sink_tokens: Any,
         chunk: Any,
         mask_mod: Any,
+        placed: bool = False,
     ) -> MaskRules:
         """The rules of the keywords as given (``mask=True`` is the causal mask; a mask
-        array is the call's own, :class:`MaskArrays`), or the error that names one."""
+        array is the call's own, :class:`MaskArrays`), or the error that names one.
+        ``placed``: the call's scores read the queries' positions (ALiBi, a query
+        temperature), which the alignment places."""
         mask_is_causal, _ = split_mask(mask)
         given = [flag("causal", causal)] if causal is not None else []
         given += [mask_is_causal] if isinstance(mask, (bool, np.bool_)) else []
@@ -129,10 +138,13 @@ class MaskRules:
             raise AttentionValueError(
                 f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}; got {causal_alignment!r}"
             )
-        window = None if window is None else positive_int("window", window)
-        if causal_alignment is not None and not causal and window is None:
+        window, ahead = window_sides(window)
+        if causal_alignment is not None and not (
+            causal or window or chunk or placed or ahead is not None
+        ):
             raise AttentionValueError(
-                f"causal_alignment={causal_alignment!r} has no effect without a causal mask: "
+                f"causal_alignment={causal_alignment!r} has no effect without a causal mask "
+                "(or a window, chunks, ALiBi or a query temperature, which it places too): "
                 "pass causal=True (or mask=True) with it, or leave it out"
             )
         tokens, chunk = check_variants(sink_tokens, chunk, mask_mod, window)
@@ -143,7 +155,29 @@ class MaskRules:
             None if sink_tokens is None else tokens,
             chunk,
             mask_mod,
+            None if causal else ahead,  # (the causal mask hides every key after the query)
         )
+
+
+def window_sides(window: Any) -> tuple[int | None, int | None]:
+    """``window=`` as the keys a query sees before its own, itself included (``None``:
+    every one), and after it (``None``: every one): an int ``w`` is ``(w, None)``, a pair
+    ``(left, right)`` FlashAttention's ``window_size`` (``-1`` unbounded): ``(left + 1,
+    right)``."""
+    if window is None:
+        return None, None
+    if not isinstance(window, (tuple, list)):
+        return positive_int("window", window), None
+    if len(window) != 2:
+        raise AttentionTypeError(
+            f"window must be a positive int or a pair (left, right) of ints >= -1 "
+            f"(FlashAttention's window_size, -1 unbounded); got {window!r}"
+        )
+    left, right = (
+        int_at_least(f"window's {side}", value, -1, "an integer >= -1 (-1: unbounded)")
+        for side, value in zip(("left", "right"), window, strict=True)
+    )
+    return (None if left < 0 else left + 1), (None if right < 0 else right)
 
 
 @dataclass(frozen=True)
@@ -204,6 +238,7 @@ class Visibility:
     key_index: np.ndarray | None = None  # per sequence: the position of key slot 0
     held_sink_tokens: int = 0  # leading key slots that hold positions 0.. (a cache's sink tokens)
     sequences: np.ndarray | None = None  # per sequence: mask_mod's b (a block's, the call's)
+    ahead: int = 0  # with causal: keys visible after the query's own (a right window)
     memo: Memo | None = field(default=None, compare=False, repr=False)  # from classified()
 
     @classmethod
@@ -254,8 +289,9 @@ class Visibility:
             key_lengths=lengths[0],
             query_lengths=lengths[1],
             bias_hides_keys=hides,
-            causal=bool(rules.causal),
+            causal=bool(rules.causal) or rules.ahead is not None,
             window=rules.window,
+            ahead=0 if rules.causal or rules.ahead is None else rules.ahead,
             offsets=offsets,
             sink_tokens=rules.sink_tokens or 0,
             chunk=rules.chunk,
@@ -321,6 +357,7 @@ class Visibility:
             memo=self.memo,
             alike=self._heads_alike(),
             heads=heads,
+            ahead=self.ahead,
         )
 
     def _heads_alike(self) -> bool:
@@ -376,6 +413,7 @@ class Visibility:
             bias_hides_keys=self.bias_hides_keys,
             causal=self.causal,
             window=self.window,
+            ahead=self.ahead,
             sink_tokens=self.sink_tokens,
             chunk=self.chunk,
             mask_mod=self.mask_mod,

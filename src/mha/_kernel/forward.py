@@ -371,7 +371,7 @@ class _QueryTile:
         )
         scores = self.scores
         self.changes = scores is not None and scores.changes_scores
-        self.fused_alibi = self.fused and scores is not None and scores.alibi is not None
+        self.fused_alibi = self.fused and scores is not None and scores.fused_alibi
 
     def _stacked_queries(self, q: np.ndarray, scale: float) -> np.ndarray:
         """Rows ``[r0, r1)`` of the query heads ``q (G * group, L, d_k)``, stacked per

@@ -54,12 +54,16 @@ class ItemVisibility:
     heads: slice = field(default_factory=lambda: slice(0, 1))  # mask_mod's h
     memo: Memo | None = None
     alike: bool = True  # every head sees the same keys
-    # read once a tile: the window as geometry takes it and the sink tokens' end, kept
+    ahead: int = 0  # with causal: the keys visible after the query's own (a right window)
+    # read once a tile: the band's offset and window as geometry takes them (a right window
+    # moves the causal bound and widens the window by as much) and the sink tokens' end
+    _offset: int = field(default=0, init=False, repr=False, compare=False)
     _window: int = field(default=NO_WINDOW, init=False, repr=False, compare=False)
     _sink_end: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        window = NO_WINDOW if self.window is None else self.window
+        window = NO_WINDOW if self.window is None else self.window + self.ahead
+        object.__setattr__(self, "_offset", self.offset + self.ahead)
         object.__setattr__(self, "_window", window)
         sink_end = 0
         if self.sink_tokens and self.window is not None:
@@ -93,7 +97,7 @@ class ItemVisibility:
         by the lengths, the causal mask, the window (and its sink tokens) and the chunks,
         in order; a mask or bias may hide more."""
         start, stop = geometry.keys_seen(
-            r0, r1, self.offset, self.key_end, self.causal, self._window
+            r0, r1, self._offset, self.key_end, self.causal, self._window
         )
         first = last = 0
         if self.chunk is not None:  # positions of the first and past the last row's chunk
@@ -149,7 +153,8 @@ class ItemVisibility:
         """The run ``[a, b)`` of rows of ``[r0, r1)`` that may see some key of ``[c0, c1)``
         by the causal mask, the window, the chunks and the mask's block map: rows outside it
         see no key of the block. ``a == b`` when no row does."""
-        a, b = geometry.rows_seeing(r0, r1, c0, c1, self.offset, self.causal, self._band_window(c0))
+        window = self._band_window(c0)
+        a, b = geometry.rows_seeing(r0, r1, c0, c1, self._offset, self.causal, window)
         if self.chunk is not None:
             c, base = self.chunk, self.offset + self.key_index
             keys = self.key_positions(c0, c1)
@@ -174,9 +179,9 @@ class ItemVisibility:
         offsets from ``c0``) that the causal mask and the window leave visible, as two int64
         arrays; ``None`` when they hide nothing in the block (:func:`.geometry.band`)."""
         window = self._band_window(c0)
-        if not geometry.cut(r0, r1, c0, c1, self.offset, self.causal, window):
+        if not geometry.cut(r0, r1, c0, c1, self._offset, self.causal, window):
             return None
-        lo, hi = geometry.band(np.arange(r0, r1), c0, c1, self.offset, self.causal, window)
+        lo, hi = geometry.band(np.arange(r0, r1), c0, c1, self._offset, self.causal, window)
         return lo, hi
 
     def band_and_hidden(
@@ -217,12 +222,13 @@ class ItemVisibility:
         :meth:`band` can say it) are left to :meth:`band`."""
         hidden = None
         w, window = c1 - c0, self._window
-        if band and geometry.cut(r0, r1, c0, c1, self.offset, self.causal, NO_WINDOW):
-            _, hi = geometry.band(np.arange(r0, r1)[:, None], c0, c1, self.offset, True, NO_WINDOW)
+        if band and geometry.cut(r0, r1, c0, c1, self._offset, self.causal, NO_WINDOW):
+            _, hi = geometry.band(np.arange(r0, r1)[:, None], c0, c1, self._offset, True, NO_WINDOW)
             hidden = np.arange(w) >= hi  # the keys after each row's own
         sink_tokens_apart = self._band_window(c0) == NO_WINDOW  # the band cannot say this window
-        if (band or sink_tokens_apart) and geometry.cut(r0, r1, c0, c1, self.offset, False, window):
-            lo, _ = geometry.band(np.arange(r0, r1)[:, None], c0, c1, self.offset, False, window)
+        edge = geometry.cut(r0, r1, c0, c1, self._offset, False, window)
+        if (band or sink_tokens_apart) and edge:
+            lo, _ = geometry.band(np.arange(r0, r1)[:, None], c0, c1, self._offset, False, window)
             below = np.arange(w) < lo  # the keys before each row's window
             sink_slots = self._sink_end
             if sink_slots > c0:  # sink tokens stay visible

@@ -64,8 +64,11 @@ class ScoreTransform(Protocol):
     derivative (and so the raw scores); ``compiled``: the compiled softmax step can apply
     it itself (:meth:`Alibi.rows`)."""
 
-    nonlinear: bool
-    compiled: bool
+    @property
+    def nonlinear(self) -> bool: ...
+
+    @property
+    def compiled(self) -> bool: ...
 
     def apply(self, s: np.ndarray, tile: Tile, derivative: bool) -> np.ndarray | None: ...
 
@@ -114,18 +117,32 @@ class ScoreMod:
 class Alibi:
     """ALiBi (BLOOM, MPT): ``s += -slope_h * (position_i - position_j)``, computed per
     tile from the positions (:meth:`ItemVisibility.query_positions`), never as an ``(L,
-    S)`` array. ``slopes (H,)`` float64."""
+    S)`` array. ``slopes (H,)`` float64, or ``(sequences, H)``: each sequence's own (the
+    flat batch index, :attr:`ItemVisibility.sequence`). ``symmetric``: ``-slope_h *
+    |position_i - position_j|`` (FlashAttention's for keys on both sides, MosaicBERT's),
+    the same where the keys are at or before the query; in the NumPy pass."""
 
     slopes: np.ndarray
+    symmetric: bool = False
     nonlinear = False
-    compiled = True
+
+    @property
+    def compiled(self) -> bool:  # (the compiled softmax step adds the signed distance)
+        return not self.symmetric
+
+    def _slopes(self, item: ItemVisibility) -> np.ndarray:
+        """The slopes of ``item``'s heads: its sequence's, when each has its own."""
+        slopes = self.slopes if self.slopes.ndim == 1 else self.slopes[item.sequence]
+        return slopes[item.heads]
 
     def apply(self, s: np.ndarray, tile: Tile, derivative: bool) -> np.ndarray | None:
         item, r0, r1, c0, c1 = tile
         n, w = r1 - r0, c1 - c0
         distance = item.key_positions(c0, c1)[None, :] - item.query_positions(r0, r1)[:, None]
+        if self.symmetric:
+            distance = -np.abs(distance)
         distance = distance.astype(s.dtype)  # exact: whole numbers
-        slopes = self.slopes[item.heads].astype(s.dtype)
+        slopes = self._slopes(item).astype(s.dtype)
         stacked = s.reshape(s.size // max(1, n * w), n, w)
         for g in range(stacked.shape[0]):  # one pass per head over an (n, w) tile
             stacked[g] += slopes[g] * distance
@@ -137,7 +154,7 @@ class Alibi:
         """ALiBi for the compiled step: each stacked row's slope ``(G, group * n)`` and its
         query position less key ``c0``'s (the tile's keys have consecutive positions)."""
         n = r1 - r0
-        slopes = np.repeat(self.slopes[item.heads].astype(dtype), n).reshape(G, -1)
+        slopes = np.repeat(self._slopes(item).astype(dtype), n).reshape(G, -1)
         base = item.query_positions(r0, r1) - int(item.key_positions(c0, c0 + 1)[0])
         return slopes, np.tile(base, slopes.shape[1] // max(n, 1))
 
@@ -205,6 +222,12 @@ class Scores:
     def alibi(self) -> np.ndarray | None:
         alibi = self._alibi
         return None if alibi is None else alibi.slopes
+
+    @property
+    def fused_alibi(self) -> bool:
+        """Whether the compiled softmax step adds the ALiBi bias (its signed form)."""
+        alibi = self._alibi
+        return alibi is not None and alibi.compiled
 
     @property
     def changes_scores(self) -> bool:

@@ -85,6 +85,7 @@ _BAND = frozenset(
         "visibility.window",
         "visibility.causal_offset",
         "visibility.offsets",
+        "visibility.ahead",
         "visibility.key_lengths",
         "visibility.query_lengths",
         # the positions, which only what the walk refuses reads (chunks, mask_mod, ALiBi)
@@ -318,11 +319,13 @@ def band_of(
             values = np.broadcast_to(values, batch_shape)
         return np.asarray(values).reshape(B).astype(np.int64)
 
-    window = NO_WINDOW if visibility.window is None else int(visibility.window)
+    ahead = visibility.ahead  # a right window: the causal bound moved, the window widened
+    window = NO_WINDOW if visibility.window is None else int(visibility.window) + ahead
+    offsets = per_sequence(visibility.offsets, visibility.causal_offset)
     return (
         bool(visibility.causal),
         window,
-        per_sequence(visibility.offsets, visibility.causal_offset),
+        offsets + ahead if ahead else offsets,
         per_sequence(visibility.key_lengths, S),
         per_sequence(visibility.query_lengths, L),
     )

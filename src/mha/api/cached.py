@@ -208,6 +208,12 @@ def _refuse_by_position(cache: Any, rules: MaskRules, arrays: MaskArrays) -> Non
             f"{' and '.join(by_position)} with cache= index keys by position, but a cache "
             f"with a window drops old positions, so its slots are not positions: {cache!r}"
         )
+    if rules.ahead:  # (0: causal, as a cache's call is)
+        raise AttentionValueError(
+            f"window=(left, right) with cache=: the right side ({rules.ahead} keys after each "
+            "query) is not available with a cache, whose new tokens attend causally; give "
+            "window=left + 1, or call without the cache"
+        )
     if rules.causal is False and (cache.window is not None or rules.window is not None):
         raise AttentionValueError(
             "causal=False (or mask=False) with cache= attends to every cached key and every "

@@ -270,7 +270,7 @@ def check_layer(
     scale = resolve_scale(spec.scale, d_k, compute_dtype, f"W_q {weights.W_q.shape}")
     if (request.backward or spec.dropout_p) and inputs.cache is not None:
         raise AttentionValueError("return_backward and dropout are not available with cache=")
-    scores = spec.scores.fit(H, request.backward)
+    scores = spec.scores.fit(H, request.backward, tuple(B))
     _refuse_positional_with_extra_keys(weights, spec, scores)
     sizes = (H, d_k, S, weights.W_q.shape)
     rotary, q_positions, k_positions = _rotary(spec, inputs, Q, sizes, nq)

@@ -27,7 +27,7 @@ from .qk_norm import check_offset
 from .rope_scaling import check_base, check_rope_scaling
 from .rotary import check_rotary_options, positive_real
 from .v_norm import check_v_norm
-from .variants import alibi_slopes, check_query_temperature, check_scores
+from .variants import SymmetricAlibi, alibi_slopes, check_query_temperature, check_scores
 
 if TYPE_CHECKING:
     from typing import Self
@@ -255,6 +255,12 @@ class Configuration:
                 "sink_tokens keeps the first positions beside a sliding window: give window= too"
             )
         self.chunk = None if chunk is None else positive_int("chunk", chunk)
+        if isinstance(spec.alibi, SymmetricAlibi):
+            raise AttentionValueError(
+                "alibi=symmetric_alibi(...) is a call's (scaled_dot_product_attention, "
+                "paged_attention, ...): a layer's ALiBi is BLOOM's and MPT's, alibi=True or "
+                "its slopes"
+            )
         scores = check_scores(
             sinks=None,
             softcap=spec.softcap,

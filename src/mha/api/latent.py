@@ -33,11 +33,13 @@ from .cache import KVCache
 from .checks import check_mask_argument, random_generator
 from .configuration import float_dtype
 from .gates import check_gate_activation
+from .latent_cache import latent_cache, latent_paged_cache
 from .latent_math import LatentPlan, latent_forward
 from .latent_spec import LatentSpec
+from .paged_cache import PagedKVCache
 from .rotary import check_positions, check_rotary_options, positive_real
 from .signatures import Backward, Flag
-from .sparse import INDEXER_WEIGHTS, IndexerSpec, SparseKVCache, check_shared_choice
+from .sparse import INDEXER_WEIGHTS, IndexerSpec, check_shared_choice
 from .variants import check_query_temperature
 
 __all__ = ["LatentAttention", "LatentSpec"]
@@ -317,21 +319,24 @@ class LatentAttention:
     @overload
     def forward(
         self, x: Any, mask: Any = ..., *, causal: Flag = ..., positions: Any = ...,
-        cache: KVCache | None = ..., query_lengths: Any = ..., key_lengths: Any = ...,
+        cache: KVCache | PagedKVCache | None = ..., query_lengths: Any = ...,
+        key_lengths: Any = ...,
         return_backward: Literal[False] = ..., max_memory: SupportsIndex | None = ...,
         workers: SupportsIndex | None = ...,
     ) -> np.ndarray: ...
     @overload
     def forward(
         self, x: Any, mask: Any = ..., *, causal: Flag = ..., positions: Any = ...,
-        cache: KVCache | None = ..., query_lengths: Any = ..., key_lengths: Any = ...,
+        cache: KVCache | PagedKVCache | None = ..., query_lengths: Any = ...,
+        key_lengths: Any = ...,
         return_backward: Literal[True], max_memory: SupportsIndex | None = ...,
         workers: SupportsIndex | None = ...,
     ) -> tuple[np.ndarray, Backward]: ...
     @overload
     def forward(
         self, x: Any, mask: Any = ..., *, causal: Flag = ..., positions: Any = ...,
-        cache: KVCache | None = ..., query_lengths: Any = ..., key_lengths: Any = ...,
+        cache: KVCache | PagedKVCache | None = ..., query_lengths: Any = ...,
+        key_lengths: Any = ...,
         return_backward: Flag = ..., max_memory: SupportsIndex | None = ...,
         workers: SupportsIndex | None = ...,
     ) -> np.ndarray | tuple[np.ndarray, Backward]: ...
@@ -344,7 +349,7 @@ class LatentAttention:
         *,
         causal: Flag | None = None,
         positions: Any = None,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
         query_lengths: Any = None,
         key_lengths: Any = None,
         return_backward: Flag = False,
@@ -360,7 +365,8 @@ class LatentAttention:
         head, or ``(B, H, L, L)``). ``causal``, ``query_lengths`` and ``key_lengths`` (one
         per sequence) combine with it by AND. ``positions`` (``(L,)`` or ``(B, L)``,
         default ``0..L-1``) place the tokens for the rotary embedding. ``cache`` (from
-        :meth:`new_cache`) makes ``x`` the next tokens of each sequence: their latents and
+        :meth:`new_cache`, or a paged one from :meth:`new_paged_cache`) makes ``x`` the next
+        tokens of each sequence: their latents and
         rotary keys are appended, at the cache's positions, and they attend causally over
         everything cached (with ``query_lengths``, only the first ``query_lengths[b]`` rows
         of sequence ``b`` are real tokens). ``return_backward=True`` adds ``backward``, a
@@ -419,7 +425,11 @@ class LatentAttention:
         return result if backward is None else (result, backward)
 
     def _positions(
-        self, x: np.ndarray, positions: Any, cache: KVCache | None, want_backward: bool
+        self,
+        x: np.ndarray,
+        positions: Any,
+        cache: KVCache | PagedKVCache | None,
+        want_backward: bool,
     ) -> np.ndarray:
         """Where the tokens of ``x`` sit: the cache's next positions, ``positions`` (checked),
         or ``0..L-1``; what a cached call cannot take is refused."""
@@ -447,8 +457,15 @@ class LatentAttention:
         ]
         if refused:
             raise AttentionValueError(f"cache= cannot be combined with {'; '.join(refused)}")
-        if not isinstance(cache, KVCache):
-            raise AttentionTypeError(f"cache must be an mha.KVCache; got {type(cache).__name__}")
+        if not isinstance(cache, (KVCache, PagedKVCache)):
+            raise AttentionTypeError(
+                f"cache must be an mha.KVCache or mha.PagedKVCache; got {type(cache).__name__}"
+            )
+        if isinstance(cache, PagedKVCache) and self.indexer is not None:
+            raise AttentionTypeError(
+                "this layer's indexer keeps its keys in the cache of new_cache(); a "
+                f"PagedKVCache cannot hold them ({cache!r})"
+            )
         if cache.batch_size != x.shape[0]:
             raise ShapeError(
                 f"x has {x.shape[0]} sequences but the cache holds {cache.batch_size}: "
@@ -475,16 +492,30 @@ class LatentAttention:
         >>> cache.k.shape, cache.v.shape, bool(np.shares_memory(cache.k, cache.v))
         ((3, 1, 32, 10), (3, 1, 32, 8), True)
         """
-        shape = (batch_size, 1, self.kv_lora_rank + self.qk_rope_head_dim)
-        keywords: dict[str, Any] = {
-            "value_dim": self.kv_lora_rank,
-            "values_in_keys": True,
-            "capacity": capacity,
-            "dtype": self.dtype if dtype is None else dtype,
-        }
-        if self.indexer is not None:
-            return SparseKVCache(*shape, index_head_dim=self.indexer.head_dim, **keywords)
-        return KVCache(*shape, **keywords)
+        return latent_cache(self, batch_size, capacity, dtype)
+
+    def new_paged_cache(
+        self, num_blocks: int, block_size: int, dtype: Any = None, **options: Any
+    ) -> PagedKVCache:
+        """An empty :class:`mha.PagedKVCache` of the latent, ``num_blocks`` blocks of
+        ``block_size`` positions (sequences added, forked and released on it, as for
+        :class:`mha.MultiHeadAttention`): each token's ``kv_lora_rank + qk_rope_head_dim``
+        numbers in the key pool, its first ``kv_lora_rank`` (the values) in the value pool
+        (1.8x the contiguous cache's bytes at DeepSeek's 512 + 64). ``dtype`` as
+        :meth:`new_cache`; ``options``: the paged cache's (``quantize=``, ...). Not with an
+        indexer, whose keys live in :meth:`new_cache`'s cache.
+
+        >>> import numpy as np
+        >>> from mha import LatentAttention
+        >>> attention = LatentAttention(16, 2, kv_lora_rank=8, qk_nope_head_dim=4,
+        ...                             qk_rope_head_dim=2, v_head_dim=4, seed=0)
+        >>> cache = attention.new_paged_cache(num_blocks=16, block_size=4)
+        >>> cache.add("prompt")
+        >>> out = attention(np.ones((1, 6, 16)), cache=cache)
+        >>> cache.lengths
+        array([6])
+        """
+        return latent_paged_cache(self, num_blocks, block_size, dtype, options)
 
     def parameters(self) -> dict[str, np.ndarray]:
         """The weights an optimiser updates, by attribute name: the arrays themselves (update

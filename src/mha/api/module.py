@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, overload
 import numpy as np
 
 from .._arrays import as_float_array, flag, positive_int
+from .._kernel.contract import window_sides
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .cache import KVCache
 from .checks import (
@@ -271,7 +272,7 @@ class MultiHeadAttention(Layouts):
         key_lengths: Any = None,
         query_lengths: Any = None,
         bias: Any = None,
-        window: SupportsIndex | None = None,
+        window: SupportsIndex | tuple[int, int] | None = None,
         scale: float | None = None,
         return_weights: Flag = False,
         positions: Any = None,
@@ -411,9 +412,10 @@ class MultiHeadAttention(Layouts):
                     f"{label}={width} ({name} {array.shape})"
                 )
         if window is not None:
-            window = positive_int("window", window)
+            before, ahead = window_sides(window)  # (an int, or FlashAttention's pair)
             if self.window is not None:  # both windows hide keys: the narrower one counts
-                window = min(window, self.window)
+                before = self.window if before is None else min(before, self.window)
+            window = before if ahead is None else (-1 if before is None else before - 1, ahead)
         held = getattr(cache, "window", None)
         if held is not None and window is None and self.window is None:
             raise AttentionValueError(  # the layer attends to every key: its cache must keep them

@@ -27,7 +27,7 @@ from .._kernel.team import Team, workers_for
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .checks import kv_heads
 from .spec import AttentionSpec, Request, ScoreRules
-from .split_heads import check_lse_base, in_base_2, merge_attention
+from .split_heads import merge_attention
 
 __all__ = ["cascade_attention", "paged_attention"]
 
@@ -40,7 +40,7 @@ def paged_attention(
     seq_lens: Any,
     *,
     causal: bool = False,
-    window: int | None = None,
+    window: int | tuple[int, int] | None = None,
     scale: float | None = None,
     softcap: float | None = None,
     sinks: Any = None,
@@ -72,7 +72,8 @@ def paged_attention(
     * ``causal``: query ``i`` sees key ``j`` only if ``j <= i + seq_lens[b] - L``
       (bottom-right, as FlashAttention aligns it); ``window``: and only if ``i +
       seq_lens[b] - L - j < window`` (with ``causal``, FlashAttention's
-      ``window_size=(window - 1, 0)``; without, keys after a query stay visible).
+      ``window_size=(window - 1, 0)``; without, keys after a query stay visible), or
+      ``window=(left, right)``, FlashAttention's ``window_size`` itself.
     * ``scale`` (default ``1/sqrt(d_k)``), ``softcap`` (Gemma 2's ``softcap *
       tanh(s / softcap)``), ``sinks (H,)`` (gpt-oss's per-head logits), ``alibi`` (``True``
       or slopes ``(H,)``: ``-slope * (i + seq_lens[b] - L - j)``), ``mask_mod`` and
@@ -110,16 +111,15 @@ def paged_attention(
     """
     rules = MaskRules.check(None, causal, None, window, None, None, mask_mod)
     spec = AttentionSpec(rules, ScoreRules(sinks, softcap, alibi, score_mod), scale)
-    request = Request.check(False, return_lse, False, max_memory, workers)
+    request = Request.check(False, return_lse, False, max_memory, workers, lse_base)
     pools, tables = (key_cache, value_cache), (block_table, seq_lens)
-    base2 = check_lse_base(lse_base, return_lse)
     if cu_seqlens_q is None:
         result = _paged(q, pools, tables, spec, request)
     else:
         result = _packed(q, cu_seqlens_q, pools, tables, spec, request)
-    if base2:
+    if request.lse_base2:
         out, lse = result
-        return out, in_base_2(lse)
+        return out, request.returned_lse(lse)
     return result
 
 
@@ -170,7 +170,7 @@ def _paged(
     table, lengths = _table_and_lengths(*tables, B, num_blocks, block_size, source)
     result_dtype, compute_dtype = result_and_compute_dtypes(q, key_cache, value_cache)
     scale = resolve_scale(spec.scale, d_k, compute_dtype)
-    scores = spec.scores.fit(H, want_backward=False)
+    scores = spec.scores.fit(H, want_backward=False, batch_shape=(B,))
     S = max(int(lengths.max(initial=0)), 1)
     first = lengths - (L if counts is None else counts)  # each sequence's first new position
     cached = CachedPositions(first, first, np.zeros(B, np.int64))
@@ -287,7 +287,7 @@ def cascade_attention(
     seq_lens: Any,
     *,
     causal: bool = False,
-    window: int | None = None,
+    window: int | tuple[int, int] | None = None,
     scale: float | None = None,
     softcap: float | None = None,
     sinks: Any = None,
@@ -345,7 +345,7 @@ def cascade_attention(
         )
     prefix = _prefix(prefix_blocks, prefix_len, *pool.shape[:2])
     n = int(prefix_len)
-    base2 = check_lse_base(lse_base, return_lse)
+    asked = Request.check(False, return_lse, False, max_memory, workers, lse_base)
     if packed:
         queries, counts, rows = _padded_queries(q, cu_seqlens_q)
     else:
@@ -401,9 +401,7 @@ def cascade_attention(
     result = out.transpose(heads_first)
     if packed:
         result, lse = result[rows], np.ascontiguousarray(lse.transpose(1, 0, 2)[:, rows])
-    if not flag("return_lse", return_lse):
-        return result
-    return result, in_base_2(lse) if base2 else lse
+    return (result, asked.returned_lse(lse)) if asked.lse else result
 
 
 def _padded_queries(q: np.ndarray, cu_seqlens_q: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -124,7 +124,7 @@ def _plan(q: np.ndarray, k: np.ndarray, v: np.ndarray, checked: Checked) -> _Pla
     spec, given, request = checked.spec, checked.given, checked.request
     q, k, v, _, dtype = checked_heads(q, k, v)
     factor = resolve_scale(spec.scale, q.shape[-1], dtype)
-    if spec.scores.fit(q.shape[-3], False) is not None or spec.dropout_p:
+    if spec.scores.fit(q.shape[-3], False, q.shape[:-3]) is not None or spec.dropout_p:
         return None  # changes to the scores (sinks too) and dropout: the unplanned path
     shape = ScoreShape(q.shape[:-3], q.shape[-3], q.shape[-2], k.shape[-2])
     visibility = Visibility.build(

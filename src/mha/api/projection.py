@@ -119,7 +119,7 @@ def multi_head_attention(
     bias_v: Any = None,
     add_zero_attn: Flag = False,
     num_kv_heads: SupportsIndex | None = None,
-    window: SupportsIndex | None = None,
+    window: SupportsIndex | tuple[int, int] | None = None,
     sink_tokens: SupportsIndex | None = None,
     chunk: SupportsIndex | None = None,
     mask_mod: MaskMod | None = None,
@@ -194,7 +194,9 @@ def multi_head_attention(
       attention; ``W_k`` and ``W_v`` are then ``H_kv*d_k`` and ``H_kv*d_v`` wide, and query
       head ``h`` uses key/value head ``h // (H // H_kv)``. Default ``num_heads``.
     * ``window``: a sliding window (transformers' ``sliding_window``): query ``i`` sees key
-      ``j`` only if ``(i + offset) - j < window``, ``offset`` the causal alignment's.
+      ``j`` only if ``(i + offset) - j < window``, ``offset`` the causal alignment's; or
+      ``window=(left, right)``, FlashAttention's ``window_size`` on both sides, as in
+      :func:`scaled_dot_product_attention`.
     * ``sink_tokens``, ``chunk``, ``mask_mod``, ``sinks``, ``softcap``, ``alibi``,
       ``score_mod``, ``score_mod_grad``, ``query_temperature``: the variants of today's
       models, as in :func:`scaled_dot_product_attention` (docs/variants.md); ``backward``

@@ -38,7 +38,7 @@ class _Keywords(TypedDict, total=False):
     key_lengths: Any
     query_lengths: Any
     bias: Any
-    window: SupportsIndex | None
+    window: SupportsIndex | tuple[int, int] | None
     mask_mod: MaskMod | None
     score_mod: ScoreMod | None
     score_mod_grad: ScoreMod | None

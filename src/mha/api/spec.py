@@ -92,6 +92,7 @@ class SdpaKeywords(NamedTuple):
     padding_side: Any = None
     max_memory: Any = None
     workers: Any = None
+    lse_base: Any = None
 
 
 class MhaKeywords(NamedTuple):
@@ -155,9 +156,12 @@ class ScoreRules:
     score_mod_grad: Any = None
     temperature: Any = None  # query_temperature: (beta, floor) or (beta, floor, offset)
 
-    def fit(self, H: int, want_backward: bool) -> Scores | None:
-        """The kernel's :class:`~mha._kernel.scores.Scores` for ``H`` query heads, checked
-        (``None`` when the call changes nothing)."""
+    def fit(
+        self, H: int, want_backward: bool, batch_shape: tuple[int, ...] | None = None
+    ) -> Scores | None:
+        """The kernel's :class:`~mha._kernel.scores.Scores` for ``H`` query heads and the
+        call's ``batch_shape`` (each sequence's ALiBi slopes have it), checked (``None``
+        when the call changes nothing)."""
         return check_scores(
             sinks=self.sinks,
             softcap=self.softcap,
@@ -167,6 +171,7 @@ class ScoreRules:
             H=H,
             want_backward=want_backward,
             temperature=self.temperature,
+            batch_shape=batch_shape,
         )
 
     @functools.cached_property
@@ -284,19 +289,51 @@ class Request:
     backward: bool = False
     budget: int = DEFAULT_MAX_MEMORY
     threads: int | None = None
+    lse_base2: bool = False  # the returned log-sum-exp in base 2 (FlashInfer's)
 
     @classmethod
-    def check(cls, weights: Any, lse: Any, backward: Any, budget: Any, threads: Any) -> Request:
+    def check(
+        cls,
+        weights: Any,
+        lse: Any,
+        backward: Any,
+        budget: Any,
+        threads: Any,
+        lse_base: Any = None,
+    ) -> Request:
         """The flags and the kernel's keywords, checked."""
         want_weights = flag("return_weights", weights)
         budget, threads = kernel_options(budget, threads)
+        want_lse = flag("return_lse", lse)
         return cls(
             want_weights,
-            flag("return_lse", lse),
+            want_lse,
             flag("return_backward", backward),
             budget,
             threads,
+            check_lse_base(lse_base, want_lse),
         )
+
+    def returned_lse(self, lse: Any) -> Any:
+        """A natural log-sum-exp in the base asked for (divided by ``ln 2`` for base 2, the
+        inverse of :func:`mha.merge_attention`'s reading of ``base=2``)."""
+        return lse / np.log(2.0) if self.lse_base2 else lse
+
+
+def check_lse_base(lse_base: Any, return_lse: bool) -> bool:
+    """Whether ``lse_base`` asks the log-sum-exp in base 2: ``None`` (natural) or 2, and
+    only with ``return_lse``."""
+    if lse_base is None:
+        return False
+    if isinstance(lse_base, (bool, np.bool_)) or lse_base not in (2, 2.0):
+        raise AttentionValueError(
+            f"lse_base must be None (natural logarithms) or 2 (FlashInfer's); got {lse_base!r}"
+        )
+    if not return_lse:
+        raise AttentionValueError(
+            "lse_base=2 is the base of the returned log-sum-exp: give return_lse=True with it"
+        )
+    return True
 
 
 class Checked(NamedTuple):
@@ -318,14 +355,17 @@ def check_sdpa(keywords: SdpaKeywords) -> Checked:
 
 def _check_sdpa(kw: SdpaKeywords) -> Checked:
     request = Request.check(
-        kw.return_weights, kw.return_lse, kw.return_backward, kw.max_memory, kw.workers
-    )
+        kw.return_weights, kw.return_lse, kw.return_backward, kw.max_memory, kw.workers,
+        kw.lse_base,
+    )  # fmt: skip
     window = kw.window
     if window is None and kw.cache is not None:  # the cache's, unless the call names one
         window = getattr(kw.cache, "window", None)
+    placed = (kw.alibi is not None and kw.alibi is not False) or kw.query_temperature is not None
     rules = MaskRules.check(
-        kw.mask, kw.causal, kw.causal_alignment, window, kw.sink_tokens, kw.chunk, kw.mask_mod
-    )
+        kw.mask, kw.causal, kw.causal_alignment, window, kw.sink_tokens, kw.chunk, kw.mask_mod,
+        placed,
+    )  # fmt: skip
     arrays = MaskArrays.of(kw.mask, kw.bias, kw.key_lengths, kw.query_lengths)
     drop_p = check_dropout(kw.dropout_p, kw.generator)
     scores = ScoreRules(
@@ -391,9 +431,11 @@ def _check_mha(kw: MhaKeywords) -> Checked:
     window = kw.window
     if window is None and kw.cache is not None:  # the cache's, as the core takes it
         window = getattr(kw.cache, "window", None)
+    placed = (kw.alibi is not None and kw.alibi is not False) or kw.query_temperature is not None
     rules = MaskRules.check(
-        kw.mask, kw.causal, kw.causal_alignment, window, kw.sink_tokens, kw.chunk, kw.mask_mod
-    )
+        kw.mask, kw.causal, kw.causal_alignment, window, kw.sink_tokens, kw.chunk, kw.mask_mod,
+        placed,
+    )  # fmt: skip
     arrays = MaskArrays.of(kw.mask, kw.bias, kw.key_lengths, kw.query_lengths)
     drop_p = check_dropout(kw.dropout_p, kw.generator)
     scores = ScoreRules(

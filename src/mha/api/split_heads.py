@@ -112,7 +112,7 @@ def scaled_dot_product_attention(
     key_lengths: Any = None,
     query_lengths: Any = None,
     bias: Any = None,
-    window: SupportsIndex | None = None,
+    window: SupportsIndex | tuple[int, int] | None = None,
     sink_tokens: SupportsIndex | None = None,
     chunk: SupportsIndex | None = None,
     mask_mod: MaskMod | None = None,
@@ -161,6 +161,9 @@ def scaled_dot_product_attention(
     * ``window``: a sliding window: query ``i`` sees key ``j`` only if
       ``(i + offset) - j < window``, ``offset`` being the causal alignment's (``S - L``, or
       0 for top-left). Tiles outside the band are skipped: time O(L·window), not O(L·S).
+      A pair ``window=(left, right)`` bounds both sides, FlashAttention's ``window_size``:
+      ``i + offset - left <= j <= i + offset + right``, ``-1`` leaving a side unbounded
+      (``window=w`` is ``(w - 1, -1)``; with ``causal`` the right side is 0).
     * ``sink_tokens``, ``chunk``, ``mask_mod``: StreamingLLM's sink tokens beside the
       window, Llama 4's chunks and FlexAttention's mask functions, in the mask contract
       (:mod:`mha._kernel.contract`); ``sinks``, ``softcap``, ``alibi``, ``score_mod`` and
@@ -223,37 +226,16 @@ def scaled_dot_product_attention(
         mask, causal, causal_alignment, key_lengths, query_lengths, bias, window, sink_tokens,
         chunk, mask_mod, sinks, softcap, alibi, score_mod, score_mod_grad, query_temperature,
         scale, return_weights, return_lse, return_backward, dropout_p, generator, cache,
-        padding_side, max_memory, workers,
+        padding_side, max_memory, workers, lse_base,
     )  # fmt: skip
-    base2 = check_lse_base(lse_base, return_lse)
-    result = attention(q, k, v, check_sdpa(keywords))
-    if not base2:
+    checked = check_sdpa(keywords)
+    result = attention(q, k, v, checked)
+    if not checked.request.lse_base2:
         return result
     at = 2 if return_weights else 1  # (out, weights?, lse, backward?)
     parts = list(result)
-    parts[at] = in_base_2(parts[at])
+    parts[at] = checked.request.returned_lse(parts[at])
     return tuple(parts)
-
-
-def check_lse_base(lse_base: Any, return_lse: Any) -> bool:
-    """Whether ``lse_base`` asks the log-sum-exp in base 2: ``None`` (natural) or 2, and
-    only with ``return_lse``."""
-    if lse_base is None:
-        return False
-    if isinstance(lse_base, (bool, np.bool_)) or lse_base not in (2, 2.0):
-        raise AttentionValueError(
-            f"lse_base must be None (natural logarithms) or 2 (FlashInfer's); got {lse_base!r}"
-        )
-    if not (isinstance(return_lse, (bool, np.bool_)) and return_lse):
-        raise AttentionValueError(
-            "lse_base=2 is the base of the returned log-sum-exp: give return_lse=True with it"
-        )
-    return True
-
-
-def in_base_2(lse: Any) -> Any:
-    """A natural log-sum-exp in base 2 (the inverse of :func:`merge_attention`'s reading)."""
-    return lse / np.log(2.0)
 
 
 def attention(q: Any, k: Any, v: Any, checked: Checked) -> np.ndarray | tuple[Any, ...]:
@@ -266,7 +248,7 @@ def attention(q: Any, k: Any, v: Any, checked: Checked) -> np.ndarray | tuple[An
     spec, given, request = checked.spec, checked.given, checked.request
     q, k, v, result_dtype, compute_dtype = checked_heads(q, k, v)
     scale = resolve_scale(spec.scale, q.shape[-1], compute_dtype)
-    scores = spec.scores.fit(q.shape[-3], request.backward)
+    scores = spec.scores.fit(q.shape[-3], request.backward, q.shape[:-3])
     if given.cache is not None:
         if spec.selection is not None:
             raise AttentionValueError("a selection of keys is not available with cache= yet")

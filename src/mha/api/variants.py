@@ -7,6 +7,7 @@ checked here into the kernel's :class:`~mha._kernel.scores.Scores`; sink tokens,
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,40 @@ from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .relative_bias import RelativeBias, check_relative_bias
 from .rotary import positive_real
 
-__all__ = ["alibi_slopes", "check_query_temperature", "check_scores"]
+__all__ = [
+    "SymmetricAlibi",
+    "alibi_slopes",
+    "check_query_temperature",
+    "check_scores",
+    "symmetric_alibi",
+]
+
+
+@dataclass(frozen=True)
+class SymmetricAlibi:
+    """ALiBi's symmetric form, ``-slope_h * |position_i - position_j|``, as ``alibi=``
+    takes it (:func:`symmetric_alibi`): ``slopes`` ``True`` (:func:`alibi_slopes`),
+    ``(H,)``, or one row per sequence ``(*batch, H)``."""
+
+    slopes: Any = True
+
+
+def symmetric_alibi(slopes: Any = True) -> SymmetricAlibi:
+    """ALiBi with the distance on both sides, ``-slope_h * |position_i - position_j|``
+    (FlashAttention's ALiBi for a call whose queries see keys after them, MosaicBERT's):
+    give it as ``alibi=symmetric_alibi(slopes)`` to a call. The default ``alibi=slopes``
+    adds ``-slope_h * (position_i - position_j)``, the same for the keys at or before each
+    query (every causal call), and a growing bonus for keys after it. ``slopes``: ``True``
+    for :func:`alibi_slopes` of the call's heads, ``(H,)``, or ``(*batch, H)``, each
+    sequence's own (FlashAttention's ``(batch, nheads)``).
+
+    >>> import numpy as np, mha
+    >>> q = k = v = np.eye(3)[None, None]            # one head, 3 positions
+    >>> both = mha.scaled_dot_product_attention(q, k, v, alibi=mha.symmetric_alibi([1.0]))
+    >>> both[0, 0, 1].round(3)                         # keys 0 and 2 equally far from 1
+    array([0.146, 0.708, 0.146])
+    """
+    return SymmetricAlibi(slopes)
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -60,17 +94,22 @@ def check_scores(
     H: int,
     want_backward: bool,
     temperature: Any = None,
+    batch_shape: tuple[int, ...] | None = None,
 ) -> Scores | None:
     """The call's changes to the scores, checked (``None`` when it has none). The arrays
     are copied: a caller changing theirs later changes nothing here. ``temperature`` is the
-    keyword ``query_temperature`` (:func:`check_query_temperature`)."""
+    keyword ``query_temperature`` (:func:`check_query_temperature`); ``batch_shape``: the
+    call's batch axes, which ALiBi slopes of each sequence ``(*batch, H)`` must have
+    (``None``: a layer's own variants, one slope per head)."""
     sink_logits = None if sinks is None else _per_head("sinks", sinks, H, "one logit")
     cap = None if softcap is None else positive_real("softcap", softcap)
+    symmetric = isinstance(alibi, SymmetricAlibi)
+    given = alibi.slopes if isinstance(alibi, SymmetricAlibi) else alibi
     slopes = None
-    if isinstance(alibi, (bool, np.bool_)):
-        slopes = (alibi_slopes(H) if H else np.zeros(0)) if alibi else None  # 0 heads: none
-    elif alibi is not None:
-        slopes = _per_head("alibi", alibi, H, "one slope")
+    if isinstance(given, (bool, np.bool_)):
+        slopes = (alibi_slopes(H) if H else np.zeros(0)) if given else None  # 0 heads: none
+    elif given is not None:
+        slopes = _slopes(given, H, batch_shape)
     relative = None
     if isinstance(score_mod, RelativeBias):  # a learned relative-position bias
         relative, score_mod = check_relative_bias(score_mod, H), None
@@ -91,7 +130,7 @@ def check_scores(
     if score_mod is not None:
         transforms.append(ScoreMod(score_mod, score_mod_grad))
     if slopes is not None:
-        transforms.append(Alibi(slopes))
+        transforms.append(Alibi(slopes, symmetric))
     if relative is not None:  # last: its gradient is the final scores'
         transforms.append(relative)
     folded = None if temperature is None else check_query_temperature(temperature)
@@ -138,6 +177,22 @@ def check_query_temperature(value: Any) -> QueryTemperature:
             f"positive at every position p >= 0); got {value!r}"
         )
     return QueryTemperature(float(beta), floor, float(offset), str(law))
+
+
+def _slopes(value: Any, H: int, batch_shape: tuple[int, ...] | None) -> np.ndarray:
+    """ALiBi's slopes ``(H,)``, or each sequence's ``(*batch, H)`` flattened to
+    ``(sequences, H)``."""
+    array = as_float_array("alibi", value)
+    if array.ndim <= 1 or batch_shape is None:
+        return _per_head("alibi", array, H, "one slope")
+    if array.shape != (*batch_shape, H):
+        raise ShapeError(
+            f"alibi must hold one slope per query head, shape ({H},), or one row of them per "
+            f"sequence, shape {(*batch_shape, H)}; got shape {array.shape}"
+        )
+    if not np.isfinite(array).all():
+        raise AttentionValueError(f"alibi must be finite; got {array!r}")
+    return np.array(array.reshape(-1, H), dtype=np.float64)
 
 
 def _per_head(name: str, value: Any, H: int, what: str) -> np.ndarray:

@@ -37,6 +37,7 @@ import numpy as np
 
 from .._arrays import as_array, as_float_array, flag, non_negative_int
 from ..api.split_heads import scaled_dot_product_attention
+from ..api.variants import symmetric_alibi
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func"]
@@ -323,7 +324,6 @@ def attend_heads(
     :func:`flash_options`: ``(out,)``; with ``probabilities`` ``(out, lse, weights)``, with
     ``lse_only`` ``(out, lse)``; the lse ``+inf`` where a row sees no key."""
     query_lengths, key_lengths = lengths
-    offsets = key_lengths - query_lengths  # each sequence's bottom-right alignment
     left, right, slopes = options["left"], options["right"], options["slopes"]
     keywords: dict[str, Any] = {
         "key_lengths": key_lengths,
@@ -331,29 +331,12 @@ def attend_heads(
         "scale": scale,
         "softcap": options["softcap"],
     }
-    if right == 0:  # causal, and the window's left side
-        keywords["causal"] = True
-    if left is not None:
-        keywords["window"] = left + 1  # (i + offset) - j < left + 1
-    if right == 0 or left is not None:
+    if left is not None or right is not None:  # the window's sides (right 0: causal)
+        keywords["window"] = (-1 if left is None else left, -1 if right is None else right)
+    if left is not None or right is not None or slopes is not None:  # (ALiBi's positions too)
         keywords["causal_alignment"] = "bottom_right_per_sequence"
-    if right is not None and right > 0:  # keys up to `right` after the query's own
-
-        def ahead(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            return kv_idx <= q_idx + offsets[b] + right
-
-        keywords["mask_mod"] = ahead
-    if slopes is not None:
-        if right == 0 and slopes.ndim == 1:  # the visible keys are at or before the query's
-            keywords["alibi"] = slopes
-        else:
-            per_sequence = np.broadcast_to(slopes, (len(offsets), slopes.shape[-1]))
-
-            def alibi(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-                distance = np.abs(q_idx + offsets[b] - kv_idx)
-                return score - (per_sequence[b, h] * distance).astype(score.dtype)
-
-            keywords["score_mod"] = alibi
+    if slopes is not None:  # FlashAttention's ALiBi: the distance on both sides
+        keywords["alibi"] = symmetric_alibi(slopes)
     if not probabilities and not lse_only:
         return (scaled_dot_product_attention(q, k, v, **keywords),)
     if lse_only:

@@ -36,7 +36,6 @@ from ..._kernel.contract import ScoreShape, Visibility
 from ...api import checks
 from ...api.checks import LayerArrays, LayerWeights, check_layer
 from ...api.spec import Checked, MhaKeywords, SdpaKeywords, check_mha, check_sdpa
-from ...api.split_heads import check_lse_base, in_base_2
 from ...errors import AttentionValueError
 from .arrays import import_dask, lazy_or_array, small, standin
 from .build import Lazy, MhaGraph, SdpaGraph
@@ -59,7 +58,7 @@ def scaled_dot_product_attention(
     key_lengths: Any = None,
     query_lengths: Any = None,
     bias: Any = None,
-    window: int | None = None,
+    window: int | tuple[int, int] | None = None,
     sink_tokens: int | None = None,
     chunk: int | None = None,
     mask_mod: Any = None,
@@ -79,8 +78,8 @@ def scaled_dot_product_attention(
     padding_side: str | None = None,
     max_memory: int | None = None,
     workers: int | None = 1,
-    split_every: int = SPLIT_EVERY,
     lse_base: float | None = None,
+    split_every: int = SPLIT_EVERY,
 ) -> Any:
     """:func:`mha.scaled_dot_product_attention` over ``dask.array`` inputs, lazily.
 
@@ -118,13 +117,13 @@ def scaled_dot_product_attention(
         small("query_lengths", query_lengths), None, window, sink_tokens, chunk, mask_mod, sinks,
         softcap, alibi, score_mod, score_mod_grad, query_temperature, scale, return_weights,
         return_lse, return_backward, dropout_p, generator, cache, padding_side, max_memory,
-        workers,
+        workers, lse_base,
     )  # fmt: skip
-    base2 = check_lse_base(lse_base, return_lse)
-    result = _sdpa(lazy, check_sdpa(keywords), (mask, bias), split_every, da)
-    if base2:
+    checked = check_sdpa(keywords)
+    result = _sdpa(lazy, checked, (mask, bias), split_every, da)
+    if checked.request.lse_base2:
         out, lse = result
-        return out, in_base_2(lse)
+        return out, checked.request.returned_lse(lse)
     return result
 
 
@@ -141,7 +140,7 @@ def _sdpa(
     visibility = Visibility.build(
         spec.mask, checked.given.arrays, shape, compute_dtype, f"q {sq.shape}, k {sk.shape}"
     )
-    scores = spec.scores.fit(shape.H, want_backward=False)
+    scores = spec.scores.fit(shape.H, want_backward=False, batch_shape=shape.batch_shape)
     batched = len(shape.batch_shape) > 0
     arrays = {name: x if batched else x[None] for name, x in lazy.items()}
     graph = SdpaGraph(
@@ -182,7 +181,7 @@ def multi_head_attention(
     bias_v: Any = None,
     add_zero_attn: bool = False,
     num_kv_heads: int | None = None,
-    window: int | None = None,
+    window: int | tuple[int, int] | None = None,
     sink_tokens: int | None = None,
     chunk: int | None = None,
     mask_mod: Any = None,
