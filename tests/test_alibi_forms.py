@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 import pytest
+from support.flash import relative
 
 import mha
 from mha._kernel import compiled
@@ -36,7 +37,7 @@ def dense(q, k, v, slopes, *, symmetric, causal, offset=None):
 @pytest.mark.parametrize("walk", ["default", "numpy"])
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_per_sequence_and_symmetric_slopes(causal, symmetric, walk, monkeypatch):
+def test_per_sequence_and_symmetric_slopes(causal, symmetric, walk, monkeypatch, record_error):
     if walk == "numpy":
         monkeypatch.setattr(compiled, "walk_available", lambda: False)
     rng = np.random.default_rng(int(causal) * 2 + int(symmetric))
@@ -47,6 +48,10 @@ def test_per_sequence_and_symmetric_slopes(causal, symmetric, walk, monkeypatch)
     out = mha.scaled_dot_product_attention(q, k, v, causal=causal, alibi=alibi)
     want = dense(q, k, v, slopes, symmetric=symmetric, causal=causal)
     np.testing.assert_allclose(out, want, rtol=0, atol=1e-13)
+    record_error(
+        "ALiBi per sequence, symmetric vs the bias written out, float64",
+        relative(out, want),
+    )
     per_head = mha.scaled_dot_product_attention(  # one row for every sequence: (H,) as before
         q, k, v, causal=causal,
         alibi=mha.symmetric_alibi(slopes[0]) if symmetric else slopes[0],

@@ -12,7 +12,7 @@ import itertools
 
 import numpy as np
 import pytest
-from support.flash import reference
+from support.flash import reference, relative
 
 import mha
 from mha.errors import AttentionError
@@ -73,7 +73,9 @@ CASES = list(
 
 
 @pytest.mark.parametrize(("causal", "window", "rotary", "indexed", "padded"), CASES)
-def test_flash_attn_with_kvcache_matches_its_definition(causal, window, rotary, indexed, padded):
+def test_flash_attn_with_kvcache_matches_its_definition(
+    causal, window, rotary, indexed, padded, record_error
+):
     rng = np.random.default_rng(len(CASES))
     batch, seqlen, new, H, H_kv, d, room = 3, 2, 2, 4, 2, 8, 12
     rows_cache = 5 if indexed else batch
@@ -101,6 +103,8 @@ def test_flash_attn_with_kvcache_matches_its_definition(causal, window, rotary, 
         return_softmax_lse=True,
     )  # fmt: skip
     np.testing.assert_allclose(out, want[0], rtol=0, atol=1e-12)
+    record_error("flash_attn_with_kvcache vs FlashAttention's definition, float64",
+                 relative(out, want[0]))  # fmt: skip
     assert np.array_equal(np.isinf(lse), np.isinf(want[1]))
     finite = np.isfinite(want[1])
     np.testing.assert_allclose(lse[finite], want[1][finite], rtol=1e-12)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.flash import relative
 
 import mha
 from mha.errors import AttentionError
@@ -97,7 +98,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("name", VARIANTS)
 @pytest.mark.parametrize("packed", [False, True])
-def test_paged_attention_with_the_variants(name, packed):
+def test_paged_attention_with_the_variants(name, packed, record_error):
     rng = np.random.default_rng(11)
     H = 4
     seq_lens = np.array([9, 3, 12, 1])
@@ -122,6 +123,10 @@ def test_paged_attention_with_the_variants(name, packed):
                                        return_lse=True, **keywords)  # fmt: skip
         out, lse = out[:, 0], lse[:, :, 0].T
     np.testing.assert_allclose(out, want, rtol=0, atol=1e-12)
+    record_error(
+        "paged_attention (packed, variants) vs a loop, float64",
+        relative(out, want),
+    )
     assert np.array_equal(np.isneginf(lse), np.isneginf(want_lse))
     seen = np.isfinite(want_lse)
     np.testing.assert_allclose(lse[seen], want_lse[seen], rtol=1e-12)
@@ -161,7 +166,7 @@ def test_packed_refusals_name_the_argument(cu, q_shape, named):
 
 @pytest.mark.parametrize("name", VARIANTS)
 @pytest.mark.parametrize("packed", [False, True])
-def test_cascade_attention_with_the_variants(name, packed):
+def test_cascade_attention_with_the_variants(name, packed, record_error):
     """The prefix's part and each sequence's own, merged, against the loop over the whole
     sequences (prefix then own positions)."""
     rng = np.random.default_rng(13)
@@ -193,6 +198,10 @@ def test_cascade_attention_with_the_variants(name, packed):
         )  # fmt: skip
         out, lse = out.reshape(-1, H, 8), lse.transpose(1, 0, 2).reshape(H, -1)
     np.testing.assert_allclose(out, want, rtol=0, atol=1e-12)
+    record_error(
+        "cascade_attention (packed, variants) vs a loop, float64",
+        relative(out, want),
+    )
     seen = np.isfinite(want_lse)
     assert np.array_equal(seen, np.isfinite(lse))
     np.testing.assert_allclose(lse[seen], want_lse[seen], rtol=1e-12)

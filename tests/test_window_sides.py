@@ -10,6 +10,7 @@ import os
 
 import numpy as np
 import pytest
+from support.flash import relative
 
 import mha
 from mha._kernel import compiled
@@ -43,7 +44,7 @@ def dense(q, k, v, ok):
 @pytest.mark.parametrize("walk", ["default", "numpy"])
 @pytest.mark.parametrize(("L", "S"), [(6, 6), (4, 9), (9, 4)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_both_sides(causal, L, S, walk, monkeypatch):
+def test_both_sides(causal, L, S, walk, monkeypatch, record_error):
     if walk == "numpy":
         monkeypatch.setattr(compiled, "walk_available", lambda: False)
     rng = np.random.default_rng(L * 10 + S)
@@ -53,6 +54,10 @@ def test_both_sides(causal, L, S, walk, monkeypatch):
         out = mha.scaled_dot_product_attention(q, k, v, window=sides, causal=causal)
         want = dense(q, k, v, allowed(L, S, sides, causal))
         np.testing.assert_allclose(out, want, rtol=0, atol=1e-13, err_msg=str(sides))
+        record_error(
+            "window=(left, right) vs the mask written out, float64",
+            relative(out, want),
+        )
     one_side = mha.scaled_dot_product_attention(q, k, v, window=(2, -1), causal=causal)
     assert np.array_equal(one_side, mha.scaled_dot_product_attention(q, k, v, window=3,
                                                                      causal=causal))  # fmt: skip

@@ -46,3 +46,8 @@ def reference(q, k, v, *, scale=None, causal=False, window=(-1, -1), softcap=0.0
             probabilities[h, i, seen] = weights / total
             out[i, h] = (weights / total) @ v[seen, g]
     return out, lse, probabilities
+
+
+def relative(got, want):
+    """``max |got - want| / max |want|``: what the suite's summary records."""
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-300))
