@@ -12,8 +12,8 @@ every one of these that was given allows it:
   (``"top_left"``, PyTorch's ``is_causal``), or for each sequence ``b`` its own
   ``offset = key_lengths[b] - query_lengths[b]`` (``"bottom_right_per_sequence"``,
   FlashAttention's rule for variable lengths: each sequence's last real query sees its last
-  real key). ``causal_alignment`` without a causal mask or a window is refused: it would
-  change nothing.
+  real key). ``causal_alignment`` without a causal mask, a window, chunks, ALiBi or a query
+  temperature (which read the queries' positions) is refused: it would change nothing.
 * ``window``: a sliding window, ``(i + offset) - j < window`` (transformers'
   ``sliding_window``): each query sees at most ``window`` keys, itself included. A pair
   ``window=(left, right)`` bounds both sides as FlashAttention's ``window_size``: ``i +
