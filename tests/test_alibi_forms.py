@@ -130,3 +130,34 @@ def test_the_layer_function_paged_attention_and_dask_take_them():
 def test_refusals_name_the_argument_and_the_shapes(call, named):
     with pytest.raises(AttentionError, match=named):
         call(np.ones((2, 2, 3, 4)))
+
+
+def test_dask_cuts_each_sequences_slopes_with_its_batch_blocks():
+    """A batch chunked in blocks of two runs each block by the in-memory function with its
+    own rows of the slopes (the whole call's were refused as the wrong shape)."""
+    if os.environ.get("MHA_REQUIRE_DASK") == "1":
+        import dask.array  # noqa: F401  (a missing dask fails the run)
+    da = pytest.importorskip("dask.array", reason="the dask extra is not installed")
+    lazy_mha = importlib.import_module("mha.dask")
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((4, 2, 6, 4))
+    slopes = rng.uniform(0.1, 1.0, (4, 2))
+    for alibi in (slopes, mha.symmetric_alibi(slopes)):
+        lazy = lazy_mha.scaled_dot_product_attention(
+            da.from_array(x, chunks=(2, 2, 6, 4)), x, x, alibi=alibi, causal=True
+        )
+        want = mha.scaled_dot_product_attention(x, x, x, alibi=alibi, causal=True)
+        np.testing.assert_allclose(lazy.compute(), want, rtol=0, atol=1e-14)
+    X = rng.standard_normal((4, 6, 8))
+    W = rng.standard_normal((4, 8, 8))
+    chunked = da.from_array(X, chunks=(2, 6, 8))
+    lazy = lazy_mha.multi_head_attention(chunked, chunked, chunked, *W, 2, alibi=slopes,
+                                         causal=True)  # fmt: skip
+    want = mha.multi_head_attention(X, X, X, *W, 2, alibi=slopes, causal=True)
+    np.testing.assert_allclose(lazy.compute(), want, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("slopes", [None, False])
+def test_symmetric_alibi_needs_slopes(slopes):
+    with pytest.raises(AttentionError, match="leave alibi= out"):
+        mha.symmetric_alibi(slopes)

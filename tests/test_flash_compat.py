@@ -124,7 +124,7 @@ def test_flash_attn_varlen_func_matches_its_definition(
             keys = slice(cu_k[b], cu_k[b + 1])
             per = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b])
             want = reference(q[rows], k[keys], v[keys], causal=causal, window=window,
-                             softcap=softcap, slopes=per)  # fmt: skip
+                             softcap=softcap, slopes=per, seqlen_k=max(k_lengths) + 1)  # fmt: skip
             np.testing.assert_allclose(out[rows], want[0], rtol=0, atol=1e-12)
             if len(want[0]):
                 record_error("flash_attn_varlen_func vs FlashAttention's definition, float64",

@@ -55,7 +55,8 @@ def expected(q, k_cache, v_cache, k, v, tables, held, rows, leftpad, causal, win
         keys = k_cache[rows[b], leftpad[b] : end]
         values = v_cache[rows[b], leftpad[b] : end]
         per = None if slopes is None else slopes
-        out, lse, _ = reference(queries, keys, values, causal=causal, window=window, slopes=per)
+        out, lse, _ = reference(queries, keys, values, causal=causal, window=window, slopes=per,
+                                seqlen_k=k_cache.shape[1])  # fmt: skip
         outs.append(out)
         lses.append(lse)
     return np.stack(outs), np.stack(lses), k_cache, v_cache
@@ -252,6 +253,7 @@ def test_apply_rotary_with_tables(interleaved):
         ({"cos": np.ones((4, 2)), "sin": np.ones((4, 2)), "rotary_dim": 2}, "rotary_dim"),
         ({"cos": np.ones((4, 2)), "sin": np.ones((4, 2)), "theta": 500.0}, "give one or the other"),
         ({"cos": np.ones((2, 2)), "sin": np.ones((2, 2))}, r"positions must lie in \[0, 2\)"),
+        ({"cos": np.full((4, 2), np.nan), "sin": np.ones((4, 2))}, "finite"),
     ],
 )
 def test_apply_rotary_tables_refusals(keywords, named):
@@ -259,3 +261,36 @@ def test_apply_rotary_tables_refusals(keywords, named):
         mha.apply_rotary(np.ones((3, 8)), [0, 1, 2], **keywords)
     with pytest.raises(AttentionError, match="integers"):
         mha.apply_rotary(np.ones((3, 8)), [0.0, 1.0, 2.0], cos=np.ones((4, 4)), sin=np.ones((4, 4)))
+
+
+def test_a_refused_append_leaves_both_caches_as_they_were():
+    """The blocks the new tokens go to are checked before anything is written: a block of
+    the second sequence outside the pool left the first's keys written and its values not
+    (the review of this change found it)."""
+    rng = np.random.default_rng(8)
+    k_cache, v_cache = rng.standard_normal((2, 6, 4, 1, 8))
+    saved = k_cache.copy(), v_cache.copy()
+    q, k, v = rng.standard_normal((3, 2, 2, 1, 8))
+    with pytest.raises(AttentionError, match=r"block_table\[1\]"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=[3, 3],
+                                block_table=np.array([[0, 1], [2, 9]]), causal=True)  # fmt: skip
+    assert np.array_equal(k_cache, saved[0]) and np.array_equal(v_cache, saved[1])
+
+
+@pytest.mark.parametrize(
+    ("keywords", "named"),
+    [
+        ({"block_table": 3}, "block_table"),
+        ({"softcap": None}, "softcap"),
+        ({"softcap": "x"}, "softcap"),
+        ({"window_size": (1.7, 0.2)}, "window_size's left"),
+        ({"window_size": (True, False)}, "window_size's left"),
+        ({"alibi_slopes": np.ones((3, 2))}, "alibi_slopes"),
+    ],
+)
+def test_more_refusals_name_the_argument(keywords, named):
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((2, 1, 2, 4))
+    k_cache, v_cache = rng.standard_normal((2, 2, 6, 1, 4))
+    with pytest.raises(AttentionError, match=named):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=2, **keywords)

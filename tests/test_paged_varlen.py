@@ -248,7 +248,8 @@ def test_lse_in_base_2_on_request():
 @pytest.mark.parametrize(
     ("keywords", "named"),
     [({"lse_base": 2}, "give return_lse=True"), ({"return_lse": True, "lse_base": 10}, "lse_base"),
-     ({"return_lse": True, "lse_base": True}, "lse_base")],
+     ({"return_lse": True, "lse_base": True}, "lse_base"),
+     ({"return_lse": True, "lse_base": np.array([2, 2])}, "lse_base")],
 )  # fmt: skip
 def test_lse_base_refusals(keywords, named):
     q = np.ones((1, 2, 3, 4))

@@ -123,6 +123,12 @@ def test_refusals_name_the_window(window, named):
         mha.scaled_dot_product_attention(q, q, q, window=window)
 
 
+def test_sink_tokens_need_a_left_side():
+    q = np.ones((1, 1, 3, 4))
+    with pytest.raises(AttentionError, match="a left side of -1"):
+        mha.scaled_dot_product_attention(q, q, q, window=(-1, 1), sink_tokens=1)
+
+
 def test_a_cache_refuses_the_right_side_and_is_left_unchanged():
     layer = mha.MultiHeadAttention(8, 2, seed=0)
     cache = layer.new_cache(1)

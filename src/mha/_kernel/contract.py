@@ -484,8 +484,9 @@ def check_variants(
     tokens = 0 if sink_tokens is None else non_negative_int("sink_tokens", sink_tokens)
     if tokens and window is None:
         raise AttentionValueError(
-            f"sink_tokens={sink_tokens} keeps the first keys visible beside a sliding window, "
-            "but no window= was given: give window= too, or leave sink_tokens out"
+            f"sink_tokens={sink_tokens} keeps the first keys visible beside a sliding window's "
+            "left side, but no window= bounds it (none given, or a left side of -1): give "
+            "window= too, or leave sink_tokens out"
         )
     if mask_mod is not None:
         check_function("mask_mod", mask_mod, "(b, h, q_idx, kv_idx) -> bool array", 4)

@@ -501,7 +501,7 @@ class LatentAttention:
         ``block_size`` positions (sequences added, forked and released on it, as for
         :class:`mha.MultiHeadAttention`): each token's ``kv_lora_rank + qk_rope_head_dim``
         numbers in the key pool, its first ``kv_lora_rank`` (the values) in the value pool
-        (1.8x the contiguous cache's bytes at DeepSeek's 512 + 64). ``dtype`` as
+        (1.9x the contiguous cache's bytes at DeepSeek's 512 + 64). ``dtype`` as
         :meth:`new_cache`; ``options``: the paged cache's (``quantize=``, ...). Not with an
         indexer, whose keys live in :meth:`new_cache`'s cache.
 

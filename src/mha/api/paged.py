@@ -75,8 +75,9 @@ def paged_attention(
       ``window_size=(window - 1, 0)``; without, keys after a query stay visible), or
       ``window=(left, right)``, FlashAttention's ``window_size`` itself.
     * ``scale`` (default ``1/sqrt(d_k)``), ``softcap`` (Gemma 2's ``softcap *
-      tanh(s / softcap)``), ``sinks (H,)`` (gpt-oss's per-head logits), ``alibi`` (``True``
-      or slopes ``(H,)``: ``-slope * (i + seq_lens[b] - L - j)``), ``mask_mod`` and
+      tanh(s / softcap)``), ``sinks (H,)`` (gpt-oss's per-head logits), ``alibi`` (``True``,
+      slopes ``(H,)`` or each sequence's ``(num_seqs, H)``: ``-slope * (i + seq_lens[b] - L -
+      j)``; ``mha.symmetric_alibi(slopes)``: of the distance's size), ``mask_mod`` and
       ``score_mod`` (FlexAttention's functions, their ``q_idx`` and ``kv_idx`` the tokens'
       positions in their sequence), as in :func:`mha.scaled_dot_product_attention`.
     * ``cu_seqlens_q (num_seqs + 1,)``: each sequence's own number of new queries, packed

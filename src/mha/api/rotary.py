@@ -194,6 +194,8 @@ def table_rotation(
             f"cos and sin must be tables of the same shape (P, r/2); got cos "
             f"{tables[0].shape}, sin {tables[1].shape}"
         )
+    if not all(np.isfinite(t).all() for t in tables):
+        raise AttentionValueError("cos and sin must be finite tables")
     r = 2 * tables[0].shape[1]
     if r > shape[-1] or (rotary_dim is not None and positive_int("rotary_dim", rotary_dim) != r):
         raise ShapeError(

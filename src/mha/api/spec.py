@@ -325,7 +325,8 @@ def check_lse_base(lse_base: Any, return_lse: bool) -> bool:
     only with ``return_lse``."""
     if lse_base is None:
         return False
-    if isinstance(lse_base, (bool, np.bool_)) or lse_base not in (2, 2.0):
+    number = isinstance(lse_base, (int, float, np.integer, np.floating))
+    if not number or isinstance(lse_base, (bool, np.bool_)) or lse_base != 2:
         raise AttentionValueError(
             f"lse_base must be None (natural logarithms) or 2 (FlashInfer's); got {lse_base!r}"
         )

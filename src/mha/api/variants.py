@@ -58,6 +58,11 @@ def symmetric_alibi(slopes: Any = True) -> SymmetricAlibi:
     >>> both[0, 0, 1].round(3)                         # keys 0 and 2 equally far from 1
     array([0.146, 0.708, 0.146])
     """
+    if slopes is None or (isinstance(slopes, (bool, np.bool_)) and not slopes):
+        raise AttentionValueError(
+            f"symmetric_alibi takes the slopes (True for alibi_slopes', an (H,) or (*batch, H) "
+            f"array); got {slopes!r}: to leave ALiBi out, leave alibi= out"
+        )
     return SymmetricAlibi(slopes)
 
 

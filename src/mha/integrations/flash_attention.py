@@ -15,7 +15,10 @@ the reference its tests compare against):
   to 0.
 * ``softcap > 0``: each scaled score becomes ``softcap * tanh(s / softcap)``.
 * ``alibi_slopes (nheads,)`` or ``(batch, nheads)``: ``-slope * |i + sk - sq - j|`` added
-  to the (soft-capped) score.
+  to the (soft-capped) score; for a causal call without a left window FlashAttention adds
+  ``slope * j`` instead (the same weights), and its log-sum-exp is returned so, larger by
+  ``slope * (i + sk - sq)``.
+* A window side of ``seqlen_k`` or more is unbounded, as FlashAttention reads it.
 * A query that sees no key gets a zero output and a log-sum-exp of ``+inf``, as
   FlashAttention 2 writes it (:func:`mha.merge_attention` reads both ``+inf`` and ``-inf``
   so).
@@ -35,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import as_array, as_float_array, flag, non_negative_int
+from .._arrays import as_array, as_float_array, flag, int_at_least, non_negative_int
 from ..api.split_heads import scaled_dot_product_attention
 from ..api.variants import symmetric_alibi
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
@@ -76,7 +79,9 @@ def flash_attn_func(
             f"q, k and v must have the same batch: q {q.shape}, k {k.shape}, v {v.shape}"
         )
     lengths = (np.full(batch, seqlen_q, np.int64), np.full(batch, seqlen_k, np.int64))
-    options = flash_options(dropout_p, causal, window_size, softcap, alibi_slopes, q, deterministic)
+    options = flash_options(
+        dropout_p, causal, window_size, softcap, alibi_slopes, q, deterministic, seqlen_k, batch
+    )
     results = attend_heads(
         q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
         lengths, softmax_scale, options, flag("return_attn_probs", return_attn_probs),
@@ -160,12 +165,10 @@ def flash_attn_varlen_func(
             )
         keys, values = (_padded(x, starts_k, lengths[1], max_seqlen_k) for x in (k, v))
     queries = _padded(q, starts_q, lengths[0], max_seqlen_q)
-    options = flash_options(dropout_p, causal, window_size, softcap, alibi_slopes, q, deterministic)
-    if alibi_slopes is not None and np.ndim(alibi_slopes) == 2 and len(alibi_slopes) != batch:
-        raise ShapeError(
-            f"alibi_slopes must have shape (nheads,) or (batch, nheads) = ({q.shape[1]},) or "
-            f"({batch}, {q.shape[1]}); got {np.shape(alibi_slopes)}"
-        )
+    options = flash_options(
+        dropout_p, causal, window_size, softcap, alibi_slopes, q, deterministic,
+        int(max_seqlen_k), batch,
+    )  # fmt: skip
     results = attend_heads(
         queries, keys, values, lengths, softmax_scale, options,
         flag("return_attn_probs", return_attn_probs),
@@ -264,10 +267,15 @@ def flash_options(
     alibi_slopes: Any,
     q: np.ndarray,
     deterministic: Any,
+    seqlen_k: int,
+    batch: int,
 ) -> dict[str, Any]:
-    """The checked FlashAttention options of queries ``q (..., nheads, headdim)``: the
-    window's two sides (``None`` unbounded; ``right`` 0 when causal), ``softcap`` (``None``
-    off) and the slopes ``(H,)`` or ``(B, H)``."""
+    """The checked FlashAttention options of queries ``q (..., nheads, headdim)`` of
+    ``batch`` sequences over keys of at most ``seqlen_k``: the window's two sides (``None``
+    unbounded; a side of ``seqlen_k`` or more is unbounded, and ``right`` 0 when causal, as
+    FlashAttention sets them), ``softcap`` (``None`` off), the slopes ``(H,)`` or ``(batch,
+    H)``, and whether FlashAttention computes this call as causal (``is_causal``: no left
+    side, a right side of 0), which changes how its ALiBi shifts the log-sum-exp."""
     flag("deterministic", deterministic)
     if not isinstance(dropout_p, (int, float, np.floating, np.integer)) or dropout_p != 0:
         raise AttentionValueError(
@@ -276,19 +284,27 @@ def flash_options(
             "dropout_p with a generator)"
         )
     causal = flag("causal", causal)
-    try:
-        left, right = (int(side) for side in window_size)
-    except (TypeError, ValueError):
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__"):
         raise AttentionTypeError(
             f"window_size must be a pair of integers (left, right), -1 for unbounded; got "
             f"{window_size!r}"
-        ) from None
-    if left < -1 or right < -1:
-        raise AttentionValueError(
-            f"window_size must be a pair of integers >= -1 (-1 for unbounded); got {window_size!r}"
         )
+    if len(window_size) != 2:
+        raise AttentionTypeError(
+            f"window_size must be a pair of integers (left, right); got {window_size!r}"
+        )
+    left, right = (
+        int_at_least(f"window_size's {side}", value, -1, "an integer >= -1 (-1: unbounded)")
+        for side, value in zip(("left", "right"), window_size, strict=True)
+    )
+    left = -1 if left >= seqlen_k else left  # (FlashAttention's own reading)
+    right = -1 if right >= seqlen_k else right
     if causal:
         right = 0  # (as FlashAttention sets it)
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(
+        softcap, (int, float, np.integer, np.floating)
+    ):
+        raise AttentionTypeError(f"softcap must be a number >= 0 (0 turns it off); got {softcap!r}")
     cap = float(softcap)
     if cap < 0 or cap != cap:
         raise AttentionValueError(f"softcap must be >= 0 (0 turns it off); got {softcap!r}")
@@ -296,16 +312,19 @@ def flash_options(
     slopes = None
     if alibi_slopes is not None:
         slopes = as_float_array("alibi_slopes", alibi_slopes).astype(np.float64)
-        if not (slopes.shape == (H,) or (slopes.ndim == 2 and slopes.shape[1] == H)):
+        if not (slopes.shape == (H,) or slopes.shape == (batch, H)):
             raise ShapeError(
-                f"alibi_slopes must have shape (nheads,) or (batch, nheads), nheads = {H}; "
-                f"got {slopes.shape}"
+                f"alibi_slopes must have shape (nheads,) or (batch, nheads) = ({H},) or "
+                f"({batch}, {H}); got {slopes.shape}"
             )
+        if not np.isfinite(slopes).all():
+            raise AttentionValueError(f"alibi_slopes must be finite; got {slopes!r}")
     return {
         "left": None if left < 0 else left,
         "right": None if right < 0 else right,
         "softcap": cap or None,
         "slopes": slopes,
+        "is_causal": left < 0 and right == 0,
     }
 
 
@@ -341,9 +360,24 @@ def attend_heads(
         return (scaled_dot_product_attention(q, k, v, **keywords),)
     if lse_only:
         out, lse = scaled_dot_product_attention(q, k, v, return_lse=True, **keywords)
-        return out, np.where(np.isneginf(lse), np.inf, lse)
+        return out, _as_flash_lse(lse, lengths, options)
     out, weights, lse = scaled_dot_product_attention(
         q, k, v, return_weights=True, return_lse=True, **keywords
     )
-    lse = np.where(np.isneginf(lse), np.inf, lse)  # a row that sees no key: FlashAttention 2's
-    return out, lse, weights
+    return out, _as_flash_lse(lse, lengths, options), weights
+
+
+def _as_flash_lse(
+    lse: np.ndarray, lengths: tuple[np.ndarray, np.ndarray], options: dict[str, Any]
+) -> np.ndarray:
+    """mha's log-sum-exp ``(B, H, L)`` as FlashAttention 2 returns it: ``+inf`` where a row
+    sees no key, and, for a causal call with ALiBi, of the scores with ``slope_h * j`` added
+    (its ALiBi there, the same weights as ``-slope_h * (i + sk - sq - j)``: larger by
+    ``slope_h * (i + sk - sq)``)."""
+    slopes = options["slopes"]
+    if slopes is not None and options["is_causal"]:
+        query_lengths, key_lengths = lengths
+        positions = np.arange(lse.shape[-1]) + (key_lengths - query_lengths)[:, None]  # (B, L)
+        per_sequence = np.broadcast_to(slopes, (len(positions), lse.shape[-2]))  # (B, H)
+        lse = lse + per_sequence[:, :, None] * positions[:, None, :]
+    return np.where(np.isneginf(lse), np.inf, lse)

@@ -21,6 +21,9 @@ What FlashAttention's docstring and tests define, and this follows:
   ``cache_seqlens[b]``; ``rotary_interleaved`` pairs features ``(2i, 2i + 1)`` (GPT-J,
   FlashAttention's default) or ``(i, i + r/2)`` (GPT-NeoX) (:func:`mha.apply_rotary`'s
   ``cos=``, ``sin=``).
+* Beyond FlashAttention 2, which refuses them together: ``cache_batch_idx`` with a
+  ``block_table`` picks each sequence's row of the table, and ``cache_leftpad`` works with
+  a paged cache too.
 * ``causal``, ``window_size``, ``softcap``, ``alibi_slopes``: as
   :func:`~mha.integrations.flash_attention.flash_attn_func`, bottom-right on each
   sequence's keys; ``num_splits`` changes nothing here (the split is FlashAttention's
@@ -96,10 +99,14 @@ def flash_attn_with_kvcache(
         )
     batch, seqlen_q = q.shape[:2]
     non_negative_int("num_splits", num_splits)
-    options = flash_options(0.0, causal, window_size, softcap, alibi_slopes, q, False)
-    rows = _rows("cache_batch_idx", cache_batch_idx, batch, _rows_available(caches[0], block_table))
     table = None if not paged else _table(block_table)
+    rows = _rows(
+        "cache_batch_idx", cache_batch_idx, batch, len(caches[0] if table is None else table)
+    )
     capacity = caches[0].shape[1] * (table.shape[1] if table is not None else 1)
+    options = flash_options(
+        0.0, causal, window_size, softcap, alibi_slopes, q, False, capacity, batch
+    )
     new = _new_tokens(k, v, q, caches, rows)
     if new is not None and (caches[0] is not k_cache or caches[1] is not v_cache):
         raise AttentionTypeError(
@@ -137,6 +144,7 @@ def flash_attn_with_kvcache(
             x.astype(pool.dtype, copy=False) for x, pool in zip(new_heads, caches, strict=True)
         ]
     new_k, new_v = (None, None) if new_heads is None else new_heads
+    slots = None if new is None else _write_slots(table, rows, held, count, caches[0].shape[:2])
     keys = _sequences(caches[0], table, rows, first, held, width, new_k)
     values = _sequences(caches[1], table, rows, first, held, width, new_v)
     lengths = (np.full(batch, seqlen_q, np.int64), ends - first)
@@ -144,16 +152,11 @@ def flash_attn_with_kvcache(
         heads_q, keys, values, lengths, softmax_scale, options, False,
         lse_only=flag("return_softmax_lse", return_softmax_lse),
     )  # fmt: skip
-    if new_heads is not None:  # FlashAttention's append, once the call has succeeded
-        for pool, heads in zip(caches, new_heads, strict=True):
-            _write(pool, table, rows, held, heads.transpose(0, 2, 1, 3))
+    if new_heads is not None and slots is not None:  # FlashAttention's append, once the
+        for pool, heads in zip(caches, new_heads, strict=True):  # call has succeeded
+            pool[slots] = heads.transpose(0, 2, 1, 3).reshape(-1, *pool.shape[2:])
     out = results[0].transpose(0, 2, 1, 3)
     return out if len(results) == 1 else (out, results[1])
-
-
-def _rows_available(pool: np.ndarray, block_table: Any) -> int:
-    """How many sequences the cache (or its block table) has rows for."""
-    return pool.shape[0] if block_table is None else len(as_array("block_table", block_table))
 
 
 def _rows(name: str, given: Any, batch: int, available: int) -> np.ndarray:
@@ -303,12 +306,21 @@ def _sequences(
     return out
 
 
-def _write(
-    pool: np.ndarray, table: np.ndarray | None, rows: np.ndarray, held: np.ndarray, new: np.ndarray
-) -> None:
-    """``new (batch, seqlen_new, H_kv, d)`` into ``pool`` at each sequence's positions
-    ``held[b]..``, in place."""
-    for b in range(len(rows)):
-        stop = int(held[b]) + new.shape[1]
-        index = _slots(table, int(rows[b]), pool.shape[1], int(held[b]), stop, len(pool))
-        pool[index] = new[b]
+def _write_slots(
+    table: np.ndarray | None,
+    rows: np.ndarray,
+    held: np.ndarray,
+    count: int,
+    pool_shape: tuple[int, int],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Where the new tokens go, every sequence's ``count`` in order: the pool's ``(rows,
+    slots)`` index arrays, checked before anything is written."""
+    places = [
+        _slots(
+            table, int(rows[b]), pool_shape[1], int(held[b]), int(held[b]) + count, pool_shape[0]
+        )
+        for b in range(len(rows))
+    ]
+    if not places:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate([p[0] for p in places]), np.concatenate([p[1] for p in places])

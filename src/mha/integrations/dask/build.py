@@ -19,6 +19,7 @@ from ...api.checks import Call
 from ...api.projection import append_keys
 from ...api.relative_bias import RelativeBias
 from ...api.spec import CallInputs, Checked
+from ...api.variants import SymmetricAlibi
 from .graph import Graph, Grid
 from .inputs import Masks, Rotation, with_batch_axis
 from .tasks import (
@@ -73,8 +74,22 @@ def block_checked(
     elif sequences is not None and score_mod is not None:
         scores = replace(spec.scores, score_mod=InBlock(score_mod, sequences, True))
         spec = replace(spec, scores=scores)
+    sliced = _block_slopes(spec.scores.alibi, batch)
+    if sliced is not spec.scores.alibi:  # each sequence's slopes: the block's rows of them
+        spec = replace(spec, scores=replace(spec.scores, alibi=sliced))
     request = replace(checked.request, lse=True)
     return Checked(spec, CallInputs(arrays, positions), request)
+
+
+def _block_slopes(alibi: Any, batch: Any) -> Any:
+    """``alibi=`` as given, for one batch block: slopes with batch axes ``(*batch, H)`` cut
+    to the block's sequences (``batch``: a slice per batch axis); anything else as it is."""
+    symmetric = isinstance(alibi, SymmetricAlibi)
+    given = alibi.slopes if isinstance(alibi, SymmetricAlibi) else alibi
+    if given is None or isinstance(given, (bool, np.bool_)) or np.ndim(given) <= 1:
+        return alibi
+    part = np.asarray(given)[tuple(batch)]
+    return SymmetricAlibi(part) if symmetric else part
 
 
 class SdpaGraph:
