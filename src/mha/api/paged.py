@@ -29,7 +29,7 @@ from .checks import kv_heads
 from .spec import AttentionSpec, Request, ScoreRules
 from .split_heads import merge_attention
 
-__all__ = ["cascade_attention", "paged_attention"]
+__all__ = ["cascade_attention", "check_cu_seqlens", "padded_rows", "paged_attention"]
 
 
 def paged_attention(
@@ -140,7 +140,8 @@ def _packed(
         raise ShapeError(
             f"q must have shape (total_q, H, d_k) with cu_seqlens_q; got shape {q.shape}"
         )
-    padded, counts, rows = _padded_queries(q, cu_seqlens_q)
+    starts = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, len(q))
+    padded, counts, rows = padded_rows(q, starts)
     result = _paged(padded, pools, tables, spec, request, counts)
     if not request.lse:
         packed: np.ndarray = np.asarray(result)[rows]
@@ -348,7 +349,8 @@ def cascade_attention(
     n = int(prefix_len)
     asked = Request.check(False, return_lse, False, max_memory, workers, lse_base)
     if packed:
-        queries, counts, rows = _padded_queries(q, cu_seqlens_q)
+        starts = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, len(q))
+        queries, counts, rows = padded_rows(q, starts)
     else:
         queries, counts, rows = q, np.full(q.shape[0], q.shape[1], np.int64), None
     B, L, H, d_k = queries.shape
@@ -405,26 +407,39 @@ def cascade_attention(
     return (result, asked.returned_lse(lse)) if asked.lse else result
 
 
-def _padded_queries(q: np.ndarray, cu_seqlens_q: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Packed ``q (total_q, H, d_k)`` as ``(num_seqs, max L_b, H, d_k)``, each sequence's
-    rows first: the padded queries, each sequence's count, and where its real rows are
-    (``(num_seqs, max L_b)`` booleans)."""
-    starts = as_array("cu_seqlens_q", cu_seqlens_q)
-    if starts.ndim != 1 or not starts.size or starts.dtype.kind not in "iu":
-        raise ShapeError(
-            f"cu_seqlens_q must be integers of shape (num_seqs + 1,); got {starts.dtype} "
-            f"{starts.shape}"
-        )
+def check_cu_seqlens(name: str, given: Any, total: int | None) -> np.ndarray:
+    """Cumulative sequence lengths ``(num_seqs + 1,)`` (vLLM's and FlashAttention's
+    ``cu_seqlens``), checked: integers from 0, never decreasing, ending at ``total`` (the
+    packed rows; ``None``: any end)."""
+    starts = as_array(name, given)
+    if starts.ndim != 1 or not starts.size:
+        raise ShapeError(f"{name} must have shape (num_seqs + 1,); got shape {starts.shape}")
+    if starts.dtype.kind not in "iu":
+        raise AttentionTypeError(f"{name} must hold integers; got dtype {starts.dtype}")
     starts = starts.astype(np.int64)
-    if starts[0] != 0 or (np.diff(starts) < 0).any() or starts[-1] != len(q):
+    if starts[0] != 0 or (np.diff(starts) < 0).any():
         raise AttentionValueError(
-            f"cu_seqlens_q must start at 0, never decrease and end at q's {len(q)} rows; got "
-            f"{starts.tolist()}"
+            f"{name} must start at 0 and never decrease; got {starts.tolist()}"
         )
+    if total is not None and starts[-1] != total:
+        raise ShapeError(
+            f"{name} must end at the packed rows' count {total}; got {starts.tolist()}"
+        )
+    return starts
+
+
+def padded_rows(
+    x: np.ndarray, starts: np.ndarray, width: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Packed ``x (total, ...)``, sequence ``b``'s rows at ``starts[b]:starts[b + 1]``
+    (:func:`check_cu_seqlens`), as ``(num_seqs, width, ...)`` (``width``: the longest by
+    default), each sequence's rows first and zeros after; with each sequence's count and
+    where its real rows are (``(num_seqs, width)`` booleans, in packed order)."""
     counts = np.diff(starts)
-    padded = np.zeros((len(counts), int(counts.max(initial=0)), *q.shape[1:]), q.dtype)
-    rows = np.arange(padded.shape[1]) < counts[:, None]  # (B, L): the real rows, first
-    padded[rows] = q
+    width = int(counts.max(initial=0)) if width is None else width
+    padded = np.zeros((len(counts), width, *x.shape[1:]), x.dtype)
+    rows = np.arange(width) < counts[:, None]
+    padded[rows] = x[starts[0] : starts[-1]]
     return padded, counts, rows
 
 

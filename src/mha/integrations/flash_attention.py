@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from .._arrays import as_array, as_float_array, flag, int_at_least, non_negative_int
+from ..api.paged import check_cu_seqlens, padded_rows
 from ..api.split_heads import scaled_dot_product_attention
 from ..api.variants import symmetric_alibi
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
@@ -137,8 +138,8 @@ def flash_attn_varlen_func(
     for name, x in (("k", k), ("v", v)):
         if x.ndim != (4 if paged else 3):
             raise ShapeError(f"{name} must have shape {layout}; got shape {x.shape}")
-    starts_q = _cumulative("cu_seqlens_q", cu_seqlens_q, len(q))
-    starts_k = _cumulative("cu_seqlens_k", cu_seqlens_k, None if paged else len(k))
+    starts_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, len(q))
+    starts_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, None if paged else len(k))
     if len(starts_q) != len(starts_k):
         raise ShapeError(
             f"cu_seqlens_q and cu_seqlens_k must have one entry per sequence and one more: "
@@ -156,15 +157,21 @@ def flash_attn_varlen_func(
                 f"({name[-1]} lengths {found.tolist()})"
             )
     batch = len(lengths[0])
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ShapeError(f"k and v must hold the same tokens and heads: k {k.shape}, v {v.shape}")
     if paged:
-        keys, values = gathered(k, v, block_table, lengths[1], max_seqlen_k)
+        table = _paged_table(block_table, lengths[1], k.shape[1])
+        everyone, start = np.arange(batch), np.zeros(batch, np.int64)
+        keys, values = (
+            sequences(pool, table, everyone, start, lengths[1], max_seqlen_k, None)
+            for pool in (k, v)
+        )
     else:
-        if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
-            raise ShapeError(
-                f"k and v must have the same tokens and heads: k {k.shape}, v {v.shape}"
-            )
-        keys, values = (_padded(x, starts_k, lengths[1], max_seqlen_k) for x in (k, v))
-    queries = _padded(q, starts_q, lengths[0], max_seqlen_q)
+        keys, values = (
+            padded_rows(x, starts_k, max_seqlen_k)[0].transpose(0, 2, 1, 3) for x in (k, v)
+        )
+    queries, _, rows = padded_rows(q, starts_q, max_seqlen_q)
+    queries = queries.transpose(0, 2, 1, 3)  # (batch, nheads, max_seqlen_q, headdim)
     options = flash_options(
         dropout_p, causal, window_size, softcap, alibi_slopes, q, deterministic,
         int(max_seqlen_k), batch,
@@ -173,14 +180,28 @@ def flash_attn_varlen_func(
         queries, keys, values, lengths, softmax_scale, options,
         flag("return_attn_probs", return_attn_probs),
     )  # fmt: skip
-    rows = [(b, i) for b in range(batch) for i in range(int(lengths[0][b]))]
-    take_b = np.array([b for b, _ in rows], np.int64)
-    take_i = np.array([i for _, i in rows], np.int64)
-    out = results[0][take_b, :, take_i]  # (total_q, nheads, headdim_v)
+    out = results[0].transpose(0, 2, 1, 3)[rows]  # (total_q, nheads, headdim_v), packed
     if len(results) == 1:
         return out
-    lse = results[1][take_b, :, take_i].T  # (nheads, total_q)
+    lse = results[1].transpose(0, 2, 1)[rows].T  # (nheads, total_q)
     return out, np.ascontiguousarray(lse), results[2]
+
+
+def _paged_table(block_table: Any, lengths: np.ndarray, block_size: int) -> np.ndarray:
+    """A varlen call's ``block_table``, checked against its sequences' key lengths."""
+    table = block_table_of(block_table)
+    if len(table) != len(lengths):
+        raise ShapeError(
+            f"block_table must have one row per sequence ({len(lengths)}); got {table.shape}"
+        )
+    for b, length in enumerate(lengths):
+        used = -(-int(length) // block_size)
+        if used > table.shape[1]:
+            raise ShapeError(
+                f"sequence {b}'s {length} keys need {used} blocks of {block_size}; block_table "
+                f"has {table.shape[1]} per sequence"
+            )
+    return table
 
 
 def _operands(q: Any, k: Any, v: Any, ndim: int, layout: str) -> tuple[np.ndarray, ...]:
@@ -191,72 +212,54 @@ def _operands(q: Any, k: Any, v: Any, ndim: int, layout: str) -> tuple[np.ndarra
     return arrays
 
 
-def _cumulative(name: str, given: Any, total: int | None) -> np.ndarray:
-    """``cu_seqlens``, checked: 1-D integers from 0, never decreasing, ending at ``total``
-    (the packed tokens; ``None``: a paged cache's, any end)."""
-    starts = as_array(name, given)
-    if starts.ndim != 1 or len(starts) < 1:
-        raise ShapeError(f"{name} must have shape (batch + 1,); got shape {starts.shape}")
-    if starts.dtype.kind not in "iu":
-        raise AttentionTypeError(f"{name} must hold integers; got dtype {starts.dtype}")
-    starts = starts.astype(np.int64)
-    if starts[0] != 0 or (np.diff(starts) < 0).any():
-        raise AttentionValueError(
-            f"{name} must start at 0 and never decrease; got {starts.tolist()}"
-        )
-    if total is not None and starts[-1] != total:
-        raise ShapeError(
-            f"{name} must end at the packed tokens' count {total}; got {starts.tolist()}"
-        )
-    return starts
-
-
-def _padded(x: np.ndarray, starts: np.ndarray, lengths: np.ndarray, width: int) -> np.ndarray:
-    """Packed ``x (total, H, d)`` as ``(batch, H, width, d)``, each sequence's rows first,
-    zeros after."""
-    out = np.zeros((len(lengths), x.shape[1], width, x.shape[2]), x.dtype)
-    for b, (start, length) in enumerate(zip(starts[:-1], lengths, strict=True)):
-        out[b, :, :length] = x[start : start + length].transpose(1, 0, 2)
-    return out
-
-
-def gathered(
-    k: np.ndarray, v: np.ndarray, block_table: Any, lengths: np.ndarray, width: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Each sequence's keys and values gathered from the pools ``k``, ``v`` ``(num_blocks,
-    block_size, H_kv, d)`` by ``block_table``, its first ``lengths[b]``, as ``(batch, H_kv,
-    width, d)`` (zeros after)."""
+def block_table_of(block_table: Any) -> np.ndarray:
+    """``block_table`` as int64 ``(batch, max_blocks)``, checked."""
     table = as_array("block_table", block_table)
     if table.ndim != 2 or table.dtype.kind not in "iu":
         raise ShapeError(
             f"block_table must be integers of shape (batch, max_blocks); got {table.dtype} "
             f"{table.shape}"
         )
-    if k.shape[:3] != v.shape[:3]:
-        raise ShapeError(f"k and v must be pools of the same blocks: k {k.shape}, v {v.shape}")
-    num_blocks, size = k.shape[:2]
-    if len(table) != len(lengths):
-        raise ShapeError(
-            f"block_table must have one row per sequence ({len(lengths)}); got {table.shape}"
+    return table.astype(np.int64)
+
+
+def slots(
+    table: np.ndarray | None, row: int, block_size: int, start: int, stop: int, blocks: int
+) -> tuple[Any, Any]:
+    """Where positions ``start..stop-1`` of the sequence of cache row ``row`` lie: the
+    pool's ``(rows, slots)`` index arrays."""
+    positions = np.arange(start, stop)
+    if table is None:
+        return np.full(len(positions), row), positions
+    named = table[row, positions // block_size]
+    if named.size and (named.min() < 0 or named.max() >= blocks):
+        raise AttentionValueError(
+            f"block_table[{row}] names blocks outside the pool of {blocks}: "
+            f"{np.unique(named).tolist()}"
         )
-    keys = np.zeros((len(lengths), k.shape[2], width, k.shape[3]), k.dtype)
-    values = np.zeros((len(lengths), v.shape[2], width, v.shape[3]), v.dtype)
-    for b, length in enumerate(lengths):
-        used = -(-int(length) // size)
-        if used > table.shape[1]:
-            raise ShapeError(
-                f"sequence {b}'s {length} keys need {used} blocks of {size}; block_table has "
-                f"{table.shape[1]} per sequence"
-            )
-        blocks = table[b, :used]
-        if used and (blocks.min() < 0 or blocks.max() >= num_blocks):
-            raise AttentionValueError(
-                f"block_table[{b}] names blocks outside the pool of {num_blocks}: {blocks.tolist()}"
-            )
-        for pool, out in ((k, keys), (v, values)):
-            rows = pool[blocks].reshape(used * size, *pool.shape[2:])[:length]
-            out[b, :, :length] = rows.transpose(1, 0, 2)
-    return keys, values
+    return named, positions % block_size
+
+
+def sequences(
+    pool: np.ndarray,
+    table: np.ndarray | None,
+    rows: np.ndarray,
+    first: np.ndarray,
+    held: np.ndarray,
+    width: int,
+    new: np.ndarray | None,
+) -> np.ndarray:
+    """Each sequence's keys (or values) from ``first[b]``, heads first ``(batch, H_kv,
+    width, d)``: its cached ``first[b]..held[b]-1``, then ``new[b]`` (heads first)."""
+    batch = len(rows)
+    out = np.zeros((batch, pool.shape[2], width, pool.shape[3]), pool.dtype)
+    for b in range(batch):
+        index = slots(table, int(rows[b]), pool.shape[1], int(first[b]), int(held[b]), len(pool))
+        cached = int(held[b] - first[b])
+        out[b, :, :cached] = pool[index].transpose(1, 0, 2)
+        if new is not None:
+            out[b, :, cached : cached + new.shape[2]] = new[b]
+    return out
 
 
 def flash_options(

@@ -39,7 +39,7 @@ import numpy as np
 from .._arrays import as_array, as_float_array, flag, non_negative_int
 from ..api.rotary import apply_rotary
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
-from .flash_attention import attend_heads, flash_options
+from .flash_attention import attend_heads, block_table_of, flash_options, sequences, slots
 
 __all__ = ["flash_attn_with_kvcache"]
 
@@ -99,7 +99,7 @@ def flash_attn_with_kvcache(
         )
     batch, seqlen_q = q.shape[:2]
     non_negative_int("num_splits", num_splits)
-    table = None if not paged else _table(block_table)
+    table = None if not paged else block_table_of(block_table)
     rows = _rows(
         "cache_batch_idx", cache_batch_idx, batch, len(caches[0] if table is None else table)
     )
@@ -145,8 +145,8 @@ def flash_attn_with_kvcache(
         ]
     new_k, new_v = (None, None) if new_heads is None else new_heads
     slots = None if new is None else _write_slots(table, rows, held, count, caches[0].shape[:2])
-    keys = _sequences(caches[0], table, rows, first, held, width, new_k)
-    values = _sequences(caches[1], table, rows, first, held, width, new_v)
+    keys = sequences(caches[0], table, rows, first, held, width, new_k)
+    values = sequences(caches[1], table, rows, first, held, width, new_v)
     lengths = (np.full(batch, seqlen_q, np.int64), ends - first)
     results = attend_heads(
         heads_q, keys, values, lengths, softmax_scale, options, False,
@@ -179,16 +179,6 @@ def _rows(name: str, given: Any, batch: int, available: int) -> np.ndarray:
             f"{name} must name rows in [0, {available}) of the cache; got {rows.tolist()}"
         )
     return rows.astype(np.int64)
-
-
-def _table(block_table: Any) -> np.ndarray:
-    table = as_array("block_table", block_table)
-    if table.ndim != 2 or table.dtype.kind not in "iu":
-        raise ShapeError(
-            f"block_table must be integers of shape (batch, max_blocks); got {table.dtype} "
-            f"{table.shape}"
-        )
-    return table.astype(np.int64)
 
 
 def _new_tokens(
@@ -267,45 +257,6 @@ def _leftpad(given: Any, batch: int, held: np.ndarray) -> np.ndarray:
     return first.astype(np.int64)
 
 
-def _slots(
-    table: np.ndarray | None, row: int, block_size: int, start: int, stop: int, blocks: int
-) -> tuple[Any, Any]:
-    """Where positions ``start..stop-1`` of the sequence of cache row ``row`` lie: the
-    pool's ``(rows, slots)`` index arrays."""
-    positions = np.arange(start, stop)
-    if table is None:
-        return np.full(len(positions), row), positions
-    named = table[row, positions // block_size]
-    if named.size and (named.min() < 0 or named.max() >= blocks):
-        raise AttentionValueError(
-            f"block_table[{row}] names blocks outside the pool of {blocks}: "
-            f"{np.unique(named).tolist()}"
-        )
-    return named, positions % block_size
-
-
-def _sequences(
-    pool: np.ndarray,
-    table: np.ndarray | None,
-    rows: np.ndarray,
-    first: np.ndarray,
-    held: np.ndarray,
-    width: int,
-    new: np.ndarray | None,
-) -> np.ndarray:
-    """Each sequence's keys (or values) from ``first[b]``, heads first ``(batch, H_kv,
-    width, d)``: its cached ``first[b]..held[b]-1``, then ``new[b]`` (heads first)."""
-    batch = len(rows)
-    out = np.zeros((batch, pool.shape[2], width, pool.shape[3]), pool.dtype)
-    for b in range(batch):
-        index = _slots(table, int(rows[b]), pool.shape[1], int(first[b]), int(held[b]), len(pool))
-        cached = int(held[b] - first[b])
-        out[b, :, :cached] = pool[index].transpose(1, 0, 2)
-        if new is not None:
-            out[b, :, cached : cached + new.shape[2]] = new[b]
-    return out
-
-
 def _write_slots(
     table: np.ndarray | None,
     rows: np.ndarray,
@@ -316,9 +267,7 @@ def _write_slots(
     """Where the new tokens go, every sequence's ``count`` in order: the pool's ``(rows,
     slots)`` index arrays, checked before anything is written."""
     places = [
-        _slots(
-            table, int(rows[b]), pool_shape[1], int(held[b]), int(held[b]) + count, pool_shape[0]
-        )
+        slots(table, int(rows[b]), pool_shape[1], int(held[b]), int(held[b]) + count, pool_shape[0])
         for b in range(len(rows))
     ]
     if not places:
