@@ -14,7 +14,10 @@ so nothing spins between them, and a pause before each call (the other benchmark
 measured every call 20-50 ms slower on a 2-core VM as its clock came back up, which
 penalises the short calls most:
 
-1. Each variant, as a ratio to plain causal attention (``causal=True``).
+1. Each variant, as a ratio to plain causal attention (``causal=True``); the same call on one
+   worker (``workers=1``), as what two workers gain over one; and the variant's backward
+   pass (``backward(grad)`` of a call with ``return_backward=True``) as a ratio to plain
+   causal attention's backward, beside its forward's ratio.
 2. Each ``mask_mod`` or ``score_mod`` form beside the built-in keyword it spells out, after
    checking that the two give the same output.
 3. The variants of the whole layer (``multi_head_attention``, d_model = 8 x 64 = 512, its
@@ -25,13 +28,17 @@ penalises the short calls most:
 
 Where the environment sets ``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE`` (which hold OpenBLAS
 to an older kernel), the measurement is repeated in a child process without them, and both
-are reported.
+are reported. Besides ``variants.json`` and ``.md``, the results are written under the CPU's
+name (``variants-amd-epyc.md``): one table per CPU, each kept when another CPU runs it.
 """
 
 from __future__ import annotations
 
+import re
+import shutil
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,6 +49,7 @@ from mha.cli.measure import (
     interleaved_medians,
     measured_on,
     readme_script,
+    script_parser,
 )
 
 B, H, L, D = 1, 8, 4096, 64
@@ -81,17 +89,24 @@ def variants(sinks: np.ndarray) -> list[tuple[str, str, dict[str, Any], float | 
     """(name, keywords as shown, keywords, target ratio to plain causal) of every row."""
     return [
         ("plain causal", "causal=True", {"causal": True}, None),
-        ("sinks", "causal=True, sinks=(8,) normal", {"causal": True, "sinks": sinks}, 1.15),
-        ("ALiBi", "causal=True, alibi=True", {"causal": True, "alibi": True}, 1.15),
-        ("soft-capping", "causal=True, softcap=50.0", {"causal": True, "softcap": CAP}, None),
+        ("sinks", "causal=True, sinks=(8,) normal", {"causal": True, "sinks": sinks}, 1.10),
+        ("ALiBi", "causal=True, alibi=True", {"causal": True, "alibi": True}, 1.10),
+        ("soft-capping", "causal=True, softcap=50.0", {"causal": True, "softcap": CAP}, 1.15),
         ("query temperature", "causal=True, query_temperature=(0.1, 512, 1)",
          {"causal": True, "query_temperature": (0.1, 512.0, 1)}, 1.1),
         (f"document mask, {L // DOCUMENT} x {DOCUMENT}",
          "mask_mod=(doc[q]==doc[kv]) & (q>=kv)", {"mask_mod": document_causal}, 0.3),
         (f"chunked {CHUNK}", f"causal=True, chunk={CHUNK}", {"causal": True, "chunk": CHUNK}, 0.25),
         (f"sliding window {WINDOW}", f"causal=True, window={WINDOW}",
-         {"causal": True, "window": WINDOW}, None),
+         {"causal": True, "window": WINDOW}, 0.35),
     ]  # fmt: skip
+
+
+TWO_WORKERS = 1.8
+"""What two workers must gain over one, for every row (the variants' target)."""
+BACKWARD_SLACK = 1.2
+"""A variant's backward ratio (to plain causal's backward) within this factor of its
+forward's ratio."""
 
 
 # (form, keywords as shown, keywords, the built-in variant it spells out, target)
@@ -102,9 +117,9 @@ FORMS: list[tuple[str, str, dict[str, Any], str, float | None]] = [
     (f"chunk {CHUNK} as mask_mod", f"mask_mod=(q>=kv) & (q//{CHUNK}==kv//{CHUNK})",
      {"mask_mod": chunk_mask}, f"chunked {CHUNK}", 1.5),
     ("ALiBi as score_mod", "causal=True, score_mod=s + slopes[h]*(kv-q)",
-     {"causal": True, "score_mod": alibi_score}, "ALiBi", None),
+     {"causal": True, "score_mod": alibi_score}, "ALiBi", 1.5),
     ("soft-capping as score_mod", "causal=True, score_mod=50*tanh(s/50)",
-     {"causal": True, "score_mod": softcap_score}, "soft-capping", None),
+     {"causal": True, "score_mod": softcap_score}, "soft-capping", 1.5),
 ]  # fmt: skip
 
 
@@ -144,6 +159,17 @@ def _attention(q: Any, k: Any, v: Any, keywords: dict[str, Any]) -> Callable[[],
     return run
 
 
+def _backward(q: Any, k: Any, v: Any, keywords: dict[str, Any]) -> Callable[[], Any]:
+    """The backward pass of one call (made once, outside the timing)."""
+    _, backward = mha.scaled_dot_product_attention(q, k, v, **keywords, return_backward=True)
+    grad = np.random.default_rng(1).standard_normal(q.shape, dtype=np.float32)
+
+    def run() -> Any:
+        return backward(grad)
+
+    return run
+
+
 def _meets(ratio: float, target: float | None) -> bool | None:
     return None if target is None else bool(ratio <= target)
 
@@ -159,6 +185,9 @@ def measure(quick: bool) -> dict[str, Any]:
     rows = variants(rng.standard_normal(H).astype(np.float32))
     keywords = {name: kw for name, _, kw, _ in rows}
     functions = {name: _attention(q, k, v, kw) for name, kw in keywords.items()}
+    for name, kw in keywords.items():
+        functions[f"{name}, one worker"] = _attention(q, k, v, kw | {"workers": 1})
+        functions[f"{name}, backward"] = _backward(q, k, v, kw)
     same = {}
     for form, _, kw, builtin, _ in FORMS:
         functions[form] = _attention(q, k, v, kw)
@@ -182,17 +211,28 @@ def measure(quick: bool) -> dict[str, Any]:
     times.update(interleaved_medians(layers, layer_repeats, pause=0.0))
     seconds = {name: float(np.median(t)) for name, t in times.items()}
     base, layer = seconds["plain causal"], seconds[LAYERS[0][0]]
+    base_backward = seconds["plain causal, backward"]
+
+    def variant(name: str, shown: str, target: float | None) -> dict[str, Any]:
+        ratio, one = seconds[name] / base, seconds[f"{name}, one worker"]
+        backward = seconds[f"{name}, backward"]
+        backward_ratio = backward / base_backward
+        return {
+            "name": name, "keywords": shown, "seconds": seconds[name],
+            "all_seconds": times[name], "ratio": ratio, "target": target,
+            "meets_target": _meets(ratio, target),
+            "one_worker_seconds": one, "two_workers_gain": one / seconds[name],
+            "meets_two_workers": bool(one / seconds[name] >= TWO_WORKERS),
+            "backward_seconds": backward, "backward_ratio": backward_ratio,
+            "meets_backward": bool(backward_ratio <= BACKWARD_SLACK * ratio),
+        }  # fmt: skip
+
     return {
         "environment": environment(torch),
         "shape": {"B": B, "H": H, "L": L, "D": D, "dtype": "float32"},
         "repeats": repeats,
         "layer_repeats": layer_repeats,
-        "variants": [
-            {"name": name, "keywords": shown, "seconds": seconds[name],
-             "all_seconds": times[name], "ratio": seconds[name] / base, "target": target,
-             "meets_target": _meets(seconds[name] / base, target)}
-            for name, shown, _, target in rows
-        ],
+        "variants": [variant(name, shown, target) for name, shown, _, target in rows],
         "forms": [
             {"name": form, "keywords": shown, "builtin": builtin, "seconds": seconds[form],
              "all_seconds": times[form], "builtin_seconds": seconds[builtin],
@@ -226,14 +266,25 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             + f"B=1, 8 heads, head dim 64, float32, L={L}; medians of {results['repeats']} "
             "interleaved runs, back to back, default workers.",
             "",
-            "| variant | keywords | ms | / plain causal | target | meets target |",
-            "|:---|:---|---:|---:|:---:|:---:|",
+            "| variant | keywords | ms | / plain causal | target | meets target "
+            f"| one worker ms | two / one (>= {TWO_WORKERS:g}x) | backward ms "
+            f"| backward / plain's | within {BACKWARD_SLACK:g}x of the forward's |",
+            "|:---|:---|---:|---:|:---:|:---:|---:|---:|---:|---:|:---:|",
         ]
         for row in results["variants"]:
+            gain, backward = row.get("two_workers_gain"), row.get("backward_ratio")
             lines.append(
                 f"| {row['name']} | `{row['keywords']}` | {row['seconds'] * 1e3:.1f} "
                 f"| {row['ratio']:.2f}x | {_target(row['target'])} "
-                f"| {_meets_text(row['meets_target'])} |"
+                f"| {_meets_text(row['meets_target'])} "
+                + (
+                    "| — | — | — | — | — |"
+                    if gain is None or backward is None
+                    else f"| {row['one_worker_seconds'] * 1e3:.1f} | {gain:.2f}x"
+                    f"{'' if row['meets_two_workers'] else ' (NO)'} "
+                    f"| {row['backward_seconds'] * 1e3:.1f} | {backward:.2f}x "
+                    f"| {_meets_text(row['meets_backward'])} |"
+                )
             )
         lines += [
             "",
@@ -273,7 +324,23 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     markers = (VARIANTS_BEGIN, VARIANTS_END)
-    return readme_script(argv, __doc__, __file__, measure, "variants", markdown, markers)
+    status = readme_script(argv, __doc__, __file__, measure, "variants", markdown, markers)
+    output = Path(__file__).resolve().parent / "results"
+    args = script_parser(__doc__, output, readme=True).parse_args(argv)
+    if status == 0 and not args.json_only and not args.quick:
+        keep_per_cpu(args.output, "variants")
+    return status
+
+
+def keep_per_cpu(output: Path, name: str) -> None:
+    """Copy ``name.json`` and ``.md`` under ``output`` to ``name-<cpu>.json`` and ``.md``
+    (the processor's name in lower case, words joined by hyphens): one table per CPU."""
+    import json
+
+    results = json.loads((output / f"{name}.json").read_text())
+    cpu = re.sub(r"[^a-z0-9]+", "-", results[0]["environment"]["processor"].lower()).strip("-")
+    for suffix in (".json", ".md"):
+        shutil.copyfile(output / f"{name}{suffix}", output / f"{name}-{cpu}{suffix}")
 
 
 if __name__ == "__main__":

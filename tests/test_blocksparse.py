@@ -205,7 +205,7 @@ def test_the_walk_skips_the_blocks_of_keys_no_query_chose():
     keys = index_keys(layer.indexer, x, W, at, layer._rotary())
     chosen = choose_blocks(layer.indexer, x, W, at, keys, layer._rotary())
     choice = mha.api.block_sparse.ChosenKeys(chosen, np.zeros(1, np.int64), 2)
-    blocks = classify(choice, np.arange(1), 2, at, at)
+    blocks, _ = classify(choice, np.arange(1), 2, at, at)
     assert blocks.shape == (1, 2, 4, 4)
     assert ((blocks == EMPTY) == ~np.eye(4, dtype=bool)).all()
     plain = mha.MultiHeadAttention.from_spec(

@@ -666,12 +666,14 @@ def test_nan_in_hidden_keys_reaches_no_output_or_gradient(case, workers):
     grad = g.standard_normal(q.shape)
     out, backward = sdpa(q, k, v, **kw, return_backward=True)
     out_nan, backward_nan = sdpa(q, k_nan, v_nan, **kw, return_backward=True)
+    # The same up to rounding: the compiled walk leaves a task whose hidden values are not
+    # finite to the NumPy walk, which sums in another order (both walks, or one alone).
     assert np.isfinite(out_nan).all()
-    np.testing.assert_array_equal(out_nan, out)
+    np.testing.assert_allclose(out_nan, out, rtol=1e-13, atol=1e-15)
     grads, grads_nan = backward(grad), backward_nan(grad)
     for name in grads:
         assert np.isfinite(grads_nan[name]).all(), name
-        np.testing.assert_array_equal(grads_nan[name], grads[name], err_msg=name)
+        np.testing.assert_allclose(grads_nan[name], grads[name], rtol=1e-13, atol=1e-15)
     assert np.all(grads["k"][dirty[:, None].repeat(2, 1)] == 0)
 
 

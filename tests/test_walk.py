@@ -18,7 +18,7 @@ from mha._kernel import blas, compiled, team, walk
 from mha._kernel.call import Gradients, KernelCall, Outputs
 from mha._kernel.contract import MaskArrays, MaskRules, ScoreShape, Visibility
 from mha._kernel.dropout import Dropout
-from mha._kernel.scores import Scores, SoftCap
+from mha._kernel.scores import ScoreMod, Scores, SoftCap
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +69,21 @@ def counted(monkeypatch):
 def numpy_walk(monkeypatch):
     """The NumPy walk for the rest of a ``monkeypatch.context()``."""
     monkeypatch.setattr(compiled, "walk_available", lambda: False)
+
+
+def on_both_walks(monkeypatch, q, k, v, grad, **keywords):
+    """``(out, lse, dq, dk, dv)`` of one call, first on the compiled walks, then on the
+    NumPy walk."""
+    results = []
+    for path in ("compiled", "numpy"):
+        with monkeypatch.context() as patch:
+            if path == "numpy":
+                numpy_walk(patch)
+            out, lse, backward = mha.scaled_dot_product_attention(
+                q, k, v, return_lse=True, return_backward=True, **keywords
+            )
+            results.append((out, lse, *backward(grad).values()))
+    return results
 
 
 def dense(q, k, v, *, causal=False, window=None, key_lengths=None, query_lengths=None):
@@ -135,21 +150,67 @@ def test_walk_agrees_with_the_numpy_walk_forward_and_backward(walks, counted, mo
     q = rng.standard_normal((B, H, L, d))
     k, v = (rng.standard_normal((B, H_kv, S, d)) for _ in range(2))
     grad = rng.standard_normal((B, H, L, d))
-    results = []
-    for path in ("compiled", "numpy"):
-        with monkeypatch.context() as patch:
-            if path == "numpy":
-                numpy_walk(patch)
-            out, lse, backward = mha.scaled_dot_product_attention(
-                q, k, v, return_lse=True, return_backward=True, workers=2, **keywords
-            )
-            results.append((out, lse, *backward(grad).values()))
+    results = on_both_walks(monkeypatch, q, k, v, grad, workers=2, **keywords)
     assert counted["forward"] >= 1 and counted["backward"] >= 1 and counted["left"] == 0
     for ours, theirs in zip(*results, strict=True):
         finite = np.isfinite(theirs)
         np.testing.assert_array_equal(np.isfinite(ours), finite)
         scale = max(np.abs(theirs[finite]).max(initial=0.0), 1e-300)
         assert np.abs(ours[finite] - theirs[finite]).max(initial=0.0) <= 1e-13 * scale
+
+
+DOCUMENTS = np.repeat(np.arange(6), [70, 200, 1, 129, 150, 50])  # 600 positions
+
+
+def _documents(b, h, i, j):
+    return (DOCUMENTS[i] == DOCUMENTS[j]) & (i >= j)
+
+
+def _per_head(b, h, i, j):  # a different mask for each head, most blocks partial
+    return ((i - j) % (h + 2) == 0) | (j == 0)
+
+
+VARIANTS = {  # computed in the compiled walks' score loops: B, H, H_kv, L, S, keywords
+    "alibi": (2, 4, 2, 300, 450, {"causal": True, "alibi": True}),
+    "alibi per sequence": (2, 2, 1, 200, 200, {"alibi": np.array([[0.5, 0.25], [0.1, 1.0]])}),
+    "softcap": (2, 4, 4, 130, 600, {"softcap": 3.0, "key_lengths": [600, 77]}),
+    "softcap and alibi": (1, 4, 2, 260, 260, {"causal": True, "softcap": 2.0, "alibi": True}),
+    "chunk": (2, 4, 2, 600, 600, {"causal": True, "chunk": 100, "query_lengths": [600, 333]}),
+    "chunk and window": (1, 2, 2, 257, 700, {"causal": True, "chunk": 160, "window": 90}),
+    "chunk, top left": (1, 2, 1, 300, 500, {"causal": True, "chunk": 64,
+                                             "causal_alignment": "top_left"}),
+    "documents": (2, 4, 2, 600, 600, {"mask_mod": _documents}),
+    "a mask per head": (1, 4, 2, 300, 600, {"mask_mod": _per_head, "causal": True}),
+    "everything": (2, 4, 2, 400, 400, {"causal": True, "chunk": 128, "softcap": 4.0,
+                                        "alibi": True, "mask_mod": _per_head,
+                                        "sinks": np.array([0.5, -1.0, 2.0, 0.0])}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("case", VARIANTS)
+def test_variants_take_the_compiled_walks_and_agree_with_the_numpy_walk(
+    walks, counted, monkeypatch, record_error, case, dtype
+):
+    """ALiBi, soft-capping, chunks and a mask_mod's block map computed in the compiled
+    walks, forward and backward, against the NumPy walk (which applies them as its own
+    passes over each tile): the same up to rounding (soft-capping's tanh is the walks' own,
+    within 4 ulp of NumPy's)."""
+    B, H, H_kv, L, S, keywords = VARIANTS[case]
+    rng = np.random.default_rng(L + S)
+    q = rng.standard_normal((B, H, L, 32)).astype(dtype)
+    k, v = (rng.standard_normal((B, H_kv, S, 32)).astype(dtype) for _ in range(2))
+    grad = rng.standard_normal(q.shape).astype(dtype)
+    results = on_both_walks(monkeypatch, q, k, v, grad, max_memory=2**19, **keywords)
+    assert counted["forward"] >= 1 and counted["backward"] >= 1 and counted["left"] == 0
+    bound = 1e-13 if dtype == np.float64 else 2e-5
+    for name, ours, theirs in zip(("out", "lse", "q", "k", "v"), *results, strict=False):
+        finite = np.isfinite(theirs)
+        np.testing.assert_array_equal(np.isfinite(ours), finite, err_msg=name)
+        scale = max(np.abs(theirs[finite]).max(initial=0.0), 1e-300)
+        error = np.abs(ours[finite] - theirs[finite]).max(initial=0.0) / scale
+        record_error(f"variants, compiled vs NumPy walk, {np.dtype(dtype).name}", error)
+        assert error <= bound, name
 
 
 def test_backward_walk_matches_autograd(walks, counted, torch, record_error):
@@ -237,20 +298,25 @@ def test_decoding_keys_whose_rows_lie_apart(walks, counted, record_error, dtype)
     [
         {"mask": np.tril(np.ones((64, 64), bool))},
         {"bias": np.zeros((64, 64))},
-        {"softcap": 30.0},
-        {"mask_mod": lambda b, h, i, j: i >= j},
+        {"score_mod": lambda s, b, h, i, j: s * 0.5,
+         "score_mod_grad": lambda s, b, h, i, j: np.full_like(s, 0.5)},
+        {"alibi": mha.symmetric_alibi(mha.alibi_slopes(2))},
+        {"mask_mod": lambda b, h, i, j: i >= j, "kept": 0},  # its partial blocks not kept
         {"return_weights": True},
-        {"causal": True, "chunk": 16},
         {"window": 8, "sink_tokens": 2},
         {"dropout_p": 0.1, "generator": np.random.default_rng(0)},
         {"dtype": np.float16},
         {"dtype": "mixed"},
     ],
-    ids=["mask", "bias", "softcap", "mask_mod", "weights", "chunk", "sink_tokens", "dropout",
-         "float16", "mixed"],
+    ids=["mask", "bias", "score_mod", "symmetric alibi", "mask_mod beyond its budget",
+         "weights", "sink_tokens", "dropout", "float16", "mixed"],
 )  # fmt: skip
-def test_what_a_band_cannot_say_takes_the_numpy_walk(walks, counted, keywords):
+def test_what_a_band_cannot_say_takes_the_numpy_walk(walks, counted, monkeypatch, keywords):
+    from mha._kernel import block_mask
+
     keywords = dict(keywords)
+    if "kept" in keywords:
+        monkeypatch.setattr(block_mask, "PARTIAL_MOST", keywords.pop("kept"))
     dtype = keywords.pop("dtype", np.float64)
     q = np.random.default_rng(11).standard_normal((1, 2, 64, 8))
     k = v = q.astype(np.float32 if dtype == "mixed" else dtype)
@@ -500,11 +566,20 @@ def test_the_walk_is_chosen_by_the_fields_a_call_sets():
         novel: int | None = None
 
     fields = {name: getattr(visibility, name) for name in Visibility.__dataclass_fields__}
-    refused = {
-        "scores.transforms": dataclasses.replace(call, scores=Scores((SoftCap(2.0),))),
-        "dropout": dataclasses.replace(call, dropout=Dropout(0.1, 0, 4, 5)),
+    taken = {
+        "score softcap": dataclasses.replace(call, scores=Scores((SoftCap(2.0),))),
         "visibility.chunk": dataclasses.replace(
             call, visibility=dataclasses.replace(visibility, chunk=2)
+        ),
+    }
+    for feature, changed in taken.items():
+        needs = walk.features(changed, Outputs(out), arrays)
+        assert feature in needs and needs <= walk.COMPILED_FORWARD.supports
+    refused = {
+        "score ScoreMod": dataclasses.replace(call, scores=Scores((ScoreMod(np.negative),))),
+        "dropout": dataclasses.replace(call, dropout=Dropout(0.1, 0, 4, 5)),
+        "visibility.sink_tokens": dataclasses.replace(
+            call, visibility=dataclasses.replace(visibility, sink_tokens=2)
         ),
         "visibility.novel": dataclasses.replace(call, visibility=Later(**fields, novel=3)),
     }
@@ -514,3 +589,57 @@ def test_the_walk_is_chosen_by_the_fields_a_call_sets():
         assert walk.choose(walks, changed, Outputs(out), arrays) is walk.NUMPY
     assert "weights" in walk.features(call, Outputs(out, weights=out), arrays)
     assert "dtypes mixed" in walk.features(call, Outputs(out), (q, k, k, out.astype(float)))
+
+
+RULES = [
+    {"causal": True},
+    {"causal": True, "window": 37},
+    {"window": (20, 9)},
+    {"causal": True, "chunk": 50},
+    {"causal": True, "chunk": 64, "window": 40, "causal_alignment": "top_left"},
+    {"chunk": 33, "key_lengths": [300, 17], "query_lengths": [5, 260]},
+    {"causal": True, "key_lengths": [300, 120], "query_lengths": [260, 99],
+     "causal_alignment": "bottom_right_per_sequence"},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("keywords", RULES, ids=lambda kw: "-".join(sorted(kw)))
+def test_the_share_of_pairs_seen_is_counted_exactly(keywords):
+    """What a call's workers are chosen from: the pairs its rules leave (counted row by
+    row), equal to the count of its visibility written out pair by pair."""
+    keywords = dict(keywords)
+    arrays = MaskArrays(
+        key_lengths=keywords.pop("key_lengths", None),
+        query_lengths=keywords.pop("query_lengths", None),
+    )
+    rules = MaskRules.check(
+        None,
+        keywords.pop("causal", None),
+        keywords.pop("causal_alignment", None),
+        keywords.pop("window", None),
+        None,
+        keywords.pop("chunk", None),
+        None,
+    )
+    visibility = Visibility.build(rules, arrays, ScoreShape((2,), 1, 260, 300))
+    assert visibility.seen_fraction() == pytest.approx(visibility.allowed().mean(), abs=1e-15)
+
+
+def test_a_call_whose_rules_leave_little_work_runs_on_one_worker(monkeypatch):
+    """The workers follow the pairs computed, not L x S: 2,048 queries in chunks of 32
+    compute 1/128 of the pairs."""
+    sizes = []
+    real = team.Team.__init__
+
+    def spy(self, workers, *args, **kwargs):
+        sizes.append(workers)
+        real(self, workers, *args, **kwargs)
+
+    monkeypatch.setattr(team.Team, "__init__", spy)
+    monkeypatch.setattr(team, "default_workers", lambda: 2)
+    q = np.zeros((1, 1, 2048, 16), np.float32)
+    limit = team.runtime.DEFAULT.thresholds.serial_below
+    assert 2048 * 2048 * 32 >= limit > 2048 * 2048 * 32 / 128  # (the test's premise)
+    mha.scaled_dot_product_attention(q, q, q, causal=True)
+    mha.scaled_dot_product_attention(q, q, q, causal=True, chunk=32)
+    assert sizes == [2, 1]

@@ -88,6 +88,62 @@ def _exp32(x: Any) -> Any:
     return _ZERO_32 if x < _LOW_32 else y
 
 
+# expm1(y) for y <= 0 as exp's reduction gives it: y = t ln 2 + r, expm1(y) = 2^t (e^r - 1)
+# + (2^t - 1), with e^r - 1 = r q(r) summed without the cancellation of exp(r) - 1, and
+# 2^t - 1 exact; q(r) = sum r^k / (k + 1)! to degree 12 (float64) and 7 (float32).
+_Q64 = _C64[:-1]  # 1/13!, ..., 1/1!
+_Q32 = tuple(_f32(c) for c in _C64[-9:-1])  # 1/8!, ..., 1/1!
+_TANH_LOW_64 = -80.0  # below, expm1(y) is -1 in float64 (and 2^t stays normal)
+_TANH_LOW_32 = _f32(-40.0)
+_ONE_32, _TWO_32 = _f32(1.0), _f32(2.0)
+
+
+@njit(fastmath={"contract"}, error_model="numpy")  # (numba's own checks x / 0: no vectors)
+def _tanh64(x: float) -> float:
+    y = -2.0 * abs(x)
+    y = _TANH_LOW_64 if y < _TANH_LOW_64 else y
+    shifted = y * _LOG2E_64 + _SHIFT_64
+    t = shifted - _SHIFT_64
+    n = _float64_bits(shifted) - _SHIFT_BITS_64
+    r = (y - t * _LN2_HI_64) - t * _LN2_LO_64
+    power = _bits_to_float64((n + 1023) << 52)  # 2^t
+    em = power * (r * _horner(r, _Q64)) + (power - 1.0)  # expm1(y), in (-1, 0]
+    magnitude = (0.0 - em) / (2.0 + em)
+    return -magnitude if x < 0.0 else magnitude  # NaN passes: it is not below 0
+
+
+@njit(fastmath={"contract"}, error_model="numpy")
+def _tanh32(x: Any) -> Any:
+    y = _f32(-2.0) * abs(x)
+    y = _TANH_LOW_32 if y < _TANH_LOW_32 else y
+    shifted = y * _LOG2E_32 + _SHIFT_32
+    t = shifted - _SHIFT_32
+    n = _float32_bits(shifted) - _SHIFT_BITS_32
+    r = (y - t * _LN2_HI_32) - t * _LN2_LO_32
+    power = _bits_to_float32((n + _BIAS_32) << 23)
+    em = power * (r * _horner(r, _Q32)) + (power - _ONE_32)
+    magnitude = (_ZERO_32 - em) / (_TWO_32 + em)
+    return -magnitude if x < _ZERO_32 else magnitude
+
+
+def tanh(x: Any) -> Any:
+    """``tanh`` of a float32 or float64 scalar, in its own type, written so that the
+    compiler vectorises a loop of it (soft-capping in the tile walks: numba's ``math.tanh``
+    calls libm one element at a time): ``sign(x) (-e) / (2 + e)`` with ``e = expm1(-2|x|)``
+    from exp's reduction (above), within a few ulp of the correctly rounded value (tested
+    against NumPy's). From Python this is NumPy's ``tanh``."""
+    return np.tanh(x)
+
+
+@overload(tanh)
+def _tanh(x):  # type: ignore[no-untyped-def]  # numba compares it with the lambdas' signature
+    if x == types.float32:
+        return lambda x: _tanh32(x)
+    if x == types.float64:
+        return lambda x: _tanh64(x)
+    return None
+
+
 def exp(x: Any) -> Any:
     """``exp`` of a float32 or float64 scalar, in its own type. Compiled code calls the
     implementations below (chosen by type); from Python this is NumPy's ``exp``."""
@@ -161,18 +217,38 @@ def row_max(x):  # type: ignore[no-untyped-def]  # pragma: no cover
 
 
 @njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True)
+def change_row(visible, rate, at, biased, cap):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """A row's visible scores changed in the order the kernel's transforms take
+    (:mod:`.scores`): soft-capped when ``cap`` is not 0 (``cap tanh(s / cap)``), then
+    ALiBi's ``rate * (j + at)`` added to key ``j`` when ``biased``."""
+    if cap != 0.0:
+        cap_, inverse = visible.dtype.type(cap), visible.dtype.type(1.0 / cap)
+        for j in range(visible.shape[0]):
+            visible[j] = cap_ * tanh(visible[j] * inverse)
+    if biased:
+        for j in range(visible.shape[0]):
+            visible[j] += rate * visible.dtype.type(j + at)
+
+
+@njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True)
 def row_step(row, a, b, seen, ref_old, total_old, first, rate, at, biased):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """One row of :func:`step`: ``row`` (its keys ``[a, b)`` visible) becomes ``exp(row -
-    ref)``, 0 outside the band; returns the new maximum, ``ref``, sum and rescaling factor."""
+    """One row of :func:`step`: ``row`` (its keys ``[a, b)`` visible) with ALiBi's bias
+    added (:func:`change_row`), then :func:`row_softmax`."""
+    if biased:
+        change_row(row[a:b], rate, at, biased, 0.0)
+    return row_softmax(row, a, b, seen, ref_old, total_old, first)
+
+
+@njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True)
+def row_softmax(row, a, b, seen, ref_old, total_old, first):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """The online softmax's step of one row: ``row`` (its keys ``[a, b)`` visible, hidden
+    ones among them already ``-inf``) becomes ``exp(row - ref)``, 0 outside the band;
+    returns the new maximum, ``ref``, sum and rescaling factor."""
     zero = row.dtype.type(0)
     minus_inf = row.dtype.type(-np.inf)
     if first:
         seen = minus_inf
-    visible = row[a:b]
-    if biased:  # ALiBi first: slope * (j - query position)
-        for j in range(visible.shape[0]):
-            visible[j] += rate * row.dtype.type(j + at)
-    top = row_max(visible)
+    top = row_max(row[a:b])
     new = top if top > seen else seen
     new_ref = new if new != minus_inf else zero
     # The pairs outside the band become -inf, as a mask's, and one sweep over the whole row

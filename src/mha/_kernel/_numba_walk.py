@@ -14,7 +14,11 @@ the sizes, the scratch) and hands them on whole: to a task (:func:`_forward_task
 compiles each for one signature per dtype when first used (cached on disk by numba). Their
 parts are inlined in numba's IR (``inline="always"``, with the walks' fastmath flags,
 :data:`FAST`): each walk compiles to one function, its loops as when it was written as one,
-and the tuples' arrays need no reference counting from part to part.
+and the tuples' arrays need no reference counting from part to part. The parts that read a
+``mask_mod``'s block map (:func:`_map_state`, :func:`_map_keys`, :func:`_next_tile`,
+:func:`_task_keys`, :func:`_hide`) are plain calls instead, one per tile or per row:
+inlined, they took each walk's first compilation to 18-22 s (the backward's from 4-5 s);
+as calls, 6-15 s.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from ._numba_pool import (
     run_end,
     tile_at,
 )
-from ._numba_step import exp, row_step
+from ._numba_step import change_row, exp, row_softmax, tanh
+from .geometry import BLOCK, EMPTY, FULL, PARTIAL
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112  # CBLAS's enums
 
@@ -146,44 +151,194 @@ _band = njit(inline="always")(geometry.band)
 
 
 @njit(boundscheck=False, nogil=True, inline="always")
-def _tile(at, c0, c1, group, band):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _tile(at, c0, c1, group, band, var):  # type: ignore[no-untyped-def]  # pragma: no cover
     """The key tile ``[c0, c1)`` of the rows ``at = (b, g, r0, r1)`` (each of the ``group``
     query heads of key/value head ``g`` of sequence ``b``), as the walks compute it: ``(b,
     g, r0, n, c0, c1, i0, rows, cut)``, the ``rows`` stacked rows from ``i0`` that may see a
     key of it (with one query head, only the rows that do; 0 when none does), and ``cut =
-    (banded, offset, causal, window)``: whether the band hides some of its keys from them,
-    and the sequence's band (:mod:`.geometry`)."""
+    (banded, offset, causal, window, chunk, q_base, k_base, mapped)``: whether the band, the
+    chunks or the mask's map hide some of its keys from them, the sequence's band
+    (:mod:`.geometry`), its chunks (:func:`_chunk_rows`) and whether the map hides some of
+    its keys (:func:`_hide`). ``var``: the call's variants (:func:`forward`)."""
     b, g, r0, r1 = at
     causal, window, offset = band[0], band[1], band[2][b]
+    chunk, q_base, k_base, blocks = var[0], var[1][b], var[2][b], var[5]
     a, e = _rows_seeing(r0, r1, c0, c1, offset, causal, window)
+    if chunk > 0:
+        a, e = _chunk_rows(a, e, c0, c1, chunk, q_base, k_base)
+    mapped = False
+    if a < e and blocks.shape[0] > 0:
+        state = _map_state(blocks, b, g, group, a, e, c0, c1)
+        if state == EMPTY:
+            a = e
+        mapped = state == PARTIAL
     if a >= e:
-        return b, g, r0, r1 - r0, c0, c1, 0, 0, (False, offset, causal, window)
+        cut = (False, offset, causal, window, chunk, q_base, k_base, False)
+        return b, g, r0, r1 - r0, c0, c1, 0, 0, cut
     if group > 1:
         a, e = r0, r1
-    banded = _cut(a, e, c0, c1, offset, causal, window)
+    banded = _cut(a, e, c0, c1, offset, causal, window) or mapped
+    if chunk > 0 and not banded:
+        banded = _chunk_cuts(a, e, c0, c1, chunk, q_base, k_base)
     i0 = (a - r0) if group == 1 else 0
     rows = (e - a) if group == 1 else group * (r1 - r0)
-    return b, g, r0, r1 - r0, c0, c1, i0, rows, (banded, offset, causal, window)
+    cut = (banded, offset, causal, window, chunk, q_base, k_base, mapped)
+    return b, g, r0, r1 - r0, c0, c1, i0, rows, cut
 
 
 @njit(boundscheck=False, nogil=True, inline="always")
 def _row_band(tile, i):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Stacked row ``i``'s visible keys ``[lo, hi)`` of ``tile`` (:func:`_tile`; query row
-    ``r0 + i % n``), from the tile's first key."""
+    ``r0 + i % n``) by the band and the chunks, from the tile's first key."""
     _, _, r0, n, c0, c1, _, _, cut = tile
-    banded, offset, causal, window = cut
+    banded, offset, causal, window, chunk, q_base, k_base, _ = cut
     if not banded:
         return 0, c1 - c0
-    return _band(r0 + i % n, c0, c1, offset, causal, window)
+    r = r0 + i % n
+    lo, hi = _band(r, c0, c1, offset, causal, window)
+    if chunk > 0:  # the keys of the row's chunk: positions [first, first + chunk)
+        first = (r + q_base) // chunk * chunk - k_base - c0
+        lo = min(max(lo, first), c1 - c0)
+        hi = max(min(hi, first + chunk), lo)
+    return lo, hi
 
 
-def plan(B, H_kv, L, rows, band):  # type: ignore[no-untyped-def]  # pragma: no cover
+@njit(boundscheck=False, nogil=True, inline="always")
+def _chunk_rows(a, e, c0, c1, chunk, q_base, k_base):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """The rows of ``[a, e)`` whose chunk holds some key of ``[c0, c1)``: row ``r`` is at
+    position ``r + q_base``, key ``c`` at ``c + k_base`` (none when ``a >= e``)."""
+    first = (c0 + k_base) // chunk * chunk - q_base
+    last = ((c1 - 1 + k_base) // chunk + 1) * chunk - q_base
+    return max(a, first), min(e, last)
+
+
+@njit(boundscheck=False, nogil=True, inline="always")
+def _chunk_keys(start, stop, r0, r1, chunk, q_base, k_base):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """The keys of ``[start, stop)`` in the chunks of rows ``[r0, r1)``."""
+    first = (r0 + q_base) // chunk * chunk - k_base
+    last = ((r1 - 1 + q_base) // chunk + 1) * chunk - k_base
+    return max(start, first), min(stop, last)
+
+
+@njit(boundscheck=False, nogil=True, inline="always")
+def _chunk_cuts(a, e, c0, c1, chunk, q_base, k_base):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Whether the chunks hide some key of ``[c0, c1)`` from some row of ``[a, e)``: not
+    all of them in one chunk."""
+    first = (a + q_base) // chunk
+    return (
+        (e - 1 + q_base) // chunk != first
+        or (c0 + k_base) // chunk != first
+        or (c1 - 1 + k_base) // chunk != first
+    )
+
+
+@njit(boundscheck=False, nogil=True)
+def _map_state(blocks, b, g, group, a, e, c0, c1):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """What the mask's block map (:mod:`.block_mask`) says of rows ``[a, e)`` and keys
+    ``[c0, c1)`` for the query heads of key/value head ``g``: ``EMPTY`` when every block is,
+    ``FULL`` when every block is, else ``PARTIAL``."""
+    bb = b if blocks.shape[0] > 1 else 0
+    heads = group if blocks.shape[1] > 1 else 1
+    empty = full = True
+    for j in range(heads):
+        h = g * group + j if blocks.shape[1] > 1 else 0
+        for rb in range(a // BLOCK, (e - 1) // BLOCK + 1):
+            for cb in range(c0 // BLOCK, (c1 - 1) // BLOCK + 1):
+                kind = blocks[bb, h, rb, cb]
+                empty = empty and kind == EMPTY
+                full = full and kind == FULL
+    return EMPTY if empty else (FULL if full else PARTIAL)
+
+
+@njit(boundscheck=False, nogil=True)
+def _map_keys(blocks, b, g, group, r0, r1, c0, c1):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """The keys ``[first, last)`` of ``[c0, c1)`` from the first to the last block of the
+    map that is not ``EMPTY`` for some row of ``[r0, r1)`` (``first = c1`` when none is)."""
+    bb = b if blocks.shape[0] > 1 else 0
+    heads = group if blocks.shape[1] > 1 else 1
+    first, last = c1, c0
+    for cb in range(c0 // BLOCK, (c1 - 1) // BLOCK + 1):
+        seen = False
+        for j in range(heads):
+            h = g * group + j if blocks.shape[1] > 1 else 0
+            for rb in range(r0 // BLOCK, (r1 - 1) // BLOCK + 1):
+                seen = seen or blocks[bb, h, rb, cb] != EMPTY
+        if seen:
+            if first == c1:
+                first = max(c0, cb * BLOCK)
+            last = min(c1, (cb + 1) * BLOCK)
+    return first, last
+
+
+@njit(boundscheck=False, nogil=True)
+def _next_tile(c0, stop, cols, at, group, var):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """The next key tile ``[c0, c1)`` of the rows ``at = (b, g, r0, r1)`` from key ``c0``:
+    at most ``cols`` keys, none across a chunk's edge, from the first to the last key of
+    the mask's map blocks that some row sees (``c0 = c1 = stop``: none is left)."""
+    b, g, r0, r1 = at
+    chunk, blocks = var[0], var[5]
+    if blocks.shape[0] > 0:
+        c0, _ = _map_keys(blocks, b, g, group, r0, r1, c0, stop)
+        if c0 >= stop:
+            return stop, stop
+    c1 = min(c0 + cols, stop)
+    if chunk > 0:
+        k_base = var[2][b]
+        c1 = min(c1, ((c0 + k_base) // chunk + 1) * chunk - k_base)
+    if blocks.shape[0] > 0:
+        _, c1 = _map_keys(blocks, b, g, group, r0, r1, c0, c1)
+    return c0, c1
+
+
+@njit(boundscheck=False, nogil=True)
+def _task_keys(at, group, band, var):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """The keys ``[start, stop)`` that some row of ``at = (b, g, r0, r1)`` may see, by the
+    band, the chunks and the mask's map (none when ``start >= stop``)."""
+    b, g, r0, r1 = at
+    causal, window, offsets, key_end = band[0], band[1], band[2], band[3]
+    start, stop = _keys_seen(r0, r1, offsets[b], key_end[b], causal, window)
+    if var[0] > 0 and start < stop:
+        start, stop = _chunk_keys(start, stop, r0, r1, var[0], var[1][b], var[2][b])
+    if var[5].shape[0] > 0 and start < stop:
+        start, stop = _map_keys(var[5], b, g, group, r0, r1, start, stop)
+    return start, stop
+
+
+@njit(boundscheck=False, nogil=True)
+def _hide(row, lo, hi, tile, i, group, var):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Stacked row ``i``'s keys ``[lo, hi)`` of ``tile`` (of key/value head ``g``'s
+    ``group`` query heads) that the mask hides set to
+    ``-inf``: its map's ``EMPTY`` blocks, and in a ``PARTIAL`` block the keys its mask
+    there (evaluated once per call, :func:`.block_mask.classify`) hides."""
+    b, g, r0, n, c0, _, _, _, _ = tile
+    blocks, index, masks = var[5], var[6], var[7]
+    r, h = r0 + i % n, g * group + i // n
+    bb = b if blocks.shape[0] > 1 else 0
+    hh = h if blocks.shape[1] > 1 else 0
+    rb, minus_inf = r // BLOCK, row.dtype.type(-np.inf)
+    k = lo
+    while k < hi:
+        cb = (c0 + k) // BLOCK
+        end = min(hi, (cb + 1) * BLOCK - c0)
+        kind = blocks[bb, hh, rb, cb]
+        if kind == EMPTY:
+            row[k:end] = minus_inf
+        elif kind == PARTIAL:
+            allowed, base = masks[index[bb, hh, rb, cb], r % BLOCK], c0 - cb * BLOCK
+            for j in range(k, end):
+                if not allowed[j + base]:
+                    row[j] = minus_inf
+        k = end
+
+
+def plan(B, H_kv, L, rows, band, var, group):  # type: ignore[no-untyped-def]  # pragma: no cover
     """The forward's tasks ``(b, g, r0, r1, start, stop, -1)``: every sequence, key/value
     head and tile of ``rows`` queries whose rows may see a key, with the keys they may see
-    (``[start, stop)``), longest first (ties in order). ``band = (causal, window, offsets,
-    key_end, query_end)``: the causal mask, the window (``-1``: none) and each sequence's
-    alignment offset, key length and query length."""
-    causal, window, offsets, key_end, query_end = band
+    (``[start, stop)``, :func:`_task_keys`), longest first (ties in order). ``band =
+    (causal, window, offsets, key_end, query_end)``: the causal mask, the window (``-1``:
+    none) and each sequence's alignment offset, key length and query length; ``var`` the
+    call's variants (:func:`forward`), ``group`` query heads per key/value head."""
+    query_end = band[4]
     tiles = (L + rows - 1) // rows
     table = np.empty((B * H_kv * tiles, 7), np.int64)
     cost = np.empty(B * H_kv * tiles, np.int64)
@@ -192,7 +347,7 @@ def plan(B, H_kv, L, rows, band):  # type: ignore[no-untyped-def]  # pragma: no 
         for g in range(H_kv):
             for r0 in range(0, min(L, query_end[b]), rows):
                 r1 = min(r0 + rows, query_end[b])
-                start, stop = _keys_seen(r0, r1, offsets[b], key_end[b], causal, window)
+                start, stop = _task_keys((b, g, r0, r1), group, band, var)
                 if start < stop:
                     table[n, 0], table[n, 1], table[n, 2], table[n, 3] = b, g, r0, r1
                     table[n, 4], table[n, 5], table[n, 6] = start, stop, -1
@@ -206,7 +361,7 @@ FAST = {"reassoc", "contract"}
 """The walks' fastmath flags (:mod:`.compiled`), which the parts of a walk keep."""
 
 
-def forward(gemm, work, operands, outputs, band, sizes, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
+def forward(gemm, work, operands, outputs, band, var, sizes, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Attention for each task ``(b, g, r0, r1, start, stop, part)`` that this call takes
     from the work ``(tasks, counter, failed)`` (:func:`_take`; the call's workers share the
     counter): rows ``[r0, r1)`` of key/value head ``g``'s query heads in sequence ``b``,
@@ -215,7 +370,13 @@ def forward(gemm, work, operands, outputs, band, sizes, scratch):  # type: ignor
     (``outputs = (out, lse, part_out, part_lse)``). ``operands = (q, keys, values)``: ``q
     (B, H, L, d_k)``, the keys and values each a pool of blocks (:mod:`._numba_pool`: a
     paged cache's, or a contiguous array seen as one block per sequence; float pools only).
-    ``band`` as :func:`plan`'s; ``sizes = (scale, cols, flip_below, chunk)``; ``scratch =
+    ``band`` as :func:`plan`'s; ``var = (chunk, q_base, k_base, slopes, cap, blocks, index,
+    masks)`` the variants computed in the walk: the chunks (0: none; row ``r`` of sequence
+    ``b`` at position ``r + q_base[b]``, key ``c`` at ``c + k_base[b]``), ALiBi's ``slopes
+    (1 or B, H)`` (size 0: none), soft-capping's ``cap`` (0: none), and a ``mask_mod``'s
+    block map ``blocks (1 or B, 1 or H, row blocks, key blocks)`` (size 0: none) with, for
+    its ``PARTIAL`` blocks, ``masks[index[...]]`` (:func:`.block_mask.classify`); ``sizes =
+    (scale, cols, flip_below, chunk)``; ``scratch =
     (s, flipped, stacked, acc, m, ref, total, partial, k_tile, v_tile)``. A tile of keys
     that spans blocks apart is copied into ``k_tile`` and ``v_tile`` (``(cols, d)``) for the
     GEMMs; a decoding step's few rows read the blocks where they lie, summing through
@@ -227,12 +388,12 @@ def forward(gemm, work, operands, outputs, band, sizes, scratch):  # type: ignor
         t = _take(counter)
         if t >= tasks.shape[0]:
             break
-        if not _forward_task(gemm, tasks[t], operands, outputs, band, sizes, scratch):
+        if not _forward_task(gemm, tasks[t], operands, outputs, band, var, sizes, scratch):
             failed[t] = True
 
 
 @njit(fastmath=FAST, boundscheck=False, nogil=True, inline="always")
-def _forward_task(gemm, task, operands, outputs, band, sizes, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _forward_task(gemm, task, operands, outputs, band, var, sizes, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
     """One task of :func:`forward`, from its first key tile to its rows' outputs; ``False``
     when a hidden key's value is not finite (0 * inf would be NaN): nothing is written."""
     q, keys, values = operands
@@ -247,18 +408,17 @@ def _forward_task(gemm, task, operands, outputs, band, sizes, scratch):  # type:
     total[:R] = 0.0
     acc[:R] = 0.0
     flip = flip_below > R  # few rows: k @ q^T
-    c0 = start
+    c0, c1 = _next_tile(start, stop, cols, at, group, var)
     while c0 < stop:
-        c1 = min(c0 + cols, stop)
-        tile = _tile(at, c0, c1, group, band)
+        tile = _tile(at, c0, c1, group, band, var)
         b, g, _, _, _, _, _, rows, cut = tile
         if rows > 0:
             if cut[0] and not finite(values, b, g, c0, c1):
                 return False  # a hidden key's value must be finite: 0 * inf would be NaN
             _tile_scores(gemm, tile, keys, flip, sizes, scratch)
-            _tile_softmax(tile, scratch)
+            _tile_softmax(tile, group, var, scratch)
             _tile_values(gemm, tile, values, sizes, scratch)
-        c0 = c1
+        c0, c1 = _next_tile(c1, stop, cols, at, group, var)
     _write_rows(task, group, outputs, scratch)
     return True
 
@@ -303,17 +463,29 @@ def _tile_scores(gemm, tile, keys, flip, sizes, scratch):  # type: ignore[no-unt
 
 
 @njit(fastmath=FAST, boundscheck=False, nogil=True, inline="always")
-def _tile_softmax(tile, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """The online softmax's step for ``tile``'s rows of ``s`` (:func:`.row_step`: ``s``
-    becomes ``exp(s - ref)``, 0 outside each row's band), ``acc`` rescaled."""
-    _, _, _, _, c0, c1, i0, rows, _ = tile
+def _tile_softmax(tile, group, var, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """The online softmax's step for ``tile``'s rows of ``s`` (of key/value head ``g``'s
+    ``group`` query heads): each row's visible scores changed (:func:`.change_row`: the
+    soft-capping and ALiBi of ``var``, :func:`forward`), the mask's hidden keys set to
+    ``-inf`` (:func:`_hide`), then :func:`.row_softmax` (``s`` becomes ``exp(s - ref)``, 0
+    outside each row's band), ``acc`` rescaled."""
+    b, g, r0, n, c0, c1, i0, rows, cut = tile
     s, _, _, acc, m, ref, total, _, _, _ = scratch
     dtype, d_v, w = s.dtype.type, acc.shape[1], c1 - c0
+    q_base, k_base, slopes, cap = cut[5], cut[6], var[3], var[4]
+    biased, mapped = slopes.shape[1] > 0, cut[7]
+    sb = b if slopes.shape[0] > 1 else 0
     for i in range(rows):
-        lo, hi = _row_band(tile, i0 + i)
         row = i0 + i
-        new, new_ref, row_total, rescale = row_step(
-            s[i, :w], lo, hi, m[row], ref[row], total[row], False, dtype(0), 0, False
+        lo, hi = _row_band(tile, row)
+        if biased or cap != 0.0:  # ALiBi's distance from key lo: lo + c0 - query position
+            rate = dtype(slopes[sb, g * group + row // n]) if biased else dtype(0)
+            at = lo + c0 + k_base - (r0 + row % n + q_base)
+            change_row(s[i, lo:hi], rate, at, biased, cap)
+        if mapped:
+            _hide(s[i, :w], lo, hi, tile, row, group, var)
+        new, new_ref, row_total, rescale = row_softmax(
+            s[i, :w], lo, hi, m[row], ref[row], total[row], False
         )
         m[row], ref[row], total[row] = new, new_ref, row_total
         if rescale != 1.0:
@@ -370,7 +542,7 @@ def _write_rows(task, group, outputs, scratch):  # type: ignore[no-untyped-def] 
                 lse[b, g * group + j, r0 + i] = row_lse
 
 
-def backward(gemm, work, operands, grads, band, sizes, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
+def backward(gemm, work, operands, grads, band, var, sizes, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
     """The gradients of each task ``(b, g)`` this call takes from the work ``(tasks,
     counter, failed)`` (as :func:`forward`'s): key/value head ``g`` of sequence ``b`` and its
     query heads, by tiles of ``rows`` queries (per query head) and ``cols`` keys. ``operands
@@ -378,33 +550,43 @@ def backward(gemm, work, operands, grads, band, sizes, scratch):  # type: ignore
     ``(B, H_kv, S, d)``), ``lse (B, H, L)`` the forward's; ``grads = (dq, dk, dv)``: ``dk``
     and ``dv`` arrive zeroed and are accumulated; ``dq`` is written (it may be
     ``grad_out``: each tile of rows is read before it is written). ``band`` as
-    :func:`plan`'s; ``sizes = (scale, dq_scale, rows, cols)``; ``scratch = (stacked, do, D,
-    row_lse, dq_t, p, ds)``. A task whose keys hold a non-finite value where some row
-    cannot see it (``0 * inf`` would spread) is left undone and flagged in ``failed``."""
+    :func:`plan`'s, ``var`` as :func:`forward`'s; ``sizes = (scale, dq_scale, rows, cols)``;
+    ``scratch = (stacked, do, D, row_lse, dq_t, p, ds, slope)``, ``slope`` soft-capping's
+    derivative of each score (``(0, 0)`` without it). A task whose keys or values hold a
+    non-finite value where some row cannot see it (``0 * inf`` would spread) is left
+    undone and flagged in ``failed``."""
     tasks, counter, failed = work
     while True:
         t = _take(counter)
         if t >= tasks.shape[0]:
             break
-        if not _backward_task(gemm, tasks[t], operands, grads, band, sizes, scratch):
+        if not _backward_task(gemm, tasks[t], operands, grads, band, var, sizes, scratch):
             failed[t] = True
 
 
 @njit(fastmath=FAST, boundscheck=False, nogil=True, inline="always")
-def _backward_task(gemm, task, operands, grads, band, sizes, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """One task of :func:`backward`, tile of rows by tile of rows; ``False`` when a key that
-    some row cannot see is not finite: nothing is written."""
-    q, k = operands[0], operands[1]
+def _backward_task(gemm, task, operands, grads, band, var, sizes, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """One task of :func:`backward`, tile of rows by tile of rows; ``False`` when a key or
+    value that some row cannot see is not finite: nothing is written."""
+    q, k, v = operands[0], operands[1], operands[2]
     dq = grads[0]
     causal, window, key_end, query_end = band[0], band[1], band[3], band[4]
     b, g, rows = task[0], task[1], sizes[2]
     group = q.shape[1] // k.shape[1]
     keys, queries = key_end[b], query_end[b]
-    if causal or window >= 0:  # some rows do not see some keys
+    if causal or window >= 0 or var[0] > 0 or var[5].shape[0] > 0:  # some keys hidden
+        first, last = keys, 0  # the keys some tile of rows reads
+        for r0 in range(0, queries, rows):
+            start, stop = _task_keys((b, g, r0, min(r0 + rows, queries)), group, band, var)
+            if start < stop:
+                first, last = min(first, start), max(last, stop)
         bad = False
-        for c in range(keys):  # (a loop without an exit, which the compiler vectorises)
+        for c in range(first, last):  # (a loop without an exit, which the compiler vectorises)
             for d in range(k.shape[3]):
                 if not np.isfinite(k[b, g, c, d]):
+                    bad = True
+            for d in range(v.shape[3]):
+                if not np.isfinite(v[b, g, c, d]):
                     bad = True
         if bad:
             return False
@@ -413,28 +595,29 @@ def _backward_task(gemm, task, operands, grads, band, sizes, scratch):  # type: 
             dq[b, g * group + j, r, :] = 0.0
     for r0 in range(0, queries, rows):
         at = (b, g, r0, min(r0 + rows, queries))
-        _backward_rows(gemm, at, operands, grads, band, sizes, scratch)
+        _backward_rows(gemm, at, operands, grads, band, var, sizes, scratch)
     return True
 
 
 @njit(fastmath=FAST, boundscheck=False, nogil=True, inline="always")
-def _backward_rows(gemm, at, operands, grads, band, sizes, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _backward_rows(gemm, at, operands, grads, band, var, sizes, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
     """The rows ``at = (b, g, r0, r1)`` of :func:`backward`: their stacked operands, each
     key tile they may see, and their ``dq``."""
     q, k = operands[0], operands[1]
     dq = grads[0]
-    causal, window, offsets, key_end = band[0], band[1], band[2], band[3]
     dq_scale, cols = sizes[1], sizes[3]
     dq_t = scratch[4]
     b, g, r0, r1 = at
     group, n, d_k = q.shape[1] // k.shape[1], r1 - r0, q.shape[3]
-    start, stop = _keys_seen(r0, r1, offsets[b], key_end[b], causal, window)
+    start, stop = _task_keys(at, group, band, var)
     _stack_rows(at, operands, sizes[0], scratch)
     dq_t[: group * n] = 0.0
-    for c0 in range(start, stop, cols):
-        tile = _tile(at, c0, min(c0 + cols, stop), group, band)
+    c0, c1 = _next_tile(start, stop, cols, at, group, var)
+    while c0 < stop:
+        tile = _tile(at, c0, c1, group, band, var)
         if tile[7] > 0:  # rows that see a key of it
-            _backward_tile(gemm, tile, operands, grads, scratch)
+            _backward_tile(gemm, tile, operands, grads, group, var, scratch)
+        c0, c1 = _next_tile(c1, stop, cols, at, group, var)
     factor = dq_t.dtype.type(dq_scale)
     for j in range(group):
         for i in range(n):
@@ -447,7 +630,7 @@ def _stack_rows(at, operands, scale, scratch):  # type: ignore[no-untyped-def]  
     """The rows ``at = (b, g, r0, r1)`` of each query head of key/value head ``g``, stacked:
     ``q * scale``, ``dO``, the forward's ``lse`` and ``D = rowsum(dO * O)``."""
     q, _, _, out, lse, grad_out = operands
-    stacked, do, D, row_lse, _, _, _ = scratch
+    stacked, do, D, row_lse = scratch[0], scratch[1], scratch[2], scratch[3]
     b, g, r0, r1 = at
     dtype, n, d_k, d_v = stacked.dtype.type, r1 - r0, q.shape[3], out.shape[3]
     group = q.shape[1] // operands[1].shape[1]
@@ -468,35 +651,41 @@ def _stack_rows(at, operands, scale, scratch):  # type: ignore[no-untyped-def]  
 
 
 @njit(fastmath=FAST, boundscheck=False, nogil=True, inline="always")
-def _backward_tile(gemm, tile, operands, grads, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _backward_tile(gemm, tile, operands, grads, group, var, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
     """One key tile's share of the gradients (:func:`_tile`'s rows and keys): five GEMMs,
     the weights and the scores' gradients between them."""
     b, g, _, _, c0, c1, i0, m, _ = tile
     _, k, v, _, _, _ = operands
     _, dk, dv = grads
-    stacked, do, D, row_lse, dq_t, p, ds = scratch
+    stacked, do, D, row_lse, dq_t, p, ds, slope = scratch
     cols, d_k, d_v, w = p.shape[1], stacked.shape[1], do.shape[1], c1 - c0
     Q, dO = (stacked, i0 * d_k, d_k), (do, i0 * d_v, d_v)
     K, V = (k, _at(k, b, g, c0), _rows(k)), (v, _at(v, b, g, c0), _rows(v))
     P, dS = (p, 0, cols), (ds, 0, cols)
     _gemm(gemm, (NO_TRANS, TRANS, m, w, d_k, 1.0, 0.0), Q, K, P)  # s = q k^T
-    _weights(p, tile, row_lse)
+    _weights(p, tile, row_lse, group, var, slope)
     dV = (dv, _at(dv, b, g, c0), _rows(dv))
     _gemm(gemm, (TRANS, NO_TRANS, w, d_v, m, 1.0, 1.0), P, dO, dV)  # dv += p^T dO
     _gemm(gemm, (NO_TRANS, TRANS, m, w, d_v, 1.0, 0.0), dO, V, dS)  # dp = dO v^T
-    _score_gradients(ds, p, tile, D)
+    _score_gradients(ds, p, tile, D, var[4] != 0.0, slope)
     _gemm(gemm, (NO_TRANS, NO_TRANS, m, d_k, w, 1.0, 1.0), dS, K, (dq_t, i0 * d_k, d_k))
     dK = (dk, _at(dk, b, g, c0), _rows(dk))
     _gemm(gemm, (TRANS, NO_TRANS, w, d_k, m, 1.0, 1.0), dS, Q, dK)  # dk += ds^T q
 
 
 @njit(fastmath=FAST, boundscheck=False, nogil=True)
-def _weights(p, tile, row_lse):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _weights(p, tile, row_lse, group, var, slope):  # type: ignore[no-untyped-def]  # pragma: no cover
     """``tile``'s rows of ``p`` (stacked rows ``i0 + i``), holding ``s - 0``, become
-    ``exp(s - lse)``, the forward's weights: 0 outside each row's band and for a row that
-    sees no key (``lse = -inf``). Each pair on its own: the band's slice is swept (a loop
-    from 0 over a slice vectorises), the rest set to 0."""
-    _, _, _, _, c0, c1, i0, m, _ = tile
+    ``exp(s' - lse)``, the forward's weights, ``s'`` the scores changed as the forward
+    changes them (soft-capping, whose derivative goes to ``slope``, then ALiBi; ``var`` as
+    :func:`forward`'s): 0 outside each row's band, where the mask hides a key, and for a
+    row that sees no key (``lse = -inf``). Each pair on its own: the band's slice is swept
+    (a loop from 0 over a slice vectorises), the rest set to 0."""
+    b, g, r0, n, c0, c1, i0, m, cut = tile
+    q_base, k_base, slopes, cap = cut[5], cut[6], var[3], var[4]
+    biased, mapped = slopes.shape[1] > 0, cut[7]
+    sb = b if slopes.shape[0] > 1 else 0
+    dtype = p.dtype.type
     for i in range(m):
         lo, hi = _row_band(tile, i0 + i)
         shift = row_lse[i0 + i]
@@ -506,14 +695,29 @@ def _weights(p, tile, row_lse):  # type: ignore[no-untyped-def]  # pragma: no co
         row[:lo] = 0.0
         row[hi:] = 0.0
         visible = row[lo:hi]
+        if cap != 0.0:
+            cap_, inverse = dtype(cap), dtype(1.0 / cap)
+            derivative = slope[i, lo:hi]
+            for c in range(visible.shape[0]):
+                t = tanh(visible[c] * inverse)
+                derivative[c] = 1.0 - t * t
+                visible[c] = cap_ * t
+        if biased:
+            rate = dtype(slopes[sb, g * group + (i0 + i) // n])
+            at = lo + c0 + k_base - (r0 + (i0 + i) % n + q_base)
+            for c in range(visible.shape[0]):
+                visible[c] += rate * dtype(c + at)
+        if mapped:
+            _hide(row, lo, hi, tile, i0 + i, group, var)
         for c in range(visible.shape[0]):
             visible[c] = exp(visible[c] - shift)
 
 
 @njit(fastmath=FAST, boundscheck=False, nogil=True)
-def _score_gradients(ds, p, tile, D):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """``tile``'s rows of ``ds``, holding ``dp``, become ``p * (dp - D)``: 0 outside each
-    row's band (where ``dp`` may be NaN from a hidden value)."""
+def _score_gradients(ds, p, tile, D, capped, slope):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """``tile``'s rows of ``ds``, holding ``dp``, become ``p * (dp - D)``, times
+    soft-capping's derivative ``slope`` when ``capped``: 0 outside each row's band (where
+    ``dp`` may be NaN from a hidden value)."""
     _, _, _, _, c0, c1, i0, m, _ = tile
     for i in range(m):
         lo, hi = _row_band(tile, i0 + i)
@@ -522,8 +726,13 @@ def _score_gradients(ds, p, tile, D):  # type: ignore[no-untyped-def]  # pragma:
         row[:lo] = 0.0
         row[hi:] = 0.0
         visible, weights = row[lo:hi], p[i, lo:hi]
-        for c in range(visible.shape[0]):
-            visible[c] = weights[c] * (visible[c] - centre)
+        if capped:
+            derivative = slope[i, lo:hi]
+            for c in range(visible.shape[0]):
+                visible[c] = weights[c] * (visible[c] - centre) * derivative[c]
+        else:
+            for c in range(visible.shape[0]):
+                visible[c] = weights[c] * (visible[c] - centre)
 
 
 __all__ = ["backward", "exp", "forward"]

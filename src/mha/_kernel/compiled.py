@@ -9,11 +9,13 @@ value once, :mod:`._numba_pool`). The keys and values are arrays or a paged cach
 Their arguments come grouped as numba tuples (:func:`_signatures`): the work, the operands
 (the keys and the values each a pool of blocks), the outputs, the band, the sizes and the
 scratch. They take the calls whose hidden keys a band can say (the causal mask, the window,
-the lengths, a cache's alignment: :mod:`.geometry`) with plain scores (sinks are added
-after, as everywhere), in float32 or float64, at every size (:func:`.walk.choose` picks
-them): with them a call costs tens of microseconds of Python, not a few per tile. Every
-other call (boolean masks, bias, ``mask_mod``, chunks, sink tokens, soft-capping, ALiBi,
-``score_mod``, dropout, returned weights, float16 and bfloat16) walks its tiles in Python,
+the lengths, a cache's alignment: :mod:`.geometry`), chunks, a ``mask_mod`` through its
+block map (the masks of its partial blocks kept from one evaluation), and soft-capping and
+ALiBi computed in their score loop (sinks are added after, as everywhere), in float32 or
+float64, at every size (:func:`.walk.choose` picks them): with them a call costs tens of
+microseconds of Python, not a few per tile. Every other call (boolean masks, bias, sink
+tokens, symmetric ALiBi, ``score_mod``, dropout, returned weights, float16 and bfloat16)
+walks its tiles in Python,
 with the softmax step below; so do the few work items where a key some rows cannot see
 holds a non-finite value (``0 * inf`` would be NaN in a GEMM). Each walk is compiled for
 one signature per dtype on first use (cached on disk by numba: the first call in a process
@@ -164,18 +166,31 @@ def _signatures(dtype: np.dtype) -> dict[str, Any]:
     counter, flags = types.Array(i64, 1, "C"), types.Array(types.boolean, 1, "C")
     work = Tuple((table, counter, flags))  # the tasks, the next one, those left undone
     band = Tuple((types.boolean, i64, index, index, index))  # causal, window, per sequence
+    variants = Tuple(
+        (
+            i64,  # the chunk (0: none)
+            index,  # each sequence's position of row 0, of key 0
+            index,
+            types.Array(real, 2, "A"),  # ALiBi's slopes (1 or B, H)
+            f64,  # soft-capping's cap (0: none)
+            types.Array(types.int8, 4, "A"),  # a mask_mod's block map
+            types.Array(types.int32, 4, "A"),  # its partial blocks' masks
+            types.Array(types.boolean, 3, "A"),
+        )
+    )
     bits = types.Array(types.uint16, 4, "A", readonly=True)  # float16 as bits: none in numba
     pool = Tuple((r[4], table, i64, bits, bits))  # data, table, block, scales, zeros
     forward_scratch = (c[2], c[1], c[2], c[2], c[1], c[1], c[1], c[2], c[2], c[2])
-    backward_scratch = (c[2], c[2], c[1], c[1], c[2], c[2], c[2])
+    backward_scratch = (c[2], c[2], c[1], c[1], c[2], c[2], c[2], c[2])
     return {
-        "plan": table(i64, i64, i64, i64, band),
+        "plan": table(i64, i64, i64, i64, band, variants, i64),
         "forward": types.void(
             i64,  # the GEMM's address
             work,
             Tuple((r[4], pool, pool)),  # q, keys, values
             Tuple((a[4], a[3], a[4], a[3])),  # out, lse, the split keys' out and lse
             band,
+            variants,
             Tuple((f64, i64, i64, i64)),  # scale, cols, flip_below, chunk
             Tuple(forward_scratch),
         ),
@@ -185,6 +200,7 @@ def _signatures(dtype: np.dtype) -> dict[str, Any]:
             Tuple((r[4], r[4], r[4], r[4], r[3], r[4])),  # q, k, v, out, lse, grad_out
             Tuple((a[4], a[4], a[4])),  # dq, dk, dv
             band,
+            variants,
             Tuple((f64, f64, i64, i64)),  # scale, dq_scale, rows, cols
             Tuple(backward_scratch),
         ),
@@ -201,11 +217,12 @@ def backward_walk(dtype: np.dtype, *args: Any) -> None:
     _run_walk("backward", dtype, args)
 
 
-def plan_walk(*args: Any) -> np.ndarray:
-    """:func:`mha._kernel._numba_walk.plan`: the forward walk's tasks, longest first."""
-    function = _READY.get(("plan", None))
+def plan_walk(dtype: np.dtype, *args: Any) -> np.ndarray:
+    """:func:`mha._kernel._numba_walk.plan`: the forward walk's tasks, longest first, for a
+    call of ``dtype`` (whose variants hold ALiBi's slopes in it)."""
+    function = _READY.get(("plan", dtype))
     if function is None:
-        function = _READY["plan", None] = (_walk("plan", np.dtype(np.int64)), ())
+        function = _READY["plan", dtype] = (_walk("plan", dtype), ())
     table: np.ndarray = function[0](*args)
     return table
 

@@ -50,6 +50,7 @@ array([[ True,  True, False],
 
 from __future__ import annotations
 
+import itertools
 import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -68,7 +69,7 @@ from .._arrays import (
     positive_int,
 )
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
-from .block_mask import classify
+from .block_mask import Partial, classify
 from .item import ItemVisibility, Memo, cut_block
 from .team import Team
 
@@ -87,6 +88,9 @@ __all__ = [
 ]
 
 CAUSAL_ALIGNMENTS = ("bottom_right", "top_left", "bottom_right_per_sequence")
+
+SEEN_SEQUENCES = 64
+"""Sequences whose rows :meth:`Visibility.seen_fraction` counts (the rest taken as alike)."""
 
 
 class ScoreShape(NamedTuple):
@@ -234,6 +238,7 @@ class Visibility:
     chunk: int | None = None
     mask_mod: Callable[..., Any] | None = None
     blocks: np.ndarray | None = None  # mask_mod's block map, from classified()
+    partial: Partial | None = None  # its partial blocks' masks (None: too many to keep)
     query_index: np.ndarray | None = None  # per sequence: mask_mod's q_idx of row 0
     key_index: np.ndarray | None = None  # per sequence: the position of key slot 0
     held_sink_tokens: int = 0  # leading key slots that hold positions 0.. (a cache's sink tokens)
@@ -314,8 +319,8 @@ class Visibility:
         if self.key_index is not None:
             k = np.where(keys < self.held_sink_tokens, keys, keys + self.key_index.reshape(-1, 1))
         b = np.arange(count) if self.sequences is None else self.sequences.reshape(-1)
-        blocks = classify(self.mask_mod, b, self.index_shape[-1], q, k, team)
-        return replace(self, blocks=blocks, memo=Memo())
+        blocks, partial = classify(self.mask_mod, b, self.index_shape[-1], q, k, team)
+        return replace(self, blocks=blocks, partial=partial, memo=Memo())
 
     def query_positions(self) -> np.ndarray:
         """Each query row's position, aligned with the keys' (what
@@ -451,6 +456,36 @@ class Visibility:
             if rows > 0 and item.key_ranges(0, rows):
                 return True
         return False
+
+    def seen_fraction(self) -> float:
+        """About what share of the ``L x S`` pairs the lengths, the causal mask, the window
+        and the chunks leave to be computed (1.0 when no rule hides keys): the call's work,
+        from which its workers are chosen (:func:`.team.workers_for`). Counted row by row
+        for up to ``SEEN_SEQUENCES`` sequences (a mask, bias or ``mask_mod`` may hide
+        more; sink tokens are not counted)."""
+        L, S = self.L, self.S
+        rules = self.causal or self.window is not None or self.chunk is not None
+        if L * S == 0 or not (
+            rules or self.key_lengths is not None or self.query_lengths is not None
+        ):
+            return 1.0
+        batch = self.index_shape[:-1]
+        rows, seen, counted = np.arange(L, dtype=np.int64), 0, 0
+        for index in itertools.islice(np.ndindex(batch), SEEN_SEQUENCES):
+            item = self.item(index, slice(0, 1))
+            offset, window = item._offset, item._window
+            start, stop = np.zeros(L, np.int64), np.full(L, item.key_end, np.int64)
+            if item.causal:
+                stop = np.minimum(stop, rows + 1 + offset)
+            if window >= 0:
+                start = np.maximum(start, rows + offset - window + 1)
+            if item.chunk is not None:
+                position = rows + item.offset + item.key_index
+                first = position // item.chunk * item.chunk - item.key_index
+                start, stop = np.maximum(start, first), np.minimum(stop, first + item.chunk)
+            widths = np.clip(stop - start, 0, None)[: item.query_end]
+            seen, counted = seen + int(widths.sum()), counted + 1
+        return seen / (counted * L * S) if counted else 1.0
 
     def allowed(self) -> np.ndarray:
         """The full boolean ``(*batch, H, L, S)`` visibility, for inspection and plots."""

@@ -24,7 +24,11 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "BLOCK",
+    "EMPTY",
+    "FULL",
     "NO_WINDOW",
+    "PARTIAL",
     "band",
     "cut",
     "keys_seen",
@@ -33,6 +37,13 @@ __all__ = [
 
 NO_WINDOW = -1
 """``window`` when there is no sliding window."""
+
+BLOCK = 128
+"""Rows and keys per block of a ``mask_mod``'s block map (:mod:`.block_mask`; FlexAttention's
+default block size), which both walks read."""
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+"""The block map's classes: no pair of a block visible, some, every one."""
 
 
 def keys_seen(r0: int, r1: int, offset: int, key_end: int, causal: bool, window: int) -> Any:

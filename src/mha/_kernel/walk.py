@@ -10,8 +10,10 @@ visibility, its scores and dropout, and its :class:`.call.Outputs` or
 :class:`.call.Gradients`, that is set to other than its default, by name, and what its
 operands are. A new option is a new field, so a walk that does not declare it never takes
 the calls that set it. The compiled walks support a band of hidden keys (the causal mask,
-the window, the lengths, each sequence's alignment), plain scores with sinks added after (as
-everywhere), float32 or float64 throughout; the NumPy walk supports every call. A call the
+the window, the lengths, each sequence's alignment), chunks, a ``mask_mod`` through its
+block map, soft-capping and ALiBi computed in their score loop (:func:`variants_of`), sinks
+added after (as everywhere), float32 or float64 throughout; the NumPy walk supports every
+call. A call the
 compiled walk supports still goes to the NumPy walk when its arrays are not ones the
 compiled code can read as they are (:func:`walk_views`).
 """
@@ -33,6 +35,7 @@ from .call import Gradients, KernelCall, Outputs
 from .contract import Visibility
 from .geometry import NO_WINDOW
 from .paged import PagedKV
+from .scores import Alibi, SoftCap
 from .tasks import Parts, Task, batch_index
 from .team import Team
 
@@ -94,19 +97,31 @@ _BAND = frozenset(
         "visibility.sequences",
     }
 )
+_VARIANTS = frozenset(
+    {
+        "visibility.chunk",
+        "visibility.mask_mod",  # with its block map and partial blocks' masks kept
+        "visibility.blocks",
+        "visibility.partial",
+        "visibility.memo",
+        "scores.transforms",  # of these kinds (:func:`_transform_features`)
+        "score softcap",
+        "score alibi",
+    }
+)
 _PLAIN = frozenset({"scores", "scores.sinks", "budget", "dtype float32", "dtype float64"})
 
 COMPILED_FORWARD = Walk(
     "compiled forward",
-    _BAND | _PLAIN | {"lse", "paged keys and values"},
+    _BAND | _VARIANTS | _PLAIN | {"lse", "paged keys and values"},
     lambda: compiled.walk_available(),
 )
-"""The compiled forward walk: a band, plain scores, float32 or float64, arrays or a paged
-cache's float pools."""
+"""The compiled forward walk: a band and the variants it computes itself, float32 or float64,
+arrays or a paged cache's float pools."""
 
 COMPILED_BACKWARD = Walk(
     "compiled backward",
-    _BAND | _PLAIN | {"dsinks", "dq_factor"},
+    _BAND | _VARIANTS | _PLAIN | {"dsinks", "dq_factor"},
     lambda: compiled.walk_available(),
 )
 """The compiled backward walk: the forward's calls, of arrays."""
@@ -148,6 +163,11 @@ def _features(
 ) -> Iterator[str]:
     yield from _set_fields(call, "")
     yield from _set_fields(destination, "")
+    if call.scores is not None and call.scores.transforms:
+        yield from _transform_features(call.scores.transforms)
+    visibility = call.visibility
+    if visibility.mask_mod is not None and visibility.partial is None:
+        yield "mask_mod unmapped"  # not classified, or too many partial blocks to keep
     k_paged, v_paged = isinstance(call.k, PagedKV), isinstance(call.v, PagedKV)
     if k_paged or v_paged:
         yield "paged keys and values" if k_paged and v_paged else "paged keys or values"
@@ -160,6 +180,19 @@ def _features(
         if read.size == 0:
             yield "empty"
     yield dtype_feature(dtypes.pop()) if len(dtypes) == 1 else "dtypes mixed"
+
+
+def _transform_features(transforms: tuple[Any, ...]) -> Iterator[str]:
+    """A feature for each change to the scores: ``"score softcap"``, ``"score alibi"`` (its
+    signed form), else the transform's kind (``"score ScoreMod"``, ``"score symmetric
+    alibi"``), which no compiled walk supports."""
+    for transform in transforms:
+        if isinstance(transform, SoftCap):
+            yield "score softcap"
+        elif isinstance(transform, Alibi):
+            yield "score symmetric alibi" if transform.symmetric else "score alibi"
+        else:
+            yield f"score {type(transform).__name__}"
 
 
 @functools.cache
@@ -331,6 +364,72 @@ def band_of(
     )
 
 
+def variants_of(call: KernelCall, batch_shape: tuple[int, ...]) -> tuple[Any, ...]:
+    """The variants the compiled walks compute themselves, as they take them
+    (:func:`._numba_walk.forward`): ``(chunk, q_base, k_base, slopes, cap, blocks, index,
+    masks)``: the chunk (0: none), each sequence's position of query row 0 and of key
+    slot 0 (int64 ``(B,)``), ALiBi's slopes ``(1 or B, H)`` (in the call's dtype, as the
+    NumPy walk adds them; size 0: none), soft-capping's cap (0.0: none), and a
+    ``mask_mod``'s block map with its partial blocks' masks (size 0: none)."""
+    visibility, scores, dtype = call.visibility, call.scores, call.q.dtype
+    B = math.prod(batch_shape)
+    chunk, slopes, cap = visibility.chunk or 0, None, 0.0
+    if scores is not None and scores.transforms:
+        cap = scores.softcap or 0.0
+        if scores.alibi is not None:
+            slopes = _slopes_of(scores.alibi, visibility, batch_shape).astype(dtype)
+    if not chunk and not cap and slopes is None and visibility.blocks is None:
+        return _no_variants(B, dtype)
+    if slopes is None:
+        slopes = np.empty((0, 0), dtype)
+    offsets = np.broadcast_to(
+        visibility.causal_offset if visibility.offsets is None else visibility.offsets,
+        batch_shape,
+    )
+    k_base = np.zeros(batch_shape, np.int64)
+    if visibility.key_index is not None:
+        k_base = k_base + np.broadcast_to(visibility.key_index, batch_shape)
+    k_base = k_base.reshape(B)
+    q_base = np.asarray(offsets, np.int64).reshape(B) + k_base
+    blocks, index, masks = _NO_MAP
+    if visibility.blocks is not None:
+        assert visibility.partial is not None  # (else the walks refuse the call)
+        blocks, (index, masks) = visibility.blocks, visibility.partial
+        if blocks.shape[0] > 1:  # per sequence: the call's flat batch order
+            blocks, index = (
+                blocks.reshape(B, *blocks.shape[-3:]),
+                index.reshape(B, *index.shape[-3:]),
+            )
+    return (chunk, q_base, k_base, slopes, float(cap), blocks, index, masks)
+
+
+def _slopes_of(
+    slopes: np.ndarray, visibility: Visibility, batch_shape: tuple[int, ...]
+) -> np.ndarray:
+    """ALiBi's slopes ``(H,)`` or per sequence ``(sequences, H)`` as the walks take them:
+    ``(1 or B, H)`` float64, sequence ``b``'s of the call's flat batch order."""
+    if slopes.ndim == 1:  # (copies: the walks' signature takes writeable arrays)
+        return np.array(slopes, np.float64)[None]
+    B = math.prod(batch_shape)
+    if visibility.sequences is not None:  # a block of a call: its sequences' own
+        return np.array(slopes[np.asarray(visibility.sequences).reshape(B)], np.float64)
+    return np.array(slopes, np.float64).reshape(B, -1)
+
+
+_NO_MAP = (
+    np.empty((0, 0, 0, 0), np.int8),
+    np.empty((0, 0, 0, 0), np.int32),
+    np.empty((0, 0, 0), bool),
+)
+
+
+@functools.lru_cache(maxsize=64)
+def _no_variants(B: int, dtype: np.dtype) -> tuple[Any, ...]:
+    """The variants of a call without any: no chunk, slopes, cap or map."""
+    zeros = np.zeros(B, np.int64)  # (read only by the walks)
+    return (0, zeros, zeros, np.empty((0, 0), dtype), 0.0, *_NO_MAP)
+
+
 def run_forward(
     call: KernelCall,
     views: list[np.ndarray],
@@ -374,13 +473,16 @@ class ForwardPlan:
         self.batch_shape = batch_shape = q_shape[:-3]
         self.d_v, self.dtype, self.scale = call.v.shape[-1], call.q.dtype, call.scale
         self.band = band_of(call.visibility, batch_shape, L, S)
+        self.variants = variants_of(call, batch_shape)
         self.rows = max(1, min(tiles.rows, runtime.DEFAULT.thresholds.walk_rows))
         self.L, self.group, self.cols = L, call.group, tiles.cols
         self.R, self.paged = self.group * self.rows, isinstance(k, PagedKV)
         self.flip_below = flip_below
         self.sizes = (self.scale, self.cols, flip_below, product_chunk)
         B = math.prod(batch_shape)
-        table = compiled.plan_walk(B, H_kv, L, self.rows, self.band)
+        table = compiled.plan_walk(
+            self.dtype, B, H_kv, L, self.rows, self.band, self.variants, self.group
+        )
         self.split: tuple[list[Task], list[list[Task]]] | None = None
         if 0 < len(table) < workers:  # few items (decoding): split their keys
             table = self._split_keys(table, workers)
@@ -444,7 +546,9 @@ class ForwardPlan:
             taken.append(scratch)
 
             def walk() -> None:
-                compiled.forward_walk(dtype, work, operands, outputs, self.band, sizes, scratch)
+                compiled.forward_walk(
+                    dtype, work, operands, outputs, self.band, self.variants, sizes, scratch
+                )
 
             return walk
 
@@ -519,7 +623,8 @@ def run_lone(views: list[np.ndarray], band: tuple[Any, ...], scale: float, cols:
     B, H, _, d_k = q.shape
     H_kv, d_v = keys.shape[1], values.shape[-1]
     dtype, tuned = q.dtype, runtime.DEFAULT.thresholds
-    table = compiled.plan_walk(B, H_kv, 1, 1, band)
+    variants = _no_variants(B, dtype)
+    table = compiled.plan_walk(dtype, B, H_kv, 1, 1, band, variants, H // H_kv)
     work = (table, np.zeros(1, np.int64), np.zeros(len(table), bool))
     flip_below = tuned.wide_below_rows
     shapes = scratch_shapes(H // H_kv, cols, d_k, d_v, False, flip_below)
@@ -528,7 +633,7 @@ def run_lone(views: list[np.ndarray], band: tuple[Any, ...], scale: float, cols:
     sizes = (scale, cols, flip_below, tuned.product_chunk)
     outputs = (out, lse, part_out, part_lse)
     operands = (q, *_array_pools(keys, values))
-    compiled.forward_walk(dtype, work, operands, outputs, band, sizes, scratch)
+    compiled.forward_walk(dtype, work, operands, outputs, band, variants, sizes, scratch)
     return not work[2].any()
 
 
@@ -635,7 +740,10 @@ def run_backward(
     assert views is not None  # checked by backward_walkable
     q4, k4, v4, out4, lse4, do4, dq4, dk4, dv4 = views
     band = band_of(call.visibility, q.shape[:-3], L, S)
+    variants = variants_of(call, q.shape[:-3])
+    capped = variants[4] != 0.0
     rows = max(1, min(tiles.rows, runtime.DEFAULT.thresholds.backward_rows))
+    rows = min(rows, _narrow_rows(call.visibility))
     operands = (q4, _packed(k4, L, rows), _packed(v4, L, rows), out4, lse4[..., 0], do4)
     sizes = (call.scale, call.scale * grads.dq_factor, rows, tiles.cols)
     table = _backward_tasks(k4.shape[1], band)
@@ -647,17 +755,32 @@ def run_backward(
         stacked, do, dq_t = (np.empty((R, d), dtype) for d in (d_k, d_v, d_k))
         D, row_lse = np.empty(R, dtype), np.empty(R, dtype)
         p, ds = np.empty((R, cols), dtype), np.empty((R, cols), dtype)
-        scratch = (stacked, do, D, row_lse, dq_t, p, ds)
+        slope = np.empty((R, cols) if capped else (0, 0), dtype)  # soft-capping's derivative
+        scratch = (stacked, do, D, row_lse, dq_t, p, ds, slope)
 
         def walk() -> None:
             grads4 = (dq4, dk4, dv4)
-            compiled.backward_walk(dtype, work, operands, grads4, band, sizes, scratch)
+            compiled.backward_walk(dtype, work, operands, grads4, band, variants, sizes, scratch)
 
         return walk
 
     _walk_once_per_worker(team, work, make_walk)
     failed = table[work[2]]
     return [(batch_index(b, q.shape[:-3]), slice(int(g), int(g) + 1)) for b, g in failed]
+
+
+BAND_ROWS = 128
+"""Rows of the backward's tiles where each query sees a narrow run of keys (a window, chunks,
+a mask_mod's map): a tile of rows computes every key some row of it sees, so 512 rows of a
+window of 512 computed 1,023 keys each (twice the visible pairs) and a chunk's 512 rows its
+whole square; 128 rows compute 1.25 times the visible pairs."""
+
+
+def _narrow_rows(visibility: Visibility) -> int:
+    """The most rows of the backward's tiles for this visibility (:data:`BAND_ROWS` where
+    its queries see narrow runs of keys)."""
+    narrow = visibility.window is not None or visibility.chunk or visibility.blocks is not None
+    return BAND_ROWS if narrow else 2**62
 
 
 def _backward_tasks(H_kv: int, band: tuple[Any, ...]) -> np.ndarray:

@@ -86,6 +86,7 @@ class SplitHeadsBackward:
             dsinks = np.zeros(call.scores.sinks.shape, dtype)
         dtable = _table_gradient(call.scores, dtype)
         cost = float(math.prod(q.shape[:-1])) * k.shape[-2] * 2 * (q.shape[-1] + v.shape[-1])
+        cost *= visibility.seen_fraction()  # the pairs computed
         with (
             np.errstate(invalid="ignore", over="ignore"),
             Team(workers_for(cost, self.threads)) as team,

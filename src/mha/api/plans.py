@@ -136,7 +136,7 @@ def _plan(q: np.ndarray, k: np.ndarray, v: np.ndarray, checked: Checked) -> _Pla
     if walk.forward_walkable(call, Outputs(out)) is None:
         return None
     cost = float(math.prod(q.shape[:-1])) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
-    team_size = workers_for(cost, request.threads)
+    team_size = workers_for(cost * visibility.seen_fraction(), request.threads)
     H_kv = k.shape[-3]
     group = q.shape[-3] // H_kv
     tiles = plan_tiles(

@@ -265,6 +265,7 @@ def attention(q: Any, k: Any, v: Any, checked: Checked) -> np.ndarray | tuple[An
     if request.lse or request.backward:
         outputs.lse = np.full(q.shape[:-1], -np.inf, dtype=compute_dtype)
     cost = float(math.prod(q.shape[:-1])) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+    cost *= visibility.seen_fraction()  # the pairs computed: the workers follow the work
     # The seed is drawn once everything is checked, and put back if the call still fails.
     with (
         drawn(spec.dropout_p, given.generator, q.shape[-3], q.shape[-2]) as dropout,
