@@ -166,6 +166,10 @@ def _documents(b, h, i, j):
     return (DOCUMENTS[i] == DOCUMENTS[j]) & (i >= j)
 
 
+def _all_but_row_3(b, h, i, j):
+    return i != 3
+
+
 def _per_head(b, h, i, j):  # a different mask for each head, most blocks partial
     return ((i - j) % (h + 2) == 0) | (j == 0)
 
@@ -181,6 +185,8 @@ VARIANTS = {  # computed in the compiled walks' score loops: B, H, H_kv, L, S, k
                                              "causal_alignment": "top_left"}),
     "documents": (2, 4, 2, 600, 600, {"mask_mod": _documents}),
     "a mask per head": (1, 4, 2, 300, 600, {"mask_mod": _per_head, "causal": True}),
+    "soft-capping and a row that sees nothing": (  # its lse -inf, no sinks to lift it
+        1, 2, 1, 200, 200, {"softcap": 1.0, "mask_mod": _all_but_row_3}),
     "everything": (2, 4, 2, 400, 400, {"causal": True, "chunk": 128, "softcap": 4.0,
                                         "alibi": True, "mask_mod": _per_head,
                                         "sinks": np.array([0.5, -1.0, 2.0, 0.0])}),
@@ -201,6 +207,15 @@ def test_variants_take_the_compiled_walks_and_agree_with_the_numpy_walk(
     q = rng.standard_normal((B, H, L, 32)).astype(dtype)
     k, v = (rng.standard_normal((B, H_kv, S, 32)).astype(dtype) for _ in range(2))
     grad = rng.standard_normal(q.shape).astype(dtype)
+    for name in ("forward", "backward"):  # their buffers dirty: a walk reads what it wrote
+        real = getattr(compiled, f"{name}_walk")
+
+        def dirty(*args, _real=real):
+            for buffer in args[-1]:
+                buffer.fill(np.nan)
+            _real(*args)
+
+        monkeypatch.setattr(compiled, f"{name}_walk", dirty)
     results = on_both_walks(monkeypatch, q, k, v, grad, max_memory=2**19, **keywords)
     assert counted["forward"] >= 1 and counted["backward"] >= 1 and counted["left"] == 0
     bound = 1e-13 if dtype == np.float64 else 2e-5

@@ -251,9 +251,10 @@ def _map_state(blocks, b, g, group, a, e, c0, c1):  # type: ignore[no-untyped-de
 
 
 @njit(boundscheck=False, nogil=True)
-def _map_keys(blocks, b, g, group, r0, r1, c0, c1):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _map_keys(blocks, b, g, group, r0, r1, c0, c1, whole):  # type: ignore[no-untyped-def]  # pragma: no cover
     """The keys ``[first, last)`` of ``[c0, c1)`` from the first to the last block of the
-    map that is not ``EMPTY`` for some row of ``[r0, r1)`` (``first = c1`` when none is)."""
+    map that is not ``EMPTY`` for some row of ``[r0, r1)`` (``first = c1`` when none is);
+    without ``whole``, only ``first`` (``last`` is then that block's end)."""
     bb = b if blocks.shape[0] > 1 else 0
     heads = group if blocks.shape[1] > 1 else 1
     first, last = c1, c0
@@ -267,6 +268,8 @@ def _map_keys(blocks, b, g, group, r0, r1, c0, c1):  # type: ignore[no-untyped-d
             if first == c1:
                 first = max(c0, cb * BLOCK)
             last = min(c1, (cb + 1) * BLOCK)
+            if not whole:
+                break
     return first, last
 
 
@@ -278,7 +281,7 @@ def _next_tile(c0, stop, cols, at, group, var):  # type: ignore[no-untyped-def] 
     b, g, r0, r1 = at
     chunk, blocks = var[0], var[5]
     if blocks.shape[0] > 0:
-        c0, _ = _map_keys(blocks, b, g, group, r0, r1, c0, stop)
+        c0, _ = _map_keys(blocks, b, g, group, r0, r1, c0, stop, False)
         if c0 >= stop:
             return stop, stop
     c1 = min(c0 + cols, stop)
@@ -286,7 +289,7 @@ def _next_tile(c0, stop, cols, at, group, var):  # type: ignore[no-untyped-def] 
         k_base = var[2][b]
         c1 = min(c1, ((c0 + k_base) // chunk + 1) * chunk - k_base)
     if blocks.shape[0] > 0:
-        _, c1 = _map_keys(blocks, b, g, group, r0, r1, c0, c1)
+        _, c1 = _map_keys(blocks, b, g, group, r0, r1, c0, c1, True)
     return c0, c1
 
 
@@ -300,7 +303,7 @@ def _task_keys(at, group, band, var):  # type: ignore[no-untyped-def]  # pragma:
     if var[0] > 0 and start < stop:
         start, stop = _chunk_keys(start, stop, r0, r1, var[0], var[1][b], var[2][b])
     if var[5].shape[0] > 0 and start < stop:
-        start, stop = _map_keys(var[5], b, g, group, r0, r1, start, stop)
+        start, stop = _map_keys(var[5], b, g, group, r0, r1, start, stop, True)
     return start, stop
 
 
@@ -667,7 +670,7 @@ def _backward_tile(gemm, tile, operands, grads, group, var, scratch):  # type: i
     dV = (dv, _at(dv, b, g, c0), _rows(dv))
     _gemm(gemm, (TRANS, NO_TRANS, w, d_v, m, 1.0, 1.0), P, dO, dV)  # dv += p^T dO
     _gemm(gemm, (NO_TRANS, TRANS, m, w, d_v, 1.0, 0.0), dO, V, dS)  # dp = dO v^T
-    _score_gradients(ds, p, tile, D, var[4] != 0.0, slope)
+    _score_gradients(ds, p, tile, D, row_lse, var[4] != 0.0, slope)
     _gemm(gemm, (NO_TRANS, NO_TRANS, m, d_k, w, 1.0, 1.0), dS, K, (dq_t, i0 * d_k, d_k))
     dK = (dk, _at(dk, b, g, c0), _rows(dk))
     _gemm(gemm, (TRANS, NO_TRANS, w, d_k, m, 1.0, 1.0), dS, Q, dK)  # dk += ds^T q
@@ -714,13 +717,16 @@ def _weights(p, tile, row_lse, group, var, slope):  # type: ignore[no-untyped-de
 
 
 @njit(fastmath=FAST, boundscheck=False, nogil=True)
-def _score_gradients(ds, p, tile, D, capped, slope):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _score_gradients(ds, p, tile, D, row_lse, capped, slope):  # type: ignore[no-untyped-def]  # pragma: no cover
     """``tile``'s rows of ``ds``, holding ``dp``, become ``p * (dp - D)``, times
     soft-capping's derivative ``slope`` when ``capped``: 0 outside each row's band (where
-    ``dp`` may be NaN from a hidden value)."""
+    ``dp`` may be NaN from a hidden value) and for a row that sees no key (``lse = -inf``,
+    whose ``slope`` :func:`_weights` left unwritten)."""
     _, _, _, _, c0, c1, i0, m, _ = tile
     for i in range(m):
         lo, hi = _row_band(tile, i0 + i)
+        if row_lse[i0 + i] == -np.inf:
+            lo = hi = 0
         centre = D[i0 + i]
         row = ds[i, : c1 - c0]
         row[:lo] = 0.0

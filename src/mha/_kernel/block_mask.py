@@ -135,6 +135,8 @@ def classify(
             at = (r0 // BLOCK, c0 // BLOCK)
             blocks[:, :, at[0] : -(-r1 // BLOCK), at[1] : -(-c1 // BLOCK)] = cell
             where = np.nonzero(cell == PARTIAL)
+            if not len(where[0]):
+                return
             with lock:
                 kept[0] += len(where[0]) * BLOCK * BLOCK
                 if kept[0] > PARTIAL_MOST:

@@ -50,7 +50,6 @@ array([[ True,  True, False],
 
 from __future__ import annotations
 
-import itertools
 import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -90,7 +89,8 @@ __all__ = [
 CAUSAL_ALIGNMENTS = ("bottom_right", "top_left", "bottom_right_per_sequence")
 
 SEEN_SEQUENCES = 64
-"""Sequences whose rows :meth:`Visibility.seen_fraction` counts (the rest taken as alike)."""
+"""Sequences whose rows :meth:`Visibility.seen_fraction` counts, at most (the rest taken as
+alike)."""
 
 
 class ScoreShape(NamedTuple):
@@ -460,32 +460,39 @@ class Visibility:
     def seen_fraction(self) -> float:
         """About what share of the ``L x S`` pairs the lengths, the causal mask, the window
         and the chunks leave to be computed (1.0 when no rule hides keys): the call's work,
-        from which its workers are chosen (:func:`.team.workers_for`). Counted row by row
-        for up to ``SEEN_SEQUENCES`` sequences (a mask, bias or ``mask_mod`` may hide
-        more; sink tokens are not counted)."""
+        from which its workers are chosen (:func:`.team.workers_for`). Counted row by row,
+        as :meth:`item` places them, for the first ``SEEN_SEQUENCES`` sequences (fewer
+        when ``L`` is long; the rest taken as alike; a mask, bias or ``mask_mod`` may hide
+        more, and sink tokens are not counted)."""
         L, S = self.L, self.S
-        rules = self.causal or self.window is not None or self.chunk is not None
-        if L * S == 0 or not (
-            rules or self.key_lengths is not None or self.query_lengths is not None
-        ):
-            return 1.0
         batch = self.index_shape[:-1]
-        rows, seen, counted = np.arange(L, dtype=np.int64), 0, 0
-        for index in itertools.islice(np.ndindex(batch), SEEN_SEQUENCES):
-            item = self.item(index, slice(0, 1))
-            offset, window = item._offset, item._window
-            start, stop = np.zeros(L, np.int64), np.full(L, item.key_end, np.int64)
-            if item.causal:
-                stop = np.minimum(stop, rows + 1 + offset)
-            if window >= 0:
-                start = np.maximum(start, rows + offset - window + 1)
-            if item.chunk is not None:
-                position = rows + item.offset + item.key_index
-                first = position // item.chunk * item.chunk - item.key_index
-                start, stop = np.maximum(start, first), np.minimum(stop, first + item.chunk)
-            widths = np.clip(stop - start, 0, None)[: item.query_end]
-            seen, counted = seen + int(widths.sum()), counted + 1
-        return seen / (counted * L * S) if counted else 1.0
+        count = int(np.prod(batch)) if batch else 1
+        rules = self.causal or self.window is not None or self.chunk is not None
+        lengths = self.key_lengths is not None or self.query_lengths is not None
+        if L * S * count == 0 or not (rules or lengths):
+            return 1.0
+        take = max(1, min(count, SEEN_SEQUENCES, 2**20 // L))
+
+        def per_sequence(values: np.ndarray | None, default: int) -> np.ndarray:
+            if values is None:
+                return np.full((take, 1), default, np.int64)
+            return np.broadcast_to(values, batch).reshape(-1)[:take, None].astype(np.int64)
+
+        offsets = per_sequence(self.offsets, self.causal_offset)
+        key_index = per_sequence(self.key_index, 0)
+        rows = np.arange(L, dtype=np.int64)[None]
+        start = np.zeros((take, L), np.int64)
+        stop = np.broadcast_to(per_sequence(self.key_lengths, S), (take, L))
+        band = offsets + self.ahead  # (a right window moves the causal bound, as item's)
+        if self.causal:
+            stop = np.minimum(stop, rows + 1 + band)
+        if self.window is not None:
+            start = np.maximum(start, rows + band - (self.window + self.ahead) + 1)
+        if self.chunk is not None:
+            first = (rows + offsets + key_index) // self.chunk * self.chunk - key_index
+            start, stop = np.maximum(start, first), np.minimum(stop, first + self.chunk)
+        widths = np.clip(stop - start, 0, None) * (rows < per_sequence(self.query_lengths, L))
+        return float(widths.sum()) / (take * L * S)
 
     def allowed(self) -> np.ndarray:
         """The full boolean ``(*batch, H, L, S)`` visibility, for inspection and plots."""

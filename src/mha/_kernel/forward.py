@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import compiled, runtime, tasks, walk
+from . import compiled, runtime, tasks, walk, walk_inputs
 from .call import DEFAULT_MAX_MEMORY, KernelCall, Outputs
 from .paged import PagedKV
 from .scores import add_sinks
@@ -203,7 +203,7 @@ def attend_band(call: KernelCall, outputs: Outputs, team: Team) -> None:
     if views is not None:  # attend's compiled half, its tiles and its walk
         tuned, tiles = runtime.DEFAULT.thresholds, _call_tiles(call, outputs)
         if team.workers == 1 and lse is None and q.shape[-2] == 1:  # one query row a head
-            band = walk.band_of(call.visibility, q.shape[:-3], 1, k.shape[-2])
+            band = walk_inputs.band_of(call.visibility, q.shape[:-3], 1, k.shape[-2])
             if walk.run_lone(views, band, call.scale, tiles.cols):
                 return
         else:

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .item import ItemVisibility
+from .traced import traced
 
 __all__ = [
     "Alibi",
@@ -92,7 +93,8 @@ class SoftCap:
 @dataclass(frozen=True)
 class ScoreMod:
     """FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``, with its derivative
-    ``gradient`` (same arguments) for the backward."""
+    ``gradient`` (same arguments) for the backward: each computed over a tile by its traced
+    loop where it can be (:mod:`.traced`), else by the function itself."""
 
     function: Callable[..., Any]
     gradient: Callable[..., Any] | None = None
@@ -103,13 +105,22 @@ class ScoreMod:
         n, w = tile.r1 - tile.r0, tile.c1 - tile.c0
         view = s.reshape(1, s.size // max(1, n * w), n, w)
         view.flags.writeable = False  # the function returns its result
-        b, h, q, k = tile.item.indices(tile.r0, tile.r1, tile.c0, tile.c1)
+        indices = tile.item.indices(tile.r0, tile.r1, tile.c0, tile.c1)
         slope = None
         if derivative:
             assert self.gradient is not None  # checked with the call
-            slope = _result("score_mod_grad", _call(self.gradient, view, b, h, q, k), view)
-        changed = _result("score_mod", _call(self.function, view, b, h, q, k), view)
-        np.copyto(s, changed.reshape(s.shape), casting="same_kind")
+            slope = traced(self.gradient, view, indices)
+            if slope is None:
+                given = _call(self.gradient, view, *indices)
+                slope = _result("score_mod_grad", given, view)
+        writable = s.reshape(view.shape[1:])  # (the loop reads each pair before writing it)
+        if not np.may_share_memory(writable, s):  # (a copy: the rows of s lie apart)
+            writable = np.empty(writable.shape, s.dtype)
+        changed = traced(self.function, view, indices, out=writable)  # one compiled pass
+        if changed is None:
+            changed = _result("score_mod", _call(self.function, view, *indices), view)
+        if not np.may_share_memory(changed, s):
+            np.copyto(s, changed.reshape(s.shape), casting="same_kind")
         return slope
 
 

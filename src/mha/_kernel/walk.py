@@ -32,12 +32,11 @@ import numpy as np
 
 from . import compiled, runtime, tasks
 from .call import Gradients, KernelCall, Outputs
-from .contract import Visibility
-from .geometry import NO_WINDOW
 from .paged import PagedKV
 from .scores import Alibi, SoftCap
 from .tasks import Parts, Task, batch_index
 from .team import Team
+from .walk_inputs import band_of, narrow_rows, no_variants, variants_of
 
 __all__ = [
     "COMPILED_BACKWARD",
@@ -46,7 +45,6 @@ __all__ = [
     "ForwardPlan",
     "Walk",
     "backward_walkable",
-    "band_of",
     "choose",
     "dtype_feature",
     "features",
@@ -91,7 +89,7 @@ _BAND = frozenset(
         "visibility.ahead",
         "visibility.key_lengths",
         "visibility.query_lengths",
-        # the positions, which only what the walk refuses reads (chunks, mask_mod, ALiBi)
+        # the positions (chunks, mask_mod, ALiBi: :func:`variants_of`)
         "visibility.query_index",
         "visibility.key_index",
         "visibility.sequences",
@@ -336,100 +334,6 @@ def _merged_batch(array: np.ndarray) -> np.ndarray | None:
     return merged
 
 
-def band_of(
-    visibility: Visibility, batch_shape: tuple[int, ...], L: int, S: int
-) -> tuple[bool, int, np.ndarray, np.ndarray, np.ndarray]:
-    """The band as the compiled walks take it, for ``L`` queries and ``S`` keys: ``(causal,
-    window, offsets, key_end, query_end)``, the window :data:`.geometry.NO_WINDOW` when
-    there is none, each sequence's alignment offset, key length and query length as int64
-    ``(B,)``."""
-    B = math.prod(batch_shape)
-
-    def per_sequence(values: np.ndarray | None, default: int) -> np.ndarray:
-        if values is None:
-            return np.full(B, default, np.int64)
-        if np.shape(values) != batch_shape:  # (broadcast_to costs microseconds: not when equal)
-            values = np.broadcast_to(values, batch_shape)
-        return np.asarray(values).reshape(B).astype(np.int64)
-
-    ahead = visibility.ahead  # a right window: the causal bound moved, the window widened
-    window = NO_WINDOW if visibility.window is None else int(visibility.window) + ahead
-    offsets = per_sequence(visibility.offsets, visibility.causal_offset)
-    return (
-        bool(visibility.causal),
-        window,
-        offsets + ahead if ahead else offsets,
-        per_sequence(visibility.key_lengths, S),
-        per_sequence(visibility.query_lengths, L),
-    )
-
-
-def variants_of(call: KernelCall, batch_shape: tuple[int, ...]) -> tuple[Any, ...]:
-    """The variants the compiled walks compute themselves, as they take them
-    (:func:`._numba_walk.forward`): ``(chunk, q_base, k_base, slopes, cap, blocks, index,
-    masks)``: the chunk (0: none), each sequence's position of query row 0 and of key
-    slot 0 (int64 ``(B,)``), ALiBi's slopes ``(1 or B, H)`` (in the call's dtype, as the
-    NumPy walk adds them; size 0: none), soft-capping's cap (0.0: none), and a
-    ``mask_mod``'s block map with its partial blocks' masks (size 0: none)."""
-    visibility, scores, dtype = call.visibility, call.scores, call.q.dtype
-    B = math.prod(batch_shape)
-    chunk, slopes, cap = visibility.chunk or 0, None, 0.0
-    if scores is not None and scores.transforms:
-        cap = scores.softcap or 0.0
-        if scores.alibi is not None:
-            slopes = _slopes_of(scores.alibi, visibility, batch_shape).astype(dtype)
-    if not chunk and not cap and slopes is None and visibility.blocks is None:
-        return _no_variants(B, dtype)
-    if slopes is None:
-        slopes = np.empty((0, 0), dtype)
-    offsets = np.broadcast_to(
-        visibility.causal_offset if visibility.offsets is None else visibility.offsets,
-        batch_shape,
-    )
-    k_base = np.zeros(batch_shape, np.int64)
-    if visibility.key_index is not None:
-        k_base = k_base + np.broadcast_to(visibility.key_index, batch_shape)
-    k_base = k_base.reshape(B)
-    q_base = np.asarray(offsets, np.int64).reshape(B) + k_base
-    blocks, index, masks = _NO_MAP
-    if visibility.blocks is not None:
-        assert visibility.partial is not None  # (else the walks refuse the call)
-        blocks, (index, masks) = visibility.blocks, visibility.partial
-        if blocks.shape[0] > 1:  # per sequence: the call's flat batch order
-            blocks, index = (
-                blocks.reshape(B, *blocks.shape[-3:]),
-                index.reshape(B, *index.shape[-3:]),
-            )
-    return (chunk, q_base, k_base, slopes, float(cap), blocks, index, masks)
-
-
-def _slopes_of(
-    slopes: np.ndarray, visibility: Visibility, batch_shape: tuple[int, ...]
-) -> np.ndarray:
-    """ALiBi's slopes ``(H,)`` or per sequence ``(sequences, H)`` as the walks take them:
-    ``(1 or B, H)`` float64, sequence ``b``'s of the call's flat batch order."""
-    if slopes.ndim == 1:  # (copies: the walks' signature takes writeable arrays)
-        return np.array(slopes, np.float64)[None]
-    B = math.prod(batch_shape)
-    if visibility.sequences is not None:  # a block of a call: its sequences' own
-        return np.array(slopes[np.asarray(visibility.sequences).reshape(B)], np.float64)
-    return np.array(slopes, np.float64).reshape(B, -1)
-
-
-_NO_MAP = (
-    np.empty((0, 0, 0, 0), np.int8),
-    np.empty((0, 0, 0, 0), np.int32),
-    np.empty((0, 0, 0), bool),
-)
-
-
-@functools.lru_cache(maxsize=64)
-def _no_variants(B: int, dtype: np.dtype) -> tuple[Any, ...]:
-    """The variants of a call without any: no chunk, slopes, cap or map."""
-    zeros = np.zeros(B, np.int64)  # (read only by the walks)
-    return (0, zeros, zeros, np.empty((0, 0), dtype), 0.0, *_NO_MAP)
-
-
 def run_forward(
     call: KernelCall,
     views: list[np.ndarray],
@@ -475,6 +379,7 @@ class ForwardPlan:
         self.band = band_of(call.visibility, batch_shape, L, S)
         self.variants = variants_of(call, batch_shape)
         self.rows = max(1, min(tiles.rows, runtime.DEFAULT.thresholds.walk_rows))
+        self.rows = min(self.rows, narrow_rows(call.visibility))
         self.L, self.group, self.cols = L, call.group, tiles.cols
         self.R, self.paged = self.group * self.rows, isinstance(k, PagedKV)
         self.flip_below = flip_below
@@ -623,7 +528,7 @@ def run_lone(views: list[np.ndarray], band: tuple[Any, ...], scale: float, cols:
     B, H, _, d_k = q.shape
     H_kv, d_v = keys.shape[1], values.shape[-1]
     dtype, tuned = q.dtype, runtime.DEFAULT.thresholds
-    variants = _no_variants(B, dtype)
+    variants = no_variants(B, dtype)
     table = compiled.plan_walk(dtype, B, H_kv, 1, 1, band, variants, H // H_kv)
     work = (table, np.zeros(1, np.int64), np.zeros(len(table), bool))
     flip_below = tuned.wide_below_rows
@@ -743,7 +648,7 @@ def run_backward(
     variants = variants_of(call, q.shape[:-3])
     capped = variants[4] != 0.0
     rows = max(1, min(tiles.rows, runtime.DEFAULT.thresholds.backward_rows))
-    rows = min(rows, _narrow_rows(call.visibility))
+    rows = min(rows, narrow_rows(call.visibility))
     operands = (q4, _packed(k4, L, rows), _packed(v4, L, rows), out4, lse4[..., 0], do4)
     sizes = (call.scale, call.scale * grads.dq_factor, rows, tiles.cols)
     table = _backward_tasks(k4.shape[1], band)
@@ -767,20 +672,6 @@ def run_backward(
     _walk_once_per_worker(team, work, make_walk)
     failed = table[work[2]]
     return [(batch_index(b, q.shape[:-3]), slice(int(g), int(g) + 1)) for b, g in failed]
-
-
-BAND_ROWS = 128
-"""Rows of the backward's tiles where each query sees a narrow run of keys (a window, chunks,
-a mask_mod's map): a tile of rows computes every key some row of it sees, so 512 rows of a
-window of 512 computed 1,023 keys each (twice the visible pairs) and a chunk's 512 rows its
-whole square; 128 rows compute 1.25 times the visible pairs."""
-
-
-def _narrow_rows(visibility: Visibility) -> int:
-    """The most rows of the backward's tiles for this visibility (:data:`BAND_ROWS` where
-    its queries see narrow runs of keys)."""
-    narrow = visibility.window is not None or visibility.chunk or visibility.blocks is not None
-    return BAND_ROWS if narrow else 2**62
 
 
 def _backward_tasks(H_kv: int, band: tuple[Any, ...]) -> np.ndarray:
