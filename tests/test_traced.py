@@ -69,7 +69,8 @@ def test_a_traced_score_mod_gives_the_functions_scores(tracing, monkeypatch, nam
     q, k, v = _inputs(dtype)
     keywords = {"causal": True, "score_mod": FUNCTIONS[name], "max_memory": 2**16}
     ours = mha.scaled_dot_product_attention(q, k, v, **keywords)
-    assert traced._KERNELS.checked and all(traced._KERNELS.checked.values())  # traced
+    checks = traced._KERNELS.checks(FUNCTIONS[name])
+    assert checks and all(checks.values())  # traced, and checked
     with monkeypatch.context() as patch:
         _untraced(patch)
         theirs = mha.scaled_dot_product_attention(q, k, v, **keywords)
@@ -125,9 +126,17 @@ def test_an_array_changed_between_calls_is_read_as_it_is(tracing):
         lambda s, b, h, q, kv: s + np.arange(s.shape[-1]),  # an array along the keys
         lambda s, b, h, q, kv: s + (1.0 if (q > 3).any() else 0.0),  # a branch
         lambda s, b, h, q, kv: np.maximum(s, -1.0),  # a ufunc it does not take
+        # what the loop's Python would compute otherwise than NumPy (the review's cases):
+        lambda s, b, h, q, kv: s + ((q // 60) & 1),  # & of integers: bitwise in NumPy
+        lambda s, b, h, q, kv: s + (q // 60).astype(bool),  # a cast to booleans
+        lambda s, b, h, q, kv: s + ((q > 60) + (q > 100)),  # True + True is True in NumPy
+        lambda s, b, h, q, kv: s + np.logical_and(q // 60, kv // 60),  # of integers
+        lambda s, b, h, q, kv: np.where((q > 60) & (kv < 2**63), s, -s),  # beyond int64
+        lambda s, b, h, q, kv: s + ((kv - q) * 2.5).astype(np.uint8),  # wraps in NumPy
     ],
-    ids=["attribute", "array of the keys", "branch", "maximum"],
-)
+    ids=["attribute", "array of the keys", "branch", "maximum", "bitwise integers",
+         "to booleans", "boolean sum", "logical integers", "a large integer", "to uint8"],
+)  # fmt: skip
 def test_what_cannot_be_traced_is_called_on_each_tile(tracing, monkeypatch, function):
     q, k, v = _inputs(np.float64)
     ours = mha.scaled_dot_product_attention(q, k, v, score_mod=function)
@@ -138,11 +147,27 @@ def test_what_cannot_be_traced_is_called_on_each_tile(tracing, monkeypatch, func
     np.testing.assert_array_equal(ours, theirs)
 
 
+def test_a_constant_that_changes_compiles_nothing_new(tracing):
+    """Scalars are the loop's arguments: a closure over a new value reuses the loop."""
+    q, k, v = _inputs(np.float64)
+    results = []
+    for cap in (2.0, 3.0, 5.0):
+
+        def capped(s, b, h, q, kv, cap=cap):
+            return cap * np.tanh(s / cap)
+
+        results.append((cap, mha.scaled_dot_product_attention(q, k, v, score_mod=capped)))
+    assert len(traced._KERNELS.loops) == 1
+    for cap, ours in results:
+        expected = mha.scaled_dot_product_attention(q, k, v, softcap=cap)
+        assert np.abs(ours - expected).max() <= 1e-13 * np.abs(expected).max()
+
+
 def test_a_loop_that_differs_from_its_function_is_never_used(tracing, monkeypatch):
     q, k, v = _inputs(np.float64)
     monkeypatch.setattr(traced, "_close", lambda *args: False)
     ours = mha.scaled_dot_product_attention(q, k, v, score_mod=alibi)
-    assert list(traced._KERNELS.checked.values()) == [False]
+    assert list(traced._KERNELS.checks(alibi).values()) == [False]
     monkeypatch.setattr(traced, "_compile", None)  # never compiled again, never run
     again = mha.scaled_dot_product_attention(q, k, v, score_mod=alibi)
     with monkeypatch.context() as patch:

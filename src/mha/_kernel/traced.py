@@ -8,17 +8,23 @@ tile with stand-ins for the score and the two positions (:class:`Node`), and the
 and head indices as they are (so ``slopes[h]`` is a small array of the tile's heads). Each
 NumPy operation on a stand-in is recorded with the dtypes NumPy's own rules give it
 (``ufunc.resolve_dtypes``), and the record becomes one loop over the tile's pairs, compiled
-once per shape of the record and the dtypes of its arrays (the arrays' values are the
-loop's arguments: an array changed between calls is read as it is). The operations it
-takes: ``+ - * /``, negation, ``abs``, comparisons, ``& | ~`` of booleans, integer ``//``
-and ``%``, ``np.where``, ``astype``, and ``tanh`` (the walks' own, within 4 ulp of
-NumPy's), ``exp``, ``log``, ``sqrt``, ``sin``, ``cos``; each operand cast to the dtype
-NumPy's loop computes in, so arithmetic gives NumPy's bits. Anything else (a Python branch
-on a value, an attribute, indexing by a position, writing in place, an array that varies
-along the rows or keys) ends the trace and the function is called on the tile itself, as
-without numba. The first tile a compiled record computes is checked against the function's
-own result (the same NaNs, within 16 ulp of the scores): a record that differs is not used
-again.
+once per shape of the record and the types of its constants (their values, arrays and
+scalars, are the loop's arguments: an array changed between calls is read as it is, a new
+value compiles nothing).
+
+It takes what the loop's Python computes as NumPy does, each operand cast to the dtype
+NumPy's loop computes in: ``+ - * /``, negation, ``abs``, ``tanh`` (the walks' own, within
+4 ulp of NumPy's), ``exp``, ``log``, ``sqrt``, ``sin``, ``cos`` and integer ``//`` and ``%``
+of numbers; comparisons of numbers; ``& | ~`` and ``np.logical_*`` of booleans;
+``np.where`` of a boolean between numbers; ``astype`` to float32, float64 or (of integers)
+int64; constants that are booleans, Python floats, Python ints of at most ``2**24``, or
+NumPy float32, float64 and int64. Anything else ends the trace (arithmetic on booleans,
+``&`` of integers, a cast to booleans or narrow integers, a Python branch on a value, an
+attribute, indexing by a position, writing in place, an array that varies along the rows
+or keys), and the function is called on the tile itself, as without numba. The first tile
+of each sequence and run of heads a compiled record computes for a function is checked
+against the function's own result (the same NaNs, within 16 ulp of the scores): a record
+that differs is never used again for that function.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ class Node:
             raise UntraceableError(f"{ufunc.__name__} of floats")
         given = tuple(type(x) if type(x) in (int, float, bool) else _dtype_of(x) for x in inputs)
         loop = ufunc.resolve_dtypes((*given, None))
+        if not _typed_as_written(ufunc.__name__, loop, len(inputs)):
+            raise UntraceableError(f"{ufunc.__name__} of {[str(d) for d in loop]}")
         args = tuple(_operand(x) for x in inputs)
         return Node(ufunc.__name__, (*args, loop[: len(inputs)]), loop[-1])
 
@@ -66,11 +74,17 @@ class Node:
             if _dtype_of(args[0]) != np.bool_:
                 raise UntraceableError("np.where of a condition that is not boolean")
             dtype = np.result_type(*(_dtype_of(x) if isinstance(x, Node) else x for x in args[1:]))
+            if dtype.kind not in "if":
+                raise UntraceableError(f"np.where of {dtype}")
             return Node("where", (condition, a, b, dtype), dtype)
         raise UntraceableError(getattr(function, "__name__", "a function"))
 
     def astype(self, dtype: Any, copy: bool = True) -> Node:
-        return Node("astype", (self,), np.dtype(dtype))
+        target = np.dtype(dtype)
+        exact = target in (np.float32, np.float64) or target == self.dtype
+        if not (exact or (target == np.int64 and self.dtype.kind in "iub")):
+            raise UntraceableError(f"astype from {self.dtype} to {target}")
+        return Node("astype", (self,), target)
 
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
         raise UntraceableError("conversion to an array")
@@ -121,12 +135,12 @@ class Node:
         return np.remainder(other, self)
 
     def __and__(self, other: Any) -> Any:
-        return np.logical_and(self, other)
+        return np.bitwise_and(self, other)
 
     __rand__ = __and__
 
     def __or__(self, other: Any) -> Any:
-        return np.logical_or(self, other)
+        return np.bitwise_or(self, other)
 
     __ror__ = __or__
 
@@ -155,7 +169,7 @@ class Node:
         return np.absolute(self)
 
     def __invert__(self) -> Any:
-        return np.logical_not(self)
+        return np.invert(self)
 
     __hash__ = object.__hash__
 
@@ -176,6 +190,22 @@ _OPERATORS = {
 }  # fmt: skip
 _UFUNCS = frozenset(_OPERATORS) | {"bitwise_and", "bitwise_or", "invert"}
 _INTEGER_ONLY = frozenset({"floor_divide", "remainder"})
+_BOOLEAN = frozenset({"bitwise_and", "bitwise_or", "invert", "logical_and", "logical_or",
+                      "logical_not"})  # fmt: skip
+_COMPARISONS = frozenset({"less", "less_equal", "greater", "greater_equal", "equal", "not_equal"})
+
+
+def _typed_as_written(name: str, loop: tuple[np.dtype, ...], count: int) -> bool:
+    """Whether the loop's source computes ``name`` over ``loop``'s dtypes as NumPy does:
+    the boolean operations of booleans alone (Python's ``and``, ``or``, ``not`` then give
+    NumPy's; of integers they would not), comparisons of numbers, and arithmetic and
+    functions of numbers (``True + True`` is 2 in the loop, True in NumPy)."""
+    kinds = [np.dtype(d).kind for d in loop]
+    if name in _BOOLEAN:
+        return all(kind == "b" for kind in kinds)
+    if name in _COMPARISONS:
+        return "b" not in kinds[:count]
+    return "b" not in kinds
 
 
 def _dtype_of(x: Any) -> np.dtype:
@@ -190,6 +220,21 @@ def _operand(x: Any) -> Any:
     if isinstance(x, np.ndarray) and x.ndim == 4 and x.shape[0] == 1 and x.shape[2:] == (1, 1):
         return _Array(x)
     raise UntraceableError("an array that is not of the sequence and heads alone")
+
+
+def _scalar(x: Any) -> Any:
+    """A constant scalar as the loop takes it, in a type whose conversion to the loop's
+    dtype is NumPy's: booleans, Python floats and NumPy's float32, float64 and int64, and
+    Python ints that every one of those holds exactly (``|x| <= 2**24``)."""
+    if type(x) is bool or type(x) is float:
+        return x
+    if type(x) is int:
+        if abs(x) > 2**24:
+            raise UntraceableError(f"the integer {x}: beyond what float32 holds exactly")
+        return x
+    if isinstance(x, (np.float32, np.float64, np.int64, np.bool_)):
+        return x
+    raise UntraceableError(f"a constant of {type(x).__name__}")
 
 
 class _Array:
@@ -221,7 +266,7 @@ class _Source:
 
     def __init__(self) -> None:
         self.lines: list[str] = []
-        self.arrays: list[np.ndarray] = []
+        self.arrays: list[Any] = []  # the loop's arguments after its own: arrays and scalars
         self.named: dict[int, str] = {}
         self.eps = 0.0  # the largest epsilon of the floats it computes in
 
@@ -233,13 +278,9 @@ class _Source:
             self.arrays.append(x.values)
             head = "g" if x.values.shape[1] > 1 else "0"
             text = f"c{len(self.arrays) - 1}[0, {head}, 0, 0]"
-        else:  # a scalar: exact as its repr, in its NumPy type
-            value = x.item() if isinstance(x, np.generic) else x
-            if isinstance(value, float) and not np.isfinite(value):
-                raise UntraceableError("a constant that is not finite")
-            text = repr(value)
-            if isinstance(x, np.generic) and x.dtype != np.bool_:
-                text = f"np.{x.dtype.name}({text})"
+        else:  # a scalar: an argument of the loop (a new value compiles nothing)
+            self.arrays.append(_scalar(x))
+            text = f"c{len(self.arrays) - 1}"
         if cast is None or np.dtype(cast) == np.bool_:
             return text
         return f"np.{np.dtype(cast).name}({text})"
@@ -276,13 +317,32 @@ class _Source:
 
 
 class _Kernels:
-    """The compiled loops, by their source and the dtypes of their arrays, and the ones
-    found to differ from their function (never used again)."""
+    """The compiled loops, by their source and the types of their arguments; and for each
+    function, which of its records were checked against it, for which sequence and heads
+    (``True``), or found to differ (``False``, under the record alone: never used again for
+    that function). At most ``MOST`` of each are kept: then everything is forgotten."""
+
+    MOST = 256
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.loops: dict[Any, Any] = {}
-        self.checked: dict[Any, bool] = {}
+        self.checked: dict[int, tuple[Any, dict[Any, bool]]] = {}  # by id: (function, checks)
+
+    def keep_loops(self, key: Any, loops: Any) -> None:
+        if len(self.loops) >= self.MOST:
+            self.loops.clear()
+        self.loops[key] = loops
+
+    def checks(self, function: Any) -> dict[Any, bool]:
+        """``function``'s checks (made empty when new), found by its identity (a function
+        may not be hashable; the entry holds it, so its id is not another's)."""
+        found = self.checked.get(id(function))
+        if found is None or found[0] is not function:
+            if len(self.checked) >= self.MOST:
+                self.checked.clear()
+            found = self.checked[id(function)] = (function, {})
+        return found[1]
 
 
 _KERNELS = _Kernels()
@@ -312,25 +372,32 @@ def traced(
     except UntraceableError:
         return None
     body = "\n".join(f"                {line}" for line in source.lines)
-    arrays = tuple(np.ascontiguousarray(a) for a in source.arrays)
-    types = (tuple(a.dtype.str for a in arrays), view.dtype.str, record.dtype.str)
+    arrays = tuple(a if np.ndim(a) == 0 else np.ascontiguousarray(a) for a in source.arrays)
+    types = (tuple(_type_of(a) for a in arrays), view.dtype.str, record.dtype.str)
     key = (body, result, *types)
+    G, n, w = view.shape[1:]
+    if any(np.ndim(a) and a.shape[1] not in (1, G) for a in arrays):
+        return None
+    seen = (key, b.tobytes(), h.tobytes())  # the check: each sequence and heads once
     with _KERNELS.lock:
-        if _KERNELS.checked.get(key) is False:
+        checks = _KERNELS.checks(function)
+        if checks.get(key) is False:
             return None
         loops = _KERNELS.loops.get(key)
         if loops is None:  # a new array, and over the scores themselves (one array:
             # LLVM vectorises a loop whose reads and writes it knows do not overlap)
             loops = tuple(_compile(body, result, len(arrays), into) for into in (True, False))
-            _KERNELS.loops[key] = loops
-    G, n, w = view.shape[1:]
-    if any(a.shape[1] not in (1, G) for a in arrays):
-        return None
+            _KERNELS.keep_loops(key, loops)
+        check = seen not in checks and n * w > 0
     expected = None
-    if key not in _KERNELS.checked:  # (before the loop: it may write over the scores)
-        expected = np.array(function(view, b, h, q, kv), copy=True)
+    if check:  # (before the loop: it may write over the scores)
+        try:
+            expected = np.array(function(view, b, h, q, kv), copy=True)
+        except Exception:  # (called on each tile instead, it raises there as itself)
+            _differs(checks, key)
+            return None
         if expected.shape != (1, G, n, w) or expected.dtype != record.dtype:
-            _KERNELS.checked[key] = False
+            _differs(checks, key)
             return None
     scores, rows, keys = view.reshape(G, n, w), q.reshape(n), kv.reshape(w)
     try:  # (numba types and compiles a loop at its first call: a record it cannot, refused)
@@ -340,17 +407,33 @@ def traced(
         computed = np.empty((G, n, w), record.dtype) if expected is not None or out is None else out
         loops[0](scores, rows, keys, computed, *arrays)
     except Exception:
-        _KERNELS.checked[key] = False
+        _differs(checks, key)
         return None
     if expected is not None:
-        same = _close(computed, expected.reshape(G, n, w), scores, source.eps)
-        _KERNELS.checked[key] = same
-        if not same:
+        if not _close(computed, expected.reshape(G, n, w), scores, source.eps):
+            _differs(checks, key)
             return None
+        with _KERNELS.lock:
+            checks[seen] = True  # (a failure of another thread's, under key, stays)
         if out is not None:
             np.copyto(out, computed, casting="same_kind")
             computed = out
     return computed.reshape(1, computed.shape[0], n, w)
+
+
+def _differs(checks: dict[Any, bool], key: Any) -> None:
+    """Mark a record as differing from its function, for good."""
+    with _KERNELS.lock:
+        checks[key] = False
+
+
+def _type_of(argument: Any) -> str:
+    """What the compiled loop is specialised on of an argument: its dtype or scalar type."""
+    return (
+        argument.dtype.str
+        if isinstance(argument, (np.ndarray, np.generic))
+        else type(argument).__name__
+    )
 
 
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:

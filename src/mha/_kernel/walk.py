@@ -13,9 +13,8 @@ the calls that set it. The compiled walks support a band of hidden keys (the cau
 the window, the lengths, each sequence's alignment), chunks, a ``mask_mod`` through its
 block map, soft-capping and ALiBi computed in their score loop (:func:`variants_of`), sinks
 added after (as everywhere), float32 or float64 throughout; the NumPy walk supports every
-call. A call the
-compiled walk supports still goes to the NumPy walk when its arrays are not ones the
-compiled code can read as they are (:func:`walk_views`).
+call. A call the compiled walk supports still goes to the NumPy walk when its arrays are
+not ones the compiled code can read as they are (:func:`walk_views`).
 """
 
 from __future__ import annotations
