@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pytest
 from support.flash import relative
+from support.torch_reference import dense_autograd
 
 import mha
 from mha._kernel import compiled
@@ -79,13 +80,11 @@ def test_gradients_of_the_symmetric_and_per_sequence_forms_match_torch(torch):
     grad = rng.standard_normal(out.shape)
     grads = backward(grad)
     distance = np.abs(np.arange(4)[:, None] + 2 - np.arange(6)[None])
-    bias = torch.tensor(-slopes[:, :, None, None] * distance)
-    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
-    result = torch.softmax(tq @ tk.transpose(-1, -2) / np.sqrt(8) + bias, -1) @ tv
-    result.backward(torch.tensor(grad))
-    np.testing.assert_allclose(out, result.detach().numpy(), rtol=0, atol=1e-13)
-    for name, tensor in (("q", tq), ("k", tk), ("v", tv)):
-        np.testing.assert_allclose(grads[name], tensor.grad.numpy(), rtol=0, atol=1e-12)
+    bias = -slopes[:, :, None, None] * distance
+    expected, expected_grads = dense_autograd(torch, q, k, v, grad, 1 / np.sqrt(8), bias=bias)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-13)
+    for name in "qkv":
+        np.testing.assert_allclose(grads[name], expected_grads[name], rtol=0, atol=1e-12)
 
 
 def test_the_layer_function_paged_attention_and_dask_take_them():

@@ -15,6 +15,7 @@ import os
 import numpy as np
 import pytest
 from support.flash import reference, relative
+from support.torch_reference import dense_autograd
 
 import mha
 from mha._kernel import compiled
@@ -221,14 +222,10 @@ def test_per_sequence_alignment_gradients_match_torch(torch):
         offset = key_lengths[b] - query_lengths[b]
         allowed[b, 0] = (j <= i + offset) & (i + offset - j < 3) & (j < key_lengths[b])
         allowed[b, 0, query_lengths[b] :] = False
-    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
-    scores = tq @ tk.transpose(-1, -2) / 2.0
-    scores = scores.masked_fill(~torch.tensor(allowed), -torch.inf)
-    weights = torch.softmax(scores, -1).nan_to_num(0.0)
-    (weights @ tv).backward(torch.tensor(grad))
-    np.testing.assert_allclose(out, (weights @ tv).detach().numpy(), rtol=0, atol=1e-12)
-    for name, tensor in (("q", tq), ("k", tk), ("v", tv)):
-        np.testing.assert_allclose(grads[name], tensor.grad.numpy(), rtol=0, atol=1e-12)
+    expected, expected_grads = dense_autograd(torch, q, k, v, grad, 0.5, allowed=allowed)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-12)
+    for name in "qkv":
+        np.testing.assert_allclose(grads[name], expected_grads[name], rtol=0, atol=1e-12)
 
 
 def test_per_sequence_alignment_in_dask():

@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pytest
 from support.flash import relative
+from support.torch_reference import dense_autograd
 
 import mha
 from mha._kernel import compiled
@@ -72,14 +73,11 @@ def test_gradients_match_torch(torch):
                                                          return_backward=True)  # fmt: skip
         grad = rng.standard_normal(out.shape)
         grads = backward(grad)
-        ok = torch.tensor(allowed(7, 7, sides, False))
-        tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
-        scores = (tq @ tk.transpose(-1, -2) / 2.0).masked_fill(~ok, -torch.inf)
-        result = torch.softmax(scores, -1) @ tv
-        result.backward(torch.tensor(grad))
-        np.testing.assert_allclose(out, result.detach().numpy(), rtol=0, atol=1e-13)
-        for name, tensor in (("q", tq), ("k", tk), ("v", tv)):
-            np.testing.assert_allclose(grads[name], tensor.grad.numpy(), rtol=0, atol=1e-12)
+        ok = allowed(7, 7, sides, False)
+        expected, expected_grads = dense_autograd(torch, q, k, v, grad, 0.5, allowed=ok)
+        np.testing.assert_allclose(out, expected, rtol=0, atol=1e-13)
+        for name in "qkv":
+            np.testing.assert_allclose(grads[name], expected_grads[name], rtol=0, atol=1e-12)
 
 
 def test_the_layer_the_module_paged_attention_and_dask_take_it():
