@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ import numpy as np
 import mha
 from mha._kernel.team import cores
 from mha.cli.measure import (
+    bandwidth,
     environment,
     interleaved_medians,
     measured_on,
@@ -43,23 +43,6 @@ H, H_KV, D = 32, 8, 128
 LENGTHS = [1024, 4096, 16384, 32768]
 WINDOW = 4096
 DECODE_BEGIN, DECODE_END = "<!-- decode: begin -->", "<!-- decode: end -->"
-
-
-def bandwidth(threads: int, gib: float = 0.5, repeats: int = 5) -> float:
-    """Bytes per second read by ``np.sum`` over a large float32 array, on ``threads``."""
-    data = np.ones(int(gib * 2**30) // 4, np.float32)
-    parts = np.array_split(data, threads)
-    data.sum()
-    best = []
-    for _ in range(repeats):
-        workers = [threading.Thread(target=part.sum) for part in parts]
-        start = time.perf_counter()
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-        best.append(data.nbytes / (time.perf_counter() - start))
-    return float(np.median(best))
 
 
 CONSECUTIVE = 8

@@ -8,13 +8,17 @@
 
 1. Lengths spread evenly between 128 and 8,192 tokens. ``mha.KVCache`` must hold every
    sequence padded to the longest; ``mha.PagedKVCache`` (blocks of 16) holds the tokens
-   in blocks, in float32 and quantized to int8 and int4 (groups of 32), and KIVI's kivi8
-   and kivi4 (keys per channel over groups of 32 tokens, in blocks of 32; a spare block
-   for each sequence whose step fills a group: truncated back, it lies inside a quantized
-   group, which the next step reopens in a copy of its block). Memory of each
-   cache's buffers against the float32 bytes of the tokens actually held, and the time of
+   in blocks, in float32, in bfloat16, quantized to int8, int4 and float8 e4m3 (groups of
+   32), and KIVI's kivi8 and kivi4 (keys per channel over groups of 32 tokens, in blocks of
+   32; a spare block for each sequence whose step fills a group: truncated back, it lies
+   inside a quantized group, which the next step reopens in a copy of its block). Memory of
+   each cache's buffers against the float32 bytes of the tokens actually held, the time of
    one decoding step (each sequence one new token: one
-   ``scaled_dot_product_attention(..., cache=)`` call, the caches truncated back after it).
+   ``scaled_dot_product_attention(..., cache=)`` call, the caches truncated back after it),
+   each cache's step against the float32 paged cache's, and against its own floor: the
+   bytes the step must read (every held token's codes, scales and zero points, KIVI's
+   float32 residual) over this machine's memory bandwidth (``np.sum`` of 0.5 GiB on every
+   core).
 2. The same step with every sequence at the same length, where padding costs nothing: the
    paged cache's time against the contiguous cache's.
 
@@ -27,27 +31,53 @@ without them, and both are reported.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import mha
+from mha._kernel.team import cores
 from mha.cli.measure import (
+    bandwidth,
     environment,
     interleaved_medians,
+    keep_per_cpu,
     measured_on,
     readme_script,
+    script_parser,
 )
 
 BEGIN, END = "<!-- serving: begin -->", "<!-- serving: end -->"
+RESULTS = Path(__file__).resolve().parent / "results"
 B, H, H_KV, D, BLOCK = 64, 32, 8, 128, 16
 TOKEN_BYTES = 2 * H_KV * D * 4  # a token's key and value, float32
-QUANTIZED = ("int8", "int4", "kivi8", "kivi4")
+QUANTIZED = ("bf16", "int8", "int4", "kivi8", "kivi4", "fp8")
+TARGETS = {"bf16": 0.7, "int8": 0.6, "kivi8": 0.6, "int4": 0.5, "kivi4": 0.5}
+"""Issue 34's targets: a step's time against the float32 paged cache's (each also within
+1.3x of its own floor)."""
 KIVI_BLOCK = 32  # KIVI's key groups of 32 tokens lie within blocks
 
 
 def block_size(kind: str | None) -> int:
     return KIVI_BLOCK if kind is not None and kind.startswith("kivi") else BLOCK
+
+
+def paged_cache(blocks: int, kind: str | None) -> mha.PagedKVCache:
+    """A paged cache of ``kind``: float32 (``None``), bfloat16 (``"bf16"``), or quantized."""
+    if kind == "bf16":
+        import ml_dtypes
+
+        return mha.PagedKVCache(blocks, BLOCK, H_KV, D, dtype=ml_dtypes.bfloat16)
+    return mha.PagedKVCache(blocks, block_size(kind), H_KV, D, quantize=kind)
+
+
+def bytes_read(cache: mha.PagedKVCache, tokens: int) -> int:
+    """The bytes a step reads from ``cache`` holding ``tokens``: each token's keys and
+    values as stored, and KIVI's unfilled groups of keys in float32."""
+    residual = cache._keys.residual
+    held = 0 if residual is None else sum(r.nbytes for r in residual.rows.values())
+    return cache.bytes_per_token * tokens + held
 
 
 def caches(lengths: np.ndarray, rng: np.random.Generator, quantized: tuple[str, ...] = ()
@@ -61,7 +91,7 @@ def caches(lengths: np.ndarray, rng: np.random.Generator, quantized: tuple[str, 
         size = block_size(kind)
         blocks = int(sum(-(-(int(n) + 1) // size) for n in lengths))  # room for the next token
         spare = sum(int((n + 1) % size == 0) for n in lengths) if size == KIVI_BLOCK else 0
-        paged.append(mha.PagedKVCache(blocks + spare, size, H_KV, D, quantize=kind))
+        paged.append(paged_cache(blocks + spare, kind))
     for b, n in enumerate(lengths):
         k, v = (rng.standard_normal((H_KV, int(n), D), dtype=np.float32) for _ in range(2))
         for cache in paged:
@@ -101,14 +131,19 @@ def measure(quick: bool) -> dict[str, Any]:
     longest, repeats = (2048, 3) if quick else (8192, 7)
     spread = np.linspace(128, longest, B).astype(np.int64)
     results: dict[str, Any] = {"environment": environment(None), "longest": longest}
+    results["bandwidth"] = {"1 thread": bandwidth(1), f"{cores()} threads": bandwidth(cores())}
     contiguous, paged = caches(spread, rng, QUANTIZED)
     times = interleaved_medians(step_functions(contiguous, paged, rng), repeats, pause=0.1)
-    held = int(spread.sum()) * TOKEN_BYTES
+    tokens = int(spread.sum())
+    held = tokens * TOKEN_BYTES
     sizes = {"KVCache": contiguous.nbytes, "PagedKVCache": paged[0].nbytes}
     sizes.update({f"PagedKVCache {name}": cache.nbytes
                   for name, cache in zip(QUANTIZED, paged[1:], strict=True)})  # fmt: skip
+    read = {"KVCache": held, "PagedKVCache": bytes_read(paged[0], tokens)}
+    read.update({f"PagedKVCache {name}": bytes_read(cache, tokens)
+                 for name, cache in zip(QUANTIZED, paged[1:], strict=True)})  # fmt: skip
     results["spread"] = {
-        "tokens": int(spread.sum()), "token_bytes": held, "bytes": sizes,
+        "tokens": tokens, "token_bytes": held, "bytes": sizes, "bytes_read": read,
         "seconds": {name: float(np.median(t)) for name, t in times.items()},
         "all_seconds": times,
     }  # fmt: skip
@@ -125,32 +160,50 @@ def measure(quick: bool) -> dict[str, Any]:
     return results
 
 
+def label(kind: str) -> str:
+    if kind == "bf16":
+        return f"`PagedKVCache(dtype=bfloat16)`, blocks of {BLOCK}"
+    blocks = "" if block_size(kind) == BLOCK else f", blocks of {block_size(kind)}"
+    return f'`PagedKVCache(quantize="{kind}")`, groups of 32{blocks}'
+
+
 def markdown(runs: list[dict[str, Any]]) -> str:
     lines = []
     for results in runs:
         spread, equal = results["spread"], results["equal"]
-        held = spread["token_bytes"]
+        held, seconds = spread["token_bytes"], spread["seconds"]
+        bandwidths = results.get("bandwidth", {})
+        bandwidth_ = max(bandwidths.values()) if bandwidths else None
         lines += [
             measured_on(results["environment"])
             + f"{B} sequences, {H} query heads, {H_KV} key/value heads, head dim {D}, float32; "
-            f"one decoding step (one new token each), medians of interleaved runs.",
+            f"one decoding step (one new token each), medians of interleaved runs."
+            + ("" if not bandwidths else " Memory bandwidth from `np.sum`: "
+               + ", ".join(f"{v / 1e9:.1f} GB/s on {k}" for k, v in bandwidths.items())
+               + "; the floor is the bytes a step reads at the larger."),
             "",
-            "| cache | lengths | memory | memory / the tokens held in float32 | ms per step |",
-            "|---|---|---:|---:|---:|",
-        ]
+            "| cache | lengths | memory | memory / the tokens held in float32 | ms per step "
+            "| / float32 paged (target) | floor ms | / floor |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]  # fmt: skip
         rows = [
             ("KVCache", "`KVCache`, padded to the longest"),
             ("PagedKVCache", f"`PagedKVCache`, blocks of {BLOCK}"),
         ]
-        rows += [(f"PagedKVCache {name}", f"`PagedKVCache(quantize=\"{name}\")`, groups of 32"
-                  + ("" if block_size(name) == BLOCK else f", blocks of {block_size(name)}"))
+        rows += [(f"PagedKVCache {name}", label(name))
                  for name in QUANTIZED if f"PagedKVCache {name}" in spread["bytes"]]  # fmt: skip
-        for name, label in rows:
-            memory = spread["bytes"][name]
+        for name, text in rows:
+            memory, step = spread["bytes"][name], seconds[name]
+            kind = name.removeprefix("PagedKVCache").strip()
+            target = f" (<= {TARGETS[kind]})" if kind in TARGETS else ""
+            ratio = f"{step / seconds['PagedKVCache']:.2f}{target}"
+            read = spread.get("bytes_read", {}).get(name)
+            floor = read / bandwidth_ if read is not None and bandwidth_ else None
+            floors = "— | —" if floor is None else f"{floor * 1e3:.1f} | {step / floor:.2f}"
             lines.append(
-                f"| {label} | 128 to {results['longest']:,} | "
+                f"| {text} | 128 to {results['longest']:,} | "
                 f"{memory / 2**30:.2f} GiB | {memory / held:.2f} | "
-                f"{spread['seconds'][name] * 1e3:.1f} |"
+                f"{step * 1e3:.1f} | {ratio} | {floors} |"
             )
         e = equal["seconds"]
         lines += [
@@ -165,7 +218,11 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return readme_script(argv, __doc__, __file__, measure, "serving", markdown, (BEGIN, END))
+    status = readme_script(argv, __doc__, __file__, measure, "serving", markdown, (BEGIN, END))
+    args = script_parser(__doc__, RESULTS, readme=True).parse_args(argv)
+    if status == 0 and not args.json_only and not args.quick:
+        keep_per_cpu(args.output, "serving")
+    return status
 
 
 if __name__ == "__main__":

@@ -34,8 +34,6 @@ name (``variants-amd-epyc.md``): one table per CPU, each kept when another CPU r
 
 from __future__ import annotations
 
-import re
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +45,7 @@ import mha
 from mha.cli.measure import (
     environment,
     interleaved_medians,
+    keep_per_cpu,
     measured_on,
     readme_script,
     script_parser,
@@ -330,17 +329,6 @@ def main(argv: list[str] | None = None) -> int:
     if status == 0 and not args.json_only and not args.quick:
         keep_per_cpu(args.output, "variants")
     return status
-
-
-def keep_per_cpu(output: Path, name: str) -> None:
-    """Copy ``name.json`` and ``.md`` under ``output`` to ``name-<cpu>.json`` and ``.md``
-    (the processor's name in lower case, words joined by hyphens): one table per CPU."""
-    import json
-
-    results = json.loads((output / f"{name}.json").read_text())
-    cpu = re.sub(r"[^a-z0-9]+", "-", results[0]["environment"]["processor"].lower()).strip("-")
-    for suffix in (".json", ".md"):
-        shutil.copyfile(output / f"{name}{suffix}", output / f"{name}-{cpu}{suffix}")
 
 
 if __name__ == "__main__":

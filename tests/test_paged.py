@@ -468,8 +468,9 @@ def test_quantization_round_trips_within_its_stated_bound(bits, group):
 def test_a_quantized_cache_attends_to_what_its_codes_stand_for(record_error, monkeypatch,
                                                                quantize, data):  # fmt: skip
     """Every step's output is the attention over the keys and values read back from the
-    codes: the same bits as a float32 cache holding those values (both on the NumPy walk,
-    which a quantized cache takes), and a dense float64 computation over them; the distance
+    codes: the same bits as a float32 cache holding those values (both on the NumPy walk
+    here; ``tests/test_stored_walk.py`` checks the compiled one), and a dense float64
+    computation over them; the distance
     from a float32 cache of the original values is recorded."""
     monkeypatch.setattr(compiled, "walk_available", lambda: False)
     rng = np.random.default_rng(12)

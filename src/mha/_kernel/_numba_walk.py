@@ -34,6 +34,7 @@ from numba.extending import intrinsic
 from . import geometry
 from ._numba_pool import (
     FEW_ROWS,
+    address,
     few_accumulate,
     few_scores,
     finite,
@@ -43,6 +44,7 @@ from ._numba_pool import (
     tile_at,
 )
 from ._numba_step import change_row, exp, row_softmax, tanh
+from ._numba_stored import STAGE_ROWS, flat, stage, stored
 from .geometry import BLOCK, EMPTY, FULL, PARTIAL
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112  # CBLAS's enums
@@ -416,11 +418,12 @@ def _forward_task(gemm, task, operands, outputs, band, var, sizes, scratch):  # 
         tile = _tile(at, c0, c1, group, band, var)
         b, g, _, _, _, _, _, rows, cut = tile
         if rows > 0:
-            if cut[0] and not finite(values, b, g, c0, c1):
+            if cut[0] and not stored(values) and not finite(values, b, g, c0, c1):
                 return False  # a hidden key's value must be finite: 0 * inf would be NaN
             _tile_scores(gemm, tile, keys, flip, sizes, scratch)
             _tile_softmax(tile, group, var, scratch)
-            _tile_values(gemm, tile, values, sizes, scratch)
+            if not _tile_values(gemm, tile, values, sizes, scratch) and cut[0]:
+                return False  # (a stored pool's values, checked as they are read back)
         c0, c1 = _next_tile(c1, stop, cols, at, group, var)
     _write_rows(task, group, outputs, scratch)
     return True
@@ -447,15 +450,28 @@ def _tile_scores(gemm, tile, keys, flip, sizes, scratch):  # type: ignore[no-unt
     b, g, _, _, c0, c1, i0, rows, _ = tile
     s, flipped, stacked, _, _, _, _, _, k_tile, _ = scratch
     cols, d_k, w = sizes[1], stacked.shape[1], c1 - c0
+    if rows <= FEW_ROWS and stored(keys):  # read back a few rows at a time, in L1
+        c, pool, into = c0, flat(keys), address(k_tile, 0)
+        while c < c1:
+            end = min(c1, c + STAGE_ROWS)
+            stage(pool, b, g, c, end, into, d_k, c1, False)
+            few_scores((into, d_k, end - c, 0), stacked, i0, rows, s, c - c0)
+            c = end
+        return
     if rows <= FEW_ROWS:  # a decoding step's: the blocks read where they lie
-        c, address = c0, run_at(keys, b, g, c0)
+        c, at = c0, run_at(keys, b, g, c0)
         while c < c1:
             end = run_end(keys, b, c, c1)
             following = run_at(keys, b, g, end) if end < c1 else 0
-            few_scores((address, key_ld(keys), end - c, following), stacked, i0, rows, s, c - c0)
-            c, address = end, following
+            few_scores((at, key_ld(keys), end - c, following), stacked, i0, rows, s, c - c0)
+            c, at = end, following
         return
-    K, Q = tile_at(keys, b, g, c0, w, k_tile), (stacked, i0 * d_k, d_k)
+    if stored(keys):  # the tile read back whole, for the GEMM
+        K = (address(k_tile, 0), d_k)
+        stage(flat(keys), b, g, c0, c1, K[0], d_k, c1, False)
+    else:
+        K = tile_at(keys, b, g, c0, w, k_tile)
+    Q = (stacked, i0 * d_k, d_k)
     if flip:
         _gemm(gemm, (NO_TRANS, TRANS, w, rows, d_k, 1.0, 0.0), K, Q, (flipped, 0, rows))
         for c in range(w):
@@ -499,26 +515,43 @@ def _tile_softmax(tile, group, var, scratch):  # type: ignore[no-untyped-def]  #
 @njit(fastmath=FAST, boundscheck=False, nogil=True, inline="always")
 def _tile_values(gemm, tile, values, sizes, scratch):  # type: ignore[no-untyped-def]  # pragma: no cover
     """``acc += s @ v_tile`` for ``tile``'s rows: a decoding step's few rows read each value
-    once where it lies; else GEMMs, in runs of ``chunk`` keys (for few rows)."""
+    once where it lies; else GEMMs, in runs of ``chunk`` keys (for few rows). Whether the
+    values are all finite (a stored pool's, as read back; ``True`` for the others, which
+    :func:`._numba_pool.finite` checks first where it matters)."""
     b, g, _, _, c0, c1, i0, rows, _ = tile
     s, _, _, acc, _, _, _, partial, _, v_tile = scratch
     cols, chunk, d_v, w = sizes[1], sizes[3], acc.shape[1], c1 - c0
     if rows <= FEW_ROWS:
         partial[:rows] = 0.0
-        c, address = c0, run_at(values, b, g, c0)
+        c, finite_ = c0, True
+        if stored(values):  # read back a few rows at a time, in L1
+            pool, into = flat(values), address(v_tile, 0)
+            while c < c1:
+                end = min(c1, c + STAGE_ROWS)
+                finite_ &= stage(pool, b, g, c, end, into, d_v, c1, True)
+                run = (into, d_v, end - c, 0)
+                few_accumulate(run, s, c - c0, w, acc, i0, rows, partial)
+                c = end
+            return finite_
+        at = run_at(values, b, g, c0)
         while c < c1:
             end = run_end(values, b, c, c1)
             following = run_at(values, b, g, end) if end < c1 else 0
-            run = (address, key_ld(values), end - c, following)
+            run = (at, key_ld(values), end - c, following)
             few_accumulate(run, s, c - c0, w, acc, i0, rows, partial)
-            c, address = end, following
-        return
-    address, ld = tile_at(values, b, g, c0, w, v_tile)
-    size = values[0].itemsize
+            c, at = end, following
+        return True
+    finite_ = True
+    if stored(values):  # the tile read back whole, for the GEMMs
+        at, ld, size = address(v_tile, 0), d_v, v_tile.itemsize
+        finite_ = stage(flat(values), b, g, c0, c1, at, d_v, c1, True)
+    else:
+        (at, ld), size = tile_at(values, b, g, c0, w, v_tile), values[0].itemsize
     for c in range(0, w, chunk):
-        V = (address + c * ld * size, ld)
+        V = (at + c * ld * size, ld)
         op = (NO_TRANS, NO_TRANS, rows, d_v, min(chunk, w - c), 1.0, 1.0)
         _gemm(gemm, op, (s, c, cols), V, (acc, i0 * d_v, d_v))
+    return finite_
 
 
 @njit(fastmath=FAST, boundscheck=False, nogil=True, inline="always")

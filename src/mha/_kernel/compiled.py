@@ -13,9 +13,11 @@ the lengths, a cache's alignment: :mod:`.geometry`), chunks, a ``mask_mod`` thro
 block map (the masks of its partial blocks kept from one evaluation), and soft-capping and
 ALiBi computed in their score loop (sinks are added after, as everywhere), in float32 or
 float64, at every size (:func:`.walk.choose` picks them): with them a call costs tens of
-microseconds of Python, not a few per tile. Every other call (boolean masks, bias, sink
-tokens, symmetric ALiBi, ``score_mod``, dropout, returned weights, float16 and bfloat16)
-walks its tiles in Python,
+microseconds of Python, not a few per tile. The forward also reads keys and values stored
+narrower under float32 queries (bfloat16, float16, a quantized cache's codes: its
+signature for their bytes, :func:`stored_forward_walk`, :mod:`._numba_stored`). Every other
+call (boolean masks, bias, sink tokens, symmetric ALiBi, ``score_mod``, dropout, returned
+weights, float16 and bfloat16 queries) walks its tiles in Python,
 with the softmax step below; so do the few work items where a key some rows cannot see
 holds a non-finite value (``0 * inf`` would be NaN in a GEMM). Each walk is compiled for
 one signature per dtype on first use (cached on disk by numba: the first call in a process
@@ -60,6 +62,7 @@ __all__ = [
     "job_wait",
     "plan_walk",
     "softmax_step",
+    "stored_forward_walk",
     "walk_available",
 ]
 
@@ -130,30 +133,33 @@ def job_wait() -> Callable[[np.ndarray, int], bool] | None:
     return waited
 
 
-def _walk(name: str, dtype: np.dtype) -> Any:
+def _walk(name: str, dtype: np.dtype, stored: bool = False) -> Any:
     """The compiled walk ``name`` for ``dtype``, compiled (or loaded from numba's cache) for
-    one signature on first use: every array in any layout, the scratch contiguous."""
-    key = (name, dtype.name)
+    one signature on first use: every array in any layout, the scratch contiguous; the keys
+    and values ``stored`` narrower (their bytes: :mod:`._numba_stored`) or as they are."""
+    key = (name, dtype.name, stored)
     with _STATE.lock:
         if key not in _STATE.functions:
-            _STATE.functions[key] = _compile_walk(name, dtype)
+            _STATE.functions[key] = _compile_walk(name, dtype, stored)
     return _STATE.functions[key]
 
 
-def _compile_walk(name: str, dtype: np.dtype) -> Any:
+def _compile_walk(name: str, dtype: np.dtype, stored: bool) -> Any:
     from numba import njit
 
-    signature = _signatures(dtype)[name]
+    signature = _signatures(dtype, stored)[name]
     options = {"fastmath": {"reassoc", "contract"}, "boundscheck": False, "nogil": True}
     start = time.perf_counter()
     function = njit([signature], cache=True, **options)(getattr(_STATE.walks, name))  # type: ignore[call-overload]
-    _STATE.seconds[f"walk {name} {dtype.name}"] = time.perf_counter() - start
+    read = " stored" if stored else ""
+    _STATE.seconds[f"walk {name} {dtype.name}{read}"] = time.perf_counter() - start
     return function
 
 
-def _signatures(dtype: np.dtype) -> dict[str, Any]:
+def _signatures(dtype: np.dtype, stored: bool = False) -> dict[str, Any]:
     """The walks' signatures for ``dtype``: every array in any layout, the scratch contiguous,
-    grouped in tuples as :mod:`._numba_walk` takes them."""
+    grouped in tuples as :mod:`._numba_walk` takes them; the forward's keys and values as
+    their bytes when ``stored`` (:func:`.paged.stored_pool`), else arrays of ``dtype``."""
     from numba import types
 
     Tuple: Any = types.Tuple  # (numba ships no types: mypy sees this one as untyped)
@@ -179,7 +185,10 @@ def _signatures(dtype: np.dtype) -> dict[str, Any]:
         )
     )
     bits = types.Array(types.uint16, 4, "A", readonly=True)  # float16 as bits: none in numba
-    pool = Tuple((r[4], table, i64, bits, bits))  # data, table, block, scales, zeros
+    residual = types.Array(types.float32, 4, "A", readonly=True)  # KIVI's unfilled groups
+    form = Tuple((i64, i64, i64, residual, index, index))  # kind, group, d, rows, at, sealed
+    data = types.Array(types.uint8, 4, "A", readonly=True) if stored else r[4]
+    pool = Tuple((data, table, i64, bits, bits, form))  # data, table, block, scales, zeros
     forward_scratch = (c[2], c[1], c[2], c[2], c[1], c[1], c[1], c[2], c[2], c[2])
     backward_scratch = (c[2], c[2], c[1], c[1], c[2], c[2], c[2], c[2])
     return {
@@ -212,6 +221,12 @@ def forward_walk(dtype: np.dtype, *args: Any) -> None:
     _run_walk("forward", dtype, args)
 
 
+def stored_forward_walk(dtype: np.dtype, *args: Any) -> None:
+    """:func:`forward_walk` of keys and values stored narrower, as their bytes
+    (:func:`.paged.stored_pool`; ``dtype`` float32)."""
+    _run_walk("forward", dtype, args, True)
+
+
 def backward_walk(dtype: np.dtype, *args: Any) -> None:
     """:func:`mha._kernel._numba_walk.backward` for ``dtype``, with NumPy's GEMM."""
     _run_walk("backward", dtype, args)
@@ -227,7 +242,7 @@ def plan_walk(dtype: np.dtype, *args: Any) -> np.ndarray:
     return table
 
 
-def _run_walk(name: str, dtype: np.dtype, args: tuple[Any, ...]) -> None:
+def _run_walk(name: str, dtype: np.dtype, args: tuple[Any, ...], stored: bool = False) -> None:
     """Call the walk ``name`` for ``dtype``. The first call goes through numba's dispatcher,
     which checks every argument against the one signature compiled (:func:`_signatures`);
     the next ones call that signature's compiled entry point directly, a microsecond and a
@@ -235,14 +250,14 @@ def _run_walk(name: str, dtype: np.dtype, args: tuple[Any, ...]) -> None:
     arguments are built the same way on every call (:mod:`.walk`): the same tuples, arrays
     of the same ranks, the dtype the walk is chosen for (an array of another dtype is
     refused by the entry point too)."""
-    ready = _READY.get((name, dtype))  # a decoding step's call: one lookup
+    ready = _READY.get((name, dtype, stored))  # a decoding step's call: one lookup
     if ready is None:
         gemm = blas.gemm_addresses()
         assert gemm is not None
-        function, addresses = _walk(name, dtype), (gemm[dtype.name],)
+        function, addresses = _walk(name, dtype, stored), (gemm[dtype.name],)
         function(*addresses, *args)  # checked by the dispatcher
         (signature,) = function.signatures
-        _READY[name, dtype] = (function.overloads[signature].entry_point, addresses)
+        _READY[name, dtype, stored] = (function.overloads[signature].entry_point, addresses)
         return
     function, addresses = ready
     function(*addresses, *args)

@@ -197,6 +197,7 @@ def attend_band(call: KernelCall, outputs: Outputs, team: Team) -> None:
     written = (out,) if lse is None else (out, lse[..., None])
     views = None
     arrays = type(k) is np.ndarray and type(v) is np.ndarray  # (a paged cache's: attend)
+    arrays = arrays and k.dtype == out.dtype and v.dtype == out.dtype  # (a bfloat16's too)
     needs = _band_needs(out.dtype)
     if arrays and q.size and k.size and v.size and walk.COMPILED_FORWARD.takes(needs):
         views = walk.walk_views((q, k, v), written, operands=(q, k, v))

@@ -73,6 +73,11 @@ class PagedKV:
         self.dtype = pool.dtype if quantization is None else np.dtype(np.float32)
         self.ndim = 4
 
+    def stored_parts(self) -> tuple[Quantization | None, tuple[np.ndarray, ...], Residual | None]:
+        """What :func:`stored_pool` takes besides the pool: the quantization, the scales and
+        zero points, KIVI's residual."""
+        return self.quantization, self.parts[1:], self.residual
+
     def __getitem__(self, index: Any) -> _Heads:
         (b,) = index if isinstance(index, tuple) else (index,)
         return _Heads(self, int(b), slice(0, self.shape[1]))
@@ -153,3 +158,69 @@ class _Heads:
             out[:, at - c0 : end - c0] = rows[:, offset : offset + end - at]
             at = end
         return out
+
+
+# The compiled walk's stored pools ------------------------------------------------------
+
+FLOAT, BFLOAT16, FLOAT16, PER_TOKEN, PER_TOKEN4, FLOAT8, PER_CHANNEL, PER_CHANNEL4 = range(8)
+"""How a pool's rows are stored, as the compiled walk reads them (:mod:`._numba_stored`):
+in the compute dtype (``FLOAT``: read where they lie), bfloat16 or float16 bits, or codes
+(:mod:`.quantized`): 8 or 4 bits per token with a scale and a zero point per group of
+channels, float8 e4m3 with a scale per group, or per channel over groups of tokens (KIVI's
+keys, the rows of unfilled groups in float32)."""
+
+LANES = 16
+"""Values the compiled walk reads back from stored rows at a time (one AVX-512 vector of
+float32, two AVX2 ones): stored rows, and a quantized cache's groups of channels, of a
+multiple of it are read so; others take the NumPy walk."""
+
+_NO_ROWS = np.empty((0, 1, 1, 1), np.float32)
+_NO_INDEX = np.empty(0, np.int64)
+_NO_BITS = np.empty((0, 0, 0, 0), np.uint16)
+FLOAT_FORM = (FLOAT, 0, 0, _NO_ROWS, _NO_INDEX, _NO_INDEX)
+"""The form of a pool read as it is (:func:`stored_pool` gives a stored one's): ``(kind,
+group, d, residual rows, residual index, sealed rows)``."""
+
+
+def stored_kind(quantization: Quantization | None, dtype: np.dtype) -> int:
+    """The kind of a pool of ``dtype`` with ``quantization`` (:data:`FLOAT` and the rest)."""
+    if quantization is not None:
+        if quantization.float8:
+            return FLOAT8
+        if quantization.per_channel:
+            return PER_CHANNEL if quantization.bits == 8 else PER_CHANNEL4
+        return PER_TOKEN if quantization.bits == 8 else PER_TOKEN4
+    if dtype == np.float16:
+        return FLOAT16
+    return BFLOAT16 if dtype.name == "bfloat16" else FLOAT
+
+
+def stored_pool(
+    data: np.ndarray,
+    table: np.ndarray,
+    block: int,
+    d: int,
+    quantization: Quantization | None = None,
+    parts: tuple[np.ndarray, ...] = (),
+    residual: Residual | None = None,
+) -> tuple[Any, ...]:
+    """A pool of stored rows as the compiled walk takes it: ``(bytes, table, block, scales,
+    zeros, form)``, ``bytes (blocks, block, H_kv, row bytes)`` the data's bytes (bfloat16
+    and float16 bits, or codes), ``scales`` and ``zeros`` float16 bits (empty without
+    quantization), ``form = (kind, group, d, residual rows (n, H_kv, group, d), each
+    block's residual (-1: none), each block's rows held as codes)``. KIVI's residual rows are
+    stacked into one array here, once per call (``group * H_kv * d`` floats a sequence)."""
+    kind = stored_kind(quantization, data.dtype)
+    raw = data.view(np.uint8)
+    if quantization is None:
+        return raw, table, block, _NO_BITS, _NO_BITS, (kind, 0, d, _NO_ROWS, _NO_INDEX, _NO_INDEX)
+    scales, zeros = (part.view(np.uint16) for part in parts)
+    rows, at, sealed = _NO_ROWS, _NO_INDEX, _NO_INDEX
+    if residual is not None:
+        at = np.full(data.shape[0], -1, np.int64)
+        held = sorted(residual.rows)
+        if held:
+            rows = np.stack([residual.rows[b] for b in held])
+            at[held] = np.arange(len(held))
+        sealed = residual.sealed
+    return raw, table, block, scales, zeros, (kind, quantization.group, d, rows, at, sealed)

@@ -15,8 +15,9 @@ In float8 (``float8``, the cache's ``"fp8"``), each group is scaled so that its 
 magnitude is float8 e4m3's largest, 448, and each value is the nearest float8 number (one
 byte); read back as ``code * scale``, within 1/16 of the value and half of float8's
 smallest step. The
-kernel dequantises each key tile as it reaches it (:class:`.paged.PagedKV`); nothing holds
-the whole cache in float32.
+kernel dequantises each key tile as it reaches it (:class:`.paged.PagedKV`; the compiled
+walk, :mod:`._numba_stored`, with the same arithmetic); nothing holds the whole cache in
+float32.
 """
 
 from __future__ import annotations
@@ -69,17 +70,17 @@ class Quantization:
         if self.float8:
             return self._quantize_float8(x)
         groups, axis = self._grouped(x.astype(np.float32))
-        low, high = groups.min(axis=axis), groups.max(axis=axis)
+        low, high = groups.min(axis=axis, keepdims=True), groups.max(axis=axis, keepdims=True)
         with np.errstate(over="ignore"):
             scale = ((high - low) / np.float32(self.levels)).astype(np.float16)
-            zero = low.astype(np.float16)
-        step = np.expand_dims(scale.astype(np.float32), axis)
-        safe = np.where(step > 0, step, np.float32(1))
-        codes = np.rint((groups - np.expand_dims(zero.astype(np.float32), axis)) / safe)
-        codes = np.clip(codes, 0, self.levels).astype(np.uint8).reshape(x.shape)
+        zero = low.astype(np.float16)
+        step = scale.astype(np.float32)
+        step[~(step > 0)] = 1  # a group of equal values: its codes are 0
+        codes = np.rint((groups - zero.astype(np.float32)) / step)
+        codes = np.clip(codes, 0, self.levels, out=codes).astype(np.uint8).reshape(x.shape)
         if self.bits == 4:
             codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
-        return codes, scale, zero
+        return codes, scale.squeeze(axis), zero.squeeze(axis)
 
     def dequantize(self, codes: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
         """The float32 values that ``quantize``'s codes, scales and zero points stand for."""

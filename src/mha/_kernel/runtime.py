@@ -90,8 +90,8 @@ class Compiled:
     steps: Any = None
     walks: Any = None
     failed: bool = False
-    functions: dict[tuple[str, str], Any] = field(default_factory=dict)
-    ready: dict[tuple[str, Any], tuple[Any, Any]] = field(default_factory=dict)
+    functions: dict[tuple[str, str, bool], Any] = field(default_factory=dict)
+    ready: dict[tuple[Any, ...], tuple[Any, Any]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     wait: Any = None  # the helpers' wait and its reads per microsecond (compiled.job_wait)

@@ -31,7 +31,7 @@ import numpy as np
 
 from . import compiled, runtime, tasks
 from .call import Gradients, KernelCall, Outputs
-from .paged import PagedKV
+from .paged import FLOAT, FLOAT_FORM, LANES, PagedKV, stored_kind, stored_pool
 from .scores import Alibi, SoftCap
 from .tasks import Parts, Task, batch_index
 from .team import Team
@@ -110,11 +110,12 @@ _PLAIN = frozenset({"scores", "scores.sinks", "budget", "dtype float32", "dtype 
 
 COMPILED_FORWARD = Walk(
     "compiled forward",
-    _BAND | _VARIANTS | _PLAIN | {"lse", "paged keys and values"},
+    _BAND | _VARIANTS | _PLAIN | {"lse", "paged keys and values", "stored keys and values"},
     lambda: compiled.walk_available(),
 )
 """The compiled forward walk: a band and the variants it computes itself, float32 or float64,
-arrays or a paged cache's float pools."""
+arrays or a paged cache's pools; keys and values stored narrower (bfloat16, float16, a
+quantized cache's codes) read back in float32 as it goes."""
 
 COMPILED_BACKWARD = Walk(
     "compiled backward",
@@ -149,9 +150,11 @@ def features(
     set to other than its default (``"dropout"``, ``"lse"``), and of the fields of those
     that are objects of this kind in turn (``"visibility.window"``, ``"scores.sinks"``);
     fields without a default (the operands, the shapes) are every call's. Then what its
-    operands are: ``"paged keys and values"`` (or ``"paged keys or values"``),
-    ``"quantized"``; and of the walk's ``arrays``, ``"empty"`` when one is, and ``"dtype
-    float32"`` when all are float32 (``"dtypes mixed"`` when they differ)."""
+    operands are: ``"paged keys and values"`` (or ``"paged keys or values"``), ``"stored
+    keys and values"`` when both are stored narrower than float32, the compute dtype of the
+    rest (bfloat16, float16, quantized: :func:`stored`); and of the walk's ``arrays``,
+    ``"empty"`` when one is, and ``"dtype float32"`` when all are float32 (``"dtypes mixed"``
+    when they differ, or one of keys and values alone is stored)."""
     return frozenset(_features(call, destination, arrays))
 
 
@@ -168,15 +171,40 @@ def _features(
     k_paged, v_paged = isinstance(call.k, PagedKV), isinstance(call.v, PagedKV)
     if k_paged or v_paged:
         yield "paged keys and values" if k_paged and v_paged else "paged keys or values"
-        if (k_paged and call.k.quantization) or (v_paged and call.v.quantization):
-            yield "quantized"
-    dtypes = set()
+    dtypes, narrow = set(), 0
     for x in arrays:
         read = x.pool if isinstance(x, PagedKV) else x
-        dtypes.add(read.dtype)
         if read.size == 0:
             yield "empty"
+        if (x is call.k or x is call.v) and stored(x):
+            narrow += 1
+        else:
+            dtypes.add(read.dtype)
+    if narrow:
+        yield "stored keys and values"
+        if narrow != 2 or dtypes != {np.dtype(np.float32)}:
+            dtypes.add(None)  # read back in float32 only, keys and values both
+        elif not (_vectors_fit(call.k) and _vectors_fit(call.v)):
+            yield "stored groups apart from vectors"
     yield dtype_feature(dtypes.pop()) if len(dtypes) == 1 else "dtypes mixed"
+
+
+def _vectors_fit(x: np.ndarray | PagedKV) -> bool:
+    """Whether stored keys or values ``x`` are read back whole vectors at a time by the
+    compiled walk: rows, and groups of channels sharing a scale, of a multiple of its
+    vectors' values (:data:`.paged.LANES`)."""
+    quantization = x.quantization if isinstance(x, PagedKV) else None
+    groups = quantization is None or quantization.per_channel or quantization.group % LANES == 0
+    return x.shape[-1] % LANES == 0 and groups
+
+
+def stored(x: np.ndarray | PagedKV) -> bool:
+    """Whether keys or values ``x`` are stored narrower than float32 (bfloat16, float16,
+    a quantized cache's codes), for the compiled forward walk to read back as it goes."""
+    if isinstance(x, PagedKV):
+        return stored_kind(x.quantization, x.pool.dtype) != FLOAT
+    dtype = x.dtype
+    return not (dtype.kind == "f" and dtype.itemsize >= 4) and stored_kind(None, dtype) != FLOAT
 
 
 def _transform_features(transforms: tuple[Any, ...]) -> Iterator[str]:
@@ -347,7 +375,7 @@ def run_forward(
     q^T``, and ``p @ v`` in runs of ``product_chunk`` keys (the NumPy walk's choices,
     :mod:`.forward`)."""
     plan = ForwardPlan(call, tiles, team.workers, flip_below, product_chunk)
-    failed, parts = plan.run(views, call.k, team)
+    failed, parts = plan.run(views, call.k, team, call.v)
     left: list[Task] = []
     group = call.group
     for t in plan.table[failed] if failed.any() else ():
@@ -381,6 +409,7 @@ class ForwardPlan:
         self.rows = min(self.rows, narrow_rows(call.visibility))
         self.L, self.group, self.cols = L, call.group, tiles.cols
         self.R, self.paged = self.group * self.rows, isinstance(k, PagedKV)
+        self.stored = stored(k)  # read back as the walk goes (then stored(call.v) too)
         self.flip_below = flip_below
         self.sizes = (self.scale, self.cols, flip_below, product_chunk)
         B = math.prod(batch_shape)
@@ -423,12 +452,16 @@ class ForwardPlan:
         return table[np.argsort(cost, kind="stable")]  # longest first
 
     def run(
-        self, views: list[np.ndarray], k: np.ndarray | PagedKV, team: Team
+        self,
+        views: list[np.ndarray],
+        k: np.ndarray | PagedKV,
+        team: Team,
+        v: np.ndarray | PagedKV | None = None,
     ) -> tuple[np.ndarray, Parts | None]:
         """Run the tasks on ``views`` (:func:`forward_walkable`'s, of a call of the plan's
-        shapes; ``k`` the call's keys, for a paged cache's block table) on ``team``: which
-        tasks were left undone (a non-finite value at a hidden key), and the split keys'
-        partial results, to merge."""
+        shapes; ``k`` and ``v`` the call's keys and values, for a paged cache's block table
+        and a stored pool's form) on ``team``: which tasks were left undone (a non-finite
+        value at a hidden key), and the split keys' partial results, to merge."""
         dtype, parts = self.dtype, None
         if self.split is not None:
             parts = Parts(*self.split, self.group, self.L, self.d_v, dtype)
@@ -438,8 +471,9 @@ class ForwardPlan:
         if parts is not None:
             part_out, part_lse = parts.all_out, parts.all_lse
         outputs = (views[3], lse, part_out, part_lse)
-        operands = (views[0], *self._pools(views, k))
+        operands = (views[0], *self._pools(views, k, k if v is None else v))
         sizes = self.sizes
+        walk_call = compiled.stored_forward_walk if self.stored else compiled.forward_walk
         # per run, not per plan: concurrent calls of one plan each have their own
         work = (self.table, np.zeros(1, np.int64), np.zeros(len(self.table), bool))
 
@@ -450,9 +484,7 @@ class ForwardPlan:
             taken.append(scratch)
 
             def walk() -> None:
-                compiled.forward_walk(
-                    dtype, work, operands, outputs, self.band, self.variants, sizes, scratch
-                )
+                walk_call(dtype, work, operands, outputs, self.band, self.variants, sizes, scratch)
 
             return walk
 
@@ -462,17 +494,28 @@ class ForwardPlan:
         return work[2], parts
 
     def _pools(
-        self, views: list[np.ndarray], k: np.ndarray | PagedKV
+        self, views: list[np.ndarray], k: np.ndarray | PagedKV, v: np.ndarray | PagedKV
     ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """The keys and values as the compiled walk takes them: each a pool ``(data, table,
-        block, scales, zeros)``, ``scales`` and ``zeros`` empty (float pools)."""
-        if isinstance(k, PagedKV):  # the pools and the block tables as they are
+        block, scales, zeros, form)``: a float pool's ``scales`` and ``zeros`` empty, a
+        stored pool's data its bytes (:func:`.paged.stored_pool`)."""
+        if isinstance(k, PagedKV) and isinstance(v, PagedKV):  # the pools as they are
             keys, values, table, block = views[1], views[2], k.table, k.block_size
+            if self.stored:
+                return (
+                    stored_pool(keys, table, block, self.d_k, *k.stored_parts()),
+                    stored_pool(values, table, block, self.d_v, *v.stored_parts()),
+                )
+        elif self.stored:  # bfloat16 or float16 arrays
+            return _array_pools(views[1], views[2], stored=True)
         else:
             L, rows = self.L, self.rows
             return _array_pools(_packed(views[1], L, rows), _packed(views[2], L, rows))
         none = _NO_SCALES
-        return (keys, table, block, none, none), (values, table, block, none, none)
+        return (
+            (keys, table, block, none, none, FLOAT_FORM),
+            (values, table, block, none, none, FLOAT_FORM),
+        )
 
     def _scratch(self) -> tuple[np.ndarray, ...]:
         """One worker's buffers: a spare one of an earlier run of this plan, or new."""
@@ -490,15 +533,17 @@ class ForwardPlan:
 
     def _scratch_shapes(self) -> tuple[tuple[int, ...], ...]:
         """The shapes of :meth:`_new_scratch`'s buffers."""
-        return scratch_shapes(self.R, self.cols, self.d_k, self.d_v, self.paged, self.flip_below)
+        copied = self.paged or self.stored
+        return scratch_shapes(self.R, self.cols, self.d_k, self.d_v, copied, self.flip_below)
 
 
 def scratch_shapes(
-    R: int, cols: int, d_k: int, d_v: int, paged: bool, flip_below: int
+    R: int, cols: int, d_k: int, d_v: int, copied: bool, flip_below: int
 ) -> tuple[tuple[int, ...], ...]:
     """The shapes of a forward walk's buffers for tiles of ``R`` stacked rows by ``cols``
-    keys: ``(s, flipped, stacked, acc, m, ref, total, partial, k_tile, v_tile)``."""
-    width = cols if paged else 0  # tiles copied from blocks apart
+    keys: ``(s, flipped, stacked, acc, m, ref, total, partial, k_tile, v_tile)``; tiles
+    ``copied`` (from blocks apart, or read back from a stored pool) need the last two."""
+    width = max(cols, 32) if copied else 0  # (a decoding step's stored rows: 32 at a time)
     return (
         (R, cols),
         (cols * min(R, flip_below),),  # few rows' tiles, transposed
@@ -541,15 +586,21 @@ def run_lone(views: list[np.ndarray], band: tuple[Any, ...], scale: float, cols:
     return not work[2].any()
 
 
-def _array_pools(keys: np.ndarray, values: np.ndarray) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+def _array_pools(
+    keys: np.ndarray, values: np.ndarray, stored: bool = False
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """Keys and values ``(B, H_kv, S, d)`` as the compiled walk's pools: one block per
-    sequence, ``(B, S, H_kv, d)`` views of the arrays (float pools: no scales)."""
+    sequence, ``(B, S, H_kv, d)`` views of the arrays (float pools: no scales), or of their
+    bytes when ``stored`` (bfloat16, float16: :func:`.paged.stored_pool`)."""
     B, S = keys.shape[0], keys.shape[2]
     blocks, block, none = np.arange(B, dtype=np.int64)[:, None], max(S, 1), _NO_SCALES
-    return (
-        (keys.transpose(0, 2, 1, 3), blocks, block, none, none),
-        (values.transpose(0, 2, 1, 3), blocks, block, none, none),
-    )
+    k, v = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
+    if stored:
+        return (
+            stored_pool(k, blocks, block, keys.shape[-1]),
+            stored_pool(v, blocks, block, values.shape[-1]),
+        )
+    return (k, blocks, block, none, none, FLOAT_FORM), (v, blocks, block, none, none, FLOAT_FORM)
 
 
 SPARE_MOST = 256 * 2**10

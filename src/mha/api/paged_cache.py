@@ -458,8 +458,11 @@ class PagedKVCache:
         ids = list(self._tables)
         if self._keys.quantization is not None:  # codes hold finite numbers of float16's range
             for name, x in (("keys", k), ("values", v)):
-                given = [x[b, :, : int(n)] for b, n in enumerate(counts) if n]
-                if any(not np.isfinite(g).all() or np.abs(g).max() > 65504 for g in given):
+                if counts.size and (counts == counts[0]).all():  # (a decoding step: at once)
+                    given = [x[:, :, : int(counts[0])]]
+                else:
+                    given = [x[b, :, : int(n)] for b, n in enumerate(counts) if n]
+                if not all(_within_float16(g) for g in given):
                     raise AttentionValueError(
                         f"a quantized cache holds finite {name} within float16's range "
                         f"(|x| <= 65504), scaled per group: these are not ({self!r})"
@@ -487,6 +490,7 @@ class PagedKVCache:
                 f"(tokens per sequence {counts.tolist()}): {self!r}; release sequences or "
                 "make a larger pool"
             )
+        writes: list[tuple[int, int, np.ndarray, np.ndarray]] = []  # quantized at once
         replaced = []  # given back only once every block is taken: a block freed here and
         # taken again by the next sequence would be written, and a call that then fails
         # would give the table back a block whose rows are lost
@@ -511,9 +515,10 @@ class PagedKVCache:
                 rows = min(size - offset, held + n - at)
                 target = blocks[block]
                 new = slice(at - held, at - held + rows)
-                self._keys.write(target, offset, k[b, :, new])
-                self._values.write(target, offset, v[b, :, new])
+                writes.append((target, offset, k[b, :, new], v[b, :, new]))
                 at += rows
+        self._keys.write_many([(t, o, rows) for t, o, rows, _ in writes])
+        self._values.write_many([(t, o, rows) for t, o, _, rows in writes])
         self._let_go(replaced)
         filled: np.ndarray = np.array([self._lengths[s] for s in ids], np.int64) + counts
         return filled
@@ -544,6 +549,11 @@ class PagedKVCache:
         if table.shape[1] == 0:
             table = np.zeros((table.shape[0], 1), np.int64)
         return self._keys.tiles(table, S), self._values.tiles(table, S)
+
+
+def _within_float16(x: np.ndarray) -> bool:
+    """Whether every value of ``x`` is finite and within float16's range."""
+    return bool(np.isfinite(x).all()) and float(np.abs(x).max(initial=0)) <= 65504
 
 
 KINDS = ("int8", "int4", "kivi8", "kivi4", "fp8")
@@ -648,6 +658,23 @@ class _Pool:
         parts = [rows] if self.quantization is None else self.quantization.quantize(rows)
         for array, part in zip(self.arrays, parts, strict=True):
             array[block, offset : offset + rows.shape[1]] = part.transpose(1, 0, 2)
+
+    def write_many(self, writes: list[tuple[int, int, np.ndarray]]) -> None:
+        """Each ``(block, offset, rows (H_kv, n, d))`` of ``writes`` in turn, as
+        :meth:`write`; a quantized pool's rows per token quantized in one call (a decoding
+        step of 64 sequences quantized its 128 rows in 0.5 ms one by one, NumPy's cost per
+        call)."""
+        if self.residual is not None or self.quantization is None or len(writes) < 2:
+            for block, offset, rows in writes:
+                self.write(block, offset, rows)
+            return
+        parts = self.quantization.quantize(np.concatenate([w[2] for w in writes], axis=1))
+        counts = [rows.shape[1] for _, _, rows in writes]
+        blocks = np.repeat([block for block, _, _ in writes], counts)
+        starts = np.repeat([offset for _, offset, _ in writes], counts)
+        offsets = starts + np.arange(len(blocks)) - np.repeat(np.cumsum(counts) - counts, counts)
+        for array, part in zip(self.arrays, parts, strict=True):
+            array[blocks, offsets] = part.transpose(1, 0, 2)
 
     def _write_per_channel(self, block: int, offset: int, rows: np.ndarray) -> None:
         """KIVI's keys: rows into the block's residual, each group of tokens quantized per

@@ -13,9 +13,12 @@ import json
 import os
 import platform
 import random
+import re
+import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Mapping
@@ -53,6 +56,23 @@ def machine_memory() -> int:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return 24 * 2**30
+
+
+def bandwidth(threads: int, gib: float = 0.5, repeats: int = 5) -> float:
+    """Bytes per second read by ``np.sum`` over a large float32 array, on ``threads``."""
+    data = np.ones(int(gib * 2**30) // 4, np.float32)
+    parts = np.array_split(data, threads)
+    data.sum()
+    best = []
+    for _ in range(repeats):
+        workers = [threading.Thread(target=part.sum) for part in parts]
+        start = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        best.append(data.nbytes / (time.perf_counter() - start))
+    return float(np.median(best))
 
 
 def interleaved_medians(
@@ -301,3 +321,12 @@ def save_results(
     write(output / f"{name}.md", table)
     if readme is not None:
         splice(readme, table, *markers)
+
+
+def keep_per_cpu(output: Path, name: str) -> None:
+    """Copy ``name.json`` and ``.md`` under ``output`` to ``name-<cpu>.json`` and ``.md``
+    (the processor's name in lower case, words joined by hyphens): one table per CPU."""
+    results = json.loads((output / f"{name}.json").read_text())
+    cpu = re.sub(r"[^a-z0-9]+", "-", results[0]["environment"]["processor"].lower()).strip("-")
+    for suffix in (".json", ".md"):
+        shutil.copyfile(output / f"{name}{suffix}", output / f"{name}-{cpu}{suffix}")

@@ -1,0 +1,335 @@
+# mypy: ignore-errors
+# (compiled code: numba types it, and numba ships no stubs; as for its siblings in pyproject)
+"""numba code of the compiled forward walk (:mod:`._numba_walk`) that reads keys and values
+stored narrower than the compute dtype: bfloat16 and float16 bits, and a quantized cache's
+codes (:mod:`.quantized`), read where they lie; importing it needs numba.
+
+A stored pool is ``(bytes, table, block, scales, zeros, form)`` (:func:`.paged.stored_pool`):
+the rows' bytes in blocks as a float pool's (:mod:`._numba_pool`), the quantized pools'
+scales and zero points as float16 bits, and ``form = (kind, group, d, residual rows,
+residual index, sealed rows)``. :func:`stage` reads rows ``[c0, c1)`` of one head back into
+float32, each value with the arithmetic of :meth:`.quantized.Quantization.dequantize`
+(``code * scale``, then ``+ zero``, each rounded as NumPy rounds it: this function is
+compiled without contraction), so a tile read here holds the bits the NumPy walk's does.
+The walk reads a decoding step's keys and values in runs of :data:`STAGE_ROWS`, each run
+read back into a buffer that stays in L1 and multiplied at once by the step's few rows
+(the products of :mod:`._numba_pool`); a tile of many rows is read back whole into the
+walk's tile buffer for its GEMM (as a paged cache's scattered float tile is copied).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from ._numba_pool import _prefetch, address
+from .paged import BFLOAT16, FLOAT, FLOAT8, FLOAT16, LANES, PER_CHANNEL, PER_CHANNEL4, PER_TOKEN4
+
+__all__ = ["STAGE_ROWS", "flat", "stage", "stored"]
+
+STAGE_ROWS = 32
+"""Rows of a decoding step's keys (or values) read back at a time: 16 KiB of float32 at
+``d = 128``, which stay in L1 while the step's rows multiply them."""
+
+
+AHEAD = 128
+"""Positions ahead of the rows read back whose block is asked into the caches: a paged
+cache's blocks lie apart, each head's rows of a block a few KiB, too few for the CPU's own
+prefetcher to run ahead of the reads."""
+
+_E4M3 = 2.0**120
+"""float8 e4m3's seven bits ``eeeemmm`` shifted into float32's exponent and mantissa read
+``2^(e - 127) (1 + m/8)`` (``m/8 2^-126`` for ``e = 0``); times ``2^(127 - 7)``, exactly
+e4m3's number, subnormals too."""
+
+BF16, F16, U8, U4, E4M3, U8_CHANNELS, U4_CHANNELS, F32 = range(8)
+"""The forms of :func:`_read_back`'s rows: bfloat16 or float16 bits; 8-bit codes, 4-bit codes
+(two a byte, the even channel in the low four bits) or float8 e4m3 codes with one scale and
+zero point (float32); 8-bit or 4-bit codes with a scale and a zero point per value (float16
+bits); float32 (a copy: KIVI's unfilled groups)."""
+
+
+def _reader(form: int):  # type: ignore[no-untyped-def]
+    """An intrinsic ``read(source, target, n, group, scales, zeros, check) -> finite``:
+    ``n`` values (a multiple of :data:`.paged.LANES` and of ``group``) of ``form`` at address
+    ``source`` read back into float32 at address ``target``, a vector at a time (numba's own
+    loops stayed scalar: 0.25 ns a value; these, 16 lanes, 0.06). Codes become ``code * step
+    + low`` (two roundings, as NumPy's ``*=`` then ``+=``), float8 ``e4m3 * step``: per
+    token, each ``group`` values with the float16 ``step`` and ``low`` at ``scales[j]`` and
+    ``zeros[j]`` in turn (a run of rows: their groups one after another); per channel, rows
+    of ``group`` values, value ``e`` of each with ``scales[e]`` and ``zeros[e]``.
+    ``finite``: whether every value read back is (``x - x`` is not NaN), when ``check``
+    (values: :func:`stage`'s caller), else ``True``."""
+
+    @intrinsic
+    def read(typingctx, source, target, n, group, scales, zeros, check):  # type: ignore[no-untyped-def]  # pragma: no cover
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            i8, i16, i32, i64 = (ir.IntType(bits) for bits in (8, 16, 32, 64))
+            real = ir.FloatType()
+            floats = ir.VectorType(real, LANES)
+            source_, target_, count, size, scales_, zeros_, check_ = args
+
+            def vector(kind, count):  # type: ignore[no-untyped-def]
+                return ir.VectorType(kind, count)
+
+            def splat(kind, value, count=LANES):  # type: ignore[no-untyped-def]
+                return ir.Constant(vector(kind, count), [value] * count)
+
+            def constant(value):  # type: ignore[no-untyped-def]
+                return ir.Constant(i64, value)
+
+            def load(address, offset, kind, count):  # type: ignore[no-untyped-def]
+                at = builder.gep(builder.inttoptr(address, i8.as_pointer()), [offset])
+                return builder.load(builder.bitcast(at, vector(kind, count).as_pointer()), align=1)
+
+            def float16(bits):  # type: ignore[no-untyped-def]
+                """float16 ``bits`` (LANES x i16) as float32, in integer operations: the
+                exponent and mantissa shifted into float32's, times 2^112 (normal and
+                subnormal numbers, exactly), infinities and NaNs given float32's exponent,
+                then the sign. (LLVM's own conversion calls a library function where the
+                CPU lacks F16C, which numba's JIT does not link.)"""
+                x = builder.zext(bits, vector(i32, LANES))
+                sign = builder.shl(builder.and_(x, splat(i32, 0x8000)), splat(i32, 16))
+                rest = builder.shl(builder.and_(x, splat(i32, 0x7FFF)), splat(i32, 13))
+                number = builder.fmul(builder.bitcast(rest, floats), splat(real, 2.0**112))
+                special = builder.or_(rest, splat(i32, 0x7F800000))  # infinity, NaN
+                odd = builder.icmp_unsigned(">=", rest, splat(i32, 0x7C00 << 13))
+                value = builder.select(odd, special, builder.bitcast(number, vector(i32, LANES)))
+                return builder.bitcast(builder.or_(value, sign), floats)
+
+            def halves(address, e):  # type: ignore[no-untyped-def]
+                return float16(load(address, builder.mul(e, constant(2)), i16, LANES))
+
+            def half(address, j):  # type: ignore[no-untyped-def]
+                at = builder.gep(builder.inttoptr(address, i16.as_pointer()), [j])
+                one = builder.insert_element(
+                    ir.Constant(vector(i16, LANES), ir.Undefined),
+                    builder.load(at, align=2),
+                    ir.Constant(i32, 0),
+                )
+                undefined = ir.Constant(vector(i16, LANES), ir.Undefined)
+                return float16(builder.shuffle_vector(one, undefined, splat(i32, 0)))
+
+            def codes(e):  # type: ignore[no-untyped-def]
+                if form in (U8, U8_CHANNELS):
+                    return builder.uitofp(load(source_, e, i8, LANES), floats)
+                packed = load(source_, builder.sdiv(e, constant(2)), i8, LANES // 2)
+                lo = builder.and_(packed, splat(i8, 15, LANES // 2))
+                hi = builder.lshr(packed, splat(i8, 4, LANES // 2))
+                order = [k // 2 + (LANES // 2) * (k % 2) for k in range(LANES)]
+                pairs = builder.shuffle_vector(lo, hi, ir.Constant(vector(i32, LANES), order))
+                return builder.uitofp(pairs, floats)
+
+            def float8(e, step):  # type: ignore[no-untyped-def]
+                x = builder.zext(load(source_, e, i8, LANES), vector(i32, LANES))
+                magnitude = builder.and_(x, splat(i32, 127))
+                sign = builder.shl(builder.and_(x, splat(i32, 128)), splat(i32, 24))
+                bits = builder.or_(sign, builder.shl(magnitude, splat(i32, 20)))
+                value = builder.fmul(builder.bitcast(bits, floats), splat(real, _E4M3))
+                nan = builder.icmp_unsigned("==", magnitude, splat(i32, 127))
+                value = builder.select(nan, splat(real, float("nan")), value)
+                return builder.fmul(value, step)
+
+            out = builder.inttoptr(target_, real.as_pointer())
+            flags = vector(ir.IntType(1), LANES)
+            seen = cgutils.alloca_once_value(builder, ir.Constant(flags, [0] * LANES))
+
+            def store(value, e, checking):  # type: ignore[no-untyped-def]
+                at = builder.bitcast(builder.gep(out, [e]), floats.as_pointer())
+                builder.store(value, at, align=4)
+                if checking:
+                    difference = builder.fsub(value, value)  # NaN for an infinity or a NaN
+                    odd = builder.fcmp_unordered("uno", difference, difference)
+                    builder.store(builder.or_(builder.load(seen), odd), seen)
+
+            def every(start, stop):  # type: ignore[no-untyped-def]
+                return cgutils.for_range_slice(builder, start, stop, constant(LANES), i64)
+
+            def emit(checking):  # type: ignore[no-untyped-def]
+                if form in (U8, U4, E4M3):  # per token: a step (and a zero) per group
+                    groups = builder.sdiv(count, size)
+                    with cgutils.for_range(builder, groups) as loop:
+                        j = loop.index
+                        step, low = half(scales_, j), half(zeros_, j)
+                        first = builder.mul(j, size)
+                        with every(first, builder.add(first, size)) as (e, _):
+                            if form == E4M3:
+                                store(float8(e, step), e, checking)
+                            else:
+                                store(builder.fadd(builder.fmul(codes(e), step), low), e, checking)
+                elif form in (U8_CHANNELS, U4_CHANNELS):  # rows of ``group`` values, each its own
+                    with cgutils.for_range(builder, builder.sdiv(count, size)) as loop:
+                        first = builder.mul(loop.index, size)
+                        with every(constant(0), size) as (e, _):
+                            at = builder.add(first, e)
+                            value = builder.fmul(codes(at), halves(scales_, e))
+                            store(builder.fadd(value, halves(zeros_, e)), at, checking)
+                else:
+                    with every(constant(0), count) as (e, _):
+                        if form == BF16:
+                            bits = load(source_, builder.mul(e, constant(2)), i16, LANES)
+                            bits = builder.shl(
+                                builder.zext(bits, vector(i32, LANES)), splat(i32, 16)
+                            )
+                            store(builder.bitcast(bits, floats), e, checking)
+                        elif form == F16:
+                            store(halves(source_, e), e, checking)
+                        else:
+                            store(
+                                load(source_, builder.mul(e, constant(4)), real, LANES), e, checking
+                            )
+
+            with builder.if_else(check_) as (checked, unchecked):
+                with checked:
+                    emit(True)
+                with unchecked:
+                    emit(False)
+            odd = builder.bitcast(builder.load(seen), ir.IntType(LANES))
+            return builder.icmp_unsigned("==", odd, ir.Constant(ir.IntType(LANES), 0))
+
+        i64_ = types.int64
+        return types.boolean(i64_, i64_, i64_, i64_, i64_, i64_, types.boolean), codegen
+
+    return read
+
+
+_READ_BF16, _READ_F16, _READ_U8, _READ_U4, _READ_E4M3 = (_reader(f) for f in range(5))
+_READ_U8_CHANNELS, _READ_U4_CHANNELS, _READ_F32 = (_reader(f) for f in range(5, 8))
+
+
+@njit(boundscheck=False, nogil=True, inline="always")
+def stored(pool):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Whether ``pool`` is stored narrower (read back by :func:`stage`), not read in place."""
+    return pool[5][0] != FLOAT
+
+
+def flat(pool):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """A stored ``pool`` as :func:`stage` reads it: integers only (addresses, byte strides
+    and sizes), so that passing it to :func:`stage` counts no references, and one
+    compiled :func:`stage` serves every walk; ``None`` for a float pool (whose walk then
+    compiles no :func:`stage`: the float walks never read back)."""
+
+
+@overload(flat, jit_options={"boundscheck": False, "nogil": True})
+def _flat_for(pool):  # type: ignore[no-untyped-def]  # pragma: no cover
+    if pool.types[0].dtype != types.uint8:
+        return lambda pool: None
+    return _flat
+
+
+def _flat(pool):  # type: ignore[no-untyped-def]  # pragma: no cover
+    data, table, block, scales, zeros, form = pool
+    residual, held, sealed = form[3], form[4], form[5]
+    return (
+        (address(data, 0), data.strides[0], data.strides[1], data.strides[2], data.shape[3]),
+        (address(table, 0), table.strides[0], table.strides[1], block),
+        (address(scales, 0), scales.strides[0], scales.strides[1], scales.strides[2],
+         scales.shape[3]),
+        (address(zeros, 0), zeros.strides[0], zeros.strides[1], zeros.strides[2]),
+        (address(residual, 0), residual.strides[0], residual.strides[1], residual.strides[2]),
+        (address(held, 0), address(sealed, 0), form[0], form[1], form[2]),
+    )  # fmt: skip
+
+
+def stage(pool, b, g, c0, c1, target, ld, stop, check):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Sequence ``b``'s rows ``[c0, c1)`` of head ``g`` read back into float32 from the
+    stored ``pool`` (:func:`flat`'s) at address ``target``, ``ld`` floats apart; whether
+    every value read back is finite. In :func:`_reader`'s vector code (its arithmetic
+    alone: no fastmath flag reaches it): per token and bfloat16 or float16, each run of
+    rows in one block at once (their bytes, scales and zero points lie one after another),
+    per channel each group of tokens. The rows :data:`AHEAD` positions on (before ``stop``)
+    are asked into the caches meanwhile (a paged cache's blocks lie apart, each head's rows
+    of one a few KiB: too few for the CPU's own prefetcher to run ahead)."""
+
+
+@overload(stage, jit_options={"boundscheck": False, "nogil": True})
+def _stage_for(pool, b, g, c0, c1, target, ld, stop, check):  # type: ignore[no-untyped-def]  # pragma: no cover
+    if isinstance(pool, types.NoneType):
+        return lambda pool, b, g, c0, c1, target, ld, stop, check: True
+    return _stage
+
+
+def _stage(pool, b, g, c0, c1, target, ld, stop, check):  # type: ignore[no-untyped-def]  # pragma: no cover
+    (data, d0, d1, d2, width), (table, t0, t1, block) = pool[0], pool[1]
+    scales, s0, s1, s2, scale_width = pool[2]
+    sealed, kind, group, d = pool[5][1], pool[5][2], pool[5][3], pool[5][4]
+    channels = kind in (PER_CHANNEL, PER_CHANNEL4)
+    runs = (
+        ld == d
+        and d1 == width
+        and (channels or kind in (BFLOAT16, FLOAT16) or s1 == 2 * scale_width)
+    )  # a run's rows (and per token, scales and zero points) one after another
+    row = table + b * t0  # the sequence's block table (int64, t1 bytes apart)
+    finite = True
+    c = c0
+    while c < c1:
+        off = c % block
+        blk = _int(row + t1 * (c // block))
+        end = min(c1, c - off + block) if runs else c + 1
+        if runs and channels and off < _int(sealed + 8 * blk):  # one group of tokens
+            end = min(end, c - off % group + group)
+        ahead = c + AHEAD  # the rows as many positions on, into the caches meanwhile
+        if ahead < stop:
+            later = _int(row + t1 * (ahead // block))
+            rows = min(end - c, stop - ahead, block - ahead % block)
+            _ahead(data + later * d0 + (ahead % block) * d1 + g * d2, rows * d1)
+            if kind not in (BFLOAT16, FLOAT16) and (ahead % block == 0 or c == c0):
+                _ahead(scales + later * s0 + g * s2, 2 * scale_width)
+        finite &= _read_rows(pool, blk, off, g, end - c, target + 4 * (c - c0) * ld, check)
+        c = end
+    return finite
+
+
+@njit(boundscheck=False, nogil=True, inline="always")
+def _read_rows(pool, blk, off, g, rows, target, check):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Rows ``[off, off + rows)`` of head ``g`` in block ``blk`` of the stored ``pool``
+    (:func:`flat`'s), read back into float32 at address ``target``; whether all are finite.
+    Per channel rows of one group of tokens, or of the unfilled one (KIVI's keys: from the
+    residual)."""
+    data, d0, d1, d2, _ = pool[0]
+    scales, s0, s1, s2, _ = pool[2]
+    zeros, z0, z1, z2 = pool[3]
+    held, sealed, kind, group, d = pool[5]
+    source = data + blk * d0 + off * d1 + g * d2
+    n = rows * d
+    if kind == BFLOAT16:
+        return _READ_BF16(source, target, n, d, source, source, check)
+    if kind == FLOAT16:
+        return _READ_F16(source, target, n, d, source, source, check)
+    if kind in (PER_CHANNEL, PER_CHANNEL4):
+        first = _int(sealed + 8 * blk)
+        if off >= first and _int(held + 8 * blk) >= 0:  # the unfilled group, in float32
+            residual, r0, r1, r2 = pool[4]
+            recent = residual + _int(held + 8 * blk) * r0 + g * r1 + (off - first) * r2
+            return _READ_F32(recent, target, n, d, recent, recent, check)
+        t = off // group
+        step, low = scales + blk * s0 + t * s1 + g * s2, zeros + blk * z0 + t * z1 + g * z2
+        if kind == PER_CHANNEL:
+            return _READ_U8_CHANNELS(source, target, n, d, step, low, check)
+        return _READ_U4_CHANNELS(source, target, n, d, step, low, check)
+    step, low = scales + blk * s0 + off * s1 + g * s2, zeros + blk * z0 + off * z1 + g * z2
+    if kind == FLOAT8:
+        return _READ_E4M3(source, target, n, group, step, low, check)
+    if kind == PER_TOKEN4:
+        return _READ_U4(source, target, n, group, step, low, check)
+    return _READ_U8(source, target, n, group, step, low, check)
+
+
+@intrinsic
+def _int(typingctx, at):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """The int64 at address ``at``."""
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        i64 = ir.IntType(64)
+        return builder.load(builder.inttoptr(args[0], i64.as_pointer()), align=8)
+
+    return types.int64(types.int64), codegen
+
+
+@njit(boundscheck=False, nogil=True, inline="always")
+def _ahead(at, size):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Ask for the ``size`` bytes at address ``at`` to be read into the caches."""
+    for line in range(0, size, 64):
+        _prefetch(at + line)

@@ -1,0 +1,317 @@
+"""Caches stored narrower than float32 (bfloat16, float16, and the quantized kinds) read by
+the compiled tile walk in place, each tile's codes read back as it goes.
+
+Oracles: NumPy's own reading of the cache (``Quantization.dequantize``, ``astype``), which
+the compiled read-back must equal bit for bit; and a dense float64 softmax written here over
+the values the cache stands for (``cache.dequantized``), for each decoding step and each
+prompt, which every kind must meet within float32's rounding. A spy on the compiled walk
+shows which calls it took.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import mha
+from mha._kernel import compiled, walk
+
+
+@pytest.fixture
+def walks():
+    """The compiled walk, or a skip where numba is absent (a failure under
+    MHA_REQUIRE_NUMBA=1, as CI's tiers with the ``fast`` extra set it)."""
+    if not compiled.walk_available():
+        if os.environ.get("MHA_REQUIRE_NUMBA") == "1":
+            pytest.fail("MHA_REQUIRE_NUMBA=1 but the compiled walk is unavailable")
+        pytest.skip("numba is not installed (or MHA_COMPILED=0): the NumPy walk runs alone")
+
+
+KINDS = [
+    ("int8", np.float32, 32), ("int4", np.float32, 32), ("int8", np.float32, 64),
+    ("int4", np.float32, 64), ("kivi8", np.float32, 16), ("kivi4", np.float32, 32),
+    ("fp8", np.float32, 32), (None, "bfloat16", None), (None, np.float16, None),
+]  # fmt: skip
+
+
+def storage(dtype):
+    return np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def paged(kind, dtype, group, H_kv, d, blocks=64):
+    size = 32 if kind and kind.startswith("kivi") else 16
+    return mha.PagedKVCache(
+        blocks, size, H_kv, d, quantize=kind, group_size=group, dtype=storage(dtype)
+    )
+
+
+def dense64(q, k, v, lengths, counts):
+    """Each sequence's ``counts[b]`` last queries ``q (B, H, L, d)`` (its first rows) over
+    its ``lengths[b]`` keys, the query at position ``lengths[b] - counts[b] + i`` seeing the
+    keys up to it: float64 softmax written out, grouped-query heads."""
+    B, H, L, d = q.shape
+    group = H // k[0].shape[0]
+    out = np.zeros((B, H, L, v[0].shape[-1]))
+    for b in range(B):
+        n, m = int(lengths[b]), int(counts[b])
+        for h in range(H):
+            keys, values = k[b][h // group].astype(np.float64), v[b][h // group].astype(np.float64)
+            for i in range(m):
+                seen = n - m + i + 1
+                s = keys[:seen] @ q[b, h, i].astype(np.float64) / np.sqrt(d)
+                w = np.exp(s - s.max())
+                out[b, h, i] = w @ values[:seen] / w.sum()
+    return out
+
+
+def spy(monkeypatch):
+    calls = []
+    walked = compiled.stored_forward_walk
+
+    def counted(*args):
+        calls.append(args[0])
+        return walked(*args)
+
+    monkeypatch.setattr(compiled, "stored_forward_walk", counted)
+    return calls
+
+
+# The read-back, value by value -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "dtype", "group"), KINDS)
+def test_the_walk_reads_back_the_bits_numpy_reads(walks, kind, dtype, group):
+    """Rows read back by the compiled walk's ``stage`` (any range: within a block, across
+    blocks apart, KIVI's unfilled group) equal NumPy's tile of the same rows bit for bit,
+    NaNs included; the finite flag says whether they all are."""
+    from numba import njit
+
+    from mha._kernel._numba_pool import address
+    from mha._kernel._numba_stored import flat, stage
+
+    @njit
+    def read(pool, b, g, c0, c1, out, check):
+        return stage(flat(pool), b, g, c0, c1, address(out, 0), out.shape[1], c1, check)
+
+    rng = np.random.default_rng(7)
+    H_kv, d = 3, 64
+    cache = paged(kind, dtype, group, H_kv, d)
+    for seq, n in zip("abc", (70, 45, 101), strict=True):
+        cache.add(seq)
+        k = rng.standard_normal((H_kv, n, d)).astype(np.float32) * 3
+        k[:, :, 5] += 40.0  # a channel of large magnitude
+        if kind == "fp8":
+            k[:, :4] *= 1e-3  # float8's subnormals, relative to the group's scale
+        cache.append(seq, k, rng.standard_normal((H_kv, n, d)).astype(np.float32))
+    cache.release("b")
+    cache.add("d")  # into b's blocks: a table of blocks apart
+    cache.append("d", *(rng.standard_normal((H_kv, 60, d)).astype(np.float32) for _ in "kv"))
+    keys, values = cache._attended(int(cache.lengths.max()))
+    for x in (keys, values):
+        pool = walk.stored_pool(x.pool, x.table, x.block_size, d, *x.stored_parts())
+        for b, n in enumerate(cache.lengths):
+            for c0, c1 in [(0, int(n)), (3, 37), (15, 17), (int(n) - 5, int(n))]:
+                for g in range(H_kv):
+                    out = np.full((c1 - c0, d), np.nan, np.float32)
+                    finite = read(pool, b, g, c0, c1, out, True)
+                    expected = x[b][g : g + 1][:, c0:c1][0]
+                    np.testing.assert_array_equal(out, expected)
+                    assert finite == bool(np.isfinite(expected).all())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", np.float16])
+def test_non_finite_stored_values_are_flagged(walks, dtype):
+    from numba import njit
+
+    from mha._kernel._numba_pool import address
+    from mha._kernel._numba_stored import flat, stage
+
+    @njit
+    def read(pool, c1, out, check):
+        return stage(flat(pool), 0, 0, 0, c1, address(out, 0), out.shape[1], c1, check)
+
+    cache = paged(None, dtype, None, 1, 16)
+    cache.add(0)
+    v = np.ones((1, 40, 16), np.float32)
+    v[0, 33, 7] = np.inf
+    cache.append(0, v, v)
+    _, values = cache._attended(40)
+    pool = walk.stored_pool(values.pool, values.table, values.block_size, 16)
+    out = np.empty((40, 16), np.float32)
+    assert not read(pool, 40, out, True)
+    assert read(pool, 33, out, True)
+    assert read(pool, 40, out, False)  # unchecked (keys): always True
+
+
+# Attention through each kind ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "dtype", "group"), KINDS)
+def test_each_stored_cache_takes_the_compiled_walk_and_meets_float64(
+    walks, monkeypatch, record_error, kind, dtype, group
+):
+    """A prompt (24 tokens: the walk's GEMM tiles) then decoding steps (few rows: the
+    vector products) with grouped-query heads, for sequences of different lengths: every
+    call takes the compiled walk, and each output is the float64 attention over the values
+    the cache stands for, within float32's rounding."""
+    calls = spy(monkeypatch)
+    rng = np.random.default_rng(11)
+    B, H, H_kv, d = 3, 8, 2, 64
+    cache = paged(kind, dtype, group, H_kv, d, blocks=128)
+    for b, n in enumerate((5, 40, 77)):
+        cache.add(b)
+        cache.append(b, *(rng.standard_normal((H_kv, n, d)).astype(np.float32) for _ in "kv"))
+    for L in (24, 1, 1, 1, 3, 1):
+        before = len(calls)
+        q = rng.standard_normal((B, H, L, d)).astype(np.float32)
+        k, v = (rng.standard_normal((B, H_kv, L, d)).astype(np.float32) for _ in "kv")
+        out = mha.scaled_dot_product_attention(q, k, v, cache=cache)
+        assert len(calls) > before, "the call did not take the compiled walk"
+        stood = [cache.dequantized(seq) for seq in cache.sequences]
+        counts = np.full(B, L)
+        expected = dense64(q, [s[0] for s in stood], [s[1] for s in stood], cache.lengths, counts)
+        error = float(np.abs(out - expected).max() / np.abs(expected).max())
+        name = kind or storage(dtype).name
+        assert record_error(f"{name} cache, compiled walk vs float64", error) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", np.float16])
+def test_a_contiguous_cache_of_a_storage_dtype_takes_the_compiled_walk(
+    walks, monkeypatch, record_error, dtype
+):
+    calls = spy(monkeypatch)
+    rng = np.random.default_rng(12)
+    B, H, H_kv, d, n = 2, 8, 2, 64, 300
+    cache = mha.KVCache(B, H_kv, d, capacity=400, dtype=storage(dtype))
+    x = rng.standard_normal((B, H, n, d)).astype(np.float32)
+    kv = rng.standard_normal((B, H_kv, n, d)).astype(np.float32)
+    mha.scaled_dot_product_attention(x, kv, kv, cache=cache, causal=True)
+    for L in (1, 1, 17):
+        before = len(calls)
+        q = rng.standard_normal((B, H, L, d)).astype(np.float32)
+        k = rng.standard_normal((B, H_kv, L, d)).astype(np.float32)
+        out = mha.scaled_dot_product_attention(q, k, k, cache=cache, causal=True)
+        assert len(calls) > before
+        held = cache.k.astype(np.float32), cache.v.astype(np.float32)
+        expected = dense64(q, held[0], held[1], cache.lengths, np.full(B, L))
+        error = float(np.abs(out - expected).max() / np.abs(expected).max())
+        name = f"contiguous {storage(dtype).name} cache, compiled walk vs float64"
+        assert record_error(name, error) <= 1e-6
+
+
+def test_a_hidden_non_finite_stored_value_sends_its_task_to_the_numpy_walk():
+    """A bfloat16 value of +inf at a key some rows of a prompt cannot see: those rows'
+    outputs finite and equal to the float64 attention over what they see (0 * inf is not
+    spread), the others non-finite, as the NumPy walk gives them."""
+    rng = np.random.default_rng(13)
+    H, H_kv, d, L = 4, 2, 32, 40
+    cache = paged(None, "bfloat16", None, H_kv, d)
+    cache.add(0)
+    q = rng.standard_normal((1, H, L, d)).astype(np.float32)
+    k = rng.standard_normal((1, H_kv, L, d)).astype(np.float32)
+    v = rng.standard_normal((1, H_kv, L, d)).astype(np.float32)
+    v[0, :, 30] = np.inf  # seen by rows 30 and on
+    out = mha.scaled_dot_product_attention(q, k, v, cache=cache)
+    keys, values = cache.dequantized(0)
+    expected = dense64(q[:, :, :30], [keys], [values], [30], [30])
+    assert np.isfinite(out[0, :, :30]).all()
+    error = np.abs(out[0, :, :30] - expected[0]).max() / np.abs(expected).max()
+    assert error <= 1e-6
+    assert not np.isfinite(out[0, :, 30:]).any()
+
+
+def test_groups_apart_from_the_walks_vectors_take_the_numpy_walk(monkeypatch, record_error):
+    """int8 groups of 8 channels (the compiled read-back takes multiples of 16): the NumPy
+    walk, the same attention."""
+    calls = spy(monkeypatch)
+    rng = np.random.default_rng(14)
+    cache = paged("int8", np.float32, 8, 2, 64)
+    cache.add(0)
+    cache.append(0, *(rng.standard_normal((2, 50, 64)).astype(np.float32) for _ in "kv"))
+    q = rng.standard_normal((1, 8, 1, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
+    out = mha.scaled_dot_product_attention(q, k, k, cache=cache)
+    assert not calls
+    keys, values = cache.dequantized(0)
+    expected = dense64(q, [keys], [values], [51], [1])
+    error = float(np.abs(out - expected).max() / np.abs(expected).max())
+    assert record_error("int8 groups of 8, NumPy walk vs float64", error) <= 1e-6
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+def test_a_step_quantizes_every_sequence_at_once_as_one_by_one(kind):
+    """A decoding step's rows quantized in one call (``write_many``) hold the codes,
+    scales and zero points that appending each sequence alone gives, across block edges."""
+    rng = np.random.default_rng(15)
+    together, alone = (paged(kind, np.float32, 32, 2, 64) for _ in "ab")
+    lengths = (15, 16, 31, 3)
+    for b, n in enumerate(lengths):
+        for cache in (together, alone):
+            cache.add(b)
+            cache.append(b, *(np.ones((2, n, 64), np.float32) for _ in "kv"))
+    k, v = (rng.standard_normal((4, 2, 2, 64)).astype(np.float32) for _ in "kv")
+    together._append(k, v, np.full(4, 2))
+    together._commit(np.full(4, 2))
+    for b in range(4):
+        alone.append(b, k[b], v[b])
+    for seq in range(4):
+        for a, b in zip(together.dequantized(seq), alone.dequantized(seq), strict=True):
+            np.testing.assert_array_equal(a, b)
+    for a, b in zip(together._keys.arrays + together._values.arrays,
+                    alone._keys.arrays + alone._values.arrays, strict=True):  # fmt: skip
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(("kind", "dtype"), [("int8", np.float32), ("int4", np.float32),
+                                             ("fp8", np.float32), (None, "bfloat16")])  # fmt: skip
+def test_a_stored_cache_gives_the_bits_of_a_float32_cache_of_its_values(walks, kind, dtype):
+    """On the compiled walk as on the NumPy one: every step's output is the same bits as a
+    float32 paged cache holding the values the stored one stands for (the same tiles, the
+    same products, only read back first)."""
+    rng = np.random.default_rng(16)
+    H, H_kv, d = 8, 2, 64
+    group = 32 if kind else None
+    stored, mirror = paged(kind, dtype, group, H_kv, d), paged(None, np.float32, None, H_kv, d)
+    for cache in (stored, mirror):
+        cache.add("a")
+        cache.add("b")
+    for L in (30, 1, 1, 5, 1):
+        q = rng.standard_normal((2, H, L, d)).astype(np.float32)
+        k, v = (rng.standard_normal((2, H_kv, L, d)).astype(np.float32) for _ in "kv")
+        out = mha.scaled_dot_product_attention(q, k, v, cache=stored)
+        held = [np.stack([stored.dequantized(s)[i][:, -L:] for s in "ab"]) for i in (0, 1)]
+        np.testing.assert_array_equal(out, mha.scaled_dot_product_attention(q, *held, cache=mirror))
+
+
+def test_block_tables_in_any_layout_read_the_same_blocks(walks, monkeypatch):
+    """A bfloat16 pool through ``paged_attention`` with the block table C-ordered and
+    Fortran-ordered (padded with -1 past each sequence's blocks, as engines pad): the same
+    bits, each the float64 attention over the blocks the table names."""
+    calls = spy(monkeypatch)
+    rng = np.random.default_rng(17)
+    blocks, size, H_kv, H, d = 12, 16, 2, 8, 64
+    pool_k, pool_v = (
+        rng.standard_normal((blocks, size, H_kv, d)).astype(ml_dtypes.bfloat16) for _ in "kv"
+    )
+    table = np.array([[7, 2, 9, -1], [0, 11, 4, 5], [3, -1, -1, -1]])
+    lengths = np.array([40, 61, 9])
+    q = rng.standard_normal((3, H, 1, d)).astype(np.float32)
+    outs = [  # (paged_attention takes and gives (B, L, H, d), as engines do)
+        mha.paged_attention(q.transpose(0, 2, 1, 3), pool_k, pool_v, layout, lengths).transpose(
+            0, 2, 1, 3
+        )
+        for layout in (np.ascontiguousarray(table), np.asfortranarray(table))
+    ]
+    assert len(calls) == 2
+    np.testing.assert_array_equal(outs[0], outs[1])
+    for b, n in enumerate(lengths):
+        rows = (
+            [pool_k[t] for t in table[b, : -(-n // size)]],
+            [pool_v[t] for t in table[b, : -(-n // size)]],
+        )
+        keys, values = (np.concatenate(r)[:n].transpose(1, 0, 2).astype(np.float32) for r in rows)
+        expected = dense64(q[b : b + 1], [keys], [values], [n], [1])
+        assert np.abs(outs[0][b] - expected[0]).max() <= 1e-6 * np.abs(expected).max()
