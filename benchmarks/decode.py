@@ -34,8 +34,10 @@ from mha.cli.measure import (
     bandwidth,
     environment,
     interleaved_medians,
+    keep_per_cpu,
     measured_on,
     readme_script,
+    script_parser,
 )
 
 ROOT = Path(__file__).parent.parent
@@ -229,7 +231,11 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     markers = (DECODE_BEGIN, DECODE_END)
-    return readme_script(argv, __doc__, __file__, measure, "decode", markdown, markers)
+    status = readme_script(argv, __doc__, __file__, measure, "decode", markdown, markers)
+    args = script_parser(__doc__, ROOT / "benchmarks" / "results", readme=True).parse_args(argv)
+    if status == 0 and not args.json_only and not args.quick:
+        keep_per_cpu(args.output, "decode")  # one table per CPU
+    return status
 
 
 if __name__ == "__main__":
