@@ -62,6 +62,7 @@ __all__ = [
     "Tiles",
     "attend",
     "attend_band",
+    "call_tiles",
     "merge_partials",
     "plan_tiles",
 ]
@@ -141,7 +142,7 @@ def attend(call: KernelCall, outputs: Outputs, team: Team | None = None) -> None
     if sinks is not None and outputs.lse is None:  # the sinks are added through it
         lse = np.full(outputs.out.shape[:-1], -np.inf, dtype=outputs.out.dtype)
         outputs = replace(outputs, lse=lse)
-    tiles = _call_tiles(call, outputs)
+    tiles = call_tiles(call, outputs)
     team = team or Team(1)
     views = walk.forward_walkable(call, outputs)
     tuned = runtime.DEFAULT.thresholds
@@ -202,7 +203,7 @@ def attend_band(call: KernelCall, outputs: Outputs, team: Team) -> None:
     if arrays and q.size and k.size and v.size and walk.COMPILED_FORWARD.takes(needs):
         views = walk.walk_views((q, k, v), written, operands=(q, k, v))
     if views is not None:  # attend's compiled half, its tiles and its walk
-        tuned, tiles = runtime.DEFAULT.thresholds, _call_tiles(call, outputs)
+        tuned, tiles = runtime.DEFAULT.thresholds, call_tiles(call, outputs)
         if team.workers == 1 and lse is None and q.shape[-2] == 1:  # one query row a head
             band = walk_inputs.band_of(call.visibility, q.shape[:-3], 1, k.shape[-2])
             if walk.run_lone(views, band, call.scale, tiles.cols):
@@ -221,7 +222,7 @@ def attend_band(call: KernelCall, outputs: Outputs, team: Team) -> None:
     attend(call, outputs, team)
 
 
-def _call_tiles(call: KernelCall, outputs: Outputs) -> Tiles:
+def call_tiles(call: KernelCall, outputs: Outputs) -> Tiles:
     """The call's tile sizes (:func:`plan_tiles`), in whole chunks of rows where its rows
     are chunked."""
     q, k, v, visibility = call.q, call.k, call.v, call.visibility

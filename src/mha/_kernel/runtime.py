@@ -8,6 +8,7 @@
 * ``layer_checks``: each layer's last checked call, by the layer (weakly: a layer dropped
   drops its own; :mod:`mha.api.plans`);
 * ``layer_steps``: each layer's decoding step, by the layer (weakly; :mod:`mha.api.decoding`);
+* ``layer_plans``: each layer's plain call, by the layer (weakly; :mod:`mha.api.layer_plan`);
 * ``rotations``: the rotary angles of the last positions rotated (:mod:`mha.api.rotary`: a
   decoding step's, which every layer rotates at), and ``long_rotation``: the last of a
   longer array of positions (a prompt's, which every layer of its pass rotates at);
@@ -108,6 +109,7 @@ class Runtime:
         self.helpers: Any = None  # mha._kernel.team's pool, made on first use
         self.layer_checks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self.layer_steps: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self.layer_plans: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self.rotations = Kept(16)
         self.long_rotation = Kept(1)
         self._tuning = threading.Lock()
@@ -118,6 +120,7 @@ class Runtime:
         self.records.forget()
         self.layer_checks.clear()
         self.layer_steps.clear()
+        self.layer_plans.clear()
         self.rotations.forget()
         self.long_rotation.forget()
 

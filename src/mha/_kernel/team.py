@@ -268,6 +268,11 @@ class Team:
             and x.flags.c_contiguous
         ):
             return self._matmul_over(x, rows, W)  # (not with then: never asked together)
+        if by_rows and then is None and n <= self._rows_per_task(n):
+            product: np.ndarray = np.matmul(rows, W)  # one product (the tasks' own, without
+            if b is not None:  # their Python)
+                product += b
+            return product.reshape((*x.shape[:-1], m))
         out = np.empty((n, m), dtype=dtype)
         if by_rows:
             step = self._rows_per_task(n)

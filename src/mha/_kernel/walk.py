@@ -635,6 +635,11 @@ def _walk_once_per_worker(
     one core ran slow, and a helper woken late found the caller busy on a run it could have
     shared.)"""
     table, counter = work[0], work[1]
+    if team.workers == 1 or len(table) <= 1:  # one walk, in this thread (Team.run's)
+        walk = make_walk()
+        if counter[0] < len(table):
+            walk()
+        return
 
     def make_worker() -> Callable[[int], None]:
         walk = make_walk()

@@ -14,17 +14,16 @@ positions, worked out as :func:`.checks.with_cache_state` does), computed by
 answers cannot have changed. Any other call, including every call the step would refuse,
 goes the general way, which checks it.
 
-What the step checks each call: the module's attributes are the very objects it was made
-with, in the same order (an assignment to any of them, a weight replaced, a window set,
-drops the step; a weight updated in place is read as it is now, by the general path's
-functions), the weights it reads have the shapes and dtypes they had, the query is a NumPy
-array of the kept shape and dtype, and the cache is a :class:`mha.KVCache` of the kept
-batch, heads, widths and dtype without a window (its append checks its room).
-"""
+What the step checks each call: the module's attributes are those it was made from
+(:class:`.kept_state.LayerState`: an assignment to any of them, a weight replaced, a window
+set, a dict of them changed in place, drops the step; a weight updated in place is read as
+it is now, by the general path's functions: a step is kept only where the call holds the
+layer's own weight arrays), the weights it reads have the shapes and dtypes they had, the
+query is a NumPy array of the kept shape and dtype, and the cache is a :class:`mha.KVCache`
+of the kept batch, heads, widths and dtype without a window (its append checks its room)."""
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import numpy as np
@@ -36,6 +35,7 @@ from .cache import KVCache
 from .cached import Append, CachedCall, attend_cached, plain_append
 from .checks import Call, cache_positions, side_by_side_bias, with_fields
 from .gradients import join_heads
+from .kept_state import LayerState, weights_as_given
 from .projection import compute, layer_sizes, layer_workers
 from .rotary import rotate, rotation
 from .spec import with_cache
@@ -48,10 +48,7 @@ class DecodingStep:
     :func:`step_for`; called with the layer, its query, its cache and the workers given."""
 
     def __init__(self, module: Any, call: Call, workers: Any) -> None:
-        state = vars(module)
-        self.names, self.values = tuple(state), tuple(state.values())  # (by identity)
-        self.read = [x for x in vars(call.weights).values() if isinstance(x, np.ndarray)]
-        self.sizes = [(x.shape, x.dtype) for x in self.read]
+        self.state = LayerState(module, call)
         self.workers = workers
         self.shape, self.dtype = call.Q.shape, call.Q.dtype
         self.fit = (call.B[0], call.H_kv, call.d_k, call.d_v, call.compute_dtype)
@@ -71,7 +68,7 @@ class DecodingStep:
     def __call__(self, module: Any, query: Any, cache: Any, workers: Any) -> Any:
         """The layer's output for ``query`` appended to ``cache``, or ``None`` when this
         call is not the kept step's (the general path then checks and computes it)."""
-        if not self._same_state(module):
+        if not self.state.holds(module):
             runtime.DEFAULT.layer_steps.pop(module, None)  # (its arrays not kept alive)
             return None
         if not (
@@ -140,14 +137,6 @@ class DecodingStep:
             result = team.matmul(join_heads(out), w.W_o, w.b_o)
         return cast_result(result, call.result_dtype)
 
-    def _same_state(self, module: Any) -> bool:
-        state = vars(module)
-        return (
-            all(map(operator.is_, state.values(), self.values))
-            and tuple(state) == self.names
-            and [(x.shape, x.dtype) for x in self.read] == self.sizes
-        )
-
 
 def _fit(cache: KVCache) -> tuple[Any, ...]:
     """What a step's cache must match: its batch, key/value heads, widths and dtype."""
@@ -166,6 +155,7 @@ def step_for(module: Any, call: Call, workers: Any) -> DecodingStep | None:
     cache = append.cache
     plain = (
         getattr(module, "shares_kv_with", None) is None
+        and weights_as_given(module, call)  # (an update in place is read)
         and type(cache) is KVCache
         and cache.window is None
         and not cache.values_in_keys
@@ -188,7 +178,8 @@ def step_for(module: Any, call: Call, workers: Any) -> DecodingStep | None:
         and plain_append(append)
         and (call.rotary is None or "scaling" not in call.rotary)
     )
-    return DecodingStep(module, call, workers) if plain else None
+    step = DecodingStep(module, call, workers) if plain else None
+    return step if step is not None and step.state.keepable else None
 
 
 def kept_step(module: Any) -> DecodingStep | None:

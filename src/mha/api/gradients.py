@@ -355,7 +355,8 @@ def gradient(name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype) -> 
 
 def split_heads(x: np.ndarray, H: int) -> np.ndarray:
     """``(*B, L, H*d)`` to ``(*B, H, L, d)``, a view."""
-    return np.moveaxis(x.reshape((*x.shape[:-1], H, x.shape[-1] // H)), -2, -3)
+    heads = x.reshape((*x.shape[:-1], H, x.shape[-1] // H))
+    return heads.swapaxes(-3, -2)  # (np.moveaxis's: adjacent axes, without its checks)
 
 
 def join_heads(x: np.ndarray) -> np.ndarray:

@@ -23,6 +23,7 @@ from .checks import (
 )
 from .configuration import LayerSpec, float_dtype
 from .decoding import keep_step, kept_step
+from .layer_plan import keep_plan, kept_plan
 from .layouts import Layouts
 from .paged_cache import PagedKVCache
 from .plans import checked_layer
@@ -333,11 +334,9 @@ class MultiHeadAttention(Layouts):
         >>> attention(X, key=memory).shape                # cross-attention: key= by name
         (1, 3, 4)
         """
-        plain_step = (  # a decoding step's call: every keyword left out but these
-            cache is not None
-            and type(self) is MultiHeadAttention  # (a subclass may compute more)
+        plain = (  # every keyword left out but the mask, the cache and the workers
+            type(self) is MultiHeadAttention  # (a subclass may compute more)
             and not misplaced
-            and mask is None
             and key is None
             and value is None
             and causal is None
@@ -358,10 +357,18 @@ class MultiHeadAttention(Layouts):
             and score_mod is None
             and score_mod_grad is None
         )
+        plain_step = plain and cache is not None and mask is None  # a decoding step's call
+        plain_call = plain and cache is None and (mask is None or mask is True)
         if plain_step:  # the layer's kept step, when this call is its (decoding.py)
             step = kept_step(self)
             if step is not None:
                 out: np.ndarray | None = step(self, query, cache, workers)
+                if out is not None:
+                    return out
+        elif plain_call:  # the layer's kept plan, when this call is its (layer_plan.py)
+            plan = kept_plan(self)
+            if plan is not None:
+                out = plan(self, query, mask, workers)
                 if out is not None:
                     return out
         if cache is not None and (key is not None or value is not None):
@@ -469,6 +476,8 @@ class MultiHeadAttention(Layouts):
         result = compute(call)
         if plain_step:
             keep_step(self, call, workers)
+        elif plain_call:
+            keep_plan(self, call, mask, workers)
         if not call.request.backward:
             return result
         *outputs, backward = result

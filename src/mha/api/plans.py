@@ -174,7 +174,8 @@ class _KeptCheck:
         if cache is not None:  # what depends on the cache is worked out each call: not kept
             call = with_fields(call, given=None, append=None, q_positions=None, k_positions=None)
             checked = checked._replace(given=replace(checked.given, cache=None))
-        self.call, self.checked = call, checked
+        self.call = with_fields(call, Q=None, K=None, V=None)  # (no input kept alive)
+        self.checked = checked
         self.inputs = _inputs_signature(arrays)
         self.weights = tuple(given)
         self.present = [i for i, w in enumerate(given) if w is not None]

@@ -35,6 +35,7 @@ from .measure import (
     check_readme,
     environment,
     interleaved_medians,
+    keep_per_cpu,
     machine_memory,
     matmul_ceiling,
     measured_on,
@@ -568,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.readme:
         check_readme(args.readme, BEGIN, END)
     results = run(plan(size, args.repeats), output, args.readme, log)
+    if size == "full":
+        keep_per_cpu(output, "benchmark")  # one table per CPU
     if not args.no_chart:
         chart(results, output / "benchmark.png")
     print(markdown(results))

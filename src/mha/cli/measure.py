@@ -327,6 +327,7 @@ def keep_per_cpu(output: Path, name: str) -> None:
     """Copy ``name.json`` and ``.md`` under ``output`` to ``name-<cpu>.json`` and ``.md``
     (the processor's name in lower case, words joined by hyphens): one table per CPU."""
     results = json.loads((output / f"{name}.json").read_text())
-    cpu = re.sub(r"[^a-z0-9]+", "-", results[0]["environment"]["processor"].lower()).strip("-")
+    first = results[0] if isinstance(results, list) else results  # (a run, or runs)
+    cpu = re.sub(r"[^a-z0-9]+", "-", first["environment"]["processor"].lower()).strip("-")
     for suffix in (".json", ".md"):
         shutil.copyfile(output / f"{name}{suffix}", output / f"{name}-{cpu}{suffix}")

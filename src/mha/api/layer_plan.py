@@ -1,0 +1,181 @@
+"""A layer's plain call kept for its next calls: a model run at one length, a training
+loop, a benchmark calling the same layer on arrays of the same shape again and again.
+
+A layer's call checks its arguments and keywords, works out the mask contract's
+:class:`Visibility`, the tiles, the compiled walk's table of work items and the team's size,
+and only then computes: for a small call (16 tokens, 64 features) that Python took about
+three quarters of the call's time. When a call is a plain one (:func:`plan_for`: no cache,
+self-attention, the mask ``None`` or causal, every keyword but ``workers`` left out, no
+extra keys, sinks, soft-capping, ALiBi, QK-norm, key selection, dropout or output stage,
+:class:`mha.MultiHeadAttention` itself, a float32 or float64 walk the compiled forward
+takes), the layer keeps a :class:`LayerPlan`: that checked call without its input, with the
+forward walk's plan (:class:`.walk.ForwardPlan`) and the team's size. The next call with
+the same module state, input shape and dtype, mask and workers is that call with its input
+put in, computed as :func:`.projection.compute` computes it (its projection, the compiled
+walk on the kept plan, the output's product: the same functions in the same order, the same
+bits), without the checks whose answers cannot have changed.
+
+What the plan checks each call: the module's attributes are those it was made from
+(:class:`.kept_state.LayerState`: an assignment to any of them, or a change in place to a
+dict of them, drops the plan), the weights have the shapes and dtypes they had (a weight
+updated in place is read as it is now: a plan is kept only where the call holds the layer's
+own weight arrays, not copies the checks converted), and the input is a NumPy array of the
+kept shape and dtype (with the default workers, the cores they were chosen from). Any other
+call, including every call the checks would refuse, goes the general way. A call whose walk
+leaves work undone (a non-finite value at a hidden key) is computed again the general way,
+which does it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._arrays import cast_result
+from .._kernel import compiled, runtime, walk
+from .._kernel.call import KernelCall, Outputs
+from .._kernel.forward import call_tiles
+from .._kernel.team import Team, default_workers
+from .checks import Call, with_fields
+from .gradients import split_heads
+from .kept_state import LayerState, weights_as_given
+from .projection import layer_sizes, layer_workers, project_heads
+
+__all__ = ["LayerPlan", "keep_plan", "kept_plan", "plan_for"]
+
+
+class LayerPlan:
+    """One layer's plain call (:mod:`.layer_plan`), made from a checked call and its
+    forward walk's plan by :func:`plan_for`; called with the layer, its input, the mask and
+    the workers given."""
+
+    def __init__(
+        self, module: Any, call: Call, given: tuple[Any, Any], planned: tuple[int, Any]
+    ) -> None:
+        self.state = LayerState(module, call)
+        self.mask, self.workers = given
+        self.cores = default_workers()  # (what the team's size was chosen from)
+        self.shape, self.dtype = call.Q.shape, call.Q.dtype
+        self.call = with_fields(call, Q=None, K=None, V=None)  # (no input held)
+        self.team, self.forward = planned  # the team's size, the walk's plan
+
+    def __call__(self, module: Any, query: Any, mask: Any, workers: Any) -> np.ndarray | None:
+        """The layer's output for ``query``, or ``None`` when this call is not the kept
+        one (or its walk left work undone): the general path then checks and computes it."""
+        if not self.state.holds(module):
+            runtime.DEFAULT.layer_plans.pop(module, None)  # (its arrays not kept alive)
+            return None
+        if not (
+            type(query) is np.ndarray
+            and query.shape == self.shape
+            and query.dtype == self.dtype
+            and mask is self.mask
+            and type(workers) is type(self.workers)
+            and workers == self.workers
+            and (workers is not None or default_workers() == self.cores)
+        ):
+            return None
+        call = with_fields(self.call, Q=query, K=query, V=query)
+        dtype, H = call.compute_dtype, call.H
+        w = call.weights.in_dtype(dtype)
+        with np.errstate(invalid="ignore", over="ignore"), Team(self.team) as team:
+            q, k, v = project_heads(call, w, team)
+            joined = np.zeros((*call.B, call.L, H * call.d_v), dtype=dtype)
+            out = split_heads(joined, H)
+            if q.ndim == 4 and _fresh(q) and _fresh(k) and _fresh(v):
+                views: list[np.ndarray] | None = [q, k, v, out]  # (walk_views's, as they are)
+            else:
+                views = walk.walk_views((q, k, v), (out,), operands=(q, k, v))
+            if views is None:
+                return None
+            failed, parts = self.forward.run(views, k, team)
+            if failed.any():
+                return None
+            if parts is not None:
+                parts.merge_into(out, None)
+            result = team.matmul(joined, w.W_o, w.b_o)
+        return cast_result(result, call.result_dtype)
+
+
+def _fresh(x: np.ndarray) -> bool:
+    """Whether ``x`` is an array the compiled walk reads as it is (:func:`.walk.walk_views`
+    takes a contiguous, aligned array of four axes unchanged)."""
+    return bool(x.flags.c_contiguous and x.flags.aligned)
+
+
+def _forward_plan(call: Call, workers: int) -> walk.ForwardPlan | None:
+    """The compiled forward walk's plan of ``call``'s attention on a team of ``workers``,
+    as :func:`.forward.attend` makes it (its tiles, its choice of walk); ``None`` when the
+    compiled walk does not take it. Made on zeros of the projected heads' shapes and
+    layout: a plan keeps no array, only what the shapes decide."""
+    H, H_kv, dtype, lead = call.H, call.H_kv, call.compute_dtype, call.B
+    q = np.zeros((*lead, H, call.L, call.d_k), dtype)
+    k = np.zeros((*lead, H_kv, call.S, call.d_k), dtype)
+    v = np.zeros((*lead, H_kv, call.S, call.d_v), dtype)
+    assert call.visibility is not None
+    kernel = KernelCall(q, k, v, call.visibility, 1.0, budget=call.request.budget)
+    outputs = Outputs(np.zeros((*lead, H, call.L, call.d_v), dtype))
+    if walk.forward_walkable(kernel, outputs) is None:
+        return None
+    tuned = runtime.DEFAULT.thresholds
+    tiles = call_tiles(kernel, outputs)
+    return walk.ForwardPlan(kernel, tiles, workers, tuned.wide_below_rows, tuned.product_chunk)
+
+
+def plan_for(module: Any, call: Call, mask: Any, workers: Any) -> LayerPlan | None:
+    """The plan of a layer's checked ``call``, or ``None`` when the call is not a plain one
+    (:mod:`.layer_plan`). ``mask`` and ``workers``: as the call was given; the caller has
+    checked that every other keyword was left out and that the layer's class is
+    :class:`mha.MultiHeadAttention` itself (a subclass may compute more)."""
+    if not (workers is None or type(workers) is int) or not (mask is None or mask is True):
+        return None
+    spec, visibility = call.spec, call.visibility
+    plain = (
+        getattr(module, "shares_kv_with", None) is None
+        and weights_as_given(module, call)  # (an update in place is read)
+        and call.append is None
+        and visibility is not None
+        and visibility.mask_mod is None
+        and call.self_attention
+        and not call.extra
+        and not call.given.left_padded
+        and call.scores is None
+        and call.qk_norm is None
+        and call.q_scale is None
+        and spec.output is None
+        and spec.selection is None
+        and spec.clip_qkv is None
+        and spec.v_norm is None
+        and not spec.dropout_p
+        and not call.request.weights
+        and not call.request.backward
+        and not call.request.lse
+        and call.compute_dtype.type in (np.float32, np.float64)  # (the compiled walk's)
+        and compiled.walk_available()
+    )
+    if not plain:
+        return None
+    team = workers
+    if team is None:  # compute's default for the call
+        team = layer_workers(layer_sizes(call), call.S)
+    forward = _forward_plan(call, team)
+    if forward is None:
+        return None
+    plan = LayerPlan(module, call, (mask, workers), (team, forward))
+    return plan if plan.state.keepable else None
+
+
+def kept_plan(module: Any) -> LayerPlan | None:
+    """The layer's kept plan, if it has one."""
+    plan: LayerPlan | None = runtime.DEFAULT.layer_plans.get(module)
+    return plan
+
+
+def keep_plan(module: Any, call: Call, mask: Any, workers: Any) -> None:
+    """Keep the layer's plan of ``call`` (:func:`plan_for`), or drop the one it had when
+    ``call`` is not a plain one (its arrays are not kept alive)."""
+    plan = plan_for(module, call, mask, workers)
+    if plan is not None:
+        runtime.DEFAULT.layer_plans[module] = plan
+    else:
+        runtime.DEFAULT.layer_plans.pop(module, None)
