@@ -48,24 +48,32 @@ DECODE_BEGIN, DECODE_END = "<!-- decode: begin -->", "<!-- decode: end -->"
 
 
 CONSECUTIVE = 8
+WARM = 0.1  # seconds of untimed steps before the timed ones, at least
 
 
 def steady_steps(steps: dict[str, Any], repeats: int) -> dict[str, list[float]]:
     """Seconds per step of each of ``steps``, in steady state: in each round, in turn
-    (the order rotating), each runs ``CONSECUTIVE`` steps untimed, then ``CONSECUTIVE``
-    timed ones, as a decoding loop runs them back to back. The rounds are 0.3 s apart, so
-    that torch's OpenMP threads, which spin after its steps, have stopped before the next
-    implementation's turn. (With no pause, the rotation put mha's two-worker run right after
-    torch's in three rounds of four, and its median came out 35% above the same call's with
-    ``window=4096``; with a pause and no untimed steps, every run began with cold threads
-    and caches, which cost torch's steps twice what they cost back to back.)"""
+    (the order rotating), each runs steps untimed for ``WARM`` seconds (``CONSECUTIVE`` at
+    least), then ``CONSECUTIVE`` timed ones, as a decoding loop runs them back to back. The
+    rounds are 0.3 s apart, so that torch's OpenMP threads, which spin after its steps, have
+    stopped before the next implementation's turn. (With no pause, the rotation put mha's
+    two-worker run right after torch's in three rounds of four, and its median came out 35%
+    above the same call's with ``window=4096``; with a pause and no untimed steps, every run
+    began with cold threads and caches, which cost torch's steps twice what they cost back
+    to back. With 8 untimed steps, two threads had not yet reached full speed at 4,096 keys:
+    on the README's virtual machine, for some tens of milliseconds after a pause two threads
+    each ran at about half speed (a 2-worker layer call's every phase took one worker's
+    time), so 16 steps of 1.6 ms fell within it: 2.83 ms a step on two workers against 2.28
+    on one; after 60 untimed steps 0.92 against 1.66, and 0.95 against 1.69 with no pause.)"""
     names = list(steps)
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(repeats):
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
             time.sleep(0.3)
-            for _ in range(CONSECUTIVE):
+            warm, untimed = time.perf_counter(), 0
+            while untimed < CONSECUTIVE or time.perf_counter() - warm < WARM:
                 steps[name]()
+                untimed += 1
             start = time.perf_counter()
             for _ in range(CONSECUTIVE):
                 steps[name]()
@@ -190,7 +198,8 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             + ", ".join(f"{v / 1e9:.1f} GB/s on {k}" for k, v in bw.items())
             + "; the floor uses the larger. One token, B=1, 32 query heads, 8 key/value "
             "heads, head_dim 128, float32; medians of interleaved runs 0.3 s apart, each of 8 "
-            "consecutive steps timed after 8 untimed ones, ms per token.",
+            f"consecutive steps timed after untimed ones for {WARM:g} s (8 at least), ms per "
+            "token.",
             "",
             "| cached keys S | mha | mha, 1 worker | torch SDPA (GQA) | floor | mha / torch "
             f"| mha / floor | 2 workers vs 1 | mha, window={WINDOW} |",

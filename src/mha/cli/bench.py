@@ -32,6 +32,7 @@ from ..api.projection import multi_head_attention
 from ..api.split_heads import scaled_dot_product_attention
 from ._common import UsageError, needs
 from .measure import (
+    WARM,
     check_readme,
     environment,
     interleaved_medians,
@@ -87,6 +88,7 @@ class Plan:
     repeats: int
     pause: float  # seconds between timed calls
     size: str  # what made it: plan(size)
+    warm: float = 0.0  # seconds of untimed calls before each timed one (measure.WARM)
 
     def arguments(self) -> list[str]:
         """The command-line arguments that make this plan (for the free-BLAS child)."""
@@ -114,9 +116,10 @@ def plan(size: str, repeats: int = 7) -> Plan:
             repeats=3,
             pause=0.3,
             size=size,
+            warm=WARM,
         )
     return Plan(
-        SHAPES, SWEEP_LENGTHS, MEMORY_LENGTHS, TEXTBOOK_MEMORY_LENGTHS, repeats, 0.3, size="full"
+        SHAPES, SWEEP_LENGTHS, MEMORY_LENGTHS, TEXTBOOK_MEMORY_LENGTHS, repeats, 0.3, "full", WARM
     )
 
 
@@ -253,7 +256,7 @@ def speed(plan: Plan, torch: Any, log: Callable[[str], None]) -> list[dict[str, 
             reference = functions["torch" if "torch" in functions else "textbook"]()
             ours = case.mha()
             error = float(np.abs(ours - reference).max() / np.abs(reference).max())
-            times = interleaved_medians(functions, plan.repeats, plan.pause)
+            times = interleaved_medians(functions, plan.repeats, plan.pause, plan.warm)
             medians = _best_torch({name: statistics.median(t) for name, t in times.items()})
             layer = {name: s for name, s in medians.items() if "core" not in name}
             row: dict[str, Any] = {
@@ -271,6 +274,7 @@ def speed(plan: Plan, torch: Any, log: Callable[[str], None]) -> list[dict[str, 
                 "gflops": {n: shape.flops() / s / 1e9 for n, s in layer.items()},
                 "mha_vs_textbook": medians["mha"] / medians["textbook"],
                 "relative_error_vs_reference": error,
+                "warm_seconds": plan.warm,
             }
             if "torch" in medians:
                 row["mha_vs_torch"] = medians["mha"] / medians["torch"]
@@ -293,7 +297,7 @@ def sweep(plan: Plan, torch: Any, log: Callable[[str], None]) -> list[dict[str, 
     rows = []
     for L in plan.sweep:
         case = Case(Shape(f"L={L}", B=1, L=L, d_model=512, H=8, causal=True), np.float32, torch)
-        times = interleaved_medians(case.implementations(), plan.repeats, plan.pause)
+        times = interleaved_medians(case.implementations(), plan.repeats, plan.pause, plan.warm)
         seconds = _best_torch({n: statistics.median(t) for n, t in times.items()})
         row: dict[str, Any] = {"L": L, "seconds": seconds}
         rows.append(row)
@@ -348,8 +352,12 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def _speed_table(env: dict[str, Any], speed_rows: list[dict[str, Any]]) -> list[str]:
+    warm = speed_rows[0].get("warm_seconds", 0.0) if speed_rows else 0.0
     lines = [
-        measured_on(env) + "Medians of interleaved runs; ratios below 1 mean mha is faster.",
+        measured_on(env)
+        + "Medians of interleaved runs"
+        + (f", each timed call after untimed ones for {warm:g} s" if warm else "")
+        + "; ratios below 1 mean mha is faster.",
         "",
         "| shape | dtype | mha ms | torch ms | textbook ms | mha GFLOP/s | % of matmul "
         "| mha / torch | core: mha / torch SDPA | mha / textbook | floor / textbook |",

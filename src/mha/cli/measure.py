@@ -75,14 +75,25 @@ def bandwidth(threads: int, gib: float = 0.5, repeats: int = 5) -> float:
     return float(np.median(best))
 
 
+WARM = 0.1
+"""Seconds of untimed calls before each timed one in ``mha bench``'s tables. On the README's
+virtual machine, for some tens of milliseconds after a pause (the 0.3 s that lets OpenBLAS's
+and OpenMP's threads stop spinning) two threads each ran at about half speed: a 2-worker S3
+layer call took 18.6 ms after a pause, each of its phases one worker's time, against 10.1
+back to back; warmed first, the S3 rows measured mha 0.60 (float32) and 0.54 (float64) of
+torch's time, against 0.84 and 0.80 cold in the same run (medians of 9). A model runs its
+layers back to back: the steady state is what it sees."""
+
+
 def interleaved_medians(
-    functions: dict[str, Callable[[], Any]], repeats: int, pause: float = 0.3
+    functions: dict[str, Callable[[], Any]], repeats: int, pause: float = 0.3, warm: float = 0.0
 ) -> dict[str, list[float]]:
     """Run each function ``repeats`` times, interleaved, in a new order every round (shuffled
     by a seeded generator). A rotation kept each function after the same neighbour, and
     what a call leaves behind slows the next one (a variants benchmark measured its plain
     causal row 25% slower than with sinks, always after the largest call): shuffled, each
-    follows a different one from round to round."""
+    follows a different one from round to round. After each pause, the function runs
+    untimed for ``warm`` seconds (:data:`WARM`) before its timed call."""
     times: dict[str, list[float]] = {name: [] for name in functions}
     names = list(functions)
     shuffle = random.Random(0).shuffle
@@ -93,6 +104,9 @@ def interleaved_medians(
         shuffle(order)
         for name in order:
             time.sleep(pause)  # OpenBLAS and OpenMP threads spin ~0.2 s after a call: let them rest
+            warmed = time.perf_counter()
+            while time.perf_counter() - warmed < warm:
+                functions[name]()
             start = time.perf_counter()
             functions[name]()
             times[name].append(time.perf_counter() - start)
