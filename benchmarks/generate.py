@@ -13,7 +13,10 @@ on the same file, interleaved runs, medians.
 2. The prompt's pass: 37 and 512 tokens, each into a fresh cache, to the logits of the
    last position (those that choose the first new token; transformers' ``logits_to_keep=1``,
    as its ``generate`` asks), interleaved among themselves three times as often as the
-   generating (the same pass moves 20% from run to run on a shared machine).
+   generating (the same pass moves 20% from run to run on a shared machine), each timed
+   pass after untimed ones for 0.1 s (``WARM``: on the README's virtual machine two threads
+   ran at half speed for some tens of milliseconds after a pause, a cost a model serving
+   prompts back to back does not pay).
 3. Peak memory: each side alone in a child process (its imports, the model read from the
    file, the chat prompt and 64 new tokens), the child's largest resident set.
 """
@@ -30,8 +33,17 @@ from typing import Any
 import numpy as np
 
 from mha._kernel.team import cores
-from mha.cli.measure import environment, interleaved_medians, measured_on, readme_script
+from mha.cli.measure import (
+    WARM,
+    environment,
+    interleaved_medians,
+    keep_per_cpu,
+    measured_on,
+    readme_script,
+    script_parser,
+)
 
+ROOT = Path(__file__).parent.parent
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = "What is the capital of France?"
 MARKERS = ("<!-- generate: begin -->", "<!-- generate: end -->")
@@ -152,7 +164,7 @@ def measure(quick: bool) -> dict[str, Any]:
             "mha prompt 512": prefill_ours(long_prompt),
             "transformers prompt 512": prefill_theirs(long_prompt),
         },
-        3 * repeats, pause=0.2,
+        3 * repeats, pause=0.2, warm=WARM,
     )  # fmt: skip
     seconds = {name: float(np.median(t)) for name, t in times.items()}
     read = decoder.checkpoint.read
@@ -171,6 +183,7 @@ def measure(quick: bool) -> dict[str, Any]:
         "environment": environment(torch),
         "peak_memory_bytes": peak,
         "new_tokens": new_tokens,
+        "warm_seconds": WARM,
         "seconds": seconds,
         "tokens_per_second": {name: 1.0 / t for name, t in per_token.items()},
         "per_token_floor_seconds": floor,
@@ -184,7 +197,9 @@ def markdown(runs: list[dict[str, Any]]) -> str:
         s, rate = results["seconds"], results["tokens_per_second"]
         floor, peak = results["per_token_floor_seconds"], results["peak_memory_bytes"]
         lines += [
-            measured_on(results["environment"]),
+            measured_on(results["environment"])
+            + f"Medians of interleaved runs; each prompt's pass timed after untimed ones for "
+            f"{results.get('warm_seconds', 0.0):g} s.",
             "",
             "| SmolLM2-135M-Instruct, float32 | mha | transformers | mha / transformers |",
             "|---|---|---|---|",
@@ -211,7 +226,11 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return readme_script(argv, __doc__, __file__, measure, "generate", markdown, MARKERS)
+    status = readme_script(argv, __doc__, __file__, measure, "generate", markdown, MARKERS)
+    args = script_parser(__doc__, ROOT / "benchmarks" / "results", readme=True).parse_args(argv)
+    if status == 0 and not args.json_only and not args.quick:
+        keep_per_cpu(args.output, "generate")  # one table per CPU
+    return status
 
 
 if __name__ == "__main__":
