@@ -38,7 +38,6 @@ from __future__ import annotations
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,13 +47,10 @@ from mha._kernel.team import cores
 from mha.cli.measure import (
     environment,
     interleaved_medians,
-    keep_per_cpu,
     measured_on,
     readme_script,
-    script_parser,
 )
 
-ROOT = Path(__file__).parent.parent
 BEGIN, END = "<!-- calls: begin -->", "<!-- calls: end -->"
 B, L, E, H = 1, 16, 64, 4
 CONSECUTIVE = 50
@@ -348,11 +344,9 @@ def _breakdown_lines(found: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    status = readme_script(argv, __doc__, __file__, measure, "calls", markdown, (BEGIN, END))
-    args = script_parser(__doc__, ROOT / "benchmarks" / "results", readme=True).parse_args(argv)
-    if status == 0 and not args.json_only and not args.quick:
-        keep_per_cpu(args.output, "calls")  # one table per CPU
-    return status
+    return readme_script(
+        argv, __doc__, __file__, measure, "calls", markdown, (BEGIN, END), per_cpu=True
+    )
 
 
 if __name__ == "__main__":

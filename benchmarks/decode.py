@@ -34,10 +34,8 @@ from mha.cli.measure import (
     bandwidth,
     environment,
     interleaved_medians,
-    keep_per_cpu,
     measured_on,
     readme_script,
-    script_parser,
 )
 
 ROOT = Path(__file__).parent.parent
@@ -239,12 +237,16 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    markers = (DECODE_BEGIN, DECODE_END)
-    status = readme_script(argv, __doc__, __file__, measure, "decode", markdown, markers)
-    args = script_parser(__doc__, ROOT / "benchmarks" / "results", readme=True).parse_args(argv)
-    if status == 0 and not args.json_only and not args.quick:
-        keep_per_cpu(args.output, "decode")  # one table per CPU
-    return status
+    return readme_script(
+        argv,
+        __doc__,
+        __file__,
+        measure,
+        "decode",
+        markdown,
+        (DECODE_BEGIN, DECODE_END),
+        per_cpu=True,
+    )
 
 
 if __name__ == "__main__":

@@ -37,13 +37,10 @@ from mha.cli.measure import (
     WARM,
     environment,
     interleaved_medians,
-    keep_per_cpu,
     measured_on,
     readme_script,
-    script_parser,
 )
 
-ROOT = Path(__file__).parent.parent
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = "What is the capital of France?"
 MARKERS = ("<!-- generate: begin -->", "<!-- generate: end -->")
@@ -226,11 +223,9 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    status = readme_script(argv, __doc__, __file__, measure, "generate", markdown, MARKERS)
-    args = script_parser(__doc__, ROOT / "benchmarks" / "results", readme=True).parse_args(argv)
-    if status == 0 and not args.json_only and not args.quick:
-        keep_per_cpu(args.output, "generate")  # one table per CPU
-    return status
+    return readme_script(
+        argv, __doc__, __file__, measure, "generate", markdown, MARKERS, per_cpu=True
+    )
 
 
 if __name__ == "__main__":

@@ -42,10 +42,8 @@ from mha.cli.measure import (
     bandwidth,
     environment,
     interleaved_medians,
-    keep_per_cpu,
     measured_on,
     readme_script,
-    script_parser,
 )
 
 BEGIN, END = "<!-- serving: begin -->", "<!-- serving: end -->"
@@ -218,11 +216,9 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    status = readme_script(argv, __doc__, __file__, measure, "serving", markdown, (BEGIN, END))
-    args = script_parser(__doc__, RESULTS, readme=True).parse_args(argv)
-    if status == 0 and not args.json_only and not args.quick:
-        keep_per_cpu(args.output, "serving")
-    return status
+    return readme_script(
+        argv, __doc__, __file__, measure, "serving", markdown, (BEGIN, END), per_cpu=True
+    )
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,10 +44,8 @@ import mha
 from mha.cli.measure import (
     environment,
     interleaved_medians,
-    keep_per_cpu,
     measured_on,
     readme_script,
-    script_parser,
 )
 
 B, H, L, D = 1, 8, 4096, 64
@@ -322,13 +319,16 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    markers = (VARIANTS_BEGIN, VARIANTS_END)
-    status = readme_script(argv, __doc__, __file__, measure, "variants", markdown, markers)
-    output = Path(__file__).resolve().parent / "results"
-    args = script_parser(__doc__, output, readme=True).parse_args(argv)
-    if status == 0 and not args.json_only and not args.quick:
-        keep_per_cpu(args.output, "variants")
-    return status
+    return readme_script(
+        argv,
+        __doc__,
+        __file__,
+        measure,
+        "variants",
+        markdown,
+        (VARIANTS_BEGIN, VARIANTS_END),
+        per_cpu=True,
+    )
 
 
 if __name__ == "__main__":

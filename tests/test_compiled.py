@@ -4,10 +4,9 @@ it also runs the kernel's test files again with MHA_COMPILED=0 (the NumPy path).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
+from support.extras import needs_numba
 
 import mha
 from mha._kernel import compiled, forward
@@ -15,10 +14,7 @@ from mha._kernel import compiled, forward
 
 @pytest.fixture(scope="module")
 def kernels():
-    if not compiled.available():
-        if os.environ.get("MHA_REQUIRE_NUMBA") == "1":
-            pytest.fail("MHA_REQUIRE_NUMBA=1 but the compiled step is unavailable: install numba")
-        pytest.skip("numba is not installed (or MHA_COMPILED=0): the NumPy path runs alone")
+    needs_numba(compiled.available(), "the NumPy path runs alone")
     from mha._kernel import _numba_step
 
     return _numba_step

@@ -9,6 +9,7 @@ import weakref
 
 import numpy as np
 import pytest
+from support.kept import taken
 
 import mha
 from mha._kernel import compiled, runtime
@@ -22,17 +23,7 @@ def _general(monkeypatch):
 
 def _spy(monkeypatch):
     """The calls the kept step computed (on one worker itself, else by ``compute``)."""
-    taken = []
-    real = decoding.DecodingStep.__call__
-
-    def step(*args):
-        out = real(*args)
-        if out is not None:
-            taken.append(1)
-        return out
-
-    monkeypatch.setattr(decoding.DecodingStep, "__call__", step)
-    return taken
+    return taken(monkeypatch, decoding.DecodingStep)
 
 
 CONFIGS = {

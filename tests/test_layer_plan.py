@@ -6,12 +6,13 @@ compute something else."""
 from __future__ import annotations
 
 import gc
-import os
 import threading
 import weakref
 
 import numpy as np
 import pytest
+from support.extras import needs_numba
+from support.kept import taken
 
 import mha
 from mha._kernel import compiled, runtime
@@ -24,10 +25,7 @@ def walked(request):
     so), and the others skip, or fail where ``MHA_REQUIRE_NUMBA=1`` asks for it."""
     if request.function is test_without_the_compiled_walk_no_plan_is_kept:
         return
-    if not compiled.walk_available():
-        if os.environ.get("MHA_REQUIRE_NUMBA") == "1":
-            pytest.fail("MHA_REQUIRE_NUMBA=1 but the compiled walk is unavailable: install numba")
-        pytest.skip("numba is not installed (or MHA_COMPILED=0): no plan is kept")
+    needs_numba(compiled.walk_available(), "no plan is kept")
 
 
 def _general(monkeypatch):
@@ -37,17 +35,7 @@ def _general(monkeypatch):
 
 def _spy(monkeypatch):
     """The calls the kept plan computed."""
-    taken = []
-    real = layer_plan.LayerPlan.__call__
-
-    def plan(*args):
-        out = real(*args)
-        if out is not None:
-            taken.append(1)
-        return out
-
-    monkeypatch.setattr(layer_plan.LayerPlan, "__call__", plan)
-    return taken
+    return taken(monkeypatch, layer_plan.LayerPlan)
 
 
 def _reference(layer, X, causal):

@@ -8,12 +8,11 @@ walk, which both then take with the same tiles).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.extras import needs_numba
 from support.interleavings import History, interleave
 
 import mha
@@ -218,10 +217,8 @@ def test_the_same_bits_as_a_contiguous_cache(monkeypatch, path):
     from its blocks in place (decoding's few rows) or copied from them for the GEMMs."""
     if path == "NumPy walk":
         monkeypatch.setattr(compiled, "walk_available", lambda: False)
-    elif not compiled.walk_available():
-        if os.environ.get("MHA_REQUIRE_NUMBA") == "1":
-            pytest.fail("MHA_REQUIRE_NUMBA=1 but the compiled walks are unavailable")
-        pytest.skip("numba missing: the NumPy walk runs alone")
+    else:
+        needs_numba(compiled.walk_available(), "the NumPy walk runs alone")
     ran = []
     real = compiled.forward_walk
     monkeypatch.setattr(compiled, "forward_walk", lambda *a: ran.append(1) or real(*a))

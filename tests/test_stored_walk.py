@@ -10,11 +10,10 @@ shows which calls it took.
 
 from __future__ import annotations
 
-import os
-
 import ml_dtypes
 import numpy as np
 import pytest
+from support.extras import needs_numba
 
 import mha
 from mha._kernel import compiled, walk
@@ -24,10 +23,7 @@ from mha._kernel import compiled, walk
 def walks():
     """The compiled walk, or a skip where numba is absent (a failure under
     MHA_REQUIRE_NUMBA=1, as CI's tiers with the ``fast`` extra set it)."""
-    if not compiled.walk_available():
-        if os.environ.get("MHA_REQUIRE_NUMBA") == "1":
-            pytest.fail("MHA_REQUIRE_NUMBA=1 but the compiled walk is unavailable")
-        pytest.skip("numba is not installed (or MHA_COMPILED=0): the NumPy walk runs alone")
+    needs_numba(compiled.walk_available(), "the NumPy walk runs alone")
 
 
 KINDS = [

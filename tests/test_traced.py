@@ -5,10 +5,9 @@ cannot trace called on each tile as before, and a loop that differs never used."
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
+from support.extras import needs_numba
 
 import mha
 from mha._kernel import compiled, traced
@@ -45,10 +44,7 @@ FUNCTIONS = ARITHMETIC | {"softcap": softcap, "tilt": tilt, "exponent": exponent
 
 @pytest.fixture
 def tracing():
-    if not compiled.available():
-        if os.environ.get("MHA_REQUIRE_NUMBA") == "1":
-            pytest.fail("MHA_REQUIRE_NUMBA=1 but numba is unavailable")
-        pytest.skip("numba missing: score_mod is called on each tile")
+    needs_numba(compiled.available(), "score_mod is called on each tile")
     traced._KERNELS.loops.clear()
     traced._KERNELS.checked.clear()
 

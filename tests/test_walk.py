@@ -7,11 +7,11 @@ through the same calls."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 
 import numpy as np
 import pytest
+from support.extras import needs_numba
 
 import mha
 from mha._kernel import blas, compiled, team, walk
@@ -23,10 +23,7 @@ from mha._kernel.scores import ScoreMod, Scores, SoftCap
 
 @pytest.fixture(scope="module")
 def walks():
-    if not compiled.walk_available():
-        if os.environ.get("MHA_REQUIRE_NUMBA") == "1":
-            pytest.fail("MHA_REQUIRE_NUMBA=1 but the compiled walks are unavailable")
-        pytest.skip("numba (or NumPy's BLAS entry points) missing: the NumPy walk runs alone")
+    needs_numba(compiled.walk_available(), "the NumPy walk runs alone (or no BLAS entry points)")
 
 
 class _Counts(dict):

@@ -313,16 +313,21 @@ def readme_script(
     name: str,
     markdown: Callable[[list[Any]], str],
     markers: tuple[str, str],
+    per_cpu: bool = False,
 ) -> int:
     """The whole ``main`` of a script under ``benchmarks/`` whose table has a README section
     between ``markers``: its options (:func:`script_parser`, results under
     ``benchmarks/results``), the README checked before anything is measured, ``measure
-    (quick)``, then :func:`finish_script`."""
+    (quick)``, then :func:`finish_script`; with ``per_cpu``, a full run's results also kept
+    under this CPU's name (:func:`keep_per_cpu`)."""
     output = Path(script).resolve().parent / "results"
     args = script_parser(doc, output, readme=True).parse_args(argv)
     if args.readme:
         check_readme(args.readme, *markers)  # before measuring anything
-    return finish_script(script, args, measure(args.quick), name, markdown, markers)
+    status = finish_script(script, args, measure(args.quick), name, markdown, markers)
+    if per_cpu and status == 0 and not args.json_only and not args.quick:
+        keep_per_cpu(args.output, name)  # one table per CPU
+    return status
 
 
 def save_results(
