@@ -23,7 +23,9 @@
    paged cache's time against the contiguous cache's.
 
 The caches are filled directly (``PagedKVCache.append``; the KVCache's buffers written in
-place), not by attending over the prompts. Medians of interleaved runs. Where the environment sets
+place), not by attending over the prompts. Medians of interleaved runs, each timed step
+after 0.1 s of untimed ones (``mha.cli.measure.WARM``: on a VM, two threads run at half
+speed for tens of ms after a pause). Where the environment sets
 ``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE``, the measurement is repeated in a child process
 without them, and both are reported.
 """
@@ -39,6 +41,7 @@ import numpy as np
 import mha
 from mha._kernel.team import cores
 from mha.cli.measure import (
+    WARM,
     bandwidth,
     environment,
     interleaved_medians,
@@ -131,7 +134,9 @@ def measure(quick: bool) -> dict[str, Any]:
     results: dict[str, Any] = {"environment": environment(None), "longest": longest}
     results["bandwidth"] = {"1 thread": bandwidth(1), f"{cores()} threads": bandwidth(cores())}
     contiguous, paged = caches(spread, rng, QUANTIZED)
-    times = interleaved_medians(step_functions(contiguous, paged, rng), repeats, pause=0.1)
+    times = interleaved_medians(
+        step_functions(contiguous, paged, rng), repeats, pause=0.1, warm=WARM
+    )
     tokens = int(spread.sum())
     held = tokens * TOKEN_BYTES
     sizes = {"KVCache": contiguous.nbytes, "PagedKVCache": paged[0].nbytes}
@@ -149,7 +154,7 @@ def measure(quick: bool) -> dict[str, Any]:
     equal = np.full(B, longest // 4, np.int64)
     contiguous, paged = caches(equal, rng)
     functions = step_functions(contiguous, paged, rng)
-    times = interleaved_medians(functions, repeats, pause=0.1)
+    times = interleaved_medians(functions, repeats, pause=0.1, warm=WARM)
     results["equal"] = {
         "length": int(equal[0]),
         "seconds": {name: float(np.median(t)) for name, t in times.items()},

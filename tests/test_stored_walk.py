@@ -10,6 +10,11 @@ shows which calls it took.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -140,6 +145,84 @@ def test_non_finite_stored_values_are_flagged(walks, dtype):
     assert not read(pool, 40, out, True)
     assert read(pool, 33, out, True)
     assert read(pool, 40, out, False)  # unchecked (keys): always True
+
+
+def _read_back(pool, c0, c1, d):
+    from numba import njit
+
+    from mha._kernel._numba_pool import address
+    from mha._kernel._numba_stored import flat, stage
+
+    @njit
+    def read(pool, c0, c1, out):
+        return stage(flat(pool), 0, 0, c0, c1, address(out, 0), out.shape[1], c1, True)
+
+    out = np.full((c1 - c0, d), np.nan, np.float32)
+    return out, read(pool, c0, c1, out)
+
+
+def test_float16_special_values_read_back_as_numpy_reads(walks):
+    """float16 rows holding subnormals, the largest number, signed zeros, infinities and a
+    NaN, and int8 codes whose float16 scales are subnormal: read back into NumPy's float32
+    bits (the same bits however numba converts float16: F16C's instruction, or integer
+    operations on a CPU without it, the test below)."""
+    special = np.array(
+        [6e-8, -6e-8, 3.1e-5, 6.1e-5, 65504, -65504, 0.0, -0.0, np.inf, -np.inf, np.nan, 1.0,
+         -2.5, 1e-3, 0.333, 7.0],
+        np.float16,
+    )  # fmt: skip
+    rows = np.tile(special, (1, 20, 1)).astype(np.float32)  # (1, 20, 16)
+    cache = paged(None, np.float16, None, 1, 16)
+    cache.add(0)
+    cache.append(0, rows, rows)
+    _, values = cache._attended(20)
+    pool = walk.stored_pool(values.pool, values.table, values.block_size, 16)
+    out, finite = _read_back(pool, 0, 20, 16)
+    expected = values[0][0:1][:, 0:20][0].astype(np.float32)  # NumPy's float16 -> float32
+    assert not finite
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
+    same = ~np.isnan(expected)
+    np.testing.assert_array_equal(out.view(np.uint32)[same], expected.view(np.uint32)[same])
+
+    tiny = paged("int8", np.float32, 16, 1, 32)
+    tiny.add(0)
+    small = np.random.default_rng(3).standard_normal((1, 20, 32)).astype(np.float32) * 1e-6
+    tiny.append(0, small, small)
+    _, values = tiny._attended(20)
+    assert (values.parts[1].astype(np.float32) < 6.1e-5).any()  # subnormal float16 scales
+    pool = walk.stored_pool(
+        values.pool, values.table, values.block_size, 32, *values.stored_parts()
+    )
+    out, finite = _read_back(pool, 0, 20, 32)
+    assert finite
+    np.testing.assert_array_equal(out, values[0][0:1][:, 0:20][0])
+
+
+def test_the_read_back_compiled_for_a_cpu_without_f16c_or_avx512_gives_the_same_bits(
+    walks, tmp_path
+):
+    """numba compiling for a generic x86-64 CPU (``NUMBA_CPU_NAME=generic``: no F16C, no
+    AVX-512; its own cache directory): float16 decoded in integer operations, the narrow
+    value sums; the read-back tests above pass there too."""
+    script = (
+        "import sys; sys.path.insert(0, 'tests'); import numpy as np\n"
+        "import test_stored_walk as t\n"
+        "from mha._kernel import _numba_pool, _numba_stored\n"
+        "assert not _numba_stored.F16C and _numba_pool.WIDE_BITS == 256\n"
+        "for kind, dtype, group in [('int8', np.float32, 32), (None, np.float16, None),\n"
+        "                           ('kivi4', np.float32, 32), ('fp8', np.float32, 32)]:\n"
+        "    t.test_the_walk_reads_back_the_bits_numpy_reads(None, kind, dtype, group)\n"
+        "t.test_float16_special_values_read_back_as_numpy_reads(None)\n"
+        "print('generic ok')\n"
+    )
+    env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CACHE_DIR": str(tmp_path)}
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+        timeout=100,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "generic ok" in done.stdout
 
 
 # Attention through each kind ---------------------------------------------------------------

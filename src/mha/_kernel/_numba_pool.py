@@ -37,6 +37,7 @@ __all__ = [
     "key_ld",
     "run_at",
     "run_end",
+    "target_features",
     "tile_at",
     "typed",
 ]
@@ -261,23 +262,29 @@ def _four_by_four(keys, c, q0, q1, q2, q3, s, i, col, zero):  # type: ignore[no-
     s[i, col + 3], s[i + 1, col + 3], s[i + 2, col + 3], s[i + 3, col + 3] = f0, f1, f2, f3
 
 
-def _wide_bits() -> int:
-    """512 where numba compiles for AVX-512 (32 vector registers: the block's eight sums of
-    two 512-bit vectors stay in registers; 6.7 ns a value of 128 for four rows from L1,
-    against 10.7 with 256-bit vectors, on the AMD EPYC of the README's figures), else
-    :data:`VECTOR_BITS`. numba's target: ``NUMBA_CPU_FEATURES`` where set, else the host's
-    (``NUMBA_CPU_NAME`` other than the host's: the narrow vectors)."""
+def target_features() -> frozenset[str]:
+    """The CPU features numba compiles for (``+avx512f``, ``+f16c``, ...):
+    ``NUMBA_CPU_FEATURES`` where set, else the host's; none where ``NUMBA_CPU_NAME`` names
+    another CPU than the host (code for a generic CPU)."""
     from llvmlite import binding
     from numba.core import config
 
     if config.CPU_FEATURES:
         features = config.CPU_FEATURES
     elif config.CPU_NAME and config.CPU_NAME != "host":
-        return VECTOR_BITS
+        return frozenset()
     else:
         binding.initialize_native_target()
         features = binding.get_host_cpu_features().flatten()
-    return 512 if "+avx512f" in features.split(",") else VECTOR_BITS
+    return frozenset(features.split(","))
+
+
+def _wide_bits() -> int:
+    """512 where numba compiles for AVX-512 (32 vector registers: the block's eight sums of
+    two 512-bit vectors stay in registers; 6.7 ns a value of 128 for four rows from L1,
+    against 10.7 with 256-bit vectors, on the AMD EPYC of the README's figures), else
+    :data:`VECTOR_BITS` (:func:`target_features`)."""
+    return 512 if "+avx512f" in target_features() else VECTOR_BITS
 
 
 WIDE_BITS = _wide_bits()

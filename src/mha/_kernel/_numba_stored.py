@@ -25,7 +25,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ._numba_pool import _prefetch, address
+from ._numba_pool import _prefetch, address, target_features
 from .paged import BFLOAT16, FLOAT, FLOAT8, FLOAT16, LANES, PER_CHANNEL, PER_CHANNEL4, PER_TOKEN4
 
 __all__ = ["STAGE_ROWS", "flat", "stage", "stored"]
@@ -52,6 +52,10 @@ a byte, the even channel in the low four bits) or float8 e4m3 codes with a scale
 point per group of channels; 8-bit or 4-bit codes with a scale and a zero point per channel
 (KIVI's keys); float32 (a copy: KIVI's unfilled groups). Scales and zero points are float16
 bits."""
+
+
+F16C = "+f16c" in target_features()
+"""Whether numba compiles for a CPU with F16C (:func:`_reader` converts float16 with it)."""
 
 
 def _reader(form: int):  # type: ignore[no-untyped-def]
@@ -88,11 +92,15 @@ def _reader(form: int):  # type: ignore[no-untyped-def]
                 return builder.load(builder.bitcast(at, vector(kind, count).as_pointer()), align=1)
 
             def float16(bits):  # type: ignore[no-untyped-def]
-                """float16 ``bits`` (LANES x i16) as float32, in integer operations: the
-                exponent and mantissa shifted into float32's, times 2^112 (normal and
-                subnormal numbers, exactly), infinities and NaNs given float32's exponent,
-                then the sign. (LLVM's own conversion calls a library function where the
-                CPU lacks F16C, which numba's JIT does not link.)"""
+                """float16 ``bits`` (LANES x i16) as float32: F16C's conversion where numba
+                compiles for it, else in integer operations: the exponent and mantissa
+                shifted into float32's, times 2^112 (normal and subnormal numbers, exactly),
+                infinities and NaNs given float32's exponent, then the sign. (LLVM's own
+                conversion calls a library function where the CPU lacks F16C, which numba's
+                JIT does not link.)"""
+                if F16C:
+                    halfs = builder.bitcast(bits, vector(ir.HalfType(), LANES))
+                    return builder.fpext(halfs, floats)
                 x = builder.zext(bits, vector(i32, LANES))
                 sign = builder.shl(builder.and_(x, splat(i32, 0x8000)), splat(i32, 16))
                 rest = builder.shl(builder.and_(x, splat(i32, 0x7FFF)), splat(i32, 13))
