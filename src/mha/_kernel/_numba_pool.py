@@ -264,10 +264,11 @@ def _four_by_four(keys, c, q0, q1, q2, q3, s, i, col, zero):  # type: ignore[no-
 
 def target_features() -> frozenset[str]:
     """The CPU features numba compiles for (``+avx512f``, ``+f16c``, ...):
-    ``NUMBA_CPU_FEATURES`` where set, else the host's; none where ``NUMBA_CPU_NAME`` names
-    another CPU than the host (code for a generic CPU)."""
+    ``NUMBA_CPU_FEATURES`` where set, else the host's as numba takes them (without AVX
+    under ``NUMBA_ENABLE_AVX=0``); none where ``NUMBA_CPU_NAME`` names another CPU than the
+    host (code for a generic CPU)."""
     from llvmlite import binding
-    from numba.core import config
+    from numba.core import codegen, config
 
     if config.CPU_FEATURES:
         features = config.CPU_FEATURES
@@ -275,8 +276,12 @@ def target_features() -> frozenset[str]:
         return frozenset()
     else:
         binding.initialize_native_target()
-        features = binding.get_host_cpu_features().flatten()
-    return frozenset(features.split(","))
+        features = codegen.get_host_cpu_features()
+    enabled = {}  # the last of "+f" and "-f" decides, as LLVM reads the list
+    for feature in features.split(","):
+        if feature[:1] in "+-" and feature[1:]:
+            enabled[feature[1:]] = feature[0] == "+"
+    return frozenset(f"+{name}" for name, on in enabled.items() if on)
 
 
 def _wide_bits() -> int:

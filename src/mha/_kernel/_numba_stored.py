@@ -54,8 +54,9 @@ point per group of channels; 8-bit or 4-bit codes with a scale and a zero point 
 bits."""
 
 
-F16C = "+f16c" in target_features()
-"""Whether numba compiles for a CPU with F16C (:func:`_reader` converts float16 with it)."""
+F16C = {"+f16c", "+avx"} <= target_features()
+"""Whether numba compiles for a CPU with F16C (and the AVX its instructions need):
+:func:`_reader` converts float16 with it."""
 
 
 def _reader(form: int):  # type: ignore[no-untyped-def]
