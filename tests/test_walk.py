@@ -459,7 +459,7 @@ def test_a_decoding_steps_register_blocks_sum_as_one_row_at_a_time(walks, dtype,
 
     @njit
     def accumulate(values, n, s, at, w, acc, i0, rows, partial):
-        run = (_numba_pool.address(values, 0), values.shape[1], n, 0)
+        run = (_numba_pool.address(values, 0), values.shape[1], n, 0, 0)
         _numba_pool.few_accumulate(run, s, at, w, acc, i0, rows, partial)
 
     rng = np.random.default_rng(rows)

@@ -83,10 +83,14 @@ def _prefetch(typingctx, address):  # type: ignore[no-untyped-def]  # pragma: no
 
 
 @njit(boundscheck=False, nogil=True)
-def _ahead(following, c, ld, size, width):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """Prefetch row ``c`` (``width`` elements) of the run at ``following`` (0: none)."""
-    if following != 0:
-        row = following + c * ld * size
+def _ahead(run, c, size, width):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """While row ``c`` of ``run = (address, ld, n, following, ahead)`` is read, prefetch
+    the matching row (``width`` elements) of the ``ahead`` rows of the run at ``following``
+    (0: none): its rows ``0, 1, ...`` as rows ``n - ahead, ...`` of this one go by."""
+    _, ld, n, following, ahead = run
+    j = c - (n - ahead)
+    if following != 0 and 0 <= j < ahead:
+        row = following + j * ld * size
         for line in range(0, width * size, 64):
             _prefetch(row + line)
 
@@ -178,11 +182,11 @@ def finite(pool, b, g, c0, c1):  # type: ignore[no-untyped-def]  # pragma: no co
 @njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True)
 def few_scores(run, stacked, i0, rows, s, at):  # type: ignore[no-untyped-def]  # pragma: no cover
     """``s[i, at + c] = stacked[i0 + i] . key_c`` for a decoding step's few ``rows`` and the
-    run of keys ``run = (address, ld, n, following)``: ``n`` keys from ``address``, ``ld``
-    elements apart. Four rows' dot products per key as it is read, by blocks of
-    ``FEW_KEYS`` keys; the run at ``following`` (a paged cache's next block; 0: none) is
-    prefetched meanwhile, row for row."""
-    address, ld, n, following = run
+    run of keys ``run = (address, ld, n, following, ahead)``: ``n`` keys from ``address``,
+    ``ld`` elements apart. Four rows' dot products per key as it is read, by blocks of
+    ``FEW_KEYS`` keys; the first ``ahead`` keys of the run at ``following`` (a paged cache's
+    next block; 0: none) are prefetched meanwhile (:func:`_ahead`)."""
+    address, ld, n, _, _ = run
     d_k, size = stacked.shape[1], stacked.itemsize
     keys = carray(typed(address, stacked), (n, ld))
     zero = s.dtype.type(0)
@@ -197,12 +201,12 @@ def few_scores(run, stacked, i0, rows, s, at):  # type: ignore[no-untyped-def]  
                 while c + 4 <= stop:  # four keys by four rows: 16 sums in registers
                     if i == 0:
                         for k in range(c, c + 4):
-                            _ahead(following, k, ld, size, d_k)
+                            _ahead(run, k, size, d_k)
                     _four_by_four(keys, c, q0, q1, q2, q3, s, i, at + c, zero)
                     c += 4
                 for k in range(c, stop):  # the last keys, one at a time
                     if i == 0:
-                        _ahead(following, k, ld, size, d_k)
+                        _ahead(run, k, size, d_k)
                     key = keys[k, :d_k]
                     a0 = a1 = a2 = a3 = zero
                     for d in range(d_k):
@@ -218,7 +222,7 @@ def few_scores(run, stacked, i0, rows, s, at):  # type: ignore[no-untyped-def]  
                 q0 = stacked[i0 + i]
                 for c in range(start, stop):
                     if i == 0:
-                        _ahead(following, c, ld, size, d_k)
+                        _ahead(run, c, size, d_k)
                     key = keys[c, :d_k]
                     a0 = zero
                     for d in range(d_k):
@@ -400,13 +404,13 @@ def _flush(acc, partial, i0, j0, j1):  # type: ignore[no-untyped-def]  # pragma:
 @njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True)
 def few_accumulate(run, s, at, w, acc, i0, rows, partial):  # type: ignore[no-untyped-def]  # pragma: no cover
     """``acc[i0 + i] += sum_c s[i, at + c] * value_c`` for ``rows`` rows and the run of
-    values ``run = (address, ld, n, following)`` (:func:`few_scores`'s; positions ``at`` to
+    values ``run = (address, ld, n, following, ahead)`` (:func:`few_scores`'s; positions ``at`` to
     ``at + n`` of a tile of ``w``): two rows per value as it is read. The sums go through
     ``partial`` (zero at the tile's start), added to ``acc`` every ``FEW_KEYS`` positions of
     the tile and at its end: the rounding of a sum of a few hundred terms, not of
     thousands, and the same however the tile's values are split into runs (a paged cache's
     blocks). The run at ``following`` is prefetched meanwhile."""
-    address, ld, n, following = run
+    address, ld, n, _, _ = run
     d_v, size = acc.shape[1], acc.itemsize
     values = carray(typed(address, acc), (n, ld))
     i = 0
@@ -424,7 +428,7 @@ def few_accumulate(run, s, at, w, acc, i0, rows, partial):  # type: ignore[no-un
             end = min(n, w - at, (at + c) // FEW_KEYS * FEW_KEYS + FEW_KEYS - at)
             if i == 0:
                 for k in range(c, end):
-                    _ahead(following, k, ld, size, d_v)
+                    _ahead(run, k, size, d_v)
             if wide:
                 _accumulate_wide(address, ld, c, end, s[i:], at, partial, i)
             else:
@@ -438,7 +442,7 @@ def few_accumulate(run, s, at, w, acc, i0, rows, partial):  # type: ignore[no-un
         a0, a1 = partial[i], partial[i + 1 if pair else i]
         for c in range(n):
             if i == 0:
-                _ahead(following, c, ld, size, d_v)
+                _ahead(run, c, size, d_v)
             value = values[c, :d_v]
             p0 = s[i, at + c]
             if pair:

@@ -455,15 +455,16 @@ def _tile_scores(gemm, tile, keys, flip, sizes, scratch):  # type: ignore[no-unt
         while c < c1:
             end = min(c1, c + STAGE_ROWS)
             stage(pool, b, g, c, end, into, d_k, c1, False)
-            few_scores((into, d_k, end - c, 0), stacked, i0, rows, s, c - c0)
+            few_scores((into, d_k, end - c, 0, 0), stacked, i0, rows, s, c - c0)
             c = end
         return
     if rows <= FEW_ROWS:  # a decoding step's: the blocks read where they lie
         c, at = c0, run_at(keys, b, g, c0)
         while c < c1:
             end = run_end(keys, b, c, c1)
-            following = run_at(keys, b, g, end) if end < c1 else 0
-            few_scores((at, key_ld(keys), end - c, following), stacked, i0, rows, s, c - c0)
+            following, ahead = _following(keys, b, g, c, end, c1)
+            run = (at, key_ld(keys), end - c, following, ahead)
+            few_scores(run, stacked, i0, rows, s, c - c0)
             c, at = end, following
         return
     if stored(keys):  # the tile read back whole, for the GEMM
@@ -479,6 +480,17 @@ def _tile_scores(gemm, tile, keys, flip, sizes, scratch):  # type: ignore[no-unt
                 s[i, c] = flipped[c * rows + i]
     else:
         _gemm(gemm, (NO_TRANS, TRANS, rows, w, d_k, 1.0, 0.0), Q, K, (s, 0, cols))
+
+
+@njit(boundscheck=False, nogil=True, inline="always")
+def _following(pool, b, g, c, end, c1):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """The run after ``[c, end)`` of sequence ``b``'s head ``g`` (before ``c1``): its
+    address (0: none) and how many of its rows to prefetch while the last as many of this
+    one are read (no more than either has: a long run of blocks that follow each other in
+    the pool asks for no rows past a short next one)."""
+    if end >= c1:
+        return 0, 0
+    return run_at(pool, b, g, end), min(run_end(pool, b, end, c1) - end, end - c)
 
 
 @njit(fastmath=FAST, boundscheck=False, nogil=True, inline="always")
@@ -529,15 +541,15 @@ def _tile_values(gemm, tile, values, sizes, scratch):  # type: ignore[no-untyped
             while c < c1:
                 end = min(c1, c + STAGE_ROWS)
                 finite_ &= stage(pool, b, g, c, end, into, d_v, c1, True)
-                run = (into, d_v, end - c, 0)
+                run = (into, d_v, end - c, 0, 0)
                 few_accumulate(run, s, c - c0, w, acc, i0, rows, partial)
                 c = end
             return finite_
         at = run_at(values, b, g, c0)
         while c < c1:
             end = run_end(values, b, c, c1)
-            following = run_at(values, b, g, end) if end < c1 else 0
-            run = (at, key_ld(values), end - c, following)
+            following, ahead = _following(values, b, g, c, end, c1)
+            run = (at, key_ld(values), end - c, following, ahead)
             few_accumulate(run, s, c - c0, w, acc, i0, rows, partial)
             c, at = end, following
         return True
