@@ -649,11 +649,11 @@ class _Pool:
                 (rows, width, half),
                 (rows, width, half),
             ]
-        (size, width, kind), *parts = widths
+        (_, row_width, row_kind), *parts = widths
         self.arrays = [  # (each (blocks, block_size or groups, H_kv, width) as it is seen)
-            np.zeros((H_kv, count, size, width), kind).transpose(1, 2, 0, 3),
-            *(np.zeros((count, H_kv, rows, width), kind).transpose(0, 2, 1, 3)
-              for rows, width, kind in parts),
+            np.zeros((H_kv, count, size, row_width), row_kind).transpose(1, 2, 0, 3),
+            *(np.zeros((count, H_kv, rows, part_width), part_kind).transpose(0, 2, 1, 3)
+              for rows, part_width, part_kind in parts),
         ]  # fmt: skip
 
     @property
