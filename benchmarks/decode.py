@@ -31,6 +31,7 @@ import numpy as np
 import mha
 from mha._kernel.team import cores
 from mha.cli.measure import (
+    WARM,
     bandwidth,
     environment,
     interleaved_medians,
@@ -46,7 +47,6 @@ DECODE_BEGIN, DECODE_END = "<!-- decode: begin -->", "<!-- decode: end -->"
 
 
 CONSECUTIVE = 8
-WARM = 0.1  # seconds of untimed steps before the timed ones, at least
 
 
 def steady_steps(steps: dict[str, Any], repeats: int) -> dict[str, list[float]]:

@@ -181,7 +181,7 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             measured_on(results["environment"])
             + f"{B} sequences, {H} query heads, {H_KV} key/value heads, head dim {D}, float32; "
             f"one decoding step (one new token each), medians of interleaved runs, each "
-            "timed step after 0.1 s of untimed ones."
+            f"timed step after {WARM:g} s of untimed ones."
             + ("" if not bandwidths else " Memory bandwidth from `np.sum`: "
                + ", ".join(f"{v / 1e9:.1f} GB/s on {k}" for k, v in bandwidths.items())
                + "; the floor is the bytes a step reads at the larger."),

@@ -459,13 +459,12 @@ def _tile_scores(gemm, tile, keys, flip, sizes, scratch):  # type: ignore[no-unt
             c = end
         return
     if rows <= FEW_ROWS:  # a decoding step's: the blocks read where they lie
-        c, at = c0, run_at(keys, b, g, c0)
+        c, at, end = c0, run_at(keys, b, g, c0), run_end(keys, b, c0, c1)
         while c < c1:
-            end = run_end(keys, b, c, c1)
-            following, ahead = _following(keys, b, g, c, end, c1)
+            following, ahead, after = _following(keys, b, g, c, end, c1)
             run = (at, key_ld(keys), end - c, following, ahead)
             few_scores(run, stacked, i0, rows, s, c - c0)
-            c, at = end, following
+            c, at, end = end, following, after
         return
     if stored(keys):  # the tile read back whole, for the GEMM
         K = (address(k_tile, 0), d_k)
@@ -485,12 +484,13 @@ def _tile_scores(gemm, tile, keys, flip, sizes, scratch):  # type: ignore[no-unt
 @njit(boundscheck=False, nogil=True, inline="always")
 def _following(pool, b, g, c, end, c1):  # type: ignore[no-untyped-def]  # pragma: no cover
     """The run after ``[c, end)`` of sequence ``b``'s head ``g`` (before ``c1``): its
-    address (0: none) and how many of its rows to prefetch while the last as many of this
-    one are read (no more than either has: a long run of blocks that follow each other in
-    the pool asks for no rows past a short next one)."""
+    address (0: none), how many of its rows to prefetch while the last as many of this one
+    are read (no more than either has: a long run of blocks that follow each other in the
+    pool asks for no rows past a short next one), and where it ends."""
     if end >= c1:
-        return 0, 0
-    return run_at(pool, b, g, end), min(run_end(pool, b, end, c1) - end, end - c)
+        return 0, 0, c1
+    after = run_end(pool, b, end, c1)
+    return run_at(pool, b, g, end), min(after - end, end - c), after
 
 
 @njit(fastmath=FAST, boundscheck=False, nogil=True, inline="always")
@@ -545,13 +545,12 @@ def _tile_values(gemm, tile, values, sizes, scratch):  # type: ignore[no-untyped
                 few_accumulate(run, s, c - c0, w, acc, i0, rows, partial)
                 c = end
             return finite_
-        at = run_at(values, b, g, c0)
+        at, end = run_at(values, b, g, c0), run_end(values, b, c0, c1)
         while c < c1:
-            end = run_end(values, b, c, c1)
-            following, ahead = _following(values, b, g, c, end, c1)
+            following, ahead, after = _following(values, b, g, c, end, c1)
             run = (at, key_ld(values), end - c, following, ahead)
             few_accumulate(run, s, c - c0, w, acc, i0, rows, partial)
-            c, at = end, following
+            c, at, end = end, following, after
         return True
     finite_ = True
     if stored(values):  # the tile read back whole, for the GEMMs

@@ -76,7 +76,8 @@ def bandwidth(threads: int, gib: float = 0.5, repeats: int = 5) -> float:
 
 
 WARM = 0.1
-"""Seconds of untimed calls before each timed one in ``mha bench``'s tables. On the README's
+"""Seconds of untimed calls before each timed one (``mha bench`` and the scripts under
+``benchmarks/``). On the README's
 virtual machine, for some tens of milliseconds after a pause (the 0.3 s that lets OpenBLAS's
 and OpenMP's threads stop spinning) two threads each ran at about half speed: a 2-worker S3
 layer call took 18.6 ms after a pause, each of its phases one worker's time, against 10.1
