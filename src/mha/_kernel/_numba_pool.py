@@ -18,15 +18,21 @@ per call (a paged cache's decoding step calls them for every block).
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._numba_step import VECTOR_BITS
+from ._numba_vectors import (
+    BLOCK_KEYS,
+    BLOCK_ROWS,
+    FLOAT,
+    WIDE_BITS,
+    accumulator,
+    dots,
+    target_features,
+)
 
 __all__ = [
     "FEW_ROWS",
@@ -34,6 +40,7 @@ __all__ = [
     "few_accumulate",
     "few_scores",
     "finite",
+    "flush",
     "key_ld",
     "run_at",
     "run_end",
@@ -190,14 +197,27 @@ def few_scores(run, stacked, i0, rows, s, at):  # type: ignore[no-untyped-def]  
     d_k, size = stacked.shape[1], stacked.itemsize
     keys = carray(typed(address, stacked), (n, ld))
     zero = s.dtype.type(0)
+    vectors = d_k % (WIDE_BITS // (8 * size)) == 0 and stacked.strides[1] == size
+    vectors = vectors and s.strides[1] == size  # (dots: rows of contiguous vectors)
     for start in range(0, n, FEW_KEYS):
         stop = min(start + FEW_KEYS, n)
         i = 0
         while i < rows:
             if i + 4 <= rows:
                 j = i0 + i
-                q0, q1, q2, q3 = stacked[j], stacked[j + 1], stacked[j + 2], stacked[j + 3]
                 c = start
+                while vectors and c + BLOCK_KEYS <= stop:  # a block of keys by four rows
+                    if i == 0:
+                        for k in range(c, c + BLOCK_KEYS):
+                            _ahead(run, k, size, d_k)
+                    _dots_block(address, ld * size, 0, 0, 0, 0, c, stacked, j, s, i, at + c)
+                    c += BLOCK_KEYS
+                while vectors and c < stop:
+                    if i == 0:
+                        _ahead(run, c, size, d_k)
+                    _dots_one(address, ld * size, 0, 0, 0, 0, c, stacked, j, s, i, at + c)
+                    c += 1
+                q0, q1, q2, q3 = stacked[j], stacked[j + 1], stacked[j + 2], stacked[j + 3]
                 while c + 4 <= stop:  # four keys by four rows: 16 sums in registers
                     if i == 0:
                         for k in range(c, c + 4):
@@ -266,134 +286,12 @@ def _four_by_four(keys, c, q0, q1, q2, q3, s, i, col, zero):  # type: ignore[no-
     s[i, col + 3], s[i + 1, col + 3], s[i + 2, col + 3], s[i + 3, col + 3] = f0, f1, f2, f3
 
 
-def target_features() -> frozenset[str]:
-    """The CPU features numba compiles for (``+avx512f``, ``+f16c``, ...):
-    ``NUMBA_CPU_FEATURES`` where set, else the host's as numba takes them (without AVX
-    under ``NUMBA_ENABLE_AVX=0``); none where ``NUMBA_CPU_NAME`` names another CPU than the
-    host (code for a generic CPU)."""
-    from llvmlite import binding
-    from numba.core import codegen, config
-
-    if config.CPU_FEATURES:
-        features = config.CPU_FEATURES
-    elif config.CPU_NAME and config.CPU_NAME != "host":
-        return frozenset()
-    else:
-        binding.initialize_native_target()
-        features = codegen.get_host_cpu_features()
-    enabled = {}  # the last of "+f" and "-f" decides, as LLVM reads the list
-    for feature in features.split(","):
-        if feature[:1] in "+-" and feature[1:]:
-            enabled[feature[1:]] = feature[0] == "+"
-    return frozenset(f"+{name}" for name, on in enabled.items() if on)
-
-
-def _wide_bits() -> int:
-    """512 where numba compiles for AVX-512 (32 vector registers: the block's eight sums of
-    two 512-bit vectors stay in registers; 6.7 ns a value of 128 for four rows from L1,
-    against 10.7 with 256-bit vectors, on the AMD EPYC of the README's figures), else
-    :data:`VECTOR_BITS` (:func:`target_features`)."""
-    return 512 if "+avx512f" in target_features() else VECTOR_BITS
-
-
-WIDE_BITS = _wide_bits()
-"""Bits of :func:`_accumulate_block`'s vectors where a row's width is a multiple of two of
-them (:func:`_wide_bits`); :data:`VECTOR_BITS` for the other widths."""
-
-
-BLOCK_ROWS = 4
-"""Rows of :func:`_accumulate_block`'s register block: a grouped-query step's 4 query heads
-per key/value head, or 8 as two blocks."""
-
-
-def _accumulator(bits: int):  # type: ignore[no-untyped-def]
-    """:func:`_accumulate_block` in vectors of ``bits``."""
-
-    @intrinsic
-    def accumulate(typingctx, address, ld, c0, c1, s, at, partial, i):  # type: ignore[no-untyped-def]  # pragma: no cover
-        return _accumulate_block(bits, address, ld, c0, c1, s, at, partial, i)
-
-    return accumulate
-
-
-def _accumulate_block(bits, address, ld, c0, c1, s, at, partial, i):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """``partial[i + r, d] += s[r, at + c] * value_c[d]`` for the :data:`BLOCK_ROWS` rows
-    ``r``, every ``d`` and ``c`` from ``c0`` to ``c1`` in order (value ``c`` at ``address``
-    plus ``c * ld`` elements; ``partial``'s width a multiple of two vectors; ``s`` and
-    ``partial`` with contiguous rows).
-
-    LLVM vector code: for each two vectors of features, the block's eight partial sums stay
-    in registers while the values go by, each ``llvm.fmuladd`` (fused where the CPU has FMA),
-    the order and rounding of ``a += p * x`` compiled with contraction. numba's loop kept
-    them in memory (a load and a store per multiply-add: 0.36 ms for 4 rows of 8 heads of
-    1,024 values of 128, float32, against 0.19 here)."""
-    dtype = partial.dtype
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        real = context.get_value_type(dtype)
-        lanes = bits // dtype.bitwidth
-        vector = ir.VectorType(real, lanes)
-        index = ir.IntType(64)
-        align = dtype.bitwidth // 8
-
-        def arg(k: int) -> Any:
-            return context.cast(builder, args[k], signature.args[k], types.int64)
-
-        def const(value: int) -> Any:
-            return ir.Constant(index, value)
-
-        values = builder.inttoptr(arg(0), real.as_pointer())
-        ld, c0, c1, at, i = arg(1), arg(2), arg(3), arg(5), arg(7)
-        scores = context.make_array(signature.args[4])(context, builder, args[4])
-        sums = context.make_array(signature.args[6])(context, builder, args[6])
-        item = const(align)
-        s_ld = builder.sdiv(builder.extract_value(scores.strides, 0), item)
-        p_ld = builder.sdiv(builder.extract_value(sums.strides, 0), item)
-        width = builder.extract_value(sums.shape, 1)
-        kind = "f32" if dtype.bitwidth == 32 else "f64"
-        fma = cgutils.get_or_insert_function(  # fused where the CPU has FMA, as contraction
-            builder.module, ir.FunctionType(vector, [vector] * 3), f"llvm.fmuladd.v{lanes}{kind}"
-        )
-        zero32 = ir.Constant(ir.IntType(32), 0)
-        splat = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
-
-        def vector_at(base: Any, offset: Any) -> Any:
-            return builder.bitcast(builder.gep(base, [offset]), vector.as_pointer())
-
-        held = [[cgutils.alloca_once(builder, vector) for _ in range(2)] for _ in range(BLOCK_ROWS)]
-        step = const(2 * lanes)
-        with cgutils.for_range_slice(builder, const(0), width, step, index) as (d0, _):
-            rows = [builder.mul(builder.add(i, const(r)), p_ld) for r in range(BLOCK_ROWS)]
-            for r, pair in enumerate(held):
-                for h, slot in enumerate(pair):
-                    at_d = builder.add(builder.add(rows[r], d0), const(h * lanes))
-                    builder.store(builder.load(vector_at(sums.data, at_d), align=align), slot)
-            with cgutils.for_range_slice(builder, c0, c1, const(1), index) as (c, _):
-                row = builder.add(builder.mul(c, ld), d0)
-                halves = [vector_at(values, builder.add(row, const(h * lanes))) for h in range(2)]
-                xs = [builder.load(half, align=align) for half in halves]
-                for r, pair in enumerate(held):
-                    here = builder.add(builder.mul(const(r), s_ld), builder.add(at, c))
-                    p = builder.load(builder.gep(scores.data, [here]), align=align)
-                    p = builder.insert_element(ir.Constant(vector, ir.Undefined), p, zero32)
-                    p = builder.shuffle_vector(p, ir.Constant(vector, ir.Undefined), splat)
-                    for x, slot in zip(xs, pair, strict=True):
-                        builder.store(builder.call(fma, [p, x, builder.load(slot)]), slot)
-            for r, pair in enumerate(held):
-                for h, slot in enumerate(pair):
-                    at_d = builder.add(builder.add(rows[r], d0), const(h * lanes))
-                    builder.store(builder.load(slot), vector_at(sums.data, at_d), align=align)
-        return context.get_dummy_value()
-
-    signature = types.void(address, ld, c0, c1, s, at, partial, i)
-    return signature, codegen
-
-
-_accumulate_wide, _accumulate_narrow = _accumulator(WIDE_BITS), _accumulator(VECTOR_BITS)
+_accumulate_wide, _accumulate_narrow = accumulator(FLOAT), accumulator(FLOAT, VECTOR_BITS)
+_dots_block, _dots_one = dots(FLOAT, BLOCK_KEYS), dots(FLOAT, 1)
 
 
 @njit(boundscheck=False, nogil=True)
-def _flush(acc, partial, i0, j0, j1):  # type: ignore[no-untyped-def]  # pragma: no cover
+def flush(acc, partial, i0, j0, j1):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Rows ``[j0, j1)`` of ``partial`` added into ``acc``'s rows from ``i0 + j0``, and zeroed."""
     for j in range(j0, j1):
         for d in range(acc.shape[1]):
@@ -430,11 +328,11 @@ def few_accumulate(run, s, at, w, acc, i0, rows, partial):  # type: ignore[no-un
                 for k in range(c, end):
                     _ahead(run, k, size, d_v)
             if wide:
-                _accumulate_wide(address, ld, c, end, s[i:], at, partial, i)
+                _accumulate_wide(address, ld * size, 0, 0, 0, 0, c, end, s[i:], at, partial, i)
             else:
-                _accumulate_narrow(address, ld, c, end, s[i:], at, partial, i)
+                _accumulate_narrow(address, ld * size, 0, 0, 0, 0, c, end, s[i:], at, partial, i)
             if (at + end) % FEW_KEYS == 0 or at + end == w:
-                _flush(acc, partial, i0, i, i + BLOCK_ROWS)
+                flush(acc, partial, i0, i, i + BLOCK_ROWS)
             c = end
         i += BLOCK_ROWS
     while i < rows:
@@ -456,5 +354,5 @@ def few_accumulate(run, s, at, w, acc, i0, rows, partial):  # type: ignore[no-un
                     a0[d] += p0 * value[d]
             position = at + c + 1
             if position % FEW_KEYS == 0 or position == w:
-                _flush(acc, partial, i0, i, i + 2 if pair else i + 1)
+                flush(acc, partial, i0, i, i + 2 if pair else i + 1)
         i += 2 if pair else 1

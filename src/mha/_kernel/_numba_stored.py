@@ -25,8 +25,24 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ._numba_pool import _prefetch, address, target_features
-from .paged import BFLOAT16, FLOAT, FLOAT8, FLOAT16, LANES, PER_CHANNEL, PER_CHANNEL4, PER_TOKEN4
+from ._numba_pool import FEW_KEYS, _prefetch, address, flush
+from ._numba_vectors import BF16 as BF16_
+from ._numba_vectors import BLOCK_KEYS, BLOCK_ROWS, F16C, WIDE_BITS, accumulator, dots
+from ._numba_vectors import E4M3 as E4M3_
+from ._numba_vectors import F16 as F16_
+from ._numba_vectors import U4 as U4_
+from ._numba_vectors import U8 as U8_
+from .paged import (
+    BFLOAT16,
+    FLOAT,
+    FLOAT8,
+    FLOAT16,
+    LANES,
+    PER_CHANNEL,
+    PER_CHANNEL4,
+    PER_TOKEN,
+    PER_TOKEN4,
+)
 
 __all__ = ["STAGE_ROWS", "flat", "stage", "stored"]
 
@@ -52,11 +68,6 @@ a byte, the even channel in the low four bits) or float8 e4m3 codes with a scale
 point per group of channels; 8-bit or 4-bit codes with a scale and a zero point per channel
 (KIVI's keys); float32 (a copy: KIVI's unfilled groups). Scales and zero points are float16
 bits."""
-
-
-F16C = {"+f16c", "+avx"} <= target_features()
-"""Whether numba compiles for a CPU with F16C (and the AVX its instructions need):
-:func:`_reader` converts float16 with it."""
 
 
 def _reader(form: int):  # type: ignore[no-untyped-def]
@@ -264,8 +275,8 @@ def _stage_for(pool, b, g, c0, c1, target, ld, stop, check):  # type: ignore[no-
 
 
 def _stage(pool, b, g, c0, c1, target, ld, stop, check):  # type: ignore[no-untyped-def]  # pragma: no cover
-    (data, d0, d1, d2, width), (table, t0, t1, block) = pool[0], pool[1]
-    scales, s0, s1, s2, scale_width = pool[2]
+    (_, _, d1, _, width), (table, t0, t1, block) = pool[0], pool[1]
+    s1, scale_width = pool[2][2], pool[2][4]
     sealed, kind, group, d = pool[5][1], pool[5][2], pool[5][3], pool[5][4]
     channels = kind in (PER_CHANNEL, PER_CHANNEL4)
     runs = (
@@ -282,13 +293,7 @@ def _stage(pool, b, g, c0, c1, target, ld, stop, check):  # type: ignore[no-unty
         end = min(c1, c - off + block) if runs else c + 1
         if runs and channels and off < _int(sealed + 8 * blk):  # one group of tokens
             end = min(end, c - off % group + group)
-        ahead = c + AHEAD  # the rows as many positions on, into the caches meanwhile
-        if ahead < stop:
-            later = _int(row + t1 * (ahead // block))
-            rows = min(end - c, stop - ahead, block - ahead % block)
-            _ahead(data + later * d0 + (ahead % block) * d1 + g * d2, rows * d1)
-            if kind not in (BFLOAT16, FLOAT16) and (ahead % block == 0 or c == c0):
-                _ahead(scales + later * s0 + g * s2, 2 * scale_width)
+        _prefetch_later(pool, row, g, c, end, c0, stop)
         finite &= _read_rows(pool, blk, off, g, end - c, target + 4 * (c - c0) * ld, check)
         c = end
     return finite
@@ -345,3 +350,213 @@ def _ahead(at, size):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Ask for the ``size`` bytes at address ``at`` to be read into the caches."""
     for line in range(0, size, 64):
         _prefetch(at + line)
+
+
+@njit(boundscheck=False, nogil=True, inline="always")
+def _prefetch_later(pool, row, g, c, end, c0, stop):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """While rows ``[c, end)`` (of one block; ``row``: the sequence's block table) of head
+    ``g`` are read, ask for the rows :data:`AHEAD` positions on (before ``stop``) to be read
+    into the caches, with their block's scales and zero points where the run reaches it."""
+    (data, d0, d1, d2, _), (_, _, t1, block) = pool[0], pool[1]
+    scales, s0, _, s2, scale_width = pool[2]
+    zeros, z0, _, z2 = pool[3]
+    kind = pool[5][2]
+    ahead = c + AHEAD
+    if ahead < stop:
+        later = _int(row + t1 * (ahead // block))
+        rows = min(end - c, stop - ahead, block - ahead % block)
+        _ahead(data + later * d0 + (ahead % block) * d1 + g * d2, rows * d1)
+        if kind not in (BFLOAT16, FLOAT16) and (ahead % block == 0 or c == c0):
+            _ahead(scales + later * s0 + g * s2, 2 * scale_width)
+            _ahead(zeros + later * z0 + g * z2, 2 * scale_width)
+
+
+# Products on the stored rows themselves, read back in registers (:mod:`._numba_vectors`)
+
+_BLOCK_BF16, _BLOCK_F16, _BLOCK_U8, _BLOCK_U4, _BLOCK_E4M3 = (
+    dots(form, BLOCK_KEYS) for form in (BF16_, F16_, U8_, U4_, E4M3_)
+)
+_ONE_BF16, _ONE_F16, _ONE_U8, _ONE_U4, _ONE_E4M3 = (
+    dots(form, 1) for form in (BF16_, F16_, U8_, U4_, E4M3_)
+)
+_SUMS_BF16, _SUMS_F16, _SUMS_U8, _SUMS_U4, _SUMS_E4M3 = (
+    accumulator(form) for form in (BF16_, F16_, U8_, U4_, E4M3_)
+)
+_LANES = WIDE_BITS // 32
+
+
+def in_place(pool, rows):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Whether a decoding step's ``rows`` multiply the stored ``pool``'s rows (:func:`flat`'s;
+    ``None``: a float pool) in place (:func:`stored_scores`, :func:`stored_sums`):
+    blocks of :data:`.BLOCK_ROWS` rows, a form read per token (not KIVI's keys, per
+    channel), rows of whole pairs of vectors. Else they are read back first (:func:`stage`)."""
+
+
+@overload(in_place, jit_options={"boundscheck": False, "nogil": True})
+def _in_place_for(pool, rows):  # type: ignore[no-untyped-def]  # pragma: no cover
+    if isinstance(pool, types.NoneType):
+        return lambda pool, rows: False
+
+    def in_place_(pool, rows):  # type: ignore[no-untyped-def]
+        kind, group, d = pool[5][2], pool[5][3], pool[5][4]
+        per_token = kind in (BFLOAT16, FLOAT16, PER_TOKEN, PER_TOKEN4, FLOAT8)
+        grouped = kind in (BFLOAT16, FLOAT16) or group % _LANES == 0
+        return rows % BLOCK_ROWS == 0 and per_token and grouped and d % (2 * _LANES) == 0
+
+    return in_place_
+
+
+def stored_scores(pool, b, g, c0, c1, stacked, i0, rows, s):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """``s[i, c - c0] = stacked[i0 + i] . key_c`` for sequence ``b``'s keys ``[c0, c1)`` of
+    head ``g`` in the stored ``pool`` (:func:`flat`'s, :func:`in_place`), read back in
+    registers as they are multiplied, block by block: the products' order and rounding of a
+    float32 pool's (:func:`._numba_pool.few_scores`)."""
+
+
+@overload(stored_scores, jit_options={"boundscheck": False, "nogil": True})
+def _stored_scores_for(pool, b, g, c0, c1, stacked, i0, rows, s):  # type: ignore[no-untyped-def]  # pragma: no cover
+    if isinstance(pool, types.NoneType):
+        return lambda pool, b, g, c0, c1, stacked, i0, rows, s: None
+    return _stored_scores
+
+
+def _stored_scores(pool, b, g, c0, c1, stacked, i0, rows, s):  # type: ignore[no-untyped-def]  # pragma: no cover
+    (data, d0, d1, d2, _), (table, t0, t1, block) = pool[0], pool[1]
+    scales, s0, s1, s2, _ = pool[2]
+    zeros, z0, z1, z2 = pool[3]
+    kind, group = pool[5][2], pool[5][3]
+    row = table + b * t0
+    c = c0
+    while c < c1:
+        off = c % block
+        blk = _int(row + t1 * (c // block))
+        end = min(c1, c - off + block)
+        _prefetch_later(pool, row, g, c, end, c0, c1)
+        source = data + blk * d0 + off * d1 + g * d2
+        step, low = scales + blk * s0 + off * s1 + g * s2, zeros + blk * z0 + off * z1 + g * z2
+        n = end - c
+        for i in range(0, rows, BLOCK_ROWS):
+            k = 0
+            while k + BLOCK_KEYS <= n:
+                _dots(
+                    kind,
+                    True,
+                    source,
+                    d1,
+                    step,
+                    low,
+                    s1,
+                    group,
+                    k,
+                    stacked,
+                    i0 + i,
+                    s,
+                    i,
+                    c - c0 + k,
+                )
+                k += BLOCK_KEYS
+            while k < n:
+                _dots(
+                    kind,
+                    False,
+                    source,
+                    d1,
+                    step,
+                    low,
+                    s1,
+                    group,
+                    k,
+                    stacked,
+                    i0 + i,
+                    s,
+                    i,
+                    c - c0 + k,
+                )
+                k += 1
+        c = end
+
+
+@njit(boundscheck=False, nogil=True, inline="always")
+def _dots(kind, block, source, d1, step, low, s1, group, k, stacked, j, s, i, col):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """:func:`._numba_vectors.dots` of ``kind``'s form, a block of keys or one."""
+    if kind == BFLOAT16:
+        if block:
+            _BLOCK_BF16(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+        else:
+            _ONE_BF16(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+    elif kind == FLOAT16:
+        if block:
+            _BLOCK_F16(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+        else:
+            _ONE_F16(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+    elif kind == PER_TOKEN4:
+        if block:
+            _BLOCK_U4(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+        else:
+            _ONE_U4(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+    elif kind == FLOAT8:
+        if block:
+            _BLOCK_E4M3(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+        else:
+            _ONE_E4M3(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+    elif block:
+        _BLOCK_U8(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+    else:
+        _ONE_U8(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+
+
+def stored_sums(pool, b, g, c0, c1, s, acc, i0, rows, partial):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """``acc[i0 + i] += sum_c s[i, c - c0] * value_c`` for sequence ``b``'s values ``[c0,
+    c1)`` of head ``g`` in the stored ``pool`` (:func:`flat`'s, :func:`in_place`), read back
+    in registers as they are multiplied: through ``partial`` (zero at the tile's start,
+    ``[c0, c1)``), added to ``acc`` every ``FEW_KEYS`` positions of the tile and at its end,
+    as :func:`._numba_pool.few_accumulate` sums a float32 pool's. Whether every value read
+    back is finite."""
+
+
+@overload(stored_sums, jit_options={"boundscheck": False, "nogil": True})
+def _stored_sums_for(pool, b, g, c0, c1, s, acc, i0, rows, partial):  # type: ignore[no-untyped-def]  # pragma: no cover
+    if isinstance(pool, types.NoneType):
+        return lambda pool, b, g, c0, c1, s, acc, i0, rows, partial: True
+    return _stored_sums
+
+
+def _stored_sums(pool, b, g, c0, c1, s, acc, i0, rows, partial):  # type: ignore[no-untyped-def]  # pragma: no cover
+    (data, d0, d1, d2, _), (table, t0, t1, block) = pool[0], pool[1]
+    scales, s0, s1, s2, _ = pool[2]
+    zeros, z0, z1, z2 = pool[3]
+    kind, group = pool[5][2], pool[5][3]
+    row = table + b * t0
+    w = c1 - c0
+    finite = True
+    for i in range(0, rows, BLOCK_ROWS):
+        c = c0
+        while c < c1:
+            off = c % block
+            blk = _int(row + t1 * (c // block))
+            end = min(c1, c - off + block, c0 + ((c - c0) // FEW_KEYS + 1) * FEW_KEYS)
+            if i == 0:
+                _prefetch_later(pool, row, g, c, end, c0, c1)
+            source = data + blk * d0 + off * d1 + g * d2
+            step = scales + blk * s0 + off * s1 + g * s2
+            low = zeros + blk * z0 + off * z1 + g * z2
+            at, n = c - c0, end - c
+            finite &= _sums(kind, source, d1, step, low, s1, group, n, s[i:], at, partial, i)
+            if (end - c0) % FEW_KEYS == 0 or end - c0 == w:
+                flush(acc, partial, i0, i, i + BLOCK_ROWS)
+            c = end
+    return finite
+
+
+@njit(boundscheck=False, nogil=True, inline="always")
+def _sums(kind, source, d1, step, low, s1, group, n, s, at, partial, i):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """:func:`._numba_vectors.accumulator` of ``kind``'s form over ``n`` rows from ``source``."""
+    if kind == BFLOAT16:
+        return _SUMS_BF16(source, d1, step, low, s1, group, 0, n, s, at, partial, i)
+    if kind == FLOAT16:
+        return _SUMS_F16(source, d1, step, low, s1, group, 0, n, s, at, partial, i)
+    if kind == PER_TOKEN4:
+        return _SUMS_U4(source, d1, step, low, s1, group, 0, n, s, at, partial, i)
+    if kind == FLOAT8:
+        return _SUMS_E4M3(source, d1, step, low, s1, group, 0, n, s, at, partial, i)
+    return _SUMS_U8(source, d1, step, low, s1, group, 0, n, s, at, partial, i)
