@@ -18,7 +18,9 @@
    each cache's step against the float32 paged cache's, and against its own floor: the
    bytes the step must read (every held token's codes, scales and zero points, KIVI's
    float32 residual) over this machine's memory bandwidth (``np.sum`` of 0.5 GiB on every
-   core).
+   core), and against the larger of that and the step's multiply-adds (``2 H d`` per held
+   token, scores and values, whatever the cache holds) at this machine's float32 GEMM rate
+   (NumPy's BLAS on every core: the rate the CPU's vector units reach).
 2. The same step with every sequence at the same length, where padding costs nothing: the
    paged cache's time against the contiguous cache's.
 
@@ -33,6 +35,7 @@ without them, and both are reported.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +74,19 @@ def paged_cache(blocks: int, kind: str | None) -> mha.PagedKVCache:
 
         return mha.PagedKVCache(blocks, BLOCK, H_KV, D, dtype=ml_dtypes.bfloat16)
     return mha.PagedKVCache(blocks, block_size(kind), H_KV, D, quantize=kind)
+
+
+def gemm_rate(n: int = 2048, repeats: int = 5) -> float:
+    """Floating-point operations per second of a float32 ``n x n`` GEMM (NumPy's BLAS, on
+    as many threads as it takes: every core)."""
+    a = np.ones((n, n), np.float32)
+    a @ a
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ a
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / float(np.median(times))
 
 
 def bytes_read(cache: mha.PagedKVCache, tokens: int) -> int:
@@ -133,6 +149,7 @@ def measure(quick: bool) -> dict[str, Any]:
     spread = np.linspace(128, longest, B).astype(np.int64)
     results: dict[str, Any] = {"environment": environment(None), "longest": longest}
     results["bandwidth"] = {"1 thread": bandwidth(1), f"{cores()} threads": bandwidth(cores())}
+    results["gemm_flops"] = gemm_rate()
     contiguous, paged = caches(spread, rng, QUANTIZED)
     times = interleaved_medians(
         step_functions(contiguous, paged, rng), repeats, pause=0.1, warm=WARM
@@ -147,6 +164,7 @@ def measure(quick: bool) -> dict[str, Any]:
                  for name, cache in zip(QUANTIZED, paged[1:], strict=True)})  # fmt: skip
     results["spread"] = {
         "tokens": tokens, "token_bytes": held, "bytes": sizes, "bytes_read": read,
+        "flops": 4 * H * D * tokens,
         "seconds": {name: float(np.median(t)) for name, t in times.items()},
         "all_seconds": times,
     }  # fmt: skip
@@ -177,6 +195,8 @@ def markdown(runs: list[dict[str, Any]]) -> str:
         held, seconds = spread["token_bytes"], spread["seconds"]
         bandwidths = results.get("bandwidth", {})
         bandwidth_ = max(bandwidths.values()) if bandwidths else None
+        rate = results.get("gemm_flops")
+        compute = spread["flops"] / rate if rate and "flops" in spread else None
         lines += [
             measured_on(results["environment"])
             + f"{B} sequences, {H} query heads, {H_KV} key/value heads, head dim {D}, float32; "
@@ -184,11 +204,16 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             f"timed step after {WARM:g} s of untimed ones."
             + ("" if not bandwidths else " Memory bandwidth from `np.sum`: "
                + ", ".join(f"{v / 1e9:.1f} GB/s on {k}" for k, v in bandwidths.items())
-               + "; the floor is the bytes a step reads at the larger."),
+               + "; the floor is the bytes a step reads at the larger.")
+            + ("" if not compute else f" The step's {spread['flops'] / 1e9:.2f} GFLOP of "
+               f"multiply-adds (scores and values, every cache alike) take {compute * 1e3:.1f} "
+               f"ms at this machine's float32 GEMM rate ({results['gemm_flops'] / 1e9:.0f} "
+               "GFLOP/s, NumPy's BLAS on every core): the last column is against the larger "
+               "floor."),
             "",
             "| cache | lengths | memory | memory / the tokens held in float32 | ms per step "
-            "| / float32 paged (target) | floor ms | / floor |",
-            "|---|---|---:|---:|---:|---:|---:|---:|",
+            "| / float32 paged (target) | floor ms | / floor | / larger floor |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ]  # fmt: skip
         rows = [
             ("KVCache", "`KVCache`, padded to the longest"),
@@ -204,6 +229,8 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             read = spread.get("bytes_read", {}).get(name)
             floor = read / bandwidth_ if read is not None and bandwidth_ else None
             floors = "— | —" if floor is None else f"{floor * 1e3:.1f} | {step / floor:.2f}"
+            larger = max(floor or 0.0, compute or 0.0)
+            floors += " | —" if not larger else f" | {step / larger:.2f}"
             lines.append(
                 f"| {text} | 128 to {results['longest']:,} | "
                 f"{memory / 2**30:.2f} GiB | {memory / held:.2f} | "

@@ -166,7 +166,7 @@ def test_values_multiplied_in_place_flag_a_value_not_finite(walks, kind, dtype):
 
     @njit
     def taken(pool, rows):
-        return in_place(flat(pool), rows)
+        return in_place(flat(pool), rows, False)
 
     d = 64
     cache = paged(kind, dtype, 32 if kind else None, 1, d)
@@ -191,14 +191,17 @@ def test_values_multiplied_in_place_flag_a_value_not_finite(walks, kind, dtype):
     assert not taken(pool, 2) and not taken(pool, 1)
 
 
-def test_kivi_keys_per_channel_are_read_back_first(walks):
+def test_kivi_keys_are_multiplied_in_place_as_scores_only(walks):
+    """KIVI's keys, a scale per channel, are read in place by the scores' products (their
+    group of tokens or the unfilled one in float32 alike); a pool per channel is never
+    summed as values (KIVI's values are per token)."""
     from numba import njit
 
     from mha._kernel._numba_stored import flat, in_place
 
     @njit
-    def taken(pool, rows):
-        return in_place(flat(pool), rows)
+    def taken(pool, rows, keys):
+        return in_place(flat(pool), rows, keys)
 
     cache = paged("kivi8", np.float32, 32, 1, 64)
     cache.add(0)
@@ -207,8 +210,75 @@ def test_kivi_keys_per_channel_are_read_back_first(walks):
     keys, values = cache._attended(40)
     pools = [walk.stored_pool(x.pool, x.table, x.block_size, 64, *x.stored_parts())
              for x in (keys, values)]  # fmt: skip
-    assert not taken(pools[0], 4)  # keys: per channel
-    assert taken(pools[1], 4)  # values: per token
+    assert taken(pools[0], 4, True) and not taken(pools[0], 4, False)
+    assert taken(pools[1], 4, False) and taken(pools[1], 8, True)
+    assert not taken(pools[0], 2, True)
+
+
+@pytest.mark.parametrize(("kind", "dtype", "group"), KINDS)
+def test_products_in_place_give_the_bits_of_products_of_the_rows_read_back(
+    walks, kind, dtype, group
+):
+    """A decoding step's products on the stored rows in place (``stored_scores``,
+    ``stored_sums``: 4 and 8 rows, ranges within a block, across blocks apart, ending
+    mid-block, KIVI's unfilled group) equal bit for bit the products of the float32 rows
+    read back first (``stage``, then ``few_scores`` and ``few_accumulate``)."""
+    from numba import njit
+
+    from mha._kernel._numba_pool import address, few_accumulate, few_scores
+    from mha._kernel._numba_stored import flat, in_place, stage, stored_scores, stored_sums
+
+    @njit
+    def in_place_products(keys, values, b, g, c0, c1, q, rows, s, acc, partial):
+        stored_scores(flat(keys), b, g, c0, c1, q, 0, rows, s)
+        partial[:] = 0.0
+        return stored_sums(flat(values), b, g, c0, c1, s, acc, 0, rows, partial)
+
+    @njit
+    def read_back_products(keys, values, b, g, c0, c1, q, rows, s, acc, partial, rows_k, rows_v):
+        d_k, d_v = rows_k.shape[1], rows_v.shape[1]
+        stage(flat(keys), b, g, c0, c1, address(rows_k, 0), d_k, c1, False)
+        few_scores((address(rows_k, 0), d_k, c1 - c0, 0, 0), q, 0, rows, s, 0)
+        finite = stage(flat(values), b, g, c0, c1, address(rows_v, 0), d_v, c1, True)
+        partial[:] = 0.0
+        run = (address(rows_v, 0), d_v, c1 - c0, 0, 0)
+        few_accumulate(run, s, 0, c1 - c0, acc, 0, rows, partial)
+        return finite
+
+    @njit
+    def taken(keys, values, rows):
+        return in_place(flat(keys), rows, True) and in_place(flat(values), rows, False)
+
+    rng = np.random.default_rng(11)
+    H_kv, d = 2, 64
+    cache = paged(kind, dtype, group, H_kv, d)
+    for seq, n in zip("abc", (70, 45, 101), strict=True):
+        cache.add(seq)
+        cache.append(seq, *(rng.standard_normal((H_kv, n, d)).astype(np.float32) for _ in "kv"))
+    cache.release("b")
+    cache.add("d")  # into b's blocks: a table of blocks apart
+    cache.append("d", *(rng.standard_normal((H_kv, 60, d)).astype(np.float32) for _ in "kv"))
+    pools = [walk.stored_pool(x.pool, x.table, x.block_size, d, *x.stored_parts())
+             for x in cache._attended(int(cache.lengths.max()))]  # fmt: skip
+    for rows in (4, 8):
+        assert taken(*pools, rows)
+        q = rng.standard_normal((rows, d)).astype(np.float32)
+        for b, n in enumerate(cache.lengths):
+            for c0, c1 in [(0, int(n)), (3, 37), (15, 17), (int(n) - 5, int(n))]:
+                for g in range(H_kv):
+                    outs = []
+                    for product in (in_place_products, read_back_products):
+                        s = np.zeros((rows, c1 - c0), np.float32)
+                        acc = np.zeros((rows, d), np.float32)
+                        partial = np.zeros((rows, d), np.float32)
+                        buffers = (np.empty((c1 - c0, d), np.float32),) * 2
+                        extra = () if product is in_place_products else buffers
+                        finite = product(*pools, b, g, c0, c1, q, rows, s, acc, partial, *extra)
+                        outs.append((s, acc, finite))
+                    (s1, acc1, f1), (s2, acc2, f2) = outs
+                    np.testing.assert_array_equal(s1.view(np.uint32), s2.view(np.uint32))
+                    np.testing.assert_array_equal(acc1.view(np.uint32), acc2.view(np.uint32))
+                    assert f1 and f2
 
 
 def _read_back(pool, c0, c1, d):

@@ -12,10 +12,16 @@ float32, each value with the arithmetic of :meth:`.quantized.Quantization.dequan
 (``code * scale``, then ``+ zero``, each rounded as NumPy rounds it: LLVM vector code of
 its own, which no fastmath flag of the walk's reaches), so a tile read here holds the bits
 the NumPy walk's does.
-The walk reads a decoding step's keys and values in runs of :data:`STAGE_ROWS`, each run
-read back into a buffer that stays in L1 and multiplied at once by the step's few rows
-(the products of :mod:`._numba_pool`); a tile of many rows is read back whole into the
-walk's tile buffer for its GEMM (as a paged cache's scattered float tile is copied).
+A decoding step's few rows multiply the stored rows in place (:func:`stored_scores`,
+:func:`stored_sums`: the products of :mod:`._numba_vectors`, each value read back in
+registers with the same arithmetic, in the order a float32 pool's products take) where
+:func:`in_place` says so: blocks of four rows, the forms read per token and KIVI's keys per
+channel. Other steps read the rows back in runs of :data:`STAGE_ROWS` into a buffer that
+stays in L1, then multiply it (the products of :mod:`._numba_pool`); a tile of many rows is
+read back whole into the walk's tile buffer for its GEMM (as a paged cache's scattered float
+tile is copied). On the serving benchmark's step (64 sequences of 128 to 8,192 tokens, AMD
+EPYC of the README's figures, two workers), reading in place took 0.49 to 0.79 of the time
+of reading back first (bfloat16 the least, float8 the most; ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -30,8 +36,11 @@ from ._numba_vectors import BF16 as BF16_
 from ._numba_vectors import BLOCK_KEYS, BLOCK_ROWS, F16C, WIDE_BITS, accumulator, dots
 from ._numba_vectors import E4M3 as E4M3_
 from ._numba_vectors import F16 as F16_
+from ._numba_vectors import FLOAT as FLOAT_
 from ._numba_vectors import U4 as U4_
+from ._numba_vectors import U4_CHANNELS as U4C_
 from ._numba_vectors import U8 as U8_
+from ._numba_vectors import U8_CHANNELS as U8C_
 from .paged import (
     BFLOAT16,
     FLOAT,
@@ -379,29 +388,34 @@ _BLOCK_BF16, _BLOCK_F16, _BLOCK_U8, _BLOCK_U4, _BLOCK_E4M3 = (
 _ONE_BF16, _ONE_F16, _ONE_U8, _ONE_U4, _ONE_E4M3 = (
     dots(form, 1) for form in (BF16_, F16_, U8_, U4_, E4M3_)
 )
-_SUMS_BF16, _SUMS_F16, _SUMS_U8, _SUMS_U4, _SUMS_E4M3 = (
-    accumulator(form) for form in (BF16_, F16_, U8_, U4_, E4M3_)
+_BLOCK_U8C, _BLOCK_U4C, _BLOCK_F32 = (dots(form, BLOCK_KEYS) for form in (U8C_, U4C_, FLOAT_))
+_ONE_U8C, _ONE_U4C, _ONE_F32 = (dots(form, 1) for form in (U8C_, U4C_, FLOAT_))
+_SUMS_BF16, _SUMS_F16 = (
+    accumulator(form, block_rows=2, wide=8 if WIDE_BITS == 512 else 4) for form in (BF16_, F16_)
 )
+_SUMS_U8, _SUMS_U4, _SUMS_E4M3 = (accumulator(form) for form in (U8_, U4_, E4M3_))
 _LANES = WIDE_BITS // 32
 
 
-def in_place(pool, rows):  # type: ignore[no-untyped-def]  # pragma: no cover
+def in_place(pool, rows, keys):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Whether a decoding step's ``rows`` multiply the stored ``pool``'s rows (:func:`flat`'s;
-    ``None``: a float pool) in place (:func:`stored_scores`, :func:`stored_sums`):
-    blocks of :data:`.BLOCK_ROWS` rows, a form read per token (not KIVI's keys, per
-    channel), rows of whole pairs of vectors. Else they are read back first (:func:`stage`)."""
+    ``None``: a float pool) in place (:func:`stored_scores`, :func:`stored_sums`): blocks of
+    :data:`.BLOCK_ROWS` rows, rows of whole pairs of vectors, a form read per token, or per
+    channel for the ``keys`` (KIVI's). Else they are read back first (:func:`stage`)."""
 
 
 @overload(in_place, jit_options={"boundscheck": False, "nogil": True})
-def _in_place_for(pool, rows):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _in_place_for(pool, rows, keys):  # type: ignore[no-untyped-def]  # pragma: no cover
     if isinstance(pool, types.NoneType):
-        return lambda pool, rows: False
+        return lambda pool, rows, keys: False
 
-    def in_place_(pool, rows):  # type: ignore[no-untyped-def]
+    def in_place_(pool, rows, keys):  # type: ignore[no-untyped-def]
         kind, group, d = pool[5][2], pool[5][3], pool[5][4]
         per_token = kind in (BFLOAT16, FLOAT16, PER_TOKEN, PER_TOKEN4, FLOAT8)
-        grouped = kind in (BFLOAT16, FLOAT16) or group % _LANES == 0
-        return rows % BLOCK_ROWS == 0 and per_token and grouped and d % (2 * _LANES) == 0
+        per_channel = keys and kind in (PER_CHANNEL, PER_CHANNEL4)
+        grouped = kind in (BFLOAT16, FLOAT16) or per_channel or group % _LANES == 0
+        read = (per_token or per_channel) and grouped
+        return read and rows % BLOCK_ROWS == 0 and d % (2 * _LANES) == 0
 
     return in_place_
 
@@ -409,8 +423,9 @@ def _in_place_for(pool, rows):  # type: ignore[no-untyped-def]  # pragma: no cov
 def stored_scores(pool, b, g, c0, c1, stacked, i0, rows, s):  # type: ignore[no-untyped-def]  # pragma: no cover
     """``s[i, c - c0] = stacked[i0 + i] . key_c`` for sequence ``b``'s keys ``[c0, c1)`` of
     head ``g`` in the stored ``pool`` (:func:`flat`'s, :func:`in_place`), read back in
-    registers as they are multiplied, block by block: the products' order and rounding of a
-    float32 pool's (:func:`._numba_pool.few_scores`)."""
+    registers as they are multiplied, block by block (per channel, group of tokens by group;
+    a block's unfilled group from the residual, in float32): the products' order and
+    rounding of a float32 pool's (:func:`._numba_pool.few_scores`)."""
 
 
 @overload(stored_scores, jit_options={"boundscheck": False, "nogil": True})
@@ -424,7 +439,9 @@ def _stored_scores(pool, b, g, c0, c1, stacked, i0, rows, s):  # type: ignore[no
     (data, d0, d1, d2, _), (table, t0, t1, block) = pool[0], pool[1]
     scales, s0, s1, s2, _ = pool[2]
     zeros, z0, z1, z2 = pool[3]
-    kind, group = pool[5][2], pool[5][3]
+    residual, r0, r1, r2 = pool[4]
+    held, sealed, kind, group = pool[5][0], pool[5][1], pool[5][2], pool[5][3]
+    channels = kind in (PER_CHANNEL, PER_CHANNEL4)
     row = table + b * t0
     c = c0
     while c < c1:
@@ -432,53 +449,34 @@ def _stored_scores(pool, b, g, c0, c1, stacked, i0, rows, s):  # type: ignore[no
         blk = _int(row + t1 * (c // block))
         end = min(c1, c - off + block)
         _prefetch_later(pool, row, g, c, end, c0, c1)
-        source = data + blk * d0 + off * d1 + g * d2
+        form, source, stride = kind, data + blk * d0 + off * d1 + g * d2, d1
         step, low = scales + blk * s0 + off * s1 + g * s2, zeros + blk * z0 + off * z1 + g * z2
-        n = end - c
+        if channels:
+            first = _int(sealed + 8 * blk)
+            if off >= first and _int(held + 8 * blk) >= 0:  # the unfilled group, in float32
+                form, stride = FLOAT, r2
+                source = residual + _int(held + 8 * blk) * r0 + g * r1 + (off - first) * r2
+            else:  # one group of tokens, its scales and zero points those of each row
+                end = min(end, c - off % group + group)
+                t = off // group
+                step, low = scales + blk * s0 + t * s1 + g * s2, zeros + blk * z0 + t * z1 + g * z2
+        n, where = end - c, (source, stride, step, low, s1, group)
         for i in range(0, rows, BLOCK_ROWS):
             k = 0
             while k + BLOCK_KEYS <= n:
-                _dots(
-                    kind,
-                    True,
-                    source,
-                    d1,
-                    step,
-                    low,
-                    s1,
-                    group,
-                    k,
-                    stacked,
-                    i0 + i,
-                    s,
-                    i,
-                    c - c0 + k,
-                )
+                _dots(form, True, where, k, stacked, i0 + i, s, i, c - c0 + k)
                 k += BLOCK_KEYS
             while k < n:
-                _dots(
-                    kind,
-                    False,
-                    source,
-                    d1,
-                    step,
-                    low,
-                    s1,
-                    group,
-                    k,
-                    stacked,
-                    i0 + i,
-                    s,
-                    i,
-                    c - c0 + k,
-                )
+                _dots(form, False, where, k, stacked, i0 + i, s, i, c - c0 + k)
                 k += 1
         c = end
 
 
 @njit(boundscheck=False, nogil=True, inline="always")
-def _dots(kind, block, source, d1, step, low, s1, group, k, stacked, j, s, i, col):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """:func:`._numba_vectors.dots` of ``kind``'s form, a block of keys or one."""
+def _dots(kind, block, where, k, stacked, j, s, i, col):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """:func:`._numba_vectors.dots` of ``kind``'s form, a block of keys or one; ``where =
+    (rows, row bytes, scales, zeros, scale row bytes, group)``."""
+    source, d1, step, low, s1, group = where
     if kind == BFLOAT16:
         if block:
             _BLOCK_BF16(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
@@ -494,6 +492,21 @@ def _dots(kind, block, source, d1, step, low, s1, group, k, stacked, j, s, i, co
             _BLOCK_U4(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
         else:
             _ONE_U4(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+    elif kind == PER_CHANNEL:
+        if block:
+            _BLOCK_U8C(source, d1, step, low, 0, group, k, stacked, j, s, i, col)
+        else:
+            _ONE_U8C(source, d1, step, low, 0, group, k, stacked, j, s, i, col)
+    elif kind == PER_CHANNEL4:
+        if block:
+            _BLOCK_U4C(source, d1, step, low, 0, group, k, stacked, j, s, i, col)
+        else:
+            _ONE_U4C(source, d1, step, low, 0, group, k, stacked, j, s, i, col)
+    elif kind == FLOAT:  # (KIVI's unfilled group, float32)
+        if block:
+            _BLOCK_F32(source, d1, step, low, 0, group, k, stacked, j, s, i, col)
+        else:
+            _ONE_F32(source, d1, step, low, 0, group, k, stacked, j, s, i, col)
     elif kind == FLOAT8:
         if block:
             _BLOCK_E4M3(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
@@ -529,32 +542,33 @@ def _stored_sums(pool, b, g, c0, c1, s, acc, i0, rows, partial):  # type: ignore
     row = table + b * t0
     w = c1 - c0
     finite = True
-    for i in range(0, rows, BLOCK_ROWS):
-        c = c0
-        while c < c1:
-            off = c % block
-            blk = _int(row + t1 * (c // block))
-            end = min(c1, c - off + block, c0 + ((c - c0) // FEW_KEYS + 1) * FEW_KEYS)
-            if i == 0:
-                _prefetch_later(pool, row, g, c, end, c0, c1)
-            source = data + blk * d0 + off * d1 + g * d2
-            step = scales + blk * s0 + off * s1 + g * s2
-            low = zeros + blk * z0 + off * z1 + g * z2
-            at, n = c - c0, end - c
+    c = c0
+    while c < c1:
+        off = c % block
+        blk = _int(row + t1 * (c // block))
+        end = min(c1, c - off + block, c0 + ((c - c0) // FEW_KEYS + 1) * FEW_KEYS)
+        _prefetch_later(pool, row, g, c, end, c0, c1)
+        source = data + blk * d0 + off * d1 + g * d2
+        step = scales + blk * s0 + off * s1 + g * s2
+        low = zeros + blk * z0 + off * z1 + g * z2
+        at, n = c - c0, end - c
+        for i in range(0, rows, BLOCK_ROWS):
             finite &= _sums(kind, source, d1, step, low, s1, group, n, s[i:], at, partial, i)
             if (end - c0) % FEW_KEYS == 0 or end - c0 == w:
                 flush(acc, partial, i0, i, i + BLOCK_ROWS)
-            c = end
+        c = end
     return finite
 
 
 @njit(boundscheck=False, nogil=True, inline="always")
 def _sums(kind, source, d1, step, low, s1, group, n, s, at, partial, i):  # type: ignore[no-untyped-def]  # pragma: no cover
     """:func:`._numba_vectors.accumulator` of ``kind``'s form over ``n`` rows from ``source``."""
-    if kind == BFLOAT16:
-        return _SUMS_BF16(source, d1, step, low, s1, group, 0, n, s, at, partial, i)
+    if kind == BFLOAT16:  # two rows at a time, each value's whole row at once
+        first = _SUMS_BF16(source, d1, step, low, s1, group, 0, n, s, at, partial, i)
+        return first & _SUMS_BF16(source, d1, step, low, s1, group, 0, n, s[2:], at, partial, i + 2)
     if kind == FLOAT16:
-        return _SUMS_F16(source, d1, step, low, s1, group, 0, n, s, at, partial, i)
+        first = _SUMS_F16(source, d1, step, low, s1, group, 0, n, s, at, partial, i)
+        return first & _SUMS_F16(source, d1, step, low, s1, group, 0, n, s[2:], at, partial, i + 2)
     if kind == PER_TOKEN4:
         return _SUMS_U4(source, d1, step, low, s1, group, 0, n, s, at, partial, i)
     if kind == FLOAT8:

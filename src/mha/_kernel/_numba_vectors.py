@@ -39,12 +39,13 @@ __all__ = [
 VECTOR_BITS = 256
 """Bits of a vector on every x86 CPU numba compiles for with AVX2 (:mod:`._numba_step`'s)."""
 
-FLOAT, BF16, F16, U8, U4, E4M3 = -1, 0, 1, 2, 3, 4
+FLOAT, BF16, F16, U8, U4, E4M3, U8_CHANNELS, U4_CHANNELS = -1, 0, 1, 2, 3, 4, 5, 6
 """Forms of the rows the products read: the compute dtype (``FLOAT``: float32 or float64);
 bfloat16 or float16 bits; 8-bit codes, 4-bit codes (two a byte, the even channel in the low
 four bits) or float8 e4m3 codes, each with a float16 scale and zero point per token and
-group of channels (e4m3: the scale only). (:mod:`._numba_stored` numbers its own read-backs
-from ``BF16`` on, these first.)"""
+group of channels (e4m3: the scale only); 8-bit or 4-bit codes with a scale and a zero point
+per channel (KIVI's keys: the same for the rows of a group of tokens). (:mod:`._numba_stored`
+numbers its read-backs as these.)"""
 
 _E4M3 = 2.0**120
 """float8 e4m3's seven bits ``eeeemmm`` shifted into float32's exponent and mantissa read
@@ -168,9 +169,9 @@ def values(builder: Any, form: int, row: Any, e: Any, lanes: int, step: Any, low
         nan = builder.icmp_unsigned("==", magnitude, splat(i32, 127))
         value = builder.select(nan, splat(real, float("nan")), value)
         return builder.fmul(value, step)
-    if form == U8:
+    if form in (U8, U8_CHANNELS):
         codes = builder.uitofp(load(builder, row, e, i8, lanes), floats)
-    else:  # U4
+    else:  # U4, U4_CHANNELS
         packed = load(builder, row, builder.sdiv(e, ir.Constant(i64, 2)), i8, lanes // 2)
         lo = builder.and_(packed, splat(i8, 15, lanes // 2))
         hi = builder.lshr(packed, splat(i8, 4, lanes // 2))
@@ -189,7 +190,13 @@ def _source(context: Any, builder: Any, signature: Any, args: Any) -> list[Any]:
 
 
 def _quantized(form: int) -> bool:
+    """Whether ``form`` has a scale per token and group of channels."""
     return form in (U8, U4, E4M3)
+
+
+def _channels(form: int) -> bool:
+    """Whether ``form`` has a scale per channel, the same for every row read at once."""
+    return form in (U8_CHANNELS, U4_CHANNELS)
 
 
 def _hsums(builder: Any, vectors: list[Any]) -> list[tuple[Any, int]]:
@@ -228,10 +235,11 @@ def dots(form: int, keys: int):  # type: ignore[no-untyped-def]
     stacked, i0, s, i, col)``: ``s[i + r, col + k] = stacked[i0 + r] . key_(c + k)`` for
     the :data:`BLOCK_ROWS` rows ``r`` and ``keys`` keys ``k``, key ``c`` the row at
     ``rows + c * row_bytes`` (:func:`_source`) of ``form``, read back in registers
-    (:func:`values`). Each sum: vector partial sums over the features in order, one
-    ``llvm.fmuladd`` a vector (fused where the CPU has FMA), then :func:`_hsum`: the same
+    (:func:`values`; per channel, every key's scales and zero points those at ``scales`` and
+    ``zeros``). Each sum: vector partial sums over the features in order, one
+    ``llvm.fmuladd`` a vector (fused where the CPU has FMA), then :func:`_hsums`: the same
     order for every block of keys and every form. ``stacked``'s width a multiple of the
-    vectors (and of ``group``, a multiple of them, for a quantized form)."""
+    vectors (and of ``group``, a multiple of them, for a form per token)."""
 
     @intrinsic
     def products(
@@ -282,6 +290,12 @@ def dots(form: int, keys: int):  # type: ignore[no-untyped-def]
                         lows[k] = half(builder, builder.add(zeros_, at), j, lanes)
                 end = builder.add(g0, span)
                 with cgutils.for_range_slice(builder, g0, end, const(lanes), index) as (e, _):
+                    if _channels(form):  # the keys' scales and zero points: the same rows
+                        i16 = ir.IntType(16)
+                        bits = [load(builder, at, builder.mul(e, const(2)), i16, lanes)
+                                for at in (scales_, zeros_)]  # fmt: skip
+                        steps = [float16(builder, bits[0])] * keys
+                        lows = [float16(builder, bits[1])] * keys
                     qs = []
                     for r in range(BLOCK_ROWS):
                         at = builder.add(builder.mul(builder.add(i0_, const(r)), q_ld), e)
@@ -328,22 +342,26 @@ def dots(form: int, keys: int):  # type: ignore[no-untyped-def]
     return products
 
 
-def accumulator(form: int, bits: int = WIDE_BITS):  # type: ignore[no-untyped-def]
+def accumulator(form: int, bits: int = WIDE_BITS, block_rows: int = BLOCK_ROWS, wide: int = 0):  # type: ignore[no-untyped-def]
     """An intrinsic ``accumulate(rows, row_bytes, scales, zeros, scale_row_bytes, group,
     c0, c1, s, at, partial, i) -> finite``: ``partial[i + r, d] += s[r, at + c] *
-    value_c[d]`` for the :data:`BLOCK_ROWS` rows ``r``, every ``d`` and ``c`` from ``c0`` to
-    ``c1`` in order, value ``c`` the row at ``rows + c * row_bytes`` (:func:`_source`) of
-    ``form``, read back in registers (:func:`values`); ``partial``'s width a multiple of two
-    vectors of ``bits`` (and of ``group``'s lanes), ``s`` and ``partial`` with contiguous
-    rows. ``finite``: whether every value read back is (a quantized form's: its scales and
-    zero points, with which no code overflows; ``True`` for ``FLOAT``, which the walk checks
-    apart).
+    value_c[d]`` for ``block_rows`` rows ``r``, every ``d`` and ``c`` from ``c0`` to ``c1`` in
+    order, value ``c`` the row at ``rows + c * row_bytes`` (:func:`_source`) of ``form``,
+    read back in registers (:func:`values`); ``partial``'s width a multiple of two vectors of
+    ``bits`` (and of ``group``'s lanes), ``s`` and ``partial`` with contiguous rows.
+    ``finite``: whether the sums are, so whether every value read back is (``p * x`` is not
+    finite for a value that is not, the weights being finite; a sum too large for float32
+    says so too: the walk then does the task in NumPy, as for a value not finite); ``True``
+    for ``FLOAT``, which the walk checks apart.
 
-    For each two vectors of features, the block's eight partial sums stay in registers while
-    the values go by, each ``llvm.fmuladd`` (fused where the CPU has FMA), the order and
-    rounding of ``a += p * x`` compiled with contraction. (numba's loop kept them in memory:
-    a load and a store per multiply-add, 0.36 ms for 4 rows of 8 heads of 1,024 values of
-    128, float32, against 0.19 here.)"""
+    For each ``wide`` vectors of features (four where the CPU has 32 registers, two where 16,
+    then pairs for the rest), the block's partial sums stay in registers while the values go
+    by, each ``llvm.fmuladd`` (fused where the CPU has FMA), the order and rounding of ``a +=
+    p * x`` compiled with contraction, whatever ``wide`` and ``block_rows`` (numba's loop
+    kept the sums in memory: a load and a store per multiply-add, 0.36 ms for 4 rows of 8
+    heads of 1,024 values of 128, float32, against 0.19 here). Two rows of whole rows of
+    values (``wide = 8``) read each value as one stream: bfloat16's values summed in 0.74 of
+    the time of four rows of half rows; codes, read back twice so, in 1.4 times it."""
 
     @intrinsic
     def accumulate(
@@ -393,61 +411,78 @@ def accumulator(form: int, bits: int = WIDE_BITS):  # type: ignore[no-untyped-de
             def vector_at(base: Any, offset: Any) -> Any:
                 return builder.bitcast(builder.gep(base, [offset]), vector.as_pointer())
 
-            held = [
-                [cgutils.alloca_once(builder, vector) for _ in range(2)] for _ in range(BLOCK_ROWS)
-            ]
-            step = const(2 * lanes)
-            with cgutils.for_range_slice(builder, const(0), width, step, index) as (d0, _):
-                rows_ = [builder.mul(builder.add(i_, const(r)), p_ld) for r in range(BLOCK_ROWS)]
-                for r, pair in enumerate(held):
-                    for h, slot in enumerate(pair):
+            count = wide or (4 if bits == 512 else 2)  # vectors of a row of sums
+            held = [[cgutils.alloca_once(builder, vector) for _ in range(count)]
+                    for _ in range(block_rows)]  # fmt: skip
+
+            def accumulate_rows(d0: Any, count: int, span: int) -> None:
+                """The values ``[c0, c1)``'s ``count`` vectors from feature ``d0``, each
+                ``span`` of them under one scale (a quantized form's group)."""
+                firsts = [builder.add(d0, const(h * lanes)) for h in range(count)]
+                with cgutils.for_range_slice(builder, c0_, c1_, const(1), index) as (c, _):
+                    row = builder.add(source, builder.mul(c, row_bytes_))
+                    xs, step_, low = [], None, None
+                    for h, e in enumerate(firsts):
+                        if _quantized(form) and h % span == 0:
+                            j = builder.sdiv(e, group_)
+                            scale_row = builder.mul(c, scale_bytes_)
+                            step_ = half(builder, builder.add(scales_, scale_row), j, lanes)
+                            low = half(builder, builder.add(zeros_, scale_row), j, lanes)
+                        if form == FLOAT:
+                            xs.append(load(builder, row, builder.mul(e, item), real, lanes))
+                        else:
+                            xs.append(values(builder, form, row, e, lanes, step_, low))
+                    for r, slots in enumerate(held):
+                        here = builder.add(builder.mul(const(r), s_ld), builder.add(at_, c))
+                        p = builder.load(builder.gep(scores.data, [here]), align=align)
+                        p = builder.insert_element(ir.Constant(vector, ir.Undefined), p, zero32)
+                        p = builder.shuffle_vector(p, ir.Constant(vector, ir.Undefined), splat)
+                        for x, slot in zip(xs, slots[:count], strict=True):
+                            builder.store(builder.call(fma, [p, x, builder.load(slot)]), slot)
+
+            def chunk(d0: Any, count: int) -> None:
+                """Features ``[d0, d0 + count vectors)``: the sums loaded, the values added,
+                the sums stored (and checked)."""
+                rows_ = [builder.mul(builder.add(i_, const(r)), p_ld) for r in range(block_rows)]
+                for r, slots in enumerate(held):
+                    for h, slot in enumerate(slots[:count]):
                         at_d = builder.add(builder.add(rows_[r], d0), const(h * lanes))
                         builder.store(builder.load(vector_at(sums.data, at_d), align=align), slot)
-                firsts = [builder.add(d0, const(h * lanes)) for h in range(2)]
-
-                def accumulate_rows(shared: bool) -> None:
-                    """The values ``[c0, c1)``, their two vectors' scales the same where
-                    ``shared`` (a group of at least two vectors)."""
-                    with cgutils.for_range_slice(builder, c0_, c1_, const(1), index) as (c, _):
-                        row = builder.add(source, builder.mul(c, row_bytes_))
-                        xs, step_, low = [], None, None
-                        for h, e in enumerate(firsts):
-                            if _quantized(form) and (h == 0 or not shared):
-                                j = builder.sdiv(e, group_)
-                                scale_row = builder.mul(c, scale_bytes_)
-                                step_ = half(builder, builder.add(scales_, scale_row), j, lanes)
-                                low = half(builder, builder.add(zeros_, scale_row), j, lanes)
-                            if form == FLOAT:
-                                xs.append(load(builder, row, builder.mul(e, item), real, lanes))
+                if _quantized(form):  # vectors under one scale: by the group's width
+                    spans = [k for k in (4, 2) if k <= count]
+                    tests = [builder.icmp_signed(
+                        "==", builder.srem(group_, const(k * lanes)), const(0)
+                    ) for k in spans]  # fmt: skip
+                    with builder.if_else(tests[0]) as (first, rest):
+                        with first:
+                            accumulate_rows(d0, count, spans[0])
+                        with rest:
+                            if len(spans) > 1:
+                                with builder.if_else(tests[1]) as (second, last):
+                                    with second:
+                                        accumulate_rows(d0, count, spans[1])
+                                    with last:
+                                        accumulate_rows(d0, count, 1)
                             else:
-                                xs.append(values(builder, form, row, e, lanes, step_, low))
-                        for r, pair in enumerate(held):
-                            here = builder.add(builder.mul(const(r), s_ld), builder.add(at_, c))
-                            p = builder.load(builder.gep(scores.data, [here]), align=align)
-                            p = builder.insert_element(ir.Constant(vector, ir.Undefined), p, zero32)
-                            p = builder.shuffle_vector(p, ir.Constant(vector, ir.Undefined), splat)
-                            for x, slot in zip(xs, pair, strict=True):
-                                builder.store(builder.call(fma, [p, x, builder.load(slot)]), slot)
-
-                if _quantized(form):
-                    wide_groups = builder.icmp_signed(
-                        "==", builder.srem(group_, const(2 * lanes)), const(0)
-                    )
-                    with builder.if_else(wide_groups) as (shared, apart):
-                        with shared:
-                            accumulate_rows(True)
-                        with apart:
-                            accumulate_rows(False)
+                                accumulate_rows(d0, count, 1)
                 else:
-                    accumulate_rows(False)
-                if form != FLOAT:  # a value not finite leaves its sums not finite
-                    for pair in held:
-                        for slot in pair:
-                            check(builder.load(slot))
-                for r, pair in enumerate(held):
-                    for h, slot in enumerate(pair):
+                    accumulate_rows(d0, count, 1)
+                for r, slots in enumerate(held):
+                    for h, slot in enumerate(slots[:count]):
+                        total = builder.load(slot)
+                        if form != FLOAT:  # a value not finite leaves its sums not finite
+                            check(total)
                         at_d = builder.add(builder.add(rows_[r], d0), const(h * lanes))
-                        builder.store(builder.load(slot), vector_at(sums.data, at_d), align=align)
+                        builder.store(total, vector_at(sums.data, at_d), align=align)
+
+            step = const(count * lanes)
+            whole = builder.mul(builder.sdiv(width, step), step)
+            with cgutils.for_range_slice(builder, const(0), whole, step, index) as (d0, _):
+                chunk(d0, count)
+            if count > 2:  # the rest in pairs of vectors
+                pair = const(2 * lanes)
+                with cgutils.for_range_slice(builder, whole, width, pair, index) as (d0, _):
+                    chunk(d0, 2)
             odd = builder.bitcast(builder.load(seen), ir.IntType(lanes))
             return builder.icmp_unsigned("==", odd, ir.Constant(ir.IntType(lanes), 0))
 
