@@ -20,7 +20,8 @@
    float32 residual) over this machine's memory bandwidth (``np.sum`` of 0.5 GiB on every
    core), and against the larger of that and the step's multiply-adds (``2 H d`` per held
    token, scores and values, whatever the cache holds) at this machine's float32 GEMM rate
-   (NumPy's BLAS on every core: the rate the CPU's vector units reach).
+   (NumPy's BLAS on every core, with the kernel it runs: held to an older one where the
+   environment sets ``OPENBLAS_CORETYPE``, the rate is lower and this floor higher).
 2. The same step with every sequence at the same length, where padding costs nothing: the
    paged cache's time against the contiguous cache's.
 

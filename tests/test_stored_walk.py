@@ -182,11 +182,22 @@ def test_values_multiplied_in_place_flag_a_value_not_finite(walks, kind, dtype):
     pool = walk.stored_pool(values.pool, values.table, values.block_size, d,
                             *values.stored_parts())  # fmt: skip
     s = np.full((4, 40), 0.5, np.float32)
+    s[:, 33 - 20] = 0.0  # (a weight of 0: a hidden key, where the flag matters)
     acc, partial = np.zeros((4, d), np.float32), np.zeros((4, d), np.float32)
     assert not accumulate(pool, 0, 40, s, acc, partial)
     assert not accumulate(pool, 20, 36, s, acc, partial)
     partial[:] = 0.0
     assert accumulate(pool, 0, 32, s, acc, partial)
+    if kind is None:  # values finite but their sums too large for float32: finite
+        big = paged(kind, dtype, None, 1, d)
+        big.add(0)
+        huge = np.full((1, 40, d), 3e38 if dtype == "bfloat16" else 6e4, np.float32)
+        big.append(0, huge, huge)
+        _, held = big._attended(40)
+        pool = walk.stored_pool(held.pool, held.table, held.block_size, d)
+        s[:] = 1.0
+        partial[:] = 0.0
+        assert accumulate(pool, 0, 40, s, acc, partial)
     assert taken(pool, 4) and taken(pool, 8)
     assert not taken(pool, 2) and not taken(pool, 1)
 
@@ -215,14 +226,20 @@ def test_kivi_keys_are_multiplied_in_place_as_scores_only(walks):
     assert not taken(pools[0], 2, True)
 
 
-@pytest.mark.parametrize(("kind", "dtype", "group"), KINDS)
+WIDTHS = [(*kind, d) for kind in KINDS for d in (64, 96, 128)
+          if kind[2] is None or 96 % kind[2] == 0 or d != 96]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "dtype", "group", "d"), WIDTHS)
 def test_products_in_place_give_the_bits_of_products_of_the_rows_read_back(
-    walks, kind, dtype, group
+    walks, kind, dtype, group, d
 ):
     """A decoding step's products on the stored rows in place (``stored_scores``,
-    ``stored_sums``: 4 and 8 rows, ranges within a block, across blocks apart, ending
-    mid-block, KIVI's unfilled group) equal bit for bit the products of the float32 rows
-    read back first (``stage``, then ``few_scores`` and ``few_accumulate``)."""
+    ``stored_sums``: 4 and 8 rows; rows of 64, 96 and 128 values, whole and partial chunks
+    of the sums; ranges within a block, across blocks apart, ending mid-block, past the
+    sums' flush every 256 positions; KIVI's unfilled group) equal bit for bit the products
+    of the float32 rows read back first (``stage``, then ``few_scores`` and
+    ``few_accumulate``)."""
     from numba import njit
 
     from mha._kernel._numba_pool import address, few_accumulate, few_scores
@@ -250,9 +267,9 @@ def test_products_in_place_give_the_bits_of_products_of_the_rows_read_back(
         return in_place(flat(keys), rows, True) and in_place(flat(values), rows, False)
 
     rng = np.random.default_rng(11)
-    H_kv, d = 2, 64
-    cache = paged(kind, dtype, group, H_kv, d)
-    for seq, n in zip("abc", (70, 45, 101), strict=True):
+    H_kv = 2
+    cache = paged(kind, dtype, group, H_kv, d, blocks=96)
+    for seq, n in zip("abc", (70, 45, 601), strict=True):
         cache.add(seq)
         cache.append(seq, *(rng.standard_normal((H_kv, n, d)).astype(np.float32) for _ in "kv"))
     cache.release("b")
@@ -264,7 +281,8 @@ def test_products_in_place_give_the_bits_of_products_of_the_rows_read_back(
         assert taken(*pools, rows)
         q = rng.standard_normal((rows, d)).astype(np.float32)
         for b, n in enumerate(cache.lengths):
-            for c0, c1 in [(0, int(n)), (3, 37), (15, 17), (int(n) - 5, int(n))]:
+            for c0, c1 in [(0, int(n)), (3, 37), (15, 17), (int(n) - 5, int(n)), (1, 300)]:
+                c1 = min(c1, int(n))
                 for g in range(H_kv):
                     outs = []
                     for product in (in_place_products, read_back_products):
@@ -346,8 +364,8 @@ def test_the_read_back_compiled_for_a_cpu_without_f16c_or_avx512_gives_the_same_
     script = (
         "import sys; sys.path.insert(0, 'tests'); import numpy as np\n"
         "import test_stored_walk as t\n"
-        "from mha._kernel import _numba_pool, _numba_stored\n"
-        "assert not _numba_stored.F16C and _numba_pool.WIDE_BITS == 256\n"
+        "from mha._kernel import _numba_vectors as v\n"
+        "assert not v.F16C and v.WIDE_BITS == 256 and v.BLOCK_KEYS == 2\n"
         "for kind, dtype, group in [('int8', np.float32, 32), (None, np.float16, None),\n"
         "                           ('kivi4', np.float32, 32), ('fp8', np.float32, 32)]:\n"
         "    t.test_the_walk_reads_back_the_bits_numpy_reads(None, kind, dtype, group)\n"
@@ -444,6 +462,29 @@ def test_a_hidden_non_finite_stored_value_sends_its_task_to_the_numpy_walk():
     error = np.abs(out[0, :, :30] - expected[0]).max() / np.abs(expected).max()
     assert error <= 1e-6
     assert not np.isfinite(out[0, :, 30:]).any()
+
+
+def test_a_hidden_non_finite_value_in_a_step_multiplied_in_place_goes_to_the_numpy_walk():
+    """Two query rows a key/value head of four (eight rows: the products in place), a
+    bfloat16 value of +inf at the step's last new key, which its first row cannot see: that
+    row's output finite and equal to the float64 attention over what it sees, the other's
+    not finite."""
+    rng = np.random.default_rng(21)
+    H, H_kv, d, n = 8, 2, 64, 300
+    cache = paged(None, "bfloat16", None, H_kv, d)
+    cache.add(0)
+    cache.append(0, *(rng.standard_normal((H_kv, n, d)).astype(np.float32) for _ in "kv"))
+    q = rng.standard_normal((1, H, 2, d)).astype(np.float32)
+    k = rng.standard_normal((1, H_kv, 2, d)).astype(np.float32)
+    v = rng.standard_normal((1, H_kv, 2, d)).astype(np.float32)
+    v[0, :, 1] = np.inf
+    out = mha.scaled_dot_product_attention(q, k, v, cache=cache)
+    keys, values = cache.dequantized(0)
+    expected = dense64(q[:, :, :1], [keys[:, : n + 1]], [values[:, : n + 1]], [n + 1], [1])
+    assert np.isfinite(out[0, :, 0]).all()
+    error = np.abs(out[0, :, 0] - expected[0, :, 0]).max() / np.abs(expected).max()
+    assert error <= 1e-6
+    assert not np.isfinite(out[0, :, 1]).any()
 
 
 def test_groups_apart_from_the_walks_vectors_take_the_numpy_walk(monkeypatch, record_error):

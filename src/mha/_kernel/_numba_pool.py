@@ -31,7 +31,6 @@ from ._numba_vectors import (
     WIDE_BITS,
     accumulator,
     dots,
-    target_features,
 )
 
 __all__ = [
@@ -44,7 +43,6 @@ __all__ = [
     "key_ld",
     "run_at",
     "run_end",
-    "target_features",
     "tile_at",
     "typed",
 ]
@@ -210,15 +208,15 @@ def few_scores(run, stacked, i0, rows, s, at):  # type: ignore[no-untyped-def]  
                     if i == 0:
                         for k in range(c, c + BLOCK_KEYS):
                             _ahead(run, k, size, d_k)
-                    _dots_block(address, ld * size, 0, 0, 0, 0, c, stacked, j, s, i, at + c)
+                    _float_dots(address, ld * size, c, stacked, j, s, i, at + c, True)
                     c += BLOCK_KEYS
                 while vectors and c < stop:
                     if i == 0:
                         _ahead(run, c, size, d_k)
-                    _dots_one(address, ld * size, 0, 0, 0, 0, c, stacked, j, s, i, at + c)
+                    _float_dots(address, ld * size, c, stacked, j, s, i, at + c, False)
                     c += 1
                 q0, q1, q2, q3 = stacked[j], stacked[j + 1], stacked[j + 2], stacked[j + 3]
-                while c + 4 <= stop:  # four keys by four rows: 16 sums in registers
+                while c + 4 <= stop:  # (rows not of whole vectors) 16 sums in registers
                     if i == 0:
                         for k in range(c, c + 4):
                             _ahead(run, k, size, d_k)
@@ -291,6 +289,28 @@ _dots_block, _dots_one = dots(FLOAT, BLOCK_KEYS), dots(FLOAT, 1)
 
 
 @njit(boundscheck=False, nogil=True)
+def _float_dots(address, row_bytes, c, stacked, j, s, i, col, block):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """:func:`._numba_vectors.dots` of a float pool's keys, a block or one: called from
+    here, compiled without the walks' fastmath flags (which numba gives every instruction
+    of a function), so the sums' order is the intrinsic's own, as where the stored pools'
+    products call it (:mod:`._numba_stored`)."""
+    if block:
+        _dots_block(address, row_bytes, 0, 0, 0, 0, c, stacked, j, s, i, col)
+    else:
+        _dots_one(address, row_bytes, 0, 0, 0, 0, c, stacked, j, s, i, col)
+
+
+@njit(boundscheck=False, nogil=True)
+def _float_sums(address, row_bytes, c0, c1, s, at, partial, i, wide):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """:func:`._numba_vectors.accumulator` of a float pool's values, compiled without the
+    walks' fastmath flags (as :func:`_float_dots`)."""
+    if wide:
+        _accumulate_wide(address, row_bytes, 0, 0, 0, 0, c0, c1, s, at, partial, i)
+    else:
+        _accumulate_narrow(address, row_bytes, 0, 0, 0, 0, c0, c1, s, at, partial, i)
+
+
+@njit(boundscheck=False, nogil=True)
 def flush(acc, partial, i0, j0, j1):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Rows ``[j0, j1)`` of ``partial`` added into ``acc``'s rows from ``i0 + j0``, and zeroed."""
     for j in range(j0, j1):
@@ -327,10 +347,7 @@ def few_accumulate(run, s, at, w, acc, i0, rows, partial):  # type: ignore[no-un
             if i == 0:
                 for k in range(c, end):
                     _ahead(run, k, size, d_v)
-            if wide:
-                _accumulate_wide(address, ld * size, 0, 0, 0, 0, c, end, s[i:], at, partial, i)
-            else:
-                _accumulate_narrow(address, ld * size, 0, 0, 0, 0, c, end, s[i:], at, partial, i)
+            _float_sums(address, ld * size, c, end, s[i:], at, partial, i, wide)
             if (at + end) % FEW_KEYS == 0 or at + end == w:
                 flush(acc, partial, i0, i, i + BLOCK_ROWS)
             c = end

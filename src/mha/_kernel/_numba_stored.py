@@ -19,9 +19,9 @@ registers with the same arithmetic, in the order a float32 pool's products take)
 channel. Other steps read the rows back in runs of :data:`STAGE_ROWS` into a buffer that
 stays in L1, then multiply it (the products of :mod:`._numba_pool`); a tile of many rows is
 read back whole into the walk's tile buffer for its GEMM (as a paged cache's scattered float
-tile is copied). On the serving benchmark's step (64 sequences of 128 to 8,192 tokens, AMD
-EPYC of the README's figures, two workers), reading in place took 0.49 to 0.79 of the time
-of reading back first (bfloat16 the least, float8 the most; ``docs/benchmarks.md``).
+tile is copied). On the serving benchmark's step (64 sequences of 128 to 8,192 tokens, the
+AMD EPYC of the README's figures, two workers), int8's step took 31.5-34.7 ms in place
+against 39.8-51.3 read back first, bfloat16's 39-41 against 51-53 (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,17 @@ from numba.extending import intrinsic, overload
 
 from ._numba_pool import FEW_KEYS, _prefetch, address, flush
 from ._numba_vectors import BF16 as BF16_
-from ._numba_vectors import BLOCK_KEYS, BLOCK_ROWS, F16C, WIDE_BITS, accumulator, dots
+from ._numba_vectors import (
+    BLOCK_KEYS,
+    BLOCK_ROWS,
+    WIDE_BITS,
+    accumulator,
+    dots,
+    float16,
+    half,
+    load,
+    values,
+)
 from ._numba_vectors import E4M3 as E4M3_
 from ._numba_vectors import F16 as F16_
 from ._numba_vectors import FLOAT as FLOAT_
@@ -53,7 +63,7 @@ from .paged import (
     PER_TOKEN4,
 )
 
-__all__ = ["STAGE_ROWS", "flat", "stage", "stored"]
+__all__ = ["STAGE_ROWS", "flat", "in_place", "stage", "stored", "stored_scores", "stored_sums"]
 
 STAGE_ROWS = 32
 """Rows of a decoding step's keys (or values) read back at a time: 16 KiB of float32 at
@@ -66,24 +76,13 @@ paged cache's blocks lie apart, each head's rows of a block a few KiB, too few f
 CPU's own prefetcher to run ahead of the reads (128 gained 30% on a decoding step of int8
 codes; 256 and 512 no more)."""
 
-_E4M3 = 2.0**120
-"""float8 e4m3's seven bits ``eeeemmm`` shifted into float32's exponent and mantissa read
-``2^(e - 127) (1 + m/8)`` (``m/8 2^-126`` for ``e = 0``); times ``2^(127 - 7)``, exactly
-e4m3's number, subnormals too."""
-
-BF16, F16, U8, U4, E4M3, U8_CHANNELS, U4_CHANNELS, F32 = range(8)
-"""The forms :func:`_reader` reads: bfloat16 or float16 bits; 8-bit codes, 4-bit codes (two
-a byte, the even channel in the low four bits) or float8 e4m3 codes with a scale and a zero
-point per group of channels; 8-bit or 4-bit codes with a scale and a zero point per channel
-(KIVI's keys); float32 (a copy: KIVI's unfilled groups). Scales and zero points are float16
-bits."""
-
 
 def _reader(form: int):  # type: ignore[no-untyped-def]
     """An intrinsic ``read(source, target, n, group, scales, zeros, check) -> finite``:
-    ``n`` values (a multiple of :data:`.paged.LANES` and of ``group``) of ``form`` at address
-    ``source`` read back into float32 at address ``target``, a vector at a time (numba's own
-    loops stayed scalar: 0.25 ns a value; these, 16 lanes, 0.06). Codes become ``code * step
+    ``n`` values (a multiple of :data:`.paged.LANES` and of ``group``) of ``form`` (one of
+    :mod:`._numba_vectors`' forms, read by its :func:`values`) at address ``source`` read
+    back into float32 at address ``target``, a vector at a time (numba's own loops stayed
+    scalar: 0.25 ns a value; these, 16 lanes, 0.06). Codes become ``code * step
     + low`` (two roundings, as NumPy's ``*=`` then ``+=``), float8 ``e4m3 * step``: per
     token, each ``group`` values with the float16 ``step`` and ``low`` at ``scales[j]`` and
     ``zeros[j]`` in turn (a run of rows: their groups one after another); per channel, rows
@@ -94,79 +93,16 @@ def _reader(form: int):  # type: ignore[no-untyped-def]
     @intrinsic
     def read(typingctx, source, target, n, group, scales, zeros, check):  # type: ignore[no-untyped-def]  # pragma: no cover
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            i8, i16, i32, i64 = (ir.IntType(bits) for bits in (8, 16, 32, 64))
+            i16, i64 = ir.IntType(16), ir.IntType(64)
             real = ir.FloatType()
             floats = ir.VectorType(real, LANES)
             source_, target_, count, size, scales_, zeros_, check_ = args
-
-            def vector(kind, count):  # type: ignore[no-untyped-def]
-                return ir.VectorType(kind, count)
-
-            def splat(kind, value, count=LANES):  # type: ignore[no-untyped-def]
-                return ir.Constant(vector(kind, count), [value] * count)
+            out = builder.inttoptr(target_, real.as_pointer())
+            flags = ir.VectorType(ir.IntType(1), LANES)
+            seen = cgutils.alloca_once_value(builder, ir.Constant(flags, [0] * LANES))
 
             def constant(value):  # type: ignore[no-untyped-def]
                 return ir.Constant(i64, value)
-
-            def load(address, offset, kind, count):  # type: ignore[no-untyped-def]
-                at = builder.gep(builder.inttoptr(address, i8.as_pointer()), [offset])
-                return builder.load(builder.bitcast(at, vector(kind, count).as_pointer()), align=1)
-
-            def float16(bits):  # type: ignore[no-untyped-def]
-                """float16 ``bits`` (LANES x i16) as float32: F16C's conversion where numba
-                compiles for it, else in integer operations: the exponent and mantissa
-                shifted into float32's, times 2^112 (normal and subnormal numbers, exactly),
-                infinities and NaNs given float32's exponent, then the sign. (LLVM's own
-                conversion calls a library function where the CPU lacks F16C, which numba's
-                JIT does not link.)"""
-                if F16C:
-                    halfs = builder.bitcast(bits, vector(ir.HalfType(), LANES))
-                    return builder.fpext(halfs, floats)
-                x = builder.zext(bits, vector(i32, LANES))
-                sign = builder.shl(builder.and_(x, splat(i32, 0x8000)), splat(i32, 16))
-                rest = builder.shl(builder.and_(x, splat(i32, 0x7FFF)), splat(i32, 13))
-                number = builder.fmul(builder.bitcast(rest, floats), splat(real, 2.0**112))
-                special = builder.or_(rest, splat(i32, 0x7F800000))  # infinity, NaN
-                odd = builder.icmp_unsigned(">=", rest, splat(i32, 0x7C00 << 13))
-                value = builder.select(odd, special, builder.bitcast(number, vector(i32, LANES)))
-                return builder.bitcast(builder.or_(value, sign), floats)
-
-            def halves(address, e):  # type: ignore[no-untyped-def]
-                return float16(load(address, builder.mul(e, constant(2)), i16, LANES))
-
-            def half(address, j):  # type: ignore[no-untyped-def]
-                at = builder.gep(builder.inttoptr(address, i16.as_pointer()), [j])
-                one = builder.insert_element(
-                    ir.Constant(vector(i16, LANES), ir.Undefined),
-                    builder.load(at, align=2),
-                    ir.Constant(i32, 0),
-                )
-                undefined = ir.Constant(vector(i16, LANES), ir.Undefined)
-                return float16(builder.shuffle_vector(one, undefined, splat(i32, 0)))
-
-            def codes(e):  # type: ignore[no-untyped-def]
-                if form in (U8, U8_CHANNELS):
-                    return builder.uitofp(load(source_, e, i8, LANES), floats)
-                packed = load(source_, builder.sdiv(e, constant(2)), i8, LANES // 2)
-                lo = builder.and_(packed, splat(i8, 15, LANES // 2))
-                hi = builder.lshr(packed, splat(i8, 4, LANES // 2))
-                order = [k // 2 + (LANES // 2) * (k % 2) for k in range(LANES)]
-                pairs = builder.shuffle_vector(lo, hi, ir.Constant(vector(i32, LANES), order))
-                return builder.uitofp(pairs, floats)
-
-            def float8(e, step):  # type: ignore[no-untyped-def]
-                x = builder.zext(load(source_, e, i8, LANES), vector(i32, LANES))
-                magnitude = builder.and_(x, splat(i32, 127))
-                sign = builder.shl(builder.and_(x, splat(i32, 128)), splat(i32, 24))
-                bits = builder.or_(sign, builder.shl(magnitude, splat(i32, 20)))
-                value = builder.fmul(builder.bitcast(bits, floats), splat(real, _E4M3))
-                nan = builder.icmp_unsigned("==", magnitude, splat(i32, 127))
-                value = builder.select(nan, splat(real, float("nan")), value)
-                return builder.fmul(value, step)
-
-            out = builder.inttoptr(target_, real.as_pointer())
-            flags = vector(ir.IntType(1), LANES)
-            seen = cgutils.alloca_once_value(builder, ir.Constant(flags, [0] * LANES))
 
             def store(value, e, checking):  # type: ignore[no-untyped-def]
                 at = builder.bitcast(builder.gep(out, [e]), floats.as_pointer())
@@ -179,39 +115,33 @@ def _reader(form: int):  # type: ignore[no-untyped-def]
             def every(start, stop):  # type: ignore[no-untyped-def]
                 return cgutils.for_range_slice(builder, start, stop, constant(LANES), i64)
 
+            def read_back(e, step, low):  # type: ignore[no-untyped-def]
+                return values(builder, form, source_, e, LANES, step, low)
+
             def emit(checking):  # type: ignore[no-untyped-def]
-                if form in (U8, U4, E4M3):  # per token: a step (and a zero) per group
+                if form in (U8_, U4_, E4M3_):  # per token: a step (and a zero) per group
                     groups = builder.sdiv(count, size)
                     with cgutils.for_range(builder, groups) as loop:
                         j = loop.index
-                        step, low = half(scales_, j), half(zeros_, j)
+                        step, low = (
+                            half(builder, scales_, j, LANES),
+                            half(builder, zeros_, j, LANES),
+                        )
                         first = builder.mul(j, size)
                         with every(first, builder.add(first, size)) as (e, _):
-                            if form == E4M3:
-                                store(float8(e, step), e, checking)
-                            else:
-                                store(builder.fadd(builder.fmul(codes(e), step), low), e, checking)
-                elif form in (U8_CHANNELS, U4_CHANNELS):  # rows of ``group`` values, each its own
+                            store(read_back(e, step, low), e, checking)
+                elif form in (U8C_, U4C_):  # rows of ``group`` values, each its own
                     with cgutils.for_range(builder, builder.sdiv(count, size)) as loop:
                         first = builder.mul(loop.index, size)
                         with every(constant(0), size) as (e, _):
+                            twice = builder.mul(e, constant(2))
+                            step, low = (float16(builder, load(builder, at, twice, i16, LANES))
+                                         for at in (scales_, zeros_))  # fmt: skip
                             at = builder.add(first, e)
-                            value = builder.fmul(codes(at), halves(scales_, e))
-                            store(builder.fadd(value, halves(zeros_, e)), at, checking)
+                            store(read_back(at, step, low), at, checking)
                 else:
                     with every(constant(0), count) as (e, _):
-                        if form == BF16:
-                            bits = load(source_, builder.mul(e, constant(2)), i16, LANES)
-                            bits = builder.shl(
-                                builder.zext(bits, vector(i32, LANES)), splat(i32, 16)
-                            )
-                            store(builder.bitcast(bits, floats), e, checking)
-                        elif form == F16:
-                            store(halves(source_, e), e, checking)
-                        else:
-                            store(
-                                load(source_, builder.mul(e, constant(4)), real, LANES), e, checking
-                            )
+                        store(read_back(e, None, None), e, checking)
 
             with builder.if_else(check_) as (checked, unchecked):
                 with checked:
@@ -227,13 +157,16 @@ def _reader(form: int):  # type: ignore[no-untyped-def]
     return read
 
 
-_READ_BF16, _READ_F16, _READ_U8, _READ_U4, _READ_E4M3 = (_reader(f) for f in range(5))
-_READ_U8_CHANNELS, _READ_U4_CHANNELS, _READ_F32 = (_reader(f) for f in range(5, 8))
+_READ_BF16, _READ_F16, _READ_U8, _READ_U4, _READ_E4M3 = (
+    _reader(form) for form in (BF16_, F16_, U8_, U4_, E4M3_)
+)
+_READ_U8_CHANNELS, _READ_U4_CHANNELS, _READ_F32 = (_reader(form) for form in (U8C_, U4C_, FLOAT_))
 
 
 @njit(boundscheck=False, nogil=True, inline="always")
 def stored(pool):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """Whether ``pool`` is stored narrower (read back by :func:`stage`), not read in place."""
+    """Whether ``pool`` is stored narrower than the compute dtype (read back into it, first
+    by :func:`stage` or in registers by :func:`stored_scores` and :func:`stored_sums`)."""
     return pool[5][0] != FLOAT
 
 
@@ -390,8 +323,9 @@ _ONE_BF16, _ONE_F16, _ONE_U8, _ONE_U4, _ONE_E4M3 = (
 )
 _BLOCK_U8C, _BLOCK_U4C, _BLOCK_F32 = (dots(form, BLOCK_KEYS) for form in (U8C_, U4C_, FLOAT_))
 _ONE_U8C, _ONE_U4C, _ONE_F32 = (dots(form, 1) for form in (U8C_, U4C_, FLOAT_))
-_SUMS_BF16, _SUMS_F16 = (
-    accumulator(form, block_rows=2, wide=8 if WIDE_BITS == 512 else 4) for form in (BF16_, F16_)
+_SUMS_BF16, _SUMS_F16, _MORE_BF16, _MORE_F16 = (
+    accumulator(form, block_rows=2, wide=8 if WIDE_BITS == 512 else 4, checked=checked)
+    for checked, form in ((True, BF16_), (True, F16_), (False, BF16_), (False, F16_))
 )
 _SUMS_U8, _SUMS_U4, _SUMS_E4M3 = (accumulator(form) for form in (U8_, U4_, E4M3_))
 _LANES = WIDE_BITS // 32
@@ -565,10 +499,10 @@ def _sums(kind, source, d1, step, low, s1, group, n, s, at, partial, i):  # type
     """:func:`._numba_vectors.accumulator` of ``kind``'s form over ``n`` rows from ``source``."""
     if kind == BFLOAT16:  # two rows at a time, each value's whole row at once
         first = _SUMS_BF16(source, d1, step, low, s1, group, 0, n, s, at, partial, i)
-        return first & _SUMS_BF16(source, d1, step, low, s1, group, 0, n, s[2:], at, partial, i + 2)
+        return first & _MORE_BF16(source, d1, step, low, s1, group, 0, n, s[2:], at, partial, i + 2)
     if kind == FLOAT16:
         first = _SUMS_F16(source, d1, step, low, s1, group, 0, n, s, at, partial, i)
-        return first & _SUMS_F16(source, d1, step, low, s1, group, 0, n, s[2:], at, partial, i + 2)
+        return first & _MORE_F16(source, d1, step, low, s1, group, 0, n, s[2:], at, partial, i + 2)
     if kind == PER_TOKEN4:
         return _SUMS_U4(source, d1, step, low, s1, group, 0, n, s, at, partial, i)
     if kind == FLOAT8:

@@ -5,15 +5,17 @@ scores ``q . key`` of a block of rows and keys (:func:`dots`), and ``partial += 
 of a block of rows (:func:`accumulator`), each reading its keys or values where they lie:
 in the compute dtype, or stored narrower and read back into float32 in registers as they
 are multiplied (bfloat16 and float16 bits, a quantized cache's codes with a float16 scale
-and zero point per token and group of channels; :mod:`.quantized`). Importing it needs
-numba.
+and zero point per token and group of channels, KIVI's keys with theirs per channel;
+:mod:`.quantized`). Importing it needs numba. Nothing here checks the shapes it is given:
+its callers do (:func:`._numba_stored.in_place`, :func:`._numba_pool.few_scores`).
 
 The arithmetic of a value read back is :meth:`.quantized.Quantization.dequantize`'s
 (``code * scale``, then ``+ zero``, each rounded as NumPy rounds it), and the products'
 order is fixed here, whatever the value's form: a stored cache's step gives the bits of a
-float32 cache holding the values it stands for. Reading back in registers, not through a
-float32 copy in L1, halved the time an int8 cache's step took on the AMD EPYC of the
-README's figures (the copy's stores and loads were as many as the products' multiply-adds).
+float32 cache holding the values it stands for. Read back in registers, not through a
+float32 copy in L1 (whose stores and loads were as many instructions as the products'
+multiply-adds), the serving benchmark's int8 step took 31.5-34.7 ms against 39.8-51.3 and
+bfloat16's 39-41 against 51-53 on the AMD EPYC of the README's figures.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from ._numba_step import VECTOR_BITS
 
 __all__ = [
     "BLOCK_KEYS",
@@ -36,8 +40,6 @@ __all__ = [
     "target_features",
 ]
 
-VECTOR_BITS = 256
-"""Bits of a vector on every x86 CPU numba compiles for with AVX2 (:mod:`._numba_step`'s)."""
 
 FLOAT, BF16, F16, U8, U4, E4M3, U8_CHANNELS, U4_CHANNELS = -1, 0, 1, 2, 3, 4, 5, 6
 """Forms of the rows the products read: the compute dtype (``FLOAT``: float32 or float64);
@@ -342,17 +344,22 @@ def dots(form: int, keys: int):  # type: ignore[no-untyped-def]
     return products
 
 
-def accumulator(form: int, bits: int = WIDE_BITS, block_rows: int = BLOCK_ROWS, wide: int = 0):  # type: ignore[no-untyped-def]
+def accumulator(
+    form: int,
+    bits: int = WIDE_BITS,
+    block_rows: int = BLOCK_ROWS,
+    wide: int = 0,
+    checked: bool = True,
+):  # type: ignore[no-untyped-def]
     """An intrinsic ``accumulate(rows, row_bytes, scales, zeros, scale_row_bytes, group,
     c0, c1, s, at, partial, i) -> finite``: ``partial[i + r, d] += s[r, at + c] *
     value_c[d]`` for ``block_rows`` rows ``r``, every ``d`` and ``c`` from ``c0`` to ``c1`` in
     order, value ``c`` the row at ``rows + c * row_bytes`` (:func:`_source`) of ``form``,
     read back in registers (:func:`values`); ``partial``'s width a multiple of two vectors of
     ``bits`` (and of ``group``'s lanes), ``s`` and ``partial`` with contiguous rows.
-    ``finite``: whether the sums are, so whether every value read back is (``p * x`` is not
-    finite for a value that is not, the weights being finite; a sum too large for float32
-    says so too: the walk then does the task in NumPy, as for a value not finite); ``True``
-    for ``FLOAT``, which the walk checks apart.
+    ``finite``: whether every value read back is (a quantized form's: its scales and zero
+    points, with which no code's value overflows; ``True`` for ``FLOAT``, which the walk
+    checks apart, and where not ``checked``: the values' second pass, whose first checked).
 
     For each ``wide`` vectors of features (four where the CPU has 32 registers, two where 16,
     then pairs for the rest), the block's partial sums stay in registers while the values go
@@ -400,13 +407,32 @@ def accumulator(form: int, bits: int = WIDE_BITS, block_rows: int = BLOCK_ROWS, 
             )
             zero32 = ir.Constant(ir.IntType(32), 0)
             splat = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
-            flags = ir.VectorType(ir.IntType(1), lanes)
-            seen = cgutils.alloca_once_value(builder, ir.Constant(flags, [0] * lanes))
+            zero = ir.Constant(vector, None)
+            seen = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]
+            # stored bits: their exponent (float8: all but the sign), the largest so far
+            narrow, top = (ir.IntType(8), 0x7F) if form == E4M3 else (ir.IntType(16), 0)
+            top = top or (0x7F80 if form == BF16 else 0x7C00)
+            bits_ = ir.VectorType(narrow, lanes)
+            largest = [cgutils.alloca_once_value(builder, ir.Constant(bits_, None))
+                       for _ in range(2)]  # fmt: skip
 
-            def check(x: Any) -> None:
-                difference = builder.fsub(x, x)  # NaN for an infinity or a NaN
-                odd = builder.fcmp_unordered("uno", difference, difference)
-                builder.store(builder.or_(builder.load(seen), odd), seen)
+            def check(x: Any, h: int, y: Any = None) -> None:
+                # x - x is NaN for an infinity or a NaN, else 0: added into one of two sums
+                # (NaN where a value was not finite; two chains, few registers held)
+                odd = builder.fsub(x, x)
+                if y is not None:
+                    odd = builder.fadd(odd, builder.fsub(y, y))
+                builder.store(builder.fadd(builder.load(seen[h % 2]), odd), seen[h % 2])
+
+            def check_bits(row: Any, e: Any, h: int) -> None:
+                # a value is not finite where its exponent bits are all set (float8: NaN)
+                width = narrow.width // 8
+                raw = load(builder, row, builder.mul(e, const(width)), narrow, lanes)
+                masked = builder.and_(raw, ir.Constant(bits_, [top] * lanes))
+                slot = largest[h % 2]  # (two chains: few registers held)
+                older = builder.load(slot)
+                higher = builder.icmp_unsigned(">", masked, older)
+                builder.store(builder.select(higher, masked, older), slot)
 
             def vector_at(base: Any, offset: Any) -> Any:
                 return builder.bitcast(builder.gep(base, [offset]), vector.as_pointer())
@@ -428,10 +454,14 @@ def accumulator(form: int, bits: int = WIDE_BITS, block_rows: int = BLOCK_ROWS, 
                             scale_row = builder.mul(c, scale_bytes_)
                             step_ = half(builder, builder.add(scales_, scale_row), j, lanes)
                             low = half(builder, builder.add(zeros_, scale_row), j, lanes)
+                            # (no code's value overflows finite ones; float8: the step alone)
+                            check(step_, h, None if form == E4M3 else low)
                         if form == FLOAT:
                             xs.append(load(builder, row, builder.mul(e, item), real, lanes))
                         else:
                             xs.append(values(builder, form, row, e, lanes, step_, low))
+                            if form in (BF16, F16, E4M3) and checked:
+                                check_bits(row, e, h)
                     for r, slots in enumerate(held):
                         here = builder.add(builder.mul(const(r), s_ld), builder.add(at_, c))
                         p = builder.load(builder.gep(scores.data, [here]), align=align)
@@ -469,11 +499,8 @@ def accumulator(form: int, bits: int = WIDE_BITS, block_rows: int = BLOCK_ROWS, 
                     accumulate_rows(d0, count, 1)
                 for r, slots in enumerate(held):
                     for h, slot in enumerate(slots[:count]):
-                        total = builder.load(slot)
-                        if form != FLOAT:  # a value not finite leaves its sums not finite
-                            check(total)
                         at_d = builder.add(builder.add(rows_[r], d0), const(h * lanes))
-                        builder.store(total, vector_at(sums.data, at_d), align=align)
+                        builder.store(builder.load(slot), vector_at(sums.data, at_d), align=align)
 
             step = const(count * lanes)
             whole = builder.mul(builder.sdiv(width, step), step)
@@ -483,7 +510,16 @@ def accumulator(form: int, bits: int = WIDE_BITS, block_rows: int = BLOCK_ROWS, 
                 pair = const(2 * lanes)
                 with cgutils.for_range_slice(builder, whole, width, pair, index) as (d0, _):
                     chunk(d0, 2)
-            odd = builder.bitcast(builder.load(seen), ir.IntType(lanes))
+            total = builder.load(seen[0])
+            for other in seen[1:]:
+                total = builder.fadd(total, builder.load(other))
+            flags = builder.fcmp_unordered("uno", total, zero)
+            for slot in largest:
+                at_top = builder.icmp_unsigned(
+                    "==", builder.load(slot), ir.Constant(bits_, [top] * lanes)
+                )
+                flags = builder.or_(flags, at_top)
+            odd = builder.bitcast(flags, ir.IntType(lanes))
             return builder.icmp_unsigned("==", odd, ir.Constant(ir.IntType(lanes), 0))
 
         signature = types.boolean(
