@@ -11,6 +11,7 @@ NEEDS_AN_EXTRA = {
     "src/mha/_kernel/_numba_walk.py": ("numba", "MHA_REQUIRE_NUMBA"),
     "src/mha/_kernel/_numba_pool.py": ("numba", "MHA_REQUIRE_NUMBA"),
     "src/mha/_kernel/_numba_stored.py": ("numba", "MHA_REQUIRE_NUMBA"),
+    "src/mha/_kernel/_numba_vectors.py": ("numba", "MHA_REQUIRE_NUMBA"),
     "src/mha/_kernel/_numba_wait.py": ("numba", "MHA_REQUIRE_NUMBA"),
     "src/mha/integrations/dask": ("dask", "MHA_REQUIRE_DASK"),  # the dask extra
 }
