@@ -184,11 +184,25 @@ def values(builder: Any, form: int, row: Any, e: Any, lanes: int, step: Any, low
 
 
 def _source(context: Any, builder: Any, signature: Any, args: Any) -> list[Any]:
-    """A products' first six arguments as i64: ``(rows, row bytes, scales, zeros, scale
-    row bytes, group)``: the first row's address and the bytes between rows; a quantized
-    form's first scale and zero point (float16 bits), the bytes between rows' scales and the
-    channels per group (ignored by the other forms)."""
-    return [context.cast(builder, args[k], signature.args[k], types.int64) for k in range(6)]
+    """A products' arguments as i64 (``None`` for its arrays); the first six ``(rows, row
+    bytes, scales, zeros, scale row bytes, group)``: the first row's address and the bytes
+    between rows; a quantized form's first scale and zero point (float16 bits), the bytes
+    between rows' scales and the channels per group (ignored by the other forms)."""
+    return [
+        None if isinstance(kind, types.Array)
+        else context.cast(builder, value, kind, types.int64)
+        for value, kind in zip(args, signature.args, strict=True)
+    ]  # fmt: skip
+
+
+def _fmuladd(builder: Any, vector: Any, bits: int) -> Any:
+    """``llvm.fmuladd`` of ``vector`` (float32 or float64 lanes, ``bits`` each): fused
+    where the CPU has FMA, as contraction compiles ``a += p * x``."""
+    kind = "f32" if bits == 32 else "f64"
+    name = f"llvm.fmuladd.v{vector.count}{kind}"
+    return cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vector, [vector] * 3), name
+    )
 
 
 def _quantized(form: int) -> bool:
@@ -256,27 +270,18 @@ def dots(form: int, keys: int):  # type: ignore[no-untyped-def]
             index = ir.IntType(64)
             item = ir.Constant(index, dtype.bitwidth // 8)
 
-            def arg(k: int) -> Any:
-                return context.cast(builder, args[k], signature.args[k], types.int64)
-
             def const(value: int) -> Any:
                 return ir.Constant(index, value)
 
-            source, row_bytes_, scales_, zeros_, scale_bytes_, group_ = _source(
-                context, builder, signature, args
-            )
-            c_, i0_, i_, col_ = arg(6), arg(8), arg(10), arg(11)
+            ints = _source(context, builder, signature, args)
+            source, row_bytes_, scales_, zeros_, scale_bytes_, group_ = ints[:6]
+            c_, i0_, i_, col_ = ints[6], ints[8], ints[10], ints[11]
             queries = context.make_array(signature.args[7])(context, builder, args[7])
             out = context.make_array(signature.args[9])(context, builder, args[9])
             q_ld = builder.sdiv(builder.extract_value(queries.strides, 0), item)
             s_ld = builder.sdiv(builder.extract_value(out.strides, 0), item)
             width = builder.extract_value(queries.shape, 1)
-            kind = "f32" if dtype.bitwidth == 32 else "f64"
-            fma = cgutils.get_or_insert_function(
-                builder.module,
-                ir.FunctionType(vector, [vector] * 3),
-                f"llvm.fmuladd.v{lanes}{kind}",
-            )
+            fma = _fmuladd(builder, vector, dtype.bitwidth)
             sums = [[cgutils.alloca_once_value(builder, ir.Constant(vector, None))
                      for _ in range(keys)] for _ in range(BLOCK_ROWS)]  # fmt: skip
             key_rows = [builder.add(source, builder.mul(builder.add(c_, const(k)), row_bytes_))
@@ -384,27 +389,18 @@ def accumulator(
             align = dtype.bitwidth // 8
             item = ir.Constant(index, align)
 
-            def arg(k: int) -> Any:
-                return context.cast(builder, args[k], signature.args[k], types.int64)
-
             def const(value: int) -> Any:
                 return ir.Constant(index, value)
 
-            source, row_bytes_, scales_, zeros_, scale_bytes_, group_ = _source(
-                context, builder, signature, args
-            )
-            c0_, c1_, at_, i_ = arg(6), arg(7), arg(9), arg(11)
+            ints = _source(context, builder, signature, args)
+            source, row_bytes_, scales_, zeros_, scale_bytes_, group_ = ints[:6]
+            c0_, c1_, at_, i_ = ints[6], ints[7], ints[9], ints[11]
             scores = context.make_array(signature.args[8])(context, builder, args[8])
             sums = context.make_array(signature.args[10])(context, builder, args[10])
             s_ld = builder.sdiv(builder.extract_value(scores.strides, 0), item)
             p_ld = builder.sdiv(builder.extract_value(sums.strides, 0), item)
             width = builder.extract_value(sums.shape, 1)
-            kind = "f32" if dtype.bitwidth == 32 else "f64"
-            fma = cgutils.get_or_insert_function(
-                builder.module,
-                ir.FunctionType(vector, [vector] * 3),
-                f"llvm.fmuladd.v{lanes}{kind}",
-            )
+            fma = _fmuladd(builder, vector, dtype.bitwidth)
             zero32 = ir.Constant(ir.IntType(32), 0)
             splat = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
             zero = ir.Constant(vector, None)
