@@ -24,6 +24,9 @@
    environment sets ``OPENBLAS_CORETYPE``, the rate is lower and this floor higher).
 2. The same step with every sequence at the same length, where padding costs nothing: the
    paged cache's time against the contiguous cache's.
+3. The step with 1 to 4 query rows per key/value head (8, 16, 24 and 32 query heads: a
+   multi-head model's one row, a grouped-query model's few), 32 sequences of 128 to 4,096
+   tokens: each paged cache's time against the float32 one's at as many rows.
 
 The caches are filled directly (``PagedKVCache.append``; the KVCache's buffers written in
 place), not by attending over the prompts. Medians of interleaved runs, each timed step
@@ -130,18 +133,50 @@ def step_functions(contiguous: mha.KVCache, paged: list[mha.PagedKVCache],
         mha.scaled_dot_product_attention(q, k, v, cache=contiguous)
         contiguous.truncate(before)
 
-    def stepper(cache: mha.PagedKVCache) -> Any:
-        def step_paged() -> None:
-            mha.scaled_dot_product_attention(q, k, v, cache=cache)
-            for b, n in enumerate(before):
-                cache.truncate(b, int(n))
-
-        return step_paged
-
-    steps = {"KVCache": step_contiguous, "PagedKVCache": stepper(paged[0])}
+    steps = {"KVCache": step_contiguous, "PagedKVCache": stepper(paged[0], q, k, v, before)}
     for cache, name in zip(paged[1:], QUANTIZED, strict=False):
-        steps[f"PagedKVCache {name}"] = stepper(cache)
+        steps[f"PagedKVCache {name}"] = stepper(cache, q, k, v, before)
     return steps
+
+
+def stepper(cache: mha.PagedKVCache, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+            before: np.ndarray) -> Any:  # fmt: skip
+    """One decoding step over ``cache``, truncated back to ``before`` after it."""
+
+    def step_paged() -> None:
+        mha.scaled_dot_product_attention(q, k, v, cache=cache)
+        for b, n in enumerate(before):
+            cache.truncate(b, int(n))
+
+    return step_paged
+
+
+ROWS = (1, 2, 3, 4)
+"""Query rows per key/value head of item 3."""
+
+
+def rows_per_head(lengths: np.ndarray, rng: np.random.Generator, repeats: int
+                  ) -> dict[str, float]:  # fmt: skip
+    """Item 3: ``"kind rows"`` -> seconds per step (``"float32 1"``, ``"int8 3"``, ...)."""
+    paged = []
+    for kind in (None, *QUANTIZED):
+        size = block_size(kind)
+        blocks = int(sum(-(-(int(n) + 1) // size) for n in lengths)) + len(lengths)
+        paged.append(paged_cache(blocks, kind))
+    for b, n in enumerate(lengths):
+        k, v = (rng.standard_normal((H_KV, int(n), D), dtype=np.float32) for _ in range(2))
+        for cache in paged:
+            cache.add(b)
+            cache.append(b, k, v)
+    functions = {}
+    for rows in ROWS:
+        q = rng.standard_normal((len(lengths), H_KV * rows, 1, D), dtype=np.float32)
+        k, v = (rng.standard_normal((len(lengths), H_KV, 1, D), dtype=np.float32)
+                for _ in range(2))  # fmt: skip
+        for name, cache in zip(("float32", *QUANTIZED), paged, strict=True):
+            functions[f"{name} {rows}"] = stepper(cache, q, k, v, lengths)
+    times = interleaved_medians(functions, repeats, pause=0.1, warm=WARM)
+    return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def measure(quick: bool) -> dict[str, Any]:
@@ -178,6 +213,12 @@ def measure(quick: bool) -> dict[str, Any]:
         "length": int(equal[0]),
         "seconds": {name: float(np.median(t)) for name, t in times.items()},
         "all_seconds": times,
+    }  # fmt: skip
+    del contiguous, paged
+    lengths = np.linspace(128, longest // 2, 32).astype(np.int64)
+    results["rows"] = {
+        "longest": int(lengths.max()), "sequences": len(lengths),
+        "seconds": rows_per_head(lengths, rng, repeats),
     }  # fmt: skip
     return results
 
@@ -246,7 +287,30 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             f"{e['PagedKVCache'] / e['KVCache']:.2f}).",
             "",
         ]
+        if "rows" in results:
+            lines += rows_table(results["rows"])
     return "\n".join(lines)
+
+
+def rows_table(rows: dict[str, Any]) -> list[str]:
+    """Item 3's table: ms per step, and against the float32 paged cache's."""
+    seconds = rows["seconds"]
+    kinds = [kind for kind in ("float32", *QUANTIZED) if f"{kind} {ROWS[0]}" in seconds]
+    lines = [
+        f"Query rows per key/value head: {rows['sequences']} sequences of 128 to "
+        f"{rows['longest']:,} tokens, {H_KV} key/value heads, paged; ms per step (against "
+        "float32 paged at as many rows).",
+        "",
+        "| rows per head | " + " | ".join(kinds) + " |",
+        "|---|" + "---:|" * len(kinds),
+    ]
+    for count in ROWS:
+        base = seconds[f"float32 {count}"]
+        cells = [f"{seconds[f'{kind} {count}'] * 1e3:.1f}"
+                 + ("" if kind == "float32" else f" ({seconds[f'{kind} {count}'] / base:.2f})")
+                 for kind in kinds]  # fmt: skip
+        lines.append(f"| {count} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def main(argv: list[str] | None = None) -> int:

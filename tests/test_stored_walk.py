@@ -147,22 +147,24 @@ def test_non_finite_stored_values_are_flagged(walks, dtype):
     assert read(pool, 40, out, False)  # unchecked (keys): always True
 
 
+@pytest.mark.parametrize("rows", [4, 1, 3])
 @pytest.mark.parametrize(("kind", "dtype"), [("int8", np.float32), ("int4", np.float32),
                                              ("fp8", np.float32), (None, "bfloat16"),
                                              (None, np.float16)])  # fmt: skip
-def test_values_multiplied_in_place_flag_a_value_not_finite(walks, kind, dtype):
-    """The values' products read back in registers (a decoding step's four rows) say
-    whether every value they read is finite: an infinity stored (bfloat16, float16), or a
-    group's scale of infinity (int8, int4, float8: written into the pool, which refuses to
-    quantize one), among the positions read or not. The keys' and values' products in place
-    are taken for the forms read per token, blocks of four rows, whole pairs of vectors."""
+def test_values_multiplied_in_place_flag_a_value_not_finite(walks, kind, dtype, rows):
+    """The values' products read back in registers (a decoding step's four rows, one or
+    three: bfloat16's sums two rows and one) say whether every value they read is finite:
+    an infinity stored (bfloat16, float16), or a group's scale of infinity (int8, int4,
+    float8: written into the pool, which refuses to quantize one), among the positions read
+    or not. The keys' and values' products in place are taken for the forms read per token
+    and rows of whole pairs of vectors, whatever the step's rows."""
     from numba import njit
 
     from mha._kernel._numba_stored import flat, in_place, stored_sums
 
     @njit
     def accumulate(pool, c0, c1, s, acc, partial):
-        return stored_sums(flat(pool), 0, 0, c0, c1, s, acc, 0, 4, partial)
+        return stored_sums(flat(pool), 0, 0, c0, c1, s, acc, 0, s.shape[0], partial)
 
     @njit
     def taken(pool, rows):
@@ -181,9 +183,9 @@ def test_values_multiplied_in_place_flag_a_value_not_finite(walks, kind, dtype):
     _, values = cache._attended(40)
     pool = walk.stored_pool(values.pool, values.table, values.block_size, d,
                             *values.stored_parts())  # fmt: skip
-    s = np.full((4, 40), 0.5, np.float32)
+    s = np.full((rows, 40), 0.5, np.float32)
     s[:, 33 - 20] = 0.0  # (a weight of 0: a hidden key, where the flag matters)
-    acc, partial = np.zeros((4, d), np.float32), np.zeros((4, d), np.float32)
+    acc, partial = np.zeros((rows, d), np.float32), np.zeros((rows, d), np.float32)
     assert not accumulate(pool, 0, 40, s, acc, partial)
     assert not accumulate(pool, 20, 36, s, acc, partial)
     partial[:] = 0.0
@@ -198,8 +200,7 @@ def test_values_multiplied_in_place_flag_a_value_not_finite(walks, kind, dtype):
         s[:] = 1.0
         partial[:] = 0.0
         assert accumulate(pool, 0, 40, s, acc, partial)
-    assert taken(pool, 4) and taken(pool, 8)
-    assert not taken(pool, 2) and not taken(pool, 1)
+    assert all(taken(pool, count) for count in range(1, 9))
 
 
 def test_kivi_keys_are_multiplied_in_place_as_scores_only(walks):
@@ -223,7 +224,7 @@ def test_kivi_keys_are_multiplied_in_place_as_scores_only(walks):
              for x in (keys, values)]  # fmt: skip
     assert taken(pools[0], 4, True) and not taken(pools[0], 4, False)
     assert taken(pools[1], 4, False) and taken(pools[1], 8, True)
-    assert not taken(pools[0], 2, True)
+    assert all(taken(pools[0], rows, True) for rows in range(1, 9))
 
 
 WIDTHS = [(*kind, d) for kind in KINDS for d in (64, 96, 128)
@@ -235,7 +236,7 @@ def test_products_in_place_give_the_bits_of_products_of_the_rows_read_back(
     walks, kind, dtype, group, d
 ):
     """A decoding step's products on the stored rows in place (``stored_scores``,
-    ``stored_sums``: 4 and 8 rows; rows of 64, 96 and 128 values, whole and partial chunks
+    ``stored_sums``: 1 to 4, 7 and 8 rows; rows of 64, 96 and 128 values, whole and partial chunks
     of the sums; ranges within a block, across blocks apart, ending mid-block, past the
     sums' flush every 256 positions; KIVI's unfilled group) equal bit for bit the products
     of the float32 rows read back first (``stage``, then ``few_scores`` and
@@ -277,7 +278,7 @@ def test_products_in_place_give_the_bits_of_products_of_the_rows_read_back(
     cache.append("d", *(rng.standard_normal((H_kv, 60, d)).astype(np.float32) for _ in "kv"))
     pools = [walk.stored_pool(x.pool, x.table, x.block_size, d, *x.stored_parts())
              for x in cache._attended(int(cache.lengths.max()))]  # fmt: skip
-    for rows in (4, 8):
+    for rows in (1, 2, 3, 4, 7, 8):
         assert taken(*pools, rows)
         q = rng.standard_normal((rows, d)).astype(np.float32)
         for b, n in enumerate(cache.lengths):
@@ -371,9 +372,11 @@ def test_the_read_back_compiled_for_a_cpu_without_f16c_or_avx512_gives_the_same_
         "    t.test_the_walk_reads_back_the_bits_numpy_reads(None, kind, dtype, group)\n"
         "t.test_float16_special_values_read_back_as_numpy_reads(None)\n"
         "for kind, dtype in t.MIRRORED:\n"
-        "    t.test_a_stored_cache_gives_the_bits_of_a_float32_cache_of_its_values(\n"
-        "        None, kind, dtype, 8)\n"
-        "    t.test_values_multiplied_in_place_flag_a_value_not_finite(None, kind, dtype)\n"
+        "    for H in (8, 6):\n"
+        "        t.test_a_stored_cache_gives_the_bits_of_a_float32_cache_of_its_values(\n"
+        "            None, kind, dtype, H)\n"
+        "    for rows in (4, 3):\n"
+        "        t.test_values_multiplied_in_place_flag_a_value_not_finite(None, kind, dtype, rows)\n"
         "print('generic ok')\n"
     )
     env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CACHE_DIR": str(tmp_path)}
@@ -534,13 +537,13 @@ MIRRORED = [("int8", np.float32), ("int4", np.float32), ("fp8", np.float32),
 """(Not KIVI: its keys' group filled by a step is quantized after it, as it stood then.)"""
 
 
-@pytest.mark.parametrize("H", [8, 16, 4])
+@pytest.mark.parametrize("H", [8, 16, 4, 2, 6])
 @pytest.mark.parametrize(("kind", "dtype"), MIRRORED)
 def test_a_stored_cache_gives_the_bits_of_a_float32_cache_of_its_values(walks, kind, dtype, H):
     """On the compiled walk as on the NumPy one: every step's output is the same bits as a
     float32 paged cache holding the values the stored one stands for (the same tiles, the
     same products, the stored rows read back first or in registers as they are multiplied:
-    4 and 8 rows of a decoding step, each block of four in place; 2 rows, read back)."""
+    a decoding step's 1 to 8 rows by blocks of up to four, in place)."""
     rng = np.random.default_rng(16)
     H_kv, d = 2, 64
     group = 32 if kind else None

@@ -200,23 +200,26 @@ def few_scores(run, stacked, i0, rows, s, at):  # type: ignore[no-untyped-def]  
     for start in range(0, n, FEW_KEYS):
         stop = min(start + FEW_KEYS, n)
         i = 0
-        while i < rows:
+        while vectors and i < rows:  # blocks of keys by up to four rows
+            count, j, c = min(BLOCK_ROWS, rows - i), i0 + i, start
+            while c + BLOCK_KEYS <= stop:
+                if i == 0:
+                    for k in range(c, c + BLOCK_KEYS):
+                        _ahead(run, k, size, d_k)
+                _float_dots(address, ld * size, c, stacked, j, s, i, at + c, True, count)
+                c += BLOCK_KEYS
+            while c < stop:
+                if i == 0:
+                    _ahead(run, c, size, d_k)
+                _float_dots(address, ld * size, c, stacked, j, s, i, at + c, False, count)
+                c += 1
+            i += count
+        while i < rows:  # (rows not of whole vectors)
             if i + 4 <= rows:
                 j = i0 + i
                 c = start
-                while vectors and c + BLOCK_KEYS <= stop:  # a block of keys by four rows
-                    if i == 0:
-                        for k in range(c, c + BLOCK_KEYS):
-                            _ahead(run, k, size, d_k)
-                    _float_dots(address, ld * size, c, stacked, j, s, i, at + c, True)
-                    c += BLOCK_KEYS
-                while vectors and c < stop:
-                    if i == 0:
-                        _ahead(run, c, size, d_k)
-                    _float_dots(address, ld * size, c, stacked, j, s, i, at + c, False)
-                    c += 1
                 q0, q1, q2, q3 = stacked[j], stacked[j + 1], stacked[j + 2], stacked[j + 3]
-                while c + 4 <= stop:  # (rows not of whole vectors) 16 sums in registers
+                while c + 4 <= stop:  # 16 sums in registers
                     if i == 0:
                         for k in range(c, c + 4):
                             _ahead(run, k, size, d_k)
@@ -289,25 +292,26 @@ _dots_block, _dots_one = dots(FLOAT, BLOCK_KEYS), dots(FLOAT, 1)
 
 
 @njit(boundscheck=False, nogil=True)
-def _float_dots(address, row_bytes, c, stacked, j, s, i, col, block):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """:func:`._numba_vectors.dots` of a float pool's keys, a block or one: called from
+def _float_dots(address, row_bytes, c, stacked, j, s, i, col, block, count):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """:func:`._numba_vectors.dots` of a float pool's keys, a block or one, by ``count``
+    rows: called from
     here, compiled without the walks' fastmath flags (which numba gives every instruction
     of a function), so the sums' order is the intrinsic's own, as where the stored pools'
     products call it (:mod:`._numba_stored`)."""
     if block:
-        _dots_block(address, row_bytes, 0, 0, 0, 0, c, stacked, j, s, i, col)
+        _dots_block(address, row_bytes, 0, 0, 0, 0, c, stacked, j, s, i, col, count)
     else:
-        _dots_one(address, row_bytes, 0, 0, 0, 0, c, stacked, j, s, i, col)
+        _dots_one(address, row_bytes, 0, 0, 0, 0, c, stacked, j, s, i, col, count)
 
 
 @njit(boundscheck=False, nogil=True)
-def _float_sums(address, row_bytes, c0, c1, s, at, partial, i, wide):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """:func:`._numba_vectors.accumulator` of a float pool's values, compiled without the
-    walks' fastmath flags (as :func:`_float_dots`)."""
+def _float_sums(address, row_bytes, c0, c1, s, at, partial, i, wide, count):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """:func:`._numba_vectors.accumulator` of a float pool's values by ``count`` rows,
+    compiled without the walks' fastmath flags (as :func:`_float_dots`)."""
     if wide:
-        _accumulate_wide(address, row_bytes, 0, 0, 0, 0, c0, c1, s, at, partial, i)
+        _accumulate_wide(address, row_bytes, 0, 0, 0, 0, c0, c1, s, at, partial, i, count)
     else:
-        _accumulate_narrow(address, row_bytes, 0, 0, 0, 0, c0, c1, s, at, partial, i)
+        _accumulate_narrow(address, row_bytes, 0, 0, 0, 0, c0, c1, s, at, partial, i, count)
 
 
 @njit(boundscheck=False, nogil=True)
@@ -340,18 +344,19 @@ def few_accumulate(run, s, at, w, acc, i0, rows, partial):  # type: ignore[no-un
         and partial.strides[1] == size
         and s.strides[1] == size
     )
-    while blocked and i + BLOCK_ROWS <= rows:  # four rows at a time, in registers
+    while blocked and i < rows:  # up to four rows at a time, in registers
+        count = min(BLOCK_ROWS, rows - i)
         c = 0
         while c < n:
             end = min(n, w - at, (at + c) // FEW_KEYS * FEW_KEYS + FEW_KEYS - at)
             if i == 0:
                 for k in range(c, end):
                     _ahead(run, k, size, d_v)
-            _float_sums(address, ld * size, c, end, s[i:], at, partial, i, wide)
+            _float_sums(address, ld * size, c, end, s[i:], at, partial, i, wide, count)
             if (at + end) % FEW_KEYS == 0 or at + end == w:
-                flush(acc, partial, i0, i, i + BLOCK_ROWS)
+                flush(acc, partial, i0, i, i + count)
             c = end
-        i += BLOCK_ROWS
+        i += count
     while i < rows:
         pair = i + 2 <= rows
         a0, a1 = partial[i], partial[i + 1 if pair else i]

@@ -15,13 +15,17 @@ the NumPy walk's does.
 A decoding step's few rows multiply the stored rows in place (:func:`stored_scores`,
 :func:`stored_sums`: the products of :mod:`._numba_vectors`, each value read back in
 registers with the same arithmetic, in the order a float32 pool's products take) where
-:func:`in_place` says so: blocks of four rows, the forms read per token and KIVI's keys per
-channel. Other steps read the rows back in runs of :data:`STAGE_ROWS` into a buffer that
-stays in L1, then multiply it (the products of :mod:`._numba_pool`); a tile of many rows is
+:func:`in_place` says so: a step's 1 to 8 rows per head by blocks of up to four, rows of
+whole pairs of vectors, the forms read per token and KIVI's keys per channel. Other steps
+(rows of 48 values on AVX-512, say) read the rows back in runs of :data:`STAGE_ROWS` into a
+buffer that stays in L1, then multiply it (the products of :mod:`._numba_pool`); a tile of
+many rows is
 read back whole into the walk's tile buffer for its GEMM (as a paged cache's scattered float
 tile is copied). On the serving benchmark's step (64 sequences of 128 to 8,192 tokens, the
 AMD EPYC of the README's figures, two workers), int8's step took 31.5-34.7 ms in place
-against 39.8-51.3 read back first, bfloat16's 39-41 against 51-53 (``docs/benchmarks.md``).
+against 39.8-51.3 read back first, bfloat16's 39-41 against 51-53 (``docs/benchmarks.md``);
+one to three rows per head (multi-head attention, SmolLM2's groups of three), in place too:
+int8's step 0.56-0.68 of the float32 one's, against 0.86-1.01 read back.
 """
 
 from __future__ import annotations
@@ -333,9 +337,10 @@ _LANES = WIDE_BITS // 32
 
 def in_place(pool, rows, keys):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Whether a decoding step's ``rows`` multiply the stored ``pool``'s rows (:func:`flat`'s;
-    ``None``: a float pool) in place (:func:`stored_scores`, :func:`stored_sums`): blocks of
-    :data:`.BLOCK_ROWS` rows, rows of whole pairs of vectors, a form read per token, or per
-    channel for the ``keys`` (KIVI's). Else they are read back first (:func:`stage`)."""
+    ``None``: a float pool) in place (:func:`stored_scores`, :func:`stored_sums`: blocks of
+    up to :data:`.BLOCK_ROWS` rows): rows of whole pairs of vectors, a form read per token,
+    or per channel for the ``keys`` (KIVI's). Else they are read back first
+    (:func:`stage`)."""
 
 
 @overload(in_place, jit_options={"boundscheck": False, "nogil": True})
@@ -349,7 +354,7 @@ def _in_place_for(pool, rows, keys):  # type: ignore[no-untyped-def]  # pragma: 
         per_channel = keys and kind in (PER_CHANNEL, PER_CHANNEL4)
         grouped = kind in (BFLOAT16, FLOAT16) or per_channel or group % _LANES == 0
         read = (per_token or per_channel) and grouped
-        return read and rows % BLOCK_ROWS == 0 and d % (2 * _LANES) == 0
+        return read and d % (2 * _LANES) == 0
 
     return in_place_
 
@@ -396,60 +401,62 @@ def _stored_scores(pool, b, g, c0, c1, stacked, i0, rows, s):  # type: ignore[no
                 step, low = scales + blk * s0 + t * s1 + g * s2, zeros + blk * z0 + t * z1 + g * z2
         n, where = end - c, (source, stride, step, low, s1, group)
         for i in range(0, rows, BLOCK_ROWS):
+            count = min(BLOCK_ROWS, rows - i)
             k = 0
             while k + BLOCK_KEYS <= n:
-                _dots(form, True, where, k, stacked, i0 + i, s, i, c - c0 + k)
+                _dots(form, True, where, k, stacked, i0 + i, s, i, c - c0 + k, count)
                 k += BLOCK_KEYS
             while k < n:
-                _dots(form, False, where, k, stacked, i0 + i, s, i, c - c0 + k)
+                _dots(form, False, where, k, stacked, i0 + i, s, i, c - c0 + k, count)
                 k += 1
         c = end
 
 
 @njit(boundscheck=False, nogil=True, inline="always")
-def _dots(kind, block, where, k, stacked, j, s, i, col):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """:func:`._numba_vectors.dots` of ``kind``'s form, a block of keys or one; ``where =
+def _dots(kind, block, where, k, stacked, j, s, i, col, count):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """:func:`._numba_vectors.dots` of ``kind``'s form, a block of keys or one, by ``count``
+    rows; ``where =
     (rows, row bytes, scales, zeros, scale row bytes, group)``."""
     source, d1, step, low, s1, group = where
     if kind == BFLOAT16:
         if block:
-            _BLOCK_BF16(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+            _BLOCK_BF16(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
         else:
-            _ONE_BF16(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+            _ONE_BF16(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
     elif kind == FLOAT16:
         if block:
-            _BLOCK_F16(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+            _BLOCK_F16(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
         else:
-            _ONE_F16(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+            _ONE_F16(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
     elif kind == PER_TOKEN4:
         if block:
-            _BLOCK_U4(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+            _BLOCK_U4(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
         else:
-            _ONE_U4(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+            _ONE_U4(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
     elif kind == PER_CHANNEL:
         if block:
-            _BLOCK_U8C(source, d1, step, low, 0, group, k, stacked, j, s, i, col)
+            _BLOCK_U8C(source, d1, step, low, 0, group, k, stacked, j, s, i, col, count)
         else:
-            _ONE_U8C(source, d1, step, low, 0, group, k, stacked, j, s, i, col)
+            _ONE_U8C(source, d1, step, low, 0, group, k, stacked, j, s, i, col, count)
     elif kind == PER_CHANNEL4:
         if block:
-            _BLOCK_U4C(source, d1, step, low, 0, group, k, stacked, j, s, i, col)
+            _BLOCK_U4C(source, d1, step, low, 0, group, k, stacked, j, s, i, col, count)
         else:
-            _ONE_U4C(source, d1, step, low, 0, group, k, stacked, j, s, i, col)
+            _ONE_U4C(source, d1, step, low, 0, group, k, stacked, j, s, i, col, count)
     elif kind == FLOAT:  # (KIVI's unfilled group, float32)
         if block:
-            _BLOCK_F32(source, d1, step, low, 0, group, k, stacked, j, s, i, col)
+            _BLOCK_F32(source, d1, step, low, 0, group, k, stacked, j, s, i, col, count)
         else:
-            _ONE_F32(source, d1, step, low, 0, group, k, stacked, j, s, i, col)
+            _ONE_F32(source, d1, step, low, 0, group, k, stacked, j, s, i, col, count)
     elif kind == FLOAT8:
         if block:
-            _BLOCK_E4M3(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+            _BLOCK_E4M3(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
         else:
-            _ONE_E4M3(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+            _ONE_E4M3(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
     elif block:
-        _BLOCK_U8(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+        _BLOCK_U8(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
     else:
-        _ONE_U8(source, d1, step, low, s1, group, k, stacked, j, s, i, col)
+        _ONE_U8(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
 
 
 def stored_sums(pool, b, g, c0, c1, s, acc, i0, rows, partial):  # type: ignore[no-untyped-def]  # pragma: no cover
@@ -487,24 +494,34 @@ def _stored_sums(pool, b, g, c0, c1, s, acc, i0, rows, partial):  # type: ignore
         low = zeros + blk * z0 + off * z1 + g * z2
         at, n = c - c0, end - c
         for i in range(0, rows, BLOCK_ROWS):
-            finite &= _sums(kind, source, d1, step, low, s1, group, n, s[i:], at, partial, i)
+            count = min(BLOCK_ROWS, rows - i)
+            finite &= _sums(kind, source, d1, step, low, s1, group, n, s[i:], at, partial, i, count)
             if (end - c0) % FEW_KEYS == 0 or end - c0 == w:
-                flush(acc, partial, i0, i, i + BLOCK_ROWS)
+                flush(acc, partial, i0, i, i + count)
         c = end
     return finite
 
 
 @njit(boundscheck=False, nogil=True, inline="always")
-def _sums(kind, source, d1, step, low, s1, group, n, s, at, partial, i):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """:func:`._numba_vectors.accumulator` of ``kind``'s form over ``n`` rows from ``source``."""
-    if kind == BFLOAT16:  # two rows at a time, each value's whole row at once
-        first = _SUMS_BF16(source, d1, step, low, s1, group, 0, n, s, at, partial, i)
-        return first & _MORE_BF16(source, d1, step, low, s1, group, 0, n, s[2:], at, partial, i + 2)
-    if kind == FLOAT16:
-        first = _SUMS_F16(source, d1, step, low, s1, group, 0, n, s, at, partial, i)
-        return first & _MORE_F16(source, d1, step, low, s1, group, 0, n, s[2:], at, partial, i + 2)
+def _sums(kind, source, d1, step, low, s1, group, n, s, at, partial, i, count):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """:func:`._numba_vectors.accumulator` of ``kind``'s form over ``n`` rows from ``source``,
+    by ``count`` rows."""
+    if kind in (BFLOAT16, FLOAT16):  # two rows at a time, each value's whole row at once
+        first_rows = min(count, 2)
+        if kind == BFLOAT16:
+            first = _SUMS_BF16(
+                source, d1, step, low, s1, group, 0, n, s, at, partial, i, first_rows
+            )
+        else:
+            first = _SUMS_F16(source, d1, step, low, s1, group, 0, n, s, at, partial, i, first_rows)
+        if count <= 2:
+            return first
+        more, j = (source, d1, step, low, s1, group, 0, n, s[2:], at, partial, i + 2), count - 2
+        if kind == BFLOAT16:
+            return first & _MORE_BF16(*more, j)
+        return first & _MORE_F16(*more, j)
     if kind == PER_TOKEN4:
-        return _SUMS_U4(source, d1, step, low, s1, group, 0, n, s, at, partial, i)
+        return _SUMS_U4(source, d1, step, low, s1, group, 0, n, s, at, partial, i, count)
     if kind == FLOAT8:
-        return _SUMS_E4M3(source, d1, step, low, s1, group, 0, n, s, at, partial, i)
-    return _SUMS_U8(source, d1, step, low, s1, group, 0, n, s, at, partial, i)
+        return _SUMS_E4M3(source, d1, step, low, s1, group, 0, n, s, at, partial, i, count)
+    return _SUMS_U8(source, d1, step, low, s1, group, 0, n, s, at, partial, i, count)

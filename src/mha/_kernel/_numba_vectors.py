@@ -248,19 +248,21 @@ def _hsums(builder: Any, vectors: list[Any]) -> list[tuple[Any, int]]:
 
 def dots(form: int, keys: int):  # type: ignore[no-untyped-def]
     """An intrinsic ``dots(rows, row_bytes, scales, zeros, scale_row_bytes, group, c,
-    stacked, i0, s, i, col)``: ``s[i + r, col + k] = stacked[i0 + r] . key_(c + k)`` for
-    the :data:`BLOCK_ROWS` rows ``r`` and ``keys`` keys ``k``, key ``c`` the row at
-    ``rows + c * row_bytes`` (:func:`_source`) of ``form``, read back in registers
-    (:func:`values`; per channel, every key's scales and zero points those at ``scales`` and
-    ``zeros``). Each sum: vector partial sums over the features in order, one
-    ``llvm.fmuladd`` a vector (fused where the CPU has FMA), then :func:`_hsums`: the same
-    order for every block of keys and every form. ``stacked``'s width a multiple of the
+    stacked, i0, s, i, col, count)``: ``s[i + r, col + k] = stacked[i0 + r] . key_(c + k)``
+    for ``count`` rows ``r`` (1 to :data:`BLOCK_ROWS`) and ``keys`` keys ``k``, key ``c``
+    the row at ``rows + c * row_bytes`` (:func:`_source`) of ``form``, read back in
+    registers (:func:`values`; per channel, every key's scales and zero points those at
+    ``scales`` and ``zeros``). Each sum: vector partial sums over the features in order,
+    one ``llvm.fmuladd`` a vector (fused where the CPU has FMA), then :func:`_hsums`: the
+    same order for every block of rows and keys and every form, so a row's sums are the
+    same bits whatever the block it is computed in. ``stacked``'s width a multiple of the
     vectors (and of ``group``, a multiple of them, for a form per token)."""
 
     @intrinsic
     def products(
-        typingctx, rows, row_bytes, scales, zeros, scale_bytes, group, c, stacked, i0, s, i, col
-    ):  # type: ignore[no-untyped-def]  # pragma: no cover
+        typingctx, rows, row_bytes, scales, zeros, scale_bytes, group, c,
+        stacked, i0, s, i, col, count
+    ):  # type: ignore[no-untyped-def]  # pragma: no cover  # fmt: skip
         dtype = stacked.dtype
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
@@ -275,78 +277,102 @@ def dots(form: int, keys: int):  # type: ignore[no-untyped-def]
 
             ints = _source(context, builder, signature, args)
             source, row_bytes_, scales_, zeros_, scale_bytes_, group_ = ints[:6]
-            c_, i0_, i_, col_ = ints[6], ints[8], ints[10], ints[11]
+            c_, i0_, i_, col_, count_ = ints[6], ints[8], ints[10], ints[11], ints[12]
             queries = context.make_array(signature.args[7])(context, builder, args[7])
             out = context.make_array(signature.args[9])(context, builder, args[9])
             q_ld = builder.sdiv(builder.extract_value(queries.strides, 0), item)
             s_ld = builder.sdiv(builder.extract_value(out.strides, 0), item)
             width = builder.extract_value(queries.shape, 1)
             fma = _fmuladd(builder, vector, dtype.bitwidth)
-            sums = [[cgutils.alloca_once_value(builder, ir.Constant(vector, None))
-                     for _ in range(keys)] for _ in range(BLOCK_ROWS)]  # fmt: skip
-            key_rows = [builder.add(source, builder.mul(builder.add(c_, const(k)), row_bytes_))
-                        for k in range(keys)]  # fmt: skip
-            span = group_ if _quantized(form) else width  # features per scale
-            with cgutils.for_range_slice(builder, const(0), width, span, index) as (g0, _):
-                steps, lows = [None] * keys, [None] * keys
-                if _quantized(form):
-                    j = builder.sdiv(g0, group_)
-                    for k in range(keys):
-                        at = builder.mul(builder.add(c_, const(k)), scale_bytes_)
-                        steps[k] = half(builder, builder.add(scales_, at), j, lanes)
-                        lows[k] = half(builder, builder.add(zeros_, at), j, lanes)
-                end = builder.add(g0, span)
-                with cgutils.for_range_slice(builder, g0, end, const(lanes), index) as (e, _):
-                    if _channels(form):  # the keys' scales and zero points: the same rows
-                        i16 = ir.IntType(16)
-                        bits = [load(builder, at, builder.mul(e, const(2)), i16, lanes)
-                                for at in (scales_, zeros_)]  # fmt: skip
-                        steps = [float16(builder, bits[0])] * keys
-                        lows = [float16(builder, bits[1])] * keys
-                    qs = []
-                    for r in range(BLOCK_ROWS):
-                        at = builder.add(builder.mul(builder.add(i0_, const(r)), q_ld), e)
-                        pointer = builder.bitcast(
-                            builder.gep(queries.data, [at]), vector.as_pointer()
+
+            def emit(block_rows: int) -> None:
+                """The products of ``block_rows`` rows, their sums in registers."""
+                sums = [[cgutils.alloca_once_value(builder, ir.Constant(vector, None))
+                         for _ in range(keys)] for _ in range(block_rows)]  # fmt: skip
+                key_rows = [builder.add(source, builder.mul(builder.add(c_, const(k)), row_bytes_))
+                            for k in range(keys)]  # fmt: skip
+                span = group_ if _quantized(form) else width  # features per scale
+                with cgutils.for_range_slice(builder, const(0), width, span, index) as (g0, _):
+                    steps, lows = [None] * keys, [None] * keys
+                    if _quantized(form):
+                        j = builder.sdiv(g0, group_)
+                        for k in range(keys):
+                            at = builder.mul(builder.add(c_, const(k)), scale_bytes_)
+                            steps[k] = half(builder, builder.add(scales_, at), j, lanes)
+                            lows[k] = half(builder, builder.add(zeros_, at), j, lanes)
+                    end = builder.add(g0, span)
+                    with cgutils.for_range_slice(builder, g0, end, const(lanes), index) as (e, _):
+                        if _channels(form):  # the keys' scales and zero points: the same rows
+                            i16 = ir.IntType(16)
+                            bits = [load(builder, at, builder.mul(e, const(2)), i16, lanes)
+                                    for at in (scales_, zeros_)]  # fmt: skip
+                            steps = [float16(builder, bits[0])] * keys
+                            lows = [float16(builder, bits[1])] * keys
+                        qs = []
+                        for r in range(block_rows):
+                            at = builder.add(builder.mul(builder.add(i0_, const(r)), q_ld), e)
+                            pointer = builder.bitcast(
+                                builder.gep(queries.data, [at]), vector.as_pointer()
+                            )
+                            qs.append(builder.load(pointer, align=dtype.bitwidth // 8))
+                        for k in range(keys):
+                            if form == FLOAT:
+                                bytes_ = builder.mul(e, item)
+                                x = load(builder, key_rows[k], bytes_, real, lanes)
+                            else:
+                                x = values(builder, form, key_rows[k], e, lanes, steps[k], lows[k])
+                            for r in range(block_rows):
+                                slot = sums[r][k]
+                                builder.store(
+                                    builder.call(fma, [qs[r], x, builder.load(slot)]), slot
+                                )
+                flat = [builder.load(sums[r][k]) for r in range(block_rows) for k in range(keys)]
+                totals = _hsums(builder, flat)
+                i32 = ir.IntType(32)
+                whole = len({id(sum_) for sum_, _ in totals}) == 1
+                for r in range(block_rows):
+                    at = builder.add(builder.mul(builder.add(i_, const(r)), s_ld), col_)
+                    if whole and keys > 1:  # a row's sums stored at once
+                        sum_ = totals[0][0]
+                        lanes_ = [totals[r * keys + k][1] for k in range(keys)]
+                        mask = ir.Constant(ir.VectorType(i32, keys), lanes_)
+                        row = builder.shuffle_vector(
+                            sum_, ir.Constant(sum_.type, ir.Undefined), mask
                         )
-                        qs.append(builder.load(pointer, align=dtype.bitwidth // 8))
+                        pointer = builder.bitcast(
+                            builder.gep(out.data, [at]), row.type.as_pointer()
+                        )
+                        builder.store(row, pointer, align=dtype.bitwidth // 8)
+                        continue
                     for k in range(keys):
-                        if form == FLOAT:
-                            bytes_ = builder.mul(e, item)
-                            x = load(builder, key_rows[k], bytes_, real, lanes)
-                        else:
-                            x = values(builder, form, key_rows[k], e, lanes, steps[k], lows[k])
-                        for r in range(BLOCK_ROWS):
-                            slot = sums[r][k]
-                            builder.store(builder.call(fma, [qs[r], x, builder.load(slot)]), slot)
-            flat = [builder.load(sums[r][k]) for r in range(BLOCK_ROWS) for k in range(keys)]
-            totals = _hsums(builder, flat)
-            i32 = ir.IntType(32)
-            whole = len({id(vector) for vector, _ in totals}) == 1
-            for r in range(BLOCK_ROWS):
-                at = builder.add(builder.mul(builder.add(i_, const(r)), s_ld), col_)
-                if whole and keys > 1:  # a row's sums stored at once
-                    vector = totals[0][0]
-                    lanes_ = [totals[r * keys + k][1] for k in range(keys)]
-                    mask = ir.Constant(ir.VectorType(i32, keys), lanes_)
-                    row = builder.shuffle_vector(
-                        vector, ir.Constant(vector.type, ir.Undefined), mask
-                    )
-                    pointer = builder.bitcast(builder.gep(out.data, [at]), row.type.as_pointer())
-                    builder.store(row, pointer, align=dtype.bitwidth // 8)
-                    continue
-                for k in range(keys):
-                    vector, lane = totals[r * keys + k]
-                    total = builder.extract_element(vector, ir.Constant(i32, lane))
-                    builder.store(total, builder.gep(out.data, [builder.add(at, const(k))]))
+                        sum_, lane = totals[r * keys + k]
+                        total = builder.extract_element(sum_, ir.Constant(i32, lane))
+                        builder.store(total, builder.gep(out.data, [builder.add(at, const(k))]))
+
+            _cases(builder, count_, range(BLOCK_ROWS, 0, -1), emit)
             return context.get_dummy_value()
 
         signature = types.void(
-            rows, row_bytes, scales, zeros, scale_bytes, group, c, stacked, i0, s, i, col
+            rows, row_bytes, scales, zeros, scale_bytes, group, c, stacked, i0, s, i, col, count
         )
         return signature, codegen
 
     return products
+
+
+def _cases(builder: Any, value: Any, counts: Any, emit: Any) -> None:
+    """``emit(n)`` for the ``n`` of ``counts`` that ``value`` (i64) equals, the last
+    where none does: code specialized to each, chosen at run time."""
+    *tests, last = counts
+    if not tests:
+        emit(last)
+        return
+    here = builder.icmp_signed("==", value, ir.Constant(value.type, tests[0]))
+    with builder.if_else(here) as (then, otherwise):
+        with then:
+            emit(tests[0])
+        with otherwise:
+            _cases(builder, value, [*tests[1:], last], emit)
 
 
 def accumulator(
@@ -357,11 +383,12 @@ def accumulator(
     checked: bool = True,
 ):  # type: ignore[no-untyped-def]
     """An intrinsic ``accumulate(rows, row_bytes, scales, zeros, scale_row_bytes, group,
-    c0, c1, s, at, partial, i) -> finite``: ``partial[i + r, d] += s[r, at + c] *
-    value_c[d]`` for ``block_rows`` rows ``r``, every ``d`` and ``c`` from ``c0`` to ``c1`` in
-    order, value ``c`` the row at ``rows + c * row_bytes`` (:func:`_source`) of ``form``,
-    read back in registers (:func:`values`); ``partial``'s width a multiple of two vectors of
-    ``bits`` (and of ``group``'s lanes), ``s`` and ``partial`` with contiguous rows.
+    c0, c1, s, at, partial, i, count) -> finite``: ``partial[i + r, d] += s[r, at + c] *
+    value_c[d]`` for ``count`` rows ``r`` (1 to ``block_rows``), every ``d`` and ``c`` from
+    ``c0`` to ``c1`` in order, value ``c`` the row at ``rows + c * row_bytes``
+    (:func:`_source`) of ``form``, read back in registers (:func:`values`); ``partial``'s
+    width a multiple of two vectors of ``bits`` (and of ``group``'s lanes), ``s`` and
+    ``partial`` with contiguous rows.
     ``finite``: whether every value read back is (a quantized form's: its scales and zero
     points, with which no code's value overflows; ``True`` for ``FLOAT``, which the walk
     checks apart, and where not ``checked``: the values' second pass, whose first checked).
@@ -377,8 +404,9 @@ def accumulator(
 
     @intrinsic
     def accumulate(
-        typingctx, rows, row_bytes, scales, zeros, scale_bytes, group, c0, c1, s, at, partial, i
-    ):  # type: ignore[no-untyped-def]  # pragma: no cover
+        typingctx, rows, row_bytes, scales, zeros, scale_bytes, group, c0,
+        c1, s, at, partial, i, count
+    ):  # type: ignore[no-untyped-def]  # pragma: no cover  # fmt: skip
         dtype = partial.dtype
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
@@ -394,7 +422,7 @@ def accumulator(
 
             ints = _source(context, builder, signature, args)
             source, row_bytes_, scales_, zeros_, scale_bytes_, group_ = ints[:6]
-            c0_, c1_, at_, i_ = ints[6], ints[7], ints[9], ints[11]
+            c0_, c1_, at_, i_, count_ = ints[6], ints[7], ints[9], ints[11], ints[12]
             scores = context.make_array(signature.args[8])(context, builder, args[8])
             sums = context.make_array(signature.args[10])(context, builder, args[10])
             s_ld = builder.sdiv(builder.extract_value(scores.strides, 0), item)
@@ -433,9 +461,8 @@ def accumulator(
             def vector_at(base: Any, offset: Any) -> Any:
                 return builder.bitcast(builder.gep(base, [offset]), vector.as_pointer())
 
-            count = wide or (4 if bits == 512 else 2)  # vectors of a row of sums
-            held = [[cgutils.alloca_once(builder, vector) for _ in range(count)]
-                    for _ in range(block_rows)]  # fmt: skip
+            vectors = wide or (4 if bits == 512 else 2)  # vectors of a row of sums
+            held: list[list[Any]] = []  # a block's rows of sums (:func:`emit`'s)
 
             def accumulate_rows(d0: Any, count: int, span: int) -> None:
                 """The values ``[c0, c1)``'s ``count`` vectors from feature ``d0``, each
@@ -469,7 +496,7 @@ def accumulator(
             def chunk(d0: Any, count: int) -> None:
                 """Features ``[d0, d0 + count vectors)``: the sums loaded, the values added,
                 the sums stored (and checked)."""
-                rows_ = [builder.mul(builder.add(i_, const(r)), p_ld) for r in range(block_rows)]
+                rows_ = [builder.mul(builder.add(i_, const(r)), p_ld) for r in range(len(held))]
                 for r, slots in enumerate(held):
                     for h, slot in enumerate(slots[:count]):
                         at_d = builder.add(builder.add(rows_[r], d0), const(h * lanes))
@@ -498,14 +525,20 @@ def accumulator(
                         at_d = builder.add(builder.add(rows_[r], d0), const(h * lanes))
                         builder.store(builder.load(slot), vector_at(sums.data, at_d), align=align)
 
-            step = const(count * lanes)
-            whole = builder.mul(builder.sdiv(width, step), step)
-            with cgutils.for_range_slice(builder, const(0), whole, step, index) as (d0, _):
-                chunk(d0, count)
-            if count > 2:  # the rest in pairs of vectors
-                pair = const(2 * lanes)
-                with cgutils.for_range_slice(builder, whole, width, pair, index) as (d0, _):
-                    chunk(d0, 2)
+            def emit(block_rows: int) -> None:
+                """The sums of ``block_rows`` rows: chunks of ``vectors``, then pairs."""
+                held[:] = [[cgutils.alloca_once(builder, vector) for _ in range(vectors)]
+                           for _ in range(block_rows)]  # fmt: skip
+                step = const(vectors * lanes)
+                whole = builder.mul(builder.sdiv(width, step), step)
+                with cgutils.for_range_slice(builder, const(0), whole, step, index) as (d0, _):
+                    chunk(d0, vectors)
+                if vectors > 2:  # the rest in pairs of vectors
+                    pair = const(2 * lanes)
+                    with cgutils.for_range_slice(builder, whole, width, pair, index) as (d0, _):
+                        chunk(d0, 2)
+
+            _cases(builder, count_, range(block_rows, 0, -1), emit)
             total = builder.load(seen[0])
             for other in seen[1:]:
                 total = builder.fadd(total, builder.load(other))
@@ -519,7 +552,7 @@ def accumulator(
             return builder.icmp_unsigned("==", odd, ir.Constant(ir.IntType(lanes), 0))
 
         signature = types.boolean(
-            rows, row_bytes, scales, zeros, scale_bytes, group, c0, c1, s, at, partial, i
+            rows, row_bytes, scales, zeros, scale_bytes, group, c0, c1, s, at, partial, i, count
         )
         return signature, codegen
 
