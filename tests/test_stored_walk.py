@@ -229,6 +229,10 @@ def test_kivi_keys_are_multiplied_in_place_as_scores_only(walks):
 
 WIDTHS = [(*kind, d) for kind in KINDS for d in (64, 96, 128)
           if kind[2] is None or 96 % kind[2] == 0 or d != 96]  # fmt: skip
+WIDTHS += [("int8", np.float32, 16, 80), ("int8", np.float32, 16, 48),
+           ("fp8", np.float32, 16, 80), ("kivi8", np.float32, 16, 80),
+           (None, "bfloat16", None, 80), (None, np.float16, None, 48)]  # fmt: skip
+"""(Rows of 80 and 48 values: an odd number of AVX-512's vectors, the sums' last one alone.)"""
 
 
 @pytest.mark.parametrize(("kind", "dtype", "group", "d"), WIDTHS)
@@ -236,11 +240,11 @@ def test_products_in_place_give_the_bits_of_products_of_the_rows_read_back(
     walks, kind, dtype, group, d
 ):
     """A decoding step's products on the stored rows in place (``stored_scores``,
-    ``stored_sums``: 1 to 4, 7 and 8 rows; rows of 64, 96 and 128 values, whole and partial chunks
-    of the sums; ranges within a block, across blocks apart, ending mid-block, past the
-    sums' flush every 256 positions; KIVI's unfilled group) equal bit for bit the products
-    of the float32 rows read back first (``stage``, then ``few_scores`` and
-    ``few_accumulate``)."""
+    ``stored_sums``: 1 to 4, 7 and 8 rows; rows of 48, 64, 80, 96 and 128 values, whole and
+    partial chunks of the sums; ranges within a block, across blocks apart, ending
+    mid-block, past the sums' flush every 256 positions; KIVI's unfilled group) equal bit
+    for bit the products of the float32 rows read back first (``stage``, then
+    ``few_scores`` and ``few_accumulate``)."""
     from numba import njit
 
     from mha._kernel._numba_pool import address, few_accumulate, few_scores
@@ -376,7 +380,8 @@ def test_the_read_back_compiled_for_a_cpu_without_f16c_or_avx512_gives_the_same_
         "        t.test_a_stored_cache_gives_the_bits_of_a_float32_cache_of_its_values(\n"
         "            None, kind, dtype, H)\n"
         "    for rows in (4, 3):\n"
-        "        t.test_values_multiplied_in_place_flag_a_value_not_finite(None, kind, dtype, rows)\n"
+        "        t.test_values_multiplied_in_place_flag_a_value_not_finite(\n"
+        "            None, kind, dtype, rows)\n"
         "print('generic ok')\n"
     )
     env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CACHE_DIR": str(tmp_path)}

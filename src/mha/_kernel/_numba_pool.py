@@ -337,9 +337,9 @@ def few_accumulate(run, s, at, w, acc, i0, rows, partial):  # type: ignore[no-un
     values = carray(typed(address, acc), (n, ld))
     i = 0
     lanes = VECTOR_BITS // (8 * size)
-    wide = d_v % (2 * WIDE_BITS // (8 * size)) == 0
+    wide = d_v % (WIDE_BITS // (8 * size)) == 0
     blocked = (
-        d_v % (2 * lanes) == 0
+        d_v % lanes == 0
         and partial.shape[1] == d_v
         and partial.strides[1] == size
         and s.strides[1] == size

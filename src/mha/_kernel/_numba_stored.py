@@ -16,10 +16,9 @@ A decoding step's few rows multiply the stored rows in place (:func:`stored_scor
 :func:`stored_sums`: the products of :mod:`._numba_vectors`, each value read back in
 registers with the same arithmetic, in the order a float32 pool's products take) where
 :func:`in_place` says so: a step's 1 to 8 rows per head by blocks of up to four, rows of
-whole pairs of vectors, the forms read per token and KIVI's keys per channel. Other steps
-(rows of 48 values on AVX-512, say) read the rows back in runs of :data:`STAGE_ROWS` into a
-buffer that stays in L1, then multiply it (the products of :mod:`._numba_pool`); a tile of
-many rows is
+whole vectors, the forms read per token and KIVI's keys per channel. Other steps read the
+rows back in runs of :data:`STAGE_ROWS` into a buffer that stays in L1, then multiply it
+(the products of :mod:`._numba_pool`); a tile of many rows is
 read back whole into the walk's tile buffer for its GEMM (as a paged cache's scattered float
 tile is copied). On the serving benchmark's step (64 sequences of 128 to 8,192 tokens, the
 AMD EPYC of the README's figures, two workers), int8's step took 31.5-34.7 ms in place
@@ -338,8 +337,8 @@ _LANES = WIDE_BITS // 32
 def in_place(pool, rows, keys):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Whether a decoding step's ``rows`` multiply the stored ``pool``'s rows (:func:`flat`'s;
     ``None``: a float pool) in place (:func:`stored_scores`, :func:`stored_sums`: blocks of
-    up to :data:`.BLOCK_ROWS` rows): rows of whole pairs of vectors, a form read per token,
-    or per channel for the ``keys`` (KIVI's). Else they are read back first
+    up to :data:`.BLOCK_ROWS` rows): rows of whole vectors, a form read per token, or per
+    channel for the ``keys`` (KIVI's). Else they are read back first
     (:func:`stage`)."""
 
 
@@ -354,7 +353,7 @@ def _in_place_for(pool, rows, keys):  # type: ignore[no-untyped-def]  # pragma: 
         per_channel = keys and kind in (PER_CHANNEL, PER_CHANNEL4)
         grouped = kind in (BFLOAT16, FLOAT16) or per_channel or group % _LANES == 0
         read = (per_token or per_channel) and grouped
-        return read and d % (2 * _LANES) == 0
+        return read and d % _LANES == 0
 
     return in_place_
 

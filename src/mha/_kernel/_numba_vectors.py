@@ -387,14 +387,14 @@ def accumulator(
     value_c[d]`` for ``count`` rows ``r`` (1 to ``block_rows``), every ``d`` and ``c`` from
     ``c0`` to ``c1`` in order, value ``c`` the row at ``rows + c * row_bytes``
     (:func:`_source`) of ``form``, read back in registers (:func:`values`); ``partial``'s
-    width a multiple of two vectors of ``bits`` (and of ``group``'s lanes), ``s`` and
+    width a multiple of the vectors of ``bits`` (and ``group`` of them), ``s`` and
     ``partial`` with contiguous rows.
     ``finite``: whether every value read back is (a quantized form's: its scales and zero
     points, with which no code's value overflows; ``True`` for ``FLOAT``, which the walk
     checks apart, and where not ``checked``: the values' second pass, whose first checked).
 
     For each ``wide`` vectors of features (four where the CPU has 32 registers, two where 16,
-    then pairs for the rest), the block's partial sums stay in registers while the values go
+    then pairs and one for the rest), the block's partial sums stay in registers while the values go
     by, each ``llvm.fmuladd`` (fused where the CPU has FMA), the order and rounding of ``a +=
     p * x`` compiled with contraction, whatever ``wide`` and ``block_rows`` (numba's loop
     kept the sums in memory: a load and a store per multiply-add, 0.36 ms for 4 rows of 8
@@ -501,42 +501,43 @@ def accumulator(
                     for h, slot in enumerate(slots[:count]):
                         at_d = builder.add(builder.add(rows_[r], d0), const(h * lanes))
                         builder.store(builder.load(vector_at(sums.data, at_d), align=align), slot)
-                if _quantized(form):  # vectors under one scale: by the group's width
-                    spans = [k for k in (4, 2) if k <= count]
-                    tests = [builder.icmp_signed(
-                        "==", builder.srem(group_, const(k * lanes)), const(0)
-                    ) for k in spans]  # fmt: skip
-                    with builder.if_else(tests[0]) as (first, rest):
-                        with first:
+                spans = [k for k in (4, 2) if k <= count] if _quantized(form) else []
+
+                def by_span(spans: list[int]) -> None:
+                    # vectors under one scale: the most the group's width holds
+                    if not spans:
+                        accumulate_rows(d0, count, 1)
+                        return
+                    whole = builder.srem(group_, const(spans[0] * lanes))
+                    with builder.if_else(builder.icmp_signed("==", whole, const(0))) as (
+                        yes,
+                        no,
+                    ):
+                        with yes:
                             accumulate_rows(d0, count, spans[0])
-                        with rest:
-                            if len(spans) > 1:
-                                with builder.if_else(tests[1]) as (second, last):
-                                    with second:
-                                        accumulate_rows(d0, count, spans[1])
-                                    with last:
-                                        accumulate_rows(d0, count, 1)
-                            else:
-                                accumulate_rows(d0, count, 1)
-                else:
-                    accumulate_rows(d0, count, 1)
+                        with no:
+                            by_span(spans[1:])
+
+                by_span(spans)
                 for r, slots in enumerate(held):
                     for h, slot in enumerate(slots[:count]):
                         at_d = builder.add(builder.add(rows_[r], d0), const(h * lanes))
                         builder.store(builder.load(slot), vector_at(sums.data, at_d), align=align)
 
             def emit(block_rows: int) -> None:
-                """The sums of ``block_rows`` rows: chunks of ``vectors``, then pairs."""
+                """The sums of ``block_rows`` rows: chunks of ``vectors``, then of fewer
+                (two, one) for the rest of the row."""
                 held[:] = [[cgutils.alloca_once(builder, vector) for _ in range(vectors)]
                            for _ in range(block_rows)]  # fmt: skip
-                step = const(vectors * lanes)
-                whole = builder.mul(builder.sdiv(width, step), step)
-                with cgutils.for_range_slice(builder, const(0), whole, step, index) as (d0, _):
-                    chunk(d0, vectors)
-                if vectors > 2:  # the rest in pairs of vectors
-                    pair = const(2 * lanes)
-                    with cgutils.for_range_slice(builder, whole, width, pair, index) as (d0, _):
-                        chunk(d0, 2)
+                start = const(0)
+                for count in sorted({vectors, min(vectors, 2), 1}, reverse=True):
+                    step = const(count * lanes)
+                    end = builder.add(
+                        start, builder.mul(builder.sdiv(builder.sub(width, start), step), step)
+                    )
+                    with cgutils.for_range_slice(builder, start, end, step, index) as (d0, _):
+                        chunk(d0, count)
+                    start = end
 
             _cases(builder, count_, range(block_rows, 0, -1), emit)
             total = builder.load(seen[0])
