@@ -334,20 +334,20 @@ _SUMS_U8, _SUMS_U4, _SUMS_E4M3 = (accumulator(form) for form in (U8_, U4_, E4M3_
 _LANES = WIDE_BITS // 32
 
 
-def in_place(pool, rows, keys):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """Whether a decoding step's ``rows`` multiply the stored ``pool``'s rows (:func:`flat`'s;
-    ``None``: a float pool) in place (:func:`stored_scores`, :func:`stored_sums`: blocks of
-    up to :data:`.BLOCK_ROWS` rows): rows of whole vectors, a form read per token, or per
-    channel for the ``keys`` (KIVI's). Else they are read back first
-    (:func:`stage`)."""
+def in_place(pool, keys):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Whether a decoding step's rows (1 to 8) multiply the stored ``pool``'s rows
+    (:func:`flat`'s; ``None``: a float pool) in place (:func:`stored_scores`,
+    :func:`stored_sums`: blocks of up to :data:`.BLOCK_ROWS` rows): rows of whole vectors,
+    a form read per token, or per channel for the ``keys`` (KIVI's). Else they are read
+    back first (:func:`stage`)."""
 
 
 @overload(in_place, jit_options={"boundscheck": False, "nogil": True})
-def _in_place_for(pool, rows, keys):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _in_place_for(pool, keys):  # type: ignore[no-untyped-def]  # pragma: no cover
     if isinstance(pool, types.NoneType):
-        return lambda pool, rows, keys: False
+        return lambda pool, keys: False
 
-    def in_place_(pool, rows, keys):  # type: ignore[no-untyped-def]
+    def in_place_(pool, keys):  # type: ignore[no-untyped-def]
         kind, group, d = pool[5][2], pool[5][3], pool[5][4]
         per_token = kind in (BFLOAT16, FLOAT16, PER_TOKEN, PER_TOKEN4, FLOAT8)
         per_channel = keys and kind in (PER_CHANNEL, PER_CHANNEL4)

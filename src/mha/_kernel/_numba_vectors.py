@@ -362,7 +362,8 @@ def dots(form: int, keys: int):  # type: ignore[no-untyped-def]
 
 def _cases(builder: Any, value: Any, counts: Any, emit: Any) -> None:
     """``emit(n)`` for the ``n`` of ``counts`` that ``value`` (i64) equals, the last
-    where none does: code specialized to each, chosen at run time."""
+    where none does (the callers' counts are 1 to :data:`BLOCK_ROWS`, the last 1): code
+    specialized to each, chosen at run time."""
     *tests, last = counts
     if not tests:
         emit(last)

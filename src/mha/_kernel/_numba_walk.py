@@ -450,7 +450,7 @@ def _tile_scores(gemm, tile, keys, flip, sizes, scratch):  # type: ignore[no-unt
     b, g, _, _, c0, c1, i0, rows, _ = tile
     s, flipped, stacked, _, _, _, _, _, k_tile, _ = scratch
     cols, d_k, w = sizes[1], stacked.shape[1], c1 - c0
-    if rows <= FEW_ROWS and stored(keys) and in_place(flat(keys), rows, True):
+    if rows <= FEW_ROWS and stored(keys) and in_place(flat(keys), True):
         stored_scores(flat(keys), b, g, c0, c1, stacked, i0, rows, s)
         return
     if rows <= FEW_ROWS and stored(keys):  # read back a few rows at a time, in L1
@@ -539,7 +539,7 @@ def _tile_values(gemm, tile, values, sizes, scratch):  # type: ignore[no-untyped
     if rows <= FEW_ROWS:
         partial[:rows] = 0.0
         c, finite_ = c0, True
-        if stored(values) and in_place(flat(values), rows, False):
+        if stored(values) and in_place(flat(values), False):
             return stored_sums(flat(values), b, g, c0, c1, s, acc, i0, rows, partial)
         if stored(values):  # read back a few rows at a time, in L1
             pool, into = flat(values), address(v_tile, 0)
