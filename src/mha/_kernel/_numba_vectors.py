@@ -395,7 +395,7 @@ def accumulator(
     checks apart, and where not ``checked``: the values' second pass, whose first checked).
 
     For each ``wide`` vectors of features (four where the CPU has 32 registers, two where 16,
-    then pairs and one for the rest), the block's partial sums stay in registers while the values go
+    then fewer for the rest), the block's partial sums stay in registers while the values go
     by, each ``llvm.fmuladd`` (fused where the CPU has FMA), the order and rounding of ``a +=
     p * x`` compiled with contraction, whatever ``wide`` and ``block_rows`` (numba's loop
     kept the sums in memory: a load and a store per multiply-add, 0.36 ms for 4 rows of 8
@@ -527,11 +527,11 @@ def accumulator(
 
             def emit(block_rows: int) -> None:
                 """The sums of ``block_rows`` rows: chunks of ``vectors``, then of fewer
-                (two, one) for the rest of the row."""
+                (four, two, one) for the rest of the row."""
                 held[:] = [[cgutils.alloca_once(builder, vector) for _ in range(vectors)]
                            for _ in range(block_rows)]  # fmt: skip
                 start = const(0)
-                for count in sorted({vectors, min(vectors, 2), 1}, reverse=True):
+                for count in sorted({vectors, min(vectors, 4), min(vectors, 2), 1}, reverse=True):
                     step = const(count * lanes)
                     end = builder.add(
                         start, builder.mul(builder.sdiv(builder.sub(width, start), step), step)
