@@ -10,6 +10,7 @@ shows which calls it took.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -236,16 +237,11 @@ WIDTHS += [("int8", np.float32, 16, 80), ("int8", np.float32, 16, 48),
 alone; groups of 48 and 80: vectors read alone within a group, under its scale.)"""
 
 
-@pytest.mark.parametrize(("kind", "dtype", "group", "d"), WIDTHS)
-def test_products_in_place_give_the_bits_of_products_of_the_rows_read_back(
-    walks, kind, dtype, group, d
-):
-    """A decoding step's products on the stored rows in place (``stored_scores``,
-    ``stored_sums``: 1 to 4, 7 and 8 rows; rows of 48, 64, 80, 96 and 128 values, whole and
-    partial chunks of the sums; ranges within a block, across blocks apart, ending
-    mid-block, past the sums' flush every 256 positions; KIVI's unfilled group) equal bit
-    for bit the products of the float32 rows read back first (``stage``, then
-    ``few_scores`` and ``few_accumulate``)."""
+@functools.cache
+def _products():  # type: ignore[no-untyped-def]
+    """The products in place, those of the rows read back first, and whether a pair of
+    pools is multiplied in place: compiled once for every case of the test below (each
+    case's own closures took 8 s to compile)."""
     from numba import njit
 
     from mha._kernel._numba_pool import address, few_accumulate, few_scores
@@ -272,6 +268,20 @@ def test_products_in_place_give_the_bits_of_products_of_the_rows_read_back(
     def taken(keys, values):
         return in_place(flat(keys), True) and in_place(flat(values), False)
 
+    return in_place_products, read_back_products, taken
+
+
+@pytest.mark.parametrize(("kind", "dtype", "group", "d"), WIDTHS)
+def test_products_in_place_give_the_bits_of_products_of_the_rows_read_back(
+    walks, kind, dtype, group, d
+):
+    """A decoding step's products on the stored rows in place (``stored_scores``,
+    ``stored_sums``: 1 to 4, 7 and 8 rows; rows of 48, 64, 80, 96 and 128 values, whole and
+    partial chunks of the sums; ranges within a block, across blocks apart, ending
+    mid-block, past the sums' flush every 256 positions; KIVI's unfilled group) equal bit
+    for bit the products of the float32 rows read back first (``stage``, then
+    ``few_scores`` and ``few_accumulate``)."""
+    in_place_products, read_back_products, taken = _products()
     rng = np.random.default_rng(11)
     H_kv = 2
     cache = paged(kind, dtype, group, H_kv, d, blocks=96)
