@@ -294,10 +294,9 @@ _dots_block, _dots_one = dots(FLOAT, BLOCK_KEYS), dots(FLOAT, 1)
 @njit(boundscheck=False, nogil=True)
 def _float_dots(address, row_bytes, c, stacked, j, s, i, col, block, count):  # type: ignore[no-untyped-def]  # pragma: no cover
     """:func:`._numba_vectors.dots` of a float pool's keys, a block or one, by ``count``
-    rows: called from
-    here, compiled without the walks' fastmath flags (which numba gives every instruction
-    of a function), so the sums' order is the intrinsic's own, as where the stored pools'
-    products call it (:mod:`._numba_stored`)."""
+    rows: called from here, compiled without the walks' fastmath flags (which numba gives
+    every instruction of a function), so the sums' order is the intrinsic's own, as where
+    the stored pools' products call it (:mod:`._numba_stored`)."""
     if block:
         _dots_block(address, row_bytes, 0, 0, 0, 0, c, stacked, j, s, i, col, count)
     else:

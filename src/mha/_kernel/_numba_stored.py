@@ -16,11 +16,11 @@ A decoding step's few rows multiply the stored rows in place (:func:`stored_scor
 :func:`stored_sums`: the products of :mod:`._numba_vectors`, each value read back in
 registers with the same arithmetic, in the order a float32 pool's products take) where
 :func:`in_place` says so: a step's 1 to 8 rows per head by blocks of up to four, rows of
-whole vectors, the forms read per token and KIVI's keys per channel. Other steps read the
-rows back in runs of :data:`STAGE_ROWS` into a buffer that stays in L1, then multiply it
-(the products of :mod:`._numba_pool`); a tile of many rows is
-read back whole into the walk's tile buffer for its GEMM (as a paged cache's scattered float
-tile is copied). On the serving benchmark's step (64 sequences of 128 to 8,192 tokens, the
+whole vectors, the forms read per token and KIVI's keys per channel. A step it refuses
+reads the rows back in runs of :data:`STAGE_ROWS` into a buffer that stays in L1, then
+multiplies it (the products of :mod:`._numba_pool`); a tile of many rows is read back
+whole into the walk's tile buffer for its GEMM (as a paged cache's scattered float tile is
+copied). On the serving benchmark's step (64 sequences of 128 to 8,192 tokens, the
 AMD EPYC of the README's figures, two workers), int8's step took 31.5-34.7 ms in place
 against 39.8-51.3 read back first, bfloat16's 39-41 against 51-53 (``docs/benchmarks.md``);
 one to three rows per head (multi-head attention, SmolLM2's groups of three), in place too:
@@ -414,8 +414,7 @@ def _stored_scores(pool, b, g, c0, c1, stacked, i0, rows, s):  # type: ignore[no
 @njit(boundscheck=False, nogil=True, inline="always")
 def _dots(kind, block, where, k, stacked, j, s, i, col, count):  # type: ignore[no-untyped-def]  # pragma: no cover
     """:func:`._numba_vectors.dots` of ``kind``'s form, a block of keys or one, by ``count``
-    rows; ``where =
-    (rows, row bytes, scales, zeros, scale row bytes, group)``."""
+    rows; ``where = (rows, row bytes, scales, zeros, scale row bytes, group)``."""
     source, d1, step, low, s1, group = where
     if kind == BFLOAT16:
         if block:
