@@ -415,46 +415,46 @@ def _stored_scores(pool, b, g, c0, c1, stacked, i0, rows, s):  # type: ignore[no
 def _dots(kind, block, where, k, stacked, j, s, i, col, count):  # type: ignore[no-untyped-def]  # pragma: no cover
     """:func:`._numba_vectors.dots` of ``kind``'s form, a block of keys or one, by ``count``
     rows; ``where = (rows, row bytes, scales, zeros, scale row bytes, group)``."""
-    source, d1, step, low, s1, group = where
+    args = (*where, k, stacked, j, s, i, col, count)  # (per channel: scale row bytes unread)
     if kind == BFLOAT16:
         if block:
-            _BLOCK_BF16(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
+            _BLOCK_BF16(*args)
         else:
-            _ONE_BF16(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
+            _ONE_BF16(*args)
     elif kind == FLOAT16:
         if block:
-            _BLOCK_F16(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
+            _BLOCK_F16(*args)
         else:
-            _ONE_F16(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
+            _ONE_F16(*args)
     elif kind == PER_TOKEN4:
         if block:
-            _BLOCK_U4(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
+            _BLOCK_U4(*args)
         else:
-            _ONE_U4(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
+            _ONE_U4(*args)
     elif kind == PER_CHANNEL:
         if block:
-            _BLOCK_U8C(source, d1, step, low, 0, group, k, stacked, j, s, i, col, count)
+            _BLOCK_U8C(*args)
         else:
-            _ONE_U8C(source, d1, step, low, 0, group, k, stacked, j, s, i, col, count)
+            _ONE_U8C(*args)
     elif kind == PER_CHANNEL4:
         if block:
-            _BLOCK_U4C(source, d1, step, low, 0, group, k, stacked, j, s, i, col, count)
+            _BLOCK_U4C(*args)
         else:
-            _ONE_U4C(source, d1, step, low, 0, group, k, stacked, j, s, i, col, count)
+            _ONE_U4C(*args)
     elif kind == FLOAT:  # (KIVI's unfilled group, float32)
         if block:
-            _BLOCK_F32(source, d1, step, low, 0, group, k, stacked, j, s, i, col, count)
+            _BLOCK_F32(*args)
         else:
-            _ONE_F32(source, d1, step, low, 0, group, k, stacked, j, s, i, col, count)
+            _ONE_F32(*args)
     elif kind == FLOAT8:
         if block:
-            _BLOCK_E4M3(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
+            _BLOCK_E4M3(*args)
         else:
-            _ONE_E4M3(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
+            _ONE_E4M3(*args)
     elif block:
-        _BLOCK_U8(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
+        _BLOCK_U8(*args)
     else:
-        _ONE_U8(source, d1, step, low, s1, group, k, stacked, j, s, i, col, count)
+        _ONE_U8(*args)
 
 
 def stored_sums(pool, b, g, c0, c1, s, acc, i0, rows, partial):  # type: ignore[no-untyped-def]  # pragma: no cover
