@@ -27,6 +27,10 @@
 3. The step with 1 to 4 query rows per key/value head (8, 16, 24 and 32 query heads: a
    multi-head model's one row, a grouped-query model's few), 32 sequences of 128 to 4,096
    tokens: each paged cache's time against the float32 one's at as many rows.
+4. Item 3's step at 4 rows per head with each sequence's blocks in one run (appended at
+   once, as items 1 to 3 fill them) and with the sequences' blocks interleaved one block at
+   a time (as sequences that grow together take them): the CPU's own prefetcher follows a
+   run; the walks ask for the blocks ahead of an interleaved one.
 
 The caches are filled directly (``PagedKVCache.append``; the KVCache's buffers written in
 place), not by attending over the prompts. Medians of interleaved runs, each timed step
@@ -155,19 +159,37 @@ ROWS = (1, 2, 3, 4)
 """Query rows per key/value head of item 3."""
 
 
-def rows_per_head(lengths: np.ndarray, rng: np.random.Generator, repeats: int
-                  ) -> dict[str, float]:  # fmt: skip
-    """Item 3: ``"kind rows"`` -> seconds per step (``"float32 1"``, ``"int8 3"``, ...)."""
+def filled(lengths: np.ndarray, rng: np.random.Generator, interleaved: bool = False
+           ) -> list[mha.PagedKVCache]:  # fmt: skip
+    """Paged caches (float32, then each of :data:`QUANTIZED`) holding the same random keys
+    and values: each sequence appended at once, or ``interleaved``, a block of each sequence
+    in turn."""
     paged = []
     for kind in (None, *QUANTIZED):
         size = block_size(kind)
         blocks = int(sum(-(-(int(n) + 1) // size) for n in lengths)) + len(lengths)
         paged.append(paged_cache(blocks, kind))
-    for b, n in enumerate(lengths):
-        k, v = (rng.standard_normal((H_KV, int(n), D), dtype=np.float32) for _ in range(2))
-        for cache in paged:
+    rows = [[rng.standard_normal((H_KV, int(n), D), dtype=np.float32) for _ in "kv"]
+            for n in lengths]  # fmt: skip
+    for cache in paged:
+        size = cache.block_size
+        for b in range(len(lengths)):
             cache.add(b)
-            cache.append(b, k, v)
+        if not interleaved:
+            for b, (k, v) in enumerate(rows):
+                cache.append(b, k, v)
+            continue
+        for start in range(0, int(lengths.max()), size):
+            for b, (k, v) in enumerate(rows):
+                if start < lengths[b]:
+                    cache.append(b, k[:, start : start + size], v[:, start : start + size])
+    return paged
+
+
+def rows_per_head(lengths: np.ndarray, rng: np.random.Generator, repeats: int
+                  ) -> dict[str, float]:  # fmt: skip
+    """Item 3: ``"kind rows"`` -> seconds per step (``"float32 1"``, ``"int8 3"``, ...)."""
+    paged = filled(lengths, rng)
     functions = {}
     for rows in ROWS:
         q = rng.standard_normal((len(lengths), H_KV * rows, 1, D), dtype=np.float32)
@@ -175,6 +197,25 @@ def rows_per_head(lengths: np.ndarray, rng: np.random.Generator, repeats: int
                 for _ in range(2))  # fmt: skip
         for name, cache in zip(("float32", *QUANTIZED), paged, strict=True):
             functions[f"{name} {rows}"] = stepper(cache, q, k, v, lengths)
+    times = interleaved_medians(functions, repeats, pause=0.1, warm=WARM)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+LAYOUTS = ("in one run", "interleaved")
+"""Item 4's layouts of a sequence's blocks."""
+
+
+def layouts(lengths: np.ndarray, rng: np.random.Generator, repeats: int
+            ) -> dict[str, float]:  # fmt: skip
+    """Item 4: ``"kind layout"`` -> seconds per step at 4 rows per head."""
+    q = rng.standard_normal((len(lengths), H_KV * 4, 1, D), dtype=np.float32)
+    k, v = (rng.standard_normal((len(lengths), H_KV, 1, D), dtype=np.float32)
+            for _ in range(2))  # fmt: skip
+    functions = {}
+    for layout in LAYOUTS:
+        paged = filled(lengths, rng, interleaved=layout == "interleaved")
+        for name, cache in zip(("float32", *QUANTIZED), paged, strict=True):
+            functions[f"{name} {layout}"] = stepper(cache, q, k, v, lengths)
     times = interleaved_medians(functions, repeats, pause=0.1, warm=WARM)
     return {name: float(np.median(t)) for name, t in times.items()}
 
@@ -219,6 +260,10 @@ def measure(quick: bool) -> dict[str, Any]:
     results["rows"] = {
         "longest": int(lengths.max()), "sequences": len(lengths),
         "seconds": rows_per_head(lengths, rng, repeats),
+    }  # fmt: skip
+    results["layouts"] = {
+        "longest": int(lengths.max()), "sequences": len(lengths),
+        "seconds": layouts(lengths, rng, repeats),
     }  # fmt: skip
     return results
 
@@ -289,6 +334,8 @@ def markdown(runs: list[dict[str, Any]]) -> str:
         ]
         if "rows" in results:
             lines += rows_table(results["rows"])
+        if "layouts" in results:
+            lines += layouts_table(results["layouts"])
     return "\n".join(lines)
 
 
@@ -310,6 +357,27 @@ def rows_table(rows: dict[str, Any]) -> list[str]:
                  + ("" if kind == "float32" else f" ({seconds[f'{kind} {count}'] / base:.2f})")
                  for kind in kinds]  # fmt: skip
         lines.append(f"| {count} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def layouts_table(layouts: dict[str, Any]) -> list[str]:
+    """Item 4's table: ms per step, and against the float32 paged cache's of its layout."""
+    seconds = layouts["seconds"]
+    kinds = [kind for kind in ("float32", *QUANTIZED) if f"{kind} {LAYOUTS[0]}" in seconds]
+    lines = [
+        f"Each sequence's blocks in one run or interleaved with the others', a block at a "
+        f"time: {layouts['sequences']} sequences of 128 to {layouts['longest']:,} tokens, 4 "
+        "query rows per key/value head; ms per step (against float32 paged of the layout).",
+        "",
+        "| blocks | " + " | ".join(kinds) + " |",
+        "|---|" + "---:|" * len(kinds),
+    ]
+    for layout in LAYOUTS:
+        base = seconds[f"float32 {layout}"]
+        cells = [f"{seconds[f'{kind} {layout}'] * 1e3:.1f}"
+                 + ("" if kind == "float32" else f" ({seconds[f'{kind} {layout}'] / base:.2f})")
+                 for kind in kinds]  # fmt: skip
+        lines.append(f"| {layout} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 
 
