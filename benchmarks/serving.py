@@ -341,43 +341,35 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 
 def rows_table(rows: dict[str, Any]) -> list[str]:
     """Item 3's table: ms per step, and against the float32 paged cache's."""
-    seconds = rows["seconds"]
-    kinds = [kind for kind in ("float32", *QUANTIZED) if f"{kind} {ROWS[0]}" in seconds]
-    lines = [
+    title = (
         f"Query rows per key/value head: {rows['sequences']} sequences of 128 to "
         f"{rows['longest']:,} tokens, {H_KV} key/value heads, paged; ms per step (against "
-        "float32 paged at as many rows).",
-        "",
-        "| rows per head | " + " | ".join(kinds) + " |",
-        "|---|" + "---:|" * len(kinds),
-    ]
-    for count in ROWS:
-        base = seconds[f"float32 {count}"]
-        cells = [f"{seconds[f'{kind} {count}'] * 1e3:.1f}"
-                 + ("" if kind == "float32" else f" ({seconds[f'{kind} {count}'] / base:.2f})")
-                 for kind in kinds]  # fmt: skip
-        lines.append(f"| {count} | " + " | ".join(cells) + " |")
-    return [*lines, ""]
+        "float32 paged at as many rows)."
+    )
+    return kinds_table(title, "rows per head", ROWS, rows["seconds"])
 
 
 def layouts_table(layouts: dict[str, Any]) -> list[str]:
     """Item 4's table: ms per step, and against the float32 paged cache's of its layout."""
-    seconds = layouts["seconds"]
-    kinds = [kind for kind in ("float32", *QUANTIZED) if f"{kind} {LAYOUTS[0]}" in seconds]
-    lines = [
-        f"Each sequence's blocks in one run or interleaved with the others', a block at a "
+    title = (
+        "Each sequence's blocks in one run or interleaved with the others', a block at a "
         f"time: {layouts['sequences']} sequences of 128 to {layouts['longest']:,} tokens, 4 "
-        "query rows per key/value head; ms per step (against float32 paged of the layout).",
-        "",
-        "| blocks | " + " | ".join(kinds) + " |",
-        "|---|" + "---:|" * len(kinds),
-    ]
-    for layout in LAYOUTS:
-        base = seconds[f"float32 {layout}"]
-        cells = [f"{seconds[f'{kind} {layout}'] * 1e3:.1f}"
-                 + ("" if kind == "float32" else f" ({seconds[f'{kind} {layout}'] / base:.2f})")
+        "query rows per key/value head; ms per step (against float32 paged of the layout)."
+    )
+    return kinds_table(title, "blocks", LAYOUTS, layouts["seconds"])
+
+
+def kinds_table(title: str, header: str, cases: Any, seconds: dict[str, float]) -> list[str]:
+    """A row per case, a column per cache kind: ``seconds["kind case"]`` in ms, and in
+    brackets against ``"float32 case"``."""
+    kinds = [kind for kind in ("float32", *QUANTIZED) if f"{kind} {cases[0]}" in seconds]
+    lines = [title, "", f"| {header} | " + " | ".join(kinds) + " |", "|---|" + "---:|" * len(kinds)]
+    for case in cases:
+        base = seconds[f"float32 {case}"]
+        cells = [f"{seconds[f'{kind} {case}'] * 1e3:.1f}"
+                 + ("" if kind == "float32" else f" ({seconds[f'{kind} {case}'] / base:.2f})")
                  for kind in kinds]  # fmt: skip
-        lines.append(f"| {layout} | " + " | ".join(cells) + " |")
+        lines.append(f"| {case} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 
 
