@@ -442,6 +442,54 @@ def test_each_stored_cache_takes_the_compiled_walk_and_meets_float64(
         assert record_error(f"{name} cache, compiled walk vs float64", error) <= 1e-6
 
 
+def _interleaved(kind, dtype, group, size, H_kv, d, lengths, rng):
+    """A paged cache of blocks of ``size`` whose sequences grew together, a block of each
+    in turn: each sequence's blocks lie apart in the pool."""
+    blocks = sum(-(-n // size) + 2 for n in lengths)
+    cache = mha.PagedKVCache(
+        blocks, size, H_kv, d, quantize=kind, group_size=group, dtype=storage(dtype)
+    )
+    rows = [[rng.standard_normal((H_kv, n, d)).astype(np.float32) for _ in "kv"] for n in lengths]
+    for b in range(len(lengths)):
+        cache.add(b)
+    for start in range(0, max(lengths), size):
+        for b, (k, v) in enumerate(rows):
+            cache.append(b, k[:, start : start + size], v[:, start : start + size])
+    return cache
+
+
+@pytest.mark.parametrize(("kind", "dtype", "group", "size"), [
+    *[(kind, dtype, group, 32 if kind and kind.startswith("kivi") else 16)
+      for kind, dtype, group in KINDS],
+    ("int8", np.float32, 32, 48), ("int8", np.float32, 32, 256), (None, "bfloat16", None, 48),
+])  # fmt: skip
+def test_blocks_of_sequences_grown_together_are_read_as_they_lie(
+    walks, monkeypatch, record_error, kind, dtype, group, size
+):
+    """Decoding steps over sequences whose blocks lie apart (the walks ask for the blocks
+    ahead of those they read: 128 positions on, in whole blocks) and over longer runs than
+    that, each step starting mid-block: each output is the float64 attention over the
+    values the cache stands for, within float32's rounding."""
+    calls = spy(monkeypatch)
+    rng = np.random.default_rng(13)
+    B, H, H_kv, d = 3, 8, 2, 64
+    cache = _interleaved(kind, dtype, group, size, H_kv, d, [301, 530, 97], rng)
+    table = cache.block_table()
+    assert (np.diff(table[1, : -(-530 // size)]) != 1).any()  # blocks apart
+    for L in (1, 4, 1):
+        before = len(calls)
+        q = rng.standard_normal((B, H, L, d)).astype(np.float32)
+        k, v = (rng.standard_normal((B, H_kv, L, d)).astype(np.float32) for _ in "kv")
+        out = mha.scaled_dot_product_attention(q, k, v, cache=cache)
+        assert len(calls) > before, "the call did not take the compiled walk"
+        stood = [cache.dequantized(seq) for seq in cache.sequences]
+        expected = dense64(q, [x[0] for x in stood], [x[1] for x in stood], cache.lengths,
+                           np.full(B, L))  # fmt: skip
+        error = float(np.abs(out - expected).max() / np.abs(expected).max())
+        name = kind or storage(dtype).name
+        assert record_error(f"{name} cache, blocks apart vs float64", error) <= 1e-6
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", np.float16])
 def test_a_contiguous_cache_of_a_storage_dtype_takes_the_compiled_walk(
     walks, monkeypatch, record_error, dtype

@@ -77,8 +77,9 @@ AHEAD = 128
 """Positions ahead of the rows read whose rows are asked into the caches meanwhile, in whole
 blocks (``AHEAD // block``, at least one): a paged cache's blocks lie apart, each head's
 rows of a block a few KiB, too few for the CPU's own prefetcher to run ahead of the reads
-(128 gained 30% on a decoding step of int8 codes; 256 and 512 no more). Not where the
-blocks between lie one after another in the pool (:func:`_prefetch_later`)."""
+(128 gained 30% on a decoding step of int8 codes; 256 and 512 no more, nor 64). Not where
+the blocks lie in a run, nor in a contiguous cache, one block a sequence
+(:func:`_prefetch_later`)."""
 
 
 def _reader(form: int):  # type: ignore[no-untyped-def]
@@ -208,9 +209,9 @@ def stage(pool, b, g, c0, c1, target, ld, stop, check):  # type: ignore[no-untyp
     every value read back is finite. In :func:`_reader`'s vector code (its arithmetic
     alone: no fastmath flag reaches it): per token and bfloat16 or float16, each run of
     rows in one block at once (their bytes, scales and zero points lie one after another),
-    per channel each group of tokens. The rows :data:`AHEAD` positions on (before ``stop``)
-    are asked into the caches meanwhile (a paged cache's blocks lie apart, each head's rows
-    of one a few KiB: too few for the CPU's own prefetcher to run ahead)."""
+    per channel each group of tokens. The same rows of the block :data:`AHEAD` positions on
+    (before ``stop``) are asked into the caches meanwhile, unless the blocks lie in a run
+    (:func:`_prefetch_later`)."""
 
 
 @overload(stage, jit_options={"boundscheck": False, "nogil": True})
@@ -304,8 +305,9 @@ def _blocks(pool, c0):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Where position ``c0`` lies: its block's index in the sequence's table and its offset
     in the block, and the blocks to prefetch ahead (:data:`AHEAD`). The walks below go on
     from there block by block with no division: a division's latency lies on the path to a
-    block's first reads (two more per block, to decide whether to prefetch, took a
-    bfloat16 decoding step from 14.4 to 17.4 ms; shifts in their place, 14.6)."""
+    block's first reads (a trial that added two divisions a block, to decide whether to
+    prefetch, took a bfloat16 decoding step from 14.4 to 17.4 ms; shifts in their place,
+    14.6)."""
     block = pool[1][3]
     return c0 // block, c0 % block, max(1, AHEAD // block)
 
@@ -321,22 +323,25 @@ def _prefetch_later(pool, row, g, j, off, n, ahead, first, stop):  # type: ignor
     """While rows ``[off, off + n)`` of the sequence's block ``j`` (``row``: its block
     table) of head ``g`` are read, ask for the same rows of block ``j + ahead`` (those before
     position ``stop``) to be read into the caches, with that block's scales and zero points
-    where the rows begin a block or the walk (``first``). Not the rows where the blocks from
-    ``j`` to ``j + ahead`` lie one after another in the pool: the CPU's own prefetcher
+    where the rows begin a block or the walk (``first``). Not the rows where the blocks lie
+    in a run: each head's rows one after another within a block and from block to block,
+    and block ``j + ahead`` the ``ahead``-th after block ``j`` in the pool (the ends alone
+    are compared; the blocks between almost always follow too). The CPU's own prefetcher
     follows such a run, and asking as well, a burst of requests for lines already on their
     way, slowed it. A decoding step at 4 rows per head over 32 sequences of 128 to 4,096
     tokens, each in one run, on the AMD EPYC of the README's figures, before -> after this
-    test and :func:`_blocks`: bfloat16 11.6 -> 8.8 ms, int8 10.0 -> 8.6, kivi8 10.5 -> 8.5
-    (float32 18.0); with the sequences' blocks interleaved two by two, every block asked for
-    as before, bfloat16 15.0 -> 14.9."""
-    (data, d0, d1, d2, _), (_, _, t1, block) = pool[0], pool[1]
+    test and :func:`_blocks` (four rounds): bfloat16 11.1 -> 8.5 ms, int8 9.9 -> 8.9
+    (float32 17.8 -> 17.6); with the sequences' blocks interleaved two at a time, every
+    block asked for as before: bfloat16 15.0 -> 14.9, int8 14.0 -> 14.0."""
+    (data, d0, d1, d2, width), (_, _, t1, block) = pool[0], pool[1]
     scales, s0, _, s2, scale_width = pool[2]
     zeros, z0, _, z2 = pool[3]
     kind = pool[5][2]
     at = (j + ahead) * block + off
     if at < stop:
         later = _int(row + t1 * (j + ahead))
-        if d0 != block * d1 or later != _int(row + t1 * j) + ahead:
+        run = d1 == width and d0 == block * d1 and later == _int(row + t1 * j) + ahead
+        if not run:
             _ahead(data + later * d0 + off * d1 + g * d2, min(n, stop - at) * d1)
         if kind not in (BFLOAT16, FLOAT16) and (off == 0 or first):
             _ahead(scales + later * s0 + g * s2, 2 * scale_width)
