@@ -423,12 +423,22 @@ def test_each_stored_cache_takes_the_compiled_walk_and_meets_float64(
     the cache stands for, within float32's rounding."""
     calls = spy(monkeypatch)
     rng = np.random.default_rng(11)
-    B, H, H_kv, d = 3, 8, 2, 64
+    H, H_kv, d = 8, 2, 64
     cache = paged(kind, dtype, group, H_kv, d, blocks=128)
     for b, n in enumerate((5, 40, 77)):
         cache.add(b)
         cache.append(b, *(rng.standard_normal((H_kv, n, d)).astype(np.float32) for _ in "kv"))
-    for L in (24, 1, 1, 1, 3, 1):
+    name = kind or storage(dtype).name
+    label = f"{name} cache, compiled walk vs float64"
+    steps_meet_float64(cache, (24, 1, 1, 1, 3, 1), H, calls, rng, record_error, label)
+
+
+def steps_meet_float64(cache, steps, H, calls, rng, record_error, label):
+    """Calls of ``steps`` rows each (random queries, keys and values) over ``cache``: each
+    takes the compiled walk (``calls``: :func:`spy`'s), and its output is the float64
+    attention over the values the cache stands for, within float32's rounding."""
+    B, (H_kv, _, d) = len(cache.sequences), cache.dequantized(cache.sequences[0])[0].shape
+    for L in steps:
         before = len(calls)
         q = rng.standard_normal((B, H, L, d)).astype(np.float32)
         k, v = (rng.standard_normal((B, H_kv, L, d)).astype(np.float32) for _ in "kv")
@@ -438,8 +448,7 @@ def test_each_stored_cache_takes_the_compiled_walk_and_meets_float64(
         counts = np.full(B, L)
         expected = dense64(q, [s[0] for s in stood], [s[1] for s in stood], cache.lengths, counts)
         error = float(np.abs(out - expected).max() / np.abs(expected).max())
-        name = kind or storage(dtype).name
-        assert record_error(f"{name} cache, compiled walk vs float64", error) <= 1e-6
+        assert record_error(label, error) <= 1e-6
 
 
 def _interleaved(kind, dtype, group, size, H_kv, d, lengths, rng):
@@ -472,22 +481,12 @@ def test_blocks_of_sequences_grown_together_are_read_as_they_lie(
     values the cache stands for, within float32's rounding."""
     calls = spy(monkeypatch)
     rng = np.random.default_rng(13)
-    B, H, H_kv, d = 3, 8, 2, 64
+    H, H_kv, d = 8, 2, 64
     cache = _interleaved(kind, dtype, group, size, H_kv, d, [301, 530, 97], rng)
     table = cache.block_table()
     assert (np.diff(table[1, : -(-530 // size)]) != 1).any()  # blocks apart
-    for L in (1, 4, 1):
-        before = len(calls)
-        q = rng.standard_normal((B, H, L, d)).astype(np.float32)
-        k, v = (rng.standard_normal((B, H_kv, L, d)).astype(np.float32) for _ in "kv")
-        out = mha.scaled_dot_product_attention(q, k, v, cache=cache)
-        assert len(calls) > before, "the call did not take the compiled walk"
-        stood = [cache.dequantized(seq) for seq in cache.sequences]
-        expected = dense64(q, [x[0] for x in stood], [x[1] for x in stood], cache.lengths,
-                           np.full(B, L))  # fmt: skip
-        error = float(np.abs(out - expected).max() / np.abs(expected).max())
-        name = kind or storage(dtype).name
-        assert record_error(f"{name} cache, blocks apart vs float64", error) <= 1e-6
+    label = f"{kind or storage(dtype).name} cache, blocks apart vs float64"
+    steps_meet_float64(cache, (1, 4, 1), H, calls, rng, record_error, label)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", np.float16])
