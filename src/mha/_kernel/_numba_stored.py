@@ -304,10 +304,10 @@ def _ahead(at, size):  # type: ignore[no-untyped-def]  # pragma: no cover
 def _blocks(pool, c0):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Where position ``c0`` lies: its block's index in the sequence's table and its offset
     in the block, and the blocks to prefetch ahead (:data:`AHEAD`). The walks below go on
-    from there block by block with no division: a division's latency lies on the path to a
-    block's first reads (a trial that added two divisions a block, to decide whether to
-    prefetch, took a bfloat16 decoding step from 14.4 to 17.4 ms; shifts in their place,
-    14.6)."""
+    from there block by block with no division (but KIVI's keys' groups of tokens within a
+    block, by ``group``): a division's latency lies on the path to a block's first reads (a
+    trial that added two divisions a block, to decide whether to prefetch, took a bfloat16
+    decoding step from 14.4 to 17.4 ms; shifts in their place, 14.6)."""
     block = pool[1][3]
     return c0 // block, c0 % block, max(1, AHEAD // block)
 
