@@ -475,10 +475,10 @@ def _interleaved(kind, dtype, group, size, H_kv, d, lengths, rng):
 def test_blocks_of_sequences_grown_together_are_read_as_they_lie(
     walks, monkeypatch, record_error, kind, dtype, group, size
 ):
-    """Decoding steps over sequences whose blocks lie apart (the walks ask for the blocks
-    ahead of those they read: 128 positions on, in whole blocks) and over longer runs than
-    that, each step starting mid-block: each output is the float64 attention over the
-    values the cache stands for, within float32's rounding."""
+    """Decoding steps over sequences longer than the 128 positions that the walks ask for
+    ahead, in whole blocks, whose blocks lie apart (appended a block of each sequence in
+    turn; blocks of 16 to 256) and each ending mid-block: each output is the float64
+    attention over the values the cache stands for, within float32's rounding."""
     calls = spy(monkeypatch)
     rng = np.random.default_rng(13)
     H, H_kv, d = 8, 2, 64
