@@ -240,7 +240,7 @@ def _stage(pool, b, g, c0, c1, target, ld, stop, check):  # type: ignore[no-unty
         end = min(c1, c - off + block) if runs else c + 1
         if runs and channels and off < _int(sealed + 8 * blk):  # one group of tokens
             end = min(end, c - off % group + group)
-        _prefetch_later(pool, row, g, j, off, end - c, ahead, c == c0, stop)
+        _prefetch_later(pool, row, g, j, blk, off, end - c, ahead, c == c0, stop)
         finite &= _read_rows(pool, blk, off, g, end - c, target + 4 * (c - c0) * ld, check)
         j, off = _next(j, off + end - c, block)
         c = end
@@ -319,12 +319,13 @@ def _next(j, off, block):  # type: ignore[no-untyped-def]  # pragma: no cover
 
 
 @njit(boundscheck=False, nogil=True, inline="always")
-def _prefetch_later(pool, row, g, j, off, n, ahead, first, stop):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _prefetch_later(pool, row, g, j, blk, off, n, ahead, first, stop):  # type: ignore[no-untyped-def]  # pragma: no cover
     """While rows ``[off, off + n)`` of the sequence's block ``j`` (``row``: its block
-    table) of head ``g`` are read, ask for the same rows of block ``j + ahead`` (those before
-    position ``stop``) to be read into the caches, with that block's scales and zero points
-    where the rows begin a block or the walk (``first``). Not the rows where the blocks lie
-    in a run: each head's rows one after another within a block and from block to block,
+    table; ``blk``: the block's index in the pool) of head ``g`` are read, ask for the same
+    rows of block ``j + ahead`` (those before position ``stop``) to be read into the caches,
+    with that block's scales and zero points where the rows begin a block or the walk
+    (``first``). Not the rows where the blocks lie in a run: each head's rows one after
+    another within a block and from block to block,
     and block ``j + ahead`` the ``ahead``-th after block ``j`` in the pool (the ends alone
     are compared; the blocks between almost always follow too). The CPU's own prefetcher
     follows such a run, and asking as well, a burst of requests for lines already on their
@@ -340,7 +341,7 @@ def _prefetch_later(pool, row, g, j, off, n, ahead, first, stop):  # type: ignor
     at = (j + ahead) * block + off
     if at < stop:
         later = _int(row + t1 * (j + ahead))
-        run = d1 == width and d0 == block * d1 and later == _int(row + t1 * j) + ahead
+        run = d1 == width and d0 == block * d1 and later == blk + ahead
         if not run:
             _ahead(data + later * d0 + off * d1 + g * d2, min(n, stop - at) * d1)
         if kind not in (BFLOAT16, FLOAT16) and (off == 0 or first):
@@ -418,7 +419,7 @@ def _stored_scores(pool, b, g, c0, c1, stacked, i0, rows, s):  # type: ignore[no
     while c < c1:
         blk = _int(row + t1 * j)
         end = min(c1, c - off + block)
-        _prefetch_later(pool, row, g, j, off, end - c, ahead, c == c0, c1)
+        _prefetch_later(pool, row, g, j, blk, off, end - c, ahead, c == c0, c1)
         form, source, stride = kind, data + blk * d0 + off * d1 + g * d2, d1
         step, low = scales + blk * s0 + off * s1 + g * s2, zeros + blk * z0 + off * z1 + g * z2
         if channels:
@@ -519,7 +520,7 @@ def _stored_sums(pool, b, g, c0, c1, s, acc, i0, rows, partial):  # type: ignore
     while c < c1:
         blk = _int(row + t1 * j)
         end = min(c1, c - off + block, flush_at)
-        _prefetch_later(pool, row, g, j, off, end - c, ahead, c == c0, c1)
+        _prefetch_later(pool, row, g, j, blk, off, end - c, ahead, c == c0, c1)
         source = data + blk * d0 + off * d1 + g * d2
         step = scales + blk * s0 + off * s1 + g * s2
         low = zeros + blk * z0 + off * z1 + g * z2
