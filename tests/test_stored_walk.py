@@ -204,6 +204,45 @@ def test_values_multiplied_in_place_flag_a_value_not_finite(walks, kind, dtype, 
     assert taken(pool)
 
 
+@pytest.mark.parametrize(("kind", "group", "d"), [
+    ("int8", 16, 64), ("int8", 32, 96), ("int8", 64, 64), ("int8", 48, 96),
+    ("int4", 32, 64), ("fp8", 16, 96),
+])  # fmt: skip
+@pytest.mark.parametrize("part", ["scales", "zeros"])
+def test_a_scale_or_zero_point_not_finite_is_flagged_in_any_group(walks, kind, group, d, part):
+    """Whichever group of a row holds it, a scale of infinity or a zero point of NaN among
+    the values read makes the value sums say a value was not finite (a chunk's groups read
+    back at once: one, two or four of them, or one at a time in groups of 48), and a range
+    that skips its row does not; float8's zero points are not read (its values are
+    ``code * scale``)."""
+    from numba import njit
+
+    from mha._kernel._numba_stored import flat, stored_sums
+
+    @njit
+    def accumulate(pool, c0, c1, s, acc, partial):
+        return stored_sums(flat(pool), 0, 0, c0, c1, s, acc, 0, s.shape[0], partial)
+
+    v = np.random.default_rng(4).standard_normal((1, 40, d)).astype(np.float32)
+    for j in range(d // group):
+        cache = paged(kind, np.float32, group, 1, d)
+        cache.add(0)
+        cache.append(0, v, v)
+        array = cache._values.arrays[1 if part == "scales" else 2]
+        array[cache.block_table()[0, 33 // 16], 33 % 16, 0, j] = (
+            np.inf if part == "scales" else np.nan
+        )
+        _, values = cache._attended(40)
+        pool = walk.stored_pool(values.pool, values.table, values.block_size, d,
+                                *values.stored_parts())  # fmt: skip
+        s = np.full((4, 40), 0.5, np.float32)
+        acc, partial = np.zeros((4, d), np.float32), np.zeros((4, d), np.float32)
+        read = accumulate(pool, 20, 40, s, acc, partial)
+        assert read == (kind == "fp8" and part == "zeros"), (j, read)
+        partial[:] = 0.0
+        assert accumulate(pool, 0, 33, s, acc, partial), j
+
+
 def test_kivi_keys_are_multiplied_in_place_as_scores_only(walks):
     """KIVI's keys, a scale per channel, are read in place by the scores' products (their
     group of tokens or the unfilled one in float32 alike); a pool per channel is never
@@ -232,9 +271,15 @@ WIDTHS = [(*kind, d) for kind in KINDS for d in (64, 96, 128)
 WIDTHS += [("int8", np.float32, 16, 80), ("int8", np.float32, 16, 48),
            ("fp8", np.float32, 16, 80), ("kivi8", np.float32, 16, 80),
            (None, "bfloat16", None, 80), (None, np.float16, None, 48),
-           ("int8", np.float32, 48, 144), ("fp8", np.float32, 80, 80)]  # fmt: skip
+           ("int8", np.float32, 48, 144), ("fp8", np.float32, 80, 80),
+           ("int8", np.float32, 96, 192), ("int8", np.float32, 128, 256),
+           ("int8", np.float32, 32, 256), ("fp8", np.float32, 16, 128),
+           ("int8", np.float32, 48, 96)]  # fmt: skip
 """(Rows of 80, 48 and 144 values: an odd number of AVX-512's vectors, the sums' last one
-alone; groups of 48 and 80: vectors read alone within a group, under its scale.)"""
+alone; groups of 48 and 80: vectors read alone within a group, under its scale, in chunks of
+four and two vectors; of 96: two vectors under a scale, the next two under the same; rows of
+2, 3 and 8 groups, the value sums' scales of a chunk's groups read back at once: one, two
+or four.)"""
 
 
 @functools.cache

@@ -323,20 +323,20 @@ def _prefetch_later(pool, row, g, j, blk, off, n, ahead, first, stop):  # type: 
     """While rows ``[off, off + n)`` of the sequence's block ``j`` (``row``: its block
     table; ``blk``: the block's index in the pool) of head ``g`` are read, ask for the same
     rows of block ``j + ahead`` (those before position ``stop``) to be read into the caches,
-    with that block's scales and zero points where the rows begin a block or the walk
-    (``first``). Not the rows where the blocks lie in a run: each head's rows one after
-    another within a block and from block to block,
-    and block ``j + ahead`` the ``ahead``-th after block ``j`` in the pool (the ends alone
-    are compared; the blocks between almost always follow too). The CPU's own prefetcher
-    follows such a run, and asking as well, a burst of requests for lines already on their
-    way, slowed it. A decoding step at 4 rows per head over 32 sequences of 128 to 4,096
-    tokens, each in one run, on the AMD EPYC of the README's figures, before -> after this
-    test and :func:`_blocks` (four rounds): bfloat16 11.1 -> 8.5 ms, int8 9.9 -> 8.9
-    (float32 17.8 -> 17.6); with the sequences' blocks interleaved two at a time, every
-    block asked for as before: bfloat16 15.0 -> 14.9, int8 14.0 -> 14.0."""
+    with all of that block's scales and zero points where the rows begin a block or the
+    walk (``first``; a head's lie together, ``min(s0, block * s1)`` bytes). Not the rows
+    where the blocks lie in a run: each head's rows one after another within a block and
+    from block to block, and block ``j + ahead`` the ``ahead``-th after block ``j`` in the
+    pool (the ends alone are compared; the blocks between almost always follow too). The
+    CPU's own prefetcher follows such a run, and asking as well, a burst of requests for
+    lines already on their way, slowed it. A decoding step at 4 rows per head over 32
+    sequences of 128 to 4,096 tokens, each in one run, on the AMD EPYC of the README's
+    figures, before -> after this test and :func:`_blocks` (four rounds): bfloat16 11.1 ->
+    8.5 ms, int8 9.9 -> 8.9 (float32 17.8 -> 17.6); with the sequences' blocks interleaved
+    two at a time, every block asked for as before: bfloat16 15.0 -> 14.9, int8 14.0 -> 14.0."""
     (data, d0, d1, d2, width), (_, _, t1, block) = pool[0], pool[1]
-    scales, s0, _, s2, scale_width = pool[2]
-    zeros, z0, _, z2 = pool[3]
+    scales, s0, s1, s2, _ = pool[2]
+    zeros, z0, z1, z2 = pool[3]
     kind = pool[5][2]
     at = (j + ahead) * block + off
     if at < stop:
@@ -345,8 +345,8 @@ def _prefetch_later(pool, row, g, j, blk, off, n, ahead, first, stop):  # type: 
         if not run:
             _ahead(data + later * d0 + off * d1 + g * d2, min(n, stop - at) * d1)
         if kind not in (BFLOAT16, FLOAT16) and (off == 0 or first):
-            _ahead(scales + later * s0 + g * s2, 2 * scale_width)
-            _ahead(zeros + later * z0 + g * z2, 2 * scale_width)
+            _ahead(scales + later * s0 + g * s2, min(s0, block * s1))
+            _ahead(zeros + later * z0 + g * z2, min(z0, block * z1))
 
 
 # Products on the stored rows themselves, read back in registers (:mod:`._numba_vectors`)
