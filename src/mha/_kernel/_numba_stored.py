@@ -296,8 +296,8 @@ def _int(typingctx, at):  # type: ignore[no-untyped-def]  # pragma: no cover
 @njit(boundscheck=False, nogil=True, inline="always")
 def _ahead(at, size):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Ask for the ``size`` bytes at address ``at`` to be read into the caches: every line
-    of 64 bytes they touch. (A pool starts 16 bytes into a line, NumPy's alignment: a
-    head's 2 KiB of int8 codes of a block touch 33 lines, its 128 bytes of scales 3; asking
+    of 64 bytes they touch. (NumPy's arrays here start 16 bytes into a line: a head's 2
+    KiB of int8 codes of a block touch 33 lines, its 128 bytes of scales 3; asking
     for as many lines as the bytes fill, the last unasked, a decoding step over interleaved
     blocks took 5-10% longer, every stored kind.)"""
     for line in range(at & -64, at + size, 64):

@@ -409,8 +409,8 @@ def accumulator(
     the time of four rows of half rows; codes, read back twice so, in 1.4 times it. A
     quantized form's scales and zero points of a value's groups in a chunk are read back
     at once where each span of vectors is a group (one load and conversion for up to four
-    groups; a group at a time, int8's sums took 8.8 ns a value of 128 for four rows from L2,
-    against 8.1)."""
+    groups; a group at a time, int8's sums of four rows took 8.8 ns a row of 128 values from
+    L2, against 8.1)."""
 
     @intrinsic
     def accumulate(
