@@ -50,6 +50,26 @@ def paged(kind, dtype, group, H_kv, d, blocks=64):
     )
 
 
+def pool_of(x, d):
+    """The compiled walk's pool of a cache's keys or values ``x`` (``_attended``'s)."""
+    return walk.stored_pool(x.pool, x.table, x.block_size, d, *x.stored_parts())
+
+
+@functools.cache
+def _value_sums():  # type: ignore[no-untyped-def]
+    """``stored_sums`` over head 0 of sequence 0 of a pool, by ``s``'s rows: compiled once
+    for the tests that check its finite flag."""
+    from numba import njit
+
+    from mha._kernel._numba_stored import flat, stored_sums
+
+    @njit
+    def accumulate(pool, c0, c1, s, acc, partial):
+        return stored_sums(flat(pool), 0, 0, c0, c1, s, acc, 0, s.shape[0], partial)
+
+    return accumulate
+
+
 def dense64(q, k, v, lengths, counts):
     """Each sequence's ``counts[b]`` last queries ``q (B, H, L, d)`` (its first rows) over
     its ``lengths[b]`` keys, the query at position ``lengths[b] - counts[b] + i`` seeing the
@@ -113,7 +133,7 @@ def test_the_walk_reads_back_the_bits_numpy_reads(walks, kind, dtype, group):
     cache.append("d", *(rng.standard_normal((H_kv, 60, d)).astype(np.float32) for _ in "kv"))
     keys, values = cache._attended(int(cache.lengths.max()))
     for x in (keys, values):
-        pool = walk.stored_pool(x.pool, x.table, x.block_size, d, *x.stored_parts())
+        pool = pool_of(x, d)
         for b, n in enumerate(cache.lengths):
             for c0, c1 in [(0, int(n)), (3, 37), (15, 17), (int(n) - 5, int(n))]:
                 for g in range(H_kv):
@@ -161,11 +181,9 @@ def test_values_multiplied_in_place_flag_a_value_not_finite(walks, kind, dtype, 
     and rows of whole pairs of vectors, whatever the step's rows."""
     from numba import njit
 
-    from mha._kernel._numba_stored import flat, in_place, stored_sums
+    from mha._kernel._numba_stored import flat, in_place
 
-    @njit
-    def accumulate(pool, c0, c1, s, acc, partial):
-        return stored_sums(flat(pool), 0, 0, c0, c1, s, acc, 0, s.shape[0], partial)
+    accumulate = _value_sums()
 
     @njit
     def taken(pool):
@@ -182,8 +200,7 @@ def test_values_multiplied_in_place_flag_a_value_not_finite(walks, kind, dtype, 
         scales = cache._values.arrays[1]
         scales[cache.block_table()[0, 33 // 16], 33 % 16, 0, 0] = np.inf
     _, values = cache._attended(40)
-    pool = walk.stored_pool(values.pool, values.table, values.block_size, d,
-                            *values.stored_parts())  # fmt: skip
+    pool = pool_of(values, d)
     s = np.full((rows, 40), 0.5, np.float32)
     s[:, 33 - 20] = 0.0  # (a weight of 0: a hidden key, where the flag matters)
     acc, partial = np.zeros((rows, d), np.float32), np.zeros((rows, d), np.float32)
@@ -215,14 +232,7 @@ def test_a_scale_or_zero_point_not_finite_is_flagged_in_any_group(walks, kind, g
     back at once: one, two or four of them, or one at a time in groups of 48), and a range
     that skips its row does not; float8's zero points are not read (its values are
     ``code * scale``)."""
-    from numba import njit
-
-    from mha._kernel._numba_stored import flat, stored_sums
-
-    @njit
-    def accumulate(pool, c0, c1, s, acc, partial):
-        return stored_sums(flat(pool), 0, 0, c0, c1, s, acc, 0, s.shape[0], partial)
-
+    accumulate = _value_sums()
     v = np.random.default_rng(4).standard_normal((1, 40, d)).astype(np.float32)
     for j in range(d // group):
         cache = paged(kind, np.float32, group, 1, d)
@@ -233,8 +243,7 @@ def test_a_scale_or_zero_point_not_finite_is_flagged_in_any_group(walks, kind, g
             np.inf if part == "scales" else np.nan
         )
         _, values = cache._attended(40)
-        pool = walk.stored_pool(values.pool, values.table, values.block_size, d,
-                                *values.stored_parts())  # fmt: skip
+        pool = pool_of(values, d)
         s = np.full((4, 40), 0.5, np.float32)
         acc, partial = np.zeros((4, d), np.float32), np.zeros((4, d), np.float32)
         read = accumulate(pool, 20, 40, s, acc, partial)
@@ -260,8 +269,7 @@ def test_kivi_keys_are_multiplied_in_place_as_scores_only(walks):
     x = np.ones((1, 40, 64), np.float32)
     cache.append(0, x, x)
     keys, values = cache._attended(40)
-    pools = [walk.stored_pool(x.pool, x.table, x.block_size, 64, *x.stored_parts())
-             for x in (keys, values)]  # fmt: skip
+    pools = [pool_of(x, 64) for x in (keys, values)]
     assert taken(pools[0], True) and not taken(pools[0], False)
     assert taken(pools[1], False) and taken(pools[1], True)
 
@@ -336,8 +344,7 @@ def test_products_in_place_give_the_bits_of_products_of_the_rows_read_back(
     cache.release("b")
     cache.add("d")  # into b's blocks: a table of blocks apart
     cache.append("d", *(rng.standard_normal((H_kv, 60, d)).astype(np.float32) for _ in "kv"))
-    pools = [walk.stored_pool(x.pool, x.table, x.block_size, d, *x.stored_parts())
-             for x in cache._attended(int(cache.lengths.max()))]  # fmt: skip
+    pools = [pool_of(x, d) for x in cache._attended(int(cache.lengths.max()))]
     assert taken(*pools)
     for rows in (1, 2, 3, 4, 7, 8):
         q = rng.standard_normal((rows, d)).astype(np.float32)
