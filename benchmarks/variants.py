@@ -29,7 +29,8 @@ penalises the short calls most:
 Where the environment sets ``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE`` (which hold OpenBLAS
 to an older kernel), the measurement is repeated in a child process without them, and both
 are reported. Besides ``variants.json`` and ``.md``, the results are written under the CPU's
-name (``variants-amd-epyc.md``): one table per CPU, each kept when another CPU runs it.
+name and microarchitecture (``variants-amd-epyc-znver5.md``): one table per CPU, each kept
+when another CPU runs it.
 """
 
 from __future__ import annotations

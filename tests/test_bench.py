@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -110,6 +112,29 @@ def test_measured_on_names_the_forcing_variables():
     held = measure.measured_on({**env, "OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "1000"})
     assert "held there by OPENBLAS_CORETYPE=Haswell OPENBLAS_L2_SIZE=1000" in held
     assert "free to choose it" in measure.measured_on(env)
+
+
+def test_runs_on_two_cpus_of_one_name_are_kept_apart(tmp_path):
+    # KVM calls a Zen 4 and a Zen 5 EPYC both "AMD EPYC": the microarchitecture tells them apart
+    for micro, ms in (("znver4", 2.0), ("znver5", 1.0), (None, 3.0)):
+        env = {"processor": "AMD EPYC", "microarchitecture": micro}
+        measure.write(tmp_path / "decode.json", json.dumps([{"environment": env, "ms": ms}]))
+        measure.write(tmp_path / "decode.md", f"{ms} ms\n")
+        measure.keep_per_cpu(tmp_path, "decode")
+    kept = {p.name: p.read_text() for p in tmp_path.glob("decode-*.md")}
+    assert kept == {"decode-amd-epyc-znver4.md": "2.0 ms\n",
+                    "decode-amd-epyc-znver5.md": "1.0 ms\n",
+                    "decode-amd-epyc.md": "3.0 ms\n"}  # fmt: skip
+    env = {"date": "2026-12-05", "cores": 2, "processor": "AMD EPYC", "numpy": "2.4",
+           "microarchitecture": "znver4", "blas": [{"version": "0.3.31"}]}  # fmt: skip
+    assert "2 cores of an AMD EPYC (znver4):" in measure.measured_on(env)
+
+
+def test_this_machine_records_its_microarchitecture():
+    micro = measure.environment(None)["microarchitecture"]
+    assert micro is None or (micro and micro != "generic")
+    if Path("/proc/cpuinfo").exists() and platform.machine() in ("x86_64", "AMD64"):
+        assert micro  # LLVM's name with numba, else /proc/cpuinfo's family and model
 
 
 def test_json_only_prints_the_speed_table_and_the_machine(capsys):

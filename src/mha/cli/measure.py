@@ -34,6 +34,7 @@ from .._kernel.team import cores
 __all__ = [
     "FORCED_BLAS",
     "check_readme",
+    "cpu",
     "environment",
     "finish_script",
     "interleaved_medians",
@@ -145,6 +146,7 @@ def environment(torch: Any) -> dict[str, Any]:
         "cores": cores(),
         "machine": platform.machine(),
         "processor": _cpu_name(),
+        "microarchitecture": _microarchitecture(),
         "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"),
         "OPENBLAS_L2_SIZE": os.environ.get("OPENBLAS_L2_SIZE"),
         "instruction_sets": _instruction_sets(),
@@ -188,7 +190,7 @@ def measured_on(env: dict[str, Any]) -> str:
     blas = env.get("blas", [{}])[0]
     forced = " ".join(f"{name}={env[name]}" for name in FORCED_BLAS if env.get(name))
     return (
-        f"Measured {env['date'][:10]} on {env['cores']} cores of an {env['processor']}: NumPy "
+        f"Measured {env['date'][:10]} on {env['cores']} cores of an {cpu(env)}: NumPy "
         f"{env['numpy']} with OpenBLAS {blas.get('version')} using its "
         f"{blas.get('architecture')} kernel"
         + (f" (held there by {forced})" if forced else " (free to choose it)")
@@ -234,6 +236,38 @@ def _version(package: str) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
+
+
+def cpu(env: Mapping[str, Any]) -> str:
+    """The CPU of ``env`` as a table names it: the processor's name and, where recorded,
+    its microarchitecture (``AMD EPYC (znver4)``). A virtual machine's name alone may not
+    tell two CPUs apart: KVM reports "AMD EPYC" for Zen 4 and Zen 5 alike."""
+    micro = env.get("microarchitecture")
+    return f"{env['processor']} ({micro})" if micro else str(env["processor"])
+
+
+def _microarchitecture() -> str | None:
+    """This CPU's microarchitecture as LLVM names it (``znver4``, ``skylake-avx512``, ...;
+    llvmlite comes with numba, the ``fast`` extra), else its family and model numbers
+    from /proc/cpuinfo (``family 25 model 17``), else ``None``."""
+    try:
+        from llvmlite import binding
+
+        name = str(binding.get_host_cpu_name())
+        if name and name != "generic":
+            return name
+    except (ImportError, OSError):
+        pass
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return None
+    if "cpu family" in fields and "model" in fields:
+        return f"family {fields['cpu family']} model {fields['model']}"
+    return None
 
 
 def _cpu_name() -> str:
@@ -345,9 +379,10 @@ def save_results(
 
 def keep_per_cpu(output: Path, name: str) -> None:
     """Copy ``name.json`` and ``.md`` under ``output`` to ``name-<cpu>.json`` and ``.md``
-    (the processor's name in lower case, words joined by hyphens): one table per CPU."""
+    (:func:`cpu`'s name in lower case, words joined by hyphens: ``amd-epyc-znver4``): one
+    table per CPU."""
     results = json.loads((output / f"{name}.json").read_text())
     first = results[0] if isinstance(results, list) else results  # (a run, or runs)
-    cpu = re.sub(r"[^a-z0-9]+", "-", first["environment"]["processor"].lower()).strip("-")
+    slug = re.sub(r"[^a-z0-9]+", "-", cpu(first["environment"]).lower()).strip("-")
     for suffix in (".json", ".md"):
-        shutil.copyfile(output / f"{name}{suffix}", output / f"{name}-{cpu}{suffix}")
+        shutil.copyfile(output / f"{name}{suffix}", output / f"{name}-{slug}{suffix}")
