@@ -251,7 +251,7 @@ def breakdown(quick: bool) -> dict[str, Any]:
 
 def _one_thread(torch: Any, run: Any) -> Any:
     """``run`` with torch held to one thread (its setting put back after: a fraction of a
-    microsecond). On the README's machine torch's calls this small took 50-80 µs each on
+    microsecond). On the Zen 5 EPYC torch's calls this small took 50-80 µs each on
     one thread and on two without pauses, but 250-280 on two after the 0.05 s pauses between
     runs (torch alone in its process): the table's ratio is to the faster of the two."""
 

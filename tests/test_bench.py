@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -128,6 +130,18 @@ def test_runs_on_two_cpus_of_one_name_are_kept_apart(tmp_path):
     env = {"date": "2026-12-05", "cores": 2, "processor": "AMD EPYC", "numpy": "2.4",
            "microarchitecture": "znver4", "blas": [{"version": "0.3.31"}]}  # fmt: skip
     assert "2 cores of an AMD EPYC (znver4):" in measure.measured_on(env)
+
+
+def test_a_full_run_keeps_its_table_under_the_cpus_name(tmp_path, monkeypatch):
+    # mha bench (bench.command) and python -m mha.cli.bench (bench.main) both go through run
+    monkeypatch.setattr(bench, "runs_with_free_blas", lambda command, results: [results])
+    full = dataclasses.replace(bench.plan("smoke"), size="full")  # smoke's sizes, kept as full
+    results = bench.run(full, tmp_path, None, lambda line: None)
+    slug = re.sub(r"[^a-z0-9]+", "-", measure.cpu(results["environment"]).lower()).strip("-")
+    kept = tmp_path / f"benchmark-{slug}.md"
+    assert kept.read_text() == (tmp_path / "benchmark.md").read_text()
+    bench.run(bench.plan("smoke"), tmp_path / "smoke", None, lambda line: None)
+    assert not list((tmp_path / "smoke").glob("benchmark-*"))  # only full runs are kept
 
 
 def test_this_machine_records_its_microarchitecture():

@@ -310,7 +310,7 @@ def _products():  # type: ignore[no-untyped-def]
     def read_back_products(keys, values, b, g, c0, c1, q, rows, s, acc, partial, rows_k, rows_v):
         d_k, d_v = rows_k.shape[1], rows_v.shape[1]
         stage(flat(keys), b, g, c0, c1, address(rows_k, 0), d_k, c1, False)
-        few_scores((address(rows_k, 0), d_k, c1 - c0, 0, 0), q, 0, rows, s, 0)
+        few_scores((address(rows_k, 0), d_k, c1 - c0, 0, 0), q, 0, rows, s, 0, False)
         finite = stage(flat(values), b, g, c0, c1, address(rows_v, 0), d_v, c1, True)
         partial[:] = 0.0
         run = (address(rows_v, 0), d_v, c1 - c0, 0, 0)

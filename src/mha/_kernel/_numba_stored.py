@@ -21,7 +21,7 @@ reads the rows back in runs of :data:`STAGE_ROWS` into a buffer that stays in L1
 multiplies it (the products of :mod:`._numba_pool`); a tile of many rows is read back
 whole into the walk's tile buffer for its GEMM (as a paged cache's scattered float tile is
 copied). On the serving benchmark's step (64 sequences of 128 to 8,192 tokens, the
-AMD EPYC of the README's figures, two workers), int8's step took 31.5-34.7 ms in place
+Zen 5 EPYC (znver5), two workers), int8's step took 31.5-34.7 ms in place
 against 39.8-51.3 read back first, bfloat16's 39-41 against 51-53 (``docs/benchmarks.md``);
 one to three rows per head (multi-head attention, SmolLM2's groups of three), in place too:
 int8's step 0.56-0.68 of the float32 one's, against 0.86-1.01 read back.
@@ -34,7 +34,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ._numba_pool import FEW_KEYS, _prefetch, address, flush
+from ._numba_pool import FEW_KEYS, address, flush, lines_ahead
 from ._numba_vectors import BF16 as BF16_
 from ._numba_vectors import (
     BLOCK_KEYS,
@@ -77,9 +77,10 @@ AHEAD = 128
 """Positions ahead of the rows read whose rows are asked into the caches meanwhile, in whole
 blocks (``AHEAD // block``, at least one): a paged cache's blocks lie apart, each head's
 rows of a block a few KiB, too few for the CPU's own prefetcher to run ahead of the reads
-(128 gained 30% on a decoding step of int8 codes; 256 and 512 no more, nor 64). Not where
-the blocks lie in a run, nor in a contiguous cache, one block a sequence
-(:func:`_prefetch_later`)."""
+(128 gained 30% on a decoding step of int8 codes; 256 and 512 no more, nor 64: measured
+on the Zen 5 EPYC with the lines asked into L1 as well, before they were asked into L2
+alone, :func:`._numba_pool._prefetch`). Not where the blocks lie in a run, nor in a
+contiguous cache, one block a sequence (:func:`_prefetch_later`)."""
 
 
 def _reader(form: int):  # type: ignore[no-untyped-def]
@@ -294,17 +295,6 @@ def _int(typingctx, at):  # type: ignore[no-untyped-def]  # pragma: no cover
 
 
 @njit(boundscheck=False, nogil=True, inline="always")
-def _ahead(at, size):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """Ask for the ``size`` bytes at address ``at`` to be read into the caches: every line
-    of 64 bytes they touch. (NumPy's arrays here start 16 bytes into a line: a head's 2
-    KiB of int8 codes of a block touch 33 lines, its 128 bytes of scales 3; asking
-    for as many lines as the bytes fill, the last unasked, a decoding step over interleaved
-    blocks took 5-10% longer, every stored kind.)"""
-    for line in range(at & -64, at + size, 64):
-        _prefetch(line)
-
-
-@njit(boundscheck=False, nogil=True, inline="always")
 def _blocks(pool, c0):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Where position ``c0`` lies: its block's index in the sequence's table and its offset
     in the block, and the blocks to prefetch ahead (:data:`AHEAD`). The walks below go on
@@ -334,8 +324,8 @@ def _prefetch_later(pool, row, g, j, blk, off, n, ahead, first, stop):  # type: 
     pool (the ends alone are compared; the blocks between almost always follow too). The
     CPU's own prefetcher follows such a run, and asking as well, a burst of requests for
     lines already on their way, slowed it. A decoding step at 4 rows per head over 32
-    sequences of 128 to 4,096 tokens, each in one run, on the AMD EPYC of the README's
-    figures, before -> after this test and :func:`_blocks` (four rounds): bfloat16 11.1 ->
+    sequences of 128 to 4,096 tokens, each in one run, on the Zen 5 EPYC
+    (znver5), before -> after this test and :func:`_blocks` (four rounds): bfloat16 11.1 ->
     8.5 ms, int8 9.9 -> 8.9 (float32 17.8 -> 17.6); with the sequences' blocks interleaved
     two at a time, every block asked for as before: bfloat16 15.0 -> 14.9, int8 14.0 -> 14.0."""
     (data, d0, d1, d2, width), (_, _, t1, block) = pool[0], pool[1]
@@ -347,10 +337,10 @@ def _prefetch_later(pool, row, g, j, blk, off, n, ahead, first, stop):  # type: 
         later = _int(row + t1 * (j + ahead))
         run = d1 == width and d0 == block * d1 and later == blk + ahead
         if not run:
-            _ahead(data + later * d0 + off * d1 + g * d2, min(n, stop - at) * d1)
+            lines_ahead(data + later * d0 + off * d1 + g * d2, min(n, stop - at) * d1)
         if kind not in (BFLOAT16, FLOAT16) and (off == 0 or first):
-            _ahead(scales + later * s0 + g * s2, min(s0, block * s1))
-            _ahead(zeros + later * z0 + g * z2, min(z0, block * z1))
+            lines_ahead(scales + later * s0 + g * s2, min(s0, block * s1))
+            lines_ahead(zeros + later * z0 + g * z2, min(z0, block * z1))
 
 
 # Products on the stored rows themselves, read back in registers (:mod:`._numba_vectors`)

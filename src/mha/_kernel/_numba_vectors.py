@@ -15,7 +15,7 @@ order is fixed here, whatever the value's form: a stored cache's step gives the 
 float32 cache holding the values it stands for. Read back in registers, not through a
 float32 copy in L1 (whose stores and loads were as many instructions as the products'
 multiply-adds), the serving benchmark's int8 step took 31.5-34.7 ms against 39.8-51.3 and
-bfloat16's 39-41 against 51-53 on the AMD EPYC of the README's figures.
+bfloat16's 39-41 against 51-53 on the Zen 5 EPYC (znver5).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def target_features() -> frozenset[str]:
 def _wide_bits() -> int:
     """512 where numba compiles for AVX-512 (32 vector registers: a block's sums stay in
     registers; 6.7 ns a value of 128 for four rows from L1, against 10.7 with 256-bit
-    vectors, on the AMD EPYC of the README's figures), else :data:`VECTOR_BITS`."""
+    vectors, on the Zen 5 EPYC (znver5)), else :data:`VECTOR_BITS`."""
     return 512 if "+avx512f" in target_features() else VECTOR_BITS
 
 

@@ -458,7 +458,7 @@ def _tile_scores(gemm, tile, keys, flip, sizes, scratch):  # type: ignore[no-unt
         while c < c1:
             end = min(c1, c + STAGE_ROWS)
             stage(pool, b, g, c, end, into, d_k, c1, False)
-            few_scores((into, d_k, end - c, 0, 0), stacked, i0, rows, s, c - c0)
+            few_scores((into, d_k, end - c, 0, 0), stacked, i0, rows, s, c - c0, False)
             c = end
         return
     if rows <= FEW_ROWS:  # a decoding step's: the blocks read where they lie
@@ -466,7 +466,7 @@ def _tile_scores(gemm, tile, keys, flip, sizes, scratch):  # type: ignore[no-unt
         while c < c1:
             following, ahead, after = _following(keys, b, g, c, end, c1)
             run = (at, key_ld(keys), end - c, following, ahead)
-            few_scores(run, stacked, i0, rows, s, c - c0)
+            few_scores(run, stacked, i0, rows, s, c - c0, True)
             c, at, end = end, following, after
         return
     if stored(keys):  # the tile read back whole, for the GEMM

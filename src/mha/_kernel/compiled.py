@@ -108,7 +108,7 @@ def job_wait() -> Callable[[np.ndarray, int], bool] | None:
     a 512-token pass of SmolLM2 hands its helper about 360 jobs, and its caller waited for
     the helper 3% of the pass. Watching for the next job 1 ms after each, the pass took
     850 ms against 921, and 963 against 1,021 in another run (interleaved, medians of 12,
-    on the README's machine); a helper left without work sleeps after that millisecond.
+    on the Zen 5 EPYC); a helper left without work sleeps after that millisecond.
     The reads per microsecond are measured once (the wait counts reads: compiled code has
     no clock)."""
     if _STATE.wait is None:

@@ -59,7 +59,7 @@ __all__ = [
 # most (256). Its tile of scores, 256 x 512 (512 KiB in float32), stays close to a core's
 # L2 cache between the two GEMMs and the softmax step, and BLAS packs each key tile for
 # twice the rows it did at 128: S2 and S4 ran 5-7% faster in float32 (1.20 -> 1.14 and
-# 1.12 -> 1.05 of torch's SDPA, interleaved, on the README's machine; float64 3-8%), as
+# 1.12 -> 1.05 of torch's SDPA, interleaved, on the Zen 5 EPYC; float64 3-8%), as
 # torch's own kernel tiles them (256 query rows for long sequences).
 
 

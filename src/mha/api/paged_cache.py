@@ -616,7 +616,7 @@ class _Pool:
     of each head across the whole pool, a head's rows of consecutive blocks one after
     another; the scales and zero points so too. A sequence whose blocks follow each other
     (a prompt appended at once into a fresh cache) is then one stream per head; measured on
-    the AMD EPYC of the README's figures against rows kept block by block (a block's heads
+    the Zen 5 EPYC (znver5) against rows kept block by block (a block's heads
     together), a decoding step of 64 sequences of 128 to 4,096 tokens took 0.79-0.85 of the
     time (float32, bfloat16, int8; int4 the same) with each sequence's blocks in a row,
     0.80-0.90 with its last 256 tokens' blocks taken in turn with the others', and 0.94-1.06

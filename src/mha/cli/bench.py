@@ -434,7 +434,8 @@ def run(
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     """Measure everything, write ``benchmark.json`` and ``benchmark.md`` under ``output``
-    (and the README's section), and return the results. When this environment holds
+    (and the README's section; a full run's also under this CPU's name,
+    :func:`.measure.keep_per_cpu`), and return the results. When this environment holds
     OpenBLAS to a kernel, ``python -m mha.cli.bench --json-only`` measures the speed table
     of the same plan again with OpenBLAS free to choose (see :func:`runs_with_free_blas`)."""
     torch: Any
@@ -467,6 +468,8 @@ def run(
     write(output / "benchmark.md", table)
     if readme:
         splice(readme, table, BEGIN, END)
+    if plan.size == "full":  # one table per CPU (mha bench and python -m mha.cli.bench alike)
+        keep_per_cpu(output, "benchmark")
     return results
 
 
@@ -577,8 +580,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.readme:
         check_readme(args.readme, BEGIN, END)
     results = run(plan(size, args.repeats), output, args.readme, log)
-    if size == "full":
-        keep_per_cpu(output, "benchmark")  # one table per CPU
     if not args.no_chart:
         chart(results, output / "benchmark.png")
     print(markdown(results))
@@ -671,7 +672,8 @@ def command(args: argparse.Namespace) -> int:
         results = run(chosen, output, args.readme, log)
     print(markdown(results))
     picture = chart(results, output / "benchmark.png")
-    print(f"wrote {output / 'benchmark.json'}, {output / 'benchmark.md'} and {picture}")
+    kept = " (and under this CPU's name)" if size == "full" else ""
+    print(f"wrote {output / 'benchmark.json'}, {output / 'benchmark.md'}{kept} and {picture}")
     return 0
 
 

@@ -147,6 +147,7 @@ def environment(torch: Any) -> dict[str, Any]:
         "machine": platform.machine(),
         "processor": _cpu_name(),
         "microarchitecture": _microarchitecture(),
+        "family_model": _family_model(),
         "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"),
         "OPENBLAS_L2_SIZE": os.environ.get("OPENBLAS_L2_SIZE"),
         "instruction_sets": _instruction_sets(),
@@ -248,8 +249,8 @@ def cpu(env: Mapping[str, Any]) -> str:
 
 def _microarchitecture() -> str | None:
     """This CPU's microarchitecture as LLVM names it (``znver4``, ``skylake-avx512``, ...;
-    llvmlite comes with numba, the ``fast`` extra), else its family and model numbers
-    from /proc/cpuinfo (``family 25 model 17``), else ``None``."""
+    llvmlite comes with numba, the ``fast`` extra), else :func:`_family_model`'s numbers.
+    (Without numba the same CPU's tables take the other name.)"""
     try:
         from llvmlite import binding
 
@@ -258,6 +259,12 @@ def _microarchitecture() -> str | None:
             return name
     except (ImportError, OSError):
         pass
+    return _family_model()
+
+
+def _family_model() -> str | None:
+    """This CPU's family and model numbers from /proc/cpuinfo (``family 25 model 17``),
+    recorded beside LLVM's name (which older LLVMs give two generations alike)."""
     fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
