@@ -139,9 +139,7 @@ def _ahead(run, c, size, width):  # type: ignore[no-untyped-def]  # pragma: no c
     _, ld, n, following, ahead = run
     j = c - (n - ahead)
     if following != 0 and 0 <= j < ahead:
-        row = following + j * ld * size
-        for line in range(0, width * size, 64):
-            _prefetch(row + line)
+        lines_ahead(following + j * ld * size, width * size)
 
 
 FEW_ROWS = 8

@@ -265,26 +265,26 @@ def _microarchitecture() -> str | None:
 def _family_model() -> str | None:
     """This CPU's family and model numbers from /proc/cpuinfo (``family 25 model 17``),
     recorded beside LLVM's name (which older LLVMs give two generations alike)."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        return None
+    fields = _cpuinfo()
     if "cpu family" in fields and "model" in fields:
         return f"family {fields['cpu family']} model {fields['model']}"
     return None
 
 
 def _cpu_name() -> str:
+    return _cpuinfo().get("model name") or platform.processor() or "unknown"
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in Linux's /proc/cpuinfo (none elsewhere)."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return fields
 
 
 def write(path: Path, text: str) -> None:
