@@ -89,7 +89,7 @@ def _reader(form: int):  # type: ignore[no-untyped-def]
     :mod:`._numba_vectors`' forms, read by its :func:`values`) at address ``source`` read
     back into float32 at address ``target``, a vector at a time (numba's own loops stayed
     scalar: 0.25 ns a value; these, 16 lanes, 0.06). Codes become ``code * step
-    + low`` (two roundings, as NumPy's ``*=`` then ``+=``), float8 ``e4m3 * step``: per
+    + low`` (the bits of NumPy's ``*=`` then ``+=``), float8 ``e4m3 * step``: per
     token, each ``group`` values with the float16 ``step`` and ``low`` at ``scales[j]`` and
     ``zeros[j]`` in turn (a run of rows: their groups one after another); per channel, rows
     of ``group`` values, value ``e`` of each with ``scales[e]`` and ``zeros[e]``.

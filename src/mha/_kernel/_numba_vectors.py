@@ -151,8 +151,8 @@ def _lane(builder: Any, x: Any, lane: int, lanes: int) -> Any:
 
 def values(builder: Any, form: int, row: Any, e: Any, lanes: int, step: Any, low: Any) -> Any:
     """Values ``[e, e + lanes)`` of the row at address ``row`` (i64) of ``form`` read back
-    into float32 (``FLOAT``: float32 as they lie); codes become ``code * step + low`` (two
-    roundings, as NumPy's ``*=`` then ``+=``), float8 ``e4m3 * step``."""
+    into float32 (``FLOAT``: float32 as they lie); codes become ``code * step + low`` (the
+    bits of NumPy's ``*=`` then ``+=``, in one fused multiply-add), float8 ``e4m3 * step``."""
     i8, i16, i32, i64 = (ir.IntType(bits) for bits in (8, 16, 32, 64))
     real = ir.FloatType()
     floats = ir.VectorType(real, lanes)
@@ -186,7 +186,9 @@ def values(builder: Any, form: int, row: Any, e: Any, lanes: int, step: Any, low
         order = [k // 2 + (lanes // 2) * (k % 2) for k in range(lanes)]
         pairs = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(i32, lanes), order))
         codes = builder.uitofp(pairs, floats)
-    return builder.fadd(builder.fmul(codes, step), low)
+    # ``code * step`` is exact in float32 (8 bits by float16's 11), so rounding it and then
+    # the sum, as NumPy does, gives the one rounding of a fused multiply-add: the same bits
+    return builder.call(_fmuladd(builder, floats, 32), [codes, step, low])
 
 
 def _source(context: Any, builder: Any, signature: Any, args: Any) -> list[Any]:
