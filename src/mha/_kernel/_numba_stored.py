@@ -8,10 +8,10 @@ A stored pool is ``(bytes, table, block, scales, zeros, form)`` (:func:`.paged.s
 the rows' bytes in blocks as a float pool's (:mod:`._numba_pool`), the quantized pools'
 scales and zero points as float16 bits, and ``form = (kind, group, d, residual rows,
 residual index, sealed rows)``. :func:`stage` reads rows ``[c0, c1)`` of one head back into
-float32, each value with the arithmetic of :meth:`.quantized.Quantization.dequantize`
-(``code * scale``, then ``+ zero``, each rounded as NumPy rounds it: LLVM vector code of
-its own, which no fastmath flag of the walk's reaches), so a tile read here holds the bits
-the NumPy walk's does.
+float32, each value with the bits of :meth:`.quantized.Quantization.dequantize`
+(``code * scale``, then ``+ zero``, each rounded as NumPy rounds it; one fused multiply-add,
+the product exact in float32: LLVM vector code of its own, which no fastmath flag of the
+walk's reaches), so a tile read here holds the bits the NumPy walk's does.
 A decoding step's few rows multiply the stored rows in place (:func:`stored_scores`,
 :func:`stored_sums`: the products of :mod:`._numba_vectors`, each value read back in
 registers with the same arithmetic, in the order a float32 pool's products take) where

@@ -9,8 +9,9 @@ and zero point per token and group of channels, KIVI's keys with theirs per chan
 :mod:`.quantized`). Importing it needs numba. Nothing here checks the shapes it is given:
 its callers do (:func:`._numba_stored.in_place`, :func:`._numba_pool.few_scores`).
 
-The arithmetic of a value read back is :meth:`.quantized.Quantization.dequantize`'s
-(``code * scale``, then ``+ zero``, each rounded as NumPy rounds it), and the products'
+The arithmetic of a value read back gives :meth:`.quantized.Quantization.dequantize`'s
+bits (``code * scale``, then ``+ zero``, each rounded as NumPy rounds it: one fused
+multiply-add, the product being exact in float32), and the products'
 order is fixed here, whatever the value's form: a stored cache's step gives the bits of a
 float32 cache holding the values it stands for. Read back in registers, not through a
 float32 copy in L1 (whose stores and loads were as many instructions as the products'
