@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -219,12 +220,8 @@ SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512dq", "avx512bw",
 
 def _instruction_sets() -> list[str]:
     """The SIMD instruction sets this CPU reports (Linux's /proc/cpuinfo), in a fixed order."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
     flags: set[str] = set()
-    for line in text.splitlines():
+    for line in _cpuinfo_lines():
         if line.startswith(("flags", "Features")):
             flags |= set(line.split(":", 1)[1].split())
     return [flag for flag in SIMD_FLAGS if flag in flags]
@@ -278,13 +275,20 @@ def _cpu_name() -> str:
 def _cpuinfo() -> dict[str, str]:
     """The first processor's fields in Linux's /proc/cpuinfo (none elsewhere)."""
     fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
+    for line in _cpuinfo_lines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
     return fields
+
+
+@functools.cache
+def _cpuinfo_lines() -> tuple[str, ...]:
+    """Linux's /proc/cpuinfo, read once a process (the name, family, model and flags of a
+    table's environment all come from it); none elsewhere."""
+    try:
+        return tuple(Path("/proc/cpuinfo").read_text().splitlines())
+    except OSError:
+        return ()
 
 
 def write(path: Path, text: str) -> None:
