@@ -111,13 +111,18 @@ def test_every_call_holds_blas_to_one_thread_while_it_runs(workers, caller, monk
     from mha._kernel import team as parallel
 
     seen = []
-    original = parallel.Team.matmul
 
-    def spy(self, x, W_, b=None):
-        seen.extend(p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas")
-        return original(self, x, W_, b)
+    def spied(name):  # the team's products, and its tasks (a block of sequences' products)
+        original = getattr(parallel.Team, name)
 
-    monkeypatch.setattr(parallel.Team, "matmul", spy)
+        def spy(self, *args, **kwargs):
+            seen.extend(p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas")
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(parallel.Team, name, spy)
+
+    spied("matmul")
+    spied("run")
     before = [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
     with threadpool_limits(limits=2, user_api="blas"):  # the main thread now controls BLAS
         if caller == "main thread":

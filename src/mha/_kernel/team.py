@@ -303,10 +303,13 @@ class Team:
         W: np.ndarray,
         b: np.ndarray | None,
         parts: Sequence[tuple[int, int]],
+        first_times: Any = None,
     ) -> list[np.ndarray]:
         """``x @ W (+ b)`` for ``x (..., L, n)``, its columns cut into ``parts`` of ``H``
         heads of ``d`` features each (``(H, d)`` in order), each part returned head-major
-        and contiguous, ``(..., H, L, d)``.
+        and contiguous, ``(..., H, L, d)``. ``first_times``: a factor the first part is
+        multiplied by as it is copied (the queries' scale: the bits of multiplying the part
+        afterwards, without another pass over it).
 
         Each task multiplies a block of rows into a buffer of its own and copies it into
         the parts while it is in cache: whole sequences, or a part of one when a sequence
@@ -325,9 +328,12 @@ class Team:
 
         def scatter(block: np.ndarray, s0: int, s1: int, l0: int, l1: int) -> None:
             """``block`` holds rows ``l0:l1`` of sequences ``s0:s1``."""
-            for out, (H, d), c in zip(outs, parts, cuts, strict=False):
+            for i, (out, (H, d), c) in enumerate(zip(outs, parts, cuts, strict=False)):
                 heads = block[:, c : c + H * d].reshape(s1 - s0, l1 - l0, H, d)
-                out[s0:s1, :, l0:l1] = heads.transpose(0, 2, 1, 3)
+                if i == 0 and first_times is not None:
+                    np.multiply(heads.transpose(0, 2, 1, 3), first_times, out=out[s0:s1, :, l0:l1])
+                else:
+                    out[s0:s1, :, l0:l1] = heads.transpose(0, 2, 1, 3)
 
         if n < self.workers * runtime.DEFAULT.thresholds.matmul_rows or not L:  # one product
             scatter(self.matmul(rows, W, b), 0, sequences, 0, L)

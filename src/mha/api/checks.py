@@ -49,6 +49,7 @@ __all__ = [
     "check_layer",
     "checked_heads",
     "kv_heads",
+    "plain_heads",
     "same",
     "side_by_side",
     "side_by_side_bias",
@@ -305,6 +306,29 @@ def with_cache_state(call: Call, checked: Checked, names: Mapping[str, str]) -> 
         call, given=inputs, append=append, rotary=rotary, q_positions=q_positions,
         k_positions=k_positions,
     )  # fmt: skip
+
+
+def plain_heads(call: Call) -> bool:
+    """Whether nothing of ``call`` changes its heads or their scores beyond the projection,
+    the scale, the rotation and the mask (no extra keys, left padding, score changes,
+    QK-norm, query scale, output stage, clamp, value norm or dropout), and only its output
+    is asked for: what a layer's kept paths (:mod:`.decoding`, :mod:`.layer_plan`,
+    :mod:`.sequence_blocks`) compute without the general path."""
+    spec, request = call.spec, call.request
+    return (
+        not call.extra
+        and not call.given.left_padded
+        and call.scores is None
+        and call.qk_norm is None
+        and call.q_scale is None
+        and spec.output is None
+        and spec.clip_qkv is None
+        and spec.v_norm is None
+        and not spec.dropout_p
+        and not request.weights
+        and not request.backward
+        and not request.lse
+    )
 
 
 def with_fields(call: Call, **fields: Any) -> Call:

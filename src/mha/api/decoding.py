@@ -33,7 +33,7 @@ from .._kernel import compiled, runtime
 from .._kernel.team import Team
 from .cache import KVCache
 from .cached import Append, CachedCall, attend_cached, plain_append
-from .checks import Call, cache_positions, side_by_side_bias, with_fields
+from .checks import Call, cache_positions, plain_heads, side_by_side_bias, with_fields
 from .gradients import join_heads
 from .kept_state import LayerState, weights_as_given
 from .projection import compute, layer_sizes, layer_workers
@@ -149,7 +149,7 @@ def step_for(module: Any, call: Call, workers: Any) -> DecodingStep | None:
     not a plain decoding step (:mod:`.decoding`). ``workers``: as the call was given; the
     caller has checked that every other keyword was left out and that the layer's class is
     :class:`mha.MultiHeadAttention` itself (a subclass may compute more)."""
-    append, spec = call.append, call.spec
+    append = call.append
     if append is None or not (workers is None or type(workers) is int):
         return None
     cache = append.cache
@@ -163,18 +163,7 @@ def step_for(module: Any, call: Call, workers: Any) -> DecodingStep | None:
         and len(call.B) == 1
         and call.self_attention
         and call.Q.ndim == 3
-        and not call.extra
-        and not call.given.left_padded
-        and call.scores is None
-        and call.qk_norm is None
-        and call.q_scale is None
-        and spec.output is None
-        and spec.clip_qkv is None
-        and spec.v_norm is None
-        and not spec.dropout_p
-        and not call.request.weights
-        and not call.request.backward
-        and not call.request.lse
+        and plain_heads(call)
         and plain_append(append)
         and (call.rotary is None or "scaling" not in call.rotary)
     )

@@ -13,7 +13,8 @@ forward walk's plan (:class:`.walk.ForwardPlan`) and the team's size. The next c
 the same module state, input shape and dtype, mask and workers is that call with its input
 put in, computed as :func:`.projection.compute` computes it (its projection, the compiled
 walk on the kept plan, the output's product: the same functions in the same order, the same
-bits), without the checks whose answers cannot have changed.
+bits; over many sequences, by the same blocks of them, :mod:`.sequence_blocks`), without the
+checks whose answers cannot have changed.
 
 What the plan checks each call: the module's attributes are those it was made from
 (:class:`.kept_state.LayerState`: an assignment to any of them, or a change in place to a
@@ -32,14 +33,14 @@ from typing import Any
 import numpy as np
 
 from .._arrays import cast_result
-from .._kernel import compiled, runtime, walk
-from .._kernel.call import KernelCall, Outputs
+from .._kernel import runtime, walk
 from .._kernel.forward import call_tiles
 from .._kernel.team import Team, default_workers
 from .checks import Call, with_fields
 from .gradients import split_heads
 from .kept_state import LayerState, weights_as_given
 from .projection import layer_sizes, layer_workers, project_heads
+from .sequence_blocks import blocks_for, plain_call, whole_call
 
 __all__ = ["LayerPlan", "keep_plan", "kept_plan", "plan_for"]
 
@@ -58,6 +59,7 @@ class LayerPlan:
         self.shape, self.dtype = call.Q.shape, call.Q.dtype
         self.call = with_fields(call, Q=None, K=None, V=None)  # (no input held)
         self.team, self.forward = planned  # the team's size, the walk's plan
+        self.blocks = blocks_for(call, self.team)  # (the same blocks as the general path's)
 
     def __call__(self, module: Any, query: Any, mask: Any, workers: Any) -> np.ndarray | None:
         """The layer's output for ``query``, or ``None`` when this call is not the kept
@@ -79,6 +81,9 @@ class LayerPlan:
         dtype, H = call.compute_dtype, call.H
         w = call.weights.in_dtype(dtype)
         with np.errstate(invalid="ignore", over="ignore"), Team(self.team) as team:
+            if self.blocks is not None:  # many sequences: a block of them at a time
+                by_blocks = self.blocks(call, w, team)
+                return None if by_blocks is None else cast_result(by_blocks, call.result_dtype)
             q, k, v = project_heads(call, w, team)
             joined = np.zeros((*call.B, call.L, H * call.d_v), dtype=dtype)
             out = split_heads(joined, H)
@@ -106,15 +111,8 @@ def _fresh(x: np.ndarray) -> bool:
 def _forward_plan(call: Call, workers: int) -> walk.ForwardPlan | None:
     """The compiled forward walk's plan of ``call``'s attention on a team of ``workers``,
     as :func:`.forward.attend` makes it (its tiles, its choice of walk); ``None`` when the
-    compiled walk does not take it. Made on zeros of the projected heads' shapes and
-    layout: a plan keeps no array, only what the shapes decide."""
-    H, H_kv, dtype, lead = call.H, call.H_kv, call.compute_dtype, call.B
-    q = np.zeros((*lead, H, call.L, call.d_k), dtype)
-    k = np.zeros((*lead, H_kv, call.S, call.d_k), dtype)
-    v = np.zeros((*lead, H_kv, call.S, call.d_v), dtype)
-    assert call.visibility is not None
-    kernel = KernelCall(q, k, v, call.visibility, 1.0, budget=call.request.budget)
-    outputs = Outputs(np.zeros((*lead, H, call.L, call.d_v), dtype))
+    compiled walk does not take it."""
+    kernel, outputs = whole_call(call)
     if walk.forward_walkable(kernel, outputs) is None:
         return None
     tuned = runtime.DEFAULT.thresholds
@@ -129,29 +127,10 @@ def plan_for(module: Any, call: Call, mask: Any, workers: Any) -> LayerPlan | No
     :class:`mha.MultiHeadAttention` itself (a subclass may compute more)."""
     if not (workers is None or type(workers) is int) or not (mask is None or mask is True):
         return None
-    spec, visibility = call.spec, call.visibility
     plain = (
         getattr(module, "shares_kv_with", None) is None
         and weights_as_given(module, call)  # (an update in place is read)
-        and call.append is None
-        and visibility is not None
-        and visibility.mask_mod is None
-        and call.self_attention
-        and not call.extra
-        and not call.given.left_padded
-        and call.scores is None
-        and call.qk_norm is None
-        and call.q_scale is None
-        and spec.output is None
-        and spec.selection is None
-        and spec.clip_qkv is None
-        and spec.v_norm is None
-        and not spec.dropout_p
-        and not call.request.weights
-        and not call.request.backward
-        and not call.request.lse
-        and call.compute_dtype.type in (np.float32, np.float64)  # (the compiled walk's)
-        and compiled.walk_available()
+        and plain_call(call)
     )
     if not plain:
         return None

@@ -30,15 +30,16 @@ from .checks import (
     LayerWeights,
     Weights,
     check_layer,
-    side_by_side_bias,
 )
 from .clip import clip
 from .gradients import Forward, ProjectedBackward, join_heads, split_heads
 from .padding import to_front, to_left
 from .paged_cache import PagedKVCache
 from .qk_norm import QKNorm
+from .qkv import qkv_weights
 from .rotary import rotate, rotation
 from .selection import select_keys
+from .sequence_blocks import blocks_for
 from .spec import MhaKeywords, check_mha
 from .v_norm import v_norm
 
@@ -311,6 +312,12 @@ def compute(call: Call) -> np.ndarray | tuple[Any, ...]:
     if workers is None:  # the default for the call's multiply-adds
         keys = S if call.cache is None else int(call.cache.lengths.max(initial=0)) + L
         workers = layer_workers(layer_sizes(call), keys)
+    blocks = blocks_for(call, workers)  # many sequences: a block of them at a time
+    if blocks is not None:
+        with np.errstate(invalid="ignore", over="ignore"), Team(workers) as team:
+            by_blocks = blocks(call, w, team)
+        if by_blocks is not None:
+            return cast_result(by_blocks, call.result_dtype)
     with (  # the seed drawn once everything is checked, put back if the call still fails
         drawn(drop_p, call.given.generator, H, L) if drop_p else _NO_DROPOUT as dropout,
         np.errstate(invalid="ignore", over="ignore"),
@@ -412,41 +419,28 @@ def project_heads(
     at the call's positions when it has rotary embeddings; ``w`` holds the call's weights in
     its compute dtype.
 
-    The scale goes where it costs least: into ``W_q`` when there are more query rows than
-    input features, into the projected ``q`` otherwise. For self-attention with enough rows
-    to pay for copying the weights, one GEMM against ``[W_q | W_k | W_v]`` projects all three.
-    With QK-norm (or ``clip_qkv``) the scale multiplies the normalised (clamped) queries, and
-    ``saved`` (when given) receives what the norm's backward needs under ``"q"`` and ``"k"``,
-    and where the clamp let each of q, k, v through under ``"clip"``.
+    Where the scale goes, and whether one GEMM against ``[W_q | W_k | W_v]`` projects all
+    three: :func:`.qkv.qkv_weights`. With QK-norm (or ``clip_qkv``) the scale multiplies
+    the normalised (clamped) queries, and ``saved`` (when given) receives what the norm's
+    backward needs under ``"q"`` and ``"k"``, and where the clamp let each of q, k, v through
+    under ``"clip"``.
     """
-    dtype, scale, H, H_kv = call.compute_dtype, call.scale, call.H, call.H_kv
-    Q, W_q, W_k, W_v, b_q, b_k, b_v = (
-        call.Q.astype(dtype, copy=False),
-        w.W_q,
-        w.W_k,
-        w.W_v,
-        w.b_q,
-        w.b_k,
-        w.b_v,
-    )
-    rows = math.prod(Q.shape[:-1])
+    dtype, scale, H = call.compute_dtype, call.scale, call.H
+    Q = call.Q.astype(dtype, copy=False)
     norm, c = call.qk_norm, call.spec.clip_qkv
-    joined = w.joined() if call.self_attention else None
-    late_scale = rows < Q.shape[-1] or norm is not None or c is not None  # both precede it
-    late_scale = late_scale or joined is not None
-    if not late_scale:
-        W_q, b_q = W_q * scale, None if b_q is None else b_q * scale
-    heads = [(H, W_q.shape[1] // H), (H_kv, W_k.shape[1] // H_kv), (H_kv, W_v.shape[1] // H_kv)]
-    if joined is not None or (call.self_attention and rows >= Q.shape[-1]):
-        W_qkv = np.concatenate([W_q, W_k, W_v], axis=1) if joined is None else joined
-        b_qkv = side_by_side_bias((b_q, W_q), (b_k, W_k), (b_v, W_v))
-        q, k, v = team.matmul_heads(Q, W_qkv, b_qkv, heads)
+    weights = qkv_weights(call, w, math.prod(Q.shape[:-1]))
+    # a late scale multiplies the queries as they are copied into heads when nothing comes
+    # between (the same bits as after, without a pass over them)
+    copy_scale = weights.late_scale and norm is None and c is None
+    times = scale if copy_scale else None
+    if weights.joined is not None:
+        q, k, v = team.matmul_heads(Q, *weights.joined, weights.heads, times)
     else:
         K, V = call.K.astype(dtype, copy=False), call.V.astype(dtype, copy=False)
         q, k, v = (
-            team.matmul_heads(x, W, b, [part])[0]
-            for x, W, b, part in zip(
-                (Q, K, V), (W_q, W_k, W_v), (b_q, b_k, b_v), heads, strict=True
+            team.matmul_heads(x, W, b, [part], factor)[0]
+            for x, W, b, part, factor in zip(
+                (Q, K, V), weights.W, weights.b, weights.heads, (times, None, None), strict=True
             )
         )
     after = norm is not None and norm.after_rope  # HunYuan's: the norm after the rotation
@@ -460,8 +454,8 @@ def project_heads(
         (q, q_in), (k, k_in), (v, v_in) = clip(q, c), clip(k, c), clip(v, c)
         if saved is not None:
             saved["clip"] = [q_in, k_in, v_in]
-    if late_scale and not after:
-        q *= scale  # a buffer of this call's own: the projection's or the norm's
+    if weights.late_scale and not after and not copy_scale:
+        q *= scale  # a buffer of this call's own: the norm's or the clamp's
     if call.rotary is not None:  # the queries' rotation for keys at the same positions too
         turn = rotation(q.shape, call.q_positions, q.dtype, **call.rotary)
         q = rotate(q, turn)
