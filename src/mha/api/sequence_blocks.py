@@ -10,7 +10,8 @@ into a buffer of the worker's own, the late scale and the biases on that buffer,
 attention by the compiled forward walk reading the buffer's columns as they lie, and the
 joined heads' output projection into the result's rows. Nothing but the result is as large
 as the input, and no stage waits for the others' workers. Measured on an AMD EPYC (Zen 4,
-two workers, S3): 39.1 -> 32.7 ms in float64, 20.6 -> 17.8 in float32.
+two workers, S3, docs/benchmarks.md): 19.4 -> 17.8 ms in float32, 37.8 -> 35.3 in float64,
+the peak memory 25.0 -> 7.2 MiB in float32.
 
 The same bits as the layer computed whole (:func:`.projection.compute`'s other path), for
 any ``workers``: the same weights (:func:`.qkv.qkv_weights`); a block of a product's rows is
