@@ -67,17 +67,18 @@ def _loop(X, W, b, H, H_kv, causal, window, scale=None):
 
 CASES = {
     # name: (batch, L, d_model, H, H_kv, d_v, options): each taken by blocks on 1, 2 and 3
-    # workers (6 or 9 blocks)
+    # workers (6 or 9 blocks), each product of more than 100^3 multiply-adds
     "S3-like, 2 sequences a block": ((12,), 128, 64, 4, 4, 16, {}),
-    "causal, biases, GQA": ((24,), 64, 32, 4, 2, 8, {"causal": True, "bias": True}),
-    "one key head, a window": ((24,), 64, 32, 2, 1, 16, {"causal": True, "window": 5}),
-    "value heads wider": ((12,), 96, 32, 4, 4, 12, {"bias": True}),
-    "long sequences, one a block": ((6,), 300, 32, 4, 2, 8, {"causal": True}),
-    "keys in tiles, tiles in a budget": ((6,), 600, 32, 2, 2, 16, {"max_memory": 2**17}),
-    "a last block of fewer": ((70,), 32, 32, 4, 4, 8, {}),
-    "float16 input": ((24,), 64, 32, 4, 4, 8, {"input": np.float16}),
-    "a scale given": ((24,), 64, 32, 4, 4, 8, {"scale": 0.3, "causal": True}),
-    "weights side by side: the scale late": ((12,), 96, 48, 4, 2, 12, {"joined": True}),
+    "causal, biases, GQA": ((24,), 64, 96, 4, 2, 24, {"causal": True, "bias": True}),
+    "one key head, a window": ((24,), 64, 64, 2, 1, 32, {"causal": True, "window": 5}),
+    "value heads wider": ((12,), 96, 64, 4, 4, 24, {"bias": True}),
+    "long sequences, one a block": ((6,), 300, 64, 4, 2, 16, {"causal": True}),
+    "keys in tiles, tiles in a budget": ((6,), 600, 64, 2, 2, 32, {"max_memory": 2**17}),
+    "a last block of fewer": ((70,), 32, 128, 4, 4, 32, {}),
+    "float16 input": ((24,), 64, 64, 4, 4, 16, {"input": np.float16}),
+    "an input of strided rows": ((12,), 128, 64, 4, 4, 16, {"strided": True}),
+    "a scale given": ((24,), 64, 64, 4, 4, 16, {"scale": 0.3, "causal": True}),
+    "weights side by side: the scale late": ((12,), 96, 96, 4, 2, 24, {"joined": True}),
 }
 
 
@@ -89,7 +90,9 @@ def _call(case, dtype, workers, seed=0):
         joined = np.concatenate(W[:3], axis=1)
         cuts = np.cumsum([x.shape[1] for x in W[:3]])
         W[:3] = joined[:, : cuts[0]], joined[:, cuts[0] : cuts[1]], joined[:, cuts[1] :]
-    X = rng.standard_normal((*batch, L, E)).astype(options.get("input", dtype))
+    X = rng.standard_normal((*batch, L, 2 * E if options.get("strided") else E))
+    X = X[..., ::2] if options.get("strided") else X
+    X = X.astype(options.get("input", dtype), copy=False)
     keywords = {"causal": options.get("causal", False), "workers": workers}
     if "window" in options:
         keywords["window"] = options["window"]
@@ -150,9 +153,13 @@ def test_the_blocks_are_shared_evenly_or_not_taken():
     assert shared is not None and shared.together == 2  # 4 blocks, 2 each
     assert taken_for((1,), 2048, 2) is None  # one sequence
     assert taken_for((5,), 128, 2) is None  # 3 blocks of 2 sequences for 2 workers
-    assert taken_for((17,), 128, 2) is not None  # 9 blocks: 4 or 5 each
+    assert taken_for((18,), 128, 2) is not None  # 9 blocks: 4 or 5 each
+    assert taken_for((17,), 128, 2) is None  # the last block's output: 128 x 64 x 64
     assert taken_for((2,), 64, 2) is None  # 128 rows: too few to share
-    assert taken_for((2,), 64, 1) is None  # one block
+    assert taken_for((2,), 128, 1) is None  # one block
+    assert taken_for((513,), 1, 1) is None  # blocks of 256 rows and a last of one (gemv)
+    assert taken_for((16,), 16, 1) is None  # a last product of 16 rows: small-matrix kernels'
+    assert taken_for((16,), 32, 1) is not None  # 512 rows: 256 x 192 x 64 multiply-adds
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
@@ -197,8 +204,12 @@ def test_a_non_finite_value_at_a_hidden_key_is_computed_whole(workers, monkeypat
     (X, W, _, H, *_), keywords = _call("causal, biases, GQA", np.float64, workers)
     X[3, -1, :] = np.inf
     by_blocks = taken(monkeypatch, sequence_blocks.SequenceBlocks)  # (those that computed)
+    tried = []
+    real = sequence_blocks.blocks_for
+    monkeypatch.setattr(projection, "blocks_for", lambda *a: tried.append(real(*a)) or tried[-1])
     out = mha.multi_head_attention(X, X, X, *W[:3], W[3], H, **keywords)
-    assert by_blocks == []
+    assert len(tried) == 1 and tried[0] is not None  # tried by blocks,
+    assert by_blocks == []  # which left it
     with monkeypatch.context() as m:
         _whole(m)
         whole = mha.multi_head_attention(X, X, X, *W[:3], W[3], H, **keywords)
@@ -208,13 +219,13 @@ def test_a_non_finite_value_at_a_hidden_key_is_computed_whole(workers, monkeypat
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_a_layers_kept_plan_computes_by_blocks_with_the_same_bits(dtype, monkeypatch):
-    """:class:`mha.MultiHeadAttention` called again on 16 sequences of 64 tokens (heads 12
+    """:class:`mha.MultiHeadAttention` called again on 16 sequences of 64 tokens (heads 24
     wide: the scale is no power of two, and late, the weights being one array): its kept
     plan computes by blocks, and every call has the bits of the layer computed whole."""
     needs_numba(compiled.walk_available(), "every call is computed whole")
     rng = np.random.default_rng(9)
-    layer = mha.MultiHeadAttention(48, 4, num_kv_heads=2, bias=True, seed=4, dtype=dtype)
-    xs = [rng.standard_normal((16, 64, 48)).astype(dtype) for _ in range(3)]
+    layer = mha.MultiHeadAttention(96, 4, num_kv_heads=2, bias=True, seed=4, dtype=dtype)
+    xs = [rng.standard_normal((16, 64, 96)).astype(dtype) for _ in range(3)]
     by_blocks = taken(monkeypatch, sequence_blocks.SequenceBlocks)
     own = [layer(x, True, workers=2) for x in xs]
     assert len(by_blocks) == 3  # the general path's first call, the kept plan's two
@@ -228,10 +239,49 @@ def test_a_layers_kept_plan_computes_by_blocks_with_the_same_bits(dtype, monkeyp
 
 def test_without_the_compiled_walk_no_call_is_computed_by_blocks(monkeypatch):
     monkeypatch.setattr(compiled, "walk_available", lambda: False)
-    monkeypatch.setattr(sequence_blocks.compiled, "walk_available", lambda: False)
     (X, W, b, H, H_kv, _), keywords = _call("S3-like, 2 sequences a block", np.float64, 2)
     by_blocks = taken(monkeypatch, sequence_blocks.SequenceBlocks)
     out = mha.multi_head_attention(X, X, X, *W[:3], W[3], H, **keywords)
     assert by_blocks == []
     expected = _loop(X, W, b, H, H_kv, False, None).reshape(out.shape)
     assert relative_error(out, expected) <= 1e-12
+
+
+def test_a_kept_plan_of_separate_weights_and_few_rows_projects_as_before(monkeypatch):
+    """Fewer rows than features and ``W_q``, ``W_k``, ``W_v`` not one array: q, k and v are
+    each their own product, which blocks do not compute; the layer's kept plan computes the
+    call whole, call after call (the general path's bits)."""
+    needs_numba(compiled.walk_available(), "no plan is kept")
+    rng = np.random.default_rng(11)
+    layer = mha.MultiHeadAttention(600, 4, seed=5)
+    layer.W_q = layer.W_q.copy()  # (no longer a view of one array with W_k and W_v)
+    xs = [rng.standard_normal((8, 64, 600)) for _ in range(3)]
+    kept = taken(monkeypatch, mha.api.layer_plan.LayerPlan)
+    own = [layer(x, workers=2) for x in xs]
+    assert len(kept) == 2 and runtime.DEFAULT.layer_plans[layer].blocks is None
+    with monkeypatch.context() as m:
+        _whole(m)
+        whole = [layer(x, workers=2) for x in xs]
+    for a, b in zip(own, whole, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("shape", [(24, 64, 40), (48, 32, 40), (24, 64, 56), (513, 1, 64)])
+def test_products_a_row_would_round_differently_in_are_computed_whole(shape, monkeypatch):
+    """Blocks whose products OpenBLAS may give to its small-matrix kernels (100^3
+    multiply-adds or fewer; d_model 40 or 56 here), or a block of one row (``gemv``): by
+    blocks, these calls measured other bits than whole in float32 (the rule lifted), so
+    :func:`blocks_for` refuses them and they are computed whole."""
+    needs_numba(compiled.walk_available(), "every call is computed whole")
+    E = shape[-1]
+    rng = np.random.default_rng(12)
+    X = rng.standard_normal(shape).astype(np.float32)
+    W = [(rng.standard_normal((E, E)) / np.sqrt(E)).astype(np.float32) for _ in range(4)]
+    tried = []
+    real = sequence_blocks.blocks_for
+    monkeypatch.setattr(projection, "blocks_for", lambda *a: tried.append(real(*a)) or tried[-1])
+    out = mha.multi_head_attention(X, X, X, *W, 4, workers=1)
+    assert tried == [None]
+    with monkeypatch.context() as m:
+        _whole(m)
+        np.testing.assert_array_equal(out, mha.multi_head_attention(X, X, X, *W, 4, workers=1))

@@ -30,9 +30,10 @@ def qkv_weights(call: Call, w: Weights, rows: int) -> QKVWeights:
 
     The scale goes where it costs least: into ``W_q`` when there are more query rows than
     input features, into the projected queries otherwise (and always after a QK-norm or a
-    clamp, which precede it). For self-attention with enough rows to pay for copying the
-    weights (or weights already side by side in one array), one product by ``[W_q | W_k |
-    W_v]`` projects all three (``joined``; the scale then always late)."""
+    clamp, which precede it, and when the weights are already side by side in one array,
+    which the scale would copy). For self-attention with enough rows to pay for copying the
+    weights (or weights already side by side), one product by ``[W_q | W_k | W_v]``
+    projects all three (``joined``)."""
     scale, H, H_kv, width = call.scale, call.H, call.H_kv, call.Q.shape[-1]
     W_q, W_k, W_v, b_q, b_k, b_v = w.W_q, w.W_k, w.W_v, w.b_q, w.b_k, w.b_v
     ordered = call.qk_norm is not None or call.spec.clip_qkv is not None

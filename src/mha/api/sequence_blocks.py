@@ -9,18 +9,20 @@ the layer for it from end to end while it is in cache: its rows' q, k, v in one 
 into a buffer of the worker's own, the late scale and the biases on that buffer, the heads'
 attention by the compiled forward walk reading the buffer's columns as they lie, and the
 joined heads' output projection into the result's rows. Nothing but the result is as large
-as the input, and no stage waits for the others' workers. Measured on an AMD EPYC (Zen 4,
-two workers, S3, docs/benchmarks.md): 19.4 -> 17.8 ms in float32, 37.8 -> 35.3 in float64,
-the peak memory 25.0 -> 7.2 MiB in float32.
+as the input (an input not C-contiguous is copied first), and no stage waits for the
+others' workers. Measured on an AMD EPYC (Zen 4, two workers, S3, docs/benchmarks.md): 19.4
+-> 17.8 ms in float32, 37.8 -> 35.3 in float64, the peak memory 25.0 -> 7.2 MiB in float32.
 
 The same bits as the layer computed whole (:func:`.projection.compute`'s other path), for
-any ``workers``: the same weights (:func:`.qkv.qkv_weights`); a block of a product's rows is
-the bits of those rows of the whole product (NumPy's OpenBLAS computes each row alone, as
-the team's products by blocks of rows already assume); the walk computes each sequence's
-heads alone, on tiles that do not depend on the number of sequences; the scale and the
-biases are the same operations on the same values (tests/test_sequence_blocks.py compares
-the two bit for bit). A call the compiled walk leaves work undone in (a non-finite value
-at a hidden key) is computed again the other way, which does it.
+the same ``workers``: the same weights (:func:`.qkv.qkv_weights`); the walk computes each
+sequence's heads alone, on tiles that do not depend on the number of sequences; the scale
+and the biases are the same operations on the same values; and a product's rows round as
+the same rows of the whole path's products do where each product of both paths is one
+OpenBLAS computes row by row alike (:func:`_products_alike`: two rows at least, beyond its
+small-matrix kernels), which :func:`blocks_for` asks of every call it takes
+(tests/test_sequence_blocks.py compares the two paths bit for bit, and a call refused for
+it). A call the compiled walk leaves work undone in (a non-finite value at a hidden key)
+is computed again the other way, which does it.
 
 Only plain calls (:func:`plain_call`) over at least two blocks, as many for each worker
 (or four for each at least): anything a sequence's rows depend on beyond its own (a mask,
@@ -29,8 +31,10 @@ padding, positions) is not cut per block here.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -40,7 +44,7 @@ from .._kernel import compiled, runtime, walk
 from .._kernel.call import KernelCall, Outputs
 from .._kernel.contract import Visibility
 from .._kernel.forward import call_tiles
-from .._kernel.team import Team
+from .._kernel.team import Team, rows_per_task
 from .checks import Call, Weights, plain_heads
 from .gradients import split_heads
 from .qkv import qkv_weights
@@ -79,15 +83,59 @@ def whole_call(call: Call) -> tuple[KernelCall, Outputs]:
     return kernel, Outputs(np.zeros((*lead, H, call.L, call.d_v), dtype))
 
 
-_PER_SEQUENCE = ("mask", "bias", "key_lengths", "query_lengths", "offsets", "sequences")
-_POSITIONED = ("query_index", "key_index", "blocks", "partial")
+_ALIKE = {
+    "index_shape", "L", "S", "causal_offset", "bias_hides_keys", "causal", "window",
+    "sink_tokens", "chunk", "held_sink_tokens", "ahead", "memo",
+}  # fmt: skip
+"""The fields of a :class:`Visibility` that are the same for every sequence (the others,
+arrays and functions, may differ per sequence or position)."""
 
 
 def _same_for_every_sequence(visibility: Visibility) -> bool:
     """Whether every sequence sees the same keys: the causal rule, a window, chunks, sink
-    tokens, but no array of the call's (cut per block, it would not be the same call)."""
-    fields = (*_PER_SEQUENCE, *_POSITIONED, "mask_mod")
-    return all(getattr(visibility, name) is None for name in fields)
+    tokens, and no field besides (a mask, lengths, offsets, a ``mask_mod``: cut per block,
+    it would not be the same call; a field added later counts as one until it is listed in
+    :data:`_ALIKE`)."""
+    return all(
+        field.name in _ALIKE or getattr(visibility, field.name) is None
+        for field in dataclasses.fields(visibility)
+    )
+
+
+SMALL_PRODUCT = 100**3
+"""The multiply-adds up to which OpenBLAS may take a small-matrix kernel (its SkylakeX
+build's ``gemm_small_kernel_permit``: ``M * N * K <= 100^3``), whose sums go in another order
+than its blocked kernel's: below it, a product's rows round differently as part of fewer
+rows, as they do for one row (``gemv``). Above it and from two rows, each row of a product
+is the bits of that row of any product of more rows (measured on both kinds of kernel
+tails). Without this rule, layers of 24 sequences of 64 tokens and 40 or 56 features, or
+of 513 one-token sequences, gave other float32 bits by blocks than whole on the Zen 4
+(tests/test_sequence_blocks.py checks that they are refused)."""
+
+
+def _products_alike(call: Call, workers: int, together: int, count: int) -> bool:
+    """Whether every product of ``call`` by blocks of ``together`` sequences (``count`` of
+    them) and of the whole path's tasks (:meth:`.Team.matmul_heads` and :meth:`.Team.matmul`
+    on ``workers``) has two rows at least and more than :data:`SMALL_PRODUCT` multiply-adds:
+    then each row rounds alike in both, and the blocks give the whole path's bits."""
+    sequences, L = math.prod(call.B), call.L
+    n, step = sequences * L, rows_per_task(sequences * L, workers)
+    blocks = {together * L, (sequences - (count - 1) * together) * L}
+    if step >= L:  # the projection's tasks: whole sequences, or rows of one
+        per = step // L
+        heads = {per * L, sequences % per * L}
+    else:
+        heads = {step, L % step}
+    output = {n} if n <= step else {step, n % step}
+    width = call.H * call.d_k + call.H_kv * (call.d_k + call.d_v)
+    return all(
+        rows == 0 or (rows >= 2 and rows * N * K > SMALL_PRODUCT)
+        for group, N, K in (
+            (blocks | heads, width, call.Q.shape[-1]),
+            (blocks | output, call.weights.W_o.shape[1], call.H * call.d_v),
+        )
+        for rows in group
+    )
 
 
 class SequenceBlocks:
@@ -114,11 +162,13 @@ class SequenceBlocks:
         undone = [False]
         one = Team(1)  # (not entered: the walk runs in the worker's own thread)
 
-        def make_worker() -> Any:
+        def make_worker() -> Callable[[int], None]:
             product = np.empty((together * L, W_qkv.shape[1]), dtype)
             joined = np.empty((together, L, H * call.d_v), dtype)
 
             def block(s0: int) -> None:
+                if undone[0]:  # (the call is computed the other way)
+                    return
                 n = min(together, sequences - s0)
                 rows = slice(s0 * L, (s0 + n) * L)
                 qkv = product[: n * L]
@@ -162,6 +212,11 @@ def blocks_for(call: Call, workers: int) -> SequenceBlocks | None:
     count = -(-sequences // together)
     if count < 2 or (count % workers and count < 4 * workers):
         return None  # (too few blocks to share evenly)
+    weights = call.weights.in_dtype(call.compute_dtype)
+    if sequences * L < call.Q.shape[-1] and weights.joined() is None:
+        return None  # (q, k and v each their own product: :func:`.qkv.qkv_weights`)
+    if not _products_alike(call, workers, together, count):
+        return None
     shapes = (call.H_kv, L, call.S, call.d_k, call.d_v, call.compute_dtype)
     key = ("sequence blocks", visibility, shapes, call.request.budget, workers, together)
     kept: Any = runtime.DEFAULT.plans.get(key)  # (the plans: a millisecond a call)
