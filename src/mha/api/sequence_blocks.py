@@ -123,15 +123,15 @@ def _products_alike(call: Call, workers: int, together: int, count: int) -> bool
     blocks = {together * L, (sequences - (count - 1) * together) * L}
     if step >= L:  # the projection's tasks: whole sequences, or rows of one
         per = step // L
-        heads = {per * L, sequences % per * L}
+        projected = {per * L, sequences % per * L}
     else:
-        heads = {step, L % step}
+        projected = {step, L % step}
     output = {n} if n <= step else {step, n % step}
     width = call.H * call.d_k + call.H_kv * (call.d_k + call.d_v)
     return all(
         rows == 0 or (rows >= 2 and rows * N * K > SMALL_PRODUCT)
         for group, N, K in (
-            (blocks | heads, width, call.Q.shape[-1]),
+            (blocks | projected, width, call.Q.shape[-1]),
             (blocks | output, call.weights.W_o.shape[1], call.H * call.d_v),
         )
         for rows in group
@@ -212,8 +212,8 @@ def blocks_for(call: Call, workers: int) -> SequenceBlocks | None:
     count = -(-sequences // together)
     if count < 2 or (count % workers and count < 4 * workers):
         return None  # (too few blocks to share evenly)
-    weights = call.weights.in_dtype(call.compute_dtype)
-    if sequences * L < call.Q.shape[-1] and weights.joined() is None:
+    few_rows = sequences * L < call.Q.shape[-1]  # (then one product only of joined weights)
+    if few_rows and call.weights.in_dtype(call.compute_dtype).joined() is None:
         return None  # (q, k and v each their own product: :func:`.qkv.qkv_weights`)
     if not _products_alike(call, workers, together, count):
         return None
