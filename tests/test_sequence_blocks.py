@@ -5,6 +5,8 @@ and the layer computed whole where a block's walk leaves work undone."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from support.configs import relative_error
@@ -285,3 +287,28 @@ def test_products_a_row_would_round_differently_in_are_computed_whole(shape, mon
     with monkeypatch.context() as m:
         _whole(m)
         np.testing.assert_array_equal(out, mha.multi_head_attention(X, X, X, *W, 4, workers=1))
+
+
+def test_threads_share_the_blocks_plans():
+    """Two threads calling one layer at once (each call by blocks on two workers, the
+    blocks' walks' plans shared): every output the bits of the same call made alone."""
+    needs_numba(compiled.walk_available(), "every call is computed whole")
+    rng = np.random.default_rng(13)
+    layer = mha.MultiHeadAttention(64, 4, bias=True, seed=6)
+    xs = [rng.standard_normal((12, 128, 64)) for _ in range(6)]
+    alone = [layer(x, True, workers=2) for x in xs]
+    assert runtime.DEFAULT.layer_plans[layer].blocks is not None
+    outs: dict[int, np.ndarray] = {}
+
+    def call(indices):
+        for i in indices:
+            outs[i] = layer(xs[i], True, workers=2)
+
+    threads = [threading.Thread(target=call, args=(range(j, 6, 2),)) for j in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(outs) == list(range(6))
+    for i, a in enumerate(alone):
+        np.testing.assert_array_equal(outs[i], a)
