@@ -34,13 +34,12 @@ import numpy as np
 
 from .._arrays import cast_result
 from .._kernel import runtime, walk
-from .._kernel.forward import call_tiles
 from .._kernel.team import Team, default_workers
 from .checks import Call, with_fields
 from .gradients import split_heads
 from .kept_state import LayerState, weights_as_given
 from .projection import layer_sizes, layer_workers, project_heads
-from .sequence_blocks import blocks_for, plain_call, whole_call
+from .sequence_blocks import blocks_for, forward_plan, plain_call, whole_call
 
 __all__ = ["LayerPlan", "keep_plan", "kept_plan", "plan_for"]
 
@@ -115,9 +114,7 @@ def _forward_plan(call: Call, workers: int) -> walk.ForwardPlan | None:
     kernel, outputs = whole_call(call)
     if walk.forward_walkable(kernel, outputs) is None:
         return None
-    tuned = runtime.DEFAULT.thresholds
-    tiles = call_tiles(kernel, outputs)
-    return walk.ForwardPlan(kernel, tiles, workers, tuned.wide_below_rows, tuned.product_chunk)
+    return forward_plan(kernel, outputs, workers)
 
 
 def plan_for(module: Any, call: Call, mask: Any, workers: Any) -> LayerPlan | None:

@@ -49,7 +49,7 @@ from .checks import Call, Weights, plain_heads
 from .gradients import split_heads
 from .qkv import qkv_weights
 
-__all__ = ["SequenceBlocks", "blocks_for", "plain_call", "whole_call"]
+__all__ = ["SequenceBlocks", "blocks_for", "forward_plan", "plain_call", "whole_call"]
 
 
 def plain_call(call: Call) -> bool:
@@ -71,16 +71,28 @@ def plain_call(call: Call) -> bool:
     )
 
 
-def whole_call(call: Call) -> tuple[KernelCall, Outputs]:
+def whole_call(call: Call, sequences: int | None = None) -> tuple[KernelCall, Outputs]:
     """The kernel's call of ``call``'s attention and its outputs, on zeros of the projected
-    heads' shapes (a plan keeps no array, only what the shapes decide)."""
+    heads' shapes (a plan keeps no array, only what the shapes decide); ``sequences``: of a
+    block of that many sequences instead (its visibility cut to them)."""
     H, H_kv, dtype, lead = call.H, call.H_kv, call.compute_dtype, call.B
+    visibility = call.visibility
+    assert visibility is not None
+    if sequences is not None:
+        lead, visibility = (sequences,), replace(visibility, index_shape=(sequences, H))
     q = np.zeros((*lead, H, call.L, call.d_k), dtype)
     k = np.zeros((*lead, H_kv, call.S, call.d_k), dtype)
     v = np.zeros((*lead, H_kv, call.S, call.d_v), dtype)
-    assert call.visibility is not None
-    kernel = KernelCall(q, k, v, call.visibility, 1.0, budget=call.request.budget)
+    kernel = KernelCall(q, k, v, visibility, 1.0, budget=call.request.budget)
     return kernel, Outputs(np.zeros((*lead, H, call.L, call.d_v), dtype))
+
+
+def forward_plan(kernel: KernelCall, outputs: Outputs, workers: int) -> walk.ForwardPlan:
+    """The compiled forward walk's plan of ``kernel`` (:func:`whole_call`'s) on a team of
+    ``workers``, on the tiles :func:`.forward.attend` gives it."""
+    tuned = runtime.DEFAULT.thresholds
+    tiles = call_tiles(kernel, outputs)
+    return walk.ForwardPlan(kernel, tiles, workers, tuned.wide_below_rows, tuned.product_chunk)
 
 
 _ALIKE = {
@@ -230,18 +242,9 @@ def blocks_for(call: Call, workers: int) -> SequenceBlocks | None:
 
 def _plans(call: Call, together: int, count: int) -> dict[int, walk.ForwardPlan] | None:
     """The walks' plans of ``call``'s blocks of ``together`` sequences (and of the last,
-    when it has fewer), on the whole call's tiles; ``None`` when the compiled walk would
-    not take the whole call."""
-    kernel, outputs = whole_call(call)
-    if walk.forward_walkable(kernel, outputs) is None:
+    when it has fewer; the tiles do not depend on the number of sequences: the whole
+    call's); ``None`` when the compiled walk would not take the whole call."""
+    if walk.forward_walkable(*whole_call(call)) is None:
         return None
-    tiles, tuned = call_tiles(kernel, outputs), runtime.DEFAULT.thresholds  # (for its bits)
-    visibility = call.visibility
-    assert visibility is not None
-    plans = {}
-    for n in {together, math.prod(call.B) - (count - 1) * together}:
-        q, k, v = (np.zeros((n, *x.shape[-3:]), x.dtype) for x in (kernel.q, kernel.k, kernel.v))
-        seen = replace(visibility, index_shape=(n, call.H))
-        block = KernelCall(q, k, v, seen, 1.0, budget=call.request.budget)
-        plans[n] = walk.ForwardPlan(block, tiles, 1, tuned.wide_below_rows, tuned.product_chunk)
-    return plans
+    last = math.prod(call.B) - (count - 1) * together
+    return {n: forward_plan(*whole_call(call, n), 1) for n in {together, last}}
