@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 PACKAGE = Path(__file__).parent.parent / "src" / "mha"
 
 
+@functools.cache  # the files are read once a process: the graph is only read
 def imports(runtime_only: bool = False) -> dict[str, set[str]]:
     """Each module's intra-package imports, as dotted names relative to ``mha``; with
     ``runtime_only``, without those under ``if TYPE_CHECKING:`` (annotations only)."""
@@ -44,15 +46,35 @@ def imports(runtime_only: bool = False) -> dict[str, set[str]]:
 def test_there_are_no_import_cycles(runtime_only):
     """None at run time, and none for the type checker either."""
     graph = imports(runtime_only=runtime_only)
+    assert_acyclic(graph)
+
+
+def assert_acyclic(graph):
+    """No module of ``graph`` reaches itself; a cycle is named by its trail. A module whose
+    imports were all followed without one is not followed again (depth-first, linear time:
+    following every path took 20 s a call)."""
+    cleared = set()
 
     def visit(node, trail):
         assert node not in trail, " -> ".join([*trail, node])
+        if node in cleared:
+            return
         for target in graph.get(node, ()):
             if target in graph:
                 visit(target, [*trail, node])
+        cleared.add(node)
 
     for module in graph:
         visit(module, [])
+
+
+def test_a_cycle_is_named_by_its_trail():
+    """The check above fails on a cycle, however deep, and passes a diamond."""
+    assert_acyclic({"a": {"b", "c"}, "b": {"d"}, "c": {"d"}, "d": set()})
+    with pytest.raises(AssertionError, match="a -> b -> c -> a"):
+        assert_acyclic({"a": {"b"}, "b": {"c"}, "c": {"a"}})
+    with pytest.raises(AssertionError, match="c -> d -> e -> c"):
+        assert_acyclic({"a": {"c"}, "b": {"c"}, "c": {"d"}, "d": {"e"}, "e": {"c"}})
 
 
 PUBLIC_PATHS = (
