@@ -25,8 +25,9 @@ code; ``cache``: a decoding step's append, snapshot and commit; ``output``: the 
 product and cast; ``team``: entering and leaving the thread team, with its BLAS limit), the
 rest (Python between them, allocations) the call's whole time, measured without the
 timers, less theirs. A layer's first call is the general path (checked, planned); a call
-again takes the layer's kept plan (``mha/api/layer_plan.py``), a decoding step the layer's
-kept step (``mha/api/decoding.py``). Beside it, what handing work to a helper thread costs:
+again takes the layer's kept plan (``mha/api/layer_plan.py``; a small one on one worker: its
+compiled projection, walk and output, ``SmallCall``), a decoding step the layer's kept step
+(``mha/api/decoding.py``). Beside it, what handing work to a helper thread costs:
 a team of two workers running two empty tasks, against one worker running them.
 
 Where the environment sets ``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE``, the measurement is
@@ -183,7 +184,8 @@ def _timed_stages() -> _Stages:
         (walk, "band_of", "planning"), (forward.walk_inputs, "band_of", "planning"),
         (compiled, "plan_walk", "planning"), (cached, "plain_visibility", "planning"),
         (projection, "project_heads", "projections"),
-        (layer_plan, "project_heads", "projections"),
+        (layer_plan, "project_heads", "projections"), (layer_plan, "qkv_weights", "projections"),
+        (compiled, "layer_project", "projections"), (compiled, "layer_output", "output"),
         (compiled, "forward_walk", "the walk"), (compiled, "stored_forward_walk", "the walk"),
         (cache.KVCache, "_append", "cache"), (cache.KVCache, "_commit", "cache"),
         (cache.KVCache, "_snapshot", "cache"),

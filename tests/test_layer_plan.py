@@ -38,6 +38,20 @@ def _spy(monkeypatch):
     return taken(monkeypatch, layer_plan.LayerPlan)
 
 
+def _small_calls(monkeypatch):
+    """The compiled calls of a small planned call (:class:`mha.api.layer_plan.SmallCall`)."""
+    calls = []
+    for name in ("project", "output"):
+        real = getattr(compiled, f"layer_{name}")
+
+        def spied(*args, real=real, name=name):
+            calls.append(name)
+            return real(*args)
+
+        monkeypatch.setattr(compiled, f"layer_{name}", spied)
+    return calls
+
+
 def _reference(layer, X, causal):
     """The layer's attention in float64 by plain loops over heads: projections, the
     scaled scores, the mask (causal, the layer's window: ``i - j < window``), a softmax,
@@ -102,9 +116,11 @@ def test_the_kept_plan_gives_the_general_paths_bits(shape, name, dtype, mask, wo
     xs = [rng.standard_normal((*SHAPES[shape][:-1], SHAPES[shape][-1], 32)).astype(dtype)
           for _ in range(3)]  # fmt: skip
     runtime.DEFAULT.forget()
-    taken = _spy(monkeypatch)
+    taken, small = _spy(monkeypatch), _small_calls(monkeypatch)
     own = [layer(x, mask, workers=workers) for x in xs]
     assert len(taken) == 2
+    # one worker, no rotation: the projection, the walk and the output as compiled calls
+    assert small == (["project", "output"] * 2 if workers != 2 and "rotary" not in name else [])
     with monkeypatch.context() as m:
         _general(m)
         general = [layer(x, mask, workers=workers) for x in xs]
@@ -133,6 +149,80 @@ def test_a_call_of_many_rows_shares_its_work_and_keeps_its_bits(monkeypatch):
     for a, b in zip(own, general, strict=True):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(own[1], _reference(layer, xs[1], True), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_compiled_projection_and_output_give_numpys_bits(dtype):
+    """:func:`compiled.layer_project` and :func:`compiled.layer_output` against what the
+    team's products make of the same arrays (:meth:`Team.matmul_heads` with the late scale,
+    :meth:`Team.matmul`), bit for bit, over random sizes from two rows and columns up,
+    with and without biases, scales that are no power of two."""
+    rng = np.random.default_rng(21)
+    team = mha._kernel.team.Team(1)
+    for _ in range(60):
+        B, L, H = (int(n) for n in rng.integers(1, 5, 3))
+        H_kv = int(rng.choice([1, H]))
+        d, d_v, width = int(rng.integers(1, 20)), int(rng.integers(1, 20)), int(rng.integers(2, 70))
+        if B * L < 2 or H * d_v < 2:
+            continue
+        parts = [(H, d), (H_kv, d), (H_kv, d_v)]
+        m = sum(h * size for h, size in parts)
+        x = rng.standard_normal((B, L, width)).astype(dtype)
+        W = rng.standard_normal((width, m)).astype(dtype)
+        b = rng.standard_normal(m).astype(dtype) if rng.random() < 0.7 else None
+        scale = float(rng.integers(1, 100)) ** -0.5
+        with team:
+            expected = team.matmul_heads(x, W, b, parts, scale)
+        heads = tuple(np.empty((B, h, L, size), dtype) for h, size in parts)
+        joined, product = np.ones((B, L, H * d_v), dtype), np.empty((B * L, m), dtype)
+        bias = np.empty(0, dtype) if b is None else b
+        first = np.dtype(dtype).type(scale)
+        compiled.layer_project(np.dtype(dtype), x.reshape(B * L, width), W, bias, True, first,
+                               heads, joined, product)  # fmt: skip
+        for got, want in zip(heads, expected, strict=True):
+            np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+        assert not joined.any()
+        rows = rng.standard_normal((B * L, H * d_v)).astype(dtype)
+        W_o = rng.standard_normal((H * d_v, width)).astype(dtype)
+        with team:
+            want = team.matmul(rows, W_o, b if b is None else b[:width] if m >= width else None)
+        out = np.empty((B * L, width), dtype)
+        b_o = b if b is None else b[:width] if m >= width else None
+        compiled.layer_output(np.dtype(dtype), rows, W_o, np.empty(0, dtype) if b_o is None
+                              else np.ascontiguousarray(b_o), out)  # fmt: skip
+        np.testing.assert_array_equal(out.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_what_a_small_call_leaves_to_the_kept_walk_keeps_its_bits(dtype, monkeypatch):
+    """A kept small call (:class:`layer_plan.SmallCall`) takes a contiguous input; a strided
+    one of the kept shape (whose rows NumPy multiplies without BLAS), an input whose
+    infinite value a causal mask hides from some rows (the walk leaves them) and a call of
+    256 rows or more (several products) it leaves to the path it shortens: every output
+    the general path's bits."""
+    rng = np.random.default_rng(22)
+    layer = mha.MultiHeadAttention(48, 4, seed=5, bias=True, dtype=dtype)
+    big = rng.standard_normal((3, 12, 96)).astype(dtype)
+    strided, contiguous = big[:, :, ::2], np.ascontiguousarray(big[:, :, 1::2])
+    layer(contiguous, True)  # the plan made
+    small = _small_calls(monkeypatch)
+    out = [layer(contiguous, True)]
+    assert small == ["project", "output"]
+    out.append(layer(strided, True))
+    assert small == ["project", "output"]  # (not taken)
+    hidden = contiguous.copy()
+    hidden[0, -1, :] = np.inf  # the last key's value infinite: hidden from earlier rows
+    out.append(layer(hidden, True))
+    assert small == ["project", "output", "project"]  # (the walk left tasks: no output)
+    long = rng.standard_normal((2, 128, 48)).astype(dtype)
+    out += [layer(long, True), layer(long, True)]
+    assert small == ["project", "output", "project"]
+    with monkeypatch.context() as m:
+        _general(m)
+        expected = [layer(x, True) for x in (contiguous, strided, hidden, long, long)]
+    for got, want in zip(out, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert np.isfinite(out[2][0, :-1]).all() and np.isfinite(out[2][1:]).all()
 
 
 def _layer(rng, **options):

@@ -60,6 +60,8 @@ __all__ = [
     "forward_walk",
     "full_band",
     "job_wait",
+    "layer_output",
+    "layer_project",
     "plan_walk",
     "softmax_step",
     "stored_forward_walk",
@@ -148,9 +150,16 @@ def _compile_walk(name: str, dtype: np.dtype, stored: bool) -> Any:
     from numba import njit
 
     signature = _signatures(dtype, stored)[name]
-    options = {"fastmath": {"reassoc", "contract"}, "boundscheck": False, "nogil": True}
+    options: dict[str, Any] = {"boundscheck": False, "nogil": True}
+    if name in _LAYER:  # NumPy's bits: no operation fused or reordered
+        from . import _numba_layer
+
+        source = getattr(_numba_layer, name)
+    else:
+        options["fastmath"] = {"reassoc", "contract"}
+        source = getattr(_STATE.walks, name)
     start = time.perf_counter()
-    function = njit([signature], cache=True, **options)(getattr(_STATE.walks, name))  # type: ignore[call-overload]
+    function = njit([signature], cache=True, **options)(source)
     read = " stored" if stored else ""
     _STATE.seconds[f"walk {name} {dtype.name}{read}"] = time.perf_counter() - start
     return function
@@ -167,6 +176,7 @@ def _signatures(dtype: np.dtype, stored: bool = False) -> dict[str, Any]:
     a = {n: types.Array(real, n, "A") for n in (3, 4)}  # outputs, in any layout
     r = {n: types.Array(real, n, "A", readonly=True) for n in (3, 4)}  # inputs
     c = {n: types.Array(real, n, "C") for n in (1, 2)}  # scratch
+    a3c = types.Array(real, 3, "C")  # a layer's joined heads
     i64, f64 = types.int64, types.float64
     index, table = types.Array(i64, 1, "A"), types.Array(i64, 2, "A")
     counter, flags = types.Array(i64, 1, "C"), types.Array(types.boolean, 1, "C")
@@ -190,6 +200,8 @@ def _signatures(dtype: np.dtype, stored: bool = False) -> dict[str, Any]:
     data = types.Array(types.uint8, 4, "A", readonly=True) if stored else r[4]
     pool = Tuple((data, table, i64, bits, bits, form))  # data, table, block, scales, zeros
     forward_scratch = (c[2], c[1], c[2], c[2], c[1], c[1], c[1], c[2], c[2], c[2])
+    given = {n: types.Array(real, n, "C", readonly=True) for n in (1, 2)}  # x, weights, bias
+    heads = Tuple((types.Array(real, 4, "C"),) * 3)  # q, k, v
     backward_scratch = (c[2], c[2], c[1], c[1], c[2], c[2], c[2], c[2])
     return {
         "plan": table(i64, i64, i64, i64, band, variants, i64),
@@ -203,6 +215,10 @@ def _signatures(dtype: np.dtype, stored: bool = False) -> dict[str, Any]:
             Tuple((f64, i64, i64, i64)),  # scale, cols, flip_below, chunk
             Tuple(forward_scratch),
         ),
+        "project": types.void(
+            i64, given[2], given[2], given[1], types.boolean, real, heads, a3c, c[2]
+        ),
+        "output": types.void(i64, given[2], given[2], given[1], c[2]),
         "backward": types.void(
             i64,
             work,
@@ -225,6 +241,22 @@ def stored_forward_walk(dtype: np.dtype, *args: Any) -> None:
     """:func:`forward_walk` of keys and values stored narrower, as their bytes
     (:func:`.paged.stored_pool`; ``dtype`` float32)."""
     _run_walk("forward", dtype, args, True)
+
+
+def layer_project(dtype: np.dtype, *args: Any) -> None:
+    """:func:`mha._kernel._numba_layer.project` for ``dtype``, with NumPy's GEMM: a layer's
+    small planned call's projection into heads (:mod:`mha.api.layer_plan`)."""
+    _run_walk("project", dtype, args)
+
+
+def layer_output(dtype: np.dtype, *args: Any) -> None:
+    """:func:`mha._kernel._numba_layer.output` for ``dtype``, with NumPy's GEMM: that call's
+    output product."""
+    _run_walk("output", dtype, args)
+
+
+_LAYER = ("project", "output")
+"""The compiled functions of :mod:`._numba_layer` (compiled without fastmath)."""
 
 
 def backward_walk(dtype: np.dtype, *args: Any) -> None:

@@ -493,6 +493,33 @@ class ForwardPlan:
             self.spare += taken[: team.workers - len(self.spare)]
         return work[2], parts
 
+    def bind(self, views: list[np.ndarray]) -> Callable[[], bool] | None:
+        """A run of this plan on the calling thread over ``views = [q, k, v, out]`` (arrays
+        of the plan's shapes, as :meth:`run` takes them), its arguments made once, for
+        arrays a caller fills anew before each run (a layer's small planned call,
+        :mod:`mha.api.layer_plan`): the walk and the tasks :meth:`run` gives one worker.
+        The run says whether every task was done. ``None`` where :meth:`run` does more
+        (split keys, paged or stored keys, keys or values it would copy first)."""
+        if self.split is not None or self.paged or self.stored:
+            return None
+        keys, values = self._pools(views, views[1], views[2])
+        if keys[0].base is not views[1] or values[0].base is not views[2]:
+            return None  # (copied: a run would read the copy, not the arrays refilled)
+        dtype, (lse, part_out, part_lse) = self.dtype, _no_outputs(self.dtype)
+        counter, failed = np.zeros(1, np.int64), np.zeros(len(self.table), bool)
+        work = (self.table, counter, failed)
+        outputs = (views[3], lse, part_out, part_lse)
+        arguments = (work, (views[0], keys, values), outputs, self.band, self.variants)
+        sizes, scratch = self.sizes, self._new_scratch()
+
+        def run() -> bool:
+            counter[0] = 0
+            failed[:] = False
+            compiled.forward_walk(dtype, *arguments, sizes, scratch)
+            return not failed.any()
+
+        return run
+
     def _pools(
         self, views: list[np.ndarray], k: np.ndarray | PagedKV, v: np.ndarray | PagedKV
     ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

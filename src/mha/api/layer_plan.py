@@ -28,17 +28,19 @@ which does it."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from .._arrays import cast_result
-from .._kernel import runtime, walk
+from .._kernel import compiled, runtime, walk
 from .._kernel.team import Team, default_workers
-from .checks import Call, with_fields
+from .checks import Call, Weights, with_fields
 from .gradients import split_heads
 from .kept_state import LayerState, weights_as_given
 from .projection import layer_sizes, layer_workers, project_heads
+from .qkv import qkv_weights
 from .sequence_blocks import blocks_for, forward_plan, plain_call, whole_call
 
 __all__ = ["LayerPlan", "keep_plan", "kept_plan", "plan_for"]
@@ -59,6 +61,7 @@ class LayerPlan:
         self.call = with_fields(call, Q=None, K=None, V=None)  # (no input held)
         self.team, self.forward = planned  # the team's size, the walk's plan
         self.blocks = blocks_for(call, self.team)  # (the same blocks as the general path's)
+        self.small = SmallCall.of(self, call)  # one worker, a few rows: three compiled calls
 
     def __call__(self, module: Any, query: Any, mask: Any, workers: Any) -> np.ndarray | None:
         """The layer's output for ``query``, or ``None`` when this call is not the kept
@@ -79,6 +82,10 @@ class LayerPlan:
         call = with_fields(self.call, Q=query, K=query, V=query)
         dtype, H = call.compute_dtype, call.H
         w = call.weights.in_dtype(dtype)
+        with np.errstate(invalid="ignore", over="ignore"):
+            done = None if self.small is None else self.small(call, w)
+        if done is not None:
+            return cast_result(done, call.result_dtype)
         with np.errstate(invalid="ignore", over="ignore"), Team(self.team) as team:
             if self.blocks is not None:  # many sequences: a block of them at a time
                 by_blocks = self.blocks(call, w, team)
@@ -99,6 +106,119 @@ class LayerPlan:
                 parts.merge_into(out, None)
             result = team.matmul(joined, w.W_o, w.b_o)
         return cast_result(result, call.result_dtype)
+
+
+class SmallCall:
+    """A layer's small planned call on one worker as three compiled calls, on buffers the
+    plan keeps: the q, k, v projection into heads (:func:`.compiled.layer_project`), the
+    forward walk (:meth:`.walk.ForwardPlan.bind`) and the output's product
+    (:func:`.compiled.layer_output`), with no Python between them but their calls. The same
+    bits as the path it shortens (:func:`.projection.project_heads`, the kept walk and
+    ``Team.matmul``): the same products by NumPy's BLAS, the bias added and the late scale
+    multiplied as NumPy does. Taken where that path makes one product of each (fewer rows
+    than ``thresholds.matmul_rows``, at least two of everything: NumPy's ``matmul`` calls
+    ``gemm`` then), the weights joined side by side, no rotary embedding, the input and
+    the weights C-contiguous in the compute dtype, and the buffers of a call at most
+    :data:`SMALL_MOST` bytes; each call checks what may change between calls (the weights'
+    layout, the scale's type) and returns ``None`` to leave a call to that path.
+
+    On the Zen 4 EPYC (znver4), OpenBLAS's SkylakeX kernel, a 16-token layer of 64
+    features and 4 heads took 72 us a call on that path (projections 25, output 6.4, the
+    walk 14.7: ``benchmarks/calls.py``) and 54-60 this way (projections 9.5, output 2.6, the
+    walk 14.5); ``docs/benchmarks.md``."""
+
+    def __init__(self, plan: LayerPlan, call: Call, shapes: list[tuple[int, ...]]) -> None:
+        self.plan, self.dtype, self.H = plan, call.compute_dtype, call.H
+        self.rows, self.lead = math.prod(call.B) * call.L, call.B
+        self.shapes = shapes  # q's, k's, v's heads, the joined heads'
+        self.spare: list[tuple[Any, ...]] = []
+
+    @classmethod
+    def of(cls, plan: LayerPlan, call: Call) -> SmallCall | None:
+        """The small call of ``plan`` (of the checked ``call``), or ``None``."""
+        dtype, n, L = call.compute_dtype, math.prod(call.B) * call.L, call.L
+        H, H_kv, d_k, d_v = call.H, call.H_kv, call.d_k, call.d_v
+        width, out = call.Q.shape[-1], call.weights.W_o.shape[1]
+        if not (
+            plan.team == 1
+            and plan.blocks is None
+            and call.rotary is None
+            and call.Q.dtype == dtype
+            and 2 <= n < runtime.DEFAULT.thresholds.matmul_rows
+            and min(width, H * d_k + H_kv * (d_k + d_v), H * d_v, out) >= 2
+        ):
+            return None
+        B, forward = math.prod(call.B), plan.forward
+        shapes = [(B, H, L, d_k), (B, H_kv, L, d_k), (B, H_kv, L, d_v), (B, L, H * d_v)]
+        product = (n, H * d_k + H_kv * (d_k + d_v))
+        scratch = walk.scratch_shapes(forward.R, forward.cols, d_k, d_v, False, forward.flip_below)
+        held = sum(math.prod(shape) for shape in (*shapes, product, *scratch)) * dtype.itemsize
+        if held > SMALL_MOST:
+            return None
+        small = cls(plan, call, shapes)
+        buffers = small._buffers(product[1])
+        if buffers is None:  # (the walk would copy the keys first, or split them)
+            return None
+        small.spare.append(buffers)
+        return small
+
+    def __call__(self, call: Call, w: Weights) -> np.ndarray | None:
+        """``call``'s output (before its cast to the result's dtype), or ``None`` when this
+        call is not one to take here, or its walk left work undone."""
+        weights = qkv_weights(call, w, self.rows)
+        scale = call.scale if weights.late_scale else None
+        if weights.joined is None or not (scale is None or type(scale) is float):
+            return None  # (another Python number would round the product otherwise)
+        W, b = weights.joined
+        x = call.Q.reshape(self.rows, call.Q.shape[-1])
+        if not all(
+            a is None or (a.flags.c_contiguous and a.dtype == self.dtype)
+            for a in (x, W, b, w.W_o, w.b_o)
+        ):
+            return None
+        dtype = self.dtype
+        none = np.empty(0, dtype)
+        buffers = self._buffers(W.shape[1])
+        if buffers is None:
+            return None
+        heads, joined, product, run = buffers
+        out = np.empty((self.rows, w.W_o.shape[1]), dtype)
+        first = dtype.type(0.0 if scale is None else scale)  # as NumPy rounds a Python float
+        with Team(1):  # (BLAS held to one thread, as on the path it shortens)
+            compiled.layer_project(dtype, x, W, none if b is None else b, scale is not None,
+                                   first, heads, joined, product)  # fmt: skip
+            done = run()
+            if done:
+                rows = joined.reshape(self.rows, joined.shape[-1])
+                bias = none if w.b_o is None else w.b_o
+                compiled.layer_output(dtype, rows, w.W_o, bias, out)
+        self.spare.append((heads, joined, product, run))  # (list.pop, append: thread-safe)
+        del self.spare[_SPARE:]
+        return out.reshape(*self.lead, call.L, out.shape[-1]) if done else None
+
+    def _buffers(self, width: int) -> tuple[Any, ...] | None:
+        """A spare set of buffers (q, k, v's heads, the joined heads, the product of
+        ``width`` columns, the walk's run on them), or a new one (``None``: the walk cannot
+        be bound to them, :meth:`.walk.ForwardPlan.bind`)."""
+        try:
+            buffers: tuple[Any, ...] | None = self.spare.pop()
+        except IndexError:
+            buffers = None
+        if buffers is not None and buffers[2].shape[1] == width:
+            return buffers
+        *shapes, joined_shape = (np.zeros(shape, self.dtype) for shape in self.shapes)
+        heads, joined = tuple(shapes), joined_shape
+        run = self.plan.forward.bind([*heads, split_heads(joined, self.H)])
+        product = np.empty((self.rows, width), self.dtype)
+        return None if run is None else (heads, joined, product, run)
+
+
+SMALL_MOST = 2**20
+"""The most bytes a :class:`SmallCall`'s buffers may hold (heads, joined heads, product,
+the walk's scratch): a plan keeps up to :data:`_SPARE` sets of them between calls."""
+
+_SPARE = 2
+"""Sets of buffers a :class:`SmallCall` keeps between calls (more run at once allocate)."""
 
 
 def _fresh(x: np.ndarray) -> bool:

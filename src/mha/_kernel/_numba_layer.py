@@ -1,0 +1,61 @@
+# mypy: ignore-errors
+# (compiled code: numba types it, and numba ships no stubs; as for its siblings in pyproject)
+"""numba code of a layer's small planned call (:mod:`mha.api.layer_plan`): the q, k, v
+projection into heads and the output's product, each one compiled call, with the bits of
+the NumPy code they replace; importing it needs numba.
+
+Each product is NumPy's own: ``matmul`` of two C-contiguous matrices of at least two rows
+and columns, and an inner dimension of at least two, calls ``cblas_?gemm`` (row-major, no
+transposition, ``alpha = 1``, ``beta = 0``, the leading dimensions the widths); the same
+call through its address (:func:`._numba_walk._gemm`) rounds as it does. The bias is then
+added, and the queries multiplied by the late scale as they are copied into heads: one
+IEEE operation each, as NumPy's ``+=`` and ``multiply`` make them (no fastmath here: no
+operation is fused or reordered). Compiled for one signature per dtype by
+:mod:`.compiled` (:func:`.compiled.layer_project`, :func:`.compiled.layer_output`)."""
+
+from __future__ import annotations
+
+from numba import njit
+
+from ._numba_walk import NO_TRANS, _gemm
+
+__all__ = ["output", "project"]
+
+
+def project(gemm, x, w, b, scaled, first, heads, joined, product):  # pragma: no cover
+    """``product = x @ w (+ b)`` (``b`` of size 0: none), cut into ``heads = (q, k, v)``
+    (each ``(B, H, L, d)``, C-contiguous: the columns of ``w`` are q's heads, then k's, then
+    v's), q's times ``first`` when ``scaled``; ``joined`` (what the walk writes) zeroed."""
+    n = x.shape[0]
+    _product(gemm, x, w, b, product)
+    L = heads[0].shape[2]
+    at = 0
+    for p in range(3):
+        part = heads[p]
+        H, d = part.shape[1], part.shape[3]
+        times = scaled and p == 0
+        for r in range(n):
+            s, i = r // L, r % L
+            for h in range(H):
+                for j in range(d):
+                    value = product[r, at + h * d + j]
+                    part[s, h, i, j] = value * first if times else value
+        at += H * d
+    joined[:] = 0.0
+
+
+def output(gemm, joined, w, b, out):  # pragma: no cover
+    """``out = joined @ w (+ b)`` (``b`` of size 0: none), ``joined (n, e)``."""
+    _product(gemm, joined, w, b, out)
+
+
+@njit(boundscheck=False, nogil=True, inline="always")
+def _product(gemm, x, w, b, out):  # pragma: no cover
+    """``out = x @ w`` by ``cblas_?gemm`` as NumPy's ``matmul`` calls it, then ``+= b``
+    (``b`` of size 0: none)."""
+    n, e, m = x.shape[0], x.shape[1], w.shape[1]
+    _gemm(gemm, (NO_TRANS, NO_TRANS, n, m, e, 1.0, 0.0), (x, 0, e), (w, 0, m), (out, 0, m))
+    if b.shape[0] > 0:
+        for r in range(n):
+            for c in range(m):
+                out[r, c] += b[c]
