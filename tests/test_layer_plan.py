@@ -184,12 +184,12 @@ def test_the_compiled_projection_and_output_give_numpys_bits(dtype):
         assert not joined.any()
         rows = rng.standard_normal((B * L, H * d_v)).astype(dtype)
         W_o = rng.standard_normal((H * d_v, width)).astype(dtype)
+        b_o = rng.standard_normal(width).astype(dtype) if b is not None else None
         with team:
-            want = team.matmul(rows, W_o, b if b is None else b[:width] if m >= width else None)
+            want = team.matmul(rows, W_o, b_o)
         out = np.empty((B * L, width), dtype)
-        b_o = b if b is None else b[:width] if m >= width else None
-        compiled.layer_output(np.dtype(dtype), rows, W_o, np.empty(0, dtype) if b_o is None
-                              else np.ascontiguousarray(b_o), out)  # fmt: skip
+        bias = np.empty(0, dtype) if b_o is None else b_o
+        compiled.layer_output(np.dtype(dtype), rows, W_o, bias, out)
         np.testing.assert_array_equal(out.view(np.uint8), want.view(np.uint8))
 
 
@@ -223,6 +223,59 @@ def test_what_a_small_call_leaves_to_the_kept_walk_keeps_its_bits(dtype, monkeyp
     for got, want in zip(out, expected, strict=True):
         np.testing.assert_array_equal(got, want)
     assert np.isfinite(out[2][0, :-1]).all() and np.isfinite(out[2][1:]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_small_call_of_separate_weights_takes_the_scale_in_w_q(dtype, monkeypatch):
+    """W_q, W_k, W_v apart and as many rows as features or more: the scale goes into W_q
+    (:func:`mha.api.qkv.qkv_weights`), the queries are copied unscaled; Qwen-like biases
+    (none on the keys or the output). A W_o in Fortran order is left to the kept walk's
+    path (NumPy transposes it for BLAS). The general path's bits throughout."""
+    rng = np.random.default_rng(23)
+    layer = mha.MultiHeadAttention(12, 3, seed=6, bias=True, dtype=dtype)
+    for name in ("W_q", "W_k", "W_v"):
+        setattr(layer, name, getattr(layer, name).copy())
+    layer.b_k, layer.b_o = None, None
+    xs = [rng.standard_normal((2, 9, 12)).astype(dtype) for _ in range(3)]
+    scaled = []
+    real = compiled.layer_project
+    monkeypatch.setattr(compiled, "layer_project",
+                        lambda *args: scaled.append(args[4]) or real(*args))  # fmt: skip
+    own = [layer(x) for x in xs]
+    assert scaled == [False, False]
+    layer.W_o = np.asfortranarray(layer.W_o)
+    own += [layer(x) for x in xs]
+    assert scaled == [False, False]
+    with monkeypatch.context() as m:
+        _general(m)
+        expected = [layer(x) for x in xs] * 2
+    for got, want in zip(own, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(own[1], _reference(layer, xs[1], None), rtol=0, atol=1e-5)
+
+
+def test_a_dropped_plan_lets_go_of_its_buffers_at_once():
+    """A plan replaced (a weight assigned anew) or dropped with its layer frees its small
+    call's buffers when its last reference goes, with no collector run: nothing refers
+    back to the plan."""
+    rng = np.random.default_rng(24)
+    gc.disable()
+    try:
+        layer = _layer(rng)
+        x = rng.standard_normal((2, 5, 16))
+        layer(x)
+        plan = runtime.DEFAULT.layer_plans[layer]
+        assert plan.small is not None and plan.small.spare
+        gone = [weakref.ref(plan), weakref.ref(plan.small.spare[0][1])]
+        del plan
+        layer.W_o = layer.W_o.copy()
+        layer(x)  # (a new plan made in place of the old)
+        assert [ref() for ref in gone] == [None, None]
+        kept = weakref.ref(runtime.DEFAULT.layer_plans[layer])
+        del layer
+        assert kept() is None
+    finally:
+        gc.enable()
 
 
 def _layer(rng, **options):
@@ -347,6 +400,8 @@ def test_threads_share_a_plan():
         assert len(outs) == 50
         for out in outs:
             np.testing.assert_array_equal(out, expected)
+    small = runtime.DEFAULT.layer_plans[layer].small  # (the calls' compiled path)
+    assert small is not None and 1 <= len(small.spare) <= layer_plan._SPARE
 
 
 def test_subclasses_and_variants_keep_no_plan():

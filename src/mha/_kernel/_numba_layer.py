@@ -22,12 +22,12 @@ from ._numba_walk import NO_TRANS, _gemm
 __all__ = ["output", "project"]
 
 
-def project(gemm, x, w, b, scaled, first, heads, joined, product):  # pragma: no cover
-    """``product = x @ w (+ b)`` (``b`` of size 0: none), cut into ``heads = (q, k, v)``
-    (each ``(B, H, L, d)``, C-contiguous: the columns of ``w`` are q's heads, then k's, then
+def project(gemm, x, W, b, scaled, first, heads, joined, product):  # pragma: no cover
+    """``product = x @ W (+ b)`` (``b`` of size 0: none), cut into ``heads = (q, k, v)``
+    (each ``(B, H, L, d)``, C-contiguous: the columns of ``W`` are q's heads, then k's, then
     v's), q's times ``first`` when ``scaled``; ``joined`` (what the walk writes) zeroed."""
     n = x.shape[0]
-    _product(gemm, x, w, b, product)
+    _product(gemm, x, W, b, product)
     L = heads[0].shape[2]
     at = 0
     for p in range(3):
@@ -44,17 +44,17 @@ def project(gemm, x, w, b, scaled, first, heads, joined, product):  # pragma: no
     joined[:] = 0.0
 
 
-def output(gemm, joined, w, b, out):  # pragma: no cover
-    """``out = joined @ w (+ b)`` (``b`` of size 0: none), ``joined (n, e)``."""
-    _product(gemm, joined, w, b, out)
+def output(gemm, joined, W, b, out):  # pragma: no cover
+    """``out = joined @ W (+ b)`` (``b`` of size 0: none), ``joined (n, e)``."""
+    _product(gemm, joined, W, b, out)
 
 
 @njit(boundscheck=False, nogil=True, inline="always")
-def _product(gemm, x, w, b, out):  # pragma: no cover
-    """``out = x @ w`` by ``cblas_?gemm`` as NumPy's ``matmul`` calls it, then ``+= b``
+def _product(gemm, x, W, b, out):  # pragma: no cover
+    """``out = x @ W`` by ``cblas_?gemm`` as NumPy's ``matmul`` calls it, then ``+= b``
     (``b`` of size 0: none)."""
-    n, e, m = x.shape[0], x.shape[1], w.shape[1]
-    _gemm(gemm, (NO_TRANS, NO_TRANS, n, m, e, 1.0, 0.0), (x, 0, e), (w, 0, m), (out, 0, m))
+    n, e, m = x.shape[0], x.shape[1], W.shape[1]
+    _gemm(gemm, (NO_TRANS, NO_TRANS, n, m, e, 1.0, 0.0), (x, 0, e), (W, 0, m), (out, 0, m))
     if b.shape[0] > 0:
         for r in range(n):
             for c in range(m):

@@ -13,8 +13,9 @@ forward walk's plan (:class:`.walk.ForwardPlan`) and the team's size. The next c
 the same module state, input shape and dtype, mask and workers is that call with its input
 put in, computed as :func:`.projection.compute` computes it (its projection, the compiled
 walk on the kept plan, the output's product: the same functions in the same order, the same
-bits; over many sequences, by the same blocks of them, :mod:`.sequence_blocks`), without the
-checks whose answers cannot have changed.
+bits; over many sequences, by the same blocks of them, :mod:`.sequence_blocks`; a few rows
+on one worker as three compiled calls, :class:`SmallCall`, the same products and
+operations), without the checks whose answers cannot have changed.
 
 What the plan checks each call: the module's attributes are those it was made from
 (:class:`.kept_state.LayerState`: an assignment to any of them, or a change in place to a
@@ -36,7 +37,7 @@ import numpy as np
 from .._arrays import cast_result
 from .._kernel import compiled, runtime, walk
 from .._kernel.team import Team, default_workers
-from .checks import Call, Weights, with_fields
+from .checks import Call, Weights, plain_heads, with_fields
 from .gradients import split_heads
 from .kept_state import LayerState, weights_as_given
 from .projection import layer_sizes, layer_workers, project_heads
@@ -61,7 +62,7 @@ class LayerPlan:
         self.call = with_fields(call, Q=None, K=None, V=None)  # (no input held)
         self.team, self.forward = planned  # the team's size, the walk's plan
         self.blocks = blocks_for(call, self.team)  # (the same blocks as the general path's)
-        self.small = SmallCall.of(self, call)  # one worker, a few rows: three compiled calls
+        self.small: SmallCall | None = None  # one worker, a few rows (plan_for, once kept)
 
     def __call__(self, module: Any, query: Any, mask: Any, workers: Any) -> np.ndarray | None:
         """The layer's output for ``query``, or ``None`` when this call is not the kept
@@ -127,25 +128,28 @@ class SmallCall:
     walk 14.7: ``benchmarks/calls.py``) and 54-60 this way (projections 9.5, output 2.6, the
     walk 14.5); ``docs/benchmarks.md``."""
 
-    def __init__(self, plan: LayerPlan, call: Call, shapes: list[tuple[int, ...]]) -> None:
-        self.plan, self.dtype, self.H = plan, call.compute_dtype, call.H
+    def __init__(
+        self, forward: walk.ForwardPlan, call: Call, shapes: list[tuple[int, ...]]
+    ) -> None:
+        self.forward, self.dtype, self.H = forward, call.compute_dtype, call.H
         self.rows, self.lead = math.prod(call.B) * call.L, call.B
         self.shapes = shapes  # q's, k's, v's heads, the joined heads'
-        self.spare: list[tuple[Any, ...]] = []
+        self.spare: list[tuple[Any, ...]] = []  # (not the plan: no cycle keeps it alive)
 
     @classmethod
     def of(cls, plan: LayerPlan, call: Call) -> SmallCall | None:
         """The small call of ``plan`` (of the checked ``call``), or ``None``."""
         dtype, n, L = call.compute_dtype, math.prod(call.B) * call.L, call.L
         H, H_kv, d_k, d_v = call.H, call.H_kv, call.d_k, call.d_v
-        width, out = call.Q.shape[-1], call.weights.W_o.shape[1]
+        width, widest = call.Q.shape[-1], call.weights.W_o.shape[1]
         if not (
             plan.team == 1
             and plan.blocks is None
+            and plain_heads(call)  # (project_heads's other steps: none of them)
             and call.rotary is None
             and call.Q.dtype == dtype
             and 2 <= n < runtime.DEFAULT.thresholds.matmul_rows
-            and min(width, H * d_k + H_kv * (d_k + d_v), H * d_v, out) >= 2
+            and min(width, H * d_k + H_kv * (d_k + d_v), H * d_v, widest) >= 2
         ):
             return None
         B, forward = math.prod(call.B), plan.forward
@@ -155,7 +159,7 @@ class SmallCall:
         held = sum(math.prod(shape) for shape in (*shapes, product, *scratch)) * dtype.itemsize
         if held > SMALL_MOST:
             return None
-        small = cls(plan, call, shapes)
+        small = cls(forward, call, shapes)
         buffers = small._buffers(product[1])
         if buffers is None:  # (the walk would copy the keys first, or split them)
             return None
@@ -206,11 +210,10 @@ class SmallCall:
             buffers = None
         if buffers is not None and buffers[2].shape[1] == width:
             return buffers
-        *shapes, joined_shape = (np.zeros(shape, self.dtype) for shape in self.shapes)
-        heads, joined = tuple(shapes), joined_shape
-        run = self.plan.forward.bind([*heads, split_heads(joined, self.H)])
+        *heads, joined = (np.zeros(shape, self.dtype) for shape in self.shapes)
+        run = self.forward.bind([*heads, split_heads(joined, self.H)])
         product = np.empty((self.rows, width), self.dtype)
-        return None if run is None else (heads, joined, product, run)
+        return None if run is None else (tuple(heads), joined, product, run)
 
 
 SMALL_MOST = 2**20
@@ -258,7 +261,10 @@ def plan_for(module: Any, call: Call, mask: Any, workers: Any) -> LayerPlan | No
     if forward is None:
         return None
     plan = LayerPlan(module, call, (mask, workers), (team, forward))
-    return plan if plan.state.keepable else None
+    if not plan.state.keepable:
+        return None
+    plan.small = SmallCall.of(plan, call)
+    return plan
 
 
 def kept_plan(module: Any) -> LayerPlan | None:
