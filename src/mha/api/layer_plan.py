@@ -125,8 +125,8 @@ class SmallCall:
 
     On the Zen 4 EPYC (znver4), OpenBLAS's SkylakeX kernel, a 16-token layer of 64
     features and 4 heads took 72 us a call on that path (projections 25, output 6.4, the
-    walk 14.7: ``benchmarks/calls.py``) and 54-60 this way (projections 9.5, output 2.6, the
-    walk 14.5); ``docs/benchmarks.md``."""
+    walk 14.7: ``benchmarks/calls.py``) and 47 this way (projections 9.0, output 2.5, the
+    walk 14.2); ``docs/benchmarks.md``."""
 
     def __init__(
         self, forward: walk.ForwardPlan, call: Call, shapes: list[tuple[int, ...]]
