@@ -23,6 +23,10 @@ holds a non-finite value (``0 * inf`` would be NaN in a GEMM). Each walk is comp
 one signature per dtype on first use (cached on disk by numba: the first call in a process
 loads it, a fraction of a second).
 
+**A layer's small call.** :func:`layer_project` and :func:`layer_output`, a layer's q, k, v
+projection into heads and its output product (:mod:`._numba_layer`), are compiled as the
+walks are, without fastmath: NumPy's products and operations, bit for bit.
+
 **The softmax step.** NumPy makes four passes over each tile of scores for the online
 softmax: the row maximum, the subtraction, ``exp`` and the row sum, each reading (and two
 writing) a tile larger than a core's L2 cache. :func:`softmax_step` does them in one sweep

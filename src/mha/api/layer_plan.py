@@ -118,8 +118,9 @@ class SmallCall:
     ``Team.matmul``): the same products by NumPy's BLAS, the bias added and the late scale
     multiplied as NumPy does. Taken where that path makes one product of each (fewer rows
     than ``thresholds.matmul_rows``, at least two of everything: NumPy's ``matmul`` calls
-    ``gemm`` then), the weights joined side by side, no rotary embedding, the input and
-    the weights C-contiguous in the compute dtype, and the buffers of a call at most
+    ``gemm`` then), the q, k, v weights one product (:func:`.qkv.qkv_weights`: side by
+    side, or joined for the call), no rotary embedding, the input and the weights
+    C-contiguous in the compute dtype, and the buffers of a call at most
     :data:`SMALL_MOST` bytes; each call checks what may change between calls (the weights'
     layout, the scale's type) and returns ``None`` to leave a call to that path.
 
