@@ -5,14 +5,14 @@ MHA_REQUIRE_NUMBA=1 and MHA_REQUIRE_DASK=1, so there nothing is left out."""
 
 import importlib.util
 import os
+from pathlib import Path
 
+_HERE = Path(__file__).parent
 NEEDS_AN_EXTRA = {
-    "src/mha/_kernel/_numba_step.py": ("numba", "MHA_REQUIRE_NUMBA"),  # the fast extra
-    "src/mha/_kernel/_numba_walk.py": ("numba", "MHA_REQUIRE_NUMBA"),
-    "src/mha/_kernel/_numba_pool.py": ("numba", "MHA_REQUIRE_NUMBA"),
-    "src/mha/_kernel/_numba_stored.py": ("numba", "MHA_REQUIRE_NUMBA"),
-    "src/mha/_kernel/_numba_vectors.py": ("numba", "MHA_REQUIRE_NUMBA"),
-    "src/mha/_kernel/_numba_wait.py": ("numba", "MHA_REQUIRE_NUMBA"),
+    **{  # the fast extra: every numba module of the kernel, those added later too
+        str(path.relative_to(_HERE)): ("numba", "MHA_REQUIRE_NUMBA")
+        for path in sorted((_HERE / "src/mha/_kernel").glob("_numba_*.py"))
+    },
     "src/mha/integrations/dask": ("dask", "MHA_REQUIRE_DASK"),  # the dask extra
 }
 
