@@ -130,11 +130,12 @@ class SmallCall:
     walk 14.2); ``docs/benchmarks.md``."""
 
     def __init__(
-        self, forward: walk.ForwardPlan, call: Call, shapes: list[tuple[int, ...]]
+        self, forward: walk.ForwardPlan, call: Call, shapes: list[tuple[int, ...]], width: int
     ) -> None:
         self.forward, self.dtype, self.H = forward, call.compute_dtype, call.H
         self.rows, self.lead = math.prod(call.B) * call.L, call.B
-        self.shapes = shapes  # q's, k's, v's heads, the joined heads'
+        self.shapes, self.width = shapes, width  # q's, k's, v's heads, the joined heads'; q, k, v's
+        self.none = np.empty(0, self.dtype)  # (no bias)
         self.spare: list[tuple[Any, ...]] = []  # (not the plan: no cycle keeps it alive)
 
     @classmethod
@@ -160,8 +161,8 @@ class SmallCall:
         held = sum(math.prod(shape) for shape in (*shapes, product, *scratch)) * dtype.itemsize
         if held > SMALL_MOST:
             return None
-        small = cls(forward, call, shapes)
-        buffers = small._buffers(product[1])
+        small = cls(forward, call, shapes, product[1])
+        buffers = small._buffers()
         if buffers is None:  # (the walk would copy the keys first, or split them)
             return None
         small.spare.append(buffers)
@@ -176,14 +177,13 @@ class SmallCall:
             return None  # (another Python number would round the product otherwise)
         W, b = weights.joined
         x = call.Q.reshape(self.rows, call.Q.shape[-1])
-        if not all(
+        if W.shape[1] != self.width or not all(
             a is None or (a.flags.c_contiguous and a.dtype == self.dtype)
             for a in (x, W, b, w.W_o, w.b_o)
         ):
             return None
-        dtype = self.dtype
-        none = np.empty(0, dtype)
-        buffers = self._buffers(W.shape[1])
+        dtype, none = self.dtype, self.none
+        buffers = self._buffers()
         if buffers is None:
             return None
         heads, joined, product, run = buffers
@@ -201,19 +201,17 @@ class SmallCall:
         del self.spare[_SPARE:]
         return out.reshape(*self.lead, call.L, out.shape[-1]) if done else None
 
-    def _buffers(self, width: int) -> tuple[Any, ...] | None:
-        """A spare set of buffers (q, k, v's heads, the joined heads, the product of
-        ``width`` columns, the walk's run on them), or a new one (``None``: the walk cannot
-        be bound to them, :meth:`.walk.ForwardPlan.bind`)."""
+    def _buffers(self) -> tuple[Any, ...] | None:
+        """A spare set of buffers (q, k, v's heads, the joined heads, their product, the
+        walk's run on them), or a new one (``None``: the walk cannot be bound to them,
+        :meth:`.walk.ForwardPlan.bind`)."""
         try:
-            buffers: tuple[Any, ...] | None = self.spare.pop()
+            return self.spare.pop()
         except IndexError:
-            buffers = None
-        if buffers is not None and buffers[2].shape[1] == width:
-            return buffers
+            pass
         *heads, joined = (np.zeros(shape, self.dtype) for shape in self.shapes)
         run = self.forward.bind([*heads, split_heads(joined, self.H)])
-        product = np.empty((self.rows, width), self.dtype)
+        product = np.empty((self.rows, self.width), self.dtype)
         return None if run is None else (tuple(heads), joined, product, run)
 
 
