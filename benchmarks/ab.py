@@ -39,13 +39,15 @@ def cases() -> dict[str, Any]:
                 rng.standard_normal((B, H_kv, S, d)).astype(dtype),
                 rng.standard_normal((B, H_kv, S, d)).astype(dtype))  # fmt: skip
 
-    sdpa = mha.scaled_dot_product_attention
+    sdpa, function = mha.scaled_dot_product_attention, mha.multi_head_attention
     for dtype in (np.float32, np.float64):
         name = np.dtype(dtype).name
         x = rng.standard_normal((1, 16, 64)).astype(dtype)
         layer = mha.MultiHeadAttention(64, 4, seed=0, dtype=dtype)
         made[f"small layer {name}"] = (lambda layer=layer, x=x: layer(x), 200)
         made[f"small layer causal {name}"] = (lambda layer=layer, x=x: layer(x, True), 200)
+        w = [(rng.standard_normal((64, 64)) / 8).astype(dtype) for _ in range(4)]
+        made[f"small function {name}"] = (lambda x=x, w=w: function(x, x, x, *w, 4), 200)
         q, k, v = heads(1, 4, 16, 16, 16, dtype)
         made[f"small core {name}"] = (lambda q=q, k=k, v=v: sdpa(q, k, v), 300)
         tiny = heads(1, 1, 1, 1, 1, dtype)

@@ -6,13 +6,13 @@ compute something else."""
 from __future__ import annotations
 
 import gc
-import threading
+import itertools
 import weakref
 
 import numpy as np
 import pytest
 from support.extras import needs_numba
-from support.kept import taken
+from support.kept import same_in_threads, taken
 
 import mha
 from mha._kernel import compiled, runtime
@@ -153,9 +153,10 @@ def test_a_call_of_many_rows_shares_its_work_and_keeps_its_bits(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_the_compiled_projection_and_output_give_numpys_bits(dtype):
-    """:func:`compiled.layer_project` and :func:`compiled.layer_output` against what the
-    team's products make of the same arrays (:meth:`Team.matmul_heads` with the late scale,
-    :meth:`Team.matmul`), bit for bit, over random sizes from two rows and columns up,
+    """:func:`compiled.layer_project` (and :func:`compiled.layer_project_apart`, of the
+    weights cut apart) and :func:`compiled.layer_output` against what the team's products
+    make of the same arrays (:meth:`Team.matmul_heads` with the late scale, one product or
+    three, :meth:`Team.matmul`), bit for bit, over random sizes from two rows and columns up,
     with and without biases, scales that are no power of two."""
     rng = np.random.default_rng(21)
     team = mha._kernel.team.Team(1)
@@ -182,6 +183,20 @@ def test_the_compiled_projection_and_output_give_numpys_bits(dtype):
         for got, want in zip(heads, expected, strict=True):
             np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
         assert not joined.any()
+        if min(h * size for h, size in parts) >= 2:  # three products (separate weights)
+            cuts = list(itertools.pairwise(np.cumsum([0] + [h * size for h, size in parts])))
+            Ws = [np.ascontiguousarray(W[:, a:z]) for a, z in cuts]
+            bs = [None if b is None else b[a:z].copy() for a, z in cuts]
+            apart = zip(Ws, bs, parts, (scale, None, None), strict=True)
+            with team:
+                expected = [team.matmul_heads(x, *e[:2], [e[2]], e[3])[0] for e in apart]
+            joined[:] = 1
+            bias = [np.empty(0, dtype) if b_p is None else b_p for b_p in bs]
+            compiled.layer_project_apart(np.dtype(dtype), x.reshape(B * L, width), *Ws, *bias,
+                                         True, first, heads, joined, product)  # fmt: skip
+            for got, want in zip(heads, expected, strict=True):
+                np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+            assert not joined.any()
         rows = rng.standard_normal((B * L, H * d_v)).astype(dtype)
         W_o = rng.standard_normal((H * d_v, width)).astype(dtype)
         b_o = rng.standard_normal(width).astype(dtype) if b is not None else None
@@ -384,22 +399,7 @@ def test_threads_share_a_plan():
     rng = np.random.default_rng(12)
     layer = _layer(rng)
     xs = [rng.standard_normal((2, 5, 16)) for _ in range(4)]
-    alone = [layer(x) for x in xs]
-    got: list[list[np.ndarray]] = [[] for _ in xs]
-
-    def run(i):
-        for _ in range(50):
-            got[i].append(layer(xs[i]))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(xs))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    for outs, expected in zip(got, alone, strict=True):
-        assert len(outs) == 50
-        for out in outs:
-            np.testing.assert_array_equal(out, expected)
+    same_in_threads([lambda x=x: layer(x) for x in xs])
     small = runtime.DEFAULT.layer_plans[layer].small  # (the calls' compiled path)
     assert small is not None and 1 <= len(small.spare) <= layer_plan._SPARE
 

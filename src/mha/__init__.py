@@ -16,12 +16,12 @@ from .api.cache import KVCache
 from .api.configuration import LayerSpec
 from .api.differential import DifferentialAttention, DifferentialSpec
 from .api.dynamic_mask import DynamicMaskAttention, DynamicMaskSpec
+from .api.function import multi_head_attention
 from .api.latent import LatentAttention, LatentSpec
 from .api.module import MultiHeadAttention
 from .api.paged import cascade_attention, paged_attention
 from .api.paged_cache import PagedKVCache
 from .api.pretrained import attention_layers, from_pretrained
-from .api.projection import multi_head_attention
 from .api.relative_bias import position_buckets, relative_position_bias
 from .api.rotary import apply_rotary
 from .api.segment_bias import SegmentBiasAttention, SegmentBiasSpec

@@ -23,8 +23,9 @@ holds a non-finite value (``0 * inf`` would be NaN in a GEMM). Each walk is comp
 one signature per dtype on first use (cached on disk by numba: the first call in a process
 loads it, a fraction of a second).
 
-**A layer's small call.** :func:`layer_project` and :func:`layer_output`, a layer's q, k, v
-projection into heads and its output product (:mod:`._numba_layer`), are compiled as the
+**A layer's small call.** :func:`layer_project` (:func:`layer_project_apart` by three
+products) and :func:`layer_output`, a layer's q, k, v projection into heads and its output
+product (:mod:`._numba_layer`), are compiled as the
 walks are, without fastmath: NumPy's products and operations, bit for bit.
 
 **The softmax step.** NumPy makes four passes over each tile of scores for the online
@@ -66,6 +67,7 @@ __all__ = [
     "job_wait",
     "layer_output",
     "layer_project",
+    "layer_project_apart",
     "plan_walk",
     "softmax_step",
     "stored_forward_walk",
@@ -222,6 +224,9 @@ def _signatures(dtype: np.dtype, stored: bool = False) -> dict[str, Any]:
         "project": types.void(
             i64, given[2], given[2], given[1], types.boolean, real, heads, a3c, c[2]
         ),
+        "project_apart": types.void(
+            i64, given[2], *(given[2],) * 3, *(given[1],) * 3, types.boolean, real, heads, a3c, c[2]
+        ),
         "output": types.void(i64, given[2], given[2], given[1], c[2]),
         "backward": types.void(
             i64,
@@ -253,13 +258,19 @@ def layer_project(dtype: np.dtype, *args: Any) -> None:
     _run_walk("project", dtype, args)
 
 
+def layer_project_apart(dtype: np.dtype, *args: Any) -> None:
+    """:func:`mha._kernel._numba_layer.project_apart` for ``dtype``, with NumPy's GEMM: that
+    projection by three products, of separate ``W_q``, ``W_k`` and ``W_v``."""
+    _run_walk("project_apart", dtype, args)
+
+
 def layer_output(dtype: np.dtype, *args: Any) -> None:
     """:func:`mha._kernel._numba_layer.output` for ``dtype``, with NumPy's GEMM: that call's
     output product."""
     _run_walk("output", dtype, args)
 
 
-_LAYER = ("project", "output")
+_LAYER = ("project", "project_apart", "output")
 """The compiled functions of :mod:`._numba_layer` (compiled without fastmath)."""
 
 

@@ -9,6 +9,8 @@
   drops its own; :mod:`mha.api.plans`);
 * ``layer_steps``: each layer's decoding step, by the layer (weakly; :mod:`mha.api.decoding`);
 * ``layer_plans``: each layer's plain call, by the layer (weakly; :mod:`mha.api.layer_plan`);
+* ``function_plans``: :func:`mha.multi_head_attention`'s plain calls, per signature of
+  shapes and dtypes (holding no array of the caller's; :mod:`mha.api.layer_plan`);
 * ``rotations``: the rotary angles of the last positions rotated (:mod:`mha.api.rotary`: a
   decoding step's, which every layer rotates at), and ``long_rotation``: the last of a
   longer array of positions (a prompt's, which every layer of its pass rotates at);
@@ -110,6 +112,7 @@ class Runtime:
         self.layer_checks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self.layer_steps: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self.layer_plans: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self.function_plans = Kept(16)
         self.rotations = Kept(16)
         self.long_rotation = Kept(1)
         self._tuning = threading.Lock()
@@ -121,6 +124,7 @@ class Runtime:
         self.layer_checks.clear()
         self.layer_steps.clear()
         self.layer_plans.clear()
+        self.function_plans.forget()
         self.rotations.forget()
         self.long_rotation.forget()
 

@@ -37,14 +37,23 @@ import numpy as np
 from .._arrays import cast_result
 from .._kernel import compiled, runtime, walk
 from .._kernel.team import Team, default_workers
-from .checks import Call, Weights, plain_heads, with_fields
+from .checks import WEIGHT_NAMES, Call, LayerWeights, Weights, plain_heads, with_fields
 from .gradients import split_heads
 from .kept_state import LayerState, weights_as_given
 from .projection import layer_sizes, layer_workers, project_heads
 from .qkv import qkv_weights
 from .sequence_blocks import blocks_for, forward_plan, plain_call, whole_call
 
-__all__ = ["LayerPlan", "keep_plan", "kept_plan", "plan_for"]
+__all__ = [
+    "FunctionPlan",
+    "LayerPlan",
+    "function_signature",
+    "keep_function_plan",
+    "keep_plan",
+    "kept_function_plan",
+    "kept_plan",
+    "plan_for",
+]
 
 
 class LayerPlan:
@@ -52,10 +61,8 @@ class LayerPlan:
     forward walk's plan by :func:`plan_for`; called with the layer, its input, the mask and
     the workers given."""
 
-    def __init__(
-        self, module: Any, call: Call, given: tuple[Any, Any], planned: tuple[int, Any]
-    ) -> None:
-        self.state = LayerState(module, call)
+    def __init__(self, call: Call, given: tuple[Any, Any], planned: tuple[int, Any]) -> None:
+        self.state: LayerState | None = None  # (a layer's attributes: plan_for's)
         self.mask, self.workers = given
         self.cores = default_workers()  # (what the team's size was chosen from)
         self.shape, self.dtype = call.Q.shape, call.Q.dtype
@@ -67,10 +74,16 @@ class LayerPlan:
     def __call__(self, module: Any, query: Any, mask: Any, workers: Any) -> np.ndarray | None:
         """The layer's output for ``query``, or ``None`` when this call is not the kept
         one (or its walk left work undone): the general path then checks and computes it."""
-        if not self.state.holds(module):
+        if self.state is None or not self.state.holds(module):
             runtime.DEFAULT.layer_plans.pop(module, None)  # (its arrays not kept alive)
             return None
-        if not (
+        if not self.fits(query, mask, workers):
+            return None
+        return self.run(with_fields(self.call, Q=query, K=query, V=query))
+
+    def fits(self, query: Any, mask: Any, workers: Any) -> bool:
+        """Whether a call of ``query``, ``mask`` and ``workers`` is the kept one."""
+        return (
             type(query) is np.ndarray
             and query.shape == self.shape
             and query.dtype == self.dtype
@@ -78,9 +91,11 @@ class LayerPlan:
             and type(workers) is type(self.workers)
             and workers == self.workers
             and (workers is not None or default_workers() == self.cores)
-        ):
-            return None
-        call = with_fields(self.call, Q=query, K=query, V=query)
+        )
+
+    def run(self, call: Call) -> np.ndarray | None:
+        """The kept ``call`` (its input and weights put in) computed, or ``None`` when its
+        walk left work undone."""
         dtype, H = call.compute_dtype, call.H
         w = call.weights.in_dtype(dtype)
         with np.errstate(invalid="ignore", over="ignore"):
@@ -111,15 +126,17 @@ class LayerPlan:
 
 class SmallCall:
     """A layer's small planned call on one worker as three compiled calls, on buffers the
-    plan keeps: the q, k, v projection into heads (:func:`.compiled.layer_project`), the
-    forward walk (:meth:`.walk.ForwardPlan.bind`) and the output's product
+    plan keeps: the q, k, v projection into heads (:func:`.compiled.layer_project`, or
+    :func:`.compiled.layer_project_apart` by three products), the forward walk
+    (:meth:`.walk.ForwardPlan.bind`) and the output's product
     (:func:`.compiled.layer_output`), with no Python between them but their calls. The same
     bits as the path it shortens (:func:`.projection.project_heads`, the kept walk and
     ``Team.matmul``): the same products by NumPy's BLAS, the bias added and the late scale
     multiplied as NumPy does. Taken where that path makes one product of each (fewer rows
     than ``thresholds.matmul_rows``, at least two of everything: NumPy's ``matmul`` calls
     ``gemm`` then), the q, k, v weights one product (:func:`.qkv.qkv_weights`: side by
-    side, or joined for the call), no rotary embedding, the input and the weights
+    side, or joined for the call) or three (separate weights, fewer rows than features: the
+    same three GEMM calls), no rotary embedding, the input and the weights
     C-contiguous in the compute dtype, and the buffers of a call at most
     :data:`SMALL_MOST` bytes; each call checks what may change between calls (the weights'
     layout, the scale's type) and returns ``None`` to leave a call to that path.
@@ -151,7 +168,7 @@ class SmallCall:
             and call.rotary is None
             and call.Q.dtype == dtype
             and 2 <= n < runtime.DEFAULT.thresholds.matmul_rows
-            and min(width, H * d_k + H_kv * (d_k + d_v), H * d_v, widest) >= 2
+            and min(width, H * d_k, H_kv * d_k, H_kv * d_v, widest) >= 2
         ):
             return None
         B, forward = math.prod(call.B), plan.forward
@@ -173,13 +190,21 @@ class SmallCall:
         call is not one to take here, or its walk left work undone."""
         weights = qkv_weights(call, w, self.rows)
         scale = call.scale if weights.late_scale else None
-        if weights.joined is None or not (scale is None or type(scale) is float):
+        if not (scale is None or type(scale) is float):
             return None  # (another Python number would round the product otherwise)
-        W, b = weights.joined
         x = call.Q.reshape(self.rows, call.Q.shape[-1])
-        if W.shape[1] != self.width or not all(
+        if weights.joined is not None:  # one product
+            W, b = weights.joined
+            given: tuple[Any, ...] = (W, b)
+            width, project = W.shape[1], compiled.layer_project
+        else:  # three (separate weights)
+            given = (*weights.W, *weights.b)
+            width, project = self.width, compiled.layer_project_apart
+            if sum(part.shape[1] for part in weights.W) != width:
+                return None
+        if width != self.width or not all(
             a is None or (a.flags.c_contiguous and a.dtype == self.dtype)
-            for a in (x, W, b, w.W_o, w.b_o)
+            for a in (x, *given, w.W_o, w.b_o)
         ):
             return None
         dtype, none = self.dtype, self.none
@@ -189,9 +214,9 @@ class SmallCall:
         heads, joined, product, run = buffers
         out = np.empty((self.rows, w.W_o.shape[1]), dtype)
         first = dtype.type(0.0 if scale is None else scale)  # as NumPy rounds a Python float
+        arrays = [none if a is None else a for a in given]  # (no bias: of size 0)
         with Team(1):  # (BLAS held to one thread, as on the path it shortens)
-            compiled.layer_project(dtype, x, W, none if b is None else b, scale is not None,
-                                   first, heads, joined, product)  # fmt: skip
+            project(dtype, x, *arrays, scale is not None, first, heads, joined, product)
             done = run()
             if done:
                 rows = joined.reshape(self.rows, joined.shape[-1])
@@ -251,17 +276,24 @@ def plan_for(module: Any, call: Call, mask: Any, workers: Any) -> LayerPlan | No
         and weights_as_given(module, call)  # (an update in place is read)
         and plain_call(call)
     )
-    if not plain:
+    plan = _planned(call, mask, workers) if plain else None
+    if plan is None:
         return None
+    plan.state = LayerState(module, call)
+    return plan if plan.state.keepable else None
+
+
+def _planned(call: Call, mask: Any, workers: Any) -> LayerPlan | None:
+    """The plan of a plain ``call`` (:func:`.sequence_blocks.plain_call`) on the team
+    ``compute`` would take, with its small call (``None`` where the compiled walk does
+    not take the call)."""
     team = workers
     if team is None:  # compute's default for the call
         team = layer_workers(layer_sizes(call), call.S)
     forward = _forward_plan(call, team)
     if forward is None:
         return None
-    plan = LayerPlan(module, call, (mask, workers), (team, forward))
-    if not plan.state.keepable:
-        return None
+    plan = LayerPlan(call, (mask, workers), (team, forward))
     plan.small = SmallCall.of(plan, call)
     return plan
 
@@ -280,3 +312,71 @@ def keep_plan(module: Any, call: Call, mask: Any, workers: Any) -> None:
         runtime.DEFAULT.layer_plans[module] = plan
     else:
         runtime.DEFAULT.layer_plans.pop(module, None)
+
+
+class FunctionPlan:
+    """:func:`mha.multi_head_attention`'s plain call kept for its next calls of the same
+    signature (:func:`function_signature`): a :class:`LayerPlan` that holds neither the
+    input nor the weights, each call's own put in (their shapes and dtypes are the
+    signature's, every check of the call reads only those). ``plan`` is ``None`` for a
+    signature whose calls are not kept (not plain, or not taken by the compiled walk):
+    they are checked and computed the general way, without a new try at keeping them."""
+
+    def __init__(self, plan: LayerPlan | None) -> None:
+        self.plan = plan
+
+    def __call__(
+        self, query: np.ndarray, given: LayerWeights, mask: Any, workers: Any
+    ) -> np.ndarray | None:
+        """The output for ``query`` and the weights ``given``, or ``None`` when the call
+        is left to the general path."""
+        plan = self.plan
+        if plan is None or not plan.fits(query, mask, workers):
+            return None
+        weights = Weights(*given[:8])  # (W_q, W_k, W_v, W_o and their biases: as given)
+        return plan.run(with_fields(plan.call, Q=query, K=query, V=query, weights=weights))
+
+
+def function_signature(
+    query: Any, given: LayerWeights, num_heads: Any, mask: Any, workers: Any
+) -> tuple[Any, ...] | None:
+    """What a plain self-attention call of :func:`mha.multi_head_attention` is kept by
+    (the caller has checked that only ``mask``, ``None`` or ``True``, and ``workers``,
+    ``None`` or an ``int``, are given among the keywords, and no weight but the
+    projections and their biases): the input's and each weight's shape and dtype, the head
+    count, the mask and the workers; ``None`` where one of them is not a NumPy array (or
+    the head count not an ``int``): such a call is checked each time."""
+    if type(query) is not np.ndarray or type(num_heads) is not int:
+        return None
+    sizes: list[Any] = [query.shape, query.dtype, num_heads, mask, workers]
+    for x in given[:8]:
+        if x is None:
+            sizes.append(None)
+        elif type(x) is np.ndarray:
+            sizes.append((x.shape, x.dtype))
+        else:
+            return None
+    return tuple(sizes)
+
+
+def kept_function_plan(signature: tuple[Any, ...]) -> FunctionPlan | None:
+    """The plan kept for ``signature`` (:func:`function_signature`), if any."""
+    plan: FunctionPlan | None = runtime.DEFAULT.function_plans.get(signature)
+    return plan
+
+
+def keep_function_plan(
+    signature: tuple[Any, ...], call: Call, given: LayerWeights, mask: Any, workers: Any
+) -> None:
+    """Keep the plan of ``call``, checked and computed for ``signature``'s first call
+    (a :class:`FunctionPlan` of ``None`` where it is not plain, or holds an array the
+    checks converted: each call would then need its own conversion)."""
+    weights, plan = call.weights, None
+    as_given = all(
+        getattr(weights, name) is x for name, x in zip(WEIGHT_NAMES[:8], given[:8], strict=True)
+    )
+    if as_given and weights.bias_k is None and plain_call(call):
+        plan = _planned(call, mask, workers)
+    if plan is not None:
+        plan.call = with_fields(plan.call, weights=None)  # (no weight kept alive)
+    runtime.DEFAULT.function_plans.keep(signature, FunctionPlan(plan))

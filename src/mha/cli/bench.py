@@ -28,7 +28,7 @@ import numpy as np
 from .._files import writable_problem
 from .._kernel import compiled
 from .._kernel.team import cores
-from ..api.projection import multi_head_attention
+from ..api.function import multi_head_attention
 from ..api.split_heads import scaled_dot_product_attention
 from ._common import UsageError, needs
 from .measure import (

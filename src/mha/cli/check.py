@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from ..api.cache import KVCache
+from ..api.function import multi_head_attention
 from ..api.module import MultiHeadAttention
-from ..api.projection import multi_head_attention
 from ..api.rotary import apply_rotary
 from ..api.split_heads import scaled_dot_product_attention
 from ._common import TORCH_CPU, count, needs

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..api.projection import multi_head_attention
+from ..api.function import multi_head_attention
 from ._common import check_output, count, needs, plot_format
 
 

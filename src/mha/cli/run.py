@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from .._kernel.contract import MaskArrays, MaskRules, ScoreShape, Visibility
+from ..api.function import multi_head_attention
 from ..api.module import MultiHeadAttention
-from ..api.projection import multi_head_attention
 from ._common import (
     BIAS_KEYS,
     DATA_KEYS,
