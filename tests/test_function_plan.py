@@ -30,8 +30,10 @@ def walked(request):
 
 
 def _general(monkeypatch):
-    """Every call through the checks and :func:`mha.api.projection.compute`."""
+    """Every call through the checks and :func:`mha.api.projection.compute` (nothing
+    looked up, nothing kept)."""
     monkeypatch.setattr(function, "kept_function_plan", lambda signature: None)
+    monkeypatch.setattr(function, "keep_function_plan", lambda *args: None)
 
 
 def _reference(X, W, biases, H, causal):
@@ -86,13 +88,14 @@ SHAPES = {
 def test_the_kept_plan_gives_the_general_paths_bits(
     shape, biases, dtype, mask, workers, monkeypatch
 ):
-    """Three calls of one signature, each on its own input and weights (new arrays of the
-    same shapes): the first keeps the plan, the next two take it; every output bit for bit
-    the general path's and within float rounding of a float64 reference."""
+    """Four calls of one signature, each on its own input and weights (new arrays of the
+    same shapes): the first is noted, the second keeps the plan, the next two take it;
+    every output bit for bit the general path's and within float rounding of a float64
+    reference."""
     rng = np.random.default_rng(5)
     width, H = 32, 4
     calls = []
-    for _ in range(3):
+    for _ in range(4):
         X = rng.standard_normal((*SHAPES[shape][:-1], SHAPES[shape][-1], width)).astype(dtype)
         calls.append((X, *_weights(rng, width, dtype, BIASES[biases])))
     kept = taken(monkeypatch, layer_plan.FunctionPlan)
@@ -125,8 +128,8 @@ def test_small_calls_are_three_compiled_calls(side_by_side, monkeypatch):
     monkeypatch.setattr(compiled, "layer_output", lambda *a: (done.append(1), real(*a))[1])
     kept = taken(monkeypatch, layer_plan.FunctionPlan)
     first = _call(X, W, b, 4)
-    again = [_call(X, W, b, 4) for _ in range(3)]
-    assert len(kept) == 3 and len(done) == 3
+    again = [_call(X, W, b, 4) for _ in range(3)]  # (the plan kept by the first of them)
+    assert len(kept) == 2 and len(done) == 2
     for out in again:
         np.testing.assert_array_equal(out, first)
     np.testing.assert_allclose(first, _reference(X, W, b, 4, False), atol=2e-5)
@@ -151,9 +154,10 @@ def test_the_plan_holds_no_array_of_the_callers():
     try:
         W, b = _weights(rng, 16, np.float32, (True,) * 4)
         X = rng.standard_normal((2, 5, 16)).astype(np.float32)
-        for _ in range(2):
+        for _ in range(3):
             _call(X, W, b, 4)
-        assert len(runtime.DEFAULT.function_plans) == 1
+        (kept,) = runtime.DEFAULT.function_plans.values()
+        assert kept.plan is not None
         refs = [weakref.ref(x) for x in (X, *W, *b)]
         del X, W, b
         assert [ref() for ref in refs] == [None] * len(refs)
@@ -238,7 +242,8 @@ def test_a_non_finite_value_at_a_hidden_key_is_computed_the_general_way(monkeypa
     rng = np.random.default_rng(12)
     W, b = _weights(rng, 16, np.float64, (False,) * 4)
     X = rng.standard_normal((1, 6, 16))
-    _call(X, W, b, 4, mask=True)
+    for _ in range(2):
+        _call(X, W, b, 4, mask=True)  # (the plan kept)
     bad = X.copy()
     bad[0, -1, 0] = np.inf
     kept = taken(monkeypatch, layer_plan.FunctionPlan)
@@ -304,7 +309,7 @@ def test_inputs_and_weights_of_other_dtypes_keep_their_bits(dtypes, monkeypatch)
     x_dtype, w_dtype = dtypes
     biases = (True, False, True, True)
     calls = [(rng.standard_normal((2, 9, 16)).astype(x_dtype), *_weights(rng, 16, w_dtype, biases))
-             for _ in range(3)]  # fmt: skip
+             for _ in range(4)]  # fmt: skip
     kept = taken(monkeypatch, layer_plan.FunctionPlan)
     own = [_call(X, W, b, 4, True) for X, W, b in calls]
     assert len(kept) == 2
@@ -316,3 +321,59 @@ def test_inputs_and_weights_of_other_dtypes_keep_their_bits(dtypes, monkeypatch)
         np.testing.assert_array_equal(a, g)
         tolerance = 2e-2 if np.float16 in dtypes else 1e-6
         np.testing.assert_allclose(a, _reference(X, W, b, 4, True), rtol=0, atol=tolerance)
+
+
+def test_signatures_seen_once_make_no_plan(monkeypatch):
+    """Calls whose signatures keep changing (a growing prefix) are noted, not planned: no
+    plan is made until a signature comes again."""
+    rng = np.random.default_rng(18)
+    W, b = _weights(rng, 16, np.float64, (False,) * 4)
+    made = []
+    real = layer_plan._planned
+    monkeypatch.setattr(layer_plan, "_planned", lambda *a: (made.append(1), real(*a))[1])
+    for L in range(1, 12):
+        X = rng.standard_normal((1, L, 16))
+        np.testing.assert_allclose(_call(X, W, b, 4, True), _reference(X, W, b, 4, True),
+                                   atol=1e-12)  # fmt: skip
+    assert not made
+    _call(rng.standard_normal((1, 5, 16)), W, b, 4, True)
+    assert len(made) == 1
+
+
+@pytest.mark.parametrize("layer", [False, True])
+def test_underflow_is_reported_as_numpy_reports_it(layer, monkeypatch):
+    """A caller who asks NumPy to raise on underflow gets the general path's error from a
+    kept call too (the compiled products report none: the call is left to NumPy's)."""
+    rng = np.random.default_rng(19)
+    W, b = _weights(rng, 16, np.float64, (False,) * 4)
+    if layer:
+        module = mha.MultiHeadAttention(16, 4, seed=1, bias=False)
+        W = [module.W_q, module.W_k, module.W_v, module.W_o]
+
+    def call(X):
+        return module(X) if layer else _call(X, W, b, 4)
+
+    X = rng.standard_normal((2, 5, 16))
+    for _ in range(3):
+        call(X)  # (the plan kept, its small call taken)
+    tiny = X * 1e-307  # (its products underflow)
+    with np.errstate(under="raise"), pytest.raises(FloatingPointError, match="underflow"):
+        call(tiny)
+    with monkeypatch.context() as m:
+        _general(m)
+        m.setattr(mha.api.module, "kept_plan", lambda module: None)
+        with np.errstate(under="raise"), pytest.raises(FloatingPointError, match="underflow"):
+            call(tiny)
+        expected = call(tiny)
+    np.testing.assert_array_equal(call(tiny), expected)
+
+
+def test_a_full_table_keeps_what_is_kept_again():
+    """Keeping a key already kept does not forget the others, even when the table is full."""
+    kept = runtime.Kept(2)
+    kept.keep("a", 1)
+    kept.keep("b", 2)
+    kept.keep("a", 3)
+    assert (kept.get("a"), kept.get("b")) == (3, 2)
+    kept.keep("c", 4)
+    assert len(kept) == 1 and kept.get("c") == 4

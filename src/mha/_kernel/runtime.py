@@ -74,7 +74,7 @@ class Kept:
 
     def keep(self, key: Any, value: Any) -> None:
         with self._lock:
-            if len(self._items) >= self.most:
+            if len(self._items) >= self.most and key not in self._items:
                 self._items.clear()
             self._items[key] = value
 

@@ -3,7 +3,8 @@
 
 A plain self-attention call (no keyword but ``mask=None`` or ``True`` and ``workers``, the
 projections and their biases the only weights, every array a NumPy array) is kept per
-signature of shapes and dtypes (:class:`.layer_plan.FunctionPlan`): a model's loop, a
+signature of shapes and dtypes from its second call (:class:`.layer_plan.FunctionPlan`):
+a model's loop, a
 training step or a benchmark calling the function again and again with arrays of the same
 shapes then skips the checks and the planning, which depend only on those, and computes as
 a layer's kept plan does: the same functions in the same order, the same bits.
@@ -274,8 +275,8 @@ def multi_head_attention(
                 return out
     call = check_layer(LayerArrays(Q, K, V), weights, num_heads, check_mha(keywords))
     result = compute(call)
-    if signature is not None and kept is None:
-        keep_function_plan(signature, call, weights, mask, workers)
+    if signature is not None:
+        keep_function_plan(signature, kept, call, weights, mask, workers)
     return result
 
 

@@ -139,7 +139,9 @@ class SmallCall:
     same three GEMM calls), no rotary embedding, the input and the weights
     C-contiguous in the compute dtype, and the buffers of a call at most
     :data:`SMALL_MOST` bytes; each call checks what may change between calls (the weights'
-    layout, the scale's type) and returns ``None`` to leave a call to that path.
+    layout, the scale's type, NumPy's handling of underflow: the compiled products report
+    none, so a caller who asks for it is left to NumPy's) and returns ``None`` to leave a
+    call to that path.
 
     On the Zen 4 EPYC (znver4), OpenBLAS's SkylakeX kernel, a 16-token layer of 64
     features and 4 heads took 72 us a call on that path (projections 25, output 6.4, the
@@ -188,35 +190,36 @@ class SmallCall:
     def __call__(self, call: Call, w: Weights) -> np.ndarray | None:
         """``call``'s output (before its cast to the result's dtype), or ``None`` when this
         call is not one to take here, or its walk left work undone."""
+        if np.geterr()["under"] != "ignore":  # (NumPy's products report underflow then)
+            return None
         weights = qkv_weights(call, w, self.rows)
         scale = call.scale if weights.late_scale else None
         if not (scale is None or type(scale) is float):
             return None  # (another Python number would round the product otherwise)
         x = call.Q.reshape(self.rows, call.Q.shape[-1])
+        dtype, none = self.dtype, self.none
         if weights.joined is not None:  # one product
             W, b = weights.joined
-            given: tuple[Any, ...] = (W, b)
+            given: tuple[Any, ...] = (W, none if b is None else b)
             width, project = W.shape[1], compiled.layer_project
         else:  # three (separate weights)
-            given = (*weights.W, *weights.b)
+            given = (*weights.W, *(none if b is None else b for b in weights.b))
             width, project = self.width, compiled.layer_project_apart
             if sum(part.shape[1] for part in weights.W) != width:
                 return None
         if width != self.width or not all(
-            a is None or (a.flags.c_contiguous and a.dtype == self.dtype)
+            a is None or (a.flags.c_contiguous and a.dtype == dtype)
             for a in (x, *given, w.W_o, w.b_o)
         ):
             return None
-        dtype, none = self.dtype, self.none
         buffers = self._buffers()
         if buffers is None:
             return None
         heads, joined, product, run = buffers
         out = np.empty((self.rows, w.W_o.shape[1]), dtype)
         first = dtype.type(0.0 if scale is None else scale)  # as NumPy rounds a Python float
-        arrays = [none if a is None else a for a in given]  # (no bias: of size 0)
         with Team(1):  # (BLAS held to one thread, as on the path it shortens)
-            project(dtype, x, *arrays, scale is not None, first, heads, joined, product)
+            project(dtype, x, *given, scale is not None, first, heads, joined, product)
             done = run()
             if done:
                 rows = joined.reshape(self.rows, joined.shape[-1])
@@ -280,12 +283,15 @@ def plan_for(module: Any, call: Call, mask: Any, workers: Any) -> LayerPlan | No
     if plan is None:
         return None
     plan.state = LayerState(module, call)
-    return plan if plan.state.keepable else None
+    if not plan.state.keepable:
+        return None
+    plan.small = SmallCall.of(plan, call)
+    return plan
 
 
 def _planned(call: Call, mask: Any, workers: Any) -> LayerPlan | None:
     """The plan of a plain ``call`` (:func:`.sequence_blocks.plain_call`) on the team
-    ``compute`` would take, with its small call (``None`` where the compiled walk does
+    ``compute`` would take, without its small call (``None`` where the compiled walk does
     not take the call)."""
     team = workers
     if team is None:  # compute's default for the call
@@ -293,9 +299,7 @@ def _planned(call: Call, mask: Any, workers: Any) -> LayerPlan | None:
     forward = _forward_plan(call, team)
     if forward is None:
         return None
-    plan = LayerPlan(call, (mask, workers), (team, forward))
-    plan.small = SmallCall.of(plan, call)
-    return plan
+    return LayerPlan(call, (mask, workers), (team, forward))
 
 
 def kept_plan(module: Any) -> LayerPlan | None:
@@ -318,9 +322,11 @@ class FunctionPlan:
     """:func:`mha.multi_head_attention`'s plain call kept for its next calls of the same
     signature (:func:`function_signature`): a :class:`LayerPlan` that holds neither the
     input nor the weights, each call's own put in (their shapes and dtypes are the
-    signature's, every check of the call reads only those). ``plan`` is ``None`` for a
-    signature whose calls are not kept (not plain, or not taken by the compiled walk):
-    they are checked and computed the general way, without a new try at keeping them."""
+    signature's, every check of the call reads only those), kept from the signature's
+    second call (:func:`keep_function_plan`). ``plan`` is ``None`` for a signature seen
+    once, and for one whose calls are not kept (not plain, or not taken by the compiled
+    walk): they are checked and computed the general way, the latter without a new try at
+    keeping them."""
 
     def __init__(self, plan: LayerPlan | None) -> None:
         self.plan = plan
@@ -344,11 +350,13 @@ def function_signature(
     (the caller has checked that only ``mask``, ``None`` or ``True``, and ``workers``,
     ``None`` or an ``int``, are given among the keywords, and no weight but the
     projections and their biases): the input's and each weight's shape and dtype, the head
-    count, the mask and the workers; ``None`` where one of them is not a NumPy array (or
+    count, the mask and the workers (with the cores the default is chosen from); ``None``
+    where one of them is not a NumPy array (or
     the head count not an ``int``): such a call is checked each time."""
     if type(query) is not np.ndarray or type(num_heads) is not int:
         return None
-    sizes: list[Any] = [query.shape, query.dtype, num_heads, mask, workers]
+    cores = default_workers() if workers is None else None  # (what they are chosen from)
+    sizes: list[Any] = [query.shape, query.dtype, num_heads, mask, workers, cores]
     for x in given[:8]:
         if x is None:
             sizes.append(None)
@@ -366,11 +374,24 @@ def kept_function_plan(signature: tuple[Any, ...]) -> FunctionPlan | None:
 
 
 def keep_function_plan(
-    signature: tuple[Any, ...], call: Call, given: LayerWeights, mask: Any, workers: Any
+    signature: tuple[Any, ...],
+    kept: FunctionPlan | None,
+    call: Call,
+    given: LayerWeights,
+    mask: Any,
+    workers: Any,
 ) -> None:
-    """Keep the plan of ``call``, checked and computed for ``signature``'s first call
-    (a :class:`FunctionPlan` of ``None`` where it is not plain, or holds an array the
-    checks converted: each call would then need its own conversion)."""
+    """After the general path computed ``call`` for ``signature`` (``kept``: what was kept
+    for it before): a first call is only noted, the second keeps the plan of ``call``
+    (:class:`FunctionPlan`; of ``None`` where it is not plain, or holds an array the checks
+    converted: each call would then need its own conversion). Calls whose signatures keep
+    changing (a growing prefix, batches of every length) then cost a lookup, not a plan
+    each."""
+    if kept is None:
+        runtime.DEFAULT.function_plans.keep(signature, _SEEN_ONCE)
+        return
+    if kept is not _SEEN_ONCE:
+        return  # (kept already, or not to keep)
     weights, plan = call.weights, None
     as_given = all(
         getattr(weights, name) is x for name, x in zip(WEIGHT_NAMES[:8], given[:8], strict=True)
@@ -378,5 +399,10 @@ def keep_function_plan(
     if as_given and weights.bias_k is None and plain_call(call):
         plan = _planned(call, mask, workers)
     if plan is not None:
+        plan.small = SmallCall.of(plan, call)
         plan.call = with_fields(plan.call, weights=None)  # (no weight kept alive)
     runtime.DEFAULT.function_plans.keep(signature, FunctionPlan(plan))
+
+
+_SEEN_ONCE = FunctionPlan(None)
+"""What a signature seen once is kept as (:func:`keep_function_plan`)."""
