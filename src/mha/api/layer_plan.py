@@ -25,7 +25,11 @@ own weight arrays, not copies the checks converted), and the input is a NumPy ar
 kept shape and dtype (with the default workers, the cores they were chosen from). Any other
 call, including every call the checks would refuse, goes the general way. A call whose walk
 leaves work undone (a non-finite value at a hidden key) is computed again the general way,
-which does it."""
+which does it.
+
+:func:`mha.multi_head_attention` has no layer to keep a plan: its plain self-attention call
+keeps one per signature of the input's and the weights' shapes and dtypes
+(:class:`FunctionPlan`), which holds no array of the caller's and takes each call's own."""
 
 from __future__ import annotations
 
@@ -59,7 +63,8 @@ __all__ = [
 class LayerPlan:
     """One layer's plain call (:mod:`.layer_plan`), made from a checked call and its
     forward walk's plan by :func:`plan_for`; called with the layer, its input, the mask and
-    the workers given."""
+    the workers given. The function's (:class:`FunctionPlan`) has no layer, and no weights
+    of its own: it calls :meth:`fits` and :meth:`run` with each call's."""
 
     def __init__(self, call: Call, given: tuple[Any, Any], planned: tuple[int, Any]) -> None:
         self.state: LayerState | None = None  # (a layer's attributes: plan_for's)
@@ -351,8 +356,8 @@ def function_signature(
     ``None`` or an ``int``, are given among the keywords, and no weight but the
     projections and their biases): the input's and each weight's shape and dtype, the head
     count, the mask and the workers (with the cores the default is chosen from); ``None``
-    where one of them is not a NumPy array (or
-    the head count not an ``int``): such a call is checked each time."""
+    where one of them is not a NumPy array (or the head count not an ``int``): such a call
+    is checked each time."""
     if type(query) is not np.ndarray or type(num_heads) is not int:
         return None
     cores = default_workers() if workers is None else None  # (what they are chosen from)
