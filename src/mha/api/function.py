@@ -270,13 +270,13 @@ def multi_head_attention(
     if signature is not None:
         kept = kept_function_plan(signature)
         if kept is not None:
-            out = kept(Q, weights, mask, workers)
+            out = kept(Q, weights)
             if out is not None:
                 return out
     call = check_layer(LayerArrays(Q, K, V), weights, num_heads, check_mha(keywords))
     result = compute(call)
     if signature is not None:
-        keep_function_plan(signature, kept, call, weights, mask, workers)
+        keep_function_plan(signature, kept, call, (Q, weights), mask, workers)
     return result
 
 

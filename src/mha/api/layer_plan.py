@@ -41,9 +41,10 @@ import numpy as np
 from .._arrays import cast_result
 from .._kernel import compiled, runtime, walk
 from .._kernel.team import Team, default_workers
-from .checks import WEIGHT_NAMES, Call, LayerWeights, Weights, plain_heads, with_fields
+from .checks import Call, LayerArrays, LayerWeights, Weights, plain_heads, with_fields
 from .gradients import split_heads
 from .kept_state import LayerState, weights_as_given
+from .plans import as_given
 from .projection import layer_sizes, layer_workers, project_heads
 from .qkv import qkv_weights
 from .sequence_blocks import blocks_for, forward_plan, plain_call, whole_call
@@ -64,7 +65,8 @@ class LayerPlan:
     """One layer's plain call (:mod:`.layer_plan`), made from a checked call and its
     forward walk's plan by :func:`plan_for`; called with the layer, its input, the mask and
     the workers given. The function's (:class:`FunctionPlan`) has no layer, and no weights
-    of its own: it calls :meth:`fits` and :meth:`run` with each call's."""
+    of its own: it calls :meth:`run` with each call's (its signature fixes what
+    :meth:`fits` checks)."""
 
     def __init__(self, call: Call, given: tuple[Any, Any], planned: tuple[int, Any]) -> None:
         self.state: LayerState | None = None  # (a layer's attributes: plan_for's)
@@ -336,13 +338,11 @@ class FunctionPlan:
     def __init__(self, plan: LayerPlan | None) -> None:
         self.plan = plan
 
-    def __call__(
-        self, query: np.ndarray, given: LayerWeights, mask: Any, workers: Any
-    ) -> np.ndarray | None:
+    def __call__(self, query: np.ndarray, given: LayerWeights) -> np.ndarray | None:
         """The output for ``query`` and the weights ``given``, or ``None`` when the call
         is left to the general path."""
         plan = self.plan
-        if plan is None or not plan.fits(query, mask, workers):
+        if plan is None:  # (what fits() checks, the signature fixed)
             return None
         weights = Weights(*given[:8])  # (W_q, W_k, W_v, W_o and their biases: as given)
         return plan.run(with_fields(plan.call, Q=query, K=query, V=query, weights=weights))
@@ -382,14 +382,15 @@ def keep_function_plan(
     signature: tuple[Any, ...],
     kept: FunctionPlan | None,
     call: Call,
-    given: LayerWeights,
+    given: tuple[np.ndarray, LayerWeights],
     mask: Any,
     workers: Any,
 ) -> None:
-    """After the general path computed ``call`` for ``signature`` (``kept``: what was kept
-    for it before): a first call is only noted, the second keeps the plan of ``call``
-    (:class:`FunctionPlan`; of ``None`` where it is not plain, or holds an array the checks
-    converted: each call would then need its own conversion). Calls whose signatures keep
+    """After the general path computed ``call`` of the input and weights ``given`` for
+    ``signature`` (``kept``: what was kept for it before): a first call is only noted, the
+    second keeps the plan of ``call`` (:class:`FunctionPlan`; of ``None`` where it is not
+    plain, or holds an array the checks converted, :func:`.plans.as_given`: each call would
+    then need its own conversion). Calls whose signatures keep
     changing (a growing prefix, batches of every length) then cost a lookup, not a plan
     each."""
     if kept is None:
@@ -397,11 +398,9 @@ def keep_function_plan(
         return
     if kept is not _SEEN_ONCE:
         return  # (kept already, or not to keep)
-    weights, plan = call.weights, None
-    as_given = all(
-        getattr(weights, name) is x for name, x in zip(WEIGHT_NAMES[:8], given[:8], strict=True)
-    )
-    if as_given and weights.bias_k is None and plain_call(call):
+    query, weights = given
+    plan = None
+    if as_given(call, LayerArrays(query, query, query), weights) and plain_call(call):
         plan = _planned(call, mask, workers)
     if plan is not None:
         plan.small = SmallCall.of(plan, call)

@@ -42,7 +42,7 @@ from .checks import (
 )
 from .spec import Checked, same_keywords
 
-__all__ = ["checked_layer", "planned_attention"]
+__all__ = ["as_given", "checked_layer", "planned_attention"]
 
 
 _PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -229,12 +229,12 @@ def checked_layer(
         if again is not None:
             return again
     call = check_layer(arrays, given, num_heads, checked, names)
-    if checked.kept and _inputs_signature(arrays) is not None and _as_given(call, arrays, given):
+    if checked.kept and _inputs_signature(arrays) is not None and as_given(call, arrays, given):
         layers[owner] = _KeptCheck(call, arrays, given, (checked, num_heads, names))
     return call
 
 
-def _as_given(call: Call, arrays: LayerArrays, given: LayerWeights) -> bool:
+def as_given(call: Call, arrays: LayerArrays, given: LayerWeights) -> bool:
     """Whether ``call`` holds the inputs and every weight as given (no copy made)."""
     weights, norm, gate = call.weights, call.qk_norm, call.spec.output
     held = {
