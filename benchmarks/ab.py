@@ -48,6 +48,7 @@ def cases() -> dict[str, Any]:
         made[f"small layer causal {name}"] = (lambda layer=layer, x=x: layer(x, True), 200)
         w = [(rng.standard_normal((64, 64)) / 8).astype(dtype) for _ in range(4)]
         made[f"small function {name}"] = (lambda x=x, w=w: function(x, x, x, *w, 4), 200)
+        made[f"small layer step {name}"] = (_step(layer, rng, 64, dtype), 200)
         q, k, v = heads(1, 4, 16, 16, 16, dtype)
         made[f"small core {name}"] = (lambda q=q, k=k, v=v: sdpa(q, k, v), 300)
         tiny = heads(1, 1, 1, 1, 1, dtype)
@@ -68,6 +69,9 @@ def cases() -> dict[str, Any]:
                 back(out)
 
             made[f"{label} fwd+bwd {name}"] = (backward, 1)
+    smollm2 = mha.MultiHeadAttention(576, 9, num_kv_heads=3, rope_theta=1e5, seed=0,
+                                     dtype=np.float32)  # fmt: skip
+    made["SmolLM2 layer step float32"] = (_step(smollm2, rng, 576, np.float32), 100)
     for S in (1024, 4096):
         q, k, v = heads(1, 32, 1, S, 128, np.float32, H_kv=8)
         made[f"decode {S} keys"] = (lambda q=q, k=k, v=v: sdpa(q, k, v), 30)
@@ -91,6 +95,19 @@ def cases() -> dict[str, Any]:
         20,
     )
     return made
+
+
+def _step(layer: Any, rng: Any, width: int, dtype: Any) -> Any:
+    """A decoding step of ``layer`` over a cache of 64 tokens, truncated back after it."""
+    cache = layer.new_cache(1, capacity=128)
+    layer(rng.standard_normal((1, 64, width)).astype(dtype), cache=cache)
+    token = rng.standard_normal((1, 1, width)).astype(dtype)
+
+    def step() -> None:
+        layer(token, cache=cache)
+        cache.truncate(64)
+
+    return step
 
 
 def serve() -> None:

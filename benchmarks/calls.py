@@ -195,6 +195,7 @@ def _timed_stages() -> _Stages:
         (layer_plan, "call_tiles", "planning"),
         (walk, "band_of", "planning"), (forward.walk_inputs, "band_of", "planning"),
         (compiled, "plan_walk", "planning"), (cached, "plain_visibility", "planning"),
+        (cached, "plain_band", "planning"), (forward, "plan_tiles", "planning"),
         (projection, "project_heads", "projections"),
         (layer_plan, "project_heads", "projections"), (layer_plan, "qkv_weights", "projections"),
         (compiled, "layer_project", "projections"), (compiled, "layer_output", "output"),

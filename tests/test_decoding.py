@@ -875,9 +875,10 @@ def test_decoding_steps_take_their_own_route_to_the_same_bits(dtype, workers, mo
         outs += [layer(x, cache=cache, workers=workers) for x in steps]
         return outs, cache
 
-    taken = []
-    real = cached.plain_visibility
-    monkeypatch.setattr(cached, "plain_visibility", lambda *a: taken.append(1) or real(*a))
+    taken = []  # (a layer's kept step on one worker makes the band alone: plain_band)
+    for name in ("plain_visibility", "plain_band"):
+        real = getattr(cached, name)
+        monkeypatch.setattr(cached, name, lambda *a, real=real: taken.append(1) or real(*a))
     own, own_cache = run()
     assert len(taken) == len(steps)
     with monkeypatch.context() as m:
@@ -907,9 +908,10 @@ def test_prompts_take_the_plain_route_to_the_same_bits(dtype, workers, monkeypat
         cache = layer.new_cache(2, capacity=16)  # it grows on the way
         return [layer(x, cache=cache, workers=workers) for x in calls], cache
 
-    taken = []
-    real = cached.plain_visibility
-    monkeypatch.setattr(cached, "plain_visibility", lambda *a: taken.append(1) or real(*a))
+    taken = []  # (a layer's kept step on one worker makes the band alone: plain_band)
+    for name in ("plain_visibility", "plain_band"):
+        real = getattr(cached, name)
+        monkeypatch.setattr(cached, name, lambda *a, real=real: taken.append(1) or real(*a))
     own, own_cache = run()
     assert len(taken) >= 3  # the prompts' (the steps may take a layer's kept step)
     with monkeypatch.context() as m:
@@ -941,6 +943,27 @@ def test_a_plain_cached_calls_visibility_is_the_one_the_checks_build(L):
             np.testing.assert_array_equal(a, b, err_msg=name)
         else:
             assert a == b, name
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_plain_steps_band_is_the_one_its_visibility_gives(seed):
+    """The band a layer's kept step makes from the filled slots (:func:`plain_band`) is the
+    one :func:`band_of` takes from :func:`plain_visibility`'s visibility: each field's
+    values and dtype (a ragged batch, one new token each)."""
+    from mha._kernel.walk_inputs import band_of
+    from mha.api.cached import plain_band, plain_visibility
+
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 5))
+    filled, counts = rng.integers(1, 40, B), np.ones(B, np.int64)
+    positions, first = filled - counts, np.zeros(B, np.int64)
+    visibility = plain_visibility(np.zeros((B, 4, 1, 8)), filled, counts, positions, first)
+    expected = band_of(visibility, (B,), 1, int(filled.max()))
+    made = plain_band(filled, counts)
+    assert made[:2] == expected[:2]
+    for a, b in zip(made[2:], expected[2:], strict=True):
+        assert a.dtype == b.dtype == np.int64 and a.flags.writeable
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -255,3 +255,77 @@ def test_a_decoding_steps_features_are_the_bands(dtype, lse):
     arrays = (q, k, k, outputs.out) if not lse else (q, k, k, outputs.out, outputs.lse)
     needs = walk.features(call, outputs, arrays)
     assert needs <= {*forward.BAND_FEATURES, f"dtype {np.dtype(dtype).name}"}
+
+
+def test_a_kept_step_the_walk_leaves_is_computed_by_the_general_route(monkeypatch):
+    """When the compiled walk leaves a kept step's task on one worker (as it does a
+    non-finite value at a hidden key), :func:`attend` computes the step from the start:
+    the general path's output and cache, bit for bit, with the walk leaving the same."""
+    from mha._kernel import compiled
+    from mha._kernel import forward as kernel_forward
+    from mha.api import cached
+
+    if not compiled.walk_available():
+        pytest.skip("the compiled walk needs numba (the fast extra)")
+    rng = np.random.default_rng(14)
+    xs = rng.standard_normal((3, 2, 1, 16))
+
+    def run():
+        layer, cache = _layer_and_cache(np.random.default_rng(3))
+        return [layer(x, cache=cache) for x in xs], cache  # (one worker: the step's choice)
+
+    real_walk, real_attend = compiled.forward_walk, kernel_forward.attend
+    attended = []
+
+    def leaves_one(dtype, work, *rest):
+        real_walk(dtype, work, *rest)
+        work[2][:1] = True
+
+    monkeypatch.setattr(compiled, "forward_walk", leaves_one)
+    with monkeypatch.context() as m:
+        _general(m)
+        expected, expected_cache = run()
+    monkeypatch.setattr(cached, "attend", lambda *a: attended.append(1) or real_attend(*a))
+    taken = _spy(monkeypatch)
+    outs, cache = run()
+    assert len(taken) == len(xs) and len(attended) == len(xs)
+    for a, b in zip(outs, expected, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for field in ("lengths", "k", "v"):
+        np.testing.assert_array_equal(getattr(cache, field), getattr(expected_cache, field))
+
+
+def test_a_kept_step_that_fails_leaves_the_cache_as_it_was(monkeypatch):
+    """An error inside a kept step's walk (Ctrl-C, say) reaches the caller and leaves the
+    cache as it was: its lengths, and the keys and values it holds (slots past a length are
+    free, as a truncation leaves them); the next step, kept, is the general path's."""
+    from mha._kernel import compiled
+
+    if not compiled.walk_available():
+        pytest.skip("the compiled walk needs numba (the fast extra)")
+    rng = np.random.default_rng(15)
+    layer, cache = _layer_and_cache(rng)
+    x = rng.standard_normal((2, 1, 16))
+    before = {field: getattr(cache, field).copy() for field in ("lengths", "k", "v")}
+    twin, twin_cache = _twin(layer, cache)
+    taken = _spy(monkeypatch)
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(compiled, "forward_walk", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            layer(x, cache=cache)
+    assert not taken  # (it raised)
+    np.testing.assert_array_equal(cache.lengths, before["lengths"])
+    held = int(before["lengths"].max())  # (both sequences hold as many)
+    for field in ("k", "v"):
+        np.testing.assert_array_equal(
+            getattr(cache, field)[:, :, :held], before[field][:, :, :held], err_msg=field
+        )
+    with monkeypatch.context() as m:
+        _general(m)
+        expected = twin(x, cache=twin_cache)
+    np.testing.assert_array_equal(layer(x, cache=cache), expected)
+    assert len(taken) == 1

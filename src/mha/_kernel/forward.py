@@ -46,6 +46,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -62,6 +63,7 @@ __all__ = [
     "Tiles",
     "attend",
     "attend_band",
+    "attend_step",
     "call_tiles",
     "merge_partials",
     "plan_tiles",
@@ -203,12 +205,12 @@ def attend_band(call: KernelCall, outputs: Outputs, team: Team) -> None:
     if arrays and q.size and k.size and v.size and walk.COMPILED_FORWARD.takes(needs):
         views = walk.walk_views((q, k, v), written, operands=(q, k, v))
     if views is not None:  # attend's compiled half, its tiles and its walk
-        tuned, tiles = runtime.DEFAULT.thresholds, call_tiles(call, outputs)
         if team.workers == 1 and lse is None and q.shape[-2] == 1:  # one query row a head
             band = walk_inputs.band_of(call.visibility, q.shape[:-3], 1, k.shape[-2])
-            if walk.run_lone(views, band, call.scale, tiles.cols):
+            if _run_lone(views, band, call.scale, call.budget):
                 return
         else:
+            tuned, tiles = runtime.DEFAULT.thresholds, call_tiles(call, outputs)
             left, parts = walk.run_forward(
                 call, views, tiles, team, tuned.wide_below_rows, tuned.product_chunk
             )
@@ -220,6 +222,44 @@ def attend_band(call: KernelCall, outputs: Outputs, team: Team) -> None:
         if lse is not None:
             lse[...] = -np.inf
     attend(call, outputs, team)
+
+
+def attend_step(
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    band: tuple[Any, ...],
+    scale: float,
+    budget: int,
+) -> np.ndarray | None:
+    """:func:`attend_band`'s route for a decoding step on one worker, from the step's arrays
+    rather than a :class:`.call.KernelCall`: ``q (B, H, 1, d_k)`` over ``keys`` and
+    ``values`` ``(B, H_kv, S, d)`` of ``q``'s dtype (float32 or float64), within ``band``
+    (:func:`.walk_inputs.band_of`'s form), scaled by ``scale``, in the key tiles
+    :func:`plan_tiles` gives a budget of ``budget`` bytes: the output ``(B, H, 1, d_v)``,
+    the same walk and bits as :func:`attend_band` on a team of one worker. ``None`` where
+    that route would compute it whole by :func:`attend` (the compiled walk unavailable,
+    arrays it cannot read as they are, none empty, a task left undone: a non-finite value
+    at a hidden key)."""
+    out = np.zeros((*q.shape[:-1], values.shape[-1]), q.dtype)
+    if not (q.size and keys.size and values.size):
+        return None
+    if not walk.COMPILED_FORWARD.takes(_band_needs(q.dtype)):
+        return None
+    views = walk.walk_views((q, keys, values), (out,), operands=(q, keys, values))
+    if views is None or not _run_lone(views, band, scale, budget):
+        return None
+    return out
+
+
+def _run_lone(views: list[np.ndarray], band: tuple[Any, ...], scale: float, budget: int) -> bool:
+    """:func:`.walk.run_lone` of ``views = (q, keys, values, out)`` (one query row a head,
+    a batch axis) in the key tiles :func:`call_tiles` gives such a call (no weights, no
+    chunks, no ``mask_mod``, nothing stored narrower)."""
+    q, keys, values, out = views
+    H, d_k, H_kv, S, d_v = q.shape[1], q.shape[3], keys.shape[1], keys.shape[2], values.shape[3]
+    tiles = plan_tiles(1, S, H_kv, d_k, d_v, out.itemsize, budget, group=H // H_kv)
+    return walk.run_lone(views, band, scale, tiles.cols)
 
 
 def call_tiles(call: KernelCall, outputs: Outputs) -> Tiles:

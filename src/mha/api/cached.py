@@ -29,7 +29,8 @@ from .._kernel.contract import (
     Visibility,
     check_lengths,
 )
-from .._kernel.forward import attend, attend_band
+from .._kernel.forward import attend, attend_band, attend_step
+from .._kernel.geometry import NO_WINDOW
 from .._kernel.team import Team, workers_for
 from ..errors import AttentionTypeError, AttentionValueError, ShapeError
 from .padding import to_front, to_left
@@ -41,9 +42,11 @@ __all__ = [
     "Cache",
     "CacheFit",
     "attend_cached",
+    "attend_cached_step",
     "attend_split_cached",
     "check_cache",
     "plain_append",
+    "plain_band",
     "plain_queries",
     "plain_visibility",
 ]
@@ -289,6 +292,35 @@ def attend_cached(
     return out, lse
 
 
+def attend_cached_step(call: CachedCall, team: Team) -> np.ndarray:
+    """:func:`attend_cached` of a decoding step on one worker (``team``'s, of one): a call
+    of :func:`plain_queries` with one query a sequence (``q (B, H, 1, d_k)``), no
+    log-sum-exp asked, a cache whose values are not in its keys. The same appends, commit,
+    walk and bits (:func:`attend_band`'s on one worker: :func:`.forward.attend_step`),
+    without the :class:`Visibility` and :class:`KernelCall` the general route builds first
+    (its band made from the filled slots: :func:`plain_band`): tens of microseconds of a
+    small layer's step (:mod:`.decoding`). What that walk does not take, :func:`attend`
+    computes within the visibility the general route builds, as :func:`attend_band` hands
+    it on."""
+    q, append = call.q, call.append
+    cache, counts = append.cache, append.counts
+    positions = cache.lengths.copy()  # each sequence's first new token
+    saved = cache._snapshot()
+    try:
+        filled = cache._append(call.k, call.v, counts)
+        keys, values = cache._attended(int(filled.max(initial=0)))
+        band = plain_band(filled, counts)
+        out = attend_step(q, keys, values, band, call.scale, call.request.budget)
+        if out is None:
+            visibility = plain_visibility(q, filled, counts, positions, cache.first)
+            out, _ = _attend_held(call, team, visibility, attend)
+    except BaseException:  # the cache as it was
+        cache._restore(saved)
+        raise
+    cache._commit(counts)
+    return out
+
+
 def _append_and_attend(
     call: CachedCall, team: Team | None, positions: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -378,6 +410,15 @@ def plain_queries(append: Append, scores: Any, q: np.ndarray) -> bool:
 
 
 _WALKED = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def plain_band(filled: np.ndarray, counts: np.ndarray) -> tuple[Any, ...]:
+    """The band of :func:`plain_visibility`'s visibility as :func:`.walk_inputs.band_of`
+    gives it (one query a sequence, each seeing the keys up to its own), made from the
+    filled slots and the new tokens' counts directly (``tests/test_decoding.py`` compares
+    the two)."""
+    offsets = (filled - counts).astype(np.int64, copy=False)
+    return True, NO_WINDOW, offsets, filled.astype(np.int64), counts.astype(np.int64)
 
 
 def plain_visibility(
