@@ -116,6 +116,50 @@ def test_measured_on_names_the_forcing_variables():
     assert "free to choose it" in measure.measured_on(env)
 
 
+def test_a_run_held_to_older_instruction_sets_says_so_and_is_kept_apart(tmp_path):
+    """NUMBA_CPU_NAME (the walks' target), MKL_ENABLE_INSTRUCTIONS and ONEDNN_MAX_CPU_ISA
+    (torch's libraries) are named in the table's first sentence, and such a run's table is
+    kept under its own name, never over the CPU's own."""
+    env = {"date": "2026-12-06", "cores": 2, "processor": "AMD EPYC", "numpy": "2.4",
+           "microarchitecture": "znver4", "torch": "2.13.0", "torch_cpu_capability": "AVX2",
+           "numba": "0.68.1", "compiled_step": True,
+           "blas": [{"version": "0.3.31", "architecture": "Haswell"}]}  # fmt: skip
+    held = {**env, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx,+avx2,+fma",
+            "walks_avx512": False, "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+            "ONEDNN_MAX_CPU_ISA": "AVX2"}  # fmt: skip
+    sentence = measure.measured_on(held)
+    assert (
+        "compiled by numba 0.68.1 for haswell without AVX-512 (NUMBA_CPU_NAME, "
+        "NUMBA_CPU_FEATURES)." in sentence
+    )
+    tuned = measure.measured_on({**env, "NUMBA_CPU_NAME": "haswell", "walks_avx512": True})
+    assert "for haswell with AVX-512 (NUMBA_CPU_NAME)." in tuned  # (the name: tuning alone)
+    assert (
+        "torch's libraries held by MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2."
+        in sentence
+    )
+    plain = measure.measured_on(env)
+    assert "compiled by numba 0.68.1. " in plain and "NUMBA_CPU_NAME" not in plain
+    assert "MKL" not in plain and "held by" not in plain
+    for run, text in ((held, "held\n"), (env, "own\n")):
+        measure.write(tmp_path / "benchmark.json", json.dumps({"environment": run}))
+        measure.write(tmp_path / "benchmark.md", text)
+        measure.keep_per_cpu(tmp_path, "benchmark")
+    kept = {p.name: p.read_text() for p in tmp_path.glob("benchmark-*.md")}
+    assert kept == {"benchmark-amd-epyc-znver4-as-haswell.md": "held\n",
+                    "benchmark-amd-epyc-znver4.md": "own\n"}  # fmt: skip
+
+
+def test_this_process_records_the_variables_that_hold_instruction_sets(monkeypatch):
+    monkeypatch.setenv("NUMBA_CPU_NAME", "haswell")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    env = measure.environment(None)
+    assert env["NUMBA_CPU_NAME"] == "haswell" and env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert env["MKL_ENABLE_INSTRUCTIONS"] is None
+    assert env["walks_avx512"] in (True, False, None)  # (None: no numba)
+
+
 def test_runs_on_two_cpus_of_one_name_are_kept_apart(tmp_path):
     # KVM calls a Zen 4 and a Zen 5 EPYC both "AMD EPYC": the microarchitecture tells them apart
     for micro, ms in (("znver4", 2.0), ("znver5", 1.0), (None, 3.0)):

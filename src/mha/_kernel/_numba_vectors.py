@@ -57,17 +57,15 @@ e4m3's number, subnormals too."""
 
 
 def target_features() -> frozenset[str]:
-    """The CPU features numba compiles for (``+avx512f``, ``+f16c``, ...):
-    ``NUMBA_CPU_FEATURES`` where set, else the host's as numba takes them (without AVX
-    under ``NUMBA_ENABLE_AVX=0``); none where ``NUMBA_CPU_NAME`` names another CPU than the
-    host (code for a generic CPU)."""
+    """The CPU features numba compiles for (``+avx512f``, ``+f16c``, ...), as numba's JIT
+    takes them: ``NUMBA_CPU_FEATURES`` where set (none under ``NUMBA_CPU_NAME=generic``,
+    which sets it empty), else the host's (without AVX under ``NUMBA_ENABLE_AVX=0``), whatever
+    ``NUMBA_CPU_NAME`` names (another CPU's name changes the tuning, not the features)."""
     from llvmlite import binding
     from numba.core import codegen, config
 
-    if config.CPU_FEATURES:
+    if config.CPU_FEATURES is not None:
         features = config.CPU_FEATURES
-    elif config.CPU_NAME and config.CPU_NAME != "host":
-        return frozenset()
     else:
         binding.initialize_native_target()
         features = codegen.get_host_cpu_features()

@@ -154,6 +154,8 @@ def environment(torch: Any) -> dict[str, Any]:
         "instruction_sets": _instruction_sets(),
         "numba": _version("numba"),
         "compiled_step": compiled.available(),
+        **{name: os.environ.get(name) for name in HELD_INSTRUCTIONS},
+        "walks_avx512": _walks_avx512(),
     }
     try:
         from threadpoolctl import threadpool_info  # type: ignore[import-untyped]
@@ -167,8 +169,27 @@ def environment(torch: Any) -> dict[str, Any]:
     return info
 
 
+def _walks_avx512() -> bool | None:
+    """Whether numba compiles mha's walks with AVX-512 (``None``: no numba)."""
+    if not compiled.available():
+        return None
+    from .._kernel import _numba_vectors
+
+    return "+avx512f" in _numba_vectors.target_features()
+
+
 FORCED_BLAS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 """Variables some machines set, which hold OpenBLAS to an older kernel; users' machines don't."""
+
+
+HELD_INSTRUCTIONS = (
+    "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA"
+)  # fmt: skip
+"""Variables that hold mha's compiled walks (numba's target CPU and its features: the
+name alone changes the tuning, the features the instruction sets) and torch's MKL and
+oneDNN to older instruction sets (torch's own kernels: ``ATEN_CPU_CAPABILITY``, which its
+recorded CPU capability shows): a run that sets them measures this machine as a CPU with
+those instruction sets, and says so; its table is kept apart (:func:`keep_per_cpu`)."""
 
 
 def runs_with_free_blas(
@@ -191,6 +212,16 @@ def measured_on(env: dict[str, Any]) -> str:
     """The sentence a results table opens with: when, on what CPU, BLAS kernel and torch."""
     blas = env.get("blas", [{}])[0]
     forced = " ".join(f"{name}={env[name]}" for name in FORCED_BLAS if env.get(name))
+    torch_held = " ".join(f"{name}={env[name]}" for name in HELD_INSTRUCTIONS[2:] if env.get(name))
+    walks_held = [name for name in HELD_INSTRUCTIONS[:2] if env.get(name) is not None]
+    target = ""
+    if walks_held:  # what the walks were compiled for, where a variable chose it
+        avx512 = env.get("walks_avx512")
+        width = None if avx512 is None else ("with" if avx512 else "without") + " AVX-512"
+        target = " for " + " ".join(
+            part for part in (env.get("NUMBA_CPU_NAME") or "this CPU", width) if part
+        )
+        target += f" ({', '.join(walks_held)})"
     return (
         f"Measured {env['date'][:10]} on {env['cores']} cores of an {cpu(env)}: NumPy "
         f"{env['numpy']} with OpenBLAS {blas.get('version')} using its "
@@ -207,10 +238,11 @@ def measured_on(env: dict[str, Any]) -> str:
             else ""
         )
         + (
-            f"mha's tile walks compiled by numba {env['numba']}. "
+            f"mha's tile walks compiled by numba {env['numba']}{target}. "
             if env.get("compiled_step")
             else ""
         )
+        + (f"torch's libraries held by {torch_held}. " if torch_held and env.get("torch") else "")
     )
 
 
@@ -391,9 +423,13 @@ def save_results(
 def keep_per_cpu(output: Path, name: str) -> None:
     """Copy ``name.json`` and ``.md`` under ``output`` to ``name-<cpu>.json`` and ``.md``
     (:func:`cpu`'s name in lower case, words joined by hyphens: ``amd-epyc-znver4``): one
-    table per CPU."""
+    table per CPU. A run whose walks were compiled for another CPU (``NUMBA_CPU_NAME``,
+    :data:`HELD_INSTRUCTIONS`) is kept as that CPU's on this one:
+    ``amd-epyc-znver4-as-haswell``."""
     results = json.loads((output / f"{name}.json").read_text())
-    first = results[0] if isinstance(results, list) else results  # (a run, or runs)
-    slug = re.sub(r"[^a-z0-9]+", "-", cpu(first["environment"]).lower()).strip("-")
+    env = (results[0] if isinstance(results, list) else results)["environment"]  # (run, runs)
+    held = env.get("NUMBA_CPU_NAME")
+    name_of = cpu(env) + (f" as {held}" if held else "")
+    slug = re.sub(r"[^a-z0-9]+", "-", name_of.lower()).strip("-")
     for suffix in (".json", ".md"):
         shutil.copyfile(output / f"{name}{suffix}", output / f"{name}-{slug}{suffix}")
