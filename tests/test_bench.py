@@ -141,13 +141,15 @@ def test_a_run_held_to_older_instruction_sets_says_so_and_is_kept_apart(tmp_path
     plain = measure.measured_on(env)
     assert "compiled by numba 0.68.1. " in plain and "NUMBA_CPU_NAME" not in plain
     assert "MKL" not in plain and "held by" not in plain
-    for run, text in ((held, "held\n"), (env, "own\n")):
+    torch_only = {**env, "MKL_ENABLE_INSTRUCTIONS": "AVX2"}  # (no name for the walks)
+    for run, text in ((held, "held\n"), (env, "own\n"), (torch_only, "torch held\n")):
         measure.write(tmp_path / "benchmark.json", json.dumps({"environment": run}))
         measure.write(tmp_path / "benchmark.md", text)
         measure.keep_per_cpu(tmp_path, "benchmark")
     kept = {p.name: p.read_text() for p in tmp_path.glob("benchmark-*.md")}
     assert kept == {"benchmark-amd-epyc-znver4-as-haswell.md": "held\n",
-                    "benchmark-amd-epyc-znver4.md": "own\n"}  # fmt: skip
+                    "benchmark-amd-epyc-znver4.md": "own\n",
+                    "benchmark-amd-epyc-znver4-held.md": "torch held\n"}  # fmt: skip
 
 
 def test_this_process_records_the_variables_that_hold_instruction_sets(monkeypatch):

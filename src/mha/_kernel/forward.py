@@ -239,7 +239,7 @@ def attend_step(
     :func:`plan_tiles` gives a budget of ``budget`` bytes: the output ``(B, H, 1, d_v)``,
     the same walk and bits as :func:`attend_band` on a team of one worker. ``None`` where
     that route would compute it whole by :func:`attend` (the compiled walk unavailable,
-    arrays it cannot read as they are, none empty, a task left undone: a non-finite value
+    arrays it cannot read as they are, an empty one, a task left undone: a non-finite value
     at a hidden key)."""
     out = np.zeros((*q.shape[:-1], values.shape[-1]), q.dtype)
     if not (q.size and keys.size and values.size):

@@ -423,13 +423,15 @@ def save_results(
 def keep_per_cpu(output: Path, name: str) -> None:
     """Copy ``name.json`` and ``.md`` under ``output`` to ``name-<cpu>.json`` and ``.md``
     (:func:`cpu`'s name in lower case, words joined by hyphens: ``amd-epyc-znver4``): one
-    table per CPU. A run whose walks were compiled for another CPU (``NUMBA_CPU_NAME``,
-    :data:`HELD_INSTRUCTIONS`) is kept as that CPU's on this one:
-    ``amd-epyc-znver4-as-haswell``."""
+    table per CPU. A run held to other instruction sets (a variable of
+    :data:`HELD_INSTRUCTIONS` set) is kept apart, never over the CPU's own: as the CPU its
+    walks were compiled for (``amd-epyc-znver4-as-haswell``), else as held
+    (``amd-epyc-znver4-held``)."""
     results = json.loads((output / f"{name}.json").read_text())
     env = (results[0] if isinstance(results, list) else results)["environment"]  # (run, runs)
-    held = env.get("NUMBA_CPU_NAME")
-    name_of = cpu(env) + (f" as {held}" if held else "")
+    held = any(env.get(variable) is not None for variable in HELD_INSTRUCTIONS)
+    target = env.get("NUMBA_CPU_NAME")
+    name_of = cpu(env) + (f" as {target}" if target else " held" if held else "")
     slug = re.sub(r"[^a-z0-9]+", "-", name_of.lower()).strip("-")
     for suffix in (".json", ".md"):
         shutil.copyfile(output / f"{name}{suffix}", output / f"{name}-{slug}{suffix}")
