@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.configs import relative_error
+from support.extras import needs_numba
 from support.transformers_oracle import AttentionRecorder, attention_settings, tiny_model
 
 import mha
@@ -976,8 +977,7 @@ def test_a_decoding_step_the_walk_leaves_is_computed_from_the_start(monkeypatch,
     from mha._kernel import compiled, walk
     from mha._kernel import forward as kernel_forward
 
-    if not compiled.walk_available():
-        pytest.skip("the compiled walk needs numba (the fast extra)")
+    needs_numba(compiled.walk_available(), "the NumPy walk computes every call")
     rng = np.random.default_rng(4)
     q = rng.standard_normal((2, 4, 1, 16))
     k, v = rng.standard_normal((2, 2, 2, 1, 16))

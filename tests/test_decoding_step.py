@@ -9,6 +9,7 @@ import weakref
 
 import numpy as np
 import pytest
+from support.extras import needs_numba
 from support.kept import taken
 
 import mha
@@ -265,8 +266,7 @@ def test_a_kept_step_the_walk_leaves_is_computed_by_the_general_route(monkeypatc
     from mha._kernel import forward as kernel_forward
     from mha.api import cached
 
-    if not compiled.walk_available():
-        pytest.skip("the compiled walk needs numba (the fast extra)")
+    needs_numba(compiled.walk_available(), "the general path computes every step")
     rng = np.random.default_rng(14)
     xs = rng.standard_normal((3, 2, 1, 16))
 
@@ -301,8 +301,7 @@ def test_a_kept_step_that_fails_leaves_the_cache_as_it_was(monkeypatch):
     free, as a truncation leaves them); the next step, kept, is the general path's."""
     from mha._kernel import compiled
 
-    if not compiled.walk_available():
-        pytest.skip("the compiled walk needs numba (the fast extra)")
+    needs_numba(compiled.walk_available(), "the general path computes every step")
     rng = np.random.default_rng(15)
     layer, cache = _layer_and_cache(rng)
     x = rng.standard_normal((2, 1, 16))

@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 from support.configs import relative_error
+from support.extras import needs_numba
 from support.torch_reference import rope
 
 import mha
@@ -88,9 +89,9 @@ def test_float32_and_bfloat16_follow_float64(record_error):
     assert relative_error(half.astype(np.float64), reference) <= 2e-2
 
 
-@pytest.mark.skipif(not compiled.walk_available(), reason="the compiled walk needs numba")
 def test_the_compiled_walk_takes_a_call_with_a_temperature():
     """The temperature is folded into the queries: the call the walks see is a plain one."""
+    needs_numba(compiled.walk_available(), "the NumPy walk computes the call")
     q, k, v = heads(3)
     checked = check_sdpa(SdpaKeywords(causal=True, query_temperature=LLAMA4))
     scores = checked.spec.scores.fit(q.shape[-3], False)
