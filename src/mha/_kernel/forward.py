@@ -198,12 +198,7 @@ def attend_band(call: KernelCall, outputs: Outputs, team: Team) -> None:
     key) :func:`attend` computes, from the start."""
     q, k, v, out, lse = call.q, call.k, call.v, outputs.out, outputs.lse
     written = (out,) if lse is None else (out, lse[..., None])
-    views = None
-    arrays = type(k) is np.ndarray and type(v) is np.ndarray  # (a paged cache's: attend)
-    arrays = arrays and k.dtype == out.dtype and v.dtype == out.dtype  # (a bfloat16's too)
-    needs = _band_needs(out.dtype)
-    if arrays and q.size and k.size and v.size and walk.COMPILED_FORWARD.takes(needs):
-        views = walk.walk_views((q, k, v), written, operands=(q, k, v))
+    views = _band_views(q, k, v, written)
     if views is not None:  # attend's compiled half, its tiles and its walk
         if team.workers == 1 and lse is None and q.shape[-2] == 1:  # one query row a head
             band = walk_inputs.band_of(call.visibility, q.shape[:-3], 1, k.shape[-2])
@@ -242,14 +237,25 @@ def attend_step(
     arrays it cannot read as they are, an empty one, a task left undone: a non-finite value
     at a hidden key)."""
     out = np.zeros((*q.shape[:-1], values.shape[-1]), q.dtype)
-    if not (q.size and keys.size and values.size):
-        return None
-    if not walk.COMPILED_FORWARD.takes(_band_needs(q.dtype)):
-        return None
-    views = walk.walk_views((q, keys, values), (out,), operands=(q, keys, values))
+    views = _band_views(q, keys, values, (out,))
     if views is None or not _run_lone(views, band, scale, budget):
         return None
     return out
+
+
+def _band_views(q: Any, k: Any, v: Any, written: tuple[np.ndarray, ...]) -> list[np.ndarray] | None:
+    """The views the compiled walk takes of a band's call (:func:`.walk.walk_views`), or
+    ``None`` where it does not take it: keys or values not arrays (a paged cache's) or not
+    of the output's dtype (a bfloat16 cache's), an empty one, the walk unavailable, arrays
+    it cannot read as they are."""
+    out = written[0]
+    arrays = type(k) is np.ndarray and type(v) is np.ndarray
+    arrays = arrays and k.dtype == out.dtype and v.dtype == out.dtype
+    if not (arrays and q.size and k.size and v.size):
+        return None
+    if not walk.COMPILED_FORWARD.takes(_band_needs(out.dtype)):
+        return None
+    return walk.walk_views((q, k, v), written, operands=(q, k, v))
 
 
 def _run_lone(views: list[np.ndarray], band: tuple[Any, ...], scale: float, budget: int) -> bool:

@@ -13,9 +13,10 @@ then each sees every cached key of its sequence and every new one (CPM-Ant's pre
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -281,15 +282,26 @@ def attend_cached(
             f"must be the first {v.shape[-1]} features of the new keys (v = k[..., :"
             f"{v.shape[-1]}]), and these are not ({cache!r})"
         )
-    positions = cache.lengths.copy()  # each sequence's first new token
+    return _committed(call.append, lambda positions: _append_and_attend(call, team, positions))
+
+
+_Result = TypeVar("_Result")
+
+
+def _committed(append: Append, attend_appended: Callable[[np.ndarray], _Result]) -> _Result:
+    """``attend_appended(positions)`` (``positions``: each sequence's first new token),
+    which appends ``append``'s tokens and attends, then the cache's commit; on any error (a
+    mask_mod or score_mod that fails, Ctrl-C) the cache as it was."""
+    cache = append.cache
+    positions = cache.lengths.copy()
     saved = cache._snapshot()
     try:
-        out, lse = _append_and_attend(call, team, positions)
-    except BaseException:  # a mask_mod or score_mod that fails, say: the cache as it was
+        result = attend_appended(positions)
+    except BaseException:
         cache._restore(saved)
         raise
-    cache._commit(call.append.counts)
-    return out, lse
+    cache._commit(append.counts)
+    return result
 
 
 def attend_cached_step(call: CachedCall, team: Team) -> np.ndarray:
@@ -304,9 +316,8 @@ def attend_cached_step(call: CachedCall, team: Team) -> np.ndarray:
     it on."""
     q, append = call.q, call.append
     cache, counts = append.cache, append.counts
-    positions = cache.lengths.copy()  # each sequence's first new token
-    saved = cache._snapshot()
-    try:
+
+    def attend_appended(positions: np.ndarray) -> np.ndarray:
         filled = cache._append(call.k, call.v, counts)
         keys, values = cache._attended(int(filled.max(initial=0)))
         band = plain_band(filled, counts)
@@ -314,11 +325,9 @@ def attend_cached_step(call: CachedCall, team: Team) -> np.ndarray:
         if out is None:
             visibility = plain_visibility(q, filled, counts, positions, cache.first)
             out, _ = _attend_held(call, team, visibility, attend)
-    except BaseException:  # the cache as it was
-        cache._restore(saved)
-        raise
-    cache._commit(counts)
-    return out
+        return out
+
+    return _committed(append, attend_appended)
 
 
 def _append_and_attend(

@@ -182,9 +182,9 @@ FORCED_BLAS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 """Variables some machines set, which hold OpenBLAS to an older kernel; users' machines don't."""
 
 
-HELD_INSTRUCTIONS = (
-    "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA"
-)  # fmt: skip
+WALKS_HELD = ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")
+TORCH_HELD = ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+HELD_INSTRUCTIONS = WALKS_HELD + TORCH_HELD
 """Variables that hold mha's compiled walks (numba's target CPU and its features: the
 name alone changes the tuning, the features the instruction sets) and torch's MKL and
 oneDNN to older instruction sets (torch's own kernels: ``ATEN_CPU_CAPABILITY``, which its
@@ -212,8 +212,8 @@ def measured_on(env: dict[str, Any]) -> str:
     """The sentence a results table opens with: when, on what CPU, BLAS kernel and torch."""
     blas = env.get("blas", [{}])[0]
     forced = " ".join(f"{name}={env[name]}" for name in FORCED_BLAS if env.get(name))
-    torch_held = " ".join(f"{name}={env[name]}" for name in HELD_INSTRUCTIONS[2:] if env.get(name))
-    walks_held = [name for name in HELD_INSTRUCTIONS[:2] if env.get(name) is not None]
+    torch_held = " ".join(f"{name}={env[name]}" for name in TORCH_HELD if env.get(name))
+    walks_held = [name for name in WALKS_HELD if env.get(name) is not None]
     target = ""
     if walks_held:  # what the walks were compiled for, where a variable chose it
         avx512 = env.get("walks_avx512")
