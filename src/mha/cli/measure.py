@@ -149,12 +149,10 @@ def environment(torch: Any) -> dict[str, Any]:
         "processor": _cpu_name(),
         "microarchitecture": _microarchitecture(),
         "family_model": _family_model(),
-        "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"),
-        "OPENBLAS_L2_SIZE": os.environ.get("OPENBLAS_L2_SIZE"),
+        **{name: os.environ.get(name) for name in FORCED_BLAS + HELD_INSTRUCTIONS},
         "instruction_sets": _instruction_sets(),
         "numba": _version("numba"),
         "compiled_step": compiled.available(),
-        **{name: os.environ.get(name) for name in HELD_INSTRUCTIONS},
         "walks_avx512": _walks_avx512(),
     }
     try:
@@ -217,11 +215,9 @@ def measured_on(env: dict[str, Any]) -> str:
     target = ""
     if walks_held:  # what the walks were compiled for, where a variable chose it
         avx512 = env.get("walks_avx512")
-        width = None if avx512 is None else ("with" if avx512 else "without") + " AVX-512"
-        target = " for " + " ".join(
-            part for part in (env.get("NUMBA_CPU_NAME") or "this CPU", width) if part
-        )
-        target += f" ({', '.join(walks_held)})"
+        width = "" if avx512 is None else (" with" if avx512 else " without") + " AVX-512"
+        name = env.get("NUMBA_CPU_NAME") or "this CPU"
+        target = f" for {name}{width} ({', '.join(walks_held)})"
     return (
         f"Measured {env['date'][:10]} on {env['cores']} cores of an {cpu(env)}: NumPy "
         f"{env['numpy']} with OpenBLAS {blas.get('version')} using its "
