@@ -65,10 +65,11 @@ def _weights(rng, width, dtype, biases):
     return W, b
 
 
-def _call(X, W, b, H, mask=None, workers=None):
+def _call(X, W, b, H, mask=None, workers=None, **causal):
     return mha.multi_head_attention(
-        X, X, X, *W, H, mask=mask, workers=workers, b_q=b[0], b_k=b[1], b_v=b[2], b_o=b[3]
-    )
+        X, X, X, *W, H, mask=mask, workers=workers, b_q=b[0], b_k=b[1], b_v=b[2], b_o=b[3],
+        **causal,
+    )  # fmt: skip
 
 
 BIASES = {"none": (False,) * 4, "all": (True,) * 4, "q and v": (True, False, True, False)}
@@ -84,14 +85,16 @@ SHAPES = {
 @pytest.mark.parametrize("biases", list(BIASES))
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("mask", [None, True])
+@pytest.mark.parametrize("causal", [{}, dict(causal=False), dict(causal=True)])
 @pytest.mark.parametrize("workers", [None, 1, 2])
 def test_the_kept_plan_gives_the_general_paths_bits(
-    shape, biases, dtype, mask, workers, monkeypatch
+    shape, biases, dtype, mask, causal, workers, monkeypatch
 ):
     """Four calls of one signature, each on its own input and weights (new arrays of the
     same shapes): the first is noted, the second keeps the plan, the next two take it;
     every output bit for bit the general path's and within float rounding of a float64
-    reference."""
+    reference. ``causal`` given (``False`` or ``True``, as a benchmark's call gives it) is
+    kept as ``mask`` is."""
     rng = np.random.default_rng(5)
     width, H = 32, 4
     calls = []
@@ -99,16 +102,17 @@ def test_the_kept_plan_gives_the_general_paths_bits(
         X = rng.standard_normal((*SHAPES[shape][:-1], SHAPES[shape][-1], width)).astype(dtype)
         calls.append((X, *_weights(rng, width, dtype, BIASES[biases])))
     kept = taken(monkeypatch, layer_plan.FunctionPlan)
-    own = [_call(X, W, b, H, mask, workers) for X, W, b in calls]
+    own = [_call(X, W, b, H, mask, workers, **causal) for X, W, b in calls]
     assert len(kept) == 2
     with monkeypatch.context() as m:
         _general(m)
-        general = [_call(X, W, b, H, mask, workers) for X, W, b in calls]
+        general = [_call(X, W, b, H, mask, workers, **causal) for X, W, b in calls]
     tolerance = 2e-5 if dtype == np.float32 else 1e-12
+    hidden = mask is True or causal.get("causal", False)
     for (X, W, b), a, g in zip(calls, own, general, strict=True):
         assert a.dtype == g.dtype == dtype and a.shape == X.shape
         np.testing.assert_array_equal(a, g)
-        np.testing.assert_allclose(a, _reference(X, W, b, H, mask), rtol=0, atol=tolerance)
+        np.testing.assert_allclose(a, _reference(X, W, b, H, hidden), rtol=0, atol=tolerance)
 
 
 @pytest.mark.parametrize("side_by_side", [True, False])
@@ -201,12 +205,14 @@ def test_weights_the_checks_convert_keep_no_plan(monkeypatch):
 
 @pytest.mark.parametrize(
     "options",
-    [dict(causal=True), dict(scale=0.5), dict(return_weights=True), dict(max_memory=2**20),
-     dict(mask=np.True_), dict(workers=True), dict(cross=True)],
+    [dict(causal=np.True_), dict(causal_alignment="top_left"), dict(scale=0.5),
+     dict(return_weights=True), dict(max_memory=2**20), dict(mask=np.True_),
+     dict(workers=True), dict(cross=True)],
 )  # fmt: skip
 def test_calls_that_are_not_plain_are_not_kept(options, monkeypatch):
-    """Any keyword but mask (None or True) and workers (None or an int), or keys that
-    are not the queries: checked and computed every time, to the general path's values."""
+    """Any keyword but mask (None or True), causal (None or a bool) and workers (None or
+    an int), or keys that are not the queries: checked and computed every time, to the
+    general path's values."""
     rng = np.random.default_rng(11)
     W, _ = _weights(rng, 16, np.float64, (False,) * 4)
     X = rng.standard_normal((2, 5, 16))

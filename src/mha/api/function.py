@@ -1,13 +1,13 @@
 """The projection layer as one function: :func:`multi_head_attention`, its keywords checked
 (:func:`.checks.check_layer`) and computed (:func:`.projection.compute`).
 
-A plain self-attention call (no keyword but ``mask=None`` or ``True`` and ``workers``, the
-projections and their biases the only weights, every array a NumPy array) is kept per
-signature of shapes and dtypes from its second call (:class:`.layer_plan.FunctionPlan`):
-a model's loop, a
-training step or a benchmark calling the function again and again with arrays of the same
-shapes then skips the checks and the planning, which depend only on those, and computes as
-a layer's kept plan does: the same functions in the same order, the same bits.
+A plain self-attention call (no keyword but ``mask=None`` or ``True``, ``causal`` as a
+``bool`` and ``workers``, the projections and their biases the only weights, every array a
+NumPy array) is kept per signature of shapes and dtypes from its second call
+(:class:`.layer_plan.FunctionPlan`): a model's loop, a training step or a benchmark calling
+the function again and again with arrays of the same shapes then skips the checks and the
+planning, which depend only on those, and computes as a layer's kept plan does: the same
+functions in the same order, the same bits.
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def multi_head_attention(
     )  # fmt: skip
     signature = None
     if Q is K is V and _plain(keywords, weights):  # a call kept per signature, when kept
-        signature = function_signature(Q, weights, num_heads, mask, workers)
+        signature = function_signature(Q, weights, num_heads, mask, causal, workers)
     if signature is not None:
         kept = kept_function_plan(signature)
         if kept is not None:
@@ -284,14 +284,16 @@ _DEFAULTS = MhaKeywords()
 
 
 def _plain(keywords: MhaKeywords, weights: LayerWeights) -> bool:
-    """Whether a call gives at most ``mask`` (``None`` or ``True``) and ``workers``
-    (``None`` or an ``int``) of the keywords, and no weights but the projections and their
-    biases: a call :mod:`.layer_plan` may keep per signature."""
-    workers = keywords.workers
+    """Whether a call gives at most ``mask`` (``None`` or ``True``), ``causal`` (``None``
+    or a ``bool``) and ``workers`` (``None`` or an ``int``) of the keywords, and no weights
+    but the projections and their biases: a call :mod:`.layer_plan` may keep per
+    signature."""
+    workers, causal = keywords.workers, keywords.causal
     return (
         (keywords.mask is None or keywords.mask is True)
+        and (causal is None or type(causal) is bool)
         and (workers is None or type(workers) is int)
-        and all(map(operator.is_, keywords[1:9], _DEFAULTS[1:9]))  # (mask, ..., max_memory)
+        and all(map(operator.is_, keywords[2:9], _DEFAULTS[2:9]))  # (causal_alignment, ...)
         and all(map(operator.is_, keywords[10:], _DEFAULTS[10:]))  # (after workers)
         and all(x is None for x in weights[8:])  # (bias_k, ..., q_scale)
     )

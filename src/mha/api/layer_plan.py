@@ -349,19 +349,20 @@ class FunctionPlan:
 
 
 def function_signature(
-    query: Any, given: LayerWeights, num_heads: Any, mask: Any, workers: Any
+    query: Any, given: LayerWeights, num_heads: Any, mask: Any, causal: Any, workers: Any
 ) -> tuple[Any, ...] | None:
     """What a plain self-attention call of :func:`mha.multi_head_attention` is kept by
-    (the caller has checked that only ``mask``, ``None`` or ``True``, and ``workers``,
-    ``None`` or an ``int``, are given among the keywords, and no weight but the
-    projections and their biases): the input's and each weight's shape and dtype, the head
-    count, the mask and the workers (with the cores the default is chosen from); ``None``
+    (the caller has checked that only ``mask``, ``None`` or ``True``, ``causal``, ``None``
+    or a ``bool``, and ``workers``, ``None`` or an ``int``, are given among the keywords,
+    and no weight but the projections and their biases): the input's and each weight's
+    shape and dtype, the head count, the mask, ``causal`` and the workers (with the cores
+    the default is chosen from); ``None``
     where one of them is not a NumPy array (or the head count not an ``int``): such a call
     is checked each time."""
     if type(query) is not np.ndarray or type(num_heads) is not int:
         return None
     cores = default_workers() if workers is None else None  # (what they are chosen from)
-    sizes: list[Any] = [query.shape, query.dtype, num_heads, mask, workers, cores]
+    sizes: list[Any] = [query.shape, query.dtype, num_heads, mask, causal, workers, cores]
     for x in given[:8]:
         if x is None:
             sizes.append(None)
