@@ -251,3 +251,39 @@ def test_finish_script_writes_results_or_prints_them_for_the_child(tmp_path, cap
     assert measure.finish_script("script.py", child, {"value": 4}, "thing", table) == 0
     assert json.loads(capsys.readouterr().out) == {"value": 4}
     assert not (tmp_path / "none").exists() and len(children) == 1
+
+
+def _floor_script():
+    """``benchmarks/floor.py``, imported as a module (its functions, nothing run)."""
+    import importlib.util
+
+    path = Path(__file__).parent.parent / "benchmarks" / "floor.py"
+    spec = importlib.util.spec_from_file_location("floor_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_floor_times_both_blases_on_the_products_it_names(torch, dtype):
+    """``floor.py`` calls NumPy's OpenBLAS and torch's BLAS at their entry points: each
+    computes the row-major ``A @ B^T`` and ``A @ B`` it is timed for (shapes and row strides
+    all distinct, as the tile's are not), to the products' rounding, and writes nothing
+    else; with torch installed both are found (torch's x86 wheels export MKL's GEMM)."""
+    gemms = _floor_script().direct_gemms(torch, dtype)
+    assert set(gemms) == {"OpenBLAS", "torch's MKL" if torch.backends.mkl.is_available()
+                          else "torch's BLAS"}  # fmt: skip
+    rng = np.random.default_rng(0)
+    M, N, K = 7, 5, 3
+    A = rng.standard_normal((M, K + 2)).astype(dtype)[:, :K]  # (row strides beyond the widths)
+    Bt = rng.standard_normal((N, K + 1)).astype(dtype)[:, :K]
+    B = rng.standard_normal((K, N + 3)).astype(dtype)[:, :N]
+    tolerance = 1e-5 if dtype == np.float32 else 1e-13
+    for name, gemm in gemms.items():
+        for transposed, other, expected in ((True, Bt, A @ Bt.T), (False, B, A @ B)):
+            C = np.full((M, N + 4), 7.0, dtype)  # (columns past N: left alone)
+            ld = [x.strides[0] // x.itemsize for x in (A, other, C)]
+            gemm(transposed, M, N, K, A.ctypes.data, ld[0], other.ctypes.data, ld[1],
+                 C.ctypes.data, ld[2])  # fmt: skip
+            assert np.abs(C[:, :N] - expected).max() <= tolerance * np.abs(expected).max(), name
+            assert (C[:, N:] == 7.0).all(), name
