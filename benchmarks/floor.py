@@ -13,9 +13,10 @@ Three measurements, each in one process, interleaved, medians:
    in torch (its BLAS). The ratio of the GEMMs says whether NumPy's BLAS runs these tiles as
    fast as torch's (the issue's "within 5%"). Torch's ``matmul`` pays its dispatcher on
    every call; so both BLASes are also called at their own entry points through ctypes,
-   with the same per-call cost (:func:`direct_gemms`): NumPy's OpenBLAS where mha's
-   compiled walk calls it, and torch's BLAS (MKL's ``sgemm_``, which ``libtorch_cpu``
-   exports and torch's CPU kernels, its SDPA's among them, call).
+   alike (:func:`direct_gemms`): NumPy's OpenBLAS where mha's compiled walk calls it, and
+   torch's BLAS (MKL's ``sgemm_``, which ``libtorch_cpu`` exports and torch's CPU kernels,
+   its SDPA's among them, call), with a 1 x 1 x 1 product through each for what a call
+   costs beside its work.
 2. **The floor of each shape** (S1-S4, both dtypes): mha's forward pass (the whole layer and
    the attention core) and torch's layer and SDPA, each timed call after untimed ones for
    ``WARM`` seconds as in the README's speed table, beside the GEMM floor of the core: its
@@ -67,9 +68,10 @@ def direct_gemms(torch: Any, dtype: Any) -> dict[str, Gemm]:
     """Each BLAS's GEMM for ``dtype`` at its own C entry point, through ctypes: NumPy's
     OpenBLAS by its 64-bit CBLAS (the function mha's compiled walk calls) and torch's BLAS
     by the Fortran ``sgemm_``/``dgemm_`` its ``libtorch_cpu`` exports (MKL's in the x86
-    wheels; what ``cpublas::gemm`` and so torch's SDPA call). The same Python and ctypes
-    cost per call for both (a microsecond against a tile's hundreds), none of torch's
-    dispatcher. Either is left out where it cannot be found."""
+    wheels; what ``cpublas::gemm`` and so torch's SDPA call). The same kind of Python and
+    ctypes call for both, none of torch's dispatcher (what a call costs beside its work, a
+    1 x 1 x 1 product timed as the tiles' are, is in the table). Either is left out where it
+    cannot be found."""
     letter = "s" if np.dtype(dtype) == np.float32 else "d"
     real = ctypes.c_float if letter == "s" else ctypes.c_double
     found: dict[str, Gemm] = {}

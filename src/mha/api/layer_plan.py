@@ -356,9 +356,8 @@ def function_signature(
     or a ``bool``, and ``workers``, ``None`` or an ``int``, are given among the keywords,
     and no weight but the projections and their biases): the input's and each weight's
     shape and dtype, the head count, the mask, ``causal`` and the workers (with the cores
-    the default is chosen from); ``None``
-    where one of them is not a NumPy array (or the head count not an ``int``): such a call
-    is checked each time."""
+    the default is chosen from); ``None`` where one of them is not a NumPy array (or the
+    head count not an ``int``): such a call is checked each time."""
     if type(query) is not np.ndarray or type(num_heads) is not int:
         return None
     cores = default_workers() if workers is None else None  # (what they are chosen from)
