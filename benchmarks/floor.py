@@ -86,12 +86,8 @@ def direct_gemms(torch: Any, dtype: Any) -> dict[str, Gemm]:
             cblas(101, 111, 112 if transb else 111, M, N, K, 1.0, A, lda, B, ldb, 0.0, C, ldc)
 
         found["OpenBLAS"] = openblas
-    if torch is not None:
-        libraries = sorted((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*"))
-        try:
-            fortran = getattr(ctypes.CDLL(str(libraries[0])), f"{letter}gemm_")
-        except (IndexError, OSError, AttributeError):
-            return found
+    fortran = _torchs_function(torch, f"{letter}gemm_")
+    if fortran is not None:
         fortran.argtypes, fortran.restype = [ctypes.c_void_p] * 13, None
         by = ctypes.byref
         kept: dict[tuple[Any, ...], list[Any]] = {}  # (the arguments' ctypes, made once)
@@ -199,15 +195,23 @@ def _tile(dtype: Any, torch: Any, repeats: int, walk: str) -> list[dict[str, Any
 def torch_blas_threads(torch: Any) -> int | None:
     """The threads torch's MKL would use on this thread now (``mkl_get_max_threads``, which
     ``libtorch_cpu`` exports), or ``None`` where it cannot be asked."""
+    ask = _torchs_function(torch, "mkl_get_max_threads")
+    if ask is None:
+        return None
+    ask.restype = ctypes.c_int
+    return int(ask())
+
+
+def _torchs_function(torch: Any, name: str) -> Any:
+    """The C function ``name`` that torch's ``libtorch_cpu`` exports (its BLAS's among
+    them), or ``None`` (no torch, no such library or function)."""
     if torch is None:
         return None
     libraries = sorted((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*"))
     try:
-        ask = ctypes.CDLL(str(libraries[0])).mkl_get_max_threads
+        return getattr(ctypes.CDLL(str(libraries[0])), name)
     except (IndexError, OSError, AttributeError):
         return None
-    ask.restype = ctypes.c_int
-    return int(ask())
 
 
 def shapes(torch: Any, repeats: int, tile: list[dict[str, Any]]) -> list[dict[str, Any]]:
